@@ -1,0 +1,91 @@
+//! Errors of process groups, collectives and layouts.
+
+use std::time::Duration;
+
+use crate::layout::LayoutError;
+
+/// Result of a distributed operation.
+pub type DistResult<T> = Result<T, DistError>;
+
+/// What went wrong in a distributed operation.
+///
+/// Every variant names the group, the operation and the ranks involved, so that a user
+/// reading the error on one rank knows who is stuck or wrong, and where.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DistError {
+    /// Some ranks of the group did not reach the operation in time.
+    #[error(
+        "rank {rank}: {op} #{seq} on group '{group}' timed out after {timeout:?}: \
+         ranks {missing:?} did not arrive"
+    )]
+    Timeout {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// Operation, e.g. `all_reduce(sum)`.
+        op: String,
+        /// Sequence number of the operation within the group on this rank.
+        seq: u64,
+        /// Global ranks that had not arrived.
+        missing: Vec<usize>,
+        /// The configured timeout.
+        timeout: Duration,
+    },
+    /// Another rank failed (returned an error or panicked); this rank was released.
+    #[error(
+        "rank {rank}: {op} on group '{group}' aborted because rank {failed_rank} failed: {reason}"
+    )]
+    PeerFailed {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// The operation this rank was in.
+        op: String,
+        /// Global rank that failed first.
+        failed_rank: usize,
+        /// That rank's error.
+        reason: String,
+    },
+    /// Ranks the operation waits for have already finished their work.
+    #[error(
+        "rank {rank}: {op} #{seq} on group '{group}' cannot complete: ranks {exited:?} \
+         finished without joining it"
+    )]
+    PeerExited {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// Operation.
+        op: String,
+        /// Sequence number of the operation.
+        seq: u64,
+        /// Global ranks that exited.
+        exited: Vec<usize>,
+    },
+    /// Ranks called different collectives, or passed incompatible tensors, at the same step.
+    #[error("rank {rank}: {op} #{seq} on group '{group}' mismatched across ranks: {detail}")]
+    Mismatch {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// Operation on this rank.
+        op: String,
+        /// Sequence number.
+        seq: u64,
+        /// What differs, rank by rank.
+        detail: String,
+    },
+    /// The call itself is invalid (a dimension out of range, a rank outside the group, …).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Distributed tensors with incompatible placements or groups were combined.
+    #[error("placement mismatch: {0}")]
+    Placement(String),
+    /// The parallel layout is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}

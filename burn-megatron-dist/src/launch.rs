@@ -1,0 +1,162 @@
+//! Running a closure on N thread ranks.
+
+use std::any::Any;
+use std::error::Error;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::DistResult;
+use crate::layout::ParallelSizes;
+use crate::parallel_state::ParallelState;
+use crate::process_group::ProcessGroup;
+use crate::threads::ThreadWorld;
+
+/// How to launch thread ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Number of ranks (threads).
+    pub world_size: usize,
+    /// How long a collective waits for its peers before failing.
+    pub timeout: Duration,
+}
+
+impl LaunchConfig {
+    /// `world_size` ranks with the default timeout of 300 s.
+    pub fn new(world_size: usize) -> Self {
+        Self {
+            world_size,
+            timeout: Duration::from_secs(300),
+        }
+    }
+
+    /// Sets the collective timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// What a rank's closure is given: its rank and the world it can build groups in.
+#[derive(Debug, Clone)]
+pub struct RankContext {
+    world: ProcessGroup,
+}
+
+impl RankContext {
+    /// This rank's global rank.
+    pub fn rank(&self) -> usize {
+        self.world.rank()
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world.size()
+    }
+
+    /// The group of all ranks.
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
+    }
+
+    /// A group of the given global ranks, in group order. Every member creates it with the
+    /// same name and ranks; creating it again returns the same group.
+    pub fn new_group(&self, name: &str, ranks: &[usize]) -> DistResult<ProcessGroup> {
+        self.world.new_group(name, ranks)
+    }
+
+    /// This rank's groups in Megatron's layout for `sizes`.
+    pub fn parallel_state(&self, sizes: ParallelSizes) -> DistResult<ParallelState> {
+        ParallelState::new(&self.world, sizes)
+    }
+}
+
+/// A launch that failed: the rank that failed first, and what every failed rank said.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("rank {rank} failed: {message}")]
+pub struct LaunchError {
+    /// The rank that failed first: the root cause.
+    pub rank: usize,
+    /// Its error or panic message.
+    pub message: String,
+    /// Every rank that failed, with its message, in rank order (the first one included;
+    /// the others usually report that they were released because of it).
+    pub failures: Vec<(usize, String)>,
+}
+
+/// Runs `f` on `config.world_size` thread ranks and returns each rank's result, in rank order,
+/// or the first failure.
+///
+/// A rank that returns an error or panics releases every other rank: their pending and
+/// future collectives fail at once with an error naming it, so a launch never hangs on a dead
+/// rank. Each rank must build its own modules and tensors (they may be equal, but must not be
+/// shared across ranks).
+pub fn launch<T, E, F>(config: LaunchConfig, f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: Into<Box<dyn Error + Send + Sync>>,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    let world = Arc::new(ThreadWorld::new(config.world_size, config.timeout));
+    let members: Vec<usize> = (0..config.world_size).collect();
+    let outcomes: Vec<Result<T, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = members
+            .iter()
+            .map(|&rank| {
+                let world = world.clone();
+                let members = members.clone();
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(scope, move || {
+                        let outcome = catch_unwind(AssertUnwindSafe(|| {
+                            let group = ProcessGroup::new(world.clone(), "world", members, rank)
+                                .map_err(|e| e.to_string())?;
+                            f(RankContext { world: group }).map_err(|e| e.into().to_string())
+                        }))
+                        .unwrap_or_else(|panic| {
+                            Err(format!("panicked: {}", panic_message(&panic)))
+                        });
+                        match &outcome {
+                            Ok(_) => world.exit(rank),
+                            Err(message) => world.fail(rank, message.clone()),
+                        }
+                        outcome
+                    })
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("thread panicked".to_string()))
+            })
+            .collect()
+    });
+
+    let failures: Vec<(usize, String)> = outcomes
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, o)| o.as_ref().err().map(|m| (rank, m.clone())))
+        .collect();
+    if failures.is_empty() {
+        return Ok(outcomes.into_iter().map(|o| o.ok().unwrap()).collect());
+    }
+    let (rank, message) = world.failure().unwrap_or_else(|| failures[0].clone());
+    Err(LaunchError {
+        rank,
+        message,
+        failures,
+    })
+}
+
+fn panic_message(panic: &Box<dyn Any + Send>) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}

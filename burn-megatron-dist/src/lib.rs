@@ -1,0 +1,49 @@
+//! Process groups, parallel state and differentiable collectives for burn-megatron.
+//!
+//! - [`launch`] runs a closure on N thread ranks (a CPU "cluster") and never hangs on a rank
+//!   that fails: the others are released with an error naming it.
+//! - [`ProcessGroup`] runs collectives (all-reduce, all-gather, reduce-scatter, broadcast,
+//!   all-to-all, barrier, send/recv) on Burn tensors of any [`DistBackend`], synchronously or
+//!   through [`Work`] handles. A call that cannot complete fails within the timeout, naming
+//!   the group, the operation and the missing ranks.
+//! - [`ParallelLayout`] and [`ParallelState`] build Megatron's TP/PP/DP/CP/EP groups.
+//! - [`mapping`] holds Megatron's differentiable communication operators (*f*, *g*, and the
+//!   sequence-parallel and all-to-all ones).
+//! - [`DistTensor`] is a local tensor plus its placement over a group.
+//!
+//! ```
+//! use burn::backend::NdArray;
+//! use burn::tensor::Tensor;
+//! use burn_megatron_dist::{launch, LaunchConfig, ReduceOp};
+//!
+//! let sums = launch(LaunchConfig::new(4), |ctx| {
+//!     let x = Tensor::<NdArray, 1>::from_floats([ctx.rank() as f32], &Default::default());
+//!     let sum = ctx.world().all_reduce(x, ReduceOp::Sum)?;
+//!     Ok::<_, burn_megatron_dist::DistError>(sum.into_scalar())
+//! })
+//! .unwrap();
+//! assert_eq!(sums, vec![6.0; 4]);
+//! ```
+
+mod backend;
+mod dtensor;
+mod error;
+mod launch;
+mod layout;
+pub mod mapping;
+mod op;
+mod parallel_state;
+mod process_group;
+pub mod shard;
+mod threads;
+mod work;
+
+pub use backend::DistBackend;
+pub use dtensor::{DistTensor, Placement};
+pub use error::{DistError, DistResult};
+pub use launch::{LaunchConfig, LaunchError, RankContext, launch};
+pub use layout::{GroupKind, LayoutError, ParallelLayout, ParallelSizes, RankCoords};
+pub use op::{CollectiveOp, ReduceOp};
+pub use parallel_state::ParallelState;
+pub use process_group::ProcessGroup;
+pub use work::Work;

@@ -1,0 +1,207 @@
+//! Megatron's communication operators, differentiable: each has a forward communication and
+//! the communication its gradient goes through.
+//!
+//! | function | forward | backward |
+//! |---|---|---|
+//! | [`copy_to_tensor_parallel_region`] (the paper's *f*) | identity | all-reduce |
+//! | [`reduce_from_tensor_parallel_region`] (the paper's *g*) | all-reduce | identity |
+//! | [`scatter_to_tensor_parallel_region`] | keep own last-dim shard | all-gather last dim |
+//! | [`gather_from_tensor_parallel_region`] | all-gather last dim | keep own shard |
+//! | [`scatter_to_sequence_parallel_region`] | keep own sequence shard | all-gather sequence |
+//! | [`gather_from_sequence_parallel_region`] | all-gather sequence | reduce-scatter (or keep own shard) |
+//! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter sequence | all-gather sequence |
+//! | [`all_to_all`] | all-to-all (split a, concat b) | all-to-all (split b, concat a) |
+//!
+//! Megatron keeps activations as `[seq, batch, hidden]`; Burn models usually use
+//! `[batch, seq, hidden]`, so the sequence functions take the sequence dimension. On a group of
+//! one rank every function returns its input.
+
+use burn::tensor::Tensor;
+
+use crate::backend::DistBackend;
+use crate::error::DistResult;
+use crate::op::ReduceOp;
+use crate::process_group::ProcessGroup;
+use crate::shard::shard_range;
+
+/// One communication applied to a tensor: a mapping's forward or backward half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Comm {
+    /// Nothing.
+    Identity,
+    /// Sum over the group.
+    AllReduce,
+    /// Keep this rank's shard along `dim`; no communication.
+    Split {
+        /// Sharded dimension.
+        dim: usize,
+    },
+    /// Concatenate the ranks' shards along `dim`.
+    AllGather {
+        /// Gathered dimension.
+        dim: usize,
+    },
+    /// Sum over the group, keep this rank's shard along `dim`.
+    ReduceScatter {
+        /// Sharded dimension.
+        dim: usize,
+    },
+    /// Split along `split_dim` across ranks, concatenate what arrives along `concat_dim`.
+    AllToAll {
+        /// Dimension split across ranks.
+        split_dim: usize,
+        /// Dimension received shards are concatenated along.
+        concat_dim: usize,
+    },
+}
+
+/// A differentiable communication.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapping {
+    /// Applied to the input.
+    pub forward: Comm,
+    /// Applied to the output's gradient to give the input's gradient.
+    pub backward: Comm,
+}
+
+impl Comm {
+    /// Runs this communication on `x` over `group`.
+    pub fn apply<B: DistBackend, const D: usize>(
+        self,
+        group: &ProcessGroup,
+        x: Tensor<B, D>,
+    ) -> DistResult<Tensor<B, D>> {
+        match self {
+            Comm::Identity => Ok(x),
+            Comm::AllReduce => group.all_reduce(x, ReduceOp::Sum),
+            Comm::Split { dim } => {
+                let range = shard_range(x.dims()[dim], group.size(), group.rank())?;
+                Ok(x.narrow(dim, range.start, range.len()))
+            }
+            Comm::AllGather { dim } => group.all_gather(x, dim),
+            Comm::ReduceScatter { dim } => group.reduce_scatter(x, dim, ReduceOp::Sum),
+            Comm::AllToAll {
+                split_dim,
+                concat_dim,
+            } => group.all_to_all(x, split_dim, concat_dim),
+        }
+    }
+}
+
+fn map<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    forward: Comm,
+    backward: Comm,
+) -> DistResult<Tensor<B, D>> {
+    if group.size() == 1 {
+        return Ok(x);
+    }
+    B::apply_mapping(x, Mapping { forward, backward }, group)
+}
+
+/// The *f* of Megatron's paper, entering a tensor-parallel region: identity forward, gradient
+/// summed over the group backward.
+pub fn copy_to_tensor_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, D>> {
+    map(x, group, Comm::Identity, Comm::AllReduce)
+}
+
+/// The *g* of Megatron's paper, leaving a tensor-parallel region: partial results summed over
+/// the group forward, gradient passed through backward.
+pub fn reduce_from_tensor_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, D>> {
+    map(x, group, Comm::AllReduce, Comm::Identity)
+}
+
+/// Keeps this rank's shard of the last dimension; the gradient is all-gathered.
+pub fn scatter_to_tensor_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, D>> {
+    let dim = D - 1;
+    map(x, group, Comm::Split { dim }, Comm::AllGather { dim })
+}
+
+/// All-gathers the last dimension; the gradient keeps this rank's shard.
+pub fn gather_from_tensor_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, D>> {
+    let dim = D - 1;
+    map(x, group, Comm::AllGather { dim }, Comm::Split { dim })
+}
+
+/// Keeps this rank's shard of the sequence dimension; the gradient is all-gathered.
+pub fn scatter_to_sequence_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    seq_dim: usize,
+) -> DistResult<Tensor<B, D>> {
+    map(
+        x,
+        group,
+        Comm::Split { dim: seq_dim },
+        Comm::AllGather { dim: seq_dim },
+    )
+}
+
+/// All-gathers the sequence dimension before a tensor-parallel region.
+///
+/// With `tensor_parallel_output_grad` (the usual case: the region's ranks each produce a
+/// partial gradient of the full sequence) the gradient is reduce-scattered; without it each
+/// rank's gradient is already complete and it keeps its own shard.
+pub fn gather_from_sequence_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    seq_dim: usize,
+    tensor_parallel_output_grad: bool,
+) -> DistResult<Tensor<B, D>> {
+    let backward = if tensor_parallel_output_grad {
+        Comm::ReduceScatter { dim: seq_dim }
+    } else {
+        Comm::Split { dim: seq_dim }
+    };
+    map(x, group, Comm::AllGather { dim: seq_dim }, backward)
+}
+
+/// Sums partial results and keeps this rank's sequence shard, leaving a tensor-parallel
+/// region under sequence parallelism; the gradient is all-gathered.
+pub fn reduce_scatter_to_sequence_parallel_region<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    seq_dim: usize,
+) -> DistResult<Tensor<B, D>> {
+    map(
+        x,
+        group,
+        Comm::ReduceScatter { dim: seq_dim },
+        Comm::AllGather { dim: seq_dim },
+    )
+}
+
+/// All-to-all (split `split_dim`, concatenate `concat_dim`), as expert and context parallelism
+/// use it; the gradient goes through the inverse all-to-all.
+pub fn all_to_all<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    split_dim: usize,
+    concat_dim: usize,
+) -> DistResult<Tensor<B, D>> {
+    map(
+        x,
+        group,
+        Comm::AllToAll {
+            split_dim,
+            concat_dim,
+        },
+        Comm::AllToAll {
+            split_dim: concat_dim,
+            concat_dim: split_dim,
+        },
+    )
+}

@@ -1,0 +1,146 @@
+//! One rank's parallel groups: Megatron's `parallel_state`, as a value instead of globals.
+
+use crate::error::DistResult;
+use crate::layout::{GroupKind, ParallelLayout, ParallelSizes, RankCoords};
+use crate::process_group::ProcessGroup;
+
+/// The groups this rank belongs to in a [`ParallelLayout`], and the questions schedules and
+/// models ask about its place in them.
+#[derive(Debug, Clone)]
+pub struct ParallelState {
+    layout: ParallelLayout,
+    coords: RankCoords,
+    world: ProcessGroup,
+    tp: ProcessGroup,
+    pp: ProcessGroup,
+    dp: ProcessGroup,
+    cp: ProcessGroup,
+    dp_cp: ProcessGroup,
+    tp_cp: ProcessGroup,
+    model_parallel: ProcessGroup,
+    ep: ProcessGroup,
+    expert_dp: ProcessGroup,
+    embedding: Option<ProcessGroup>,
+}
+
+impl ParallelState {
+    /// Builds this rank's groups for `sizes` over the ranks of `world`.
+    pub fn new(world: &ProcessGroup, sizes: ParallelSizes) -> DistResult<Self> {
+        let layout = ParallelLayout::new(world.size(), sizes)?;
+        let rank = world.rank();
+        let group = |kind: GroupKind| -> DistResult<Option<ProcessGroup>> {
+            let Some(local) = layout.group_of(kind, rank) else {
+                return Ok(None);
+            };
+            let global: Vec<usize> = local.iter().map(|&r| world.ranks()[r]).collect();
+            world.new_group(kind.name(), &global).map(Some)
+        };
+        let member = |kind| -> DistResult<ProcessGroup> {
+            Ok(group(kind)?.expect("every rank is in a group of this kind"))
+        };
+        Ok(Self {
+            layout,
+            coords: layout.coords(rank),
+            world: world.clone(),
+            tp: member(GroupKind::Tp)?,
+            pp: member(GroupKind::Pp)?,
+            dp: member(GroupKind::Dp)?,
+            cp: member(GroupKind::Cp)?,
+            dp_cp: member(GroupKind::DpCp)?,
+            tp_cp: member(GroupKind::TpCp)?,
+            model_parallel: member(GroupKind::ModelParallel)?,
+            ep: member(GroupKind::Ep)?,
+            expert_dp: member(GroupKind::ExpertDp)?,
+            embedding: group(GroupKind::Embedding)?,
+        })
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &ParallelLayout {
+        &self.layout
+    }
+
+    /// This rank's coordinates in the layout.
+    pub fn coords(&self) -> RankCoords {
+        self.coords
+    }
+
+    /// The group of all ranks.
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
+    }
+
+    /// This rank's group of `kind`; `None` only for the embedding group of a middle stage.
+    pub fn group(&self, kind: GroupKind) -> Option<&ProcessGroup> {
+        Some(match kind {
+            GroupKind::Tp => &self.tp,
+            GroupKind::Pp => &self.pp,
+            GroupKind::Dp => &self.dp,
+            GroupKind::Cp => &self.cp,
+            GroupKind::DpCp => &self.dp_cp,
+            GroupKind::TpCp => &self.tp_cp,
+            GroupKind::ModelParallel => &self.model_parallel,
+            GroupKind::Ep => &self.ep,
+            GroupKind::ExpertDp => &self.expert_dp,
+            GroupKind::Embedding => return self.embedding.as_ref(),
+        })
+    }
+
+    /// Tensor-parallel group.
+    pub fn tp(&self) -> &ProcessGroup {
+        &self.tp
+    }
+    /// Pipeline-parallel group (one rank per stage, in stage order).
+    pub fn pp(&self) -> &ProcessGroup {
+        &self.pp
+    }
+    /// Data-parallel group.
+    pub fn dp(&self) -> &ProcessGroup {
+        &self.dp
+    }
+    /// Context-parallel group.
+    pub fn cp(&self) -> &ProcessGroup {
+        &self.cp
+    }
+    /// Data- and context-parallel group: where dense gradients are reduced.
+    pub fn dp_cp(&self) -> &ProcessGroup {
+        &self.dp_cp
+    }
+    /// Expert-parallel group.
+    pub fn ep(&self) -> &ProcessGroup {
+        &self.ep
+    }
+    /// Expert-data-parallel group: where expert gradients are reduced.
+    pub fn expert_dp(&self) -> &ProcessGroup {
+        &self.expert_dp
+    }
+    /// Tensor- and pipeline-parallel group: the ranks holding one model replica.
+    pub fn model_parallel(&self) -> &ProcessGroup {
+        &self.model_parallel
+    }
+    /// The first and last stage of this rank's pipeline, if this rank is one of them.
+    pub fn embedding(&self) -> Option<&ProcessGroup> {
+        self.embedding.as_ref()
+    }
+
+    /// This rank's pipeline stage.
+    pub fn pp_rank(&self) -> usize {
+        self.coords.pp
+    }
+    /// Whether this rank runs the first pipeline stage.
+    pub fn is_first_pipeline_stage(&self) -> bool {
+        self.coords.pp == 0
+    }
+    /// Whether this rank runs the last pipeline stage.
+    pub fn is_last_pipeline_stage(&self) -> bool {
+        self.coords.pp + 1 == self.layout.sizes().pp
+    }
+    /// The stage after this one (a rank of the PP group), if this is not the last stage.
+    pub fn next_pipeline_rank(&self) -> Option<usize> {
+        (!self.is_last_pipeline_stage()).then_some(self.coords.pp + 1)
+    }
+    /// The stage before this one (a rank of the PP group), if this is not the first stage.
+    pub fn prev_pipeline_rank(&self) -> Option<usize> {
+        self.coords.pp.checked_sub(1)
+    }
+}

@@ -1,0 +1,551 @@
+//! A group of ranks that run collectives together.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::tensor::{Tensor, TensorData};
+
+use crate::backend::DistBackend;
+use crate::error::{DistError, DistResult};
+use crate::op::{CollectiveOp, ReduceOp};
+use crate::shard::shard_range;
+use crate::threads::{Contribution, ThreadWorld};
+use crate::work::Work;
+
+/// A set of ranks that communicate: Megatron's TP, PP, DP, CP or EP group, or the world.
+///
+/// Ranks passed to and returned by a group are *group-local* (`0..size()`), as in NCCL; the
+/// global rank of each member is in [`ranks`](Self::ranks). Each rank holds its own handle;
+/// clones share it. Collectives on a group are matched across ranks by call order, so every
+/// member must call the same collectives in the same order. A call that cannot complete (a
+/// peer failed or finished, shapes differ, the timeout passed) returns an error that names the
+/// group, the operation and the ranks involved.
+///
+/// Tensors go through host memory between thread ranks; an NCCL group keeps them on the GPU.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<GroupInner>,
+}
+
+struct GroupInner {
+    info: GroupInfo,
+    world: Arc<ThreadWorld>,
+    counters: Arc<Counters>,
+}
+
+/// What identifies a group and this rank's place in it.
+#[derive(Debug, Clone)]
+pub(crate) struct GroupInfo {
+    pub name: String,
+    /// Unique across the world: the name and the members.
+    pub key: String,
+    /// Global ranks, in group-rank order.
+    pub members: Vec<usize>,
+    /// This rank's index in `members`.
+    pub local_rank: usize,
+    /// This rank's global rank.
+    pub rank: usize,
+}
+
+/// Per-rank call counters of a group, shared by every handle of the same group on a rank.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    collectives: AtomicU64,
+    receives: AtomicU64,
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("name", &self.inner.info.name)
+            .field("ranks", &self.inner.info.members)
+            .field("rank", &self.inner.info.local_rank)
+            .finish()
+    }
+}
+
+impl PartialEq for ProcessGroup {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.info.key == other.inner.info.key
+            && Arc::ptr_eq(&self.inner.world, &other.inner.world)
+    }
+}
+
+impl ProcessGroup {
+    /// The group of `members` (global ranks, in group order) as seen by global rank `rank`.
+    pub(crate) fn new(
+        world: Arc<ThreadWorld>,
+        name: &str,
+        members: Vec<usize>,
+        rank: usize,
+    ) -> DistResult<Self> {
+        let world_size = world.size();
+        if let Some(bad) = members.iter().find(|&&r| r >= world_size) {
+            return Err(DistError::InvalidArgument(format!(
+                "group '{name}': rank {bad} is outside the world of {world_size} ranks"
+            )));
+        }
+        let mut sorted = members.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != members.len() || members.is_empty() {
+            return Err(DistError::InvalidArgument(format!(
+                "group '{name}': members {members:?} must be distinct and non-empty"
+            )));
+        }
+        let local_rank = members.iter().position(|&r| r == rank).ok_or_else(|| {
+            DistError::InvalidArgument(format!(
+                "rank {rank} is not a member of group '{name}' {members:?}"
+            ))
+        })?;
+        let key = format!("{name}{members:?}");
+        let counters = world.counters(&key, rank);
+        Ok(Self {
+            inner: Arc::new(GroupInner {
+                info: GroupInfo {
+                    name: name.to_string(),
+                    key,
+                    members,
+                    local_rank,
+                    rank,
+                },
+                world,
+                counters,
+            }),
+        })
+    }
+
+    /// The group's name, as used in errors.
+    pub fn name(&self) -> &str {
+        &self.inner.info.name
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.info.local_rank
+    }
+
+    /// The number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.info.members.len()
+    }
+
+    /// The global ranks of the members, in group order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.inner.info.members
+    }
+
+    /// This rank's global rank.
+    pub fn global_rank(&self) -> usize {
+        self.inner.info.rank
+    }
+
+    /// Reduces `x` over the group; every rank gets the result.
+    pub fn all_reduce<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> DistResult<Tensor<B, D>> {
+        self.all_reduce_async(x, op)?.wait()
+    }
+
+    /// Starts [`all_reduce`](Self::all_reduce).
+    pub fn all_reduce_async<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> DistResult<Work<Tensor<B, D>>> {
+        if self.size() == 1 {
+            return Ok(Work::ready(x));
+        }
+        let device = x.device();
+        let size = self.size();
+        let pending = self.start(CollectiveOp::AllReduce(op), x)?;
+        Ok(Work::new(move || {
+            let parts = pending.collect()?;
+            let tensors = parts.into_iter().map(|p| p.tensor(&device)).collect();
+            Ok(reduce(tensors, op, size))
+        }))
+    }
+
+    /// Concatenates every rank's `x` along `dim`, in rank order. Shards may differ in length
+    /// along `dim` (an uneven last shard).
+    pub fn all_gather<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dim: usize,
+    ) -> DistResult<Tensor<B, D>> {
+        self.all_gather_async(x, dim)?.wait()
+    }
+
+    /// Starts [`all_gather`](Self::all_gather).
+    pub fn all_gather_async<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dim: usize,
+    ) -> DistResult<Work<Tensor<B, D>>> {
+        check_dim::<D>(dim, "all_gather")?;
+        if self.size() == 1 {
+            return Ok(Work::ready(x));
+        }
+        let device = x.device();
+        let pending = self.start(CollectiveOp::AllGather { dim }, x)?;
+        Ok(Work::new(move || {
+            let parts = pending.collect()?;
+            let tensors = parts.into_iter().map(|p| p.tensor(&device)).collect();
+            Ok(Tensor::cat(tensors, dim))
+        }))
+    }
+
+    /// Reduces `x` over the group and gives each rank its shard of the result along `dim`
+    /// (see [`shard`](crate::shard) for how the dimension is cut).
+    pub fn reduce_scatter<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> DistResult<Tensor<B, D>> {
+        self.reduce_scatter_async(x, dim, op)?.wait()
+    }
+
+    /// Starts [`reduce_scatter`](Self::reduce_scatter).
+    pub fn reduce_scatter_async<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> DistResult<Work<Tensor<B, D>>> {
+        check_dim::<D>(dim, "reduce_scatter")?;
+        let size = self.size();
+        let range = shard_range(x.dims()[dim], size, self.rank())?;
+        if size == 1 {
+            return Ok(Work::ready(x));
+        }
+        let device = x.device();
+        let pending = self.start(CollectiveOp::ReduceScatter { dim, op }, x)?;
+        Ok(Work::new(move || {
+            let parts = pending.collect()?;
+            let shards = parts
+                .into_iter()
+                .map(|p| {
+                    p.tensor::<B, D>(&device)
+                        .narrow(dim, range.start, range.len())
+                })
+                .collect();
+            Ok(reduce(shards, op, size))
+        }))
+    }
+
+    /// Every rank gets the `x` of group rank `root`; the others' `x` give only shape and dtype.
+    pub fn broadcast<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        root: usize,
+    ) -> DistResult<Tensor<B, D>> {
+        self.check_peer(root, "broadcast root")?;
+        if self.size() == 1 {
+            return Ok(x);
+        }
+        let device = x.device();
+        let op = CollectiveOp::Broadcast { root };
+        let pending = if self.rank() == root {
+            self.start(op, x)?
+        } else {
+            self.start_without_data(op, x.dims().to_vec(), x.dtype())?
+        };
+        let mut parts = pending.collect()?;
+        Ok(parts.swap_remove(root).tensor(&device))
+    }
+
+    /// Splits `x` along `split_dim` into one shard per rank, sends shard `j` to rank `j`, and
+    /// concatenates the shards it receives along `concat_dim`, in rank order.
+    pub fn all_to_all<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        split_dim: usize,
+        concat_dim: usize,
+    ) -> DistResult<Tensor<B, D>> {
+        self.all_to_all_async(x, split_dim, concat_dim)?.wait()
+    }
+
+    /// Starts [`all_to_all`](Self::all_to_all).
+    pub fn all_to_all_async<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        split_dim: usize,
+        concat_dim: usize,
+    ) -> DistResult<Work<Tensor<B, D>>> {
+        check_dim::<D>(split_dim, "all_to_all")?;
+        check_dim::<D>(concat_dim, "all_to_all")?;
+        let range = shard_range(x.dims()[split_dim], self.size(), self.rank())?;
+        if self.size() == 1 {
+            return Ok(Work::ready(x));
+        }
+        let device = x.device();
+        let op = CollectiveOp::AllToAll {
+            split_dim,
+            concat_dim,
+        };
+        let pending = self.start(op, x)?;
+        Ok(Work::new(move || {
+            let parts = pending.collect()?;
+            let shards = parts
+                .into_iter()
+                .map(|p| {
+                    p.tensor::<B, D>(&device)
+                        .narrow(split_dim, range.start, range.len())
+                })
+                .collect();
+            Ok(Tensor::cat(shards, concat_dim))
+        }))
+    }
+
+    /// Returns once every rank of the group has called it.
+    pub fn barrier(&self) -> DistResult<()> {
+        if self.size() > 1 {
+            self.start_without_data(CollectiveOp::Barrier, Vec::new(), burn::tensor::DType::F32)?
+                .collect()?;
+        }
+        Ok(())
+    }
+
+    /// Sends `x` to group rank `dst`. Sends are buffered: this never waits for the receiver.
+    pub fn send<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dst: usize,
+    ) -> DistResult<()> {
+        self.check_peer(dst, "send destination")?;
+        self.inner.world.send(&self.inner.info, dst, x.into_data())
+    }
+
+    /// Starts [`send`](Self::send); the pair of pipeline schedules' `isend`/`irecv`.
+    pub fn isend<B: DistBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dst: usize,
+    ) -> DistResult<Work<()>> {
+        self.send(x, dst)?;
+        Ok(Work::ready(()))
+    }
+
+    /// Receives the next tensor that group rank `src` sent to this rank.
+    pub fn recv<B: DistBackend, const D: usize>(
+        &self,
+        src: usize,
+        device: &B::Device,
+    ) -> DistResult<Tensor<B, D>> {
+        self.irecv(src, device)?.wait()
+    }
+
+    /// Starts [`recv`](Self::recv); the message is taken when the handle is waited on.
+    pub fn irecv<B: DistBackend, const D: usize>(
+        &self,
+        src: usize,
+        device: &B::Device,
+    ) -> DistResult<Work<Tensor<B, D>>> {
+        self.check_peer(src, "recv source")?;
+        let group = self.clone();
+        let device = device.clone();
+        Ok(Work::new(move || {
+            let seq = group
+                .inner
+                .counters
+                .receives
+                .fetch_add(1, Ordering::Relaxed);
+            let info = &group.inner.info;
+            let data = group.inner.world.recv(info, src, seq)?;
+            if data.shape.len() != D {
+                return Err(DistError::Mismatch {
+                    rank: info.rank,
+                    group: info.name.clone(),
+                    op: format!("recv(src={src})"),
+                    seq,
+                    detail: format!(
+                        "expected a tensor of rank {D}, rank {} sent shape {:?}",
+                        info.members[src], data.shape
+                    ),
+                });
+            }
+            Ok(tensor_from_data(data, &device))
+        }))
+    }
+
+    fn check_peer(&self, peer: usize, what: &str) -> DistResult<()> {
+        if peer >= self.size() || (what != "broadcast root" && peer == self.rank()) {
+            return Err(DistError::InvalidArgument(format!(
+                "group '{}' of {} ranks: {what} {peer} is not a valid peer of rank {}",
+                self.name(),
+                self.size(),
+                self.rank()
+            )));
+        }
+        Ok(())
+    }
+
+    fn start<B: DistBackend, const D: usize>(
+        &self,
+        op: CollectiveOp,
+        x: Tensor<B, D>,
+    ) -> DistResult<Pending> {
+        let shape = x.dims().to_vec();
+        let dtype = x.dtype();
+        self.deposit(Contribution {
+            op,
+            shape,
+            dtype,
+            data: Some(x.into_data()),
+        })
+    }
+
+    fn start_without_data(
+        &self,
+        op: CollectiveOp,
+        shape: Vec<usize>,
+        dtype: burn::tensor::DType,
+    ) -> DistResult<Pending> {
+        self.deposit(Contribution {
+            op,
+            shape,
+            dtype,
+            data: None,
+        })
+    }
+
+    fn deposit(&self, part: Contribution) -> DistResult<Pending> {
+        let seq = self
+            .inner
+            .counters
+            .collectives
+            .fetch_add(1, Ordering::Relaxed);
+        let op = part.op;
+        self.inner.world.deposit(&self.inner.info, seq, part)?;
+        Ok(Pending {
+            group: self.clone(),
+            seq,
+            op,
+        })
+    }
+}
+
+/// A collective this rank has joined, waiting for its peers.
+struct Pending {
+    group: ProcessGroup,
+    seq: u64,
+    op: CollectiveOp,
+}
+
+impl Pending {
+    /// Every rank's contribution, in rank order, once all have arrived and agree.
+    fn collect(&self) -> DistResult<Vec<Contribution>> {
+        let info = &self.group.inner.info;
+        let parts = self
+            .group
+            .inner
+            .world
+            .collect(info, self.seq, &self.op.to_string())?;
+        if let Some(detail) = disagreement(&parts, &info.members) {
+            return Err(DistError::Mismatch {
+                rank: info.rank,
+                group: info.name.clone(),
+                op: self.op.to_string(),
+                seq: self.seq,
+                detail,
+            });
+        }
+        Ok(parts)
+    }
+}
+
+/// Why the ranks' contributions cannot be combined, if they cannot.
+fn disagreement(parts: &[Contribution], members: &[usize]) -> Option<String> {
+    let first = &parts[0];
+    let agree = parts.iter().all(|p| {
+        p.op == first.op
+            && p.dtype == first.dtype
+            && match first.op {
+                CollectiveOp::Barrier => true,
+                // Shards may differ in length along the dimension they are concatenated on.
+                CollectiveOp::AllGather { dim: free }
+                | CollectiveOp::AllToAll {
+                    concat_dim: free, ..
+                } => {
+                    p.shape.len() == first.shape.len()
+                        && p.shape
+                            .iter()
+                            .zip(&first.shape)
+                            .enumerate()
+                            .all(|(d, (a, b))| d == free || a == b)
+                }
+                _ => p.shape == first.shape,
+            }
+    });
+    if agree {
+        return None;
+    }
+    let lines: Vec<String> = parts
+        .iter()
+        .zip(members)
+        .map(|(p, rank)| format!("rank {rank}: {} {:?} {:?}", p.op, p.shape, p.dtype))
+        .collect();
+    Some(lines.join("; "))
+}
+
+impl Contribution {
+    fn tensor<B: DistBackend, const D: usize>(self, device: &B::Device) -> Tensor<B, D> {
+        tensor_from_data(self.data.expect("contribution carries data"), device)
+    }
+}
+
+/// A tensor with the data's own dtype (not the device's default float type).
+pub(crate) fn tensor_from_data<B: DistBackend, const D: usize>(
+    data: TensorData,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let dtype = data.dtype;
+    Tensor::from_data(data, (device, dtype))
+}
+
+/// Combines tensors in rank order. Every rank runs the same sequence of operations, so every
+/// rank gets bit-identical results.
+fn reduce<B: DistBackend, const D: usize>(
+    tensors: Vec<Tensor<B, D>>,
+    op: ReduceOp,
+    size: usize,
+) -> Tensor<B, D> {
+    let total = tensors
+        .into_iter()
+        .reduce(|acc, t| match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc + t,
+            ReduceOp::Max => acc.max_pair(t),
+            ReduceOp::Min => acc.min_pair(t),
+        })
+        .expect("a group has at least one rank");
+    match op {
+        ReduceOp::Avg => total.div_scalar(size as f64),
+        _ => total,
+    }
+}
+
+fn check_dim<const D: usize>(dim: usize, op: &str) -> DistResult<()> {
+    if dim >= D {
+        return Err(DistError::InvalidArgument(format!(
+            "{op}: dimension {dim} is out of range for a tensor of rank {D}"
+        )));
+    }
+    Ok(())
+}
+
+impl ProcessGroup {
+    /// A new group of the given global ranks (in group order) in the same world. Every member
+    /// creates it with the same name and ranks; creating it again returns the same group.
+    pub fn new_group(&self, name: &str, ranks: &[usize]) -> DistResult<ProcessGroup> {
+        ProcessGroup::new(
+            self.inner.world.clone(),
+            name,
+            ranks.to_vec(),
+            self.global_rank(),
+        )
+    }
+}

@@ -1,0 +1,242 @@
+//! Ranks as threads of one process: the rendezvous behind every CPU process group.
+//!
+//! Each rank deposits its contribution to a collective under the group's sequence number and
+//! later collects everybody's contributions; every wait checks, in order, for completion, a
+//! failed rank, a rank that already finished, and the timeout, so no call can hang silently.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, TensorData};
+
+use crate::error::{DistError, DistResult};
+use crate::op::CollectiveOp;
+use crate::process_group::{Counters, GroupInfo};
+
+/// One rank's part of a collective.
+#[derive(Debug, Clone)]
+pub(crate) struct Contribution {
+    pub op: CollectiveOp,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// `None` where the operation needs no data from this rank (barrier, non-root broadcast).
+    pub data: Option<TensorData>,
+}
+
+/// The shared state of all thread ranks of one launch.
+#[derive(Debug)]
+pub(crate) struct ThreadWorld {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<WorldState>,
+    changed: Condvar,
+    counters: Mutex<HashMap<(String, usize), Arc<Counters>>>,
+}
+
+#[derive(Debug, Default)]
+struct WorldState {
+    /// The first rank that failed, with its error: the root cause every waiter reports.
+    failure: Option<(usize, String)>,
+    exited: Vec<bool>,
+    rendezvous: HashMap<(String, u64), Rendezvous>,
+    mailboxes: HashMap<(String, usize, usize), VecDeque<TensorData>>,
+}
+
+#[derive(Debug)]
+struct Rendezvous {
+    entries: Vec<Option<Contribution>>,
+    unread: usize,
+}
+
+impl ThreadWorld {
+    pub fn new(size: usize, timeout: Duration) -> Self {
+        Self {
+            size,
+            timeout,
+            state: Mutex::new(WorldState {
+                exited: vec![false; size],
+                ..Default::default()
+            }),
+            changed: Condvar::new(),
+            counters: Mutex::default(),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The call counters of group `key` on `rank`, shared by all its handles there.
+    pub fn counters(&self, key: &str, rank: usize) -> Arc<Counters> {
+        let mut counters = self.counters.lock().unwrap_or_else(PoisonError::into_inner);
+        counters.entry((key.to_string(), rank)).or_default().clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, WorldState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records that `rank` failed; every rank waiting now or later is released with an error.
+    pub fn fail(&self, rank: usize, reason: String) {
+        let mut state = self.lock();
+        if state.failure.is_none() {
+            state.failure = Some((rank, reason));
+        }
+        self.changed.notify_all();
+    }
+
+    /// Records that `rank` finished; operations still waiting for it fail at once.
+    pub fn exit(&self, rank: usize) {
+        self.lock().exited[rank] = true;
+        self.changed.notify_all();
+    }
+
+    /// The first failure, if any: `(rank, reason)`.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        self.lock().failure.clone()
+    }
+
+    /// Deposits this rank's contribution to collective `seq` of the group.
+    pub fn deposit(&self, group: &GroupInfo, seq: u64, part: Contribution) -> DistResult<()> {
+        let mut state = self.lock();
+        if let Some((failed_rank, reason)) = &state.failure {
+            return Err(peer_failed(
+                group,
+                &part.op.to_string(),
+                *failed_rank,
+                reason,
+            ));
+        }
+        let size = group.members.len();
+        let slot = state
+            .rendezvous
+            .entry((group.key.clone(), seq))
+            .or_insert_with(|| Rendezvous {
+                entries: vec![None; size],
+                unread: size,
+            });
+        slot.entries[group.local_rank] = Some(part);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Waits for every rank's contribution to collective `seq` and returns them in rank order.
+    pub fn collect(&self, group: &GroupInfo, seq: u64, op: &str) -> DistResult<Vec<Contribution>> {
+        let key = (group.key.clone(), seq);
+        self.wait(group, op, seq, |state| {
+            let slot = state.rendezvous.get_mut(&key)?;
+            let missing: Vec<usize> = slot
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.is_none())
+                .map(|(i, _)| group.members[i])
+                .collect();
+            if !missing.is_empty() {
+                return Some(Err(missing));
+            }
+            let parts = slot.entries.iter().map(|e| e.clone().unwrap()).collect();
+            slot.unread -= 1;
+            if slot.unread == 0 {
+                state.rendezvous.remove(&key);
+            }
+            Some(Ok(parts))
+        })
+    }
+
+    /// Queues a message from this rank to group-local rank `dst`; never blocks.
+    pub fn send(&self, group: &GroupInfo, dst: usize, data: TensorData) -> DistResult<()> {
+        let mut state = self.lock();
+        if let Some((failed_rank, reason)) = &state.failure {
+            return Err(peer_failed(
+                group,
+                &format!("send(dst={dst})"),
+                *failed_rank,
+                reason,
+            ));
+        }
+        state
+            .mailboxes
+            .entry((group.key.clone(), group.local_rank, dst))
+            .or_default()
+            .push_back(data);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Waits for the next message from group-local rank `src`.
+    pub fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData> {
+        let key = (group.key.clone(), src, group.local_rank);
+        let op = format!("recv(src={src})");
+        self.wait(group, &op, seq, |state| {
+            match state.mailboxes.get_mut(&key).and_then(|q| q.pop_front()) {
+                Some(data) => Some(Ok(data)),
+                None => Some(Err(vec![group.members[src]])),
+            }
+        })
+    }
+
+    /// Waits until `poll` returns `Some(Ok(_))`. `Some(Err(ranks))` names the ranks still
+    /// awaited, which turns into an error as soon as one of them has exited or the time is up.
+    fn wait<T>(
+        &self,
+        group: &GroupInfo,
+        op: &str,
+        seq: u64,
+        mut poll: impl FnMut(&mut WorldState) -> Option<Result<T, Vec<usize>>>,
+    ) -> DistResult<T> {
+        let deadline = Instant::now() + self.timeout;
+        let mut state = self.lock();
+        loop {
+            let missing = match poll(&mut state) {
+                Some(Ok(value)) => return Ok(value),
+                Some(Err(missing)) => missing,
+                None => group.members.clone(),
+            };
+            if let Some((failed_rank, reason)) = &state.failure {
+                return Err(peer_failed(group, op, *failed_rank, reason));
+            }
+            let exited: Vec<usize> = missing
+                .iter()
+                .copied()
+                .filter(|&r| state.exited[r])
+                .collect();
+            if !exited.is_empty() {
+                return Err(DistError::PeerExited {
+                    rank: group.rank,
+                    group: group.name.clone(),
+                    op: op.to_string(),
+                    seq,
+                    exited,
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(DistError::Timeout {
+                    rank: group.rank,
+                    group: group.name.clone(),
+                    op: op.to_string(),
+                    seq,
+                    missing,
+                    timeout: self.timeout,
+                });
+            }
+            state = self
+                .changed
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+fn peer_failed(group: &GroupInfo, op: &str, failed_rank: usize, reason: &str) -> DistError {
+    DistError::PeerFailed {
+        rank: group.rank,
+        group: group.name.clone(),
+        op: op.to_string(),
+        failed_rank,
+        reason: reason.to_string(),
+    }
+}

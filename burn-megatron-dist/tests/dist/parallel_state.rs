@@ -1,0 +1,78 @@
+use burn_megatron_dist::{GroupKind, ParallelLayout, ParallelSizes};
+
+use crate::run;
+
+#[test]
+fn each_rank_gets_its_layout_groups() {
+    let sizes = ParallelSizes::default()
+        .with_tp(2)
+        .with_pp(2)
+        .with_cp(1)
+        .with_ep(2);
+    let layout = ParallelLayout::new(8, sizes).unwrap();
+    let results = run(8, |ctx| {
+        let state = ctx.parallel_state(sizes)?;
+        let kinds = [
+            GroupKind::Tp,
+            GroupKind::Pp,
+            GroupKind::Dp,
+            GroupKind::Cp,
+            GroupKind::DpCp,
+            GroupKind::TpCp,
+            GroupKind::ModelParallel,
+            GroupKind::Ep,
+            GroupKind::ExpertDp,
+            GroupKind::Embedding,
+        ];
+        let groups: Vec<Option<Vec<usize>>> = kinds
+            .iter()
+            .map(|&k| state.group(k).map(|g| g.ranks().to_vec()))
+            .collect();
+        Ok((
+            kinds,
+            groups,
+            state.is_first_pipeline_stage(),
+            state.is_last_pipeline_stage(),
+            state.prev_pipeline_rank(),
+            state.next_pipeline_rank(),
+            state.tp().rank(),
+        ))
+    });
+    for (rank, (kinds, groups, first, last, prev, next, tp_rank)) in results.into_iter().enumerate()
+    {
+        for (kind, group) in kinds.iter().zip(groups) {
+            assert_eq!(
+                group,
+                layout.group_of(*kind, rank),
+                "{kind} group of rank {rank}"
+            );
+        }
+        // Ranks 0-3 are stage 0, ranks 4-7 stage 1.
+        assert_eq!((first, last), (rank < 4, rank >= 4));
+        assert_eq!(
+            (prev, next),
+            if rank < 4 {
+                (None, Some(1))
+            } else {
+                (Some(0), None)
+            }
+        );
+        assert_eq!(tp_rank, rank % 2);
+    }
+}
+
+#[test]
+fn an_invalid_layout_is_an_error_on_every_rank() {
+    let errors = run(4, |ctx| {
+        Ok(ctx
+            .parallel_state(ParallelSizes::default().with_tp(3))
+            .unwrap_err()
+            .to_string())
+    });
+    for e in errors {
+        assert_eq!(
+            e,
+            "tensor-parallel size 3 does not divide the world size (4): valid tensor-parallel sizes are 1, 2, 4"
+        );
+    }
+}
