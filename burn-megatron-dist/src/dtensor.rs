@@ -177,7 +177,7 @@ impl<B: DistBackend, const D: usize> DistTensor<B, D> {
     }
 
     /// Element-wise sum. Both tensors must have the same global shape, group and placement.
-    pub fn add(self, other: Self) -> DistResult<Self> {
+    pub fn try_add(self, other: Self) -> DistResult<Self> {
         self.check_compatible(&other, "add")?;
         Ok(Self {
             local: self.local + other.local,
@@ -187,7 +187,7 @@ impl<B: DistBackend, const D: usize> DistTensor<B, D> {
 
     /// Element-wise difference. Both tensors must have the same global shape, group and
     /// placement.
-    pub fn sub(self, other: Self) -> DistResult<Self> {
+    pub fn try_sub(self, other: Self) -> DistResult<Self> {
         self.check_compatible(&other, "subtract")?;
         Ok(Self {
             local: self.local - other.local,

@@ -96,7 +96,7 @@ fn list(values: &[usize]) -> String {
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|&d| n.is_multiple_of(d)).collect()
 }
 
 /// A rank's coordinates in the layout.
@@ -204,7 +204,7 @@ impl ParallelLayout {
                 ),
             ),
         ] {
-            if left % size != 0 {
+            if !left.is_multiple_of(size) {
                 return Err(LayoutError::NotDividing {
                     name,
                     size,
@@ -216,7 +216,7 @@ impl ParallelLayout {
             left /= size;
         }
         let dp = left;
-        if (dp * sizes.cp) % sizes.ep != 0 {
+        if !(dp * sizes.cp).is_multiple_of(sizes.ep) {
             return Err(LayoutError::NotDividing {
                 name: "expert-parallel",
                 size: sizes.ep,

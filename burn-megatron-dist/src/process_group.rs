@@ -43,9 +43,9 @@ pub(crate) struct GroupInfo {
     /// Global ranks, in group-rank order.
     pub members: Vec<usize>,
     /// This rank's index in `members`.
-    pub local_rank: usize,
+    pub group_rank: usize,
     /// This rank's global rank.
-    pub rank: usize,
+    pub global_rank: usize,
 }
 
 /// Per-rank call counters of a group, shared by every handle of the same group on a rank.
@@ -60,7 +60,7 @@ impl fmt::Debug for ProcessGroup {
         f.debug_struct("ProcessGroup")
             .field("name", &self.inner.info.name)
             .field("ranks", &self.inner.info.members)
-            .field("rank", &self.inner.info.local_rank)
+            .field("rank", &self.inner.info.group_rank)
             .finish()
     }
 }
@@ -107,8 +107,8 @@ impl ProcessGroup {
                     name: name.to_string(),
                     key,
                     members,
-                    local_rank,
-                    rank,
+                    group_rank: local_rank,
+                    global_rank: rank,
                 },
                 world,
                 counters,
@@ -123,7 +123,7 @@ impl ProcessGroup {
 
     /// This rank's index in the group.
     pub fn rank(&self) -> usize {
-        self.inner.info.local_rank
+        self.inner.info.group_rank
     }
 
     /// The number of ranks in the group.
@@ -138,7 +138,7 @@ impl ProcessGroup {
 
     /// This rank's global rank.
     pub fn global_rank(&self) -> usize {
-        self.inner.info.rank
+        self.inner.info.global_rank
     }
 
     /// Reduces `x` over the group; every rank gets the result.
@@ -358,7 +358,7 @@ impl ProcessGroup {
             let data = group.inner.world.recv(info, src, seq)?;
             if data.shape.len() != D {
                 return Err(DistError::Mismatch {
-                    rank: info.rank,
+                    rank: info.global_rank,
                     group: info.name.clone(),
                     op: format!("recv(src={src})"),
                     seq,
@@ -447,7 +447,7 @@ impl Pending {
             .collect(info, self.seq, &self.op.to_string())?;
         if let Some(detail) = disagreement(&parts, &info.members) {
             return Err(DistError::Mismatch {
-                rank: info.rank,
+                rank: info.global_rank,
                 group: info.name.clone(),
                 op: self.op.to_string(),
                 seq: self.seq,

@@ -116,7 +116,7 @@ impl ThreadWorld {
                 entries: vec![None; size],
                 unread: size,
             });
-        slot.entries[group.local_rank] = Some(part);
+        slot.entries[group.group_rank] = Some(part);
         self.changed.notify_all();
         Ok(())
     }
@@ -158,7 +158,7 @@ impl ThreadWorld {
         }
         state
             .mailboxes
-            .entry((group.key.clone(), group.local_rank, dst))
+            .entry((group.key.clone(), group.group_rank, dst))
             .or_default()
             .push_back(data);
         self.changed.notify_all();
@@ -167,7 +167,7 @@ impl ThreadWorld {
 
     /// Waits for the next message from group-local rank `src`.
     pub fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData> {
-        let key = (group.key.clone(), src, group.local_rank);
+        let key = (group.key.clone(), src, group.group_rank);
         let op = format!("recv(src={src})");
         self.wait(group, &op, seq, |state| {
             match state.mailboxes.get_mut(&key).and_then(|q| q.pop_front()) {
@@ -204,7 +204,7 @@ impl ThreadWorld {
                 .collect();
             if !exited.is_empty() {
                 return Err(DistError::PeerExited {
-                    rank: group.rank,
+                    rank: group.global_rank,
                     group: group.name.clone(),
                     op: op.to_string(),
                     seq,
@@ -214,7 +214,7 @@ impl ThreadWorld {
             let now = Instant::now();
             if now >= deadline {
                 return Err(DistError::Timeout {
-                    rank: group.rank,
+                    rank: group.global_rank,
                     group: group.name.clone(),
                     op: op.to_string(),
                     seq,
@@ -233,7 +233,7 @@ impl ThreadWorld {
 
 fn peer_failed(group: &GroupInfo, op: &str, failed_rank: usize, reason: &str) -> DistError {
     DistError::PeerFailed {
-        rank: group.rank,
+        rank: group.global_rank,
         group: group.name.clone(),
         op: op.to_string(),
         failed_rank,

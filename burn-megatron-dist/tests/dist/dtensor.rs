@@ -79,10 +79,10 @@ fn combining_mismatched_tensors_is_an_error() {
         let sharded = DistTensor::distribute(full(), g, Placement::Shard(1))?;
         let replicated = DistTensor::distribute(full(), g, Placement::Replicate)?;
         let elsewhere = DistTensor::distribute(full(), &sub, Placement::Shard(1))?;
-        let added = sharded.clone().add(sharded.clone())?;
+        let added = sharded.clone().try_add(sharded.clone())?;
         Ok([
-            sharded.clone().add(replicated).unwrap_err().to_string(),
-            sharded.add(elsewhere).unwrap_err().to_string(),
+            sharded.clone().try_add(replicated).unwrap_err().to_string(),
+            sharded.try_add(elsewhere).unwrap_err().to_string(),
             DistTensor::from_local(
                 iota::<B, 2>([7, 6], 1.0, 0.0),
                 g,

@@ -1,0 +1,125 @@
+//! A linear layer whose output features are split across tensor-parallel ranks.
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::tensor::module::linear;
+use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::mapping::{
+    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::error::ConfigError;
+use crate::init::{InitDistribution, init_slice, param_seed};
+
+/// Configuration of a [`ColumnParallelLinear`].
+#[derive(Config, Debug)]
+pub struct ColumnParallelLinearConfig {
+    /// Input features.
+    pub d_input: usize,
+    /// Output features of the whole layer, over all TP ranks.
+    pub d_output: usize,
+    /// Whether the layer has a bias (initialised to zero).
+    #[config(default = true)]
+    pub bias: bool,
+    /// Whether to all-gather the output, so that every rank holds all `d_output` features.
+    #[config(default = false)]
+    pub gather_output: bool,
+    /// Sequence parallelism: the input is sharded along the sequence (dimension 1) and is
+    /// all-gathered before the product.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Standard deviation of the normal initialisation of the weight.
+    #[config(default = 0.02)]
+    pub init_std: f64,
+}
+
+/// `y = x A + b` with `A` split by columns: rank `r` holds columns
+/// `[r · d_output / tp, (r + 1) · d_output / tp)` and computes that slice of `y`.
+///
+/// Megatron's first layer of a pair (MLP up-projection, attention QKV): its input is copied
+/// into the tensor-parallel region (the *f* operator: identity forward, all-reduce backward).
+#[derive(Module, Debug)]
+pub struct ColumnParallelLinear<B: Backend> {
+    /// `[d_input, d_output / tp]`: this rank's column slice of the full weight,
+    /// drawn from `N(0, init_std²)`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// `[d_output / tp]`: this rank's slice of the bias, initialised to zero.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    tp: ProcessGroup,
+    #[module(skip)]
+    gather_output: bool,
+    #[module(skip)]
+    sequence_parallel: bool,
+}
+
+impl ColumnParallelLinearConfig {
+    /// This rank's slice of the layer. Parameter values depend on `seed` only, not on the
+    /// tensor-parallel size.
+    pub fn init<B: DistBackend>(
+        &self,
+        tp: &ProcessGroup,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<ColumnParallelLinear<B>, ConfigError> {
+        ConfigError::check_divisible("output features", self.d_output, tp.size())?;
+        let width = self.d_output / tp.size();
+        let cols = tp.rank() * width..(tp.rank() + 1) * width;
+        let weight = init_slice(
+            [self.d_input, self.d_output],
+            [0..self.d_input, cols],
+            InitDistribution::Normal { std: self.init_std },
+            param_seed(seed, "weight"),
+            device,
+        );
+        let bias = self
+            .bias
+            .then(|| Param::from_tensor(Tensor::zeros([width], device)));
+        Ok(ColumnParallelLinear {
+            weight: Param::from_tensor(weight),
+            bias,
+            tp: tp.clone(),
+            gather_output: self.gather_output,
+            sequence_parallel: self.sequence_parallel,
+        })
+    }
+}
+
+impl<B: DistBackend> ColumnParallelLinear<B> {
+    /// `[.., d_input]` → `[.., d_output / tp]`, or `[.., d_output]` with `gather_output`.
+    /// Under sequence parallelism the input is `[batch, seq / tp, d_input]` and the output
+    /// covers the whole sequence.
+    ///
+    /// # Panics
+    /// If a collective fails (a peer died, a timeout); [`try_forward`](Self::try_forward)
+    /// returns the error instead.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning communication errors.
+    pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
+        let input = if self.sequence_parallel {
+            gather_from_sequence_parallel_region(input, &self.tp, 1, true)?
+        } else {
+            copy_to_tensor_parallel_region(input, &self.tp)?
+        };
+        let output = linear(
+            input,
+            self.weight.val(),
+            self.bias.as_ref().map(|b| b.val()),
+        );
+        if self.gather_output {
+            gather_from_tensor_parallel_region(output, &self.tp)
+        } else {
+            Ok(output)
+        }
+    }
+
+    /// The tensor-parallel group.
+    pub fn tp(&self) -> &ProcessGroup {
+        &self.tp
+    }
+}

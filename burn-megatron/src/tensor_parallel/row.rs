@@ -1,0 +1,135 @@
+//! A linear layer whose input features are split across tensor-parallel ranks.
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::tensor::module::linear;
+use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::mapping::{
+    copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
+};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::error::ConfigError;
+use crate::init::{InitDistribution, init_slice, param_seed};
+
+/// Configuration of a [`RowParallelLinear`].
+#[derive(Config, Debug)]
+pub struct RowParallelLinearConfig {
+    /// Input features of the whole layer, over all TP ranks.
+    pub d_input: usize,
+    /// Output features.
+    pub d_output: usize,
+    /// Whether the layer has a bias (initialised to zero).
+    #[config(default = true)]
+    pub bias: bool,
+    /// Whether the input is already split by features (the output of a
+    /// [`ColumnParallelLinear`](super::ColumnParallelLinear)); otherwise each rank takes its
+    /// slice of a full input.
+    #[config(default = true)]
+    pub input_is_parallel: bool,
+    /// Sequence parallelism: the output is reduce-scattered along the sequence (dimension 1)
+    /// instead of all-reduced.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Standard deviation of the normal initialisation of the weight (Megatron scales it by
+    /// `1 / sqrt(2 · layers)` for the output layers of a transformer).
+    #[config(default = 0.02)]
+    pub init_std: f64,
+}
+
+/// `y = x A + b` with `A` split by rows: rank `r` holds rows
+/// `[r · d_input / tp, (r + 1) · d_input / tp)`, multiplies its slice of the input, and the
+/// partial products are summed over the group (the *g* operator: all-reduce forward, identity
+/// backward), or reduce-scattered along the sequence under sequence parallelism.
+#[derive(Module, Debug)]
+pub struct RowParallelLinear<B: Backend> {
+    /// `[d_input / tp, d_output]`: this rank's row slice of the full weight, drawn from
+    /// `N(0, init_std²)`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// `[d_output]`: the whole bias, replicated on every rank, initialised to zero. It is added
+    /// after the reduction.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    tp: ProcessGroup,
+    #[module(skip)]
+    input_is_parallel: bool,
+    #[module(skip)]
+    sequence_parallel: bool,
+}
+
+impl RowParallelLinearConfig {
+    /// This rank's slice of the layer. Parameter values depend on `seed` only, not on the
+    /// tensor-parallel size.
+    pub fn init<B: DistBackend>(
+        &self,
+        tp: &ProcessGroup,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<RowParallelLinear<B>, ConfigError> {
+        ConfigError::check_divisible("input features", self.d_input, tp.size())?;
+        let height = self.d_input / tp.size();
+        let rows = tp.rank() * height..(tp.rank() + 1) * height;
+        let weight = init_slice(
+            [self.d_input, self.d_output],
+            [rows, 0..self.d_output],
+            InitDistribution::Normal { std: self.init_std },
+            param_seed(seed, "weight"),
+            device,
+        );
+        let bias = self
+            .bias
+            .then(|| Param::from_tensor(Tensor::zeros([self.d_output], device)));
+        Ok(RowParallelLinear {
+            weight: Param::from_tensor(weight),
+            bias,
+            tp: tp.clone(),
+            input_is_parallel: self.input_is_parallel,
+            sequence_parallel: self.sequence_parallel,
+        })
+    }
+}
+
+impl<B: DistBackend> RowParallelLinear<B> {
+    /// `[.., d_input / tp]` (or `[.., d_input]` without `input_is_parallel`) → `[.., d_output]`.
+    /// Under sequence parallelism the input is `[batch, seq, d_input / tp]` and the output
+    /// `[batch, seq / tp, d_output]`.
+    ///
+    /// # Panics
+    /// If a collective fails (a peer died, a timeout); [`try_forward`](Self::try_forward)
+    /// returns the error instead.
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning communication errors.
+    pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
+        let input = if self.input_is_parallel {
+            input
+        } else {
+            scatter_to_tensor_parallel_region(input, &self.tp)?
+        };
+        let partial = linear(input, self.weight.val(), None);
+        let output = if self.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)?
+        } else {
+            reduce_from_tensor_parallel_region(partial, &self.tp)?
+        };
+        let Some(bias) = &self.bias else {
+            return Ok(output);
+        };
+        // Under sequence parallelism each rank adds the bias to its own part of the sequence,
+        // so its gradient is partial: entering through *f* sums it over the group.
+        let bias = if self.sequence_parallel {
+            copy_to_tensor_parallel_region(bias.val(), &self.tp)?
+        } else {
+            bias.val()
+        };
+        Ok(output + bias.unsqueeze())
+    }
+
+    /// The tensor-parallel group.
+    pub fn tp(&self) -> &ProcessGroup {
+        &self.tp
+    }
+}
