@@ -24,6 +24,7 @@ pub enum InitDistribution {
 /// Seeds for the parameters of a model: each parameter's seed is derived from the model seed
 /// and the parameter's name, so adding a parameter does not shift the others.
 pub fn param_seed(model_seed: u64, name: &str) -> u64 {
+    // Mixing byte by byte keeps the seed a pure function of the name.
     name.bytes()
         .fold(splitmix64(model_seed), |h, b| splitmix64(h ^ b as u64))
 }
@@ -36,6 +37,20 @@ pub fn init_slice<B: Backend, const D: usize>(
     seed: u64,
     device: &B::Device,
 ) -> Tensor<B, D> {
+    let data = counter_slice(full, ranges, |i| match dist {
+        InitDistribution::Normal { std } => (standard_normal(seed, i) * std) as f32,
+        InitDistribution::Constant(c) => c as f32,
+    });
+    Tensor::from_data(data, device)
+}
+
+/// The slice `ranges` of a full tensor of shape `full` whose element at row-major index `i`
+/// is `value(i)`.
+pub(crate) fn counter_slice<const D: usize>(
+    full: [usize; D],
+    ranges: [Range<usize>; D],
+    value: impl Fn(u64) -> f32,
+) -> TensorData {
     let shape: [usize; D] = std::array::from_fn(|d| ranges[d].len());
     let count: usize = shape.iter().product();
     let mut values = Vec::with_capacity(count);
@@ -45,10 +60,7 @@ pub fn init_slice<B: Backend, const D: usize>(
         for d in 0..D {
             linear = linear * full[d] + ranges[d].start + index[d];
         }
-        values.push(match dist {
-            InitDistribution::Normal { std } => (standard_normal(seed, linear as u64) * std) as f32,
-            InitDistribution::Constant(c) => c as f32,
-        });
+        values.push(value(linear as u64));
         for d in (0..D).rev() {
             index[d] += 1;
             if index[d] < shape[d] {
@@ -57,7 +69,7 @@ pub fn init_slice<B: Backend, const D: usize>(
             index[d] = 0;
         }
     }
-    Tensor::from_data(TensorData::new(values, shape), device)
+    TensorData::new(values, shape)
 }
 
 /// The whole tensor: [`init_slice`] over every index.
@@ -79,7 +91,7 @@ fn splitmix64(x: u64) -> u64 {
 }
 
 /// A uniform number in (0, 1) for stream `seed`, position `counter`.
-fn uniform(seed: u64, counter: u64) -> f64 {
+pub(crate) fn uniform(seed: u64, counter: u64) -> f64 {
     let bits = splitmix64(seed ^ splitmix64(counter)) >> 11;
     (bits as f64 + 0.5) / (1u64 << 53) as f64
 }

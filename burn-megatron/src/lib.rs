@@ -3,10 +3,17 @@
 //! Layers are ordinary Burn modules (`#[derive(Module)]`, generic over the backend, working
 //! under `Autodiff`) that hold their slice of the parameters and a
 //! [`ProcessGroup`](burn_megatron_dist::ProcessGroup) to communicate over.
+//!
+//! - [`tensor_parallel`]: column/row-parallel linear layers, vocabulary-parallel embedding,
+//!   output layer and cross-entropy, layout-independent dropout, parameter placements.
+//! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
+//! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
 
 pub mod error;
 pub mod init;
+pub mod models;
 pub mod tensor_parallel;
+pub mod transformer;
 
 pub use burn_megatron_dist as dist;
 pub use error::ConfigError;

@@ -1,7 +1,20 @@
-//! Tensor-parallel layers: Megatron's column- and row-parallel linear layers.
+//! Tensor-parallel layers: Megatron's column- and row-parallel linear layers, the
+//! vocabulary-parallel embedding and cross-entropy, and layout-independent dropout.
 
 mod column;
+mod cross_entropy;
+mod dropout;
+mod placement;
 mod row;
+mod vocab;
+mod vocab_embedding;
+mod vocab_output;
 
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
+pub use cross_entropy::{masked_mean, vocab_parallel_cross_entropy};
+pub use dropout::{DropoutSite, dropout};
+pub use placement::{ParamShard, gather_full_grads, gather_full_params, param_shards};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
+pub use vocab::VocabPartition;
+pub use vocab_embedding::VocabParallelEmbedding;
+pub use vocab_output::{VocabParallelOutput, parallel_lm_logits};

@@ -1,0 +1,5 @@
+//! Models built from the transformer pieces.
+
+mod gpt;
+
+pub use gpt::GptModel;

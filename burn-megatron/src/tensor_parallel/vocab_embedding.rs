@@ -1,0 +1,82 @@
+//! An embedding table whose rows (tokens) are split across tensor-parallel ranks.
+
+use burn::module::{Module, Param};
+use burn::tensor::module::embedding;
+use burn::tensor::{Int, Tensor, backend::Backend};
+use burn_megatron_dist::mapping::{
+    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
+};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use super::vocab::VocabPartition;
+use crate::init::{InitDistribution, init_slice};
+
+/// Token embeddings split by vocabulary: rank `r` holds the rows of its
+/// [`VocabPartition`] range, looks up the tokens that fall in it (zero for the others), and
+/// the ranks' partial embeddings are summed over the group, or reduce-scattered along the
+/// sequence under sequence parallelism.
+#[derive(Module, Debug)]
+pub struct VocabParallelEmbedding<B: Backend> {
+    /// `[padded_vocab / tp, d_model]`: this rank's rows of the full table, drawn from
+    /// `N(0, init_std²)`.
+    pub weight: Param<Tensor<B, 2>>,
+    #[module(skip)]
+    tp: ProcessGroup,
+    #[module(skip)]
+    vocab: VocabPartition,
+    #[module(skip)]
+    sequence_parallel: bool,
+}
+
+impl<B: DistBackend> VocabParallelEmbedding<B> {
+    /// This rank's rows of a `[vocab.padded_size, d_model]` table; values depend on `seed`
+    /// only, not on the layout.
+    pub fn new(
+        vocab: VocabPartition,
+        d_model: usize,
+        init_std: f64,
+        sequence_parallel: bool,
+        tp: &ProcessGroup,
+        seed: u64,
+        device: &B::Device,
+    ) -> Self {
+        let weight = init_slice(
+            [vocab.padded_size, d_model],
+            [vocab.range(), 0..d_model],
+            InitDistribution::Normal { std: init_std },
+            seed,
+            device,
+        );
+        Self {
+            weight: Param::from_tensor(weight),
+            tp: tp.clone(),
+            vocab,
+            sequence_parallel,
+        }
+    }
+
+    /// `[batch, seq]` token ids → `[batch, seq, d_model]`, or `[batch, seq / tp, d_model]`
+    /// under sequence parallelism.
+    pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> DistResult<Tensor<B, 3>> {
+        let range = self.vocab.range();
+        let in_range = tokens
+            .clone()
+            .greater_equal_elem(range.start as i64)
+            .bool_and(tokens.clone().lower_elem(range.end as i64));
+        let local = tokens
+            .sub_scalar(range.start as i64)
+            .clamp(0, range.len() as i64 - 1);
+        let rows = embedding(self.weight.val(), local);
+        let partial = rows * in_range.float().unsqueeze_dim::<3>(2);
+        if self.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)
+        } else {
+            reduce_from_tensor_parallel_region(partial, &self.tp)
+        }
+    }
+
+    /// The vocabulary partition.
+    pub fn vocab(&self) -> &VocabPartition {
+        &self.vocab
+    }
+}

@@ -1,0 +1,172 @@
+//! Causal self-attention with its heads split across tensor-parallel ranks.
+
+use burn::module::Module;
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Tensor, backend::Backend};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use super::config::{PositionEmbedding, TransformerConfig};
+use super::rope::apply_rope;
+use crate::error::ConfigError;
+use crate::init::param_seed;
+use crate::tensor_parallel::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, DropoutSite, RowParallelLinear,
+    RowParallelLinearConfig, dropout,
+};
+
+/// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
+/// rank's heads, and a row-parallel output projection.
+///
+/// Heads are split by query group, so a rank holds whole groups: its query heads with the
+/// key/value head they share (GQA; plain multi-head attention is one head per group). The QKV
+/// weight's columns are ordered group by group, `[q heads of the group, k, v] × head_dim`, so
+/// that a contiguous column slice is a set of whole groups.
+#[derive(Module, Debug)]
+pub struct ParallelAttention<B: Backend> {
+    /// `hidden → groups · (heads_per_group + 2) · head_dim`, split by groups.
+    pub qkv: ColumnParallelLinear<B>,
+    /// `heads · head_dim → hidden`, split by heads.
+    pub output: RowParallelLinear<B>,
+    #[module(skip)]
+    shape: AttentionShape,
+}
+
+/// The head layout on this rank.
+#[derive(Debug, Clone, Copy)]
+struct AttentionShape {
+    heads: usize,
+    local_groups: usize,
+    heads_per_group: usize,
+    head_dim: usize,
+    first_head: usize,
+    rope_base: Option<f64>,
+    dropout: f64,
+}
+
+impl<B: DistBackend> ParallelAttention<B> {
+    /// This rank's part of layer `layer`'s attention.
+    pub fn new(
+        config: &TransformerConfig,
+        layer: usize,
+        tp: &ProcessGroup,
+        device: &B::Device,
+    ) -> Result<Self, ConfigError> {
+        let heads = config.num_attention_heads;
+        let groups = config.query_groups();
+        let head_dim = config.head_dim();
+        let heads_per_group = heads / groups;
+        let local_groups = groups / tp.size();
+        let seed =
+            |name: &str| param_seed(config.seed, &format!("layers.{layer}.attention.{name}"));
+        let qkv = ColumnParallelLinearConfig::new(
+            config.hidden_size,
+            groups * (heads_per_group + 2) * head_dim,
+        )
+        .with_bias(config.add_bias_linear)
+        .with_sequence_parallel(config.sequence_parallel)
+        .with_init_std(config.init_std)
+        .init(tp, seed("qkv"), device)?;
+        let output = RowParallelLinearConfig::new(heads * head_dim, config.hidden_size)
+            .with_bias(config.add_bias_linear)
+            .with_sequence_parallel(config.sequence_parallel)
+            .with_init_std(output_init_std(config))
+            .init(tp, seed("output"), device)?;
+        Ok(Self {
+            qkv,
+            output,
+            shape: AttentionShape {
+                heads,
+                local_groups,
+                heads_per_group,
+                head_dim,
+                first_head: tp.rank() * local_groups * heads_per_group,
+                rope_base: match config.position_embedding {
+                    PositionEmbedding::Rope { base } => Some(base),
+                    PositionEmbedding::Learned => None,
+                },
+                dropout: config.attention_dropout,
+            },
+        })
+    }
+
+    /// `[batch, seq, hidden]` → `[batch, seq, hidden]` (`seq / tp` in and out under sequence
+    /// parallelism).
+    pub fn try_forward(&self, x: Tensor<B, 3>, site: DropoutSite) -> DistResult<Tensor<B, 3>> {
+        let s = self.shape;
+        let qkv = self.qkv.try_forward(x)?;
+        let [batch, seq, _] = qkv.dims();
+        let local_heads = s.local_groups * s.heads_per_group;
+        let qkv = qkv.reshape([
+            batch,
+            seq,
+            s.local_groups,
+            s.heads_per_group + 2,
+            s.head_dim,
+        ]);
+        let q = qkv
+            .clone()
+            .narrow(3, 0, s.heads_per_group)
+            .reshape([batch, seq, local_heads, s.head_dim])
+            .swap_dims(1, 2);
+        let kv = |slot: usize| -> Tensor<B, 4> {
+            qkv.clone()
+                .narrow(3, s.heads_per_group + slot, 1)
+                .reshape([batch, seq, s.local_groups, s.head_dim])
+                .swap_dims(1, 2)
+        };
+        let (mut k, v) = (kv(0), kv(1));
+        let q = match s.rope_base {
+            Some(base) => {
+                k = apply_rope(k, base);
+                apply_rope(q, base)
+            }
+            None => q,
+        };
+        let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, s.local_groups, s.heads_per_group, seq, s.head_dim])
+                .reshape([batch, local_heads, seq, s.head_dim])
+        };
+        let context = core_attention(q, repeat(k), repeat(v), s, site);
+        let context = context
+            .swap_dims(1, 2)
+            .reshape([batch, seq, local_heads * s.head_dim]);
+        self.output.try_forward(context)
+    }
+}
+
+/// `softmax(q kᵀ / sqrt(d) + causal mask)` with dropout, times `v`.
+/// `[batch, local_heads, seq, head_dim]` each; the heads are global heads
+/// `first_head..first_head + local_heads`, which places the dropout mask.
+fn core_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    s: AttentionShape,
+    site: DropoutSite,
+) -> Tensor<B, 4> {
+    let [batch, _, seq, _] = q.dims();
+    let scores = q
+        .matmul(k.swap_dims(2, 3))
+        .div_scalar((s.head_dim as f64).sqrt());
+    let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
+    let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
+    let probs = softmax(scores, 3);
+    let probs = dropout(
+        probs,
+        s.dropout,
+        site,
+        [batch, s.heads, seq, seq],
+        [0, s.first_head, 0, 0],
+    );
+    probs.matmul(v)
+}
+
+/// The initialisation scale of the layers that write into the residual stream.
+pub(crate) fn output_init_std(config: &TransformerConfig) -> f64 {
+    if config.scaled_output_init {
+        config.init_std / (2.0 * config.num_layers as f64).sqrt()
+    } else {
+        config.init_std
+    }
+}

@@ -1,0 +1,252 @@
+//! The one configuration that drives a transformer model, in the spirit of Megatron-Core's
+//! `TransformerConfig`.
+
+use burn::config::Config;
+
+use crate::error::ConfigError;
+use crate::tensor_parallel::VocabPartition;
+
+/// Normalisation layer.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum Normalization {
+    /// LayerNorm with a scale and a shift (GPT).
+    LayerNorm,
+    /// RMSNorm with a scale (Llama).
+    RmsNorm,
+}
+
+/// Activation of the MLP.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum Activation {
+    /// `fc2(gelu(fc1(x)))` (GPT).
+    Gelu,
+    /// `fc2(silu(gate(x)) * fc1(x))` (Llama).
+    SwiGlu,
+}
+
+/// How token positions enter the model.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum PositionEmbedding {
+    /// A learned `[max_sequence_length, hidden_size]` table added to the token embeddings.
+    Learned,
+    /// Rotary embeddings applied to queries and keys.
+    Rope {
+        /// The frequency base (10 000 in the RoPE paper, 500 000 in Llama 3).
+        base: f64,
+    },
+}
+
+/// Which activations are recomputed in the backward pass instead of stored.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum Recompute {
+    /// Store everything.
+    None,
+    /// Recompute the attention core (scores, softmax, dropout), whose `[batch, heads, seq,
+    /// seq]` activations dominate memory at long sequences.
+    Selective,
+    /// Recompute each transformer layer from its input.
+    Full,
+}
+
+/// Shape, layers, initialisation and parallelism of a GPT- or Llama-style transformer.
+#[derive(Config, Debug)]
+pub struct TransformerConfig {
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Number of transformer layers.
+    pub num_layers: usize,
+    /// Attention (query) heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads shared by groups of query heads (GQA); equal to the heads for plain
+    /// multi-head attention (the default), 1 for multi-query attention.
+    pub num_query_groups: Option<usize>,
+    /// Hidden width of the MLP.
+    pub ffn_hidden_size: usize,
+    /// Real vocabulary size (padded for TP, see `make_vocab_size_divisible_by`).
+    pub vocab_size: usize,
+    /// Longest sequence the model takes.
+    pub max_sequence_length: usize,
+    /// Normalisation layer.
+    #[config(default = "Normalization::LayerNorm")]
+    pub normalization: Normalization,
+    /// Epsilon of the normalisation.
+    #[config(default = 1e-5)]
+    pub norm_epsilon: f64,
+    /// Activation of the MLP.
+    #[config(default = "Activation::Gelu")]
+    pub activation: Activation,
+    /// Position embedding.
+    #[config(default = "PositionEmbedding::Learned")]
+    pub position_embedding: PositionEmbedding,
+    /// Whether linear layers have biases.
+    #[config(default = true)]
+    pub add_bias_linear: bool,
+    /// Dropout on the embeddings and on each block's output before the residual add.
+    #[config(default = 0.0)]
+    pub hidden_dropout: f64,
+    /// Dropout on the attention probabilities.
+    #[config(default = 0.0)]
+    pub attention_dropout: f64,
+    /// Whether the output layer reuses the token embedding table.
+    #[config(default = true)]
+    pub tie_embeddings: bool,
+    /// Standard deviation of the normal initialisation.
+    #[config(default = 0.02)]
+    pub init_std: f64,
+    /// Whether the layers writing into the residual stream (attention output, MLP down
+    /// projection) use `init_std / sqrt(2 · num_layers)`, as GPT-2 and Megatron do.
+    #[config(default = true)]
+    pub scaled_output_init: bool,
+    /// The vocabulary is padded to a multiple of this times the TP size.
+    #[config(default = 128)]
+    pub make_vocab_size_divisible_by: usize,
+    /// Sequence parallelism: outside the tensor-parallel regions, activations are split
+    /// along the sequence over the TP group, cutting their memory by TP.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Activation recomputation.
+    #[config(default = "Recompute::None")]
+    pub recompute: Recompute,
+    /// Seed of the initialisation and of the dropout masks.
+    #[config(default = 1234)]
+    pub seed: u64,
+}
+
+/// A configuration checked against a TP size, with notes for the user (e.g. vocab padding).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedConfig {
+    /// The vocabulary as split over TP.
+    pub vocab: VocabPartition,
+    /// Things the user should know, such as padding added to the vocabulary.
+    pub notes: Vec<String>,
+}
+
+impl TransformerConfig {
+    fn gpt2(num_layers: usize, hidden_size: usize, heads: usize) -> Self {
+        Self::new(hidden_size, num_layers, heads, 4 * hidden_size, 50257, 1024)
+            .with_hidden_dropout(0.1)
+            .with_attention_dropout(0.1)
+    }
+
+    /// GPT-2 small: 12 layers, 768 wide, 12 heads (124M parameters).
+    pub fn gpt2_124m() -> Self {
+        Self::gpt2(12, 768, 12)
+    }
+    /// GPT-2 medium: 24 layers, 1024 wide, 16 heads (350M).
+    pub fn gpt2_350m() -> Self {
+        Self::gpt2(24, 1024, 16)
+    }
+    /// GPT-2 large: 36 layers, 1280 wide, 20 heads (774M).
+    pub fn gpt2_774m() -> Self {
+        Self::gpt2(36, 1280, 20)
+    }
+    /// GPT-2 XL: 48 layers, 1600 wide, 25 heads (1.5B). 25 heads allow TP of 1, 5 or 25 only.
+    pub fn gpt2_1_5b() -> Self {
+        Self::gpt2(48, 1600, 25)
+    }
+
+    fn llama(layers: usize, hidden: usize, heads: usize, groups: usize, ffn: usize) -> Self {
+        Self::new(hidden, layers, heads, ffn, 128_256, 8192)
+            .with_num_query_groups(Some(groups))
+            .with_normalization(Normalization::RmsNorm)
+            .with_activation(Activation::SwiGlu)
+            .with_position_embedding(PositionEmbedding::Rope { base: 500_000.0 })
+            .with_add_bias_linear(false)
+            .with_scaled_output_init(false)
+    }
+
+    /// Llama-3.2-1B's shape: 16 layers, 2048 wide, 32 heads in 8 query groups.
+    pub fn llama_1b() -> Self {
+        Self::llama(16, 2048, 32, 8, 8192)
+    }
+    /// Llama-3.2-3B's shape: 28 layers, 3072 wide, 24 heads in 8 query groups.
+    pub fn llama_3b() -> Self {
+        Self::llama(28, 3072, 24, 8, 8192)
+    }
+    /// Llama-3.1-8B's shape: 32 layers, 4096 wide, 32 heads in 8 query groups, untied output.
+    pub fn llama_8b() -> Self {
+        Self::llama(32, 4096, 32, 8, 14_336).with_tie_embeddings(false)
+    }
+
+    /// Key/value heads.
+    pub fn query_groups(&self) -> usize {
+        self.num_query_groups.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+
+    /// Checks the configuration for a TP group of `tp` ranks (this one being `tp_rank`).
+    pub fn validate(&self, tp: usize, tp_rank: usize) -> Result<ValidatedConfig, ConfigError> {
+        for (name, value) in [
+            ("hidden_size", self.hidden_size),
+            ("num_layers", self.num_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("max_sequence_length", self.max_sequence_length),
+            ("num_query_groups", self.query_groups()),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!("{name} must be at least 1")));
+            }
+        }
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return Err(ConfigError::Invalid(format!(
+                "hidden size ({}) must be divisible by the attention heads ({})",
+                self.hidden_size, self.num_attention_heads
+            )));
+        }
+        if !self.num_attention_heads.is_multiple_of(self.query_groups()) {
+            return Err(ConfigError::Invalid(format!(
+                "attention heads ({}) must be divisible by the query groups ({})",
+                self.num_attention_heads,
+                self.query_groups()
+            )));
+        }
+        ConfigError::check_divisible("attention heads", self.num_attention_heads, tp)?;
+        ConfigError::check_divisible("query groups", self.query_groups(), tp)?;
+        ConfigError::check_divisible("FFN hidden size", self.ffn_hidden_size, tp)?;
+        if self.sequence_parallel {
+            ConfigError::check_divisible(
+                "maximum sequence length (sequence parallelism splits it)",
+                self.max_sequence_length,
+                tp,
+            )?;
+        }
+        if let PositionEmbedding::Rope { base } = self.position_embedding {
+            if !self.head_dim().is_multiple_of(2) || base <= 1.0 {
+                return Err(ConfigError::Invalid(format!(
+                    "RoPE needs an even head dimension (got {}) and a base above 1 (got {base})",
+                    self.head_dim()
+                )));
+            }
+        }
+        for (name, p) in [
+            ("hidden_dropout", self.hidden_dropout),
+            ("attention_dropout", self.attention_dropout),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(ConfigError::Invalid(format!(
+                    "{name} must be in [0, 1), got {p}"
+                )));
+            }
+        }
+        if self.norm_epsilon <= 0.0 {
+            return Err(ConfigError::Invalid(format!(
+                "norm_epsilon must be positive, got {}",
+                self.norm_epsilon
+            )));
+        }
+        let vocab = VocabPartition::new(
+            self.vocab_size,
+            self.make_vocab_size_divisible_by,
+            tp,
+            tp_rank,
+        )?;
+        let notes = vocab.padding_note().into_iter().collect();
+        Ok(ValidatedConfig { vocab, notes })
+    }
+}

@@ -1,0 +1,110 @@
+//! One pre-norm transformer layer.
+
+use burn::module::Module;
+use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use super::attention::ParallelAttention;
+use super::config::TransformerConfig;
+use super::mlp::ParallelMlp;
+use super::norm::Norm;
+use crate::error::ConfigError;
+use crate::tensor_parallel::{DropoutSite, dropout};
+
+/// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`.
+///
+/// The residual stream is `[batch, seq, hidden]`, replicated over the TP group, or
+/// `[batch, seq / tp, hidden]` (this rank's part of the sequence) under sequence parallelism.
+#[derive(Module, Debug)]
+pub struct TransformerLayer<B: Backend> {
+    /// Norm before attention.
+    pub input_norm: Norm<B>,
+    /// Self-attention.
+    pub attention: ParallelAttention<B>,
+    /// Norm before the MLP.
+    pub post_attention_norm: Norm<B>,
+    /// MLP.
+    pub mlp: ParallelMlp<B>,
+    #[module(skip)]
+    context: LayerContext,
+}
+
+/// What a layer needs to place its dropout masks.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerContext {
+    pub index: usize,
+    pub seed: u64,
+    pub hidden_dropout: f64,
+    pub tp: ProcessGroup,
+    pub sequence_parallel: bool,
+}
+
+impl<B: DistBackend> TransformerLayer<B> {
+    /// This rank's part of layer `index`.
+    pub fn new(
+        config: &TransformerConfig,
+        index: usize,
+        tp: &ProcessGroup,
+        device: &B::Device,
+    ) -> Result<Self, ConfigError> {
+        let sp_group = config.sequence_parallel.then(|| tp.clone());
+        let norm = || {
+            Norm::new(
+                config.normalization,
+                config.hidden_size,
+                config.norm_epsilon,
+                sp_group.clone(),
+                device,
+            )
+        };
+        Ok(Self {
+            input_norm: norm(),
+            attention: ParallelAttention::new(config, index, tp, device)?,
+            post_attention_norm: norm(),
+            mlp: ParallelMlp::new(config, index, tp, device)?,
+            context: LayerContext {
+                index,
+                seed: config.seed,
+                hidden_dropout: config.hidden_dropout,
+                tp: tp.clone(),
+                sequence_parallel: config.sequence_parallel,
+            },
+        })
+    }
+
+    /// Runs the layer for the model's `call`-th forward pass (which picks the dropout masks).
+    pub fn try_forward(&self, x: Tensor<B, 3>, call: u64) -> DistResult<Tensor<B, 3>> {
+        let c = &self.context;
+        let site =
+            |name: &str| DropoutSite::new(c.seed, call, &format!("layers.{}.{name}", c.index));
+        let attention = self
+            .attention
+            .try_forward(self.input_norm.try_forward(x.clone())?, site("attention"))?;
+        let x = x + hidden_dropout(attention, c, site("attention_output"));
+        let mlp = self
+            .mlp
+            .try_forward(self.post_attention_norm.try_forward(x.clone())?)?;
+        Ok(x + hidden_dropout(mlp, c, site("mlp_output")))
+    }
+}
+
+/// Dropout on the residual stream, placed in the global `[batch, seq, hidden]` tensor.
+pub(crate) fn hidden_dropout<B: Backend>(
+    x: Tensor<B, 3>,
+    c: &LayerContext,
+    site: DropoutSite,
+) -> Tensor<B, 3> {
+    let [batch, seq, hidden] = x.dims();
+    let (global_seq, offset) = if c.sequence_parallel {
+        (seq * c.tp.size(), seq * c.tp.rank())
+    } else {
+        (seq, 0)
+    };
+    dropout(
+        x,
+        c.hidden_dropout,
+        site,
+        [batch, global_seq, hidden],
+        [0, offset, 0],
+    )
+}

@@ -1,0 +1,70 @@
+//! The MLP block with its hidden features split across tensor-parallel ranks.
+
+use burn::module::Module;
+use burn::tensor::activation::{gelu, silu};
+use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use super::attention::output_init_std;
+use super::config::{Activation, TransformerConfig};
+use crate::error::ConfigError;
+use crate::init::param_seed;
+use crate::tensor_parallel::{
+    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+};
+
+/// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
+/// features (no communication), and a row-parallel down-projection.
+///
+/// SwiGLU's gate and up projections are two layers rather than one fused weight, so that each
+/// has a layout-independent initialisation and a plain column split.
+#[derive(Module, Debug)]
+pub struct ParallelMlp<B: Backend> {
+    /// `hidden → ffn`, split by columns.
+    pub fc1: ColumnParallelLinear<B>,
+    /// `hidden → ffn`, split by columns: SwiGLU's gate.
+    pub gate: Option<ColumnParallelLinear<B>>,
+    /// `ffn → hidden`, split by rows.
+    pub fc2: RowParallelLinear<B>,
+}
+
+impl<B: DistBackend> ParallelMlp<B> {
+    /// This rank's part of layer `layer`'s MLP.
+    pub fn new(
+        config: &TransformerConfig,
+        layer: usize,
+        tp: &ProcessGroup,
+        device: &B::Device,
+    ) -> Result<Self, ConfigError> {
+        let seed = |name: &str| param_seed(config.seed, &format!("layers.{layer}.mlp.{name}"));
+        let up = || {
+            ColumnParallelLinearConfig::new(config.hidden_size, config.ffn_hidden_size)
+                .with_bias(config.add_bias_linear)
+                .with_sequence_parallel(config.sequence_parallel)
+                .with_init_std(config.init_std)
+        };
+        let gate = match config.activation {
+            Activation::SwiGlu => Some(up().init(tp, seed("gate"), device)?),
+            Activation::Gelu => None,
+        };
+        Ok(Self {
+            fc1: up().init(tp, seed("fc1"), device)?,
+            gate,
+            fc2: RowParallelLinearConfig::new(config.ffn_hidden_size, config.hidden_size)
+                .with_bias(config.add_bias_linear)
+                .with_sequence_parallel(config.sequence_parallel)
+                .with_init_std(output_init_std(config))
+                .init(tp, seed("fc2"), device)?,
+        })
+    }
+
+    /// `[batch, seq, hidden]` → `[batch, seq, hidden]` (`seq / tp` in and out under sequence
+    /// parallelism).
+    pub fn try_forward(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
+        let hidden = match &self.gate {
+            Some(gate) => silu(gate.try_forward(x.clone())?) * self.fc1.try_forward(x)?,
+            None => gelu(self.fc1.try_forward(x)?),
+        };
+        self.fc2.try_forward(hidden)
+    }
+}

@@ -1,0 +1,18 @@
+//! The transformer: configuration, norms, attention, MLP and layers.
+
+mod attention;
+mod config;
+mod layer;
+mod mlp;
+mod norm;
+mod rope;
+
+pub use attention::ParallelAttention;
+pub use config::{
+    Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig, ValidatedConfig,
+};
+pub use layer::TransformerLayer;
+pub(crate) use layer::{LayerContext, hidden_dropout};
+pub use mlp::ParallelMlp;
+pub use norm::Norm;
+pub use rope::apply_rope;
