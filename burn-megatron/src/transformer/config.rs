@@ -216,13 +216,13 @@ impl TransformerConfig {
                 tp,
             )?;
         }
-        if let PositionEmbedding::Rope { base } = self.position_embedding {
-            if !self.head_dim().is_multiple_of(2) || base <= 1.0 {
-                return Err(ConfigError::Invalid(format!(
-                    "RoPE needs an even head dimension (got {}) and a base above 1 (got {base})",
-                    self.head_dim()
-                )));
-            }
+        if let PositionEmbedding::Rope { base } = self.position_embedding
+            && (!self.head_dim().is_multiple_of(2) || base <= 1.0)
+        {
+            return Err(ConfigError::Invalid(format!(
+                "RoPE needs an even head dimension (got {}) and a base above 1 (got {base})",
+                self.head_dim()
+            )));
         }
         for (name, p) in [
             ("hidden_dropout", self.hidden_dropout),
