@@ -3,7 +3,7 @@
 use std::any::Any;
 use std::error::Error;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::error::DistResult;
@@ -91,12 +91,21 @@ pub struct LaunchError {
 /// future collectives fail at once with an error naming it, so a launch never hangs on a dead
 /// rank. Each rank must build its own modules and tensors (they may be equal, but must not be
 /// shared across ranks).
+///
+/// Launches in one process run one at a time (a second waits for the first): Burn's autodiff
+/// cleans up after every backward pass by locking every graph in the process, so a rank of one
+/// launch could wait on the graph of a rank of another launch that is itself waiting for a
+/// collective, and neither launch would finish.
 pub fn launch<T, E, F>(config: LaunchConfig, f: F) -> Result<Vec<T>, LaunchError>
 where
     T: Send,
     E: Into<Box<dyn Error + Send + Sync>>,
     F: Fn(RankContext) -> Result<T, E> + Sync,
 {
+    static ONE_LAUNCH_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _running = ONE_LAUNCH_AT_A_TIME
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
     let world = Arc::new(ThreadWorld::new(config.world_size, config.timeout));
     let members: Vec<usize> = (0..config.world_size).collect();
     let outcomes: Vec<Result<T, String>> = std::thread::scope(|scope| {

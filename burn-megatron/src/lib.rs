@@ -9,11 +9,13 @@
 //! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
 
+pub mod backend;
 pub mod error;
 pub mod init;
 pub mod models;
 pub mod tensor_parallel;
 pub mod transformer;
 
+pub use backend::ModelBackend;
 pub use burn_megatron_dist as dist;
 pub use error::ConfigError;

@@ -3,11 +3,14 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::mapping::scatter_to_sequence_parallel_region;
-use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistError, DistResult, ProcessGroup};
 
+use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::tensor_parallel::{
@@ -15,7 +18,8 @@ use crate::tensor_parallel::{
     parallel_lm_logits, vocab_parallel_cross_entropy,
 };
 use crate::transformer::{
-    LayerContext, Norm, PositionEmbedding, TransformerConfig, TransformerLayer, hidden_dropout,
+    LayerContext, Norm, PositionEmbedding, Recompute, TransformerConfig, TransformerLayer,
+    hidden_dropout,
 };
 
 /// A decoder-only language model: token (and learned position) embeddings, transformer
@@ -45,13 +49,14 @@ struct ModelContext {
     layer: LayerContext,
     /// Forward passes so far: picks fresh dropout masks for each.
     calls: Arc<AtomicU64>,
+    recompute: Recompute,
     notes: Vec<String>,
 }
 
 impl TransformerConfig {
     /// This rank's part of the model over the tensor-parallel group `tp`. Parameter values
     /// depend on the seed only, so every layout holds slices of the same model.
-    pub fn init_gpt<B: DistBackend>(
+    pub fn init_gpt<B: ModelBackend>(
         &self,
         tp: &ProcessGroup,
         device: &B::Device,
@@ -110,56 +115,23 @@ impl TransformerConfig {
                     sequence_parallel: self.sequence_parallel,
                 },
                 calls: Arc::new(AtomicU64::new(0)),
+                recompute: self.recompute,
                 notes: validated.notes,
             },
         })
     }
 }
 
-impl<B: DistBackend> GptModel<B> {
+impl<B: ModelBackend> GptModel<B> {
     /// `[batch, seq]` tokens → `[batch, seq, padded_vocab / tp]`: this rank's slice of the
     /// logits. Under sequence parallelism `seq` must be divisible by the TP size.
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> DistResult<Tensor<B, 3>> {
-        let c = &self.context;
-        let [_, seq] = tokens.dims();
-        let tp = &c.tp;
-        if seq > c.max_sequence_length {
-            return Err(DistError::InvalidArgument(format!(
-                "sequence of {seq} tokens is longer than the model's maximum of {}",
-                c.max_sequence_length
-            )));
-        }
-        if c.layer.sequence_parallel && !seq.is_multiple_of(tp.size()) {
-            return Err(DistError::InvalidArgument(format!(
-                "sequence parallelism splits the sequence over TP = {}: {seq} tokens do not divide",
-                tp.size()
-            )));
-        }
-        let call = c.calls.fetch_add(1, Ordering::Relaxed);
-        let mut x = self.embedding.try_forward(tokens)?;
-        if let Some(table) = &self.position_embedding {
-            let positions = table.val().narrow(0, 0, seq).unsqueeze::<3>();
-            let positions = if c.layer.sequence_parallel {
-                scatter_to_sequence_parallel_region(positions, tp, 1)?
-            } else {
-                positions
-            };
-            x = x + positions;
-        }
-        x = hidden_dropout(
-            x,
-            &c.layer,
-            DropoutSite::new(c.layer.seed, call, "embedding"),
-        );
+        let call = self.next_call();
+        let mut x = self.embed(tokens, call)?;
         for layer in &self.layers {
             x = layer.try_forward(x, call)?;
         }
-        let x = self.final_norm.try_forward(x)?;
-        let table = match &self.output {
-            Some(output) => output.weight.val(),
-            None => self.embedding.weight.val(),
-        };
-        parallel_lm_logits(x, table, tp, c.layer.sequence_parallel)
+        self.logits(x)
     }
 
     /// [`try_forward`](Self::try_forward), panicking on a communication failure.
@@ -197,4 +169,169 @@ impl<B: DistBackend> GptModel<B> {
     pub fn notes(&self) -> &[String] {
         &self.context.notes
     }
+
+    /// The activation recomputation the model was built with.
+    pub fn recompute(&self) -> Recompute {
+        self.context.recompute
+    }
+
+    fn next_call(&self) -> u64 {
+        self.context.calls.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Token and position embeddings with dropout: the residual stream's start,
+    /// `[batch, seq, hidden]` (`seq / tp` under sequence parallelism).
+    fn embed(&self, tokens: Tensor<B, 2, Int>, call: u64) -> DistResult<Tensor<B, 3>> {
+        let c = &self.context;
+        let [_, seq] = tokens.dims();
+        let tp = &c.tp;
+        if seq > c.max_sequence_length {
+            return Err(DistError::InvalidArgument(format!(
+                "sequence of {seq} tokens is longer than the model's maximum of {}",
+                c.max_sequence_length
+            )));
+        }
+        if c.layer.sequence_parallel && !seq.is_multiple_of(tp.size()) {
+            return Err(DistError::InvalidArgument(format!(
+                "sequence parallelism splits the sequence over TP = {}: {seq} tokens do not divide",
+                tp.size()
+            )));
+        }
+        let mut x = self.embedding.try_forward(tokens)?;
+        if let Some(table) = &self.position_embedding {
+            let positions = table.val().narrow(0, 0, seq).unsqueeze::<3>();
+            let positions = if c.layer.sequence_parallel {
+                scatter_to_sequence_parallel_region(positions, tp, 1)?
+            } else {
+                positions
+            };
+            x = x + positions;
+        }
+        Ok(hidden_dropout(
+            x,
+            &c.layer,
+            DropoutSite::new(c.layer.seed, call, "embedding"),
+        ))
+    }
+
+    /// Final norm and output layer: the residual stream to this rank's slice of the logits.
+    fn logits(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
+        let x = self.final_norm.try_forward(x)?;
+        let table = match &self.output {
+            Some(output) => output.weight.val(),
+            None => self.embedding.weight.val(),
+        };
+        parallel_lm_logits(
+            x,
+            table,
+            &self.context.tp,
+            self.context.layer.sequence_parallel,
+        )
+    }
+}
+
+impl<B> GptModel<B>
+where
+    B: AutodiffBackend + ModelBackend,
+{
+    /// One training step's forward and backward pass: the mean loss (see
+    /// [`loss`](Self::loss)) and the gradient of every parameter.
+    ///
+    /// With [`Recompute::Full`] it stores only each layer's input: the forward pass runs the
+    /// layers without recording a graph, and the backward pass reruns one layer at a time
+    /// (with the same dropout masks) and backpropagates through it from the gradient of its
+    /// output. Otherwise it is `loss.backward()`.
+    pub fn forward_backward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+    ) -> DistResult<(Tensor<B::InnerBackend, 1>, GradientsParams)> {
+        if self.context.recompute != Recompute::Full {
+            let loss = self.loss(self.try_forward(tokens)?, targets)?;
+            let grads = GradientsParams::from_grads(loss.backward(), self);
+            return Ok((loss.inner(), grads));
+        }
+        let call = self.next_call();
+        let embedded = self.embed(tokens, call)?;
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut x = embedded.clone().inner();
+        for layer in &self.layers {
+            inputs.push(x.clone());
+            x = layer
+                .clone()
+                .no_grad()
+                .try_forward(Tensor::from_inner(x), call)?
+                .inner();
+        }
+
+        let mut grads = GradientsParams::new();
+        let last = Tensor::<B, 3>::from_inner(x).require_grad();
+        let loss = self.loss(self.logits(last.clone())?, targets)?;
+        let head = self.segment_backward(loss.clone())?;
+        let mut upstream = last
+            .grad(&head)
+            .expect("the last layer's output feeds the loss");
+        accumulate(&mut grads, &self.final_norm, &head);
+        match &self.output {
+            Some(output) => accumulate(&mut grads, output, &head),
+            None => accumulate(&mut grads, &self.embedding, &head),
+        }
+
+        for (layer, input) in self.layers.iter().zip(inputs).rev() {
+            let input = Tensor::<B, 3>::from_inner(input).require_grad();
+            let output = layer.try_forward(input.clone(), call)?;
+            let layer_grads =
+                self.segment_backward((output * Tensor::from_inner(upstream)).sum())?;
+            upstream = input
+                .grad(&layer_grads)
+                .expect("a layer's input reaches its output");
+            accumulate(&mut grads, layer, &layer_grads);
+        }
+
+        let embedding_grads =
+            self.segment_backward((embedded * Tensor::from_inner(upstream)).sum())?;
+        accumulate(&mut grads, &self.embedding, &embedding_grads);
+        if let Some(table) = &self.position_embedding {
+            accumulate(&mut grads, table, &embedding_grads);
+        }
+        Ok((loss.inner(), grads))
+    }
+}
+
+impl<B: AutodiffBackend + ModelBackend> GptModel<B> {
+    /// Backpropagates one segment of a recomputed step, then waits for the TP group.
+    ///
+    /// Burn's autodiff ends every backward pass by locking every graph in the process. Two
+    /// back-to-back backward passes could otherwise deadlock thread ranks: one rank, in its
+    /// next segment's backward, holds its graph while waiting for a peer's collective, and
+    /// the peer, still cleaning up after the previous segment, waits for that graph.
+    fn segment_backward(&self, root: Tensor<B, 1>) -> DistResult<B::Gradients> {
+        let grads = root.backward();
+        self.context.tp.barrier()?;
+        Ok(grads)
+    }
+}
+
+/// Adds the gradients `grads` holds for `module`'s parameters to `total`.
+fn accumulate<B: AutodiffBackend, M: Module<B>>(
+    total: &mut GradientsParams,
+    module: &M,
+    grads: &B::Gradients,
+) {
+    struct Add<'a, B: AutodiffBackend> {
+        total: &'a mut GradientsParams,
+        grads: &'a B::Gradients,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Add<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = param.grad(self.grads) {
+                let sum = match self.total.remove::<B::InnerBackend, D>(param.id) {
+                    Some(previous) => previous + grad,
+                    None => grad,
+                };
+                self.total.register(param.id, sum);
+            }
+        }
+    }
+    module.visit(&mut Add { total, grads });
 }

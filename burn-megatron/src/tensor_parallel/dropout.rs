@@ -48,7 +48,20 @@ pub fn dropout<B: Backend, const D: usize>(
     if prob == 0.0 || !B::ad_enabled(&device) {
         return x;
     }
-    let dims = x.dims();
+    let mask = dropout_mask(x.dims(), prob, site, global_shape, offset, &device);
+    x * mask
+}
+
+/// The multiplier [`dropout`] applies to a block of shape `dims` at `offset`: 0 for dropped
+/// elements, `1 / (1 - prob)` for kept ones.
+pub fn dropout_mask<B: Backend, const D: usize>(
+    dims: [usize; D],
+    prob: f64,
+    site: DropoutSite,
+    global_shape: [usize; D],
+    offset: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
     let ranges = std::array::from_fn(|d| offset[d]..offset[d] + dims[d]);
     let scale = (1.0 / (1.0 - prob)) as f32;
     let mask = counter_slice(global_shape, ranges, |i| {
@@ -58,5 +71,5 @@ pub fn dropout<B: Backend, const D: usize>(
             scale
         }
     });
-    x * Tensor::from_data(mask, &device)
+    Tensor::from_data(mask, device)
 }

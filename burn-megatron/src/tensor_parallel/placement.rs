@@ -2,6 +2,7 @@
 //! full parameters or gradients (for tests, checkpoints and resharding).
 
 use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
@@ -131,7 +132,7 @@ pub fn gather_full_params<B: DistBackend, M: Module<B>>(
 /// A parameter without a gradient is an error. Every rank of the group must call it.
 pub fn gather_full_grads<B, M>(
     module: &M,
-    grads: &B::Gradients,
+    grads: &GradientsParams,
     tp: &ProcessGroup,
 ) -> DistResult<Vec<(String, TensorData)>>
 where
@@ -139,13 +140,13 @@ where
     B::InnerBackend: DistBackend,
     M: Module<B>,
 {
-    struct Gather<'a, B: AutodiffBackend> {
+    struct Gather<'a> {
         path: Path,
         tp: &'a ProcessGroup,
-        grads: &'a B::Gradients,
+        grads: &'a GradientsParams,
         out: DistResult<Vec<(String, TensorData)>>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B>
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_>
     where
         B::InnerBackend: DistBackend,
     {
@@ -158,8 +159,9 @@ where
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let (path, shard) = self.path.current();
             let Ok(out) = &mut self.out else { return };
-            let result = param
-                .grad(self.grads)
+            let result = self
+                .grads
+                .get::<B::InnerBackend, D>(param.id)
                 .ok_or_else(|| {
                     DistError::InvalidArgument(format!("parameter {path} has no gradient"))
                 })
@@ -170,12 +172,12 @@ where
             }
         }
     }
-    let mut visitor = Gather::<B> {
+    let mut visitor = Gather {
         path: Path::default(),
         tp,
         grads,
         out: Ok(Vec::new()),
     };
-    module.visit(&mut visitor);
+    Module::<B>::visit(module, &mut visitor);
     visitor.out
 }

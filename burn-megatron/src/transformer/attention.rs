@@ -1,17 +1,18 @@
 //! Causal self-attention with its heads split across tensor-parallel ranks.
 
 use burn::module::Module;
-use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Tensor, backend::Backend};
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::{DistResult, ProcessGroup};
 
-use super::config::{PositionEmbedding, TransformerConfig};
+use super::attention_core::AttentionCore;
+use super::config::{PositionEmbedding, Recompute, TransformerConfig};
 use super::rope::apply_rope;
+use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DropoutSite, RowParallelLinear,
-    RowParallelLinearConfig, dropout,
+    RowParallelLinearConfig,
 };
 
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
@@ -41,9 +42,10 @@ struct AttentionShape {
     first_head: usize,
     rope_base: Option<f64>,
     dropout: f64,
+    recompute: Recompute,
 }
 
-impl<B: DistBackend> ParallelAttention<B> {
+impl<B: ModelBackend> ParallelAttention<B> {
     /// This rank's part of layer `layer`'s attention.
     pub fn new(
         config: &TransformerConfig,
@@ -85,6 +87,7 @@ impl<B: DistBackend> ParallelAttention<B> {
                     PositionEmbedding::Learned => None,
                 },
                 dropout: config.attention_dropout,
+                recompute: config.recompute,
             },
         })
     }
@@ -127,39 +130,24 @@ impl<B: DistBackend> ParallelAttention<B> {
                 .expand([batch, s.local_groups, s.heads_per_group, seq, s.head_dim])
                 .reshape([batch, local_heads, seq, s.head_dim])
         };
-        let context = core_attention(q, repeat(k), repeat(v), s, site);
+        let core = AttentionCore {
+            scale: 1.0 / (s.head_dim as f64).sqrt(),
+            dropout: s.dropout,
+            training: B::ad_enabled(&q.device()),
+            site,
+            heads: s.heads,
+            first_head: s.first_head,
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let context = match s.recompute {
+            Recompute::Selective => B::recomputed_attention_core(q, k, v, core),
+            Recompute::None | Recompute::Full => core.forward(q, k, v),
+        };
         let context = context
             .swap_dims(1, 2)
             .reshape([batch, seq, local_heads * s.head_dim]);
         self.output.try_forward(context)
     }
-}
-
-/// `softmax(q kᵀ / sqrt(d) + causal mask)` with dropout, times `v`.
-/// `[batch, local_heads, seq, head_dim]` each; the heads are global heads
-/// `first_head..first_head + local_heads`, which places the dropout mask.
-fn core_attention<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    s: AttentionShape,
-    site: DropoutSite,
-) -> Tensor<B, 4> {
-    let [batch, _, seq, _] = q.dims();
-    let scores = q
-        .matmul(k.swap_dims(2, 3))
-        .div_scalar((s.head_dim as f64).sqrt());
-    let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &scores.device());
-    let scores = scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY);
-    let probs = softmax(scores, 3);
-    let probs = dropout(
-        probs,
-        s.dropout,
-        site,
-        [batch, s.heads, seq, seq],
-        [0, s.first_head, 0, 0],
-    );
-    probs.matmul(v)
 }
 
 /// The initialisation scale of the layers that write into the residual stream.

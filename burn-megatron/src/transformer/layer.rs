@@ -2,12 +2,13 @@
 
 use burn::module::Module;
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::attention::ParallelAttention;
 use super::config::TransformerConfig;
 use super::mlp::ParallelMlp;
 use super::norm::Norm;
+use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::tensor_parallel::{DropoutSite, dropout};
 
@@ -39,7 +40,7 @@ pub(crate) struct LayerContext {
     pub sequence_parallel: bool,
 }
 
-impl<B: DistBackend> TransformerLayer<B> {
+impl<B: ModelBackend> TransformerLayer<B> {
     /// This rank's part of layer `index`.
     pub fn new(
         config: &TransformerConfig,

@@ -1,6 +1,7 @@
 //! The transformer: configuration, norms, attention, MLP and layers.
 
 mod attention;
+mod attention_core;
 mod config;
 mod layer;
 mod mlp;
@@ -8,6 +9,7 @@ mod norm;
 mod rope;
 
 pub use attention::ParallelAttention;
+pub use attention_core::AttentionCore;
 pub use config::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig, ValidatedConfig,
 };

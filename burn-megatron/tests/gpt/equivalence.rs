@@ -1,9 +1,10 @@
 //! Logits, loss and every parameter gradient of TP = 1, 2, 4 (with and without sequence
 //! parallelism) equal the single-device model's.
 
+use burn::module::AutodiffModule;
 use burn::tensor::TensorData;
 use burn_megatron::tensor_parallel::gather_full_grads;
-use burn_megatron::transformer::TransformerConfig;
+use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
 
 use crate::{AD, relative_error, run, tokens, values};
@@ -31,14 +32,13 @@ fn outcomes(config: &TransformerConfig, tp: usize, batches: usize) -> Vec<Outcom
                     [0..2, 0..1],
                     burn::tensor::Tensor::from_ints([[-100], [-100]], &Default::default()),
                 );
-            let logits = model.try_forward(input)?;
-            let loss = model.loss(logits.clone(), targets)?;
-            let full_logits = state
-                .tp()
-                .all_gather(logits.inner(), 2)?
-                .narrow(2, 0, vocab);
-            let loss_value = loss.clone().into_scalar();
-            let grads = loss.backward();
+            // Logits from an inference pass (no dropout)...
+            let eval_input = burn::tensor::Tensor::from_data(input.to_data(), &Default::default());
+            let logits = model.valid().try_forward(eval_input)?;
+            let full_logits = state.tp().all_gather(logits, 2)?.narrow(2, 0, vocab);
+            // ...and loss and gradients from the training step.
+            let (loss, grads) = model.forward_backward(input, targets)?;
+            let loss_value = loss.into_scalar();
             let grads = gather_full_grads::<AD, _>(&model, &grads, state.tp())?;
             out.push(Outcome {
                 logits: values(full_logits.into_data()),
@@ -73,12 +73,30 @@ fn real_rows(path: &str, data: &TensorData, vocab: usize) -> Vec<f32> {
 }
 
 fn assert_equivalent(config: TransformerConfig, name: &str) {
+    let layouts: Vec<(usize, bool, Recompute)> = [1, 2, 4]
+        .into_iter()
+        .flat_map(|tp| [(tp, false, Recompute::None), (tp, true, Recompute::None)])
+        .collect();
+    assert_equivalent_in(config, name, &layouts);
+}
+
+/// Compares `config` in each `(tp, sequence_parallel, recompute)` layout with the
+/// single-device model without recomputation.
+fn assert_equivalent_in(
+    config: TransformerConfig,
+    name: &str,
+    layouts: &[(usize, bool, Recompute)],
+) {
     let batches = 2;
-    let reference = outcomes(&config, 1, batches);
-    for tp in [1, 2, 4] {
-        for sp in [false, true] {
-            let layout = format!("{name} TP={tp} SP={sp}");
-            let got = outcomes(&config.clone().with_sequence_parallel(sp), tp, batches);
+    let reference = outcomes(&config.clone().with_recompute(Recompute::None), 1, batches);
+    for &(tp, sp, recompute) in layouts {
+        {
+            let layout = format!("{name} TP={tp} SP={sp} recompute={recompute:?}");
+            let config = config
+                .clone()
+                .with_sequence_parallel(sp)
+                .with_recompute(recompute);
+            let got = outcomes(&config, tp, batches);
             for (batch, (g, r)) in got.iter().zip(&reference).enumerate() {
                 let err = relative_error(&g.logits, &r.logits);
                 assert!(err <= 1e-5, "{layout} batch {batch}: logits off by {err:e}");
@@ -124,6 +142,21 @@ fn dropout_matches_single_device_in_every_layout() {
         .with_hidden_dropout(0.2)
         .with_attention_dropout(0.2);
     assert_equivalent(config, "GPT with dropout");
+}
+
+/// Selective (attention core) and full (per layer) recomputation give the gradients of the
+/// model that stores everything, in several layouts, with dropout masks replayed exactly.
+#[test]
+fn recomputation_gives_the_same_gradients() {
+    let layouts: Vec<(usize, bool, Recompute)> = [Recompute::Selective, Recompute::Full]
+        .into_iter()
+        .flat_map(|r| [(1, false, r), (2, true, r), (4, false, r)])
+        .collect();
+    let gpt = crate::small_gpt()
+        .with_hidden_dropout(0.1)
+        .with_attention_dropout(0.1);
+    assert_equivalent_in(gpt, "GPT with dropout", &layouts);
+    assert_equivalent_in(crate::small_llama(), "Llama", &layouts);
 }
 
 #[test]

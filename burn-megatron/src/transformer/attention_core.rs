@@ -1,0 +1,99 @@
+//! The attention core, `softmax(q kᵀ / sqrt(d) + causal mask)` with dropout, times `v`, with
+//! the backward written out so that it can be recomputed from `q`, `k` and `v` alone.
+
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Tensor, backend::Backend};
+
+use crate::tensor_parallel::{DropoutSite, dropout_mask};
+
+/// One attention core call: its scale and how its dropout mask is placed.
+///
+/// Tensors are `[batch, local_heads, seq, head_dim]`; this rank's heads are the global heads
+/// `first_head..first_head + local_heads` of `heads`, which places the dropout mask in the
+/// global `[batch, heads, seq, seq]` probabilities.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionCore {
+    /// `1 / sqrt(head_dim)`.
+    pub scale: f64,
+    /// Dropout probability on the attention probabilities.
+    pub dropout: f64,
+    /// Whether dropout is applied (training).
+    pub training: bool,
+    /// Where the dropout mask is drawn.
+    pub site: DropoutSite,
+    /// Heads of the whole layer.
+    pub heads: usize,
+    /// Global index of this rank's first head.
+    pub first_head: usize,
+}
+
+impl AttentionCore {
+    /// The attention probabilities and the dropout multiplier, if any.
+    fn probabilities<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
+        let [batch, local_heads, seq, _] = q.dims();
+        let device = q.device();
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(self.scale);
+        let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        let probs = softmax(
+            scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY),
+            3,
+        );
+        let mask = (self.training && self.dropout > 0.0).then(|| {
+            dropout_mask(
+                [batch, local_heads, seq, seq],
+                self.dropout,
+                self.site,
+                [batch, self.heads, seq, seq],
+                [0, self.first_head, 0, 0],
+                &device,
+            )
+        });
+        (probs, mask)
+    }
+
+    /// `[batch, local_heads, seq, head_dim]` each → the same shape.
+    pub fn forward<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> Tensor<B, 4> {
+        let (probs, mask) = self.probabilities(q, k);
+        let probs = match mask {
+            Some(mask) => probs * mask,
+            None => probs,
+        };
+        probs.matmul(v)
+    }
+
+    /// The gradients of `q`, `k` and `v` given the output's gradient, recomputing the
+    /// probabilities: with `P` the probabilities, `M` the dropout multiplier and `O = (P ∘ M) v`,
+    /// `dv = (P ∘ M)ᵀ dO`, `dP = (dO vᵀ) ∘ M`, `dS = P ∘ (dP - rowsum(dP ∘ P))`,
+    /// `dq = scale · dS k`, `dk = scale · dSᵀ q`.
+    pub fn backward<B: Backend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        grad: Tensor<B, 4>,
+    ) -> [Tensor<B, 4>; 3] {
+        let (probs, mask) = self.probabilities(q.clone(), k.clone());
+        let (kept, grad_probs) = match &mask {
+            Some(mask) => (
+                probs.clone() * mask.clone(),
+                grad.clone().matmul(v.swap_dims(2, 3)) * mask.clone(),
+            ),
+            None => (probs.clone(), grad.clone().matmul(v.swap_dims(2, 3))),
+        };
+        let grad_v = kept.swap_dims(2, 3).matmul(grad);
+        let row = (grad_probs.clone() * probs.clone()).sum_dim(3);
+        let grad_scores = probs * (grad_probs - row);
+        let grad_q = grad_scores.clone().matmul(k).mul_scalar(self.scale);
+        let grad_k = grad_scores.swap_dims(2, 3).matmul(q).mul_scalar(self.scale);
+        [grad_q, grad_k, grad_v]
+    }
+}
