@@ -40,6 +40,22 @@ where
 {
 }
 
+#[cfg(feature = "cuda")]
+mod cube {
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_fusion::{Fusion, FusionBackend};
+
+    use super::DistBackend;
+
+    /// Every CubeCL backend (burn-cuda's, ours): collectives through the host for now.
+    impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DistBackend
+        for CubeBackend<R, F, I, BT>
+    {
+    }
+
+    impl<B: FusionBackend> DistBackend for Fusion<B> {}
+}
+
 impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
     fn apply_mapping<const D: usize>(
         x: Tensor<Self, D>,

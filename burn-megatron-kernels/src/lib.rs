@@ -1,1 +1,8 @@
-//! placeholder
+//! burn-megatron's GPU pieces.
+//!
+//! With the `cuda` feature: [`cuda`], our CUDA backend (a CubeCL runtime that owns its
+//! streams) and the in-band foreign operations that NCCL collectives and cuBLASLt GEMMs run
+//! through. Fused kernels and GEMM paths build on it.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;

@@ -36,6 +36,21 @@ where
 {
 }
 
+#[cfg(feature = "cuda")]
+mod cube {
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_fusion::{Fusion, FusionBackend};
+
+    use super::ModelBackend;
+
+    impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
+        for CubeBackend<R, F, I, BT>
+    {
+    }
+
+    impl<B: FusionBackend> ModelBackend for Fusion<B> {}
+}
+
 impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     fn recomputed_attention_core(
         q: Tensor<Self, 4>,

@@ -1,0 +1,148 @@
+//! In-band foreign operations: host code that enqueues GPU work of its own (an NCCL
+//! collective, a cuBLASLt GEMM, a memcpy) in program order with Burn's kernels, with no host
+//! synchronisation.
+//!
+//! An operation is submitted to the device's queue, the same first-in-first-out queue Burn's
+//! kernels go through, so it runs after every kernel submitted before it. It gets the device
+//! pointers of the tensors it names and a stream to enqueue on:
+//! - [`Lane::Compute`]: the compute stream itself. Nothing more is needed: later kernels are
+//!   ordered after it, and memory it uses is reused only by later work on the same stream.
+//! - [`Lane::Side`]: a side stream, to overlap with compute. It starts after the compute work
+//!   enqueued so far (an event), and the compute stream waits for its end (another event)
+//!   before any later kernel, copy or foreign operation touching the same memory, or when
+//!   [`ForeignQueue::join`] asks. Its tensors' memory is kept out of reuse until it ends.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn_cubecl::tensor::CubeTensor;
+use cubecl_common::device::Device;
+use cubecl_common::device_handle::DeviceHandle;
+use cubecl_core::server::Binding;
+use cudarc::driver::sys::CUstream;
+
+use super::device::CudaGpu;
+use super::runtime::MegatronCudaRuntime;
+use super::server::CudaServer;
+
+/// Where a foreign operation runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// On the compute stream, in order with the kernels.
+    Compute,
+    /// On side stream `n`, overlapping with compute.
+    Side(u8),
+}
+
+/// What a foreign operation is given.
+pub struct ForeignContext<'a> {
+    /// The stream to enqueue the operation's work on.
+    pub stream: CUstream,
+    /// The compute stream (equal to `stream` on [`Lane::Compute`]).
+    pub compute_stream: CUstream,
+    /// Device pointers of the submitted tensors, in order (offsets applied).
+    pub pointers: &'a [u64],
+    /// Per-device state of foreign libraries (a cuBLASLt handle, NCCL communicators, …).
+    pub extensions: &'a mut Extensions,
+}
+
+/// Per-device state, one value per type.
+#[derive(Default)]
+pub struct Extensions {
+    values: HashMap<TypeId, Box<dyn Any + Send>>,
+}
+
+impl Extensions {
+    /// The value of type `T`, created by `init` on first use.
+    pub fn get_or_insert_with<T: Any + Send>(&mut self, init: impl FnOnce() -> T) -> &mut T {
+        self.values
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Box::new(init()))
+            .downcast_mut()
+            .expect("values are stored under their own type id")
+    }
+
+    /// The value of type `T`, if there is one.
+    pub fn get_mut<T: Any + Send>(&mut self) -> Option<&mut T> {
+        self.values.get_mut(&TypeId::of::<T>()).and_then(|v| v.downcast_mut())
+    }
+}
+
+/// The body of a foreign operation. An error (or a panic) is reported by the device's next
+/// read, sync or flush, naming the operation.
+pub type ForeignOp = Box<dyn FnOnce(&mut ForeignContext<'_>) -> Result<(), String> + Send>;
+
+pub(crate) struct ForeignTask {
+    pub name: &'static str,
+    pub bindings: Vec<Binding>,
+    pub lane: Lane,
+    pub ticket: u64,
+    pub op: ForeignOp,
+}
+
+/// Identifies a submitted side-lane operation, for [`ForeignQueue::join`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ticket(u64);
+
+/// Submits foreign operations to a device's queue.
+#[derive(Clone)]
+pub struct ForeignQueue {
+    handle: DeviceHandle<CudaServer>,
+}
+
+impl core::fmt::Debug for ForeignQueue {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "ForeignQueue({:?})", self.handle.device_id())
+    }
+}
+
+static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
+
+impl ForeignQueue {
+    /// The queue of `device`: the one Burn's kernels for it go through.
+    pub fn new(device: &CudaGpu) -> Self {
+        Self {
+            handle: DeviceHandle::new(device.to_id()),
+        }
+    }
+
+    /// Enqueues `op` on `lane` after everything submitted to the device so far. `bindings`
+    /// name the memory it touches (see [`binding`]); `name` identifies it in errors.
+    pub fn submit(
+        &self,
+        name: &'static str,
+        bindings: Vec<Binding>,
+        lane: Lane,
+        op: impl FnOnce(&mut ForeignContext<'_>) -> Result<(), String> + Send + 'static,
+    ) -> Ticket {
+        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
+        let task = ForeignTask {
+            name,
+            bindings,
+            lane,
+            ticket,
+            op: Box::new(op),
+        };
+        self.handle.submit(move |server| server.run_foreign(task));
+        Ticket(ticket)
+    }
+
+    /// Makes the compute stream wait for the side-lane operation `ticket`: work submitted
+    /// after this call sees its results. No host synchronisation.
+    pub fn join(&self, ticket: Ticket) {
+        self.handle.submit(move |server| server.join(ticket.0));
+    }
+
+    /// Starts the queued work now. The queue otherwise waits for a batch of tasks; a
+    /// collective that peers wait on must not wait in it.
+    pub fn flush(&self) {
+        self.handle.flush_queue();
+    }
+}
+
+/// The memory binding of a tensor of [`MegatronCuda`](super::MegatronCuda), for
+/// [`ForeignQueue::submit`].
+pub fn binding(tensor: &CubeTensor<MegatronCudaRuntime>) -> Binding {
+    tensor.handle.clone().binding()
+}

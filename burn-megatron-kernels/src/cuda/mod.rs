@@ -1,0 +1,36 @@
+//! Our CUDA backend: a CubeCL runtime that owns its streams, so that NCCL and cuBLASLt run in
+//! stream order with Burn's kernels without host synchronisation.
+//!
+//! [`MegatronCuda`] is Burn's `CubeBackend` over [`MegatronCudaRuntime`]: every Burn op and
+//! CubeCL kernel runs on it as on burn-cuda (same compiler, same kernels, same autotune). What
+//! it adds is [`foreign`]: host operations in the device's queue, on its streams.
+
+mod copy;
+mod device;
+mod driver;
+mod event;
+pub mod foreign;
+mod modules;
+mod properties;
+mod runtime;
+mod server;
+mod storage;
+mod tensor_map;
+
+pub use device::CudaGpu;
+pub use foreign::{ForeignContext, ForeignQueue, Lane, Ticket, binding};
+pub use runtime::MegatronCudaRuntime;
+pub use server::CudaServer;
+pub use storage::GpuResource;
+
+/// CubeCL's CUDA C++ compiler, as cubecl-cuda configures it.
+pub type CudaCompiler = cubecl_cpp::shared::CppCompiler<
+    cubecl_cpp::cuda::CudaDialect<cubecl_cpp::cuda::mma::CudaWmmaCompiler>,
+>;
+
+/// Burn's backend on our CUDA runtime.
+pub type MegatronCuda<F = f32, I = i32> = burn_cubecl::CubeBackend<MegatronCudaRuntime, F, I, u8>;
+
+/// [`MegatronCuda`] with Burn's operation fusion, as burn-cuda's default `Cuda` has it.
+/// Foreign operations take tensors of the unfused backend.
+pub type MegatronCudaFusion<F = f32, I = i32> = burn_fusion::Fusion<MegatronCuda<F, I>>;

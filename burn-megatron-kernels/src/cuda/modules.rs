@@ -1,0 +1,156 @@
+//! Compiling CubeCL kernels to PTX with NVRTC and loading them, once per kernel id.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+
+use cubecl_common::backtrace::BackTrace;
+use cubecl_core::ExecutionMode;
+use cubecl_core::ir::DeviceProperties;
+use cubecl_core::prelude::CubeDim;
+use cubecl_core::server::{LaunchError, ResourceLimitError};
+use cubecl_runtime::compiler::{CompilationError, CubeTask};
+use cubecl_runtime::id::KernelId;
+use cubecl_runtime::validation::{validate_cube_dim, validate_units};
+use cudarc::driver::sys::{CUfunction, CUfunction_attribute};
+
+use super::CudaCompiler;
+use cubecl_cpp::shared::CompilationOptions;
+
+/// A kernel ready to launch.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadedKernel {
+    pub function: CUfunction,
+    pub cube_dim: CubeDim,
+    pub shared_memory: usize,
+}
+
+/// The kernels loaded on one device.
+#[derive(Debug)]
+pub struct Modules {
+    arch: u32,
+    options: CompilationOptions,
+    kernels: HashMap<KernelId, LoadedKernel>,
+}
+
+fn compilation_error(reason: String) -> LaunchError {
+    CompilationError::Generic {
+        reason,
+        backtrace: BackTrace::capture(),
+    }
+    .into()
+}
+
+/// `$CUDA_PATH` or `/usr/local/cuda`: NVRTC needs the toolkit headers.
+fn cuda_root() -> PathBuf {
+    std::env::var_os("CUDA_PATH").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/local/cuda"))
+}
+
+impl Modules {
+    /// An empty cache for compute capability `arch`.
+    pub fn new(arch: u32, options: CompilationOptions) -> Self {
+        Self {
+            arch,
+            options,
+            kernels: HashMap::new(),
+        }
+    }
+
+    /// How kernels are compiled here.
+    pub fn options(&self) -> &CompilationOptions {
+        &self.options
+    }
+
+    /// The loaded kernel for `id`, compiling `task` on first use.
+    pub fn get_or_load(
+        &mut self,
+        id: &KernelId,
+        task: &dyn CubeTask<CudaCompiler>,
+        mode: ExecutionMode,
+        properties: &DeviceProperties,
+    ) -> Result<LoadedKernel, LaunchError> {
+        if let Some(kernel) = self.kernels.get(id) {
+            return Ok(*kernel);
+        }
+        validate_cube_dim(properties, id)?;
+        validate_units(properties, id)?;
+        let compiled = task.compile(&mut Default::default(), &self.options, mode, task.address_type())?;
+        let shared_memory = compiled.repr.as_ref().map_or(0, |r| r.shared_memory_size());
+        let max = properties.hardware.max_shared_memory_size;
+        if shared_memory > max {
+            return Err(ResourceLimitError::SharedMemory {
+                requested: shared_memory,
+                max,
+                backtrace: BackTrace::capture(),
+            }
+            .into());
+        }
+        let ptx = self.compile_ptx(&compiled.source)?;
+        let function = load(&ptx, &compiled.entrypoint_name, shared_memory)?;
+        let kernel = LoadedKernel {
+            function,
+            cube_dim: compiled.cube_dim,
+            shared_memory,
+        };
+        self.kernels.insert(id.clone(), kernel);
+        Ok(kernel)
+    }
+
+    /// CUDA C++ to PTX for this GPU (`sm_90a` on Hopper, to allow its special instructions).
+    fn compile_ptx(&self, source: &str) -> Result<Vec<std::ffi::c_char>, LaunchError> {
+        let suffix = if self.arch >= 90 { "a" } else { "" };
+        let arch = format!("--gpu-architecture=sm_{}{suffix}", self.arch);
+        let include = cuda_root().join("include");
+        let cccl = include.join("cccl");
+        let include = format!("--include-path={}", include.display());
+        let cccl_option = format!("--include-path={}", cccl.display());
+        let mut options = vec![arch.as_str(), include.as_str(), "-lineinfo"];
+        if cccl.exists() {
+            options.push(cccl_option.as_str());
+        }
+        let source = CString::new(source).map_err(|e| compilation_error(e.to_string()))?;
+        // SAFETY: NVRTC FFI on a program we create, compile, read and destroy here.
+        unsafe {
+            use cudarc::nvrtc::result as nvrtc;
+            let program = nvrtc::create_program(source.as_c_str(), None)
+                .map_err(|e| compilation_error(format!("nvrtcCreateProgram: {e:?}")))?;
+            let compiled = nvrtc::compile_program(program, &options);
+            let result = match compiled {
+                Ok(()) => nvrtc::get_ptx(program).map_err(|e| compilation_error(format!("nvrtcGetPTX: {e:?}"))),
+                Err(e) => {
+                    let log = nvrtc::get_program_log(program)
+                        .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    Err(compilation_error(format!(
+                        "NVRTC failed ({e:?}) for {}:\n{log}\n[source]\n{}",
+                        self.arch,
+                        source.to_string_lossy()
+                    )))
+                }
+            };
+            let _ = nvrtc::destroy_program(program);
+            result
+        }
+    }
+}
+
+/// Loads `ptx` and returns its `entrypoint`, allowed `shared_memory` bytes of dynamic shared
+/// memory (set once here rather than at every launch).
+fn load(ptx: &[std::ffi::c_char], entrypoint: &str, shared_memory: usize) -> Result<CUfunction, LaunchError> {
+    let name = CString::new(entrypoint).map_err(|e| compilation_error(e.to_string()))?;
+    // SAFETY: `ptx` is NUL-terminated PTX from NVRTC; modules stay loaded for the process.
+    unsafe {
+        use cudarc::driver::result as driver;
+        let module = driver::module::load_data(ptx.as_ptr() as *const _)
+            .map_err(|e| compilation_error(format!("cuModuleLoadData: {e:?}")))?;
+        let function = driver::module::get_function(module, name)
+            .map_err(|e| compilation_error(format!("cuModuleGetFunction({entrypoint}): {e:?}")))?;
+        driver::function::set_function_attribute(
+            function,
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_memory as i32,
+        )
+        .map_err(|e| compilation_error(format!("cuFuncSetAttribute: {e:?}")))?;
+        Ok(function)
+    }
+}

@@ -1,0 +1,567 @@
+//! The compute server: owns the device's streams, memory and kernels, and runs every task of
+//! the device queue (Burn's kernels and our foreign operations) in order.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use cubecl_common::backtrace::BackTrace;
+use cubecl_common::bytes::Bytes;
+use cubecl_common::device::{Device, DeviceId, DeviceService, ServerUtilitiesHandle};
+use cubecl_common::profile::ProfileDuration;
+use cubecl_common::stream_id::StreamId;
+use cubecl_core::future::DynFut;
+use cubecl_core::prelude::{CubeCount, ExecutionMode};
+use cubecl_core::server::{
+    Binding, CopyDescriptor, Handle, IoError, KernelArguments, ProfileError, ProfilingToken,
+    ServerCommunication, ServerError, ServerUtilities,
+};
+use cubecl_core::{MemoryConfiguration, MemoryUsage};
+use cubecl_runtime::allocator::PitchedMemoryLayoutPolicy;
+use cubecl_runtime::compiler::CubeTask;
+use cubecl_runtime::logging::ServerLogger;
+use cubecl_runtime::memory_management::{
+    ManagedMemoryHandle, MemoryAllocationMode, MemoryManagement, MemoryManagementOptions,
+};
+use cubecl_runtime::server::ComputeServer;
+use cubecl_runtime::storage::{ComputeStorage, ManagedResource};
+use cubecl_runtime::timestamp_profiler::TimestampProfiler;
+use cudarc::driver::sys::{CUcontext, CUstream, CUstream_flags, cuStreamCreate, cuStreamCreateWithPriority};
+
+use super::copy::{Direction, copy};
+use super::device::CudaGpu;
+use super::driver::{DriverFailure, check};
+use super::event::Event;
+use super::foreign::{Extensions, ForeignContext, ForeignTask, Lane};
+use super::modules::Modules;
+use super::properties::{MEMORY_ALIGNMENT, probe};
+use super::storage::{GpuResource, GpuStorage};
+use super::tensor_map;
+use super::CudaCompiler;
+
+/// The server of one GPU. It runs on the device's queue thread, so it is never shared.
+pub struct CudaServer {
+    context: CUcontext,
+    /// Where Burn's kernels, copies and compute-lane foreign operations run, in order.
+    compute: CUstream,
+    /// Side lanes for foreign operations that overlap compute (created on first use).
+    lanes: Vec<CUstream>,
+    memory: MemoryManagement<GpuStorage>,
+    modules: Modules,
+    utilities: Arc<ServerUtilities<Self>>,
+    /// Launch and foreign-operation errors, reported by the next read, sync or flush.
+    errors: Vec<ServerError>,
+    timestamps: TimestampProfiler,
+    cursor: u64,
+    /// Side-lane operations whose end the compute stream has not waited for yet.
+    pending: Vec<PendingOp>,
+    extensions: Extensions,
+}
+
+/// A foreign operation running on a side lane.
+struct PendingOp {
+    ticket: u64,
+    name: &'static str,
+    end: Event,
+    ranges: Vec<(u64, u64)>,
+    /// Keeps the operation's memory from being reused or freed before it ends.
+    _keep: Vec<Binding>,
+}
+
+// SAFETY: the server only ever runs on its device thread; the raw driver handles it holds are
+// not shared.
+unsafe impl Send for CudaServer {}
+
+impl core::fmt::Debug for CudaServer {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("CudaServer")
+            .field("lanes", &self.lanes.len())
+            .field("pending", &self.pending.len())
+            .field("errors", &self.errors.len())
+            .finish()
+    }
+}
+
+fn overlaps(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
+    a.iter().any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 < e2 && s2 < e1))
+}
+
+fn range(resource: &GpuResource) -> (u64, u64) {
+    (resource.ptr, resource.ptr + resource.size)
+}
+
+impl CudaServer {
+    fn start(device_id: DeviceId) -> Result<Self, DriverFailure> {
+        let gpu = CudaGpu::from_id(device_id);
+        use cudarc::driver::result as driver;
+        let fail = |call| move |e: cudarc::driver::DriverError| DriverFailure { call, code: e.0 };
+        driver::init().map_err(fail("cuInit"))?;
+        let device = driver::device::get(gpu.index as i32).map_err(fail("cuDeviceGet"))?;
+        // SAFETY: the primary context of a valid device, made current on this thread; NCCL and
+        // cuBLASLt use the same context.
+        let context = unsafe {
+            let context = driver::primary_ctx::retain(device).map_err(fail("cuDevicePrimaryCtxRetain"))?;
+            driver::ctx::set_current(context).map_err(fail("cuCtxSetCurrent"))?;
+            context
+        };
+        let mut compute = core::ptr::null_mut();
+        // SAFETY: creates a stream in the current context.
+        unsafe {
+            check(
+                cuStreamCreate(&mut compute, CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                "cuStreamCreate",
+            )?
+        };
+        let probe = probe(device)?;
+        let logger = Arc::new(ServerLogger::default());
+        let memory = MemoryManagement::from_configuration(
+            GpuStorage::new(compute, MEMORY_ALIGNMENT),
+            &probe.properties.memory,
+            MemoryConfiguration::default(),
+            logger.clone(),
+            MemoryManagementOptions::new("burn-megatron CUDA memory"),
+        );
+        let policy = PitchedMemoryLayoutPolicy::new(MEMORY_ALIGNMENT);
+        let modules = Modules::new(probe.arch, probe.compilation);
+        let utilities = ServerUtilities::new(probe.properties, logger, (), policy);
+        Ok(Self {
+            context,
+            compute,
+            lanes: Vec::new(),
+            memory,
+            modules,
+            utilities: Arc::new(utilities),
+            errors: Vec::new(),
+            timestamps: TimestampProfiler::default(),
+            cursor: 0,
+            pending: Vec::new(),
+            extensions: Extensions::default(),
+        })
+    }
+
+    fn set_current(&self) -> Result<(), DriverFailure> {
+        // SAFETY: our retained primary context.
+        unsafe {
+            cudarc::driver::result::ctx::set_current(self.context)
+                .map_err(|e| DriverFailure { call: "cuCtxSetCurrent", code: e.0 })
+        }
+    }
+
+    /// Fails with the errors recorded since the last check, if any.
+    fn take_errors(&mut self) -> Result<(), ServerError> {
+        if self.errors.is_empty() {
+            return Ok(());
+        }
+        let errors = core::mem::take(&mut self.errors);
+        self.timestamps.error(ProfileError::Unknown {
+            reason: format!("{errors:?}"),
+            backtrace: BackTrace::capture(),
+        });
+        Err(ServerError::ServerUnhealthy {
+            errors,
+            backtrace: BackTrace::capture(),
+        })
+    }
+
+    fn next_cursor(&mut self) -> u64 {
+        self.cursor += 1;
+        self.cursor
+    }
+
+    fn resolve(&mut self, binding: &Binding) -> Result<GpuResource, IoError> {
+        self.memory
+            .get_resource(binding.memory.clone(), binding.offset_start, binding.offset_end)
+    }
+
+    /// Drops side-lane operations that are known to be over: joined into the compute stream
+    /// (later compute work is ordered after them) or complete.
+    fn retire(&mut self) {
+        self.pending.retain(|op| !op.end.is_complete());
+    }
+
+    /// Makes the compute stream wait for every pending side-lane operation touching `ranges`
+    /// (or for all of them, with `None`).
+    fn join_pending(&mut self, ranges: Option<&[(u64, u64)]>) -> Result<(), DriverFailure> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let compute = self.compute;
+        let mut kept = Vec::with_capacity(self.pending.len());
+        for op in self.pending.drain(..) {
+            if ranges.is_none_or(|r| overlaps(r, &op.ranges)) {
+                op.end.wait_on(compute)?;
+            } else {
+                kept.push(op);
+            }
+        }
+        self.pending = kept;
+        Ok(())
+    }
+
+    fn lane(&mut self, index: u8) -> Result<CUstream, DriverFailure> {
+        while self.lanes.len() <= index as usize {
+            let mut stream = core::ptr::null_mut();
+            // SAFETY: creates a stream in the current context. Side lanes get the highest
+            // priority (the lowest number): communication should not wait behind compute.
+            unsafe {
+                let (mut least, mut greatest) = (0, 0);
+                cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest);
+                check(
+                    cuStreamCreateWithPriority(&mut stream, CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest),
+                    "cuStreamCreateWithPriority",
+                )?;
+            }
+            self.lanes.push(stream);
+        }
+        Ok(self.lanes[index as usize])
+    }
+
+    /// Device memory filled with `bytes`, in stream order.
+    fn upload(&mut self, bytes: &[u8]) -> Result<Handle, IoError> {
+        let handle = Handle::new(StreamId::current(), bytes.len() as u64);
+        let reserved = self.memory.reserve(bytes.len() as u64)?;
+        let cursor = self.next_cursor();
+        self.memory.bind(reserved, handle.memory.clone(), cursor)?;
+        let target = self.resolve(&handle.clone().binding())?;
+        let shape = [bytes.len()].into();
+        let strides = [1].into();
+        // SAFETY: `target` holds `bytes.len()` bytes; a pageable source is staged before the
+        // call returns.
+        unsafe { copy(Direction::ToDevice, bytes.as_ptr() as *mut u8, target.ptr, &shape, &strides, 1, self.compute)? };
+        Ok(handle)
+    }
+
+    fn read_now(&mut self, descriptors: Vec<CopyDescriptor>) -> Result<Vec<Bytes>, ServerError> {
+        self.set_current()?;
+        self.take_errors()?;
+        let resources = descriptors
+            .iter()
+            .map(|d| self.resolve(&d.handle))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ranges: Vec<_> = resources.iter().map(range).collect();
+        self.join_pending(Some(&ranges))?;
+        let mut out = Vec::with_capacity(descriptors.len());
+        for (descriptor, resource) in descriptors.iter().zip(&resources) {
+            let len = descriptor.shape.iter().product::<usize>() * descriptor.elem_size;
+            let mut bytes = vec![0u8; len];
+            // SAFETY: `bytes` holds the tensor; it lives until the synchronisation below.
+            unsafe {
+                copy(
+                    Direction::ToHost,
+                    bytes.as_mut_ptr(),
+                    resource.ptr,
+                    &descriptor.shape,
+                    &descriptor.strides,
+                    descriptor.elem_size,
+                    self.compute,
+                )?
+            };
+            out.push(bytes);
+        }
+        Event::record(self.compute)?.synchronize()?;
+        Ok(out.into_iter().map(Bytes::from_bytes_vec).collect())
+    }
+
+    fn write_now(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>) -> Result<(), ServerError> {
+        self.set_current()?;
+        for (descriptor, data) in descriptors {
+            let resource = self.resolve(&descriptor.handle)?;
+            self.join_pending(Some(&[range(&resource)]))?;
+            // SAFETY: the tensor's memory and the host bytes match its shape; a pageable source
+            // is staged before the call returns.
+            unsafe {
+                copy(
+                    Direction::ToDevice,
+                    data.as_ptr() as *mut u8,
+                    resource.ptr,
+                    &descriptor.shape,
+                    &descriptor.strides,
+                    descriptor.elem_size,
+                    self.compute,
+                )?
+            };
+        }
+        Ok(())
+    }
+
+    fn launch_checked(
+        &mut self,
+        kernel: Box<dyn CubeTask<CudaCompiler>>,
+        count: CubeCount,
+        args: KernelArguments,
+        mode: ExecutionMode,
+    ) -> Result<(), ServerError> {
+        self.set_current()?;
+        let mut id = kernel.id();
+        id.mode(mode);
+        let loaded = self
+            .modules
+            .get_or_load(&id, kernel.as_ref(), mode, &self.utilities.properties)?;
+        let count = match count {
+            CubeCount::Static(x, y, z) => (x, y, z),
+            // CUDA has no indirect launch: read the three counts (a host round trip).
+            CubeCount::Dynamic(binding) => {
+                let descriptor = CopyDescriptor::new(binding, [3].into(), [1].into(), 4);
+                let bytes = self.read_now(vec![descriptor])?;
+                let counts: &[u32] = bytemuck::cast_slice(&bytes[0]);
+                (counts[0], counts[1], counts[2])
+            }
+        };
+        let info = &args.info;
+        let grid_constants = self.modules.options().supports_features.grid_constants;
+        let (constant, info_buffer) = if grid_constants {
+            let dynamic = &info.data[info.dynamic_metadata_offset.min(info.data.len())..];
+            let buffer = match dynamic.is_empty() {
+                true => None,
+                false => Some(self.upload(bytemuck::cast_slice(dynamic))?),
+            };
+            (Some(info.data.as_ptr() as *mut core::ffi::c_void), buffer)
+        } else {
+            let buffer = match info.data.is_empty() {
+                true => None,
+                false => Some(self.upload(bytemuck::cast_slice(&info.data))?),
+            };
+            (None, buffer)
+        };
+
+        // Arguments: tensor maps, then every buffer (tensor maps' buffers first), then the
+        // metadata buffer, then the metadata passed by value.
+        let mut resources = Vec::with_capacity(args.tensor_maps.len() + args.buffers.len() + 1);
+        let mut maps = Vec::with_capacity(args.tensor_maps.len());
+        for tensor_map in &args.tensor_maps {
+            let resource = self.resolve(&tensor_map.binding)?;
+            maps.push(tensor_map::encode(&tensor_map.map, resource.ptr)?);
+            resources.push(resource);
+        }
+        for binding in &args.buffers {
+            resources.push(self.resolve(binding)?);
+        }
+        if let Some(buffer) = &info_buffer {
+            resources.push(self.resolve(&buffer.clone().binding())?);
+        }
+        let ranges: Vec<_> = resources.iter().map(range).collect();
+        self.join_pending(Some(&ranges))?;
+
+        let mut pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
+        let mut params: Vec<*mut core::ffi::c_void> = maps.iter().map(|m| m as *const _ as *mut _).collect();
+        params.extend(pointers.iter_mut().map(|p| p as *mut u64 as *mut core::ffi::c_void));
+        params.extend(constant);
+        let dim = loaded.cube_dim;
+        // SAFETY: `params` points at live values laid out as the kernel's signature expects;
+        // the driver copies them before returning.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                loaded.function,
+                count,
+                (dim.x, dim.y, dim.z),
+                loaded.shared_memory as u32,
+                self.compute,
+                &mut params,
+            )
+            .map_err(|e| DriverFailure { call: "cuLaunchKernel", code: e.0 })?;
+        }
+        // The metadata buffer may be reused now: later users are ordered after this launch.
+        drop(info_buffer);
+        Ok(())
+    }
+
+    fn sync_now(&mut self) -> Result<Event, ServerError> {
+        self.set_current()?;
+        self.take_errors()?;
+        self.join_pending(None)?;
+        Ok(Event::record(self.compute)?)
+    }
+
+    /// Runs a foreign operation in queue order (see [`super::foreign`]).
+    pub(crate) fn run_foreign(&mut self, task: ForeignTask) {
+        let name = task.name;
+        if let Err(error) = self.try_run_foreign(task) {
+            self.errors.push(ServerError::Generic {
+                reason: format!("foreign operation '{name}' failed: {error}"),
+                backtrace: BackTrace::capture(),
+            });
+        }
+    }
+
+    fn try_run_foreign(&mut self, task: ForeignTask) -> Result<(), String> {
+        self.set_current().map_err(|e| e.to_string())?;
+        self.retire();
+        let resources = task
+            .bindings
+            .iter()
+            .map(|b| self.resolve(b))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let ranges: Vec<_> = resources.iter().map(range).collect();
+        let pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
+        let stream = match task.lane {
+            Lane::Compute => {
+                self.join_pending(Some(&ranges)).map_err(|e| e.to_string())?;
+                self.compute
+            }
+            Lane::Side(index) => {
+                let side = self.lane(index).map_err(|e| e.to_string())?;
+                Event::record(self.compute)
+                    .and_then(|start| start.wait_on(side))
+                    .map_err(|e| e.to_string())?;
+                for op in self.pending.iter().filter(|op| overlaps(&ranges, &op.ranges)) {
+                    op.end.wait_on(side).map_err(|e| e.to_string())?;
+                }
+                side
+            }
+        };
+        let mut context = ForeignContext {
+            stream,
+            compute_stream: self.compute,
+            pointers: &pointers,
+            extensions: &mut self.extensions,
+        };
+        let result = catch_unwind(AssertUnwindSafe(|| (task.op)(&mut context)))
+            .unwrap_or_else(|panic| Err(format!("panicked: {panic:?}")));
+        if let Lane::Side(_) = task.lane {
+            // Even a failed operation may have enqueued work: track it until it ends.
+            let end = Event::record(stream).map_err(|e| e.to_string())?;
+            self.pending.push(PendingOp {
+                ticket: task.ticket,
+                name: task.name,
+                end,
+                ranges,
+                _keep: task.bindings,
+            });
+        }
+        result
+    }
+
+    /// Makes the compute stream wait for the side-lane operation `ticket` (no host sync).
+    pub(crate) fn join(&mut self, ticket: u64) {
+        let Some(index) = self.pending.iter().position(|op| op.ticket == ticket) else {
+            return;
+        };
+        let op = self.pending.remove(index);
+        if let Err(error) = op.end.wait_on(self.compute) {
+            self.errors.push(ServerError::Generic {
+                reason: format!("joining foreign operation '{}': {error}", op.name),
+                backtrace: BackTrace::capture(),
+            });
+        }
+    }
+}
+
+impl DeviceService for CudaServer {
+    fn init(device_id: DeviceId) -> Self {
+        Self::start(device_id).unwrap_or_else(|e| {
+            panic!("burn-megatron CUDA runtime: cannot start {:?}: {e}", CudaGpu::from_id(device_id))
+        })
+    }
+
+    fn utilities(&self) -> ServerUtilitiesHandle {
+        self.utilities.clone() as ServerUtilitiesHandle
+    }
+}
+
+impl ServerCommunication for CudaServer {
+    // Collectives run as foreign operations (NCCL on our streams), not through CubeCL.
+    const SERVER_COMM_ENABLED: bool = false;
+}
+
+/// An event the caller's thread can wait on.
+struct Fence(Event);
+
+impl ComputeServer for CudaServer {
+    type Kernel = Box<dyn CubeTask<CudaCompiler>>;
+    type Info = ();
+    type MemoryLayoutPolicy = PitchedMemoryLayoutPolicy;
+    type Storage = GpuStorage;
+
+    fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, _: StreamId) {
+        let cursor = self.next_cursor();
+        let result = self
+            .memory
+            .reserve(size)
+            .and_then(|reserved| self.memory.bind(reserved, memory, cursor));
+        if let Err(error) = result {
+            self.errors.push(error.into());
+        }
+    }
+
+    fn logger(&self) -> Arc<ServerLogger> {
+        self.utilities.logger.clone()
+    }
+
+    fn utilities(&self) -> Arc<ServerUtilities<Self>> {
+        self.utilities.clone()
+    }
+
+    fn read(&mut self, descriptors: Vec<CopyDescriptor>, _: StreamId) -> DynFut<Result<Vec<Bytes>, ServerError>> {
+        let result = self.read_now(descriptors);
+        Box::pin(async move { result })
+    }
+
+    fn write(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>, _: StreamId) {
+        if let Err(error) = self.write_now(descriptors) {
+            self.errors.push(error);
+        }
+    }
+
+    fn sync(&mut self, _: StreamId) -> DynFut<Result<(), ServerError>> {
+        let fence = self.sync_now().map(Fence);
+        Box::pin(async move { Ok(fence?.0.synchronize()?) })
+    }
+
+    fn get_resource(&mut self, binding: Binding, _: StreamId) -> Result<ManagedResource<GpuResource>, ServerError> {
+        self.set_current()?;
+        let resource = self.resolve(&binding)?;
+        Ok(ManagedResource::new(binding.memory, resource))
+    }
+
+    unsafe fn launch(
+        &mut self,
+        kernel: Self::Kernel,
+        count: CubeCount,
+        args: KernelArguments,
+        mode: ExecutionMode,
+        _: StreamId,
+    ) {
+        if let Err(error) = self.launch_checked(kernel, count, args, mode) {
+            match self.timestamps.is_empty() {
+                true => self.errors.push(error),
+                false => self.timestamps.error(ProfileError::Server(Box::new(error))),
+            }
+        }
+    }
+
+    fn flush(&mut self, _: StreamId) -> Result<(), ServerError> {
+        self.set_current()?;
+        self.take_errors()?;
+        self.retire();
+        self.memory.storage().flush();
+        Ok(())
+    }
+
+    fn memory_usage(&mut self, _: StreamId) -> Result<MemoryUsage, ServerError> {
+        Ok(self.memory.memory_usage())
+    }
+
+    fn memory_cleanup(&mut self, _: StreamId) {
+        // Pages are only freed once no pending side-lane operation can still use them.
+        if let Err(error) = self.join_pending(None) {
+            self.errors.push(error.into());
+        }
+        self.memory.cleanup(true);
+    }
+
+    fn start_profile(&mut self, stream: StreamId) -> Result<ProfilingToken, ServerError> {
+        cubecl_common::future::block_on(self.sync(stream))?;
+        Ok(self.timestamps.start())
+    }
+
+    fn end_profile(&mut self, stream: StreamId, token: ProfilingToken) -> Result<ProfileDuration, ProfileError> {
+        if let Err(error) = cubecl_common::future::block_on(self.sync(stream)) {
+            self.timestamps.error(ProfileError::Server(Box::new(error)));
+        }
+        self.timestamps.stop(token)
+    }
+
+    fn allocation_mode(&mut self, mode: MemoryAllocationMode, _: StreamId) {
+        self.memory.mode(mode);
+    }
+}

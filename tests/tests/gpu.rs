@@ -1,0 +1,193 @@
+//! Our CUDA backend against burn-cuda, on a GPU (the device machine):
+//!
+//!     ../shared/gpu/pack test --release --features cuda -p burn-megatron-tests --test gpu
+//!     source .gpu/env.sh && .gpu/bin/gpu --test-threads=1
+//!
+//! Ops and autodiff give burn-cuda's results; foreign operations run in stream order.
+
+use burn::backend::{Autodiff, Cuda};
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::module::conv2d;
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use burn_megatron::tensor_parallel::gather_full_grads;
+use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
+use burn_megatron_dist::{LaunchConfig, launch};
+use burn_megatron_kernels::cuda::{CudaGpu, ForeignQueue, Lane, MegatronCuda, binding};
+
+type Reference = Cuda;
+type Ours = MegatronCuda;
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn data(shape: &[usize], seed: u64) -> TensorData {
+    TensorData::new(values(shape.iter().product(), seed), shape.to_vec())
+}
+
+/// A broad set of Burn ops, run on backend `B`; each result with its name.
+fn op_suite<B: Backend>(device: &B::Device) -> Vec<(&'static str, TensorData)> {
+    let x = Tensor::<B, 2>::from_data(data(&[64, 96], 1), device);
+    let y = Tensor::<B, 2>::from_data(data(&[64, 96], 2), device);
+    let w = Tensor::<B, 2>::from_data(data(&[96, 48], 3), device);
+    let image = Tensor::<B, 4>::from_data(data(&[2, 3, 12, 12], 4), device);
+    let kernel = Tensor::<B, 4>::from_data(data(&[5, 3, 3, 3], 5), device);
+    let bias = Tensor::<B, 1>::from_data(data(&[5], 6), device);
+    let index = Tensor::<B, 2, Int>::from_data(
+        TensorData::new((0..64 * 4).map(|i| (i * 7 % 96) as i64).collect::<Vec<_>>(), [64, 4]),
+        device,
+    );
+    let bf16 = |t: Tensor<B, 2>| t.cast(DType::BF16);
+    vec![
+        ("add", (x.clone() + y.clone()).into_data()),
+        ("mul_div", (x.clone() * y.clone() / (y.clone().abs() + 1.0)).into_data()),
+        ("exp_log", (x.clone().exp() + (x.clone().abs() + 1.0).log()).into_data()),
+        ("tanh_sigmoid", (x.clone().tanh() * burn::tensor::activation::sigmoid(y.clone())).into_data()),
+        ("gelu", burn::tensor::activation::gelu(x.clone()).into_data()),
+        ("softmax", burn::tensor::activation::softmax(x.clone(), 1).into_data()),
+        ("sum", x.clone().sum().into_data()),
+        ("mean_dim", x.clone().mean_dim(0).into_data()),
+        ("max_dim", x.clone().max_dim(1).into_data()),
+        ("argmax", x.clone().argmax(1).float().into_data()),
+        ("matmul_f32", x.clone().matmul(w.clone()).into_data()),
+        ("matmul_bf16", bf16(x.clone()).matmul(bf16(w.clone())).cast(DType::F32).into_data()),
+        ("cast_f16", x.clone().cast(DType::F16).cast(DType::F32).into_data()),
+        ("conv2d", conv2d(image, kernel, Some(bias), ConvOptions::new([1, 1], [1, 1], [1, 1], 1)).into_data()),
+        ("gather", x.clone().gather(1, index).into_data()),
+        ("slice_assign", x.clone().slice_assign([0..8, 0..8], y.clone().slice([8..16, 8..16])).into_data()),
+        ("transpose", x.clone().transpose().matmul(y.clone()).into_data()),
+        ("cat", Tensor::cat(vec![x.clone(), y.clone()], 1).into_data()),
+        ("mask_fill", x.clone().mask_fill(y.clone().greater_elem(0.0), -3.0).into_data()),
+        ("cumsum", x.clone().cumsum(1).into_data()),
+    ]
+}
+
+fn assert_close(name: &str, ours: &TensorData, reference: &TensorData, tolerance: f32) {
+    let a: Vec<f32> = ours.clone().convert::<f32>().to_vec().unwrap();
+    let b: Vec<f32> = reference.clone().convert::<f32>().to_vec().unwrap();
+    assert_eq!(ours.shape, reference.shape, "{name}: shapes differ");
+    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    let err = a.iter().zip(&b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+    println!("{name:>14}: relative difference {err:.2e}");
+    assert!(err <= tolerance, "{name}: ours differs from burn-cuda by {err:e}");
+}
+
+#[test]
+fn ops_match_burn_cuda() {
+    let ours = op_suite::<Ours>(&CudaGpu::new(0));
+    let reference = op_suite::<Reference>(&Default::default());
+    for ((name, a), (_, b)) in ours.iter().zip(&reference) {
+        let tolerance = if name.contains("bf16") || name.contains("f16") { 1e-2 } else { 1e-5 };
+        assert_close(name, a, b, tolerance);
+    }
+}
+
+/// Loss and every parameter gradient of a small Llama (RMSNorm, SwiGLU, RoPE, GQA) and a
+/// small GPT, trained one step, equal burn-cuda's.
+#[test]
+fn transformer_autodiff_matches_burn_cuda() {
+    fn step<A>(config: TransformerConfig, device: A::Device) -> (f32, Vec<(String, TensorData)>)
+    where
+        A: AutodiffBackend + burn_megatron::ModelBackend,
+        A::InnerBackend: burn_megatron_dist::DistBackend,
+    {
+        launch(LaunchConfig::new(1), |ctx| {
+            let model = config.init_gpt::<A>(ctx.world(), &device)?;
+            let ids = |seed: i64| {
+                let v: Vec<i64> = (0..2 * 16).map(|i| (i * 13 + seed) % 50).collect();
+                Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
+            };
+            let (loss, grads) = model.forward_backward(ids(1), ids(2))?;
+            let grads = gather_full_grads::<A, _>(&model, &grads, ctx.world())?;
+            let _ = model.valid();
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((loss.into_scalar().to_string().parse().unwrap(), grads))
+        })
+        .unwrap()
+        .remove(0)
+    }
+    let llama = TransformerConfig::new(64, 2, 8, 128, 50, 16)
+        .with_num_query_groups(Some(4))
+        .with_normalization(Normalization::RmsNorm)
+        .with_activation(Activation::SwiGlu)
+        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(false);
+    let gpt = TransformerConfig::new(64, 2, 4, 256, 50, 16);
+    for (name, config) in [("llama", llama), ("gpt", gpt)] {
+        let (loss_ours, grads_ours) = step::<Autodiff<Ours>>(config.clone(), CudaGpu::new(0));
+        let (loss_ref, grads_ref) = step::<Autodiff<Reference>>(config, Default::default());
+        println!("{name}: loss ours {loss_ours} burn-cuda {loss_ref}");
+        assert!(((loss_ours - loss_ref) / loss_ref).abs() < 1e-5, "{name}: loss {loss_ours} vs {loss_ref}");
+        for ((path, a), (_, b)) in grads_ours.iter().zip(&grads_ref) {
+            assert_close(&format!("{name} {path}"), a, b, 1e-4);
+        }
+    }
+}
+
+/// `a += 1` (a kernel writes a), then a foreign device-to-device copy `b = a` (reads a, writes
+/// b), then `c += b` (a kernel reads b), 1000 times with no host sync: `c` must end at
+/// 1 + 2 + … + 1000 everywhere, on the compute lane and on a side lane.
+#[test]
+fn foreign_ops_run_in_stream_order() {
+    for lane in [Lane::Compute, Lane::Side(0)] {
+        let mismatches = ordering_run(lane, false);
+        println!("{lane:?}: {mismatches} mismatching elements of {N}");
+        assert_eq!(mismatches, 0, "{lane:?}: foreign copies were not ordered");
+    }
+}
+
+/// The negative control: the same copy on a stream of the test's own, unordered with the
+/// compute stream, gives wrong results.
+#[test]
+fn unordered_copies_show_mismatches() {
+    let mismatches = ordering_run(Lane::Compute, true);
+    println!("unordered: {mismatches} mismatching elements of {N}");
+    assert!(mismatches > 0, "the negative control found no race: the test cannot see disorder");
+}
+
+const N: usize = 1 << 22;
+
+fn ordering_run(lane: Lane, unordered: bool) -> usize {
+    let device = CudaGpu::new(0);
+    let queue = ForeignQueue::new(&device);
+    let mut a = Tensor::<Ours, 1>::zeros([N], &device);
+    let mut c = Tensor::<Ours, 1>::zeros([N], &device);
+    let own_stream = unordered.then(|| {
+        let stream = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking).unwrap();
+        stream as usize
+    });
+    for _ in 0..1000 {
+        a = a + 1.0;
+        let b = Tensor::<Ours, 1>::empty([N], &device);
+        let bindings = vec![binding(&primitive(&a)), binding(&primitive(&b))];
+        queue.submit("copy a to b", bindings, lane, move |ctx| {
+            let stream = match own_stream {
+                Some(raw) => raw as cudarc::driver::sys::CUstream,
+                None => ctx.stream,
+            };
+            // SAFETY: both pointers address N floats of live tensors.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(ctx.pointers[1], ctx.pointers[0], N * 4, stream) }
+                .map_err(|e| e.to_string())
+        });
+        c = c + b;
+    }
+    let expected = (1000.0 * 1001.0 / 2.0) as f32;
+    let c: Vec<f32> = c.into_data().to_vec().unwrap();
+    c.iter().filter(|&&v| v != expected).count()
+}
+
+fn primitive(t: &Tensor<Ours, 1>) -> burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime> {
+    match t.clone().into_primitive() {
+        TensorPrimitive::Float(p) => p,
+        TensorPrimitive::QFloat(_) => unreachable!("float tensor"),
+    }
+}
