@@ -48,33 +48,50 @@ pub unsafe fn copy(
     let result = unsafe {
         if rank <= 1 {
             match direction {
-                Direction::ToHost => check(cuMemcpyDtoHAsync_v2(host.cast(), device, bytes, stream), "cuMemcpyDtoHAsync"),
-                Direction::ToDevice => check(cuMemcpyHtoDAsync_v2(device, host.cast(), bytes, stream), "cuMemcpyHtoDAsync"),
+                Direction::ToHost => check(
+                    cuMemcpyDtoHAsync_v2(host.cast(), device, bytes, stream),
+                    "cuMemcpyDtoHAsync",
+                ),
+                Direction::ToDevice => check(
+                    cuMemcpyHtoDAsync_v2(device, host.cast(), bytes, stream),
+                    "cuMemcpyHtoDAsync",
+                ),
             }
         } else {
             let row = shape[rank - 1] * elem_size;
             let pitch = strides[rank - 2] * elem_size;
-            let mut desc: CUDA_MEMCPY2D_st = core::mem::zeroed();
-            desc.WidthInBytes = row;
-            desc.Height = shape[..rank - 1].iter().product();
-            match direction {
-                Direction::ToHost => {
-                    desc.srcMemoryType = CUmemorytype::CU_MEMORYTYPE_DEVICE;
-                    desc.srcDevice = device;
-                    desc.srcPitch = pitch;
-                    desc.dstMemoryType = CUmemorytype::CU_MEMORYTYPE_HOST;
-                    desc.dstHost = host.cast();
-                    desc.dstPitch = row;
-                }
-                Direction::ToDevice => {
-                    desc.srcMemoryType = CUmemorytype::CU_MEMORYTYPE_HOST;
-                    desc.srcHost = host.cast();
-                    desc.srcPitch = row;
-                    desc.dstMemoryType = CUmemorytype::CU_MEMORYTYPE_DEVICE;
-                    desc.dstDevice = device;
-                    desc.dstPitch = pitch;
-                }
-            }
+            let (host_type, device_type) = (
+                CUmemorytype::CU_MEMORYTYPE_HOST,
+                CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            );
+            let to_host = direction == Direction::ToHost;
+            // Every field set: the struct holds enums, so it has no valid all-zero value.
+            let desc = CUDA_MEMCPY2D_st {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: if to_host { device_type } else { host_type },
+                srcHost: if to_host {
+                    core::ptr::null()
+                } else {
+                    host as *const _
+                },
+                srcDevice: if to_host { device } else { 0 },
+                srcArray: core::ptr::null_mut(),
+                srcPitch: if to_host { pitch } else { row },
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: if to_host { host_type } else { device_type },
+                dstHost: if to_host {
+                    host.cast()
+                } else {
+                    core::ptr::null_mut()
+                },
+                dstDevice: if to_host { 0 } else { device },
+                dstArray: core::ptr::null_mut(),
+                dstPitch: if to_host { row } else { pitch },
+                WidthInBytes: row,
+                Height: shape[..rank - 1].iter().product(),
+            };
             check(cuMemcpy2DAsync_v2(&desc, stream), "cuMemcpy2DAsync")
         }
     };

@@ -22,7 +22,10 @@ impl Event {
         let mut raw = core::ptr::null_mut();
         // SAFETY: `raw` receives a new event; `stream` is a live stream of the current context.
         unsafe {
-            check(cuEventCreate(&mut raw, CUevent_flags::CU_EVENT_DISABLE_TIMING as u32), "cuEventCreate")?;
+            check(
+                cuEventCreate(&mut raw, CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+                "cuEventCreate",
+            )?;
             let event = Self { raw };
             check(cuEventRecord(event.raw, stream), "cuEventRecord")?;
             Ok(event)

@@ -65,7 +65,9 @@ impl Extensions {
 
     /// The value of type `T`, if there is one.
     pub fn get_mut<T: Any + Send>(&mut self) -> Option<&mut T> {
-        self.values.get_mut(&TypeId::of::<T>()).and_then(|v| v.downcast_mut())
+        self.values
+            .get_mut(&TypeId::of::<T>())
+            .and_then(|v| v.downcast_mut())
     }
 }
 

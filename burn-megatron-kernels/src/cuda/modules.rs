@@ -43,7 +43,9 @@ fn compilation_error(reason: String) -> LaunchError {
 
 /// `$CUDA_PATH` or `/usr/local/cuda`: NVRTC needs the toolkit headers.
 fn cuda_root() -> PathBuf {
-    std::env::var_os("CUDA_PATH").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/local/cuda"))
+    std::env::var_os("CUDA_PATH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/local/cuda"))
 }
 
 impl Modules {
@@ -74,7 +76,12 @@ impl Modules {
         }
         validate_cube_dim(properties, id)?;
         validate_units(properties, id)?;
-        let compiled = task.compile(&mut Default::default(), &self.options, mode, task.address_type())?;
+        let compiled = task.compile(
+            &mut Default::default(),
+            &self.options,
+            mode,
+            task.address_type(),
+        )?;
         let shared_memory = compiled.repr.as_ref().map_or(0, |r| r.shared_memory_size());
         let max = properties.hardware.max_shared_memory_size;
         if shared_memory > max {
@@ -116,7 +123,8 @@ impl Modules {
                 .map_err(|e| compilation_error(format!("nvrtcCreateProgram: {e:?}")))?;
             let compiled = nvrtc::compile_program(program, &options);
             let result = match compiled {
-                Ok(()) => nvrtc::get_ptx(program).map_err(|e| compilation_error(format!("nvrtcGetPTX: {e:?}"))),
+                Ok(()) => nvrtc::get_ptx(program)
+                    .map_err(|e| compilation_error(format!("nvrtcGetPTX: {e:?}"))),
                 Err(e) => {
                     let log = nvrtc::get_program_log(program)
                         .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
@@ -136,7 +144,11 @@ impl Modules {
 
 /// Loads `ptx` and returns its `entrypoint`, allowed `shared_memory` bytes of dynamic shared
 /// memory (set once here rather than at every launch).
-fn load(ptx: &[std::ffi::c_char], entrypoint: &str, shared_memory: usize) -> Result<CUfunction, LaunchError> {
+fn load(
+    ptx: &[std::ffi::c_char],
+    entrypoint: &str,
+    shared_memory: usize,
+) -> Result<CUfunction, LaunchError> {
     let name = CString::new(entrypoint).map_err(|e| compilation_error(e.to_string()))?;
     // SAFETY: `ptx` is NUL-terminated PTX from NVRTC; modules stay loaded for the process.
     unsafe {

@@ -4,8 +4,8 @@
 use cubecl_common::profile::TimingMethod;
 use cubecl_core::ir::features::{AtomicUsage, Plane, Tma, TypeUsage};
 use cubecl_core::ir::{
-    BarrierLevel, DeviceProperties, ElemType, FloatKind, HardwareProperties, MemoryDeviceProperties,
-    OpaqueType, SemanticType, StorageType, Type, VectorSize,
+    BarrierLevel, DeviceProperties, ElemType, FloatKind, HardwareProperties,
+    MemoryDeviceProperties, OpaqueType, SemanticType, StorageType, Type, VectorSize,
 };
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cpp::cuda::arch::CudaArchitecture;
@@ -14,7 +14,9 @@ use cubecl_cpp::shared::{
     CompilationOptions, CppSupportedFeatures, register_mma_features, register_scaled_mma_features,
     register_supported_types, register_wmma_features,
 };
-use cudarc::driver::sys::{CUdevice, CUdevice_attribute, cuDeviceGetAttribute, cuDeviceTotalMem_v2};
+use cudarc::driver::sys::{
+    CUdevice, CUdevice_attribute, cuDeviceGetAttribute, cuDeviceTotalMem_v2,
+};
 
 use super::driver::{DriverFailure, check};
 
@@ -35,7 +37,12 @@ pub struct Probe {
 fn attribute(device: CUdevice, attribute: CUdevice_attribute) -> Result<i32, DriverFailure> {
     let mut value = 0;
     // SAFETY: a read-only query of a valid device.
-    unsafe { check(cuDeviceGetAttribute(&mut value, attribute, device), "cuDeviceGetAttribute")? };
+    unsafe {
+        check(
+            cuDeviceGetAttribute(&mut value, attribute, device),
+            "cuDeviceGetAttribute",
+        )?
+    };
     Ok(value)
 }
 
@@ -47,7 +54,12 @@ pub fn probe(device: CUdevice) -> Result<Probe, DriverFailure> {
     let warp = attribute(device, CU_DEVICE_ATTRIBUTE_WARP_SIZE)? as u32;
     let mut total_memory = 0;
     // SAFETY: writes the device's memory size.
-    unsafe { check(cuDeviceTotalMem_v2(&mut total_memory, device), "cuDeviceTotalMem")? };
+    unsafe {
+        check(
+            cuDeviceTotalMem_v2(&mut total_memory, device),
+            "cuDeviceTotalMem",
+        )?
+    };
 
     let cuda_arch = CudaArchitecture { version: arch };
     let wmma = CudaWmmaCompiler::supported_wmma_combinations(&cuda_arch);
@@ -55,18 +67,36 @@ pub fn probe(device: CUdevice) -> Result<Probe, DriverFailure> {
     let scaled_mma = CudaWmmaCompiler::supported_scaled_mma_combinations(&cuda_arch);
 
     let dims = |x, y, z| -> Result<(u32, u32, u32), DriverFailure> {
-        Ok((attribute(device, x)? as u32, attribute(device, y)? as u32, attribute(device, z)? as u32))
+        Ok((
+            attribute(device, x)? as u32,
+            attribute(device, y)? as u32,
+            attribute(device, z)? as u32,
+        ))
     };
     let hardware = HardwareProperties {
         load_width: 128,
         plane_size_min: warp,
         plane_size_max: warp,
         max_bindings: MAX_BINDINGS,
-        max_shared_memory_size: attribute(device, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
-        max_cube_count: dims(CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X, CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y, CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?,
+        max_shared_memory_size: attribute(
+            device,
+            CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )? as usize,
+        max_cube_count: dims(
+            CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X,
+            CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y,
+            CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z,
+        )?,
         max_units_per_cube: attribute(device, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)? as u32,
-        max_cube_dim: dims(CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X, CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y, CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z)?,
-        num_streaming_multiprocessors: Some(attribute(device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32),
+        max_cube_dim: dims(
+            CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X,
+            CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y,
+            CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z,
+        )?,
+        num_streaming_multiprocessors: Some(attribute(
+            device,
+            CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32),
         num_tensor_cores: match arch {
             70 | 75 => Some(8),
             80 | 86 | 89 | 90 | 91 | 92 | 100 => Some(4),
@@ -80,14 +110,14 @@ pub fn probe(device: CUdevice) -> Result<Probe, DriverFailure> {
         max_page_size: total_memory as u64 / 4,
         alignment: MEMORY_ALIGNMENT as u64,
     };
-    let mut props = DeviceProperties::new(Default::default(), memory, hardware, TimingMethod::System);
+    let mut props =
+        DeviceProperties::new(Default::default(), memory, hardware, TimingMethod::System);
     let mut compilation = CompilationOptions {
         warp_size: warp,
         supports_features: CppSupportedFeatures {
             fast_math: true,
             ..Default::default()
         },
-        ..Default::default()
     };
     register_features(arch, &mut props, &mut compilation);
     register_wmma_features(wmma, &mut props);
@@ -102,11 +132,19 @@ pub fn probe(device: CUdevice) -> Result<Probe, DriverFailure> {
 
 fn atomic(kind: FloatKind, vector: usize) -> Type {
     let ty = Type::new(StorageType::Atomic(ElemType::Float(kind)));
-    if vector > 1 { ty.with_vector_size(vector) } else { ty }
+    if vector > 1 {
+        ty.with_vector_size(vector)
+    } else {
+        ty
+    }
 }
 
 /// The features of compute capability `arch` (e.g. 90), from the oldest up.
-fn register_features(arch: u32, props: &mut DeviceProperties, compilation: &mut CompilationOptions) {
+fn register_features(
+    arch: u32,
+    props: &mut DeviceProperties,
+    compilation: &mut CompilationOptions,
+) {
     let float = |kind| ElemType::Float(kind);
     register_supported_types(props);
     props.register_type_usage(float(FloatKind::TF32), TypeUsage::Conversion);

@@ -60,7 +60,9 @@ impl Runtime for MegatronCudaRuntime {
     }
 
     fn enumerate_devices(type_id: u16, _: &()) -> Vec<DeviceId> {
-        let count = cudarc::driver::CudaContext::device_count().unwrap_or(0).max(0) as u16;
+        let count = cudarc::driver::CudaContext::device_count()
+            .unwrap_or(0)
+            .max(0) as u16;
         (0..count)
             .map(|index_id| DeviceId { type_id, index_id })
             .collect()

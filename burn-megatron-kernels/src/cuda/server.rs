@@ -25,8 +25,11 @@ use cubecl_runtime::memory_management::{
 use cubecl_runtime::server::ComputeServer;
 use cubecl_runtime::storage::{ComputeStorage, ManagedResource};
 use cubecl_runtime::timestamp_profiler::TimestampProfiler;
-use cudarc::driver::sys::{CUcontext, CUstream, CUstream_flags, cuStreamCreate, cuStreamCreateWithPriority};
+use cudarc::driver::sys::{
+    CUcontext, CUstream, CUstream_flags, cuStreamCreate, cuStreamCreateWithPriority,
+};
 
+use super::CudaCompiler;
 use super::copy::{Direction, copy};
 use super::device::CudaGpu;
 use super::driver::{DriverFailure, check};
@@ -36,7 +39,6 @@ use super::modules::Modules;
 use super::properties::{MEMORY_ALIGNMENT, probe};
 use super::storage::{GpuResource, GpuStorage};
 use super::tensor_map;
-use super::CudaCompiler;
 
 /// The server of one GPU. It runs on the device's queue thread, so it is never shared.
 pub struct CudaServer {
@@ -82,7 +84,8 @@ impl core::fmt::Debug for CudaServer {
 }
 
 fn overlaps(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
-    a.iter().any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 < e2 && s2 < e1))
+    a.iter()
+        .any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 < e2 && s2 < e1))
 }
 
 fn range(resource: &GpuResource) -> (u64, u64) {
@@ -99,7 +102,8 @@ impl CudaServer {
         // SAFETY: the primary context of a valid device, made current on this thread; NCCL and
         // cuBLASLt use the same context.
         let context = unsafe {
-            let context = driver::primary_ctx::retain(device).map_err(fail("cuDevicePrimaryCtxRetain"))?;
+            let context =
+                driver::primary_ctx::retain(device).map_err(fail("cuDevicePrimaryCtxRetain"))?;
             driver::ctx::set_current(context).map_err(fail("cuCtxSetCurrent"))?;
             context
         };
@@ -141,8 +145,10 @@ impl CudaServer {
     fn set_current(&self) -> Result<(), DriverFailure> {
         // SAFETY: our retained primary context.
         unsafe {
-            cudarc::driver::result::ctx::set_current(self.context)
-                .map_err(|e| DriverFailure { call: "cuCtxSetCurrent", code: e.0 })
+            cudarc::driver::result::ctx::set_current(self.context).map_err(|e| DriverFailure {
+                call: "cuCtxSetCurrent",
+                code: e.0,
+            })
         }
     }
 
@@ -168,8 +174,11 @@ impl CudaServer {
     }
 
     fn resolve(&mut self, binding: &Binding) -> Result<GpuResource, IoError> {
-        self.memory
-            .get_resource(binding.memory.clone(), binding.offset_start, binding.offset_end)
+        self.memory.get_resource(
+            binding.memory.clone(),
+            binding.offset_start,
+            binding.offset_end,
+        )
     }
 
     /// Drops side-lane operations that are known to be over: joined into the compute stream
@@ -206,7 +215,11 @@ impl CudaServer {
                 let (mut least, mut greatest) = (0, 0);
                 cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest);
                 check(
-                    cuStreamCreateWithPriority(&mut stream, CUstream_flags::CU_STREAM_NON_BLOCKING as u32, greatest),
+                    cuStreamCreateWithPriority(
+                        &mut stream,
+                        CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                        greatest,
+                    ),
                     "cuStreamCreateWithPriority",
                 )?;
             }
@@ -226,7 +239,17 @@ impl CudaServer {
         let strides = [1].into();
         // SAFETY: `target` holds `bytes.len()` bytes; a pageable source is staged before the
         // call returns.
-        unsafe { copy(Direction::ToDevice, bytes.as_ptr() as *mut u8, target.ptr, &shape, &strides, 1, self.compute)? };
+        unsafe {
+            copy(
+                Direction::ToDevice,
+                bytes.as_ptr() as *mut u8,
+                target.ptr,
+                &shape,
+                &strides,
+                1,
+                self.compute,
+            )?
+        };
         Ok(handle)
     }
 
@@ -293,9 +316,9 @@ impl CudaServer {
         self.set_current()?;
         let mut id = kernel.id();
         id.mode(mode);
-        let loaded = self
-            .modules
-            .get_or_load(&id, kernel.as_ref(), mode, &self.utilities.properties)?;
+        let loaded =
+            self.modules
+                .get_or_load(&id, kernel.as_ref(), mode, &self.utilities.properties)?;
         let count = match count {
             CubeCount::Static(x, y, z) => (x, y, z),
             // CUDA has no indirect launch: read the three counts (a host round trip).
@@ -342,8 +365,13 @@ impl CudaServer {
         self.join_pending(Some(&ranges))?;
 
         let mut pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
-        let mut params: Vec<*mut core::ffi::c_void> = maps.iter().map(|m| m as *const _ as *mut _).collect();
-        params.extend(pointers.iter_mut().map(|p| p as *mut u64 as *mut core::ffi::c_void));
+        let mut params: Vec<*mut core::ffi::c_void> =
+            maps.iter().map(|m| m as *const _ as *mut _).collect();
+        params.extend(
+            pointers
+                .iter_mut()
+                .map(|p| p as *mut u64 as *mut core::ffi::c_void),
+        );
         params.extend(constant);
         let dim = loaded.cube_dim;
         // SAFETY: `params` points at live values laid out as the kernel's signature expects;
@@ -357,7 +385,10 @@ impl CudaServer {
                 self.compute,
                 &mut params,
             )
-            .map_err(|e| DriverFailure { call: "cuLaunchKernel", code: e.0 })?;
+            .map_err(|e| DriverFailure {
+                call: "cuLaunchKernel",
+                code: e.0,
+            })?;
         }
         // The metadata buffer may be reused now: later users are ordered after this launch.
         drop(info_buffer);
@@ -395,7 +426,8 @@ impl CudaServer {
         let pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
         let stream = match task.lane {
             Lane::Compute => {
-                self.join_pending(Some(&ranges)).map_err(|e| e.to_string())?;
+                self.join_pending(Some(&ranges))
+                    .map_err(|e| e.to_string())?;
                 self.compute
             }
             Lane::Side(index) => {
@@ -403,7 +435,11 @@ impl CudaServer {
                 Event::record(self.compute)
                     .and_then(|start| start.wait_on(side))
                     .map_err(|e| e.to_string())?;
-                for op in self.pending.iter().filter(|op| overlaps(&ranges, &op.ranges)) {
+                for op in self
+                    .pending
+                    .iter()
+                    .filter(|op| overlaps(&ranges, &op.ranges))
+                {
                     op.end.wait_on(side).map_err(|e| e.to_string())?;
                 }
                 side
@@ -449,7 +485,10 @@ impl CudaServer {
 impl DeviceService for CudaServer {
     fn init(device_id: DeviceId) -> Self {
         Self::start(device_id).unwrap_or_else(|e| {
-            panic!("burn-megatron CUDA runtime: cannot start {:?}: {e}", CudaGpu::from_id(device_id))
+            panic!(
+                "burn-megatron CUDA runtime: cannot start {:?}: {e}",
+                CudaGpu::from_id(device_id)
+            )
         })
     }
 
@@ -491,7 +530,11 @@ impl ComputeServer for CudaServer {
         self.utilities.clone()
     }
 
-    fn read(&mut self, descriptors: Vec<CopyDescriptor>, _: StreamId) -> DynFut<Result<Vec<Bytes>, ServerError>> {
+    fn read(
+        &mut self,
+        descriptors: Vec<CopyDescriptor>,
+        _: StreamId,
+    ) -> DynFut<Result<Vec<Bytes>, ServerError>> {
         let result = self.read_now(descriptors);
         Box::pin(async move { result })
     }
@@ -507,7 +550,11 @@ impl ComputeServer for CudaServer {
         Box::pin(async move { Ok(fence?.0.synchronize()?) })
     }
 
-    fn get_resource(&mut self, binding: Binding, _: StreamId) -> Result<ManagedResource<GpuResource>, ServerError> {
+    fn get_resource(
+        &mut self,
+        binding: Binding,
+        _: StreamId,
+    ) -> Result<ManagedResource<GpuResource>, ServerError> {
         self.set_current()?;
         let resource = self.resolve(&binding)?;
         Ok(ManagedResource::new(binding.memory, resource))
@@ -554,7 +601,11 @@ impl ComputeServer for CudaServer {
         Ok(self.timestamps.start())
     }
 
-    fn end_profile(&mut self, stream: StreamId, token: ProfilingToken) -> Result<ProfileDuration, ProfileError> {
+    fn end_profile(
+        &mut self,
+        stream: StreamId,
+        token: ProfilingToken,
+    ) -> Result<ProfileDuration, ProfileError> {
         if let Err(error) = cubecl_common::future::block_on(self.sync(stream)) {
             self.timestamps.error(ProfileError::Server(Box::new(error)));
         }

@@ -82,7 +82,10 @@ impl ComputeStorage for GpuStorage {
         }
         let id = StorageId::new();
         self.pages.insert(id, ptr);
-        Ok(StorageHandle::new(id, StorageUtilization { offset: 0, size }))
+        Ok(StorageHandle::new(
+            id,
+            StorageUtilization { offset: 0, size },
+        ))
     }
 
     fn dealloc(&mut self, id: StorageId) {

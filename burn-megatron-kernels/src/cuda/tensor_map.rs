@@ -21,7 +21,13 @@ fn unsupported(what: String) -> LaunchError {
 /// Encodes `map` over the device memory at `ptr`.
 pub fn encode(map: &TensorMapMeta, ptr: u64) -> Result<CUtensorMap, LaunchError> {
     // CUDA lists dimensions innermost first; CubeCL outermost first.
-    let shape: Vec<u64> = map.metadata.shape().iter().rev().map(|&s| s as u64).collect();
+    let shape: Vec<u64> = map
+        .metadata
+        .shape()
+        .iter()
+        .rev()
+        .map(|&s| s as u64)
+        .collect();
     let strides: Vec<u64> = map
         .metadata
         .strides()
@@ -77,7 +83,11 @@ pub fn encode(map: &TensorMapMeta, ptr: u64) -> Result<CUtensorMap, LaunchError>
                     oob(map.oob_fill),
                 )
             }
-            other => return Err(unsupported(format!("tensor map format {other:?} is not supported"))),
+            other => {
+                return Err(unsupported(format!(
+                    "tensor map format {other:?} is not supported"
+                )));
+            }
         }
     };
     match result {
