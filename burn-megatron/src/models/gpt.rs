@@ -18,12 +18,11 @@ use crate::tensor_parallel::{
     parallel_lm_logits, vocab_parallel_cross_entropy,
 };
 use crate::transformer::{
-    LayerContext, Norm, PositionEmbedding, Recompute, TransformerConfig, TransformerLayer,
-    hidden_dropout,
+    LayerContext, PositionEmbedding, Recompute, TransformerBlock, TransformerConfig, hidden_dropout,
 };
 
-/// A decoder-only language model: token (and learned position) embeddings, transformer
-/// layers, a final norm and an output layer (tied to the token embeddings or not), each split
+/// A decoder-only language model: token (and learned position) embeddings, a
+/// [`TransformerBlock`] (layers and final norm) and an output layer (tied to the token embeddings or not), each split
 /// over the tensor-parallel group as Megatron splits them.
 #[derive(Module, Debug)]
 pub struct GptModel<B: Backend> {
@@ -31,10 +30,8 @@ pub struct GptModel<B: Backend> {
     pub embedding: VocabParallelEmbedding<B>,
     /// `[max_sequence_length, hidden]`, replicated; learned positions only.
     pub position_embedding: Option<Param<Tensor<B, 2>>>,
-    /// The transformer layers.
-    pub layers: Vec<TransformerLayer<B>>,
-    /// Norm after the last layer.
-    pub final_norm: Norm<B>,
+    /// The transformer layers and the final norm.
+    pub block: TransformerBlock<B>,
     /// Output layer, split by vocabulary; `None` when tied to the token embeddings.
     pub output: Option<VocabParallelOutput<B>>,
     #[module(skip)]
@@ -84,24 +81,13 @@ impl TransformerConfig {
                 );
                 Param::from_tensor(table)
             });
-        let layers = (0..self.num_layers)
-            .map(|i| TransformerLayer::new(self, i, tp, device))
-            .collect::<Result<Vec<_>, _>>()?;
-        let sp_group = self.sequence_parallel.then(|| tp.clone());
         let output = (!self.tie_embeddings).then(|| {
             VocabParallelOutput::new(&vocab, hidden, self.init_std, seed("output"), device)
         });
         Ok(GptModel {
             embedding,
             position_embedding,
-            layers,
-            final_norm: Norm::new(
-                self.normalization,
-                hidden,
-                self.norm_epsilon,
-                sp_group,
-                device,
-            ),
+            block: TransformerBlock::new(self, tp, device)?,
             output,
             context: ModelContext {
                 tp: tp.clone(),
@@ -127,11 +113,8 @@ impl<B: ModelBackend> GptModel<B> {
     /// logits. Under sequence parallelism `seq` must be divisible by the TP size.
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> DistResult<Tensor<B, 3>> {
         let call = self.next_call();
-        let mut x = self.embed(tokens, call)?;
-        for layer in &self.layers {
-            x = layer.try_forward(x, call)?;
-        }
-        self.logits(x)
+        let x = self.embed(tokens, call)?;
+        self.logits(self.block.try_forward(x, call)?)
     }
 
     /// [`try_forward`](Self::try_forward), panicking on a communication failure.
@@ -214,9 +197,8 @@ impl<B: ModelBackend> GptModel<B> {
         ))
     }
 
-    /// Final norm and output layer: the residual stream to this rank's slice of the logits.
+    /// Output layer: the normalised residual stream to this rank's slice of the logits.
     fn logits(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
-        let x = self.final_norm.try_forward(x)?;
         let table = match &self.output {
             Some(output) => output.weight.val(),
             None => self.embedding.weight.val(),
@@ -253,9 +235,10 @@ where
         }
         let call = self.next_call();
         let embedded = self.embed(tokens, call)?;
-        let mut inputs = Vec::with_capacity(self.layers.len());
+        let layers = &self.block.layers;
+        let mut inputs = Vec::with_capacity(layers.len());
         let mut x = embedded.clone().inner();
-        for layer in &self.layers {
+        for layer in layers {
             inputs.push(x.clone());
             x = layer
                 .clone()
@@ -266,18 +249,19 @@ where
 
         let mut grads = GradientsParams::new();
         let last = Tensor::<B, 3>::from_inner(x).require_grad();
-        let loss = self.loss(self.logits(last.clone())?, targets)?;
+        let normalised = self.block.final_norm.try_forward(last.clone())?;
+        let loss = self.loss(self.logits(normalised)?, targets)?;
         let head = self.segment_backward(loss.clone())?;
         let mut upstream = last
             .grad(&head)
             .expect("the last layer's output feeds the loss");
-        accumulate(&mut grads, &self.final_norm, &head);
+        accumulate(&mut grads, &self.block.final_norm, &head);
         match &self.output {
             Some(output) => accumulate(&mut grads, output, &head),
             None => accumulate(&mut grads, &self.embedding, &head),
         }
 
-        for (layer, input) in self.layers.iter().zip(inputs).rev() {
+        for (layer, input) in layers.iter().zip(inputs).rev() {
             let input = Tensor::<B, 3>::from_inner(input).require_grad();
             let output = layer.try_forward(input.clone(), call)?;
             let layer_grads =

@@ -2,6 +2,7 @@
 
 mod attention;
 mod attention_core;
+mod block;
 mod config;
 mod layer;
 mod mlp;
@@ -10,6 +11,7 @@ mod rope;
 
 pub use attention::ParallelAttention;
 pub use attention_core::AttentionCore;
+pub use block::TransformerBlock;
 pub use config::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig, ValidatedConfig,
 };
