@@ -285,3 +285,112 @@ fn primitive(
         TensorPrimitive::QFloat(_) => unreachable!("float tensor"),
     }
 }
+
+/// The f64 product on the host of `op(a) · op(b)` (+ bias), from the tensors' own values.
+fn host_gemm(
+    a: &TensorData,
+    b: &TensorData,
+    ta: bool,
+    tb: bool,
+    bias: Option<&TensorData>,
+) -> Vec<f32> {
+    let (av, bv): (Vec<f32>, Vec<f32>) = (
+        a.clone().convert::<f32>().to_vec().unwrap(),
+        b.clone().convert::<f32>().to_vec().unwrap(),
+    );
+    let (ar, ac) = (a.shape[0], a.shape[1]);
+    let (br, bc) = (b.shape[0], b.shape[1]);
+    let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+    let n = if tb { br } else { bc };
+    let at = |i: usize, p: usize| if ta { av[p * ac + i] } else { av[i * ac + p] } as f64;
+    let bt = |p: usize, j: usize| if tb { bv[j * bc + p] } else { bv[p * bc + j] } as f64;
+    let bias: Vec<f32> = bias
+        .map(|b| b.clone().convert::<f32>().to_vec().unwrap())
+        .unwrap_or_else(|| vec![0.0; n]);
+    let mut out = vec![0.0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] =
+                ((0..k).map(|p| at(i, p) * bt(p, j)).sum::<f64>() + bias[j] as f64) as f32;
+        }
+    }
+    out
+}
+
+fn relative_error(got: &TensorData, want: &[f32]) -> f32 {
+    let got: Vec<f32> = got.clone().convert::<f32>().to_vec().unwrap();
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    got.iter()
+        .zip(want)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
+}
+
+/// cuBLASLt GEMMs against the exact product, for every transpose combination (as flags and as
+/// transposed views), ragged shapes, bf16, f16 and f32, the bias epilogue and f32 output.
+#[test]
+fn gemm_matches_the_exact_product() {
+    use burn_megatron_kernels::cuda::gemm::{gemm, matmul};
+    let device = CudaGpu::new(0);
+    let make = |shape: [usize; 2], seed, dtype| {
+        Tensor::<Ours, 2>::from_data(data(&shape, seed), &device).cast(dtype)
+    };
+    let raw = |t: &Tensor<Ours, 2>| t.clone().into_primitive().tensor();
+    let mut checked = 0;
+    for (dtype, tolerance) in [(DType::BF16, 1e-2), (DType::F16, 5e-3), (DType::F32, 5e-3)] {
+        for (m, n, k) in [
+            (333, 517, 129),
+            (64, 64, 64),
+            (1, 256, 512),
+            (1000, 24, 77),
+            (256, 768, 1024),
+        ] {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let a = make(if ta { [k, m] } else { [m, k] }, 11, dtype);
+                let b = make(if tb { [n, k] } else { [k, n] }, 12, dtype);
+                let want = host_gemm(&a.to_data(), &b.to_data(), ta, tb, None);
+                let flags = matmul(a.clone(), b.clone(), ta, tb);
+                let err = relative_error(&flags.to_data(), &want);
+                assert!(
+                    err <= tolerance,
+                    "{dtype:?} {m}x{n}x{k} ta={ta} tb={tb}: error {err:e}"
+                );
+                // The same product from transposed views with the flags flipped:
+                // op_{!t}(xᵀ) = op_t(x). The views are never materialised.
+                let views = matmul(a.clone().transpose(), b.clone().transpose(), !ta, !tb);
+                let err_views = relative_error(&views.to_data(), &want);
+                assert!(
+                    err_views <= tolerance,
+                    "{dtype:?} {m}x{n}x{k} views ta={ta} tb={tb}: error {err_views:e}"
+                );
+                checked += 2;
+            }
+        }
+        // Bias epilogue and f32 output.
+        let (a, b) = (make([300, 200], 13, dtype), make([200, 120], 14, dtype));
+        let bias = Tensor::<Ours, 1>::from_data(data(&[120], 15), &device).cast(dtype);
+        let want = host_gemm(
+            &a.to_data(),
+            &b.to_data(),
+            false,
+            false,
+            Some(&bias.to_data()),
+        );
+        let with_bias = gemm(
+            &raw(&a),
+            &raw(&b),
+            false,
+            false,
+            Some(&bias.clone().into_primitive().tensor()),
+            false,
+        )
+        .unwrap();
+        let with_bias = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(with_bias));
+        let err = relative_error(&with_bias.to_data(), &want);
+        assert!(err <= tolerance, "{dtype:?} bias: error {err:e}");
+        let wide = gemm(&raw(&a), &raw(&b), false, false, None, true).unwrap();
+        assert_eq!(wide.dtype, DType::F32);
+        println!("{dtype:?}: all shapes and transposes within {tolerance:e}; bias error {err:.2e}");
+    }
+    println!("checked {checked} GEMMs");
+}

@@ -10,6 +10,7 @@ mod device;
 mod driver;
 mod event;
 pub mod foreign;
+pub mod gemm;
 mod modules;
 mod properties;
 mod runtime;

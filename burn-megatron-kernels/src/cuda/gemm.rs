@@ -1,0 +1,348 @@
+//! Dense GEMM through cuBLASLt, as a foreign operation on the compute stream: in order with
+//! Burn's kernels, on Burn's device buffers, with no host synchronisation.
+//!
+//! Tensors are row-major (rows may be pitched); cuBLASLt is column-major. A row-major `[r, c]`
+//! matrix with row stride `s` is the column-major `[c, r]` matrix with leading dimension `s`,
+//! so `C = op(A) · op(B)` is computed as `Cᵀ = op(B)ᵀ · op(A)ᵀ` with the operands swapped and
+//! each transpose folded into cuBLASLt's operation flags: nothing is materialised.
+//!
+//! bf16 and f16 inputs accumulate in f32; f32 inputs use TF32 tensor cores (as Burn's own f32
+//! matmul does). The output is the inputs' type or f32.
+
+use std::collections::HashMap;
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::sys::{CUdeviceptr, cuMemAlloc_v2};
+
+use super::foreign::{ForeignQueue, Lane, binding};
+use super::runtime::MegatronCudaRuntime;
+
+type Tensor = CubeTensor<MegatronCudaRuntime>;
+
+/// Bytes of workspace cuBLASLt may use: what NVIDIA recommends for Hopper.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Why cuBLASLt cannot take a GEMM (the caller falls back to Burn's matmul).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GemmUnsupported {
+    /// Inputs of another dtype, or of different dtypes.
+    DType(DType, DType),
+    /// An operand whose rows are not contiguous (a transposed view).
+    Layout,
+    /// Inner dimensions differ.
+    Shape(Vec<usize>, Vec<usize>),
+}
+
+/// `op(a) · op(b)` (+ `bias` per output column), row-major, through cuBLASLt.
+///
+/// `a` is `[m, k]` (`[k, m]` with `transpose_a`), `b` is `[k, n]` (`[n, k]` with
+/// `transpose_b`), `bias` is `[n]` of the output dtype. The output is `[m, n]`, of the inputs'
+/// dtype unless `f32_output`.
+pub fn gemm(
+    a: &Tensor,
+    b: &Tensor,
+    transpose_a: bool,
+    transpose_b: bool,
+    bias: Option<&Tensor>,
+    f32_output: bool,
+) -> Result<Tensor, GemmUnsupported> {
+    if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(GemmUnsupported::DType(a.dtype, b.dtype));
+    }
+    let (a_view, b_view) = (Operand::of(a)?, Operand::of(b)?);
+    if bias.is_some_and(|t| t.meta.strides()[0] != 1) {
+        return Err(GemmUnsupported::Layout);
+    }
+    // A transposed view of a row-major matrix is that matrix with the flag flipped.
+    let transpose_a = transpose_a != a_view.transposed;
+    let transpose_b = transpose_b != b_view.transposed;
+    let (m, k) = if transpose_a {
+        (a_view.cols, a_view.rows)
+    } else {
+        (a_view.rows, a_view.cols)
+    };
+    let (k2, n) = if transpose_b {
+        (b_view.cols, b_view.rows)
+    } else {
+        (b_view.rows, b_view.cols)
+    };
+    if k != k2 {
+        return Err(GemmUnsupported::Shape(
+            a.meta.shape().to_vec(),
+            b.meta.shape().to_vec(),
+        ));
+    }
+    let out_dtype = if f32_output { DType::F32 } else { a.dtype };
+    let out = empty_device_contiguous_dtype(
+        a.client.clone(),
+        a.device.clone(),
+        Shape::from(vec![m, n]),
+        out_dtype,
+    );
+    let key = GemmKey {
+        m,
+        n,
+        k,
+        lda: a_view.ld,
+        ldb: b_view.ld,
+        transpose_a,
+        transpose_b,
+        input: a.dtype,
+        output: out_dtype,
+        bias: bias.is_some(),
+    };
+    let mut bindings = vec![binding(a), binding(b), binding(&out)];
+    bindings.extend(bias.map(binding));
+    ForeignQueue::new(&a.device).submit("cuBLASLt GEMM", bindings, Lane::Compute, move |ctx| {
+        let state = match ctx.extensions.get_mut::<LtState>() {
+            Some(state) => state,
+            None => ctx
+                .extensions
+                .get_or_insert_with(|| LtState::new().expect("cuBLASLt")),
+        };
+        let plan = state.plan(key).map_err(|e| format!("{e:?} for {key:?}"))?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let p = ctx.pointers;
+        // SAFETY: the pointers address the tensors the plan's layouts describe; the workspace
+        // is used only on the compute stream, one GEMM after another.
+        unsafe {
+            if let Some(&bias) = p.get(3) {
+                lt::set_matmul_desc_attribute(
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    &bias as *const u64 as *const _,
+                    8,
+                )
+                .map_err(|e| e.to_string())?;
+            }
+            lt::matmul(
+                state.handle,
+                plan.desc,
+                &alpha as *const f32 as *const _,
+                &beta as *const f32 as *const _,
+                p[1] as *const _,
+                plan.first,
+                p[0] as *const _,
+                plan.second,
+                p[2] as *const _,
+                plan.out,
+                p[2] as *mut _,
+                plan.out,
+                &plan.algo,
+                state.workspace as *mut _,
+                WORKSPACE_BYTES,
+                ctx.stream as sys::cudaStream_t,
+            )
+            .map_err(|e| format!("cublasLtMatmul: {e} for {key:?}"))
+        }
+    });
+    Ok(out)
+}
+
+/// A 2D operand as a row-major matrix in memory: `rows × cols` with row stride `ld`, read
+/// transposed if the tensor is a transposed view of it.
+struct Operand {
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    transposed: bool,
+}
+
+impl Operand {
+    fn of(t: &Tensor) -> Result<Self, GemmUnsupported> {
+        let (shape, strides) = (t.meta.shape(), t.meta.strides());
+        if shape.len() != 2 {
+            return Err(GemmUnsupported::Layout);
+        }
+        let (r, c) = (shape[0], shape[1]);
+        if strides[1] == 1 && strides[0] >= c.max(1) {
+            Ok(Self {
+                rows: r,
+                cols: c,
+                ld: strides[0],
+                transposed: false,
+            })
+        } else if strides[0] == 1 && strides[1] >= r.max(1) {
+            Ok(Self {
+                rows: c,
+                cols: r,
+                ld: strides[1],
+                transposed: true,
+            })
+        } else {
+            Err(GemmUnsupported::Layout)
+        }
+    }
+}
+
+/// Everything that selects a cuBLASLt plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct GemmKey {
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    transpose_a: bool,
+    transpose_b: bool,
+    input: DType,
+    output: DType,
+    bias: bool,
+}
+
+/// Descriptors, layouts and the heuristic's algorithm for one key (kept for the process).
+#[derive(Clone, Copy)]
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    first: sys::cublasLtMatrixLayout_t,
+    second: sys::cublasLtMatrixLayout_t,
+    out: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// Per-device cuBLASLt state: the handle, the workspace and the plans.
+struct LtState {
+    handle: sys::cublasLtHandle_t,
+    workspace: CUdeviceptr,
+    plans: HashMap<GemmKey, Plan>,
+}
+
+// SAFETY: used only on the device thread, inside foreign operations.
+unsafe impl Send for LtState {}
+
+fn data_type(dtype: DType) -> sys::cudaDataType {
+    match dtype {
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        _ => sys::cudaDataType::CUDA_R_32F,
+    }
+}
+
+impl LtState {
+    fn new() -> Result<Self, String> {
+        let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e}"))?;
+        let mut workspace = 0;
+        // SAFETY: allocation in the current (primary) context.
+        let result = unsafe { cuMemAlloc_v2(&mut workspace, WORKSPACE_BYTES) };
+        if result != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemAlloc of the cuBLASLt workspace: {result:?}"));
+        }
+        Ok(Self {
+            handle,
+            workspace,
+            plans: HashMap::new(),
+        })
+    }
+
+    fn plan(&mut self, key: GemmKey) -> Result<Plan, lt::CublasError> {
+        if let Some(plan) = self.plans.get(&key) {
+            return Ok(*plan);
+        }
+        let compute = match key.input {
+            DType::F32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F)?;
+        let op = |transpose: bool| -> i32 { transpose as i32 };
+        // The first cuBLASLt operand is B, the second A (see the module docs).
+        let (trans_first, trans_second) = (op(key.transpose_b), op(key.transpose_a));
+        // SAFETY: attributes of a descriptor we own, passed by pointer and size.
+        unsafe {
+            use sys::cublasLtMatmulDescAttributes_t::*;
+            lt::set_matmul_desc_attribute(
+                desc,
+                CUBLASLT_MATMUL_DESC_TRANSA,
+                &trans_first as *const i32 as *const _,
+                4,
+            )?;
+            lt::set_matmul_desc_attribute(
+                desc,
+                CUBLASLT_MATMUL_DESC_TRANSB,
+                &trans_second as *const i32 as *const _,
+                4,
+            )?;
+            if key.bias {
+                let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &epilogue as *const _ as *const _,
+                    core::mem::size_of_val(&epilogue),
+                )?;
+            }
+        }
+        // A row-major [r, c] matrix with row stride s is column-major [c, r] with ld s.
+        let layout = |dtype, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(data_type(dtype), cols as u64, rows as u64, ld as i64)
+        };
+        // The stored (row-major) shapes of the operands.
+        let (b_rows, b_cols) = if key.transpose_b {
+            (key.n, key.k)
+        } else {
+            (key.k, key.n)
+        };
+        let (a_rows, a_cols) = if key.transpose_a {
+            (key.k, key.m)
+        } else {
+            (key.m, key.k)
+        };
+        let first = layout(key.input, b_rows, b_cols, key.ldb)?;
+        let second = layout(key.input, a_rows, a_cols, key.lda)?;
+        let out = layout(key.output, key.m, key.n, key.n)?;
+        let pref = lt::create_matmul_pref()?;
+        // SAFETY: as above.
+        let heuristic = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &WORKSPACE_BYTES as *const usize as *const _,
+                core::mem::size_of::<usize>(),
+            )?;
+            let heuristic =
+                lt::get_matmul_algo_heuristic(self.handle, desc, first, second, out, out, pref);
+            let _ = lt::destroy_matmul_pref(pref);
+            heuristic?
+        };
+        let plan = Plan {
+            desc,
+            first,
+            second,
+            out,
+            algo: heuristic.algo,
+        };
+        self.plans.insert(key, plan);
+        Ok(plan)
+    }
+}
+
+/// `op(a) · op(b)` on Burn tensors of [`MegatronCuda`](super::MegatronCuda): cuBLASLt when it
+/// can take the operands, Burn's matmul otherwise.
+pub fn matmul(
+    a: burn::tensor::Tensor<super::MegatronCuda, 2>,
+    b: burn::tensor::Tensor<super::MegatronCuda, 2>,
+    transpose_a: bool,
+    transpose_b: bool,
+) -> burn::tensor::Tensor<super::MegatronCuda, 2> {
+    use burn::tensor::TensorPrimitive;
+    let primitive =
+        |t: &burn::tensor::Tensor<super::MegatronCuda, 2>| t.clone().into_primitive().tensor();
+    match gemm(
+        &primitive(&a),
+        &primitive(&b),
+        transpose_a,
+        transpose_b,
+        None,
+        false,
+    ) {
+        Ok(out) => burn::tensor::Tensor::from_primitive(TensorPrimitive::Float(out)),
+        Err(_) => {
+            let a = if transpose_a { a.transpose() } else { a };
+            let b = if transpose_b { b.transpose() } else { b };
+            a.matmul(b)
+        }
+    }
+}
