@@ -5,6 +5,7 @@ use burn::backend::ndarray::{
 };
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Tensor, TensorPrimitive};
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -13,9 +14,33 @@ use burn_megatron_dist::DistBackend;
 
 use crate::transformer::AttentionCore;
 
-/// A [`DistBackend`] with the model operations that need their own autodiff: plain backends
-/// run the forward; `Autodiff<B>` records a backward that recomputes instead of storing.
+/// A [`DistBackend`] with the model's own operations: the dense GEMMs of the linear layers
+/// (cuBLASLt on our CUDA backend, Burn's matmul elsewhere) and the ones that need their own
+/// autodiff (`Autodiff<B>` records backwards that fold transposes into GEMMs, or recompute
+/// instead of storing).
 pub trait ModelBackend: DistBackend {
+    /// `op(a) · op(b)`, where `op` transposes when asked; backends with a GEMM library fold
+    /// the transposes into it.
+    fn gemm(
+        a: Tensor<Self, 2>,
+        b: Tensor<Self, 2>,
+        transpose_a: bool,
+        transpose_b: bool,
+    ) -> Tensor<Self, 2> {
+        let a = if transpose_a { a.transpose() } else { a };
+        let b = if transpose_b { b.transpose() } else { b };
+        a.matmul(b)
+    }
+
+    /// `x · w + bias` for `x: [tokens, d_in]`, `w: [d_in, d_out]`, `bias: [d_out]`.
+    fn linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        burn::tensor::module::linear(x, w, bias)
+    }
+
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
     /// recomputation): the `[batch, heads, seq, seq]` probabilities are recomputed there.
     fn recomputed_attention_core(
@@ -38,20 +63,83 @@ where
 
 #[cfg(feature = "cuda")]
 mod cube {
-    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn::tensor::Tensor;
+    use burn_cubecl::cubecl::cuda::CudaRuntime;
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
     use super::ModelBackend;
 
-    impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
-        for CubeBackend<R, F, I, BT>
+    /// burn-cuda's backend: Burn's own matmul (the reference our backend is tested against).
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
+        for CubeBackend<CudaRuntime, F, I, BT>
     {
+    }
+
+    /// Our CUDA backend: the linear layers' GEMMs through cuBLASLt, in stream order.
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
+        for CubeBackend<MegatronCudaRuntime, F, I, BT>
+    {
+        fn gemm(
+            a: Tensor<Self, 2>,
+            b: Tensor<Self, 2>,
+            transpose_a: bool,
+            transpose_b: bool,
+        ) -> Tensor<Self, 2> {
+            gemm::matmul(a, b, transpose_a, transpose_b)
+        }
+
+        fn linear(
+            x: Tensor<Self, 2>,
+            w: Tensor<Self, 2>,
+            bias: Option<Tensor<Self, 1>>,
+        ) -> Tensor<Self, 2> {
+            gemm::linear(x, w, bias, false, false)
+        }
     }
 
     impl<B: FusionBackend> ModelBackend for Fusion<B> {}
 }
 
 impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
+    fn linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        let x = x.into_primitive().tensor();
+        let w = w.into_primitive().tensor();
+        let bias = bias.map(|b| b.into_primitive().tensor());
+        let output = <B as ModelBackend>::linear(
+            wrap::<B, 2>(x.primitive.clone()),
+            wrap::<B, 2>(w.primitive.clone()),
+            bias.as_ref().map(|b| wrap::<B, 1>(b.primitive.clone())),
+        )
+        .into_primitive()
+        .tensor();
+        let state = (x.primitive.clone(), w.primitive.clone());
+        let output = match bias {
+            Some(bias) => match LinearBackward
+                .prepare::<C>([x.node.clone(), w.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, output),
+                OpsKind::UnTracked(prep) => prep.finish(output),
+            },
+            None => match LinearBackward
+                .prepare::<C>([x.node.clone(), w.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, output),
+                OpsKind::UnTracked(prep) => prep.finish(output),
+            },
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
     fn recomputed_attention_core(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
@@ -61,9 +149,9 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         let [q, k, v] = [q, k, v].map(|t| t.into_primitive().tensor());
         let output = core
             .forward(
-                wrap::<B>(q.primitive.clone()),
-                wrap::<B>(k.primitive.clone()),
-                wrap::<B>(v.primitive.clone()),
+                wrap::<B, 4>(q.primitive.clone()),
+                wrap::<B, 4>(k.primitive.clone()),
+                wrap::<B, 4>(v.primitive.clone()),
             )
             .into_primitive()
             .tensor();
@@ -81,8 +169,74 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     }
 }
 
-fn wrap<B: burn::tensor::backend::Backend>(primitive: B::FloatTensorPrimitive) -> Tensor<B, 4> {
+fn wrap<B: burn::tensor::backend::Backend, const D: usize>(
+    primitive: B::FloatTensorPrimitive,
+) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
+}
+
+/// The backward of `y = x · w (+ b)`: `dx = dy · wᵀ`, `dw = xᵀ · dy` (transposes folded into
+/// the GEMMs), `db = Σ_tokens dy`. Its parents are `[x, w]` or `[x, w, b]`.
+#[derive(Debug)]
+struct LinearBackward;
+
+impl LinearBackward {
+    fn run<B: ModelBackend>(
+        parents: &[Option<NodeId>],
+        dy: B::FloatTensorPrimitive,
+        (x, w): (B::FloatTensorPrimitive, B::FloatTensorPrimitive),
+        grads: &mut Gradients,
+    ) {
+        let dy = wrap::<B, 2>(dy);
+        if let Some(id) = parents[0] {
+            let dx = B::gemm(dy.clone(), wrap(w), false, true);
+            grads.register::<B>(id, dx.into_primitive().tensor());
+        }
+        if let Some(id) = parents[1] {
+            let dw = B::gemm(wrap(x), dy.clone(), true, false);
+            grads.register::<B>(id, dw.into_primitive().tensor());
+        }
+        if let Some(Some(id)) = parents.get(2) {
+            let db = dy.sum_dim(0).squeeze_dim::<1>(0);
+            grads.register::<B>(*id, db.into_primitive().tensor());
+        }
+    }
+}
+
+impl<B: ModelBackend> Backward<B, 2> for LinearBackward {
+    type State = (B::FloatTensorPrimitive, B::FloatTensorPrimitive);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let parents = ops.parents.map(|p| p.map(|node| node.id));
+        Self::run::<B>(&parents, dy, ops.state, grads);
+    }
+}
+
+impl<B: ModelBackend> Backward<B, 3> for LinearBackward {
+    type State = (B::FloatTensorPrimitive, B::FloatTensorPrimitive);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let parents = ops.parents.map(|p| p.map(|node| node.id));
+        Self::run::<B>(&parents, dy, ops.state, grads);
+    }
+}
+
+/// `x · w + bias` over the last dimension of an `x` of any rank: flattened to
+/// `[tokens, d_in]` for [`ModelBackend::linear`], then reshaped back.
+pub fn linear<B: ModelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let d_out = w.dims()[1];
+    let tokens: usize = dims[..D - 1].iter().product();
+    let y = <B as ModelBackend>::linear(x.reshape([tokens, dims[D - 1]]), w, bias);
+    let mut out = dims;
+    out[D - 1] = d_out;
+    y.reshape(out)
 }
 
 #[derive(Debug)]
@@ -100,11 +254,78 @@ impl<B: ModelBackend> Backward<B, 3> for RecomputedAttention {
         let [node_q, node_k, node_v] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (q, k, v, core) = ops.state;
-        let [grad_q, grad_k, grad_v] =
-            core.backward(wrap::<B>(q), wrap::<B>(k), wrap::<B>(v), wrap::<B>(grad));
+        let [grad_q, grad_k, grad_v] = core.backward(
+            wrap::<B, 4>(q),
+            wrap::<B, 4>(k),
+            wrap::<B, 4>(v),
+            wrap::<B, 4>(grad),
+        );
         for (node, grad) in [(node_q, grad_q), (node_k, grad_k), (node_v, grad_v)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, grad.into_primitive().tensor());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::Tensor;
+
+    use crate::init::{InitDistribution, init_full};
+
+    type AD = Autodiff<NdArray>;
+
+    fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
+        t.into_data().to_vec().unwrap()
+    }
+
+    /// Our linear's hand-written backward (GEMMs with folded transposes) against Burn's own
+    /// autodiff, for a 3D input, with and without bias, and for a transposed-view weight.
+    #[test]
+    fn linear_backward_matches_burns_autodiff() {
+        let dev = Default::default();
+        let normal = |shape: [usize; 3], seed| {
+            init_full::<AD, 3>(shape, InitDistribution::Normal { std: 1.0 }, seed, &dev)
+        };
+        for (with_bias, transposed_weight) in [(true, false), (false, false), (true, true)] {
+            let run = |ours: bool| {
+                let x = normal([2, 5, 7], 1).require_grad();
+                let stored = if transposed_weight {
+                    [1, 3, 7]
+                } else {
+                    [1, 7, 3]
+                };
+                let w_param = normal(stored, 2).squeeze_dim::<2>(0).require_grad();
+                let w = if transposed_weight {
+                    w_param.clone().transpose()
+                } else {
+                    w_param.clone()
+                };
+                let b = with_bias.then(|| normal([1, 1, 3], 3).reshape([3]).require_grad());
+                let y = if ours {
+                    super::linear(x.clone(), w, b.clone())
+                } else {
+                    burn::tensor::module::linear(x.clone(), w, b.clone())
+                };
+                let upstream = normal([2, 5, 3], 4).detach();
+                let grads = (y.clone() * upstream).sum().backward();
+                let mut out = vec![
+                    values(y.inner()),
+                    values(x.grad(&grads).unwrap()),
+                    values(w_param.grad(&grads).unwrap()),
+                ];
+                out.extend(b.map(|b| values(b.grad(&grads).unwrap())));
+                out
+            };
+            for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
+                for (x, y) in a.iter().zip(&b) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+                        "output {i} (bias {with_bias}, transposed {transposed_weight}): {x} vs {y}"
+                    );
+                }
             }
         }
     }

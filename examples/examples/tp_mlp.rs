@@ -12,11 +12,12 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::Tensor;
 use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
+use burn_megatron::ModelBackend;
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
-use burn_megatron_dist::{DistBackend, LaunchConfig, ParallelSizes, launch};
+use burn_megatron_dist::{LaunchConfig, ParallelSizes, launch};
 
 type Train = Autodiff<NdArray>;
 
@@ -32,7 +33,7 @@ struct TpMlp<B: Backend> {
     down: RowParallelLinear<B>,
 }
 
-impl<B: DistBackend> TpMlp<B> {
+impl<B: ModelBackend> TpMlp<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.down.forward(gelu(self.up.forward(x)))
     }

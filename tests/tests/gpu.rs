@@ -330,7 +330,7 @@ fn relative_error(got: &TensorData, want: &[f32]) -> f32 {
 /// transposed views), ragged shapes, bf16, f16 and f32, the bias epilogue and f32 output.
 #[test]
 fn gemm_matches_the_exact_product() {
-    use burn_megatron_kernels::cuda::gemm::{gemm, matmul};
+    use burn_megatron_kernels::cuda::gemm::gemm;
     let device = CudaGpu::new(0);
     let make = |shape: [usize; 2], seed, dtype| {
         Tensor::<Ours, 2>::from_data(data(&shape, seed), &device).cast(dtype)
@@ -349,7 +349,10 @@ fn gemm_matches_the_exact_product() {
                 let a = make(if ta { [k, m] } else { [m, k] }, 11, dtype);
                 let b = make(if tb { [n, k] } else { [k, n] }, 12, dtype);
                 let want = host_gemm(&a.to_data(), &b.to_data(), ta, tb, None);
-                let flags = matmul(a.clone(), b.clone(), ta, tb);
+                // Through cuBLASLt itself (no fallback): `gemm` refuses what it cannot take.
+                let flags = gemm(&raw(&a), &raw(&b), ta, tb, None, false)
+                    .expect("cuBLASLt takes row-major operands");
+                let flags = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(flags));
                 let err = relative_error(&flags.to_data(), &want);
                 assert!(
                     err <= tolerance,
@@ -357,7 +360,10 @@ fn gemm_matches_the_exact_product() {
                 );
                 // The same product from transposed views with the flags flipped:
                 // op_{!t}(xᵀ) = op_t(x). The views are never materialised.
-                let views = matmul(a.clone().transpose(), b.clone().transpose(), !ta, !tb);
+                let (a_view, b_view) = (a.clone().transpose(), b.clone().transpose());
+                let views = gemm(&raw(&a_view), &raw(&b_view), !ta, !tb, None, false)
+                    .expect("cuBLASLt takes transposed views");
+                let views = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(views));
                 let err_views = relative_error(&views.to_data(), &want);
                 assert!(
                     err_views <= tolerance,

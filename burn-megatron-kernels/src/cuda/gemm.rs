@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, FloatElement, IntElement};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::sys::{CUdeviceptr, cuMemAlloc_v2};
@@ -319,30 +320,56 @@ impl LtState {
     }
 }
 
-/// `op(a) · op(b)` on Burn tensors of [`MegatronCuda`](super::MegatronCuda): cuBLASLt when it
-/// can take the operands, Burn's matmul otherwise.
-pub fn matmul(
-    a: burn::tensor::Tensor<super::MegatronCuda, 2>,
-    b: burn::tensor::Tensor<super::MegatronCuda, 2>,
+/// A Burn backend on our runtime, whatever its element types.
+type OurBackend<F, I, BT> = burn_cubecl::CubeBackend<MegatronCudaRuntime, F, I, BT>;
+
+/// `op(a) · op(b)` on Burn tensors of our backend: cuBLASLt when it can take the operands
+/// (2D, row-major or transposed views, f32/bf16/f16), Burn's matmul otherwise.
+pub fn matmul<F: FloatElement, I: IntElement, BT: BoolElement>(
+    a: burn::tensor::Tensor<OurBackend<F, I, BT>, 2>,
+    b: burn::tensor::Tensor<OurBackend<F, I, BT>, 2>,
     transpose_a: bool,
     transpose_b: bool,
-) -> burn::tensor::Tensor<super::MegatronCuda, 2> {
+) -> burn::tensor::Tensor<OurBackend<F, I, BT>, 2> {
+    linear(a, b, None, transpose_a, transpose_b)
+}
+
+/// `op(x) · op(w) + bias`, the bias added by cuBLASLt's epilogue; Burn's ops where cuBLASLt
+/// cannot take the operands.
+pub fn linear<F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: burn::tensor::Tensor<OurBackend<F, I, BT>, 2>,
+    w: burn::tensor::Tensor<OurBackend<F, I, BT>, 2>,
+    bias: Option<burn::tensor::Tensor<OurBackend<F, I, BT>, 1>>,
+    transpose_x: bool,
+    transpose_w: bool,
+) -> burn::tensor::Tensor<OurBackend<F, I, BT>, 2> {
     use burn::tensor::TensorPrimitive;
-    let primitive =
-        |t: &burn::tensor::Tensor<super::MegatronCuda, 2>| t.clone().into_primitive().tensor();
-    match gemm(
-        &primitive(&a),
-        &primitive(&b),
-        transpose_a,
-        transpose_b,
-        None,
-        false,
-    ) {
-        Ok(out) => burn::tensor::Tensor::from_primitive(TensorPrimitive::Float(out)),
-        Err(_) => {
-            let a = if transpose_a { a.transpose() } else { a };
-            let b = if transpose_b { b.transpose() } else { b };
-            a.matmul(b)
+    let raw =
+        |t: &burn::tensor::Tensor<OurBackend<F, I, BT>, 2>| t.clone().into_primitive().tensor();
+    let raw_bias = bias.as_ref().map(|b| b.clone().into_primitive().tensor());
+    let dtypes_match = bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
+    let fused = match dtypes_match {
+        true => gemm(
+            &raw(&x),
+            &raw(&w),
+            transpose_x,
+            transpose_w,
+            raw_bias.as_ref(),
+            false,
+        )
+        .ok(),
+        false => None,
+    };
+    match fused {
+        Some(out) => burn::tensor::Tensor::from_primitive(TensorPrimitive::Float(out)),
+        None => {
+            let x = if transpose_x { x.transpose() } else { x };
+            let w = if transpose_w { w.transpose() } else { w };
+            let out = x.matmul(w);
+            match bias {
+                Some(bias) => out + bias.unsqueeze(),
+                None => out,
+            }
         }
     }
 }

@@ -2,13 +2,14 @@
 
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::tensor::module::linear;
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::backend::{ModelBackend, linear};
 
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
@@ -87,7 +88,7 @@ impl ColumnParallelLinearConfig {
     }
 }
 
-impl<B: DistBackend> ColumnParallelLinear<B> {
+impl<B: ModelBackend> ColumnParallelLinear<B> {
     /// `[.., d_input]` → `[.., d_output / tp]`, or `[.., d_output]` with `gather_output`.
     /// Under sequence parallelism the input is `[batch, seq / tp, d_input]` and the output
     /// covers the whole sequence.

@@ -2,13 +2,14 @@
 
 use burn::config::Config;
 use burn::module::{Module, Param};
-use burn::tensor::module::linear;
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::backend::{ModelBackend, linear};
 
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
@@ -90,7 +91,7 @@ impl RowParallelLinearConfig {
     }
 }
 
-impl<B: DistBackend> RowParallelLinear<B> {
+impl<B: ModelBackend> RowParallelLinear<B> {
     /// `[.., d_input / tp]` (or `[.., d_input]` without `input_is_parallel`) → `[.., d_output]`.
     /// Under sequence parallelism the input is `[batch, seq, d_input / tp]` and the output
     /// `[batch, seq / tp, d_output]`.

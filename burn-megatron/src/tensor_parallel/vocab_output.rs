@@ -1,12 +1,13 @@
 //! The output layer: hidden states to logits over this rank's slice of the vocabulary.
 
 use burn::module::{Module, Param};
-use burn::tensor::module::linear;
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::backend::{ModelBackend, linear};
 
 use super::vocab::VocabPartition;
 use crate::init::{InitDistribution, init_slice};
@@ -45,7 +46,7 @@ impl<B: DistBackend> VocabParallelOutput<B> {
 /// under sequence parallelism) times this rank's `[vocab / tp, hidden]` table gives
 /// `[batch, seq, vocab / tp]`, this rank's slice of the logits. The input enters the
 /// tensor-parallel region through *f* (or an all-gather of the sequence).
-pub fn parallel_lm_logits<B: DistBackend>(
+pub fn parallel_lm_logits<B: ModelBackend>(
     hidden: Tensor<B, 3>,
     weight: Tensor<B, 2>,
     tp: &ProcessGroup,

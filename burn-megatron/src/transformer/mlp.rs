@@ -3,10 +3,11 @@
 use burn::module::Module;
 use burn::tensor::activation::{gelu, silu};
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::attention::output_init_std;
 use super::config::{Activation, TransformerConfig};
+use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::tensor_parallel::{
@@ -28,7 +29,7 @@ pub struct ParallelMlp<B: Backend> {
     pub fc2: RowParallelLinear<B>,
 }
 
-impl<B: DistBackend> ParallelMlp<B> {
+impl<B: ModelBackend> ParallelMlp<B> {
     /// This rank's part of layer `layer`'s MLP.
     pub fn new(
         config: &TransformerConfig,
