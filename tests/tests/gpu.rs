@@ -400,3 +400,34 @@ fn gemm_matches_the_exact_product() {
     }
     println!("checked {checked} GEMMs");
 }
+
+/// Gradient-accumulation fusion: `acc += Xᵀ · dY` straight into an f32 buffer (bf16 inputs),
+/// against the exact sum; a shared accumulator is refused.
+#[test]
+fn gemm_accumulates_into_an_f32_buffer() {
+    use burn_megatron_kernels::cuda::gemm::{GemmUnsupported, gemm_accumulate};
+    let device = CudaGpu::new(0);
+    let acc = Tensor::<Ours, 2>::from_data(data(&[96, 160], 21), &device);
+    let before: Vec<f32> = acc.to_data().to_vec().unwrap();
+    let x = Tensor::<Ours, 2>::from_data(data(&[512, 96], 22), &device).cast(DType::BF16);
+    let dy = Tensor::<Ours, 2>::from_data(data(&[512, 160], 23), &device).cast(DType::BF16);
+    let product = host_gemm(&x.to_data(), &dy.to_data(), true, false, None);
+    let want: Vec<f32> = before.iter().zip(&product).map(|(a, b)| a + b).collect();
+    let raw = |t: &Tensor<Ours, 2>| t.clone().into_primitive().tensor();
+
+    let shared = acc.clone();
+    let refused = gemm_accumulate(&raw(&x), &raw(&dy), true, false, &raw(&shared));
+    assert_eq!(
+        refused,
+        Err(GemmUnsupported::Layout),
+        "a shared accumulator must be refused"
+    );
+    drop(shared);
+
+    let acc = acc.into_primitive().tensor();
+    gemm_accumulate(&raw(&x), &raw(&dy), true, false, &acc).expect("cuBLASLt accumulates");
+    let after = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(acc)).into_data();
+    let err = relative_error(&after, &want);
+    println!("accumulate: relative error {err:.2e}");
+    assert!(err <= 1e-4, "accumulated gradient off by {err:e}");
+}

@@ -51,32 +51,11 @@ pub fn gemm(
     bias: Option<&Tensor>,
     f32_output: bool,
 ) -> Result<Tensor, GemmUnsupported> {
-    if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
-        return Err(GemmUnsupported::DType(a.dtype, b.dtype));
-    }
-    let (a_view, b_view) = (Operand::of(a)?, Operand::of(b)?);
+    let p = Product::of(a, b, transpose_a, transpose_b)?;
     if bias.is_some_and(|t| t.meta.strides()[0] != 1) {
         return Err(GemmUnsupported::Layout);
     }
-    // A transposed view of a row-major matrix is that matrix with the flag flipped.
-    let transpose_a = transpose_a != a_view.transposed;
-    let transpose_b = transpose_b != b_view.transposed;
-    let (m, k) = if transpose_a {
-        (a_view.cols, a_view.rows)
-    } else {
-        (a_view.rows, a_view.cols)
-    };
-    let (k2, n) = if transpose_b {
-        (b_view.cols, b_view.rows)
-    } else {
-        (b_view.rows, b_view.cols)
-    };
-    if k != k2 {
-        return Err(GemmUnsupported::Shape(
-            a.meta.shape().to_vec(),
-            b.meta.shape().to_vec(),
-        ));
-    }
+    let (m, n, k) = (p.m, p.n, p.k);
     let out_dtype = if f32_output { DType::F32 } else { a.dtype };
     let out = empty_device_contiguous_dtype(
         a.client.clone(),
@@ -88,15 +67,66 @@ pub fn gemm(
         m,
         n,
         k,
-        lda: a_view.ld,
-        ldb: b_view.ld,
-        transpose_a,
-        transpose_b,
+        lda: p.lda,
+        ldb: p.ldb,
+        ldc: n,
+        transpose_a: p.transpose_a,
+        transpose_b: p.transpose_b,
         input: a.dtype,
         output: out_dtype,
         bias: bias.is_some(),
+        accumulate: false,
     };
-    let mut bindings = vec![binding(a), binding(b), binding(&out)];
+    submit(key, a, b, &out, bias);
+    Ok(out)
+}
+
+/// `acc += op(a) · op(b)` in place, for an f32 `[m, n]` accumulator with bf16, f16 or f32
+/// inputs: Megatron's gradient-accumulation fusion, where the weight gradient is added
+/// straight into the fp32 main-gradient buffer. `acc` must not be shared (the caller owns it).
+pub fn gemm_accumulate(
+    a: &Tensor,
+    b: &Tensor,
+    transpose_a: bool,
+    transpose_b: bool,
+    acc: &Tensor,
+) -> Result<(), GemmUnsupported> {
+    let p = Product::of(a, b, transpose_a, transpose_b)?;
+    let acc_view = Operand::of(acc)?;
+    if acc.dtype != DType::F32 {
+        return Err(GemmUnsupported::DType(a.dtype, acc.dtype));
+    }
+    if acc_view.transposed || !acc.handle.can_mut() {
+        return Err(GemmUnsupported::Layout);
+    }
+    if (acc_view.rows, acc_view.cols) != (p.m, p.n) {
+        return Err(GemmUnsupported::Shape(
+            a.meta.shape().to_vec(),
+            acc.meta.shape().to_vec(),
+        ));
+    }
+    let (m, n, k) = (p.m, p.n, p.k);
+    let key = GemmKey {
+        m,
+        n,
+        k,
+        lda: p.lda,
+        ldb: p.ldb,
+        ldc: acc_view.ld,
+        transpose_a: p.transpose_a,
+        transpose_b: p.transpose_b,
+        input: a.dtype,
+        output: DType::F32,
+        bias: false,
+        accumulate: true,
+    };
+    submit(key, a, b, acc, None);
+    Ok(())
+}
+
+/// Enqueues `out = op(a) · op(b) (+ bias | + out)` on the compute stream.
+fn submit(key: GemmKey, a: &Tensor, b: &Tensor, out: &Tensor, bias: Option<&Tensor>) {
+    let mut bindings = vec![binding(a), binding(b), binding(out)];
     bindings.extend(bias.map(binding));
     ForeignQueue::new(&a.device).submit("cuBLASLt GEMM", bindings, Lane::Compute, move |ctx| {
         let state = match ctx.extensions.get_mut::<LtState>() {
@@ -106,7 +136,8 @@ pub fn gemm(
                 .get_or_insert_with(|| LtState::new().expect("cuBLASLt")),
         };
         let plan = state.plan(key).map_err(|e| format!("{e:?} for {key:?}"))?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let alpha = 1.0f32;
+        let beta = if key.accumulate { 1.0f32 } else { 0.0 };
         let p = ctx.pointers;
         // SAFETY: the pointers address the tensors the plan's layouts describe; the workspace
         // is used only on the compute stream, one GEMM after another.
@@ -141,7 +172,6 @@ pub fn gemm(
             .map_err(|e| format!("cublasLtMatmul: {e} for {key:?}"))
         }
     });
-    Ok(out)
 }
 
 /// A 2D operand as a row-major matrix in memory: `rows × cols` with row stride `ld`, read
@@ -180,6 +210,59 @@ impl Operand {
     }
 }
 
+/// `op(a) · op(b)` checked and sized: `[m, k] · [k, n]`, with views folded into the flags.
+struct Product {
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    transpose_a: bool,
+    transpose_b: bool,
+}
+
+impl Product {
+    fn of(
+        a: &Tensor,
+        b: &Tensor,
+        transpose_a: bool,
+        transpose_b: bool,
+    ) -> Result<Self, GemmUnsupported> {
+        if a.dtype != b.dtype || !matches!(a.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(GemmUnsupported::DType(a.dtype, b.dtype));
+        }
+        let (a_view, b_view) = (Operand::of(a)?, Operand::of(b)?);
+        // A transposed view of a row-major matrix is that matrix with the flag flipped.
+        let transpose_a = transpose_a != a_view.transposed;
+        let transpose_b = transpose_b != b_view.transposed;
+        let (m, k) = if transpose_a {
+            (a_view.cols, a_view.rows)
+        } else {
+            (a_view.rows, a_view.cols)
+        };
+        let (k2, n) = if transpose_b {
+            (b_view.cols, b_view.rows)
+        } else {
+            (b_view.rows, b_view.cols)
+        };
+        if k != k2 {
+            return Err(GemmUnsupported::Shape(
+                a.meta.shape().to_vec(),
+                b.meta.shape().to_vec(),
+            ));
+        }
+        Ok(Self {
+            m,
+            n,
+            k,
+            lda: a_view.ld,
+            ldb: b_view.ld,
+            transpose_a,
+            transpose_b,
+        })
+    }
+}
+
 /// Everything that selects a cuBLASLt plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct GemmKey {
@@ -188,11 +271,13 @@ struct GemmKey {
     k: usize,
     lda: usize,
     ldb: usize,
+    ldc: usize,
     transpose_a: bool,
     transpose_b: bool,
     input: DType,
     output: DType,
     bias: bool,
+    accumulate: bool,
 }
 
 /// Descriptors, layouts and the heuristic's algorithm for one key (kept for the process).
@@ -293,7 +378,7 @@ impl LtState {
         };
         let first = layout(key.input, b_rows, b_cols, key.ldb)?;
         let second = layout(key.input, a_rows, a_cols, key.lda)?;
-        let out = layout(key.output, key.m, key.n, key.n)?;
+        let out = layout(key.output, key.m, key.n, key.ldc)?;
         let pref = lt::create_matmul_pref()?;
         // SAFETY: as above.
         let heuristic = unsafe {
