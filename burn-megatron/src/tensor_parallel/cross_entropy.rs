@@ -45,14 +45,8 @@ pub fn vocab_parallel_cross_entropy<B: DistBackend>(
     let sum_exp = shifted.clone().exp().sum_dim(2);
     let sum_exp = reduce_from_tensor_parallel_region(sum_exp, tp)?;
 
-    let in_range = targets
-        .clone()
-        .greater_equal_elem(range.start as i64)
-        .bool_and(targets.clone().lower_elem(range.end as i64));
-    let local_targets = targets
-        .sub_scalar(range.start as i64)
-        .clamp(0, local as i64 - 1)
-        .unsqueeze_dim::<3>(2);
+    let (local_targets, in_range) = vocab.localize(targets);
+    let local_targets = local_targets.unsqueeze_dim::<3>(2);
     // Masked with a fill, not a product: a clamped index may point at a -inf padded entry.
     let target_logit = shifted
         .gather(2, local_targets)

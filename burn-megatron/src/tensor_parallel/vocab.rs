@@ -2,6 +2,9 @@
 
 use std::ops::Range;
 
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Int, Tensor};
+
 use crate::error::ConfigError;
 
 /// A vocabulary padded so that it splits evenly over TP ranks, and this rank's range of it.
@@ -52,6 +55,23 @@ impl VocabPartition {
     pub fn range(&self) -> Range<usize> {
         let n = self.local_size();
         self.rank * n..(self.rank + 1) * n
+    }
+
+    /// Token ids as indices into this rank's slice: `(local ids, in range)`. Ids outside the
+    /// slice are clamped into it (so they stay valid indices) and marked out of range.
+    pub fn localize<B: Backend, const D: usize>(
+        &self,
+        ids: Tensor<B, D, Int>,
+    ) -> (Tensor<B, D, Int>, Tensor<B, D, Bool>) {
+        let range = self.range();
+        let in_range = ids
+            .clone()
+            .greater_equal_elem(range.start as i64)
+            .bool_and(ids.clone().lower_elem(range.end as i64));
+        let local = ids
+            .sub_scalar(range.start as i64)
+            .clamp(0, range.len() as i64 - 1);
+        (local, in_range)
     }
 
     /// A note for the user when padding was added, `None` otherwise.

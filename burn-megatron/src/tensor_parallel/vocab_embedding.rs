@@ -58,14 +58,7 @@ impl<B: DistBackend> VocabParallelEmbedding<B> {
     /// `[batch, seq]` token ids → `[batch, seq, d_model]`, or `[batch, seq / tp, d_model]`
     /// under sequence parallelism.
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> DistResult<Tensor<B, 3>> {
-        let range = self.vocab.range();
-        let in_range = tokens
-            .clone()
-            .greater_equal_elem(range.start as i64)
-            .bool_and(tokens.clone().lower_elem(range.end as i64));
-        let local = tokens
-            .sub_scalar(range.start as i64)
-            .clamp(0, range.len() as i64 - 1);
+        let (local, in_range) = self.vocab.localize(tokens);
         let rows = embedding(self.weight.val(), local);
         let partial = rows * in_range.float().unsqueeze_dim::<3>(2);
         if self.sequence_parallel {
