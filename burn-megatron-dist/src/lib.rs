@@ -31,6 +31,8 @@ mod error;
 mod launch;
 mod layout;
 pub mod mapping;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod op;
 mod parallel_state;
 mod process_group;

@@ -136,6 +136,14 @@ impl ForeignQueue {
         self.handle.submit(move |server| server.join(ticket.0));
     }
 
+    /// Runs `f` on the device's thread, with its context current, after everything queued so
+    /// far, and returns its result: for setup such as creating an NCCL communicator.
+    pub fn run_blocking<R: Send>(&self, f: impl FnOnce(&mut Extensions) -> R + Send) -> R {
+        self.handle
+            .submit_blocking(move |server| server.with_extensions(f))
+            .expect("the device queue is alive")
+    }
+
     /// Starts the queued work now. The queue otherwise waits for a batch of tasks; a
     /// collective that peers wait on must not wait in it.
     pub fn flush(&self) {

@@ -467,6 +467,14 @@ impl CudaServer {
         result
     }
 
+    /// Runs `f` with the context current and the per-device extensions.
+    pub(crate) fn with_extensions<R>(&mut self, f: impl FnOnce(&mut Extensions) -> R) -> R {
+        if let Err(error) = self.set_current() {
+            self.errors.push(error.into());
+        }
+        f(&mut self.extensions)
+    }
+
     /// Makes the compute stream wait for the side-lane operation `ticket` (no host sync).
     pub(crate) fn join(&mut self, ticket: u64) {
         let Some(index) = self.pending.iter().position(|op| op.ticket == ticket) else {
