@@ -55,7 +55,7 @@ fn run(rank: usize, world: usize, id: NcclId, barrier: &Barrier) {
         sum[0]
     );
     let gathered: Vec<f32> = comm
-        .all_gather(x.clone().slice([0..4]))
+        .all_gather(x.clone().narrow(0, 0, 4))
         .unwrap()
         .into_data()
         .to_vec()
