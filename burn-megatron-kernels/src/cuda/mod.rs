@@ -11,6 +11,7 @@ mod driver;
 mod event;
 pub mod foreign;
 pub mod gemm;
+mod lanes;
 mod modules;
 mod properties;
 mod runtime;

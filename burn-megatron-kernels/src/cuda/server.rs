@@ -1,7 +1,6 @@
 //! The compute server: owns the device's streams, memory and kernels, and runs every task of
 //! the device queue (Burn's kernels and our foreign operations) in order.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use cubecl_common::backtrace::BackTrace;
@@ -25,16 +24,15 @@ use cubecl_runtime::memory_management::{
 use cubecl_runtime::server::ComputeServer;
 use cubecl_runtime::storage::{ComputeStorage, ManagedResource};
 use cubecl_runtime::timestamp_profiler::TimestampProfiler;
-use cudarc::driver::sys::{
-    CUcontext, CUstream, CUstream_flags, cuStreamCreate, cuStreamCreateWithPriority,
-};
+use cudarc::driver::sys::{CUcontext, CUstream, CUstream_flags, cuStreamCreate};
 
 use super::CudaCompiler;
 use super::copy::{Direction, copy};
 use super::device::CudaGpu;
 use super::driver::{DriverFailure, check};
 use super::event::Event;
-use super::foreign::{Extensions, ForeignContext, ForeignTask, Lane};
+use super::foreign::Extensions;
+use super::lanes::{PendingOp, range};
 use super::modules::Modules;
 use super::properties::{MEMORY_ALIGNMENT, probe};
 use super::storage::{GpuResource, GpuStorage};
@@ -42,31 +40,21 @@ use super::tensor_map;
 
 /// The server of one GPU. It runs on the device's queue thread, so it is never shared.
 pub struct CudaServer {
-    context: CUcontext,
+    pub(super) context: CUcontext,
     /// Where Burn's kernels, copies and compute-lane foreign operations run, in order.
-    compute: CUstream,
+    pub(super) compute: CUstream,
     /// Side lanes for foreign operations that overlap compute (created on first use).
-    lanes: Vec<CUstream>,
-    memory: MemoryManagement<GpuStorage>,
-    modules: Modules,
-    utilities: Arc<ServerUtilities<Self>>,
+    pub(super) lanes: Vec<CUstream>,
+    pub(super) memory: MemoryManagement<GpuStorage>,
+    pub(super) modules: Modules,
+    pub(super) utilities: Arc<ServerUtilities<Self>>,
     /// Launch and foreign-operation errors, reported by the next read, sync or flush.
-    errors: Vec<ServerError>,
-    timestamps: TimestampProfiler,
-    cursor: u64,
+    pub(super) errors: Vec<ServerError>,
+    pub(super) timestamps: TimestampProfiler,
+    pub(super) cursor: u64,
     /// Side-lane operations whose end the compute stream has not waited for yet.
-    pending: Vec<PendingOp>,
-    extensions: Extensions,
-}
-
-/// A foreign operation running on a side lane.
-struct PendingOp {
-    ticket: u64,
-    name: &'static str,
-    end: Event,
-    ranges: Vec<(u64, u64)>,
-    /// Keeps the operation's memory from being reused or freed before it ends.
-    _keep: Vec<Binding>,
+    pub(super) pending: Vec<PendingOp>,
+    pub(super) extensions: Extensions,
 }
 
 // SAFETY: the server only ever runs on its device thread; the raw driver handles it holds are
@@ -81,15 +69,6 @@ impl core::fmt::Debug for CudaServer {
             .field("errors", &self.errors.len())
             .finish()
     }
-}
-
-fn overlaps(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
-    a.iter()
-        .any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 < e2 && s2 < e1))
-}
-
-fn range(resource: &GpuResource) -> (u64, u64) {
-    (resource.ptr, resource.ptr + resource.size)
 }
 
 impl CudaServer {
@@ -142,7 +121,7 @@ impl CudaServer {
         })
     }
 
-    fn set_current(&self) -> Result<(), DriverFailure> {
+    pub(super) fn set_current(&self) -> Result<(), DriverFailure> {
         // SAFETY: our retained primary context.
         unsafe {
             cudarc::driver::result::ctx::set_current(self.context).map_err(|e| DriverFailure {
@@ -173,59 +152,12 @@ impl CudaServer {
         self.cursor
     }
 
-    fn resolve(&mut self, binding: &Binding) -> Result<GpuResource, IoError> {
+    pub(super) fn resolve(&mut self, binding: &Binding) -> Result<GpuResource, IoError> {
         self.memory.get_resource(
             binding.memory.clone(),
             binding.offset_start,
             binding.offset_end,
         )
-    }
-
-    /// Drops side-lane operations that are known to be over: joined into the compute stream
-    /// (later compute work is ordered after them) or complete.
-    fn retire(&mut self) {
-        self.pending.retain(|op| !op.end.is_complete());
-    }
-
-    /// Makes the compute stream wait for every pending side-lane operation touching `ranges`
-    /// (or for all of them, with `None`).
-    fn join_pending(&mut self, ranges: Option<&[(u64, u64)]>) -> Result<(), DriverFailure> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let compute = self.compute;
-        let mut kept = Vec::with_capacity(self.pending.len());
-        for op in self.pending.drain(..) {
-            if ranges.is_none_or(|r| overlaps(r, &op.ranges)) {
-                op.end.wait_on(compute)?;
-            } else {
-                kept.push(op);
-            }
-        }
-        self.pending = kept;
-        Ok(())
-    }
-
-    fn lane(&mut self, index: u8) -> Result<CUstream, DriverFailure> {
-        while self.lanes.len() <= index as usize {
-            let mut stream = core::ptr::null_mut();
-            // SAFETY: creates a stream in the current context. Side lanes get the highest
-            // priority (the lowest number): communication should not wait behind compute.
-            unsafe {
-                let (mut least, mut greatest) = (0, 0);
-                cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest);
-                check(
-                    cuStreamCreateWithPriority(
-                        &mut stream,
-                        CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                        greatest,
-                    ),
-                    "cuStreamCreateWithPriority",
-                )?;
-            }
-            self.lanes.push(stream);
-        }
-        Ok(self.lanes[index as usize])
     }
 
     /// Device memory filled with `bytes`, in stream order.
@@ -400,93 +332,6 @@ impl CudaServer {
         self.take_errors()?;
         self.join_pending(None)?;
         Ok(Event::record(self.compute)?)
-    }
-
-    /// Runs a foreign operation in queue order (see [`super::foreign`]).
-    pub(crate) fn run_foreign(&mut self, task: ForeignTask) {
-        let name = task.name;
-        if let Err(error) = self.try_run_foreign(task) {
-            self.errors.push(ServerError::Generic {
-                reason: format!("foreign operation '{name}' failed: {error}"),
-                backtrace: BackTrace::capture(),
-            });
-        }
-    }
-
-    fn try_run_foreign(&mut self, task: ForeignTask) -> Result<(), String> {
-        self.set_current().map_err(|e| e.to_string())?;
-        self.retire();
-        let resources = task
-            .bindings
-            .iter()
-            .map(|b| self.resolve(b))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        let ranges: Vec<_> = resources.iter().map(range).collect();
-        let pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
-        let stream = match task.lane {
-            Lane::Compute => {
-                self.join_pending(Some(&ranges))
-                    .map_err(|e| e.to_string())?;
-                self.compute
-            }
-            Lane::Side(index) => {
-                let side = self.lane(index).map_err(|e| e.to_string())?;
-                Event::record(self.compute)
-                    .and_then(|start| start.wait_on(side))
-                    .map_err(|e| e.to_string())?;
-                for op in self
-                    .pending
-                    .iter()
-                    .filter(|op| overlaps(&ranges, &op.ranges))
-                {
-                    op.end.wait_on(side).map_err(|e| e.to_string())?;
-                }
-                side
-            }
-        };
-        let mut context = ForeignContext {
-            stream,
-            compute_stream: self.compute,
-            pointers: &pointers,
-            extensions: &mut self.extensions,
-        };
-        let result = catch_unwind(AssertUnwindSafe(|| (task.op)(&mut context)))
-            .unwrap_or_else(|panic| Err(format!("panicked: {panic:?}")));
-        if let Lane::Side(_) = task.lane {
-            // Even a failed operation may have enqueued work: track it until it ends.
-            let end = Event::record(stream).map_err(|e| e.to_string())?;
-            self.pending.push(PendingOp {
-                ticket: task.ticket,
-                name: task.name,
-                end,
-                ranges,
-                _keep: task.bindings,
-            });
-        }
-        result
-    }
-
-    /// Runs `f` with the context current and the per-device extensions.
-    pub(crate) fn with_extensions<R>(&mut self, f: impl FnOnce(&mut Extensions) -> R) -> R {
-        if let Err(error) = self.set_current() {
-            self.errors.push(error.into());
-        }
-        f(&mut self.extensions)
-    }
-
-    /// Makes the compute stream wait for the side-lane operation `ticket` (no host sync).
-    pub(crate) fn join(&mut self, ticket: u64) {
-        let Some(index) = self.pending.iter().position(|op| op.ticket == ticket) else {
-            return;
-        };
-        let op = self.pending.remove(index);
-        if let Err(error) = op.end.wait_on(self.compute) {
-            self.errors.push(ServerError::Generic {
-                reason: format!("joining foreign operation '{}': {error}", op.name),
-                backtrace: BackTrace::capture(),
-            });
-        }
     }
 }
 
