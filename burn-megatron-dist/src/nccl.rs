@@ -120,31 +120,69 @@ impl NcclCommunicator {
         )
     }
 
-    fn launch(
+    /// Runs `call` on `x`: one foreign operation on the compute stream, on Burn's buffers,
+    /// flushed at once (a collective must not wait in the queue while the peers wait for it).
+    fn run<const D: usize>(
         &self,
-        name: &'static str,
-        input: &Primitive,
-        output: &Primitive,
-        op: impl FnOnce(u64, u64, sys::ncclComm_t, sys::cudaStream_t) -> Result<(), String>
-        + Send
-        + 'static,
-    ) {
-        let comm = self.comm;
+        x: Tensor<MegatronCuda, D>,
+        call: Call,
+    ) -> DistResult<Tensor<MegatronCuda, D>> {
+        let input = Self::contiguous(x);
+        let dtype = data_type(input.dtype)?;
+        let mut shape = input.meta.shape().to_vec();
+        let elements = shape.iter().product::<usize>();
+        // NCCL counts the per-rank part: the input of an all-gather, the output of a
+        // reduce-scatter.
+        let count = match call {
+            Call::AllReduce(_) => elements,
+            Call::AllGather => {
+                shape[0] *= self.size;
+                elements
+            }
+            Call::ReduceScatter(_) => {
+                if !shape[0].is_multiple_of(self.size) {
+                    return Err(DistError::InvalidArgument(format!(
+                        "reduce_scatter: the first dimension ({}) must divide over {} ranks",
+                        shape[0], self.size
+                    )));
+                }
+                shape[0] /= self.size;
+                elements / self.size
+            }
+        };
+        let output = Self::output(&input, shape);
+        let comm = self.comm as sys::ncclComm_t as usize;
         self.queue.submit(
-            name,
-            vec![binding(input), binding(output)],
+            call.name(),
+            vec![binding(&input), binding(&output)],
             Lane::Compute,
             move |ctx| {
-                op(
-                    ctx.pointers[0],
-                    ctx.pointers[1],
-                    comm as sys::ncclComm_t,
-                    ctx.stream as sys::cudaStream_t,
-                )
+                let (src, dst) = (ctx.pointers[0] as *const _, ctx.pointers[1] as *mut _);
+                let (comm, stream) = (comm as sys::ncclComm_t, ctx.stream as sys::cudaStream_t);
+                // SAFETY: the buffers hold what `count` and the collective imply (see above); the
+                // communicator lives as long as the process.
+                let result = unsafe {
+                    match call {
+                        Call::AllReduce(op) => {
+                            nccl::all_reduce(src, dst, count, dtype, reduction(op), comm, stream)
+                        }
+                        Call::AllGather => nccl::all_gather(src, dst, count, dtype, comm, stream),
+                        Call::ReduceScatter(op) => nccl::reduce_scatter(
+                            src,
+                            dst,
+                            count,
+                            dtype,
+                            reduction(op),
+                            comm,
+                            stream,
+                        ),
+                    }
+                };
+                result.map(|_| ()).map_err(|e| format!("{e:?}"))
             },
         );
-        // A collective must not wait in the queue while the peers wait for it.
         self.queue.flush();
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
     }
 
     /// Every rank gets the reduction of all ranks' `x`.
@@ -153,33 +191,7 @@ impl NcclCommunicator {
         x: Tensor<MegatronCuda, D>,
         op: ReduceOp,
     ) -> DistResult<Tensor<MegatronCuda, D>> {
-        let input = Self::contiguous(x);
-        let dtype = data_type(input.dtype)?;
-        let output = Self::output(&input, input.meta.shape().to_vec());
-        let count = input.meta.shape().iter().product::<usize>();
-        let op = reduction(op);
-        self.launch(
-            "ncclAllReduce",
-            &input,
-            &output,
-            move |src, dst, comm, stream| {
-                // SAFETY: both buffers hold `count` elements of `dtype`.
-                unsafe {
-                    nccl::all_reduce(
-                        src as *const _,
-                        dst as *mut _,
-                        count,
-                        dtype,
-                        op,
-                        comm,
-                        stream,
-                    )
-                }
-                .map(|_| ())
-                .map_err(|e| format!("{e:?}"))
-            },
-        );
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
+        self.run(x, Call::AllReduce(op))
     }
 
     /// Every rank gets all ranks' `x` concatenated along the first dimension.
@@ -187,26 +199,7 @@ impl NcclCommunicator {
         &self,
         x: Tensor<MegatronCuda, D>,
     ) -> DistResult<Tensor<MegatronCuda, D>> {
-        let input = Self::contiguous(x);
-        let dtype = data_type(input.dtype)?;
-        let mut shape = input.meta.shape().to_vec();
-        let count = shape.iter().product::<usize>();
-        shape[0] *= self.size;
-        let output = Self::output(&input, shape);
-        self.launch(
-            "ncclAllGather",
-            &input,
-            &output,
-            move |src, dst, comm, stream| {
-                // SAFETY: the output holds `size` times the input.
-                unsafe {
-                    nccl::all_gather(src as *const _, dst as *mut _, count, dtype, comm, stream)
-                }
-                .map(|_| ())
-                .map_err(|e| format!("{e:?}"))
-            },
-        );
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
+        self.run(x, Call::AllGather)
     }
 
     /// Every rank gets its shard (along the first dimension) of the reduction of all ranks' `x`.
@@ -215,40 +208,24 @@ impl NcclCommunicator {
         x: Tensor<MegatronCuda, D>,
         op: ReduceOp,
     ) -> DistResult<Tensor<MegatronCuda, D>> {
-        let input = Self::contiguous(x);
-        let dtype = data_type(input.dtype)?;
-        let mut shape = input.meta.shape().to_vec();
-        if !shape[0].is_multiple_of(self.size) {
-            return Err(DistError::InvalidArgument(format!(
-                "reduce_scatter: the first dimension ({}) must divide over {} ranks",
-                shape[0], self.size
-            )));
+        self.run(x, Call::ReduceScatter(op))
+    }
+}
+
+/// A bandwidth-bound collective.
+#[derive(Debug, Clone, Copy)]
+enum Call {
+    AllReduce(ReduceOp),
+    AllGather,
+    ReduceScatter(ReduceOp),
+}
+
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Call::AllReduce(_) => "ncclAllReduce",
+            Call::AllGather => "ncclAllGather",
+            Call::ReduceScatter(_) => "ncclReduceScatter",
         }
-        shape[0] /= self.size;
-        let count = shape.iter().product::<usize>();
-        let output = Self::output(&input, shape);
-        let op = reduction(op);
-        self.launch(
-            "ncclReduceScatter",
-            &input,
-            &output,
-            move |src, dst, comm, stream| {
-                // SAFETY: the input holds `size` times the output.
-                unsafe {
-                    nccl::reduce_scatter(
-                        src as *const _,
-                        dst as *mut _,
-                        count,
-                        dtype,
-                        op,
-                        comm,
-                        stream,
-                    )
-                }
-                .map(|_| ())
-                .map_err(|e| format!("{e:?}"))
-            },
-        );
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
     }
 }
