@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use crate::layout::LayoutError;
 
 /// Result of a distributed operation.
@@ -11,7 +13,9 @@ pub type DistResult<T> = Result<T, DistError>;
 ///
 /// Every variant names the group, the operation and the ranks involved, so that a user
 /// reading the error on one rank knows who is stuck or wrong, and where.
-#[derive(Debug, Clone, thiserror::Error)]
+///
+/// Errors cross process boundaries (a rank in another process reports them), hence serde.
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 pub enum DistError {
     /// Some ranks of the group did not reach the operation in time.
     #[error(
@@ -85,7 +89,15 @@ pub enum DistError {
     /// Distributed tensors with incompatible placements or groups were combined.
     #[error("placement mismatch: {0}")]
     Placement(String),
+    /// Ranks in different processes could not reach each other (the rendezvous at
+    /// `MASTER_ADDR:MASTER_PORT`, or a missing launch variable).
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+    /// NCCL failed, or its watchdog aborted a communicator.
+    #[error("{0}")]
+    Nccl(String),
     /// The parallel layout is invalid.
     #[error(transparent)]
+    #[serde(skip)]
     Layout(#[from] LayoutError),
 }

@@ -9,8 +9,9 @@ use std::time::Duration;
 use crate::error::DistResult;
 use crate::layout::ParallelSizes;
 use crate::parallel_state::ParallelState;
-use crate::process_group::ProcessGroup;
+use crate::process_group::{ProcessGroup, RankGroups};
 use crate::threads::ThreadWorld;
+use crate::transport::Transport;
 
 /// How to launch thread ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,13 +41,20 @@ impl LaunchConfig {
 /// What a rank's closure is given: its rank and the world it can build groups in.
 #[derive(Debug, Clone)]
 pub struct RankContext {
-    world: ProcessGroup,
+    pub(crate) world: ProcessGroup,
+    pub(crate) local_rank: usize,
 }
 
 impl RankContext {
     /// This rank's global rank.
     pub fn rank(&self) -> usize {
         self.world.rank()
+    }
+
+    /// This rank's index on its node: the GPU it should use. Thread ranks are all on one node,
+    /// so it equals [`rank`](Self::rank); process ranks get it from the launcher.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
     }
 
     /// The number of ranks.
@@ -107,30 +115,38 @@ where
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     let world = Arc::new(ThreadWorld::new(config.world_size, config.timeout));
+    let transport: Arc<dyn Transport> = world.clone();
     let members: Vec<usize> = (0..config.world_size).collect();
     let outcomes: Vec<Result<T, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = members
             .iter()
             .map(|&rank| {
-                let world = world.clone();
+                let transport = transport.clone();
                 let members = members.clone();
                 let f = &f;
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
+                        let groups = Arc::new(RankGroups::default());
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
-                            let group = ProcessGroup::new(world.clone(), "world", members, rank)
-                                .map_err(|e| e.to_string())?;
-                            f(RankContext { world: group }).map_err(|e| e.into().to_string())
+                            let world = ProcessGroup::new(
+                                transport.clone(),
+                                groups.clone(),
+                                "world",
+                                members,
+                                rank,
+                            )
+                            .map_err(|e| e.to_string())?;
+                            f(RankContext {
+                                world,
+                                local_rank: rank,
+                            })
+                            .map_err(|e| e.into().to_string())
                         }))
                         .unwrap_or_else(|panic| {
                             Err(format!("panicked: {}", panic_message(&panic)))
                         });
-                        match &outcome {
-                            Ok(_) => world.exit(rank),
-                            Err(message) => world.fail(rank, message.clone()),
-                        }
-                        outcome
+                        finish_rank(transport.as_ref(), &groups, rank, outcome)
                     })
                     .expect("spawning a rank thread")
             })
@@ -160,7 +176,24 @@ where
     })
 }
 
-fn panic_message(panic: &Box<dyn Any + Send>) -> String {
+/// Reports how a rank ended. A rank that succeeded first waits for its GPU collectives to end
+/// (so that peers never wait on a collective it has left behind), then counts as exited.
+pub(crate) fn finish_rank<T>(
+    transport: &dyn Transport,
+    groups: &RankGroups,
+    rank: usize,
+    outcome: Result<T, String>,
+) -> Result<T, String> {
+    let outcome =
+        outcome.and_then(|value| groups.finish().map(|_| value).map_err(|e| e.to_string()));
+    match &outcome {
+        Ok(_) => transport.exit(rank),
+        Err(message) => transport.fail(rank, message.clone()),
+    }
+    outcome
+}
+
+pub(crate) fn panic_message(panic: &Box<dyn Any + Send>) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         s.to_string()
     } else if let Some(s) = panic.downcast_ref::<String>() {

@@ -2,8 +2,10 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 /// How an all-reduce or reduce-scatter combines the ranks' tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ReduceOp {
     /// Element-wise sum.
     Sum,
@@ -32,7 +34,7 @@ impl fmt::Display for ReduceOp {
 /// Ranks are matched by the order of their calls on a group (the n-th call on one rank meets
 /// the n-th call on every other rank, as in NCCL); this description lets a mismatch be
 /// reported instead of producing garbage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CollectiveOp {
     /// Every rank gets the reduction of all ranks' tensors.
     AllReduce(ReduceOp),

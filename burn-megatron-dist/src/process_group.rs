@@ -1,8 +1,9 @@
 //! A group of ranks that run collectives together.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::tensor::{Tensor, TensorData};
 
@@ -10,7 +11,7 @@ use crate::backend::DistBackend;
 use crate::error::{DistError, DistResult};
 use crate::op::{CollectiveOp, ReduceOp};
 use crate::shard::shard_range;
-use crate::threads::{Contribution, ThreadWorld};
+use crate::transport::{Contribution, GroupInfo, Transport};
 use crate::work::Work;
 
 /// A set of ranks that communicate: Megatron's TP, PP, DP, CP or EP group, or the world.
@@ -28,31 +29,62 @@ pub struct ProcessGroup {
     inner: Arc<GroupInner>,
 }
 
-struct GroupInner {
-    info: GroupInfo,
-    world: Arc<ThreadWorld>,
-    counters: Arc<Counters>,
+pub(crate) struct GroupInner {
+    pub(crate) info: GroupInfo,
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) shared: Arc<GroupShared>,
+    registry: Arc<RankGroups>,
 }
 
-/// What identifies a group and this rank's place in it.
-#[derive(Debug, Clone)]
-pub(crate) struct GroupInfo {
-    pub name: String,
-    /// Unique across the world: the name and the members.
-    pub key: String,
-    /// Global ranks, in group-rank order.
-    pub members: Vec<usize>,
-    /// This rank's index in `members`.
-    pub group_rank: usize,
-    /// This rank's global rank.
-    pub global_rank: usize,
-}
-
-/// Per-rank call counters of a group, shared by every handle of the same group on a rank.
+/// One rank's state of a group, shared by every handle of the same group on that rank.
 #[derive(Debug, Default)]
-pub(crate) struct Counters {
-    collectives: AtomicU64,
-    receives: AtomicU64,
+pub(crate) struct GroupShared {
+    /// Collectives started on the group: the next one's sequence number.
+    pub(crate) collectives: AtomicU64,
+    /// Messages received on the group.
+    pub(crate) receives: AtomicU64,
+    /// The group's NCCL communicator on this rank, created by its first GPU collective.
+    #[cfg(feature = "cuda")]
+    pub(crate) nccl: Mutex<Option<Arc<crate::nccl::NcclGroup>>>,
+}
+
+/// The groups one rank has created, by key: creating a group again finds the same state.
+#[derive(Debug, Default)]
+pub(crate) struct RankGroups {
+    groups: Mutex<HashMap<String, Arc<GroupShared>>>,
+}
+
+impl RankGroups {
+    fn get(&self, key: &str) -> Arc<GroupShared> {
+        let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
+        groups.entry(key.to_string()).or_default().clone()
+    }
+
+    /// Waits for every GPU collective this rank has started to end, or returns the error
+    /// that ended one.
+    pub(crate) fn finish(&self) -> DistResult<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let groups: Vec<_> = self
+                .groups
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .values()
+                .cloned()
+                .collect();
+            for group in groups {
+                let nccl = group
+                    .nccl
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone();
+                if let Some(nccl) = nccl {
+                    nccl.synchronize()?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -68,19 +100,23 @@ impl fmt::Debug for ProcessGroup {
 impl PartialEq for ProcessGroup {
     fn eq(&self, other: &Self) -> bool {
         self.inner.info.key == other.inner.info.key
-            && Arc::ptr_eq(&self.inner.world, &other.inner.world)
+            && std::ptr::addr_eq(
+                Arc::as_ptr(&self.inner.transport),
+                Arc::as_ptr(&other.inner.transport),
+            )
     }
 }
 
 impl ProcessGroup {
     /// The group of `members` (global ranks, in group order) as seen by global rank `rank`.
     pub(crate) fn new(
-        world: Arc<ThreadWorld>,
+        transport: Arc<dyn Transport>,
+        registry: Arc<RankGroups>,
         name: &str,
         members: Vec<usize>,
         rank: usize,
     ) -> DistResult<Self> {
-        let world_size = world.size();
+        let world_size = transport.size();
         if let Some(bad) = members.iter().find(|&&r| r >= world_size) {
             return Err(DistError::InvalidArgument(format!(
                 "group '{name}': rank {bad} is outside the world of {world_size} ranks"
@@ -100,7 +136,7 @@ impl ProcessGroup {
             ))
         })?;
         let key = format!("{name}{members:?}");
-        let counters = world.counters(&key, rank);
+        let shared = registry.get(&key);
         Ok(Self {
             inner: Arc::new(GroupInner {
                 info: GroupInfo {
@@ -110,8 +146,9 @@ impl ProcessGroup {
                     group_rank: local_rank,
                     global_rank: rank,
                 },
-                world,
-                counters,
+                transport,
+                shared,
+                registry,
             }),
         })
     }
@@ -317,7 +354,9 @@ impl ProcessGroup {
         dst: usize,
     ) -> DistResult<()> {
         self.check_peer(dst, "send destination")?;
-        self.inner.world.send(&self.inner.info, dst, x.into_data())
+        self.inner
+            .transport
+            .send(&self.inner.info, dst, x.into_data())
     }
 
     /// Starts [`send`](Self::send); the pair of pipeline schedules' `isend`/`irecv`.
@@ -349,13 +388,9 @@ impl ProcessGroup {
         let group = self.clone();
         let device = device.clone();
         Ok(Work::new(move || {
-            let seq = group
-                .inner
-                .counters
-                .receives
-                .fetch_add(1, Ordering::Relaxed);
+            let seq = group.inner.shared.receives.fetch_add(1, Ordering::Relaxed);
             let info = &group.inner.info;
-            let data = group.inner.world.recv(info, src, seq)?;
+            let data = group.inner.transport.recv(info, src, seq)?;
             if data.shape.len() != D {
                 return Err(DistError::Mismatch {
                     rank: info.global_rank,
@@ -416,11 +451,11 @@ impl ProcessGroup {
     fn deposit(&self, part: Contribution) -> DistResult<Pending> {
         let seq = self
             .inner
-            .counters
+            .shared
             .collectives
             .fetch_add(1, Ordering::Relaxed);
         let op = part.op;
-        self.inner.world.deposit(&self.inner.info, seq, part)?;
+        self.inner.transport.deposit(&self.inner.info, seq, part)?;
         Ok(Pending {
             group: self.clone(),
             seq,
@@ -443,7 +478,7 @@ impl Pending {
         let parts = self
             .group
             .inner
-            .world
+            .transport
             .collect(info, self.seq, &self.op.to_string())?;
         if let Some(detail) = disagreement(&parts, &info.members) {
             return Err(DistError::Mismatch {
@@ -542,7 +577,8 @@ impl ProcessGroup {
     /// creates it with the same name and ranks; creating it again returns the same group.
     pub fn new_group(&self, name: &str, ranks: &[usize]) -> DistResult<ProcessGroup> {
         ProcessGroup::new(
-            self.inner.world.clone(),
+            self.inner.transport.clone(),
+            self.inner.registry.clone(),
             name,
             ranks.to_vec(),
             self.global_rank(),

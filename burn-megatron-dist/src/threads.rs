@@ -5,24 +5,13 @@
 //! failed rank, a rank that already finished, and the timeout, so no call can hang silently.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, TensorData};
+use burn::tensor::TensorData;
 
 use crate::error::{DistError, DistResult};
-use crate::op::CollectiveOp;
-use crate::process_group::{Counters, GroupInfo};
-
-/// One rank's part of a collective.
-#[derive(Debug, Clone)]
-pub(crate) struct Contribution {
-    pub op: CollectiveOp,
-    pub shape: Vec<usize>,
-    pub dtype: DType,
-    /// `None` where the operation needs no data from this rank (barrier, non-root broadcast).
-    pub data: Option<TensorData>,
-}
+use crate::transport::{Contribution, GroupInfo, Transport, WorldStatus};
 
 /// The shared state of all thread ranks of one launch.
 #[derive(Debug)]
@@ -31,7 +20,6 @@ pub(crate) struct ThreadWorld {
     timeout: Duration,
     state: Mutex<WorldState>,
     changed: Condvar,
-    counters: Mutex<HashMap<(String, usize), Arc<Counters>>>,
 }
 
 #[derive(Debug, Default)]
@@ -59,122 +47,16 @@ impl ThreadWorld {
                 ..Default::default()
             }),
             changed: Condvar::new(),
-            counters: Mutex::default(),
         }
-    }
-
-    pub fn size(&self) -> usize {
-        self.size
-    }
-
-    /// The call counters of group `key` on `rank`, shared by all its handles there.
-    pub fn counters(&self, key: &str, rank: usize) -> Arc<Counters> {
-        let mut counters = self.counters.lock().unwrap_or_else(PoisonError::into_inner);
-        counters.entry((key.to_string(), rank)).or_default().clone()
     }
 
     fn lock(&self) -> MutexGuard<'_, WorldState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records that `rank` failed; every rank waiting now or later is released with an error.
-    pub fn fail(&self, rank: usize, reason: String) {
-        let mut state = self.lock();
-        if state.failure.is_none() {
-            state.failure = Some((rank, reason));
-        }
-        self.changed.notify_all();
-    }
-
-    /// Records that `rank` finished; operations still waiting for it fail at once.
-    pub fn exit(&self, rank: usize) {
-        self.lock().exited[rank] = true;
-        self.changed.notify_all();
-    }
-
     /// The first failure, if any: `(rank, reason)`.
     pub fn failure(&self) -> Option<(usize, String)> {
         self.lock().failure.clone()
-    }
-
-    /// Deposits this rank's contribution to collective `seq` of the group.
-    pub fn deposit(&self, group: &GroupInfo, seq: u64, part: Contribution) -> DistResult<()> {
-        let mut state = self.lock();
-        if let Some((failed_rank, reason)) = &state.failure {
-            return Err(peer_failed(
-                group,
-                &part.op.to_string(),
-                *failed_rank,
-                reason,
-            ));
-        }
-        let size = group.members.len();
-        let slot = state
-            .rendezvous
-            .entry((group.key.clone(), seq))
-            .or_insert_with(|| Rendezvous {
-                entries: vec![None; size],
-                unread: size,
-            });
-        slot.entries[group.group_rank] = Some(part);
-        self.changed.notify_all();
-        Ok(())
-    }
-
-    /// Waits for every rank's contribution to collective `seq` and returns them in rank order.
-    pub fn collect(&self, group: &GroupInfo, seq: u64, op: &str) -> DistResult<Vec<Contribution>> {
-        let key = (group.key.clone(), seq);
-        self.wait(group, op, seq, |state| {
-            let slot = state.rendezvous.get_mut(&key)?;
-            let missing: Vec<usize> = slot
-                .entries
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| e.is_none())
-                .map(|(i, _)| group.members[i])
-                .collect();
-            if !missing.is_empty() {
-                return Some(Err(missing));
-            }
-            let parts = slot.entries.iter().map(|e| e.clone().unwrap()).collect();
-            slot.unread -= 1;
-            if slot.unread == 0 {
-                state.rendezvous.remove(&key);
-            }
-            Some(Ok(parts))
-        })
-    }
-
-    /// Queues a message from this rank to group-local rank `dst`; never blocks.
-    pub fn send(&self, group: &GroupInfo, dst: usize, data: TensorData) -> DistResult<()> {
-        let mut state = self.lock();
-        if let Some((failed_rank, reason)) = &state.failure {
-            return Err(peer_failed(
-                group,
-                &format!("send(dst={dst})"),
-                *failed_rank,
-                reason,
-            ));
-        }
-        state
-            .mailboxes
-            .entry((group.key.clone(), group.group_rank, dst))
-            .or_default()
-            .push_back(data);
-        self.changed.notify_all();
-        Ok(())
-    }
-
-    /// Waits for the next message from group-local rank `src`.
-    pub fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData> {
-        let key = (group.key.clone(), src, group.group_rank);
-        let op = format!("recv(src={src})");
-        self.wait(group, &op, seq, |state| {
-            match state.mailboxes.get_mut(&key).and_then(|q| q.pop_front()) {
-                Some(data) => Some(Ok(data)),
-                None => Some(Err(vec![group.members[src]])),
-            }
-        })
     }
 
     /// Waits until `poll` returns `Some(Ok(_))`. `Some(Err(ranks))` names the ranks still
@@ -228,6 +110,113 @@ impl ThreadWorld {
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
+    }
+}
+
+impl Transport for ThreadWorld {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn fail(&self, rank: usize, reason: String) {
+        let mut state = self.lock();
+        if state.failure.is_none() {
+            state.failure = Some((rank, reason));
+        }
+        self.changed.notify_all();
+    }
+
+    fn exit(&self, rank: usize) {
+        self.lock().exited[rank] = true;
+        self.changed.notify_all();
+    }
+
+    fn status(&self) -> DistResult<WorldStatus> {
+        let state = self.lock();
+        Ok(WorldStatus {
+            failure: state.failure.clone(),
+            exited: state.exited.clone(),
+        })
+    }
+
+    fn deposit(&self, group: &GroupInfo, seq: u64, part: Contribution) -> DistResult<()> {
+        let mut state = self.lock();
+        if let Some((failed_rank, reason)) = &state.failure {
+            return Err(peer_failed(
+                group,
+                &part.op.to_string(),
+                *failed_rank,
+                reason,
+            ));
+        }
+        let size = group.members.len();
+        let slot = state
+            .rendezvous
+            .entry((group.key.clone(), seq))
+            .or_insert_with(|| Rendezvous {
+                entries: vec![None; size],
+                unread: size,
+            });
+        slot.entries[group.group_rank] = Some(part);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn collect(&self, group: &GroupInfo, seq: u64, op: &str) -> DistResult<Vec<Contribution>> {
+        let key = (group.key.clone(), seq);
+        self.wait(group, op, seq, |state| {
+            let slot = state.rendezvous.get_mut(&key)?;
+            let missing: Vec<usize> = slot
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.is_none())
+                .map(|(i, _)| group.members[i])
+                .collect();
+            if !missing.is_empty() {
+                return Some(Err(missing));
+            }
+            let parts = slot.entries.iter().map(|e| e.clone().unwrap()).collect();
+            slot.unread -= 1;
+            if slot.unread == 0 {
+                state.rendezvous.remove(&key);
+            }
+            Some(Ok(parts))
+        })
+    }
+
+    fn send(&self, group: &GroupInfo, dst: usize, data: TensorData) -> DistResult<()> {
+        let mut state = self.lock();
+        if let Some((failed_rank, reason)) = &state.failure {
+            return Err(peer_failed(
+                group,
+                &format!("send(dst={dst})"),
+                *failed_rank,
+                reason,
+            ));
+        }
+        state
+            .mailboxes
+            .entry((group.key.clone(), group.group_rank, dst))
+            .or_default()
+            .push_back(data);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData> {
+        let key = (group.key.clone(), src, group.group_rank);
+        let op = format!("recv(src={src})");
+        self.wait(group, &op, seq, |state| {
+            match state.mailboxes.get_mut(&key).and_then(|q| q.pop_front()) {
+                Some(data) => Some(Ok(data)),
+                None => Some(Err(vec![group.members[src]])),
+            }
+        })
     }
 }
 

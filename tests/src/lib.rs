@@ -1,1 +1,4 @@
-//! Integration tests live in tests/tests/.
+//! Cross-crate tests: integration tests live in tests/tests/; the collective test bodies
+//! shared by CPU, process and GPU runs live here.
+
+pub mod collective_suite;

@@ -1,0 +1,82 @@
+//! `bm-launch`: starts one process per GPU with the launch variables of
+//! [`ProcessEnv`](burn_megatron_dist::ProcessEnv) set, as torchrun does.
+//!
+//! ```text
+//! bm-launch --nproc-per-node 2 -- ./target/release/examples/train --steps 100
+//! ```
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use burn_megatron_dist::{SpawnConfig, spawn_ranks};
+use clap::Parser;
+
+/// Starts one process per rank on this node and waits for all of them.
+#[derive(Debug, Parser)]
+#[command(name = "bm-launch", version)]
+struct Args {
+    /// Processes (ranks) on this node, usually one per GPU.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Nodes in all; start bm-launch once on each.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index, 0 on the node that hosts rank 0.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of the node of rank 0, which serves the rendezvous.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous.
+    #[arg(long, default_value_t = 29500)]
+    master_port: u16,
+    /// Seconds the other ranks get to report after the first failure, before being killed.
+    #[arg(long, default_value_t = 10)]
+    grace_secs: u64,
+    /// The program to run, and its arguments.
+    #[arg(required = true, last = true)]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if args.node_rank >= args.nnodes || args.nproc_per_node == 0 {
+        eprintln!(
+            "bm-launch: --node-rank {} must be below --nnodes {}, and --nproc-per-node at least 1",
+            args.node_rank, args.nnodes
+        );
+        return ExitCode::from(2);
+    }
+    let config = SpawnConfig {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master_addr: args.master_addr,
+        master_port: args.master_port,
+        grace: Duration::from_secs(args.grace_secs),
+    };
+    let (program, rest) = args.command.split_first().expect("clap requires a command");
+    match spawn_ranks(&config, program, rest) {
+        Ok(report) => match report.first_failure {
+            None => ExitCode::SUCCESS,
+            Some((rank, status)) => {
+                let how = status.map_or("was killed".to_string(), |s| format!("ended with {s}"));
+                eprintln!("bm-launch: rank {rank} failed first ({how})");
+                for (local, status) in report.statuses.iter().enumerate() {
+                    let rank = args.node_rank * args.nproc_per_node + local;
+                    match status {
+                        Some(s) => eprintln!("bm-launch:   rank {rank}: {s}"),
+                        None => {
+                            eprintln!("bm-launch:   rank {rank}: killed after the grace period")
+                        }
+                    }
+                }
+                ExitCode::FAILURE
+            }
+        },
+        Err(error) => {
+            eprintln!("bm-launch: cannot start {program}: {error}");
+            ExitCode::from(2)
+        }
+    }
+}
