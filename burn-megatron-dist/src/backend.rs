@@ -5,7 +5,7 @@ use burn::backend::NdArray;
 use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -13,16 +13,43 @@ use burn_autodiff::ops::{Backward, Ops, unary};
 
 use crate::error::DistResult;
 use crate::mapping::{Comm, Mapping};
+use crate::op::CollectiveOp;
 use crate::process_group::ProcessGroup;
 
 /// A Burn backend that distributed code can run on.
 ///
 /// Plain backends run a [`Mapping`]'s forward communication only; `Autodiff<B>` also records
 /// its backward communication in the graph, so that gradients flow through collectives the
-/// way Megatron's `f` and `g` operators define. Implemented for NdArray and for `Autodiff`
-/// over any implementing backend; a backend with its own collectives (NCCL) overrides the
-/// defaults here.
+/// way Megatron's `f` and `g` operators define. Implemented for NdArray, for `Autodiff` over
+/// any implementing backend, and (feature `cuda`) for the CubeCL backends. A backend with its
+/// own transport overrides the `*_on_device` hooks: our CUDA backend
+/// ([`MegatronCuda`](burn_megatron_kernels::cuda::MegatronCuda)) runs them over NCCL, and every
+/// other backend moves tensors through the host.
 pub trait DistBackend: burn::tensor::backend::Backend {
+    /// Runs `op` (a collective or a send) on the device's own transport, or gives `x` back
+    /// for the host path.
+    fn collective_on_device<const D: usize>(
+        group: &ProcessGroup,
+        op: CollectiveOp,
+        x: Tensor<Self, D>,
+    ) -> Result<DistResult<Tensor<Self, D>>, Tensor<Self, D>> {
+        let _ = (group, op);
+        Err(x)
+    }
+
+    /// Receives over the device's own transport a tensor whose header (shape, dtype) came
+    /// through the host; `None` where the backend has no such transport.
+    fn recv_on_device<const D: usize>(
+        group: &ProcessGroup,
+        src: usize,
+        shape: Vec<usize>,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Option<DistResult<Tensor<Self, D>>> {
+        let _ = (group, src, shape, dtype, device);
+        None
+    }
+
     /// Applies `mapping` to `x` over `group`, differentiably where the backend tracks gradients.
     fn apply_mapping<const D: usize>(
         x: Tensor<Self, D>,
@@ -42,21 +69,101 @@ where
 
 #[cfg(feature = "cuda")]
 mod cube {
+    use std::any::Any;
+
+    use burn::tensor::{DType, Tensor, TensorPrimitive};
+    use burn_cubecl::tensor::CubeTensor;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
+    use burn_megatron_kernels::cuda::{CudaGpu, MegatronCudaRuntime};
 
     use super::DistBackend;
+    use crate::error::DistResult;
+    use crate::op::CollectiveOp;
+    use crate::process_group::ProcessGroup;
 
-    /// Every CubeCL backend (burn-cuda's, ours): collectives through the host for now.
+    /// `value` as type `U` when it is one (the runtime is ours), or back as it was.
+    fn cast<T: 'static, U: 'static>(value: T) -> Result<U, T> {
+        let boxed: Box<dyn Any> = Box::new(value);
+        match boxed.downcast::<U>() {
+            Ok(u) => Ok(*u),
+            Err(boxed) => Err(*boxed.downcast::<T>().expect("the value's own type")),
+        }
+    }
+
+    fn wrap<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+        x: CubeTensor<R>,
+    ) -> Tensor<CubeBackend<R, F, I, BT>, D> {
+        Tensor::from_primitive(TensorPrimitive::Float(x))
+    }
+
+    /// Every CubeCL backend. On ours (`MegatronCudaRuntime`) collectives run over NCCL; on
+    /// the others (burn-cuda's, wgpu) they go through the host.
     impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DistBackend
         for CubeBackend<R, F, I, BT>
     {
+        fn collective_on_device<const D: usize>(
+            group: &ProcessGroup,
+            op: CollectiveOp,
+            x: Tensor<Self, D>,
+        ) -> Result<DistResult<Tensor<Self, D>>, Tensor<Self, D>> {
+            let x: CubeTensor<R> = x.into_primitive().tensor();
+            let ours = cast::<_, CubeTensor<MegatronCudaRuntime>>(x).map_err(wrap)?;
+            let gpu = ours.device.clone();
+            Ok(group.nccl_call::<D>(op, ours, &gpu).map(|out| {
+                let out = cast::<_, CubeTensor<R>>(out)
+                    .ok()
+                    .expect("the same runtime");
+                wrap(out)
+            }))
+        }
+
+        fn recv_on_device<const D: usize>(
+            group: &ProcessGroup,
+            src: usize,
+            shape: Vec<usize>,
+            dtype: DType,
+            device: &Self::Device,
+        ) -> Option<DistResult<Tensor<Self, D>>> {
+            let gpu = cast::<_, CudaGpu>(device.clone()).ok()?;
+            Some(group.nccl_recv(src, shape, dtype, &gpu).map(|out| {
+                wrap(
+                    cast::<_, CubeTensor<R>>(out)
+                        .ok()
+                        .expect("the same runtime"),
+                )
+            }))
+        }
     }
 
+    /// Fused backends move tensors through the host: NCCL takes unfused tensors.
     impl<B: FusionBackend> DistBackend for Fusion<B> {}
 }
 
+/// On `Autodiff`, collectives on the device take the inner tensor; like the host path, the
+/// result is a new leaf (differentiable communication goes through [`Mapping`]).
 impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
+    fn collective_on_device<const D: usize>(
+        group: &ProcessGroup,
+        op: CollectiveOp,
+        x: Tensor<Self, D>,
+    ) -> Result<DistResult<Tensor<Self, D>>, Tensor<Self, D>> {
+        match B::collective_on_device(group, op, x.clone().inner()) {
+            Ok(result) => Ok(result.map(Tensor::from_inner)),
+            Err(_) => Err(x),
+        }
+    }
+
+    fn recv_on_device<const D: usize>(
+        group: &ProcessGroup,
+        src: usize,
+        shape: Vec<usize>,
+        dtype: DType,
+        device: &Self::Device,
+    ) -> Option<DistResult<Tensor<Self, D>>> {
+        B::recv_on_device(group, src, shape, dtype, device).map(|r| r.map(Tensor::from_inner))
+    }
+
     fn apply_mapping<const D: usize>(
         x: Tensor<Self, D>,
         mapping: Mapping,

@@ -69,6 +69,27 @@ pub enum DistError {
         /// Global ranks that exited.
         exited: Vec<usize>,
     },
+    /// A collective started on the GPU but did not end within the timeout: the watchdog
+    /// aborted the group's NCCL communicator.
+    #[error(
+        "rank {rank}: {op} #{seq} on group '{group}' timed out on the GPU after {timeout:?} \
+         (a peer never joined it); the NCCL communicator was aborted. This rank's last \
+         collectives on the group:{recent}"
+    )]
+    WatchdogTimeout {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// Operation.
+        op: String,
+        /// Sequence number of the operation within the group on this rank.
+        seq: u64,
+        /// The configured timeout.
+        timeout: Duration,
+        /// This rank's last collectives on the group, one per line.
+        recent: String,
+    },
     /// Ranks called different collectives, or passed incompatible tensors, at the same step.
     #[error("rank {rank}: {op} #{seq} on group '{group}' mismatched across ranks: {detail}")]
     Mismatch {

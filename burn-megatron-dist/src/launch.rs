@@ -18,8 +18,14 @@ use crate::transport::Transport;
 pub struct LaunchConfig {
     /// Number of ranks (threads).
     pub world_size: usize,
-    /// How long a collective waits for its peers before failing.
+    /// How long a collective waits for its peers before failing (on the GPU too: the NCCL
+    /// watchdog aborts a collective that has not ended after this long).
     pub timeout: Duration,
+    /// Whether GPU collectives are first matched across ranks on the host (operation,
+    /// shape, dtype). On by default: a mismatch is then an error naming every rank's call, not
+    /// a hang, and shards may be uneven. Off, NCCL calls skip that round trip and shards
+    /// must be equal. Host collectives always check.
+    pub check_collectives: bool,
 }
 
 impl LaunchConfig {
@@ -28,7 +34,14 @@ impl LaunchConfig {
         Self {
             world_size,
             timeout: Duration::from_secs(300),
+            check_collectives: true,
         }
+    }
+
+    /// Turns the host-side matching of GPU collectives on or off.
+    pub fn with_collective_checks(mut self, check: bool) -> Self {
+        self.check_collectives = check;
+        self
     }
 
     /// Sets the collective timeout.
@@ -127,7 +140,7 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        let groups = Arc::new(RankGroups::default());
+                        let groups = Arc::new(RankGroups::new(config.check_collectives));
                         let outcome = catch_unwind(AssertUnwindSafe(|| {
                             let world = ProcessGroup::new(
                                 transport.clone(),

@@ -42,6 +42,8 @@ mod spawn;
 mod tcp;
 mod threads;
 mod transport;
+#[cfg(feature = "cuda")]
+mod watchdog;
 mod work;
 
 pub use backend::DistBackend;

@@ -1,18 +1,34 @@
-//! NCCL collectives on our CUDA backend, as in-band foreign operations: on Burn's device
-//! buffers, in stream order with Burn's kernels, with no host synchronisation.
+//! NCCL behind [`ProcessGroup`](crate::ProcessGroup): collectives on tensors of our CUDA
+//! backend ([`MegatronCuda`]) stay on the GPU.
 //!
-//! This is the first slice of the NCCL process groups: a communicator and the bandwidth-bound
-//! collectives on [`MegatronCuda`] tensors. Wiring it behind [`ProcessGroup`](crate::ProcessGroup),
-//! multi-process rendezvous and the watchdog come next.
+//! Each group gets its own communicator on its first GPU collective (group rank 0 creates the
+//! NCCL id and hands it to the others through the group's host transport), and its own side
+//! stream of the device. Every call is an in-band foreign operation on that stream, on Burn's
+//! buffers: it starts after the compute work enqueued before it, and the compute stream waits
+//! for it before the next use of its memory. No host synchronisation. A [`Watchdog`] follows
+//! each call until its GPU work ends.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
-use burn_megatron_kernels::cuda::{CudaGpu, ForeignQueue, Lane, MegatronCuda, binding};
+use burn_cubecl::ops::reshape;
+use burn_cubecl::tensor::CubeTensor;
+use burn_megatron_kernels::cuda::{
+    CudaGpu, ForeignQueue, Lane, MegatronCuda, MegatronCudaRuntime, binding,
+};
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys;
 
 use crate::error::{DistError, DistResult};
 use crate::op::ReduceOp;
+use crate::transport::{GroupInfo, Transport};
+use crate::watchdog::{Tracked, Watchdog};
+
+/// A tensor of our CUDA backend, as the NCCL calls take it.
+pub(crate) type GpuTensor = CubeTensor<MegatronCudaRuntime>;
 
 /// The id all ranks of a communicator share (rank 0 creates it and sends it to the others).
 #[derive(Clone, Copy)]
@@ -23,7 +39,7 @@ impl NcclId {
     pub fn new() -> DistResult<Self> {
         nccl::get_uniqueid()
             .map(Self)
-            .map_err(|e| DistError::InvalidArgument(format!("ncclGetUniqueId: {e:?}")))
+            .map_err(|e| DistError::Nccl(format!("ncclGetUniqueId: {e:?}")))
     }
 
     /// Its 128 bytes, to send to the other ranks.
@@ -39,27 +55,15 @@ impl NcclId {
     }
 }
 
-/// One rank's NCCL communicator on one GPU.
-#[derive(Debug)]
-pub struct NcclCommunicator {
-    comm: usize,
-    rank: usize,
-    size: usize,
-    queue: ForeignQueue,
-}
-
-fn nccl_error(what: &str, error: impl core::fmt::Debug) -> DistError {
-    DistError::InvalidArgument(format!("{what}: {error:?}"))
-}
-
 fn data_type(dtype: DType) -> DistResult<sys::ncclDataType_t> {
     Ok(match dtype {
+        DType::F64 => sys::ncclDataType_t::ncclFloat64,
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
         DType::F16 => sys::ncclDataType_t::ncclFloat16,
         other => {
             return Err(DistError::InvalidArgument(format!(
-                "NCCL collectives take f32, bf16 or f16, not {other:?}"
+                "NCCL collectives take f64, f32, bf16 or f16 tensors, not {other:?}"
             )));
         }
     })
@@ -74,158 +78,322 @@ fn reduction(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-type Primitive = burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime>;
+/// A raw communicator handle (NCCL communicators may be used from any thread).
+#[derive(Debug, Clone, Copy)]
+struct Comm(usize);
 
-impl NcclCommunicator {
-    /// Joins communicator `id` as `rank` of `size` on `gpu`. Blocks until every rank has
-    /// joined (each rank calls it from its own thread or process).
-    pub fn new(gpu: &CudaGpu, id: NcclId, rank: usize, size: usize) -> DistResult<Self> {
+impl Comm {
+    fn raw(self) -> sys::ncclComm_t {
+        self.0 as sys::ncclComm_t
+    }
+}
+
+/// What one foreign operation enqueues, given the device pointers of its tensors.
+type Body = Box<dyn FnOnce(&[u64], sys::ncclComm_t, sys::cudaStream_t) -> NcclResult + Send>;
+type NcclResult = Result<(), String>;
+
+fn check(what: &str, result: Result<nccl::NcclStatus, nccl::NcclError>) -> NcclResult {
+    result.map(|_| ()).map_err(|e| format!("{what}: {e:?}"))
+}
+
+/// One group's NCCL communicator on this rank.
+#[derive(Debug)]
+pub(crate) struct NcclGroup {
+    comm: Comm,
+    gpu: CudaGpu,
+    queue: ForeignQueue,
+    lane: Lane,
+    size: usize,
+    watchdog: Arc<Watchdog>,
+    aborted: Arc<Mutex<bool>>,
+}
+
+/// Side streams handed out to communicators, per process (each group its own stream, so
+/// that collectives of different groups never wait behind each other).
+static NEXT_LANE: AtomicU8 = AtomicU8::new(1);
+
+impl NcclGroup {
+    /// Joins the communicator `id` on `gpu`; blocks until every member has joined.
+    pub fn new(
+        gpu: &CudaGpu,
+        id: NcclId,
+        info: &GroupInfo,
+        transport: Arc<dyn Transport>,
+    ) -> DistResult<Self> {
         let queue = ForeignQueue::new(gpu);
-        let comm = queue.run_blocking(move |_| {
+        let (rank, size) = (info.group_rank, info.members.len());
+        let (comm, context) = queue.run_blocking(move |_| {
             let mut comm = core::mem::MaybeUninit::uninit();
             // SAFETY: `comm` receives the new communicator; the device's context is current.
-            unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), size as i32, id.0, rank as i32) }
-                .map(|_| unsafe { comm.assume_init() } as usize)
-                .map_err(|e| nccl_error("ncclCommInitRank", e))
+            let comm = unsafe {
+                nccl::comm_init_rank(comm.as_mut_ptr(), size as i32, id.0, rank as i32)
+                    .map(|_| comm.assume_init() as usize)
+            };
+            let context = cudarc::driver::result::ctx::get_current();
+            (comm, context.ok().flatten().map_or(0, |c| c as usize))
+        });
+        let comm = comm.map_err(|e| {
+            DistError::Nccl(format!(
+                "rank {}: ncclCommInitRank for group '{}' on {gpu:?}: {e:?}",
+                info.global_rank, info.name
+            ))
         })?;
+        let aborted = Arc::new(Mutex::new(false));
+        let abort = {
+            let aborted = aborted.clone();
+            Box::new(move || {
+                let mut aborted = aborted.lock().unwrap_or_else(PoisonError::into_inner);
+                if !*aborted {
+                    *aborted = true;
+                    // SAFETY: a live communicator, aborted once; NCCL allows this from any
+                    // thread while operations are in flight (that is its purpose).
+                    let _ = unsafe { nccl::comm_abort(comm as sys::ncclComm_t) };
+                }
+            })
+        };
+        let watchdog = Watchdog::start(info.clone(), transport, queue.alarms(), context, abort);
+        let lane = Lane::Side(NEXT_LANE.fetch_add(1, Ordering::Relaxed).max(1));
         Ok(Self {
-            comm,
-            rank,
-            size,
+            comm: Comm(comm),
+            gpu: gpu.clone(),
             queue,
+            lane,
+            size,
+            watchdog,
+            aborted,
         })
     }
 
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        self.rank
+    /// The GPU the communicator lives on.
+    pub fn gpu(&self) -> &CudaGpu {
+        &self.gpu
     }
 
-    /// The number of ranks.
-    pub fn size(&self) -> usize {
-        self.size
+    /// Waits for every collective started so far to end on the GPU.
+    pub fn synchronize(&self) -> DistResult<()> {
+        self.watchdog.synchronize()
     }
 
-    fn contiguous<const D: usize>(x: Tensor<MegatronCuda, D>) -> Primitive {
-        // NCCL reads and writes flat buffers (no pitched rows, no strides).
-        burn_cubecl::kernel::into_contiguous(x.into_primitive().tensor())
+    /// Waits at the rank's end (an error the rank has already seen is not repeated).
+    pub fn finish(&self) -> DistResult<()> {
+        self.watchdog.finish()
     }
 
-    fn output(like: &Primitive, shape: Vec<usize>) -> Primitive {
-        empty_device_contiguous_dtype(
-            like.client.clone(),
-            like.device.clone(),
-            Shape::from(shape),
-            like.dtype,
-        )
+    /// Enqueues `body` on the group's stream with the pointers of `tensors`, tracked by the
+    /// watchdog as collective `seq`.
+    fn submit(&self, seq: u64, op: String, tensors: &[&GpuTensor], body: Body) -> DistResult<()> {
+        let first = tensors.first().expect("a collective touches memory");
+        let tracked: Arc<Tracked> =
+            self.watchdog
+                .track(seq, op, first.meta.shape().to_vec(), first.dtype)?;
+        let comm = self.comm;
+        let bindings = tensors.iter().map(|t| binding(t)).collect();
+        self.queue.submit("nccl", bindings, self.lane, move |ctx| {
+            let stream = ctx.stream as sys::cudaStream_t;
+            let result = body(ctx.pointers, comm.raw(), stream);
+            tracked.enqueued(ctx.stream);
+            result
+        });
+        // A collective must not wait in the queue while its peers wait for it.
+        self.queue.flush();
+        Ok(())
     }
 
-    /// Runs `call` on `x`: one foreign operation on the compute stream, on Burn's buffers,
-    /// flushed at once (a collective must not wait in the queue while the peers wait for it).
-    fn run<const D: usize>(
+    pub fn all_reduce(
         &self,
-        x: Tensor<MegatronCuda, D>,
-        call: Call,
-    ) -> DistResult<Tensor<MegatronCuda, D>> {
-        let input = Self::contiguous(x);
-        let dtype = data_type(input.dtype)?;
-        let mut shape = input.meta.shape().to_vec();
-        let elements = shape.iter().product::<usize>();
-        // NCCL counts the per-rank part: the input of an all-gather, the output of a
-        // reduce-scatter.
-        let count = match call {
-            Call::AllReduce(_) => elements,
-            Call::AllGather => {
-                shape[0] *= self.size;
-                elements
+        seq: u64,
+        op: String,
+        x: GpuTensor,
+        red: ReduceOp,
+    ) -> DistResult<GpuTensor> {
+        let shape = x.meta.shape().clone();
+        let (input, count, dtype) = flat(x)?;
+        let output = empty_like(&input, count);
+        let body: Body = Box::new(move |p, comm, stream| {
+            // SAFETY: both buffers hold `count` elements of `dtype`.
+            check("ncclAllReduce", unsafe {
+                nccl::all_reduce(
+                    p[0] as _,
+                    p[1] as _,
+                    count,
+                    dtype,
+                    reduction(red),
+                    comm,
+                    stream,
+                )
+            })
+        });
+        self.submit(seq, op, &[&input, &output], body)?;
+        Ok(reshape(output, shape))
+    }
+
+    pub fn broadcast(
+        &self,
+        seq: u64,
+        op: String,
+        x: GpuTensor,
+        root: usize,
+    ) -> DistResult<GpuTensor> {
+        let shape = x.meta.shape().clone();
+        let (input, count, dtype) = flat(x)?;
+        let output = empty_like(&input, count);
+        let body: Body = Box::new(move |p, comm, stream| {
+            // SAFETY: both buffers hold `count` elements of `dtype`.
+            check("ncclBroadcast", unsafe {
+                nccl::broadcast(
+                    p[0] as _,
+                    p[1] as _,
+                    count,
+                    dtype,
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            })
+        });
+        self.submit(seq, op, &[&input, &output], body)?;
+        Ok(reshape(output, shape))
+    }
+
+    /// Gathers equal flat parts: the result holds every rank's `x`, in rank order.
+    pub fn all_gather_flat(&self, seq: u64, op: String, x: GpuTensor) -> DistResult<GpuTensor> {
+        let (input, count, dtype) = flat(x)?;
+        let output = empty_like(&input, count * self.size);
+        let body: Body = Box::new(move |p, comm, stream| {
+            // SAFETY: the output holds `size` parts of `count` elements.
+            check("ncclAllGather", unsafe {
+                nccl::all_gather(p[0] as _, p[1] as _, count, dtype, comm, stream)
+            })
+        });
+        self.submit(seq, op, &[&input, &output], body)?;
+        Ok(output)
+    }
+
+    /// Reduces `x` (flat, `size` equal parts) and returns this rank's part.
+    pub fn reduce_scatter_flat(
+        &self,
+        seq: u64,
+        op: String,
+        x: GpuTensor,
+        red: ReduceOp,
+    ) -> DistResult<GpuTensor> {
+        let (input, count, dtype) = flat(x)?;
+        let part = count / self.size;
+        let output = empty_like(&input, part);
+        let body: Body = Box::new(move |p, comm, stream| {
+            // SAFETY: the input holds `size` parts of `part` elements, the output one.
+            check("ncclReduceScatter", unsafe {
+                nccl::reduce_scatter(
+                    p[0] as _,
+                    p[1] as _,
+                    part,
+                    dtype,
+                    reduction(red),
+                    comm,
+                    stream,
+                )
+            })
+        });
+        self.submit(seq, op, &[&input, &output], body)?;
+        Ok(output)
+    }
+
+    /// Sends `sends[q]` to rank `q` and receives `recv_counts[q]` elements from each, in one
+    /// NCCL group (so no pair waits on another): all-to-all, and send/recv.
+    pub fn exchange(
+        &self,
+        seq: u64,
+        op: String,
+        sends: Vec<Option<GpuTensor>>,
+        recvs: Vec<Option<(usize, DType)>>,
+    ) -> DistResult<Vec<Option<GpuTensor>>> {
+        let mut plan = Vec::new();
+        let mut tensors = Vec::new();
+        for (peer, send) in sends.into_iter().enumerate() {
+            if let Some(send) = send {
+                let (send, count, dtype) = flat(send)?;
+                plan.push((true, peer, count, dtype));
+                tensors.push(send);
             }
-            Call::ReduceScatter(_) => {
-                if !shape[0].is_multiple_of(self.size) {
-                    return Err(DistError::InvalidArgument(format!(
-                        "reduce_scatter: the first dimension ({}) must divide over {} ranks",
-                        shape[0], self.size
-                    )));
-                }
-                shape[0] /= self.size;
-                elements / self.size
+        }
+        let mut received = vec![None; self.size];
+        for (peer, recv) in recvs.into_iter().enumerate() {
+            if let Some((count, dtype)) = recv {
+                let buffer = empty_device_contiguous_dtype(
+                    <MegatronCudaRuntime as cubecl_runtime::runtime::Runtime>::client(&self.gpu),
+                    self.gpu.clone(),
+                    Shape::from([count]),
+                    dtype,
+                );
+                plan.push((false, peer, count, data_type(dtype)?));
+                tensors.push(buffer.clone());
+                received[peer] = Some(buffer);
             }
-        };
-        let output = Self::output(&input, shape);
-        let comm = self.comm as sys::ncclComm_t as usize;
-        self.queue.submit(
-            call.name(),
-            vec![binding(&input), binding(&output)],
-            Lane::Compute,
-            move |ctx| {
-                let (src, dst) = (ctx.pointers[0] as *const _, ctx.pointers[1] as *mut _);
-                let (comm, stream) = (comm as sys::ncclComm_t, ctx.stream as sys::cudaStream_t);
-                // SAFETY: the buffers hold what `count` and the collective imply (see above); the
-                // communicator lives as long as the process.
+        }
+        let body: Body = Box::new(move |p, comm, stream| {
+            check("ncclGroupStart", nccl::group_start())?;
+            for (&(is_send, peer, count, dtype), &ptr) in plan.iter().zip(p) {
+                // SAFETY: each buffer holds `count` elements of `dtype`.
                 let result = unsafe {
-                    match call {
-                        Call::AllReduce(op) => {
-                            nccl::all_reduce(src, dst, count, dtype, reduction(op), comm, stream)
-                        }
-                        Call::AllGather => nccl::all_gather(src, dst, count, dtype, comm, stream),
-                        Call::ReduceScatter(op) => nccl::reduce_scatter(
-                            src,
-                            dst,
-                            count,
-                            dtype,
-                            reduction(op),
-                            comm,
-                            stream,
-                        ),
+                    match is_send {
+                        true => nccl::send(ptr as _, count, dtype, peer as i32, comm, stream),
+                        false => nccl::recv(ptr as _, count, dtype, peer as i32, comm, stream),
                     }
                 };
-                result.map(|_| ()).map_err(|e| format!("{e:?}"))
-            },
-        );
-        self.queue.flush();
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
-    }
-
-    /// Every rank gets the reduction of all ranks' `x`.
-    pub fn all_reduce<const D: usize>(
-        &self,
-        x: Tensor<MegatronCuda, D>,
-        op: ReduceOp,
-    ) -> DistResult<Tensor<MegatronCuda, D>> {
-        self.run(x, Call::AllReduce(op))
-    }
-
-    /// Every rank gets all ranks' `x` concatenated along the first dimension.
-    pub fn all_gather<const D: usize>(
-        &self,
-        x: Tensor<MegatronCuda, D>,
-    ) -> DistResult<Tensor<MegatronCuda, D>> {
-        self.run(x, Call::AllGather)
-    }
-
-    /// Every rank gets its shard (along the first dimension) of the reduction of all ranks' `x`.
-    pub fn reduce_scatter<const D: usize>(
-        &self,
-        x: Tensor<MegatronCuda, D>,
-        op: ReduceOp,
-    ) -> DistResult<Tensor<MegatronCuda, D>> {
-        self.run(x, Call::ReduceScatter(op))
+                check(if is_send { "ncclSend" } else { "ncclRecv" }, result)?;
+            }
+            check("ncclGroupEnd", nccl::group_end())
+        });
+        let refs: Vec<&GpuTensor> = tensors.iter().collect();
+        self.submit(seq, op, &refs, body)?;
+        Ok(received)
     }
 }
 
-/// A bandwidth-bound collective.
-#[derive(Debug, Clone, Copy)]
-enum Call {
-    AllReduce(ReduceOp),
-    AllGather,
-    ReduceScatter(ReduceOp),
-}
-
-impl Call {
-    fn name(self) -> &'static str {
-        match self {
-            Call::AllReduce(_) => "ncclAllReduce",
-            Call::AllGather => "ncclAllGather",
-            Call::ReduceScatter(_) => "ncclReduceScatter",
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        self.watchdog.stop();
+        if *self.aborted.lock().unwrap_or_else(PoisonError::into_inner) {
+            return;
         }
+        let comm = self.comm;
+        // The rank has waited for its collectives (`finish`). Abort, unlike destroy, never
+        // waits on peers, one of which may be gone; it runs on the device thread after
+        // everything queued there.
+        self.queue.run_blocking(move |_| {
+            // SAFETY: no further use of the communicator follows.
+            let _ = unsafe { nccl::comm_abort(comm.raw()) };
+        });
     }
+}
+
+/// `x` as one contiguous run of elements (pitched rows and strides are copied out), with
+/// its element count and NCCL type.
+fn flat(x: GpuTensor) -> DistResult<(GpuTensor, usize, sys::ncclDataType_t)> {
+    let count = x.meta.shape().num_elements();
+    let dtype = data_type(x.dtype)?;
+    Ok((
+        into_contiguous(reshape(x, Shape::from([count]))),
+        count,
+        dtype,
+    ))
+}
+
+fn empty_like(like: &GpuTensor, count: usize) -> GpuTensor {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::from([count]),
+        like.dtype,
+    )
+}
+
+/// A tensor of our backend from its primitive, for the tensor ops around the NCCL calls.
+pub(crate) fn tensor<const D: usize>(x: GpuTensor) -> Tensor<MegatronCuda, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+/// The primitive of a tensor of our backend.
+pub(crate) fn primitive<const D: usize>(x: Tensor<MegatronCuda, D>) -> GpuTensor {
+    x.into_primitive().tensor()
 }

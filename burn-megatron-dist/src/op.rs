@@ -65,6 +65,13 @@ pub enum CollectiveOp {
     },
     /// Waits until every rank has arrived.
     Barrier,
+    /// Sends a tensor to one group rank (point to point, not collective).
+    Send {
+        /// Group-local rank of the receiver.
+        dst: usize,
+    },
+    /// Creates the group's NCCL communicator (group rank 0 hands out its id).
+    CommInit,
 }
 
 impl fmt::Display for CollectiveOp {
@@ -79,6 +86,8 @@ impl fmt::Display for CollectiveOp {
                 concat_dim,
             } => write!(f, "all_to_all(split={split_dim}, concat={concat_dim})"),
             CollectiveOp::Barrier => f.write_str("barrier"),
+            CollectiveOp::Send { dst } => write!(f, "send(dst={dst})"),
+            CollectiveOp::CommInit => f.write_str("nccl_comm_init"),
         }
     }
 }

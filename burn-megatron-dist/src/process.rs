@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{DistError, DistResult};
-use crate::launch::{LaunchError, RankContext, finish_rank, panic_message};
+use crate::launch::{LaunchConfig, LaunchError, RankContext, finish_rank, panic_message};
 use crate::process_group::{ProcessGroup, RankGroups};
 use crate::tcp::{TcpServer, TcpTransport};
 use crate::transport::Transport;
@@ -99,8 +99,9 @@ impl ProcessEnv {
 /// Rank 0 serves the rendezvous, and after its own work waits for every other rank to end
 /// (the others need the rendezvous until then). As with [`launch`](crate::launch), a rank
 /// that fails or panics releases the others with an error naming it; a process that dies
-/// outright releases them too. `timeout` bounds every collective's wait for its peers.
-pub fn run_rank<T, E, F>(env: &ProcessEnv, timeout: Duration, f: F) -> Result<T, LaunchError>
+/// outright releases them too. `config` gives the timeout and checks; its world size must be
+/// the environment's.
+pub fn run_rank<T, E, F>(env: &ProcessEnv, config: LaunchConfig, f: F) -> Result<T, LaunchError>
 where
     E: Into<Box<dyn Error + Send + Sync>>,
     F: FnOnce(RankContext) -> Result<T, E>,
@@ -110,6 +111,13 @@ where
         message: message.clone(),
         failures: vec![(env.rank, message)],
     };
+    if config.world_size != env.world_size {
+        return Err(failed(format!(
+            "the launch config is for {} ranks, the environment says {}",
+            config.world_size, env.world_size
+        )));
+    }
+    let timeout = config.timeout;
     let server = match env.rank {
         0 => {
             let listener = TcpListener::bind(env.address()).map_err(|e| {
@@ -131,7 +139,7 @@ where
     )
     .map_err(|e| failed(e.to_string()))?;
     let transport: Arc<dyn Transport> = Arc::new(transport);
-    let groups = Arc::new(RankGroups::default());
+    let groups = Arc::new(RankGroups::new(config.check_collectives));
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let members = (0..env.world_size).collect();
         let world = ProcessGroup::new(

@@ -14,6 +14,10 @@ use crate::shard::shard_range;
 use crate::transport::{Contribution, GroupInfo, Transport};
 use crate::work::Work;
 
+#[cfg(feature = "cuda")]
+#[path = "device_calls.rs"]
+mod device_calls;
+
 /// A set of ranks that communicate: Megatron's TP, PP, DP, CP or EP group, or the world.
 ///
 /// Ranks passed to and returned by a group are *group-local* (`0..size()`), as in NCCL; the
@@ -26,7 +30,7 @@ use crate::work::Work;
 /// Tensors go through host memory between thread ranks; an NCCL group keeps them on the GPU.
 #[derive(Clone)]
 pub struct ProcessGroup {
-    inner: Arc<GroupInner>,
+    pub(crate) inner: Arc<GroupInner>,
 }
 
 pub(crate) struct GroupInner {
@@ -49,12 +53,23 @@ pub(crate) struct GroupShared {
 }
 
 /// The groups one rank has created, by key: creating a group again finds the same state.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct RankGroups {
     groups: Mutex<HashMap<String, Arc<GroupShared>>>,
+    /// Whether GPU collectives are matched across ranks on the host first (see
+    /// [`LaunchConfig::check_collectives`](crate::LaunchConfig::check_collectives)).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) check_collectives: bool,
 }
 
 impl RankGroups {
+    pub(crate) fn new(check_collectives: bool) -> Self {
+        Self {
+            groups: Mutex::default(),
+            check_collectives,
+        }
+    }
+
     fn get(&self, key: &str) -> Arc<GroupShared> {
         let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
         groups.entry(key.to_string()).or_default().clone()
@@ -79,7 +94,7 @@ impl RankGroups {
                     .unwrap_or_else(PoisonError::into_inner)
                     .clone();
                 if let Some(nccl) = nccl {
-                    nccl.synchronize()?;
+                    nccl.finish()?;
                 }
             }
         }
@@ -196,6 +211,10 @@ impl ProcessGroup {
         if self.size() == 1 {
             return Ok(Work::ready(x));
         }
+        let x = match B::collective_on_device(self, CollectiveOp::AllReduce(op), x) {
+            Ok(done) => return done.map(Work::ready),
+            Err(x) => x,
+        };
         let device = x.device();
         let size = self.size();
         let pending = self.start(CollectiveOp::AllReduce(op), x)?;
@@ -226,6 +245,10 @@ impl ProcessGroup {
         if self.size() == 1 {
             return Ok(Work::ready(x));
         }
+        let x = match B::collective_on_device(self, CollectiveOp::AllGather { dim }, x) {
+            Ok(done) => return done.map(Work::ready),
+            Err(x) => x,
+        };
         let device = x.device();
         let pending = self.start(CollectiveOp::AllGather { dim }, x)?;
         Ok(Work::new(move || {
@@ -259,6 +282,10 @@ impl ProcessGroup {
         if size == 1 {
             return Ok(Work::ready(x));
         }
+        let x = match B::collective_on_device(self, CollectiveOp::ReduceScatter { dim, op }, x) {
+            Ok(done) => return done.map(Work::ready),
+            Err(x) => x,
+        };
         let device = x.device();
         let pending = self.start(CollectiveOp::ReduceScatter { dim, op }, x)?;
         Ok(Work::new(move || {
@@ -284,8 +311,12 @@ impl ProcessGroup {
         if self.size() == 1 {
             return Ok(x);
         }
-        let device = x.device();
         let op = CollectiveOp::Broadcast { root };
+        let x = match B::collective_on_device(self, op, x) {
+            Ok(done) => return done,
+            Err(x) => x,
+        };
+        let device = x.device();
         let pending = if self.rank() == root {
             self.start(op, x)?
         } else {
@@ -319,11 +350,15 @@ impl ProcessGroup {
         if self.size() == 1 {
             return Ok(Work::ready(x));
         }
-        let device = x.device();
         let op = CollectiveOp::AllToAll {
             split_dim,
             concat_dim,
         };
+        let x = match B::collective_on_device(self, op, x) {
+            Ok(done) => return done.map(Work::ready),
+            Err(x) => x,
+        };
+        let device = x.device();
         let pending = self.start(op, x)?;
         Ok(Work::new(move || {
             let parts = pending.collect()?;
@@ -336,6 +371,26 @@ impl ProcessGroup {
                 .collect();
             Ok(Tensor::cat(shards, concat_dim))
         }))
+    }
+
+    /// Waits until every GPU collective this rank started on the group has ended, or returns
+    /// the error that ended one (the watchdog's timeout, a failed peer). Calls over NCCL
+    /// return once enqueued, in stream order with Burn's kernels; this is the host-side wait.
+    /// Host collectives are complete when they return, so for them it returns at once.
+    pub fn synchronize(&self) -> DistResult<()> {
+        #[cfg(feature = "cuda")]
+        return self.nccl_synchronize();
+        #[cfg(not(feature = "cuda"))]
+        Ok(())
+    }
+
+    /// The next collective's sequence number on this rank.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn next_seq(&self) -> u64 {
+        self.inner
+            .shared
+            .collectives
+            .fetch_add(1, Ordering::Relaxed)
     }
 
     /// Returns once every rank of the group has called it.
@@ -354,9 +409,18 @@ impl ProcessGroup {
         dst: usize,
     ) -> DistResult<()> {
         self.check_peer(dst, "send destination")?;
-        self.inner
-            .transport
-            .send(&self.inner.info, dst, x.into_data())
+        let op = CollectiveOp::Send { dst };
+        let x = match B::collective_on_device(self, op, x) {
+            Ok(done) => return done.map(|_| ()),
+            Err(x) => x,
+        };
+        let message = Contribution {
+            op,
+            shape: x.dims().to_vec(),
+            dtype: x.dtype(),
+            data: Some(x.into_data()),
+        };
+        self.inner.transport.send(&self.inner.info, dst, message)
     }
 
     /// Starts [`send`](Self::send); the pair of pipeline schedules' `isend`/`irecv`.
@@ -390,8 +454,8 @@ impl ProcessGroup {
         Ok(Work::new(move || {
             let seq = group.inner.shared.receives.fetch_add(1, Ordering::Relaxed);
             let info = &group.inner.info;
-            let data = group.inner.transport.recv(info, src, seq)?;
-            if data.shape.len() != D {
+            let message = group.inner.transport.recv(info, src, seq)?;
+            if message.shape.len() != D {
                 return Err(DistError::Mismatch {
                     rank: info.global_rank,
                     group: info.name.clone(),
@@ -399,11 +463,26 @@ impl ProcessGroup {
                     seq,
                     detail: format!(
                         "expected a tensor of rank {D}, rank {} sent shape {:?}",
-                        info.members[src], data.shape
+                        info.members[src], message.shape
                     ),
                 });
             }
-            Ok(tensor_from_data(data, &device))
+            match message.data {
+                Some(data) => Ok(tensor_from_data(data, &device)),
+                None => B::recv_on_device(&group, src, message.shape, message.dtype, &device)
+                    .unwrap_or_else(|| {
+                        Err(DistError::Mismatch {
+                            rank: info.global_rank,
+                            group: info.name.clone(),
+                            op: format!("recv(src={src})"),
+                            seq,
+                            detail: format!(
+                                "rank {} sent over NCCL; this rank's backend has no NCCL",
+                                info.members[src]
+                            ),
+                        })
+                    }),
+            }
         }))
     }
 

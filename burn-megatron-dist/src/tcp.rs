@@ -46,7 +46,7 @@ enum Request {
     Send {
         group: GroupInfo,
         dst: usize,
-        data: DataHeader,
+        message: PartHeader,
     },
     Recv {
         group: GroupInfo,
@@ -60,7 +60,6 @@ enum Response {
     Done,
     Status(WorldStatus),
     Parts(Vec<PartHeader>),
-    Data(DataHeader),
     Error(DistError),
 }
 
@@ -246,13 +245,18 @@ impl TcpServer {
                 let parts = world.collect(&group, seq, &op)?;
                 Response::Parts(parts.iter().map(|p| encode_part(p, out)).collect())
             }
-            Request::Send { group, dst, data } => {
-                let data = decode_data(data, &mut payload).map_err(malformed)?;
-                world.send(&group, dst, data)?;
+            Request::Send {
+                group,
+                dst,
+                message,
+            } => {
+                let message = decode_part(message, &mut payload).map_err(malformed)?;
+                world.send(&group, dst, message)?;
                 Response::Done
             }
             Request::Recv { group, src, seq } => {
-                Response::Data(encode_data(&world.recv(&group, src, seq)?, out))
+                let message = world.recv(&group, src, seq)?;
+                Response::Parts(vec![encode_part(&message, out)])
             }
         })
     }
@@ -264,6 +268,7 @@ pub(crate) struct TcpTransport {
     address: String,
     rank: usize,
     size: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     timeout: Duration,
     /// Idle connections; a call that finds none opens another, so a blocking call never
     /// holds up another thread's call.
@@ -401,26 +406,28 @@ impl Transport for TcpTransport {
         }
     }
 
-    fn send(&self, group: &GroupInfo, dst: usize, data: TensorData) -> DistResult<()> {
+    fn send(&self, group: &GroupInfo, dst: usize, message: Contribution) -> DistResult<()> {
         let mut payload = Vec::new();
-        let data = encode_data(&data, &mut payload);
+        let message = encode_part(&message, &mut payload);
         let request = Request::Send {
             group: group.clone(),
             dst,
-            data,
+            message,
         };
         self.call(&request, &payload).map(|_| ())
     }
 
-    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData> {
+    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<Contribution> {
         let request = Request::Recv {
             group: group.clone(),
             src,
             seq,
         };
         match self.call(&request, &[])? {
-            (Response::Data(header), payload) => decode_data(header, &mut payload.as_slice())
-                .map_err(|e| DistError::Rendezvous(format!("malformed answer: {e}"))),
+            (Response::Parts(mut parts), payload) if parts.len() == 1 => {
+                decode_part(parts.remove(0), &mut payload.as_slice())
+                    .map_err(|e| DistError::Rendezvous(format!("malformed answer: {e}")))
+            }
             (other, _) => Err(self.unexpected(other)),
         }
     }

@@ -8,8 +8,6 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use burn::tensor::TensorData;
-
 use crate::error::{DistError, DistResult};
 use crate::transport::{Contribution, GroupInfo, Transport, WorldStatus};
 
@@ -28,7 +26,7 @@ struct WorldState {
     failure: Option<(usize, String)>,
     exited: Vec<bool>,
     rendezvous: HashMap<(String, u64), Rendezvous>,
-    mailboxes: HashMap<(String, usize, usize), VecDeque<TensorData>>,
+    mailboxes: HashMap<(String, usize, usize), VecDeque<Contribution>>,
 }
 
 #[derive(Debug)]
@@ -189,7 +187,7 @@ impl Transport for ThreadWorld {
         })
     }
 
-    fn send(&self, group: &GroupInfo, dst: usize, data: TensorData) -> DistResult<()> {
+    fn send(&self, group: &GroupInfo, dst: usize, message: Contribution) -> DistResult<()> {
         let mut state = self.lock();
         if let Some((failed_rank, reason)) = &state.failure {
             return Err(peer_failed(
@@ -203,12 +201,12 @@ impl Transport for ThreadWorld {
             .mailboxes
             .entry((group.key.clone(), group.group_rank, dst))
             .or_default()
-            .push_back(data);
+            .push_back(message);
         self.changed.notify_all();
         Ok(())
     }
 
-    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData> {
+    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<Contribution> {
         let key = (group.key.clone(), src, group.group_rank);
         let op = format!("recv(src={src})");
         self.wait(group, &op, seq, |state| {

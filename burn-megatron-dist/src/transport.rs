@@ -58,6 +58,7 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
     /// Number of ranks in the world.
     fn size(&self) -> usize;
     /// How long a call waits for its peers.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn timeout(&self) -> Duration;
     /// Records that `rank` failed; every rank waiting now or later is released with an error.
     fn fail(&self, rank: usize, reason: String);
@@ -69,8 +70,9 @@ pub(crate) trait Transport: Send + Sync + fmt::Debug {
     fn deposit(&self, group: &GroupInfo, seq: u64, part: Contribution) -> DistResult<()>;
     /// Waits for every rank's part of collective `seq`, returned in group-rank order.
     fn collect(&self, group: &GroupInfo, seq: u64, op: &str) -> DistResult<Vec<Contribution>>;
-    /// Queues a message for group rank `dst` (never blocks).
-    fn send(&self, group: &GroupInfo, dst: usize, data: TensorData) -> DistResult<()>;
+    /// Queues a message for group rank `dst` (never blocks): the tensor, or only its header
+    /// when NCCL carries the data.
+    fn send(&self, group: &GroupInfo, dst: usize, message: Contribution) -> DistResult<()>;
     /// Waits for the next message from group rank `src`; `seq` numbers it in errors.
-    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<TensorData>;
+    fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<Contribution>;
 }

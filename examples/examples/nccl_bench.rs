@@ -1,18 +1,20 @@
-//! NCCL collectives on our CUDA backend (foreign operations on Burn's buffers), one thread per
-//! GPU: a correctness check, then bus bandwidth from 8 KiB to 1 GiB. Run next to
-//! `bench/torch_nccl.py` in the same device call on a machine with two or more GPUs:
+//! Bus bandwidth of `ProcessGroup` collectives over NCCL on our CUDA backend, from 8 KiB to
+//! 1 GiB, after a correctness check. Ranks are threads (one per GPU) or, under `bm-launch`,
+//! processes. Run next to `bench/torch_nccl.py` in the same device call:
 //!
 //!     ../shared/gpu/pack build --release --features cuda --example nccl_bench
-//!     source .gpu/env.sh && .gpu/bin/nccl_bench
+//!     source .gpu/env.sh && .gpu/bin/nccl_bench                        # thread ranks
+//!     .gpu/bin/bm-launch --nproc-per-node 2 -- .gpu/bin/nccl_bench     # process ranks
 //!     torchrun --nproc-per-node 2 bench/torch_nccl.py
+//!
+//! `--checks` turns on the host-side matching of each collective (off here, as in torch).
 
-use std::sync::Barrier;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
-use burn_megatron_dist::ReduceOp;
-use burn_megatron_dist::nccl::{NcclCommunicator, NcclId};
+use burn_megatron_dist::{
+    DistError, LaunchConfig, ProcessEnv, RankContext, ReduceOp, launch, run_rank,
+};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
 
 #[derive(Clone, Copy, Debug)]
@@ -23,57 +25,64 @@ enum Op {
 }
 
 fn main() {
-    let world = cudarc::driver::CudaContext::device_count().expect("CUDA") as usize;
-    assert!(world >= 2, "needs at least two GPUs, found {world}");
-    let id = NcclId::new().expect("NCCL");
-    let barrier = Barrier::new(world);
-    std::thread::scope(|scope| {
-        for rank in 0..world {
-            let barrier = &barrier;
-            scope.spawn(move || run(rank, world, id, barrier));
+    let checks = std::env::args().any(|a| a == "--checks");
+    let config = |world| {
+        LaunchConfig::new(world)
+            .with_timeout(Duration::from_secs(120))
+            .with_collective_checks(checks)
+    };
+    let outcome = match ProcessEnv::from_env() {
+        Ok(env) => run_rank(&env, config(env.world_size), |ctx| {
+            bench(&ctx, "process", checks)
+        })
+        .map(|_| ()),
+        Err(_) => {
+            let world = cudarc::driver::CudaContext::device_count().expect("CUDA") as usize;
+            assert!(world >= 2, "needs at least two GPUs, found {world}");
+            launch(config(world), |ctx| bench(&ctx, "thread", checks)).map(|_| ())
         }
-    });
+    };
+    if let Err(e) = outcome {
+        eprintln!("nccl_bench failed: {e}");
+        std::process::exit(1);
+    }
 }
 
-fn run(rank: usize, world: usize, id: NcclId, barrier: &Barrier) {
-    let gpu = CudaGpu::new(rank);
-    let comm = NcclCommunicator::new(&gpu, id, rank, world).expect("ncclCommInitRank");
-    let sync = || <MegatronCuda as Backend>::sync(&gpu).expect("sync");
+fn bench(ctx: &RankContext, ranks: &str, checks: bool) -> Result<(), DistError> {
+    let (rank, world) = (ctx.rank(), ctx.world_size());
+    let gpu = CudaGpu::new(ctx.local_rank());
+    let group = ctx.world();
 
     // Correctness: each rank contributes rank + 1.
     let x = Tensor::<MegatronCuda, 1>::full([1 << 20], (rank + 1) as f32, &gpu);
-    let sum: Vec<f32> = comm
-        .all_reduce(x.clone(), ReduceOp::Sum)
-        .unwrap()
+    let expected = (world * (world + 1) / 2) as f32;
+    let sum: Vec<f32> = group
+        .all_reduce(x.clone(), ReduceOp::Sum)?
         .into_data()
         .to_vec()
         .unwrap();
-    let expected = (world * (world + 1) / 2) as f32;
     assert!(
         sum.iter().all(|&v| v == expected),
-        "all_reduce gave {} instead of {expected}",
+        "all_reduce gave {}",
         sum[0]
     );
-    let gathered: Vec<f32> = comm
-        .all_gather(x.clone().narrow(0, 0, 4))
-        .unwrap()
+    let gathered: Vec<f32> = group
+        .all_gather(x.clone().narrow(0, 0, 4), 0)?
         .into_data()
         .to_vec()
         .unwrap();
-    assert_eq!(gathered.len(), 4 * world);
     assert!(
         (0..world).all(|r| gathered[4 * r] == (r + 1) as f32),
         "all_gather order"
     );
-    let scattered: Vec<f32> = comm
-        .reduce_scatter(x, ReduceOp::Sum)
-        .unwrap()
+    let scattered: Vec<f32> = group
+        .reduce_scatter(x, 0, ReduceOp::Sum)?
         .into_data()
         .to_vec()
         .unwrap();
     assert!(scattered.iter().all(|&v| v == expected) && scattered.len() == (1 << 20) / world);
     if rank == 0 {
-        println!("correct: all_reduce, all_gather, reduce_scatter over {world} GPUs");
+        println!("== ProcessGroup over NCCL: {world} {ranks} ranks, collective checks {checks} ==");
         println!(
             "{:<15} {:<5} {:>10} {:>12} {:>12}",
             "collective", "dtype", "size", "time (µs)", "busbw (GB/s)"
@@ -92,28 +101,27 @@ fn run(rank: usize, world: usize, id: NcclId, barrier: &Barrier) {
                 };
                 let x = Tensor::<MegatronCuda, 1>::ones([input_len], &gpu).cast(dtype);
                 let once = || match op {
-                    Op::AllReduce => comm.all_reduce(x.clone(), ReduceOp::Sum).unwrap(),
-                    Op::AllGather => comm.all_gather(x.clone()).unwrap(),
-                    Op::ReduceScatter => comm.reduce_scatter(x.clone(), ReduceOp::Sum).unwrap(),
+                    Op::AllReduce => group.all_reduce(x.clone(), ReduceOp::Sum),
+                    Op::AllGather => group.all_gather(x.clone(), 0),
+                    Op::ReduceScatter => group.reduce_scatter(x.clone(), 0, ReduceOp::Sum),
                 };
                 let iterations = if bytes >= 256 << 20 { 20 } else { 100 };
                 for _ in 0..5 {
-                    let _ = once();
+                    once()?;
                 }
-                sync();
-                barrier.wait();
+                group.synchronize()?;
+                group.barrier()?;
                 let start = Instant::now();
                 for _ in 0..iterations {
-                    let _ = once();
+                    once()?;
                 }
-                sync();
+                group.synchronize()?;
                 let seconds = start.elapsed().as_secs_f64() / iterations as f64;
                 let n = world as f64;
                 let factor = match op {
                     Op::AllReduce => 2.0 * (n - 1.0) / n,
                     _ => (n - 1.0) / n,
                 };
-                let busbw = bytes as f64 * factor / seconds / 1e9;
                 if rank == 0 {
                     let size = if bytes >= 1 << 20 {
                         format!("{} MiB", bytes >> 20)
@@ -126,11 +134,12 @@ fn run(rank: usize, world: usize, id: NcclId, barrier: &Barrier) {
                         format!("{dtype:?}"),
                         size,
                         seconds * 1e6,
-                        busbw
+                        bytes as f64 * factor / seconds / 1e9
                     );
                 }
-                barrier.wait();
+                group.barrier()?;
             }
         }
     }
+    Ok(())
 }

@@ -35,6 +35,8 @@ pub struct Suite<'a, Bk: DistBackend> {
     device: &'a Bk::Device,
     /// A dtype besides f32 that collectives must keep (f64 on CPU, bf16/f16 on GPU).
     other_dtype: DType,
+    /// Whether shards may be uneven (not with NCCL and collective checks off).
+    uneven: bool,
 }
 
 fn expect(case: &'static str, got: Vec<f32>, want: Vec<f32>) -> CaseResult {
@@ -55,7 +57,14 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
             ctx,
             device,
             other_dtype,
+            uneven: true,
         }
+    }
+
+    /// Leaves out uneven shards (for NCCL with collective checks off, which needs them equal).
+    pub fn equal_shards_only(mut self) -> Self {
+        self.uneven = false;
+        self
     }
 
     /// Runs every case; returns how many ran.
@@ -148,7 +157,8 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
             .all_gather(self.iota([2, 1], 1.0, 100.0 * r), 1)
             .map_err(dist(CASE))?;
         // The last rank holds a shorter shard.
-        let len = if self.r() + 1 == n && n > 1 { 1 } else { 2 };
+        let short = |q: usize| self.uneven && q + 1 == n && n > 1;
+        let len = if short(self.r()) { 1 } else { 2 };
         let uneven = g
             .all_gather(self.iota([len], 1.0, 100.0 * r), 0)
             .map_err(dist(CASE))?;
@@ -165,7 +175,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
         let want_d1 = (0..2).flat_map(|row| (0..n).map(move |q| base(q) + row as f32));
         expect(CASE, values(d1), want_d1.collect())?;
         let want_uneven = (0..n).flat_map(|q| {
-            let len = if q + 1 == n && n > 1 { 1 } else { 2 };
+            let len = if short(q) { 1 } else { 2 };
             (0..len).map(move |i| base(q) + i as f32)
         });
         expect(CASE, values(uneven), want_uneven.collect())

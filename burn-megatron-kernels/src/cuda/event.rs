@@ -16,6 +16,9 @@ pub struct Event {
 // SAFETY: a CUevent is a driver handle usable from any thread; we destroy it exactly once.
 unsafe impl Send for Event {}
 
+// SAFETY: querying, waiting on and synchronising with an event are thread-safe driver calls.
+unsafe impl Sync for Event {}
+
 impl Event {
     /// Records an event after the work enqueued so far on `stream`.
     pub fn record(stream: CUstream) -> Result<Self, DriverFailure> {

@@ -144,6 +144,14 @@ impl ForeignQueue {
             .expect("the device queue is alive")
     }
 
+    /// The device's alarms: what another thread raises there is returned by the device's
+    /// next read, sync or flush.
+    pub fn alarms(&self) -> super::server::Alarms {
+        self.handle
+            .submit_blocking(|server| server.alarms.clone())
+            .expect("the device queue is alive")
+    }
+
     /// Starts the queued work now. The queue otherwise waits for a batch of tasks; a
     /// collective that peers wait on must not wait in it.
     pub fn flush(&self) {

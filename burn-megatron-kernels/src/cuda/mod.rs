@@ -8,7 +8,7 @@
 mod copy;
 mod device;
 mod driver;
-mod event;
+pub mod event;
 pub mod foreign;
 pub mod gemm;
 mod lanes;
@@ -20,9 +20,10 @@ mod storage;
 mod tensor_map;
 
 pub use device::CudaGpu;
+pub use event::Event;
 pub use foreign::{ForeignContext, ForeignQueue, Lane, Ticket, binding};
 pub use runtime::MegatronCudaRuntime;
-pub use server::CudaServer;
+pub use server::{Alarms, CudaServer};
 pub use storage::GpuResource;
 
 /// CubeCL's CUDA C++ compiler, as cubecl-cuda configures it.

@@ -55,6 +55,34 @@ pub struct CudaServer {
     /// Side-lane operations whose end the compute stream has not waited for yet.
     pub(super) pending: Vec<PendingOp>,
     pub(super) extensions: Extensions,
+    /// Failures reported from outside the device thread (an NCCL watchdog), taken with `errors`.
+    pub(super) alarms: Alarms,
+}
+
+/// Failures that other threads report to a device (see [`ForeignQueue::alarms`]): the device's
+/// next read, sync or flush returns them, so no result of an aborted collective goes unnoticed.
+///
+/// [`ForeignQueue::alarms`]: super::ForeignQueue::alarms
+#[derive(Debug, Clone, Default)]
+pub struct Alarms(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Alarms {
+    /// Reports `reason` to the device.
+    pub fn raise(&self, reason: String) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(reason);
+    }
+
+    fn take(&self) -> Vec<String> {
+        core::mem::take(
+            &mut *self
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
 }
 
 // SAFETY: the server only ever runs on its device thread; the raw driver handles it holds are
@@ -118,6 +146,7 @@ impl CudaServer {
             cursor: 0,
             pending: Vec::new(),
             extensions: Extensions::default(),
+            alarms: Alarms::default(),
         })
     }
 
@@ -132,7 +161,13 @@ impl CudaServer {
     }
 
     /// Fails with the errors recorded since the last check, if any.
-    fn take_errors(&mut self) -> Result<(), ServerError> {
+    pub(super) fn take_errors(&mut self) -> Result<(), ServerError> {
+        for reason in self.alarms.take() {
+            self.errors.push(ServerError::Generic {
+                reason,
+                backtrace: BackTrace::capture(),
+            });
+        }
         if self.errors.is_empty() {
             return Ok(());
         }
@@ -213,6 +248,8 @@ impl CudaServer {
             out.push(bytes);
         }
         Event::record(self.compute)?.synchronize()?;
+        // A watchdog may have aborted a collective this read waited for.
+        self.take_errors()?;
         Ok(out.into_iter().map(Bytes::from_bytes_vec).collect())
     }
 
@@ -400,7 +437,18 @@ impl ComputeServer for CudaServer {
 
     fn sync(&mut self, _: StreamId) -> DynFut<Result<(), ServerError>> {
         let fence = self.sync_now().map(Fence);
-        Box::pin(async move { Ok(fence?.0.synchronize()?) })
+        let alarms = self.alarms.clone();
+        Box::pin(async move {
+            fence?.0.synchronize()?;
+            // A watchdog may have aborted a collective this sync waited for.
+            match alarms.take() {
+                raised if raised.is_empty() => Ok(()),
+                raised => Err(ServerError::Generic {
+                    reason: raised.join("; "),
+                    backtrace: BackTrace::capture(),
+                }),
+            }
+        })
     }
 
     fn get_resource(

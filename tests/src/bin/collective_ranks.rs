@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, Tensor};
-use burn_megatron_dist::{ProcessEnv, RankContext, ReduceOp, run_rank};
+use burn_megatron_dist::{LaunchConfig, ProcessEnv, RankContext, ReduceOp, run_rank};
 use burn_megatron_tests::collective_suite::Suite;
 
 fn main() -> ExitCode {
@@ -25,12 +25,12 @@ fn main() -> ExitCode {
         .unwrap_or("suite")
         .to_string();
     let cuda = args.iter().any(|a| a == "--cuda");
-    let timeout = Duration::from_millis(
-        std::env::var("BM_TIMEOUT_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(20_000),
-    );
+    let timeout_ms = args
+        .iter()
+        .find_map(|a| a.strip_prefix("--timeout-ms="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let timeout = Duration::from_millis(timeout_ms);
     let env = match ProcessEnv::from_env() {
         Ok(env) => env,
         Err(e) => {
@@ -39,10 +39,17 @@ fn main() -> ExitCode {
         }
     };
     let rank = env.rank;
-    let outcome = run_rank(&env, timeout, |ctx| match (mode.as_str(), cuda) {
+    // BM_CHECK_COLLECTIVES=0 sends GPU collectives straight to NCCL.
+    let checks = std::env::var("BM_CHECK_COLLECTIVES").map_or(true, |v| v != "0")
+        && !args.iter().any(|a| a == "--no-checks");
+    let config = LaunchConfig::new(env.world_size)
+        .with_timeout(timeout)
+        .with_collective_checks(checks);
+    let outcome = run_rank(&env, config, |ctx| match (mode.as_str(), cuda) {
         ("suite", false) => cpu_suite(&ctx),
         ("suite", true) => gpu_suite(&ctx),
-        ("crash", _) => crash(&ctx),
+        ("crash", false) => crash(&ctx),
+        ("crash", true) => crash_gpu(&ctx, timeout),
         ("sleep", true) => sleep(&ctx, timeout),
         _ => Err(format!("unknown mode {mode:?} (cuda: {cuda})")),
     });
@@ -75,9 +82,12 @@ fn gpu_suite(ctx: &RankContext) -> Result<String, String> {
     let device = CudaGpu::new(ctx.local_rank());
     let mut cases = 0;
     for dtype in [DType::BF16, DType::F16] {
-        cases += Suite::<MegatronCuda>::new(ctx, &device, dtype)
-            .run()
-            .map_err(|e| e.to_string())?;
+        let suite = Suite::<MegatronCuda>::new(ctx, &device, dtype);
+        let suite = match std::env::args().any(|a| a == "--no-checks") {
+            true => suite.equal_shards_only(),
+            false => suite,
+        };
+        cases += suite.run().map_err(|e| e.to_string())?;
     }
     Ok(format!(
         "{cases} cases passed over NCCL on {} process ranks",
@@ -139,6 +149,41 @@ fn sleep(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
             "expected a timeout error within timeout + 5 s, got {other:?} after {elapsed:?}"
         )),
     }
+}
+
+/// Rank 1's process dies after a first GPU collective; rank 0's next one must fail with the
+/// news, well before the timeout.
+#[cfg(feature = "cuda")]
+fn crash_gpu(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
+    use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
+    let device = CudaGpu::new(ctx.local_rank());
+    let x = Tensor::<MegatronCuda, 1>::ones([1 << 20], &device);
+    let world = ctx.world();
+    world
+        .all_reduce(x.clone(), ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    world.synchronize().map_err(|e| e.to_string())?;
+    if ctx.rank() == 1 {
+        std::process::exit(3);
+    }
+    let start = Instant::now();
+    let outcome = world
+        .all_reduce(x, ReduceOp::Sum)
+        .and_then(|_| world.synchronize());
+    let elapsed = start.elapsed();
+    match outcome {
+        Err(e) if e.to_string().contains("crashed or was killed") && elapsed < timeout / 2 => Ok(
+            format!("error after {elapsed:?} (timeout {timeout:?}): {e}"),
+        ),
+        other => Err(format!(
+            "expected the news of rank 1's crash, got {other:?} after {elapsed:?}"
+        )),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn crash_gpu(_: &RankContext, _: Duration) -> Result<String, String> {
+    Err("built without the cuda feature".into())
 }
 
 #[cfg(not(feature = "cuda"))]

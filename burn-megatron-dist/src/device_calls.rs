@@ -1,0 +1,251 @@
+//! A group's calls on GPU tensors: the host transport checks and pairs them, NCCL moves the
+//! data (see [`crate::nccl`]).
+//!
+//! With collective checks on (the default), every rank first deposits the call's description
+//! (operation, shape, dtype) on the host and collects everybody's: a mismatch is an error
+//! naming each rank's call instead of a hang or garbage, and uneven shards are known before
+//! NCCL runs. With checks off, calls go straight to NCCL and shards must be equal.
+
+use std::sync::{Arc, PoisonError};
+
+use burn::tensor::{DType, Shape, TensorData};
+use burn_megatron_kernels::cuda::CudaGpu;
+
+use super::ProcessGroup;
+use crate::error::{DistError, DistResult};
+use crate::nccl::{GpuTensor, NcclGroup, NcclId, primitive, tensor};
+use crate::op::CollectiveOp;
+use crate::shard::shard_range;
+use crate::transport::Contribution;
+
+impl ProcessGroup {
+    /// This group's communicator on `gpu`, created by the first call that needs it.
+    fn nccl(&self, gpu: &CudaGpu) -> DistResult<Arc<NcclGroup>> {
+        let mut slot = self
+            .inner
+            .shared
+            .nccl
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(group) = slot.as_ref() {
+            if group.gpu() != gpu {
+                return Err(DistError::InvalidArgument(format!(
+                    "group '{}' communicates on {:?}; a tensor on {gpu:?} cannot join it",
+                    self.name(),
+                    group.gpu()
+                )));
+            }
+            return Ok(group.clone());
+        }
+        let id = match self.rank() {
+            0 => Some(TensorData::new(NcclId::new()?.to_bytes().to_vec(), [128])),
+            _ => None,
+        };
+        let part = Contribution {
+            op: CollectiveOp::CommInit,
+            shape: vec![128],
+            dtype: DType::U8,
+            data: id,
+        };
+        let parts = self.deposit(part)?.collect()?;
+        let bytes: [u8; 128] = parts[0]
+            .data
+            .as_ref()
+            .and_then(|d| d.as_bytes().try_into().ok())
+            .ok_or_else(|| DistError::Nccl("the NCCL id from group rank 0 is malformed".into()))?;
+        let group = Arc::new(NcclGroup::new(
+            gpu,
+            NcclId::from_bytes(bytes),
+            &self.inner.info,
+            self.inner.transport.clone(),
+        )?);
+        *slot = Some(group.clone());
+        Ok(group)
+    }
+
+    /// Numbers the call and, with checks on, matches it with every rank's: returns its
+    /// sequence number and every rank's shape, in rank order.
+    fn begin(&self, op: CollectiveOp, x: &GpuTensor) -> DistResult<(u64, Vec<Vec<usize>>)> {
+        let shape = x.meta.shape().to_vec();
+        if !self.inner.registry.check_collectives {
+            let seq = self.next_seq();
+            return Ok((seq, vec![shape; self.size()]));
+        }
+        let pending = self.deposit(Contribution {
+            op,
+            shape,
+            dtype: x.dtype,
+            data: None,
+        })?;
+        let parts = pending.collect()?;
+        let info = &self.inner.info;
+        let host = parts.iter().position(|p| p.data.is_some());
+        if let (Some(q), false) = (host, matches!(op, CollectiveOp::Broadcast { .. })) {
+            return Err(DistError::Mismatch {
+                rank: info.global_rank,
+                group: info.name.clone(),
+                op: op.to_string(),
+                seq: pending.seq,
+                detail: format!(
+                    "rank {} passed a tensor of a backend without NCCL; this rank's is on the GPU",
+                    info.members[q]
+                ),
+            });
+        }
+        Ok((pending.seq, parts.into_iter().map(|p| p.shape).collect()))
+    }
+
+    /// Runs `op` over NCCL on `x` (a tensor of rank `D`).
+    pub(crate) fn nccl_call<const D: usize>(
+        &self,
+        op: CollectiveOp,
+        x: GpuTensor,
+        gpu: &CudaGpu,
+    ) -> DistResult<GpuTensor> {
+        let nccl = self.nccl(gpu)?;
+        if let CollectiveOp::Send { dst } = op {
+            let header = Contribution {
+                op,
+                shape: x.meta.shape().to_vec(),
+                dtype: x.dtype,
+                data: None,
+            };
+            self.inner.transport.send(&self.inner.info, dst, header)?;
+            let mut sends = vec![None; self.size()];
+            sends[dst] = Some(x.clone());
+            let seq = self.next_seq();
+            nccl.exchange(seq, op.to_string(), sends, vec![None; self.size()])?;
+            return Ok(x);
+        }
+        let (seq, shapes) = self.begin(op, &x)?;
+        let (name, n, me) = (op.to_string(), self.size(), self.rank());
+        let x = tensor::<D>(x);
+        let out = match op {
+            CollectiveOp::AllReduce(red) => {
+                tensor(nccl.all_reduce(seq, name, primitive(x), red)?)
+            }
+            CollectiveOp::Broadcast { root } => {
+                tensor(nccl.broadcast(seq, name, primitive(x), root)?)
+            }
+            CollectiveOp::AllGather { dim } => {
+                // Gather along the first dimension, every part padded to the longest.
+                let lens: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
+                let longest = *lens.iter().max().expect("a group has ranks");
+                let moved = x.swap_dims(0, dim);
+                let mut rows = moved.dims();
+                let mine = rows[0];
+                let padded = match mine < longest {
+                    true => {
+                        rows[0] = longest - mine;
+                        let pad =
+                            burn::tensor::Tensor::zeros(rows, (&moved.device(), moved.dtype()));
+                        burn::tensor::Tensor::cat(vec![moved, pad], 0)
+                    }
+                    false => moved,
+                };
+                let mut shape = padded.dims();
+                shape[0] = longest * n;
+                let gathered = nccl.all_gather_flat(seq, name, primitive(padded))?;
+                let gathered = tensor::<D>(gathered).reshape(shape);
+                let gathered = match lens.iter().all(|&l| l == longest) {
+                    true => gathered,
+                    false => {
+                        let parts =
+                            (0..n).map(|q| gathered.clone().narrow(0, q * longest, lens[q]));
+                        burn::tensor::Tensor::cat(parts.collect(), 0)
+                    }
+                };
+                gathered.swap_dims(0, dim)
+            }
+            CollectiveOp::ReduceScatter { dim, op: red } => {
+                // Reduce shards padded to the longest, then keep this rank's length.
+                let moved = x.swap_dims(0, dim);
+                let mut rows = moved.dims();
+                let len = rows[0];
+                let chunk = len.div_ceil(n);
+                let mine = shard_range(len, n, me)?;
+                let padded = match chunk * n > len {
+                    true => {
+                        rows[0] = chunk * n - len;
+                        let pad =
+                            burn::tensor::Tensor::zeros(rows, (&moved.device(), moved.dtype()));
+                        burn::tensor::Tensor::cat(vec![moved, pad], 0)
+                    }
+                    false => moved,
+                };
+                let mut shape = padded.dims();
+                shape[0] = chunk;
+                let part = nccl.reduce_scatter_flat(seq, name, primitive(padded), red)?;
+                tensor::<D>(part)
+                    .reshape(shape)
+                    .narrow(0, 0, mine.len())
+                    .swap_dims(0, dim)
+            }
+            CollectiveOp::AllToAll {
+                split_dim,
+                concat_dim,
+            } => {
+                let dims = x.dims();
+                let mut sends = Vec::with_capacity(n);
+                for q in 0..n {
+                    let range = shard_range(dims[split_dim], n, q)?;
+                    sends.push(Some(primitive(x.clone().narrow(
+                        split_dim,
+                        range.start,
+                        range.len(),
+                    ))));
+                }
+                let mut recv_shapes = Vec::with_capacity(n);
+                for theirs in &shapes {
+                    let mut shape = theirs.clone();
+                    shape[split_dim] = shard_range(theirs[split_dim], n, me)?.len();
+                    recv_shapes.push(shape);
+                }
+                let recvs = recv_shapes
+                    .iter()
+                    .map(|s| Some((s.iter().product(), x.dtype())))
+                    .collect();
+                let received = nccl.exchange(seq, name, sends, recvs)?;
+                let parts = received.into_iter().zip(recv_shapes).map(|(t, shape)| {
+                    tensor::<D>(t.expect("received from every rank")).reshape(Shape::from(shape))
+                });
+                burn::tensor::Tensor::cat(parts.collect(), concat_dim)
+            }
+            CollectiveOp::Barrier | CollectiveOp::CommInit | CollectiveOp::Send { .. } => {
+                unreachable!("not a data collective")
+            }
+        };
+        Ok(primitive(out))
+    }
+
+    /// Receives over NCCL what group rank `src` sent (its header came through the host).
+    pub(crate) fn nccl_recv(
+        &self,
+        src: usize,
+        shape: Vec<usize>,
+        dtype: DType,
+        gpu: &CudaGpu,
+    ) -> DistResult<GpuTensor> {
+        let nccl = self.nccl(gpu)?;
+        let mut recvs = vec![None; self.size()];
+        recvs[src] = Some((shape.iter().product(), dtype));
+        let seq = self.next_seq();
+        let op = format!("recv(src={src})");
+        let received = nccl.exchange(seq, op, vec![None; self.size()], recvs)?;
+        let flat = received.into_iter().nth(src).flatten().expect("received");
+        Ok(burn_cubecl::ops::reshape(flat, shape.into()))
+    }
+
+    /// Waits until every GPU collective this rank started on the group has ended, or returns
+    /// the error that ended one (the watchdog's timeout, a peer that failed).
+    pub(crate) fn nccl_synchronize(&self) -> DistResult<()> {
+        let nccl = self
+            .inner
+            .shared
+            .nccl
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        nccl.map_or(Ok(()), |nccl| nccl.synchronize())
+    }
+}

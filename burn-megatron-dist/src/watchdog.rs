@@ -1,0 +1,319 @@
+//! The NCCL watchdog: a thread per communicator that follows its collectives on the GPU.
+//!
+//! NCCL calls return as soon as they are enqueued, so a collective that a peer never joins
+//! hangs on the GPU, not in any call. Each collective is tracked from the moment this rank
+//! starts it until the event recorded after it on the communication stream completes. When
+//! the oldest is older than the timeout, or a peer has failed or exited while one is pending,
+//! the watchdog aborts the communicator (the stuck kernels exit), reports the error to the
+//! device (its next read or sync fails) and to the group (its next call fails), and prints
+//! this rank's last collectives so a user can see who is stuck where.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use burn::tensor::DType;
+use burn_megatron_kernels::cuda::{Alarms, Event};
+
+use crate::error::{DistError, DistResult};
+use crate::transport::{GroupInfo, Transport};
+
+/// How many finished collectives each communicator remembers for the dump.
+const REMEMBERED: usize = 16;
+/// A peer's failure or exit is acted on once the oldest collective has waited this long
+/// (a peer that exits right after finishing a collective is not a hang).
+const PEER_GRACE: Duration = Duration::from_secs(1);
+const POLL: Duration = Duration::from_millis(20);
+
+/// One collective, from its start on this rank until its GPU work ends.
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    seq: u64,
+    op: String,
+    shape: Vec<usize>,
+    dtype: DType,
+    started: Instant,
+    /// Recorded after the NCCL call, on the device thread.
+    end: OnceLock<Event>,
+}
+
+impl Tracked {
+    /// Records the end of the collective's GPU work (called from the foreign operation).
+    pub fn enqueued(&self, stream: cudarc::driver::sys::CUstream) {
+        if let Ok(event) = Event::record(stream) {
+            let _ = self.end.set(event);
+        }
+    }
+
+    fn describe(&self, state: &str) -> String {
+        format!(
+            "#{} {} {:?} {:?}: {state}",
+            self.seq, self.op, self.shape, self.dtype
+        )
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    in_flight: VecDeque<Arc<Tracked>>,
+    recent: VecDeque<String>,
+    error: Option<DistError>,
+    /// Whether `error` has been returned to the caller (it is not reported again at exit).
+    error_seen: bool,
+    stopped: bool,
+    last_status_check: Option<Instant>,
+}
+
+/// The watchdog of one communicator.
+pub(crate) struct Watchdog {
+    info: GroupInfo,
+    timeout: Duration,
+    transport: Arc<dyn Transport>,
+    alarms: Alarms,
+    /// Aborts the communicator (runs once).
+    abort: Box<dyn Fn() + Send + Sync>,
+    /// The CUDA context, made current on the watchdog's and waiters' threads.
+    context: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl std::fmt::Debug for Watchdog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watchdog")
+            .field("group", &self.info.name)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// Makes `context` current on the calling thread (event queries need it).
+fn make_current(context: usize) {
+    // SAFETY: the retained primary context of the communicator's device.
+    let _ = unsafe {
+        cudarc::driver::result::ctx::set_current(context as cudarc::driver::sys::CUcontext)
+    };
+}
+
+impl Watchdog {
+    pub fn start(
+        info: GroupInfo,
+        transport: Arc<dyn Transport>,
+        alarms: Alarms,
+        context: usize,
+        abort: Box<dyn Fn() + Send + Sync>,
+    ) -> Arc<Self> {
+        let watchdog = Arc::new(Self {
+            info,
+            timeout: transport.timeout(),
+            transport,
+            alarms,
+            abort,
+            context,
+            state: Mutex::default(),
+            changed: Condvar::new(),
+        });
+        let watching = watchdog.clone();
+        std::thread::Builder::new()
+            .name(format!("bm-watchdog-{}", watchdog.info.name))
+            .spawn(move || watching.run())
+            .expect("spawning the NCCL watchdog");
+        watchdog
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts tracking collective `seq`; fails if the communicator is already gone.
+    pub fn track(
+        &self,
+        seq: u64,
+        op: String,
+        shape: Vec<usize>,
+        dtype: DType,
+    ) -> DistResult<Arc<Tracked>> {
+        let mut state = self.lock();
+        if let Some(error) = state.error.clone() {
+            state.error_seen = true;
+            return Err(error);
+        }
+        let tracked = Arc::new(Tracked {
+            seq,
+            op,
+            shape,
+            dtype,
+            started: Instant::now(),
+            end: OnceLock::new(),
+        });
+        state.in_flight.push_back(tracked.clone());
+        self.changed.notify_all();
+        Ok(tracked)
+    }
+
+    /// Waits until every tracked collective has ended, or returns the error that ended one.
+    pub fn synchronize(&self) -> DistResult<()> {
+        self.wait(true)
+    }
+
+    /// Waits as [`synchronize`](Self::synchronize) does at a rank's end: an error already
+    /// returned to the rank is not returned again.
+    pub fn finish(&self) -> DistResult<()> {
+        self.wait(false)
+    }
+
+    fn wait(&self, repeat_error: bool) -> DistResult<()> {
+        make_current(self.context);
+        let mut state = self.lock();
+        loop {
+            if let Some(error) = state.error.clone() {
+                if state.error_seen && !repeat_error {
+                    return Ok(());
+                }
+                state.error_seen = true;
+                return Err(error);
+            }
+            if state.in_flight.is_empty() {
+                return Ok(());
+            }
+            state = self
+                .changed
+                .wait_timeout(state, Duration::from_millis(1))
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+            self.retire(&mut state);
+        }
+    }
+
+    /// Stops the thread (the communicator is being destroyed).
+    pub fn stop(&self) {
+        self.lock().stopped = true;
+        self.changed.notify_all();
+    }
+
+    /// Moves collectives whose GPU work has ended to the recent list.
+    fn retire(&self, state: &mut State) {
+        while let Some(front) = state.in_flight.front() {
+            match front.end.get() {
+                Some(event) if event.is_complete() => {
+                    let done = state.in_flight.pop_front().expect("front exists");
+                    state.recent.push_back(done.describe("done"));
+                    if state.recent.len() > REMEMBERED {
+                        state.recent.pop_front();
+                    }
+                }
+                _ => break,
+            }
+        }
+        if state.in_flight.is_empty() {
+            self.changed.notify_all();
+        }
+    }
+
+    fn run(&self) {
+        make_current(self.context);
+        let mut state = self.lock();
+        while !state.stopped && state.error.is_none() {
+            self.retire(&mut state);
+            if let Some(reason) = self.stuck(&mut state) {
+                self.abort(&mut state, reason);
+                break;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, POLL)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Why the oldest collective will never end, if it will not.
+    fn stuck(&self, state: &mut State) -> Option<DistError> {
+        let oldest = state.in_flight.front()?.clone();
+        let waited = oldest.started.elapsed();
+        let info = &self.info;
+        if waited >= self.timeout {
+            return Some(DistError::WatchdogTimeout {
+                rank: info.global_rank,
+                group: info.name.clone(),
+                op: oldest.op.clone(),
+                seq: oldest.seq,
+                timeout: self.timeout,
+                recent: String::new(),
+            });
+        }
+        let due = state
+            .last_status_check
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(250));
+        if waited < PEER_GRACE || !due {
+            return None;
+        }
+        state.last_status_check = Some(Instant::now());
+        let status = self.transport.status().ok()?;
+        if let Some((failed_rank, reason)) = status.failure {
+            return Some(DistError::PeerFailed {
+                rank: info.global_rank,
+                group: info.name.clone(),
+                op: format!("{} #{}", oldest.op, oldest.seq),
+                failed_rank,
+                reason,
+            });
+        }
+        let exited: Vec<usize> = info
+            .members
+            .iter()
+            .copied()
+            .filter(|&r| r != info.global_rank && status.exited.get(r) == Some(&true))
+            .collect();
+        (!exited.is_empty()).then(|| DistError::PeerExited {
+            rank: info.global_rank,
+            group: info.name.clone(),
+            op: oldest.op.clone(),
+            seq: oldest.seq,
+            exited,
+        })
+    }
+
+    fn abort(&self, state: &mut State, error: DistError) {
+        let mut dump = String::new();
+        for line in &state.recent {
+            let _ = write!(dump, "\n  {line}");
+        }
+        for tracked in &state.in_flight {
+            let waited = tracked.started.elapsed();
+            let _ = write!(
+                dump,
+                "\n  {}",
+                tracked.describe(&format!("PENDING for {waited:.1?}"))
+            );
+        }
+        let error = match error {
+            DistError::WatchdogTimeout {
+                rank,
+                group,
+                op,
+                seq,
+                timeout,
+                ..
+            } => DistError::WatchdogTimeout {
+                rank,
+                group,
+                op,
+                seq,
+                timeout,
+                recent: dump.clone(),
+            },
+            other => other,
+        };
+        eprintln!(
+            "burn-megatron NCCL watchdog: {error}\n  rank {}'s last collectives on group '{}':{dump}",
+            self.info.global_rank, self.info.name
+        );
+        (self.abort)();
+        self.alarms.raise(error.to_string());
+        state.error = Some(error);
+        state.in_flight.clear();
+        self.changed.notify_all();
+    }
+}
