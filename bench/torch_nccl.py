@@ -28,8 +28,8 @@ def main():
                     x = torch.ones(elements, device="cuda", dtype=dtype)
                     out = torch.empty(elements // world, device="cuda", dtype=dtype)
                     once = lambda: dist.reduce_scatter_tensor(out, x)
-                iterations = 20 if nbytes >= 256 << 20 else 100
-                for _ in range(5):
+                iterations = 50 if nbytes >= 256 << 20 else 100
+                for _ in range(iterations):  # as many warm-up calls as timed ones, as nccl_bench
                     once()
                 torch.cuda.synchronize()
                 dist.barrier()

@@ -208,9 +208,15 @@ impl NcclGroup {
     ) -> DistResult<GpuTensor> {
         let shape = x.meta.shape().clone();
         let (input, count, dtype) = flat(x)?;
-        let output = empty_like(&input, count);
+        // In place when nothing else holds the input (`x = all_reduce(x)`), as Megatron
+        // reduces gradient buckets: no new buffer.
+        let output = match input.can_mut() {
+            true => input.clone(),
+            false => empty_like(&input, count),
+        };
         let body: Body = Box::new(move |p, comm, stream| {
-            // SAFETY: both buffers hold `count` elements of `dtype`.
+            // SAFETY: both buffers hold `count` elements of `dtype` (NCCL allows them to be
+            // the same).
             check("ncclAllReduce", unsafe {
                 nccl::all_reduce(
                     p[0] as _,

@@ -306,10 +306,15 @@ impl Watchdog {
             },
             other => other,
         };
-        eprintln!(
-            "burn-megatron NCCL watchdog: {error}\n  rank {}'s last collectives on group '{}':{dump}",
-            self.info.global_rank, self.info.name
-        );
+        match &error {
+            // The timeout's message carries the dump already.
+            DistError::WatchdogTimeout { .. } => eprintln!("burn-megatron NCCL watchdog: {error}"),
+            _ => eprintln!(
+                "burn-megatron NCCL watchdog: {error}\n  rank {}'s last collectives on group \
+                 '{}':{dump}",
+                self.info.global_rank, self.info.name
+            ),
+        }
         (self.abort)();
         self.alarms.raise(error.to_string());
         state.error = Some(error);

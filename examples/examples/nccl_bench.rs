@@ -100,13 +100,24 @@ fn bench(ctx: &RankContext, ranks: &str, checks: bool) -> Result<(), DistError> 
                     _ => elements,
                 };
                 let x = Tensor::<MegatronCuda, 1>::ones([input_len], &gpu).cast(dtype);
-                let once = || match op {
-                    Op::AllReduce => group.all_reduce(x.clone(), ReduceOp::Sum),
-                    Op::AllGather => group.all_gather(x.clone(), 0),
-                    Op::ReduceScatter => group.reduce_scatter(x.clone(), 0, ReduceOp::Sum),
+                // All-reduce in place (`y = all_reduce(y)`), as torch's `all_reduce(x)`; the
+                // others into new buffers (torch's into preallocated ones).
+                let mut y = Some(x.clone());
+                let mut once = || match op {
+                    Op::AllReduce => {
+                        let reduced = group.all_reduce(y.take().expect("y"), ReduceOp::Sum)?;
+                        y = Some(reduced);
+                        Ok(())
+                    }
+                    Op::AllGather => group.all_gather(x.clone(), 0).map(|_| ()),
+                    Op::ReduceScatter => group
+                        .reduce_scatter(x.clone(), 0, ReduceOp::Sum)
+                        .map(|_| ()),
                 };
-                let iterations = if bytes >= 256 << 20 { 20 } else { 100 };
-                for _ in 0..5 {
+                let iterations = if bytes >= 256 << 20 { 50 } else { 100 };
+                // Warm up as long as we measure: the memory pool grows to what this many calls
+                // in flight need (a training loop gets there in its first step).
+                for _ in 0..iterations {
                     once()?;
                 }
                 group.synchronize()?;
