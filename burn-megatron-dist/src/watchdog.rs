@@ -34,16 +34,15 @@ pub(crate) struct Tracked {
     shape: Vec<usize>,
     dtype: DType,
     started: Instant,
-    /// Recorded after the NCCL call, on the device thread.
-    end: OnceLock<Event>,
+    /// Recorded after the NCCL call, on the device thread (`None` inside: no event could be
+    /// recorded, and nothing waits for it).
+    end: OnceLock<Option<Event>>,
 }
 
 impl Tracked {
     /// Records the end of the collective's GPU work (called from the foreign operation).
     pub fn enqueued(&self, stream: cudarc::driver::sys::CUstream) {
-        if let Ok(event) = Event::record(stream) {
-            let _ = self.end.set(event);
-        }
+        let _ = self.end.set(Event::record(stream).ok());
     }
 
     fn describe(&self, state: &str) -> String {
@@ -174,14 +173,21 @@ impl Watchdog {
                 state.error_seen = true;
                 return Err(error);
             }
-            if state.in_flight.is_empty() {
+            let Some(last) = state.in_flight.back().cloned() else {
                 return Ok(());
+            };
+            drop(state);
+            // Wait in the driver for the newest collective's end (the stream runs them in
+            // order); a hung one ends when the watchdog aborts the communicator. Until the
+            // device thread has enqueued it, there is no event yet: wait a moment.
+            match last.end.get() {
+                Some(Some(event)) => {
+                    let _ = event.synchronize();
+                }
+                Some(None) => {}
+                None => std::thread::sleep(Duration::from_micros(20)),
             }
-            state = self
-                .changed
-                .wait_timeout(state, Duration::from_millis(1))
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            state = self.lock();
             self.retire(&mut state);
         }
     }
@@ -196,7 +202,10 @@ impl Watchdog {
     fn retire(&self, state: &mut State) {
         while let Some(front) = state.in_flight.front() {
             match front.end.get() {
-                Some(event) if event.is_complete() => {
+                Some(None) => {
+                    state.in_flight.pop_front();
+                }
+                Some(Some(event)) if event.is_complete() => {
                     let done = state.in_flight.pop_front().expect("front exists");
                     state.recent.push_back(done.describe("done"));
                     if state.recent.len() > REMEMBERED {
