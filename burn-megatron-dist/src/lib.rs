@@ -55,5 +55,5 @@ pub use op::{CollectiveOp, ReduceOp};
 pub use parallel_state::ParallelState;
 pub use process::{ProcessEnv, run_rank};
 pub use process_group::ProcessGroup;
-pub use spawn::{SpawnConfig, SpawnReport, spawn_ranks};
+pub use spawn::{SpawnConfig, SpawnReport, spawn_ranks, spawn_ranks_until};
 pub use work::Work;

@@ -1,6 +1,8 @@
 //! Starting one process per rank on this node: what `bm-launch` does.
 
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How to start a node's ranks (the `bm-launch` options).
@@ -54,11 +56,23 @@ impl SpawnReport {
 /// Runs `program args…` once per local rank with the launch variables set (`RANK`,
 /// `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), and waits
 /// for all of them. When one fails, the others get `config.grace` to fail with their own
-/// errors, then are killed: no process is left behind.
+/// errors, then are killed with everything they started (each rank runs in its own process
+/// group): no process is left behind.
 pub fn spawn_ranks(
     config: &SpawnConfig,
     program: &str,
     args: &[String],
+) -> std::io::Result<SpawnReport> {
+    spawn_ranks_until(config, program, args, &AtomicBool::new(false))
+}
+
+/// [`spawn_ranks`], which also kills every rank as soon as `stop` is set (`bm-launch` sets
+/// it on Ctrl-C or SIGTERM).
+pub fn spawn_ranks_until(
+    config: &SpawnConfig,
+    program: &str,
+    args: &[String],
+    stop: &AtomicBool,
 ) -> std::io::Result<SpawnReport> {
     let world_size = config.nproc_per_node * config.nnodes;
     let first = config.node_rank * config.nproc_per_node;
@@ -72,6 +86,7 @@ pub fn spawn_ranks(
             .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
             .env("MASTER_ADDR", &config.master_addr)
             .env("MASTER_PORT", config.master_port.to_string())
+            .process_group(0)
             .spawn();
         match child {
             Ok(child) => children.push(Some(child)),
@@ -96,7 +111,7 @@ pub fn spawn_ranks(
                 }
             }
         }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
+        if deadline.is_some_and(|d| Instant::now() >= d) || stop.load(Ordering::Relaxed) {
             kill_all(&mut children);
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -107,10 +122,11 @@ pub fn spawn_ranks(
     })
 }
 
+/// Kills each child's process group: the rank and whatever it started.
 fn kill_all(children: &mut [Option<Child>]) {
-    for child in children.iter_mut().filter_map(Option::take) {
-        let mut child = child;
-        let _ = child.kill();
+    for mut child in children.iter_mut().filter_map(Option::take) {
+        // SAFETY: signals the process group the child leads (created by `process_group(0)`).
+        unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
         let _ = child.wait();
     }
 }

@@ -6,9 +6,10 @@
 //! ```
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use burn_megatron_dist::{SpawnConfig, spawn_ranks};
+use burn_megatron_dist::{SpawnConfig, spawn_ranks_until};
 use clap::Parser;
 
 /// Starts one process per rank on this node and waits for all of them.
@@ -38,8 +39,21 @@ struct Args {
     command: Vec<String>,
 }
 
+/// Set by Ctrl-C or SIGTERM: the ranks run in their own process groups, so the launcher
+/// passes the news on by killing them.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
     if args.node_rank >= args.nnodes || args.nproc_per_node == 0 {
         eprintln!(
             "bm-launch: --node-rank {} must be below --nnodes {}, and --nproc-per-node at least 1",
@@ -56,7 +70,11 @@ fn main() -> ExitCode {
         grace: Duration::from_secs(args.grace_secs),
     };
     let (program, rest) = args.command.split_first().expect("clap requires a command");
-    match spawn_ranks(&config, program, rest) {
+    match spawn_ranks_until(&config, program, rest, &STOP) {
+        Ok(_) if STOP.load(Ordering::Relaxed) => {
+            eprintln!("bm-launch: interrupted; every rank was killed");
+            ExitCode::from(130)
+        }
         Ok(report) => match report.first_failure {
             None => ExitCode::SUCCESS,
             Some((rank, status)) => {

@@ -3,6 +3,7 @@
 mod collectives;
 mod dtensor;
 mod failures;
+mod launcher;
 mod mappings;
 mod parallel_state;
 
