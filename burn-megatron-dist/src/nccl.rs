@@ -191,7 +191,7 @@ impl NcclGroup {
         self.queue.submit("nccl", bindings, self.lane, move |ctx| {
             let stream = ctx.stream as sys::cudaStream_t;
             let result = body(ctx.pointers, comm.raw(), stream);
-            tracked.enqueued(ctx.stream);
+            tracked.enqueued(ctx);
             result
         });
         // A collective must not wait in the queue while its peers wait for it.

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use burn::tensor::DType;
-use burn_megatron_kernels::cuda::{Alarms, Event};
+use burn_megatron_kernels::cuda::{Alarms, Event, ForeignContext};
 
 use crate::error::{DistError, DistResult};
 use crate::transport::{GroupInfo, Transport};
@@ -41,8 +41,8 @@ pub(crate) struct Tracked {
 
 impl Tracked {
     /// Records the end of the collective's GPU work (called from the foreign operation).
-    pub fn enqueued(&self, stream: cudarc::driver::sys::CUstream) {
-        let _ = self.end.set(Event::record(stream).ok());
+    pub fn enqueued(&self, ctx: &ForeignContext<'_>) {
+        let _ = self.end.set(ctx.record_event().ok());
     }
 
     fn describe(&self, state: &str) -> String {

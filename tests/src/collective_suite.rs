@@ -7,27 +7,29 @@
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, DistError, ParallelSizes, RankContext, ReduceOp};
 
-/// Why a case failed on this rank.
+/// Why a case failed on this rank: a collective's error, or a wrong result.
 #[derive(Debug)]
-pub enum SuiteError {
-    /// A collective returned an error.
-    Dist(&'static str, DistError),
-    /// A result is wrong.
-    Wrong(&'static str, String),
+pub struct SuiteError {
+    /// The case.
+    pub case: &'static str,
+    /// What went wrong.
+    pub message: String,
 }
 
 impl std::fmt::Display for SuiteError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            SuiteError::Dist(case, e) => write!(f, "{case}: {e}"),
-            SuiteError::Wrong(case, what) => write!(f, "{case}: {what}"),
-        }
+        write!(f, "{}: {}", self.case, self.message)
     }
+}
+
+fn wrong(case: &'static str, message: String) -> SuiteError {
+    SuiteError { case, message }
 }
 
 impl std::error::Error for SuiteError {}
 
 type CaseResult = Result<(), SuiteError>;
+type Case<S> = (&'static str, fn(&S) -> CaseResult);
 
 /// The cases, by name; each takes the rank's context, its device and the extra dtype tried.
 pub struct Suite<'a, Bk: DistBackend> {
@@ -43,10 +45,7 @@ fn expect(case: &'static str, got: Vec<f32>, want: Vec<f32>) -> CaseResult {
     if got == want {
         Ok(())
     } else {
-        Err(SuiteError::Wrong(
-            case,
-            format!("got {got:?}, want {want:?}"),
-        ))
+        Err(wrong(case, format!("got {got:?}, want {want:?}")))
     }
 }
 
@@ -69,7 +68,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
 
     /// Runs every case; returns how many ran.
     pub fn run(&self) -> Result<usize, SuiteError> {
-        let cases: [(&str, fn(&Self) -> CaseResult); 10] = [
+        let cases: [Case<Self>; 10] = [
             ("all_reduce", Self::all_reduce),
             ("tp_groups", Self::tp_groups),
             ("all_gather", Self::all_gather),
@@ -119,7 +118,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
             });
             for (g, w) in got.iter().zip(want) {
                 if (g - w).abs() > 1e-5 * w.abs().max(1.0) {
-                    return Err(SuiteError::Wrong(CASE, format!("{op}: got {got:?}")));
+                    return Err(wrong(CASE, format!("{op}: got {got:?}")));
                 }
             }
         }
@@ -130,7 +129,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
     /// even): the sum of the two ranks of the pair.
     fn tp_groups(&self) -> CaseResult {
         const CASE: &str = "tp_groups";
-        let tp = if self.n() % 2 == 0 { 2 } else { 1 };
+        let tp = if self.n().is_multiple_of(2) { 2 } else { 1 };
         let state = self
             .ctx
             .parallel_state(ParallelSizes::default().with_tp(tp))
@@ -164,7 +163,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
             .map_err(dist(CASE))?;
         let shape = (d0.dims(), d1.dims());
         if shape != ([n, 2], [2, n]) {
-            return Err(SuiteError::Wrong(CASE, format!("shapes {shape:?}")));
+            return Err(wrong(CASE, format!("shapes {shape:?}")));
         }
         let base = |q: usize| 100.0 * q as f32;
         expect(
@@ -190,7 +189,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
         let (sum, avg) = (sum.map_err(dist(CASE))?, avg.map_err(dist(CASE))?);
         let w = 8 / n;
         if sum.dims() != [2, w] {
-            return Err(SuiteError::Wrong(CASE, format!("shape {:?}", sum.dims())));
+            return Err(wrong(CASE, format!("shape {:?}", sum.dims())));
         }
         let offsets: f32 = (0..n).map(|q| q as f32).sum();
         let mine: Vec<f32> = (0..2)
@@ -231,7 +230,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
         let x = self.iota([n, 2], 1.0, 100.0 * r as f32);
         let y = self.ctx.world().all_to_all(x, 0, 1).map_err(dist(CASE))?;
         if y.dims() != [1, 2 * n] {
-            return Err(SuiteError::Wrong(CASE, format!("shape {:?}", y.dims())));
+            return Err(wrong(CASE, format!("shape {:?}", y.dims())));
         }
         let want = (0..n).flat_map(|src| {
             let base = 100.0 * src as f32 + 2.0 * r as f32;
@@ -265,7 +264,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
     fn async_in_order(&self) -> CaseResult {
         const CASE: &str = "async_in_order";
         let (n, r) = (self.n(), self.r());
-        let tp = if n % 2 == 0 { 2 } else { 1 };
+        let tp = if n.is_multiple_of(2) { 2 } else { 1 };
         let state = self
             .ctx
             .parallel_state(ParallelSizes::default().with_tp(tp))
@@ -312,7 +311,7 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
             .map_err(dist(CASE))?;
         if (y.dtype(), z.dtype()) != (self.other_dtype, self.other_dtype) {
             let got = (y.dtype(), z.dtype());
-            return Err(SuiteError::Wrong(CASE, format!("dtypes {got:?}")));
+            return Err(wrong(CASE, format!("dtypes {got:?}")));
         }
         let want = (0..self.n()).flat_map(|_| [1.5 * n, 2.5 * n]);
         expect(CASE, values(z), want.collect())
@@ -336,14 +335,14 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
         let bits = |t: Tensor<Bk, 1>| values(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         let (mine, theirs) = (bits(sum), bits(theirs));
         if mine != theirs {
-            return Err(SuiteError::Wrong(CASE, "sums differ from rank 0's".into()));
+            return Err(wrong(CASE, "sums differ from rank 0's".into()));
         }
         Ok(())
     }
 }
 
 fn dist(case: &'static str) -> impl Fn(DistError) -> SuiteError {
-    move |e| SuiteError::Dist(case, e)
+    move |e| wrong(case, e.to_string())
 }
 
 /// The tensor's values as f32.

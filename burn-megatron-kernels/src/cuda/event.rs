@@ -21,7 +21,7 @@ unsafe impl Sync for Event {}
 
 impl Event {
     /// Records an event after the work enqueued so far on `stream`.
-    pub fn record(stream: CUstream) -> Result<Self, DriverFailure> {
+    pub(crate) fn record(stream: CUstream) -> Result<Self, DriverFailure> {
         let mut raw = core::ptr::null_mut();
         // SAFETY: `raw` receives a new event; `stream` is a live stream of the current context.
         unsafe {
@@ -36,7 +36,7 @@ impl Event {
     }
 
     /// Makes `stream` wait, on the GPU, for the work before this event.
-    pub fn wait_on(&self, stream: CUstream) -> Result<(), DriverFailure> {
+    pub(crate) fn wait_on(&self, stream: CUstream) -> Result<(), DriverFailure> {
         // SAFETY: both handles are live.
         unsafe { check(cuStreamWaitEvent(stream, self.raw, 0), "cuStreamWaitEvent") }
     }

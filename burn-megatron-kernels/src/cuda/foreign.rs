@@ -47,6 +47,14 @@ pub struct ForeignContext<'a> {
     pub extensions: &'a mut Extensions,
 }
 
+impl ForeignContext<'_> {
+    /// An event after the work enqueued on this operation's stream so far: the host can
+    /// wait for it or ask whether it has passed (an NCCL watchdog does).
+    pub fn record_event(&self) -> Result<super::Event, String> {
+        super::Event::record(self.stream).map_err(|e| e.to_string())
+    }
+}
+
 /// Per-device state, one value per type.
 #[derive(Default)]
 pub struct Extensions {

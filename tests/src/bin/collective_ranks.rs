@@ -10,7 +10,9 @@
 //! timeout + 5 s. Exits 0 when the rank saw what it should.
 
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "cuda")]
+use std::time::Instant;
 
 use burn::backend::NdArray;
 use burn::tensor::{DType, Tensor};
