@@ -128,15 +128,7 @@ fn op_suite<B: Backend>(device: &B::Device) -> Vec<(&'static str, TensorData)> {
 }
 
 fn assert_close(name: &str, ours: &TensorData, reference: &TensorData, tolerance: f32) {
-    let a: Vec<f32> = ours.clone().convert::<f32>().to_vec().unwrap();
-    let b: Vec<f32> = reference.clone().convert::<f32>().to_vec().unwrap();
-    assert_eq!(ours.shape, reference.shape, "{name}: shapes differ");
-    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    let err = a
-        .iter()
-        .zip(&b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale;
+    let err = burn_megatron_tests::max_relative_difference(ours, reference);
     println!("{name:>14}: relative difference {err:.2e}");
     assert!(
         err <= tolerance,

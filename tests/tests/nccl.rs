@@ -165,14 +165,7 @@ fn tensor_parallel_gpt_over_nccl_matches_one_gpu() {
     assert!(((loss_tp2 - loss_tp1) / loss_tp1).abs() < 1e-5);
     assert_eq!(grads_tp2.len(), grads_tp1.len());
     for ((path, a), (_, b)) in grads_tp2.iter().zip(&grads_tp1) {
-        let a: Vec<f32> = a.clone().convert::<f32>().to_vec().unwrap();
-        let b: Vec<f32> = b.clone().convert::<f32>().to_vec().unwrap();
-        let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-        let err = a
-            .iter()
-            .zip(&b)
-            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-            / scale;
+        let err = burn_megatron_tests::max_relative_difference(a, b);
         println!("{path:>40}: relative difference {err:.2e}");
         assert!(err <= 1e-3, "{path}: TP=2 differs by {err:e}");
     }

@@ -118,17 +118,25 @@ fn crash(ctx: &RankContext) -> Result<String, String> {
     }
 }
 
+/// A GPU tensor, after a first collective that created the communicator on every rank.
 #[cfg(feature = "cuda")]
-fn sleep(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
-    use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
-    let device = CudaGpu::new(ctx.local_rank());
-    let x = Tensor::<MegatronCuda, 1>::ones([1 << 20], &device);
-    // A first collective creates the communicator on every rank.
+fn after_first_collective(
+    ctx: &RankContext,
+) -> Result<Tensor<burn_megatron_kernels::cuda::MegatronCuda, 1>, String> {
+    use burn_megatron_kernels::cuda::CudaGpu;
+    let x = Tensor::ones([1 << 20], &CudaGpu::new(ctx.local_rank()));
     let world = ctx.world();
     world
         .all_reduce(x.clone(), ReduceOp::Sum)
+        .and_then(|_| world.synchronize())
         .map_err(|e| e.to_string())?;
-    world.synchronize().map_err(|e| e.to_string())?;
+    Ok(x)
+}
+
+#[cfg(feature = "cuda")]
+fn sleep(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
+    let x = after_first_collective(ctx)?;
+    let world = ctx.world();
     if ctx.rank() == 1 {
         std::thread::sleep(timeout + Duration::from_secs(8));
         return Ok("slept".into());
@@ -157,14 +165,8 @@ fn sleep(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
 /// news, well before the timeout.
 #[cfg(feature = "cuda")]
 fn crash_gpu(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
-    use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
-    let device = CudaGpu::new(ctx.local_rank());
-    let x = Tensor::<MegatronCuda, 1>::ones([1 << 20], &device);
+    let x = after_first_collective(ctx)?;
     let world = ctx.world();
-    world
-        .all_reduce(x.clone(), ReduceOp::Sum)
-        .map_err(|e| e.to_string())?;
-    world.synchronize().map_err(|e| e.to_string())?;
     if ctx.rank() == 1 {
         std::process::exit(3);
     }
