@@ -97,6 +97,13 @@ mod cube {
         Tensor::from_primitive(TensorPrimitive::Float(x))
     }
 
+    /// A result of ours as a tensor of the backend `R` was found to be (our runtime).
+    fn back<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+        out: CubeTensor<MegatronCudaRuntime>,
+    ) -> Tensor<CubeBackend<R, F, I, BT>, D> {
+        wrap(cast(out).unwrap_or_else(|_| unreachable!("R is our runtime")))
+    }
+
     /// Every CubeCL backend. On ours (`MegatronCudaRuntime`) collectives run over NCCL; on
     /// the others (burn-cuda's, wgpu) they go through the host.
     impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DistBackend
@@ -110,11 +117,7 @@ mod cube {
             let x: CubeTensor<R> = x.into_primitive().tensor();
             let ours = cast::<_, CubeTensor<MegatronCudaRuntime>>(x).map_err(wrap)?;
             let gpu = ours.device.clone();
-            Ok(group.nccl_call::<D>(op, ours, &gpu).map(|out| {
-                let out = cast::<_, CubeTensor<R>>(out)
-                    .unwrap_or_else(|_| unreachable!("R is our runtime"));
-                wrap(out)
-            }))
+            Ok(group.nccl_call::<D>(op, ours, &gpu).map(back))
         }
 
         fn recv_on_device<const D: usize>(
@@ -125,12 +128,7 @@ mod cube {
             device: &Self::Device,
         ) -> Option<DistResult<Tensor<Self, D>>> {
             let gpu = cast::<_, CudaGpu>(device.clone()).ok()?;
-            Some(group.nccl_recv(src, shape, dtype, &gpu).map(|out| {
-                wrap(
-                    cast::<_, CubeTensor<R>>(out)
-                        .unwrap_or_else(|_| unreachable!("R is our runtime")),
-                )
-            }))
+            Some(group.nccl_recv(src, shape, dtype, &gpu).map(back))
         }
     }
 

@@ -13,7 +13,7 @@ use burn_megatron_kernels::cuda::CudaGpu;
 
 use super::ProcessGroup;
 use crate::error::{DistError, DistResult};
-use crate::nccl::{GpuTensor, NcclGroup, NcclId, primitive, tensor};
+use crate::nccl::{Flat, GpuTensor, NcclGroup, NcclId, primitive, tensor};
 use crate::op::CollectiveOp;
 use crate::shard::shard_range;
 use crate::transport::Contribution;
@@ -122,10 +122,14 @@ impl ProcessGroup {
         let x = tensor::<D>(x);
         let out = match op {
             CollectiveOp::AllReduce(red) => {
-                tensor(nccl.all_reduce(seq, name, primitive(x), red)?)
+                let shape = x.shape();
+                tensor::<D>(nccl.collective(seq, name, primitive(x), Flat::AllReduce(red))?)
+                    .reshape(shape)
             }
             CollectiveOp::Broadcast { root } => {
-                tensor(nccl.broadcast(seq, name, primitive(x), root)?)
+                let shape = x.shape();
+                tensor::<D>(nccl.collective(seq, name, primitive(x), Flat::Broadcast(root))?)
+                    .reshape(shape)
             }
             CollectiveOp::AllGather { dim } => {
                 // Gather along the first dimension, every part padded to the longest.
@@ -145,7 +149,7 @@ impl ProcessGroup {
                 };
                 let mut shape = padded.dims();
                 shape[0] = longest * n;
-                let gathered = nccl.all_gather_flat(seq, name, primitive(padded))?;
+                let gathered = nccl.collective(seq, name, primitive(padded), Flat::AllGather)?;
                 let gathered = tensor::<D>(gathered).reshape(shape);
                 let gathered = match lens.iter().all(|&l| l == longest) {
                     true => gathered,
@@ -175,7 +179,8 @@ impl ProcessGroup {
                 };
                 let mut shape = padded.dims();
                 shape[0] = chunk;
-                let part = nccl.reduce_scatter_flat(seq, name, primitive(padded), red)?;
+                let part =
+                    nccl.collective(seq, name, primitive(padded), Flat::ReduceScatter(red))?;
                 tensor::<D>(part)
                     .reshape(shape)
                     .narrow(0, 0, mine.len())

@@ -78,6 +78,27 @@ fn reduction(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// The collectives on one flat buffer (see [`NcclGroup::collective`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Flat {
+    AllReduce(ReduceOp),
+    /// From this group rank.
+    Broadcast(usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
+}
+
+impl Flat {
+    fn name(self) -> &'static str {
+        match self {
+            Flat::AllReduce(_) => "ncclAllReduce",
+            Flat::Broadcast(_) => "ncclBroadcast",
+            Flat::AllGather => "ncclAllGather",
+            Flat::ReduceScatter(_) => "ncclReduceScatter",
+        }
+    }
+}
+
 /// A raw communicator handle (NCCL communicators may be used from any thread).
 #[derive(Debug, Clone, Copy)]
 struct Comm(usize);
@@ -199,106 +220,45 @@ impl NcclGroup {
         Ok(())
     }
 
-    pub fn all_reduce(
+    /// Runs `call` on `x` as one flat run of elements and returns the flat result: the
+    /// reduction, the root's buffer, every rank's part (all-gather), or this rank's part of
+    /// the reduction (reduce-scatter; `x` holds `size` equal parts). An all-reduce whose
+    /// input nothing else holds (`x = all_reduce(x)`) runs in place, as Megatron reduces
+    /// gradient buckets.
+    pub fn collective(
         &self,
         seq: u64,
         op: String,
         x: GpuTensor,
-        red: ReduceOp,
+        call: Flat,
     ) -> DistResult<GpuTensor> {
-        let shape = x.meta.shape().clone();
         let (input, count, dtype) = flat(x)?;
-        // In place when nothing else holds the input (`x = all_reduce(x)`), as Megatron
-        // reduces gradient buckets: no new buffer.
-        let output = match input.can_mut() {
-            true => input.clone(),
-            false => empty_like(&input, count),
+        let output = match call {
+            Flat::AllReduce(_) if input.can_mut() => input.clone(),
+            Flat::AllReduce(_) | Flat::Broadcast(_) => empty_like(&input, count),
+            Flat::AllGather => empty_like(&input, count * self.size),
+            Flat::ReduceScatter(_) => empty_like(&input, count / self.size),
         };
-        let body: Body = Box::new(move |p, comm, stream| {
-            // SAFETY: both buffers hold `count` elements of `dtype` (NCCL allows them to be
-            // the same).
-            check("ncclAllReduce", unsafe {
-                nccl::all_reduce(
-                    p[0] as _,
-                    p[1] as _,
-                    count,
-                    dtype,
-                    reduction(red),
-                    comm,
-                    stream,
-                )
-            })
-        });
-        self.submit(seq, op, &[&input, &output], body)?;
-        Ok(reshape(output, shape))
-    }
-
-    pub fn broadcast(
-        &self,
-        seq: u64,
-        op: String,
-        x: GpuTensor,
-        root: usize,
-    ) -> DistResult<GpuTensor> {
-        let shape = x.meta.shape().clone();
-        let (input, count, dtype) = flat(x)?;
-        let output = empty_like(&input, count);
-        let body: Body = Box::new(move |p, comm, stream| {
-            // SAFETY: both buffers hold `count` elements of `dtype`.
-            check("ncclBroadcast", unsafe {
-                nccl::broadcast(
-                    p[0] as _,
-                    p[1] as _,
-                    count,
-                    dtype,
-                    root as i32,
-                    comm,
-                    stream,
-                )
-            })
-        });
-        self.submit(seq, op, &[&input, &output], body)?;
-        Ok(reshape(output, shape))
-    }
-
-    /// Gathers equal flat parts: the result holds every rank's `x`, in rank order.
-    pub fn all_gather_flat(&self, seq: u64, op: String, x: GpuTensor) -> DistResult<GpuTensor> {
-        let (input, count, dtype) = flat(x)?;
-        let output = empty_like(&input, count * self.size);
-        let body: Body = Box::new(move |p, comm, stream| {
-            // SAFETY: the output holds `size` parts of `count` elements.
-            check("ncclAllGather", unsafe {
-                nccl::all_gather(p[0] as _, p[1] as _, count, dtype, comm, stream)
-            })
-        });
-        self.submit(seq, op, &[&input, &output], body)?;
-        Ok(output)
-    }
-
-    /// Reduces `x` (flat, `size` equal parts) and returns this rank's part.
-    pub fn reduce_scatter_flat(
-        &self,
-        seq: u64,
-        op: String,
-        x: GpuTensor,
-        red: ReduceOp,
-    ) -> DistResult<GpuTensor> {
-        let (input, count, dtype) = flat(x)?;
         let part = count / self.size;
-        let output = empty_like(&input, part);
         let body: Body = Box::new(move |p, comm, stream| {
-            // SAFETY: the input holds `size` parts of `part` elements, the output one.
-            check("ncclReduceScatter", unsafe {
-                nccl::reduce_scatter(
-                    p[0] as _,
-                    p[1] as _,
-                    part,
-                    dtype,
-                    reduction(red),
-                    comm,
-                    stream,
-                )
-            })
+            let (src, dst) = (p[0] as *const _, p[1] as *mut _);
+            // SAFETY: the buffers hold what `call` implies (see above); NCCL allows an
+            // all-reduce's two buffers to be one.
+            let result = unsafe {
+                match call {
+                    Flat::AllReduce(red) => {
+                        nccl::all_reduce(src, dst, count, dtype, reduction(red), comm, stream)
+                    }
+                    Flat::Broadcast(root) => {
+                        nccl::broadcast(src, dst, count, dtype, root as i32, comm, stream)
+                    }
+                    Flat::AllGather => nccl::all_gather(src, dst, count, dtype, comm, stream),
+                    Flat::ReduceScatter(red) => {
+                        nccl::reduce_scatter(src, dst, part, dtype, reduction(red), comm, stream)
+                    }
+                }
+            };
+            check(call.name(), result)
         });
         self.submit(seq, op, &[&input, &output], body)?;
         Ok(output)

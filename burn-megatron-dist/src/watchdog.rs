@@ -229,11 +229,17 @@ impl Watchdog {
                 self.abort(&mut state, reason);
                 break;
             }
-            state = self
-                .changed
-                .wait_timeout(state, POLL)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
+            // Idle until a collective starts (`track` notifies); poll while some are pending.
+            state = if state.in_flight.is_empty() {
+                self.changed
+                    .wait(state)
+                    .unwrap_or_else(PoisonError::into_inner)
+            } else {
+                self.changed
+                    .wait_timeout(state, POLL)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            };
         }
     }
 

@@ -133,19 +133,28 @@ fn after_first_collective(
     Ok(x)
 }
 
+/// An all-reduce and the wait for it, with how long they took.
+#[cfg(feature = "cuda")]
+fn timed_all_reduce(
+    ctx: &RankContext,
+    x: Tensor<burn_megatron_kernels::cuda::MegatronCuda, 1>,
+) -> (Result<(), burn_megatron_dist::DistError>, Duration) {
+    let start = Instant::now();
+    let world = ctx.world();
+    let outcome = world
+        .all_reduce(x, ReduceOp::Sum)
+        .and_then(|_| world.synchronize());
+    (outcome, start.elapsed())
+}
+
 #[cfg(feature = "cuda")]
 fn sleep(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
     let x = after_first_collective(ctx)?;
-    let world = ctx.world();
     if ctx.rank() == 1 {
         std::thread::sleep(timeout + Duration::from_secs(8));
         return Ok("slept".into());
     }
-    let start = Instant::now();
-    let outcome = world
-        .all_reduce(x, ReduceOp::Sum)
-        .and_then(|_| world.synchronize());
-    let elapsed = start.elapsed();
+    let (outcome, elapsed) = timed_all_reduce(ctx, x);
     match outcome {
         Err(e)
             if e.to_string().contains("timed out")
@@ -166,15 +175,10 @@ fn sleep(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
 #[cfg(feature = "cuda")]
 fn crash_gpu(ctx: &RankContext, timeout: Duration) -> Result<String, String> {
     let x = after_first_collective(ctx)?;
-    let world = ctx.world();
     if ctx.rank() == 1 {
         std::process::exit(3);
     }
-    let start = Instant::now();
-    let outcome = world
-        .all_reduce(x, ReduceOp::Sum)
-        .and_then(|_| world.synchronize());
-    let elapsed = start.elapsed();
+    let (outcome, elapsed) = timed_all_reduce(ctx, x);
     match outcome {
         Err(e) if e.to_string().contains("crashed or was killed") && elapsed < timeout / 2 => Ok(
             format!("error after {elapsed:?} (timeout {timeout:?}): {e}"),
