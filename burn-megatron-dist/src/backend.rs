@@ -167,6 +167,7 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
     ) -> DistResult<Tensor<Self, D>> {
         let x = x.into_primitive().tensor();
         let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone()));
+        let inner_shape = inner.shape();
         let output = mapping
             .forward
             .apply(group, inner)?
@@ -175,6 +176,7 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
         let backward = MappingBackward::<D> {
             comm: mapping.backward,
             group: group.clone(),
+            input_shape: inner_shape,
         };
         let output = backward
             .prepare::<C>([x.node.clone()])
@@ -189,6 +191,8 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
 struct MappingBackward<const D: usize> {
     comm: Comm,
     group: ProcessGroup,
+    /// The shape of the mapping's input, which its gradient has.
+    input_shape: burn::tensor::Shape,
 }
 
 impl<B: DistBackend, const D: usize> Backward<B, 1> for MappingBackward<D> {
@@ -197,11 +201,18 @@ impl<B: DistBackend, const D: usize> Backward<B, 1> for MappingBackward<D> {
     fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
             let grad = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad));
-            // Backward has no error channel: a failed collective here (a dead peer, a timeout)
-            // stops this rank, and the launcher releases the others with this message.
+            let (device, dtype) = (grad.device(), grad.dtype());
+            // Backward has no error channel: a failed collective is recorded on the group
+            // (whose every later call, and `backward_failure`, returns it) and the gradient
+            // goes on as zeros, so the step ends and reports the error instead of panicking.
             match self.comm.apply(&self.group, grad) {
                 Ok(grad) => grad.into_primitive().tensor(),
-                Err(err) => panic!("backward of a distributed mapping failed: {err}"),
+                Err(error) => {
+                    self.group.fail_in_backward(error);
+                    Tensor::<B, D>::zeros(self.input_shape, (&device, dtype))
+                        .into_primitive()
+                        .tensor()
+                }
             }
         });
     }

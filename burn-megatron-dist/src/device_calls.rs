@@ -66,6 +66,7 @@ impl ProcessGroup {
     /// Numbers the call and, with checks on, matches it with every rank's: returns its
     /// sequence number and every rank's shape, in rank order.
     fn begin(&self, op: CollectiveOp, x: &GpuTensor) -> DistResult<(u64, Vec<Vec<usize>>)> {
+        self.backward_failure()?;
         let shape = x.meta.shape().to_vec();
         if !self.inner.registry.check_collectives {
             let seq = self.next_seq();

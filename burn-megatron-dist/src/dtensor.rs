@@ -35,9 +35,10 @@ impl fmt::Display for Placement {
 /// A distributed tensor: this rank's local tensor, its [`Placement`] over a group, and the
 /// global shape.
 ///
-/// Parallel layers, checkpoints and the optimizer describe their tensors with it, so that
-/// combining tensors laid out differently, or over different groups, is an error instead of
-/// a silently wrong result.
+/// Combining tensors laid out differently, or over different groups, is an error instead of
+/// a silently wrong result. Today it is a standalone type (tested on its own); the parallel
+/// layers do not use it yet; they declare their parameters' splits in
+/// `burn_megatron::tensor_parallel::placement`.
 #[derive(Debug, Clone)]
 pub struct DistTensor<B: DistBackend, const D: usize> {
     local: Tensor<B, D>,

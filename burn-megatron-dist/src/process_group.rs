@@ -47,6 +47,9 @@ pub(crate) struct GroupShared {
     pub(crate) collectives: AtomicU64,
     /// Messages received on the group.
     pub(crate) receives: AtomicU64,
+    /// The error of a collective that failed inside a backward pass (see
+    /// [`ProcessGroup::backward_failure`]): every later call on the group returns it.
+    pub(crate) backward_failure: Mutex<Option<DistError>>,
     /// The group's NCCL communicator on this rank, created by its first GPU collective.
     #[cfg(feature = "cuda")]
     pub(crate) nccl: Mutex<Option<Arc<crate::nccl::NcclGroup>>>,
@@ -393,6 +396,34 @@ impl ProcessGroup {
             .fetch_add(1, Ordering::Relaxed)
     }
 
+    /// The error of a collective that failed inside a backward pass on this group, if one did.
+    ///
+    /// Burn's backward pass has no error channel, so a differentiable communication whose
+    /// collective fails there (a dead peer, a timeout) records the error on its group and
+    /// passes a zero gradient on. From then on every call on the group returns that error, and
+    /// a training step checks this after `backward()` (as `GptModel::forward_backward` does),
+    /// so the failure reaches the caller as an `Err` rather than a panic or a wrong gradient.
+    pub fn backward_failure(&self) -> DistResult<()> {
+        match &*self.shared_failure() {
+            Some(error) => Err(error.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Records `error` as the failure of a collective inside a backward pass (the first one
+    /// recorded is kept).
+    pub(crate) fn fail_in_backward(&self, error: DistError) {
+        self.shared_failure().get_or_insert(error);
+    }
+
+    fn shared_failure(&self) -> std::sync::MutexGuard<'_, Option<DistError>> {
+        self.inner
+            .shared
+            .backward_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Returns once every rank of the group has called it.
     pub fn barrier(&self) -> DistResult<()> {
         if self.size() > 1 {
@@ -423,7 +454,8 @@ impl ProcessGroup {
         self.inner.transport.send(&self.inner.info, dst, message)
     }
 
-    /// Starts [`send`](Self::send); the pair of pipeline schedules' `isend`/`irecv`.
+    /// Starts [`send`](Self::send): with [`irecv`](Self::irecv), the non-blocking pair a
+    /// pipeline schedule needs.
     pub fn isend<B: DistBackend, const D: usize>(
         &self,
         x: Tensor<B, D>,
@@ -528,6 +560,7 @@ impl ProcessGroup {
     }
 
     fn deposit(&self, part: Contribution) -> DistResult<Pending> {
+        self.backward_failure()?;
         let seq = self
             .inner
             .shared

@@ -4,7 +4,7 @@ use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -12,6 +12,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_megatron_dist::DistBackend;
 
+use crate::error::{IdKind, InputError};
 use crate::transformer::AttentionCore;
 
 /// A [`DistBackend`] with the model's own operations: the dense GEMMs of the linear layers
@@ -41,6 +42,20 @@ pub trait ModelBackend: DistBackend {
         burn::tensor::module::linear(x, w, bias)
     }
 
+    /// Checks that every id of `ids` is a valid `kind` id for a vocabulary of `vocab_size`
+    /// tokens.
+    ///
+    /// By default the ids are read back to the host (free on the CPU). Our CUDA backend
+    /// checks them on the device instead and returns `Ok` at once: an invalid id fails the
+    /// device's next read or sync with the same message, so a training step never waits.
+    fn check_ids<const D: usize>(
+        ids: Tensor<Self, D, Int>,
+        kind: IdKind,
+        vocab_size: usize,
+    ) -> Result<(), InputError> {
+        check_ids_on_host(&ids.into_data(), kind, vocab_size)
+    }
+
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
     /// recomputation): the `[batch, heads, seq, seq]` probabilities are recomputed there.
     fn recomputed_attention_core(
@@ -61,15 +76,38 @@ where
 {
 }
 
+/// [`ModelBackend::check_ids`] on ids read back to the host: the first invalid id, in
+/// row-major order, is the error.
+pub fn check_ids_on_host(
+    ids: &TensorData,
+    kind: IdKind,
+    vocab_size: usize,
+) -> Result<(), InputError> {
+    let ids = ids
+        .clone()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .expect("converted ids hold i64");
+    match ids.into_iter().find(|&id| !kind.accepts(id, vocab_size)) {
+        Some(id) => Err(InputError::IdOutOfRange {
+            kind,
+            id,
+            vocab_size,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cube {
-    use burn::tensor::Tensor;
+    use burn::tensor::{Int, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
-    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, check_on_device, gemm};
 
     use super::ModelBackend;
+    use crate::error::{IdKind, InputError};
 
     /// burn-cuda's backend: Burn's own matmul (the reference our backend is tested against).
     impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
@@ -96,6 +134,37 @@ mod cube {
             bias: Option<Tensor<Self, 1>>,
         ) -> Tensor<Self, 2> {
             gemm::linear(x, w, bias, false, false)
+        }
+
+        /// On the device: the smallest and largest id are computed there and checked at the
+        /// device's next read or sync (see `burn_megatron_kernels::cuda::device_check`).
+        fn check_ids<const D: usize>(
+            ids: Tensor<Self, D, Int>,
+            kind: IdKind,
+            vocab_size: usize,
+        ) -> Result<(), InputError> {
+            if ids.shape().num_elements() == 0 {
+                return Ok(());
+            }
+            let ids = ids.flatten::<1>(0, D - 1);
+            let extremes = Tensor::cat(vec![ids.clone().min(), ids.max()], 0);
+            check_on_device(extremes.into_primitive(), move |values| {
+                let &[min, max] = values else {
+                    return Some(format!("an id check read {} values, not 2", values.len()));
+                };
+                [max, min]
+                    .into_iter()
+                    .find(|&id| !kind.accepts(id, vocab_size))
+                    .map(|id| {
+                        InputError::IdOutOfRange {
+                            kind,
+                            id,
+                            vocab_size,
+                        }
+                        .to_string()
+                    })
+            });
+            Ok(())
         }
     }
 
@@ -138,6 +207,18 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
             },
         };
         Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
+    fn check_ids<const D: usize>(
+        ids: Tensor<Self, D, Int>,
+        kind: IdKind,
+        vocab_size: usize,
+    ) -> Result<(), InputError> {
+        B::check_ids::<D>(
+            Tensor::from_primitive(ids.into_primitive()),
+            kind,
+            vocab_size,
+        )
     }
 
     fn recomputed_attention_core(
@@ -271,15 +352,11 @@ impl<B: ModelBackend> Backward<B, 3> for RecomputedAttention {
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, NdArray};
-    use burn::tensor::Tensor;
+    use burn_megatron_testing::{assert_close, tolerance, values};
 
     use crate::init::{InitDistribution, init_full};
 
     type AD = Autodiff<NdArray>;
-
-    fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
-        t.into_data().to_vec().unwrap()
-    }
 
     /// Our linear's hand-written backward (GEMMs with folded transposes) against Burn's own
     /// autodiff, for a 3D input, with and without bias, and for a transposed-view weight.
@@ -320,12 +397,12 @@ mod tests {
                 out
             };
             for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
-                for (x, y) in a.iter().zip(&b) {
-                    assert!(
-                        (x - y).abs() <= 1e-5 * y.abs().max(1.0),
-                        "output {i} (bias {with_bias}, transposed {transposed_weight}): {x} vs {y}"
-                    );
-                }
+                assert_close(
+                    &format!("output {i} (bias {with_bias}, transposed {transposed_weight})"),
+                    a,
+                    &b,
+                    tolerance::F32_SAME_ORDER,
+                );
             }
         }
     }

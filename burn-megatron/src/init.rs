@@ -3,7 +3,7 @@
 //! Element `i` of a full parameter is a function of `(seed, i)` alone (a counter-based
 //! generator, as Philox is in cuRAND), so a rank generates exactly its own slice and a model
 //! built with TP = k holds the same numbers as the TP = 1 model built from the same seed.
-//! That is what lets layouts be compared and checkpoints be resharded.
+//! That is what lets layouts be compared (and, once checkpoints land, be resharded).
 
 use std::ops::Range;
 
@@ -107,10 +107,7 @@ fn standard_normal(seed: u64, counter: u64) -> f64 {
 mod tests {
     use super::*;
     use burn::backend::NdArray;
-
-    fn values<const D: usize>(t: Tensor<NdArray, D>) -> Vec<f32> {
-        t.into_data().to_vec().unwrap()
-    }
+    use burn_megatron_testing::values_f32 as values;
 
     #[test]
     fn slices_equal_the_full_tensor_sliced() {

@@ -18,4 +18,4 @@ pub mod transformer;
 
 pub use backend::ModelBackend;
 pub use burn_megatron_dist as dist;
-pub use error::ConfigError;
+pub use error::{ConfigError, Error, IdKind, InputError, Result};

@@ -15,6 +15,7 @@ use burn_megatron::tensor_parallel::gather_full_grads;
 use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
 use burn_megatron_dist::{LaunchConfig, launch};
 use burn_megatron_kernels::cuda::{CudaGpu, ForeignQueue, Lane, MegatronCuda, binding};
+use burn_megatron_testing::{data_values, relative_difference, tolerance};
 
 type Reference = Cuda;
 type Ours = MegatronCuda;
@@ -127,13 +128,15 @@ fn op_suite<B: Backend>(device: &B::Device) -> Vec<(&'static str, TensorData)> {
     ]
 }
 
-fn assert_close(name: &str, ours: &TensorData, reference: &TensorData, tolerance: f32) {
-    let err = burn_megatron_tests::max_relative_difference(ours, reference);
-    println!("{name:>14}: relative difference {err:.2e}");
-    assert!(
-        err <= tolerance,
-        "{name}: ours differs from burn-cuda by {err:e}"
+fn assert_close(name: &str, ours: &TensorData, reference: &TensorData, tolerance: f64) {
+    assert_eq!(ours.shape, reference.shape, "{name}: shapes differ");
+    let err = burn_megatron_testing::assert_close(
+        name,
+        &data_values(ours),
+        &data_values(reference),
+        tolerance,
     );
+    println!("{name:>14}: relative difference {err:.2e}");
 }
 
 #[test]
@@ -142,12 +145,66 @@ fn ops_match_burn_cuda() {
     let reference = op_suite::<Reference>(&Default::default());
     for ((name, a), (_, b)) in ours.iter().zip(&reference) {
         let tolerance = if name.contains("bf16") || name.contains("f16") {
-            1e-2
+            tolerance::BF16
         } else {
-            1e-5
+            tolerance::F32
         };
         assert_close(name, a, b, tolerance);
     }
+}
+
+/// Token and target ids outside the vocabulary on our CUDA backend: the forward pass returns
+/// without waiting for the device, and the device's next sync fails, naming the id and the
+/// vocabulary. A valid step before and after syncs cleanly.
+#[test]
+fn out_of_range_ids_fail_the_next_sync() {
+    type A = Autodiff<Ours>;
+    let device = CudaGpu::new(0);
+    let config = TransformerConfig::new(64, 2, 4, 256, 50, 16);
+    let sync = || <Ours as Backend>::sync(&device);
+    launch(LaunchConfig::new(1), |ctx| {
+        let model = config.init_gpt::<A>(ctx.world(), &device)?;
+        let ids = |bad: Option<i64>| {
+            let mut v: Vec<i64> = (0..2 * 16).map(|i| (i * 13) % 50).collect();
+            if let Some(bad) = bad {
+                v[21] = bad;
+            }
+            Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
+        };
+        let step = |tokens, targets| -> burn_megatron::Result<()> {
+            let (loss, _) = model.forward_backward(tokens, targets)?;
+            drop(loss);
+            Ok(())
+        };
+        step(ids(None), ids(None))?;
+        sync().expect("valid ids sync cleanly");
+        for (tokens, targets, message) in [
+            (
+                Some(50),
+                None,
+                "token id 50 is outside the vocabulary of 50 tokens",
+            ),
+            (
+                Some(-1),
+                None,
+                "token id -1 is outside the vocabulary of 50 tokens",
+            ),
+            (
+                None,
+                Some(57),
+                "target id 57 is outside the vocabulary of 50 tokens",
+            ),
+        ] {
+            step(ids(tokens), ids(targets)).expect("the check does not wait for the device");
+            let error = format!("{:?}", sync().expect_err("the sync reports the bad id"));
+            println!("{message}: {error}");
+            assert!(error.contains(message), "{error}");
+        }
+        step(ids(Some(-100)).clamp_min(0), ids(Some(-100)))?;
+        sync().expect("ignored targets and valid ids sync cleanly afterwards");
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    })
+    .unwrap();
 }
 
 /// Loss and every parameter gradient of a small Llama (RMSNorm, SwiGLU, RoPE, GQA) and a
@@ -188,14 +245,16 @@ fn transformer_autodiff_matches_burn_cuda() {
         let (loss_ours, grads_ours) = step::<Autodiff<Ours>>(config.clone(), CudaGpu::new(0));
         let (loss_ref, grads_ref) = step::<Autodiff<Reference>>(config, Default::default());
         println!("{name}: loss ours {loss_ours} burn-cuda {loss_ref}");
-        assert!(
-            ((loss_ours - loss_ref) / loss_ref).abs() < 1e-5,
-            "{name}: loss {loss_ours} vs {loss_ref}"
+        burn_megatron_testing::assert_close(
+            &format!("{name} loss"),
+            &[loss_ours as f64],
+            &[loss_ref as f64],
+            tolerance::F32,
         );
         for ((path, a), (_, b)) in grads_ours.iter().zip(&grads_ref) {
             // Gradients sum over the whole network, and autotune may pick a different matmul
             // kernel (accumulation order) on each backend: f32 agreement to 1e-3.
-            assert_close(&format!("{name} {path}"), a, b, 1e-3);
+            assert_close(&format!("{name} {path}"), a, b, tolerance::GPU_F32);
         }
     }
 }
@@ -309,13 +368,10 @@ fn host_gemm(
     out
 }
 
-fn relative_error(got: &TensorData, want: &[f32]) -> f32 {
-    let got: Vec<f32> = got.clone().convert::<f32>().to_vec().unwrap();
-    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
-        / scale
+/// The relative difference of `got` from `want`, failing on any non-finite value.
+fn relative_error(name: &str, got: &TensorData, want: &[f32]) -> f64 {
+    let want: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    relative_difference(name, &data_values(got), &want)
 }
 
 /// cuBLASLt GEMMs against the exact product, for every transpose combination (as flags and as
@@ -329,7 +385,11 @@ fn gemm_matches_the_exact_product() {
     };
     let raw = |t: &Tensor<Ours, 2>| t.clone().into_primitive().tensor();
     let mut checked = 0;
-    for (dtype, tolerance) in [(DType::BF16, 1e-2), (DType::F16, 5e-3), (DType::F32, 5e-3)] {
+    for (dtype, tolerance) in [
+        (DType::BF16, tolerance::BF16),
+        (DType::F16, tolerance::F16),
+        (DType::F32, tolerance::TF32),
+    ] {
         for (m, n, k) in [
             (333, 517, 129),
             (64, 64, 64),
@@ -345,7 +405,7 @@ fn gemm_matches_the_exact_product() {
                 let flags = gemm(&raw(&a), &raw(&b), ta, tb, None, false)
                     .expect("cuBLASLt takes row-major operands");
                 let flags = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(flags));
-                let err = relative_error(&flags.to_data(), &want);
+                let err = relative_error("gemm", &flags.to_data(), &want);
                 assert!(
                     err <= tolerance,
                     "{dtype:?} {m}x{n}x{k} ta={ta} tb={tb}: error {err:e}"
@@ -356,7 +416,7 @@ fn gemm_matches_the_exact_product() {
                 let views = gemm(&raw(&a_view), &raw(&b_view), !ta, !tb, None, false)
                     .expect("cuBLASLt takes transposed views");
                 let views = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(views));
-                let err_views = relative_error(&views.to_data(), &want);
+                let err_views = relative_error("gemm of views", &views.to_data(), &want);
                 assert!(
                     err_views <= tolerance,
                     "{dtype:?} {m}x{n}x{k} views ta={ta} tb={tb}: error {err_views:e}"
@@ -384,7 +444,7 @@ fn gemm_matches_the_exact_product() {
         )
         .unwrap();
         let with_bias = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(with_bias));
-        let err = relative_error(&with_bias.to_data(), &want);
+        let err = relative_error("gemm with bias", &with_bias.to_data(), &want);
         assert!(err <= tolerance, "{dtype:?} bias: error {err:e}");
         let wide = gemm(&raw(&a), &raw(&b), false, false, None, true).unwrap();
         assert_eq!(wide.dtype, DType::F32);
@@ -419,7 +479,10 @@ fn gemm_accumulates_into_an_f32_buffer() {
     let acc = acc.into_primitive().tensor();
     gemm_accumulate(&raw(&x), &raw(&dy), true, false, &acc).expect("cuBLASLt accumulates");
     let after = Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(acc)).into_data();
-    let err = relative_error(&after, &want);
+    let err = relative_error("accumulated gradient", &after, &want);
     println!("accumulate: relative error {err:.2e}");
-    assert!(err <= 1e-4, "accumulated gradient off by {err:e}");
+    assert!(
+        err <= tolerance::F32_GEMM,
+        "accumulated gradient off by {err:e}"
+    );
 }

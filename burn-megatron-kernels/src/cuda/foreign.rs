@@ -160,6 +160,11 @@ impl ForeignQueue {
             .expect("the device queue is alive")
     }
 
+    /// Keeps `check` for the device's next read or sync (see [`super::device_check`]).
+    pub(crate) fn queue_check(&self, check: super::device_check::DeviceCheck) {
+        self.handle.submit(move |server| server.checks.push(check));
+    }
+
     /// Starts the queued work now. The queue otherwise waits for a batch of tasks; a
     /// collective that peers wait on must not wait in it.
     pub fn flush(&self) {

@@ -7,6 +7,7 @@
 
 mod copy;
 mod device;
+pub mod device_check;
 mod driver;
 pub mod event;
 pub mod foreign;
@@ -20,6 +21,7 @@ mod storage;
 mod tensor_map;
 
 pub use device::CudaGpu;
+pub use device_check::check_on_device;
 pub use event::Event;
 pub use foreign::{ForeignContext, ForeignQueue, Lane, Ticket, binding};
 pub use runtime::MegatronCudaRuntime;

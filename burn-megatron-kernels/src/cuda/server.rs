@@ -29,6 +29,7 @@ use cudarc::driver::sys::{CUcontext, CUstream, CUstream_flags, cuStreamCreate};
 use super::CudaCompiler;
 use super::copy::{Direction, copy};
 use super::device::CudaGpu;
+use super::device_check::DeviceCheck;
 use super::driver::{DriverFailure, check};
 use super::event::Event;
 use super::foreign::Extensions;
@@ -57,6 +58,8 @@ pub struct CudaServer {
     pub(super) extensions: Extensions,
     /// Failures reported from outside the device thread (an NCCL watchdog), taken with `errors`.
     pub(super) alarms: Alarms,
+    /// Checks of device-computed values, decided at the next read or sync.
+    pub(super) checks: Vec<DeviceCheck>,
 }
 
 /// Failures that other threads report to a device (see [`ForeignQueue::alarms`]): the device's
@@ -147,6 +150,7 @@ impl CudaServer {
             pending: Vec::new(),
             extensions: Extensions::default(),
             alarms: Alarms::default(),
+            checks: Vec::new(),
         })
     }
 
@@ -250,7 +254,42 @@ impl CudaServer {
         Event::record(self.compute)?.synchronize()?;
         // A watchdog may have aborted a collective this read waited for.
         self.take_errors()?;
+        self.decide_checks()?;
         Ok(out.into_iter().map(Bytes::from_bytes_vec).collect())
+    }
+
+    /// Reads the values of the queued device checks (the device has passed them: this is
+    /// called right after a wait) and fails with the messages of those whose verdict fails.
+    fn decide_checks(&mut self) -> Result<(), ServerError> {
+        if self.checks.is_empty() {
+            return Ok(());
+        }
+        let checks = core::mem::take(&mut self.checks);
+        let descriptors = checks
+            .iter()
+            .map(|c| {
+                let d = &c.descriptor;
+                CopyDescriptor::new(
+                    d.handle.clone(),
+                    d.shape.clone(),
+                    d.strides.clone(),
+                    d.elem_size,
+                )
+            })
+            .collect();
+        let values = self.read_now(descriptors)?;
+        let failures: Vec<String> = checks
+            .into_iter()
+            .zip(&values)
+            .filter_map(|(check, bytes)| check.decide(bytes))
+            .collect();
+        match failures.is_empty() {
+            true => Ok(()),
+            false => Err(ServerError::Generic {
+                reason: failures.join("; "),
+                backtrace: BackTrace::capture(),
+            }),
+        }
     }
 
     fn write_now(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>) -> Result<(), ServerError> {
@@ -436,6 +475,14 @@ impl ComputeServer for CudaServer {
     }
 
     fn sync(&mut self, _: StreamId) -> DynFut<Result<(), ServerError>> {
+        // Deciding the queued checks waits for the device, as the sync would.
+        if let Err(error) = self
+            .set_current()
+            .map_err(ServerError::from)
+            .and_then(|()| self.decide_checks())
+        {
+            return Box::pin(async move { Err(error) });
+        }
         let fence = self.sync_now().map(Fence);
         let alarms = self.alarms.clone();
         Box::pin(async move {

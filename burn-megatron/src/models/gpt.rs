@@ -8,10 +8,10 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::mapping::scatter_to_sequence_parallel_region;
-use burn_megatron_dist::{DistError, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
-use crate::error::ConfigError;
+use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::tensor_parallel::{
     DropoutSite, VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean,
@@ -57,7 +57,7 @@ impl TransformerConfig {
         &self,
         tp: &ProcessGroup,
         device: &B::Device,
-    ) -> Result<GptModel<B>, ConfigError> {
+    ) -> core::result::Result<GptModel<B>, ConfigError> {
         let validated = self.validate(tp.size(), tp.rank())?;
         let vocab = validated.vocab;
         let hidden = self.hidden_size;
@@ -110,35 +110,35 @@ impl TransformerConfig {
 
 impl<B: ModelBackend> GptModel<B> {
     /// `[batch, seq]` tokens → `[batch, seq, padded_vocab / tp]`: this rank's slice of the
-    /// logits. Under sequence parallelism `seq` must be divisible by the TP size.
-    pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> DistResult<Tensor<B, 3>> {
+    /// logits. Under sequence parallelism `seq` must be divisible by the TP size; every token
+    /// id must be in `0..vocab_size` (an [`InputError`] otherwise).
+    pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
         let call = self.next_call();
         let x = self.embed(tokens, call)?;
-        self.logits(self.block.try_forward(x, call)?)
+        Ok(self.logits(self.block.try_forward(x, call)?)?)
     }
 
-    /// [`try_forward`](Self::try_forward), panicking on a communication failure.
+    /// [`try_forward`](Self::try_forward), panicking with its error: Burn's convention of an
+    /// infallible `forward(input) -> output`, for code written against it. Prefer
+    /// `try_forward`.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.try_forward(tokens).unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Per-token cross-entropy of `logits` (from [`try_forward`](Self::try_forward)) against
-    /// `targets` (`[batch, seq]`), without gathering the vocabulary; `[batch, seq]`.
+    /// `targets` (`[batch, seq]`), without gathering the vocabulary; `[batch, seq]`. A target
+    /// at or above the vocabulary size is an [`InputError`].
     pub fn token_losses(
         &self,
         logits: Tensor<B, 3>,
         targets: Tensor<B, 2, Int>,
-    ) -> DistResult<Tensor<B, 2>> {
+    ) -> Result<Tensor<B, 2>> {
         vocab_parallel_cross_entropy(logits, targets, &self.context.vocab, &self.context.tp)
     }
 
     /// The mean cross-entropy over the targets that are not negative (a negative target,
     /// such as -100, is ignored).
-    pub fn loss(
-        &self,
-        logits: Tensor<B, 3>,
-        targets: Tensor<B, 2, Int>,
-    ) -> DistResult<Tensor<B, 1>> {
+    pub fn loss(&self, logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>> {
         let keep = targets.clone().greater_equal_elem(0);
         Ok(masked_mean(self.token_losses(logits, targets)?, keep))
     }
@@ -164,21 +164,23 @@ impl<B: ModelBackend> GptModel<B> {
 
     /// Token and position embeddings with dropout: the residual stream's start,
     /// `[batch, seq, hidden]` (`seq / tp` under sequence parallelism).
-    fn embed(&self, tokens: Tensor<B, 2, Int>, call: u64) -> DistResult<Tensor<B, 3>> {
+    fn embed(&self, tokens: Tensor<B, 2, Int>, call: u64) -> Result<Tensor<B, 3>> {
         let c = &self.context;
         let [_, seq] = tokens.dims();
         let tp = &c.tp;
         if seq > c.max_sequence_length {
-            return Err(DistError::InvalidArgument(format!(
-                "sequence of {seq} tokens is longer than the model's maximum of {}",
-                c.max_sequence_length
-            )));
+            return Err(InputError::SequenceTooLong {
+                len: seq,
+                max: c.max_sequence_length,
+            }
+            .into());
         }
         if c.layer.sequence_parallel && !seq.is_multiple_of(tp.size()) {
-            return Err(DistError::InvalidArgument(format!(
-                "sequence parallelism splits the sequence over TP = {}: {seq} tokens do not divide",
-                tp.size()
-            )));
+            return Err(InputError::SequenceNotDivisible {
+                len: seq,
+                tp: tp.size(),
+            }
+            .into());
         }
         let mut x = self.embedding.try_forward(tokens)?;
         if let Some(table) = &self.position_embedding {
@@ -223,14 +225,19 @@ where
     /// layers without recording a graph, and the backward pass reruns one layer at a time
     /// (with the same dropout masks) and backpropagates through it from the gradient of its
     /// output. Otherwise it is `loss.backward()`.
+    ///
+    /// A collective that fails during the backward pass is returned here as an error (see
+    /// [`ProcessGroup::backward_failure`]).
     pub fn forward_backward(
         &self,
         tokens: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
-    ) -> DistResult<(Tensor<B::InnerBackend, 1>, GradientsParams)> {
+    ) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams)> {
         if self.context.recompute != Recompute::Full {
             let loss = self.loss(self.try_forward(tokens)?, targets)?;
-            let grads = GradientsParams::from_grads(loss.backward(), self);
+            let grads = loss.backward();
+            self.context.tp.backward_failure()?;
+            let grads = GradientsParams::from_grads(grads, self);
             return Ok((loss.inner(), grads));
         }
         let call = self.next_call();
@@ -291,6 +298,7 @@ impl<B: AutodiffBackend + ModelBackend> GptModel<B> {
     /// the peer, still cleaning up after the previous segment, waits for that graph.
     fn segment_backward(&self, root: Tensor<B, 1>) -> DistResult<B::Gradients> {
         let grads = root.backward();
+        self.context.tp.backward_failure()?;
         self.context.tp.barrier()?;
         Ok(grads)
     }

@@ -93,9 +93,11 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
     /// Under sequence parallelism the input is `[batch, seq / tp, d_input]` and the output
     /// covers the whole sequence.
     ///
+    /// Burn's convention of an infallible `forward`, for code written against it.
+    ///
     /// # Panics
     /// If a collective fails (a peer died, a timeout); [`try_forward`](Self::try_forward)
-    /// returns the error instead.
+    /// returns the error instead and is preferred.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
         self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
     }

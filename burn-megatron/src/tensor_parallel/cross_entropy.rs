@@ -2,9 +2,11 @@
 
 use burn::tensor::{Int, Tensor};
 use burn_megatron_dist::mapping::reduce_from_tensor_parallel_region;
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup, ReduceOp};
+use burn_megatron_dist::{DistBackend, ProcessGroup, ReduceOp};
 
 use super::vocab::VocabPartition;
+use crate::backend::ModelBackend;
+use crate::error::{IdKind, Result};
 
 /// Per-token cross-entropy of logits split by vocabulary across the TP group.
 ///
@@ -12,17 +14,20 @@ use super::vocab::VocabPartition;
 /// Returns `[batch, seq]` losses, equal on every rank. As in Megatron, only three
 /// `[batch, seq]` reductions cross ranks: the maximum (for stability), the sum of
 /// exponentials and the target's logit. Padded vocabulary entries are left out, so the loss
-/// does not depend on the padding. Targets outside the real vocabulary (such as an ignore
-/// index of -100) give a meaningless loss: mask them with [`masked_mean`].
+/// does not depend on the padding. A negative target (such as an ignore index of -100) gives
+/// a meaningless loss there: mask it with [`masked_mean`]. A target at or above the real
+/// vocabulary size is an [`InputError::IdOutOfRange`](crate::InputError::IdOutOfRange) (see
+/// [`ModelBackend::check_ids`]).
 ///
 /// The gradient is `softmax - one_hot` on each rank's slice: the reductions use the *g*
 /// operator, whose backward is the identity, because every rank computes the same loss.
-pub fn vocab_parallel_cross_entropy<B: DistBackend>(
+pub fn vocab_parallel_cross_entropy<B: ModelBackend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     vocab: &VocabPartition,
     tp: &ProcessGroup,
-) -> DistResult<Tensor<B, 2>> {
+) -> Result<Tensor<B, 2>> {
+    B::check_ids(targets.clone(), IdKind::Target, vocab.vocab_size)?;
     let device = logits.device();
     let [batch, seq, local] = logits.dims();
     let range = vocab.range();

@@ -1,11 +1,13 @@
 //! How each parameter of a model is split over the tensor-parallel group, and gathering the
-//! full parameters or gradients (for tests, checkpoints and resharding).
+//! full parameters or gradients (used by the equivalence tests today).
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::error::{InputError, Result};
 
 /// How a parameter is laid out over the TP group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,12 +131,13 @@ pub fn gather_full_params<B: DistBackend, M: Module<B>>(
 }
 
 /// The full gradient of every float parameter, gathered over the TP group, with its path.
-/// A parameter without a gradient is an error. Every rank of the group must call it.
+/// A parameter without a gradient is an [`InputError::MissingGradient`]. Every rank of the
+/// group must call it.
 pub fn gather_full_grads<B, M>(
     module: &M,
     grads: &GradientsParams,
     tp: &ProcessGroup,
-) -> DistResult<Vec<(String, TensorData)>>
+) -> Result<Vec<(String, TensorData)>>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistBackend,
@@ -144,7 +147,7 @@ where
         path: Path,
         tp: &'a ProcessGroup,
         grads: &'a GradientsParams,
-        out: DistResult<Vec<(String, TensorData)>>,
+        out: Result<Vec<(String, TensorData)>>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_>
     where
@@ -162,10 +165,8 @@ where
             let result = self
                 .grads
                 .get::<B::InnerBackend, D>(param.id)
-                .ok_or_else(|| {
-                    DistError::InvalidArgument(format!("parameter {path} has no gradient"))
-                })
-                .and_then(|grad| gather(grad, shard, self.tp));
+                .ok_or_else(|| InputError::MissingGradient { path: path.clone() }.into())
+                .and_then(|grad| Ok(gather(grad, shard, self.tp)?));
             match result {
                 Ok(data) => out.push((path, data)),
                 Err(e) => self.out = Err(e),

@@ -96,9 +96,11 @@ impl<B: ModelBackend> RowParallelLinear<B> {
     /// Under sequence parallelism the input is `[batch, seq, d_input / tp]` and the output
     /// `[batch, seq / tp, d_output]`.
     ///
+    /// Burn's convention of an infallible `forward`, for code written against it.
+    ///
     /// # Panics
     /// If a collective fails (a peer died, a timeout); [`try_forward`](Self::try_forward)
-    /// returns the error instead.
+    /// returns the error instead and is preferred.
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
         self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
     }

@@ -6,9 +6,11 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::vocab::VocabPartition;
+use crate::backend::ModelBackend;
+use crate::error::{IdKind, Result};
 use crate::init::{InitDistribution, init_slice};
 
 /// Token embeddings split by vocabulary: rank `r` holds the rows of its
@@ -55,21 +57,26 @@ impl<B: DistBackend> VocabParallelEmbedding<B> {
         }
     }
 
-    /// `[batch, seq]` token ids → `[batch, seq, d_model]`, or `[batch, seq / tp, d_model]`
-    /// under sequence parallelism.
-    pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> DistResult<Tensor<B, 3>> {
-        let (local, in_range) = self.vocab.localize(tokens);
-        let rows = embedding(self.weight.val(), local);
-        let partial = rows * in_range.float().unsqueeze_dim::<3>(2);
-        if self.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)
-        } else {
-            reduce_from_tensor_parallel_region(partial, &self.tp)
-        }
-    }
-
     /// The vocabulary partition.
     pub fn vocab(&self) -> &VocabPartition {
         &self.vocab
+    }
+}
+
+impl<B: ModelBackend> VocabParallelEmbedding<B> {
+    /// `[batch, seq]` token ids → `[batch, seq, d_model]`, or `[batch, seq / tp, d_model]`
+    /// under sequence parallelism. An id outside `0..vocab_size` is an
+    /// [`InputError::IdOutOfRange`](crate::InputError::IdOutOfRange) (on our CUDA backend,
+    /// raised at the device's next read or sync: see [`ModelBackend::check_ids`]).
+    pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
+        B::check_ids(tokens.clone(), IdKind::Token, self.vocab.vocab_size)?;
+        let (local, in_range) = self.vocab.localize(tokens);
+        let rows = embedding(self.weight.val(), local);
+        let partial = rows * in_range.float().unsqueeze_dim::<3>(2);
+        Ok(if self.sequence_parallel {
+            reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)?
+        } else {
+            reduce_from_tensor_parallel_region(partial, &self.tp)?
+        })
     }
 }

@@ -7,11 +7,11 @@ use burn_megatron::tensor_parallel::gather_full_grads;
 use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
 
-use crate::{AD, relative_error, run, tokens, values};
+use crate::{AD, assert_close, data_values, run, tokens, tolerance};
 
 /// One batch's results, gathered to full shapes.
 struct Outcome {
-    logits: Vec<f32>,
+    logits: Vec<f64>,
     loss: f32,
     grads: Vec<(String, TensorData)>,
 }
@@ -41,7 +41,7 @@ fn outcomes(config: &TransformerConfig, tp: usize, batches: usize) -> Vec<Outcom
             let loss_value = loss.into_scalar();
             let grads = gather_full_grads::<AD, _>(&model, &grads, state.tp())?;
             out.push(Outcome {
-                logits: values(full_logits.into_data()),
+                logits: data_values(&full_logits.into_data()),
                 loss: loss_value,
                 grads,
             });
@@ -62,8 +62,8 @@ fn outcomes(config: &TransformerConfig, tp: usize, batches: usize) -> Vec<Outcom
 
 /// Rows of a vocabulary-split parameter beyond the real vocabulary are padding, whose amount
 /// depends on TP; compare only the real rows.
-fn real_rows(path: &str, data: &TensorData, vocab: usize) -> Vec<f32> {
-    let v = values(data.clone());
+fn real_rows(path: &str, data: &TensorData, vocab: usize) -> Vec<f64> {
+    let v = data_values(data);
     if path.starts_with("embedding.") || path.starts_with("output.") {
         let width = data.shape[1];
         v[..vocab * width].to_vec()
@@ -98,25 +98,22 @@ fn assert_equivalent_in(
                 .with_recompute(recompute);
             let got = outcomes(&config, tp, batches);
             for (batch, (g, r)) in got.iter().zip(&reference).enumerate() {
-                let err = relative_error(&g.logits, &r.logits);
-                assert!(err <= 1e-5, "{layout} batch {batch}: logits off by {err:e}");
-                let err = ((g.loss - r.loss) / r.loss).abs();
-                assert!(
-                    err <= 1e-5,
-                    "{layout} batch {batch}: loss {} vs {}",
-                    g.loss,
-                    r.loss
+                let at = |what: &str| format!("{layout} batch {batch}: {what}");
+                assert_close(&at("logits"), &g.logits, &r.logits, tolerance::F32);
+                assert_close(
+                    &at("loss"),
+                    &[g.loss as f64],
+                    &[r.loss as f64],
+                    tolerance::F32,
                 );
                 assert_eq!(g.grads.len(), r.grads.len());
                 for ((path, gd), (rpath, rd)) in g.grads.iter().zip(&r.grads) {
                     assert_eq!(path, rpath);
-                    let err = relative_error(
+                    assert_close(
+                        &at(&format!("gradient of {path}")),
                         &real_rows(path, gd, config.vocab_size),
                         &real_rows(path, rd, config.vocab_size),
-                    );
-                    assert!(
-                        err <= 1e-5,
-                        "{layout} batch {batch}: gradient of {path} off by {err:e}"
+                        tolerance::F32,
                     );
                 }
             }

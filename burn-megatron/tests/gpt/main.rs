@@ -1,28 +1,18 @@
 //! Tensor-parallel GPT and Llama models against the single-device model, on CPU thread ranks.
 
+mod bad_input;
 mod config_errors;
 mod cross_entropy;
 mod equivalence;
 mod training;
 
-use std::time::Duration;
-
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
-use burn_megatron_dist::{LaunchConfig, RankContext, launch};
+pub use burn_megatron_testing::{assert_close, compare::data_values, run, tolerance};
 
 pub type B = NdArray<f32>;
 pub type AD = Autodiff<B>;
-
-/// Runs `f` on `n` thread ranks and returns every rank's result.
-pub fn run<T: Send>(
-    n: usize,
-    f: impl Fn(RankContext) -> Result<T, Box<dyn std::error::Error + Send + Sync>> + Sync,
-) -> Vec<T> {
-    let config = LaunchConfig::new(n).with_timeout(Duration::from_secs(60));
-    launch(config, f).unwrap_or_else(|e| panic!("launch failed: {e}\n{:#?}", e.failures))
-}
 
 /// A small GPT: LayerNorm, GeLU, learned positions, biases, tied embeddings. The vocabulary
 /// (50) is padded differently for every TP size.
@@ -52,22 +42,4 @@ pub fn tokens(batch: usize, seq: usize, vocab: usize, seed: u64) -> Tensor<AD, 2
         .map(|i| ((i as u64 * 2_654_435_761 + seed * 40_503 + 7) % vocab as u64) as i64)
         .collect();
     Tensor::from_data(TensorData::new(ids, [batch, seq]), &Default::default())
-}
-
-/// The tensor's values as f32.
-pub fn values(data: TensorData) -> Vec<f32> {
-    data.convert::<f32>().to_vec().unwrap()
-}
-
-/// `max |a - b| / max |b|`: the relative error of a whole tensor.
-pub fn relative_error(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "compared tensors differ in size");
-    let scale = b
-        .iter()
-        .fold(0.0f32, |m, v| m.max(v.abs()))
-        .max(f32::MIN_POSITIVE);
-    a.iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
-        / scale
 }

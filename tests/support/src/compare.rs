@@ -12,6 +12,16 @@ pub fn values<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f64> {
     data_values(&tensor.into_data())
 }
 
+/// The values of a tensor as f32, for exact comparisons (`assert_eq!` fails on NaN, as
+/// `NaN != NaN`): collectives and copies move values without arithmetic.
+pub fn values_f32<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted data holds f32")
+}
+
 /// The values of tensor data (any float dtype) as f64, row-major.
 pub fn data_values(data: &TensorData) -> Vec<f64> {
     data.clone()
@@ -41,13 +51,14 @@ pub fn relative_difference(name: &str, got: &[f64], want: &[f64]) -> f64 {
             );
         }
     }
-    let scale = want
-        .iter()
-        .fold(f64::MIN_POSITIVE, |m, v| if v.abs() > m { v.abs() } else { m });
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0.0f64, |m, (a, b)| if (a - b).abs() > m { (a - b).abs() } else { m });
+    let scale = want.iter().fold(
+        f64::MIN_POSITIVE,
+        |m, v| if v.abs() > m { v.abs() } else { m },
+    );
+    let diff = got.iter().zip(want).fold(
+        0.0f64,
+        |m, (a, b)| if (a - b).abs() > m { (a - b).abs() } else { m },
+    );
     diff / scale
 }
 

@@ -12,16 +12,14 @@ use std::time::Duration;
 
 use burn_megatron_dist::{LaunchConfig, RankContext, launch};
 
-pub use compare::{assert_close, relative_difference, values};
+pub use compare::{assert_close, data_values, relative_difference, values, values_f32};
 
 /// Runs `f` on `n` thread ranks (60 s collective timeout) and returns every rank's result;
 /// a failed launch fails the test with each rank's error.
-pub fn run<T, E, F>(n: usize, f: F) -> Vec<T>
-where
-    T: Send,
-    E: Into<Box<dyn std::error::Error + Send + Sync>>,
-    F: Fn(RankContext) -> Result<T, E> + Sync,
-{
+pub fn run<T: Send>(
+    n: usize,
+    f: impl Fn(RankContext) -> Result<T, Box<dyn std::error::Error + Send + Sync>> + Sync,
+) -> Vec<T> {
     let config = LaunchConfig::new(n).with_timeout(Duration::from_secs(60));
     launch(config, f).unwrap_or_else(|e| panic!("launch failed: {e}\n{:#?}", e.failures))
 }
