@@ -41,13 +41,14 @@ pub fn relative_difference(name: &str, got: &[f64], want: &[f64]) -> f64 {
             );
         }
     }
-    let scale = want
-        .iter()
-        .fold(f64::MIN_POSITIVE, |m, v| if v.abs() > m { v.abs() } else { m });
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0.0f64, |m, (a, b)| if (a - b).abs() > m { (a - b).abs() } else { m });
+    let scale = want.iter().fold(
+        f64::MIN_POSITIVE,
+        |m, v| if v.abs() > m { v.abs() } else { m },
+    );
+    let diff = got.iter().zip(want).fold(
+        0.0f64,
+        |m, (a, b)| if (a - b).abs() > m { (a - b).abs() } else { m },
+    );
     diff / scale
 }
 
