@@ -1,0 +1,8 @@
+//! The model's elementwise operations whose backward is written out: exact where Burn's is
+//! not, and the place where a fused kernel replaces the forward and the backward together.
+//!
+//! - [`gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
+
+pub mod gelu;
+
+pub use gelu::{GeluForm, bias_gelu, gelu};
