@@ -14,12 +14,13 @@ use burn_megatron_dist::DistBackend;
 
 use crate::ops::GeluForm;
 use crate::ops::gelu::{add_bias, autodiff_bias_gelu};
+use crate::ops::swiglu::{autodiff_swiglu, swiglu_derivatives, swiglu_forward};
 use crate::transformer::AttentionCore;
 
 /// A [`DistBackend`] with the model's own operations: the dense GEMMs of the linear layers
 /// (cuBLASLt on our CUDA backend, Burn's matmul elsewhere) and the ones that need their own
 /// autodiff (`Autodiff<B>` records backwards that fold transposes into GEMMs, recompute
-/// instead of storing, or are exact where Burn's are not: GeLU).
+/// instead of storing, or are exact where Burn's are not: GeLU, SwiGLU).
 pub trait ModelBackend: DistBackend {
     /// `op(a) · op(b)`, where `op` transposes when asked; backends with a GEMM library fold
     /// the transposes into it.
@@ -75,6 +76,23 @@ pub trait ModelBackend: DistBackend {
         form: GeluForm,
     ) -> Tensor<Self, 2> {
         grad * form.derivative(add_bias(x, bias))
+    }
+
+    /// `silu(gate) · up` for `gate, up: [tokens, features]` (SwiGLU's elementwise part).
+    /// `Autodiff<B>` stores `gate` and `up`, and its backward calls
+    /// [`swiglu_backward`](Self::swiglu_backward).
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        swiglu_forward(gate, up)
+    }
+
+    /// The gradients `[d_gate, d_up]` of [`swiglu`](Self::swiglu) given its output's gradient
+    /// `grad: [tokens, features]`.
+    fn swiglu_backward(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        grad: Tensor<Self, 2>,
+    ) -> [Tensor<Self, 2>; 2] {
+        swiglu_derivatives(gate, up, grad)
     }
 }
 
@@ -199,6 +217,10 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         form: GeluForm,
     ) -> Tensor<Self, 2> {
         autodiff_bias_gelu(x, bias, form)
+    }
+
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        autodiff_swiglu(gate, up)
     }
 }
 

@@ -8,7 +8,7 @@
 //!   output layer and cross-entropy, layout-independent dropout, parameter placements.
 //! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
-//! - [`ops`]: the MLP's GeLU, with an exact, written-out backward.
+//! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
 pub mod error;

@@ -2,7 +2,10 @@
 //! not, and the place where a fused kernel replaces the forward and the backward together.
 //!
 //! - [`gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
+//! - [`swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
 
 pub mod gelu;
+pub mod swiglu;
 
 pub use gelu::{GeluForm, bias_gelu, gelu};
+pub use swiglu::{sigmoid, swiglu};

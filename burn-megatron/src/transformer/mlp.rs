@@ -1,7 +1,6 @@
 //! The MLP block with its hidden features split across tensor-parallel ranks.
 
 use burn::module::Module;
-use burn::tensor::activation::silu;
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
@@ -10,7 +9,7 @@ use super::config::{Activation, TransformerConfig};
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
-use crate::ops::{GeluForm, bias_gelu};
+use crate::ops::{GeluForm, bias_gelu, swiglu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
@@ -19,7 +18,7 @@ use crate::tensor_parallel::{
 /// features (no communication), and a row-parallel down-projection.
 ///
 /// GeLU takes `fc1`'s bias with it (Megatron's bias-GeLU: `fc1` skips the bias add), through
-/// [`bias_gelu`], whose backward is exact.
+/// [`bias_gelu`]; SwiGLU's product goes through [`swiglu`]. Both have exact backwards.
 ///
 /// SwiGLU's gate and up projections are two layers rather than one fused weight, so that each
 /// has a layout-independent initialisation and a plain column split.
@@ -71,7 +70,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
     /// parallelism).
     pub fn try_forward(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
         let hidden = match (&self.gate, self.gelu) {
-            (Some(gate), _) => silu(gate.try_forward(x.clone())?) * self.fc1.try_forward(x)?,
+            (Some(gate), _) => swiglu(gate.try_forward(x.clone())?, self.fc1.try_forward(x)?),
             (None, Some(form)) => {
                 let (h, bias) = self.fc1.try_forward_skip_bias(x)?;
                 bias_gelu(h, bias, form)

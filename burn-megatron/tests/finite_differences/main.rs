@@ -1,4 +1,4 @@
-//! Gradients against central finite differences, in f64 on the CPU: the GeLU op.
+//! Gradients against central finite differences, in f64 on the CPU: the GeLU and SwiGLU ops.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -8,6 +8,7 @@
 //! fixes it. [`device`] checks that this process got f64.
 
 mod gelu;
+mod swiglu;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
