@@ -1,4 +1,5 @@
-//! Gradients against central finite differences, in f64 on the CPU: the GeLU and SwiGLU ops.
+//! Gradients against central finite differences, in f64 on the CPU: the GeLU and SwiGLU ops,
+//! and every parameter of a tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -8,6 +9,7 @@
 //! fixes it. [`device`] checks that this process got f64.
 
 mod gelu;
+mod models;
 mod swiglu;
 
 use burn::backend::ndarray::NdArrayDevice;
