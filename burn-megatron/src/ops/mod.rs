@@ -1,8 +1,8 @@
 //! The model's elementwise operations whose backward is written out: exact where Burn's is
 //! not, and the place where a fused kernel replaces the forward and the backward together.
 //!
-//! - [`gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
-//! - [`swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
+//! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
+//! - [`mod@swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
 
 pub mod gelu;
 pub mod swiglu;

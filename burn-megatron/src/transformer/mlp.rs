@@ -18,7 +18,7 @@ use crate::tensor_parallel::{
 /// features (no communication), and a row-parallel down-projection.
 ///
 /// GeLU takes `fc1`'s bias with it (Megatron's bias-GeLU: `fc1` skips the bias add), through
-/// [`bias_gelu`]; SwiGLU's product goes through [`swiglu`]. Both have exact backwards.
+/// [`bias_gelu`]; SwiGLU's product goes through [`swiglu()`]. Both have exact backwards.
 ///
 /// SwiGLU's gate and up projections are two layers rather than one fused weight, so that each
 /// has a layout-independent initialisation and a plain column split.
