@@ -13,12 +13,15 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_megatron_dist::DistBackend;
 
 use crate::error::{IdKind, InputError};
+use crate::ops::GeluForm;
+use crate::ops::gelu::{add_bias, autodiff_bias_gelu};
+use crate::ops::swiglu::{autodiff_swiglu, swiglu_derivatives, swiglu_forward};
 use crate::transformer::AttentionCore;
 
 /// A [`DistBackend`] with the model's own operations: the dense GEMMs of the linear layers
 /// (cuBLASLt on our CUDA backend, Burn's matmul elsewhere) and the ones that need their own
-/// autodiff (`Autodiff<B>` records backwards that fold transposes into GEMMs, or recompute
-/// instead of storing).
+/// autodiff (`Autodiff<B>` records backwards that fold transposes into GEMMs, recompute
+/// instead of storing, or are exact where Burn's are not: GeLU, SwiGLU).
 pub trait ModelBackend: DistBackend {
     /// `op(a) · op(b)`, where `op` transposes when asked; backends with a GEMM library fold
     /// the transposes into it.
@@ -65,6 +68,46 @@ pub trait ModelBackend: DistBackend {
         core: AttentionCore,
     ) -> Tensor<Self, 4> {
         core.forward(q, k, v)
+    }
+
+    /// `gelu(x + bias)` for `x: [tokens, features]`, `bias: [features]` (Megatron's
+    /// bias-GeLU). `Autodiff<B>` stores `x` and the bias, and its backward calls
+    /// [`bias_gelu_backward`](Self::bias_gelu_backward): the true derivative of this forward.
+    fn bias_gelu(
+        x: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        form: GeluForm,
+    ) -> Tensor<Self, 2> {
+        form.forward(add_bias(x, bias))
+    }
+
+    /// The gradient of [`bias_gelu`](Self::bias_gelu)'s `x` given its output's gradient
+    /// `grad: [tokens, features]`: `grad · gelu'(x + bias)`. The bias's gradient is its sum
+    /// over the tokens.
+    fn bias_gelu_backward(
+        x: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        grad: Tensor<Self, 2>,
+        form: GeluForm,
+    ) -> Tensor<Self, 2> {
+        grad * form.derivative(add_bias(x, bias))
+    }
+
+    /// `silu(gate) · up` for `gate, up: [tokens, features]` (SwiGLU's elementwise part).
+    /// `Autodiff<B>` stores `gate` and `up`, and its backward calls
+    /// [`swiglu_backward`](Self::swiglu_backward).
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        swiglu_forward(gate, up)
+    }
+
+    /// The gradients `[d_gate, d_up]` of [`swiglu`](Self::swiglu) given its output's gradient
+    /// `grad: [tokens, features]`.
+    fn swiglu_backward(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        grad: Tensor<Self, 2>,
+    ) -> [Tensor<Self, 2>; 2] {
+        swiglu_derivatives(gate, up, grad)
     }
 }
 
@@ -248,9 +291,21 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         };
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
+
+    fn bias_gelu(
+        x: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        form: GeluForm,
+    ) -> Tensor<Self, 2> {
+        autodiff_bias_gelu(x, bias, form)
+    }
+
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        autodiff_swiglu(gate, up)
+    }
 }
 
-fn wrap<B: burn::tensor::backend::Backend, const D: usize>(
+pub(crate) fn wrap<B: burn::tensor::backend::Backend, const D: usize>(
     primitive: B::FloatTensorPrimitive,
 ) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(primitive))

@@ -8,11 +8,13 @@
 //!   output layer and cross-entropy, layout-independent dropout, parameter placements.
 //! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
+//! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
 pub mod error;
 pub mod init;
 pub mod models;
+pub mod ops;
 pub mod tensor_parallel;
 pub mod transformer;
 

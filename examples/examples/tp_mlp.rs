@@ -10,10 +10,10 @@ use burn::backend::{Autodiff, NdArray};
 use burn::module::Module;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::Tensor;
-use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn_megatron::ModelBackend;
 use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::ops::{GeluForm, gelu};
 use burn_megatron::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
@@ -35,7 +35,7 @@ struct TpMlp<B: Backend> {
 
 impl<B: ModelBackend> TpMlp<B> {
     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.down.forward(gelu(self.up.forward(x)))
+        self.down.forward(gelu(self.up.forward(x), GeluForm::Erf))
     }
 }
 

@@ -104,16 +104,38 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
 
     /// [`forward`](Self::forward), returning communication errors.
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
-        let input = if self.sequence_parallel {
-            gather_from_sequence_parallel_region(input, &self.tp, 1, true)?
-        } else {
-            copy_to_tensor_parallel_region(input, &self.tp)?
+        let bias = self.bias.as_ref().map(|b| b.val());
+        let output = linear(self.input(input)?, self.weight.val(), bias);
+        self.output(output)
+    }
+
+    /// `x A` and the bias, not yet added (Megatron's `skip_bias_add`), for a next operation
+    /// that adds it itself (bias-GeLU). The bias is this rank's `[d_output / tp]`, or the
+    /// whole `[d_output]` with `gather_output`.
+    pub fn try_forward_skip_bias<const D: usize>(
+        &self,
+        input: Tensor<B, D>,
+    ) -> DistResult<(Tensor<B, D>, Option<Tensor<B, 1>>)> {
+        let output = self.output(linear(self.input(input)?, self.weight.val(), None))?;
+        let bias = match &self.bias {
+            Some(bias) => Some(self.output(bias.val())?),
+            None => None,
         };
-        let output = linear(
-            input,
-            self.weight.val(),
-            self.bias.as_ref().map(|b| b.val()),
-        );
+        Ok((output, bias))
+    }
+
+    /// The input as the product needs it: copied into the tensor-parallel region, or
+    /// gathered along the sequence.
+    fn input<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
+        if self.sequence_parallel {
+            gather_from_sequence_parallel_region(input, &self.tp, 1, true)
+        } else {
+            copy_to_tensor_parallel_region(input, &self.tp)
+        }
+    }
+
+    /// This rank's features, or all of them with `gather_output`.
+    fn output<const D: usize>(&self, output: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
         if self.gather_output {
             gather_from_tensor_parallel_region(output, &self.tp)
         } else {

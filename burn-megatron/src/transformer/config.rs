@@ -4,6 +4,7 @@
 use burn::config::Config;
 
 use crate::error::ConfigError;
+use crate::ops::GeluForm;
 use crate::tensor_parallel::VocabPartition;
 
 /// Normalisation layer.
@@ -18,10 +19,25 @@ pub enum Normalization {
 /// Activation of the MLP.
 #[derive(Config, Debug, Copy, PartialEq)]
 pub enum Activation {
-    /// `fc2(gelu(fc1(x)))` (GPT).
+    /// `fc2(gelu(fc1(x)))` with the exact GeLU, `x · Φ(x)` ([`GeluForm::Erf`]; PyTorch's
+    /// `gelu`, Megatron's default `activation_func`).
     Gelu,
+    /// `fc2(gelu(fc1(x)))` with GeLU's tanh approximation ([`GeluForm::Tanh`]; GPT-2's
+    /// `gelu_new`, Megatron's fused bias-GeLU). The GPT-2 presets use it.
+    GeluTanh,
     /// `fc2(silu(gate(x)) * fc1(x))` (Llama).
     SwiGlu,
+}
+
+impl Activation {
+    /// The GeLU form, for the GeLU activations.
+    pub fn gelu_form(self) -> Option<GeluForm> {
+        match self {
+            Self::Gelu => Some(GeluForm::Erf),
+            Self::GeluTanh => Some(GeluForm::Tanh),
+            Self::SwiGlu => None,
+        }
+    }
 }
 
 /// How token positions enter the model.
@@ -124,6 +140,7 @@ pub struct ValidatedConfig {
 impl TransformerConfig {
     fn gpt2(num_layers: usize, hidden_size: usize, heads: usize) -> Self {
         Self::new(hidden_size, num_layers, heads, 4 * hidden_size, 50257, 1024)
+            .with_activation(Activation::GeluTanh)
             .with_hidden_dropout(0.1)
             .with_attention_dropout(0.1)
     }

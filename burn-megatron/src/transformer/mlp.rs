@@ -1,7 +1,6 @@
 //! The MLP block with its hidden features split across tensor-parallel ranks.
 
 use burn::module::Module;
-use burn::tensor::activation::{gelu, silu};
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
@@ -10,12 +9,16 @@ use super::config::{Activation, TransformerConfig};
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
+use crate::ops::{GeluForm, bias_gelu, swiglu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
 
 /// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
 /// features (no communication), and a row-parallel down-projection.
+///
+/// GeLU takes `fc1`'s bias with it (Megatron's bias-GeLU: `fc1` skips the bias add), through
+/// [`bias_gelu`]; SwiGLU's product goes through [`swiglu()`]. Both have exact backwards.
 ///
 /// SwiGLU's gate and up projections are two layers rather than one fused weight, so that each
 /// has a layout-independent initialisation and a plain column split.
@@ -27,6 +30,9 @@ pub struct ParallelMlp<B: Backend> {
     pub gate: Option<ColumnParallelLinear<B>>,
     /// `ffn → hidden`, split by rows.
     pub fc2: RowParallelLinear<B>,
+    /// The GeLU form, for the GeLU activations (`gate` is `None` then).
+    #[module(skip)]
+    gelu: Option<GeluForm>,
 }
 
 impl<B: ModelBackend> ParallelMlp<B> {
@@ -46,7 +52,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
         };
         let gate = match config.activation {
             Activation::SwiGlu => Some(up().init(tp, seed("gate"), device)?),
-            Activation::Gelu => None,
+            Activation::Gelu | Activation::GeluTanh => None,
         };
         Ok(Self {
             fc1: up().init(tp, seed("fc1"), device)?,
@@ -56,15 +62,20 @@ impl<B: ModelBackend> ParallelMlp<B> {
                 .with_sequence_parallel(config.sequence_parallel)
                 .with_init_std(output_init_std(config))
                 .init(tp, seed("fc2"), device)?,
+            gelu: config.activation.gelu_form(),
         })
     }
 
     /// `[batch, seq, hidden]` → `[batch, seq, hidden]` (`seq / tp` in and out under sequence
     /// parallelism).
     pub fn try_forward(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
-        let hidden = match &self.gate {
-            Some(gate) => silu(gate.try_forward(x.clone())?) * self.fc1.try_forward(x)?,
-            None => gelu(self.fc1.try_forward(x)?),
+        let hidden = match (&self.gate, self.gelu) {
+            (Some(gate), _) => swiglu(gate.try_forward(x.clone())?, self.fc1.try_forward(x)?),
+            (None, Some(form)) => {
+                let (h, bias) = self.fc1.try_forward_skip_bias(x)?;
+                bias_gelu(h, bias, form)
+            }
+            (None, None) => unreachable!("`new` gives an MLP without a gate a GeLU form"),
         };
         self.fc2.try_forward(hidden)
     }

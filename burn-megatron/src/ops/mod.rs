@@ -1,0 +1,11 @@
+//! The model's elementwise operations whose backward is written out: exact where Burn's is
+//! not, and the place where a fused kernel replaces the forward and the backward together.
+//!
+//! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
+//! - [`mod@swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
+
+pub mod gelu;
+pub mod swiglu;
+
+pub use gelu::{GeluForm, bias_gelu, gelu};
+pub use swiglu::{sigmoid, swiglu};
