@@ -136,6 +136,16 @@ mod cube {
     impl<B: FusionBackend> DistBackend for Fusion<B> {}
 }
 
+/// Burn's wgpu backend without CUDA: collectives go through the host.
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+impl<F, I, BT> DistBackend for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
+where
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
+
 /// On `Autodiff`, collectives on the device take the inner tensor; like the host path, the
 /// result is a new leaf (differentiable communication goes through [`Mapping`]).
 impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {

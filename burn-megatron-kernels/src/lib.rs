@@ -3,6 +3,11 @@
 //! With the `cuda` feature: [`cuda`], our CUDA backend (a CubeCL runtime that owns its
 //! streams) and the in-band foreign operations that NCCL collectives and cuBLASLt GEMMs run
 //! through. Fused kernels and GEMM paths build on it.
+//!
+//! With the `fused` feature (implied by `cuda` and `wgpu`): [`fused`], CubeCL kernels for any
+//! CubeCL runtime.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "fused")]
+pub mod fused;

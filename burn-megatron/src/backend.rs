@@ -10,10 +10,13 @@ use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
-use burn_megatron_dist::DistBackend;
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::error::{IdKind, InputError};
 use crate::ops::GeluForm;
+use crate::ops::cross_entropy::{
+    VocabSlice, autodiff_cross_entropy, gradient_composition, statistics_composition,
+};
 use crate::ops::gelu::{add_bias, autodiff_bias_gelu};
 use crate::ops::swiglu::{autodiff_swiglu, swiglu_derivatives, swiglu_forward};
 use crate::transformer::AttentionCore;
@@ -57,6 +60,43 @@ pub trait ModelBackend: DistBackend {
         vocab_size: usize,
     ) -> Result<(), InputError> {
         check_ids_on_host(&ids.into_data(), kind, vocab_size)
+    }
+
+    /// Per-token losses `[rows]` of this rank's logits slice `[rows, local]` against `targets`
+    /// (`[rows]`), reduced over `tp` (see [`crate::ops::cross_entropy`]). `Autodiff<B>`
+    /// records one node whose backward is [`cross_entropy_gradient`](Self::cross_entropy_gradient).
+    fn cross_entropy(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        slice: VocabSlice,
+        tp: &ProcessGroup,
+    ) -> DistResult<Tensor<Self, 1>> {
+        Ok(crate::ops::cross_entropy::forward(logits, targets, slice, tp)?.losses)
+    }
+
+    /// This rank's `[max, Σ exp(x - max), target logit]` per row of `logits` (`[rows, local]`),
+    /// f32 (f64 for f64 logits); padding columns are left out, and a target outside the slice
+    /// has logit 0. CubeCL backends run one fused kernel.
+    fn cross_entropy_statistics(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        slice: VocabSlice,
+    ) -> [Tensor<Self, 1>; 3] {
+        statistics_composition(logits, targets, slice)
+    }
+
+    /// `(exp(x - max) / sum_exp - one_hot(target)) · grad_loss` per row of `logits`
+    /// (`[rows, local]`), zero in padding columns, in the logits' dtype; `max` and `sum_exp`
+    /// are the TP-reduced statistics. CubeCL backends run one fused kernel.
+    fn cross_entropy_gradient(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        max: Tensor<Self, 1>,
+        sum_exp: Tensor<Self, 1>,
+        grad_loss: Tensor<Self, 1>,
+        slice: VocabSlice,
+    ) -> Tensor<Self, 2> {
+        gradient_composition(logits, targets, max, sum_exp, grad_loss, slice)
     }
 
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
@@ -141,27 +181,136 @@ pub fn check_ids_on_host(
     }
 }
 
-#[cfg(feature = "cuda")]
+/// CubeCL backends: the fused kernels of `burn_megatron_kernels::fused`.
+#[cfg(feature = "fused")]
 mod cube {
+    use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::cross_entropy as kernels;
+
+    use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
+
+    type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+    fn kernel_slice(slice: VocabSlice) -> kernels::VocabSlice {
+        kernels::VocabSlice {
+            start: slice.start,
+            real: slice.real,
+        }
+    }
+
+    fn float<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+        tensor: burn_cubecl::tensor::CubeTensor<R>,
+    ) -> Tensor<Cube<R, F, I, BT>, D> {
+        Tensor::from_primitive(TensorPrimitive::Float(tensor))
+    }
+
+    /// `ModelBackend::cross_entropy_statistics` in one kernel (f64 logits: the composition).
+    pub(super) fn cross_entropy_statistics<R, F, I, BT>(
+        logits: Tensor<Cube<R, F, I, BT>, 2>,
+        targets: Tensor<Cube<R, F, I, BT>, 1, Int>,
+        slice: VocabSlice,
+    ) -> [Tensor<Cube<R, F, I, BT>, 1>; 3]
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if logits.dtype() == DType::F64 {
+            return statistics_composition(logits, targets, slice);
+        }
+        let stats = kernels::row_statistics(
+            logits.into_primitive().tensor(),
+            targets.into_primitive(),
+            kernel_slice(slice),
+        );
+        [stats.max, stats.sum_exp, stats.target_logit].map(float)
+    }
+
+    /// `ModelBackend::cross_entropy_gradient` in one kernel (f64 logits: the composition).
+    pub(super) fn cross_entropy_gradient<R, F, I, BT>(
+        logits: Tensor<Cube<R, F, I, BT>, 2>,
+        targets: Tensor<Cube<R, F, I, BT>, 1, Int>,
+        max: Tensor<Cube<R, F, I, BT>, 1>,
+        sum_exp: Tensor<Cube<R, F, I, BT>, 1>,
+        grad_loss: Tensor<Cube<R, F, I, BT>, 1>,
+        slice: VocabSlice,
+    ) -> Tensor<Cube<R, F, I, BT>, 2>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if logits.dtype() == DType::F64 {
+            return gradient_composition(logits, targets, max, sum_exp, grad_loss, slice);
+        }
+        let [max, sum_exp, grad_loss] =
+            [max, sum_exp, grad_loss].map(|t| t.cast(DType::F32).into_primitive().tensor());
+        float(kernels::gradient(
+            logits.into_primitive().tensor(),
+            targets.into_primitive(),
+            max,
+            sum_exp,
+            grad_loss,
+            kernel_slice(slice),
+        ))
+    }
+
+    /// The fused operations, the same on every CubeCL backend.
+    macro_rules! fused_operations {
+        () => {
+            fn cross_entropy_statistics(
+                logits: Tensor<Self, 2>,
+                targets: Tensor<Self, 1, Int>,
+                slice: VocabSlice,
+            ) -> [Tensor<Self, 1>; 3] {
+                cube::cross_entropy_statistics(logits, targets, slice)
+            }
+
+            fn cross_entropy_gradient(
+                logits: Tensor<Self, 2>,
+                targets: Tensor<Self, 1, Int>,
+                max: Tensor<Self, 1>,
+                sum_exp: Tensor<Self, 1>,
+                grad_loss: Tensor<Self, 1>,
+                slice: VocabSlice,
+            ) -> Tensor<Self, 2> {
+                cube::cross_entropy_gradient(logits, targets, max, sum_exp, grad_loss, slice)
+            }
+        };
+    }
+    pub(super) use fused_operations;
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
     use burn::tensor::{Int, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, check_on_device, gemm};
 
-    use super::ModelBackend;
+    use super::{ModelBackend, cube};
     use crate::error::{IdKind, InputError};
+    use crate::ops::cross_entropy::VocabSlice;
 
-    /// burn-cuda's backend: Burn's own matmul (the reference our backend is tested against).
+    /// burn-cuda's backend: Burn's own matmul (the reference our backend is tested against),
+    /// and the fused kernels.
     impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
         for CubeBackend<CudaRuntime, F, I, BT>
     {
+        cube::fused_operations!();
     }
 
-    /// Our CUDA backend: the linear layers' GEMMs through cuBLASLt, in stream order.
+    /// Our CUDA backend: the linear layers' GEMMs through cuBLASLt, in stream order, the
+    /// fused kernels, and id checks on the device.
     impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
+        cube::fused_operations!();
+
         fn gemm(
             a: Tensor<Self, 2>,
             b: Tensor<Self, 2>,
@@ -212,6 +361,23 @@ mod cube {
     }
 
     impl<B: FusionBackend> ModelBackend for Fusion<B> {}
+}
+
+/// Burn's wgpu backend (lavapipe in CI): the fused kernels.
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use burn::backend::wgpu::WgpuRuntime;
+    use burn::tensor::{Int, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+
+    use super::{ModelBackend, cube};
+    use crate::ops::cross_entropy::VocabSlice;
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
+        for CubeBackend<WgpuRuntime, F, I, BT>
+    {
+        cube::fused_operations!();
+    }
 }
 
 impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
@@ -302,6 +468,15 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
 
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
         autodiff_swiglu(gate, up)
+    }
+
+    fn cross_entropy(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        slice: VocabSlice,
+        tp: &ProcessGroup,
+    ) -> DistResult<Tensor<Self, 1>> {
+        autodiff_cross_entropy(logits, targets, slice, tp)
     }
 }
 

@@ -153,6 +153,87 @@ fn ops_match_burn_cuda() {
     }
 }
 
+/// The fused vocabulary-parallel cross-entropy kernels on our CUDA backend against the Burn
+/// composition they replace, in f32, bf16 and f16, on a poisoned output buffer (the same
+/// comparison runs on lavapipe in CI: burn-megatron/tests/fused_kernels.rs).
+#[test]
+fn fused_cross_entropy_matches_the_composition() {
+    use burn_megatron::ModelBackend;
+    use burn_megatron::ops::cross_entropy::{
+        VocabSlice, gradient_composition, statistics_composition,
+    };
+    use burn_megatron_kernels::fused::cross_entropy as kernels;
+    let device = CudaGpu::new(0);
+    let cases = [
+        (1, 1, 0, 1),
+        (5, 1000, 0, 997),
+        (9, 300, 600, 300),
+        (4, 130, 650, 0),
+        (64, 50_304, 0, 50_257),
+    ];
+    for (dtype, bound) in [
+        (DType::F32, tolerance::F32),
+        (DType::BF16, tolerance::BF16),
+        (DType::F16, tolerance::F16),
+    ] {
+        for (rows, local, start, real) in cases {
+            let slice = VocabSlice { start, real };
+            let logits = Tensor::<Ours, 2>::from_data(data(&[rows, local], 31), &device)
+                .mul_scalar(8.0)
+                .cast(dtype);
+            let targets: Vec<i32> = (0..rows)
+                .map(|r| match r % 3 {
+                    0 => (start + (r * 31) % real.max(1)) as i32,
+                    1 => (start + real + 5) as i32,
+                    _ => -100,
+                })
+                .collect();
+            let targets =
+                Tensor::<Ours, 1, Int>::from_data(TensorData::new(targets, [rows]), &device);
+            let fused = Ours::cross_entropy_statistics(logits.clone(), targets.clone(), slice);
+            let plain = statistics_composition(logits.clone(), targets.clone(), slice);
+            for (name, (a, b)) in ["max", "sum_exp", "target_logit"]
+                .iter()
+                .zip(fused.into_iter().zip(plain))
+            {
+                assert_close(
+                    &format!("{dtype:?} {rows}x{local} {name}"),
+                    &a.into_data(),
+                    &b.into_data(),
+                    tolerance::F32,
+                );
+            }
+            let [max, sum_exp, _] = statistics_composition(logits.clone(), targets.clone(), slice);
+            let grad_loss = Tensor::<Ours, 1>::from_data(data(&[rows], 32), &device);
+            let want = gradient_composition(
+                logits.clone(),
+                targets.clone(),
+                max.clone(),
+                sum_exp.clone(),
+                grad_loss.clone(),
+                slice,
+            );
+            let poisoned = Tensor::<Ours, 2>::full([rows, local], f32::NAN, &device).cast(dtype);
+            let raw = |t: Tensor<Ours, 1>| t.into_primitive().tensor();
+            kernels::gradient_into(
+                logits.into_primitive().tensor(),
+                targets.into_primitive(),
+                raw(max),
+                raw(sum_exp),
+                raw(grad_loss),
+                kernels::VocabSlice { start, real },
+                poisoned.clone().into_primitive().tensor(),
+            );
+            assert_close(
+                &format!("{dtype:?} {rows}x{local} gradient"),
+                &poisoned.into_data(),
+                &want.into_data(),
+                bound,
+            );
+        }
+    }
+}
+
 /// Token and target ids outside the vocabulary on our CUDA backend: the forward pass returns
 /// without waiting for the device, and the device's next sync fails, naming the id and the
 /// vocabulary. A valid step before and after syncs cleanly.

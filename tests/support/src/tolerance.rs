@@ -18,6 +18,9 @@ pub const F32_TRAINING: f64 = 1e-4;
 pub const GPU_F32: f64 = 1e-3;
 /// An f32-accumulating GEMM of exactly representable inputs against the exact product.
 pub const F32_GEMM: f64 = 1e-4;
+/// Two f32 sums of tens of thousands of terms taken in different orders (a vocabulary row):
+/// a sequential sum is off by up to ~n·ε/10 relative.
+pub const F32_LONG_SUM: f64 = 2e-4;
 /// f32 GEMMs on the GPU, which may run in TF32 (10-bit mantissa inputs, f32 accumulation).
 pub const TF32: f64 = 5e-3;
 /// f16 storage with f32 accumulation.

@@ -1,0 +1,10 @@
+//! Fused CubeCL kernels, for any CubeCL runtime (our CUDA runtime, burn-cuda, wgpu).
+//!
+//! Each kernel replaces a chain of Burn ops that would read and write a large tensor several
+//! times. The model reaches them through `burn_megatron::ModelBackend`, whose default
+//! implementation of each is the plain Burn composition (on NdArray, and the reference the
+//! kernels are tested against). No kernel assumes a plane (warp) size: reductions across a
+//! cube go through shared memory, so they run where planes are absent or narrow (lavapipe
+//! runs CI's kernel tests with a plane of 8).
+
+pub mod cross_entropy;

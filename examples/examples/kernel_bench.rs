@@ -1,0 +1,125 @@
+//! The fused kernels against the Burn compositions they replace, on our CUDA backend, at
+//! transformer sizes; with the device's copy bandwidth from the same process. Run next to
+//! `bench/torch_kernels.py` (PyTorch eager and torch.compile) in the same device call:
+//!
+//!     ../shared/gpu/pack build --release --features cuda --example kernel_bench
+//!     source .gpu/env.sh && .gpu/bin/kernel_bench; python3 bench/torch_kernels.py
+//!
+//! GB/s counts the bytes a kernel must move at least (each input read once, each output
+//! written once), so it compares with the copy bandwidth directly.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Distribution, Int, Tensor};
+use burn_megatron::ModelBackend;
+use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
+use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
+
+type B = MegatronCuda;
+
+/// Median time of one call of `op`: 7 samples of 5 calls after 3 warm-up calls, with a device
+/// sync around each sample.
+fn time<T>(device: &CudaGpu, mut op: impl FnMut() -> T) -> Duration {
+    let warm: Vec<T> = (0..3).map(|_| op()).collect();
+    B::sync(device).unwrap();
+    drop(warm);
+    let mut samples: Vec<Duration> = (0..7)
+        .map(|_| {
+            B::sync(device).unwrap();
+            let start = Instant::now();
+            let out: Vec<T> = (0..5).map(|_| op()).collect();
+            B::sync(device).unwrap();
+            drop(out);
+            start.elapsed() / 5
+        })
+        .collect();
+    samples.sort();
+    samples[3]
+}
+
+fn report(name: &str, bytes: usize, took: Duration) {
+    let gbs = bytes as f64 / took.as_secs_f64() / 1e9;
+    println!(
+        "{name:<48} {:>9.3} ms {gbs:>8.0} GB/s",
+        took.as_secs_f64() * 1e3
+    );
+    println!(
+        "RESULT kernel=\"{name}\" ms={:.4} gbs={gbs:.1}",
+        took.as_secs_f64() * 1e3
+    );
+}
+
+fn main() {
+    let device = CudaGpu::new(0);
+    // 16k tokens × GPT-2's vocabulary padded to 50304 (one rank's slice at TP = 1).
+    let (rows, local, real) = (16_384, 50_304, 50_257);
+    let slice = VocabSlice { start: 0, real };
+    println!("burn-megatron kernels on {rows} × {local} (real vocabulary {real})");
+    for dtype in [DType::BF16, DType::F32] {
+        let size = dtype.size();
+        let x = Tensor::<B, 2>::random([rows, local], Distribution::Normal(0.0, 2.0), &device)
+            .cast(dtype);
+        let targets =
+            Tensor::<B, 1, Int>::random([rows], Distribution::Uniform(0.0, real as f64), &device);
+        let elements = rows * local;
+        let copy = time(&device, || x.clone().add_scalar(1.0));
+        report(
+            &format!("{dtype:?} copy (x + 1)"),
+            2 * elements * size,
+            copy,
+        );
+
+        let fwd_bytes = elements * size + rows * 4 * 4;
+        let fused = time(&device, || {
+            B::cross_entropy_statistics(x.clone(), targets.clone(), slice)
+        });
+        report(
+            &format!("{dtype:?} cross-entropy forward, fused"),
+            fwd_bytes,
+            fused,
+        );
+        let plain = time(&device, || {
+            statistics_composition(x.clone(), targets.clone(), slice)
+        });
+        report(
+            &format!("{dtype:?} cross-entropy forward, Burn ops"),
+            fwd_bytes,
+            plain,
+        );
+
+        let [max, sum_exp, _] = B::cross_entropy_statistics(x.clone(), targets.clone(), slice);
+        let grad_loss = Tensor::<B, 1>::ones([rows], &device).div_scalar(rows as f64);
+        let bwd_bytes = 2 * elements * size + rows * 4 * 4;
+        let fused = time(&device, || {
+            B::cross_entropy_gradient(
+                x.clone(),
+                targets.clone(),
+                max.clone(),
+                sum_exp.clone(),
+                grad_loss.clone(),
+                slice,
+            )
+        });
+        report(
+            &format!("{dtype:?} cross-entropy backward, fused"),
+            bwd_bytes,
+            fused,
+        );
+        let plain = time(&device, || {
+            gradient_composition(
+                x.clone(),
+                targets.clone(),
+                max.clone(),
+                sum_exp.clone(),
+                grad_loss.clone(),
+                slice,
+            )
+        });
+        report(
+            &format!("{dtype:?} cross-entropy backward, Burn ops"),
+            bwd_bytes,
+            plain,
+        );
+    }
+}
