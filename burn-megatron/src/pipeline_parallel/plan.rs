@@ -80,25 +80,28 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// A plan from each rank's order of forward and backward passes: the receive a pass needs
-    /// is posted just before it, the send of its result just after, and the transfers between
-    /// two passes form one exchange.
+    /// A plan from each rank's order of forward and backward passes, in units (a pass, or
+    /// a steady-state forward-backward pair of the interleaved schedule): the receives a
+    /// unit needs are posted just before it, the sends of its results just after it, and the
+    /// transfers between two units form one exchange. A pair's two sends and the next pair's
+    /// two receives in one exchange is Megatron's `send_forward_backward_recv_forward_backward`;
+    /// with a send after each pass instead, two ranks of an interleaved pipeline could each
+    /// wait, in a send, for a receive the other posts only later (the test
+    /// `plans_complete_when_sends_wait_for_their_receives` finds that case).
     pub(crate) fn from_compute_order(
         schedule: Schedule,
         pp: usize,
         virtual_size: usize,
         microbatches: usize,
         forward_only: bool,
-        orders: Vec<Vec<(bool, Compute)>>,
+        orders: Vec<Vec<Vec<(bool, Compute)>>>,
     ) -> Self {
         let stages = pp * virtual_size;
         let ranks = orders
             .into_iter()
             .enumerate()
-            .map(|(rank, order)| {
+            .map(|(rank, units)| {
                 let stage = |chunk: usize| chunk * pp + rank;
-                let mut steps = Vec::new();
-                let mut pending: Vec<Transfer> = Vec::new();
                 let transfer = |direction, payload, peer_stage: usize, c: Compute| Transfer {
                     direction,
                     payload,
@@ -106,9 +109,10 @@ impl Plan {
                     microbatch: c.microbatch,
                     chunk: c.chunk,
                 };
-                for (forward, c) in order {
+                // A pass's receive (before it) and send (after it).
+                let io = |forward: bool, c: Compute| {
                     let s = stage(c.chunk);
-                    let (before, after) = if forward {
+                    if forward {
                         (
                             (s > 0)
                                 .then(|| transfer(Direction::Recv, Payload::Activation, s - 1, c)),
@@ -121,17 +125,23 @@ impl Plan {
                                 .then(|| transfer(Direction::Recv, Payload::Gradient, s + 1, c)),
                             (s > 0).then(|| transfer(Direction::Send, Payload::Gradient, s - 1, c)),
                         )
-                    };
-                    pending.extend(before);
+                    }
+                };
+                let mut steps = Vec::new();
+                let mut pending: Vec<Transfer> = Vec::new();
+                for unit in units {
+                    pending.extend(unit.iter().filter_map(|&(f, c)| io(f, c).0));
                     if !pending.is_empty() {
                         steps.push(Step::Exchange(std::mem::take(&mut pending)));
                     }
-                    steps.push(if forward {
-                        Step::Forward(c)
-                    } else {
-                        Step::Backward(c)
-                    });
-                    pending.extend(after);
+                    for &(forward, c) in &unit {
+                        steps.push(if forward {
+                            Step::Forward(c)
+                        } else {
+                            Step::Backward(c)
+                        });
+                    }
+                    pending.extend(unit.iter().filter_map(|&(f, c)| io(f, c).1));
                 }
                 if !pending.is_empty() {
                     steps.push(Step::Exchange(pending));
@@ -179,44 +189,39 @@ impl Plan {
     /// is free and its input has arrived. Fails if some rank could never go on (a receive
     /// without its send).
     pub fn simulate(&self, forward: u64, backward: u64) -> Result<Timeline, PipelineError> {
+        let stages = self.pp * self.virtual_size;
         // When each (payload, microbatch, producing virtual stage)'s tensor is sent.
         let mut sent = std::collections::HashMap::<(Payload, usize, usize), u64>::new();
         let mut at = vec![0usize; self.pp];
         let mut clock = vec![0u64; self.pp];
         let mut slots: Vec<Vec<Slot>> = vec![Vec::new(); self.pp];
-        let mut ready = vec![0u64; self.pp];
         loop {
             let mut progress = false;
             for rank in 0..self.pp {
                 while let Some(step) = self.ranks[rank].get(at[rank]) {
                     match step {
                         Step::Exchange(transfers) => {
-                            // Sends are buffered: they leave now, whatever the receives do.
+                            // Sends are buffered: they leave when the rank gets here.
                             for t in transfers.iter().filter(|t| t.direction == Direction::Send) {
                                 let s = t.chunk * self.pp + rank;
                                 sent.insert((t.payload, t.microbatch, s), clock[rank]);
                             }
-                            let mut arrival = ready[rank];
-                            let mut missing = false;
-                            for t in transfers.iter().filter(|t| t.direction == Direction::Recv) {
-                                let s = t.chunk * self.pp + rank;
-                                let from = match t.payload {
-                                    Payload::Activation => s - 1,
-                                    Payload::Gradient => s + 1,
-                                };
-                                match sent.get(&(t.payload, t.microbatch, from)) {
-                                    Some(&time) => arrival = arrival.max(time),
-                                    None => missing = true,
-                                }
-                            }
-                            if missing {
-                                break;
-                            }
-                            ready[rank] = arrival;
                         }
                         Step::Forward(c) | Step::Backward(c) => {
                             let is_forward = matches!(step, Step::Forward(_));
-                            let start = clock[rank].max(ready[rank]);
+                            // A pass waits for its own input only.
+                            let s = c.chunk * self.pp + rank;
+                            let input = if is_forward {
+                                (s > 0).then(|| (Payload::Activation, c.microbatch, s - 1))
+                            } else {
+                                (s + 1 < stages).then(|| (Payload::Gradient, c.microbatch, s + 1))
+                            };
+                            let arrival = match input.map(|key| sent.get(&key)) {
+                                None => 0,
+                                Some(Some(&time)) => time,
+                                Some(None) => break,
+                            };
+                            let start = clock[rank].max(arrival);
                             let length = if is_forward { forward } else { backward };
                             slots[rank].push(Slot {
                                 start,
@@ -225,7 +230,6 @@ impl Plan {
                                 compute: *c,
                             });
                             clock[rank] = start + length;
-                            ready[rank] = 0;
                         }
                     }
                     at[rank] += 1;

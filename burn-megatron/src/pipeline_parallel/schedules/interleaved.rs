@@ -23,15 +23,16 @@ fn virtual_pass(k: usize, pp: usize, v: usize, forward: bool) -> Compute {
     }
 }
 
-/// Warm-up forwards, then forward and backward in turn, then the remaining backwards; every
-/// pass is of one chunk. Forward-only runs every forward in the same order.
+/// Warm-up forwards, then forward and backward in turn (in pairs whose receives are posted
+/// together), then the remaining backwards; every pass is of one chunk. Forward-only runs
+/// every forward in the same order.
 pub(super) fn order(
     pp: usize,
     rank: usize,
     v: usize,
     microbatches: usize,
     forward_only: bool,
-) -> Vec<(bool, Compute)> {
+) -> Vec<Vec<(bool, Compute)>> {
     let total = v * microbatches;
     let warmup = if forward_only {
         total
@@ -40,13 +41,12 @@ pub(super) fn order(
     };
     let f = |k| (true, virtual_pass(k, pp, v, true));
     let b = |k| (false, virtual_pass(k, pp, v, false));
-    let mut order: Vec<_> = (0..warmup).map(f).collect();
+    let mut order: Vec<_> = (0..warmup).map(|k| vec![f(k)]).collect();
     for i in 0..total - warmup {
-        order.push(f(warmup + i));
-        order.push(b(i));
+        order.push(vec![f(warmup + i), b(i)]);
     }
     if !forward_only {
-        order.extend((total - warmup..total).map(b));
+        order.extend((total - warmup..total).map(|k| vec![b(k)]));
     }
     order
 }

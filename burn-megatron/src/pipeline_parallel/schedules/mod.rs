@@ -112,16 +112,23 @@ impl Schedule {
         }
         let orders = (0..pp)
             .map(|rank| {
-                let order = match self {
-                    Schedule::NoPipelining => no_pipelining::order(m),
-                    Schedule::GPipe => gpipe::order(m),
-                    Schedule::OneFOneB => one_f_one_b::order(pp, rank, m),
+                let single = |order: Vec<(bool, Compute)>| -> Vec<Vec<(bool, Compute)>> {
+                    order.into_iter().map(|pass| vec![pass]).collect()
+                };
+                let units = match self {
+                    Schedule::NoPipelining => single(no_pipelining::order(m)),
+                    Schedule::GPipe => single(gpipe::order(m)),
+                    Schedule::OneFOneB => single(one_f_one_b::order(pp, rank, m)),
                     Schedule::Interleaved => interleaved::order(pp, rank, v, m, forward_only),
                 };
                 if forward_only {
-                    order.into_iter().filter(|(forward, _)| *forward).collect()
+                    units
+                        .into_iter()
+                        .map(|unit| unit.into_iter().filter(|(forward, _)| *forward).collect())
+                        .filter(|unit: &Vec<_>| !unit.is_empty())
+                        .collect()
                 } else {
-                    order
+                    units
                 }
             })
             .collect();
