@@ -41,3 +41,17 @@ pub fn microbatches(count: usize, vocab: usize) -> Vec<Microbatch<AD>> {
         })
         .collect()
 }
+
+/// A tiny Llama of 4 layers: RMSNorm, SwiGLU, RoPE, grouped queries, untied output.
+pub fn tiny_llama() -> TransformerConfig {
+    use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding};
+    TransformerConfig::new(16, 4, 4, 24, 50, 8)
+        .with_num_query_groups(Some(2))
+        .with_normalization(Normalization::RmsNorm)
+        .with_activation(Activation::SwiGlu)
+        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(false)
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.1)
+}
