@@ -2,8 +2,9 @@
 //!
 //! A forward pass keeps what its backward pass needs: with the autodiff graph, the stage's
 //! input (a leaf that requires grad when it came from the previous stage) and its output;
-//! under [`Recompute::Full`], only each layer's input, and the backward pass reruns one layer
-//! at a time. The gradient sent back to the previous stage is the input leaf's gradient.
+//! under [`Recompute::Full`], no graph, only each layer's input, and the backward pass reruns
+//! the head, each layer and the embedding in turn, backpropagating through one at a time. The
+//! gradient sent back to the previous stage is the input leaf's gradient.
 //!
 //! Every backward pass goes through [`Executor::backward_segment`], which first waits for the
 //! tensor-parallel group (see the book's "Pipeline parallelism" chapter: this makes the
@@ -49,31 +50,35 @@ pub struct StepOutput<B: AutodiffBackend> {
 }
 
 /// What a forward pass kept for its backward pass.
-struct Live<B: AutodiffBackend> {
-    call: u64,
-    start: Start<B>,
-    end: End<B>,
-    /// Under full recomputation, each layer's input.
-    layer_inputs: Option<Vec<Tensor<B::InnerBackend, 3>>>,
+enum Live<B: AutodiffBackend> {
+    /// The autodiff graph of the whole stage.
+    Graph {
+        /// The embeddings (first stage) or the received input, a leaf that requires grad.
+        start: Start<B>,
+        /// The stage's output, or the loss (over `microbatches`) on the last stage.
+        end: End<B>,
+    },
+    /// Full recomputation: no graph at all, only what reruns the stage piece by piece (the
+    /// embedding from the tokens, each layer from its input, the head from the last layer's
+    /// output). Keeping no graph between passes also keeps one microbatch's backward pass
+    /// from meeting another microbatch's graph.
+    Recompute {
+        call: u64,
+        /// Each layer's input.
+        layer_inputs: Vec<Tensor<B::InnerBackend, 3>>,
+        /// The last layer's output (last stage).
+        output: Tensor<B::InnerBackend, 3>,
+    },
 }
 
 enum Start<B: AutodiffBackend> {
-    /// The embeddings, with their graph (first stage).
     Embedded(Tensor<B, 3>),
-    /// The previous stage's output: a leaf that requires grad.
     Received(Tensor<B, 3>),
 }
 
 enum End<B: AutodiffBackend> {
-    /// The stage's output, whose gradient comes from the next stage. Under full
-    /// recomputation it has no graph.
     Hidden(Tensor<B, 3>),
-    /// The microbatch's loss over `microbatches`; `last` is the leaf the head started from
-    /// under full recomputation.
-    Loss {
-        scaled: Tensor<B, 1>,
-        last: Option<Tensor<B, 3>>,
-    },
+    Loss(Tensor<B, 1>),
 }
 
 pub(crate) struct Executor<'a, B: AutodiffBackend + ModelBackend>
@@ -198,59 +203,62 @@ where
         let data = &self.microbatches[c.microbatch];
         let stage = model.stage().clone();
         let call = model.next_call();
-        let start = if stage.is_first() {
-            Start::Embedded(model.embed(data.tokens.clone(), call)?)
-        } else {
-            let input = self.take(Payload::Activation, c)?;
-            Start::Received(Tensor::from_inner(input).require_grad())
-        };
-        let x = match &start {
-            Start::Embedded(x) | Start::Received(x) => x.clone(),
-        };
-        let full = model.recompute() == Recompute::Full;
-        let (x, layer_inputs) = if full {
-            let mut inputs = Vec::with_capacity(model.layers().len());
-            let mut x = x.inner();
+        let scale = self.microbatches.len() as f64;
+        let live = if model.recompute() == Recompute::Full {
+            let mut x = if stage.is_first() {
+                model.embed(data.tokens.clone(), call)?.inner()
+            } else {
+                self.take(Payload::Activation, c)?
+            };
+            let mut layer_inputs = Vec::with_capacity(model.layers().len());
             for layer in model.layers() {
-                inputs.push(x.clone());
+                layer_inputs.push(x.clone());
                 x = layer
                     .clone()
                     .no_grad()
                     .try_forward(Tensor::from_inner(x), call)?
                     .inner();
             }
-            (Tensor::from_inner(x), Some(inputs))
+            if stage.is_last() {
+                let logits = model.head(Tensor::from_inner(x.clone()))?;
+                let loss = model.loss(logits, data.targets.clone())?;
+                self.losses.push(loss.inner());
+            } else {
+                self.mailbox
+                    .outgoing
+                    .insert((Payload::Activation, c), x.clone());
+            }
+            Live::Recompute {
+                call,
+                layer_inputs,
+                output: x,
+            }
         } else {
-            let mut x = x;
+            let start = if stage.is_first() {
+                Start::Embedded(model.embed(data.tokens.clone(), call)?)
+            } else {
+                let input = self.take(Payload::Activation, c)?;
+                Start::Received(Tensor::from_inner(input).require_grad())
+            };
+            let mut x = match &start {
+                Start::Embedded(x) | Start::Received(x) => x.clone(),
+            };
             for layer in model.layers() {
                 x = layer.try_forward(x, call)?;
             }
-            (x, None)
+            let end = if stage.is_last() {
+                let loss = model.loss(model.head(x)?, data.targets.clone())?;
+                self.losses.push(loss.clone().inner());
+                End::Loss(loss.div_scalar(scale))
+            } else {
+                self.mailbox
+                    .outgoing
+                    .insert((Payload::Activation, c), x.clone().inner());
+                End::Hidden(x)
+            };
+            Live::Graph { start, end }
         };
-        let end = if stage.is_last() {
-            let last = full.then(|| x.clone().require_grad());
-            let logits = model.head(last.clone().unwrap_or(x))?;
-            let loss = model.loss(logits, data.targets.clone())?;
-            self.losses.push(loss.clone().inner());
-            End::Loss {
-                scaled: loss.div_scalar(self.microbatches.len() as f64),
-                last,
-            }
-        } else {
-            self.mailbox
-                .outgoing
-                .insert((Payload::Activation, c), x.clone().inner());
-            End::Hidden(x)
-        };
-        self.live.insert(
-            c,
-            Live {
-                call,
-                start,
-                end,
-                layer_inputs,
-            },
-        );
+        self.live.insert(c, live);
         self.max_live = self.max_live.max(self.live.len());
         Ok(())
     }
@@ -264,41 +272,47 @@ where
         })?;
         let chunks = self.chunks;
         let model = &chunks[c.chunk];
-        let input_grad = match live.layer_inputs {
-            None => {
-                let root = match live.end {
-                    End::Loss { scaled, .. } => scaled,
+        let stage = model.stage().clone();
+        let input_grad = match live {
+            Live::Graph { start, end } => {
+                let root = match end {
+                    End::Loss(scaled) => scaled,
                     End::Hidden(output) => dot(output, self.take(Payload::Gradient, c)?),
                 };
                 let grads = self.backward_segment(model, root, c.chunk)?;
-                match &live.start {
+                match &start {
                     Start::Received(input) => Some(grad_of(input, &grads)),
                     Start::Embedded(_) => None,
                 }
             }
-            Some(inputs) => {
-                let mut upstream = match live.end {
-                    End::Hidden(_) => self.take(Payload::Gradient, c)?,
-                    End::Loss { scaled, last } => {
-                        let last = last.ok_or_else(|| {
-                            internal("a recomputed head must start from a leaf".into())
-                        })?;
-                        let grads = self.backward_segment(model, scaled, c.chunk)?;
-                        grad_of(&last, &grads)
-                    }
+            Live::Recompute {
+                call,
+                layer_inputs,
+                output,
+            } => {
+                let mut upstream = if stage.is_last() {
+                    let last = Tensor::<B, 3>::from_inner(output).require_grad();
+                    let targets = self.microbatches[c.microbatch].targets.clone();
+                    let loss = model.loss(model.head(last.clone())?, targets)?;
+                    let scaled = loss.div_scalar(self.microbatches.len() as f64);
+                    let grads = self.backward_segment(model, scaled, c.chunk)?;
+                    grad_of(&last, &grads)
+                } else {
+                    self.take(Payload::Gradient, c)?
                 };
-                for (layer, input) in model.layers().iter().zip(inputs).rev() {
+                for (layer, input) in model.layers().iter().zip(layer_inputs).rev() {
                     let input = Tensor::<B, 3>::from_inner(input).require_grad();
-                    let output = layer.try_forward(input.clone(), live.call)?;
+                    let output = layer.try_forward(input.clone(), call)?;
                     let grads = self.backward_segment(model, dot(output, upstream), c.chunk)?;
                     upstream = grad_of(&input, &grads);
                 }
-                match live.start {
-                    Start::Embedded(embedded) => {
-                        self.backward_segment(model, dot(embedded, upstream), c.chunk)?;
-                        None
-                    }
-                    Start::Received(_) => Some(upstream),
+                if stage.is_first() {
+                    let tokens = self.microbatches[c.microbatch].tokens.clone();
+                    let embedded = model.embed(tokens, call)?;
+                    self.backward_segment(model, dot(embedded, upstream), c.chunk)?;
+                    None
+                } else {
+                    Some(upstream)
                 }
             }
         };

@@ -61,7 +61,12 @@ fn pipelined(
                 config.init_gpt_stage::<AD>(state.tp(), &stage, &Default::default())
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let out = forward_backward(schedule, &state, &chunks, &microbatches(m, config.vocab_size))?;
+        let out = forward_backward(
+            schedule,
+            &state,
+            &chunks,
+            &microbatches(m, config.vocab_size),
+        )?;
         let mut grads = Vec::new();
         for (chunk, chunk_grads) in chunks.iter().zip(&out.grads) {
             let offset = chunk.stage().layers.start;
@@ -120,7 +125,12 @@ fn real_rows(path: &str, data: &TensorData, vocab: usize) -> Vec<f64> {
 }
 
 fn assert_matches(what: &str, got: &Outcome, want: &Outcome, vocab: usize) {
-    assert_close(&format!("{what}: loss"), &[got.loss], &[want.loss], tolerance::F32);
+    assert_close(
+        &format!("{what}: loss"),
+        &[got.loss],
+        &[want.loss],
+        tolerance::F32,
+    );
     let got_paths: Vec<_> = got.grads.keys().collect();
     let want_paths: Vec<_> = want.grads.keys().collect();
     assert_eq!(got_paths, want_paths, "{what}: parameters");
@@ -158,10 +168,20 @@ fn interleaved_matches_gradient_accumulation() {
     for m in [4, 8] {
         let want = reference(&config, m);
         let got = pipelined(&config, Schedule::Interleaved, 2, 1, 2, m, None);
-        assert_matches(&format!("interleaved PP=2 V=2 M={m}"), &got, &want, config.vocab_size);
+        assert_matches(
+            &format!("interleaved PP=2 V=2 M={m}"),
+            &got,
+            &want,
+            config.vocab_size,
+        );
         let counts = vec![1, 0, 1, 0, 1, 1, 0, 0];
         let got = pipelined(&config, Schedule::Interleaved, 4, 1, 2, m, Some(counts));
-        assert_matches(&format!("interleaved PP=4 V=2 M={m}"), &got, &want, config.vocab_size);
+        assert_matches(
+            &format!("interleaved PP=4 V=2 M={m}"),
+            &got,
+            &want,
+            config.vocab_size,
+        );
     }
     let err = burn_megatron_dist::launch(burn_megatron_dist::LaunchConfig::new(2), |ctx| {
         let state = ctx
@@ -169,13 +189,23 @@ fn interleaved_matches_gradient_accumulation() {
             .with_virtual_pipeline_size(2)?;
         let split = StageSplit::even(4, 4)?;
         let chunks = (0..2)
-            .map(|c| config.init_gpt_stage::<AD>(state.tp(), &split.stage(state.virtual_stage(c)), &Default::default()))
+            .map(|c| {
+                config.init_gpt_stage::<AD>(
+                    state.tp(),
+                    &split.stage(state.virtual_stage(c)),
+                    &Default::default(),
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         forward_backward(Schedule::Interleaved, &state, &chunks, &microbatches(1, 50))?;
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     })
     .unwrap_err();
-    assert!(err.message.contains("divisible by PP (2)"), "{}", err.message);
+    assert!(
+        err.message.contains("divisible by PP (2)"),
+        "{}",
+        err.message
+    );
 }
 
 /// PP = 2 × TP = 2 on 4 ranks, with and without sequence parallelism, for each schedule; with
@@ -199,10 +229,16 @@ fn pp2_with_tp2_matches_gradient_accumulation() {
             assert_matches(&what, &got, &want, config.vocab_size);
         }
     }
-    let dropout = config.clone().with_hidden_dropout(0.1).with_attention_dropout(0.1);
+    let dropout = config
+        .clone()
+        .with_hidden_dropout(0.1)
+        .with_attention_dropout(0.1);
     let want = reference(&dropout, 4);
     for recompute in [Recompute::None, Recompute::Full] {
-        let c = dropout.clone().with_recompute(recompute).with_sequence_parallel(true);
+        let c = dropout
+            .clone()
+            .with_recompute(recompute)
+            .with_sequence_parallel(true);
         let got = pipelined(&c, Schedule::OneFOneB, 2, 2, 1, 4, None);
         let what = format!("1F1B PP=2 TP=2 dropout recompute={recompute:?}");
         assert_matches(&what, &got, &want, config.vocab_size);
