@@ -141,6 +141,9 @@ fn each_send_matches_a_receive_on_the_neighbour_in_order() {
     }
 }
 
+/// The n-th message from rank `a` to rank `b` of a payload, seen from one side.
+type Message = (usize, usize, Payload, Direction, usize);
+
 /// Over NCCL a send completes only once its receive is posted. Running each exchange as one
 /// group that completes when every op's counterpart is posted, no plan waits for ever.
 #[test]
@@ -148,10 +151,9 @@ fn plans_complete_when_sends_wait_for_their_receives() {
     for plan in plans() {
         let pp = plan.pp;
         // Where each op's counterpart is: the n-th message a→b (per payload) pairs up.
-        let mut position: HashMap<(usize, usize, Payload, Direction, usize), usize> =
-            HashMap::new();
+        let mut position: HashMap<Message, usize> = HashMap::new();
         let mut counters: HashMap<(usize, usize, Payload, Direction), usize> = HashMap::new();
-        let mut ops: Vec<Vec<Vec<(usize, usize, Payload, Direction, usize)>>> = vec![];
+        let mut ops: Vec<Vec<Vec<Message>>> = vec![];
         for rank in 0..pp {
             let mut per_step = Vec::new();
             for (index, step) in plan.steps(rank).iter().enumerate() {
