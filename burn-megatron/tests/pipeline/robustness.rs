@@ -120,3 +120,28 @@ fn a_hundred_steps_with_random_delays_finish() {
         losses[2]
     );
 }
+
+/// A plain forward pass on a `Recompute::Full` model that tracks gradients would silently
+/// store everything: it is an error pointing at the schedules; inference on `valid()` works.
+#[test]
+fn full_recomputation_outside_a_schedule_is_an_error() {
+    let config = tiny_gpt().with_recompute(Recompute::Full);
+    run(1, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default())?;
+        let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+        let data = microbatches(1, config.vocab_size).remove(0);
+        let err = model.try_forward(data.tokens.clone()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                burn_megatron::Error::Pipeline(
+                    burn_megatron::pipeline_parallel::PipelineError::RecomputeNeedsSchedule
+                )
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("pipeline_parallel"), "{err}");
+        burn::module::AutodiffModule::valid(&model).try_forward(data.tokens.inner())?;
+        Ok(())
+    });
+}
