@@ -26,6 +26,10 @@ pub struct LaunchConfig {
     /// a hang, and shards may be uneven. Off, NCCL calls skip that round trip and shards
     /// must be equal. Host collectives always check.
     pub check_collectives: bool,
+    /// Test knob: each host-side send, receive and collective of a thread rank first sleeps a
+    /// pseudo-random time below this (zero, the default, sleeps never). Shakes out schedules
+    /// that only work when ranks keep in step.
+    pub max_injected_delay: Duration,
 }
 
 impl LaunchConfig {
@@ -35,7 +39,15 @@ impl LaunchConfig {
             world_size,
             timeout: Duration::from_secs(300),
             check_collectives: true,
+            max_injected_delay: Duration::ZERO,
         }
+    }
+
+    /// Injects random delays below `max` into every host-side communication of thread ranks
+    /// (see [`max_injected_delay`](Self::max_injected_delay)).
+    pub fn with_injected_delays(mut self, max: Duration) -> Self {
+        self.max_injected_delay = max;
+        self
     }
 
     /// Turns the host-side matching of GPU collectives on or off.
@@ -127,7 +139,10 @@ where
     let _running = ONE_LAUNCH_AT_A_TIME
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
-    let world = Arc::new(ThreadWorld::new(config.world_size, config.timeout));
+    let world = Arc::new(
+        ThreadWorld::new(config.world_size, config.timeout)
+            .with_injected_delays(config.max_injected_delay),
+    );
     let transport: Arc<dyn Transport> = world.clone();
     let members: Vec<usize> = (0..config.world_size).collect();
     let outcomes: Vec<Result<T, String>> = std::thread::scope(|scope| {

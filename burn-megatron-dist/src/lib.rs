@@ -9,6 +9,7 @@
 //! - [`ParallelLayout`] and [`ParallelState`] build Megatron's TP/PP/DP/CP/EP groups.
 //! - [`mapping`] holds Megatron's differentiable communication operators (*f*, *g*, and the
 //!   sequence-parallel and all-to-all ones).
+//! - [`p2p`] holds the batched point-to-point exchange of pipeline stages.
 //! - [`DistTensor`] is a local tensor plus its placement over a group.
 //!
 //! ```
@@ -34,6 +35,7 @@ pub mod mapping;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 mod op;
+pub mod p2p;
 mod parallel_state;
 mod process;
 mod process_group;

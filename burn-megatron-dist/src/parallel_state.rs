@@ -21,6 +21,7 @@ pub struct ParallelState {
     ep: ProcessGroup,
     expert_dp: ProcessGroup,
     embedding: Option<ProcessGroup>,
+    virtual_pipeline_size: usize,
 }
 
 impl ParallelState {
@@ -52,7 +53,21 @@ impl ParallelState {
             ep: member(GroupKind::Ep)?,
             expert_dp: member(GroupKind::ExpertDp)?,
             embedding: group(GroupKind::Embedding)?,
+            virtual_pipeline_size: 1,
         })
+    }
+
+    /// The same state with `v` virtual pipeline stages (model chunks) per rank, for the
+    /// interleaved schedule: Megatron's `virtual_pipeline_model_parallel_size`. Chunk `c` of
+    /// pipeline rank `r` is virtual stage `c · pp + r` of `v · pp`.
+    pub fn with_virtual_pipeline_size(mut self, v: usize) -> DistResult<Self> {
+        if v == 0 {
+            return Err(crate::error::DistError::InvalidArgument(
+                "the virtual pipeline size must be at least 1".into(),
+            ));
+        }
+        self.virtual_pipeline_size = v;
+        Ok(self)
     }
 
     /// The layout.
@@ -134,6 +149,28 @@ impl ParallelState {
     /// Whether this rank runs the last pipeline stage.
     pub fn is_last_pipeline_stage(&self) -> bool {
         self.coords.pp + 1 == self.layout.sizes().pp
+    }
+    /// Model chunks (virtual stages) per pipeline rank; 1 without interleaving.
+    pub fn virtual_pipeline_size(&self) -> usize {
+        self.virtual_pipeline_size
+    }
+    /// Virtual stages in the whole pipeline: `pp · v`.
+    pub fn num_virtual_stages(&self) -> usize {
+        self.layout.sizes().pp * self.virtual_pipeline_size
+    }
+    /// The virtual stage of this rank's model chunk `chunk`: `chunk · pp + pp_rank`.
+    pub fn virtual_stage(&self, chunk: usize) -> usize {
+        chunk * self.layout.sizes().pp + self.coords.pp
+    }
+    /// Whether this rank's chunk `chunk` is the pipeline's first virtual stage (it holds the
+    /// embedding): Megatron's `is_pipeline_first_stage()` with the virtual rank set.
+    pub fn is_first_virtual_stage(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) == 0
+    }
+    /// Whether this rank's chunk `chunk` is the pipeline's last virtual stage (it holds the
+    /// output layer and the loss).
+    pub fn is_last_virtual_stage(&self, chunk: usize) -> bool {
+        self.virtual_stage(chunk) + 1 == self.num_virtual_stages()
     }
     /// The stage after this one (a rank of the PP group), if this is not the last stage.
     pub fn next_pipeline_rank(&self) -> Option<usize> {

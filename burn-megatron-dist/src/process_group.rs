@@ -401,7 +401,7 @@ impl ProcessGroup {
     /// Burn's backward pass has no error channel, so a differentiable communication whose
     /// collective fails there (a dead peer, a timeout) records the error on its group and
     /// passes a zero gradient on. From then on every call on the group returns that error, and
-    /// a training step checks this after `backward()` (as `GptModel::forward_backward` does),
+    /// a training step checks this after `backward()` (as the pipeline schedules do),
     /// so the failure reaches the caller as an `Err` rather than a panic or a wrong gradient.
     pub fn backward_failure(&self) -> DistResult<()> {
         match &*self.shared_failure() {

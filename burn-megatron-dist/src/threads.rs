@@ -5,6 +5,7 @@
 //! failed rank, a rank that already finished, and the timeout, so no call can hang silently.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,10 @@ pub(crate) struct ThreadWorld {
     timeout: Duration,
     state: Mutex<WorldState>,
     changed: Condvar,
+    /// Upper bound of the random sleep before each call (zero: none).
+    max_delay: Duration,
+    /// Calls so far: the random sleeps' counter.
+    calls: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -45,7 +50,31 @@ impl ThreadWorld {
                 ..Default::default()
             }),
             changed: Condvar::new(),
+            max_delay: Duration::ZERO,
+            calls: AtomicU64::new(0),
         }
+    }
+
+    /// Sleeps a pseudo-random time below `max` before every send, receive and collective.
+    pub fn with_injected_delays(mut self, max: Duration) -> Self {
+        self.max_delay = max;
+        self
+    }
+
+    fn inject_delay(&self) {
+        if self.max_delay.is_zero() {
+            return;
+        }
+        // SplitMix64 of a call counter: reproducible in distribution, cheap, no dependency.
+        let mut z = self
+            .calls
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let nanos = self.max_delay.as_nanos() as u64;
+        std::thread::sleep(Duration::from_nanos(z % nanos.max(1)));
     }
 
     fn lock(&self) -> MutexGuard<'_, WorldState> {
@@ -142,6 +171,7 @@ impl Transport for ThreadWorld {
     }
 
     fn deposit(&self, group: &GroupInfo, seq: u64, part: Contribution) -> DistResult<()> {
+        self.inject_delay();
         let mut state = self.lock();
         if let Some((failed_rank, reason)) = &state.failure {
             return Err(peer_failed(
@@ -188,6 +218,7 @@ impl Transport for ThreadWorld {
     }
 
     fn send(&self, group: &GroupInfo, dst: usize, message: Contribution) -> DistResult<()> {
+        self.inject_delay();
         let mut state = self.lock();
         if let Some((failed_rank, reason)) = &state.failure {
             return Err(peer_failed(
@@ -207,6 +238,7 @@ impl Transport for ThreadWorld {
     }
 
     fn recv(&self, group: &GroupInfo, src: usize, seq: u64) -> DistResult<Contribution> {
+        self.inject_delay();
         let key = (group.key.clone(), src, group.group_rank);
         let op = format!("recv(src={src})");
         self.wait(group, &op, seq, |state| {

@@ -5,7 +5,7 @@
 //!   a forward pass, [`DistError`] for communication (layers whose only failure is a
 //!   collective return [`DistResult`](burn_megatron_dist::DistResult)).
 //! - [`Error`] holds any of them, and `?` converts each into it: the model's entry points
-//!   (`try_forward`, `loss`, `forward_backward`) return [`Result`].
+//!   (`try_forward`, `loss`, the schedules in `pipeline_parallel`) return [`Result`].
 //! - A panicking `forward` exists only where Burn's convention of an infallible
 //!   `forward(input) -> output` is expected of a module; its doc says so and points at
 //!   `try_forward`.
@@ -24,6 +24,9 @@ pub enum Error {
     /// A collective failed.
     #[error(transparent)]
     Dist(#[from] DistError),
+    /// A pipeline cannot be split, planned or run, or one of its stages failed.
+    #[error(transparent)]
+    Pipeline(#[from] crate::pipeline_parallel::PipelineError),
 }
 
 /// `Result` with burn-megatron's [`Error`].

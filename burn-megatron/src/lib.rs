@@ -8,6 +8,8 @@
 //!   output layer and cross-entropy, layout-independent dropout, parameter placements.
 //! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
+//! - [`pipeline_parallel`]: stages, schedules (no pipelining, GPipe, 1F1B, interleaved) and
+//!   their plans and timelines.
 //! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
@@ -15,6 +17,7 @@ pub mod error;
 pub mod init;
 pub mod models;
 pub mod ops;
+pub mod pipeline_parallel;
 pub mod tensor_parallel;
 pub mod transformer;
 

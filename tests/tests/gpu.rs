@@ -253,7 +253,12 @@ fn out_of_range_ids_fail_the_next_sync() {
             Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
         };
         let step = |tokens, targets| -> burn_megatron::Result<()> {
-            let (loss, _) = model.forward_backward(tokens, targets)?;
+            let (loss, _) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
+                &model,
+                &[burn_megatron::pipeline_parallel::Microbatch::new(
+                    tokens, targets,
+                )],
+            )?;
             drop(loss);
             Ok(())
         };
@@ -303,7 +308,13 @@ fn transformer_autodiff_matches_burn_cuda() {
                 let v: Vec<i64> = (0..2 * 16).map(|i| (i * 13 + seed) % 50).collect();
                 Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
             };
-            let (loss, grads) = model.forward_backward(ids(1), ids(2))?;
+            let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
+                &model,
+                &[burn_megatron::pipeline_parallel::Microbatch::new(
+                    ids(1),
+                    ids(2),
+                )],
+            )?;
             let grads = gather_full_grads::<A, _>(&model, &grads, ctx.world())?;
             let _ = model.valid();
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>((

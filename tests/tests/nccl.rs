@@ -152,7 +152,13 @@ fn tensor_parallel_gpt_over_nccl_matches_one_gpu() {
                 let v: Vec<i64> = (0..2 * 16).map(|i| (i * 13 + seed) % 50).collect();
                 Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
             };
-            let (loss, grads) = model.forward_backward(ids(1), ids(2))?;
+            let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
+                &model,
+                &[burn_megatron::pipeline_parallel::Microbatch::new(
+                    ids(1),
+                    ids(2),
+                )],
+            )?;
             let grads = gather_full_grads::<A, _>(&model, &grads, ctx.world())?;
             let loss: f32 = loss.into_scalar().to_string().parse().unwrap();
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>((loss, grads))

@@ -23,6 +23,7 @@ fn readme_tensor_parallel_gpt_step() -> Result<(), Box<dyn std::error::Error>> {
     use burn::backend::{Autodiff, NdArray};
     use burn::optim::{AdamWConfig, Optimizer};
     use burn::tensor::{Int, Tensor};
+    use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
     use burn_megatron::transformer::{Recompute, TransformerConfig};
 
     let losses = launch(LaunchConfig::new(2), |ctx| {
@@ -33,7 +34,8 @@ fn readme_tensor_parallel_gpt_step() -> Result<(), Box<dyn std::error::Error>> {
         let mut model = config.init_gpt::<Autodiff<NdArray>>(state.tp(), &Default::default())?;
         let mut optim = AdamWConfig::new().init();
         let tokens = Tensor::<Autodiff<NdArray>, 2, Int>::zeros([4, 32], &Default::default());
-        let (loss, grads) = model.forward_backward(tokens.clone(), tokens)?;
+        let batch = [Microbatch::new(tokens.clone(), tokens)];
+        let (loss, grads) = forward_backward_no_pipelining(&model, &batch)?;
         model = optim.step(1e-3, model, grads);
         let _ = model;
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(loss.into_scalar())

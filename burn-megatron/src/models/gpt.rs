@@ -4,35 +4,45 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, backend::Backend};
+use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::scatter_to_sequence_parallel_region;
-use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
+use crate::pipeline_parallel::{PipelineError, Stage};
 use crate::tensor_parallel::{
     DropoutSite, VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean,
     parallel_lm_logits, vocab_parallel_cross_entropy,
 };
 use crate::transformer::{
-    LayerContext, PositionEmbedding, Recompute, TransformerBlock, TransformerConfig, hidden_dropout,
+    LayerContext, PositionEmbedding, Recompute, TransformerBlock, TransformerConfig,
+    TransformerLayer, hidden_dropout,
 };
 
 /// A decoder-only language model: token (and learned position) embeddings, a
-/// [`TransformerBlock`] (layers and final norm) and an output layer (tied to the token embeddings or not), each split
-/// over the tensor-parallel group as Megatron splits them.
+/// [`TransformerBlock`] (layers and final norm) and an output layer (tied to the token
+/// embeddings or not), each split over the tensor-parallel group as Megatron splits them.
+///
+/// A model may be one pipeline stage of a larger model ([`TransformerConfig::init_gpt_stage`],
+/// Megatron's `pre_process`/`post_process`): the first stage holds the embeddings, the last the
+/// final norm, the output layer and the loss, every stage its own layers. Schedules in
+/// [`pipeline_parallel`](crate::pipeline_parallel) drive the stages through the pieces
+/// ([`embed`](Self::embed), [`layers`](Self::layers), [`head`](Self::head),
+/// [`loss`](Self::loss)); [`try_forward`](Self::try_forward) runs a whole model.
 #[derive(Module, Debug)]
 pub struct GptModel<B: Backend> {
-    /// Token embeddings, split by vocabulary.
-    pub embedding: VocabParallelEmbedding<B>,
-    /// `[max_sequence_length, hidden]`, replicated; learned positions only.
+    /// Token embeddings, split by vocabulary; first stage only.
+    pub embedding: Option<VocabParallelEmbedding<B>>,
+    /// `[max_sequence_length, hidden]`, replicated; learned positions only, first stage only.
     pub position_embedding: Option<Param<Tensor<B, 2>>>,
-    /// The transformer layers and the final norm.
+    /// This stage's transformer layers, and the final norm on the last stage.
     pub block: TransformerBlock<B>,
-    /// Output layer, split by vocabulary; `None` when tied to the token embeddings.
+    /// Output layer, split by vocabulary; last stage only. With tied embeddings it is `None`
+    /// on a whole model (the output reuses `embedding`), and on the last of several stages the
+    /// copy of the embedding table whose gradient the schedule all-reduces with the first
+    /// stage's over the embedding group.
     pub output: Option<VocabParallelOutput<B>>,
     #[module(skip)]
     context: ModelContext,
@@ -48,6 +58,9 @@ struct ModelContext {
     calls: Arc<AtomicU64>,
     recompute: Recompute,
     notes: Vec<String>,
+    stage: Stage,
+    hidden_size: usize,
+    tie_embeddings: bool,
 }
 
 impl TransformerConfig {
@@ -58,21 +71,44 @@ impl TransformerConfig {
         tp: &ProcessGroup,
         device: &B::Device,
     ) -> core::result::Result<GptModel<B>, ConfigError> {
+        self.init_gpt_stage(tp, &Stage::whole(self.num_layers), device)
+    }
+
+    /// This rank's part of pipeline stage `stage` (see
+    /// [`StageSplit`](crate::pipeline_parallel::StageSplit)) over the tensor-parallel group
+    /// `tp`: exactly those layers, embeddings and output layer of the whole model. With tied
+    /// embeddings the last stage (of several) holds a copy of the embedding table as its output
+    /// layer, as Megatron does.
+    pub fn init_gpt_stage<B: ModelBackend>(
+        &self,
+        tp: &ProcessGroup,
+        stage: &Stage,
+        device: &B::Device,
+    ) -> core::result::Result<GptModel<B>, ConfigError> {
+        if stage.layers.end > self.num_layers || stage.index >= stage.num_stages {
+            return Err(ConfigError::Invalid(format!(
+                "stage {} of {} with layers {:?} does not fit a model of {} layers",
+                stage.index, stage.num_stages, stage.layers, self.num_layers
+            )));
+        }
         let validated = self.validate(tp.size(), tp.rank())?;
         let vocab = validated.vocab;
         let hidden = self.hidden_size;
         let seed = |name: &str| param_seed(self.seed, name);
-        let embedding = VocabParallelEmbedding::new(
-            vocab.clone(),
-            hidden,
-            self.init_std,
-            self.sequence_parallel,
-            tp,
-            seed("embedding"),
-            device,
-        );
-        let position_embedding =
-            (self.position_embedding == PositionEmbedding::Learned).then(|| {
+        let (first, last) = (stage.is_first(), stage.is_last());
+        let embedding = first.then(|| {
+            VocabParallelEmbedding::new(
+                vocab.clone(),
+                hidden,
+                self.init_std,
+                self.sequence_parallel,
+                tp,
+                seed("embedding"),
+                device,
+            )
+        });
+        let position_embedding = (first && self.position_embedding == PositionEmbedding::Learned)
+            .then(|| {
                 let table = init_full(
                     [self.max_sequence_length, hidden],
                     InitDistribution::Normal { std: self.init_std },
@@ -81,13 +117,18 @@ impl TransformerConfig {
                 );
                 Param::from_tensor(table)
             });
-        let output = (!self.tie_embeddings).then(|| {
-            VocabParallelOutput::new(&vocab, hidden, self.init_std, seed("output"), device)
-        });
+        let output_seed = match (self.tie_embeddings, first) {
+            (false, _) => Some(seed("output")),
+            (true, false) => Some(seed("embedding")),
+            (true, true) => None,
+        };
+        let output = output_seed
+            .filter(|_| last)
+            .map(|seed| VocabParallelOutput::new(&vocab, hidden, self.init_std, seed, device));
         Ok(GptModel {
             embedding,
             position_embedding,
-            block: TransformerBlock::new(self, tp, device)?,
+            block: TransformerBlock::new_stage(self, stage.layers.clone(), last, tp, device)?,
             output,
             context: ModelContext {
                 tp: tp.clone(),
@@ -103,6 +144,9 @@ impl TransformerConfig {
                 calls: Arc::new(AtomicU64::new(0)),
                 recompute: self.recompute,
                 notes: validated.notes,
+                stage: stage.clone(),
+                hidden_size: hidden,
+                tie_embeddings: self.tie_embeddings,
             },
         })
     }
@@ -112,10 +156,23 @@ impl<B: ModelBackend> GptModel<B> {
     /// `[batch, seq]` tokens → `[batch, seq, padded_vocab / tp]`: this rank's slice of the
     /// logits. Under sequence parallelism `seq` must be divisible by the TP size; every token
     /// id must be in `0..vocab_size` (an [`InputError`] otherwise).
+    ///
+    /// Runs a whole model (a pipeline stage is a [`PipelineError::MissingPiece`]). A model
+    /// built with [`Recompute::Full`] that tracks gradients is a
+    /// [`PipelineError::RecomputeNeedsSchedule`]: train it with a schedule of
+    /// [`pipeline_parallel`](crate::pipeline_parallel), which reruns the layers in the
+    /// backward pass.
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
+        if self.context.recompute == Recompute::Full && self.tracks_gradients() {
+            return Err(PipelineError::RecomputeNeedsSchedule.into());
+        }
         let call = self.next_call();
         let x = self.embed(tokens, call)?;
-        Ok(self.logits(self.block.try_forward(x, call)?)?)
+        let mut x = x;
+        for layer in &self.block.layers {
+            x = layer.try_forward(x, call)?;
+        }
+        self.head(x)
     }
 
     /// [`try_forward`](Self::try_forward), panicking with its error: Burn's convention of an
@@ -158,13 +215,79 @@ impl<B: ModelBackend> GptModel<B> {
         self.context.recompute
     }
 
-    fn next_call(&self) -> u64 {
+    /// The pipeline stage the model is (the whole model is stage 0 of 1).
+    pub fn stage(&self) -> &Stage {
+        &self.context.stage
+    }
+
+    /// This stage's transformer layers; `layers()[i]` is global layer `stage().layers.start +
+    /// i`. Run layer `l` for a forward pass with `l.try_forward(x, call)`.
+    pub fn layers(&self) -> &[TransformerLayer<B>] {
+        &self.block.layers
+    }
+
+    /// The number of a new forward pass, which picks its dropout masks: every piece of one
+    /// microbatch's pass (and its recomputation) must use the same number, and every stage
+    /// numbers its passes alike (the n-th microbatch it sees gets the n-th number).
+    pub fn next_call(&self) -> u64 {
         self.context.calls.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Token and position embeddings with dropout: the residual stream's start,
-    /// `[batch, seq, hidden]` (`seq / tp` under sequence parallelism).
-    fn embed(&self, tokens: Tensor<B, 2, Int>, call: u64) -> Result<Tensor<B, 3>> {
+    /// The shape of the residual stream between stages for `[batch, seq]` tokens:
+    /// `[batch, seq, hidden]`, or `[batch, seq / tp, hidden]` under sequence parallelism.
+    pub fn activation_shape(&self, batch: usize, seq: usize) -> [usize; 3] {
+        let c = &self.context;
+        let seq = if c.layer.sequence_parallel {
+            seq / c.tp.size()
+        } else {
+            seq
+        };
+        [batch, seq, c.hidden_size]
+    }
+
+    /// Whether the output layer is tied to the token embeddings.
+    pub fn ties_embeddings(&self) -> bool {
+        self.context.tie_embeddings
+    }
+
+    /// The tensor-parallel group the model is split over.
+    pub fn tp(&self) -> &ProcessGroup {
+        &self.context.tp
+    }
+
+    /// Whether a forward pass would record a graph for the parameters' gradients.
+    fn tracks_gradients(&self) -> bool {
+        let device = self.devices().into_iter().next().unwrap_or_default();
+        if !B::ad_enabled(&device) {
+            return false;
+        }
+        struct AnyTracked(bool);
+        impl<B: Backend> ModuleVisitor<B> for AnyTracked {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0 |= param.val().is_require_grad();
+            }
+        }
+        let mut visitor = AnyTracked(false);
+        self.visit(&mut visitor);
+        visitor.0
+    }
+
+    fn missing(&self, piece: &'static str) -> PipelineError {
+        PipelineError::MissingPiece {
+            stage: self.context.stage.index,
+            stages: self.context.stage.num_stages,
+            piece,
+        }
+    }
+
+    /// Token and position embeddings with dropout for forward pass `call` (see
+    /// [`next_call`](Self::next_call)): the residual stream's start, `[batch, seq, hidden]`
+    /// (`seq / tp` under sequence parallelism). First stage only.
+    pub fn embed(&self, tokens: Tensor<B, 2, Int>, call: u64) -> Result<Tensor<B, 3>> {
+        let embedding = self
+            .embedding
+            .as_ref()
+            .ok_or_else(|| self.missing("embedding"))?;
         let c = &self.context;
         let [_, seq] = tokens.dims();
         let tp = &c.tp;
@@ -182,7 +305,7 @@ impl<B: ModelBackend> GptModel<B> {
             }
             .into());
         }
-        let mut x = self.embedding.try_forward(tokens)?;
+        let mut x = embedding.try_forward(tokens)?;
         if let Some(table) = &self.position_embedding {
             let positions = table.val().narrow(0, 0, seq).unsqueeze::<3>();
             let positions = if c.layer.sequence_parallel {
@@ -199,131 +322,25 @@ impl<B: ModelBackend> GptModel<B> {
         ))
     }
 
-    /// Output layer: the normalised residual stream to this rank's slice of the logits.
-    fn logits(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
-        let table = match &self.output {
-            Some(output) => output.weight.val(),
-            None => self.embedding.weight.val(),
+    /// The final norm and the output layer: the last layer's output `[batch, seq, hidden]`
+    /// (`seq / tp` under sequence parallelism) to this rank's slice of the logits, `[batch,
+    /// seq, padded_vocab / tp]`. Last stage only.
+    pub fn head(&self, x: Tensor<B, 3>) -> Result<Tensor<B, 3>> {
+        let norm = self
+            .block
+            .final_norm
+            .as_ref()
+            .ok_or_else(|| self.missing("final norm"))?;
+        let table = match (&self.output, &self.embedding) {
+            (Some(output), _) => output.weight.val(),
+            (None, Some(embedding)) => embedding.weight.val(),
+            (None, None) => return Err(self.missing("output layer").into()),
         };
-        parallel_lm_logits(
-            x,
+        Ok(parallel_lm_logits(
+            norm.try_forward(x)?,
             table,
             &self.context.tp,
             self.context.layer.sequence_parallel,
-        )
+        )?)
     }
-}
-
-impl<B> GptModel<B>
-where
-    B: AutodiffBackend + ModelBackend,
-{
-    /// One training step's forward and backward pass: the mean loss (see
-    /// [`loss`](Self::loss)) and the gradient of every parameter.
-    ///
-    /// With [`Recompute::Full`] it stores only each layer's input: the forward pass runs the
-    /// layers without recording a graph, and the backward pass reruns one layer at a time
-    /// (with the same dropout masks) and backpropagates through it from the gradient of its
-    /// output. Otherwise it is `loss.backward()`.
-    ///
-    /// A collective that fails during the backward pass is returned here as an error (see
-    /// [`ProcessGroup::backward_failure`]).
-    pub fn forward_backward(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-    ) -> Result<(Tensor<B::InnerBackend, 1>, GradientsParams)> {
-        if self.context.recompute != Recompute::Full {
-            let loss = self.loss(self.try_forward(tokens)?, targets)?;
-            let grads = loss.backward();
-            self.context.tp.backward_failure()?;
-            let grads = GradientsParams::from_grads(grads, self);
-            return Ok((loss.inner(), grads));
-        }
-        let call = self.next_call();
-        let embedded = self.embed(tokens, call)?;
-        let layers = &self.block.layers;
-        let mut inputs = Vec::with_capacity(layers.len());
-        let mut x = embedded.clone().inner();
-        for layer in layers {
-            inputs.push(x.clone());
-            x = layer
-                .clone()
-                .no_grad()
-                .try_forward(Tensor::from_inner(x), call)?
-                .inner();
-        }
-
-        let mut grads = GradientsParams::new();
-        let last = Tensor::<B, 3>::from_inner(x).require_grad();
-        let normalised = self.block.final_norm.try_forward(last.clone())?;
-        let loss = self.loss(self.logits(normalised)?, targets)?;
-        let head = self.segment_backward(loss.clone())?;
-        let mut upstream = last
-            .grad(&head)
-            .expect("the last layer's output feeds the loss");
-        accumulate(&mut grads, &self.block.final_norm, &head);
-        match &self.output {
-            Some(output) => accumulate(&mut grads, output, &head),
-            None => accumulate(&mut grads, &self.embedding, &head),
-        }
-
-        for (layer, input) in layers.iter().zip(inputs).rev() {
-            let input = Tensor::<B, 3>::from_inner(input).require_grad();
-            let output = layer.try_forward(input.clone(), call)?;
-            let layer_grads =
-                self.segment_backward((output * Tensor::from_inner(upstream)).sum())?;
-            upstream = input
-                .grad(&layer_grads)
-                .expect("a layer's input reaches its output");
-            accumulate(&mut grads, layer, &layer_grads);
-        }
-
-        let embedding_grads =
-            self.segment_backward((embedded * Tensor::from_inner(upstream)).sum())?;
-        accumulate(&mut grads, &self.embedding, &embedding_grads);
-        if let Some(table) = &self.position_embedding {
-            accumulate(&mut grads, table, &embedding_grads);
-        }
-        Ok((loss.inner(), grads))
-    }
-}
-
-impl<B: AutodiffBackend + ModelBackend> GptModel<B> {
-    /// Backpropagates one segment of a recomputed step, then waits for the TP group.
-    ///
-    /// Burn's autodiff ends every backward pass by locking every graph in the process. Two
-    /// back-to-back backward passes could otherwise deadlock thread ranks: one rank, in its
-    /// next segment's backward, holds its graph while waiting for a peer's collective, and
-    /// the peer, still cleaning up after the previous segment, waits for that graph.
-    fn segment_backward(&self, root: Tensor<B, 1>) -> DistResult<B::Gradients> {
-        let grads = root.backward();
-        self.context.tp.backward_failure()?;
-        self.context.tp.barrier()?;
-        Ok(grads)
-    }
-}
-
-/// Adds the gradients `grads` holds for `module`'s parameters to `total`.
-fn accumulate<B: AutodiffBackend, M: Module<B>>(
-    total: &mut GradientsParams,
-    module: &M,
-    grads: &B::Gradients,
-) {
-    struct Add<'a, B: AutodiffBackend> {
-        total: &'a mut GradientsParams,
-        grads: &'a B::Gradients,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Add<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(grad) = param.grad(self.grads) {
-                let sum = match self.total.remove::<B::InnerBackend, D>(param.id) {
-                    Some(previous) => previous + grad,
-                    None => grad,
-                };
-                self.total.register(param.id, sum);
-            }
-        }
-    }
-    module.visit(&mut Add { total, grads });
 }

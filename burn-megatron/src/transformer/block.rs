@@ -1,5 +1,7 @@
 //! The stack of transformer layers and the final norm.
 
+use core::ops::Range;
+
 use burn::module::Module;
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::{DistResult, ProcessGroup};
@@ -10,13 +12,15 @@ use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 
-/// Megatron's `TransformerBlock`: `num_layers` pre-norm layers, then the final norm.
+/// Megatron's `TransformerBlock`: pre-norm layers, then the final norm. A pipeline stage's
+/// block holds its own layers only, and the final norm only on the last stage (Megatron's
+/// `post_layer_norm` under `post_process`).
 #[derive(Module, Debug)]
 pub struct TransformerBlock<B: Backend> {
-    /// The layers, in order.
+    /// The layers, in order (`layers[i]` is global layer `first + i` of a stage).
     pub layers: Vec<TransformerLayer<B>>,
-    /// Norm after the last layer.
-    pub final_norm: Norm<B>,
+    /// Norm after the last layer; `None` on a pipeline stage other than the last.
+    pub final_norm: Option<Norm<B>>,
 }
 
 impl<B: ModelBackend> TransformerBlock<B> {
@@ -26,28 +30,47 @@ impl<B: ModelBackend> TransformerBlock<B> {
         tp: &ProcessGroup,
         device: &B::Device,
     ) -> Result<Self, ConfigError> {
-        let layers = (0..config.num_layers)
+        Self::new_stage(config, 0..config.num_layers, true, tp, device)
+    }
+
+    /// This rank's part of the global layers `layers` (a pipeline stage's), with the final
+    /// norm if `final_norm`. Values depend on the global layer index only, so a stage holds
+    /// exactly those layers of the whole model.
+    pub fn new_stage(
+        config: &TransformerConfig,
+        layers: Range<usize>,
+        final_norm: bool,
+        tp: &ProcessGroup,
+        device: &B::Device,
+    ) -> Result<Self, ConfigError> {
+        let layers = layers
             .map(|i| TransformerLayer::new(config, i, tp, device))
             .collect::<Result<Vec<_>, _>>()?;
         let sp_group = config.sequence_parallel.then(|| tp.clone());
         Ok(Self {
             layers,
-            final_norm: Norm::new(
-                config.normalization,
-                config.hidden_size,
-                config.norm_epsilon,
-                sp_group,
-                device,
-            ),
+            final_norm: final_norm.then(|| {
+                Norm::new(
+                    config.normalization,
+                    config.hidden_size,
+                    config.norm_epsilon,
+                    sp_group,
+                    device,
+                )
+            }),
         })
     }
 
     /// `[batch, seq, hidden]` (`seq / tp` under sequence parallelism) through every layer and
-    /// the final norm, for the model's `call`-th forward pass (which picks the dropout masks).
+    /// the final norm (if the block has it), for the model's `call`-th forward pass (which
+    /// picks the dropout masks).
     pub fn try_forward(&self, mut x: Tensor<B, 3>, call: u64) -> DistResult<Tensor<B, 3>> {
         for layer in &self.layers {
             x = layer.try_forward(x, call)?;
         }
-        self.final_norm.try_forward(x)
+        match &self.final_norm {
+            Some(norm) => norm.try_forward(x),
+            None => Ok(x),
+        }
     }
 }

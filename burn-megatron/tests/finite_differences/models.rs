@@ -14,6 +14,7 @@ use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, P
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full, param_seed};
 use burn_megatron::models::GptModel;
+use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
 use burn_megatron::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
@@ -203,15 +204,14 @@ fn finite_differences(
 }
 
 /// The analytic gradient per parameter path of `model`, from the training step
-/// [`GptModel::forward_backward`].
+/// [`forward_backward_no_pipelining`].
 fn analytic(
     model: &GptModel<AD>,
     config: &TransformerConfig,
     tp: &ProcessGroup,
 ) -> HashMap<String, Vec<f64>> {
     let (tokens, targets) = batch::<AD>(config, &device());
-    let (_, grads) = model
-        .forward_backward(tokens, targets)
+    let (_, grads) = forward_backward_no_pipelining(model, &[Microbatch::new(tokens, targets)])
         .expect("TP = 1 step");
     gather_full_grads::<AD, _>(model, &grads, tp)
         .expect("TP = 1 gradients")

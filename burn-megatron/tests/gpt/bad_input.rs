@@ -122,7 +122,8 @@ fn negative_targets_are_ignored_not_refused() {
 }
 
 /// A collective that fails inside the backward pass (here: the peer stopped after the
-/// forward pass) is returned by `forward_backward` as an error, not a panic.
+/// forward pass) is recorded on its group, and `backward_failure` returns it as an error:
+/// no panic.
 #[test]
 fn a_collective_that_fails_in_backward_is_an_error() {
     let config = crate::small_gpt();
@@ -140,7 +141,9 @@ fn a_collective_that_fails_in_backward_is_an_error() {
                     "rank 1 stops before its backward pass".into(),
                 );
             }
-            model.forward_backward(input, targets)?;
+            let loss = model.loss(model.try_forward(input)?, targets)?;
+            let _ = loss.backward();
+            state.tp().backward_failure()?;
             Ok(())
         },
     )

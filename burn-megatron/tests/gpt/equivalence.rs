@@ -3,6 +3,7 @@
 
 use burn::module::AutodiffModule;
 use burn::tensor::TensorData;
+use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
 use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
@@ -37,7 +38,8 @@ fn outcomes(config: &TransformerConfig, tp: usize, batches: usize) -> Vec<Outcom
             let logits = model.valid().try_forward(eval_input)?;
             let full_logits = state.tp().all_gather(logits, 2)?.narrow(2, 0, vocab);
             // ...and loss and gradients from the training step.
-            let (loss, grads) = model.forward_backward(input, targets)?;
+            let (loss, grads) =
+                forward_backward_no_pipelining(&model, &[Microbatch::new(input, targets)])?;
             let loss_value = loss.into_scalar();
             let grads = gather_full_grads::<AD, _>(&model, &grads, state.tp())?;
             out.push(Outcome {

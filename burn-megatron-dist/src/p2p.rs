@@ -1,0 +1,91 @@
+//! Point-to-point exchange between neighbouring pipeline stages: Megatron's
+//! `p2p_communication.py`, and torch's `batch_isend_irecv`.
+//!
+//! A pipeline schedule often sends one tensor to a neighbour and receives another in the same
+//! breath (Megatron's `send_forward_recv_backward`). Over NCCL a send completes only once its
+//! receive is posted, so two stages that each send a large tensor to the other before
+//! receiving would wait for ever. [`batch_isend_irecv`] posts every send and receive of one
+//! exchange as one grouped call, which NCCL (`ncclGroupStart`, `ncclSend`/`ncclRecv` for each
+//! op, `ncclGroupEnd`) completes as a whole: no order among the ops of a batch can deadlock.
+//!
+//! Shapes are known in advance (a stage's activation is `[micro_batch, seq, hidden]`, or
+//! `seq / tp` under sequence parallelism), so a receive names the shape and dtype it expects and
+//! the steady state sends no shape messages. On the host transports (thread and TCP ranks)
+//! sends are buffered: the batch sends first, then waits for its receives, and a receive whose
+//! message has another shape is a [`DistError::Mismatch`] naming both.
+//!
+//! The grouped NCCL path is not implemented yet: on a GPU backend the host path below calls
+//! [`ProcessGroup::send`] and [`ProcessGroup::recv`] one op at a time (each an ungrouped NCCL
+//! call with a host header), which is correct but can deadlock for two large tensors crossing.
+//! The hook it needs is a `DistBackend::batch_p2p_on_device` that issues the batch between
+//! `group_start` and `group_end` on the group's communicator, as `all_to_all` does in
+//! `device_calls.rs`; [`P2pOp::Recv`] already carries the shape and dtype that path allocates
+//! from.
+
+use burn::tensor::{DType, Tensor};
+
+use crate::backend::DistBackend;
+use crate::error::{DistError, DistResult};
+use crate::process_group::ProcessGroup;
+
+/// One operation of a batched exchange; peers are group-local ranks of the pipeline group.
+#[derive(Debug, Clone)]
+pub enum P2pOp<B: DistBackend, const D: usize> {
+    /// Sends `tensor` to `peer`.
+    Send {
+        /// The tensor to send.
+        tensor: Tensor<B, D>,
+        /// Group rank of the receiver.
+        peer: usize,
+    },
+    /// Receives a tensor of `shape` and `dtype` from `peer`.
+    Recv {
+        /// Group rank of the sender.
+        peer: usize,
+        /// The shape the sender sends (known in advance).
+        shape: [usize; D],
+        /// The dtype the sender sends.
+        dtype: DType,
+    },
+}
+
+/// Runs every op of `ops` as one exchange over `group` and returns the received tensors, in
+/// the order of the [`P2pOp::Recv`] ops. Messages between two ranks are matched in order: the
+/// n-th send from `a` to `b` meets the n-th receive on `b` from `a`.
+///
+/// Megatron's `_batched_p2p_ops` (`torch.distributed.batch_isend_irecv`). Every receive fails
+/// within the group's timeout, naming the peer, if its message never comes.
+pub fn batch_isend_irecv<B: DistBackend, const D: usize>(
+    group: &ProcessGroup,
+    ops: Vec<P2pOp<B, D>>,
+    device: &B::Device,
+) -> DistResult<Vec<Tensor<B, D>>> {
+    let mut receives = Vec::new();
+    for op in ops {
+        match op {
+            P2pOp::Send { tensor, peer } => group.send(tensor, peer)?,
+            P2pOp::Recv { peer, shape, dtype } => receives.push((peer, shape, dtype)),
+        }
+    }
+    receives
+        .into_iter()
+        .map(|(peer, shape, dtype)| {
+            let tensor = group.recv::<B, D>(peer, device)?;
+            if tensor.dims() != shape || tensor.dtype() != dtype {
+                return Err(DistError::Mismatch {
+                    rank: group.global_rank(),
+                    group: group.name().to_string(),
+                    op: format!("recv(src={peer})"),
+                    seq: 0,
+                    detail: format!(
+                        "expected {shape:?} {dtype:?}, rank {} sent {:?} {:?}",
+                        group.ranks()[peer],
+                        tensor.dims(),
+                        tensor.dtype()
+                    ),
+                });
+            }
+            Ok(tensor)
+        })
+        .collect()
+}

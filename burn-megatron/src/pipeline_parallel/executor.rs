@@ -1,0 +1,432 @@
+//! Runs one rank's steps of a [`Plan`] on its model chunks.
+//!
+//! A forward pass keeps what its backward pass needs: with the autodiff graph, the stage's
+//! input (a leaf that requires grad when it came from the previous stage) and its output;
+//! under [`Recompute::Full`], no graph, only each layer's input, and the backward pass reruns
+//! the head, each layer and the embedding in turn, backpropagating through one at a time. The
+//! gradient sent back to the previous stage is the input leaf's gradient.
+//!
+//! Every backward pass goes through [`Executor::backward_segment`], which first waits for the
+//! tensor-parallel group (see the book's "Pipeline parallelism" chapter: this makes the
+//! autodiff-lock deadlock of thread ranks impossible).
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use burn_megatron_dist::{DistBackend, ProcessGroup, ReduceOp};
+
+use super::error::PipelineError;
+use super::exchange::Mailbox;
+use super::microbatch::Microbatch;
+use super::plan::{Compute, Payload, Plan, Step};
+use crate::backend::ModelBackend;
+use crate::error::{Error, Result};
+use crate::models::GptModel;
+use crate::transformer::Recompute;
+
+/// The groups a rank's part of a pipeline talks over.
+pub(crate) struct Groups {
+    /// Pipeline group (`None` with PP = 1).
+    pub pp: Option<ProcessGroup>,
+    /// This rank's pipeline rank.
+    pub pp_rank: usize,
+    /// The first and last stage, for tied embeddings (`None` on a middle stage).
+    pub embedding: Option<ProcessGroup>,
+}
+
+/// What one rank's part of a training step gives back.
+#[derive(Debug)]
+pub struct StepOutput<B: AutodiffBackend> {
+    /// The step's loss, the mean of the microbatches' losses; on the last stage only.
+    pub loss: Option<Tensor<B::InnerBackend, 1>>,
+    /// Per model chunk, the gradient of the step's loss with respect to its parameters
+    /// (the microbatches' gradients, each scaled by `1 / microbatches`, summed).
+    pub grads: Vec<GradientsParams>,
+    /// The most microbatches whose activations this rank held at once.
+    pub max_live_activations: usize,
+}
+
+/// What a forward pass kept for its backward pass.
+enum Live<B: AutodiffBackend> {
+    /// The autodiff graph of the whole stage.
+    Graph {
+        /// The embeddings (first stage) or the received input, a leaf that requires grad.
+        start: Start<B>,
+        /// The stage's output, or the loss (over `microbatches`) on the last stage.
+        end: End<B>,
+    },
+    /// Full recomputation: no graph at all, only what reruns the stage piece by piece (the
+    /// embedding from the tokens, each layer from its input, the head from the last layer's
+    /// output). Keeping no graph between passes also keeps one microbatch's backward pass
+    /// from meeting another microbatch's graph.
+    Recompute {
+        call: u64,
+        /// Each layer's input.
+        layer_inputs: Vec<Tensor<B::InnerBackend, 3>>,
+        /// The last layer's output (last stage).
+        output: Tensor<B::InnerBackend, 3>,
+    },
+}
+
+enum Start<B: AutodiffBackend> {
+    Embedded(Tensor<B, 3>),
+    Received(Tensor<B, 3>),
+}
+
+enum End<B: AutodiffBackend> {
+    Hidden(Tensor<B, 3>),
+    Loss(Tensor<B, 1>),
+}
+
+pub(crate) struct Executor<'a, B: AutodiffBackend + ModelBackend>
+where
+    B::InnerBackend: DistBackend,
+{
+    chunks: &'a [GptModel<B>],
+    microbatches: &'a [Microbatch<B>],
+    groups: &'a Groups,
+    pp_size: usize,
+    device: B::Device,
+    dtype: DType,
+    live: HashMap<Compute, Live<B>>,
+    mailbox: Mailbox<B::InnerBackend>,
+    grads: Vec<GradientsParams>,
+    losses: Vec<Tensor<B::InnerBackend, 1>>,
+    max_live: usize,
+}
+
+impl<'a, B> Executor<'a, B>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend,
+{
+    pub fn new(
+        chunks: &'a [GptModel<B>],
+        microbatches: &'a [Microbatch<B>],
+        groups: &'a Groups,
+        pp_size: usize,
+    ) -> Self {
+        let device = chunks[0].devices().into_iter().next().unwrap_or_default();
+        let dtype = Tensor::<B::InnerBackend, 1>::zeros([1], &device).dtype();
+        Self {
+            chunks,
+            microbatches,
+            groups,
+            pp_size,
+            device,
+            dtype,
+            live: HashMap::new(),
+            mailbox: Mailbox::new(),
+            grads: chunks.iter().map(|_| GradientsParams::new()).collect(),
+            losses: Vec::new(),
+            max_live: 0,
+        }
+    }
+
+    /// Runs every step of this rank in `plan`, then reduces the tied embeddings' gradients.
+    pub fn run(mut self, plan: &Plan) -> Result<StepOutput<B>> {
+        let single_stage = plan.pp * plan.virtual_size == 1;
+        for step in plan.steps(self.groups.pp_rank) {
+            self.step(step).map_err(|source| {
+                if single_stage {
+                    source
+                } else {
+                    self.failed(step, source)
+                }
+            })?;
+        }
+        self.reduce_tied_embeddings()?;
+        let loss = (!self.losses.is_empty()).then(|| {
+            let count = self.losses.len();
+            Tensor::cat(std::mem::take(&mut self.losses), 0)
+                .sum()
+                .div_scalar(count as f64)
+        });
+        Ok(StepOutput {
+            loss,
+            grads: self.grads,
+            max_live_activations: self.max_live,
+        })
+    }
+
+    fn failed(&self, step: &Step, source: Error) -> Error {
+        let (what, chunk) = match step {
+            Step::Forward(c) => (
+                format!("the forward pass of microbatch {}", c.microbatch),
+                c.chunk,
+            ),
+            Step::Backward(c) => (
+                format!("the backward pass of microbatch {}", c.microbatch),
+                c.chunk,
+            ),
+            Step::Exchange(t) => (
+                format!("an exchange with its neighbours ({} transfers)", t.len()),
+                t.first().map_or(0, |t| t.chunk),
+            ),
+        };
+        let rank = self.chunks[0].tp().global_rank();
+        PipelineError::StageFailed {
+            stage: chunk * self.pp_size + self.groups.pp_rank,
+            rank,
+            step: what,
+            source: Box::new(source),
+        }
+        .into()
+    }
+
+    fn step(&mut self, step: &Step) -> Result<()> {
+        match step {
+            Step::Forward(c) => self.forward(*c),
+            Step::Backward(c) => self.backward(*c),
+            Step::Exchange(transfers) => {
+                let pp = self.groups.pp.as_ref().ok_or_else(|| {
+                    internal("a plan with exchanges needs a pipeline group".into())
+                })?;
+                let (chunks, microbatches) = (self.chunks, self.microbatches);
+                let shape = |t: &super::plan::Transfer| {
+                    let [batch, seq] = microbatches[t.microbatch].tokens.dims();
+                    chunks[t.chunk].activation_shape(batch, seq)
+                };
+                Ok(self
+                    .mailbox
+                    .exchange(pp, transfers, shape, self.dtype, &self.device)?)
+            }
+        }
+    }
+
+    fn forward(&mut self, c: Compute) -> Result<()> {
+        let chunks = self.chunks;
+        let model = &chunks[c.chunk];
+        let data = &self.microbatches[c.microbatch];
+        let stage = model.stage().clone();
+        let call = model.next_call();
+        let scale = self.microbatches.len() as f64;
+        let live = if model.recompute() == Recompute::Full {
+            let mut x = if stage.is_first() {
+                model.embed(data.tokens.clone(), call)?.inner()
+            } else {
+                self.take(Payload::Activation, c)?
+            };
+            let mut layer_inputs = Vec::with_capacity(model.layers().len());
+            for layer in model.layers() {
+                layer_inputs.push(x.clone());
+                x = layer
+                    .clone()
+                    .no_grad()
+                    .try_forward(Tensor::from_inner(x), call)?
+                    .inner();
+            }
+            if stage.is_last() {
+                let logits = model.head(Tensor::from_inner(x.clone()))?;
+                let loss = model.loss(logits, data.targets.clone())?;
+                self.losses.push(loss.inner());
+            } else {
+                self.mailbox
+                    .outgoing
+                    .insert((Payload::Activation, c), x.clone());
+            }
+            Live::Recompute {
+                call,
+                layer_inputs,
+                output: x,
+            }
+        } else {
+            let start = if stage.is_first() {
+                Start::Embedded(model.embed(data.tokens.clone(), call)?)
+            } else {
+                let input = self.take(Payload::Activation, c)?;
+                Start::Received(Tensor::from_inner(input).require_grad())
+            };
+            let mut x = match &start {
+                Start::Embedded(x) | Start::Received(x) => x.clone(),
+            };
+            for layer in model.layers() {
+                x = layer.try_forward(x, call)?;
+            }
+            let end = if stage.is_last() {
+                let loss = model.loss(model.head(x)?, data.targets.clone())?;
+                self.losses.push(loss.clone().inner());
+                End::Loss(loss.div_scalar(scale))
+            } else {
+                self.mailbox
+                    .outgoing
+                    .insert((Payload::Activation, c), x.clone().inner());
+                End::Hidden(x)
+            };
+            Live::Graph { start, end }
+        };
+        self.live.insert(c, live);
+        self.max_live = self.max_live.max(self.live.len());
+        Ok(())
+    }
+
+    fn backward(&mut self, c: Compute) -> Result<()> {
+        let live = self.live.remove(&c).ok_or_else(|| {
+            internal(format!(
+                "plan runs the backward pass of microbatch {} (chunk {}) before its forward pass",
+                c.microbatch, c.chunk
+            ))
+        })?;
+        let chunks = self.chunks;
+        let model = &chunks[c.chunk];
+        let stage = model.stage().clone();
+        let input_grad = match live {
+            Live::Graph { start, end } => {
+                let root = match end {
+                    End::Loss(scaled) => scaled,
+                    End::Hidden(output) => dot(output, self.take(Payload::Gradient, c)?),
+                };
+                let grads = self.backward_segment(model, root, c.chunk)?;
+                match &start {
+                    Start::Received(input) => Some(grad_of(input, &grads)),
+                    Start::Embedded(_) => None,
+                }
+            }
+            Live::Recompute {
+                call,
+                layer_inputs,
+                output,
+            } => {
+                let mut upstream = if stage.is_last() {
+                    let last = Tensor::<B, 3>::from_inner(output).require_grad();
+                    let targets = self.microbatches[c.microbatch].targets.clone();
+                    let loss = model.loss(model.head(last.clone())?, targets)?;
+                    let scaled = loss.div_scalar(self.microbatches.len() as f64);
+                    let grads = self.backward_segment(model, scaled, c.chunk)?;
+                    grad_of(&last, &grads)
+                } else {
+                    self.take(Payload::Gradient, c)?
+                };
+                for (layer, input) in model.layers().iter().zip(layer_inputs).rev() {
+                    let input = Tensor::<B, 3>::from_inner(input).require_grad();
+                    let output = layer.try_forward(input.clone(), call)?;
+                    let grads = self.backward_segment(model, dot(output, upstream), c.chunk)?;
+                    upstream = grad_of(&input, &grads);
+                }
+                if stage.is_first() {
+                    let tokens = self.microbatches[c.microbatch].tokens.clone();
+                    let embedded = model.embed(tokens, call)?;
+                    self.backward_segment(model, dot(embedded, upstream), c.chunk)?;
+                    None
+                } else {
+                    Some(upstream)
+                }
+            }
+        };
+        if let Some(grad) = input_grad {
+            self.mailbox.outgoing.insert((Payload::Gradient, c), grad);
+        }
+        Ok(())
+    }
+
+    /// Backpropagates from `root` and adds the parameter gradients to chunk `chunk`'s.
+    ///
+    /// Waits for the tensor-parallel group first. Burn's autodiff holds a graph's lock for a
+    /// whole backward pass and, after it, locks every graph of the process in turn. A
+    /// backward pass here can block only in a collective of the TP group; once every TP rank
+    /// has reached this barrier, none of them is still inside its previous backward pass (or
+    /// its clean-up), so a rank that blocks in a collective with the lock held waits only for
+    /// peers that are themselves inside the same backward pass and will join it, and no
+    /// cycle of waits can form.
+    fn backward_segment(
+        &mut self,
+        model: &GptModel<B>,
+        root: Tensor<B, 1>,
+        chunk: usize,
+    ) -> Result<B::Gradients> {
+        let tp = model.tp();
+        tp.barrier()?;
+        let grads = root.backward();
+        tp.backward_failure()?;
+        accumulate(&mut self.grads[chunk], model, &grads);
+        Ok(grads)
+    }
+
+    fn take(&mut self, payload: Payload, c: Compute) -> Result<Tensor<B::InnerBackend, 3>> {
+        self.mailbox.arrived.remove(&(payload, c)).ok_or_else(|| {
+            internal(format!(
+                "plan uses the {payload:?} of microbatch {} (chunk {}) before receiving it",
+                c.microbatch, c.chunk
+            ))
+        })
+    }
+
+    /// Megatron's `_allreduce_word_embedding_grads`: with tied embeddings over several stages,
+    /// the first stage's embedding table and the last stage's copy get the sum of both
+    /// gradients, so that they stay equal after the optimizer step.
+    fn reduce_tied_embeddings(&mut self) -> Result<()> {
+        let Some(group) = &self.groups.embedding else {
+            return Ok(());
+        };
+        if group.size() < 2 || !self.chunks[0].ties_embeddings() {
+            return Ok(());
+        }
+        let (chunk, weight) = if self.chunks[0].stage().is_first() {
+            let embedding = self.chunks[0].embedding.as_ref();
+            (0, embedding.map(|e| &e.weight))
+        } else {
+            let last = self.chunks.len() - 1;
+            (last, self.chunks[last].output.as_ref().map(|o| &o.weight))
+        };
+        let Some(weight) = weight else {
+            return Ok(());
+        };
+        let grads = &mut self.grads[chunk];
+        let grad = grads
+            .remove::<B::InnerBackend, 2>(weight.id)
+            .unwrap_or_else(|| weight.val().inner().zeros_like());
+        let sum = group.all_reduce(grad, ReduceOp::Sum)?;
+        grads.register(weight.id, sum);
+        Ok(())
+    }
+}
+
+/// A plan that does not fit the executor (a bug in a schedule, not in the user's input).
+pub(crate) fn internal(message: String) -> Error {
+    burn_megatron_dist::DistError::InvalidArgument(message).into()
+}
+
+/// `sum(output · upstream)`: the root whose backward pass carries `upstream`, the gradient of
+/// `output`, into the graph behind `output`.
+fn dot<B: AutodiffBackend>(
+    output: Tensor<B, 3>,
+    upstream: Tensor<B::InnerBackend, 3>,
+) -> Tensor<B, 1> {
+    (output * Tensor::from_inner(upstream)).sum()
+}
+
+/// The gradient of `leaf`; zero where nothing that was backpropagated depends on it.
+fn grad_of<B: AutodiffBackend>(
+    leaf: &Tensor<B, 3>,
+    grads: &B::Gradients,
+) -> Tensor<B::InnerBackend, 3> {
+    leaf.grad(grads)
+        .unwrap_or_else(|| leaf.clone().inner().zeros_like())
+}
+
+/// Adds the gradients `grads` holds for `module`'s parameters to `total`.
+pub(crate) fn accumulate<B: AutodiffBackend, M: Module<B>>(
+    total: &mut GradientsParams,
+    module: &M,
+    grads: &B::Gradients,
+) {
+    struct Add<'a, B: AutodiffBackend> {
+        total: &'a mut GradientsParams,
+        grads: &'a B::Gradients,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Add<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = param.grad(self.grads) {
+                let sum = match self.total.remove::<B::InnerBackend, D>(param.id) {
+                    Some(previous) => previous + grad,
+                    None => grad,
+                };
+                self.total.register(param.id, sum);
+            }
+        }
+    }
+    module.visit(&mut Add { total, grads });
+}
