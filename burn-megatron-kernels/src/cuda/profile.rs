@@ -352,6 +352,14 @@ fn short_name(name: &str) -> String {
     out
 }
 
+/// `name` cut to `max` characters, marked with `…` where cut.
+fn clipped(name: &str, max: usize) -> String {
+    match name.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", &name[..end]),
+        None => name.to_string(),
+    }
+}
+
 impl Report {
     /// The `top` names by GPU time and the per-phase times, as a text table; times and counts
     /// are divided by `steps` (the number of steps the report covers).
@@ -377,7 +385,7 @@ impl Report {
                 entry.count as f64 / per,
                 1e3 * entry.total_ms / entry.count.max(1) as f64,
                 format!("{:?}", entry.kind),
-                entry.name,
+                clipped(&entry.name, 160),
             );
         }
         let rest: f64 = self.entries.iter().skip(top).map(|e| e.total_ms).sum();
