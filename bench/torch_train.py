@@ -9,7 +9,8 @@
 # GELU + learned positions for GPT, RMSNorm + SwiGLU + RoPE + GQA for Llama), the same init
 # scheme (normal, std 0.02; GPT-2's scaled std for the layers writing into the residual stream
 # where our preset scales them), dropout 0, random tokens, AdamW (fused, lr 3e-4,
-# weight decay 1e-4 as Burn's default), F.scaled_dot_product_attention (causal). Precision is
+# weight decay 1e-4 as Burn's default; epsilon is torch's 1e-8, Burn's is 1e-5, which changes
+# no timing), F.scaled_dot_product_attention (causal). Precision is
 # PyTorch's usual mixed precision: f32 parameters and optimizer state, bf16 autocast. The
 # step ends with loss.item() (a device sync), and the printed RESULT line has the same fields
 # and the same FLOPs formula (Megatron's, see book/src/benchmarks.md) as ours.
