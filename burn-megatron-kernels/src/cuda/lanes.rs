@@ -15,6 +15,7 @@ use cudarc::driver::sys::{CUstream, CUstream_flags, cuStreamCreateWithPriority};
 use super::driver::{DriverFailure, check};
 use super::event::Event;
 use super::foreign::{Extensions, ForeignContext, ForeignTask, Lane};
+use super::profile::{self, Kind};
 use super::server::CudaServer;
 use super::storage::GpuResource;
 
@@ -131,6 +132,11 @@ impl CudaServer {
                 side
             }
         };
+        let kind = match task.lane {
+            Lane::Compute => Kind::Foreign,
+            Lane::Side(_) => Kind::SideLane,
+        };
+        let span = profile::begin(&mut self.extensions, stream, task.name, kind);
         let mut context = ForeignContext {
             stream,
             compute_stream: self.compute,
@@ -139,6 +145,7 @@ impl CudaServer {
         };
         let result = catch_unwind(AssertUnwindSafe(|| (task.op)(&mut context)))
             .unwrap_or_else(|panic| Err(format!("panicked: {panic:?}")));
+        profile::end(&mut self.extensions, stream, span);
         if let Lane::Side(_) = task.lane {
             // Even a failed operation may have enqueued work: track it until it ends.
             let end = Event::record(stream).map_err(|e| e.to_string())?;

@@ -14,6 +14,7 @@ pub mod foreign;
 pub mod gemm;
 mod lanes;
 mod modules;
+pub mod profile;
 mod properties;
 mod runtime;
 mod server;

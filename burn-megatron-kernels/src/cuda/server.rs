@@ -35,6 +35,7 @@ use super::event::Event;
 use super::foreign::Extensions;
 use super::lanes::{PendingOp, range};
 use super::modules::Modules;
+use super::profile::{self, Kind};
 use super::properties::{MEMORY_ALIGNMENT, probe};
 use super::storage::{GpuResource, GpuStorage};
 use super::tensor_map;
@@ -382,6 +383,12 @@ impl CudaServer {
         );
         params.extend(constant);
         let dim = loaded.cube_dim;
+        let span = profile::begin(
+            &mut self.extensions,
+            self.compute,
+            kernel.name(),
+            Kind::Kernel,
+        );
         // SAFETY: `params` points at live values laid out as the kernel's signature expects;
         // the driver copies them before returning.
         unsafe {
@@ -398,6 +405,7 @@ impl CudaServer {
                 code: e.0,
             })?;
         }
+        profile::end(&mut self.extensions, self.compute, span);
         // The metadata buffer may be reused now: later users are ordered after this launch.
         drop(info_buffer);
         Ok(())

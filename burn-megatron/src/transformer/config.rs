@@ -139,7 +139,12 @@ pub struct ValidatedConfig {
 
 impl TransformerConfig {
     fn gpt2(num_layers: usize, hidden_size: usize, heads: usize) -> Self {
-        Self::new(hidden_size, num_layers, heads, 4 * hidden_size, 50257, 1024)
+        Self::gpt(num_layers, hidden_size, heads, 1024)
+    }
+
+    /// A GPT with GPT-2's vocabulary, FFN width, GeLU (tanh form, as GPT-2's) and dropout.
+    fn gpt(num_layers: usize, hidden_size: usize, heads: usize, seq: usize) -> Self {
+        Self::new(hidden_size, num_layers, heads, 4 * hidden_size, 50257, seq)
             .with_activation(Activation::GeluTanh)
             .with_hidden_dropout(0.1)
             .with_attention_dropout(0.1)
@@ -160,6 +165,12 @@ impl TransformerConfig {
     /// GPT-2 XL: 48 layers, 1600 wide, 25 heads (1.5B). 25 heads allow TP of 1, 5 or 25 only.
     pub fn gpt2_1_5b() -> Self {
         Self::gpt2(48, 1600, 25)
+    }
+
+    /// Megatron's 1.3B GPT: 24 layers, 2048 wide, 16 heads, sequences of 2048, GPT-2's
+    /// vocabulary (GPT-3 XL's size).
+    pub fn gpt_1_3b() -> Self {
+        Self::gpt(24, 2048, 16, 2048)
     }
 
     fn llama(layers: usize, hidden: usize, heads: usize, groups: usize, ffn: usize) -> Self {

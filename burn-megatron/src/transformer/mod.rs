@@ -4,6 +4,7 @@ mod attention;
 mod attention_core;
 mod block;
 mod config;
+mod flops;
 mod layer;
 mod mlp;
 mod norm;

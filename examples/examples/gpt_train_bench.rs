@@ -1,0 +1,515 @@
+//! The end-to-end training step of our GPT on one GPU: forward, backward and Burn's AdamW on
+//! `Autodiff<MegatronCuda>`, in tokens/s and MFU, to hold against `bench/torch_train.py` run
+//! in the same device call (issue 13, "a training step at PyTorch speed"):
+//!
+//!     ../shared/gpu/pack build --release --features cuda -p burn-megatron-examples --example gpt_train_bench
+//!     # on the device, in one call:
+//!     source .gpu/env.sh
+//!     BM_PROFILE=1 .gpu/bin/gpt_train_bench --preset gpt2-124m --batch 16 --dtype bf16
+//!     python3 bench/torch_train.py --preset gpt2-124m --batch 16 --mode compile
+//!
+//! Each step is timed from its first operation to a device sync after the optimizer (the loss
+//! is read once per step, which waits for the same work). The warm-up steps, which compile
+//! kernels and run autotune, are left out; the step time is the median of the measured steps.
+//! With `BM_PROFILE=1` the measured steps are timed with the profile idle (one extra branch per
+//! launch), then `--profile-steps` more steps are profiled per kernel (see
+//! `burn_megatron_kernels::cuda::profile`).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use burn::backend::Autodiff;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Int, IntDType, Tensor, TensorData, set_default_dtypes};
+use burn_cubecl::cubecl::Runtime;
+use burn_megatron::models::GptModel;
+use burn_megatron::transformer::{Recompute, TransformerConfig};
+use burn_megatron_dist::{LaunchConfig, ProcessGroup, launch};
+use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime, profile};
+use clap::{Parser, ValueEnum};
+
+type Train = Autodiff<MegatronCuda>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Model shapes (see `TransformerConfig`'s presets).
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Preset {
+    /// GPT-2 small: 12 layers, 768 wide, 12 heads (124M).
+    #[value(name = "gpt2-124m")]
+    Gpt2Small,
+    /// GPT-2 medium: 24 layers, 1024 wide, 16 heads (350M).
+    #[value(name = "gpt2-350m")]
+    Gpt2Medium,
+    /// Megatron's 1.3B GPT: 24 layers, 2048 wide, 16 heads.
+    #[value(name = "gpt-1.3b")]
+    Gpt1_3b,
+    /// Llama-3.2-1B's shape (RMSNorm, SwiGLU, RoPE, 8 query groups) with a 32 000-token
+    /// vocabulary and an untied output layer.
+    #[value(name = "llama-1b")]
+    Llama1b,
+}
+
+impl Preset {
+    fn config(self) -> TransformerConfig {
+        match self {
+            Preset::Gpt2Small => TransformerConfig::gpt2_124m(),
+            Preset::Gpt2Medium => TransformerConfig::gpt2_350m(),
+            Preset::Gpt1_3b => TransformerConfig::gpt_1_3b(),
+            Preset::Llama1b => {
+                let mut config = TransformerConfig::llama_1b().with_tie_embeddings(false);
+                config.vocab_size = 32_000;
+                config.max_sequence_length = 2048;
+                config
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, ValueEnum)]
+enum Precision {
+    /// f32 parameters; matmuls on TF32 tensor cores.
+    F32,
+    /// bf16 parameters, activations and AdamW moments (Burn has no master weights).
+    Bf16,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum RecomputeArg {
+    None,
+    Selective,
+    Full,
+}
+
+/// One training step of a GPT on GPU 0, timed.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Model shape.
+    #[arg(long, value_enum, default_value = "gpt2-124m")]
+    preset: Preset,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Tokens per sequence (default: the preset's maximum).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Parameter and activation dtype.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: Precision,
+    /// Activation recomputation.
+    #[arg(long, value_enum, default_value = "none")]
+    recompute: RecomputeArg,
+    /// Measured steps.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Warm-up steps (kernel compilation, autotune), not measured.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Steps profiled per kernel after the measured ones, with `BM_PROFILE=1`.
+    #[arg(long, default_value_t = 2)]
+    profile_steps: usize,
+    /// Kernels listed in the profile.
+    #[arg(long, default_value_t = 25)]
+    top: usize,
+    /// Dense peak TFLOP/s of the GPU for MFU (default: H100/H200 SXM, 989.4 bf16, 494.7 TF32).
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-4)]
+    lr: f64,
+}
+
+/// Host time of each part of a step, and the memory seen at its phase boundaries.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepTimes {
+    total: Duration,
+    forward: Duration,
+    backward: Duration,
+    optimizer: Duration,
+    /// From the optimizer's return to the end of the device sync (reading the loss included).
+    wait: Duration,
+    loss: f32,
+    /// Largest bytes in use in the memory pool at the end of forward or backward.
+    in_use: u64,
+    /// Bytes the pool holds from the driver at the end of backward.
+    reserved: u64,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("gpt_train_bench: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<(), BoxError> {
+    let preset = args.preset.config();
+    let seq = args.seq.unwrap_or(preset.max_sequence_length);
+    let max_sequence_length = preset.max_sequence_length.max(seq);
+    let recompute = match args.recompute {
+        RecomputeArg::None => Recompute::None,
+        RecomputeArg::Selective => Recompute::Selective,
+        RecomputeArg::Full => Recompute::Full,
+    };
+    let mut config = preset
+        .with_hidden_dropout(0.0)
+        .with_attention_dropout(0.0)
+        .with_recompute(recompute);
+    config.max_sequence_length = max_sequence_length;
+    let device = CudaGpu::new(0);
+    check_gpu(device.index)?;
+    if args.dtype == Precision::Bf16 {
+        // Before any tensor exists on the device: parameters, activations and the tensors the
+        // model creates (masks, RoPE tables) are all bf16 from here.
+        set_default_dtypes::<Train>(&device, FloatDType::BF16, IntDType::I32)?;
+    }
+    let mut outcome = launch(LaunchConfig::new(1), |ctx| {
+        train(args, &config, seq, ctx.world(), &device)
+    })?;
+    let outcome = outcome.remove(0);
+    report(args, &config, seq, &outcome)
+}
+
+/// What a run measured.
+struct Outcome {
+    params: usize,
+    dtypes: String,
+    gpu: String,
+    warmup: Duration,
+    first_loss: f32,
+    steps: Vec<StepTimes>,
+    profile: Option<(profile::Report, Duration)>,
+}
+
+fn train(
+    args: &Args,
+    config: &TransformerConfig,
+    seq: usize,
+    world: &ProcessGroup,
+    device: &CudaGpu,
+) -> Result<Outcome, BoxError> {
+    let mut model = config.init_gpt::<Train>(world, device)?;
+    let wanted = match args.dtype {
+        Precision::F32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+    };
+    let census = Census::of(&model);
+    if census.keys().any(|dtype| *dtype != format!("{wanted:?}")) {
+        model = model.map(&mut Cast(wanted));
+    }
+    let dtypes = format!("{:?} (before any cast: {census:?})", Census::of(&model));
+    let params = model.num_params();
+    let gpu = gpu_name(device.index);
+    let mut optim = AdamWConfig::new().init::<Train, GptModel<Train>>();
+    let batches: Vec<_> = (0..4)
+        .map(|i| {
+            (
+                random_tokens(args.batch, seq, config.vocab_size, 2 * i, device),
+                random_tokens(args.batch, seq, config.vocab_size, 2 * i + 1, device),
+            )
+        })
+        .collect();
+
+    let mut step = |model: GptModel<Train>, i: usize| {
+        let (tokens, targets) = batches[i % batches.len()].clone();
+        train_step(model, &mut optim, tokens, targets, args.lr, device)
+    };
+    let start = Instant::now();
+    let mut first_loss = f32::NAN;
+    for i in 0..args.warmup {
+        let (next, times) = step(model, i)?;
+        model = next;
+        if i == 0 {
+            first_loss = times.loss;
+        }
+    }
+    let warmup = start.elapsed();
+    let mut steps = Vec::with_capacity(args.steps);
+    for i in 0..args.steps {
+        let (next, times) = step(model, args.warmup + i)?;
+        model = next;
+        steps.push(times);
+    }
+    let profile = match profile::enabled() && args.profile_steps > 0 {
+        true => {
+            profile::start(device);
+            let start = Instant::now();
+            for i in 0..args.profile_steps {
+                model = step(model, i)?.0;
+            }
+            let elapsed = start.elapsed();
+            Some((profile::report(device)?, elapsed))
+        }
+        false => None,
+    };
+    Ok(Outcome {
+        params,
+        dtypes,
+        gpu,
+        warmup,
+        first_loss,
+        steps,
+        profile,
+    })
+}
+
+/// One step: forward and loss, backward, AdamW, then a device sync.
+fn train_step<O: Optimizer<GptModel<Train>, Train>>(
+    model: GptModel<Train>,
+    optim: &mut O,
+    tokens: Tensor<Train, 2, Int>,
+    targets: Tensor<Train, 2, Int>,
+    lr: f64,
+    device: &CudaGpu,
+) -> Result<(GptModel<Train>, StepTimes), BoxError> {
+    let mut times = StepTimes::default();
+    let start = Instant::now();
+    let (loss, grads) = match model.recompute() {
+        // Full recomputation interleaves the layers' forward and backward passes.
+        Recompute::Full => {
+            profile::phase(device, "fwd+bwd");
+            let (loss, grads) = model.forward_backward(tokens, targets)?;
+            times.forward = start.elapsed();
+            times.in_use = memory(device).0;
+            (loss, grads)
+        }
+        _ => {
+            profile::phase(device, "forward");
+            let loss = model.loss(model.try_forward(tokens)?, targets)?;
+            times.forward = start.elapsed();
+            times.in_use = memory(device).0;
+            let backward = Instant::now();
+            profile::phase(device, "backward");
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            times.backward = backward.elapsed();
+            (loss.inner(), grads)
+        }
+    };
+    let (in_use, reserved) = memory(device);
+    times.in_use = times.in_use.max(in_use);
+    times.reserved = reserved;
+    let optimizer = Instant::now();
+    profile::phase(device, "optimizer");
+    let model = optim.step(lr, model, grads);
+    times.optimizer = optimizer.elapsed();
+    let wait = Instant::now();
+    times.loss = loss
+        .into_data()
+        .iter::<f32>()
+        .next()
+        .ok_or("the loss is empty")?;
+    <Train as Backend>::sync(device)?;
+    times.wait = wait.elapsed();
+    times.total = start.elapsed();
+    Ok((model, times))
+}
+
+/// Bytes in use and bytes reserved in our runtime's memory pool, in queue order (no GPU wait).
+fn memory(device: &CudaGpu) -> (u64, u64) {
+    MegatronCudaRuntime::client(device)
+        .memory_usage()
+        .map(|usage| (usage.bytes_in_use, usage.bytes_reserved))
+        .unwrap_or_default()
+}
+
+/// `[batch, seq]` token ids drawn uniformly from the vocabulary (SplitMix64, seeded by `seed`).
+fn random_tokens(
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    seed: u64,
+    device: &CudaGpu,
+) -> Tensor<Train, 2, Int> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let ids: Vec<i32> = (0..batch * seq)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % vocab as u64) as i32
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [batch, seq]), device)
+}
+
+/// Fails with a message, rather than a panic inside the runtime, where there is no GPU.
+fn check_gpu(index: usize) -> Result<(), BoxError> {
+    use cudarc::driver::{result, sys};
+    // SAFETY: only tries to open the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda) here: run this on a GPU machine".into());
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+    let count = result::device::get_count().map_err(|e| format!("no CUDA device: {e:?}"))?;
+    if index >= count as usize {
+        return Err(format!("GPU {index} asked for, {count} found").into());
+    }
+    Ok(())
+}
+
+fn gpu_name(index: usize) -> String {
+    use cudarc::driver::result::device;
+    device::get(index as i32)
+        .and_then(device::get_name)
+        .unwrap_or_else(|e| format!("unknown GPU ({e:?})"))
+}
+
+/// Parameter tensors per dtype.
+struct Census(BTreeMap<String, usize>);
+
+impl Census {
+    fn of(model: &GptModel<Train>) -> BTreeMap<String, usize> {
+        let mut census = Census(BTreeMap::new());
+        model.visit(&mut census);
+        census.0
+    }
+}
+
+impl ModuleVisitor<Train> for Census {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train, D>>) {
+        *self
+            .0
+            .entry(format!("{:?}", param.val().dtype()))
+            .or_default() += 1;
+    }
+}
+
+/// Casts every float parameter to a dtype, keeping it a leaf that requires its gradient.
+struct Cast(DType);
+
+impl ModuleMapper<Train> for Cast {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<Train, D>>,
+    ) -> Param<Tensor<Train, D>> {
+        let dtype = self.0;
+        param.map(|tensor| Tensor::from_inner(tensor.inner().cast(dtype)).require_grad())
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Dense peak FLOP/s of the GPU named `gpu` in `dtype`, when known.
+fn peak_flops(gpu: &str, dtype: Precision, given: Option<f64>) -> Option<f64> {
+    if let Some(tflops) = given {
+        return Some(tflops * 1e12);
+    }
+    let sxm = (gpu.contains("H100") && !gpu.contains("PCIe")) || gpu.contains("H200");
+    let pcie = gpu.contains("H100") && gpu.contains("PCIe");
+    let bf16 = match (sxm, pcie) {
+        (true, _) => 989.4e12,
+        (_, true) => 756.0e12,
+        _ => return None,
+    };
+    Some(match dtype {
+        Precision::Bf16 => bf16,
+        Precision::F32 => bf16 / 2.0,
+    })
+}
+
+fn report(
+    args: &Args,
+    config: &TransformerConfig,
+    seq: usize,
+    outcome: &Outcome,
+) -> Result<(), BoxError> {
+    let name = args
+        .preset
+        .to_possible_value()
+        .map(|v| v.get_name().to_string());
+    let name = name.unwrap_or_default();
+    let dtype = format!("{:?}", args.dtype).to_lowercase();
+    let recompute = format!("{:?}", args.recompute).to_lowercase();
+    let steps = &outcome.steps;
+    let of = |f: fn(&StepTimes) -> Duration| median(steps.iter().map(|s| ms(f(s))).collect());
+    let step_ms = of(|s| s.total);
+    let tokens = (args.batch * seq) as f64;
+    let flops = config.training_flops(args.batch, seq)?;
+    let tflops = flops / (step_ms / 1e3) / 1e12;
+    let peak = peak_flops(&outcome.gpu, args.dtype, args.peak_tflops);
+    let mfu = peak.map_or(f64::NAN, |p| flops / (step_ms / 1e3) / p);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let in_use = steps.iter().map(|s| s.in_use).max().unwrap_or(0);
+    let reserved = steps.iter().map(|s| s.reserved).max().unwrap_or(0);
+    let last_loss = steps.last().map_or(f32::NAN, |s| s.loss);
+    let (min, max) = steps.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), s| {
+        (lo.min(ms(s.total)), hi.max(ms(s.total)))
+    });
+    println!(
+        "gpt_train_bench: {name} ({:.1}M params; parameter tensors by dtype {}), batch {} × seq {seq}, \
+         recompute {recompute}, Burn AdamW lr {}, on {}",
+        outcome.params as f64 / 1e6,
+        outcome.dtypes,
+        args.batch,
+        args.lr,
+        outcome.gpu
+    );
+    println!(
+        "  warm-up: {} steps in {:.1} s (first loss {:.4}); measured: {} steps, loss now {last_loss:.4}",
+        args.warmup,
+        outcome.warmup.as_secs_f64(),
+        outcome.first_loss,
+        steps.len(),
+    );
+    println!(
+        "  step: median {step_ms:.2} ms (min {min:.2}, max {max:.2}); {:.0} tokens/s; \
+         {:.1} TFLOP/s ({:.3e} model FLOPs per step); MFU {:.1}%",
+        tokens / (step_ms / 1e3),
+        tflops,
+        flops,
+        100.0 * mfu
+    );
+    println!(
+        "  host ms per step (medians): forward {:.2}, backward {:.2}, optimizer {:.2}, \
+         waiting for the GPU {:.2}",
+        of(|s| s.forward),
+        of(|s| s.backward),
+        of(|s| s.optimizer),
+        of(|s| s.wait),
+    );
+    println!(
+        "  memory pool: {:.2} GiB in use at most (sampled at the end of forward and backward), \
+         {:.2} GiB reserved from the driver",
+        gib(in_use),
+        gib(reserved)
+    );
+    if let Some((report, elapsed)) = &outcome.profile {
+        let n = args.profile_steps;
+        println!(
+            "  profile of {n} more steps ({:.2} ms/step with the profile recording):",
+            ms(*elapsed) / n as f64
+        );
+        for line in report.table(args.top, n).lines() {
+            println!("    {line}");
+        }
+    }
+    println!(
+        "RESULT impl=burn-megatron preset={name} batch={} seq={seq} dtype={dtype} \
+         recompute={recompute} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
+         mfu={:.4} mem_alloc_gib={:.2} mem_reserved_gib={:.2} loss={last_loss:.4}",
+        args.batch,
+        outcome.params,
+        tokens / (step_ms / 1e3),
+        mfu,
+        gib(in_use),
+        gib(reserved),
+    );
+    Ok(())
+}
