@@ -32,7 +32,7 @@ impl TransformerConfig {
         let f = self.ffn_hidden_size as f64;
         let s = seq as f64;
         let mlp_gemms = match self.activation {
-            Activation::Gelu => 2.0,
+            Activation::Gelu | Activation::GeluTanh => 2.0,
             Activation::SwiGlu => 3.0,
         };
         let layer = h * (h + 2.0 * kv) + h * h + 2.0 * s * h + mlp_gemms * h * f;
