@@ -273,7 +273,12 @@ fn train_step<O: Optimizer<GptModel<Train>, Train>>(
         // Full recomputation interleaves the layers' forward and backward passes.
         Recompute::Full => {
             profile::phase(device, "fwd+bwd");
-            let (loss, grads) = model.forward_backward(tokens, targets)?;
+            let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
+                &model,
+                &[burn_megatron::pipeline_parallel::Microbatch::new(
+                    tokens, targets,
+                )],
+            )?;
             times.forward = start.elapsed();
             times.in_use = memory(device).0;
             (loss, grads)
