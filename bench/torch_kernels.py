@@ -60,5 +60,33 @@ def main():
             report(f"torch {name} cross-entropy fwd+bwd, {label}", fwd_bwd_bytes, time_ms(step))
 
 
+def causal_softmax():
+    shape = (16, 12, 1024, 1024)
+    scale = 0.125
+    elements = 16 * 12 * 1024 * 1024
+    mask = torch.ones(1024, 1024, device="cuda", dtype=torch.bool).triu(1)
+
+    def softmax(s):
+        return torch.softmax((s.float() * scale).masked_fill(mask, float("-inf")), -1).to(s.dtype)
+
+    compiled = torch.compile(softmax)
+    for dtype in [torch.bfloat16, torch.float32]:
+        size = torch.finfo(dtype).bits // 8
+        name = "BF16" if dtype == torch.bfloat16 else "F32"
+        s = (torch.randn(*shape, device="cuda") * 4).to(dtype)
+        for label, fn in [("eager", softmax), ("compile", compiled)]:
+            report(f"torch {name} causal softmax forward, {label}", 2 * elements * size,
+                   time_ms(lambda: fn(s)))
+            sg = s.detach().requires_grad_(True)
+            grad = torch.randn_like(s)
+
+            def step():
+                sg.grad = None
+                fn(sg).backward(grad)
+
+            report(f"torch {name} causal softmax fwd+bwd, {label}", 5 * elements * size, time_ms(step))
+
+
 if __name__ == "__main__":
     main()
+    causal_softmax()

@@ -180,3 +180,66 @@ fn cross_entropy_gradient_equals_the_composition_and_writes_every_element() {
         }
     }
 }
+
+/// `[batch, heads, seq, seq]` shapes: a single element, ragged sizes, a row longer than the
+/// 256-thread block.
+const SOFTMAX_SHAPES: [[usize; 4]; 4] =
+    [[1, 1, 1, 1], [2, 3, 5, 5], [1, 2, 37, 37], [2, 1, 300, 300]];
+
+fn random_4d(
+    shape: [usize; 4],
+    seed: u64,
+    scale: f32,
+    dtype: DType,
+    device: &WgpuDevice,
+) -> Tensor<W, 4> {
+    let n = shape.iter().product();
+    Tensor::<W, 4>::from_data(TensorData::new(random(n, seed, scale), shape), device).cast(dtype)
+}
+
+fn poisoned(shape: [usize; 4], dtype: DType, device: &WgpuDevice) -> Tensor<W, 4> {
+    Tensor::<W, 4>::full(shape, f32::NAN, device).cast(dtype)
+}
+
+fn raw4(t: Tensor<W, 4>) -> burn_cubecl::tensor::CubeTensor<WgpuRuntime> {
+    t.into_primitive().tensor()
+}
+
+#[test]
+fn causal_softmax_equals_the_composition_and_writes_every_element() {
+    use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
+    use burn_megatron_kernels::fused::causal_softmax as softmax;
+    let device = WgpuDevice::default();
+    let scale = 0.125;
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for shape in SOFTMAX_SHAPES {
+            let label = |what: &str| format!("{dtype:?} {shape:?} {what}");
+            let scores = random_4d(shape, 11, 30.0, dtype, &device);
+            let want = forward_composition(scores.clone(), scale);
+            let got = poisoned(shape, dtype, &device);
+            softmax::forward_into(raw4(scores.clone()), scale, raw4(got.clone()));
+            assert_eq!(got.dtype(), dtype);
+            assert_close(
+                &label("probabilities"),
+                &values(got),
+                &values(want.clone()),
+                bound,
+            );
+            // Through the backend's operation too (a fresh output).
+            let op = W::causal_softmax(scores, scale);
+            assert_close(
+                &label("operation"),
+                &values(op),
+                &values(want.clone()),
+                bound,
+            );
+
+            let grad = random_4d(shape, 12, 1.0, dtype, &device);
+            let want = backward_composition(want.clone(), grad.clone(), scale);
+            let got = poisoned(shape, dtype, &device);
+            let probs = forward_composition(random_4d(shape, 11, 30.0, dtype, &device), scale);
+            softmax::backward_into(raw4(probs), raw4(grad), scale, raw4(got.clone()));
+            assert_close(&label("gradient"), &values(got), &values(want), bound);
+        }
+    }
+}

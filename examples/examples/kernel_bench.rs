@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Int, Tensor};
 use burn_megatron::ModelBackend;
+use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
 use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
 

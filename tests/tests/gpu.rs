@@ -234,6 +234,56 @@ fn fused_cross_entropy_matches_the_composition() {
     }
 }
 
+/// The fused causal softmax (forward and backward) on our CUDA backend against the Burn
+/// composition, f32, bf16 and f16, into poisoned buffers; includes a GPT-2-sized row.
+#[test]
+fn fused_causal_softmax_matches_the_composition() {
+    use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
+    use burn_megatron_kernels::fused::causal_softmax as softmax;
+    let device = CudaGpu::new(0);
+    let scale = 0.125;
+    let raw = |t: Tensor<Ours, 4>| t.into_primitive().tensor();
+    for (dtype, bound) in [
+        (DType::F32, tolerance::F32),
+        (DType::BF16, tolerance::BF16),
+        (DType::F16, tolerance::F16),
+    ] {
+        for shape in [
+            [1, 1, 1, 1],
+            [2, 3, 5, 5],
+            [1, 2, 37, 37],
+            [2, 2, 1000, 1000],
+            [1, 2, 1024, 1024],
+        ] {
+            let make = |seed, scale: f64| {
+                Tensor::<Ours, 4>::from_data(data(&shape, seed), &device)
+                    .mul_scalar(scale)
+                    .cast(dtype)
+            };
+            let scores = make(41, 30.0);
+            let want = forward_composition(scores.clone(), scale);
+            let got = Tensor::<Ours, 4>::full(shape, f32::NAN, &device).cast(dtype);
+            softmax::forward_into(raw(scores.clone()), scale, raw(got.clone()));
+            assert_close(
+                &format!("{dtype:?} {shape:?} probabilities"),
+                &got.into_data(),
+                &want.clone().into_data(),
+                bound,
+            );
+            let grad = make(42, 1.0);
+            let expect = backward_composition(want.clone(), grad.clone(), scale);
+            let got = Tensor::<Ours, 4>::full(shape, f32::NAN, &device).cast(dtype);
+            softmax::backward_into(raw(want), raw(grad), scale, raw(got.clone()));
+            assert_close(
+                &format!("{dtype:?} {shape:?} gradient"),
+                &got.into_data(),
+                &expect.into_data(),
+                bound,
+            );
+        }
+    }
+}
+
 /// Token and target ids outside the vocabulary on our CUDA backend: the forward pass returns
 /// without waiting for the device, and the device's next sync fails, naming the id and the
 /// vocabulary. A valid step before and after syncs cleanly.

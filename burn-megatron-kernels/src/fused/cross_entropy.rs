@@ -11,7 +11,7 @@
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -67,7 +67,7 @@ fn statistics_kernel<F: Float, I: Int>(
     let mut s = f32::new(0.0);
     let mut j = tid;
     while j < real {
-        let x = f32::cast_from(logits[base + j]);
+        let x = f32::cast_from(logits[base + j * logits.stride(1)]);
         if x > m {
             s = s * (m - x).exp() + f32::new(1.0);
             m = x;
@@ -104,7 +104,7 @@ fn statistics_kernel<F: Float, I: Int>(
         let local = i64::cast_from(targets[row]) - i64::cast_from(start);
         let mut picked = f32::new(0.0);
         if local >= 0 && local < i64::cast_from(real) {
-            picked = f32::cast_from(logits[base + usize::cast_from(local)]);
+            picked = f32::cast_from(logits[base + usize::cast_from(local) * logits.stride(1)]);
         }
         target_logit[row] = picked;
     }
@@ -120,25 +120,29 @@ fn gradient_kernel<F: Float, I: Int>(
     grad: &mut Tensor<F>,
     start: u32,
     real: u32,
+    rows: u32,
     local: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let pos = ABSOLUTE_POS;
-    if pos >= grad.len() {
+    if pos >= rows as usize * local as usize {
         terminate!();
     }
     let row = pos / local as usize;
     let column = pos % local as usize;
+    // Strided: the runtime may pitch rows (pad each to an aligned size).
+    let input = row * logits.stride(0) + column * logits.stride(1);
+    let output = row * grad.stride(0) + column * grad.stride(1);
     let mut g = f32::new(0.0);
     if column < real as usize {
-        g = (f32::cast_from(logits[pos]) - max[row]).exp() / sum_exp[row];
+        g = (f32::cast_from(logits[input]) - max[row]).exp() / sum_exp[row];
         let target = i64::cast_from(targets[row]) - i64::cast_from(start);
         if target == i64::cast_from(column) {
             g -= f32::new(1.0);
         }
         g *= grad_loss[row];
     }
-    grad[pos] = F::cast_from(g);
+    grad[output] = F::cast_from(g);
 }
 
 /// The forward kernel: row statistics of `logits` (`[rows, local]`, any float dtype) against
@@ -152,7 +156,7 @@ pub fn row_statistics<R: CubeRuntime>(
     let targets = into_contiguous(targets);
     let rows = logits.meta.shape()[0];
     let new_stat = || {
-        empty_device_dtype::<R>(
+        empty_device_contiguous_dtype::<R>(
             logits.client.clone(),
             logits.device.clone(),
             Shape::new([rows]),
@@ -198,7 +202,7 @@ pub fn gradient<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let logits = into_contiguous(logits);
     let shape = logits.meta.shape().clone();
-    let grad = empty_device_dtype::<R>(
+    let grad = empty_device_contiguous_dtype::<R>(
         logits.client.clone(),
         logits.device.clone(),
         shape.clone(),
@@ -216,8 +220,8 @@ pub fn gradient<R: CubeRuntime>(
     grad
 }
 
-/// [`gradient`] written into `grad` (`[rows, local]`, the logits' dtype, contiguous): tests
-/// pass a poisoned buffer to catch elements the kernel does not write.
+/// [`gradient`] written into `grad` (`[rows, local]`, the logits' dtype, any row stride):
+/// tests pass a poisoned buffer to catch elements the kernel does not write.
 pub fn gradient_into<R: CubeRuntime>(
     logits: CubeTensor<R>,
     targets: CubeTensor<R>,
@@ -255,6 +259,7 @@ pub fn gradient_into<R: CubeRuntime>(
         grad.into_tensor_arg(),
         slice.start as u32,
         slice.real as u32,
+        rows as u32,
         local as u32,
         dtypes,
     );

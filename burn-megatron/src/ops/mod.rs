@@ -1,11 +1,13 @@
 //! The model's elementwise operations whose backward is written out: exact where Burn's is
 //! not, and the place where a fused kernel replaces the forward and the backward together.
 //!
+//! - [`mod@causal_softmax`]: the attention's scaled, causally masked softmax.
 //! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
 //!   `softmax - one_hot` backward, each one pass over the logits.
 //! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
 //! - [`mod@swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
 
+pub mod causal_softmax;
 pub mod cross_entropy;
 pub mod gelu;
 pub mod swiglu;
