@@ -123,4 +123,57 @@ fn main() {
             plain,
         );
     }
+    causal_softmax(&device);
+}
+
+/// The attention's causal softmax at GPT-2 124M's shape, batch 16: `[16, 12, 1024, 1024]`.
+fn causal_softmax(device: &CudaGpu) {
+    let shape = [16, 12, 1024, 1024];
+    let scale = 0.125;
+    let elements: usize = shape.iter().product();
+    println!("causal softmax on {shape:?}");
+    for dtype in [DType::BF16, DType::F32] {
+        let size = dtype.size();
+        let scores =
+            Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 4.0), device).cast(dtype);
+        let copy = time(device, || scores.clone().add_scalar(1.0));
+        report(
+            &format!("{dtype:?} copy (x + 1)"),
+            2 * elements * size,
+            copy,
+        );
+        let fused = time(device, || B::causal_softmax(scores.clone(), scale));
+        let bytes = 2 * elements * size;
+        report(
+            &format!("{dtype:?} causal softmax forward, fused"),
+            bytes,
+            fused,
+        );
+        let plain = time(device, || forward_composition(scores.clone(), scale));
+        report(
+            &format!("{dtype:?} causal softmax forward, Burn ops"),
+            bytes,
+            plain,
+        );
+        let probs = B::causal_softmax(scores.clone(), scale);
+        let grad =
+            Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype);
+        let bytes = 3 * elements * size;
+        let fused = time(device, || {
+            B::causal_softmax_backward(probs.clone(), grad.clone(), scale)
+        });
+        report(
+            &format!("{dtype:?} causal softmax backward, fused"),
+            bytes,
+            fused,
+        );
+        let plain = time(device, || {
+            backward_composition(probs.clone(), grad.clone(), scale)
+        });
+        report(
+            &format!("{dtype:?} causal softmax backward, Burn ops"),
+            bytes,
+            plain,
+        );
+    }
 }
