@@ -243,3 +243,74 @@ fn causal_softmax_equals_the_composition_and_writes_every_element() {
         }
     }
 }
+
+/// Inputs whose rows are not packed (a narrowed view: as our CUDA runtime pitches rows to an
+/// aligned size) are read in place, by stride.
+#[test]
+fn kernels_read_strided_rows_in_place() {
+    use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
+    let device = WgpuDevice::default();
+    let (rows, local, pad) = (6, 300, 13);
+    let slice = VocabSlice {
+        start: 0,
+        real: 297,
+    };
+    let wide = Tensor::<W, 2>::from_data(
+        TensorData::new(random(rows * (local + pad), 5, 8.0), [rows, local + pad]),
+        &device,
+    );
+    let logits = wide.narrow(1, 0, local);
+    let targets = Tensor::<W, 1, Int>::from_data(
+        TensorData::new(vec![3i32, 299, -100, 0, 296, 150], [rows]),
+        &device,
+    );
+    let fused = W::cross_entropy_statistics(logits.clone(), targets.clone(), slice);
+    let plain = statistics_composition(logits.clone(), targets.clone(), slice);
+    for (i, (a, b)) in fused.into_iter().zip(plain).enumerate() {
+        assert_close(
+            &format!("strided statistic {i}"),
+            &values(a),
+            &values(b),
+            tolerance::F32,
+        );
+    }
+    let [max, sum_exp, _] = statistics_composition(logits.clone(), targets.clone(), slice);
+    let grad_loss = Tensor::<W, 1>::ones([rows], &device);
+    let want = gradient_composition(
+        logits.clone(),
+        targets.clone(),
+        max.clone(),
+        sum_exp.clone(),
+        grad_loss.clone(),
+        slice,
+    );
+    let got = W::cross_entropy_gradient(logits, targets, max, sum_exp, grad_loss, slice);
+    assert_close(
+        "strided gradient",
+        &values(got),
+        &values(want),
+        tolerance::F32,
+    );
+
+    let shape = [2, 3, 40, 40];
+    let wide = random_4d([2, 3, 40, 47], 9, 20.0, DType::F32, &device);
+    let scores = wide.narrow(3, 0, 40);
+    assert_eq!(scores.dims(), shape);
+    let want = forward_composition(scores.clone(), 0.5);
+    let got = W::causal_softmax(scores, 0.5);
+    assert_close(
+        "strided softmax",
+        &values(got.clone()),
+        &values(want.clone()),
+        tolerance::F32,
+    );
+    let grad = random_4d([2, 3, 40, 47], 10, 1.0, DType::F32, &device).narrow(3, 0, 40);
+    let expect = backward_composition(want.clone(), grad.clone(), 0.5);
+    let got = W::causal_softmax_backward(want, grad, 0.5);
+    assert_close(
+        "strided softmax gradient",
+        &values(got),
+        &values(expect),
+        tolerance::F32,
+    );
+}

@@ -11,7 +11,6 @@
 
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -172,7 +171,6 @@ fn backward_kernel<F: Float>(
 /// `softmax(scale · scores)` over the last dimension of `scores` (`[.., seq, seq]`, any float
 /// dtype), query `i` seeing keys `0..=i`; the probabilities in the scores' dtype.
 pub fn forward<R: CubeRuntime>(scores: CubeTensor<R>, scale: f64) -> CubeTensor<R> {
-    let scores = into_contiguous(scores);
     let shape = scores.meta.shape().clone();
     let probs = empty_device_contiguous_dtype::<R>(
         scores.client.clone(),
@@ -187,7 +185,6 @@ pub fn forward<R: CubeRuntime>(scores: CubeTensor<R>, scale: f64) -> CubeTensor<
 /// [`forward`] written into `probs` (the scores' shape and dtype, any strides): tests pass a
 /// poisoned buffer to catch elements the kernel does not write.
 pub fn forward_into<R: CubeRuntime>(scores: CubeTensor<R>, scale: f64, probs: CubeTensor<R>) {
-    let scores = into_contiguous(scores);
     let [rows, heads, seq] = rows_heads_seq(scores.meta.shape());
     if rows == 0 {
         return;
@@ -216,7 +213,6 @@ pub fn backward<R: CubeRuntime>(
     grad_probs: CubeTensor<R>,
     scale: f64,
 ) -> CubeTensor<R> {
-    let probs = into_contiguous(probs);
     let shape = probs.meta.shape().clone();
     let grad = empty_device_contiguous_dtype::<R>(
         probs.client.clone(),
@@ -235,8 +231,6 @@ pub fn backward_into<R: CubeRuntime>(
     scale: f64,
     grad_scores: CubeTensor<R>,
 ) {
-    let probs = into_contiguous(probs);
-    let grad_probs = into_contiguous(grad_probs);
     let [rows, heads, seq] = rows_heads_seq(probs.meta.shape());
     if rows == 0 {
         return;

@@ -152,7 +152,7 @@ pub fn row_statistics<R: CubeRuntime>(
     targets: CubeTensor<R>,
     slice: VocabSlice,
 ) -> RowStatistics<R> {
-    let logits = into_contiguous(logits);
+    // Strided reads: no copy of a pitched or transposed slice.
     let targets = into_contiguous(targets);
     let rows = logits.meta.shape()[0];
     let new_stat = || {
@@ -200,7 +200,6 @@ pub fn gradient<R: CubeRuntime>(
     grad_loss: CubeTensor<R>,
     slice: VocabSlice,
 ) -> CubeTensor<R> {
-    let logits = into_contiguous(logits);
     let shape = logits.meta.shape().clone();
     let grad = empty_device_contiguous_dtype::<R>(
         logits.client.clone(),
@@ -231,7 +230,6 @@ pub fn gradient_into<R: CubeRuntime>(
     slice: VocabSlice,
     grad: CubeTensor<R>,
 ) {
-    let logits = into_contiguous(logits);
     let [targets, max, sum_exp, grad_loss] =
         [targets, max, sum_exp, grad_loss].map(into_contiguous);
     let shape = logits.meta.shape().clone();
