@@ -95,6 +95,14 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend,
 {
+    if chunks.len() != grads.len() {
+        return Err(ConfigError::Invalid(format!(
+            "{} model chunks but {} sets of gradients: pass one per chunk",
+            chunks.len(),
+            grads.len()
+        ))
+        .into());
+    }
     let tp_rank = state.tp().rank();
     let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
     for (chunk, chunk_grads) in chunks.iter().zip(grads) {

@@ -113,17 +113,16 @@ impl LossScalerConfig {
 }
 
 /// Megatron's `DynamicGradScaler` with its state on the device (see the [module
-/// docs](self)). One step:
+/// docs](self)). One step of a whole model (`chunks = [model]`):
 ///
 /// ```ignore
-/// let loss = scaler.scale_loss(loss);                 // before backward
-/// let grads = GradientsParams::from_grads(loss.backward(), &model);
-/// let mut grads = [grads];
-/// let found = scaler.unscale_and_check(std::slice::from_ref(&model), &mut grads, state.model_parallel())?;
-/// // clip here (the gradients are unscaled), then:
-/// let before = model.clone();
-/// let after = optim.step(lr, model, grads.pop()...);
-/// model = found.select(before, after);                 // unchanged if it overflowed
+/// let loss = scaler.scale_loss(loss); // before backward
+/// let mut grads = vec![GradientsParams::from_grads(loss.backward(), &model)];
+/// let found = scaler.unscale_and_check(std::slice::from_ref(&model), &mut grads,
+///     state.model_parallel())?;
+/// let norm = clip_grad_norm(std::slice::from_ref(&model), &mut grads, &state, &clip)?;
+/// let stepped = optim.step(lr, model.clone(), grads.remove(0));
+/// model = found.select(model, stepped); // the old parameters if the step overflowed
 /// scaler.update(&found);
 /// ```
 #[derive(Debug, Clone)]

@@ -4,6 +4,9 @@
 //! A schedule is a pure function of the global step ([`LrSchedule::lr`]): every rank of every
 //! layout computes the same learning rate, and the schedule advances once per global step
 //! whatever the number of GPUs (Burn's DDP steps its scheduler on each worker instead).
+//!
+//! Megatron's `inverse-square-root` decay and its weight-decay increment schedule
+//! (`--start-weight-decay`, `--end-weight-decay`) are not implemented.
 
 use burn::config::Config;
 use burn::optim::LearningRate;
@@ -81,7 +84,7 @@ pub struct LrScheduleConfig {
     #[config(default = 0)]
     pub warmup_steps: usize,
     /// The step at which the decay reaches `min_lr` (`--lr-decay-iters`), counted from step 0
-    /// (the warm-up included); at least `warmup_steps`. Ignored by the constant style.
+    /// (the warm-up included); more than `warmup_steps`. Ignored by the constant style.
     #[config(default = 0)]
     pub decay_steps: usize,
     /// The decay after the warm-up (`--lr-decay-style`).
@@ -110,9 +113,10 @@ impl LrScheduleConfig {
                 self.min_lr, self.max_lr
             ));
         }
-        if self.decay_style != LrDecayStyle::Constant && self.decay_steps < self.warmup_steps {
+        if self.decay_style != LrDecayStyle::Constant && self.decay_steps <= self.warmup_steps {
             return invalid(format!(
-                "decay_steps ({}) counts from step 0 and must be at least warmup_steps ({})",
+                "decay_steps ({}) counts from step 0 and must exceed warmup_steps ({}): set \
+                 it to the step at which the learning rate reaches min_lr",
                 self.decay_steps, self.warmup_steps
             ));
         }

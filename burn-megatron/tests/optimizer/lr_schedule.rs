@@ -165,8 +165,10 @@ fn inconsistent_schedules_are_errors() {
     let short = config(LrDecayStyle::Cosine).with_decay_steps(5);
     assert!(
         message(short)
-            .contains("decay_steps (5) counts from step 0 and must be at least warmup_steps (10)")
+            .contains("decay_steps (5) counts from step 0 and must exceed warmup_steps (10)")
     );
+    // Megatron's default of no decay steps is no schedule: an error, not a NaN at step 0.
+    assert!(message(LrScheduleConfig::new(MAX)).contains("decay_steps (0)"));
     let long_anneal = config(LrDecayStyle::Wsd {
         decay_steps: 200,
         style: WsdDecayStyle::Linear,
