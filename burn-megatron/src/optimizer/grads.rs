@@ -102,8 +102,8 @@ pub(crate) fn reduce_grads<B: AutodiffBackend, M: Module<B>>(
     }
 }
 
-/// Multiplies every gradient of `module`'s parameters in `grads` by `factor` (a `[1]` tensor
-/// on the device, cast to each gradient's dtype). Gradients of other parameters are left as
+/// Multiplies every gradient of `module`'s parameters in `grads` by `factor` (a `[1]` f32
+/// tensor on the device), in f32, keeping each gradient's dtype. Gradients of other parameters are left as
 /// they are; a parameter without a gradient is skipped.
 pub(crate) fn scale_grads<B: AutodiffBackend, M: Module<B>>(
     module: &M,
@@ -117,8 +117,16 @@ pub(crate) fn scale_grads<B: AutodiffBackend, M: Module<B>>(
     impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                let factor = self.factor.clone().cast(grad.dtype()).reshape([1; D]);
-                self.grads.register(param.id, grad * factor);
+                let factor = self.factor.clone().reshape([1; D]);
+                let dtype = grad.dtype();
+                // The product is taken in f32: a loss scale's reciprocal (2^-32 by default)
+                // underflows in f16.
+                let scaled = if dtype == DType::F32 {
+                    grad * factor
+                } else {
+                    (grad.cast(FloatDType::F32) * factor).cast(dtype)
+                };
+                self.grads.register(param.id, scaled);
             }
         }
     }

@@ -43,7 +43,10 @@ use crate::error::ConfigError;
 /// The dynamic loss scaler's settings; the defaults are Megatron's.
 #[derive(Config, Debug, Copy, PartialEq)]
 pub struct LossScalerConfig {
-    /// The scale of the first step (`--initial-loss-scale`, 2³²).
+    /// The scale of the first step (`--initial-loss-scale`, 2³²). The scaled loss must not
+    /// overflow its dtype: keep the loss in f32 (ours is); Megatron's 2³² assumes fp16
+    /// activations with f32 loss and main gradients, so with fp16 gradients start lower
+    /// (2¹⁶, say) and let the scaler find its level.
     #[config(default = 4294967296.0)]
     pub initial_scale: f64,
     /// The scale never backs off below this (`--min-loss-scale`).

@@ -2,7 +2,7 @@
 //! single-device norm of the same model's gradients (TP = 1, 2, 4 with and without sequence
 //! parallelism; PP = 2 with tied embeddings; PP = 2 × TP = 2), and the clipped gradients
 //! equal the single-device gradients scaled by `min(1, max_norm / (norm + 1e-6))` (f32,
-//! 1e-5 relative).
+//! 1e-5 relative). Interleaved PP = 2 with two chunks per rank too.
 
 use std::collections::BTreeMap;
 
@@ -19,12 +19,19 @@ use crate::{
 
 const MICROBATCHES: usize = 2;
 
-/// A layout: TP and PP sizes and sequence parallelism.
+/// A layout: TP and PP sizes, sequence parallelism, and model chunks per pipeline rank (2:
+/// the interleaved schedule).
 #[derive(Debug, Clone, Copy)]
 struct Layout {
     tp: usize,
     pp: usize,
     sp: bool,
+    v: usize,
+}
+
+/// A layout of one chunk per pipeline rank.
+const fn layout(tp: usize, pp: usize, sp: bool) -> Layout {
+    Layout { tp, pp, sp, v: 1 }
 }
 
 /// What each rank saw: the global norm before and after clipping, and its full (TP-gathered)
@@ -36,20 +43,26 @@ struct RankOutcome {
     grads: Vec<(String, TensorData)>,
 }
 
-/// Runs one step's forward and backward of `config` in `layout`, clips to `max_norm` (or to
-/// the norm itself when `None`: a no-op check) and returns every rank's outcome.
+/// Runs one step's forward and backward of `config` in `layout`, clips to `max_norm` and
+/// returns every rank's outcome.
 fn clipped(config: &TransformerConfig, layout: Layout, max_norm: f64) -> Vec<RankOutcome> {
-    let Layout { tp, pp, sp } = layout;
+    let Layout { tp, pp, sp, v } = layout;
     let config = config.clone().with_sequence_parallel(sp);
     run(tp * pp, |ctx| {
-        let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp).with_pp(pp))?;
-        let split = StageSplit::even(config.num_layers, pp)?;
-        let stage = split.stage(state.pp_rank());
-        let chunks = vec![config.init_gpt_stage::<AD>(state.tp(), &stage, &Default::default())?];
-        let schedule = if pp == 1 {
-            Schedule::NoPipelining
-        } else {
-            Schedule::OneFOneB
+        let state = ctx
+            .parallel_state(ParallelSizes::default().with_tp(tp).with_pp(pp))?
+            .with_virtual_pipeline_size(v)?;
+        let split = StageSplit::even(config.num_layers, pp * v)?;
+        let chunks = (0..v)
+            .map(|c| {
+                let stage = split.stage(state.virtual_stage(c));
+                config.init_gpt_stage::<AD>(state.tp(), &stage, &Default::default())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let schedule = match (pp, v) {
+            (1, _) => Schedule::NoPipelining,
+            (_, 1) => Schedule::OneFOneB,
+            _ => Schedule::Interleaved,
         };
         let mbs = microbatches(MICROBATCHES, config.vocab_size, 0);
         let mut out = forward_backward(schedule, &state, &chunks, &mbs)?;
@@ -60,13 +73,14 @@ fn clipped(config: &TransformerConfig, layout: Layout, max_norm: f64) -> Vec<Ran
             &GradClipConfig::new().with_max_norm(max_norm),
         )?;
         let clipped_norm = global_grad_norm(&chunks, &out.grads, &state)?;
-        let chunk = &chunks[0];
-        let offset = chunk.stage().layers.start;
-        let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
-        let grads = gather_full_grads::<AD, _>(chunk, &out.grads[0], state.tp())?
-            .into_iter()
-            .map(|(path, data)| (global_path(&path, offset, tied_copy), data))
-            .collect();
+        let mut grads = Vec::new();
+        for (chunk, chunk_grads) in chunks.iter().zip(&out.grads) {
+            let offset = chunk.stage().layers.start;
+            let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
+            for (path, data) in gather_full_grads::<AD, _>(chunk, chunk_grads, state.tp())? {
+                grads.push((global_path(&path, offset, tied_copy), data));
+            }
+        }
         Ok(RankOutcome {
             norm: values(norm)[0],
             clipped_norm: values(clipped_norm)[0],
@@ -94,16 +108,7 @@ fn global_path(path: &str, offset: usize, tied_copy: bool) -> String {
 
 /// The single-device gradients (TP = PP = 1, no clipping) and their norm, in f64 on the host.
 fn reference(config: &TransformerConfig) -> (f64, BTreeMap<String, Vec<f64>>) {
-    let outcome = clipped(
-        config,
-        Layout {
-            tp: 1,
-            pp: 1,
-            sp: false,
-        },
-        1e30,
-    )
-    .remove(0);
+    let outcome = clipped(config, layout(1, 1, false), 1e30).remove(0);
     let grads: BTreeMap<String, Vec<f64>> = outcome
         .grads
         .iter()
@@ -163,15 +168,7 @@ fn check(config: &TransformerConfig, name: &str, layouts: &[Layout]) {
 fn a_large_max_norm_leaves_gradients_unchanged() {
     let config = tiny_gpt();
     let (norm, grads) = reference(&config);
-    let ranks = clipped(
-        &config,
-        Layout {
-            tp: 2,
-            pp: 1,
-            sp: true,
-        },
-        norm * 2.0,
-    );
+    let ranks = clipped(&config, layout(2, 1, true), norm * 2.0);
     for rank in ranks.iter().filter(|r| r.tp_rank == 0) {
         assert_close("norm", &[rank.norm], &[norm], tolerance::F32);
         for (path, data) in &rank.grads {
@@ -184,49 +181,18 @@ fn a_large_max_norm_leaves_gradients_unchanged() {
 #[test]
 fn gpt_norm_and_clipping_match_single_device_over_tp() {
     let layouts = [
-        Layout {
-            tp: 1,
-            pp: 1,
-            sp: false,
-        },
-        Layout {
-            tp: 2,
-            pp: 1,
-            sp: false,
-        },
-        Layout {
-            tp: 2,
-            pp: 1,
-            sp: true,
-        },
-        Layout {
-            tp: 4,
-            pp: 1,
-            sp: false,
-        },
-        Layout {
-            tp: 4,
-            pp: 1,
-            sp: true,
-        },
+        layout(1, 1, false),
+        layout(2, 1, false),
+        layout(2, 1, true),
+        layout(4, 1, false),
+        layout(4, 1, true),
     ];
     check(&tiny_gpt(), "GPT", &layouts);
 }
 
 #[test]
 fn llama_norm_and_clipping_match_single_device_over_tp() {
-    let layouts = [
-        Layout {
-            tp: 2,
-            pp: 1,
-            sp: true,
-        },
-        Layout {
-            tp: 4,
-            pp: 1,
-            sp: false,
-        },
-    ];
+    let layouts = [layout(2, 1, true), layout(4, 1, false)];
     check(&tiny_llama(), "Llama", &layouts);
 }
 
@@ -234,15 +200,14 @@ fn llama_norm_and_clipping_match_single_device_over_tp() {
 #[test]
 fn gpt_norm_and_clipping_match_single_device_over_pp() {
     let layouts = [
+        layout(1, 2, false),
+        layout(2, 2, true),
+        // Interleaved: two chunks per rank, the tied copy on the second chunk of rank 1.
         Layout {
             tp: 1,
             pp: 2,
             sp: false,
-        },
-        Layout {
-            tp: 2,
-            pp: 2,
-            sp: true,
+            v: 2,
         },
     ];
     check(&tiny_gpt(), "GPT", &layouts);
