@@ -75,10 +75,7 @@ pub fn local_grad_sum_of_squares<B: AutodiffBackend, M: Module<B>>(
     excluded: &[String],
 ) -> crate::Result<Tensor<B::InnerBackend, 1>> {
     let device = module.devices().into_iter().next().unwrap_or_default();
-    let counted = Counted {
-        tp_rank,
-        excluded: Some(excluded),
-    };
+    let counted = Counted::Once { tp_rank, excluded };
     reduce_grads(module, grads, Reduction::SumOfSquares, &counted, &device)
 }
 

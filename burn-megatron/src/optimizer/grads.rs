@@ -21,20 +21,26 @@ pub(crate) enum Reduction {
 }
 
 /// Which parameters a reduction counts.
-pub(crate) struct Counted<'a> {
-    /// This rank's place in the TP group: TP-replicated parameters count on TP rank 0 only.
-    pub tp_rank: usize,
-    /// Paths of parameters that copy one counted on another rank (a tied embedding's copy
-    /// on the last pipeline stage); `None` counts every parameter (inf/nan checks).
-    pub excluded: Option<&'a [String]>,
+pub(crate) enum Counted<'a> {
+    /// Every parameter this rank holds: for the overflow check, where a value seen twice
+    /// does no harm.
+    Every,
+    /// Each parameter of the model once over the model-parallel group: for the norm.
+    Once {
+        /// This rank's place in the TP group: TP-replicated parameters count on TP rank 0.
+        tp_rank: usize,
+        /// Paths of parameters that copy one counted on another rank (a tied embedding's
+        /// copy on the last pipeline stage).
+        excluded: &'a [String],
+    },
 }
 
 impl Counted<'_> {
     fn counts(&self, path: &str, shard: ParamShard) -> bool {
-        match self.excluded {
-            None => true,
-            Some(excluded) => {
-                (shard != ParamShard::Replicated || self.tp_rank == 0)
+        match self {
+            Counted::Every => true,
+            Counted::Once { tp_rank, excluded } => {
+                (shard != ParamShard::Replicated || *tp_rank == 0)
                     && !excluded.iter().any(|p| p == path)
             }
         }

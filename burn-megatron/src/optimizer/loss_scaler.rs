@@ -271,10 +271,7 @@ impl<B: DistBackend> DynamicLossScaler<B> {
             .into());
         }
         let device = self.scale.device();
-        let every = Counted {
-            tp_rank: 0,
-            excluded: None,
-        };
+        let every = Counted::Every;
         let mut local = Tensor::<B, 1>::zeros([1], (&device, DType::F32));
         for (chunk, chunk_grads) in chunks.iter().zip(grads.iter()) {
             local =
