@@ -1,8 +1,8 @@
 //! Global-norm clipping: the norm over every rank of a model replica equals the
 //! single-device norm of the same model's gradients (TP = 1, 2, 4 with and without sequence
-//! parallelism; PP = 2 with tied embeddings; PP = 2 × TP = 2), and the clipped gradients
-//! equal the single-device gradients scaled by `min(1, max_norm / (norm + 1e-6))` (f32,
-//! 1e-5 relative). Interleaved PP = 2 with two chunks per rank too.
+//! parallelism; PP = 2 with tied embeddings, one or two chunks per rank; PP = 2 × TP = 2, also
+//! with DP = 2), and the clipped gradients equal the single-device gradients scaled by
+//! `min(1, max_norm / (norm + 1e-6))` (f32, 1e-5 relative).
 
 use std::collections::BTreeMap;
 
@@ -19,19 +19,27 @@ use crate::{
 
 const MICROBATCHES: usize = 2;
 
-/// A layout: TP and PP sizes, sequence parallelism, and model chunks per pipeline rank (2:
-/// the interleaved schedule).
+/// A layout: TP and PP sizes, sequence parallelism, model chunks per pipeline rank (2: the
+/// interleaved schedule), and data-parallel replicas (each given the same microbatches, so
+/// each holds the reduced gradients).
 #[derive(Debug, Clone, Copy)]
 struct Layout {
     tp: usize,
     pp: usize,
     sp: bool,
     v: usize,
+    dp: usize,
 }
 
 /// A layout of one chunk per pipeline rank.
 const fn layout(tp: usize, pp: usize, sp: bool) -> Layout {
-    Layout { tp, pp, sp, v: 1 }
+    Layout {
+        tp,
+        pp,
+        sp,
+        v: 1,
+        dp: 1,
+    }
 }
 
 /// What each rank saw: the global norm before and after clipping, and its full (TP-gathered)
@@ -46,9 +54,9 @@ struct RankOutcome {
 /// Runs one step's forward and backward of `config` in `layout`, clips to `max_norm` and
 /// returns every rank's outcome.
 fn clipped(config: &TransformerConfig, layout: Layout, max_norm: f64) -> Vec<RankOutcome> {
-    let Layout { tp, pp, sp, v } = layout;
+    let Layout { tp, pp, sp, v, dp } = layout;
     let config = config.clone().with_sequence_parallel(sp);
-    run(tp * pp, |ctx| {
+    run(tp * pp * dp, |ctx| {
         let state = ctx
             .parallel_state(ParallelSizes::default().with_tp(tp).with_pp(pp))?
             .with_virtual_pipeline_size(v)?;
@@ -204,10 +212,14 @@ fn gpt_norm_and_clipping_match_single_device_over_pp() {
         layout(2, 2, true),
         // Interleaved: two chunks per rank, the tied copy on the second chunk of rank 1.
         Layout {
-            tp: 1,
-            pp: 2,
-            sp: false,
             v: 2,
+            ..layout(1, 2, false)
+        },
+        // Two DP replicas of PP = 2 × TP = 2: the norm is reduced over the model-parallel
+        // group, not over DP (which would count every parameter twice).
+        Layout {
+            dp: 2,
+            ..layout(2, 2, true)
         },
     ];
     check(&tiny_gpt(), "GPT", &layouts);
