@@ -10,6 +10,8 @@
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
 //! - [`pipeline_parallel`]: stages, schedules (no pipelining, GPipe, 1F1B, interleaved) and
 //!   their plans and timelines.
+//! - [`optimizer`]: learning-rate schedules, the weight-decay policy, global-norm gradient
+//!   clipping and the dynamic loss scaler.
 //! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
@@ -17,6 +19,7 @@ pub mod error;
 pub mod init;
 pub mod models;
 pub mod ops;
+pub mod optimizer;
 pub mod pipeline_parallel;
 pub mod tensor_parallel;
 pub mod transformer;

@@ -13,7 +13,10 @@ mod vocab_output;
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use cross_entropy::{masked_mean, vocab_parallel_cross_entropy};
 pub use dropout::{DropoutSite, dropout, dropout_mask};
-pub use placement::{ParamShard, gather_full_grads, gather_full_params, param_shards};
+pub(crate) use placement::Path;
+pub use placement::{
+    ParamInfo, ParamShard, gather_full_grads, gather_full_params, param_infos, param_shards,
+};
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 pub use vocab::VocabPartition;
 pub use vocab_embedding::VocabParallelEmbedding;

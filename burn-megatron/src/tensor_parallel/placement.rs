@@ -1,7 +1,7 @@
 //! How each parameter of a model is split over the tensor-parallel group, and gathering the
 //! full parameters or gradients (used by the equivalence tests today).
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
@@ -36,18 +36,18 @@ fn shard_of(container: &str, field: &str) -> ParamShard {
 
 /// Tracks the path of the parameter being visited.
 #[derive(Default)]
-struct Path {
+pub(crate) struct Path {
     names: Vec<(String, String)>,
 }
 
 impl Path {
-    fn enter(&mut self, name: &str, container: &str) {
+    pub(crate) fn enter(&mut self, name: &str, container: &str) {
         self.names.push((name.to_string(), container.to_string()));
     }
-    fn exit(&mut self) {
+    pub(crate) fn exit(&mut self) {
         self.names.pop();
     }
-    fn current(&self) -> (String, ParamShard) {
+    pub(crate) fn current(&self) -> (String, ParamShard) {
         let path = self
             .names
             .iter()
@@ -74,6 +74,44 @@ pub fn param_shards<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, ParamS
         }
         fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<B, D>>) {
             self.1.push(self.0.current());
+        }
+    }
+    let mut visitor = Collect(Path::default(), Vec::new());
+    module.visit(&mut visitor);
+    visitor.1
+}
+
+/// A float parameter of a module: what the optimizer needs to know to treat it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamInfo {
+    /// Its id, the key of its gradient in [`GradientsParams`].
+    pub id: ParamId,
+    /// Its path in the module, e.g. `block.layers.0.mlp.fc1.weight`.
+    pub path: String,
+    /// Its layout over the TP group.
+    pub shard: ParamShard,
+    /// This rank's shape of it.
+    pub shape: Vec<usize>,
+}
+
+/// Every float parameter of `module`, in visiting order, with its id, path, layout and shape.
+pub fn param_infos<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamInfo> {
+    struct Collect(Path, Vec<ParamInfo>);
+    impl<B: Backend> ModuleVisitor<B> for Collect {
+        fn enter_module(&mut self, name: &str, container: &str) {
+            self.0.enter(name, container);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let (path, shard) = self.0.current();
+            self.1.push(ParamInfo {
+                id: param.id,
+                path,
+                shard,
+                shape: param.val().dims().to_vec(),
+            });
         }
     }
     let mut visitor = Collect(Path::default(), Vec::new());

@@ -1,0 +1,29 @@
+//! What the optimizer step needs around Burn's optimizers: Megatron-Core's `optimizer/`
+//! package, in pieces that work with `optim.step(lr, model, grads)`.
+//!
+//! - [`lr_schedule`]: learning-rate schedules in global steps, Megatron's
+//!   `OptimizerParamScheduler` (warm-up, then constant, linear, cosine or WSD decay); also a
+//!   Burn `LrScheduler`.
+//! - [`param_groups`]: the weight-decay policy (no decay on biases and norms by default), and
+//!   the split of a step's gradients into the decayed and exempt groups.
+//! - [`clip`]: global-norm gradient clipping over the model-parallel group, counting each
+//!   parameter once (TP-replicated parameters, tied embeddings), without a host sync.
+//! - [`loss_scaler`]: the dynamic loss scaler for fp16 (`DynamicGradScaler`), with its
+//!   overflow flag, scale and skip decision on the device.
+//!
+//! Data parallelism (gradient reduction over DP) and the distributed optimizer (ZeRO-1) are
+//! not written yet.
+
+pub mod clip;
+mod grads;
+pub mod loss_scaler;
+pub mod lr_schedule;
+pub mod param_groups;
+
+pub use clip::{
+    CLIP_EPSILON, GradClipConfig, clip_coefficient, clip_grad_norm, clip_grads_by_norm,
+    global_grad_norm, local_grad_sum_of_squares, shared_copies,
+};
+pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig};
+pub use lr_schedule::{LrDecayStyle, LrSchedule, LrScheduleConfig, WsdDecayStyle};
+pub use param_groups::{ParamGroups, ParamKind, WeightDecayPolicy};
