@@ -16,6 +16,7 @@ use burn_megatron::ModelBackend;
 use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
 use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
+use burn_megatron_kernels::fused::causal_softmax as softmax;
 
 type B = MegatronCuda;
 
@@ -142,7 +143,8 @@ fn causal_softmax(device: &CudaGpu) {
             2 * elements * size,
             copy,
         );
-        let fused = time(device, || B::causal_softmax(scores.clone(), scale));
+        let raw = |t: &Tensor<B, 4>| t.clone().into_primitive().tensor();
+        let fused = time(device, || softmax::forward(raw(&scores), scale));
         let bytes = 2 * elements * size;
         report(
             &format!("{dtype:?} causal softmax forward, fused"),
@@ -155,13 +157,11 @@ fn causal_softmax(device: &CudaGpu) {
             bytes,
             plain,
         );
-        let probs = B::causal_softmax(scores.clone(), scale);
+        let probs = forward_composition(scores.clone(), scale);
         let grad =
             Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype);
         let bytes = 3 * elements * size;
-        let fused = time(device, || {
-            B::causal_softmax_backward(probs.clone(), grad.clone(), scale)
-        });
+        let fused = time(device, || softmax::backward(raw(&probs), raw(&grad), scale));
         report(
             &format!("{dtype:?} causal softmax backward, fused"),
             bytes,

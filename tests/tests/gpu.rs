@@ -343,6 +343,62 @@ fn out_of_range_ids_fail_the_next_sync() {
     .unwrap();
 }
 
+/// Diagnostic: one GPT step on our backend (fused kernels, cuBLASLt), on our backend under
+/// Burn's fusion (Burn compositions only) and on burn-cuda, twice each; prints every
+/// gradient's relative difference.
+#[test]
+fn gpt_step_on_three_backends() {
+    use burn_megatron_kernels::cuda::MegatronCudaFusion;
+    fn step<A>(device: A::Device) -> (f32, Vec<(String, TensorData)>)
+    where
+        A: AutodiffBackend + burn_megatron::ModelBackend,
+        A::InnerBackend: burn_megatron_dist::DistBackend,
+    {
+        let config = TransformerConfig::new(64, 2, 4, 256, 50, 16);
+        launch(LaunchConfig::new(1), |ctx| {
+            let model = config.init_gpt::<A>(ctx.world(), &device)?;
+            let ids = |seed: i64| {
+                let v: Vec<i64> = (0..2 * 16).map(|i| (i * 13 + seed) % 50).collect();
+                Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
+            };
+            let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
+                &model,
+                &[burn_megatron::pipeline_parallel::Microbatch::new(
+                    ids(1),
+                    ids(2),
+                )],
+            )?;
+            let grads = gather_full_grads::<A, _>(&model, &grads, ctx.world())?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((
+                loss.into_scalar().to_string().parse().unwrap(),
+                grads,
+            ))
+        })
+        .unwrap()
+        .remove(0)
+    }
+    let runs = [
+        ("ours", step::<Autodiff<Ours>>(CudaGpu::new(0))),
+        ("ours again", step::<Autodiff<Ours>>(CudaGpu::new(0))),
+        (
+            "ours+fusion (compositions)",
+            step::<Autodiff<MegatronCudaFusion>>(CudaGpu::new(0)),
+        ),
+        ("burn-cuda", step::<Autodiff<Reference>>(Default::default())),
+        (
+            "burn-cuda again",
+            step::<Autodiff<Reference>>(Default::default()),
+        ),
+    ];
+    for (name, (loss, grads)) in &runs[1..] {
+        println!("== {name} vs ours: loss {loss} vs {}", runs[0].1.0);
+        for ((path, a), (_, b)) in grads.iter().zip(&runs[0].1.1) {
+            let diff = relative_difference(path, &data_values(a), &data_values(b));
+            println!("   {path:>45} {diff:.2e}");
+        }
+    }
+}
+
 /// Loss and every parameter gradient of a small Llama (RMSNorm, SwiGLU, RoPE, GQA) and a
 /// small GPT, trained one step, equal burn-cuda's.
 #[test]
