@@ -161,7 +161,10 @@ mod cube {
                         let x: CubeTensor<R> = tensor.into_primitive().tensor();
                         let tensor = cast::<_, CubeTensor<MegatronCudaRuntime>>(x)
                             .unwrap_or_else(|_| unreachable!("the device is ours, so is R"));
-                        GpuP2p::Send { tensor, peer }
+                        GpuP2p::Send {
+                            tensor: Box::new(tensor),
+                            peer,
+                        }
                     }
                     P2pOp::Recv { peer, shape, dtype } => GpuP2p::Recv {
                         peer,

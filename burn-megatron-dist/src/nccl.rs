@@ -276,7 +276,10 @@ impl NcclGroup {
         let mut ops = Vec::new();
         for (peer, send) in sends.into_iter().enumerate() {
             if let Some(tensor) = send {
-                ops.push(PeerOp::Send { tensor, peer });
+                ops.push(PeerOp::Send {
+                    tensor: Box::new(tensor),
+                    peer,
+                });
             }
         }
         let mut receiving = Vec::new();
@@ -311,7 +314,7 @@ impl NcclGroup {
         for peer_op in ops {
             match peer_op {
                 PeerOp::Send { tensor, peer } => {
-                    let (send, count, dtype) = flat(tensor)?;
+                    let (send, count, dtype) = flat(*tensor)?;
                     plan.push((true, peer, count, dtype));
                     tensors.push(send);
                 }
@@ -361,7 +364,7 @@ impl NcclGroup {
 #[derive(Debug, Clone)]
 pub(crate) enum PeerOp {
     /// Sends `tensor` (any shape; sent as its contiguous elements) to group rank `peer`.
-    Send { tensor: GpuTensor, peer: usize },
+    Send { tensor: Box<GpuTensor>, peer: usize },
     /// Receives `count` elements of `dtype` from group rank `peer`.
     Recv {
         peer: usize,
@@ -374,7 +377,7 @@ pub(crate) enum PeerOp {
 #[derive(Debug, Clone)]
 pub(crate) enum GpuP2p {
     /// Sends `tensor` to group rank `peer`.
-    Send { tensor: GpuTensor, peer: usize },
+    Send { tensor: Box<GpuTensor>, peer: usize },
     /// Receives a tensor of `shape` and `dtype` from group rank `peer`.
     Recv {
         peer: usize,
