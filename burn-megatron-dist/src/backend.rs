@@ -14,6 +14,7 @@ use burn_autodiff::ops::{Backward, Ops, unary};
 use crate::error::DistResult;
 use crate::mapping::{Comm, Mapping};
 use crate::op::CollectiveOp;
+use crate::p2p::P2pOp;
 use crate::process_group::ProcessGroup;
 
 /// A Burn backend that distributed code can run on.
@@ -50,6 +51,18 @@ pub trait DistBackend: burn::tensor::backend::Backend {
         None
     }
 
+    /// Runs a batch of sends and receives ([`batch_isend_irecv`](crate::p2p::batch_isend_irecv))
+    /// on the device's own transport as one grouped call, returning the received tensors in
+    /// the order of the receives; or gives `ops` back for the host path.
+    fn batch_p2p_on_device<const D: usize>(
+        group: &ProcessGroup,
+        ops: Vec<P2pOp<Self, D>>,
+        device: &Self::Device,
+    ) -> Result<DistResult<Vec<Tensor<Self, D>>>, Vec<P2pOp<Self, D>>> {
+        let _ = (group, device);
+        Err(ops)
+    }
+
     /// Applies `mapping` to `x` over `group`, differentiably where the backend tracks gradients.
     fn apply_mapping<const D: usize>(
         x: Tensor<Self, D>,
@@ -79,7 +92,9 @@ mod cube {
 
     use super::DistBackend;
     use crate::error::DistResult;
+    use crate::nccl::GpuP2p;
     use crate::op::CollectiveOp;
+    use crate::p2p::P2pOp;
     use crate::process_group::ProcessGroup;
 
     /// `value` as type `U` when it is one (the runtime is ours), or back as it was.
@@ -130,6 +145,38 @@ mod cube {
             let gpu = cast::<_, CudaGpu>(device.clone()).ok()?;
             Some(group.nccl_recv(src, shape, dtype, &gpu).map(back))
         }
+
+        fn batch_p2p_on_device<const D: usize>(
+            group: &ProcessGroup,
+            ops: Vec<P2pOp<Self, D>>,
+            device: &Self::Device,
+        ) -> Result<DistResult<Vec<Tensor<Self, D>>>, Vec<P2pOp<Self, D>>> {
+            let Ok(gpu) = cast::<_, CudaGpu>(device.clone()) else {
+                return Err(ops);
+            };
+            let ops = ops
+                .into_iter()
+                .map(|op| match op {
+                    P2pOp::Send { tensor, peer } => {
+                        let x: CubeTensor<R> = tensor.into_primitive().tensor();
+                        let tensor = cast::<_, CubeTensor<MegatronCudaRuntime>>(x)
+                            .unwrap_or_else(|_| unreachable!("the device is ours, so is R"));
+                        GpuP2p::Send {
+                            tensor: Box::new(tensor),
+                            peer,
+                        }
+                    }
+                    P2pOp::Recv { peer, shape, dtype } => GpuP2p::Recv {
+                        peer,
+                        shape: shape.to_vec(),
+                        dtype,
+                    },
+                })
+                .collect();
+            Ok(group
+                .nccl_batch(ops, &gpu)
+                .map(|received| received.into_iter().map(back).collect()))
+        }
     }
 
     /// Fused backends move tensors through the host: NCCL takes unfused tensors.
@@ -168,6 +215,33 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
         device: &Self::Device,
     ) -> Option<DistResult<Tensor<Self, D>>> {
         B::recv_on_device(group, src, shape, dtype, device).map(|r| r.map(Tensor::from_inner))
+    }
+
+    fn batch_p2p_on_device<const D: usize>(
+        group: &ProcessGroup,
+        ops: Vec<P2pOp<Self, D>>,
+        device: &Self::Device,
+    ) -> Result<DistResult<Vec<Tensor<Self, D>>>, Vec<P2pOp<Self, D>>> {
+        let inner = ops
+            .iter()
+            .map(|op| match op {
+                P2pOp::Send { tensor, peer } => P2pOp::Send {
+                    tensor: tensor.clone().inner(),
+                    peer: *peer,
+                },
+                P2pOp::Recv { peer, shape, dtype } => P2pOp::Recv {
+                    peer: *peer,
+                    shape: *shape,
+                    dtype: *dtype,
+                },
+            })
+            .collect();
+        match B::batch_p2p_on_device(group, inner, device) {
+            Ok(result) => {
+                Ok(result.map(|received| received.into_iter().map(Tensor::from_inner).collect()))
+            }
+            Err(_) => Err(ops),
+        }
     }
 
     fn apply_mapping<const D: usize>(

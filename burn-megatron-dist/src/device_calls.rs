@@ -6,6 +6,7 @@
 //! naming each rank's call instead of a hang or garbage, and uneven shards are known before
 //! NCCL runs. With checks off, calls go straight to NCCL and shards must be equal.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 
 use burn::tensor::{DType, Shape, TensorData};
@@ -13,7 +14,7 @@ use burn_megatron_kernels::cuda::CudaGpu;
 
 use super::ProcessGroup;
 use crate::error::{DistError, DistResult};
-use crate::nccl::{Flat, GpuTensor, NcclGroup, NcclId, primitive, tensor};
+use crate::nccl::{Flat, GpuP2p, GpuTensor, NcclGroup, NcclId, PeerOp, primitive, tensor};
 use crate::op::CollectiveOp;
 use crate::shard::shard_range;
 use crate::transport::Contribution;
@@ -114,7 +115,7 @@ impl ProcessGroup {
             self.inner.transport.send(&self.inner.info, dst, header)?;
             let mut sends = vec![None; self.size()];
             sends[dst] = Some(x.clone());
-            let seq = self.next_seq();
+            let seq = self.next_p2p_seq();
             nccl.exchange(seq, op.to_string(), sends, vec![None; self.size()])?;
             return Ok(x);
         }
@@ -235,11 +236,96 @@ impl ProcessGroup {
         let nccl = self.nccl(gpu)?;
         let mut recvs = vec![None; self.size()];
         recvs[src] = Some((shape.iter().product(), dtype));
-        let seq = self.next_seq();
+        let seq = self.next_p2p_seq();
         let op = format!("recv(src={src})");
         let received = nccl.exchange(seq, op, vec![None; self.size()], recvs)?;
         let flat = received.into_iter().nth(src).flatten().expect("received");
         Ok(burn_cubecl::ops::reshape(flat, shape.into()))
+    }
+
+    /// Runs a batch of sends and receives ([`crate::p2p::batch_isend_irecv`]) as one NCCL
+    /// group on the group's stream; returns the received tensors in the order of the
+    /// receives.
+    ///
+    /// With collective checks on, each send first posts its header (shape, dtype) to its peer
+    /// through the host, and each receive compares the header it gets with the shape and
+    /// dtype it expects (a mismatch is an error naming both, before NCCL runs); posting never
+    /// blocks, so headers cannot deadlock either. With checks off, no header is sent: the
+    /// shapes are known in advance, and a batched send must meet a batched receive.
+    pub(crate) fn nccl_batch(&self, ops: Vec<GpuP2p>, gpu: &CudaGpu) -> DistResult<Vec<GpuTensor>> {
+        self.backward_failure()?;
+        for op in &ops {
+            let (peer, what) = match op {
+                GpuP2p::Send { peer, .. } => (*peer, "send destination"),
+                GpuP2p::Recv { peer, .. } => (*peer, "recv source"),
+            };
+            self.check_peer(peer, what)?;
+        }
+        let nccl = self.nccl(gpu)?;
+        let info = &self.inner.info;
+        if self.inner.registry.check_collectives {
+            for op in &ops {
+                if let GpuP2p::Send { tensor, peer } = op {
+                    let header = Contribution {
+                        op: CollectiveOp::Send { dst: *peer },
+                        shape: tensor.meta.shape().to_vec(),
+                        dtype: tensor.dtype,
+                        data: None,
+                    };
+                    self.inner.transport.send(info, *peer, header)?;
+                }
+            }
+            for op in &ops {
+                if let GpuP2p::Recv { peer, shape, dtype } = op {
+                    let seq = self.inner.shared.receives.fetch_add(1, Ordering::Relaxed);
+                    let header = self.inner.transport.recv(info, *peer, seq)?;
+                    if header.data.is_some() || header.shape != *shape || header.dtype != *dtype {
+                        let sent = match header.data.is_some() {
+                            true => "a tensor through the host (a backend without NCCL)",
+                            false => "it over NCCL",
+                        };
+                        return Err(DistError::Mismatch {
+                            rank: info.global_rank,
+                            group: info.name.clone(),
+                            op: format!("batch_isend_irecv: recv(src={peer})"),
+                            seq,
+                            detail: format!(
+                                "expected {shape:?} {dtype:?}, rank {} sent {:?} {:?}, {sent}",
+                                info.members[*peer], header.shape, header.dtype
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        let mut name = String::from("batch_isend_irecv(");
+        let mut shapes = Vec::new();
+        let mut peer_ops = Vec::with_capacity(ops.len());
+        for (i, op) in ops.into_iter().enumerate() {
+            if i > 0 {
+                name.push_str(", ");
+            }
+            match op {
+                GpuP2p::Send { tensor, peer } => {
+                    name.push_str(&format!("send(dst={peer})"));
+                    peer_ops.push(PeerOp::Send { tensor, peer });
+                }
+                GpuP2p::Recv { peer, shape, dtype } => {
+                    name.push_str(&format!("recv(src={peer})"));
+                    let count = shape.iter().product();
+                    shapes.push(shape);
+                    peer_ops.push(PeerOp::Recv { peer, count, dtype });
+                }
+            }
+        }
+        name.push(')');
+        let seq = self.next_p2p_seq();
+        let received = nccl.point_to_point(seq, name, peer_ops)?;
+        Ok(received
+            .into_iter()
+            .zip(shapes)
+            .map(|(flat, shape)| burn_cubecl::ops::reshape(flat, shape.into()))
+            .collect())
     }
 
     /// Waits until every GPU collective this rank started on the group has ended, or returns

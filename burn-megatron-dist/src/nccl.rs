@@ -273,28 +273,68 @@ impl NcclGroup {
         sends: Vec<Option<GpuTensor>>,
         recvs: Vec<Option<(usize, DType)>>,
     ) -> DistResult<Vec<Option<GpuTensor>>> {
-        let mut plan = Vec::new();
-        let mut tensors = Vec::new();
+        let mut ops = Vec::new();
         for (peer, send) in sends.into_iter().enumerate() {
-            if let Some(send) = send {
-                let (send, count, dtype) = flat(send)?;
-                plan.push((true, peer, count, dtype));
-                tensors.push(send);
+            if let Some(tensor) = send {
+                ops.push(PeerOp::Send {
+                    tensor: Box::new(tensor),
+                    peer,
+                });
+            }
+        }
+        let mut receiving = Vec::new();
+        for (peer, recv) in recvs.into_iter().enumerate() {
+            if let Some((count, dtype)) = recv {
+                ops.push(PeerOp::Recv { peer, count, dtype });
+                receiving.push(peer);
             }
         }
         let mut received = vec![None; self.size];
-        for (peer, recv) in recvs.into_iter().enumerate() {
-            if let Some((count, dtype)) = recv {
-                let buffer = empty_device_contiguous_dtype(
-                    <MegatronCudaRuntime as cubecl_runtime::runtime::Runtime>::client(&self.gpu),
-                    self.gpu.clone(),
-                    Shape::from([count]),
-                    dtype,
-                );
-                plan.push((false, peer, count, data_type(dtype)?));
-                tensors.push(buffer.clone());
-                received[peer] = Some(buffer);
+        for (peer, buffer) in receiving
+            .into_iter()
+            .zip(self.point_to_point(seq, op, ops)?)
+        {
+            received[peer] = Some(buffer);
+        }
+        Ok(received)
+    }
+
+    /// Runs `ops` (sends and receives, several with one peer allowed) as one NCCL group on
+    /// the group's stream, in one foreign operation, and returns the flat receive buffers in
+    /// the order of the receives. Between two ranks, the n-th send meets the n-th receive.
+    pub fn point_to_point(
+        &self,
+        seq: u64,
+        op: String,
+        ops: Vec<PeerOp>,
+    ) -> DistResult<Vec<GpuTensor>> {
+        let mut plan = Vec::with_capacity(ops.len());
+        let mut tensors = Vec::with_capacity(ops.len());
+        let mut received = Vec::new();
+        for peer_op in ops {
+            match peer_op {
+                PeerOp::Send { tensor, peer } => {
+                    let (send, count, dtype) = flat(*tensor)?;
+                    plan.push((true, peer, count, dtype));
+                    tensors.push(send);
+                }
+                PeerOp::Recv { peer, count, dtype } => {
+                    let buffer = empty_device_contiguous_dtype(
+                        <MegatronCudaRuntime as cubecl_runtime::runtime::Runtime>::client(
+                            &self.gpu,
+                        ),
+                        self.gpu.clone(),
+                        Shape::from([count]),
+                        dtype,
+                    );
+                    plan.push((false, peer, count, data_type(dtype)?));
+                    tensors.push(buffer.clone());
+                    received.push(buffer);
+                }
             }
+        }
+        if plan.is_empty() {
+            return Ok(received);
         }
         let body: Body = Box::new(move |p, comm, stream| {
             check("ncclGroupStart", nccl::group_start())?;
@@ -306,7 +346,11 @@ impl NcclGroup {
                         false => nccl::recv(ptr as _, count, dtype, peer as i32, comm, stream),
                     }
                 };
-                check(if is_send { "ncclSend" } else { "ncclRecv" }, result)?;
+                if let Err(e) = check(if is_send { "ncclSend" } else { "ncclRecv" }, result) {
+                    // Close the group so that the communicator stays usable for the abort.
+                    let _ = nccl::group_end();
+                    return Err(e);
+                }
             }
             check("ncclGroupEnd", nccl::group_end())
         });
@@ -314,6 +358,32 @@ impl NcclGroup {
         self.submit(seq, op, &refs, body)?;
         Ok(received)
     }
+}
+
+/// One send or receive of a grouped point-to-point call ([`NcclGroup::point_to_point`]).
+#[derive(Debug, Clone)]
+pub(crate) enum PeerOp {
+    /// Sends `tensor` (any shape; sent as its contiguous elements) to group rank `peer`.
+    Send { tensor: Box<GpuTensor>, peer: usize },
+    /// Receives `count` elements of `dtype` from group rank `peer`.
+    Recv {
+        peer: usize,
+        count: usize,
+        dtype: DType,
+    },
+}
+
+/// One op of a batch on GPU tensors (`ProcessGroup::nccl_batch`).
+#[derive(Debug, Clone)]
+pub(crate) enum GpuP2p {
+    /// Sends `tensor` to group rank `peer`.
+    Send { tensor: Box<GpuTensor>, peer: usize },
+    /// Receives a tensor of `shape` and `dtype` from group rank `peer`.
+    Recv {
+        peer: usize,
+        shape: Vec<usize>,
+        dtype: DType,
+    },
 }
 
 impl Drop for NcclGroup {

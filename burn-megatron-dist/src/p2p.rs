@@ -14,13 +14,15 @@
 //! sends are buffered: the batch sends first, then waits for its receives, and a receive whose
 //! message has another shape is a [`DistError::Mismatch`] naming both.
 //!
-//! The grouped NCCL path is not implemented yet: on a GPU backend the host path below calls
-//! [`ProcessGroup::send`] and [`ProcessGroup::recv`] one op at a time (each an ungrouped NCCL
-//! call with a host header), which is correct but can deadlock for two large tensors crossing.
-//! The hook it needs is a `DistBackend::batch_p2p_on_device` that issues the batch between
-//! `group_start` and `group_end` on the group's communicator, as `all_to_all` does in
-//! `device_calls.rs`; [`P2pOp::Recv`] already carries the shape and dtype that path allocates
-//! from.
+//! On our CUDA backend (`MegatronCuda`, and `Autodiff` over it) the whole batch is one NCCL
+//! group (`ncclGroupStart`, an `ncclSend`/`ncclRecv` per op, `ncclGroupEnd`) on the pipeline
+//! group's side stream, through [`DistBackend::batch_p2p_on_device`]: an in-band foreign
+//! operation, like the all-to-all, so the sends wait for the kernels that produced them, the
+//! compute stream waits for the receives before it reads them, and the host never
+//! synchronises. The watchdog follows the batch as one call. With collective checks on,
+//! each send posts its header (shape, dtype) to its peer through the host first and each
+//! receive checks it: a wrong shape is the same [`DistError::Mismatch`] as on the host path.
+//! With checks off no header travels, so a batched send must be met by a batched receive.
 
 use burn::tensor::{DType, Tensor};
 
@@ -60,6 +62,13 @@ pub fn batch_isend_irecv<B: DistBackend, const D: usize>(
     ops: Vec<P2pOp<B, D>>,
     device: &B::Device,
 ) -> DistResult<Vec<Tensor<B, D>>> {
+    if ops.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ops = match B::batch_p2p_on_device(group, ops, device) {
+        Ok(done) => return done,
+        Err(ops) => ops,
+    };
     let mut receives = Vec::new();
     for op in ops {
         match op {

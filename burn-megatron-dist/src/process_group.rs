@@ -47,6 +47,10 @@ pub(crate) struct GroupShared {
     pub(crate) collectives: AtomicU64,
     /// Messages received on the group.
     pub(crate) receives: AtomicU64,
+    /// NCCL point-to-point calls on the group, numbered apart from collectives: ranks make
+    /// different numbers of them, and collectives must keep one numbering on every rank.
+    #[cfg(feature = "cuda")]
+    pub(crate) point_to_point: AtomicU64,
     /// The error of a collective that failed inside a backward pass (see
     /// [`ProcessGroup::backward_failure`]): every later call on the group returns it.
     pub(crate) backward_failure: Mutex<Option<DistError>>,
@@ -393,6 +397,16 @@ impl ProcessGroup {
         self.inner
             .shared
             .collectives
+            .fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The next NCCL point-to-point call's number on this rank (for the watchdog's reports;
+    /// not shared with collectives, see [`GroupShared::point_to_point`]).
+    #[cfg(feature = "cuda")]
+    fn next_p2p_seq(&self) -> u64 {
+        self.inner
+            .shared
+            .point_to_point
             .fetch_add(1, Ordering::Relaxed)
     }
 
