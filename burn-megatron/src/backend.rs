@@ -99,26 +99,6 @@ pub trait ModelBackend: DistBackend {
         gradient_composition(logits, targets, max, sum_exp, grad_loss, slice)
     }
 
-    /// `softmax(scale · scores)` over the last dimension of `scores` (`[batch, heads, seq,
-    /// seq]`), query `i` seeing keys `0..=i`, in the scores' dtype (f32 statistics).
-    /// `Autodiff<B>` stores the probabilities; its backward is
-    /// [`causal_softmax_backward`](Self::causal_softmax_backward). The fused kernel
-    /// (`burn_megatron_kernels::fused::causal_softmax`) is not wired in yet: see the book's
-    /// "Fused kernels".
-    fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
-        crate::ops::causal_softmax::forward_composition(scores, scale)
-    }
-
-    /// The gradient of [`causal_softmax`](Self::causal_softmax)'s unscaled scores from the
-    /// probabilities `P` and their gradient `dP`: `scale · P ∘ (dP - Σ_row dP ∘ P)`.
-    fn causal_softmax_backward(
-        probs: Tensor<Self, 4>,
-        grad: Tensor<Self, 4>,
-        scale: f64,
-    ) -> Tensor<Self, 4> {
-        crate::ops::causal_softmax::backward_composition(probs, grad, scale)
-    }
-
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
     /// recomputation): the `[batch, heads, seq, seq]` probabilities are recomputed there.
     fn recomputed_attention_core(
@@ -206,7 +186,6 @@ pub fn check_ids_on_host(
 mod cube {
     use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-    use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
 
     use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
@@ -276,55 +255,6 @@ mod cube {
             sum_exp,
             grad_loss,
             kernel_slice(slice),
-        ))
-    }
-
-    /// `ModelBackend::causal_softmax` in one kernel (f64: the composition). Not yet the
-    /// model's path on CubeCL backends: in a whole GPT step on CUDA its gradients differ from
-    /// the composition's (book: "Fused kernels", open problem), though the kernel matches the
-    /// composition alone on the GPU and the model on lavapipe.
-    #[allow(dead_code)]
-    pub(super) fn causal_softmax<R, F, I, BT>(
-        scores: Tensor<Cube<R, F, I, BT>, 4>,
-        scale: f64,
-    ) -> Tensor<Cube<R, F, I, BT>, 4>
-    where
-        R: CubeRuntime,
-        F: FloatElement,
-        I: IntElement,
-        BT: BoolElement,
-    {
-        if scores.dtype() == DType::F64 {
-            return crate::ops::causal_softmax::forward_composition(scores, scale);
-        }
-        float(softmax_kernels::forward(
-            scores.into_primitive().tensor(),
-            scale,
-        ))
-    }
-
-    /// `ModelBackend::causal_softmax_backward` in one kernel (f64: the composition); see
-    /// `causal_softmax`.
-    #[allow(dead_code)]
-    pub(super) fn causal_softmax_backward<R, F, I, BT>(
-        probs: Tensor<Cube<R, F, I, BT>, 4>,
-        grad: Tensor<Cube<R, F, I, BT>, 4>,
-        scale: f64,
-    ) -> Tensor<Cube<R, F, I, BT>, 4>
-    where
-        R: CubeRuntime,
-        F: FloatElement,
-        I: IntElement,
-        BT: BoolElement,
-    {
-        if probs.dtype() == DType::F64 {
-            return crate::ops::causal_softmax::backward_composition(probs, grad, scale);
-        }
-        let grad = grad.cast(probs.dtype());
-        float(softmax_kernels::backward(
-            probs.into_primitive().tensor(),
-            grad.into_primitive().tensor(),
-            scale,
         ))
     }
 
@@ -547,10 +477,6 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         tp: &ProcessGroup,
     ) -> DistResult<Tensor<Self, 1>> {
         autodiff_cross_entropy(logits, targets, slice, tp)
-    }
-
-    fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
-        crate::ops::causal_softmax::autodiff_causal_softmax(scores, scale)
     }
 }
 

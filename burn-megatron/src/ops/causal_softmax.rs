@@ -1,23 +1,16 @@
-//! The attention's scaled, causally masked softmax as one operation with a written-out
-//! backward (Megatron's `ScaledUpperTriangMaskedSoftmax`).
+//! The attention's scaled, causally masked softmax and its backward as Burn compositions:
+//! the reference the fused kernels (`burn_megatron_kernels::fused::causal_softmax`, Megatron's
+//! `ScaledUpperTriangMaskedSoftmax`) are tested and benchmarked against.
 //!
 //! `softmax(scale · scores)` over the keys, query `i` seeing keys `0..=i`, for scores
-//! `[batch, heads, seq, seq]`. `Autodiff<B>` stores only the probabilities (the output) and
-//! its backward is [`ModelBackend::causal_softmax_backward`]: `scale · P ∘ (dP - Σ_row dP ∘ P)`,
-//! the gradient of the unscaled scores. CubeCL backends run each direction as one kernel.
+//! `[batch, heads, seq, seq]`; the backward is `scale · P ∘ (dP - Σ_row dP ∘ P)`, the gradient
+//! of the unscaled scores. The model's attention core does not use them yet: a whole GPT step
+//! on CUDA disagreed with them wired in (book: "Fused kernels").
 
-use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, DType, Tensor, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::{Bool, DType, Tensor};
 
-use crate::backend::{ModelBackend, wrap};
-
-/// [`ModelBackend::causal_softmax`] as a Burn composition (f32 statistics for narrow dtypes).
+/// The causal softmax as a Burn composition (f32 statistics for narrow dtypes).
 pub fn forward_composition<B: Backend>(scores: Tensor<B, 4>, scale: f64) -> Tensor<B, 4> {
     let [_, _, seq, keys] = scores.dims();
     let dtype = scores.dtype();
@@ -33,7 +26,7 @@ pub fn forward_composition<B: Backend>(scores: Tensor<B, 4>, scale: f64) -> Tens
     burn::tensor::activation::softmax(scores, 3).cast(dtype)
 }
 
-/// [`ModelBackend::causal_softmax_backward`] as a Burn composition.
+/// The causal softmax's backward as a Burn composition.
 pub fn backward_composition<B: Backend>(
     probs: Tensor<B, 4>,
     grad: Tensor<B, 4>,
@@ -47,42 +40,4 @@ pub fn backward_composition<B: Backend>(
     let (probs, grad) = (probs.cast(wide), grad.cast(wide));
     let row = (grad.clone() * probs.clone()).sum_dim(3);
     (probs * (grad - row)).mul_scalar(scale).cast(dtype)
-}
-
-/// The `Autodiff<B>` operation: the forward on the inner backend, one node storing the
-/// probabilities.
-pub(crate) fn autodiff_causal_softmax<B: ModelBackend, C: CheckpointStrategy>(
-    scores: Tensor<Autodiff<B, C>, 4>,
-    scale: f64,
-) -> Tensor<Autodiff<B, C>, 4> {
-    let scores = scores.into_primitive().tensor();
-    let probs = B::causal_softmax(wrap::<B, 4>(scores.primitive.clone()), scale)
-        .into_primitive()
-        .tensor();
-    let output = match CausalSoftmaxBackward
-        .prepare::<C>([scores.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish((probs.clone(), scale), probs),
-        OpsKind::UnTracked(prep) => prep.finish(probs),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(output))
-}
-
-#[derive(Debug)]
-struct CausalSoftmaxBackward;
-
-impl<B: ModelBackend> Backward<B, 1> for CausalSoftmaxBackward {
-    type State = (FloatTensor<B>, f64);
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [parent] = ops.parents;
-        let Some(parent) = parent else { return };
-        let (probs, scale) = ops.state;
-        let grad_scores =
-            B::causal_softmax_backward(wrap::<B, 4>(probs), wrap::<B, 4>(grad), scale);
-        grads.register::<B>(parent.id, grad_scores.into_primitive().tensor());
-    }
 }
