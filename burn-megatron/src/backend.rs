@@ -99,6 +99,25 @@ pub trait ModelBackend: DistBackend {
         gradient_composition(logits, targets, max, sum_exp, grad_loss, slice)
     }
 
+    /// `softmax(scale · scores)` over the last dimension of `scores` (`[batch, heads, seq,
+    /// seq]`), query `i` seeing keys `0..=i`, in the scores' dtype (f32 statistics).
+    /// `Autodiff<B>` stores the probabilities; its backward is
+    /// [`causal_softmax_backward`](Self::causal_softmax_backward). CubeCL backends run one
+    /// kernel each way (`burn_megatron_kernels::fused::causal_softmax`).
+    fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
+        crate::ops::causal_softmax::forward_composition(scores, scale)
+    }
+
+    /// The gradient of [`causal_softmax`](Self::causal_softmax)'s unscaled scores from the
+    /// probabilities `P` and their gradient `dP`: `scale · P ∘ (dP - Σ_row dP ∘ P)`.
+    fn causal_softmax_backward(
+        probs: Tensor<Self, 4>,
+        grad: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        crate::ops::causal_softmax::backward_composition(probs, grad, scale)
+    }
+
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
     /// recomputation): the `[batch, heads, seq, seq]` probabilities are recomputed there.
     fn recomputed_attention_core(
@@ -186,6 +205,7 @@ pub fn check_ids_on_host(
 mod cube {
     use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
 
     use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
@@ -258,6 +278,49 @@ mod cube {
         ))
     }
 
+    /// `ModelBackend::causal_softmax` in one kernel (f64: the composition).
+    pub(super) fn causal_softmax<R, F, I, BT>(
+        scores: Tensor<Cube<R, F, I, BT>, 4>,
+        scale: f64,
+    ) -> Tensor<Cube<R, F, I, BT>, 4>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if scores.dtype() == DType::F64 {
+            return crate::ops::causal_softmax::forward_composition(scores, scale);
+        }
+        float(softmax_kernels::forward(
+            scores.into_primitive().tensor(),
+            scale,
+        ))
+    }
+
+    /// `ModelBackend::causal_softmax_backward` in one kernel (f64: the composition).
+    pub(super) fn causal_softmax_backward<R, F, I, BT>(
+        probs: Tensor<Cube<R, F, I, BT>, 4>,
+        grad: Tensor<Cube<R, F, I, BT>, 4>,
+        scale: f64,
+    ) -> Tensor<Cube<R, F, I, BT>, 4>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if probs.dtype() == DType::F64 {
+            return crate::ops::causal_softmax::backward_composition(probs, grad, scale);
+        }
+        let grad = grad.cast(probs.dtype());
+        float(softmax_kernels::backward(
+            probs.into_primitive().tensor(),
+            grad.into_primitive().tensor(),
+            scale,
+        ))
+    }
+
     /// The fused operations, the same on every CubeCL backend.
     macro_rules! fused_operations {
         () => {
@@ -278,6 +341,18 @@ mod cube {
                 slice: VocabSlice,
             ) -> Tensor<Self, 2> {
                 cube::cross_entropy_gradient(logits, targets, max, sum_exp, grad_loss, slice)
+            }
+
+            fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
+                cube::causal_softmax(scores, scale)
+            }
+
+            fn causal_softmax_backward(
+                probs: Tensor<Self, 4>,
+                grad: Tensor<Self, 4>,
+                scale: f64,
+            ) -> Tensor<Self, 4> {
+                cube::causal_softmax_backward(probs, grad, scale)
             }
         };
     }
@@ -477,6 +552,10 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         tp: &ProcessGroup,
     ) -> DistResult<Tensor<Self, 1>> {
         autodiff_cross_entropy(logits, targets, slice, tp)
+    }
+
+    fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
+        crate::ops::causal_softmax::autodiff_causal_softmax(scores, scale)
     }
 }
 

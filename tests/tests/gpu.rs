@@ -12,7 +12,9 @@ use burn::tensor::module::conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use burn_megatron::tensor_parallel::gather_full_grads;
-use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
+use burn_megatron::transformer::{
+    Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
+};
 use burn_megatron_dist::{LaunchConfig, launch};
 use burn_megatron_kernels::cuda::{CudaGpu, ForeignQueue, Lane, MegatronCuda, binding};
 use burn_megatron_testing::{data_values, relative_difference, tolerance};
@@ -350,12 +352,12 @@ fn out_of_range_ids_fail_the_next_sync() {
 #[test]
 fn gpt_step_on_three_backends() {
     use burn_megatron_kernels::cuda::MegatronCudaFusion;
-    fn step<A>(device: A::Device) -> (f32, Vec<(String, TensorData)>)
+    fn step<A>(device: A::Device, recompute: Recompute) -> (f32, Vec<(String, TensorData)>)
     where
         A: AutodiffBackend + burn_megatron::ModelBackend,
         A::InnerBackend: burn_megatron_dist::DistBackend,
     {
-        let config = TransformerConfig::new(64, 2, 4, 256, 50, 16);
+        let config = TransformerConfig::new(64, 2, 4, 256, 50, 16).with_recompute(recompute);
         launch(LaunchConfig::new(1), |ctx| {
             let model = config.init_gpt::<A>(ctx.world(), &device)?;
             let ids = |seed: i64| {
@@ -378,28 +380,37 @@ fn gpt_step_on_three_backends() {
         .unwrap()
         .remove(0)
     }
-    let runs = [
-        ("ours", step::<Autodiff<Ours>>(CudaGpu::new(0))),
-        ("ours again", step::<Autodiff<Ours>>(CudaGpu::new(0))),
-        (
-            "ours+fusion (compositions)",
-            step::<Autodiff<MegatronCudaFusion>>(CudaGpu::new(0)),
-        ),
-        ("burn-cuda", step::<Autodiff<Reference>>(Default::default())),
-        (
-            "burn-cuda again",
-            step::<Autodiff<Reference>>(Default::default()),
-        ),
-    ];
-    for (name, (loss, grads)) in &runs[1..] {
-        println!("== {name} vs ours: loss {loss} vs {}", runs[0].1.0);
-        for ((path, a), (_, b)) in grads.iter().zip(&runs[0].1.1) {
-            let diff = relative_difference(path, &data_values(a), &data_values(b));
-            println!("   {path:>45} {diff:.2e}");
-            assert!(
-                diff <= tolerance::GPU_F32,
-                "{name} vs ours: {path} differs by {diff:.2e}"
-            );
+    for recompute in [Recompute::None, Recompute::Selective] {
+        println!("recompute {recompute:?}");
+        let runs = [
+            ("ours", step::<Autodiff<Ours>>(CudaGpu::new(0), recompute)),
+            (
+                "ours again",
+                step::<Autodiff<Ours>>(CudaGpu::new(0), recompute),
+            ),
+            (
+                "ours+fusion (compositions)",
+                step::<Autodiff<MegatronCudaFusion>>(CudaGpu::new(0), recompute),
+            ),
+            (
+                "burn-cuda",
+                step::<Autodiff<Reference>>(Default::default(), recompute),
+            ),
+            (
+                "burn-cuda again",
+                step::<Autodiff<Reference>>(Default::default(), recompute),
+            ),
+        ];
+        for (name, (loss, grads)) in &runs[1..] {
+            println!("== {name} vs ours: loss {loss} vs {}", runs[0].1.0);
+            for ((path, a), (_, b)) in grads.iter().zip(&runs[0].1.1) {
+                let diff = relative_difference(path, &data_values(a), &data_values(b));
+                println!("   {path:>45} {diff:.2e}");
+                assert!(
+                    diff <= tolerance::GPU_F32,
+                    "{name} vs ours ({recompute:?}): {path} differs by {diff:.2e}"
+                );
+            }
         }
     }
 }

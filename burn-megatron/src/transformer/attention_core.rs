@@ -1,8 +1,9 @@
 //! The attention core, `softmax(q kᵀ / sqrt(d) + causal mask)` with dropout, times `v`, with
 //! the backward written out so that it can be recomputed from `q`, `k` and `v` alone.
 
-use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Tensor, backend::Backend};
+use burn::tensor::Tensor;
+
+use crate::backend::ModelBackend;
 
 use crate::tensor_parallel::{DropoutSite, dropout_mask};
 
@@ -29,19 +30,14 @@ pub struct AttentionCore {
 
 impl AttentionCore {
     /// The attention probabilities and the dropout multiplier, if any.
-    fn probabilities<B: Backend>(
+    fn probabilities<B: ModelBackend>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
     ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
         let [batch, local_heads, seq, _] = q.dims();
         let device = q.device();
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(self.scale);
-        let future = Tensor::<B, 2, Bool>::tril_mask([seq, seq], 0, &device);
-        let probs = softmax(
-            scores.mask_fill(future.unsqueeze::<4>(), f32::NEG_INFINITY),
-            3,
-        );
+        let probs = B::causal_softmax(q.matmul(k.swap_dims(2, 3)), self.scale);
         let mask = (self.training && self.dropout > 0.0).then(|| {
             dropout_mask(
                 [batch, local_heads, seq, seq],
@@ -56,7 +52,7 @@ impl AttentionCore {
     }
 
     /// `[batch, local_heads, seq, head_dim]` each → the same shape.
-    pub fn forward<B: Backend>(
+    pub fn forward<B: ModelBackend>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
@@ -74,7 +70,7 @@ impl AttentionCore {
     /// probabilities: with `P` the probabilities, `M` the dropout multiplier and `O = (P ∘ M) v`,
     /// `dv = (P ∘ M)ᵀ dO`, `dP = (dO vᵀ) ∘ M`, `dS = P ∘ (dP - rowsum(dP ∘ P))`,
     /// `dq = scale · dS k`, `dk = scale · dSᵀ q`.
-    pub fn backward<B: Backend>(
+    pub fn backward<B: ModelBackend>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
@@ -90,10 +86,11 @@ impl AttentionCore {
             None => (probs.clone(), grad.clone().matmul(v.swap_dims(2, 3))),
         };
         let grad_v = kept.swap_dims(2, 3).matmul(grad);
-        let row = (grad_probs.clone() * probs.clone()).sum_dim(3);
-        let grad_scores = probs * (grad_probs - row);
-        let grad_q = grad_scores.clone().matmul(k).mul_scalar(self.scale);
-        let grad_k = grad_scores.swap_dims(2, 3).matmul(q).mul_scalar(self.scale);
+        // The gradient of the unscaled scores q kᵀ (the scale is folded in).
+        // `mul_scalar(1.0)`: the workaround of `ops::causal_softmax`'s backward (see there).
+        let grad_scores = B::causal_softmax_backward(probs, grad_probs.mul_scalar(1.0), self.scale);
+        let grad_q = grad_scores.clone().matmul(k);
+        let grad_k = grad_scores.swap_dims(2, 3).matmul(q);
         [grad_q, grad_k, grad_v]
     }
 }
