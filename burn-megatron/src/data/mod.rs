@@ -18,12 +18,21 @@
 //! Functions return [`DataError`] where only data can fail; the batch functions, which also
 //! check ids and communicate, return [`crate::Result`].
 
+pub mod blended_dataset;
 pub mod dtype;
 pub mod error;
+pub mod gpt_dataset;
 pub mod indexed_dataset;
 pub mod indexed_dataset_builder;
+pub mod rng;
+pub mod split;
 
 pub use dtype::DType;
 pub use error::DataError;
 pub use indexed_dataset::{IndexedDataset, data_file_path, index_file_path};
 pub use indexed_dataset_builder::IndexedDatasetBuilder;
+pub use blended_dataset::{
+    BlendedDataset, blending_indices, normalize_weights, parse_data_path, samples_per_dataset,
+};
+pub use gpt_dataset::{GptDataset, GptDatasetConfig, SampleDataset};
+pub use split::{Split, parse_split, split_ranges};

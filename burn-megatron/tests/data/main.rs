@@ -2,6 +2,7 @@
 //! blending, splits, tokenizers, preprocessing and batches.
 
 mod indexed;
+mod sampling;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
