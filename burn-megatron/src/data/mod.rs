@@ -18,14 +18,18 @@
 //! Functions return [`DataError`] where only data can fail; the batch functions, which also
 //! check ids and communicate, return [`crate::Result`].
 
+pub mod batch;
 pub mod blended_dataset;
+pub mod corpus;
 pub mod dtype;
 pub mod error;
 pub mod gpt_dataset;
 pub mod indexed_dataset;
 pub mod indexed_dataset_builder;
+pub mod preprocess;
 pub mod rng;
 pub mod split;
+pub mod tokenizer;
 
 pub use dtype::DType;
 pub use error::DataError;
@@ -35,4 +39,12 @@ pub use blended_dataset::{
     BlendedDataset, blending_indices, normalize_weights, parse_data_path, samples_per_dataset,
 };
 pub use gpt_dataset::{GptDataset, GptDatasetConfig, SampleDataset};
+pub use batch::{GptBatch, broadcast_batch};
+pub use corpus::{default_corpus, write_default_corpus};
+pub use preprocess::{
+    PreprocessConfig, PreprocessSummary, document_prefix, preprocess_jsonl, preprocess_lines,
+};
 pub use split::{Split, parse_split, split_ranges};
+#[cfg(feature = "tokenizers")]
+pub use tokenizer::HfTokenizer;
+pub use tokenizer::{ByteTokenizer, Tokenizer};

@@ -2,6 +2,8 @@
 //! blending, splits, tokenizers, preprocessing and batches.
 
 mod indexed;
+mod batch;
+mod preprocess;
 mod sampling;
 
 use std::path::{Path, PathBuf};
