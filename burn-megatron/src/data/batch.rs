@@ -29,7 +29,7 @@ impl GptBatch {
         first: usize,
         micro_batch_size: usize,
     ) -> core::result::Result<Self, DataError> {
-        let samples = (first..first + micro_batch_size)
+        let samples = (first..first.saturating_add(micro_batch_size))
             .map(|i| dataset.sample(i))
             .collect::<core::result::Result<Vec<_>, _>>()?;
         Self::from_samples(&samples)

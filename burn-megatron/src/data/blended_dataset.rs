@@ -10,9 +10,12 @@ use super::{DataError, SampleDataset};
 /// No randomness: after every prefix of `n` samples, dataset `d` has given `weights[d] · n`
 /// samples to within one.
 ///
-/// Returns `(dataset_index, dataset_sample_index)`, each of `size` entries. `weights` must be
-/// normalised (sum 1).
+/// Returns `(dataset_index, dataset_sample_index)`, each of `size` entries (none when there
+/// are no weights). `weights` must be normalised (sum 1).
 pub fn blending_indices(weights: &[f64], size: usize) -> (Vec<usize>, Vec<usize>) {
+    if weights.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
     let mut taken = vec![0usize; weights.len()];
     let mut dataset_index = Vec::with_capacity(size);
     let mut dataset_sample_index = Vec::with_capacity(size);

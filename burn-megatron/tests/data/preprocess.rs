@@ -116,3 +116,47 @@ fn the_default_corpus_is_deterministic_and_samples() {
     let gpt = GptDataset::new(ds, 0..200, 100, &GptDatasetConfig::new(64)).unwrap();
     assert_eq!(gpt.sample(99).unwrap().len(), 65);
 }
+
+/// A word-level `tokenizer.json` of five tokens, split on whitespace (the pre-tokenizer runs
+/// the `tokenizers` crate's regex engine).
+#[cfg(feature = "tokenizers")]
+const TINY_TOKENIZER_JSON: &str = r#"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [],
+  "normalizer": null,
+  "pre_tokenizer": {"type": "Whitespace"},
+  "post_processor": null,
+  "decoder": null,
+  "model": {
+    "type": "WordLevel",
+    "vocab": {"<unk>": 0, "hello": 1, "world": 2, "!": 3, "<|endoftext|>": 4},
+    "unk_token": "<unk>"
+  }
+}"#;
+
+#[cfg(feature = "tokenizers")]
+#[test]
+fn preprocessing_with_a_hugging_face_tokenizer() {
+    use burn_megatron::data::HfTokenizer;
+    let dir = TempDir::new("hf");
+    let path = dir.join("tokenizer.json");
+    std::fs::write(&path, TINY_TOKENIZER_JSON).unwrap();
+    let tokenizer = HfTokenizer::from_file(&path, None).unwrap();
+    assert_eq!((tokenizer.vocab_size(), tokenizer.eod()), (5, 4));
+    assert_eq!(tokenizer.encode("hello world!").unwrap(), [1, 2, 3]);
+    let input = dir.join("docs.jsonl");
+    std::fs::write(&input, "{\"text\": \"hello world!\"}\n{\"text\": \"world other\"}\n").unwrap();
+    let summary =
+        preprocess_jsonl(&input, &dir.join("hf"), &tokenizer, &PreprocessConfig::new()).unwrap();
+    let ds = IndexedDataset::open(&summary.prefix).unwrap();
+    assert_eq!(ds.get(0).unwrap(), [1, 2, 3, 4]);
+    assert_eq!(ds.get(1).unwrap(), [2, 0, 4]);
+    // A missing end-of-document token, and a file that is not a tokenizer, are errors.
+    assert!(matches!(
+        HfTokenizer::from_file(&path, Some("</s>")),
+        Err(DataError::Tokenizer(_))
+    ));
+    assert!(matches!(HfTokenizer::from_file(&input, None), Err(DataError::Tokenizer(_))));
+}
