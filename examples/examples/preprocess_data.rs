@@ -70,7 +70,11 @@ fn tokenizer(args: &Args) -> Result<Box<dyn Tokenizer>, DataError> {
 }
 
 fn run(args: &Args) -> Result<PreprocessSummary, DataError> {
-    if let Some(parent) = args.output_prefix.parent().filter(|p| !p.as_os_str().is_empty()) {
+    if let Some(parent) = args
+        .output_prefix
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+    {
         std::fs::create_dir_all(parent).map_err(|e| DataError::Io {
             path: parent.to_path_buf(),
             operation: "create the directory",
@@ -84,7 +88,12 @@ fn run(args: &Args) -> Result<PreprocessSummary, DataError> {
     let config = PreprocessConfig::new()
         .with_json_key(args.json_keys.clone())
         .with_append_eod(!args.no_append_eod);
-    preprocess_jsonl(input, &args.output_prefix, tokenizer(args)?.as_ref(), &config)
+    preprocess_jsonl(
+        input,
+        &args.output_prefix,
+        tokenizer(args)?.as_ref(),
+        &config,
+    )
 }
 
 fn main() -> ExitCode {

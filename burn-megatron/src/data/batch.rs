@@ -72,7 +72,11 @@ impl GptBatch {
     pub fn inputs_and_targets(&self) -> (Vec<i64>, Vec<i64>) {
         let width = self.sequence_length + 1;
         let rows = self.tokens.chunks_exact(width);
-        let inputs = rows.clone().flat_map(|r| &r[..width - 1]).copied().collect();
+        let inputs = rows
+            .clone()
+            .flat_map(|r| &r[..width - 1])
+            .copied()
+            .collect();
         let targets = rows.flat_map(|r| &r[1..]).copied().collect();
         (inputs, targets)
     }

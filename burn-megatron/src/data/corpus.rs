@@ -7,8 +7,8 @@ use super::rng::SplitMix64;
 use super::{ByteTokenizer, DType, DataError, IndexedDatasetBuilder, PreprocessSummary, Tokenizer};
 
 const NAMES: [&str; 12] = [
-    "Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Margaret",
-    "Claude", "Hedy", "Ken",
+    "Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Margaret", "Claude",
+    "Hedy", "Ken",
 ];
 const VERBS: [&str; 10] = [
     "reads", "writes", "builds", "tests", "draws", "finds", "keeps", "sends", "sorts", "counts",
@@ -21,8 +21,14 @@ const NOUNS: [&str; 12] = [
     "clock", "song",
 ];
 const PLACES: [&str; 8] = [
-    "near the river", "in the garden", "at the station", "under the bridge", "by the window",
-    "in the library", "on the hill", "at the market",
+    "near the river",
+    "in the garden",
+    "at the station",
+    "under the bridge",
+    "by the window",
+    "in the library",
+    "on the hill",
+    "at the market",
 ];
 
 /// `num_documents` short documents of English-like sentences and small sums, generated from
@@ -47,7 +53,10 @@ pub fn default_corpus(num_documents: usize, seed: u64) -> Vec<String> {
                 ));
             }
             let (a, b) = (rng.below(50), rng.below(50));
-            text.push_str(&format!("{name} counts {a} and {b}: {a} plus {b} is {}.", a + b));
+            text.push_str(&format!(
+                "{name} counts {a} and {b}: {a} plus {b} is {}.",
+                a + b
+            ));
             text
         })
         .collect()

@@ -79,22 +79,22 @@ impl DType {
         !matches!(self, DType::F32 | DType::F64)
     }
 
-    /// The range of token ids the dtype holds.
-    pub fn token_range(self) -> core::ops::RangeInclusive<i64> {
-        match self {
+    /// The range of token ids the dtype holds; `None` for the floating-point dtypes.
+    pub fn token_range(self) -> Option<core::ops::RangeInclusive<i64>> {
+        Some(match self {
             DType::U8 => 0..=u8::MAX as i64,
             DType::I8 => i8::MIN as i64..=i8::MAX as i64,
             DType::I16 => i16::MIN as i64..=i16::MAX as i64,
             DType::U16 => 0..=u16::MAX as i64,
             DType::I32 => i32::MIN as i64..=i32::MAX as i64,
             DType::I64 => i64::MIN..=i64::MAX,
-            DType::F32 | DType::F64 => 0..=-1,
-        }
+            DType::F32 | DType::F64 => return None,
+        })
     }
 
     /// Appends `token` to `out` in little-endian bytes; an error if the dtype cannot hold it.
     pub(crate) fn encode(self, token: i64, out: &mut Vec<u8>) -> Result<(), DataError> {
-        if !self.token_range().contains(&token) {
+        if !self.token_range().is_some_and(|r| r.contains(&token)) {
             return Err(DataError::TokenDType {
                 value: token,
                 dtype: self,
@@ -112,7 +112,7 @@ impl DType {
             DType::U16 => out.extend_from_slice(&(token as u16).to_le_bytes()),
             DType::I32 => out.extend_from_slice(&(token as i32).to_le_bytes()),
             DType::I64 => out.extend_from_slice(&token.to_le_bytes()),
-            DType::F32 | DType::F64 => unreachable!("float dtypes have an empty token range"),
+            DType::F32 | DType::F64 => unreachable!("float dtypes have no token range"),
         }
         Ok(())
     }
@@ -138,9 +138,11 @@ impl DType {
                     .chunks_exact(4)
                     .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64),
             ),
-            DType::I64 => out.extend(bytes.chunks_exact(8).map(|c| {
-                i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
-            })),
+            DType::I64 => out.extend(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])),
+            ),
             DType::F32 | DType::F64 => {}
         }
     }

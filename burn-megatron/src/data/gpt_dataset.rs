@@ -76,7 +76,9 @@ impl GptDataset {
     ) -> Result<Self, DataError> {
         let seq_len = config.sequence_length;
         if seq_len == 0 {
-            return Err(DataError::Invalid("the sequence length must be at least 1".into()));
+            return Err(DataError::Invalid(
+                "the sequence length must be at least 1".into(),
+            ));
         }
         if documents.end > dataset.len() || documents.start > documents.end {
             return Err(DataError::Invalid(format!(
@@ -108,9 +110,8 @@ impl GptDataset {
                 < (0.8 * samples_per_epoch as f64) as usize;
 
         let mut rng = SplitMix64::new(config.random_seed);
-        let epoch = |epochs: usize| -> Vec<usize> {
-            (0..epochs).flat_map(|_| documents.clone()).collect()
-        };
+        let epoch =
+            |epochs: usize| -> Vec<usize> { (0..epochs).flat_map(|_| documents.clone()).collect() };
         let document_index = if separate_final_epoch {
             let mut first = epoch(num_epochs - 1);
             rng.shuffle(&mut first);

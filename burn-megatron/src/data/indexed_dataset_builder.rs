@@ -102,7 +102,8 @@ impl IndexedDatasetBuilder {
 
     /// Ends the current document: the sequences added since the last call form it.
     pub fn end_document(&mut self) {
-        self.document_indices.push(self.sequence_lengths.len() as i64);
+        self.document_indices
+            .push(self.sequence_lengths.len() as i64);
     }
 
     /// Adds a whole document (Megatron's `add_document`): `tokens` split into sequences of

@@ -31,16 +31,16 @@ pub mod rng;
 pub mod split;
 pub mod tokenizer;
 
-pub use dtype::DType;
-pub use error::DataError;
-pub use indexed_dataset::{IndexedDataset, data_file_path, index_file_path};
-pub use indexed_dataset_builder::IndexedDatasetBuilder;
+pub use batch::{GptBatch, broadcast_batch};
 pub use blended_dataset::{
     BlendedDataset, blending_indices, normalize_weights, parse_data_path, samples_per_dataset,
 };
-pub use gpt_dataset::{GptDataset, GptDatasetConfig, SampleDataset};
-pub use batch::{GptBatch, broadcast_batch};
 pub use corpus::{default_corpus, write_default_corpus};
+pub use dtype::DType;
+pub use error::DataError;
+pub use gpt_dataset::{GptDataset, GptDatasetConfig, SampleDataset};
+pub use indexed_dataset::{IndexedDataset, data_file_path, index_file_path};
+pub use indexed_dataset_builder::IndexedDatasetBuilder;
 pub use preprocess::{
     PreprocessConfig, PreprocessSummary, document_prefix, preprocess_jsonl, preprocess_lines,
 };

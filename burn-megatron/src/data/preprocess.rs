@@ -53,7 +53,13 @@ pub fn preprocess_jsonl(
     config: &PreprocessConfig,
 ) -> Result<PreprocessSummary, DataError> {
     let file = File::open(input).map_err(|e| DataError::io(input, "open", e))?;
-    preprocess_lines(BufReader::new(file), input, output_prefix, tokenizer, config)
+    preprocess_lines(
+        BufReader::new(file),
+        input,
+        output_prefix,
+        tokenizer,
+        config,
+    )
 }
 
 /// [`preprocess_jsonl`] on any reader; `input_name` names it in errors.

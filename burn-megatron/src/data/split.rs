@@ -63,8 +63,13 @@ pub fn split_ranges(weights: &[f64; 3], num_documents: usize) -> [Range<usize>; 
     let mut cumulative = 0.0;
     for (s, w) in weights.iter().enumerate() {
         cumulative += w;
-        bounds[s + 1] = ((cumulative * n).round_ties_even() as usize).clamp(bounds[s], num_documents);
+        bounds[s + 1] =
+            ((cumulative * n).round_ties_even() as usize).clamp(bounds[s], num_documents);
     }
     bounds[3] = num_documents;
-    [bounds[0]..bounds[1], bounds[1]..bounds[2], bounds[2]..bounds[3]]
+    [
+        bounds[0]..bounds[1],
+        bounds[1]..bounds[2],
+        bounds[2]..bounds[3],
+    ]
 }

@@ -74,7 +74,8 @@ pub struct HfTokenizer {
 #[cfg(feature = "tokenizers")]
 impl HfTokenizer {
     /// End-of-document tokens tried, in order, when none is named.
-    pub const EOD_CANDIDATES: [&'static str; 4] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"];
+    pub const EOD_CANDIDATES: [&'static str; 4] =
+        ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"];
 
     /// Loads `tokenizer.json`; the end-of-document token is `eod_token`, or else the first of
     /// [`EOD_CANDIDATES`](Self::EOD_CANDIDATES) in the vocabulary.

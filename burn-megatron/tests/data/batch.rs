@@ -33,11 +33,17 @@ fn a_batch_gives_inputs_and_shifted_targets() {
 
 #[test]
 fn ids_outside_the_vocabulary_are_errors() {
-    let err = batch().to_microbatch::<B>(8, &Default::default()).unwrap_err();
+    let err = batch()
+        .to_microbatch::<B>(8, &Default::default())
+        .unwrap_err();
     assert!(
         matches!(
             err,
-            Error::Input(InputError::IdOutOfRange { kind: IdKind::Token, id: 8, vocab_size: 8 })
+            Error::Input(InputError::IdOutOfRange {
+                kind: IdKind::Token,
+                id: 8,
+                vocab_size: 8
+            })
         ),
         "{err}"
     );

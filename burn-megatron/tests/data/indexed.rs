@@ -50,8 +50,14 @@ fn writes_megatrons_exact_bytes() {
     let dir = TempDir::new("layout");
     let prefix = dir.join("tiny");
     write_tiny(&prefix);
-    assert_eq!(std::fs::read(index_file_path(&prefix)).unwrap(), megatron_tiny_idx());
-    assert_eq!(std::fs::read(data_file_path(&prefix)).unwrap(), megatron_tiny_bin());
+    assert_eq!(
+        std::fs::read(index_file_path(&prefix)).unwrap(),
+        megatron_tiny_idx()
+    );
+    assert_eq!(
+        std::fs::read(data_file_path(&prefix)).unwrap(),
+        megatron_tiny_bin()
+    );
 }
 
 #[test]
@@ -133,9 +139,22 @@ fn a_token_outside_the_dtype_is_an_error_and_writes_nothing() {
     let prefix = dir.join("narrow");
     let mut builder = IndexedDatasetBuilder::new(&prefix, DType::U8).unwrap();
     let err = builder.add_item(&[1, 256]).unwrap_err();
-    assert!(matches!(err, DataError::TokenDType { value: 256, dtype: DType::U8, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DataError::TokenDType {
+                value: 256,
+                dtype: DType::U8,
+                ..
+            }
+        ),
+        "{err}"
+    );
     let err = builder.add_item(&[-1]).unwrap_err();
-    assert!(matches!(err, DataError::TokenDType { value: -1, .. }), "{err}");
+    assert!(
+        matches!(err, DataError::TokenDType { value: -1, .. }),
+        "{err}"
+    );
     builder.add_item(&[5]).unwrap();
     builder.finalize().unwrap();
     let ds = IndexedDataset::open(&prefix).unwrap();
@@ -151,15 +170,33 @@ fn reads_out_of_range_are_errors() {
     let ds = IndexedDataset::open(&prefix).unwrap();
     assert!(matches!(
         ds.get(3),
-        Err(DataError::IndexOutOfRange { what: "sequence", index: 3, len: 3 })
+        Err(DataError::IndexOutOfRange {
+            what: "sequence",
+            index: 3,
+            len: 3
+        })
     ));
-    assert!(matches!(ds.get_range(0, 2, 2), Err(DataError::IndexOutOfRange { .. })));
-    assert!(matches!(ds.get_range(0, usize::MAX, 2), Err(DataError::IndexOutOfRange { .. })));
-    assert!(matches!(ds.document_sequences(2), Err(DataError::IndexOutOfRange { .. })));
+    assert!(matches!(
+        ds.get_range(0, 2, 2),
+        Err(DataError::IndexOutOfRange { .. })
+    ));
+    assert!(matches!(
+        ds.get_range(0, usize::MAX, 2),
+        Err(DataError::IndexOutOfRange { .. })
+    ));
+    assert!(matches!(
+        ds.document_sequences(2),
+        Err(DataError::IndexOutOfRange { .. })
+    ));
 }
 
 /// Writes `idx` (and the tiny `.bin`) and opens them.
-fn open_with(dir: &TempDir, name: &str, idx: &[u8], bin: &[u8]) -> Result<IndexedDataset, DataError> {
+fn open_with(
+    dir: &TempDir,
+    name: &str,
+    idx: &[u8],
+    bin: &[u8],
+) -> Result<IndexedDataset, DataError> {
     let prefix = dir.join(name);
     std::fs::write(index_file_path(&prefix), idx).unwrap();
     std::fs::write(data_file_path(&prefix), bin).unwrap();
@@ -176,7 +213,12 @@ fn truncated_index_files_are_errors_at_every_cut() {
         let err = open_with(&dir, &format!("cut{cut}"), &idx[..cut], &bin).unwrap_err();
         let name = format!("cut{cut}.idx");
         match &err {
-            DataError::Truncated { path, len, needed, what } => {
+            DataError::Truncated {
+                path,
+                len,
+                needed,
+                what,
+            } => {
                 assert!(path.ends_with(&name), "{err}");
                 assert_eq!(*len, cut as u64);
                 assert!(needed.end > cut as u64, "{err}");
@@ -215,7 +257,10 @@ fn wrong_magic_is_an_error() {
     let mut idx = megatron_tiny_idx();
     idx[0] = b'X';
     let err = open_with(&dir, "magic", &idx, &megatron_tiny_bin()).unwrap_err();
-    assert!(matches!(&err, DataError::BadMagic { found, .. } if found[0] == b'X'), "{err:?}");
+    assert!(
+        matches!(&err, DataError::BadMagic { found, .. } if found[0] == b'X'),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("magic.idx"), "{err}");
     // A short file that is not a prefix of the magic is also a wrong magic.
     let err = open_with(&dir, "short", b"PK\x03", &[]).unwrap_err();
@@ -228,7 +273,10 @@ fn wrong_version_is_an_error() {
     let mut idx = megatron_tiny_idx();
     idx[9] = 2;
     let err = open_with(&dir, "v2", &idx, &megatron_tiny_bin()).unwrap_err();
-    assert!(matches!(err, DataError::BadVersion { version: 2, .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::BadVersion { version: 2, .. }),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -238,7 +286,10 @@ fn unknown_dtype_codes_are_errors() {
         let mut idx = megatron_tiny_idx();
         idx[17] = code;
         let err = open_with(&dir, &format!("code{code}"), &idx, &megatron_tiny_bin()).unwrap_err();
-        assert!(matches!(err, DataError::UnknownDType { code: c, .. } if c == code), "{err:?}");
+        assert!(
+            matches!(err, DataError::UnknownDType { code: c, .. } if c == code),
+            "{err:?}"
+        );
     }
 }
 
@@ -252,7 +303,12 @@ fn pointers_and_lengths_past_the_data_file_are_errors() {
     let dir = TempDir::new("pointers");
     let bin = megatron_tiny_bin();
     // Pointers start at 34 + 4 · 3 = 46; sequence 2's pointer is at 62.
-    for (name, pointer) in [("past", 12i64), ("edge", 9), ("negative", -2), ("huge", i64::MAX)] {
+    for (name, pointer) in [
+        ("past", 12i64),
+        ("edge", 9),
+        ("negative", -2),
+        ("huge", i64::MAX),
+    ] {
         let mut idx = megatron_tiny_idx();
         patch_i64(&mut idx, 62, pointer);
         let err = open_with(&dir, name, &idx, &bin).unwrap_err();
@@ -265,11 +321,24 @@ fn pointers_and_lengths_past_the_data_file_are_errors() {
     let mut idx = megatron_tiny_idx();
     idx[34..38].copy_from_slice(&7i32.to_le_bytes());
     let err = open_with(&dir, "long", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::SequenceOutOfRange { sequence: 0, length: 7, .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DataError::SequenceOutOfRange {
+                sequence: 0,
+                length: 7,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     // A negative length.
     idx[34..38].copy_from_slice(&(-1i32).to_le_bytes());
     let err = open_with(&dir, "negative-len", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::SequenceOutOfRange { length: -1, .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::SequenceOutOfRange { length: -1, .. }),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -280,7 +349,16 @@ fn inconsistent_counts_are_errors() {
     let mut idx = megatron_tiny_idx();
     patch_i64(&mut idx, 18, 1 << 40);
     let err = open_with(&dir, "many-seqs", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::Truncated { what: "sequence lengths", .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            DataError::Truncated {
+                what: "sequence lengths",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     // u64::MAX sequences must not overflow the size computation.
     patch_i64(&mut idx, 18, -1);
     let err = open_with(&dir, "max-seqs", &idx, &bin).unwrap_err();
@@ -289,7 +367,10 @@ fn inconsistent_counts_are_errors() {
     let mut idx = megatron_tiny_idx();
     patch_i64(&mut idx, 26, 0);
     let err = open_with(&dir, "no-docs", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::InconsistentIndex { .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::InconsistentIndex { .. }),
+        "{err:?}"
+    );
     // Document indices (at 34 + 12 · 3 = 70) that do not end at the sequence count.
     let mut idx = megatron_tiny_idx();
     patch_i64(&mut idx, 86, 2);
@@ -302,23 +383,35 @@ fn inconsistent_counts_are_errors() {
     let mut idx = megatron_tiny_idx();
     patch_i64(&mut idx, 78, 4);
     let err = open_with(&dir, "decreasing", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::InconsistentIndex { .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::InconsistentIndex { .. }),
+        "{err:?}"
+    );
     let mut idx = megatron_tiny_idx();
     patch_i64(&mut idx, 70, 1);
     let err = open_with(&dir, "first-doc", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::InconsistentIndex { .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::InconsistentIndex { .. }),
+        "{err:?}"
+    );
     // Stray bytes after the document indices (neither none nor one mode per sequence).
     let mut idx = megatron_tiny_idx();
     idx.extend_from_slice(&[0, 0]);
     let err = open_with(&dir, "trailing", &idx, &bin).unwrap_err();
-    assert!(matches!(err, DataError::InconsistentIndex { .. }), "{err:?}");
+    assert!(
+        matches!(err, DataError::InconsistentIndex { .. }),
+        "{err:?}"
+    );
 }
 
 #[test]
 fn missing_files_are_io_errors_naming_the_file() {
     let dir = TempDir::new("missing");
     let err = IndexedDataset::open(dir.join("nothing")).unwrap_err();
-    assert!(matches!(&err, DataError::Io { path, .. } if path.ends_with("nothing.idx")), "{err:?}");
+    assert!(
+        matches!(&err, DataError::Io { path, .. } if path.ends_with("nothing.idx")),
+        "{err:?}"
+    );
     // The error converts into the crate's error.
     let err: burn_megatron::Error = err.into();
     assert!(err.to_string().contains("nothing.idx"), "{err}");
@@ -333,5 +426,11 @@ fn a_float_dataset_opens_but_gives_no_tokens() {
     patch_i64(&mut idx, 54, 12);
     patch_i64(&mut idx, 62, 16);
     let ds = open_with(&dir, "float", &idx, &[0u8; 24]).unwrap();
-    assert!(matches!(ds.get(0), Err(DataError::TokenDType { dtype: DType::F32, .. })));
+    assert!(matches!(
+        ds.get(0),
+        Err(DataError::TokenDType {
+            dtype: DType::F32,
+            ..
+        })
+    ));
 }

@@ -1,8 +1,8 @@
 //! Data: Megatron's indexed dataset (layout, round trip, malformed files), GPT sampling,
 //! blending, splits, tokenizers, preprocessing and batches.
 
-mod indexed;
 mod batch;
+mod indexed;
 mod preprocess;
 mod sampling;
 
@@ -16,10 +16,7 @@ impl TempDir {
     pub fn new(name: &str) -> Self {
         static COUNT: AtomicUsize = AtomicUsize::new(0);
         let n = COUNT.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!(
-            "bm-data-{}-{name}-{n}",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("bm-data-{}-{name}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create a temporary directory");
         TempDir(dir)

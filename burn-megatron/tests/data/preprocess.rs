@@ -19,8 +19,16 @@ fn the_byte_tokenizer_round_trips_utf8() {
     assert_eq!(ids[0], b'G' as i64);
     assert_eq!(ByteTokenizer.decode(&ids).unwrap(), text);
     assert_eq!(ByteTokenizer.vocab_size(), 257);
-    assert_eq!(ByteTokenizer.decode(&[b'a' as i64, ByteTokenizer::EOD]).unwrap(), "a\n");
-    assert!(matches!(ByteTokenizer.decode(&[257]), Err(DataError::Tokenizer(_))));
+    assert_eq!(
+        ByteTokenizer
+            .decode(&[b'a' as i64, ByteTokenizer::EOD])
+            .unwrap(),
+        "a\n"
+    );
+    assert!(matches!(
+        ByteTokenizer.decode(&[257]),
+        Err(DataError::Tokenizer(_))
+    ));
 }
 
 #[test]
@@ -71,13 +79,21 @@ fn bad_jsonl_lines_are_errors_naming_the_line() {
         ("{\"text\": \"a\"}\n\n{\"text\": 5}\n", 3, "not a string"),
     ] {
         std::fs::write(&input, content).unwrap();
-        let err = preprocess_jsonl(&input, &dir.join("o"), &ByteTokenizer, &PreprocessConfig::new())
-            .unwrap_err();
+        let err = preprocess_jsonl(
+            &input,
+            &dir.join("o"),
+            &ByteTokenizer,
+            &PreprocessConfig::new(),
+        )
+        .unwrap_err();
         assert!(
             matches!(&err, DataError::BadInput { line: l, problem, .. } if *l == line && problem.contains(needle)),
             "{err:?}"
         );
-        assert!(err.to_string().contains(&format!("bad.jsonl:{line}")), "{err}");
+        assert!(
+            err.to_string().contains(&format!("bad.jsonl:{line}")),
+            "{err}"
+        );
     }
     let err = preprocess_jsonl(
         &dir.join("absent.jsonl"),
@@ -99,8 +115,11 @@ fn the_default_corpus_is_deterministic_and_samples() {
     for doc in &a {
         let tail = doc.rsplit(": ").next().unwrap();
         let words: Vec<&str> = tail.trim_end_matches('.').split(' ').collect();
-        let (x, y, z): (u64, u64, u64) =
-            (words[0].parse().unwrap(), words[2].parse().unwrap(), words[4].parse().unwrap());
+        let (x, y, z): (u64, u64, u64) = (
+            words[0].parse().unwrap(),
+            words[2].parse().unwrap(),
+            words[4].parse().unwrap(),
+        );
         assert_eq!(x + y, z, "{doc}");
     }
 
@@ -147,9 +166,18 @@ fn preprocessing_with_a_hugging_face_tokenizer() {
     assert_eq!((tokenizer.vocab_size(), tokenizer.eod()), (5, 4));
     assert_eq!(tokenizer.encode("hello world!").unwrap(), [1, 2, 3]);
     let input = dir.join("docs.jsonl");
-    std::fs::write(&input, "{\"text\": \"hello world!\"}\n{\"text\": \"world other\"}\n").unwrap();
-    let summary =
-        preprocess_jsonl(&input, &dir.join("hf"), &tokenizer, &PreprocessConfig::new()).unwrap();
+    std::fs::write(
+        &input,
+        "{\"text\": \"hello world!\"}\n{\"text\": \"world other\"}\n",
+    )
+    .unwrap();
+    let summary = preprocess_jsonl(
+        &input,
+        &dir.join("hf"),
+        &tokenizer,
+        &PreprocessConfig::new(),
+    )
+    .unwrap();
     let ds = IndexedDataset::open(&summary.prefix).unwrap();
     assert_eq!(ds.get(0).unwrap(), [1, 2, 3, 4]);
     assert_eq!(ds.get(1).unwrap(), [2, 0, 4]);
@@ -158,5 +186,8 @@ fn preprocessing_with_a_hugging_face_tokenizer() {
         HfTokenizer::from_file(&path, Some("</s>")),
         Err(DataError::Tokenizer(_))
     ));
-    assert!(matches!(HfTokenizer::from_file(&input, None), Err(DataError::Tokenizer(_))));
+    assert!(matches!(
+        HfTokenizer::from_file(&input, None),
+        Err(DataError::Tokenizer(_))
+    ));
 }

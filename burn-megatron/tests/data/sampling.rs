@@ -54,7 +54,11 @@ fn samples_cut_the_shuffled_concatenation() {
     for d in 0..30 {
         assert_eq!(order.iter().filter(|&&x| x == d).count(), 3, "document {d}");
     }
-    assert_ne!(&order[..30], (0..30).collect::<Vec<_>>().as_slice(), "not shuffled");
+    assert_ne!(
+        &order[..30],
+        (0..30).collect::<Vec<_>>().as_slice(),
+        "not shuffled"
+    );
 
     // The shuffle index is a permutation, and not the identity.
     let mut shuffle = gpt.shuffle_index().to_vec();
@@ -68,7 +72,11 @@ fn samples_cut_the_shuffled_concatenation() {
         let sample = gpt.sample(i).unwrap();
         assert_eq!(sample.len(), seq_len + 1, "sample {i}");
         let k = gpt.shuffle_index()[i];
-        assert_eq!(sample, concatenation[k * seq_len..=(k + 1) * seq_len], "sample {i}");
+        assert_eq!(
+            sample,
+            concatenation[k * seq_len..=(k + 1) * seq_len],
+            "sample {i}"
+        );
     }
     assert!(matches!(
         gpt.sample(gpt.len()),
@@ -81,8 +89,13 @@ fn the_same_seed_gives_the_same_samples_and_another_seed_does_not() {
     let dir = TempDir::new("seed");
     let ds = write(&dir, "docs", &documents(40));
     let make = |seed| {
-        GptDataset::new(ds.clone(), 0..40, 50, &GptDatasetConfig::new(5).with_random_seed(seed))
-            .unwrap()
+        GptDataset::new(
+            ds.clone(),
+            0..40,
+            50,
+            &GptDatasetConfig::new(5).with_random_seed(seed),
+        )
+        .unwrap()
     };
     let a = all_samples(&make(1));
     assert_eq!(a, all_samples(&make(1)));
@@ -121,10 +134,18 @@ fn a_short_final_epoch_is_shuffled_apart() {
     let order = gpt.document_index();
     let mut last: Vec<usize> = order[30..].to_vec();
     last.sort();
-    assert_eq!(last, (0..30).collect::<Vec<_>>(), "the last epoch is whole, apart");
+    assert_eq!(
+        last,
+        (0..30).collect::<Vec<_>>(),
+        "the last epoch is whole, apart"
+    );
     // The first samples come from the first epoch only.
     let before_last = (tokens_per_epoch - 1) / seq_len;
-    assert!(gpt.shuffle_index()[..before_last].iter().all(|&k| k < before_last));
+    assert!(
+        gpt.shuffle_index()[..before_last]
+            .iter()
+            .all(|&k| k < before_last)
+    );
 }
 
 #[test]
@@ -161,7 +182,10 @@ fn splits_parse_like_megatron_and_partition_the_documents() {
     assert_eq!(parse_split("99,1").unwrap(), [0.99, 0.01, 0.0]);
     assert_eq!(parse_split("1").unwrap(), [1.0, 0.0, 0.0]);
     for bad in ["", "1,2,3,4", "a,1", "-1,2", "0,0,0"] {
-        assert!(matches!(parse_split(bad), Err(DataError::Invalid(_))), "{bad:?}");
+        assert!(
+            matches!(parse_split(bad), Err(DataError::Invalid(_))),
+            "{bad:?}"
+        );
     }
     for n in [0, 1, 2, 7, 100, 1001, 123_457] {
         for s in ["969,30,1", "98,2,0", "1,1,1", "0,1,0", "5,0,5"] {
@@ -180,7 +204,11 @@ fn splits_parse_like_megatron_and_partition_the_documents() {
 
 #[test]
 fn blending_tracks_the_weights_within_one_sample() {
-    for weights in [vec![0.3, 0.7], vec![0.5, 0.25, 0.25], vec![0.1, 0.6, 0.2, 0.1]] {
+    for weights in [
+        vec![0.3, 0.7],
+        vec![0.5, 0.25, 0.25],
+        vec![0.1, 0.6, 0.2, 0.1],
+    ] {
         let (datasets, samples) = blending_indices(&weights, 2000);
         let mut taken = vec![0usize; weights.len()];
         for (n, (&d, &s)) in datasets.iter().zip(&samples).enumerate() {
@@ -188,7 +216,11 @@ fn blending_tracks_the_weights_within_one_sample() {
             taken[d] += 1;
             for (w, t) in weights.iter().zip(&taken) {
                 let share = w * (n + 1) as f64;
-                assert!((*t as f64 - share).abs() <= 1.0, "{weights:?} after {}: {taken:?}", n + 1);
+                assert!(
+                    (*t as f64 - share).abs() <= 1.0,
+                    "{weights:?} after {}: {taken:?}",
+                    n + 1
+                );
             }
         }
     }
@@ -199,8 +231,10 @@ fn a_blended_dataset_serves_each_datasets_samples_in_proportion() {
     let dir = TempDir::new("blend");
     let a = write(&dir, "a", &documents(20));
     // Dataset b: the same shapes, tokens offset so they are told apart.
-    let b_docs: Vec<Vec<i64>> =
-        documents(20).into_iter().map(|d| d.into_iter().map(|t| t + 1_000_000).collect()).collect();
+    let b_docs: Vec<Vec<i64>> = documents(20)
+        .into_iter()
+        .map(|d| d.into_iter().map(|t| t + 1_000_000).collect())
+        .collect();
     let b = write(&dir, "b", &b_docs);
     let size = 300;
     let weights = [1.0, 3.0];
@@ -216,7 +250,11 @@ fn a_blended_dataset_serves_each_datasets_samples_in_proportion() {
     assert_eq!(blend.weights(), [0.25, 0.75]);
     let samples = all_samples(&blend);
     let from_b: Vec<&Vec<i64>> = samples.iter().filter(|s| s[0] >= 1_000_000).collect();
-    assert!((from_b.len() as f64 - 225.0).abs() <= 1.0, "{}", from_b.len());
+    assert!(
+        (from_b.len() as f64 - 225.0).abs() <= 1.0,
+        "{}",
+        from_b.len()
+    );
     // Dataset b's samples come in its own order.
     for (got, want) in from_b.iter().zip(&expected_b) {
         assert_eq!(*got, want);
