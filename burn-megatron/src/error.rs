@@ -3,13 +3,15 @@
 //! - A fallible function returns `Result` with the narrowest error type that describes its
 //!   failures: [`ConfigError`] for building a model or layer, [`InputError`] for data given to
 //!   a forward pass, [`DistError`] for communication (layers whose only failure is a
-//!   collective return [`DistResult`](burn_megatron_dist::DistResult)).
+//!   collective return [`DistResult`](burn_megatron_dist::DistResult)), [`DataError`] for
+//!   reading, writing and sampling datasets.
 //! - [`Error`] holds any of them, and `?` converts each into it: the model's entry points
 //!   (`try_forward`, `loss`, the schedules in `pipeline_parallel`) return [`Result`].
 //! - A panicking `forward` exists only where Burn's convention of an infallible
 //!   `forward(input) -> output` is expected of a module; its doc says so and points at
 //!   `try_forward`.
 
+pub use crate::data::DataError;
 pub use burn_megatron_dist::DistError;
 
 /// Any error of burn-megatron's models and layers.
@@ -27,6 +29,9 @@ pub enum Error {
     /// A pipeline cannot be split, planned or run, or one of its stages failed.
     #[error(transparent)]
     Pipeline(#[from] crate::pipeline_parallel::PipelineError),
+    /// A dataset cannot be read, written, sampled or tokenized.
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
 }
 
 /// `Result` with burn-megatron's [`Error`].

@@ -12,9 +12,12 @@
 //!   their plans and timelines.
 //! - [`optimizer`]: learning-rate schedules, the weight-decay policy, global-norm gradient
 //!   clipping and the dynamic loss scaler.
+//! - [`data`]: Megatron's indexed datasets (`.bin`/`.idx`), GPT sampling, blending, splits,
+//!   tokenizers and the preprocessing behind `preprocess_data`.
 //! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
+pub mod data;
 pub mod error;
 pub mod init;
 pub mod models;
@@ -26,4 +29,4 @@ pub mod transformer;
 
 pub use backend::ModelBackend;
 pub use burn_megatron_dist as dist;
-pub use error::{ConfigError, Error, IdKind, InputError, Result};
+pub use error::{ConfigError, DataError, Error, IdKind, InputError, Result};
