@@ -10,6 +10,7 @@ use super::rope::apply_rope;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
+use crate::tensor_parallel::{DeclarePlacements, Placements};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DropoutSite, RowParallelLinear,
     RowParallelLinearConfig,
@@ -43,6 +44,13 @@ struct AttentionShape {
     rope_base: Option<f64>,
     dropout: f64,
     recompute: Recompute,
+}
+
+impl<B: Backend> DeclarePlacements for ParallelAttention<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        self.qkv.declare_placements(out);
+        self.output.declare_placements(out);
+    }
 }
 
 impl<B: ModelBackend> ParallelAttention<B> {
