@@ -27,6 +27,9 @@ pub enum Error {
     /// A pipeline cannot be split, planned or run, or one of its stages failed.
     #[error(transparent)]
     Pipeline(#[from] crate::pipeline_parallel::PipelineError),
+    /// A checkpoint cannot be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpointing::CheckpointError),
 }
 
 /// `Result` with burn-megatron's [`Error`].

@@ -12,9 +12,11 @@
 //!   their plans and timelines.
 //! - [`optimizer`]: learning-rate schedules, the weight-decay policy, global-norm gradient
 //!   clipping and the dynamic loss scaler.
+//! - [`checkpointing`]: sharded, reshardable, crash-safe checkpoints.
 //! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
+pub mod checkpointing;
 pub mod error;
 pub mod init;
 pub mod models;
