@@ -13,11 +13,11 @@ use burn::tensor::{Tensor, TensorData};
 use super::directory::{crc32, latest_checkpoint};
 use super::error::CheckpointError;
 use super::metadata::{
-    CheckpointMetadata, OptimizerLayout, TensorEntry, TrainingState, MODEL_GROUP,
+    CheckpointMetadata, MODEL_GROUP, OptimizerLayout, TensorEntry, TrainingState,
 };
 use super::optimizer_state::{OptimizerState, ParamState};
 use super::region::{copy_region, intersect, volume};
-use super::slices::{dtype_from_name, local_slices, LocalSlice};
+use super::slices::{LocalSlice, dtype_from_name, local_slices};
 use crate::ModelBackend;
 use crate::error::Result;
 use crate::models::GptModel;
@@ -78,8 +78,16 @@ impl Checkpoint {
     pub fn check_config(&self, config: &TransformerConfig) -> Result<()> {
         let saved = &self.metadata.model_config;
         let fields: [(&str, String, String); 12] = [
-            ("hidden_size", saved.hidden_size.to_string(), config.hidden_size.to_string()),
-            ("num_layers", saved.num_layers.to_string(), config.num_layers.to_string()),
+            (
+                "hidden_size",
+                saved.hidden_size.to_string(),
+                config.hidden_size.to_string(),
+            ),
+            (
+                "num_layers",
+                saved.num_layers.to_string(),
+                config.num_layers.to_string(),
+            ),
             (
                 "num_attention_heads",
                 saved.num_attention_heads.to_string(),
@@ -95,7 +103,11 @@ impl Checkpoint {
                 saved.ffn_hidden_size.to_string(),
                 config.ffn_hidden_size.to_string(),
             ),
-            ("vocab_size", saved.vocab_size.to_string(), config.vocab_size.to_string()),
+            (
+                "vocab_size",
+                saved.vocab_size.to_string(),
+                config.vocab_size.to_string(),
+            ),
             (
                 "max_sequence_length",
                 saved.max_sequence_length.to_string(),
@@ -106,7 +118,11 @@ impl Checkpoint {
                 format!("{:?}", saved.normalization),
                 format!("{:?}", config.normalization),
             ),
-            ("activation", format!("{:?}", saved.activation), format!("{:?}", config.activation)),
+            (
+                "activation",
+                format!("{:?}", saved.activation),
+                format!("{:?}", config.activation),
+            ),
             (
                 "position_embedding",
                 format!("{:?}", saved.position_embedding),
@@ -152,7 +168,10 @@ impl Checkpoint {
     /// The saved optimizer state of `model`'s parameters (one chunk of any layout), keyed by
     /// the chunk's parameter ids: give it to [`adamw_record`](super::adamw_record). An error
     /// when the checkpoint holds no optimizer state or its layout is not supported.
-    pub fn load_optimizer_state<B: ModelBackend>(&self, model: &GptModel<B>) -> Result<OptimizerState> {
+    pub fn load_optimizer_state<B: ModelBackend>(
+        &self,
+        model: &GptModel<B>,
+    ) -> Result<OptimizerState> {
         let info = self.metadata.optimizer.as_ref().ok_or_else(|| {
             CheckpointError::mismatch(&self.dir, "the checkpoint holds no optimizer state")
         })?;
@@ -229,7 +248,9 @@ impl Checkpoint {
                     .zip(&shard.shape)
                     .map(|(&o, &n)| o..o + n)
                     .collect();
-                let Some(overlap) = intersect(need, &have) else { continue };
+                let Some(overlap) = intersect(need, &have) else {
+                    continue;
+                };
                 let bytes = self.file(&shard.file)?;
                 let file = self.dir.join(&shard.file);
                 let tensors = safetensors::SafeTensors::deserialize(&bytes)
@@ -272,7 +293,11 @@ impl Checkpoint {
                 .into());
             }
         }
-        Ok(TensorData::from_bytes_vec(out, slice.local_shape.clone(), dtype))
+        Ok(TensorData::from_bytes_vec(
+            out,
+            slice.local_shape.clone(),
+            dtype,
+        ))
     }
 
     /// The bytes of data file `name`, read once and checked against the metadata's size and
@@ -314,7 +339,9 @@ impl Checkpoint {
             .into());
         }
         let bytes = std::rc::Rc::new(bytes);
-        self.files.borrow_mut().insert(name.to_string(), bytes.clone());
+        self.files
+            .borrow_mut()
+            .insert(name.to_string(), bytes.clone());
         Ok(bytes)
     }
 }
@@ -334,7 +361,11 @@ impl<B: Backend> ModuleMapper<B> for Replace {
             let require_grad = old.is_require_grad();
             let data = data.convert_dtype(old.dtype());
             let new = Tensor::from_data(data, &old.device());
-            if require_grad { new.require_grad() } else { new }
+            if require_grad {
+                new.require_grad()
+            } else {
+                new
+            }
         })
     }
 }

@@ -100,8 +100,10 @@ where
             let Some(saved) = self.state.params.get(&param.id) else {
                 return;
             };
-            let (Some(m1), Some(m2)) = (saved.tensors.get("exp_avg"), saved.tensors.get("exp_avg_sq"))
-            else {
+            let (Some(m1), Some(m2)) = (
+                saved.tensors.get("exp_avg"),
+                saved.tensors.get("exp_avg_sq"),
+            ) else {
                 return;
             };
             let value = param.val().inner();
@@ -116,10 +118,8 @@ where
                 moment_2: tensor(m2),
                 max_moment_2: None,
             };
-            self.out.insert(
-                param.id,
-                AdaptorRecord::from_state(AdamWState { momentum }),
-            );
+            self.out
+                .insert(param.id, AdaptorRecord::from_state(AdamWState { momentum }));
         }
     }
     let mut build = Build::<B> {

@@ -95,7 +95,10 @@ mod tests {
             (&mut dst, &[2, 4], &[2, 0]),
         );
         assert_eq!(dst, vec![0, 0, 22, 23, 0, 0, 32, 33]);
-        assert_eq!(intersect(&[0..4, 2..6], &[2..5, 0..3]), Some(vec![2..4, 2..3]));
-        assert_eq!(intersect(&[0..2], &[2..3]), None);
+        assert_eq!(
+            intersect(&[0..4, 2..6], &[2..5, 0..3]),
+            Some(vec![2..4, 2..3])
+        );
+        assert_eq!(intersect(&[0..2, 0..1], &[2..3, 0..1]), None);
     }
 }

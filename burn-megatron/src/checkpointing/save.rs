@@ -17,17 +17,17 @@ use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use super::directory::{
-    checkpoint_name, crc32, keep_last, remove_partial_saves, sync_dir, temp_dir, write_atomic,
-    write_synced, LATEST_FILE,
+    LATEST_FILE, checkpoint_name, crc32, keep_last, remove_partial_saves, sync_dir, temp_dir,
+    write_atomic, write_synced,
 };
 use super::error::CheckpointError;
 use super::metadata::{
-    CheckpointMetadata, FileEntry, OptimizerInfo, OptimizerLayout, SavedLayout, ShardEntry,
-    TensorEntry, TrainingState, FORMAT_VERSION, METADATA_FILE, MODEL_GROUP,
+    CheckpointMetadata, FORMAT_VERSION, FileEntry, METADATA_FILE, MODEL_GROUP, OptimizerInfo,
+    OptimizerLayout, SavedLayout, ShardEntry, TensorEntry, TrainingState,
 };
 use super::optimizer_state::OptimizerState;
-use super::region::{copy_region, volume, Region};
-use super::slices::{dtype_from_name, dtype_name, local_slices, LocalSlice};
+use super::region::{Region, copy_region, volume};
+use super::slices::{LocalSlice, dtype_from_name, dtype_name, local_slices};
 use crate::ModelBackend;
 use crate::error::Result;
 use crate::models::GptModel;
@@ -148,18 +148,16 @@ impl Checkpointer {
 
         let written = self.write_rank(state, chunks, optimizer, &tmp);
         let written = match (written, self.fail_rank) {
-            (Ok(_), Some(r)) if r == world.rank() => Err(CheckpointError::file(
-                &tmp,
-                format!("injected failure on rank {r}"),
-            )
-            .into()),
+            (Ok(_), Some(r)) if r == world.rank() => {
+                Err(CheckpointError::file(&tmp, format!("injected failure on rank {r}")).into())
+            }
             (w, _) => w,
         };
         if let Err(e) = agree::<B>(state, written.is_ok(), &tmp) {
             if world.rank() == 0 {
                 let _ = fs::remove_dir_all(&tmp);
             }
-            return Err(written.err().unwrap_or(e.into()));
+            return Err(written.err().unwrap_or(e));
         }
 
         let published = if world.rank() == 0 {
@@ -171,7 +169,7 @@ impl Checkpointer {
             if world.rank() == 0 {
                 let _ = fs::remove_dir_all(&tmp);
             }
-            return Err(published.err().unwrap_or(e.into()));
+            return Err(published.err().unwrap_or(e));
         }
         Ok(final_dir)
     }
@@ -210,7 +208,12 @@ impl Checkpointer {
                     manifest.optimizer_kind = Some(s.kind.clone());
                 }
             }
-            write_file(tmp, &format!("model_tp{t}_pp{p}.safetensors"), model, &mut manifest)?;
+            write_file(
+                tmp,
+                &format!("model_tp{t}_pp{p}.safetensors"),
+                model,
+                &mut manifest,
+            )?;
             if optimizer.is_some() {
                 let name = format!("optimizer_tp{t}_pp{p}.safetensors");
                 write_file(tmp, &name, optim, &mut manifest)?;
@@ -290,7 +293,11 @@ impl Checkpointer {
         }
         for (group, tensors) in &metadata.tensors {
             for (path, entry) in tensors {
-                let stored: usize = entry.shards.iter().map(|s| s.shape.iter().product::<usize>()).sum();
+                let stored: usize = entry
+                    .shards
+                    .iter()
+                    .map(|s| s.shape.iter().product::<usize>())
+                    .sum();
                 if stored != entry.shape.iter().product::<usize>() {
                     return Err(CheckpointError::mismatch(
                         tmp,
@@ -368,7 +375,10 @@ fn write_file(
         let dtype = dtype_name(data.dtype).ok_or_else(|| {
             CheckpointError::file(
                 &path,
-                format!("{} has dtype {:?}, which checkpoints do not store", slice.path, data.dtype),
+                format!(
+                    "{} has dtype {:?}, which checkpoints do not store",
+                    slice.path, data.dtype
+                ),
             )
         })?;
         let (_, st_dtype) = dtype_from_name(dtype).expect("a stored dtype");

@@ -13,8 +13,9 @@ use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::pipeline_parallel::{PipelineError, Stage};
 use crate::tensor_parallel::{
-    DeclarePlacements, DropoutSite, ParamPlacement, Placements, VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean,
-    parallel_lm_logits, vocab_parallel_cross_entropy,
+    DeclarePlacements, DropoutSite, ParamPlacement, Placements, VocabParallelEmbedding,
+    VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
+    vocab_parallel_cross_entropy,
 };
 use crate::transformer::{
     LayerContext, PositionEmbedding, Recompute, TransformerBlock, TransformerConfig,

@@ -79,10 +79,7 @@ impl WeightDecayPolicy {
     }
 
     /// `module`'s float parameters in the two groups.
-    pub fn groups<B: Backend, M: Module<B> + DeclarePlacements>(
-        &self,
-        module: &M,
-    ) -> ParamGroups {
+    pub fn groups<B: Backend, M: Module<B> + DeclarePlacements>(&self, module: &M) -> ParamGroups {
         let (mut decay, mut no_decay) = (Vec::new(), Vec::new());
         for info in param_infos(module) {
             let kind = ParamKind::of(&info.path, &info.shape);

@@ -266,7 +266,10 @@ fn gather<B: DistBackend, const D: usize>(
         return Ok(local.into_data());
     };
     let global = placement.global_shape(&local.dims())[dim];
-    Ok(tp.all_gather(local, dim)?.narrow(dim, 0, global).into_data())
+    Ok(tp
+        .all_gather(local, dim)?
+        .narrow(dim, 0, global)
+        .into_data())
 }
 
 /// The full value of every float parameter (padding dropped), gathered over the TP group,

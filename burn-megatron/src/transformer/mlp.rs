@@ -9,11 +9,11 @@ use super::config::{Activation, TransformerConfig};
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
-use crate::tensor_parallel::{DeclarePlacements, Placements};
 use crate::ops::{GeluForm, bias_gelu, swiglu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
 };
+use crate::tensor_parallel::{DeclarePlacements, Placements};
 
 /// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
 /// features (no communication), and a row-parallel down-projection.

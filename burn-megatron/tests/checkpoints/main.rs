@@ -140,7 +140,12 @@ pub fn assert_same_step(
     got: &(f64, BTreeMap<String, TensorData>),
     want: &(f64, BTreeMap<String, TensorData>),
 ) {
-    assert_close(&format!("{what}: loss"), &[got.0], &[want.0], tolerance::F32);
+    assert_close(
+        &format!("{what}: loss"),
+        &[got.0],
+        &[want.0],
+        tolerance::F32,
+    );
     let got_paths: Vec<_> = got.1.keys().collect();
     let want_paths: Vec<_> = want.1.keys().collect();
     assert_eq!(got_paths, want_paths, "{what}: parameters");
@@ -161,7 +166,10 @@ fn global_path(path: &str, offset: usize, tied_copy: bool) -> String {
     match path.strip_prefix("block.layers.") {
         Some(rest) => {
             let (index, tail) = rest.split_once('.').unwrap();
-            format!("block.layers.{}.{tail}", index.parse::<usize>().unwrap() + offset)
+            format!(
+                "block.layers.{}.{tail}",
+                index.parse::<usize>().unwrap() + offset
+            )
         }
         None => path.to_string(),
     }

@@ -9,7 +9,11 @@ use crate::{AD, run, tiny_gpt, tiny_llama};
 fn every_parameter_is_declared_by_its_layer() {
     run(2, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default().with_tp(2))?;
-        for config in [tiny_gpt(), tiny_llama(), tiny_gpt().with_tie_embeddings(false)] {
+        for config in [
+            tiny_gpt(),
+            tiny_llama(),
+            tiny_gpt().with_tie_embeddings(false),
+        ] {
             let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
             for info in try_param_infos(&model)? {
                 let p = info.placement;

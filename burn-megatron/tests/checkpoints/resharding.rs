@@ -6,10 +6,17 @@ use std::path::Path;
 use burn_megatron::checkpointing::{Checkpoint, Checkpointer, TrainingState};
 use burn_megatron::transformer::TransformerConfig;
 
-use crate::{Outcome, assert_same_step, build, merge, microbatches, run, scratch, step, tiny_gpt, tiny_llama};
+use crate::{
+    Outcome, assert_same_step, build, merge, microbatches, run, scratch, step, tiny_gpt, tiny_llama,
+};
 
 /// The single-device step of `config` (the saved model).
-fn reference(config: &TransformerConfig) -> (f64, std::collections::BTreeMap<String, burn::tensor::TensorData>) {
+fn reference(
+    config: &TransformerConfig,
+) -> (
+    f64,
+    std::collections::BTreeMap<String, burn::tensor::TensorData>,
+) {
     merge(run(1, |ctx| {
         let (state, chunks) = build(&ctx, config, 1, 1)?;
         Ok(step(&state, &chunks, &microbatches(0, 4, config.vocab_size))?.0)
@@ -51,11 +58,17 @@ fn check(config: TransformerConfig, name: &str, saved: (usize, usize), loads: &[
     // Loading into a differently seeded model must change its step: else the test proves
     // nothing.
     let other = reference(&config.clone().with_seed(config.seed + 1));
-    assert!((other.0 - want.0).abs() > 1e-4, "the seeds give the same loss");
+    assert!(
+        (other.0 - want.0).abs() > 1e-4,
+        "the seeds give the same loss"
+    );
     for &(tp, pp) in loads {
         let got = merge(load_and_step(&config, tp, pp, &root));
         assert_same_step(
-            &format!("{name} saved at TP={} PP={}, loaded at TP={tp} PP={pp}", saved.0, saved.1),
+            &format!(
+                "{name} saved at TP={} PP={}, loaded at TP={tp} PP={pp}",
+                saved.0, saved.1
+            ),
             &got,
             &want,
         );
@@ -65,7 +78,12 @@ fn check(config: TransformerConfig, name: &str, saved: (usize, usize), loads: &[
 
 #[test]
 fn gpt_saved_at_tp2_pp2_loads_in_any_layout() {
-    check(tiny_gpt(), "gpt", (2, 2), &[(1, 1), (4, 1), (1, 4), (2, 1), (2, 2), (1, 2), (4, 2)]);
+    check(
+        tiny_gpt(),
+        "gpt",
+        (2, 2),
+        &[(1, 1), (4, 1), (1, 4), (2, 1), (2, 2), (1, 2), (4, 2)],
+    );
 }
 
 #[test]

@@ -57,7 +57,10 @@ fn a_crash_mid_save_leaves_the_previous_checkpoint() {
     let partial = root.join(".tmp.iter_0000002");
     fs::create_dir_all(&partial).unwrap();
     fs::write(partial.join("model_tp0_pp0.safetensors"), b"half a file").unwrap();
-    assert_eq!(latest_checkpoint(&root).unwrap(), Some(root.join("iter_0000001")));
+    assert_eq!(
+        latest_checkpoint(&root).unwrap(),
+        Some(root.join("iter_0000001"))
+    );
     assert_eq!(loads(&root, &config), 1);
 
     // A rank failing after writing its files: every rank gets an error, nothing appears.
@@ -73,7 +76,12 @@ fn a_crash_mid_save_leaves_the_previous_checkpoint() {
         Ok(saved.err().map(|e| e.to_string()))
     });
     assert!(results.iter().all(Option::is_some), "{results:?}");
-    assert!(results[1].as_ref().unwrap().contains("injected failure on rank 1"));
+    assert!(
+        results[1]
+            .as_ref()
+            .unwrap()
+            .contains("injected failure on rank 1")
+    );
     assert!(!root.join("iter_0000003").exists());
     assert!(!root.join(".tmp.iter_0000003").exists());
     assert_eq!(loads(&root, &config), 1);
@@ -92,9 +100,16 @@ fn the_last_k_checkpoints_are_kept() {
     for iteration in 1..=4 {
         save_at(&root, &config, 1, iteration, 2);
     }
-    let kept: Vec<u64> = list_checkpoints(&root).unwrap().into_iter().map(|(i, _)| i).collect();
+    let kept: Vec<u64> = list_checkpoints(&root)
+        .unwrap()
+        .into_iter()
+        .map(|(i, _)| i)
+        .collect();
     assert_eq!(kept, vec![3, 4]);
-    assert_eq!(fs::read_to_string(root.join("latest")).unwrap(), "iter_0000004");
+    assert_eq!(
+        fs::read_to_string(root.join("latest")).unwrap(),
+        "iter_0000004"
+    );
     fs::remove_dir_all(root).unwrap();
 }
 
@@ -113,24 +128,36 @@ fn broken_checkpoints_are_refused_with_the_file_and_the_problem() {
     corrupt[last] ^= 0x40;
     fs::write(&shard, &corrupt).unwrap();
     let err = load_error(&root, &config, 1);
-    assert!(err.contains("model_tp1_pp0.safetensors") && err.contains("corrupt"), "{err}");
+    assert!(
+        err.contains("model_tp1_pp0.safetensors") && err.contains("corrupt"),
+        "{err}"
+    );
 
     // A truncated file.
     fs::write(&shard, &original[..original.len() / 2]).unwrap();
     let err = load_error(&root, &config, 2);
-    assert!(err.contains("model_tp1_pp0.safetensors") && err.contains("truncated"), "{err}");
+    assert!(
+        err.contains("model_tp1_pp0.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
 
     // A missing shard file.
     fs::remove_file(&shard).unwrap();
     let err = load_error(&root, &config, 1);
-    assert!(err.contains("model_tp1_pp0.safetensors") && err.contains("missing"), "{err}");
+    assert!(
+        err.contains("model_tp1_pp0.safetensors") && err.contains("missing"),
+        "{err}"
+    );
     fs::write(&shard, &original).unwrap();
 
     // Another model configuration.
     let mut wider = config.clone();
     wider.hidden_size = 32;
     let err = load_error(&root, &wider, 1);
-    assert!(err.contains("iter_0000001") && err.contains("hidden_size = 16"), "{err}");
+    assert!(
+        err.contains("iter_0000001") && err.contains("hidden_size = 16"),
+        "{err}"
+    );
 
     // Metadata that lacks a shard: the tensor is not covered.
     let meta = dir.join("metadata.json");
@@ -142,11 +169,17 @@ fn broken_checkpoints_are_refused_with_the_file_and_the_problem() {
         .pop();
     fs::write(&meta, serde_json::to_string(&json).unwrap()).unwrap();
     let err = load_error(&root, &config, 1);
-    assert!(err.contains("block.layers.0.mlp.fc1.weight") && err.contains("missing"), "{err}");
+    assert!(
+        err.contains("block.layers.0.mlp.fc1.weight") && err.contains("missing"),
+        "{err}"
+    );
 
     // Unreadable metadata.
     fs::write(&meta, "{").unwrap();
     let err = load_error(&root, &config, 1);
-    assert!(err.contains("metadata.json") && err.contains("not valid metadata"), "{err}");
+    assert!(
+        err.contains("metadata.json") && err.contains("not valid metadata"),
+        "{err}"
+    );
     fs::remove_dir_all(root).unwrap();
 }
