@@ -15,7 +15,7 @@
 //! - **Optimizer state by path**, never by Burn's random `ParamId`: [`adamw_state`] and
 //!   [`adamw_record`] convert Burn's AdamW record. The metadata reserves a DP-sharded flat
 //!   layout ([`OptimizerLayout::DpShardedFlat`]) for the distributed optimizer.
-//! - **Safety** ([`directory`](self#functions)): saves go to a temporary directory renamed into
+//! - **Safety** ([`latest_checkpoint`], [`keep_last`], [`remove_partial_saves`]): saves go to a temporary directory renamed into
 //!   place after every rank finished and the metadata is written; `latest` is replaced
 //!   atomically; the last K are kept; files are checked against their size and checksum on
 //!   load, and a wrong model configuration or missing shard is refused, naming the file or

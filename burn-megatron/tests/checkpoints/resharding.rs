@@ -23,8 +23,8 @@ fn reference(
     }))
 }
 
-fn save(config: &TransformerConfig, tp: usize, pp: usize, root: &Path) {
-    run(tp * pp, |ctx| {
+fn save(config: &TransformerConfig, (tp, pp, dp): (usize, usize, usize), root: &Path) {
+    run(tp * pp * dp, |ctx| {
         let (state, chunks) = build(&ctx, config, tp, pp)?;
         let training = TrainingState {
             iteration: 7,
@@ -35,10 +35,14 @@ fn save(config: &TransformerConfig, tp: usize, pp: usize, root: &Path) {
     });
 }
 
-/// Builds `config` with another seed at TP × PP, loads the latest checkpoint and runs a step.
-fn load_and_step(config: &TransformerConfig, tp: usize, pp: usize, root: &Path) -> Vec<Outcome> {
+/// Builds `config` with another seed at TP × PP × DP, loads the latest checkpoint and runs a step.
+fn load_and_step(
+    config: &TransformerConfig,
+    (tp, pp, dp): (usize, usize, usize),
+    root: &Path,
+) -> Vec<Outcome> {
     let other = config.clone().with_seed(config.seed + 1);
-    run(tp * pp, |ctx| {
+    run(tp * pp * dp, |ctx| {
         let (state, chunks) = build(&ctx, &other, tp, pp)?;
         let checkpoint = Checkpoint::open_latest(root)?;
         checkpoint.check_config(&other)?;
@@ -52,8 +56,20 @@ fn load_and_step(config: &TransformerConfig, tp: usize, pp: usize, root: &Path) 
 }
 
 fn check(config: TransformerConfig, name: &str, saved: (usize, usize), loads: &[(usize, usize)]) {
-    let root = scratch(&format!("reshard-{name}-{}x{}", saved.0, saved.1));
-    save(&config, saved.0, saved.1, &root);
+    let saved = (saved.0, saved.1, 1);
+    let loads: Vec<_> = loads.iter().map(|&(tp, pp)| (tp, pp, 1)).collect();
+    check_dp(config, name, saved, &loads);
+}
+
+/// Saves `config` at `saved` = (TP, PP, DP), loads it at each of `loads`.
+fn check_dp(
+    config: TransformerConfig,
+    name: &str,
+    saved: (usize, usize, usize),
+    loads: &[(usize, usize, usize)],
+) {
+    let root = scratch(&format!("reshard-{name}-{saved:?}"));
+    save(&config, saved, &root);
     let want = reference(&config);
     // Loading into a differently seeded model must change its step: else the test proves
     // nothing.
@@ -62,20 +78,16 @@ fn check(config: TransformerConfig, name: &str, saved: (usize, usize), loads: &[
         (other.0 - want.0).abs() > 1e-4,
         "the seeds give the same loss"
     );
-    for &(tp, pp) in loads {
-        let got = merge(load_and_step(&config, tp, pp, &root));
+    for &layout in loads {
+        let got = merge(load_and_step(&config, layout, &root));
         assert_same_step(
-            &format!(
-                "{name} saved at TP={} PP={}, loaded at TP={tp} PP={pp}",
-                saved.0, saved.1
-            ),
+            &format!("{name} saved at (TP, PP, DP) = {saved:?}, loaded at {layout:?}"),
             &got,
             &want,
         );
     }
     std::fs::remove_dir_all(root).unwrap();
 }
-
 #[test]
 fn gpt_saved_at_tp2_pp2_loads_in_any_layout() {
     check(
@@ -94,4 +106,15 @@ fn gpt_saved_at_tp4_loads_at_tp1_and_pp2() {
 #[test]
 fn llama_saved_at_tp2_pp2_loads_in_any_layout() {
     check(tiny_llama(), "llama", (2, 2), &[(1, 1), (2, 1), (1, 4)]);
+}
+
+/// Data-parallel replicas: only DP rank 0 writes; every replica loads.
+#[test]
+fn gpt_saved_with_dp2_loads_with_and_without_dp() {
+    check_dp(
+        tiny_gpt(),
+        "gpt-dp",
+        (2, 1, 2),
+        &[(1, 1, 1), (1, 4, 2), (2, 2, 2)],
+    );
 }
