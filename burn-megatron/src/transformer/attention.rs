@@ -11,10 +11,9 @@ use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, DropoutSite, RowParallelLinear,
-    RowParallelLinearConfig,
+    ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
+    RowParallelLinear, RowParallelLinearConfig,
 };
-use crate::tensor_parallel::{DeclarePlacements, Placements};
 
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
 /// rank's heads, and a row-parallel output projection.

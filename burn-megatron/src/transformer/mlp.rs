@@ -11,9 +11,9 @@ use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::ops::{GeluForm, bias_gelu, swiglu};
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+    ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, Placements,
+    RowParallelLinear, RowParallelLinearConfig,
 };
-use crate::tensor_parallel::{DeclarePlacements, Placements};
 
 /// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
 /// features (no communication), and a row-parallel down-projection.
