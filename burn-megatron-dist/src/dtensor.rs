@@ -37,8 +37,8 @@ impl fmt::Display for Placement {
 ///
 /// Combining tensors laid out differently, or over different groups, is an error instead of
 /// a silently wrong result. Today it is a standalone type (tested on its own); the parallel
-/// layers do not use it yet; they declare their parameters' splits in
-/// `burn_megatron::tensor_parallel::placement`.
+/// layers declare their parameters' [`Placement`] through
+/// `burn_megatron::tensor_parallel::DeclarePlacements`.
 #[derive(Debug, Clone)]
 pub struct DistTensor<B: DistBackend, const D: usize> {
     local: Tensor<B, D>,

@@ -32,6 +32,9 @@ pub enum Error {
     /// A dataset cannot be read, written, sampled or tokenized.
     #[error(transparent)]
     Data(#[from] crate::data::DataError),
+    /// A checkpoint cannot be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpointing::CheckpointError),
 }
 
 /// `Result` with burn-megatron's [`Error`].

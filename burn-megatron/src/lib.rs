@@ -14,9 +14,11 @@
 //!   clipping and the dynamic loss scaler.
 //! - [`data`]: Megatron's indexed datasets (`.bin`/`.idx`), GPT sampling, blending, splits,
 //!   tokenizers and the preprocessing behind `preprocess_data`.
+//! - [`checkpointing`]: sharded, reshardable, crash-safe checkpoints.
 //! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
+pub mod checkpointing;
 pub mod data;
 pub mod error;
 pub mod init;

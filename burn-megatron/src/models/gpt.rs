@@ -13,8 +13,9 @@ use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::pipeline_parallel::{PipelineError, Stage};
 use crate::tensor_parallel::{
-    DropoutSite, VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean,
-    parallel_lm_logits, vocab_parallel_cross_entropy,
+    DeclarePlacements, DropoutSite, ParamPlacement, Placements, VocabParallelEmbedding,
+    VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
+    vocab_parallel_cross_entropy,
 };
 use crate::transformer::{
     LayerContext, PositionEmbedding, Recompute, TransformerBlock, TransformerConfig,
@@ -149,6 +150,19 @@ impl TransformerConfig {
                 tie_embeddings: self.tie_embeddings,
             },
         })
+    }
+}
+
+/// The embeddings and output layer as their layers declare them; the learned position table
+/// is replicated.
+impl<B: Backend> DeclarePlacements for GptModel<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        self.embedding.declare_placements(out);
+        if let Some(table) = &self.position_embedding {
+            out.declare(table, ParamPlacement::replicated());
+        }
+        self.block.declare_placements(out);
+        self.output.declare_placements(out);
     }
 }
 

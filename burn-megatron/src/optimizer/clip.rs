@@ -5,7 +5,7 @@
 //!
 //! - a parameter split over TP counts on every TP rank (each holds its slice);
 //! - a TP-replicated parameter (norms, the row-parallel layers' biases, learned position
-//!   embeddings: [`ParamShard::Replicated`](crate::tensor_parallel::ParamShard)) holds the full
+//!   embeddings: declared [`ParamPlacement::replicated`](crate::tensor_parallel::ParamPlacement)) holds the full
 //!   gradient on every TP rank, and counts on TP rank 0 only (Megatron's
 //!   `param_is_not_tensor_parallel_duplicate`);
 //! - a tied embedding's copy on the last pipeline stage (its gradient all-reduced with the
@@ -17,8 +17,10 @@
 //! device tensor and the gradients are scaled by `min(1, max_norm / (norm + 1e-6))` on the
 //! device, so a GPU step never waits for the host.
 
+use std::collections::HashSet;
+
 use burn::config::Config;
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
@@ -28,6 +30,7 @@ use super::grads::{Counted, Reduction, reduce_grads, scale_grads};
 use crate::ModelBackend;
 use crate::error::ConfigError;
 use crate::models::GptModel;
+use crate::tensor_parallel::{DeclarePlacements, try_param_infos};
 
 /// Added to the norm before dividing, as Megatron does.
 pub const CLIP_EPSILON: f64 = 1e-6;
@@ -68,15 +71,26 @@ pub fn shared_copies<B: ModelBackend>(model: &GptModel<B>) -> Vec<String> {
 /// counts (see the [module docs](self)), as a `[1]` f32 device tensor. `tp_rank` is the rank
 /// in the TP group; `excluded` lists paths of copies counted elsewhere. A parameter without
 /// a gradient is an [`InputError::MissingGradient`](crate::InputError).
-pub fn local_grad_sum_of_squares<B: AutodiffBackend, M: Module<B>>(
+pub fn local_grad_sum_of_squares<B: AutodiffBackend, M: Module<B> + DeclarePlacements>(
     module: &M,
     grads: &GradientsParams,
     tp_rank: usize,
     excluded: &[String],
 ) -> crate::Result<Tensor<B::InnerBackend, 1>> {
     let device = module.devices().into_iter().next().unwrap_or_default();
-    let counted = Counted::Once { tp_rank, excluded };
-    reduce_grads(module, grads, Reduction::SumOfSquares, &counted, &device)
+    let counted: HashSet<ParamId> = try_param_infos(module)?
+        .into_iter()
+        .filter(|info| info.placement.dim().is_some() || tp_rank == 0)
+        .filter(|info| !excluded.contains(&info.path))
+        .map(|info| info.id)
+        .collect();
+    reduce_grads(
+        module,
+        grads,
+        Reduction::SumOfSquares,
+        &Counted::Only(&counted),
+        &device,
+    )
 }
 
 /// The global L2 norm of the gradients of a model replica, as a `[1]` f32 device tensor:

@@ -9,7 +9,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, FloatDType, Tensor};
 
 use crate::error::{InputError, Result};
-use crate::tensor_parallel::{ParamShard, Path};
+use std::collections::HashSet;
+
+use burn::module::ParamId;
+
+use crate::tensor_parallel::Path;
 
 /// A per-parameter reduction of a gradient to one f32 value.
 #[derive(Debug, Clone, Copy)]
@@ -25,24 +29,17 @@ pub(crate) enum Counted<'a> {
     /// Every parameter this rank holds: for the overflow check, where a value seen twice
     /// does no harm.
     Every,
-    /// Each parameter of the model once over the model-parallel group: for the norm.
-    Once {
-        /// This rank's place in the TP group: TP-replicated parameters count on TP rank 0.
-        tp_rank: usize,
-        /// Paths of parameters that copy one counted on another rank (a tied embedding's
-        /// copy on the last pipeline stage).
-        excluded: &'a [String],
-    },
+    /// The listed parameters only: for the norm, each parameter of the model once over the
+    /// model-parallel group (TP-replicated parameters on TP rank 0, a tied embedding's copy
+    /// on the last pipeline stage not at all).
+    Only(&'a HashSet<ParamId>),
 }
 
 impl Counted<'_> {
-    fn counts(&self, path: &str, shard: ParamShard) -> bool {
+    fn counts(&self, id: ParamId) -> bool {
         match self {
             Counted::Every => true,
-            Counted::Once { tp_rank, excluded } => {
-                (shard != ParamShard::Replicated || *tp_rank == 0)
-                    && !excluded.iter().any(|p| p == path)
-            }
+            Counted::Only(ids) => ids.contains(&id),
         }
     }
 }
@@ -66,17 +63,17 @@ pub(crate) fn reduce_grads<B: AutodiffBackend, M: Module<B>>(
         missing: Option<String>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Reduce<'_, B> {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.path.enter(name, container);
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.enter(name);
         }
         fn exit_module(&mut self, _: &str, _: &str) {
             self.path.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let (path, shard) = self.path.current();
-            if self.missing.is_some() || !self.counted.counts(&path, shard) {
+            if self.missing.is_some() || !self.counted.counts(param.id) {
                 return;
             }
+            let path = self.path.current();
             let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
                 self.missing = Some(path);
                 return;

@@ -22,7 +22,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-use crate::tensor_parallel::{ParamInfo, param_infos};
+use crate::tensor_parallel::{DeclarePlacements, ParamInfo, param_infos};
 
 /// What a parameter is, for the weight-decay policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,7 +79,7 @@ impl WeightDecayPolicy {
     }
 
     /// `module`'s float parameters in the two groups.
-    pub fn groups<B: Backend, M: Module<B>>(&self, module: &M) -> ParamGroups {
+    pub fn groups<B: Backend, M: Module<B> + DeclarePlacements>(&self, module: &M) -> ParamGroups {
         let (mut decay, mut no_decay) = (Vec::new(), Vec::new());
         for info in param_infos(module) {
             let kind = ParamKind::of(&info.path, &info.shape);

@@ -11,6 +11,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::{ModelBackend, linear};
 
+use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
 
@@ -85,6 +86,16 @@ impl ColumnParallelLinearConfig {
             gather_output: self.gather_output,
             sequence_parallel: self.sequence_parallel,
         })
+    }
+}
+
+/// The weight's columns and the bias are sharded over TP (dimensions 1 and 0).
+impl<B: Backend> DeclarePlacements for ColumnParallelLinear<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        out.declare(&self.weight, ParamPlacement::sharded(1, &self.tp));
+        if let Some(bias) = &self.bias {
+            out.declare(bias, ParamPlacement::sharded(0, &self.tp));
+        }
     }
 }
 

@@ -15,7 +15,8 @@ pub use cross_entropy::{masked_mean, vocab_parallel_cross_entropy};
 pub use dropout::{DropoutSite, dropout, dropout_mask};
 pub(crate) use placement::Path;
 pub use placement::{
-    ParamInfo, ParamShard, gather_full_grads, gather_full_params, param_infos, param_shards,
+    DeclarePlacements, ParamInfo, ParamPlacement, Placements, gather_full_grads,
+    gather_full_params, param_infos, param_shards, try_param_infos,
 };
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
 pub use vocab::VocabPartition;

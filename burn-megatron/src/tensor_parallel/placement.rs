@@ -1,210 +1,301 @@
-//! How each parameter of a model is split over the tensor-parallel group, and gathering the
-//! full parameters or gradients (used by the equivalence tests today).
+//! Where each parameter of a model lives over the tensor-parallel group, as its layer declares
+//! it, and gathering the full parameters or gradients.
+//!
+//! Every layer that holds parameters implements [`DeclarePlacements`]: a column-parallel
+//! linear layer says "my weight is sharded along dimension 1 over TP", a vocabulary-parallel
+//! table "sharded along dimension 0, with this many padding rows at the end", a norm
+//! "replicated". Containers (attention, MLP, transformer layer, model) forward to their
+//! children. Nothing is inferred from type or field names: a parameter that no layer declares
+//! is reported, never silently treated as replicated.
+//!
+//! The declarations drive gathering full tensors (the equivalence tests), counting each
+//! parameter once in the global gradient norm, and checkpoints, which store every parameter
+//! by its full (unpadded) shape and cut it again for any layout.
+
+use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistResult, Placement, ProcessGroup};
 
-use crate::error::{InputError, Result};
+use crate::error::{ConfigError, InputError, Result};
 
-/// How a parameter is laid out over the TP group.
+/// How one parameter is laid out over the tensor-parallel group.
+///
+/// A sharded parameter is cut evenly: rank `r` of `parts` holds
+/// `[r · n, (r + 1) · n)` of the sharded dimension, `n` being its local length. The full
+/// tensor may carry `padding` rows at the end of that dimension (Megatron's vocabulary
+/// padding); they are not part of the parameter's value, so the full ("global") shape leaves
+/// them out and a checkpoint does not store them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ParamShard {
-    /// Every rank holds all of it.
-    Replicated,
-    /// Each rank holds a slice along `dim`.
-    Split {
-        /// The split dimension.
-        dim: usize,
-    },
+pub struct ParamPlacement {
+    /// [`Placement::Replicate`] or [`Placement::Shard`]`(dim)`; parameters are never
+    /// [`Placement::Partial`].
+    pub placement: Placement,
+    /// This rank's index among the parts (its TP rank; 0 when replicated).
+    pub rank: usize,
+    /// The number of parts (the TP size; 1 when replicated).
+    pub parts: usize,
+    /// Padding entries at the end of the sharded dimension of the full tensor.
+    pub padding: usize,
 }
 
-/// The layout of a parameter, from the layer that holds it and the field's name.
-fn shard_of(container: &str, field: &str) -> ParamShard {
-    match (container.trim_start_matches("Struct:"), field) {
-        ("ColumnParallelLinear", "weight") => ParamShard::Split { dim: 1 },
-        ("ColumnParallelLinear", "bias") => ParamShard::Split { dim: 0 },
-        ("RowParallelLinear", "weight") => ParamShard::Split { dim: 0 },
-        ("VocabParallelEmbedding" | "VocabParallelOutput", "weight") => {
-            ParamShard::Split { dim: 0 }
+impl ParamPlacement {
+    /// Every rank holds the whole parameter.
+    pub fn replicated() -> Self {
+        Self {
+            placement: Placement::Replicate,
+            rank: 0,
+            parts: 1,
+            padding: 0,
         }
-        _ => ParamShard::Replicated,
+    }
+
+    /// Each rank of `tp` holds an even slice along `dim`.
+    pub fn sharded(dim: usize, tp: &ProcessGroup) -> Self {
+        Self {
+            placement: Placement::Shard(dim),
+            rank: tp.rank(),
+            parts: tp.size(),
+            padding: 0,
+        }
+    }
+
+    /// The same placement whose full tensor ends in `padding` padding entries along the
+    /// sharded dimension.
+    pub fn with_padding(self, padding: usize) -> Self {
+        Self { padding, ..self }
+    }
+
+    /// Whether every rank holds all of it.
+    pub fn is_replicated(&self) -> bool {
+        self.dim().is_none()
+    }
+
+    /// The sharded dimension, `None` when replicated.
+    pub fn dim(&self) -> Option<usize> {
+        match self.placement {
+            Placement::Shard(dim) => Some(dim),
+            Placement::Replicate | Placement::Partial => None,
+        }
+    }
+
+    /// The full shape of the parameter (padding left out) from this rank's `local` shape.
+    pub fn global_shape(&self, local: &[usize]) -> Vec<usize> {
+        let mut shape = local.to_vec();
+        if let Some(dim) = self.dim() {
+            shape[dim] = local[dim] * self.parts - self.padding;
+        }
+        shape
+    }
+
+    /// The range of the sharded dimension of the padded full tensor this rank holds, given
+    /// its local length there; the whole dimension when replicated.
+    pub fn local_range(&self, local_len: usize) -> Range<usize> {
+        self.rank * local_len..(self.rank + 1) * local_len
+    }
+}
+
+/// The placements of a module's parameters, by [`ParamId`], as its layers declare them.
+#[derive(Debug, Clone, Default)]
+pub struct Placements {
+    by_id: HashMap<ParamId, ParamPlacement>,
+}
+
+impl Placements {
+    /// Records the placement of `param`.
+    pub fn declare<B: Backend, const D: usize>(
+        &mut self,
+        param: &Param<Tensor<B, D>>,
+        placement: ParamPlacement,
+    ) {
+        self.by_id.insert(param.id, placement);
+    }
+
+    /// The placement declared for the parameter `id`.
+    pub fn get(&self, id: ParamId) -> Option<ParamPlacement> {
+        self.by_id.get(&id).copied()
+    }
+
+    /// All placements of `module`.
+    pub fn of<M: DeclarePlacements>(module: &M) -> Self {
+        let mut placements = Self::default();
+        module.declare_placements(&mut placements);
+        placements
+    }
+}
+
+/// A module that declares where each of its float parameters lives over the TP group.
+///
+/// A layer declares its own parameters with [`Placements::declare`]; a container calls
+/// `declare_placements` on each child. Every float parameter must be declared.
+pub trait DeclarePlacements {
+    /// Adds the placement of every float parameter of `self` to `out`.
+    fn declare_placements(&self, out: &mut Placements);
+}
+
+impl<T: DeclarePlacements> DeclarePlacements for Option<T> {
+    fn declare_placements(&self, out: &mut Placements) {
+        if let Some(inner) = self {
+            inner.declare_placements(out);
+        }
+    }
+}
+
+impl<T: DeclarePlacements> DeclarePlacements for Vec<T> {
+    fn declare_placements(&self, out: &mut Placements) {
+        for item in self {
+            item.declare_placements(out);
+        }
     }
 }
 
 /// Tracks the path of the parameter being visited.
 #[derive(Default)]
 pub(crate) struct Path {
-    names: Vec<(String, String)>,
+    names: Vec<String>,
 }
 
 impl Path {
-    pub(crate) fn enter(&mut self, name: &str, container: &str) {
-        self.names.push((name.to_string(), container.to_string()));
+    pub(crate) fn enter(&mut self, name: &str) {
+        self.names.push(name.to_string());
     }
     pub(crate) fn exit(&mut self) {
         self.names.pop();
     }
-    pub(crate) fn current(&self) -> (String, ParamShard) {
-        let path = self
-            .names
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .collect::<Vec<_>>()
-            .join(".");
-        let shard = match self.names.last() {
-            Some((field, container)) => shard_of(container, field),
-            None => ParamShard::Replicated,
-        };
-        (path, shard)
+    pub(crate) fn current(&self) -> String {
+        self.names.join(".")
     }
 }
 
-/// Every float parameter of `module` with its path (`"layers.0.mlp.fc1.weight"`) and layout.
-pub fn param_shards<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, ParamShard)> {
-    struct Collect(Path, Vec<(String, ParamShard)>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.0.enter(name, container);
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.exit();
-        }
-        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<B, D>>) {
-            self.1.push(self.0.current());
-        }
-    }
-    let mut visitor = Collect(Path::default(), Vec::new());
-    module.visit(&mut visitor);
-    visitor.1
-}
-
-/// A float parameter of a module: what the optimizer needs to know to treat it.
+/// A float parameter of a module: what the optimizer and checkpoints need to know of it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamInfo {
     /// Its id, the key of its gradient in [`GradientsParams`].
     pub id: ParamId,
     /// Its path in the module, e.g. `block.layers.0.mlp.fc1.weight`.
     pub path: String,
-    /// Its layout over the TP group.
-    pub shard: ParamShard,
+    /// Its layout over the TP group, as its layer declares it.
+    pub placement: ParamPlacement,
     /// This rank's shape of it.
     pub shape: Vec<usize>,
 }
 
-/// Every float parameter of `module`, in visiting order, with its id, path, layout and shape.
-pub fn param_infos<B: Backend, M: Module<B>>(module: &M) -> Vec<ParamInfo> {
-    struct Collect(Path, Vec<ParamInfo>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.0.enter(name, container);
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.exit();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let (path, shard) = self.0.current();
-            self.1.push(ParamInfo {
-                id: param.id,
-                path,
-                shard,
-                shape: param.val().dims().to_vec(),
-            });
-        }
+impl ParamInfo {
+    /// The full shape (padding left out).
+    pub fn global_shape(&self) -> Vec<usize> {
+        self.placement.global_shape(&self.shape)
     }
-    let mut visitor = Collect(Path::default(), Vec::new());
-    module.visit(&mut visitor);
-    visitor.1
 }
 
-fn gather<B: DistBackend, const D: usize>(
-    tensor: Tensor<B, D>,
-    shard: ParamShard,
-    tp: &ProcessGroup,
-) -> DistResult<TensorData> {
-    Ok(match shard {
-        ParamShard::Replicated => tensor,
-        ParamShard::Split { dim } => tp.all_gather(tensor, dim)?,
-    }
-    .into_data())
-}
-
-/// The full value of every float parameter, gathered over the TP group, with its path.
-/// Every rank of the group must call it.
-pub fn gather_full_params<B: DistBackend, M: Module<B>>(
+/// Every float parameter of `module`, in visiting order, with its id, path, declared
+/// placement and shape. A parameter that no layer declares is a [`ConfigError::Invalid`]
+/// naming it.
+pub fn try_param_infos<B: Backend, M: Module<B> + DeclarePlacements>(
     module: &M,
-    tp: &ProcessGroup,
-) -> DistResult<Vec<(String, TensorData)>> {
-    struct Gather<'a> {
+) -> core::result::Result<Vec<ParamInfo>, ConfigError> {
+    struct Collect {
         path: Path,
-        tp: &'a ProcessGroup,
-        out: DistResult<Vec<(String, TensorData)>>,
+        placements: Placements,
+        out: core::result::Result<Vec<ParamInfo>, ConfigError>,
     }
-    impl<B: DistBackend> ModuleVisitor<B> for Gather<'_> {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.path.enter(name, container);
+    impl<B: Backend> ModuleVisitor<B> for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.enter(name);
         }
         fn exit_module(&mut self, _: &str, _: &str) {
             self.path.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let (path, shard) = self.path.current();
-            if let Ok(out) = &mut self.out {
-                match gather(param.val(), shard, self.tp) {
-                    Ok(data) => out.push((path, data)),
-                    Err(e) => self.out = Err(e),
+            let path = self.path.current();
+            let Ok(out) = &mut self.out else { return };
+            match self.placements.get(param.id) {
+                Some(placement) => out.push(ParamInfo {
+                    id: param.id,
+                    path,
+                    placement,
+                    shape: param.val().dims().to_vec(),
+                }),
+                None => {
+                    self.out = Err(ConfigError::Invalid(format!(
+                        "parameter {path} has no declared placement: its layer's \
+                         DeclarePlacements must declare every parameter"
+                    )))
                 }
             }
         }
     }
-    let mut visitor = Gather {
+    let mut visitor = Collect {
         path: Path::default(),
-        tp,
+        placements: Placements::of(module),
         out: Ok(Vec::new()),
     };
     module.visit(&mut visitor);
     visitor.out
 }
 
-/// The full gradient of every float parameter, gathered over the TP group, with its path.
-/// A parameter without a gradient is an [`InputError::MissingGradient`]. Every rank of the
-/// group must call it.
-pub fn gather_full_grads<B, M>(
+/// [`try_param_infos`] for modules whose layers declare every parameter (all of this
+/// crate's).
+///
+/// # Panics
+/// If a parameter has no declared placement: a bug in a layer's [`DeclarePlacements`].
+pub fn param_infos<B: Backend, M: Module<B> + DeclarePlacements>(module: &M) -> Vec<ParamInfo> {
+    try_param_infos(module).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Every float parameter of `module` with its path (`"layers.0.mlp.fc1.weight"`) and layout.
+pub fn param_shards<B: Backend, M: Module<B> + DeclarePlacements>(
     module: &M,
-    grads: &GradientsParams,
+) -> Vec<(String, ParamPlacement)> {
+    param_infos(module)
+        .into_iter()
+        .map(|info| (info.path, info.placement))
+        .collect()
+}
+
+/// The full tensor of `local` (padding dropped), gathered over `tp`.
+fn gather<B: DistBackend, const D: usize>(
+    local: Tensor<B, D>,
+    placement: ParamPlacement,
     tp: &ProcessGroup,
-) -> Result<Vec<(String, TensorData)>>
-where
-    B: AutodiffBackend,
-    B::InnerBackend: DistBackend,
-    M: Module<B>,
-{
+) -> DistResult<TensorData> {
+    let Some(dim) = placement.dim() else {
+        return Ok(local.into_data());
+    };
+    let global = placement.global_shape(&local.dims())[dim];
+    Ok(tp
+        .all_gather(local, dim)?
+        .narrow(dim, 0, global)
+        .into_data())
+}
+
+/// The full value of every float parameter (padding dropped), gathered over the TP group,
+/// with its path. Every rank of the group must call it.
+pub fn gather_full_params<B: DistBackend, M: Module<B> + DeclarePlacements>(
+    module: &M,
+    tp: &ProcessGroup,
+) -> Result<Vec<(String, TensorData)>> {
     struct Gather<'a> {
         path: Path,
+        placements: Placements,
         tp: &'a ProcessGroup,
-        grads: &'a GradientsParams,
         out: Result<Vec<(String, TensorData)>>,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_>
-    where
-        B::InnerBackend: DistBackend,
-    {
-        fn enter_module(&mut self, name: &str, container: &str) {
-            self.path.enter(name, container);
+    impl<B: DistBackend> ModuleVisitor<B> for Gather<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.enter(name);
         }
         fn exit_module(&mut self, _: &str, _: &str) {
             self.path.exit();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let (path, shard) = self.path.current();
+            let path = self.path.current();
             let Ok(out) = &mut self.out else { return };
-            let result = self
-                .grads
-                .get::<B::InnerBackend, D>(param.id)
-                .ok_or_else(|| InputError::MissingGradient { path: path.clone() }.into())
-                .and_then(|grad| Ok(gather(grad, shard, self.tp)?));
+            let result = declared(&self.placements, param.id, &path)
+                .and_then(|placement| Ok(gather(param.val(), placement, self.tp)?));
             match result {
                 Ok(data) => out.push((path, data)),
                 Err(e) => self.out = Err(e),
@@ -213,6 +304,73 @@ where
     }
     let mut visitor = Gather {
         path: Path::default(),
+        placements: Placements::of(module),
+        tp,
+        out: Ok(Vec::new()),
+    };
+    module.visit(&mut visitor);
+    visitor.out
+}
+
+fn declared(placements: &Placements, id: ParamId, path: &str) -> Result<ParamPlacement> {
+    placements.get(id).ok_or_else(|| {
+        ConfigError::Invalid(format!(
+            "parameter {path} has no declared placement: its layer's DeclarePlacements must \
+             declare every parameter"
+        ))
+        .into()
+    })
+}
+
+/// The full gradient of every float parameter (padding dropped), gathered over the TP group,
+/// with its path. A parameter without a gradient is an [`InputError::MissingGradient`].
+/// Every rank of the group must call it.
+pub fn gather_full_grads<B, M>(
+    module: &M,
+    grads: &GradientsParams,
+    tp: &ProcessGroup,
+) -> Result<Vec<(String, TensorData)>>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: DistBackend,
+    M: Module<B> + DeclarePlacements,
+{
+    struct Gather<'a> {
+        path: Path,
+        placements: Placements,
+        tp: &'a ProcessGroup,
+        grads: &'a GradientsParams,
+        out: Result<Vec<(String, TensorData)>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_>
+    where
+        B::InnerBackend: DistBackend,
+    {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.enter(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let path = self.path.current();
+            let Ok(out) = &mut self.out else { return };
+            let result = declared(&self.placements, param.id, &path).and_then(|placement| {
+                let grad = self
+                    .grads
+                    .get::<B::InnerBackend, D>(param.id)
+                    .ok_or_else(|| InputError::MissingGradient { path: path.clone() })?;
+                Ok(gather(grad, placement, self.tp)?)
+            });
+            match result {
+                Ok(data) => out.push((path, data)),
+                Err(e) => self.out = Err(e),
+            }
+        }
+    }
+    let mut visitor = Gather {
+        path: Path::default(),
+        placements: Placements::of(module),
         tp,
         grads,
         out: Ok(Vec::new()),

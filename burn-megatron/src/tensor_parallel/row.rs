@@ -11,6 +11,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::{ModelBackend, linear};
 
+use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
 
@@ -88,6 +89,17 @@ impl RowParallelLinearConfig {
             input_is_parallel: self.input_is_parallel,
             sequence_parallel: self.sequence_parallel,
         })
+    }
+}
+
+/// The weight's rows are sharded over TP (dimension 0); the bias, added after the reduction,
+/// is replicated.
+impl<B: Backend> DeclarePlacements for RowParallelLinear<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        out.declare(&self.weight, ParamPlacement::sharded(0, &self.tp));
+        if let Some(bias) = &self.bias {
+            out.declare(bias, ParamPlacement::replicated());
+        }
     }
 }
 

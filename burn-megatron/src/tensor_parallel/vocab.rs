@@ -5,6 +5,9 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor};
 
+use burn_megatron_dist::Placement;
+
+use super::placement::ParamPlacement;
 use crate::error::ConfigError;
 
 /// A vocabulary padded so that it splits evenly over TP ranks, and this rank's range of it.
@@ -44,6 +47,17 @@ impl VocabPartition {
             tp,
             rank,
         })
+    }
+
+    /// The placement of a `[padded_size, ..]` table split by rows: sharded along dimension 0,
+    /// its last `padded_size - vocab_size` rows padding.
+    pub fn placement(&self) -> ParamPlacement {
+        ParamPlacement {
+            placement: Placement::Shard(0),
+            rank: self.rank,
+            parts: self.tp,
+            padding: self.padded_size - self.vocab_size,
+        }
     }
 
     /// Entries per rank.

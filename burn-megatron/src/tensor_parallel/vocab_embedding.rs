@@ -8,6 +8,7 @@ use burn_megatron_dist::mapping::{
 };
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
+use super::placement::{DeclarePlacements, Placements};
 use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
@@ -60,6 +61,13 @@ impl<B: DistBackend> VocabParallelEmbedding<B> {
     /// The vocabulary partition.
     pub fn vocab(&self) -> &VocabPartition {
         &self.vocab
+    }
+}
+
+/// The table's rows are sharded over TP, padding rows at the end (see [`VocabPartition`]).
+impl<B: Backend> DeclarePlacements for VocabParallelEmbedding<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        out.declare(&self.weight, self.vocab.placement());
     }
 }
 

@@ -9,6 +9,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::{ModelBackend, linear};
 
+use super::placement::{DeclarePlacements, Placements};
 use super::vocab::VocabPartition;
 use crate::init::{InitDistribution, init_slice};
 
@@ -18,6 +19,8 @@ use crate::init::{InitDistribution, init_slice};
 pub struct VocabParallelOutput<B: Backend> {
     /// `[padded_vocab / tp, hidden]`: this rank's rows, drawn from `N(0, init_std²)`.
     pub weight: Param<Tensor<B, 2>>,
+    #[module(skip)]
+    vocab: VocabPartition,
 }
 
 impl<B: DistBackend> VocabParallelOutput<B> {
@@ -38,7 +41,15 @@ impl<B: DistBackend> VocabParallelOutput<B> {
         );
         Self {
             weight: Param::from_tensor(weight),
+            vocab: vocab.clone(),
         }
+    }
+}
+
+/// The table's rows are sharded over TP, padding rows at the end (see [`VocabPartition`]).
+impl<B: Backend> DeclarePlacements for VocabParallelOutput<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        out.declare(&self.weight, self.vocab.placement());
     }
 }
 

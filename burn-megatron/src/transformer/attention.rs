@@ -11,8 +11,8 @@ use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, DropoutSite, RowParallelLinear,
-    RowParallelLinearConfig,
+    ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
+    RowParallelLinear, RowParallelLinearConfig,
 };
 
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
@@ -43,6 +43,13 @@ struct AttentionShape {
     rope_base: Option<f64>,
     dropout: f64,
     recompute: Recompute,
+}
+
+impl<B: Backend> DeclarePlacements for ParallelAttention<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        self.qkv.declare_placements(out);
+        self.output.declare_placements(out);
+    }
 }
 
 impl<B: ModelBackend> ParallelAttention<B> {

@@ -11,6 +11,7 @@ use super::layer::TransformerLayer;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
+use crate::tensor_parallel::{DeclarePlacements, Placements};
 
 /// Megatron's `TransformerBlock`: pre-norm layers, then the final norm. A pipeline stage's
 /// block holds its own layers only, and the final norm only on the last stage (Megatron's
@@ -21,6 +22,13 @@ pub struct TransformerBlock<B: Backend> {
     pub layers: Vec<TransformerLayer<B>>,
     /// Norm after the last layer; `None` on a pipeline stage other than the last.
     pub final_norm: Option<Norm<B>>,
+}
+
+impl<B: Backend> DeclarePlacements for TransformerBlock<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        self.layers.declare_placements(out);
+        self.final_norm.declare_placements(out);
+    }
 }
 
 impl<B: ModelBackend> TransformerBlock<B> {

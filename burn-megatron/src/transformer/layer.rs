@@ -10,6 +10,7 @@ use super::mlp::ParallelMlp;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
+use crate::tensor_parallel::{DeclarePlacements, Placements};
 use crate::tensor_parallel::{DropoutSite, dropout};
 
 /// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`.
@@ -38,6 +39,15 @@ pub(crate) struct LayerContext {
     pub hidden_dropout: f64,
     pub tp: ProcessGroup,
     pub sequence_parallel: bool,
+}
+
+impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        self.input_norm.declare_placements(out);
+        self.attention.declare_placements(out);
+        self.post_attention_norm.declare_placements(out);
+        self.mlp.declare_placements(out);
+    }
 }
 
 impl<B: ModelBackend> TransformerLayer<B> {

@@ -11,7 +11,8 @@ use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::ops::{GeluForm, bias_gelu, swiglu};
 use crate::tensor_parallel::{
-    ColumnParallelLinear, ColumnParallelLinearConfig, RowParallelLinear, RowParallelLinearConfig,
+    ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, Placements,
+    RowParallelLinear, RowParallelLinearConfig,
 };
 
 /// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
@@ -33,6 +34,14 @@ pub struct ParallelMlp<B: Backend> {
     /// The GeLU form, for the GeLU activations (`gate` is `None` then).
     #[module(skip)]
     gelu: Option<GeluForm>,
+}
+
+impl<B: Backend> DeclarePlacements for ParallelMlp<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        self.fc1.declare_placements(out);
+        self.gate.declare_placements(out);
+        self.fc2.declare_placements(out);
+    }
 }
 
 impl<B: ModelBackend> ParallelMlp<B> {

@@ -6,6 +6,7 @@ use burn_megatron_dist::mapping::copy_to_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use super::config::Normalization;
+use crate::tensor_parallel::{DeclarePlacements, ParamPlacement, Placements};
 
 /// Normalisation of the last dimension: `(x - mean) / sqrt(var + eps) · scale + shift`
 /// (LayerNorm) or `x / sqrt(mean(x²) + eps) · scale` (RMSNorm).
@@ -24,6 +25,16 @@ pub struct Norm<B: Backend> {
     epsilon: f64,
     #[module(skip)]
     sequence_parallel_group: Option<ProcessGroup>,
+}
+
+/// Scale and shift are replicated on every TP rank.
+impl<B: Backend> DeclarePlacements for Norm<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        out.declare(&self.scale, ParamPlacement::replicated());
+        if let Some(shift) = &self.shift {
+            out.declare(shift, ParamPlacement::replicated());
+        }
+    }
 }
 
 impl<B: DistBackend> Norm<B> {

@@ -1,0 +1,157 @@
+//! The checkpoint's `metadata.json`: every tensor by its path in the whole model, with its
+//! full shape, dtype, partition dimension and which file holds which slice; the layout it was
+//! saved in; the model configuration; the training state; a checksum per file.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::CheckpointError;
+use crate::transformer::TransformerConfig;
+
+/// The format version written by this crate; loading refuses others.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// The metadata file's name inside a checkpoint directory.
+pub const METADATA_FILE: &str = "metadata.json";
+
+/// The tensor group of the model's parameters.
+pub const MODEL_GROUP: &str = "model";
+
+/// A saved checkpoint's description (`metadata.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointMetadata {
+    /// [`FORMAT_VERSION`] of the writer.
+    pub format_version: u32,
+    /// The training iteration saved.
+    pub iteration: u64,
+    /// The parallel layout the checkpoint was saved in (loading may use another).
+    pub layout: SavedLayout,
+    /// The model's configuration.
+    pub model_config: TransformerConfig,
+    /// Iteration, data position, seeds, schedules: filled by the caller.
+    pub training: TrainingState,
+    /// The optimizer whose state is saved, if any.
+    pub optimizer: Option<OptimizerInfo>,
+    /// Tensors by group (`"model"`, `"optimizer.exp_avg"`, ...) and then by path in the whole
+    /// model (`block.layers.3.attention.qkv.weight`: global layer indices under PP).
+    pub tensors: BTreeMap<String, BTreeMap<String, TensorEntry>>,
+    /// Every data file of the checkpoint, by name, with its size and checksum.
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+/// The parallel layout of a save.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedLayout {
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Data-parallel size.
+    pub dp: usize,
+    /// Virtual pipeline stages (model chunks) per pipeline rank.
+    pub virtual_pp: usize,
+}
+
+/// One tensor of the whole model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorEntry {
+    /// The full shape, without padding (a vocabulary table is `[vocab_size, hidden]`).
+    pub shape: Vec<usize>,
+    /// The stored dtype, in safetensors' spelling (`F32`, `BF16`, ...).
+    pub dtype: String,
+    /// The dimension split over TP when saved; `None` for a replicated tensor.
+    pub partition_dim: Option<usize>,
+    /// The slices that together cover the tensor, each in one file.
+    pub shards: Vec<ShardEntry>,
+}
+
+/// One slice of a tensor, stored whole under `key` in `file`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    /// The data file.
+    pub file: String,
+    /// The tensor's name inside the safetensors file.
+    pub key: String,
+    /// Where the slice starts in the full tensor, per dimension.
+    pub offsets: Vec<usize>,
+    /// The slice's shape.
+    pub shape: Vec<usize>,
+}
+
+/// A data file's size and checksum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// Its length in bytes.
+    pub bytes: u64,
+    /// CRC-32 (IEEE) of its bytes.
+    pub crc32: u32,
+}
+
+/// Training progress and state outside the model and optimizer tensors, filled by the
+/// caller and given back on load.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainingState {
+    /// Iterations (optimizer steps) done.
+    pub iteration: u64,
+    /// Samples consumed from the data so far (the data position).
+    pub consumed_samples: u64,
+    /// The seed of the run's random streams (our initialisation and dropout masks are
+    /// counter-based, keyed by seed and call number: the seed and the iteration restore them).
+    pub rng_seed: u64,
+    /// The learning-rate scheduler's state, in whatever form the scheduler serialises to.
+    pub lr_scheduler: Option<serde_json::Value>,
+    /// The loss scaler's state (scale, growth and hysteresis counters).
+    pub loss_scaler: Option<serde_json::Value>,
+}
+
+/// The saved optimizer state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerInfo {
+    /// The optimizer, e.g. `"adamw"`.
+    pub kind: String,
+    /// How its state tensors are laid out.
+    pub layout: OptimizerLayout,
+    /// Steps each parameter's state has taken (AdamW's bias correction), by path.
+    pub steps: BTreeMap<String, u64>,
+}
+
+/// How optimizer state is laid out in the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OptimizerLayout {
+    /// One tensor per parameter and state (group `optimizer.<state>`, same paths, shapes and
+    /// partitions as the parameters): resharded exactly like the model.
+    PerParameter,
+    /// Reserved for the distributed optimizer (ZeRO-1): each DP rank's slice of flat state
+    /// buffers, with every parameter's range in them. Not written or read yet.
+    DpShardedFlat {
+        /// The data-parallel size the buffers were cut for.
+        dp: usize,
+    },
+}
+
+impl CheckpointMetadata {
+    /// Reads and parses `dir/metadata.json`.
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
+        let file = dir.join(METADATA_FILE);
+        let bytes = std::fs::read(&file).map_err(|e| CheckpointError::io(&file, "read it", e))?;
+        let metadata: Self = serde_json::from_slice(&bytes)
+            .map_err(|e| CheckpointError::file(&file, format!("not valid metadata: {e}")))?;
+        if metadata.format_version != FORMAT_VERSION {
+            return Err(CheckpointError::file(
+                &file,
+                format!(
+                    "format version {} (this build reads version {FORMAT_VERSION})",
+                    metadata.format_version
+                ),
+            ));
+        }
+        Ok(metadata)
+    }
+
+    /// The model's entries.
+    pub fn model_tensors(&self) -> Option<&BTreeMap<String, TensorEntry>> {
+        self.tensors.get(MODEL_GROUP)
+    }
+}

@@ -1,0 +1,44 @@
+//! Sharded, reshardable, crash-safe checkpoints (Megatron-Core's `dist_checkpointing`).
+//!
+//! - **Sharded save** ([`Checkpointer::save`]): every rank writes only what it owns (its TP
+//!   and PP slice of the model and of the optimizer state; DP rank 0 of each model-parallel
+//!   rank) as safetensors, keyed by the parameter's path in the whole model
+//!   (`block.layers.3.attention.qkv.weight`, global layer index under PP). Rank 0 then writes
+//!   `metadata.json` ([`CheckpointMetadata`]): each tensor's full shape, dtype, partition
+//!   dimension and which file holds which slice; the layout; the model configuration; the
+//!   caller's [`TrainingState`]; a CRC-32 per file.
+//! - **Load into any layout** ([`Checkpoint::load_model`],
+//!   [`Checkpoint::load_optimizer_state`]): a rank computes the slice its chunk holds (from the
+//!   placements its layers declare, see
+//!   [`DeclarePlacements`](crate::tensor_parallel::DeclarePlacements)) and copies it out of
+//!   whichever saved slices overlap it, so (TP, PP) = (2, 2) loads at (1, 1), (4, 1), (1, 4)...
+//! - **Optimizer state by path**, never by Burn's random `ParamId`: [`adamw_state`] and
+//!   [`adamw_record`] convert Burn's AdamW record. The metadata reserves a DP-sharded flat
+//!   layout ([`OptimizerLayout::DpShardedFlat`]) for the distributed optimizer.
+//! - **Safety** ([`latest_checkpoint`], [`keep_last`], [`remove_partial_saves`]): saves go to a temporary directory renamed into
+//!   place after every rank finished and the metadata is written; `latest` is replaced
+//!   atomically; the last K are kept; files are checked against their size and checksum on
+//!   load, and a wrong model configuration or missing shard is refused, naming the file or
+//!   tensor ([`CheckpointError`]).
+
+mod directory;
+mod error;
+mod load;
+mod metadata;
+mod optimizer_state;
+mod region;
+mod save;
+mod slices;
+
+pub use directory::{
+    LATEST_FILE, checkpoint_name, keep_last, latest_checkpoint, list_checkpoints,
+    remove_partial_saves,
+};
+pub use error::CheckpointError;
+pub use load::Checkpoint;
+pub use metadata::{
+    CheckpointMetadata, FORMAT_VERSION, FileEntry, METADATA_FILE, MODEL_GROUP, OptimizerInfo,
+    OptimizerLayout, SavedLayout, ShardEntry, TensorEntry, TrainingState,
+};
+pub use optimizer_state::{ADAMW, OptimizerState, ParamState, adamw_record, adamw_state};
+pub use save::Checkpointer;

@@ -1,0 +1,131 @@
+//! Optimizer state keyed by parameter, and its conversion from and to Burn's AdamW record.
+//!
+//! Burn keys optimizer records by [`ParamId`], which is random per initialisation: a record
+//! saved by one process means nothing to a model built by another. A checkpoint stores each
+//! state tensor under its parameter's path instead (group `optimizer.<name>`), split and
+//! resharded exactly like the parameter itself; [`OptimizerState`] is the bridge, keyed by the
+//! ids of the model chunk at hand.
+
+use std::collections::{BTreeMap, HashMap};
+
+use burn::module::{ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+
+/// The optimizer name AdamW's state is saved under.
+pub const ADAMW: &str = "adamw";
+
+/// One parameter's optimizer state: tensors of the parameter's local shape, and its step
+/// count.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamState {
+    /// Steps taken (AdamW's bias correction uses it).
+    pub step: u64,
+    /// State tensors by name (`exp_avg`, `exp_avg_sq` for AdamW), each shaped like this rank's
+    /// slice of the parameter.
+    pub tensors: BTreeMap<String, TensorData>,
+}
+
+/// A model chunk's optimizer state, by the ids of its parameters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OptimizerState {
+    /// The optimizer (`"adamw"`).
+    pub kind: String,
+    /// Each parameter's state; a parameter without state (never stepped) is absent.
+    pub params: HashMap<ParamId, ParamState>,
+}
+
+/// The state of a Burn [`AdamW`] optimizer over `module` (one model chunk), by parameter.
+pub fn adamw_state<B, M>(module: &M, optimizer: &OptimizerAdaptor<AdamW, M, B>) -> OptimizerState
+where
+    B: AutodiffBackend,
+    M: burn::module::AutodiffModule<B>,
+{
+    struct Collect<B: AutodiffBackend> {
+        record: HashMap<ParamId, AdaptorRecord<AdamW, B>>,
+        out: HashMap<ParamId, ParamState>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(record) = self.record.remove(&param.id) else {
+                return;
+            };
+            let state: AdamWState<B::InnerBackend, D> = record.into_state();
+            let momentum = state.momentum;
+            let tensors = BTreeMap::from([
+                ("exp_avg".to_string(), momentum.moment_1.into_data()),
+                ("exp_avg_sq".to_string(), momentum.moment_2.into_data()),
+            ]);
+            self.out.insert(
+                param.id,
+                ParamState {
+                    step: momentum.time as u64,
+                    tensors,
+                },
+            );
+        }
+    }
+    let mut collect = Collect::<B> {
+        record: optimizer.to_record().into_iter().collect(),
+        out: HashMap::new(),
+    };
+    module.visit(&mut collect);
+    OptimizerState {
+        kind: ADAMW.to_string(),
+        params: collect.out,
+    }
+}
+
+/// Burn's AdamW record for `module` from `state` (as [`Checkpoint::load_optimizer_state`]
+/// gives it), to pass to `optimizer.load_record(..)`. Tensors go to the parameters' devices.
+///
+/// [`Checkpoint::load_optimizer_state`]: super::Checkpoint::load_optimizer_state
+pub fn adamw_record<B, M>(
+    module: &M,
+    state: &OptimizerState,
+) -> <OptimizerAdaptor<AdamW, M, B> as Optimizer<M, B>>::Record
+where
+    B: AutodiffBackend,
+    M: burn::module::AutodiffModule<B>,
+{
+    struct Build<'a, B: AutodiffBackend> {
+        state: &'a OptimizerState,
+        out: HashMap<ParamId, AdaptorRecord<AdamW, B>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Build<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(saved) = self.state.params.get(&param.id) else {
+                return;
+            };
+            let (Some(m1), Some(m2)) = (
+                saved.tensors.get("exp_avg"),
+                saved.tensors.get("exp_avg_sq"),
+            ) else {
+                return;
+            };
+            let value = param.val().inner();
+            let device = value.device();
+            let dtype = value.dtype();
+            let tensor = |data: &TensorData| {
+                Tensor::<B::InnerBackend, D>::from_data(data.clone().convert_dtype(dtype), &device)
+            };
+            let momentum = AdaptiveMomentumState {
+                time: saved.step as usize,
+                moment_1: tensor(m1),
+                moment_2: tensor(m2),
+                max_moment_2: None,
+            };
+            self.out
+                .insert(param.id, AdaptorRecord::from_state(AdamWState { momentum }));
+        }
+    }
+    let mut build = Build::<B> {
+        state,
+        out: HashMap::new(),
+    };
+    module.visit(&mut build);
+    build.out.into_iter().collect()
+}

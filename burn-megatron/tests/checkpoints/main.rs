@@ -1,0 +1,176 @@
+//! Sharded checkpoints on CPU thread ranks: saved in one layout, loaded in another, the model
+//! equals the single-device model; training resumed in a new layout continues as if never
+//! stopped; broken checkpoints are refused with their errors.
+
+mod placements;
+mod resharding;
+mod resume;
+mod safety;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_megatron::models::GptModel;
+use burn_megatron::pipeline_parallel::{Microbatch, Schedule, StageSplit, forward_backward};
+use burn_megatron::tensor_parallel::gather_full_grads;
+use burn_megatron::transformer::TransformerConfig;
+use burn_megatron_dist::{ParallelSizes, ParallelState, RankContext};
+pub use burn_megatron_testing::{assert_close, compare::data_values, run, tolerance};
+
+pub type B = NdArray<f32>;
+pub type AD = Autodiff<B>;
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A tiny GPT of 4 layers with tied embeddings; the vocabulary of 50 is padded differently
+/// for TP = 1, 2, 4 (52, 56, 64 rows).
+pub fn tiny_gpt() -> TransformerConfig {
+    TransformerConfig::new(16, 4, 4, 32, 50, 8)
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.1)
+}
+
+/// A tiny Llama of 4 layers: RMSNorm, SwiGLU, RoPE, grouped queries, untied output.
+pub fn tiny_llama() -> TransformerConfig {
+    use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding};
+    TransformerConfig::new(16, 4, 4, 24, 50, 8)
+        .with_num_query_groups(Some(2))
+        .with_normalization(Normalization::RmsNorm)
+        .with_activation(Activation::SwiGlu)
+        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(false)
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.1)
+}
+
+/// A fresh directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bm-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Microbatch `i` of step `step`: `[2, 8]` tokens and next-token-like targets.
+pub fn microbatches(step: usize, count: usize, vocab: usize) -> Vec<Microbatch<AD>> {
+    (0..count)
+        .map(|i| {
+            let seed = (step * 16 + i) as u64;
+            let ids = |seed: u64| -> Vec<i64> {
+                (0..16u64)
+                    .map(|j| ((j * 2_654_435_761 + seed * 40_503 + 7) % vocab as u64) as i64)
+                    .collect()
+            };
+            let mut targets = ids(seed + 100);
+            targets[0] = -100;
+            targets[8] = -100;
+            let tensor = |v: Vec<i64>| {
+                Tensor::<AD, 2, Int>::from_data(TensorData::new(v, [2, 8]), &Default::default())
+            };
+            Microbatch::new(tensor(ids(seed)), tensor(targets))
+        })
+        .collect()
+}
+
+/// This rank's layout state and its model chunks of `config` at TP × PP (one chunk a rank).
+pub fn build(
+    ctx: &RankContext,
+    config: &TransformerConfig,
+    tp: usize,
+    pp: usize,
+) -> Result<(ParallelState, Vec<GptModel<AD>>), BoxError> {
+    let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp).with_pp(pp))?;
+    let split = StageSplit::even(config.num_layers, pp)?;
+    let stage = split.stage(state.pp_rank());
+    let chunk = config.init_gpt_stage::<AD>(state.tp(), &stage, &Default::default())?;
+    Ok((state, vec![chunk]))
+}
+
+/// A step's loss (last stage) and full gradients by path in the whole model.
+pub struct Outcome {
+    pub loss: Option<f64>,
+    pub grads: Vec<(String, TensorData)>,
+    pub tp_rank: usize,
+}
+
+/// One forward/backward step (1F1B) of `chunks` on `microbatches`; gradients gathered over
+/// TP and named by their path in the whole model. Returns the per-chunk gradients too.
+pub fn step(
+    state: &ParallelState,
+    chunks: &[GptModel<AD>],
+    microbatches: &[Microbatch<AD>],
+) -> Result<(Outcome, Vec<burn::optim::GradientsParams>), BoxError> {
+    let out = forward_backward(Schedule::OneFOneB, state, chunks, microbatches)?;
+    let mut grads = Vec::new();
+    for (chunk, chunk_grads) in chunks.iter().zip(&out.grads) {
+        let offset = chunk.stage().layers.start;
+        let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
+        for (path, data) in gather_full_grads::<AD, _>(chunk, chunk_grads, state.tp())? {
+            grads.push((global_path(&path, offset, tied_copy), data));
+        }
+    }
+    Ok((
+        Outcome {
+            loss: out.loss.map(|l| l.into_scalar() as f64),
+            grads,
+            tp_rank: state.tp().rank(),
+        },
+        out.grads,
+    ))
+}
+
+/// The ranks' outcomes merged: the loss and every full gradient once.
+pub fn merge(outcomes: Vec<Outcome>) -> (f64, BTreeMap<String, TensorData>) {
+    let mut loss = None;
+    let mut grads = BTreeMap::new();
+    for o in outcomes {
+        loss = loss.or(o.loss);
+        if o.tp_rank == 0 {
+            grads.extend(o.grads);
+        }
+    }
+    (loss.expect("the last stage reports the loss"), grads)
+}
+
+/// Loss and gradients of `got` equal `want` (f32, 1e-5 relative).
+pub fn assert_same_step(
+    what: &str,
+    got: &(f64, BTreeMap<String, TensorData>),
+    want: &(f64, BTreeMap<String, TensorData>),
+) {
+    assert_close(
+        &format!("{what}: loss"),
+        &[got.0],
+        &[want.0],
+        tolerance::F32,
+    );
+    let got_paths: Vec<_> = got.1.keys().collect();
+    let want_paths: Vec<_> = want.1.keys().collect();
+    assert_eq!(got_paths, want_paths, "{what}: parameters");
+    for (path, data) in &want.1 {
+        assert_close(
+            &format!("{what}: gradient of {path}"),
+            &data_values(&got.1[path]),
+            &data_values(data),
+            tolerance::F32,
+        );
+    }
+}
+
+fn global_path(path: &str, offset: usize, tied_copy: bool) -> String {
+    if tied_copy && path == "output.weight" {
+        return "embedding.weight".to_string();
+    }
+    match path.strip_prefix("block.layers.") {
+        Some(rest) => {
+            let (index, tail) = rest.split_once('.').unwrap();
+            format!(
+                "block.layers.{}.{tail}",
+                index.parse::<usize>().unwrap() + offset
+            )
+        }
+        None => path.to_string(),
+    }
+}
