@@ -205,10 +205,13 @@ pub fn check_ids_on_host(
 mod cube {
     use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
     use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
 
+    use crate::ops::GeluForm;
     use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
+    use crate::ops::gelu::add_bias;
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -321,6 +324,64 @@ mod cube {
         ))
     }
 
+    fn kernel_form(form: GeluForm) -> gelu_kernels::Form {
+        match form {
+            GeluForm::Erf => gelu_kernels::Form::Erf,
+            GeluForm::Tanh => gelu_kernels::Form::Tanh,
+        }
+    }
+
+    /// `ModelBackend::bias_gelu` in one kernel (f64: the composition).
+    pub(super) fn bias_gelu<R, F, I, BT>(
+        x: Tensor<Cube<R, F, I, BT>, 2>,
+        bias: Option<Tensor<Cube<R, F, I, BT>, 1>>,
+        form: GeluForm,
+    ) -> Tensor<Cube<R, F, I, BT>, 2>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if x.dtype() == DType::F64 {
+            return form.forward(add_bias(x, bias));
+        }
+        let dtype = x.dtype();
+        let bias = bias.map(|b| b.cast(dtype).into_primitive().tensor());
+        float(gelu_kernels::forward(
+            x.into_primitive().tensor(),
+            bias,
+            kernel_form(form),
+        ))
+    }
+
+    /// `ModelBackend::bias_gelu_backward` in one kernel (f64: the composition).
+    pub(super) fn bias_gelu_backward<R, F, I, BT>(
+        x: Tensor<Cube<R, F, I, BT>, 2>,
+        bias: Option<Tensor<Cube<R, F, I, BT>, 1>>,
+        grad: Tensor<Cube<R, F, I, BT>, 2>,
+        form: GeluForm,
+    ) -> Tensor<Cube<R, F, I, BT>, 2>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if x.dtype() == DType::F64 {
+            return grad * form.derivative(add_bias(x, bias));
+        }
+        let dtype = x.dtype();
+        let bias = bias.map(|b| b.cast(dtype).into_primitive().tensor());
+        let grad = grad.cast(dtype).into_primitive().tensor();
+        float(gelu_kernels::backward(
+            x.into_primitive().tensor(),
+            bias,
+            grad,
+            kernel_form(form),
+        ))
+    }
+
     /// The fused operations, the same on every CubeCL backend.
     macro_rules! fused_operations {
         () => {
@@ -345,6 +406,23 @@ mod cube {
 
             fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
                 cube::causal_softmax(scores, scale)
+            }
+
+            fn bias_gelu(
+                x: Tensor<Self, 2>,
+                bias: Option<Tensor<Self, 1>>,
+                form: crate::ops::GeluForm,
+            ) -> Tensor<Self, 2> {
+                cube::bias_gelu(x, bias, form)
+            }
+
+            fn bias_gelu_backward(
+                x: Tensor<Self, 2>,
+                bias: Option<Tensor<Self, 1>>,
+                grad: Tensor<Self, 2>,
+                form: crate::ops::GeluForm,
+            ) -> Tensor<Self, 2> {
+                cube::bias_gelu_backward(x, bias, grad, form)
             }
 
             fn causal_softmax_backward(

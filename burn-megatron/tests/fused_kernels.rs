@@ -384,3 +384,66 @@ fn a_training_step_on_wgpu_equals_ndarray() {
         }
     }
 }
+
+/// `gelu(x + bias)` and its derivative as one kernel each (`ModelBackend::bias_gelu` and
+/// `bias_gelu_backward` on a CubeCL backend) against the Burn compositions, both forms, with
+/// and without a bias, on a narrowed (strided) `x`, with values out to ±12 (past the tanh
+/// form's clamp) and sizes that are not multiples of the 256-thread cube.
+#[test]
+fn bias_gelu_equals_the_composition() {
+    use burn_megatron::ops::GeluForm;
+    let device = WgpuDevice::default();
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for form in [GeluForm::Erf, GeluForm::Tanh] {
+            for (rows, cols) in [(1, 1), (7, 300), (33, 129)] {
+                for with_bias in [false, true] {
+                    let wide = Tensor::<W, 2>::from_data(
+                        TensorData::new(random(rows * (cols + 5), 3, 12.0), [rows, cols + 5]),
+                        &device,
+                    )
+                    .cast(dtype);
+                    let x = wide.narrow(1, 2, cols);
+                    let bias = with_bias.then(|| {
+                        Tensor::<W, 1>::from_data(
+                            TensorData::new(random(cols, 4, 1.0), [cols]),
+                            &device,
+                        )
+                        .cast(dtype)
+                    });
+                    let grad = Tensor::<W, 2>::from_data(
+                        TensorData::new(random(rows * cols, 5, 1.0), [rows, cols]),
+                        &device,
+                    )
+                    .cast(dtype);
+                    let biased = |x: Tensor<W, 2>| match &bias {
+                        Some(b) => x + b.clone().unsqueeze(),
+                        None => x,
+                    };
+                    // The compositions in f32, so that the bound measures the kernel alone.
+                    let wide32 = |t: Tensor<W, 2>| t.cast(DType::F32);
+                    let forward_reference = form.forward(wide32(biased(x.clone())));
+                    let backward_reference =
+                        wide32(grad.clone()) * form.derivative(wide32(biased(x.clone())));
+                    let forward = W::bias_gelu(x.clone(), bias.clone(), form);
+                    let backward =
+                        W::bias_gelu_backward(x.clone(), bias.clone(), grad.clone(), form);
+                    assert_eq!(forward.dtype(), dtype);
+                    assert_eq!(backward.dtype(), dtype);
+                    let name = format!("{form:?} {dtype:?} {rows}x{cols} bias {with_bias}");
+                    assert_close(
+                        &format!("forward {name}"),
+                        &values(forward.cast(DType::F32)),
+                        &values(forward_reference),
+                        bound,
+                    );
+                    assert_close(
+                        &format!("backward {name}"),
+                        &values(backward.cast(DType::F32)),
+                        &values(backward_reference),
+                        bound,
+                    );
+                }
+            }
+        }
+    }
+}
