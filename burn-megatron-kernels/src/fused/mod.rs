@@ -7,5 +7,6 @@
 //! cube go through shared memory, so they run where planes are absent or narrow (lavapipe
 //! runs CI's kernel tests with a plane of 8).
 
+pub mod adamw;
 pub mod causal_softmax;
 pub mod cross_entropy;
