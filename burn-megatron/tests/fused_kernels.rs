@@ -431,10 +431,15 @@ fn flat_adamw_equals_the_composition() {
         let inputs = buffers();
         // A view of the master weights held elsewhere forces the out-of-place path.
         let view = shared.then(|| inputs.master.clone());
-        let before = [&inputs.master, &inputs.exp_avg, &inputs.exp_avg_sq].map(|t| values(t.clone()));
+        let before =
+            [&inputs.master, &inputs.exp_avg, &inputs.exp_avg_sq].map(|t| values(t.clone()));
         let got = W::flat_adamw(inputs, &scalars, model_dtype);
         if let Some(view) = view {
-            assert_eq!(values(view), before[0], "{label}: a shared master is not written");
+            assert_eq!(
+                values(view),
+                before[0],
+                "{label}: a shared master is not written"
+            );
         }
         let pairs = [
             ("master", got.master, want.master),
@@ -444,14 +449,27 @@ fn flat_adamw_equals_the_composition() {
         for (i, (name, got, want)) in pairs.into_iter().enumerate() {
             let (got, want) = (values(got), values(want));
             if found != 0.0 {
-                assert_eq!(got, before[i], "{label}: {name} unchanged by a skipped step");
+                assert_eq!(
+                    got, before[i],
+                    "{label}: {name} unchanged by a skipped step"
+                );
             }
-            assert_close(&format!("{label}: {name}"), &got, &want, tolerance::F32_SAME_ORDER);
+            assert_close(
+                &format!("{label}: {name}"),
+                &got,
+                &want,
+                tolerance::F32_SAME_ORDER,
+            );
         }
         assert_eq!(got.model.is_some(), model_dtype.is_some());
         if let (Some(got), Some(want)) = (got.model, want.model) {
             assert_eq!(got.dtype(), DType::F16);
-            assert_close(&format!("{label}: model copy"), &values(got), &values(want), tolerance::F16);
+            assert_close(
+                &format!("{label}: model copy"),
+                &values(got),
+                &values(want),
+                tolerance::F16,
+            );
         }
     }
 }

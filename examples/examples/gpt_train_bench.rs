@@ -243,7 +243,9 @@ fn train(
     let params = model.num_params();
     let gpu = gpu_name(device.index);
     let mut optim = match args.optimizer {
-        OptimizerArg::Burn => StepOptimizer::Burn(AdamWConfig::new().init::<Train, GptModel<Train>>()),
+        OptimizerArg::Burn => {
+            StepOptimizer::Burn(AdamWConfig::new().init::<Train, GptModel<Train>>())
+        }
         OptimizerArg::Flat => StepOptimizer::Flat(Box::new(
             burn_megatron::optimizer::FlatAdamWConfig::new().init(&model)?,
         )),

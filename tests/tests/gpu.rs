@@ -728,7 +728,8 @@ fn fused_adamw_matches_the_composition() {
             (Some(DType::BF16), 4.0, 0.0, true),
             (Some(DType::BF16), 4.0, 1.0, false),
         ] {
-            let label = format!("n {n} {model_dtype:?} step {step} found_inf {found} shared {shared}");
+            let label =
+                format!("n {n} {model_dtype:?} step {step} found_inf {found} shared {shared}");
             let buffers = || FlatAdamWBuffers {
                 master: f32s(values(n, 20)).mul_scalar(0.5),
                 grad: f32s(values(n, 21)).mul_scalar(1e-2),
@@ -745,7 +746,11 @@ fn fused_adamw_matches_the_composition() {
             let before = view.as_ref().map(|v| v.clone().into_data());
             let got = Ours::flat_adamw(inputs, &scalars, model_dtype);
             if let (Some(view), Some(before)) = (view, before) {
-                assert_eq!(view.into_data(), before, "{label}: a shared master is not written");
+                assert_eq!(
+                    view.into_data(),
+                    before,
+                    "{label}: a shared master is not written"
+                );
             }
             let pairs = [
                 ("master", got.master, want.master),

@@ -94,19 +94,22 @@ pub struct AdamWOutput<R: CubeRuntime> {
 /// 1e-10), `1 - exp(x)` beyond.
 #[cube]
 fn one_minus_power(x: f32) -> f32 {
-    let mut result = f32::new(0.0);
+    let one = f32::new(1.0);
+    let mut series = one;
+    series = one + x / f32::new(10.0) * series;
+    series = one + x / f32::new(9.0) * series;
+    series = one + x / f32::new(8.0) * series;
+    series = one + x / f32::new(7.0) * series;
+    series = one + x / f32::new(6.0) * series;
+    series = one + x / f32::new(5.0) * series;
+    series = one + x / f32::new(4.0) * series;
+    series = one + x / f32::new(3.0) * series;
+    series = one + x / f32::new(2.0) * series;
     if x > f32::new(-0.5) {
-        let mut series = f32::new(1.0);
-        let mut k = 10u32;
-        while k > 1 {
-            series = f32::new(1.0) + x / f32::cast_from(k) * series;
-            k -= 1;
-        }
-        result = -(x * series);
+        f32::new(0.0) - x * series
     } else {
-        result = f32::new(1.0) - x.exp();
+        one - x.exp()
     }
-    result
 }
 
 #[cube(launch)]
@@ -140,12 +143,7 @@ fn adamw_kernel<P: Float>(
         terminate!();
     }
     // In place, `master_out` holds the old weights and `master` is a placeholder.
-    let mut p = f32::new(0.0);
-    if in_place {
-        p = master_out[i];
-    } else {
-        p = master[i];
-    }
+    let mut p = if in_place { master_out[i] } else { master[i] };
     if found_inf[0] == f32::new(0.0) {
         let g = grad[i] * grad_factor[0];
         let m = exp_avg[i] * beta_1 + g * (f32::new(1.0) - beta_1);

@@ -110,7 +110,10 @@ pub struct BufferLayout {
 impl BufferLayout {
     /// The layout of `infos` (a module's parameters in visiting order, as
     /// [`try_param_infos`] gives them).
-    pub fn new(infos: &[ParamInfo], config: BufferConfig) -> core::result::Result<Self, ConfigError> {
+    pub fn new(
+        infos: &[ParamInfo],
+        config: BufferConfig,
+    ) -> core::result::Result<Self, ConfigError> {
         config.validate()?;
         let align = config.param_alignment;
         let mut offset = 0;
@@ -248,9 +251,10 @@ impl<B: Backend> ParamAndGradBuffer<B> {
                 self.dtypes.push(value.dtype());
                 let device = value.device();
                 let flat = value.cast(DType::F32).reshape([slot.numel]);
-                let buffer = self.buffer.take().unwrap_or_else(|| {
-                    Tensor::zeros([self.layout.numel()], (&device, DType::F32))
-                });
+                let buffer = self
+                    .buffer
+                    .take()
+                    .unwrap_or_else(|| Tensor::zeros([self.layout.numel()], (&device, DType::F32)));
                 self.buffer = Some(buffer.slice_assign(slot.range(), flat));
             }
         }
@@ -313,7 +317,10 @@ impl<B: Backend> ParamAndGradBuffer<B> {
     /// update them in place when nothing else holds them.
     pub(crate) fn take_main_params(&mut self) -> Tensor<B, 1> {
         let device = self.main_params.device();
-        std::mem::replace(&mut self.main_params, Tensor::empty([0], (&device, DType::F32)))
+        std::mem::replace(
+            &mut self.main_params,
+            Tensor::empty([0], (&device, DType::F32)),
+        )
     }
 
     /// Replaces the master weights (`[numel]` f32): the fused optimizer's output.

@@ -81,7 +81,10 @@ impl FlatAdamWConfig {
                 )));
             }
         }
-        for (name, v) in [("epsilon", self.epsilon), ("weight_decay", self.weight_decay)] {
+        for (name, v) in [
+            ("epsilon", self.epsilon),
+            ("weight_decay", self.weight_decay),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(ConfigError::Invalid(format!(
                     "AdamW's {name} ({v}) must be finite and non-negative"
@@ -252,7 +255,12 @@ where
     /// master weights `main_param`, each of the parameter's local shape, f32. Reads the
     /// buffers back to the host.
     pub fn state(&self) -> OptimizerState {
-        let step = self.step.clone().into_data().convert::<f32>().to_vec::<f32>();
+        let step = self
+            .step
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>();
         let step = step.ok().and_then(|s| s.first().copied()).unwrap_or(0.0) as u64;
         let host = |t: &Tensor<B::InnerBackend, 1>| {
             t.clone()
@@ -275,7 +283,8 @@ where
                 let tensors = buffers
                     .iter()
                     .map(|(name, values)| {
-                        let data = TensorData::new(values[slot.range()].to_vec(), slot.shape.clone());
+                        let data =
+                            TensorData::new(values[slot.range()].to_vec(), slot.shape.clone());
                         (name.to_string(), data)
                     })
                     .collect::<BTreeMap<_, _>>();

@@ -67,7 +67,14 @@ pub struct AdamWScalars {
 
 impl AdamWScalars {
     /// The scalars of a step at learning rate `lr`.
-    pub fn new(lr: f64, beta_1: f64, beta_2: f64, epsilon: f64, weight_decay: f64, block: usize) -> Self {
+    pub fn new(
+        lr: f64,
+        beta_1: f64,
+        beta_2: f64,
+        epsilon: f64,
+        weight_decay: f64,
+        block: usize,
+    ) -> Self {
         Self {
             lr: lr as f32,
             beta_1: beta_1 as f32,

@@ -19,7 +19,9 @@ use burn_megatron::tensor_parallel::{gather_full_params, param_infos};
 use burn_megatron::transformer::TransformerConfig;
 use burn_megatron_dist::{ParallelSizes, ParallelState};
 
-use crate::{AD, B, assert_close, data_values, microbatches, run, tiny_gpt, tiny_llama, tolerance, values};
+use crate::{
+    AD, B, assert_close, data_values, microbatches, run, tiny_gpt, tiny_llama, tolerance, values,
+};
 
 const STEPS: usize = 10;
 const BETAS: (f64, f64) = (0.9, 0.95);
@@ -142,7 +144,10 @@ fn flat_adamw(config: &TransformerConfig, options: Options, tp: usize) -> Vec<Tr
                 scalars.grad_factor = Some(clip_coefficient(norm, max_norm));
             }
             if options.skip == Some(step) {
-                let flag = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32], [1]), &Default::default());
+                let flag = Tensor::<B, 1>::from_data(
+                    TensorData::new(vec![1.0f32], [1]),
+                    &Default::default(),
+                );
                 let grads = poisoned(&model, &grads);
                 let before = (full_params(&model, &state), optim.state());
                 let count = values(optim.step_count());
@@ -153,7 +158,11 @@ fn flat_adamw(config: &TransformerConfig, options: Options, tp: usize) -> Vec<Tr
                     before.0,
                     "a skipped step changes no parameter"
                 );
-                assert_eq!(optim.state(), before.1, "nor the master weights and moments");
+                assert_eq!(
+                    optim.state(),
+                    before.1,
+                    "nor the master weights and moments"
+                );
                 assert_eq!(values(optim.step_count()), count, "nor the step count");
                 continue;
             }
@@ -189,7 +198,12 @@ fn assert_same(
     want: &Trajectory,
     tolerance: f64,
 ) {
-    assert_close(&format!("{label}: losses"), &got.losses, &want.losses, tolerance);
+    assert_close(
+        &format!("{label}: losses"),
+        &got.losses,
+        &want.losses,
+        tolerance,
+    );
     assert_eq!(got.params.len(), want.params.len());
     for ((path, got), (want_path, want)) in got.params.iter().zip(&want.params) {
         assert_eq!(path, want_path);
@@ -245,7 +259,13 @@ fn clipped_steps_equal_burns_adamw_on_clipped_gradients() {
     };
     let want = burn_adamw(&tiny_gpt(), options, 1);
     let got = flat_adamw(&tiny_gpt(), options, 1);
-    assert_same("clipped", &tiny_gpt(), &got[0], &want[0], tolerance::F32_SAME_ORDER);
+    assert_same(
+        "clipped",
+        &tiny_gpt(),
+        &got[0],
+        &want[0],
+        tolerance::F32_SAME_ORDER,
+    );
 }
 
 #[test]
@@ -256,7 +276,13 @@ fn a_skipped_step_changes_nothing_and_is_not_counted() {
     };
     let want = burn_adamw(&tiny_gpt(), options, 1);
     let got = flat_adamw(&tiny_gpt(), options, 1);
-    assert_same("skipped", &tiny_gpt(), &got[0], &want[0], tolerance::F32_SAME_ORDER);
+    assert_same(
+        "skipped",
+        &tiny_gpt(),
+        &got[0],
+        &want[0],
+        tolerance::F32_SAME_ORDER,
+    );
 }
 
 #[test]
@@ -265,7 +291,13 @@ fn under_tp_each_rank_holds_its_local_params_and_steps_as_one_device() {
     let want = flat_adamw(&config, PLAIN, 1);
     let got = flat_adamw(&config, PLAIN, 2);
     for (rank, got) in got.iter().enumerate() {
-        assert_same(&format!("tp rank {rank}"), &config, got, &want[0], tolerance::F32);
+        assert_same(
+            &format!("tp rank {rank}"),
+            &config,
+            got,
+            &want[0],
+            tolerance::F32,
+        );
     }
     run(2, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default().with_tp(2))?;
@@ -286,7 +318,10 @@ fn under_tp_each_rank_holds_its_local_params_and_steps_as_one_device() {
                 );
             }
         }
-        let local: usize = infos.iter().map(|i| i.shape.iter().product::<usize>()).sum();
+        let local: usize = infos
+            .iter()
+            .map(|i| i.shape.iter().product::<usize>())
+            .sum();
         assert_eq!(layout.param_numel(), local);
         assert_eq!(optim.buffer().main_params().dims(), [layout.numel()]);
         Ok(())
@@ -304,11 +339,17 @@ fn the_layout_reverses_visiting_order_and_aligns() {
         let paths: Vec<&str> = layout.params().iter().map(|s| s.path.as_str()).collect();
         let mut reversed: Vec<&str> = infos.iter().map(|i| i.path.as_str()).collect();
         reversed.reverse();
-        assert_eq!(paths, reversed, "buffer order is the reverse of visiting order");
+        assert_eq!(
+            paths, reversed,
+            "buffer order is the reverse of visiting order"
+        );
         assert_eq!(layout.params()[0].offset, 0);
         for pair in layout.params().windows(2) {
             assert_eq!(pair[0].offset % 64, 0);
-            assert_eq!(pair[1].offset, (pair[0].offset + pair[0].numel).div_ceil(64) * 64);
+            assert_eq!(
+                pair[1].offset,
+                (pair[0].offset + pair[0].numel).div_ceil(64) * 64
+            );
         }
         assert_eq!(layout.numel() % (4 * 64), 0);
         let last = layout.params().last().unwrap();
@@ -318,7 +359,11 @@ fn the_layout_reverses_visiting_order_and_aligns() {
         let shards: Vec<_> = (0..4).map(|r| layout.shard(r)).collect();
         assert_eq!(shards[0].start, 0);
         assert_eq!(shards[3].end, layout.numel());
-        assert!(shards.windows(2).all(|w| w[0].end == w[1].start && w[0].len() == w[1].len()));
+        assert!(
+            shards
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && w[0].len() == w[1].len())
+        );
         // Buckets end at parameter boundaries and cover the buffer in order.
         let buckets = layout.buckets(2000);
         assert!(buckets.len() > 1);
@@ -356,8 +401,14 @@ fn errors_name_the_parameter() {
                 _ => missing.register(info.id, grads.get::<B, 2>(info.id).unwrap()),
             }
         }
-        let err = optim.step(1e-3, model.clone(), &missing).unwrap_err().to_string();
-        assert!(err.contains(&infos[0].path) && err.contains("no gradient"), "{err}");
+        let err = optim
+            .step(1e-3, model.clone(), &missing)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&infos[0].path) && err.contains("no gradient"),
+            "{err}"
+        );
         // A gradient of the wrong shape.
         let mut wrong = GradientsParams::new();
         for info in &infos {
@@ -366,7 +417,10 @@ fn errors_name_the_parameter() {
                 _ => wrong.register(info.id, grads.get::<B, 2>(info.id).unwrap().transpose()),
             }
         }
-        let err = optim.step(1e-3, model.clone(), &wrong).unwrap_err().to_string();
+        let err = optim
+            .step(1e-3, model.clone(), &wrong)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("has shape"), "{err}");
         // A module the optimizer was not built from.
         let other = tiny_gpt().init_gpt::<AD>(state.tp(), &Default::default())?;
@@ -408,13 +462,21 @@ fn state_round_trips_by_parameter() {
 fn bias_correction_is_exact() {
     use burn_megatron::optimizer::fused_adamw::one_minus_power;
     for beta in [0.9f64, 0.95, 0.999, 0.9999] {
-        let steps: Vec<f32> = [1, 2, 3, 10, 100, 1000, 10_000, 100_000].map(|t| t as f32).to_vec();
-        let t = Tensor::<B, 1>::from_data(TensorData::new(steps.clone(), [steps.len()]), &Default::default());
+        let steps: Vec<f32> = [1, 2, 3, 10, 100, 1000, 10_000, 100_000]
+            .map(|t| t as f32)
+            .to_vec();
+        let t = Tensor::<B, 1>::from_data(
+            TensorData::new(steps.clone(), [steps.len()]),
+            &Default::default(),
+        );
         let got = values(one_minus_power(t.mul_scalar(beta.ln() as f32)));
         let want: Vec<f64> = steps.iter().map(|&t| 1.0 - beta.powf(t as f64)).collect();
         for ((got, want), t) in got.iter().zip(&want).zip(&steps) {
             let relative = ((got - want) / want).abs();
-            assert!(relative < 1e-6, "β {beta}, t {t}: {got} vs {want} ({relative:.1e})");
+            assert!(
+                relative < 1e-6,
+                "β {beta}, t {t}: {got} vs {want} ({relative:.1e})"
+            );
         }
     }
 }
