@@ -4,7 +4,7 @@ use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -19,6 +19,9 @@ use crate::ops::cross_entropy::{
 };
 use crate::ops::gelu::{add_bias, autodiff_bias_gelu};
 use crate::ops::swiglu::{autodiff_swiglu, swiglu_derivatives, swiglu_forward};
+use crate::optimizer::fused_adamw::{
+    AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput, flat_adamw_composition,
+};
 use crate::transformer::AttentionCore;
 
 /// A [`DistBackend`] with the model's own operations: the dense GEMMs of the linear layers
@@ -168,6 +171,18 @@ pub trait ModelBackend: DistBackend {
     ) -> [Tensor<Self, 2>; 2] {
         swiglu_derivatives(gate, up, grad)
     }
+
+    /// One AdamW step over flat fp32 buffers (see [`crate::optimizer::fused_adamw`]): the
+    /// updated master weights and moments, and with `model_dtype` the master weights cast to
+    /// it. The step is skipped on the device when `found_inf` is set. CubeCL backends run one
+    /// kernel (`burn_megatron_kernels::fused::adamw`) for all of it.
+    fn flat_adamw(
+        buffers: FlatAdamWBuffers<Self>,
+        scalars: &AdamWScalars,
+        model_dtype: Option<DType>,
+    ) -> FlatAdamWOutput<Self> {
+        flat_adamw_composition(buffers, scalars, model_dtype)
+    }
 }
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> ModelBackend
@@ -205,6 +220,7 @@ pub fn check_ids_on_host(
 mod cube {
     use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::adamw as adamw_kernels;
     use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
     use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
@@ -212,6 +228,7 @@ mod cube {
     use crate::ops::GeluForm;
     use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
     use crate::ops::gelu::add_bias;
+    use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -324,6 +341,50 @@ mod cube {
         ))
     }
 
+    /// `ModelBackend::flat_adamw` in one kernel.
+    pub(super) fn flat_adamw<R, F, I, BT>(
+        buffers: FlatAdamWBuffers<Cube<R, F, I, BT>>,
+        scalars: &AdamWScalars,
+        model_dtype: Option<DType>,
+    ) -> FlatAdamWOutput<Cube<R, F, I, BT>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let raw = |t: Tensor<Cube<R, F, I, BT>, 1>| t.into_primitive().tensor();
+        let out = adamw_kernels::adamw_step(
+            adamw_kernels::AdamWBuffers {
+                master: raw(buffers.master),
+                grad: raw(buffers.grad),
+                exp_avg: raw(buffers.exp_avg),
+                exp_avg_sq: raw(buffers.exp_avg_sq),
+                decay: raw(buffers.decay),
+                step: raw(buffers.step),
+                grad_factor: raw(buffers.grad_factor),
+                found_inf: raw(buffers.found_inf),
+            },
+            adamw_kernels::AdamWScalars {
+                lr: scalars.lr,
+                beta_1: scalars.beta_1,
+                beta_2: scalars.beta_2,
+                ln_beta_1: scalars.ln_beta_1,
+                ln_beta_2: scalars.ln_beta_2,
+                epsilon: scalars.epsilon,
+                decay_factor: scalars.decay_factor,
+                block: scalars.block as u32,
+            },
+            model_dtype,
+        );
+        FlatAdamWOutput {
+            master: float(out.master),
+            exp_avg: float(out.exp_avg),
+            exp_avg_sq: float(out.exp_avg_sq),
+            model: out.model.map(float),
+        }
+    }
+
     fn kernel_form(form: GeluForm) -> gelu_kernels::Form {
         match form {
             GeluForm::Erf => gelu_kernels::Form::Erf,
@@ -432,6 +493,14 @@ mod cube {
             ) -> Tensor<Self, 4> {
                 cube::causal_softmax_backward(probs, grad, scale)
             }
+
+            fn flat_adamw(
+                buffers: FlatAdamWBuffers<Self>,
+                scalars: &AdamWScalars,
+                model_dtype: Option<DType>,
+            ) -> FlatAdamWOutput<Self> {
+                cube::flat_adamw(buffers, scalars, model_dtype)
+            }
         };
     }
     pub(super) use fused_operations;
@@ -439,7 +508,7 @@ mod cube {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use burn::tensor::{Int, Tensor};
+    use burn::tensor::{DType, Int, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
@@ -448,6 +517,7 @@ mod cuda {
     use super::{ModelBackend, cube};
     use crate::error::{IdKind, InputError};
     use crate::ops::cross_entropy::VocabSlice;
+    use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     /// burn-cuda's backend: Burn's own matmul (the reference our backend is tested against),
     /// and the fused kernels.
@@ -520,11 +590,12 @@ mod cuda {
 #[cfg(feature = "wgpu")]
 mod wgpu {
     use burn::backend::wgpu::WgpuRuntime;
-    use burn::tensor::{Int, Tensor};
+    use burn::tensor::{DType, Int, Tensor};
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 
     use super::{ModelBackend, cube};
     use crate::ops::cross_entropy::VocabSlice;
+    use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
         for CubeBackend<WgpuRuntime, F, I, BT>

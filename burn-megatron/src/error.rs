@@ -116,6 +116,28 @@ pub enum InputError {
         /// The parameter's path in the module, e.g. `block.layers.0.mlp.fc1.weight`.
         path: String,
     },
+    /// A gradient whose shape is not its parameter's.
+    #[error(
+        "the gradient of {path} has shape {got:?}, its parameter {expected:?}: pass the \
+         gradients of this model's backward pass"
+    )]
+    GradientShape {
+        /// The parameter's path in the module.
+        path: String,
+        /// The parameter's (local) shape.
+        expected: Vec<usize>,
+        /// The gradient's shape.
+        got: Vec<usize>,
+    },
+    /// A module parameter that a flat buffer or optimizer does not hold.
+    #[error(
+        "parameter {path} is not in the flat buffer: pass the module the optimizer was built \
+         from"
+    )]
+    UnknownParameter {
+        /// The parameter's path in the module.
+        path: String,
+    },
 }
 
 /// What a checked id is: its valid range differs.

@@ -11,7 +11,8 @@
 //! - [`pipeline_parallel`]: stages, schedules (no pipelining, GPipe, 1F1B, interleaved) and
 //!   their plans and timelines.
 //! - [`optimizer`]: learning-rate schedules, the weight-decay policy, global-norm gradient
-//!   clipping and the dynamic loss scaler.
+//!   clipping, the dynamic loss scaler, and AdamW fused over flat buffers.
+//! - [`distributed`]: flat parameter and gradient buffers (Megatron's `ParamAndGradBuffer`).
 //! - [`data`]: Megatron's indexed datasets (`.bin`/`.idx`), GPT sampling, blending, splits,
 //!   tokenizers and the preprocessing behind `preprocess_data`.
 //! - [`checkpointing`]: sharded, reshardable, crash-safe checkpoints.
@@ -20,6 +21,7 @@
 pub mod backend;
 pub mod checkpointing;
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod init;
 pub mod models;

@@ -11,6 +11,8 @@
 //! Each step is timed from its first operation to a device sync after the optimizer (the loss
 //! is read once per step, which waits for the same work). The warm-up steps, which compile
 //! kernels and run autotune, are left out; the step time is the median of the measured steps.
+//! `--optimizer flat` steps with `burn_megatron::optimizer::FlatAdamW` (flat buffers, fp32
+//! master weights, one fused kernel) instead of Burn's AdamW.
 //! With `BM_PROFILE=1` the measured steps are timed with the profile idle (one extra branch per
 //! launch), then `--profile-steps` more steps are profiled per kernel (see
 //! `burn_megatron_kernels::cuda::profile`).
@@ -71,8 +73,40 @@ impl Preset {
 enum Precision {
     /// f32 parameters; matmuls on TF32 tensor cores.
     F32,
-    /// bf16 parameters, activations and AdamW moments (Burn has no master weights).
+    /// bf16 parameters and activations; with `--optimizer burn`, bf16 AdamW moments too (Burn
+    /// has no master weights), with `--optimizer flat` fp32 master weights and moments.
     Bf16,
+}
+
+/// Which AdamW steps the model.
+#[derive(Debug, Clone, Copy, PartialEq, ValueEnum)]
+enum OptimizerArg {
+    /// Burn's per-parameter AdamW (about ten launches per parameter, moments in the
+    /// parameters' dtype).
+    Burn,
+    /// `burn_megatron::optimizer::FlatAdamW`: flat buffers, fp32 master weights and moments,
+    /// one fused kernel (no weight decay on biases and norms).
+    Flat,
+}
+
+/// The optimizer of a run.
+enum StepOptimizer {
+    Burn(burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, GptModel<Train>, Train>),
+    Flat(Box<burn_megatron::optimizer::FlatAdamW<Train>>),
+}
+
+impl StepOptimizer {
+    fn step(
+        &mut self,
+        lr: f64,
+        model: GptModel<Train>,
+        grads: GradientsParams,
+    ) -> Result<GptModel<Train>, BoxError> {
+        Ok(match self {
+            StepOptimizer::Burn(optim) => optim.step(lr, model, grads),
+            StepOptimizer::Flat(optim) => optim.step(lr, model, &grads)?,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -118,6 +152,9 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-4)]
     lr: f64,
+    /// The optimizer: Burn's AdamW, or AdamW fused over flat buffers with fp32 master weights.
+    #[arg(long, value_enum, default_value = "burn")]
+    optimizer: OptimizerArg,
 }
 
 /// Host time of each part of a step, and the memory seen at its phase boundaries.
@@ -205,7 +242,14 @@ fn train(
     let dtypes = format!("{:?} (before any cast: {census:?})", Census::of(&model));
     let params = model.num_params();
     let gpu = gpu_name(device.index);
-    let mut optim = AdamWConfig::new().init::<Train, GptModel<Train>>();
+    let mut optim = match args.optimizer {
+        OptimizerArg::Burn => {
+            StepOptimizer::Burn(AdamWConfig::new().init::<Train, GptModel<Train>>())
+        }
+        OptimizerArg::Flat => StepOptimizer::Flat(Box::new(
+            burn_megatron::optimizer::FlatAdamWConfig::new().init(&model)?,
+        )),
+    };
     let batches: Vec<_> = (0..4)
         .map(|i| {
             (
@@ -259,9 +303,9 @@ fn train(
 }
 
 /// One step: forward and loss, backward, AdamW, then a device sync.
-fn train_step<O: Optimizer<GptModel<Train>, Train>>(
+fn train_step(
     model: GptModel<Train>,
-    optim: &mut O,
+    optim: &mut StepOptimizer,
     tokens: Tensor<Train, 2, Int>,
     targets: Tensor<Train, 2, Int>,
     lr: f64,
@@ -300,7 +344,7 @@ fn train_step<O: Optimizer<GptModel<Train>, Train>>(
     times.reserved = reserved;
     let optimizer = Instant::now();
     profile::phase(device, "optimizer");
-    let model = optim.step(lr, model, grads);
+    let model = optim.step(lr, model, grads)?;
     times.optimizer = optimizer.elapsed();
     let wait = Instant::now();
     times.loss = loss
@@ -459,10 +503,14 @@ fn report(
     });
     println!(
         "gpt_train_bench: {name} ({:.1}M params; parameter tensors by dtype {}), batch {} × seq {seq}, \
-         recompute {recompute}, Burn AdamW lr {}, on {}",
+         recompute {recompute}, {} lr {}, on {}",
         outcome.params as f64 / 1e6,
         outcome.dtypes,
         args.batch,
+        match args.optimizer {
+            OptimizerArg::Burn => "Burn AdamW",
+            OptimizerArg::Flat => "flat fused AdamW (fp32 master weights)",
+        },
         args.lr,
         outcome.gpu
     );

@@ -700,3 +700,80 @@ fn gemm_accumulates_into_an_f32_buffer() {
         "accumulated gradient off by {err:e}"
     );
 }
+
+/// The fused AdamW kernel on our CUDA backend against the composition: f32 weights (out of
+/// place, as when an f32 model views them) and bf16 model weights from fp32 master weights
+/// (in place, with the bf16 copy written by the kernel), decayed and exempt blocks, a
+/// gradient factor, a skipped step, and a buffer past 65,535 × 256 elements (the 2D grid).
+#[test]
+fn fused_adamw_matches_the_composition() {
+    use burn_megatron::ModelBackend;
+    use burn_megatron::optimizer::fused_adamw::{
+        AdamWScalars, FlatAdamWBuffers, flat_adamw_composition,
+    };
+    let device = CudaGpu::new(0);
+    let block = 256;
+    for blocks in [129, 70_000] {
+        let n = block * blocks;
+        let f32s = |v: Vec<f32>| {
+            let len = v.len();
+            Tensor::<Ours, 1>::from_data(TensorData::new(v, [len]), (&device, DType::F32))
+        };
+        let flags: Vec<f32> = (0..blocks).map(|b| (b % 3 != 0) as u8 as f32).collect();
+        let scalars = AdamWScalars::new(3e-3, 0.9, 0.95, 1e-8, 0.1, block);
+        for (model_dtype, step, found, shared) in [
+            (None, 0.0, 0.0, true),
+            (None, 999.0, 0.0, false),
+            (Some(DType::BF16), 0.0, 0.0, false),
+            (Some(DType::BF16), 4.0, 0.0, true),
+            (Some(DType::BF16), 4.0, 1.0, false),
+        ] {
+            let label =
+                format!("n {n} {model_dtype:?} step {step} found_inf {found} shared {shared}");
+            let buffers = || FlatAdamWBuffers {
+                master: f32s(values(n, 20)).mul_scalar(0.5),
+                grad: f32s(values(n, 21)).mul_scalar(1e-2),
+                exp_avg: f32s(values(n, 22)).mul_scalar(1e-3),
+                exp_avg_sq: f32s(values(n, 23)).abs().mul_scalar(1e-4),
+                decay: f32s(flags.clone()),
+                step: f32s(vec![step]),
+                grad_factor: f32s(vec![0.7]),
+                found_inf: f32s(vec![found]),
+            };
+            let want = flat_adamw_composition(buffers(), &scalars, model_dtype);
+            let inputs = buffers();
+            let view = shared.then(|| inputs.master.clone());
+            let before = view.as_ref().map(|v| v.clone().into_data());
+            let got = Ours::flat_adamw(inputs, &scalars, model_dtype);
+            if let (Some(view), Some(before)) = (view, before) {
+                assert_eq!(
+                    view.into_data(),
+                    before,
+                    "{label}: a shared master is not written"
+                );
+            }
+            let pairs = [
+                ("master", got.master, want.master),
+                ("exp_avg", got.exp_avg, want.exp_avg),
+                ("exp_avg_sq", got.exp_avg_sq, want.exp_avg_sq),
+            ];
+            for (name, got, want) in pairs {
+                assert_close(
+                    &format!("{label}: {name}"),
+                    &got.into_data(),
+                    &want.into_data(),
+                    tolerance::F32_SAME_ORDER,
+                );
+            }
+            if let (Some(got), Some(want)) = (got.model, want.model) {
+                assert_eq!(got.dtype(), DType::BF16);
+                assert_close(
+                    &format!("{label}: bf16 model copy"),
+                    &got.into_data(),
+                    &want.into_data(),
+                    tolerance::BF16,
+                );
+            }
+        }
+    }
+}

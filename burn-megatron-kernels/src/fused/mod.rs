@@ -7,6 +7,7 @@
 //! cube go through shared memory, so they run where planes are absent or narrow (lavapipe
 //! runs CI's kernel tests with a plane of 8).
 
+pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;
 pub mod cross_entropy;

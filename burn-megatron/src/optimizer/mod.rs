@@ -11,10 +11,18 @@
 //! - [`loss_scaler`]: the dynamic loss scaler for fp16 (`DynamicGradScaler`), with its
 //!   overflow flag, scale and skip decision on the device.
 //!
+//! - [`flat_adamw`]: [`FlatAdamW`], AdamW over the flat buffers of
+//!   [`crate::distributed::ParamAndGradBuffer`] with fp32 master weights and moments, one fused
+//!   kernel per step on CubeCL backends ([`fused_adamw`]: the step's math and its plain Burn
+//!   composition), with the clip coefficient, the loss scale and the overflow skip read on the
+//!   device.
+//!
 //! Data parallelism (gradient reduction over DP) and the distributed optimizer (ZeRO-1) are
 //! not written yet.
 
 pub mod clip;
+pub mod flat_adamw;
+pub mod fused_adamw;
 mod grads;
 pub mod loss_scaler;
 pub mod lr_schedule;
@@ -24,6 +32,7 @@ pub use clip::{
     CLIP_EPSILON, GradClipConfig, clip_coefficient, clip_grad_norm, clip_grads_by_norm,
     global_grad_norm, local_grad_sum_of_squares, shared_copies,
 };
+pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
 pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig};
 pub use lr_schedule::{LrDecayStyle, LrSchedule, LrScheduleConfig, WsdDecayStyle};
 pub use param_groups::{ParamGroups, ParamKind, WeightDecayPolicy};
