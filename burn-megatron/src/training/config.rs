@@ -186,7 +186,8 @@ impl PretrainConfig {
     /// Checks every setting for a world of `world_size` ranks, before any rank starts, and
     /// returns the derived layout. Each error names the setting and what would be valid.
     pub fn check(&self, world_size: usize) -> crate::Result<RunLayout> {
-        let invalid = |m: String| -> crate::Result<RunLayout> { Err(ConfigError::Invalid(m).into()) };
+        let invalid =
+            |m: String| -> crate::Result<RunLayout> { Err(ConfigError::Invalid(m).into()) };
         let (tp, pp) = (
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
@@ -263,7 +264,11 @@ impl PretrainConfig {
             return invalid(format!(
                 "--lr-decay-iters ({decay_iters}{}) must exceed --lr-warmup-iters ({}): the decay \
                  counts from iteration 0, the warm-up included",
-                if self.lr_decay_iters.is_none() { ", from --train-iters" } else { "" },
+                if self.lr_decay_iters.is_none() {
+                    ", from --train-iters"
+                } else {
+                    ""
+                },
                 self.lr_warmup_iters
             ));
         }

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::backend::Backend;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
@@ -39,10 +40,12 @@ impl PretrainData {
     /// outlive the files).
     pub fn build(config: &PretrainConfig) -> Result<Self> {
         let (sources, description, scratch) = if config.data_path.is_empty() {
+            // One directory per call: runs of one process (tests) may build at once.
+            static BUILDS: AtomicU64 = AtomicU64::new(0);
             let dir = std::env::temp_dir().join(format!(
                 "burn-megatron-corpus-{}-{}",
                 std::process::id(),
-                config.seed
+                BUILDS.fetch_add(1, Ordering::Relaxed)
             ));
             std::fs::create_dir_all(&dir).map_err(|e| {
                 crate::data::DataError::Invalid(format!("cannot create {}: {e}", dir.display()))

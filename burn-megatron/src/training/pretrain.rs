@@ -26,7 +26,9 @@ use crate::checkpointing::{
 };
 use crate::error::Result;
 use crate::models::GptModel;
-use crate::optimizer::{GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies};
+use crate::optimizer::{
+    GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
+};
 use crate::pipeline_parallel::{Schedule, StageSplit, forward_backward, forward_only};
 use crate::tensor_parallel::param_infos;
 
@@ -222,8 +224,9 @@ where
             flops_per_second: flops_per_step / seconds.max(f64::MIN_POSITIVE),
         };
         summary.iterations.push(report);
-        if logging && (iteration.is_multiple_of(config.log_interval as u64)
-            || iteration == config.train_iters as u64)
+        if logging
+            && (iteration.is_multiple_of(config.log_interval as u64)
+                || iteration == config.train_iters as u64)
         {
             observer.on_iteration(&report);
         }
@@ -346,7 +349,11 @@ where
 /// Parameters of the whole model, each counted once (TP rank 0 counts the full shape of
 /// what its group splits; the last stage's copy of a tied table is not counted), summed over
 /// the world in f32: exact to about 7 digits, enough for a log.
-fn count_parameters<B>(state: &ParallelState, chunk: &GptModel<B>, device: &B::Device) -> Result<f64>
+fn count_parameters<B>(
+    state: &ParallelState,
+    chunk: &GptModel<B>,
+    device: &B::Device,
+) -> Result<f64>
 where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend,
