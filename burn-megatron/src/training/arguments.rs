@@ -14,7 +14,7 @@ use crate::optimizer::LrDecayStyle;
 /// Pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's `pretrain_gpt.py`).
 ///
 /// With no options it trains a tiny GPT on a generated corpus on 4 CPU thread ranks
-/// (TP = 2 × PP = 2) for about a minute and saves a checkpoint under target/pretrain_gpt.
+/// (TP = 2 × PP = 2) for a minute or two and saves a checkpoint under target/pretrain_gpt.
 /// Every option can also be given in a TOML file (`--config`), with the same names without
 /// the leading dashes; the command line wins over the file.
 #[derive(Parser, Deserialize, Debug, Clone, Default, PartialEq)]

@@ -12,7 +12,7 @@ use crate::optimizer::{GradClipConfig, LrDecayStyle, LrSchedule, LrScheduleConfi
 use crate::transformer::TransformerConfig;
 
 /// A pretraining run. The defaults are the embedded run of `pretrain_gpt` with no arguments:
-/// a tiny GPT on the generated default corpus at TP = 2 × PP = 2 (4 ranks), about a minute
+/// a tiny GPT on the generated default corpus at TP = 2 × PP = 2 (4 ranks), a minute or two
 /// on two CPU cores.
 #[derive(Config, Debug)]
 pub struct PretrainConfig {

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn::tensor::backend::Backend;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::config::PretrainConfig;
@@ -120,7 +119,7 @@ impl PretrainData {
 /// The `count` microbatches of `micro_batch_size` samples that start at sample `first` of
 /// `dataset`, on `device`. Rank 0 of the tensor-parallel group reads them and broadcasts them
 /// to the others (Megatron's `get_batch`); the ids are checked against `vocab_size`.
-pub fn read_microbatches<B: Backend, D: SampleDataset>(
+pub fn read_microbatches<B: DistBackend, D: SampleDataset>(
     dataset: &D,
     tp: &ProcessGroup,
     first: usize,
@@ -128,10 +127,7 @@ pub fn read_microbatches<B: Backend, D: SampleDataset>(
     micro_batch_size: usize,
     vocab_size: usize,
     device: &B::Device,
-) -> Result<Vec<Microbatch<B>>>
-where
-    B: DistBackend,
-{
+) -> Result<Vec<Microbatch<B>>> {
     let seq = dataset.sequence_length();
     (0..count)
         .map(|m| {

@@ -70,7 +70,7 @@ impl TrainingObserver for ConsoleProgress {
             &format!(
                 "training a GPT of {:.2} M parameters on {} ranks (TP = {}, PP = {}), {} \
                  microbatches per step, iterations {}..{}{resumed}\ndata: {}",
-                start.parameters as f64 / 1e6,
+                start.parameters / 1e6,
                 start.world_size,
                 start.tp,
                 start.pp,
