@@ -35,6 +35,9 @@ pub enum Error {
     /// A checkpoint cannot be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpointing::CheckpointError),
+    /// A launch of ranks failed: the first failing rank and its message.
+    #[error(transparent)]
+    Launch(#[from] burn_megatron_dist::LaunchError),
 }
 
 /// `Result` with burn-megatron's [`Error`].

@@ -16,6 +16,7 @@
 //! - [`data`]: Megatron's indexed datasets (`.bin`/`.idx`), GPT sampling, blending, splits,
 //!   tokenizers and the preprocessing behind `preprocess_data`.
 //! - [`checkpointing`]: sharded, reshardable, crash-safe checkpoints.
+//! - [`training`]: the pretraining loop (`pretrain_gpt`), its options, progress and resume.
 //! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
 
 pub mod backend;
@@ -29,6 +30,7 @@ pub mod ops;
 pub mod optimizer;
 pub mod pipeline_parallel;
 pub mod tensor_parallel;
+pub mod training;
 pub mod transformer;
 
 pub use backend::ModelBackend;

@@ -247,6 +247,13 @@ impl<B: ModelBackend> GptModel<B> {
         self.context.calls.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Sets the number [`next_call`](Self::next_call) returns next: a run resumed from a
+    /// checkpoint continues the count of forward passes, so its dropout masks are those of the
+    /// uninterrupted run.
+    pub fn set_next_call(&self, call: u64) {
+        self.context.calls.store(call, Ordering::Relaxed)
+    }
+
     /// The shape of the residual stream between stages for `[batch, seq]` tokens:
     /// `[batch, seq, hidden]`, or `[batch, seq / tp, hidden]` under sequence parallelism.
     pub fn activation_shape(&self, batch: usize, seq: usize) -> [usize; 3] {

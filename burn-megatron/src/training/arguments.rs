@@ -1,0 +1,279 @@
+//! `pretrain_gpt`'s options: Megatron's argument names on the command line, the same names
+//! in a TOML file (`--config run.toml`, keys in kebab-case: `num-layers = 8`), the command
+//! line winning over the file and the file over [`PretrainConfig`]'s defaults.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use super::config::PretrainConfig;
+use crate::error::{ConfigError, Result};
+use crate::optimizer::LrDecayStyle;
+
+/// Pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's `pretrain_gpt.py`).
+///
+/// With no options it trains a tiny GPT on a generated corpus on 4 CPU thread ranks
+/// (TP = 2 × PP = 2) for a minute or two and saves a checkpoint under target/pretrain_gpt.
+/// Every option can also be given in a TOML file (`--config`), with the same names without
+/// the leading dashes; the command line wins over the file.
+#[derive(Parser, Deserialize, Debug, Clone, Default, PartialEq)]
+#[command(name = "pretrain_gpt", version, about, long_about)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct PretrainArgs {
+    /// A TOML file of options (keys as the long options without dashes, e.g.
+    /// `global-batch-size = 32`, `data-path = ["0.3", "a_text_document"]`).
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+
+    /// Transformer layers; divisible by the pipeline-parallel size. [default: 2]
+    #[arg(long, help_heading = "Model")]
+    pub num_layers: Option<usize>,
+    /// Width of the residual stream. [default: 64]
+    #[arg(long, help_heading = "Model")]
+    pub hidden_size: Option<usize>,
+    /// Attention heads; divisible by the tensor-parallel size. [default: 4]
+    #[arg(long, help_heading = "Model")]
+    pub num_attention_heads: Option<usize>,
+    /// Hidden width of the MLP. [default: 4 × hidden size]
+    #[arg(long, help_heading = "Model")]
+    pub ffn_hidden_size: Option<usize>,
+    /// Tokens per sample, and the model's longest sequence. [default: 64]
+    #[arg(long, help_heading = "Model")]
+    pub seq_length: Option<usize>,
+    /// Vocabulary size; every token id of the data must be below it. [default: 257, the
+    /// byte tokenizer's]
+    #[arg(long, help_heading = "Model")]
+    pub vocab_size: Option<usize>,
+    /// Pad the vocabulary to a multiple of this × TP. [default: 8]
+    #[arg(long, help_heading = "Model")]
+    pub make_vocab_size_divisible_by: Option<usize>,
+    /// Standard deviation of the normal initialisation. [default: 0.02]
+    #[arg(long, help_heading = "Model")]
+    pub init_method_std: Option<f64>,
+    /// Dropout on the embeddings and each block's output. [default: 0]
+    #[arg(long, help_heading = "Model")]
+    pub hidden_dropout: Option<f64>,
+    /// Dropout on the attention probabilities. [default: 0]
+    #[arg(long, help_heading = "Model")]
+    pub attention_dropout: Option<f64>,
+
+    /// Tensor-parallel size (ranks that split each layer). [default: 2]
+    #[arg(long, help_heading = "Parallelism")]
+    pub tensor_model_parallel_size: Option<usize>,
+    /// Pipeline-parallel size (stages the layers are split into, run with 1F1B). [default: 2]
+    #[arg(long, help_heading = "Parallelism")]
+    pub pipeline_model_parallel_size: Option<usize>,
+    /// Split activations outside the tensor-parallel regions along the sequence over TP
+    /// (the sequence length must be divisible by TP). [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
+    pub sequence_parallel: Option<bool>,
+
+    /// Samples per microbatch. [default: 4]
+    #[arg(long, help_heading = "Batch")]
+    pub micro_batch_size: Option<usize>,
+    /// Samples per optimizer step; a multiple of micro batch × DP, the quotient being the
+    /// microbatches (gradient accumulation) per step. [default: 16]
+    #[arg(long, help_heading = "Batch")]
+    pub global_batch_size: Option<usize>,
+
+    /// Peak learning rate, reached at the end of the warm-up. [default: 3e-3]
+    #[arg(long, help_heading = "Optimizer")]
+    pub lr: Option<f64>,
+    /// Learning rate at the end of the decay. [default: 3e-4]
+    #[arg(long, help_heading = "Optimizer")]
+    pub min_lr: Option<f64>,
+    /// Iterations of linear warm-up from 0. [default: 10]
+    #[arg(long, help_heading = "Optimizer")]
+    pub lr_warmup_iters: Option<usize>,
+    /// The iteration at which the decay reaches --min-lr. [default: --train-iters]
+    #[arg(long, help_heading = "Optimizer")]
+    pub lr_decay_iters: Option<usize>,
+    /// The decay after the warm-up: constant, linear or cosine. [default: cosine]
+    #[arg(long, help_heading = "Optimizer")]
+    pub lr_decay_style: Option<String>,
+    /// AdamW's decoupled weight decay; biases and norms are exempt. [default: 0.01]
+    #[arg(long, help_heading = "Optimizer")]
+    pub weight_decay: Option<f64>,
+    /// AdamW's β₁. [default: 0.9]
+    #[arg(long, help_heading = "Optimizer")]
+    pub adam_beta1: Option<f32>,
+    /// AdamW's β₂. [default: 0.95]
+    #[arg(long, help_heading = "Optimizer")]
+    pub adam_beta2: Option<f32>,
+    /// AdamW's ε. [default: 1e-8]
+    #[arg(long, help_heading = "Optimizer")]
+    pub adam_eps: Option<f32>,
+    /// Largest global gradient norm (over every TP and PP rank); larger gradients are
+    /// scaled down to it. [default: 1.0]
+    #[arg(long, help_heading = "Optimizer")]
+    pub clip_grad: Option<f64>,
+
+    /// Optimizer steps in all, counting a loaded checkpoint's. [default: 100]
+    #[arg(long, help_heading = "Training")]
+    pub train_iters: Option<usize>,
+    /// Iterations between log lines. [default: 1]
+    #[arg(long, help_heading = "Training")]
+    pub log_interval: Option<usize>,
+    /// Iterations between evaluations on the validation split; 0 for none. [default: 25]
+    #[arg(long, help_heading = "Training")]
+    pub eval_interval: Option<usize>,
+    /// Global batches per evaluation. [default: 2]
+    #[arg(long, help_heading = "Training")]
+    pub eval_iters: Option<usize>,
+    /// Seed of the initialisation, dropout and data shuffles. [default: 1234]
+    #[arg(long, help_heading = "Training")]
+    pub seed: Option<u64>,
+
+    /// Directory to save sharded checkpoints in. [default: target/pretrain_gpt]
+    #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
+    pub save: Option<PathBuf>,
+    /// Iterations between checkpoints (one is also saved at the end). [default: only at the
+    /// end]
+    #[arg(long, help_heading = "Checkpoints")]
+    pub save_interval: Option<usize>,
+    /// Directory to resume from: its latest checkpoint restores the model, the optimizer,
+    /// the iteration and the data position. An empty or missing directory starts afresh, so
+    /// `--save d --load d` resumes a killed run with the same command.
+    #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
+    pub load: Option<PathBuf>,
+
+    /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
+    /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
+    #[arg(long, num_args = 1.., value_name = "WEIGHT PREFIX", help_heading = "Data")]
+    pub data_path: Option<Vec<String>>,
+    /// Train, validation and test weights of each dataset's documents. [default: 969,30,1]
+    #[arg(long, help_heading = "Data")]
+    pub split: Option<String>,
+}
+
+impl PretrainArgs {
+    /// The options of the file named by `--config` (if any) under those of `self`.
+    pub fn with_file(self) -> Result<Self> {
+        let Some(path) = &self.config else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigError::Invalid(format!("--config {}: cannot read it: {e}", path.display()))
+        })?;
+        let file = Self::from_toml(&text)
+            .map_err(|e| ConfigError::Invalid(format!("--config {}: {e}", path.display())))?;
+        Ok(self.over(file))
+    }
+
+    /// Options from TOML text; an unknown key or a wrong type is an error naming it.
+    pub fn from_toml(text: &str) -> core::result::Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim_end().to_string())
+    }
+
+    /// The run: `--config`'s file read, then every option given here or in the file replacing
+    /// [`PretrainConfig`]'s default. Not yet checked against a world size: see
+    /// [`PretrainConfig::check`].
+    pub fn into_config(self) -> Result<PretrainConfig> {
+        let a = self.with_file()?;
+        let mut c = PretrainConfig::new();
+        macro_rules! set {
+            ($($arg:ident => $field:ident),* $(,)?) => {
+                $(if let Some(v) = a.$arg.clone() { c.$field = v; })*
+            };
+        }
+        macro_rules! set_some {
+            ($($arg:ident),* $(,)?) => { $(if let Some(v) = a.$arg.clone() { c.$arg = Some(v); })* };
+        }
+        set!(
+            num_layers => num_layers,
+            hidden_size => hidden_size,
+            num_attention_heads => num_attention_heads,
+            seq_length => seq_length,
+            vocab_size => vocab_size,
+            make_vocab_size_divisible_by => make_vocab_size_divisible_by,
+            init_method_std => init_std,
+            hidden_dropout => hidden_dropout,
+            attention_dropout => attention_dropout,
+            tensor_model_parallel_size => tensor_model_parallel_size,
+            pipeline_model_parallel_size => pipeline_model_parallel_size,
+            sequence_parallel => sequence_parallel,
+            micro_batch_size => micro_batch_size,
+            global_batch_size => global_batch_size,
+            lr => lr,
+            min_lr => min_lr,
+            lr_warmup_iters => lr_warmup_iters,
+            weight_decay => weight_decay,
+            adam_beta1 => adam_beta1,
+            adam_beta2 => adam_beta2,
+            adam_eps => adam_eps,
+            clip_grad => clip_grad,
+            train_iters => train_iters,
+            log_interval => log_interval,
+            eval_interval => eval_interval,
+            eval_iters => eval_iters,
+            seed => seed,
+            data_path => data_path,
+            split => split,
+        );
+        set_some!(ffn_hidden_size, lr_decay_iters, save, save_interval, load);
+        if let Some(style) = &a.lr_decay_style {
+            c.lr_decay_style = parse_decay_style(style)?;
+        }
+        Ok(c)
+    }
+
+    /// `self`'s options, and `file`'s where `self` has none.
+    fn over(self, file: Self) -> Self {
+        macro_rules! merge {
+            ($($f:ident),* $(,)?) => { Self { config: self.config, $($f: self.$f.or(file.$f),)* } };
+        }
+        merge!(
+            num_layers,
+            hidden_size,
+            num_attention_heads,
+            ffn_hidden_size,
+            seq_length,
+            vocab_size,
+            make_vocab_size_divisible_by,
+            init_method_std,
+            hidden_dropout,
+            attention_dropout,
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            sequence_parallel,
+            micro_batch_size,
+            global_batch_size,
+            lr,
+            min_lr,
+            lr_warmup_iters,
+            lr_decay_iters,
+            lr_decay_style,
+            weight_decay,
+            adam_beta1,
+            adam_beta2,
+            adam_eps,
+            clip_grad,
+            train_iters,
+            log_interval,
+            eval_interval,
+            eval_iters,
+            seed,
+            save,
+            save_interval,
+            load,
+            data_path,
+            split,
+        )
+    }
+}
+
+/// Megatron's `--lr-decay-style` names.
+pub fn parse_decay_style(name: &str) -> Result<LrDecayStyle> {
+    match name.to_ascii_lowercase().as_str() {
+        "constant" => Ok(LrDecayStyle::Constant),
+        "linear" => Ok(LrDecayStyle::Linear),
+        "cosine" => Ok(LrDecayStyle::Cosine),
+        _ => Err(ConfigError::Invalid(format!(
+            "--lr-decay-style {name:?}: use constant, linear or cosine (WSD is not an option of \
+             pretrain_gpt yet)"
+        ))
+        .into()),
+    }
+}

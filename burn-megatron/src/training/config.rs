@@ -1,0 +1,289 @@
+//! What a pretraining run is: the model's shape, the layout, the batch, the optimizer, the
+//! schedule, evaluation, checkpoints and data, in Megatron's terms (`pretrain_gpt.py`'s
+//! arguments), checked once before any rank starts.
+
+use std::path::PathBuf;
+
+use burn::config::Config;
+
+use crate::data::{ByteTokenizer, parse_data_path, parse_split};
+use crate::error::ConfigError;
+use crate::optimizer::{GradClipConfig, LrDecayStyle, LrSchedule, LrScheduleConfig};
+use crate::transformer::TransformerConfig;
+
+/// A pretraining run. The defaults are the embedded run of `pretrain_gpt` with no arguments:
+/// a tiny GPT on the generated default corpus at TP = 2 × PP = 2 (4 ranks), a minute or two
+/// on two CPU cores.
+#[derive(Config, Debug)]
+pub struct PretrainConfig {
+    /// Transformer layers (`--num-layers`); divisible by the pipeline-parallel size.
+    #[config(default = 2)]
+    pub num_layers: usize,
+    /// Width of the residual stream (`--hidden-size`).
+    #[config(default = 64)]
+    pub hidden_size: usize,
+    /// Attention heads (`--num-attention-heads`); divisible by the tensor-parallel size.
+    #[config(default = 4)]
+    pub num_attention_heads: usize,
+    /// Hidden width of the MLP (`--ffn-hidden-size`); `None` for 4 × hidden size.
+    pub ffn_hidden_size: Option<usize>,
+    /// Tokens per sample (`--seq-length`), also the model's longest sequence.
+    #[config(default = 64)]
+    pub seq_length: usize,
+    /// Real vocabulary size (`--vocab-size`): every token id of the data must be below it.
+    /// The default is the byte tokenizer's (256 bytes and the end-of-document token).
+    #[config(default = 257)]
+    pub vocab_size: usize,
+    /// The vocabulary is padded to a multiple of this times TP
+    /// (`--make-vocab-size-divisible-by`).
+    #[config(default = 8)]
+    pub make_vocab_size_divisible_by: usize,
+    /// Standard deviation of the normal initialisation (`--init-method-std`).
+    #[config(default = 0.02)]
+    pub init_std: f64,
+    /// Dropout on the embeddings and each block's output (`--hidden-dropout`).
+    #[config(default = 0.0)]
+    pub hidden_dropout: f64,
+    /// Dropout on the attention probabilities (`--attention-dropout`).
+    #[config(default = 0.0)]
+    pub attention_dropout: f64,
+    /// Tensor-parallel size (`--tensor-model-parallel-size`).
+    #[config(default = 2)]
+    pub tensor_model_parallel_size: usize,
+    /// Pipeline-parallel size (`--pipeline-model-parallel-size`).
+    #[config(default = 2)]
+    pub pipeline_model_parallel_size: usize,
+    /// Sequence parallelism over the TP group (`--sequence-parallel`); the sequence length
+    /// must be divisible by TP.
+    #[config(default = false)]
+    pub sequence_parallel: bool,
+    /// Samples per microbatch (`--micro-batch-size`).
+    #[config(default = 4)]
+    pub micro_batch_size: usize,
+    /// Samples per optimizer step (`--global-batch-size`): a multiple of micro batch × DP;
+    /// the quotient is the number of microbatches (gradient accumulation) per step.
+    #[config(default = 16)]
+    pub global_batch_size: usize,
+    /// Peak learning rate (`--lr`).
+    #[config(default = 3e-3)]
+    pub lr: f64,
+    /// Learning rate at the end of the decay (`--min-lr`).
+    #[config(default = 3e-4)]
+    pub min_lr: f64,
+    /// Iterations of linear warm-up (`--lr-warmup-iters`).
+    #[config(default = 10)]
+    pub lr_warmup_iters: usize,
+    /// The iteration at which the decay reaches `min_lr` (`--lr-decay-iters`); `None` for
+    /// `train_iters`.
+    pub lr_decay_iters: Option<usize>,
+    /// The decay after the warm-up (`--lr-decay-style`: constant, linear, cosine).
+    #[config(default = "LrDecayStyle::Cosine")]
+    pub lr_decay_style: LrDecayStyle,
+    /// AdamW's decoupled weight decay (`--weight-decay`); biases and norms are exempt.
+    #[config(default = 0.01)]
+    pub weight_decay: f64,
+    /// AdamW's β₁ (`--adam-beta1`).
+    #[config(default = 0.9)]
+    pub adam_beta1: f32,
+    /// AdamW's β₂ (`--adam-beta2`).
+    #[config(default = 0.95)]
+    pub adam_beta2: f32,
+    /// AdamW's ε (`--adam-eps`).
+    #[config(default = 1e-8)]
+    pub adam_eps: f32,
+    /// Largest global gradient norm; larger gradients are scaled down to it (`--clip-grad`).
+    #[config(default = 1.0)]
+    pub clip_grad: f64,
+    /// Optimizer steps to train for in all (`--train-iters`), counting those of a loaded
+    /// checkpoint.
+    #[config(default = 100)]
+    pub train_iters: usize,
+    /// Iterations between progress reports (`--log-interval`).
+    #[config(default = 1)]
+    pub log_interval: usize,
+    /// Iterations between evaluations on the validation split (`--eval-interval`); 0 for
+    /// none.
+    #[config(default = 25)]
+    pub eval_interval: usize,
+    /// Global batches per evaluation (`--eval-iters`).
+    #[config(default = 2)]
+    pub eval_iters: usize,
+    /// Directory to save checkpoints in (`--save`); `None` saves nothing.
+    pub save: Option<PathBuf>,
+    /// Iterations between checkpoints (`--save-interval`); `None` saves only at the end.
+    pub save_interval: Option<usize>,
+    /// Directory to resume from (`--load`): its latest checkpoint restores the model, the
+    /// optimizer, the iteration and the data position. An empty or missing directory starts
+    /// from scratch, as Megatron does, so `--save d --load d` resumes a killed run.
+    pub load: Option<PathBuf>,
+    /// Checkpoints kept in `save` (older ones are removed).
+    #[config(default = 3)]
+    pub keep_last_checkpoints: usize,
+    /// Datasets (`--data-path`): indexed-dataset prefixes, optionally as `weight prefix`
+    /// pairs for a blend. Empty for the generated default corpus.
+    #[config(default = "Vec::new()")]
+    pub data_path: Vec<String>,
+    /// Documents of the generated default corpus when `data_path` is empty.
+    #[config(default = 4000)]
+    pub default_corpus_documents: usize,
+    /// Train, validation and test weights of each dataset's documents (`--split`).
+    #[config(default = "String::from(\"969,30,1\")")]
+    pub split: String,
+    /// Seed of the initialisation, dropout and data shuffles (`--seed`).
+    #[config(default = 1234)]
+    pub seed: u64,
+}
+
+/// The facts every rank derives from a checked [`PretrainConfig`].
+#[derive(Debug, Clone)]
+pub struct RunLayout {
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Data-parallel size (1: data parallelism is not written yet).
+    pub dp: usize,
+    /// Microbatches per optimizer step per data-parallel rank: `global / (micro × dp)`.
+    pub num_microbatches: usize,
+    /// The model.
+    pub model: TransformerConfig,
+}
+
+impl PretrainConfig {
+    /// The model this run trains.
+    pub fn model(&self) -> TransformerConfig {
+        TransformerConfig::new(
+            self.hidden_size,
+            self.num_layers,
+            self.num_attention_heads,
+            self.ffn_hidden_size.unwrap_or(4 * self.hidden_size),
+            self.vocab_size,
+            self.seq_length,
+        )
+        .with_make_vocab_size_divisible_by(self.make_vocab_size_divisible_by)
+        .with_init_std(self.init_std)
+        .with_sequence_parallel(self.sequence_parallel)
+        .with_hidden_dropout(self.hidden_dropout)
+        .with_attention_dropout(self.attention_dropout)
+        .with_seed(self.seed)
+    }
+
+    /// The learning-rate schedule, in iterations.
+    pub fn lr_schedule(&self) -> crate::Result<LrSchedule> {
+        Ok(LrScheduleConfig::new(self.lr)
+            .with_min_lr(self.min_lr)
+            .with_warmup_steps(self.lr_warmup_iters)
+            .with_decay_steps(self.lr_decay_iters.unwrap_or(self.train_iters))
+            .with_decay_style(self.lr_decay_style)
+            .init()?)
+    }
+
+    /// Ranks the run needs: TP × PP (× DP, which is 1 for now).
+    pub fn world_size(&self) -> usize {
+        self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+    }
+
+    /// Checks every setting for a world of `world_size` ranks, before any rank starts, and
+    /// returns the derived layout. Each error names the setting and what would be valid.
+    pub fn check(&self, world_size: usize) -> crate::Result<RunLayout> {
+        let invalid =
+            |m: String| -> crate::Result<RunLayout> { Err(ConfigError::Invalid(m).into()) };
+        let (tp, pp) = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+        );
+        if tp == 0 || pp == 0 {
+            return invalid(format!(
+                "--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) \
+                 must be at least 1"
+            ));
+        }
+        if !world_size.is_multiple_of(tp * pp) {
+            return invalid(format!(
+                "the world of {world_size} ranks is not a multiple of TP ({tp}) × PP ({pp})"
+            ));
+        }
+        let dp = world_size / (tp * pp);
+        if dp != 1 {
+            return invalid(format!(
+                "data parallelism is not written yet: the world of {world_size} ranks must \
+                 equal TP ({tp}) × PP ({pp}) = {}",
+                tp * pp
+            ));
+        }
+        for (name, value) in [
+            ("--micro-batch-size", self.micro_batch_size),
+            ("--global-batch-size", self.global_batch_size),
+            ("--seq-length", self.seq_length),
+            ("--train-iters", self.train_iters),
+            ("--log-interval", self.log_interval),
+        ] {
+            if value == 0 {
+                return invalid(format!("{name} must be at least 1"));
+            }
+        }
+        if !self
+            .global_batch_size
+            .is_multiple_of(self.micro_batch_size * dp)
+        {
+            return invalid(format!(
+                "--global-batch-size ({}) must be divisible by --micro-batch-size ({}) × DP \
+                 ({dp}): the quotient is the number of microbatches per step",
+                self.global_batch_size, self.micro_batch_size
+            ));
+        }
+        if !self.num_layers.is_multiple_of(pp) || self.num_layers == 0 {
+            return invalid(format!(
+                "--num-layers ({}) must be a positive multiple of \
+                 --pipeline-model-parallel-size ({pp})",
+                self.num_layers
+            ));
+        }
+        if self.eval_interval > 0 && self.eval_iters == 0 {
+            return invalid("--eval-iters must be at least 1 when --eval-interval is set".into());
+        }
+        if self.save_interval == Some(0) {
+            return invalid("--save-interval must be at least 1".into());
+        }
+        if self.save_interval.is_some() && self.save.is_none() {
+            return invalid("--save-interval needs --save (the directory to save in)".into());
+        }
+        if self.data_path.is_empty() && self.vocab_size < ByteTokenizer::VOCAB_SIZE {
+            return invalid(format!(
+                "the default corpus is byte-tokenized: --vocab-size ({}) must be at least {}",
+                self.vocab_size,
+                ByteTokenizer::VOCAB_SIZE
+            ));
+        }
+        if !self.data_path.is_empty() {
+            parse_data_path(&self.data_path)?;
+        }
+        parse_split(&self.split)?;
+        let decay_iters = self.lr_decay_iters.unwrap_or(self.train_iters);
+        if self.lr_decay_style != LrDecayStyle::Constant && decay_iters <= self.lr_warmup_iters {
+            return invalid(format!(
+                "--lr-decay-iters ({decay_iters}{}) must exceed --lr-warmup-iters ({}): the decay \
+                 counts from iteration 0, the warm-up included",
+                if self.lr_decay_iters.is_none() {
+                    ", from --train-iters"
+                } else {
+                    ""
+                },
+                self.lr_warmup_iters
+            ));
+        }
+        GradClipConfig::new()
+            .with_max_norm(self.clip_grad)
+            .validate()?;
+        self.lr_schedule()?;
+        let model = self.model();
+        model.validate(tp, 0)?;
+        Ok(RunLayout {
+            tp,
+            pp,
+            dp,
+            num_microbatches: self.global_batch_size / (self.micro_batch_size * dp),
+            model,
+        })
+    }
+}

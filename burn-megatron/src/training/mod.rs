@@ -1,0 +1,32 @@
+//! Pretraining: the job that pulls the models, schedules, optimizer, data and checkpoints
+//! together (Megatron-LM's `pretrain_gpt.py` and `megatron/training/`).
+//!
+//! - [`PretrainConfig`]: the run, with Megatron's argument names; [`PretrainArgs`] reads them
+//!   from the command line and a TOML file.
+//! - [`PretrainData`]: the training and validation splits of the `--data-path` blend or of
+//!   the generated default corpus; [`read_microbatches`] reads a global batch on TP rank 0
+//!   and broadcasts it.
+//! - [`pretrain`]: one rank's loop (1F1B over the pipeline group, global-norm clipping,
+//!   AdamW in two weight-decay groups, Megatron's LR schedule, evaluation, sharded
+//!   checkpoints and resume); [`pretrain_on_threads`] runs every rank as a thread.
+//! - [`TrainingObserver`]: what the logging rank reports; [`ConsoleProgress`] prints it.
+//!
+//! Data parallelism is not written yet: the world is TP × PP ranks. Burn's `Learner`
+//! (burn-train) is not a dependency: burn-train 0.21 is not in this build's offline registry
+//! (book: "Pretraining").
+
+mod arguments;
+mod config;
+mod data;
+mod launch;
+mod observer;
+mod pretrain;
+mod progress;
+
+pub use arguments::{PretrainArgs, parse_decay_style};
+pub use config::{PretrainConfig, RunLayout};
+pub use data::{PretrainData, read_microbatches};
+pub use launch::{CpuTraining, pretrain_on_threads};
+pub use observer::{EvalReport, IterationReport, RunStart, Silent, TrainingObserver};
+pub use pretrain::{PretrainSummary, SCHEDULE, pretrain};
+pub use progress::ConsoleProgress;

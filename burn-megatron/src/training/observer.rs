@@ -1,0 +1,95 @@
+//! What a run reports as it goes: one value per iteration, evaluation and checkpoint, given
+//! to a [`TrainingObserver`] on the logging rank (global rank 0). Every value is already
+//! agreed by all ranks (the loss is shared from the last pipeline stage), so the logging
+//! rank need not hold the loss itself.
+
+use std::path::Path;
+
+/// The run as it starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunStart {
+    /// The first iteration to run (0, or the loaded checkpoint's iteration).
+    pub first_iteration: u64,
+    /// The iteration the run ends at.
+    pub train_iters: u64,
+    /// Ranks: TP × PP × DP.
+    pub world_size: usize,
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Microbatches per step.
+    pub num_microbatches: usize,
+    /// Parameters of the whole model, each counted once (padding left out); summed in f32,
+    /// so exact to about 7 digits.
+    pub parameters: f64,
+    /// The loaded checkpoint, if the run resumes.
+    pub resumed_from: Option<std::path::PathBuf>,
+    /// Where the data comes from.
+    pub data: String,
+}
+
+/// One optimizer step, as Megatron's `training_log` prints it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IterationReport {
+    /// The iteration just finished (1 for the first step).
+    pub iteration: u64,
+    /// The mean loss over the step's microbatches (next-token cross-entropy, nats).
+    pub loss: f64,
+    /// The learning rate the step used.
+    pub lr: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Samples consumed so far, this step's included.
+    pub consumed_samples: u64,
+    /// Tokens this step trained on (global batch × sequence length).
+    pub tokens: u64,
+    /// Wall time of the step, in seconds.
+    pub seconds: f64,
+    /// Model FLOPs per second of this step over all ranks (Megatron's count, see
+    /// [`TransformerConfig::training_flops`](crate::transformer::TransformerConfig::training_flops)).
+    pub flops_per_second: f64,
+}
+
+impl IterationReport {
+    /// Tokens per second of this step.
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// One evaluation on the validation split.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalReport {
+    /// The iteration after which it ran.
+    pub iteration: u64,
+    /// The mean loss over `--eval-iters` global batches.
+    pub loss: f64,
+}
+
+impl EvalReport {
+    /// `exp(loss)`.
+    pub fn perplexity(&self) -> f64 {
+        self.loss.exp()
+    }
+}
+
+/// Receives a run's reports on the logging rank. Every method has an empty default.
+pub trait TrainingObserver: Sync {
+    /// Before the first step.
+    fn on_start(&self, _start: &RunStart) {}
+    /// After every `--log-interval`-th step.
+    fn on_iteration(&self, _report: &IterationReport) {}
+    /// After an evaluation.
+    fn on_evaluation(&self, _report: &EvalReport) {}
+    /// After a checkpoint was written (every rank finished and it was published).
+    fn on_checkpoint(&self, _iteration: u64, _dir: &Path) {}
+    /// After the last step.
+    fn on_finish(&self) {}
+}
+
+/// An observer that ignores everything (tests that look only at the returned summary).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Silent;
+
+impl TrainingObserver for Silent {}

@@ -1,0 +1,377 @@
+//! The pretraining loop of one rank (Megatron's `pretrain` → `train` → `train_step`): build
+//! this rank's pipeline stage, resume from a checkpoint if there is one, then per iteration
+//! read the global batch, run the pipeline schedule's forward and backward passes, clip the
+//! global gradient norm, step AdamW in its two weight-decay groups at the schedule's learning
+//! rate, and evaluate and save at their intervals.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use burn::lr_scheduler::LrScheduler;
+use burn::module::{AutodiffModule, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use burn_megatron_dist::{DistBackend, ParallelSizes, ParallelState, RankContext, ReduceOp};
+
+use super::config::{PretrainConfig, RunLayout};
+use super::data::{PretrainData, read_microbatches};
+use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
+use crate::backend::ModelBackend;
+use crate::checkpointing::{
+    Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record, adamw_state,
+    latest_checkpoint,
+};
+use crate::error::Result;
+use crate::models::GptModel;
+use crate::optimizer::{
+    GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
+};
+use crate::pipeline_parallel::{Schedule, StageSplit, forward_backward, forward_only};
+use crate::tensor_parallel::param_infos;
+
+/// The schedule of every step: 1F1B, Megatron's default without virtual stages (with one
+/// pipeline stage it is plain gradient accumulation).
+pub const SCHEDULE: Schedule = Schedule::OneFOneB;
+
+/// What one rank's run did. Every rank holds the same values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PretrainSummary {
+    /// Every step this run took, in order.
+    pub iterations: Vec<IterationReport>,
+    /// Every evaluation.
+    pub evaluations: Vec<EvalReport>,
+    /// Every checkpoint written.
+    pub checkpoints: Vec<PathBuf>,
+    /// The checkpoint the run resumed from.
+    pub resumed_from: Option<PathBuf>,
+}
+
+impl PretrainSummary {
+    /// The step losses, in order.
+    pub fn losses(&self) -> Vec<f64> {
+        self.iterations.iter().map(|r| r.loss).collect()
+    }
+}
+
+type Adam<B> = OptimizerAdaptor<AdamW, GptModel<B>, B>;
+
+/// This rank's model stage and its optimizer: AdamW twice, with and without weight decay,
+/// over the two [`ParamGroups`].
+struct RankModel<B: AutodiffBackend + ModelBackend> {
+    chunk: GptModel<B>,
+    groups: ParamGroups,
+    decay: Adam<B>,
+    no_decay: Adam<B>,
+}
+
+impl<B> RankModel<B>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend,
+{
+    fn optimizer_state(&self) -> OptimizerState {
+        let mut state = adamw_state(&self.chunk, &self.decay);
+        state
+            .params
+            .extend(adamw_state(&self.chunk, &self.no_decay).params);
+        state
+    }
+
+    /// Loads the model and the optimizer state of `checkpoint`; each AdamW gets its group's
+    /// parameters.
+    fn load(self, checkpoint: &Checkpoint) -> Result<Self> {
+        let chunk = checkpoint.load_model(self.chunk)?;
+        let saved = checkpoint.load_optimizer_state(&chunk)?;
+        let exempt: HashSet<ParamId> = self.groups.no_decay.iter().map(|p| p.id).collect();
+        let (no_decay, decay): (Vec<_>, Vec<_>) = adamw_record(&chunk, &saved)
+            .into_iter()
+            .partition(|(id, _)| exempt.contains(id));
+        Ok(Self {
+            chunk,
+            groups: self.groups,
+            decay: self.decay.load_record(decay.into_iter().collect()),
+            no_decay: self.no_decay.load_record(no_decay.into_iter().collect()),
+        })
+    }
+}
+
+/// Runs `config` as this rank of the launch `ctx` on `device`: every rank of the world must
+/// call it with the same configuration and data. The logging rank (global rank 0) reports to
+/// `observer`. Returns the run's losses, evaluations and checkpoints.
+///
+/// The world must be TP × PP ranks (data parallelism is not written yet). Each rank builds
+/// only its pipeline stage, a TP slice of it; with `config.load` set and a checkpoint there,
+/// the model, the AdamW moments and step counts, the iteration, the consumed samples and the
+/// learning-rate schedule are restored, so the next losses equal the uninterrupted run's.
+pub fn pretrain<B>(
+    ctx: &RankContext,
+    config: &PretrainConfig,
+    data: &PretrainData,
+    device: &B::Device,
+    observer: &dyn TrainingObserver,
+) -> Result<PretrainSummary>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend + ModelBackend,
+{
+    let layout = config.check(ctx.world_size())?;
+    let RunLayout {
+        tp,
+        pp,
+        num_microbatches,
+        model: model_config,
+        ..
+    } = &layout;
+    let state = ctx.parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?;
+    let logging = state.world().rank() == 0;
+    let stage = StageSplit::even(model_config.num_layers, *pp)?.stage(state.pp_rank());
+    let chunk = model_config.init_gpt_stage::<B>(state.tp(), &stage, device)?;
+    let adamw = AdamWConfig::new()
+        .with_beta_1(config.adam_beta1)
+        .with_beta_2(config.adam_beta2)
+        .with_epsilon(config.adam_eps);
+    let mut rank = RankModel {
+        groups: WeightDecayPolicy::default().groups(&chunk),
+        chunk,
+        decay: adamw
+            .clone()
+            .with_weight_decay(config.weight_decay as f32)
+            .init(),
+        no_decay: adamw.with_weight_decay(0.0).init(),
+    };
+
+    let mut iteration = 0u64;
+    let mut consumed = 0u64;
+    let mut resumed_from = None;
+    if let Some(root) = &config.load
+        && latest_checkpoint(root)?.is_some()
+    {
+        let checkpoint = Checkpoint::open_latest(root)?;
+        checkpoint.check_config(model_config)?;
+        rank = rank.load(&checkpoint)?;
+        iteration = checkpoint.training_state().iteration;
+        consumed = checkpoint.training_state().consumed_samples;
+        resumed_from = Some(checkpoint.dir().to_path_buf());
+    }
+    // Dropout masks are keyed by the forward pass's number: continue the count.
+    rank.chunk
+        .set_next_call(iteration * *num_microbatches as u64);
+    let mut schedule = config.lr_schedule()?.resumed_at(iteration as usize);
+    let clip = GradClipConfig::new().with_max_norm(config.clip_grad);
+    let tokens_per_step = (config.global_batch_size * config.seq_length) as u64;
+    let flops_per_step =
+        model_config.training_flops(config.global_batch_size, config.seq_length)?;
+
+    let parameters = count_parameters(&state, &rank.chunk, device)?;
+    if logging {
+        observer.on_start(&RunStart {
+            first_iteration: iteration,
+            train_iters: config.train_iters as u64,
+            world_size: state.world().size(),
+            tp: *tp,
+            pp: *pp,
+            num_microbatches: *num_microbatches,
+            parameters,
+            resumed_from: resumed_from.clone(),
+            data: data.description.clone(),
+        });
+    }
+
+    let mut summary = PretrainSummary {
+        iterations: Vec::new(),
+        evaluations: Vec::new(),
+        checkpoints: Vec::new(),
+        resumed_from,
+    };
+    let chunks = |rank: &RankModel<B>| core::slice::from_ref(&rank.chunk).to_vec();
+    while iteration < config.train_iters as u64 {
+        let started = Instant::now();
+        let lr = LrScheduler::step(&mut schedule);
+        let microbatches = read_microbatches::<B, _>(
+            &data.train,
+            state.tp(),
+            consumed as usize,
+            *num_microbatches,
+            config.micro_batch_size,
+            config.vocab_size,
+            device,
+        )?;
+        let model = chunks(&rank);
+        let out = forward_backward(SCHEDULE, &state, &model, &microbatches)?;
+        let mut grads = out.grads;
+        let norm = clip_grad_norm(&model, &mut grads, &state, &clip)?;
+        let loss = shared_loss(&state, out.loss, device)?;
+        let (decay, no_decay) = rank
+            .groups
+            .split(&rank.chunk, grads.pop().expect("one chunk's gradients"));
+        let chunk = rank.decay.step(lr, rank.chunk, decay);
+        rank.chunk = rank.no_decay.step(lr, chunk, no_decay);
+        let [loss, grad_norm] = read_scalars([loss, norm]);
+        iteration += 1;
+        consumed += config.global_batch_size as u64;
+        let seconds = started.elapsed().as_secs_f64();
+        let report = IterationReport {
+            iteration,
+            loss,
+            lr,
+            grad_norm,
+            consumed_samples: consumed,
+            tokens: tokens_per_step,
+            seconds,
+            flops_per_second: flops_per_step / seconds.max(f64::MIN_POSITIVE),
+        };
+        summary.iterations.push(report);
+        if logging
+            && (iteration.is_multiple_of(config.log_interval as u64)
+                || iteration == config.train_iters as u64)
+        {
+            observer.on_iteration(&report);
+        }
+
+        let last = iteration == config.train_iters as u64;
+        let interval = config.eval_interval as u64;
+        if let Some(valid) = &data.valid
+            && interval > 0
+            && (iteration.is_multiple_of(interval) || last)
+        {
+            let index = iteration.div_ceil(interval) as usize - 1;
+            let loss = evaluate(&state, config, &layout, &rank.chunk, valid, index, device)?;
+            let report = EvalReport { iteration, loss };
+            summary.evaluations.push(report);
+            if logging {
+                observer.on_evaluation(&report);
+            }
+        }
+
+        if let Some(root) = &config.save
+            && (last
+                || config
+                    .save_interval
+                    .is_some_and(|k| iteration.is_multiple_of(k as u64)))
+        {
+            let training = TrainingState {
+                iteration,
+                consumed_samples: consumed,
+                rng_seed: config.seed,
+                lr_scheduler: Some(serde_json::json!({ "next_step": schedule.next_step() })),
+                loss_scaler: None,
+            };
+            let dir = Checkpointer::new(root)
+                .with_keep_last(config.keep_last_checkpoints)
+                .save(
+                    &state,
+                    model_config,
+                    core::slice::from_ref(&rank.chunk),
+                    Some(&[rank.optimizer_state()]),
+                    &training,
+                )?;
+            if logging {
+                observer.on_checkpoint(iteration, &dir);
+            }
+            summary.checkpoints.push(dir);
+        }
+    }
+    if logging {
+        observer.on_finish();
+    }
+    Ok(summary)
+}
+
+/// The step's loss on every rank: the last stage holds it, the others add zero over the
+/// pipeline group (Megatron logs from the last stage; here every rank may log).
+fn shared_loss<B: DistBackend>(
+    state: &ParallelState,
+    loss: Option<Tensor<B, 1>>,
+    device: &B::Device,
+) -> Result<Tensor<B, 1>> {
+    let loss = match loss {
+        Some(l) => l.cast(DType::F32),
+        None => Tensor::zeros([1], (device, DType::F32)),
+    };
+    Ok(state.pp().all_reduce(loss, ReduceOp::Sum)?)
+}
+
+/// `[1]` f32 tensors read in one host transfer.
+fn read_scalars<B: burn::tensor::backend::Backend, const N: usize>(
+    tensors: [Tensor<B, 1>; N],
+) -> [f64; N] {
+    let values = Tensor::cat(tensors.into_iter().map(|t| t.cast(DType::F32)).collect(), 0)
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap_or_default();
+    core::array::from_fn(|i| values.get(i).map_or(f64::NAN, |&v| v as f64))
+}
+
+/// Evaluation `index` (0 for the first): `eval_iters` global batches of the validation split,
+/// from sample `index · eval_iters · global_batch`, through the schedule's forward passes
+/// only. The training model's forward-pass count is left as it was, so evaluating does not
+/// change the dropout masks of training.
+fn evaluate<B>(
+    state: &ParallelState,
+    config: &PretrainConfig,
+    layout: &RunLayout,
+    chunk: &GptModel<B>,
+    valid: &impl crate::data::SampleDataset,
+    index: usize,
+    device: &B::Device,
+) -> Result<f64>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend + ModelBackend,
+{
+    let call = chunk.next_call();
+    chunk.set_next_call(call);
+    let model = vec![chunk.valid()];
+    let mut total = 0.0;
+    for j in 0..config.eval_iters {
+        let first = (index * config.eval_iters + j) * config.global_batch_size;
+        let microbatches = read_microbatches::<B::InnerBackend, _>(
+            valid,
+            state.tp(),
+            first,
+            layout.num_microbatches,
+            config.micro_batch_size,
+            config.vocab_size,
+            device,
+        )?;
+        let loss = forward_only(SCHEDULE, state, &model, &microbatches)?;
+        let [loss] = read_scalars([shared_loss(state, loss, device)?]);
+        total += loss;
+    }
+    chunk.set_next_call(call);
+    Ok(total / config.eval_iters as f64)
+}
+
+/// Parameters of the whole model, each counted once (TP rank 0 counts the full shape of
+/// what its group splits; the last stage's copy of a tied table is not counted), summed over
+/// the world in f32: exact to about 7 digits, enough for a log.
+fn count_parameters<B>(
+    state: &ParallelState,
+    chunk: &GptModel<B>,
+    device: &B::Device,
+) -> Result<f64>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend,
+{
+    let copies = shared_copies(chunk);
+    let local: usize = if state.tp().rank() == 0 {
+        param_infos(chunk)
+            .iter()
+            .filter(|p| !copies.contains(&p.path))
+            .map(|p| p.global_shape().iter().product::<usize>())
+            .sum()
+    } else {
+        0
+    };
+    let local = Tensor::<B::InnerBackend, 1>::from_data(
+        burn::tensor::TensorData::new(vec![local as f32], [1]),
+        (device, DType::F32),
+    );
+    let [total] = read_scalars([state.world().all_reduce(local, ReduceOp::Sum)?]);
+    Ok(total)
+}

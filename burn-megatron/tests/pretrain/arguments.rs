@@ -1,0 +1,205 @@
+//! Options from the command line and a TOML file, and the errors of bad ones: each names
+//! the option and what would be valid, before any rank starts.
+
+use burn_megatron::optimizer::LrDecayStyle;
+use burn_megatron::training::{PretrainArgs, PretrainConfig, Silent, pretrain_on_threads};
+use clap::Parser;
+
+use crate::scratch;
+
+fn parse(args: &[&str]) -> PretrainArgs {
+    PretrainArgs::try_parse_from(std::iter::once("pretrain_gpt").chain(args.iter().copied()))
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+fn config(args: &[&str]) -> PretrainConfig {
+    parse(args).into_config().unwrap()
+}
+
+fn error(config: &PretrainConfig) -> String {
+    config.check(config.world_size()).unwrap_err().to_string()
+}
+
+#[test]
+fn no_options_is_the_embedded_default_run() {
+    let c = config(&[]);
+    assert_eq!(
+        (c.tensor_model_parallel_size, c.pipeline_model_parallel_size),
+        (2, 2)
+    );
+    assert!(c.data_path.is_empty() && c.save.is_none() && c.load.is_none());
+    let layout = c.check(4).unwrap();
+    assert_eq!(layout.num_microbatches, 4);
+}
+
+#[test]
+fn megatron_option_names() {
+    let c = config(&[
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "12",
+        "--tensor-model-parallel-size",
+        "4",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--sequence-parallel",
+        "--lr",
+        "0.001",
+        "--min-lr",
+        "0.0001",
+        "--lr-warmup-iters",
+        "5",
+        "--lr-decay-style",
+        "linear",
+        "--train-iters",
+        "50",
+        "--eval-interval",
+        "10",
+        "--eval-iters",
+        "3",
+        "--save",
+        "ck",
+        "--save-interval",
+        "20",
+        "--load",
+        "ck",
+        "--data-path",
+        "0.3",
+        "a_text_document",
+        "0.7",
+        "b_text_document",
+        "--split",
+        "98,2,0",
+        "--seed",
+        "7",
+    ]);
+    assert_eq!(
+        (c.num_layers, c.hidden_size, c.num_attention_heads),
+        (8, 128, 8)
+    );
+    assert_eq!(
+        (c.seq_length, c.micro_batch_size, c.global_batch_size),
+        (32, 2, 12)
+    );
+    assert_eq!(
+        (c.tensor_model_parallel_size, c.pipeline_model_parallel_size),
+        (4, 1)
+    );
+    assert!(c.sequence_parallel);
+    assert_eq!((c.lr, c.min_lr, c.lr_warmup_iters), (0.001, 0.0001, 5));
+    assert_eq!(c.lr_decay_style, LrDecayStyle::Linear);
+    assert_eq!((c.train_iters, c.eval_interval, c.eval_iters), (50, 10, 3));
+    assert_eq!(c.save.as_deref(), Some(std::path::Path::new("ck")));
+    assert_eq!(c.save_interval, Some(20));
+    assert_eq!(c.load.as_deref(), Some(std::path::Path::new("ck")));
+    assert_eq!(
+        c.data_path,
+        ["0.3", "a_text_document", "0.7", "b_text_document"]
+    );
+    assert_eq!((c.split.as_str(), c.seed), ("98,2,0", 7));
+    assert_eq!(c.check(4).unwrap().num_microbatches, 6);
+}
+
+#[test]
+fn toml_file_under_the_command_line() {
+    let dir = scratch("toml");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("run.toml");
+    std::fs::write(
+        &file,
+        "num-layers = 6\nhidden-size = 96\ntrain-iters = 30\nsequence-parallel = true\n\
+         lr-decay-style = \"constant\"\ndata-path = [\"x_text_document\"]\n",
+    )
+    .unwrap();
+    let c = config(&["--config", file.to_str().unwrap(), "--train-iters", "40"]);
+    assert_eq!((c.num_layers, c.hidden_size), (6, 96));
+    assert_eq!(c.train_iters, 40, "the command line wins");
+    assert!(c.sequence_parallel);
+    assert_eq!(c.lr_decay_style, LrDecayStyle::Constant);
+    assert_eq!(c.data_path, ["x_text_document"]);
+
+    std::fs::write(&file, "num-layer = 6\n").unwrap();
+    let e = parse(&["--config", file.to_str().unwrap()])
+        .into_config()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("num-layer") && e.contains("run.toml"), "{e}");
+    std::fs::write(&file, "num-layers = \"six\"\n").unwrap();
+    let e = parse(&["--config", file.to_str().unwrap()])
+        .into_config()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("num-layers"), "{e}");
+    let e = parse(&["--config", dir.join("missing.toml").to_str().unwrap()])
+        .into_config()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("missing.toml") && e.contains("cannot read"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn bad_options_are_clear_errors() {
+    assert!(PretrainArgs::try_parse_from(["pretrain_gpt", "--num-layers", "x"]).is_err());
+    assert!(PretrainArgs::try_parse_from(["pretrain_gpt", "--no-such-option"]).is_err());
+
+    let e = error(&config(&["--global-batch-size", "10"]));
+    assert!(
+        e.contains("--global-batch-size (10) must be divisible by --micro-batch-size (4)"),
+        "{e}"
+    );
+    let e = error(&config(&["--tensor-model-parallel-size", "3"]));
+    assert!(
+        e.contains("attention heads (4) must be divisible by TP (3)")
+            && e.contains("valid TP sizes are 1, 2, 4"),
+        "{e}"
+    );
+    let e = error(&config(&["--num-layers", "3"]));
+    assert!(e.contains("--num-layers (3)") && e.contains("(2)"), "{e}");
+    let e = error(&config(&["--seq-length", "15", "--sequence-parallel"]));
+    assert!(e.contains("divisible by TP (2)"), "{e}");
+    let e = error(&config(&["--lr-warmup-iters", "100"]));
+    assert!(
+        e.contains("--lr-decay-iters (100") && e.contains("--lr-warmup-iters (100)"),
+        "{e}"
+    );
+    let e = error(&config(&["--min-lr", "1", "--lr", "0.1"]));
+    assert!(e.contains("min_lr"), "{e}");
+    let e = error(&config(&["--save-interval", "5"]));
+    assert!(e.contains("--save-interval needs --save"), "{e}");
+    let e = error(&config(&["--split", "a,b"]));
+    assert!(e.contains("--split"), "{e}");
+    let e = error(&config(&["--data-path", "0.5", "a", "b"]));
+    assert!(e.contains("pairs of `weight prefix`"), "{e}");
+    let e = error(&config(&["--vocab-size", "100"]));
+    assert!(e.contains("--vocab-size (100)"), "{e}");
+    let e = parse(&["--lr-decay-style", "exponential"])
+        .into_config()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("constant, linear or cosine"), "{e}");
+    let e = config(&[]).check(8).unwrap_err().to_string();
+    assert!(e.contains("data parallelism is not written yet"), "{e}");
+
+    // The launcher refuses before starting ranks, and a missing dataset is named.
+    let e = pretrain_on_threads(&config(&["--global-batch-size", "6"]), &Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--global-batch-size (6)"), "{e}");
+    let e = pretrain_on_threads(&config(&["--data-path", "/nonexistent/x"]), &Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/nonexistent/x"), "{e}");
+}

@@ -1,0 +1,149 @@
+//! The loop at TP × PP equals plain single-rank training: the same samples, the same
+//! microbatches, gradient accumulation, global-norm clipping, AdamW with and without weight
+//! decay, Megatron's learning rate per step, and the same validation losses.
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::AutodiffModule;
+use burn::optim::{AdamWConfig, Optimizer};
+use burn_megatron::data::GptBatch;
+use burn_megatron::optimizer::{GradClipConfig, WeightDecayPolicy, clip_grad_norm};
+use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
+use burn_megatron::training::{PretrainConfig, PretrainData};
+use burn_megatron_dist::ParallelSizes;
+
+use crate::{assert_close, run, tiny_run, tolerance, train};
+
+type AD = Autodiff<NdArray<f32>>;
+
+/// The step losses and the validation losses of `config` trained on one rank from the
+/// model's pieces.
+fn reference(config: &PretrainConfig) -> (Vec<f64>, Vec<f64>) {
+    let data = PretrainData::build(config).unwrap();
+    let global = config.global_batch_size;
+    let micro = config.micro_batch_size;
+    let microbatches = |dataset: &_, first: usize| -> Vec<Microbatch<_>> {
+        (0..global / micro)
+            .map(|i| {
+                GptBatch::read(dataset, first + i * micro, micro)
+                    .unwrap()
+                    .to_microbatch(config.vocab_size, &Default::default())
+                    .unwrap()
+            })
+            .collect()
+    };
+    run(1, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default())?;
+        let mut model = config
+            .model()
+            .init_gpt::<AD>(state.tp(), &Default::default())?;
+        let groups = WeightDecayPolicy::default().groups(&model);
+        let adamw = AdamWConfig::new()
+            .with_beta_1(config.adam_beta1)
+            .with_beta_2(config.adam_beta2)
+            .with_epsilon(config.adam_eps);
+        let mut decay = adamw
+            .clone()
+            .with_weight_decay(config.weight_decay as f32)
+            .init();
+        let mut no_decay = adamw.with_weight_decay(0.0).init();
+        let schedule = config.lr_schedule()?;
+        let clip = GradClipConfig::new().with_max_norm(config.clip_grad);
+        let (mut losses, mut evals) = (Vec::new(), Vec::new());
+        for it in 0..config.train_iters {
+            let batch = microbatches(&data.train, it * global);
+            let (loss, grads) = forward_backward_no_pipelining(&model, &batch)?;
+            let mut grads = vec![grads];
+            clip_grad_norm(core::slice::from_ref(&model), &mut grads, &state, &clip)?;
+            let (d, n) = groups.split(&model, grads.pop().unwrap());
+            model = decay.step(schedule.lr(it), model, d);
+            model = no_decay.step(schedule.lr(it), model, n);
+            losses.push(loss.into_scalar() as f64);
+            if (it + 1) % config.eval_interval == 0 {
+                let valid = model.valid();
+                let index = (it + 1) / config.eval_interval - 1;
+                let mut total = 0.0;
+                for j in 0..config.eval_iters {
+                    let first = (index * config.eval_iters + j) * global;
+                    let batch: Vec<
+                        Microbatch<<AD as burn::tensor::backend::AutodiffBackend>::InnerBackend>,
+                    > = (0..global / micro)
+                        .map(|i| {
+                            GptBatch::read(data.valid.as_ref().unwrap(), first + i * micro, micro)
+                                .unwrap()
+                                .to_microbatch(config.vocab_size, &Default::default())
+                                .unwrap()
+                        })
+                        .collect();
+                    let mut sum = 0.0;
+                    for mb in &batch {
+                        let logits = valid.try_forward(mb.tokens.clone())?;
+                        sum += valid.loss(logits, mb.targets.clone())?.into_scalar() as f64;
+                    }
+                    total += sum / batch.len() as f64;
+                }
+                evals.push(total / config.eval_iters as f64);
+            }
+        }
+        Ok((losses, evals))
+    })
+    .remove(0)
+}
+
+fn assert_equal_to_reference(what: &str, config: &PretrainConfig, want: &(Vec<f64>, Vec<f64>)) {
+    let got = train(config);
+    let losses = got.losses();
+    let evals: Vec<f64> = got.evaluations.iter().map(|e| e.loss).collect();
+    assert_eq!(losses.len(), config.train_iters, "{what}: steps");
+    assert_close(
+        &format!("{what}: first loss"),
+        &losses[..1],
+        &want.0[..1],
+        tolerance::F32,
+    );
+    assert_close(
+        &format!("{what}: losses"),
+        &losses,
+        &want.0,
+        tolerance::F32_TRAINING,
+    );
+    assert_close(
+        &format!("{what}: validation losses"),
+        &evals,
+        &want.1,
+        tolerance::F32_TRAINING,
+    );
+    let iterations: Vec<u64> = got.iterations.iter().map(|r| r.iteration).collect();
+    assert_eq!(iterations, [1, 2, 3, 4], "{what}");
+    assert_eq!(got.iterations[3].consumed_samples, 32, "{what}");
+}
+
+/// TP = 1 × PP = 1, TP = 2 × PP = 2 (with and without sequence parallelism) and TP = 1 ×
+/// PP = 4 against one rank's plain training.
+#[test]
+fn layouts_equal_single_rank_training() {
+    let single = tiny_run(1, 1);
+    let want = reference(&single);
+    assert!(
+        want.0[3] < want.0[0] - 0.1,
+        "the reference does not learn: {:?}",
+        want.0
+    );
+    assert_equal_to_reference("TP=1 PP=1", &single, &want);
+    assert_equal_to_reference("TP=2 PP=2", &tiny_run(2, 2), &want);
+    assert_equal_to_reference(
+        "TP=2 PP=2 SP",
+        &tiny_run(2, 2).with_sequence_parallel(true),
+        &want,
+    );
+    assert_equal_to_reference("TP=1 PP=4", &tiny_run(1, 4), &want);
+}
+
+/// The learning rate of each step is the schedule's, stepped once per global step.
+#[test]
+fn learning_rate_steps_once_per_iteration() {
+    let config = tiny_run(2, 2).with_lr_warmup_iters(2).with_eval_interval(0);
+    let schedule = config.lr_schedule().unwrap();
+    let got: Vec<f64> = train(&config).iterations.iter().map(|r| r.lr).collect();
+    let want: Vec<f64> = (0..4).map(|s| schedule.lr(s)).collect();
+    assert_eq!(got, want);
+}

@@ -1,0 +1,89 @@
+//! Stop after iteration 3, resume with the same command (`--save d --load d`): the model,
+//! the AdamW state, the data position, the learning-rate schedule and the dropout masks
+//! continue, so the losses equal the uninterrupted run's. Also resumed in another layout.
+
+use crate::{assert_close, scratch, tiny_run, tolerance, train};
+use burn_megatron::training::PretrainConfig;
+
+/// `iters` of the 6 steps of a run with dropout, evaluations after 2, 4 and 6.
+fn run(tp: usize, pp: usize, iters: usize) -> PretrainConfig {
+    tiny_run(tp, pp)
+        .with_train_iters(iters)
+        .with_lr_decay_iters(Some(6))
+        .with_hidden_dropout(0.1)
+        .with_attention_dropout(0.1)
+}
+
+fn resume(from: (usize, usize), to: (usize, usize)) {
+    let what = format!("saved at (TP, PP) = {from:?}, resumed at {to:?}");
+    let dir = scratch(&format!("resume-{}{}-{}{}", from.0, from.1, to.0, to.1));
+    let uninterrupted = train(&run(to.0, to.1, 6));
+
+    let stopped = train(
+        &run(from.0, from.1, 3)
+            .with_save(Some(dir.clone()))
+            .with_save_interval(Some(3)),
+    );
+    assert_eq!(stopped.checkpoints, [dir.join("iter_0000003")], "{what}");
+    assert!(stopped.resumed_from.is_none());
+
+    let same_command = run(to.0, to.1, 6)
+        .with_save(Some(dir.clone()))
+        .with_save_interval(Some(3))
+        .with_load(Some(dir.clone()));
+    let resumed = train(&same_command);
+    assert_eq!(
+        resumed.resumed_from.as_deref(),
+        Some(dir.join("iter_0000003").as_path()),
+        "{what}"
+    );
+    let iterations: Vec<u64> = resumed.iterations.iter().map(|r| r.iteration).collect();
+    assert_eq!(iterations, [4, 5, 6], "{what}");
+    assert_eq!(resumed.iterations[0].consumed_samples, 32, "{what}");
+    assert_close(
+        &format!("{what}: losses before the stop"),
+        &stopped.losses(),
+        &uninterrupted.losses()[..3],
+        tolerance::F32_TRAINING,
+    );
+    assert_close(
+        &format!("{what}: losses after the resume"),
+        &resumed.losses(),
+        &uninterrupted.losses()[3..],
+        tolerance::F32_TRAINING,
+    );
+    let evals = |s: &burn_megatron::training::PretrainSummary| -> Vec<f64> {
+        s.evaluations.iter().map(|e| e.loss).collect()
+    };
+    assert_close(
+        &format!("{what}: validation losses after the resume"),
+        &evals(&resumed),
+        &evals(&uninterrupted)[1..],
+        tolerance::F32_TRAINING,
+    );
+    let lrs: Vec<f64> = resumed.iterations.iter().map(|r| r.lr).collect();
+    let want: Vec<f64> = uninterrupted.iterations[3..].iter().map(|r| r.lr).collect();
+    assert_eq!(lrs, want, "{what}: learning rates");
+
+    // A fresh run over the same iterations differs: the comparison above is sharp.
+    let fresh = train(&run(to.0, to.1, 3));
+    assert!(
+        (fresh.losses()[0] - resumed.losses()[0]).abs() > 1e-2,
+        "{what}: the resumed run starts where a fresh one does"
+    );
+
+    // Run again with the same command: nothing left to do, no step, no new checkpoint.
+    let again = train(&same_command);
+    assert!(again.iterations.is_empty(), "{what}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn resumed_run_equals_uninterrupted() {
+    resume((2, 2), (2, 2));
+}
+
+#[test]
+fn resumed_in_another_layout_equals_uninterrupted() {
+    resume((2, 2), (1, 1));
+}

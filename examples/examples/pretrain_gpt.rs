@@ -1,0 +1,86 @@
+//! The main job: pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's
+//! `pretrain_gpt.py`), with Megatron's option names.
+//!
+//!     cargo run --example pretrain_gpt                      # the embedded default run
+//!     cargo run --example pretrain_gpt -- --help            # every option
+//!     cargo run --example pretrain_gpt -- --config run.toml --train-iters 500
+//!
+//! With no launch variables it runs every rank as a thread of this process on the CPU
+//! (TP × PP ranks). Started one process per rank (`bm-launch`, or torchrun's or SLURM's
+//! variables), it runs this process's rank: on the CPU over TCP, or with `--features cuda`
+//! on GPU `LOCAL_RANK` with NCCL:
+//!
+//!     cargo build --release --features cuda --example pretrain_gpt -p burn-megatron-examples
+//!     cargo build --release --features cuda -p burn-megatron-dist --bin bm-launch
+//!     target/release/bm-launch --nproc-per-node 4 -- target/release/examples/pretrain_gpt
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use burn_megatron::training::{
+    ConsoleProgress, PretrainArgs, PretrainConfig, PretrainData, pretrain, pretrain_on_threads,
+};
+use burn_megatron_dist::{LaunchConfig, ProcessEnv, run_rank};
+use clap::Parser;
+
+/// Where the default run saves its checkpoints (under the git-ignored `target/`).
+const DEFAULT_SAVE: &str = "target/pretrain_gpt";
+
+fn main() -> ExitCode {
+    let config = match PretrainArgs::parse().into_config() {
+        Ok(mut config) => {
+            if config.save.is_none() {
+                config.save = Some(DEFAULT_SAVE.into());
+            }
+            config
+        }
+        Err(e) => {
+            eprintln!("pretrain_gpt: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = if std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some()
+    {
+        process_rank(&config)
+    } else {
+        pretrain_on_threads(&config, &ConsoleProgress::new(config.log_interval as u64))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pretrain_gpt: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+type Training = burn::backend::Autodiff<burn_megatron_kernels::cuda::MegatronCuda>;
+#[cfg(not(feature = "cuda"))]
+type Training = burn_megatron::training::CpuTraining;
+
+#[cfg(feature = "cuda")]
+fn device(local_rank: usize) -> burn_megatron_kernels::cuda::CudaGpu {
+    burn_megatron_kernels::cuda::CudaGpu::new(local_rank)
+}
+#[cfg(not(feature = "cuda"))]
+fn device(_local_rank: usize) -> burn::backend::ndarray::NdArrayDevice {
+    Default::default()
+}
+
+/// This process's rank of a multi-process launch: the data built by each process (the
+/// default corpus is generated per process), the rank's stage on its device.
+fn process_rank(config: &PretrainConfig) -> Result<(), String> {
+    let env = ProcessEnv::from_env().map_err(|e| e.to_string())?;
+    config.check(env.world_size).map_err(|e| e.to_string())?;
+    let data = PretrainData::build(config).map_err(|e| e.to_string())?;
+    let progress = ConsoleProgress::new(config.log_interval as u64);
+    let launch = LaunchConfig::new(env.world_size).with_timeout(Duration::from_secs(600));
+    run_rank(&env, launch, |ctx| {
+        pretrain::<Training>(&ctx, config, &data, &device(env.local_rank), &progress)
+    })
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
