@@ -1,4 +1,4 @@
-//! The end-to-end training step of our GPT on one GPU: forward, backward and Burn's AdamW on
+//! The end-to-end training step of our GPT on one GPU: forward, backward and AdamW on
 //! `Autodiff<MegatronCuda>`, in tokens/s and MFU, to hold against `bench/torch_train.py` run
 //! in the same device call (issue 13, "a training step at PyTorch speed"):
 //!
@@ -11,8 +11,9 @@
 //! Each step is timed from its first operation to a device sync after the optimizer (the loss
 //! is read once per step, which waits for the same work). The warm-up steps, which compile
 //! kernels and run autotune, are left out; the step time is the median of the measured steps.
-//! `--optimizer flat` steps with `burn_megatron::optimizer::FlatAdamW` (flat buffers, fp32
-//! master weights, one fused kernel) instead of Burn's AdamW.
+//! The optimizer is `burn_megatron::optimizer::FlatAdamW` (flat buffers, fp32 master weights
+//! and moments, one fused kernel: Megatron's mixed precision); `--optimizer burn` steps with
+//! Burn's per-parameter AdamW instead (moments in the parameters' dtype, no master weights).
 //! With `BM_PROFILE=1` the measured steps are timed with the profile idle (one extra branch per
 //! launch), then `--profile-steps` more steps are profiled per kernel (see
 //! `burn_megatron_kernels::cuda::profile`).
@@ -153,7 +154,7 @@ struct Args {
     #[arg(long, default_value_t = 3e-4)]
     lr: f64,
     /// The optimizer: Burn's AdamW, or AdamW fused over flat buffers with fp32 master weights.
-    #[arg(long, value_enum, default_value = "burn")]
+    #[arg(long, value_enum, default_value = "flat")]
     optimizer: OptimizerArg,
 }
 
