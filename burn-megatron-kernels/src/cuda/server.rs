@@ -332,6 +332,7 @@ impl CudaServer {
             CubeCount::Static(x, y, z) => (x, y, z),
             // CUDA has no indirect launch: read the three counts (a host round trip).
             CubeCount::Dynamic(binding) => {
+                super::host_syncs::record();
                 let descriptor = CopyDescriptor::new(binding, [3].into(), [1].into(), 4);
                 let bytes = self.read_now(vec![descriptor])?;
                 let counts: &[u32] = bytemuck::cast_slice(&bytes[0]);
@@ -472,6 +473,7 @@ impl ComputeServer for CudaServer {
         descriptors: Vec<CopyDescriptor>,
         _: StreamId,
     ) -> DynFut<Result<Vec<Bytes>, ServerError>> {
+        super::host_syncs::record();
         let result = self.read_now(descriptors);
         Box::pin(async move { result })
     }
@@ -483,6 +485,7 @@ impl ComputeServer for CudaServer {
     }
 
     fn sync(&mut self, _: StreamId) -> DynFut<Result<(), ServerError>> {
+        super::host_syncs::record();
         // Deciding the queued checks waits for the device, as the sync would.
         if let Err(error) = self
             .set_current()
