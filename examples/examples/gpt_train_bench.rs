@@ -156,6 +156,10 @@ struct Args {
     /// The optimizer: Burn's AdamW, or AdamW fused over flat buffers with fp32 master weights.
     #[arg(long, value_enum, default_value = "flat")]
     optimizer: OptimizerArg,
+    /// Print every step's loss (warm-up and measured) on one `LOSSES` line: the loss curve the
+    /// bf16 run is compared on against f32 (the batches cycle through four fixed ones).
+    #[arg(long)]
+    print_losses: bool,
 }
 
 /// Host time of each part of a step, and the memory seen at its phase boundaries.
@@ -220,6 +224,8 @@ struct Outcome {
     gpu: String,
     warmup: Duration,
     first_loss: f32,
+    /// Every step's loss, warm-up first.
+    losses: Vec<f32>,
     steps: Vec<StepTimes>,
     profile: Option<(profile::Report, Duration)>,
 }
@@ -266,18 +272,21 @@ fn train(
     };
     let start = Instant::now();
     let mut first_loss = f32::NAN;
+    let mut losses = Vec::with_capacity(args.warmup + args.steps);
     for i in 0..args.warmup {
         let (next, times) = step(model, i)?;
         model = next;
         if i == 0 {
             first_loss = times.loss;
         }
+        losses.push(times.loss);
     }
     let warmup = start.elapsed();
     let mut steps = Vec::with_capacity(args.steps);
     for i in 0..args.steps {
         let (next, times) = step(model, args.warmup + i)?;
         model = next;
+        losses.push(times.loss);
         steps.push(times);
     }
     let profile = match profile::enabled() && args.profile_steps > 0 {
@@ -293,6 +302,7 @@ fn train(
         false => None,
     };
     Ok(Outcome {
+        losses,
         params,
         dtypes,
         gpu,
@@ -565,5 +575,9 @@ fn report(
         gib(in_use),
         gib(reserved),
     );
+    if args.print_losses {
+        let losses: Vec<String> = outcome.losses.iter().map(|l| format!("{l:.5}")).collect();
+        println!("LOSSES dtype={dtype} {}", losses.join(" "));
+    }
     Ok(())
 }
