@@ -38,9 +38,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
 
-use super::grad_reduction::{
-    DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads,
-};
+use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads};
 use super::{BufferLayout, ParamAndGradBuffer};
 use crate::ModelBackend;
 use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers};

@@ -26,16 +26,15 @@ use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
 use crate::backend::ModelBackend;
-use crate::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
 use crate::checkpointing::{
     Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record, adamw_state,
     latest_checkpoint,
 };
+use crate::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::optimizer::{
-    FlatAdamWConfig, GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm,
-    shared_copies,
+    FlatAdamWConfig, GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
 };
 use crate::pipeline_parallel::{Schedule, StageSplit, forward_backward, forward_only};
 use crate::tensor_parallel::param_infos;
@@ -223,8 +222,7 @@ where
         let lr = LrScheduler::step(&mut schedule);
         let microbatches = read_microbatches::<B, _>(
             &data.train,
-            state.tp(),
-            state.dp(),
+            &state,
             consumed as usize,
             *num_microbatches,
             config.micro_batch_size,
@@ -373,8 +371,7 @@ where
         let first = (index * config.eval_iters + j) * config.global_batch_size;
         let microbatches = read_microbatches::<B::InnerBackend, _>(
             valid,
-            state.tp(),
-            state.dp(),
+            state,
             first,
             layout.num_microbatches,
             config.micro_batch_size,

@@ -7,9 +7,7 @@
 use burn_megatron::distributed::{
     BufferConfig, DataParallelConfig, DistributedAdamWConfig, shard_columns,
 };
-use burn_megatron::optimizer::{
-    FlatAdamWConfig, StepScalars, clip_coefficient, global_grad_norm,
-};
+use burn_megatron::optimizer::{FlatAdamWConfig, StepScalars, clip_coefficient, global_grad_norm};
 use burn_megatron::pipeline_parallel::forward_backward_no_pipelining;
 use burn_megatron::tensor_parallel::param_infos;
 use burn_megatron::transformer::TransformerConfig;
