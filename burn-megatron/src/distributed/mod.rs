@@ -1,4 +1,4 @@
-//! Data-parallel training's memory layout: Megatron-Core's `distributed/` package.
+//! Data-parallel training: Megatron-Core's `distributed/` package.
 //!
 //! - [`param_and_grad_buffer`]: every parameter of a model chunk at an offset of one flat
 //!   buffer, in reverse forward order, with fp32 master weights and an fp32 gradient buffer
@@ -6,9 +6,21 @@
 //!   ([`FlatAdamW`](crate::optimizer::FlatAdamW)) steps these buffers in one kernel; data-parallel
 //!   buckets ([`BufferLayout::buckets`]) and the distributed optimizer's shards
 //!   ([`BufferLayout::shard`]) are ranges of them.
-//!
-//! Gradient reduction over DP and the distributed optimizer are not written yet.
+//! - [`grad_reduction`]: the gradients averaged over the DP group after the backward pass,
+//!   bucket by bucket: all-reduced, or reduce-scattered for the distributed optimizer.
+//! - [`distrib_optimizer`]: [`DistributedAdamW`], AdamW over a DP replica's flat buffers with
+//!   the global-norm clip over DP × TP × PP, its state for the whole buffer or, with
+//!   `use_distributed_optimizer` (ZeRO-1), for the rank's shard only, the updated parameters
+//!   all-gathered.
 
+pub mod distrib_optimizer;
+pub mod grad_reduction;
 pub mod param_and_grad_buffer;
 
+pub use distrib_optimizer::{
+    DistributedAdamW, DistributedAdamWConfig, DistributedStep, OptimizerMemory,
+};
+pub use grad_reduction::{
+    DataParallelConfig, all_reduce_grads, reduce_scatter_grads, shard_columns,
+};
 pub use param_and_grad_buffer::{BufferConfig, BufferLayout, ParamAndGradBuffer, ParamSlot};

@@ -18,7 +18,7 @@
 //!   device.
 //!
 //! Data parallelism (gradient reduction over DP) and the distributed optimizer (ZeRO-1) are
-//! not written yet.
+//! in [`crate::distributed`].
 
 pub mod clip;
 pub mod flat_adamw;

@@ -69,6 +69,12 @@ pub struct PretrainArgs {
     /// (the sequence length must be divisible by TP). [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
     pub sequence_parallel: Option<bool>,
+    /// Data-parallel size (model replicas, each reading its own microbatches). [default: 1]
+    #[arg(long, help_heading = "Parallelism")]
+    pub data_parallel_size: Option<usize>,
+    /// Shard the optimizer state over DP (ZeRO-1). [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
+    pub use_distributed_optimizer: Option<bool>,
 
     /// Samples per microbatch. [default: 4]
     #[arg(long, help_heading = "Batch")]
@@ -194,6 +200,8 @@ impl PretrainArgs {
             tensor_model_parallel_size => tensor_model_parallel_size,
             pipeline_model_parallel_size => pipeline_model_parallel_size,
             sequence_parallel => sequence_parallel,
+            data_parallel_size => data_parallel_size,
+            use_distributed_optimizer => use_distributed_optimizer,
             micro_batch_size => micro_batch_size,
             global_batch_size => global_batch_size,
             lr => lr,
@@ -238,6 +246,8 @@ impl PretrainArgs {
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
             sequence_parallel,
+            data_parallel_size,
+            use_distributed_optimizer,
             micro_batch_size,
             global_batch_size,
             lr,

@@ -57,6 +57,15 @@ pub struct PretrainConfig {
     /// must be divisible by TP.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Data-parallel size: replicas of the TP × PP model, each reading its own microbatches of
+    /// the global batch (Megatron derives it from the world size; here the world is TP × PP ×
+    /// DP).
+    #[config(default = 1)]
+    pub data_parallel_size: usize,
+    /// Shard the fp32 master weights and AdamW moments over DP (ZeRO-1,
+    /// `--use-distributed-optimizer`): gradients reduce-scattered, parameters all-gathered.
+    #[config(default = false)]
+    pub use_distributed_optimizer: bool,
     /// Samples per microbatch (`--micro-batch-size`).
     #[config(default = 4)]
     pub micro_batch_size: usize,
@@ -141,7 +150,7 @@ pub struct RunLayout {
     pub tp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
-    /// Data-parallel size (1: data parallelism is not written yet).
+    /// Data-parallel size.
     pub dp: usize,
     /// Microbatches per optimizer step per data-parallel rank: `global / (micro × dp)`.
     pub num_microbatches: usize,
@@ -178,9 +187,11 @@ impl PretrainConfig {
             .init()?)
     }
 
-    /// Ranks the run needs: TP × PP (× DP, which is 1 for now).
+    /// Ranks the run needs: TP × PP × DP.
     pub fn world_size(&self) -> usize {
-        self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
     }
 
     /// Checks every setting for a world of `world_size` ranks, before any rank starts, and
@@ -204,12 +215,22 @@ impl PretrainConfig {
             ));
         }
         let dp = world_size / (tp * pp);
-        if dp != 1 {
+        if dp != self.data_parallel_size {
             return invalid(format!(
-                "data parallelism is not written yet: the world of {world_size} ranks must \
-                 equal TP ({tp}) × PP ({pp}) = {}",
-                tp * pp
+                "the world of {world_size} ranks is TP ({tp}) × PP ({pp}) × DP ({dp}), but \
+                 --data-parallel-size is {}: launch {} ranks or set it to {dp}",
+                self.data_parallel_size,
+                tp * pp * self.data_parallel_size
             ));
+        }
+        if (dp > 1 || self.use_distributed_optimizer)
+            && (self.save.is_some() || self.load.is_some())
+        {
+            return invalid(
+                "checkpoints of the data-parallel optimizer are not written yet: drop --save \
+                 and --load, or run with DP = 1 and without --use-distributed-optimizer"
+                    .into(),
+            );
         }
         for (name, value) in [
             ("--micro-batch-size", self.micro_batch_size),

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use burn_megatron_dist::{DistBackend, ProcessGroup};
+use burn_megatron_dist::{DistBackend, ParallelState};
 
 use super::config::PretrainConfig;
 use crate::data::{
@@ -116,25 +116,30 @@ impl PretrainData {
     }
 }
 
-/// The `count` microbatches of `micro_batch_size` samples that start at sample `first` of
-/// `dataset`, on `device`. Rank 0 of the tensor-parallel group reads them and broadcasts them
-/// to the others (Megatron's `get_batch`); the ids are checked against `vocab_size`.
+/// This data-parallel rank's `count` microbatches of `micro_batch_size` samples of the global
+/// batch that starts at sample `first` of `dataset`, on `device`. As Megatron's
+/// `MegatronPretrainingSampler`, microbatch `m` of DP rank `r` is the samples from
+/// `first + (m · dp + r) · micro_batch_size`: the `m`-th slice of `dp · micro_batch_size`
+/// samples, cut among the DP ranks. Rank 0 of `state`'s tensor-parallel group reads them and
+/// broadcasts them to the others (Megatron's `get_batch`); the ids are checked against
+/// `vocab_size`.
 pub fn read_microbatches<B: DistBackend, D: SampleDataset>(
     dataset: &D,
-    tp: &ProcessGroup,
+    state: &ParallelState,
     first: usize,
     count: usize,
     micro_batch_size: usize,
     vocab_size: usize,
     device: &B::Device,
 ) -> Result<Vec<Microbatch<B>>> {
+    let (tp, dp) = (state.tp(), state.dp());
     let seq = dataset.sequence_length();
     (0..count)
         .map(|m| {
             let read = if tp.rank() == 0 {
                 Some(GptBatch::read(
                     dataset,
-                    first + m * micro_batch_size,
+                    first + (m * dp.size() + dp.rank()) * micro_batch_size,
                     micro_batch_size,
                 )?)
             } else {

@@ -4,14 +4,16 @@
 //! - [`PretrainConfig`]: the run, with Megatron's argument names; [`PretrainArgs`] reads them
 //!   from the command line and a TOML file.
 //! - [`PretrainData`]: the training and validation splits of the `--data-path` blend or of
-//!   the generated default corpus; [`read_microbatches`] reads a global batch on TP rank 0
-//!   and broadcasts it.
+//!   the generated default corpus; [`read_microbatches`] reads a DP rank's microbatches of a
+//!   global batch on TP rank 0 and broadcasts them.
 //! - [`pretrain`]: one rank's loop (1F1B over the pipeline group, global-norm clipping,
 //!   AdamW in two weight-decay groups, Megatron's LR schedule, evaluation, sharded
 //!   checkpoints and resume); [`pretrain_on_threads`] runs every rank as a thread.
 //! - [`TrainingObserver`]: what the logging rank reports; [`ConsoleProgress`] prints it.
 //!
-//! Data parallelism is not written yet: the world is TP × PP ranks. Burn's `Learner`
+//! The world is TP × PP × DP ranks; with DP > 1 or `--use-distributed-optimizer` the step is
+//! [`DistributedAdamW`](crate::distributed::DistributedAdamW)'s (gradients averaged over DP
+//! after backward, the optimizer state optionally sharded), without checkpoints yet. Burn's `Learner`
 //! (burn-train) is not a dependency: burn-train 0.21 is not in this build's offline registry
 //! (book: "Pretraining").
 

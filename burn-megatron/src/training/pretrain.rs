@@ -3,6 +3,12 @@
 //! read the global batch, run the pipeline schedule's forward and backward passes, clip the
 //! global gradient norm, step AdamW in its two weight-decay groups at the schedule's learning
 //! rate, and evaluate and save at their intervals.
+//!
+//! With data parallelism (DP > 1) or `--use-distributed-optimizer`, the step is
+//! [`DistributedAdamW`]'s instead: each DP rank reads its own microbatches of the global batch,
+//! and after the schedule's backward passes the gradients are averaged over DP in the flat
+//! buffer, clipped by the global norm and stepped (the optimizer state sharded over DP with
+//! the distributed optimizer). The learning-rate schedule advances once per global step.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -24,10 +30,11 @@ use crate::checkpointing::{
     Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record, adamw_state,
     latest_checkpoint,
 };
+use crate::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::optimizer::{
-    GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
+    FlatAdamWConfig, GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
 };
 use crate::pipeline_parallel::{Schedule, StageSplit, forward_backward, forward_only};
 use crate::tensor_parallel::param_infos;
@@ -65,6 +72,9 @@ struct RankModel<B: AutodiffBackend + ModelBackend> {
     groups: ParamGroups,
     decay: Adam<B>,
     no_decay: Adam<B>,
+    /// With DP > 1 or the distributed optimizer: the flat-buffer AdamW that reduces over DP
+    /// (`decay` and `no_decay` then stay unused).
+    distributed: Option<DistributedAdamW<B>>,
 }
 
 impl<B> RankModel<B>
@@ -91,6 +101,7 @@ where
             .partition(|(id, _)| exempt.contains(id));
         Ok(Self {
             chunk,
+            distributed: self.distributed,
             groups: self.groups,
             decay: self.decay.load_record(decay.into_iter().collect()),
             no_decay: self.no_decay.load_record(no_decay.into_iter().collect()),
@@ -102,8 +113,8 @@ where
 /// call it with the same configuration and data. The logging rank (global rank 0) reports to
 /// `observer`. Returns the run's losses, evaluations and checkpoints.
 ///
-/// The world must be TP × PP ranks (data parallelism is not written yet). Each rank builds
-/// only its pipeline stage, a TP slice of it; with `config.load` set and a checkpoint there,
+/// The world must be TP × PP × DP ranks. Each rank builds only its pipeline stage, a TP slice
+/// of it; with `config.load` set and a checkpoint there,
 /// the model, the AdamW moments and step counts, the iteration, the consumed samples and the
 /// learning-rate schedule are restored, so the next losses equal the uninterrupted run's.
 pub fn pretrain<B>(
@@ -121,10 +132,12 @@ where
     let RunLayout {
         tp,
         pp,
+        dp,
         num_microbatches,
         model: model_config,
         ..
     } = &layout;
+    // DP takes what is left of the world: TP × PP × DP ranks were checked above.
     let state = ctx.parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?;
     let logging = state.world().rank() == 0;
     let stage = StageSplit::even(model_config.num_layers, *pp)?.stage(state.pp_rank());
@@ -141,7 +154,24 @@ where
             .with_weight_decay(config.weight_decay as f32)
             .init(),
         no_decay: adamw.with_weight_decay(0.0).init(),
+        distributed: None,
     };
+    if *dp > 1 || config.use_distributed_optimizer {
+        let adam = FlatAdamWConfig::new()
+            .with_beta_1(config.adam_beta1 as f64)
+            .with_beta_2(config.adam_beta2 as f64)
+            .with_epsilon(config.adam_eps as f64)
+            .with_weight_decay(config.weight_decay);
+        let optim = DistributedAdamWConfig::new()
+            .with_adam(adam)
+            .with_data_parallel(
+                DataParallelConfig::new()
+                    .with_use_distributed_optimizer(config.use_distributed_optimizer),
+            )
+            .with_clip_grad(Some(config.clip_grad))
+            .init(&rank.chunk, &state, &shared_copies(&rank.chunk))?;
+        rank.distributed = Some(optim);
+    }
 
     let mut iteration = 0u64;
     let mut consumed = 0u64;
@@ -192,7 +222,7 @@ where
         let lr = LrScheduler::step(&mut schedule);
         let microbatches = read_microbatches::<B, _>(
             &data.train,
-            state.tp(),
+            &state,
             consumed as usize,
             *num_microbatches,
             config.micro_batch_size,
@@ -202,13 +232,21 @@ where
         let model = chunks(&rank);
         let out = forward_backward(SCHEDULE, &state, &model, &microbatches)?;
         let mut grads = out.grads;
-        let norm = clip_grad_norm(&model, &mut grads, &state, &clip)?;
         let loss = shared_loss(&state, out.loss, device)?;
-        let (decay, no_decay) = rank
-            .groups
-            .split(&rank.chunk, grads.pop().expect("one chunk's gradients"));
-        let chunk = rank.decay.step(lr, rank.chunk, decay);
-        rank.chunk = rank.no_decay.step(lr, chunk, no_decay);
+        let norm = if let Some(optim) = rank.distributed.as_mut() {
+            let grads = grads.pop().expect("one chunk's gradients");
+            let step = optim.step(lr, rank.chunk, &grads)?;
+            rank.chunk = step.model;
+            step.grad_norm
+        } else {
+            let norm = clip_grad_norm(&model, &mut grads, &state, &clip)?;
+            let (decay, no_decay) = rank
+                .groups
+                .split(&rank.chunk, grads.pop().expect("one chunk's gradients"));
+            let chunk = rank.decay.step(lr, rank.chunk, decay);
+            rank.chunk = rank.no_decay.step(lr, chunk, no_decay);
+            norm
+        };
         let [loss, grad_norm] = read_scalars([loss, norm]);
         iteration += 1;
         consumed += config.global_batch_size as u64;
@@ -281,7 +319,8 @@ where
 }
 
 /// The step's loss on every rank: the last stage holds it, the others add zero over the
-/// pipeline group (Megatron logs from the last stage; here every rank may log).
+/// pipeline group (Megatron logs from the last stage; here every rank may log), and the DP
+/// ranks' losses (each the mean over its microbatches) are averaged.
 fn shared_loss<B: DistBackend>(
     state: &ParallelState,
     loss: Option<Tensor<B, 1>>,
@@ -291,7 +330,8 @@ fn shared_loss<B: DistBackend>(
         Some(l) => l.cast(DType::F32),
         None => Tensor::zeros([1], (device, DType::F32)),
     };
-    Ok(state.pp().all_reduce(loss, ReduceOp::Sum)?)
+    let loss = state.pp().all_reduce(loss, ReduceOp::Sum)?;
+    Ok(state.dp().all_reduce(loss, ReduceOp::Avg)?)
 }
 
 /// `[1]` f32 tensors read in one host transfer.
@@ -331,7 +371,7 @@ where
         let first = (index * config.eval_iters + j) * config.global_batch_size;
         let microbatches = read_microbatches::<B::InnerBackend, _>(
             valid,
-            state.tp(),
+            state,
             first,
             layout.num_microbatches,
             config.micro_batch_size,
@@ -346,7 +386,7 @@ where
     Ok(total / config.eval_iters as f64)
 }
 
-/// Parameters of the whole model, each counted once (TP rank 0 counts the full shape of
+/// Parameters of the whole model, each counted once (DP rank 0's TP rank 0 counts the full shape of
 /// what its group splits; the last stage's copy of a tied table is not counted), summed over
 /// the world in f32: exact to about 7 digits, enough for a log.
 fn count_parameters<B>(
@@ -359,7 +399,7 @@ where
     B::InnerBackend: DistBackend,
 {
     let copies = shared_copies(chunk);
-    let local: usize = if state.tp().rank() == 0 {
+    let local: usize = if state.tp().rank() == 0 && state.dp().rank() == 0 {
         param_infos(chunk)
             .iter()
             .filter(|p| !copies.contains(&p.path))

@@ -34,9 +34,9 @@ fn lr(step: usize) -> f64 {
 }
 
 /// What a run of ten steps produced: the loss of each step and the final full parameters.
-struct Trajectory {
-    losses: Vec<f64>,
-    params: Vec<(String, Vec<f64>)>,
+pub(crate) struct Trajectory {
+    pub(crate) losses: Vec<f64>,
+    pub(crate) params: Vec<(String, Vec<f64>)>,
 }
 
 /// How the steps are taken.
@@ -49,7 +49,7 @@ struct Options {
     skip: Option<usize>,
 }
 
-fn full_params(model: &GptModel<AD>, state: &ParallelState) -> Vec<(String, Vec<f64>)> {
+pub(crate) fn full_params(model: &GptModel<AD>, state: &ParallelState) -> Vec<(String, Vec<f64>)> {
     gather_full_params(&model.valid(), state.tp())
         .expect("gather")
         .into_iter()
@@ -191,7 +191,7 @@ fn is_key_bias(config: &TransformerConfig, i: usize) -> bool {
 /// divides that rounding noise by its own magnitude: two runs whose parameters differ in the
 /// last bit move the key biases by different amounts of order `lr · noise / ε`. They are
 /// compared at `F32_TRAINING`, every other entry at `tolerance`.
-fn assert_same(
+pub(crate) fn assert_same(
     label: &str,
     config: &TransformerConfig,
     got: &Trajectory,

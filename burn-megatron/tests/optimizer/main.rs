@@ -3,6 +3,7 @@
 //! the dynamic loss scaler's skip, back-off and growth.
 
 mod clip;
+mod data_parallel;
 mod flat_adamw;
 mod loss_scaler;
 mod lr_schedule;

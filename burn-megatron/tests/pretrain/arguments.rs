@@ -191,7 +191,16 @@ fn bad_options_are_clear_errors() {
         .to_string();
     assert!(e.contains("constant, linear or cosine"), "{e}");
     let e = config(&[]).check(8).unwrap_err().to_string();
-    assert!(e.contains("data parallelism is not written yet"), "{e}");
+    assert!(e.contains("--data-parallel-size is 1"), "{e}");
+    let dp = config(&["--data-parallel-size", "2", "--use-distributed-optimizer"]);
+    assert_eq!(dp.world_size(), 8);
+    assert!(dp.use_distributed_optimizer);
+    assert_eq!(dp.check(8).unwrap().dp, 2);
+    let e = config(&["--data-parallel-size", "2", "--save", "x"])
+        .check(8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not written yet"), "{e}");
 
     // The launcher refuses before starting ranks, and a missing dataset is named.
     let e = pretrain_on_threads(&config(&["--global-batch-size", "6"]), &Silent)

@@ -138,12 +138,31 @@ fn layouts_equal_single_rank_training() {
     assert_equal_to_reference("TP=1 PP=4", &tiny_run(1, 4), &want);
 }
 
-/// The learning rate of each step is the schedule's, stepped once per global step.
+/// DP = 2 (each DP rank reading its half of every global batch), with and without the
+/// distributed optimizer, and TP = 2 × DP = 2 with it, against one rank's plain training:
+/// the same step and validation losses.
+#[test]
+fn data_parallel_equals_single_rank_training() {
+    let want = reference(&tiny_run(1, 1));
+    let dp2 = tiny_run(1, 1).with_data_parallel_size(2);
+    assert_equal_to_reference("DP=2", &dp2, &want);
+    let zero = dp2.clone().with_use_distributed_optimizer(true);
+    assert_equal_to_reference("DP=2 distributed optimizer", &zero, &want);
+    let tp_dp = tiny_run(2, 1)
+        .with_data_parallel_size(2)
+        .with_use_distributed_optimizer(true);
+    assert_equal_to_reference("TP=2 DP=2 distributed optimizer", &tp_dp, &want);
+}
+
+/// The learning rate of each step is the schedule's, stepped once per global step, whatever
+/// the DP size.
 #[test]
 fn learning_rate_steps_once_per_iteration() {
-    let config = tiny_run(2, 2).with_lr_warmup_iters(2).with_eval_interval(0);
-    let schedule = config.lr_schedule().unwrap();
-    let got: Vec<f64> = train(&config).iterations.iter().map(|r| r.lr).collect();
-    let want: Vec<f64> = (0..4).map(|s| schedule.lr(s)).collect();
-    assert_eq!(got, want);
+    for config in [tiny_run(2, 2), tiny_run(1, 1).with_data_parallel_size(4)] {
+        let config = config.with_lr_warmup_iters(2).with_eval_interval(0);
+        let schedule = config.lr_schedule().unwrap();
+        let got: Vec<f64> = train(&config).iterations.iter().map(|r| r.lr).collect();
+        let want: Vec<f64> = (0..4).map(|s| schedule.lr(s)).collect();
+        assert_eq!(got, want);
+    }
 }

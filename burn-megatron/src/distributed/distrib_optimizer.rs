@@ -1,0 +1,330 @@
+//! AdamW over the flat buffers of a data-parallel replica, optionally with its state sharded
+//! over the DP group: Megatron's `DistributedOptimizer` (ZeRO-1,
+//! `megatron/core/optimizer/distrib_optimizer.py`) and, without sharding, its
+//! `Float16OptimizerWithFloat16Params` behind `DistributedDataParallel`.
+//!
+//! One step, every rank of the world calling it after its backward pass:
+//!
+//! 1. this rank's gradients (accumulated over its microbatches) are copied into the flat fp32
+//!    gradient buffer;
+//! 2. they are averaged over DP ([`grad_reduction`](super::grad_reduction)): all-reduced, or,
+//!    with the distributed optimizer, reduce-scattered so that the rank holds only the shard
+//!    `layout.shard(dp_rank)` it updates;
+//! 3. the global gradient norm: each rank sums the squares of the elements it holds and
+//!    counts (TP-replicated parameters on TP rank 0 only, a tied embedding's last-stage copy
+//!    not at all); with sharding the sums are added over DP (each shard once), and then over
+//!    the model-parallel (TP × PP) group. The clip coefficient stays on the device;
+//! 4. [`ModelBackend::flat_adamw`] updates the fp32 master weights and moments of the rank's
+//!    range (the shard, or the whole buffer), one kernel on CubeCL backends;
+//! 5. with sharding, the updated parameters (in the model's dtype) are all-gathered over DP;
+//!    every parameter of the model becomes a slice of the full buffer.
+//!
+//! # Memory per parameter
+//! With `d` DP ranks, parameters of `s` bytes and fp32 gradients, a rank holds `s` (the
+//! model's parameters) + 4 (the gradient buffer) + `12 / d` (fp32 master, `exp_avg`,
+//! `exp_avg_sq` of its shard) bytes per parameter: Megatron's table gives `6 + 12/d` for bf16
+//! parameters. For f32 parameters it is `8 + 12/d`: the master shard is kept as its own copy
+//! (Megatron's fp32 row, `8 + 8/d`, reuses the parameters as master weights). Without
+//! sharding: `s + 4 + 12` (for f32 parameters `4 + 4 + 8`: the model's parameters are views
+//! of the master weights). [`DistributedAdamW::memory`] adds up what a rank holds.
+//!
+//! The learning rate is the caller's: a schedule advances once per global step, whatever the
+//! DP size (every rank steps once per global batch).
+
+use burn::config::Config;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
+
+use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads};
+use super::{BufferLayout, ParamAndGradBuffer};
+use crate::ModelBackend;
+use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers};
+use crate::optimizer::{FlatAdamWConfig, clip_coefficient};
+use crate::tensor_parallel::DeclarePlacements;
+
+/// AdamW over a data-parallel replica's flat buffers (see the [module docs](self)).
+#[derive(Config, Debug, Copy, PartialEq)]
+pub struct DistributedAdamWConfig {
+    /// AdamW's settings and the buffers' layout; `buffer.dp_size` is set from the DP group.
+    #[config(default = "FlatAdamWConfig::new()")]
+    pub adam: FlatAdamWConfig,
+    /// Buckets and sharding.
+    #[config(default = "DataParallelConfig::new()")]
+    pub data_parallel: DataParallelConfig,
+    /// Clip the global gradient norm to this (`--clip-grad`); `None`: no clipping.
+    #[config(default = "None")]
+    pub clip_grad: Option<f64>,
+}
+
+impl DistributedAdamWConfig {
+    /// The optimizer of this rank's `model` (one model chunk) in the layout `state`: buffers
+    /// laid out from its parameters and cut into `state.dp()`-size shards, the master weights
+    /// of the rank's range copied from the parameters, the moments zero. `shared_copies` are
+    /// paths of parameters counted in the norm on another rank (a tied embedding's last-stage
+    /// copy, [`shared_copies`](crate::optimizer::shared_copies)). Every DP rank must start from
+    /// the same parameters (our initialisation depends only on the seed and the TP layout).
+    pub fn init<B, M>(
+        &self,
+        model: &M,
+        state: &ParallelState,
+        shared_copies: &[String],
+    ) -> crate::Result<DistributedAdamW<B>>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: ModelBackend,
+        M: AutodiffModule<B> + DeclarePlacements,
+    {
+        let mut adam = self.adam;
+        adam.buffer.dp_size = state.dp().size();
+        adam.validate()?;
+        self.data_parallel.validate()?;
+        if let Some(max_norm) = self.clip_grad {
+            crate::optimizer::GradClipConfig::new()
+                .with_max_norm(max_norm)
+                .validate()?;
+        }
+        let mut buffer = ParamAndGradBuffer::from_module(model, adam.buffer)?;
+        let layout = buffer.layout().clone();
+        check_dp(&layout, state.dp())?;
+        let dp_rank = state.dp().rank();
+        let range = if self.data_parallel.use_distributed_optimizer {
+            layout.shard(dp_rank)
+        } else {
+            0..layout.numel()
+        };
+        let full = buffer.take_main_params();
+        let device = full.device();
+        let master = if range.len() == layout.numel() {
+            full
+        } else {
+            // A copy, so that the shard does not keep the whole buffer alive.
+            Tensor::zeros([range.len()], (&device, DType::F32)).add(full.slice(range.clone()))
+        };
+        let align = adam.buffer.param_alignment;
+        let blocks = range.start / align..range.end / align;
+        let policy = adam.decay_policy;
+        let decay = layout.block_flags(|slot| policy.decays(slot.kind))[blocks.clone()].to_vec();
+        let tp_rank = state.tp().rank();
+        let counted = layout.block_flags(|slot| {
+            (slot.placement.dim().is_some() || tp_rank == 0) && !shared_copies.contains(&slot.path)
+        })[blocks]
+            .to_vec();
+        let f32_tensor = |values: Vec<f32>| {
+            let len = values.len();
+            Tensor::from_data(TensorData::new(values, [len]), (&device, DType::F32))
+        };
+        let zeros = || Tensor::zeros([range.len()], (&device, DType::F32));
+        Ok(DistributedAdamW {
+            config: DistributedAdamWConfig { adam, ..*self },
+            dp: state.dp().clone(),
+            model_parallel: state.model_parallel().clone(),
+            range_start: range.start,
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            master,
+            decay: f32_tensor(decay),
+            counted: f32_tensor(counted),
+            step: f32_tensor(vec![0.0]),
+            one: f32_tensor(vec![1.0]),
+            zero: f32_tensor(vec![0.0]),
+            layout,
+            buffer,
+        })
+    }
+}
+
+/// Bytes one rank holds for training, by role (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OptimizerMemory {
+    /// The model's parameters (its dtype), counted from the module.
+    pub params: usize,
+    /// The flat fp32 gradient buffer.
+    pub grads: usize,
+    /// The fp32 master weights of the rank's range.
+    pub main_params: usize,
+    /// The first moments of the rank's range.
+    pub exp_avg: usize,
+    /// The second moments of the rank's range.
+    pub exp_avg_sq: usize,
+}
+
+impl OptimizerMemory {
+    /// The sum of every role.
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.main_params + self.exp_avg + self.exp_avg_sq
+    }
+
+    /// The optimizer's state: master weights and moments.
+    pub fn optimizer_state(&self) -> usize {
+        self.main_params + self.exp_avg + self.exp_avg_sq
+    }
+}
+
+/// What a step returns.
+#[derive(Debug, Clone)]
+pub struct DistributedStep<M, B: burn::tensor::backend::Backend> {
+    /// The updated model.
+    pub model: M,
+    /// The global gradient norm before clipping, `[1]` f32 on the device.
+    pub grad_norm: Tensor<B, 1>,
+}
+
+/// AdamW over a data-parallel replica's flat buffers, with its state for the whole buffer or,
+/// with the distributed optimizer, for the rank's shard only (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct DistributedAdamW<B: AutodiffBackend> {
+    config: DistributedAdamWConfig,
+    dp: ProcessGroup,
+    model_parallel: ProcessGroup,
+    layout: BufferLayout,
+    /// The gradient buffer (`[numel]` f32); its master weights are moved to `master`.
+    buffer: ParamAndGradBuffer<B::InnerBackend>,
+    /// First element of the rank's range in the buffers.
+    range_start: usize,
+    /// `[range]` f32 master weights.
+    master: Tensor<B::InnerBackend, 1>,
+    /// `[range]` f32 first moments.
+    exp_avg: Tensor<B::InnerBackend, 1>,
+    /// `[range]` f32 second moments.
+    exp_avg_sq: Tensor<B::InnerBackend, 1>,
+    /// `[range / param_alignment]` f32 weight-decay flags.
+    decay: Tensor<B::InnerBackend, 1>,
+    /// `[range / param_alignment]` f32: 1 where the block counts in the global norm.
+    counted: Tensor<B::InnerBackend, 1>,
+    /// `[1]` f32 steps taken.
+    step: Tensor<B::InnerBackend, 1>,
+    one: Tensor<B::InnerBackend, 1>,
+    zero: Tensor<B::InnerBackend, 1>,
+}
+
+impl<B> DistributedAdamW<B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: ModelBackend,
+{
+    /// The settings (`adam.buffer.dp_size` is the DP size).
+    pub fn config(&self) -> &DistributedAdamWConfig {
+        &self.config
+    }
+
+    /// The flat buffers' layout.
+    pub fn layout(&self) -> &BufferLayout {
+        &self.layout
+    }
+
+    /// The range of the buffers whose master weights and moments this rank holds.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.range_start..self.range_start + self.master.dims()[0]
+    }
+
+    /// The fp32 master weights of [`range`](Self::range).
+    pub fn main_params(&self) -> Tensor<B::InnerBackend, 1> {
+        self.master.clone()
+    }
+
+    /// Steps taken, `[1]` f32 on the device.
+    pub fn step_count(&self) -> Tensor<B::InnerBackend, 1> {
+        self.step.clone()
+    }
+
+    /// One step at learning rate `lr` with this rank's gradients `grads` of `model` (the
+    /// gradient of the mean loss of its microbatches): reduce over DP, clip, update, gather.
+    /// Every rank of the world must call it. Returns the updated model and the global norm.
+    pub fn step<M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: &GradientsParams,
+    ) -> crate::Result<DistributedStep<M, B::InnerBackend>> {
+        self.buffer.gather_grads(&model, grads)?;
+        let bucket = self.config.data_parallel.bucket_numel;
+        let sharded = self.config.data_parallel.use_distributed_optimizer;
+        let grads = if sharded {
+            reduce_scatter_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+        } else {
+            all_reduce_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+        };
+
+        let align = self.config.adam.buffer.param_alignment;
+        let blocks = self.decay.dims()[0];
+        let mut sum_of_squares = (grads.clone().reshape([blocks, align]).square().sum_dim(1)
+            * self.counted.clone().reshape([blocks, 1]))
+        .sum();
+        if sharded {
+            sum_of_squares = self.dp.all_reduce(sum_of_squares, ReduceOp::Sum)?;
+        }
+        let grad_norm = self
+            .model_parallel
+            .all_reduce(sum_of_squares, ReduceOp::Sum)?
+            .sqrt();
+        let grad_factor = match self.config.clip_grad {
+            Some(max_norm) => clip_coefficient(grad_norm.clone(), max_norm),
+            None => self.one.clone(),
+        };
+
+        let a = &self.config.adam;
+        let hyper = AdamWScalars::new(lr, a.beta_1, a.beta_2, a.epsilon, a.weight_decay, align);
+        let model_dtype = self.buffer.model_dtype();
+        let take = |t: &mut Tensor<B::InnerBackend, 1>| {
+            let device = t.device();
+            std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
+        };
+        let out = <B::InnerBackend as ModelBackend>::flat_adamw(
+            FlatAdamWBuffers {
+                master: take(&mut self.master),
+                grad: grads,
+                exp_avg: take(&mut self.exp_avg),
+                exp_avg_sq: take(&mut self.exp_avg_sq),
+                decay: self.decay.clone(),
+                step: self.step.clone(),
+                grad_factor,
+                found_inf: self.zero.clone(),
+            },
+            &hyper,
+            (model_dtype != DType::F32).then_some(model_dtype),
+        );
+        self.exp_avg = out.exp_avg;
+        self.exp_avg_sq = out.exp_avg_sq;
+        self.master = out.master.clone();
+        self.step = self.step.clone().add_scalar(1.0);
+        let updated = out.model.unwrap_or(out.master);
+        let params = if sharded {
+            self.dp.all_gather(updated, 0)?
+        } else {
+            updated
+        };
+        Ok(DistributedStep {
+            model: self.buffer.write_params(model, params),
+            grad_norm,
+        })
+    }
+
+    /// The bytes this rank holds for `model` (its parameters) and the optimizer (gradient
+    /// buffer, master weights, moments), from the tensors' shapes and dtypes. With f32
+    /// parameters and no sharding the parameters are views of the master weights and are
+    /// not counted twice.
+    pub fn memory<M: Module<B>>(&self, model: &M) -> OptimizerMemory {
+        struct Bytes(usize);
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Bytes {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let value = param.val();
+                self.0 += value.shape().num_elements() * value.dtype().size();
+            }
+        }
+        let mut params = Bytes(0);
+        model.visit(&mut params);
+        let bytes = |t: &Tensor<B::InnerBackend, 1>| t.dims()[0] * t.dtype().size();
+        let views = !self.config.data_parallel.use_distributed_optimizer
+            && self.buffer.model_dtype() == DType::F32;
+        OptimizerMemory {
+            params: params.0,
+            grads: bytes(&self.buffer.grads()),
+            main_params: if views { 0 } else { bytes(&self.master) },
+            exp_avg: bytes(&self.exp_avg),
+            exp_avg_sq: bytes(&self.exp_avg_sq),
+        }
+    }
+}
