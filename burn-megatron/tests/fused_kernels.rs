@@ -572,9 +572,12 @@ fn norm_equals_the_composition_and_writes_every_element() {
     use burn_megatron::ops::norm::{backward_composition, forward_composition};
     use burn_megatron_kernels::fused::norm as kernels;
     let device = WgpuDevice::default();
-    let epsilon = 1e-5;
     for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
         for (rows, hidden) in NORM_SHAPES {
+            // A one-element RMSNorm row has `dx = dy · scale · rstd · eps / (x² + eps)`, the
+            // difference of two nearly equal terms: with eps = 1e-5 it is f32 rounding noise
+            // in any implementation, so that row gets an eps that keeps it well conditioned.
+            let epsilon = if hidden == 1 { 0.1 } else { 1e-5 };
             let x = matrix(rows, hidden + 3, 31, 4.0, &device)
                 .add_scalar(1.5)
                 .cast(dtype)
