@@ -596,8 +596,7 @@ fn norm_equals_the_composition_and_writes_every_element() {
             let f32_of = |t: Tensor<W, 2>| t.cast(DType::F32);
             for kind in [NormKind::LayerNorm, NormKind::RmsNorm] {
                 for with_shift in [true, false] {
-                    let name =
-                        format!("{kind:?} {dtype:?} {rows}x{hidden} shift {with_shift}");
+                    let name = format!("{kind:?} {dtype:?} {rows}x{hidden} shift {with_shift}");
                     let shift = with_shift.then(|| shift.clone());
                     let want = forward_composition(
                         f32_of(x.clone()),
@@ -606,7 +605,8 @@ fn norm_equals_the_composition_and_writes_every_element() {
                         kind,
                         epsilon,
                     );
-                    let got = W::norm_forward(x.clone(), scale.clone(), shift.clone(), kind, epsilon);
+                    let got =
+                        W::norm_forward(x.clone(), scale.clone(), shift.clone(), kind, epsilon);
                     assert_eq!(got.output.dtype(), dtype);
                     assert_eq!(got.rstd.dtype(), DType::F32);
                     assert_close(
@@ -615,9 +615,19 @@ fn norm_equals_the_composition_and_writes_every_element() {
                         &values(want.output),
                         bound,
                     );
-                    assert_close(&format!("rstd {name}"), &values(got.rstd.clone()), &values(want.rstd.clone()), tolerance::F32);
+                    assert_close(
+                        &format!("rstd {name}"),
+                        &values(got.rstd.clone()),
+                        &values(want.rstd.clone()),
+                        tolerance::F32,
+                    );
                     if kind == NormKind::LayerNorm {
-                        assert_close(&format!("mean {name}"), &values(got.mean.clone()), &values(want.mean.clone()), tolerance::F32);
+                        assert_close(
+                            &format!("mean {name}"),
+                            &values(got.mean.clone()),
+                            &values(want.mean.clone()),
+                            tolerance::F32,
+                        );
                     }
 
                     // Poisoned outputs, written by the kernels directly.
@@ -646,11 +656,33 @@ fn norm_equals_the_composition_and_writes_every_element() {
                         epsilon,
                         poisoned,
                     );
-                    assert_close(&format!("poisoned output {name}"), &values(wrap::<2>(output).cast(DType::F32)), &values(forward_composition(f32_of(x.clone()), scale.clone().cast(DType::F32), shift.clone().map(|s| s.cast(DType::F32)), kind, epsilon).output), bound);
-                    assert_close(&format!("poisoned rstd {name}"), &values(wrap::<1>(rstd)), &values(want.rstd.clone()), tolerance::F32);
+                    assert_close(
+                        &format!("poisoned output {name}"),
+                        &values(wrap::<2>(output).cast(DType::F32)),
+                        &values(
+                            forward_composition(
+                                f32_of(x.clone()),
+                                scale.clone().cast(DType::F32),
+                                shift.clone().map(|s| s.cast(DType::F32)),
+                                kind,
+                                epsilon,
+                            )
+                            .output,
+                        ),
+                        bound,
+                    );
+                    assert_close(
+                        &format!("poisoned rstd {name}"),
+                        &values(wrap::<1>(rstd)),
+                        &values(want.rstd.clone()),
+                        tolerance::F32,
+                    );
                     // RMSNorm's mean is zero; the kernel writes it all the same.
                     assert_eq!(
-                        values(wrap::<1>(mean)).iter().map(|m| m.is_finite()).collect::<Vec<_>>(),
+                        values(wrap::<1>(mean))
+                            .iter()
+                            .map(|m| m.is_finite())
+                            .collect::<Vec<_>>(),
                         vec![true; rows],
                         "{name}: every mean is written"
                     );
@@ -667,9 +699,14 @@ fn norm_equals_the_composition_and_writes_every_element() {
                     let poisoned = kernels::Gradients {
                         x: raw(nan([rows, hidden], dtype)),
                         scale: raw(nan([1, hidden], DType::F32).reshape([hidden])),
-                        shift: with_shift.then(|| raw(nan([1, hidden], DType::F32).reshape([hidden]))),
+                        shift: with_shift
+                            .then(|| raw(nan([1, hidden], DType::F32).reshape([hidden]))),
                     };
-                    let (gx, gscale, gshift) = (poisoned.x.clone(), poisoned.scale.clone(), poisoned.shift.clone());
+                    let (gx, gscale, gshift) = (
+                        poisoned.x.clone(),
+                        poisoned.scale.clone(),
+                        poisoned.shift.clone(),
+                    );
                     kernels::backward_into(
                         raw(x.clone()),
                         raw(scale.clone()),
@@ -679,21 +716,55 @@ fn norm_equals_the_composition_and_writes_every_element() {
                         kernel_kind,
                         poisoned,
                     );
-                    let got_grads = W::norm_backward(x.clone(), scale.clone(), got.mean, got.rstd, grad.clone(), kind, with_shift);
+                    let got_grads = W::norm_backward(
+                        x.clone(),
+                        scale.clone(),
+                        got.mean,
+                        got.rstd,
+                        grad.clone(),
+                        kind,
+                        with_shift,
+                    );
                     assert_eq!(got_grads.x.dtype(), dtype);
                     assert_eq!(got_grads.scale.dtype(), dtype);
                     for (what, got, want) in [
-                        ("dx", values(wrap::<2>(gx).cast(DType::F32)), values(want_grads.x.clone())),
-                        ("dx (hook)", values(got_grads.x.cast(DType::F32)), values(want_grads.x)),
-                        ("dscale", values(wrap::<1>(gscale)), values(want_grads.scale.clone())),
-                        ("dscale (hook)", values(got_grads.scale.cast(DType::F32)), values(want_grads.scale)),
+                        (
+                            "dx",
+                            values(wrap::<2>(gx).cast(DType::F32)),
+                            values(want_grads.x.clone()),
+                        ),
+                        (
+                            "dx (hook)",
+                            values(got_grads.x.cast(DType::F32)),
+                            values(want_grads.x),
+                        ),
+                        (
+                            "dscale",
+                            values(wrap::<1>(gscale)),
+                            values(want_grads.scale.clone()),
+                        ),
+                        (
+                            "dscale (hook)",
+                            values(got_grads.scale.cast(DType::F32)),
+                            values(want_grads.scale),
+                        ),
                     ] {
                         assert_close(&format!("{what} {name}"), &got, &want, bound);
                     }
                     match (gshift, got_grads.shift, want_grads.shift) {
                         (Some(kernel), Some(hook), Some(want)) => {
-                            assert_close(&format!("dshift {name}"), &values(wrap::<1>(kernel)), &values(want.clone()), bound);
-                            assert_close(&format!("dshift (hook) {name}"), &values(hook.cast(DType::F32)), &values(want), bound);
+                            assert_close(
+                                &format!("dshift {name}"),
+                                &values(wrap::<1>(kernel)),
+                                &values(want.clone()),
+                                bound,
+                            );
+                            assert_close(
+                                &format!("dshift (hook) {name}"),
+                                &values(hook.cast(DType::F32)),
+                                &values(want),
+                                bound,
+                            );
                         }
                         (None, None, None) => assert!(!with_shift),
                         _ => panic!("{name}: a shift gradient only with a shift"),
@@ -749,12 +820,30 @@ fn norm_kernels_equal_exact_f64_values() {
             }
         }
         let forward = W::norm_forward(x.clone(), scale.clone(), Some(shift.clone()), kind, epsilon);
-        let grads = W::norm_backward(x.clone(), scale.clone(), forward.mean, forward.rstd, grad.clone(), kind, true);
+        let grads = W::norm_backward(
+            x.clone(),
+            scale.clone(),
+            forward.mean,
+            forward.rstd,
+            grad.clone(),
+            kind,
+            true,
+        );
         let name = |what: &str| format!("{kind:?} {what} against f64");
         assert_close(&name("output"), &values(forward.output), &y, tolerance::F32);
         assert_close(&name("dx"), &values(grads.x), &dx, tolerance::F32);
-        assert_close(&name("dscale"), &values(grads.scale), &dscale, tolerance::F32);
-        assert_close(&name("dshift"), &values(grads.shift.expect("asked for")), &dshift, tolerance::F32);
+        assert_close(
+            &name("dscale"),
+            &values(grads.scale),
+            &dscale,
+            tolerance::F32,
+        );
+        assert_close(
+            &name("dshift"),
+            &values(grads.shift.expect("asked for")),
+            &dshift,
+            tolerance::F32,
+        );
     }
 }
 
@@ -780,7 +869,12 @@ fn norm_parameter_gradients_are_deterministic() {
             true,
         );
         let bits = |t: Tensor<W, 1>| -> Vec<u32> {
-            t.into_data().to_vec::<f32>().expect("f32").iter().map(|v| v.to_bits()).collect()
+            t.into_data()
+                .to_vec::<f32>()
+                .expect("f32")
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
         };
         (bits(g.scale), bits(g.shift.expect("asked for")))
     };
@@ -788,7 +882,10 @@ fn norm_parameter_gradients_are_deterministic() {
     assert!(first.0.iter().all(|v| f32::from_bits(*v).is_finite()));
     let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(a, b)| a != b).count();
     assert_eq!(
-        (differing(&first.0, &second.0), differing(&first.1, &second.1)),
+        (
+            differing(&first.0, &second.0),
+            differing(&first.1, &second.1)
+        ),
         (0, 0),
         "elements of (dscale, dshift) that differ between two runs"
     );

@@ -182,8 +182,8 @@ fn backward_kernel<F: Float>(
     let mut j = tid;
     while j < hidden {
         let normalised = (f32::cast_from(x[x_row + j * x_step]) - mu) * r;
-        let g = f32::cast_from(grad[g_row + j * g_step])
-            * f32::cast_from(scale[j * scale.stride(0)]);
+        let g =
+            f32::cast_from(grad[g_row + j * g_step]) * f32::cast_from(scale[j * scale.stride(0)]);
         sum_g += g;
         sum_gx += g * normalised;
         j += stride;
@@ -199,8 +199,8 @@ fn backward_kernel<F: Float>(
     let mut j = tid;
     while j < hidden {
         let normalised = (f32::cast_from(x[x_row + j * x_step]) - mu) * r;
-        let g = f32::cast_from(grad[g_row + j * g_step])
-            * f32::cast_from(scale[j * scale.stride(0)]);
+        let g =
+            f32::cast_from(grad[g_row + j * g_step]) * f32::cast_from(scale[j * scale.stride(0)]);
         grad_x[out_row + j * out_step] = F::cast_from(r * (g - mean_g - normalised * mean_gx));
         j += stride;
     }
@@ -241,8 +241,8 @@ fn column_partials_kernel<F: Float>(
         if layer_norm {
             mu = mean[row * mean.stride(0)];
         }
-        let normalised =
-            (f32::cast_from(x[row * x.stride(0) + col * x.stride(1)]) - mu) * rstd[row * rstd.stride(0)];
+        let normalised = (f32::cast_from(x[row * x.stride(0) + col * x.stride(1)]) - mu)
+            * rstd[row * rstd.stride(0)];
         let dy = f32::cast_from(grad[row * grad.stride(0) + col * grad.stride(1)]);
         sum_scale += dy * normalised;
         sum_shift += dy;

@@ -98,7 +98,10 @@ pub fn forward_composition<B: Backend>(
             let mean = x.clone().mean_dim(1);
             (x - mean.clone(), mean.squeeze_dim::<1>(1))
         }
-        NormKind::RmsNorm => (x.clone(), Tensor::<B, 1>::zeros([rows], &x.device()).cast(stats)),
+        NormKind::RmsNorm => (
+            x.clone(),
+            Tensor::<B, 1>::zeros([rows], &x.device()).cast(stats),
+        ),
     };
     let variance = centred.clone().powi_scalar(2).mean_dim(1);
     let rstd = (variance + epsilon).sqrt().recip();

@@ -57,7 +57,6 @@ impl<B: DistBackend> Norm<B> {
             sequence_parallel_group,
         }
     }
-
 }
 
 impl<B: ModelBackend> Norm<B> {

@@ -14,12 +14,7 @@ const HIDDEN: usize = 7;
 const EPSILON: f64 = 1e-5;
 
 /// The formula for one row, in plain f64.
-fn reference_row(
-    x: &[f64],
-    scale: &[f64],
-    shift: Option<&[f64]>,
-    kind: NormKind,
-) -> Vec<f64> {
+fn reference_row(x: &[f64], scale: &[f64], shift: Option<&[f64]>, kind: NormKind) -> Vec<f64> {
     let n = x.len() as f64;
     let mean = match kind {
         NormKind::LayerNorm => x.iter().sum::<f64>() / n,
@@ -47,8 +42,16 @@ fn inputs() -> [Vec<f64>; 4] {
     for (i, v) in x.iter_mut().enumerate() {
         *v += (i / HIDDEN) as f64 * 3.0 - 4.0;
     }
-    let scale = normal([1, HIDDEN], 0.5, 22).iter().map(|s| s + 1.0).collect();
-    [x, scale, normal([1, HIDDEN], 1.0, 23), normal([ROWS, HIDDEN], 1.0, 24)]
+    let scale = normal([1, HIDDEN], 0.5, 22)
+        .iter()
+        .map(|s| s + 1.0)
+        .collect();
+    [
+        x,
+        scale,
+        normal([1, HIDDEN], 1.0, 23),
+        normal([ROWS, HIDDEN], 1.0, 24),
+    ]
 }
 
 /// `Σ w ∘ norm(x)` through the op on plain NdArray.
@@ -102,11 +105,9 @@ fn the_forward_is_the_formula_and_the_gradients_match_finite_differences() {
                 .flat_map(|row| reference_row(row, &scale, shift_values, kind))
                 .collect();
 
-            let tracked_x = Tensor::<AD, 2>::from_data(
-                TensorData::new(x.clone(), [ROWS, HIDDEN]),
-                &device(),
-            )
-            .require_grad();
+            let tracked_x =
+                Tensor::<AD, 2>::from_data(TensorData::new(x.clone(), [ROWS, HIDDEN]), &device())
+                    .require_grad();
             let tracked = |v: &Vec<f64>| {
                 Tensor::<AD, 1>::from_data(TensorData::new(v.clone(), [HIDDEN]), &device())
                     .require_grad()
@@ -131,7 +132,11 @@ fn the_forward_is_the_formula_and_the_gradients_match_finite_differences() {
 
             let all = [x.clone(), scale.clone(), shift.clone()];
             let mut checks = vec![
-                ("dx", values(tracked_x.grad(&grads).expect("x has a gradient")), 0),
+                (
+                    "dx",
+                    values(tracked_x.grad(&grads).expect("x has a gradient")),
+                    0,
+                ),
                 (
                     "dscale",
                     values(tracked_scale.grad(&grads).expect("scale has a gradient")),
