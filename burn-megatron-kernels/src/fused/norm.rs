@@ -9,9 +9,9 @@
 //! - Backward, `dx`: one cube per row, two shared-memory sums (`Σ ĝ` and `Σ ĝ · x̂`, with
 //!   `ĝ = dy · scale`), then `rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`.
 //! - Backward, `dscale` and `dshift`: a column sum over the rows, in two deterministic stages
-//!   and no atomics. Each cube of [`column_partials_kernel`] owns a chunk of rows and a span
+//!   and no atomics. Each cube of `column_partials_kernel` owns a chunk of rows and a span
 //!   of columns, one thread a column, and writes its partial sums of `dy · x̂` and `dy` to a
-//!   `[blocks, hidden]` f32 buffer; [`column_sum_kernel`] then adds the blocks of each column
+//!   `[blocks, hidden]` f32 buffer; `column_sum_kernel` then adds the blocks of each column
 //!   in order. The same inputs give the same bits on every run.
 
 use burn::tensor::{DType, Shape};
