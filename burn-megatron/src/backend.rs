@@ -18,6 +18,11 @@ use crate::ops::cross_entropy::{
     VocabSlice, autodiff_cross_entropy, gradient_composition, statistics_composition,
 };
 use crate::ops::gelu::{add_bias, autodiff_bias_gelu};
+use crate::ops::norm::{
+    NormForward, NormGradients, NormKind, autodiff_norm,
+    backward_composition as norm_backward_composition,
+    forward_composition as norm_forward_composition,
+};
 use crate::ops::swiglu::{autodiff_swiglu, swiglu_derivatives, swiglu_forward};
 use crate::optimizer::fused_adamw::{
     AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput, flat_adamw_composition,
@@ -172,6 +177,48 @@ pub trait ModelBackend: DistBackend {
         swiglu_derivatives(gate, up, grad)
     }
 
+    /// `norm(x) · scale (+ shift)` for `x: [rows, hidden]`, `scale, shift: [hidden]`
+    /// (LayerNorm or RMSNorm, see [`crate::ops::norm`]), in `x`'s dtype. `Autodiff<B>` records
+    /// one node that stores `x`, the scale and the statistics of
+    /// [`norm_forward`](Self::norm_forward), and calls [`norm_backward`](Self::norm_backward).
+    fn norm(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> Tensor<Self, 2> {
+        Self::norm_forward(x, scale, shift, kind, epsilon).output
+    }
+
+    /// [`norm`](Self::norm)'s output and each row's `mean` and `rstd` (`[rows]`, f32; f64 for
+    /// f64 inputs). CubeCL backends run one kernel (`burn_megatron_kernels::fused::norm`).
+    fn norm_forward(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> NormForward<Self> {
+        norm_forward_composition(x, scale, shift, kind, epsilon)
+    }
+
+    /// The gradients of [`norm`](Self::norm)'s `x`, scale and (with `with_shift`) shift given
+    /// its output's gradient `grad: [rows, hidden]` and the forward's statistics. CubeCL
+    /// backends run one kernel for `dx` and a two-stage column reduction for the scale and
+    /// shift (deterministic: no atomics).
+    fn norm_backward(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        mean: Tensor<Self, 1>,
+        rstd: Tensor<Self, 1>,
+        grad: Tensor<Self, 2>,
+        kind: NormKind,
+        with_shift: bool,
+    ) -> NormGradients<Self> {
+        norm_backward_composition(x, scale, mean, rstd, grad, kind, with_shift)
+    }
+
     /// One AdamW step over flat fp32 buffers (see [`crate::optimizer::fused_adamw`]): the
     /// updated master weights and moments, and with `model_dtype` the master weights cast to
     /// it. The step is skipped on the device when `found_inf` is set. CubeCL backends run one
@@ -224,10 +271,15 @@ mod cube {
     use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
     use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
+    use burn_megatron_kernels::fused::norm as norm_kernels;
 
     use crate::ops::GeluForm;
     use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
     use crate::ops::gelu::add_bias;
+    use crate::ops::norm::{
+        NormForward, NormGradients, NormKind, backward_composition as norm_backward_composition,
+        forward_composition as norm_forward_composition,
+    };
     use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
@@ -443,6 +495,85 @@ mod cube {
         ))
     }
 
+    fn kernel_kind(kind: NormKind) -> norm_kernels::Kind {
+        match kind {
+            NormKind::LayerNorm => norm_kernels::Kind::LayerNorm,
+            NormKind::RmsNorm => norm_kernels::Kind::RmsNorm,
+        }
+    }
+
+    /// `ModelBackend::norm_forward` in one kernel (f64: the composition).
+    pub(super) fn norm_forward<R, F, I, BT>(
+        x: Tensor<Cube<R, F, I, BT>, 2>,
+        scale: Tensor<Cube<R, F, I, BT>, 1>,
+        shift: Option<Tensor<Cube<R, F, I, BT>, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> NormForward<Cube<R, F, I, BT>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if x.dtype() == DType::F64 {
+            return norm_forward_composition(x, scale, shift, kind, epsilon);
+        }
+        let dtype = x.dtype();
+        let raw = |t: Tensor<Cube<R, F, I, BT>, 1>| t.cast(dtype).into_primitive().tensor();
+        let out = norm_kernels::forward(
+            x.into_primitive().tensor(),
+            raw(scale),
+            shift.map(raw),
+            kernel_kind(kind),
+            epsilon,
+        );
+        NormForward {
+            output: float(out.output),
+            mean: float(out.mean),
+            rstd: float(out.rstd),
+        }
+    }
+
+    /// `ModelBackend::norm_backward`: one kernel for `dx`, two for the scale and shift
+    /// (f64: the composition).
+    pub(super) fn norm_backward<R, F, I, BT>(
+        x: Tensor<Cube<R, F, I, BT>, 2>,
+        scale: Tensor<Cube<R, F, I, BT>, 1>,
+        mean: Tensor<Cube<R, F, I, BT>, 1>,
+        rstd: Tensor<Cube<R, F, I, BT>, 1>,
+        grad: Tensor<Cube<R, F, I, BT>, 2>,
+        kind: NormKind,
+        with_shift: bool,
+    ) -> NormGradients<Cube<R, F, I, BT>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if x.dtype() == DType::F64 {
+            return norm_backward_composition(x, scale, mean, rstd, grad, kind, with_shift);
+        }
+        let (dtype, scale_dtype) = (x.dtype(), scale.dtype());
+        let [mean, rstd] = [mean, rstd].map(|t| t.cast(DType::F32).into_primitive().tensor());
+        let out = norm_kernels::backward(
+            x.into_primitive().tensor(),
+            scale.cast(dtype).into_primitive().tensor(),
+            mean,
+            rstd,
+            grad.cast(dtype).into_primitive().tensor(),
+            kernel_kind(kind),
+            with_shift,
+        );
+        let parameter = |t| float::<R, F, I, BT, 1>(t).cast(scale_dtype);
+        NormGradients {
+            x: float(out.x),
+            scale: parameter(out.scale),
+            shift: out.shift.map(parameter),
+        }
+    }
+
     /// The fused operations, the same on every CubeCL backend.
     macro_rules! fused_operations {
         () => {
@@ -492,6 +623,28 @@ mod cube {
                 scale: f64,
             ) -> Tensor<Self, 4> {
                 cube::causal_softmax_backward(probs, grad, scale)
+            }
+
+            fn norm_forward(
+                x: Tensor<Self, 2>,
+                scale: Tensor<Self, 1>,
+                shift: Option<Tensor<Self, 1>>,
+                kind: crate::ops::NormKind,
+                epsilon: f64,
+            ) -> crate::ops::norm::NormForward<Self> {
+                cube::norm_forward(x, scale, shift, kind, epsilon)
+            }
+
+            fn norm_backward(
+                x: Tensor<Self, 2>,
+                scale: Tensor<Self, 1>,
+                mean: Tensor<Self, 1>,
+                rstd: Tensor<Self, 1>,
+                grad: Tensor<Self, 2>,
+                kind: crate::ops::NormKind,
+                with_shift: bool,
+            ) -> crate::ops::norm::NormGradients<Self> {
+                cube::norm_backward(x, scale, mean, rstd, grad, kind, with_shift)
             }
 
             fn flat_adamw(
@@ -705,6 +858,15 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
 
     fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
         crate::ops::causal_softmax::autodiff_causal_softmax(scores, scale)
+    }
+    fn norm(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> Tensor<Self, 2> {
+        autodiff_norm(x, scale, shift, kind, epsilon)
     }
 }
 

@@ -11,3 +11,4 @@ pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;
 pub mod cross_entropy;
+pub mod norm;

@@ -5,12 +5,16 @@
 //! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
 //!   `softmax - one_hot` backward, each one pass over the logits.
 //! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
+//! - [`mod@norm`]: LayerNorm and RMSNorm, f32 statistics, one backward for input, scale and
+//!   shift.
 //! - [`mod@swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
 
 pub mod causal_softmax;
 pub mod cross_entropy;
 pub mod gelu;
+pub mod norm;
 pub mod swiglu;
 
 pub use gelu::{GeluForm, bias_gelu, gelu};
+pub use norm::{NormKind, norm};
 pub use swiglu::{sigmoid, swiglu};

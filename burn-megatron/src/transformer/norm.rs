@@ -6,6 +6,8 @@ use burn_megatron_dist::mapping::copy_to_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use super::config::Normalization;
+use crate::ModelBackend;
+use crate::ops::{NormKind, norm};
 use crate::tensor_parallel::{DeclarePlacements, ParamPlacement, Placements};
 
 /// Normalisation of the last dimension: `(x - mean) / sqrt(var + eps) · scale + shift`
@@ -55,31 +57,22 @@ impl<B: DistBackend> Norm<B> {
             sequence_parallel_group,
         }
     }
+}
 
-    /// `[.., hidden]` → `[.., hidden]`.
+impl<B: ModelBackend> Norm<B> {
+    /// `[.., hidden]` → `[.., hidden]`, one [`ModelBackend::norm`] (a fused kernel on CubeCL
+    /// backends).
     pub fn try_forward<const D: usize>(&self, x: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
-        let param = |p: &Param<Tensor<B, 1>>| -> DistResult<Tensor<B, D>> {
-            let value = match &self.sequence_parallel_group {
-                Some(tp) => copy_to_tensor_parallel_region(p.val(), tp)?,
-                None => p.val(),
-            };
-            Ok(value.unsqueeze())
-        };
-        let normalised = match &self.shift {
-            Some(_) => {
-                let centred = x.clone() - x.mean_dim(D - 1);
-                let variance = centred.clone().powi_scalar(2).mean_dim(D - 1);
-                centred / (variance + self.epsilon).sqrt()
-            }
-            None => {
-                let mean_square = x.clone().powi_scalar(2).mean_dim(D - 1);
-                x / (mean_square + self.epsilon).sqrt()
+        let param = |p: &Param<Tensor<B, 1>>| -> DistResult<Tensor<B, 1>> {
+            match &self.sequence_parallel_group {
+                Some(tp) => copy_to_tensor_parallel_region(p.val(), tp),
+                None => Ok(p.val()),
             }
         };
-        let scaled = normalised * param(&self.scale)?;
-        match &self.shift {
-            Some(shift) => Ok(scaled + param(shift)?),
-            None => Ok(scaled),
-        }
+        let (kind, shift) = match &self.shift {
+            Some(shift) => (NormKind::LayerNorm, Some(param(shift)?)),
+            None => (NormKind::RmsNorm, None),
+        };
+        Ok(norm(x, param(&self.scale)?, shift, kind, self.epsilon))
     }
 }

@@ -1,4 +1,4 @@
-//! Gradients against central finite differences, in f64 on the CPU: the GeLU and SwiGLU ops,
+//! Gradients against central finite differences, in f64 on the CPU: the GeLU, SwiGLU and norm ops,
 //! and every parameter of a tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
@@ -10,6 +10,7 @@
 
 mod gelu;
 mod models;
+mod norm;
 mod swiglu;
 
 use burn::backend::ndarray::NdArrayDevice;
