@@ -62,7 +62,7 @@ impl<Bk: Backend> ModuleMapper<Bk> for Perturb {
 
 /// The original model (TP = 1, perturbed): exported to `dir`; its logits `[2, 8, vocab]` and
 /// its step.
-fn original(config: &TransformerConfig, dir: &Path) -> (Vec<f32>, Step) {
+fn original(config: &TransformerConfig, dir: &Path) -> (Vec<f64>, Step) {
     let mut out = run(1, |ctx| {
         let (state, chunks) = build(&ctx, config, 1, 1)?;
         let model = chunks.into_iter().next().unwrap().map(&mut Perturb(0));
@@ -78,7 +78,7 @@ fn original(config: &TransformerConfig, dir: &Path) -> (Vec<f32>, Step) {
 }
 
 /// Imports `dir` at TP × PP: the full logits (PP = 1 only) and the step.
-fn imported(dir: &Path, tp: usize, pp: usize) -> (Option<Vec<f32>>, Step) {
+fn imported(dir: &Path, tp: usize, pp: usize) -> (Option<Vec<f64>>, Step) {
     let out = run(tp * pp, |ctx| {
         let hf = HfCheckpoint::open(dir)?;
         let config = hf.config().clone();
@@ -102,7 +102,7 @@ fn imported(dir: &Path, tp: usize, pp: usize) -> (Option<Vec<f32>>, Step) {
     (logits, merge(out.into_iter().map(|(_, o)| o).collect()))
 }
 
-fn round_trip(name: &str, config: TransformerConfig, reference: fn(&Path) -> Vec<f32>) {
+fn round_trip(name: &str, config: TransformerConfig, reference: fn(&Path) -> Vec<f64>) {
     let dir = scratch(&format!("hf-{name}"));
     let (logits, want) = original(&config, &dir);
     assert_close(
@@ -187,7 +187,7 @@ fn attend(q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 4> {
 /// A GPT-2 forward pass as transformers' `GPT2LMHeadModel` computes it, from the HF-named
 /// tensors: Conv1D `x @ W + b`, `c_attn` split into `q | k | v`, `gelu_new`, `ln_f`, the
 /// output tied to `wte`. Logits `[2, 8, vocab]`.
-fn gpt2_reference(dir: &Path) -> Vec<f32> {
+fn gpt2_reference(dir: &Path) -> Vec<f64> {
     let hf = Hf::open(dir);
     let (hidden, heads, eps) = (hf.n("n_embd"), hf.n("n_head"), hf.f("layer_norm_epsilon"));
     let head_dim = hidden / heads;
@@ -238,7 +238,7 @@ fn gpt2_reference(dir: &Path) -> Vec<f32> {
 /// A Llama forward pass as transformers' `LlamaForCausalLM` computes it, from the HF-named
 /// tensors: `nn.Linear` `x @ Wᵀ`, RMSNorm, rotate-half RoPE, key/value heads repeated for
 /// their query groups, SwiGLU, an untied `lm_head`. Logits `[2, 8, vocab]`.
-fn llama_reference(dir: &Path) -> Vec<f32> {
+fn llama_reference(dir: &Path) -> Vec<f64> {
     let hf = Hf::open(dir);
     let (hidden, heads, groups) = (
         hf.n("hidden_size"),
