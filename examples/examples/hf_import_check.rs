@@ -50,6 +50,7 @@ fn our_logits(
             .narrow(2, 0, config.vocab_size);
         if let Some(export) = &export {
             export_model(&model, &config, export)?;
+            hf.copy_tokenizer(export)?;
         }
         Ok(logits.into_data().convert::<f32>().into_vec::<f32>()?)
     })?;
@@ -90,5 +91,9 @@ fn main() -> Result<(), BoxError> {
         "{} (max abs {worst:.3e}, bound 1e-4)",
         if pass { "PASS" } else { "FAIL" }
     );
-    if pass { Ok(()) } else { Err("logits differ".into()) }
+    if pass {
+        Ok(())
+    } else {
+        Err("logits differ".into())
+    }
 }

@@ -55,7 +55,11 @@ impl<Bk: Backend> ModuleMapper<Bk> for Perturb {
                 })
                 .collect();
             let new = Tensor::from_data(TensorData::new(values, shape), &Default::default());
-            if require_grad { new.require_grad() } else { new }
+            if require_grad {
+                new.require_grad()
+            } else {
+                new
+            }
         })
     }
 }
@@ -77,7 +81,8 @@ fn original(config: &TransformerConfig, dir: &Path) -> (Vec<f64>, Step) {
     (logits, merge(vec![outcome]))
 }
 
-/// Imports `dir` at TP × PP: the full logits (PP = 1 only) and the step.
+/// Imports `dir` at TP × PP: the full logits (PP = 1 only) and the step. At PP = 1 the
+/// imported model is exported again to `dir/re-export-tp{tp}`.
 fn imported(dir: &Path, tp: usize, pp: usize) -> (Option<Vec<f64>>, Step) {
     let out = run(tp * pp, |ctx| {
         let hf = HfCheckpoint::open(dir)?;
@@ -91,6 +96,7 @@ fn imported(dir: &Path, tp: usize, pp: usize) -> (Option<Vec<f64>>, Step) {
         let logits = if pp == 1 {
             let local = chunks[0].try_forward(tokens(vocab))?.inner();
             let full = state.tp().all_gather(local, 2)?.narrow(2, 0, vocab);
+            export_model(&chunks[0], &config, &dir.join(format!("re-export-tp{tp}")))?;
             Some(data_values(&full.into_data()))
         } else {
             None
@@ -115,9 +121,22 @@ fn round_trip(name: &str, config: TransformerConfig, reference: fn(&Path) -> Vec
         let what = format!("{name} imported at TP = {tp}, PP = {pp}");
         let (got_logits, got) = imported(&dir, tp, pp);
         if let Some(got_logits) = got_logits {
-            assert_close(&format!("{what}: logits"), &got_logits, &logits, tolerance::F32);
+            assert_close(
+                &format!("{what}: logits"),
+                &got_logits,
+                &logits,
+                tolerance::F32,
+            );
         }
         assert_same_step(&what, &got, &want);
+        if pp == 1 {
+            let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+            let again = dir.join(format!("re-export-tp{tp}"));
+            assert!(
+                weights(&dir) == weights(&again),
+                "{what}: exported again, the weights are not bit-identical"
+            );
+        }
     }
 }
 
@@ -158,8 +177,14 @@ impl Hf {
         Self(hf_tensors(dir), serde_json::from_str(&config).unwrap())
     }
     fn get<const D: usize>(&self, name: &str) -> Tensor<B, D> {
-        let (shape, values) = self.0.get(name).unwrap_or_else(|| panic!("no tensor {name}"));
-        Tensor::from_data(TensorData::new(values.clone(), shape.clone()), &Default::default())
+        let (shape, values) = self
+            .0
+            .get(name)
+            .unwrap_or_else(|| panic!("no tensor {name}"));
+        Tensor::from_data(
+            TensorData::new(values.clone(), shape.clone()),
+            &Default::default(),
+        )
     }
     fn n(&self, key: &str) -> usize {
         self.1[key].as_u64().unwrap() as usize
@@ -205,8 +230,8 @@ fn gpt2_reference(dir: &Path) -> Vec<f64> {
             + hf.get::<1>(&t(&format!("{name}.bias"))).unsqueeze()
     };
     let gelu_new = |x: Tensor<B, 3>| {
-        let inner = (x.clone() + x.clone().powi_scalar(3) * 0.044715)
-            * (2.0 / std::f64::consts::PI).sqrt();
+        let inner =
+            (x.clone() + x.clone().powi_scalar(3) * 0.044715) * (2.0 / std::f64::consts::PI).sqrt();
         x * 0.5 * (inner.tanh() + 1.0)
     };
     let wte = hf.get::<2>(&t("wte.weight"));
@@ -271,10 +296,7 @@ fn llama_reference(dir: &Path) -> Vec<f64> {
     let (cos, sin) = (table(cos), table(sin));
     let rotate_half = |x: Tensor<B, 4>| {
         Tensor::cat(
-            vec![
-                x.clone().narrow(3, half, half).neg(),
-                x.narrow(3, 0, half),
-            ],
+            vec![x.clone().narrow(3, half, half).neg(), x.narrow(3, 0, half)],
             3,
         )
     };
@@ -317,7 +339,10 @@ fn llama_reference(dir: &Path) -> Vec<f64> {
 }
 
 /// Rewrites `dir/model.safetensors` through `edit` (name → tensor, `None` drops it).
-fn rewrite(dir: &Path, edit: impl Fn(&str, (Vec<usize>, Vec<f32>)) -> Option<(Vec<usize>, Vec<f32>)>) {
+fn rewrite(
+    dir: &Path,
+    edit: impl Fn(&str, (Vec<usize>, Vec<f32>)) -> Option<(Vec<usize>, Vec<f32>)>,
+) {
     let tensors: Vec<(String, (Vec<usize>, Vec<u8>))> = hf_tensors(dir)
         .into_iter()
         .filter_map(|(name, t)| {
@@ -372,7 +397,9 @@ fn broken_transformers_checkpoints_are_refused_naming_file_and_tensor() {
     let error = import_error(&dir);
     assert!(
         error.contains(&weights)
-            && error.contains("tensor transformer.wte.weight has shape [49, 16], the model needs [50, 16]"),
+            && error.contains(
+                "tensor transformer.wte.weight has shape [49, 16], the model needs [50, 16]"
+            ),
         "{error}"
     );
 
@@ -382,7 +409,8 @@ fn broken_transformers_checkpoints_are_refused_naming_file_and_tensor() {
         "rope_scaling": {"type": "linear", "factor": 2.0}}"#;
     let error = HfConfig::parse(text, &file).unwrap_err().to_string();
     assert!(
-        error.contains(&file.display().to_string()) && error.contains("unsupported option rope_scaling"),
+        error.contains(&file.display().to_string())
+            && error.contains("unsupported option rope_scaling"),
         "{error}"
     );
     let error = HfConfig::parse(r#"{"model_type": "gpt2", "n_embd": 16}"#, &file)

@@ -32,8 +32,10 @@ impl HfFamily {
                 if !c.add_bias_linear {
                     Err("a GPT-2 has biases in its linear layers (add_bias_linear = false)".into())
                 } else if !c.tie_embeddings {
-                    Err("a GPT-2 ties its output layer to the embeddings (tie_embeddings = false)"
-                        .into())
+                    Err(
+                        "a GPT-2 ties its output layer to the embeddings (tie_embeddings = false)"
+                            .into(),
+                    )
                 } else if c.query_groups() != c.num_attention_heads {
                     Err("a GPT-2 has no grouped queries (num_query_groups is set)".into())
                 } else {
@@ -88,7 +90,10 @@ impl Keys<'_> {
         self.get(key)
             .map(|v| {
                 v.as_u64().map(|n| n as usize).ok_or_else(|| {
-                    invalid(self.file, format!("key {key} must be a whole number, got {v}"))
+                    invalid(
+                        self.file,
+                        format!("key {key} must be a whole number, got {v}"),
+                    )
                 })
             })
             .transpose()
@@ -96,25 +101,28 @@ impl Keys<'_> {
     fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v.as_f64().ok_or_else(|| {
-                invalid(self.file, format!("key {key} must be a number, got {v}"))
-            }),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| invalid(self.file, format!("key {key} must be a number, got {v}"))),
         }
     }
     fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v.as_bool().ok_or_else(|| {
-                invalid(self.file, format!("key {key} must be true or false, got {v}"))
+                invalid(
+                    self.file,
+                    format!("key {key} must be true or false, got {v}"),
+                )
             }),
         }
     }
     fn str_or<'b>(&'b self, key: &str, default: &'b str) -> Result<&'b str> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v.as_str().ok_or_else(|| {
-                invalid(self.file, format!("key {key} must be a string, got {v}"))
-            }),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| invalid(self.file, format!("key {key} must be a string, got {v}"))),
         }
     }
     /// An error when `key` is set to anything but `expected` (or absent / null).
@@ -140,8 +148,8 @@ impl HfConfig {
 
     /// Parses the text of a `config.json` (`file` names it in errors).
     pub fn parse(text: &str, file: &Path) -> Result<Self> {
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| invalid(file, format!("not JSON: {e}")))?;
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| invalid(file, format!("not JSON: {e}")))?;
         let map = value
             .as_object()
             .ok_or_else(|| invalid(file, "not a JSON object"))?;

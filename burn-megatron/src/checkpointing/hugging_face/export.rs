@@ -55,9 +55,10 @@ pub fn export_tensors(
     for (path, data) in params {
         let dense = Dense {
             shape: data.shape.to_vec(),
-            values: data.convert::<f32>().into_vec::<f32>().map_err(|e| {
-                CheckpointError::mismatch(dir, format!("parameter {path}: {e:?}"))
-            })?,
+            values: data
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| CheckpointError::mismatch(dir, format!("parameter {path}: {e:?}")))?,
         };
         let recipe = recipe(family, &path, config).ok_or_else(|| {
             CheckpointError::mismatch(

@@ -65,8 +65,8 @@ impl HfFiles {
             let file = File::open(&path).map_err(|e| CheckpointError::io(&path, "open it", e))?;
             // SAFETY: the mapping is only read, and checkpoint files are not modified while
             // a model is imported from them (as for any memory-mapped dataset).
-            let map = unsafe { Mmap::map(&file) }
-                .map_err(|e| CheckpointError::io(&path, "map it", e))?;
+            let map =
+                unsafe { Mmap::map(&file) }.map_err(|e| CheckpointError::io(&path, "map it", e))?;
             let (header, metadata) = safetensors::SafeTensors::read_metadata(&map)
                 .map_err(|e| CheckpointError::file(&path, format!("not safetensors: {e}")))?;
             for tensor in metadata.tensors().keys() {
@@ -129,9 +129,9 @@ impl HfFiles {
         let (start, end) = info.data_offsets;
         let bytes = file.map[file.data_start + start..file.data_start + end].to_vec();
         let data = TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype).convert::<f32>();
-        let values = data.into_vec::<f32>().map_err(|e| {
-            CheckpointError::file(&file.path, format!("tensor {name}: {e:?}"))
-        })?;
+        let values = data
+            .into_vec::<f32>()
+            .map_err(|e| CheckpointError::file(&file.path, format!("tensor {name}: {e:?}")))?;
         Ok(Dense {
             shape: shape.to_vec(),
             values,

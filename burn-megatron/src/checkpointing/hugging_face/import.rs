@@ -56,6 +56,24 @@ impl HfCheckpoint {
         &self.hf.config
     }
 
+    /// Copies the tokenizer files next to the checkpoint (`tokenizer.json`,
+    /// `tokenizer_config.json`, `special_tokens_map.json`, those that exist) into `dir`, to
+    /// carry them along with an export. Returns the names copied.
+    pub fn copy_tokenizer(&self, dir: &Path) -> Result<Vec<&'static str>> {
+        let mut copied = Vec::new();
+        for name in TOKENIZER_FILES {
+            let from = self.dir().join(name);
+            if from.exists() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| CheckpointError::io(dir, "create it", e))?;
+                std::fs::copy(&from, dir.join(name))
+                    .map_err(|e| CheckpointError::io(&from, "copy it", e))?;
+                copied.push(name);
+            }
+        }
+        Ok(copied)
+    }
+
     /// `model` (one chunk of any layout of [`config`](Self::config)) with every parameter
     /// replaced by its slice of the checkpoint's; vocabulary padding rows are zero. A missing
     /// tensor or one of the wrong shape is an error naming the file and the tensor.
@@ -82,9 +100,7 @@ impl HfCheckpoint {
         })?;
         Ok(match recipe {
             Recipe::Copy(name) => self.read(&name, shape)?,
-            Recipe::Transpose(name) => {
-                self.read(&name, &[shape[1], shape[0]])?.transpose()
-            }
+            Recipe::Transpose(name) => self.read(&name, &[shape[1], shape[0]])?.transpose(),
             Recipe::Qkv(QkvSource::Fused(name)) => {
                 self.read(&name, shape)?.columns(&qkv_order(config))
             }
@@ -113,6 +129,13 @@ impl HfCheckpoint {
         }
     }
 }
+
+/// The tokenizer files transformers keeps next to a checkpoint.
+const TOKENIZER_FILES: [&str; 3] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+];
 
 /// This rank's local tensor of `slice` (padding zero) out of the full tensor.
 fn cut(full: &Dense, slice: &LocalSlice) -> TensorData {
