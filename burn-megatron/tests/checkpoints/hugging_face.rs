@@ -12,7 +12,7 @@ use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::checkpointing::hugging_face::{HfCheckpoint, HfConfig, export_model};
-use burn_megatron::transformer::{Activation, TransformerConfig};
+use burn_megatron::transformer::{Activation, PositionEmbedding, TransformerConfig};
 
 use crate::{
     B, BoxError, assert_close, assert_same_step, build, data_values, merge, microbatches, run,
@@ -20,6 +20,9 @@ use crate::{
 };
 
 type Step = (f64, std::collections::BTreeMap<String, TensorData>);
+
+/// A tensor of a safetensors file: shape and f32 values.
+type Named = (Vec<usize>, Vec<f32>);
 
 fn gpt2() -> TransformerConfig {
     tiny_gpt().with_activation(Activation::GeluTanh)
@@ -151,7 +154,7 @@ fn llama_exports_to_transformers_layout_and_imports_at_any_layout() {
 }
 
 /// The tensors of `dir/model.safetensors` by name.
-fn hf_tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
+fn hf_tensors(dir: &Path) -> HashMap<String, Named> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     file.tensors()
@@ -169,7 +172,7 @@ fn hf_tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<f32>)> {
 }
 
 /// Reads HF-named tensors for the reference forward passes.
-struct Hf(HashMap<String, (Vec<usize>, Vec<f32>)>, serde_json::Value);
+struct Hf(HashMap<String, Named>, serde_json::Value);
 
 impl Hf {
     fn open(dir: &Path) -> Self {
@@ -339,19 +342,16 @@ fn llama_reference(dir: &Path) -> Vec<f64> {
 }
 
 /// Rewrites `dir/model.safetensors` through `edit` (name → tensor, `None` drops it).
-fn rewrite(
-    dir: &Path,
-    edit: impl Fn(&str, (Vec<usize>, Vec<f32>)) -> Option<(Vec<usize>, Vec<f32>)>,
-) {
-    let tensors: Vec<(String, (Vec<usize>, Vec<u8>))> = hf_tensors(dir)
+fn rewrite(dir: &Path, edit: impl Fn(&str, Named) -> Option<Named>) {
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = hf_tensors(dir)
         .into_iter()
         .filter_map(|(name, t)| {
             let (shape, values) = edit(&name, t)?;
             let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            Some((name, (shape, bytes)))
+            Some((name, shape, bytes))
         })
         .collect();
-    let views = tensors.iter().map(|(name, (shape, bytes))| {
+    let views = tensors.iter().map(|(name, shape, bytes)| {
         let view =
             safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
                 .unwrap();
@@ -413,8 +413,62 @@ fn broken_transformers_checkpoints_are_refused_naming_file_and_tensor() {
             && error.contains("unsupported option rope_scaling"),
         "{error}"
     );
+    let default_rope = text.replace(
+        r#""type": "linear", "factor": 2.0"#,
+        r#""rope_type": "default", "rope_theta": 500000.0"#,
+    );
+    let rope = HfConfig::parse(&default_rope, &file)
+        .unwrap()
+        .config
+        .position_embedding;
+    assert_eq!(rope, PositionEmbedding::Rope { base: 500_000.0 });
     let error = HfConfig::parse(r#"{"model_type": "gpt2", "n_embd": 16}"#, &file)
         .unwrap_err()
         .to_string();
     assert!(error.contains("key n_layer is missing"), "{error}");
+}
+
+/// The weights split over two files listed in `model.safetensors.index.json`, as transformers
+/// saves large models, import to the same logits.
+#[test]
+fn sharded_transformers_checkpoints_import() {
+    let dir = scratch("hf-sharded");
+    let (logits, _) = original(&tiny_llama(), &dir);
+    let tensors = hf_tensors(&dir);
+    let mut weight_map = serde_json::Map::new();
+    let mut shards: [Vec<(String, Named)>; 2] = Default::default();
+    for (i, (name, tensor)) in tensors.into_iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i % 2 + 1);
+        weight_map.insert(name.clone(), file.into());
+        shards[i % 2].push((name, tensor));
+    }
+    for (i, shard) in shards.iter().enumerate() {
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = shard
+            .iter()
+            .map(|(n, (s, v))| {
+                (
+                    n.clone(),
+                    s.clone(),
+                    v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                )
+            })
+            .collect();
+        let views = bytes.iter().map(|(n, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (n.clone(), view)
+        });
+        let file = dir.join(format!("model-{:05}-of-00002.safetensors", i + 1));
+        safetensors::serialize_to_file(views, None, &file).unwrap();
+    }
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let (got, _) = imported(&dir, 2, 1);
+    assert_close(
+        "sharded files, TP = 2: logits",
+        &got.unwrap(),
+        &logits,
+        tolerance::F32,
+    );
 }

@@ -209,7 +209,22 @@ impl HfConfig {
     }
 
     fn llama(k: &Keys) -> Result<Self> {
-        k.unsupported_unless("rope_scaling", Value::Null)?;
+        // transformers writes plain RoPE as no `rope_scaling` (older versions) or as a
+        // `rope_type` of "default", with `rope_theta` inside `rope_parameters` (newer ones).
+        let mut rope_theta = k.f64_or("rope_theta", 10_000.0)?;
+        for key in ["rope_scaling", "rope_parameters"] {
+            let Some(rope) = k.get(key) else { continue };
+            let kind = rope.get("rope_type").or_else(|| rope.get("type"));
+            if kind.and_then(Value::as_str) != Some("default") {
+                return Err(invalid(
+                    k.file,
+                    format!("unsupported option {key} = {rope} (plain RoPE only)"),
+                ));
+            }
+            if let Some(theta) = rope.get("rope_theta").and_then(Value::as_f64) {
+                rope_theta = theta;
+            }
+        }
         k.unsupported_unless("attention_bias", json!(false))?;
         k.unsupported_unless("mlp_bias", json!(false))?;
         k.unsupported_unless("hidden_act", json!("silu"))?;
@@ -240,9 +255,7 @@ impl HfConfig {
         .with_normalization(Normalization::RmsNorm)
         .with_norm_epsilon(k.f64_or("rms_norm_eps", 1e-6)?)
         .with_activation(Activation::SwiGlu)
-        .with_position_embedding(PositionEmbedding::Rope {
-            base: k.f64_or("rope_theta", 10_000.0)?,
-        })
+        .with_position_embedding(PositionEmbedding::Rope { base: rope_theta })
         .with_add_bias_linear(false)
         .with_tie_embeddings(k.bool_or("tie_word_embeddings", false)?)
         .with_scaled_output_init(false)
