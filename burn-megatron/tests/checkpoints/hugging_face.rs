@@ -472,3 +472,41 @@ fn sharded_transformers_checkpoints_import() {
         tolerance::F32,
     );
 }
+
+/// A bf16 file (as most Hugging Face checkpoints are) imports to the same model as the f32
+/// file of the same, bf16-rounded, values.
+#[test]
+fn bf16_transformers_checkpoints_import() {
+    let dir = scratch("hf-bf16");
+    original(&gpt2(), &dir);
+    // bf16 is the upper half of an f32: truncating the f32 bits gives the same number.
+    let bf16 = |v: f32| f32::from_bits(v.to_bits() & 0xFFFF_0000);
+    rewrite(&dir, |_, (shape, values)| {
+        Some((shape, values.into_iter().map(bf16).collect()))
+    });
+    let (want, _) = imported(&dir, 1, 1);
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = hf_tensors(&dir)
+        .into_iter()
+        .map(|(name, (shape, values))| {
+            let bytes = values
+                .iter()
+                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+            (name, shape, bytes)
+        })
+        .collect();
+    let views = tensors.iter().map(|(name, shape, bytes)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes)
+                .unwrap();
+        (name.clone(), view)
+    });
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let (got, _) = imported(&dir, 2, 1);
+    assert_close(
+        "bf16 file at TP = 2 vs the f32 file: logits",
+        &got.unwrap(),
+        &want.unwrap(),
+        tolerance::F32,
+    );
+}
