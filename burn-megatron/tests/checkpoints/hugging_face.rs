@@ -153,6 +153,12 @@ fn llama_exports_to_transformers_layout_and_imports_at_any_layout() {
     round_trip("llama", tiny_llama(), llama_reference);
 }
 
+#[test]
+fn tied_llama_exports_without_lm_head_and_imports_at_any_layout() {
+    let config = tiny_llama().with_tie_embeddings(true);
+    round_trip("llama-tied", config, llama_reference);
+}
+
 /// The tensors of `dir/model.safetensors` by name.
 fn hf_tensors(dir: &Path) -> HashMap<String, Named> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
@@ -337,7 +343,12 @@ fn llama_reference(dir: &Path) -> Vec<f64> {
             * linear(h, &l("mlp.up_proj.weight"));
         x = x + linear(gated, &l("mlp.down_proj.weight"));
     }
-    let logits = linear(rms_norm(x, "model.norm.weight"), "lm_head.weight");
+    // A tied Llama's file has no lm_head: transformers reuses the token embeddings.
+    let head = match hf.0.contains_key("lm_head.weight") {
+        true => "lm_head.weight",
+        false => "model.embed_tokens.weight",
+    };
+    let logits = linear(rms_norm(x, "model.norm.weight"), head);
     data_values(&logits.into_data())
 }
 
