@@ -348,8 +348,15 @@ impl Checkpoint {
 
 /// Replaces parameters by id with new values (in each parameter's dtype and device, keeping
 /// whether it requires a gradient).
-struct Replace {
+pub(crate) struct Replace {
     values: HashMap<ParamId, TensorData>,
+}
+
+impl Replace {
+    /// Replaces the parameters whose ids are keys of `values`.
+    pub(crate) fn new(values: HashMap<ParamId, TensorData>) -> Self {
+        Self { values }
+    }
 }
 
 impl<B: Backend> ModuleMapper<B> for Replace {

@@ -20,9 +20,12 @@
 //!   atomically; the last K are kept; files are checked against their size and checksum on
 //!   load, and a wrong model configuration or missing shard is refused, naming the file or
 //!   tensor ([`CheckpointError`]).
+//! - **Hugging Face** ([`hugging_face`]): transformers' GPT-2 and Llama checkpoints imported
+//!   at any layout and exported back.
 
 mod directory;
 mod error;
+pub mod hugging_face;
 mod load;
 mod metadata;
 mod optimizer_state;

@@ -2,6 +2,7 @@
 //! equals the single-device model; training resumed in a new layout continues as if never
 //! stopped; broken checkpoints are refused with their errors.
 
+mod hugging_face;
 mod placements;
 mod resharding;
 mod resume;

@@ -1,0 +1,328 @@
+//! transformers' `config.json` for GPT-2 and Llama, to and from our [`TransformerConfig`].
+
+use std::path::Path;
+
+use serde_json::{Map, Value, json};
+
+use crate::checkpointing::CheckpointError;
+use crate::error::Result;
+use crate::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
+
+/// The model families whose transformers checkpoints we read and write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfFamily {
+    /// `GPT2LMHeadModel` (`model_type: "gpt2"`): LayerNorm, GeLU, learned positions, biases,
+    /// output tied to the token embeddings, Conv1D weights stored `[in, out]`.
+    Gpt2,
+    /// `LlamaForCausalLM` (`model_type: "llama"`): RMSNorm, SwiGLU, rotary positions
+    /// (rotate-half), grouped queries, no biases, `nn.Linear` weights stored `[out, in]`.
+    Llama,
+}
+
+impl HfFamily {
+    /// The family of an exported model of `config`, or why transformers has no class for it.
+    pub fn of(config: &TransformerConfig) -> core::result::Result<Self, String> {
+        let c = config;
+        match (c.normalization, c.activation, c.position_embedding) {
+            (
+                Normalization::LayerNorm,
+                Activation::Gelu | Activation::GeluTanh,
+                PositionEmbedding::Learned,
+            ) => {
+                if !c.add_bias_linear {
+                    Err("a GPT-2 has biases in its linear layers (add_bias_linear = false)".into())
+                } else if !c.tie_embeddings {
+                    Err(
+                        "a GPT-2 ties its output layer to the embeddings (tie_embeddings = false)"
+                            .into(),
+                    )
+                } else if c.query_groups() != c.num_attention_heads {
+                    Err("a GPT-2 has no grouped queries (num_query_groups is set)".into())
+                } else {
+                    Ok(Self::Gpt2)
+                }
+            }
+            (Normalization::RmsNorm, Activation::SwiGlu, PositionEmbedding::Rope { .. }) => {
+                if c.add_bias_linear {
+                    Err("a Llama has no biases (add_bias_linear = true)".into())
+                } else {
+                    Ok(Self::Llama)
+                }
+            }
+            _ => Err(format!(
+                "no transformers model has {:?} with {:?} and {:?} (GPT-2: LayerNorm, GeLU, \
+                 learned positions; Llama: RMSNorm, SwiGLU, RoPE)",
+                c.normalization, c.activation, c.position_embedding
+            )),
+        }
+    }
+}
+
+/// A transformers `config.json` read as one of our configurations.
+#[derive(Debug, Clone)]
+pub struct HfConfig {
+    /// Which model it is.
+    pub family: HfFamily,
+    /// Our configuration of the same model (the vocabulary unpadded; padding is ours to add:
+    /// `make_vocab_size_divisible_by` keeps its default, dropout as the file says).
+    pub config: TransformerConfig,
+}
+
+fn invalid(file: &Path, problem: impl Into<String>) -> crate::error::Error {
+    CheckpointError::file(file, problem).into()
+}
+
+/// Typed reads of a `config.json` object, each error naming the file and the key.
+struct Keys<'a> {
+    file: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl Keys<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| invalid(self.file, format!("key {key} is missing")))
+    }
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        self.get(key)
+            .map(|v| {
+                v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                    invalid(
+                        self.file,
+                        format!("key {key} must be a whole number, got {v}"),
+                    )
+                })
+            })
+            .transpose()
+    }
+    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| invalid(self.file, format!("key {key} must be a number, got {v}"))),
+        }
+    }
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| {
+                invalid(
+                    self.file,
+                    format!("key {key} must be true or false, got {v}"),
+                )
+            }),
+        }
+    }
+    fn str_or<'b>(&'b self, key: &str, default: &'b str) -> Result<&'b str> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_str()
+                .ok_or_else(|| invalid(self.file, format!("key {key} must be a string, got {v}"))),
+        }
+    }
+    /// An error when `key` is set to anything but `expected` (or absent / null).
+    fn unsupported_unless(&self, key: &str, expected: Value) -> Result<()> {
+        match self.get(key) {
+            Some(v) if *v != expected => Err(invalid(
+                self.file,
+                format!("unsupported option {key} = {v} (supported: {expected} or absent)"),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl HfConfig {
+    /// Reads `config.json` in `dir`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let file = dir.join("config.json");
+        let text =
+            std::fs::read_to_string(&file).map_err(|e| CheckpointError::io(&file, "read it", e))?;
+        Self::parse(&text, &file)
+    }
+
+    /// Parses the text of a `config.json` (`file` names it in errors).
+    pub fn parse(text: &str, file: &Path) -> Result<Self> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| invalid(file, format!("not JSON: {e}")))?;
+        let map = value
+            .as_object()
+            .ok_or_else(|| invalid(file, "not a JSON object"))?;
+        let keys = Keys { file, map };
+        match keys.str_or("model_type", "")? {
+            "gpt2" => Self::gpt2(&keys),
+            "llama" => Self::llama(&keys),
+            other => Err(invalid(
+                file,
+                format!("unsupported model_type {other:?} (supported: \"gpt2\", \"llama\")"),
+            )),
+        }
+    }
+
+    fn gpt2(k: &Keys) -> Result<Self> {
+        k.unsupported_unless("scale_attn_weights", json!(true))?;
+        k.unsupported_unless("scale_attn_by_inverse_layer_idx", json!(false))?;
+        k.unsupported_unless("reorder_and_upcast_attn", json!(false))?;
+        k.unsupported_unless("add_cross_attention", json!(false))?;
+        k.unsupported_unless("tie_word_embeddings", json!(true))?;
+        let activation = match k.str_or("activation_function", "gelu_new")? {
+            "gelu_new" | "gelu_pytorch_tanh" => Activation::GeluTanh,
+            "gelu" => Activation::Gelu,
+            other => {
+                return Err(invalid(
+                    k.file,
+                    format!(
+                        "unsupported option activation_function = {other:?} (supported: \
+                         \"gelu_new\", \"gelu_pytorch_tanh\", \"gelu\")"
+                    ),
+                ));
+            }
+        };
+        let hidden = k.usize("n_embd")?;
+        let ffn = k.opt_usize("n_inner")?.unwrap_or(4 * hidden);
+        let config = TransformerConfig::new(
+            hidden,
+            k.usize("n_layer")?,
+            k.usize("n_head")?,
+            ffn,
+            k.usize("vocab_size")?,
+            k.usize("n_positions")?,
+        )
+        .with_normalization(Normalization::LayerNorm)
+        .with_norm_epsilon(k.f64_or("layer_norm_epsilon", 1e-5)?)
+        .with_activation(activation)
+        .with_position_embedding(PositionEmbedding::Learned)
+        .with_add_bias_linear(true)
+        .with_tie_embeddings(true)
+        .with_hidden_dropout(k.f64_or("resid_pdrop", 0.1)?)
+        .with_attention_dropout(k.f64_or("attn_pdrop", 0.1)?)
+        .with_init_std(k.f64_or("initializer_range", 0.02)?);
+        Ok(Self {
+            family: HfFamily::Gpt2,
+            config,
+        })
+    }
+
+    fn llama(k: &Keys) -> Result<Self> {
+        // transformers writes plain RoPE as no `rope_scaling` (older versions) or as a
+        // `rope_type` of "default", with `rope_theta` inside `rope_parameters` (newer ones).
+        let mut rope_theta = k.f64_or("rope_theta", 10_000.0)?;
+        for key in ["rope_scaling", "rope_parameters"] {
+            let Some(rope) = k.get(key) else { continue };
+            let kind = rope.get("rope_type").or_else(|| rope.get("type"));
+            if kind.and_then(Value::as_str) != Some("default") {
+                return Err(invalid(
+                    k.file,
+                    format!("unsupported option {key} = {rope} (plain RoPE only)"),
+                ));
+            }
+            if let Some(theta) = rope.get("rope_theta").and_then(Value::as_f64) {
+                rope_theta = theta;
+            }
+        }
+        k.unsupported_unless("attention_bias", json!(false))?;
+        k.unsupported_unless("mlp_bias", json!(false))?;
+        k.unsupported_unless("hidden_act", json!("silu"))?;
+        k.unsupported_unless("pretraining_tp", json!(1))?;
+        let hidden = k.usize("hidden_size")?;
+        let heads = k.usize("num_attention_heads")?;
+        if let Some(head_dim) = k.opt_usize("head_dim")?
+            && heads * head_dim != hidden
+        {
+            return Err(invalid(
+                k.file,
+                format!(
+                    "unsupported option head_dim = {head_dim}: our heads are hidden_size / \
+                     num_attention_heads = {}",
+                    hidden / heads.max(1)
+                ),
+            ));
+        }
+        let config = TransformerConfig::new(
+            hidden,
+            k.usize("num_hidden_layers")?,
+            heads,
+            k.usize("intermediate_size")?,
+            k.usize("vocab_size")?,
+            k.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+        )
+        .with_num_query_groups(Some(k.opt_usize("num_key_value_heads")?.unwrap_or(heads)))
+        .with_normalization(Normalization::RmsNorm)
+        .with_norm_epsilon(k.f64_or("rms_norm_eps", 1e-6)?)
+        .with_activation(Activation::SwiGlu)
+        .with_position_embedding(PositionEmbedding::Rope { base: rope_theta })
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(k.bool_or("tie_word_embeddings", false)?)
+        .with_scaled_output_init(false)
+        .with_hidden_dropout(0.0)
+        .with_attention_dropout(k.f64_or("attention_dropout", 0.0)?)
+        .with_init_std(k.f64_or("initializer_range", 0.02)?);
+        Ok(Self {
+            family: HfFamily::Llama,
+            config,
+        })
+    }
+
+    /// The `config.json` transformers reads for a model of `config`: an error when no
+    /// transformers class has its architecture.
+    pub fn to_json(config: &TransformerConfig) -> core::result::Result<Value, String> {
+        let c = config;
+        Ok(match HfFamily::of(c)? {
+            HfFamily::Gpt2 => json!({
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "n_embd": c.hidden_size,
+                "n_layer": c.num_layers,
+                "n_head": c.num_attention_heads,
+                "n_inner": c.ffn_hidden_size,
+                "n_positions": c.max_sequence_length,
+                "n_ctx": c.max_sequence_length,
+                "vocab_size": c.vocab_size,
+                "layer_norm_epsilon": c.norm_epsilon,
+                "activation_function": match c.activation {
+                    Activation::Gelu => "gelu",
+                    _ => "gelu_new",
+                },
+                "resid_pdrop": c.hidden_dropout,
+                "embd_pdrop": c.hidden_dropout,
+                "attn_pdrop": c.attention_dropout,
+                "initializer_range": c.init_std,
+                "scale_attn_weights": true,
+                "tie_word_embeddings": true,
+                "torch_dtype": "float32",
+            }),
+            HfFamily::Llama => {
+                let PositionEmbedding::Rope { base } = c.position_embedding else {
+                    unreachable!("HfFamily::of checks a Llama has RoPE")
+                };
+                json!({
+                    "model_type": "llama",
+                    "architectures": ["LlamaForCausalLM"],
+                    "hidden_size": c.hidden_size,
+                    "intermediate_size": c.ffn_hidden_size,
+                    "num_hidden_layers": c.num_layers,
+                    "num_attention_heads": c.num_attention_heads,
+                    "num_key_value_heads": c.query_groups(),
+                    "head_dim": c.head_dim(),
+                    "rms_norm_eps": c.norm_epsilon,
+                    "rope_theta": base,
+                    "rope_scaling": null,
+                    "vocab_size": c.vocab_size,
+                    "max_position_embeddings": c.max_sequence_length,
+                    "tie_word_embeddings": c.tie_embeddings,
+                    "hidden_act": "silu",
+                    "attention_bias": false,
+                    "mlp_bias": false,
+                    "attention_dropout": c.attention_dropout,
+                    "initializer_range": c.init_std,
+                    "torch_dtype": "float32",
+                })
+            }
+        })
+    }
+}

@@ -1,0 +1,122 @@
+//! Exporting a model to a transformers checkpoint directory: `config.json` and
+//! `model.safetensors` with transformers' names and layouts, the vocabulary unpadded.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use burn::tensor::TensorData;
+
+use super::HF_WEIGHTS_FILE;
+use super::config::HfConfig;
+use super::layout::{Dense, QkvSource, Recipe, qkv_order, recipe};
+use crate::ModelBackend;
+use crate::checkpointing::CheckpointError;
+use crate::error::Result;
+use crate::models::GptModel;
+use crate::tensor_parallel::gather_full_params;
+use crate::transformer::TransformerConfig;
+
+/// Writes `model` (a whole model of `config`, PP = 1, at any TP) to `dir` as a transformers
+/// checkpoint: `config.json` and `model.safetensors` (f32). Every TP rank must call it (the
+/// parameters are gathered over TP); TP rank 0 writes. An error when transformers has no
+/// class of this architecture (see [`HfFamily::of`](super::HfFamily::of)).
+pub fn export_model<B: ModelBackend>(
+    model: &GptModel<B>,
+    config: &TransformerConfig,
+    dir: &Path,
+) -> Result<()> {
+    if model.stage().num_stages != 1 {
+        return Err(CheckpointError::mismatch(
+            dir,
+            "a transformers export needs the whole model on each rank (PP = 1): load the \
+             checkpoint at PP = 1 first",
+        )
+        .into());
+    }
+    let params = gather_full_params(model, model.tp())?;
+    if model.tp().rank() == 0 {
+        export_tensors(config, params.into_iter().collect(), dir)?;
+    }
+    Ok(())
+}
+
+/// Writes the full (unpadded) tensors of a whole model of `config`, keyed by our paths
+/// (`block.layers.0.attention.qkv.weight`), to `dir` as a transformers checkpoint.
+pub fn export_tensors(
+    config: &TransformerConfig,
+    params: BTreeMap<String, TensorData>,
+    dir: &Path,
+) -> Result<()> {
+    let json = HfConfig::to_json(config).map_err(|problem| {
+        CheckpointError::mismatch(dir, format!("cannot export to transformers: {problem}"))
+    })?;
+    let family = super::HfFamily::of(config).expect("to_json checked the family");
+    let mut out: BTreeMap<String, Dense> = BTreeMap::new();
+    for (path, data) in params {
+        let dense = Dense {
+            shape: data.shape.to_vec(),
+            values: data
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .map_err(|e| CheckpointError::mismatch(dir, format!("parameter {path}: {e:?}")))?,
+        };
+        let recipe = recipe(family, &path, config).ok_or_else(|| {
+            CheckpointError::mismatch(
+                dir,
+                format!("our parameter {path} has no counterpart in a transformers {family:?}"),
+            )
+        })?;
+        match recipe {
+            Recipe::Copy(name) => {
+                out.insert(name, dense);
+            }
+            Recipe::Transpose(name) => {
+                out.insert(name, dense.transpose());
+            }
+            Recipe::Qkv(source) => {
+                let order = qkv_order(config);
+                let mut inverse = vec![0; order.len()];
+                for (ours, &theirs) in order.iter().enumerate() {
+                    inverse[theirs] = ours;
+                }
+                let qkv = dense.columns(&inverse);
+                match source {
+                    QkvSource::Fused(name) => {
+                        out.insert(name, qkv);
+                    }
+                    QkvSource::Split(names) => {
+                        let head_dim = config.head_dim();
+                        let kv = config.query_groups() * head_dim;
+                        let widths = [config.num_attention_heads * head_dim, kv, kv];
+                        for (name, part) in names.into_iter().zip(qkv.split_columns(&widths)) {
+                            out.insert(name, part.transpose());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, "create it", e))?;
+    let config_file = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&json).expect("a JSON value serialises");
+    std::fs::write(&config_file, text)
+        .map_err(|e| CheckpointError::io(&config_file, "write it", e))?;
+    let bytes: BTreeMap<String, (Vec<usize>, Vec<u8>)> = out
+        .into_iter()
+        .map(|(name, d)| {
+            let b = d.values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name, (d.shape, b))
+        })
+        .collect();
+    let views = bytes.iter().map(|(name, (shape, b))| {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b)
+            .expect("the byte count matches the shape");
+        (name.as_str(), view)
+    });
+    // transformers refuses safetensors files without `format: pt` in their metadata.
+    let metadata = Some([("format".to_string(), "pt".to_string())].into());
+    let weights = dir.join(HF_WEIGHTS_FILE);
+    safetensors::serialize_to_file(views, metadata, &weights)
+        .map_err(|e| CheckpointError::file(&weights, format!("cannot write it: {e}")))?;
+    Ok(())
+}

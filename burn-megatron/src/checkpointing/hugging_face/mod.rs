@@ -1,0 +1,24 @@
+//! Hugging Face interop: transformers' GPT-2 and Llama checkpoints (`config.json` +
+//! `model.safetensors`) imported into our models at any TP/PP layout, and exported back.
+//!
+//! - [`HfConfig`]: `config.json` ↔ [`TransformerConfig`](crate::transformer::TransformerConfig);
+//!   options we do not implement (`rope_scaling`, attention biases in Llama, …) are errors
+//!   naming the key.
+//! - [`HfCheckpoint::load_model`]: each rank converts the transformers tensors its chunk needs
+//!   (memory-mapped, any float dtype) to our layout and keeps its slice.
+//! - [`export_model`]: the model gathered over TP, written with transformers' names and
+//!   layouts, the vocabulary unpadded.
+//!
+//! The name and layout mapping (QKV column order, transposed `nn.Linear` weights, RoPE
+//! convention, vocabulary padding) is described in `layout.rs`.
+
+mod config;
+mod export;
+mod files;
+mod import;
+mod layout;
+
+pub use config::{HfConfig, HfFamily};
+pub use export::{export_model, export_tensors};
+pub use files::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
+pub use import::HfCheckpoint;
