@@ -912,14 +912,41 @@ fn fused_norm_matches_the_composition() {
                     )
                 };
                 let grads = backward();
-                assert_close(
-                    &name("dx"),
-                    &grads.x.cast(DType::F32).into_data(),
-                    &expect.x.into_data(),
-                    bound,
-                );
-                let dscale = grads.scale.cast(DType::F32).into_data();
-                assert_close(&name("dscale"), &dscale, &expect.scale.into_data(), bound);
+                use burn::tensor::ElementConversion;
+                if matches!(kind, NormKind::LayerNorm) && hidden == 1 {
+                    // A one-element row normalises to 0 whatever x is, so dx is exactly 0 and
+                    // only rounding is left on either side: compare it absolutely.
+                    let worst: f32 = grads
+                        .x
+                        .clone()
+                        .cast(DType::F32)
+                        .abs()
+                        .max()
+                        .into_scalar()
+                        .elem();
+                    assert!(worst <= 1e-5, "{}: |dx| up to {worst:e}, not 0", name("dx"));
+                } else {
+                    assert_close(
+                        &name("dx"),
+                        &grads.x.clone().cast(DType::F32).into_data(),
+                        &expect.x.into_data(),
+                        bound,
+                    );
+                }
+                let dscale = grads.scale.clone().cast(DType::F32).into_data();
+                if matches!(kind, NormKind::LayerNorm) && hidden == 1 {
+                    // Σ dy · x̂ with x̂ = 0: exactly 0 too.
+                    let worst: f32 = grads
+                        .scale
+                        .cast(DType::F32)
+                        .abs()
+                        .max()
+                        .into_scalar()
+                        .elem();
+                    assert!(worst <= 1e-5, "{}: up to {worst:e}, not 0", name("dscale"));
+                } else {
+                    assert_close(&name("dscale"), &dscale, &expect.scale.into_data(), bound);
+                }
                 if let (Some(got), Some(want)) = (grads.shift, expect.shift) {
                     assert_close(
                         &name("dshift"),
