@@ -264,3 +264,168 @@ impl<B: ModelBackend> Backward<B, 3> for FlashAttentionBackward {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::activation::softmax;
+    use burn::tensor::{Bool, Int, Tensor, TensorData};
+    use burn_megatron_testing::{assert_close, tolerance, values};
+
+    use crate::init::{InitDistribution, init_full};
+
+    type AD = Autodiff<NdArray>;
+
+    /// `(batch, heads, kv_heads, seq_q, seq_k, head_dim, causal)`: multi-head, GQA and MQA,
+    /// a single position, more keys than queries and the reverse.
+    const CASES: [(usize, usize, usize, usize, usize, usize, bool); 6] = [
+        (2, 4, 4, 5, 5, 8, true),
+        (1, 4, 2, 7, 7, 6, true),
+        (2, 4, 1, 3, 9, 5, false),
+        (1, 2, 2, 1, 1, 4, true),
+        (1, 4, 2, 6, 4, 8, false),
+        (1, 3, 1, 4, 4, 7, false),
+    ];
+
+    fn normal<B: burn::tensor::backend::Backend>(
+        shape: [usize; 4],
+        std: f64,
+        seed: u64,
+    ) -> Tensor<B, 4> {
+        init_full::<B, 4>(
+            shape,
+            InitDistribution::Normal { std },
+            seed,
+            &Default::default(),
+        )
+    }
+
+    /// Plain Burn, differentiated by Burn: `softmax(scale · q kᵀ + mask) v`, each query head
+    /// reading its key/value head through `select`.
+    fn reference<B: burn::tensor::backend::Backend>(
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+        let [_, heads, seq_q, _] = q.dims();
+        let [_, kv_heads, seq_k, _] = k.dims();
+        let device = q.device();
+        let of_head: Vec<i64> = (0..heads)
+            .map(|h| (h / (heads / kv_heads)) as i64)
+            .collect();
+        let of_head = Tensor::<B, 1, Int>::from_data(TensorData::new(of_head, [heads]), &device);
+        let (k, v) = (k.select(1, of_head.clone()), v.select(1, of_head));
+        let mut scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+        if causal {
+            let future = Tensor::<B, 2, Bool>::tril_mask([seq_q, seq_k], 0, &device);
+            scores = scores.mask_fill(future.unsqueeze::<4>(), f64::NEG_INFINITY);
+        }
+        let lse = scores.clone().exp().sum_dim(3).log().squeeze_dim::<3>(3);
+        (softmax(scores, 3).matmul(v), lse)
+    }
+
+    /// The op (through `ModelBackend` on `Autodiff<NdArray>`: the composition forward and the
+    /// node's backward) against Burn's autodiff of the plain formula: output, `lse` and the
+    /// gradients of q, k and v (K/V gradients summed over each group's query heads).
+    #[test]
+    fn the_op_and_its_node_match_burns_autodiff_of_the_formula() {
+        for (i, &(batch, heads, kv_heads, seq_q, seq_k, head_dim, causal)) in
+            CASES.iter().enumerate()
+        {
+            let scale = 1.0 / (head_dim as f64).sqrt();
+            let seed = 10 * i as u64;
+            let q_shape = [batch, heads, seq_q, head_dim];
+            let kv_shape = [batch, kv_heads, seq_k, head_dim];
+            let upstream = normal::<AD>(q_shape, 1.0, seed + 3).detach();
+            let run = |ours: bool| {
+                let q = normal::<AD>(q_shape, 1.5, seed).require_grad();
+                let k = normal::<AD>(kv_shape, 1.5, seed + 1).require_grad();
+                let v = normal::<AD>(kv_shape, 1.0, seed + 2).require_grad();
+                let out = if ours {
+                    super::attention(q.clone(), k.clone(), v.clone(), scale, causal)
+                } else {
+                    reference(q.clone(), k.clone(), v.clone(), scale, causal).0
+                };
+                let grads = (out.clone() * upstream.clone()).sum().backward();
+                [
+                    values(out),
+                    values(q.grad(&grads).expect("q has a gradient")),
+                    values(k.grad(&grads).expect("k has a gradient")),
+                    values(v.grad(&grads).expect("v has a gradient")),
+                ]
+            };
+            let (ours, want) = (run(true), run(false));
+            for (name, (a, b)) in ["output", "dq", "dk", "dv"]
+                .iter()
+                .zip(ours.iter().zip(&want))
+            {
+                if (*name == "dq" || *name == "dk") && seq_k == 1 {
+                    // One key: the probabilities are constant, the score gradients zero.
+                    let largest = a.iter().chain(b).fold(0.0f64, |m, x| m.max(x.abs()));
+                    assert!(
+                        largest < 1e-6,
+                        "case {i} {name}: {largest:e} should be zero"
+                    );
+                    continue;
+                }
+                assert_close(&format!("case {i} {name}"), a, b, tolerance::F32);
+            }
+
+            let q = normal::<NdArray>(q_shape, 1.5, seed);
+            let k = normal::<NdArray>(kv_shape, 1.5, seed + 1);
+            let v = normal::<NdArray>(kv_shape, 1.0, seed + 2);
+            let (out, lse) =
+                super::forward_composition(q.clone(), k.clone(), v.clone(), scale, causal);
+            let (want_out, want_lse) = reference(q, k, v, scale, causal);
+            assert_eq!(lse.dims(), [batch, heads, seq_q]);
+            assert_close(
+                &format!("case {i} lse"),
+                &values(lse),
+                &values(want_lse),
+                tolerance::F32,
+            );
+            assert_close(
+                &format!("case {i} output (inner backend)"),
+                &values(out),
+                &values(want_out),
+                tolerance::F32,
+            );
+        }
+    }
+
+    /// The composition's `lse` is returned untracked, and calls with tracked and untracked
+    /// inputs agree.
+    #[test]
+    fn untracked_inputs_give_the_same_output() {
+        let (q_shape, kv_shape) = ([1, 2, 5, 4], [1, 1, 5, 4]);
+        let q = normal::<AD>(q_shape, 1.0, 1);
+        let k = normal::<AD>(kv_shape, 1.0, 2);
+        let v = normal::<AD>(kv_shape, 1.0, 3);
+        let plain = super::attention(q.clone(), k.clone(), v.clone(), 0.5, true);
+        let tracked = super::attention(q.require_grad(), k, v, 0.5, true);
+        assert_close(
+            "tracked vs untracked",
+            &values(tracked),
+            &values(plain),
+            tolerance::F32_SAME_ORDER,
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "causal attention needs as many queries as keys (seq_q 3, seq_k 4)")]
+    fn causal_attention_with_unequal_lengths_is_refused() {
+        let q = normal::<NdArray>([1, 2, 3, 4], 1.0, 1);
+        let k = normal::<NdArray>([1, 2, 4, 4], 1.0, 2);
+        super::attention(q, k.clone(), k, 0.5, true);
+    }
+
+    #[test]
+    #[should_panic(expected = "the query heads (3) must be a multiple of the key/value heads (2)")]
+    fn heads_not_a_multiple_of_kv_heads_are_refused() {
+        let q = normal::<NdArray>([1, 3, 4, 4], 1.0, 1);
+        let k = normal::<NdArray>([1, 2, 4, 4], 1.0, 2);
+        super::attention(q, k.clone(), k, 0.5, false);
+    }
+}

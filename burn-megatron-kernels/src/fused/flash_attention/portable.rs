@@ -1,20 +1,33 @@
 //! Flash attention for any CubeCL runtime: one thread per output row, f32 arithmetic, tiles of
 //! the other operand staged in shared memory, no tensor cores and no plane operations.
 //!
-//! - `forward_kernel`: a cube owns up to [`ROW_THREADS`] query rows of one (batch, head); its
-//!   threads copy a tile of K and V rows (f32) into shared memory together, then each runs the
-//!   online softmax of its query row over the tile: scores of the tile, one rescale of the
-//!   accumulator by `exp(m_old - m_new)`, then `acc += p · v` for each key.
+//! - `forward_kernel`: a cube owns up to [`ROW_THREADS`] query rows of one (batch, head). Its
+//!   threads copy a tile of K and V rows (f32) into shared memory together; then each thread
+//!   takes its query row's scores over the tile, rescales its running sum and output
+//!   accumulator once by `exp(m_old - m_new)`, and adds `p · v` over the tile.
 //! - `delta_kernel`: one thread per query row, `delta = Σ dO ∘ O`.
 //! - `grad_q_kernel`: a cube of query rows as in the forward, tiles of K and V; each thread
 //!   adds `ds · k` over the keys its row sees.
 //! - `grad_kv_kernel`: a cube owns up to [`ROW_THREADS`] key rows of one (batch, kv head); for
-//!   each query head of the group it stages tiles of Q and dO rows, and each thread adds
-//!   `p · dO` (dv) and `ds · q` (dk) over the queries that see its key.
+//!   each query head of the group it stages tiles of Q and dO rows with their `lse` and
+//!   `delta`, and each thread adds `p · dO` (dv) and `ds · q` (dk) over the queries that see
+//!   its key.
 //!
 //! Causal cubes stop at the last key their rows see (forward, dq) or start at the first
-//! query that sees their keys (dk, dv). Per-thread rows are local arrays sized by the
-//! comptime `head_dim`, so each head dimension compiles its own kernels.
+//! query that sees their keys (dk, dv). A thread's rows (query, output accumulator, ...) are
+//! local arrays sized by the comptime `head_dim`, so each head dimension compiles its own
+//! kernels; a tile's per-row values (scores, probabilities) are registers, the loops over a
+//! tile being unrolled (`tile` is comptime too).
+//!
+//! The loops run over `head_dim` outside and over the tile inside: each element of a thread's
+//! row is read once per tile, not once per key. This also matters on lavapipe, which stops
+//! every loop of a shader invocation, silently, once all of them together have run 65 535
+//! iterations (Mesa's `LP_MAX_TGSI_LOOP_ITERATIONS`): with a loop over `head_dim` per key, a
+//! thread of the dk/dv kernel at head_dim 128 gave up after about 250 query rows. Now a thread
+//! runs about `3 · head_dim / tile` loop iterations per key (forward, dq) or query row (dk,
+//! dv, over the group's heads) it visits, so on lavapipe a row can visit about 5 000 of them
+//! at head_dim 64, 2 000 at 128 and 500 at 256. GPUs have no such limit. (Unrolling the
+//! `head_dim` loops instead made lavapipe's compiler take minutes per kernel.)
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -26,9 +39,13 @@ use super::{AttentionOptions, Dims};
 
 /// Rows (threads) per cube, at most.
 const ROW_THREADS: usize = 64;
-/// f32 elements per staged tile (each kernel stages two): 8 KiB each, 16 KiB in all, the
-/// smallest shared-memory budget among CubeCL's runtimes.
-const TILE_ELEMENTS: usize = 2048;
+/// Shared memory per cube: two staged tiles of rows and two f32 per row fit in 16 KiB, the
+/// smallest budget among CubeCL's runtimes (WebGPU's default limit).
+const SHARED_BYTES: usize = 16 * 1024;
+/// Rows per staged tile, at most: a thread keeps two values per row in registers, and the
+/// unrolled loops over a tile grow with it (lavapipe compiles 32-row tiles of small head dims
+/// slowly).
+const MAX_TILE: usize = 16;
 /// Threads per cube of the `delta` kernel.
 const DELTA_THREADS: usize = 256;
 /// Stands for "no score yet" in the running maximum: finite (WGSL has no infinity literal),
@@ -41,33 +58,10 @@ fn cube_index() -> usize {
     (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
 }
 
-/// `Σ_d a[d] · b[offset + d]` over `head_dim` elements.
-#[cube]
-fn dot(a: &Array<f32>, b: &SharedMemory<f32>, offset: usize, #[comptime] head_dim: usize) -> f32 {
-    let mut sum = f32::new(0.0);
-    for d in 0..head_dim {
-        sum += a[d] * b[offset + d];
-    }
-    sum
-}
-
-/// `to[d] += factor · from[offset + d]` over `head_dim` elements.
-#[cube]
-fn add_scaled(
-    to: &mut Array<f32>,
-    factor: f32,
-    from: &SharedMemory<f32>,
-    offset: usize,
-    #[comptime] head_dim: usize,
-) {
-    for d in 0..head_dim {
-        to[d] += factor * from[offset + d];
-    }
-}
-
 /// Row `row` of head `head` of batch `batch` of `t` (`[batch, heads, seq, head_dim]`, any
-/// strides) as f32, or zeros when `!valid`.
+/// strides) times `scale`, as f32, or zeros when `!valid`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn load_row<F: Float>(
     t: &Tensor<F>,
     batch: usize,
@@ -87,6 +81,34 @@ fn load_row<F: Float>(
         out[d] = x;
     }
     out
+}
+
+/// A local array of `len` zeros.
+#[cube]
+fn zeros(#[comptime] len: usize) -> Array<f32> {
+    let mut out = Array::<f32>::new(len);
+    for i in 0..len {
+        out[i] = f32::new(0.0);
+    }
+    out
+}
+
+/// Writes `scale · values` as row `row` of head `head` of batch `batch` of `t`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_row<F: Float>(
+    t: &mut Tensor<F>,
+    values: &Array<f32>,
+    scale: f32,
+    batch: usize,
+    head: usize,
+    row: usize,
+    #[comptime] head_dim: usize,
+) {
+    let base = batch * t.stride(0) + head * t.stride(1) + row * t.stride(2);
+    for d in 0..head_dim {
+        t[base + d * t.stride(3)] = F::cast_from(values[d] * scale);
+    }
 }
 
 /// Rows `start..start + tile` (those below `end`; zeros past it) of head `head` of batch
@@ -123,21 +145,56 @@ fn stage_tiles<F: Float>(
     }
 }
 
-/// Writes `scale · row` as row `row` of head `head` of batch `batch` of `t`.
+/// `out[t] = Σ_d a[d] · tile_a[t][d]` and `out_b[t] = Σ_d b[d] · tile_b[t][d]` for the rows
+/// `t` of two staged tiles (the second pair only when `pair`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn store_row<F: Float>(
-    t: &mut Tensor<F>,
-    values: &Array<f32>,
-    scale: f32,
-    batch: usize,
-    head: usize,
-    row: usize,
+fn tile_dots(
+    a: &Array<f32>,
+    tile_a: &SharedMemory<f32>,
+    out_a: &mut Array<f32>,
+    b: &Array<f32>,
+    tile_b: &SharedMemory<f32>,
+    out_b: &mut Array<f32>,
+    #[comptime] pair: bool,
+    #[comptime] tile: usize,
     #[comptime] head_dim: usize,
 ) {
-    let base = batch * t.stride(0) + head * t.stride(1) + row * t.stride(2);
+    #[unroll]
+    for t in 0..tile {
+        out_a[t] = f32::new(0.0);
+        out_b[t] = f32::new(0.0);
+    }
     for d in 0..head_dim {
-        t[base + d * t.stride(3)] = F::cast_from(values[d] * scale);
+        let x = a[d];
+        let y = b[d];
+        #[unroll]
+        for t in 0..tile {
+            out_a[t] += x * tile_a[t * head_dim + d];
+            if pair {
+                out_b[t] += y * tile_b[t * head_dim + d];
+            }
+        }
+    }
+}
+
+/// `acc[d] = acc_scale · acc[d] + Σ_t weights[t] · tile[t][d]` over a staged tile.
+#[cube]
+fn accumulate(
+    acc: &mut Array<f32>,
+    acc_scale: f32,
+    weights: &Array<f32>,
+    tile_rows: &SharedMemory<f32>,
+    #[comptime] tile: usize,
+    #[comptime] head_dim: usize,
+) {
+    for d in 0..head_dim {
+        let mut sum = acc[d] * acc_scale;
+        #[unroll]
+        for t in 0..tile {
+            sum += weights[t] * tile_rows[t * head_dim + d];
+        }
+        acc[d] = sum;
     }
 }
 
@@ -182,11 +239,9 @@ fn forward_kernel<F: Float>(
 
     // The scale is folded into the query row.
     let query = load_row::<F>(q, batch, head, row, valid, scale, head_dim);
-    let mut acc = Array::<f32>::new(head_dim);
-    for d in 0..head_dim {
-        acc[d] = f32::new(0.0);
-    }
-    let mut scores = Array::<f32>::new(tile);
+    let mut acc = zeros(head_dim);
+    let mut scores = zeros(tile);
+    let mut unused = zeros(tile);
     let mut keys = SharedMemory::<f32>::new(tile * head_dim);
     let mut values = SharedMemory::<f32>::new(tile * head_dim);
 
@@ -212,31 +267,38 @@ fn forward_kernel<F: Float>(
         );
         sync_cube();
         if valid {
+            tile_dots(
+                &query,
+                &keys,
+                &mut scores,
+                &query,
+                &keys,
+                &mut unused,
+                false,
+                tile,
+                head_dim,
+            );
             let mut top = m;
+            #[unroll]
             for t in 0..tile {
                 let key = start + t;
-                let mut s = f32::new(NO_SCORE);
-                if key < end && (!causal || key <= row) {
-                    s = dot(&query, &keys, t * head_dim, head_dim);
-                    if s > top {
-                        top = s;
-                    }
+                if key < end && (!causal || key <= row) && scores[t] > top {
+                    top = scores[t];
                 }
-                scores[t] = s;
             }
             let correction = (m - top).exp();
             l *= correction;
-            for d in 0..head_dim {
-                acc[d] *= correction;
-            }
+            #[unroll]
             for t in 0..tile {
                 let key = start + t;
+                let mut p = f32::new(0.0);
                 if key < end && (!causal || key <= row) {
-                    let p = (scores[t] - top).exp();
-                    l += p;
-                    add_scaled(&mut acc, p, &values, t * head_dim, head_dim);
+                    p = (scores[t] - top).exp();
                 }
+                scores[t] = p;
+                l += p;
             }
+            accumulate(&mut acc, correction, &scores, &values, tile, head_dim);
             m = top;
         }
         sync_cube();
@@ -315,10 +377,9 @@ fn grad_q_kernel<F: Float>(
 
     let query = load_row::<F>(q, batch, head, row, valid, scale, head_dim);
     let grad_row = load_row::<F>(grad_out, batch, head, row, valid, f32::new(1.0), head_dim);
-    let mut acc = Array::<f32>::new(head_dim);
-    for d in 0..head_dim {
-        acc[d] = f32::new(0.0);
-    }
+    let mut acc = zeros(head_dim);
+    let mut scores = zeros(tile);
+    let mut grad_probs = zeros(tile);
     let mut row_lse = f32::new(0.0);
     let mut row_delta = f32::new(0.0);
     if valid {
@@ -348,15 +409,28 @@ fn grad_q_kernel<F: Float>(
         );
         sync_cube();
         if valid {
+            tile_dots(
+                &query,
+                &keys,
+                &mut scores,
+                &grad_row,
+                &values,
+                &mut grad_probs,
+                true,
+                tile,
+                head_dim,
+            );
+            // `scores` becomes `ds = p · (dp - delta)`.
+            #[unroll]
             for t in 0..tile {
                 let key = start + t;
+                let mut ds = f32::new(0.0);
                 if key < end && (!causal || key <= row) {
-                    let offset = t * head_dim;
-                    let p = (dot(&query, &keys, offset, head_dim) - row_lse).exp();
-                    let ds = p * (dot(&grad_row, &values, offset, head_dim) - row_delta);
-                    add_scaled(&mut acc, ds, &keys, offset, head_dim);
+                    ds = (scores[t] - row_lse).exp() * (grad_probs[t] - row_delta);
                 }
+                scores[t] = ds;
             }
+            accumulate(&mut acc, f32::new(1.0), &scores, &keys, tile, head_dim);
         }
         sync_cube();
         start += tile;
@@ -404,58 +478,108 @@ fn grad_kv_kernel<F: Float>(
     // The scale is folded into the key row for the scores.
     let key_row = load_row::<F>(k, batch, kv_head, key, valid, scale, head_dim);
     let value_row = load_row::<F>(v, batch, kv_head, key, valid, f32::new(1.0), head_dim);
-    let mut grad_key = Array::<f32>::new(head_dim);
-    let mut grad_value = Array::<f32>::new(head_dim);
-    for d in 0..head_dim {
-        grad_key[d] = f32::new(0.0);
-        grad_value[d] = f32::new(0.0);
-    }
+    let mut grad_key = zeros(head_dim);
+    let mut grad_value = zeros(head_dim);
+    let mut probs = zeros(tile);
+    let mut grad_scores = zeros(tile);
     let mut queries = SharedMemory::<f32>::new(tile * head_dim);
     let mut grads = SharedMemory::<f32>::new(tile * head_dim);
+    let mut lses = SharedMemory::<f32>::new(tile);
+    let mut deltas = SharedMemory::<f32>::new(tile);
 
     let end = seq_q as usize;
     let mut begin = 0;
     if causal {
         begin = first;
     }
-    for member in 0..group as usize {
-        let head = kv_head * group as usize + member;
-        let mut start = begin;
-        while start < end {
-            stage_tiles::<F>(
-                q,
-                grad_out,
-                &mut queries,
-                &mut grads,
-                batch,
-                head,
-                start,
-                end,
+    // One loop over (query head of the group, tile of its queries).
+    let tiles = (end - begin).div_ceil(tile);
+    let steps = group as usize * tiles;
+    let mut step = 0;
+    while step < steps {
+        let head = kv_head * group as usize + step / tiles;
+        let start = begin + (step % tiles) * tile;
+        stage_tiles::<F>(
+            q,
+            grad_out,
+            &mut queries,
+            &mut grads,
+            batch,
+            head,
+            start,
+            end,
+            tile,
+            head_dim,
+        );
+        let mut t = UNIT_POS_X as usize;
+        while t < tile {
+            let mut row_lse = f32::new(0.0);
+            let mut row_delta = f32::new(0.0);
+            if start + t < end {
+                row_lse = lse[row_statistic(lse, batch, head, start + t)];
+                row_delta = delta[row_statistic(delta, batch, head, start + t)];
+            }
+            lses[t] = row_lse;
+            deltas[t] = row_delta;
+            t += CUBE_DIM_X as usize;
+        }
+        sync_cube();
+        if valid {
+            tile_dots(
+                &key_row,
+                &queries,
+                &mut probs,
+                &value_row,
+                &grads,
+                &mut grad_scores,
+                true,
                 tile,
                 head_dim,
             );
-            sync_cube();
-            if valid {
-                for t in 0..tile {
-                    let query = start + t;
-                    if query < end && (!causal || key <= query) {
-                        let offset = t * head_dim;
-                        let row_lse = lse[row_statistic(lse, batch, head, query)];
-                        let row_delta = delta[row_statistic(delta, batch, head, query)];
-                        let p = (dot(&key_row, &queries, offset, head_dim) - row_lse).exp();
-                        add_scaled(&mut grad_value, p, &grads, offset, head_dim);
-                        let ds = p * (dot(&value_row, &grads, offset, head_dim) - row_delta);
-                        add_scaled(&mut grad_key, ds, &queries, offset, head_dim);
-                    }
+            // `probs` becomes `p`, `grad_scores` becomes `ds = p · (dp - delta)`.
+            #[unroll]
+            for t in 0..tile {
+                let query = start + t;
+                let mut p = f32::new(0.0);
+                let mut ds = f32::new(0.0);
+                if query < end && (!causal || key <= query) {
+                    p = (probs[t] - lses[t]).exp();
+                    ds = p * (grad_scores[t] - deltas[t]);
                 }
+                probs[t] = p;
+                grad_scores[t] = ds;
             }
-            sync_cube();
-            start += tile;
+            accumulate(
+                &mut grad_value,
+                f32::new(1.0),
+                &probs,
+                &grads,
+                tile,
+                head_dim,
+            );
+            accumulate(
+                &mut grad_key,
+                f32::new(1.0),
+                &grad_scores,
+                &queries,
+                tile,
+                head_dim,
+            );
         }
+        sync_cube();
+        step += 1;
     }
     if valid {
         store_row::<F>(grad_k, &grad_key, scale, batch, kv_head, key, head_dim);
-        store_row::<F>(grad_v, &grad_value, f32::new(1.0), batch, kv_head, key, head_dim);
+        store_row::<F>(
+            grad_v,
+            &grad_value,
+            f32::new(1.0),
+            batch,
+            kv_head,
+            key,
+            head_dim,
+        );
     }
 }
 
@@ -466,7 +590,7 @@ fn row_threads(rows: usize) -> usize {
 
 /// Rows per staged tile for `head_dim`.
 fn tile_rows(head_dim: usize) -> usize {
-    (TILE_ELEMENTS / head_dim).clamp(1, 32)
+    (SHARED_BYTES / (4 * (2 * head_dim + 2))).clamp(1, MAX_TILE)
 }
 
 /// A 2D grid of `cubes` cubes, each dimension within every runtime's limit.
