@@ -320,6 +320,8 @@ mod cube {
     use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    /// Flash attention's output and log-sum-exp.
+    type AttentionOutput<B> = (Tensor<B, 4>, Tensor<B, 3>);
 
     fn kernel_slice(slice: VocabSlice) -> kernels::VocabSlice {
         kernels::VocabSlice {
@@ -443,7 +445,7 @@ mod cube {
         v: Tensor<Cube<R, F, I, BT>, 4>,
         scale: f64,
         causal: bool,
-    ) -> (Tensor<Cube<R, F, I, BT>, 4>, Tensor<Cube<R, F, I, BT>, 3>)
+    ) -> AttentionOutput<Cube<R, F, I, BT>>
     where
         R: CubeRuntime,
         F: FloatElement,

@@ -183,15 +183,18 @@ pub fn backward_composition<B: Backend>(
     .map(|t| t.cast(dtype))
 }
 
+/// A tensor of `Autodiff<B, C>`.
+type Tracked<B, C, const D: usize> = Tensor<Autodiff<B, C>, D>;
+
 /// The `Autodiff<B>` operation: the forward on the inner backend, one node storing `q`, `k`,
 /// `v`, the output and `lse`. The returned `lse` is not tracked.
 pub(crate) fn autodiff_flash_attention<B: ModelBackend, C: CheckpointStrategy>(
-    q: Tensor<Autodiff<B, C>, 4>,
-    k: Tensor<Autodiff<B, C>, 4>,
-    v: Tensor<Autodiff<B, C>, 4>,
+    q: Tracked<B, C, 4>,
+    k: Tracked<B, C, 4>,
+    v: Tracked<B, C, 4>,
     scale: f64,
     causal: bool,
-) -> (Tensor<Autodiff<B, C>, 4>, Tensor<Autodiff<B, C>, 3>) {
+) -> (Tracked<B, C, 4>, Tracked<B, C, 3>) {
     let [q, k, v] = [q, k, v].map(|t| t.into_primitive().tensor());
     let (out, lse) = B::flash_attention(
         wrap::<B, 4>(q.primitive.clone()),

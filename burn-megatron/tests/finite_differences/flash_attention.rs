@@ -26,8 +26,7 @@ fn normal(shape: [usize; 4], std: f64, seed: u64) -> Vec<f64> {
 
 #[test]
 fn the_gradients_match_finite_differences() {
-    for (i, &(batch, heads, kv_heads, seq_q, seq_k, head_dim, causal)) in CASES.iter().enumerate()
-    {
+    for (i, &(batch, heads, kv_heads, seq_q, seq_k, head_dim, causal)) in CASES.iter().enumerate() {
         let q_shape = [batch, heads, seq_q, head_dim];
         let kv_shape = [batch, kv_heads, seq_k, head_dim];
         let shapes = [q_shape, kv_shape, kv_shape];

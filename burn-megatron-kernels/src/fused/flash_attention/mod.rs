@@ -161,14 +161,15 @@ pub fn backward<R: CubeRuntime>(
     );
     let rows = [dims.batch, dims.heads, dims.seq_q];
     for (name, t, want) in [
-        ("out", &out, &q.meta.shape().as_slice()[..]),
-        ("grad_out", &grad_out, &q.meta.shape().as_slice()[..]),
+        ("out", &out, q.meta.shape().as_slice()),
+        ("grad_out", &grad_out, q.meta.shape().as_slice()),
         ("lse", &lse, &rows[..]),
     ] {
         assert_eq!(
             t.meta.shape().as_slice(),
             want,
-            "flash attention backward: {name} has the wrong shape"
+            "flash attention backward: {name} has the wrong shape (q {:?})",
+            q.meta.shape().as_slice()
         );
     }
     portable::backward(q, k, v, out, lse, grad_out, dims, options)
