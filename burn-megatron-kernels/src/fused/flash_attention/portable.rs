@@ -23,7 +23,7 @@
 //! row is read once per tile, not once per key. This also matters on lavapipe, which stops
 //! every loop of a shader invocation, silently, once all of them together have run 65 535
 //! iterations (Mesa's `LP_MAX_TGSI_LOOP_ITERATIONS`): with a loop over `head_dim` per key, a
-//! thread of the dk/dv kernel at head_dim 128 gave up after about 250 query rows. Now a thread
+//! thread of the dk/dv kernel at head_dim 128 gave up after a few hundred query rows. Now a thread
 //! runs about `3 · head_dim / tile` loop iterations per key (forward, dq) or query row (dk,
 //! dv, over the group's heads) it visits, so on lavapipe a row can visit about 5 000 of them
 //! at head_dim 64, 2 000 at 128 and 500 at 256. GPUs have no such limit. (Unrolling the
