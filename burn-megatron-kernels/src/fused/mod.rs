@@ -11,4 +11,5 @@ pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;
 pub mod cross_entropy;
+pub mod flash_attention;
 pub mod norm;
