@@ -126,6 +126,42 @@ pub trait ModelBackend: DistBackend {
         crate::ops::causal_softmax::backward_composition(probs, grad, scale)
     }
 
+    /// Flash attention (see [`crate::ops::flash_attention`]): `softmax(scale · q kᵀ + mask)
+    /// v` for `q: [batch, heads, seq_q, head_dim]` and `k, v: [batch, kv_heads, seq_k,
+    /// head_dim]` (`heads` a multiple of `kv_heads`; query `i` sees keys `0..=i` when
+    /// `causal`). Returns the output (q's dtype) and each query row's log-sum-exp `[batch,
+    /// heads, seq_q]` (f32; f64 for f64 inputs). `Autodiff<B>` records one node storing the
+    /// inputs, the output and `lse` (its `lse` is not tracked), whose backward is
+    /// [`flash_attention_backward`](Self::flash_attention_backward). CubeCL backends run the
+    /// kernels of `burn_megatron_kernels::fused::flash_attention` (head_dim up to 256, not
+    /// f64); the default is the Burn composition, which materialises the scores.
+    fn flash_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        crate::ops::flash_attention::forward_composition(q, k, v, scale, causal)
+    }
+
+    /// The gradients `[dq, dk, dv]` of [`flash_attention`](Self::flash_attention)'s output
+    /// given its gradient `grad` (`[batch, heads, seq_q, head_dim]`), from the inputs, the
+    /// output and `lse`; `dk` and `dv` are summed over the query heads of each key/value head.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        out: Tensor<Self, 4>,
+        lse: Tensor<Self, 3>,
+        grad: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> [Tensor<Self, 4>; 3] {
+        crate::ops::flash_attention::backward_composition(q, k, v, out, lse, grad, scale, causal)
+    }
+
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
     /// recomputation): the `[batch, heads, seq, seq]` probabilities are recomputed there.
     fn recomputed_attention_core(
@@ -271,6 +307,7 @@ mod cube {
     use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
     use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
+    use burn_megatron_kernels::fused::flash_attention as flash_kernels;
     use burn_megatron_kernels::fused::norm as norm_kernels;
 
     use crate::ops::GeluForm;
@@ -391,6 +428,84 @@ mod cube {
             grad.into_primitive().tensor(),
             scale,
         ))
+    }
+
+    /// Whether the flash-attention kernels take these inputs (else: the composition).
+    fn flash_kernels_take(dtype: DType, head_dim: usize) -> bool {
+        dtype != DType::F64 && (1..=flash_kernels::MAX_HEAD_DIM).contains(&head_dim)
+    }
+
+    /// `ModelBackend::flash_attention` in one kernel (f64 or head_dim above 256: the
+    /// composition).
+    pub(super) fn flash_attention<R, F, I, BT>(
+        q: Tensor<Cube<R, F, I, BT>, 4>,
+        k: Tensor<Cube<R, F, I, BT>, 4>,
+        v: Tensor<Cube<R, F, I, BT>, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Cube<R, F, I, BT>, 4>, Tensor<Cube<R, F, I, BT>, 3>)
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = q.dtype();
+        if !flash_kernels_take(dtype, q.dims()[3]) {
+            return crate::ops::flash_attention::forward_composition(q, k, v, scale, causal);
+        }
+        let raw = |t: Tensor<Cube<R, F, I, BT>, 4>| t.cast(dtype).into_primitive().tensor();
+        let (out, lse) = flash_kernels::forward(
+            raw(q),
+            raw(k),
+            raw(v),
+            flash_kernels::AttentionOptions {
+                scale: scale as f32,
+                causal,
+            },
+        );
+        (float(out), float(lse))
+    }
+
+    /// `ModelBackend::flash_attention_backward`: one kernel for `delta`, one for `dq`, one
+    /// for `dk` and `dv` (f64 or head_dim above 256: the composition).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn flash_attention_backward<R, F, I, BT>(
+        q: Tensor<Cube<R, F, I, BT>, 4>,
+        k: Tensor<Cube<R, F, I, BT>, 4>,
+        v: Tensor<Cube<R, F, I, BT>, 4>,
+        out: Tensor<Cube<R, F, I, BT>, 4>,
+        lse: Tensor<Cube<R, F, I, BT>, 3>,
+        grad: Tensor<Cube<R, F, I, BT>, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> [Tensor<Cube<R, F, I, BT>, 4>; 3]
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = q.dtype();
+        if !flash_kernels_take(dtype, q.dims()[3]) {
+            return crate::ops::flash_attention::backward_composition(
+                q, k, v, out, lse, grad, scale, causal,
+            );
+        }
+        let raw = |t: Tensor<Cube<R, F, I, BT>, 4>| t.cast(dtype).into_primitive().tensor();
+        flash_kernels::backward(
+            raw(q),
+            raw(k),
+            raw(v),
+            raw(out),
+            lse.cast(DType::F32).into_primitive().tensor(),
+            raw(grad),
+            flash_kernels::AttentionOptions {
+                scale: scale as f32,
+                causal,
+            },
+        )
+        .map(float)
     }
 
     /// `ModelBackend::flat_adamw` in one kernel.
@@ -623,6 +738,29 @@ mod cube {
                 scale: f64,
             ) -> Tensor<Self, 4> {
                 cube::causal_softmax_backward(probs, grad, scale)
+            }
+
+            fn flash_attention(
+                q: Tensor<Self, 4>,
+                k: Tensor<Self, 4>,
+                v: Tensor<Self, 4>,
+                scale: f64,
+                causal: bool,
+            ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+                cube::flash_attention(q, k, v, scale, causal)
+            }
+
+            fn flash_attention_backward(
+                q: Tensor<Self, 4>,
+                k: Tensor<Self, 4>,
+                v: Tensor<Self, 4>,
+                out: Tensor<Self, 4>,
+                lse: Tensor<Self, 3>,
+                grad: Tensor<Self, 4>,
+                scale: f64,
+                causal: bool,
+            ) -> [Tensor<Self, 4>; 3] {
+                cube::flash_attention_backward(q, k, v, out, lse, grad, scale, causal)
             }
 
             fn norm_forward(
@@ -859,6 +997,17 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
         crate::ops::causal_softmax::autodiff_causal_softmax(scores, scale)
     }
+
+    fn flash_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        crate::ops::flash_attention::autodiff_flash_attention(q, k, v, scale, causal)
+    }
+
     fn norm(
         x: Tensor<Self, 2>,
         scale: Tensor<Self, 1>,

@@ -10,6 +10,7 @@ use super::rope::apply_rope;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
+use crate::ops::flash_attention;
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
     RowParallelLinear, RowParallelLinearConfig,
@@ -17,6 +18,11 @@ use crate::tensor_parallel::{
 
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
 /// rank's heads, and a row-parallel output projection.
+///
+/// The attention runs as flash attention ([`crate::ops::flash_attention`]: no `[batch,
+/// heads, seq, seq]` tensor is stored, K/V heads are not repeated) unless attention dropout is
+/// active (`attention_dropout > 0` while training), which needs the probabilities: then the
+/// unfused [`AttentionCore`] runs, with selective recomputation if configured.
 ///
 /// Heads are split by query group, so a rank holds whole groups: its query heads with the
 /// key/value head they share (GQA; plain multi-head attention is one head per group). The QKV
@@ -43,6 +49,7 @@ struct AttentionShape {
     rope_base: Option<f64>,
     dropout: f64,
     recompute: Recompute,
+    flash: bool,
 }
 
 impl<B: Backend> DeclarePlacements for ParallelAttention<B> {
@@ -95,6 +102,7 @@ impl<B: ModelBackend> ParallelAttention<B> {
                 },
                 dropout: config.attention_dropout,
                 recompute: config.recompute,
+                flash: config.flash_attention,
             },
         })
     }
@@ -132,11 +140,6 @@ impl<B: ModelBackend> ParallelAttention<B> {
             }
             None => q,
         };
-        let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {
-            t.unsqueeze_dim::<5>(2)
-                .expand([batch, s.local_groups, s.heads_per_group, seq, s.head_dim])
-                .reshape([batch, local_heads, seq, s.head_dim])
-        };
         let core = AttentionCore {
             scale: 1.0 / (s.head_dim as f64).sqrt(),
             dropout: s.dropout,
@@ -145,10 +148,21 @@ impl<B: ModelBackend> ParallelAttention<B> {
             heads: s.heads,
             first_head: s.first_head,
         };
-        let (k, v) = (repeat(k), repeat(v));
-        let context = match s.recompute {
-            Recompute::Selective => B::recomputed_attention_core(q, k, v, core),
-            Recompute::None | Recompute::Full => core.forward(q, k, v),
+        let context = if core.dropout_active() || !s.flash {
+            // Dropout on the probabilities needs them materialised: the unfused core, with
+            // each key/value head repeated for its group's query heads.
+            let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {
+                t.unsqueeze_dim::<5>(2)
+                    .expand([batch, s.local_groups, s.heads_per_group, seq, s.head_dim])
+                    .reshape([batch, local_heads, seq, s.head_dim])
+            };
+            let (k, v) = (repeat(k), repeat(v));
+            match s.recompute {
+                Recompute::Selective => B::recomputed_attention_core(q, k, v, core),
+                Recompute::None | Recompute::Full => core.forward(q, k, v),
+            }
+        } else {
+            flash_attention::attention(q, k, v, core.scale, true)
         };
         let context = context
             .swap_dims(1, 2)

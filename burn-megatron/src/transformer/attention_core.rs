@@ -1,5 +1,8 @@
 //! The attention core, `softmax(q kᵀ / sqrt(d) + causal mask)` with dropout, times `v`, with
 //! the backward written out so that it can be recomputed from `q`, `k` and `v` alone.
+//!
+//! The model runs it only while attention dropout is active; otherwise it runs flash
+//! attention ([`crate::ops::flash_attention`]), which computes the same without dropout.
 
 use burn::tensor::Tensor;
 
@@ -29,6 +32,11 @@ pub struct AttentionCore {
 }
 
 impl AttentionCore {
+    /// Whether dropout applies to the probabilities (a positive probability, in training).
+    pub fn dropout_active(&self) -> bool {
+        self.training && self.dropout > 0.0
+    }
+
     /// The attention probabilities and the dropout multiplier, if any.
     fn probabilities<B: ModelBackend>(
         &self,
@@ -38,7 +46,7 @@ impl AttentionCore {
         let [batch, local_heads, seq, _] = q.dims();
         let device = q.device();
         let probs = B::causal_softmax(q.matmul(k.swap_dims(2, 3)), self.scale);
-        let mask = (self.training && self.dropout > 0.0).then(|| {
+        let mask = self.dropout_active().then(|| {
             dropout_mask(
                 [batch, local_heads, seq, seq],
                 self.dropout,

@@ -58,7 +58,8 @@ pub enum Recompute {
     /// Store everything.
     None,
     /// Recompute the attention core (scores, softmax, dropout), whose `[batch, heads, seq,
-    /// seq]` activations dominate memory at long sequences.
+    /// seq]` activations dominate memory at long sequences. Only the unfused attention (with
+    /// attention dropout) has them: flash attention stores no such tensor and is unchanged.
     Selective,
     /// Recompute each transformer layer from its input.
     Full,
@@ -100,7 +101,10 @@ pub struct TransformerConfig {
     /// Dropout on the embeddings and on each block's output before the residual add.
     #[config(default = 0.0)]
     pub hidden_dropout: f64,
-    /// Dropout on the attention probabilities.
+    /// Dropout on the attention probabilities. Above 0, training falls back to the unfused
+    /// attention, which materialises the `[batch, heads, seq, seq]` probabilities (recomputed
+    /// under [`Recompute::Selective`]); at 0, and in evaluation, flash attention runs
+    /// (`ops::flash_attention`). [`TransformerConfig::validate`] adds a note saying so.
     #[config(default = 0.0)]
     pub attention_dropout: f64,
     /// Whether the output layer reuses the token embedding table.
@@ -123,6 +127,10 @@ pub struct TransformerConfig {
     /// Activation recomputation.
     #[config(default = "Recompute::None")]
     pub recompute: Recompute,
+    /// Whether attention runs as flash attention where attention dropout allows it (the
+    /// default). `false` runs the unfused attention always, e.g. to compare the two.
+    #[config(default = true)]
+    pub flash_attention: bool,
     /// Seed of the initialisation and of the dropout masks.
     #[config(default = 1234)]
     pub seed: u64,
@@ -274,7 +282,15 @@ impl TransformerConfig {
             tp,
             tp_rank,
         )?;
-        let notes = vocab.padding_note().into_iter().collect();
+        let mut notes: Vec<String> = vocab.padding_note().into_iter().collect();
+        if self.attention_dropout > 0.0 {
+            notes.push(format!(
+                "attention_dropout = {}: training runs the unfused attention, which \
+                 materialises the [batch, heads, seq, seq] probabilities; flash attention runs \
+                 only with attention dropout 0 and in evaluation",
+                self.attention_dropout
+            ));
+        }
         Ok(ValidatedConfig { vocab, notes })
     }
 }

@@ -1,0 +1,640 @@
+//! Flash attention for any CubeCL runtime: one thread per output row, f32 arithmetic, tiles of
+//! the other operand staged in shared memory, no tensor cores and no plane operations.
+//!
+//! - `forward_kernel`: a cube owns up to [`ROW_THREADS`] query rows of one (batch, head); its
+//!   threads copy a tile of K and V rows (f32) into shared memory together, then each runs the
+//!   online softmax of its query row over the tile: scores of the tile, one rescale of the
+//!   accumulator by `exp(m_old - m_new)`, then `acc += p · v` for each key.
+//! - `delta_kernel`: one thread per query row, `delta = Σ dO ∘ O`.
+//! - `grad_q_kernel`: a cube of query rows as in the forward, tiles of K and V; each thread
+//!   adds `ds · k` over the keys its row sees.
+//! - `grad_kv_kernel`: a cube owns up to [`ROW_THREADS`] key rows of one (batch, kv head); for
+//!   each query head of the group it stages tiles of Q and dO rows, and each thread adds
+//!   `p · dO` (dv) and `ds · q` (dk) over the queries that see its key.
+//!
+//! Causal cubes stop at the last key their rows see (forward, dq) or start at the first
+//! query that sees their keys (dk, dv). Per-thread rows are local arrays sized by the
+//! comptime `head_dim`, so each head dimension compiles its own kernels.
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use super::{AttentionOptions, Dims};
+
+/// Rows (threads) per cube, at most.
+const ROW_THREADS: usize = 64;
+/// f32 elements per staged tile (each kernel stages two): 8 KiB each, 16 KiB in all, the
+/// smallest shared-memory budget among CubeCL's runtimes.
+const TILE_ELEMENTS: usize = 2048;
+/// Threads per cube of the `delta` kernel.
+const DELTA_THREADS: usize = 256;
+/// Stands for "no score yet" in the running maximum: finite (WGSL has no infinity literal),
+/// far below any score.
+const NO_SCORE: f32 = -1.0e30;
+
+/// The cube's index in a 2D grid (see [`grid`]).
+#[cube]
+fn cube_index() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
+/// `Σ_d a[d] · b[offset + d]` over `head_dim` elements.
+#[cube]
+fn dot(a: &Array<f32>, b: &SharedMemory<f32>, offset: usize, #[comptime] head_dim: usize) -> f32 {
+    let mut sum = f32::new(0.0);
+    for d in 0..head_dim {
+        sum += a[d] * b[offset + d];
+    }
+    sum
+}
+
+/// `to[d] += factor · from[offset + d]` over `head_dim` elements.
+#[cube]
+fn add_scaled(
+    to: &mut Array<f32>,
+    factor: f32,
+    from: &SharedMemory<f32>,
+    offset: usize,
+    #[comptime] head_dim: usize,
+) {
+    for d in 0..head_dim {
+        to[d] += factor * from[offset + d];
+    }
+}
+
+/// Row `row` of head `head` of batch `batch` of `t` (`[batch, heads, seq, head_dim]`, any
+/// strides) as f32, or zeros when `!valid`.
+#[cube]
+fn load_row<F: Float>(
+    t: &Tensor<F>,
+    batch: usize,
+    head: usize,
+    row: usize,
+    valid: bool,
+    scale: f32,
+    #[comptime] head_dim: usize,
+) -> Array<f32> {
+    let mut out = Array::<f32>::new(head_dim);
+    let base = batch * t.stride(0) + head * t.stride(1) + row * t.stride(2);
+    for d in 0..head_dim {
+        let mut x = f32::new(0.0);
+        if valid {
+            x = f32::cast_from(t[base + d * t.stride(3)]) * scale;
+        }
+        out[d] = x;
+    }
+    out
+}
+
+/// Rows `start..start + tile` (those below `end`; zeros past it) of head `head` of batch
+/// `batch` of `a` and `b` into `to_a` and `to_b`, row-major, by all of the cube's threads.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_tiles<F: Float>(
+    a: &Tensor<F>,
+    b: &Tensor<F>,
+    to_a: &mut SharedMemory<f32>,
+    to_b: &mut SharedMemory<f32>,
+    batch: usize,
+    head: usize,
+    start: usize,
+    end: usize,
+    #[comptime] tile: usize,
+    #[comptime] head_dim: usize,
+) {
+    let base_a = batch * a.stride(0) + head * a.stride(1);
+    let base_b = batch * b.stride(0) + head * b.stride(1);
+    let mut i = UNIT_POS_X as usize;
+    while i < tile * head_dim {
+        let row = start + i / head_dim;
+        let d = i % head_dim;
+        let mut x = f32::new(0.0);
+        let mut y = f32::new(0.0);
+        if row < end {
+            x = f32::cast_from(a[base_a + row * a.stride(2) + d * a.stride(3)]);
+            y = f32::cast_from(b[base_b + row * b.stride(2) + d * b.stride(3)]);
+        }
+        to_a[i] = x;
+        to_b[i] = y;
+        i += CUBE_DIM_X as usize;
+    }
+}
+
+/// Writes `scale · row` as row `row` of head `head` of batch `batch` of `t`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_row<F: Float>(
+    t: &mut Tensor<F>,
+    values: &Array<f32>,
+    scale: f32,
+    batch: usize,
+    head: usize,
+    row: usize,
+    #[comptime] head_dim: usize,
+) {
+    let base = batch * t.stride(0) + head * t.stride(1) + row * t.stride(2);
+    for d in 0..head_dim {
+        t[base + d * t.stride(3)] = F::cast_from(values[d] * scale);
+    }
+}
+
+/// The element of `[batch, heads, seq]` statistics `t` for a row.
+#[cube]
+fn row_statistic(t: &Tensor<f32>, batch: usize, head: usize, row: usize) -> usize {
+    batch * t.stride(0) + head * t.stride(1) + row * t.stride(2)
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn forward_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    heads: u32,
+    group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    blocks: u32,
+    cubes: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let cube = cube_index();
+    if cube >= cubes as usize {
+        terminate!();
+    }
+    let threads = CUBE_DIM_X as usize;
+    let batch_head = cube / blocks as usize;
+    let first = (cube % blocks as usize) * threads;
+    let batch = batch_head / heads as usize;
+    let head = batch_head % heads as usize;
+    let kv_head = head / group as usize;
+    let row = first + UNIT_POS_X as usize;
+    let valid = row < seq_q as usize;
+
+    // The scale is folded into the query row.
+    let query = load_row::<F>(q, batch, head, row, valid, scale, head_dim);
+    let mut acc = Array::<f32>::new(head_dim);
+    for d in 0..head_dim {
+        acc[d] = f32::new(0.0);
+    }
+    let mut scores = Array::<f32>::new(tile);
+    let mut keys = SharedMemory::<f32>::new(tile * head_dim);
+    let mut values = SharedMemory::<f32>::new(tile * head_dim);
+
+    let mut end = seq_k as usize;
+    if causal && first + threads < end {
+        end = first + threads;
+    }
+    let mut m = f32::new(NO_SCORE);
+    let mut l = f32::new(0.0);
+    let mut start = 0;
+    while start < end {
+        stage_tiles::<F>(
+            k,
+            v,
+            &mut keys,
+            &mut values,
+            batch,
+            kv_head,
+            start,
+            end,
+            tile,
+            head_dim,
+        );
+        sync_cube();
+        if valid {
+            let mut top = m;
+            for t in 0..tile {
+                let key = start + t;
+                let mut s = f32::new(NO_SCORE);
+                if key < end && (!causal || key <= row) {
+                    s = dot(&query, &keys, t * head_dim, head_dim);
+                    if s > top {
+                        top = s;
+                    }
+                }
+                scores[t] = s;
+            }
+            let correction = (m - top).exp();
+            l *= correction;
+            for d in 0..head_dim {
+                acc[d] *= correction;
+            }
+            for t in 0..tile {
+                let key = start + t;
+                if key < end && (!causal || key <= row) {
+                    let p = (scores[t] - top).exp();
+                    l += p;
+                    add_scaled(&mut acc, p, &values, t * head_dim, head_dim);
+                }
+            }
+            m = top;
+        }
+        sync_cube();
+        start += tile;
+    }
+    if valid {
+        store_row::<F>(out, &acc, f32::new(1.0) / l, batch, head, row, head_dim);
+        let at = row_statistic(lse, batch, head, row);
+        lse[at] = m + l.ln();
+    }
+}
+
+#[cube(launch)]
+fn delta_kernel<F: Float>(
+    out: &Tensor<F>,
+    grad_out: &Tensor<F>,
+    delta: &mut Tensor<f32>,
+    heads: u32,
+    seq_q: u32,
+    rows: u32,
+    #[comptime] head_dim: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let index = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if index >= rows as usize {
+        terminate!();
+    }
+    let row = index % seq_q as usize;
+    let batch_head = index / seq_q as usize;
+    let (batch, head) = (batch_head / heads as usize, batch_head % heads as usize);
+    let o = batch * out.stride(0) + head * out.stride(1) + row * out.stride(2);
+    let g = batch * grad_out.stride(0) + head * grad_out.stride(1) + row * grad_out.stride(2);
+    let mut sum = f32::new(0.0);
+    for d in 0..head_dim {
+        sum += f32::cast_from(out[o + d * out.stride(3)])
+            * f32::cast_from(grad_out[g + d * grad_out.stride(3)]);
+    }
+    let at = row_statistic(delta, batch, head, row);
+    delta[at] = sum;
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn grad_q_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    grad_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    grad_q: &mut Tensor<F>,
+    scale: f32,
+    heads: u32,
+    group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    blocks: u32,
+    cubes: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let cube = cube_index();
+    if cube >= cubes as usize {
+        terminate!();
+    }
+    let threads = CUBE_DIM_X as usize;
+    let batch_head = cube / blocks as usize;
+    let first = (cube % blocks as usize) * threads;
+    let batch = batch_head / heads as usize;
+    let head = batch_head % heads as usize;
+    let kv_head = head / group as usize;
+    let row = first + UNIT_POS_X as usize;
+    let valid = row < seq_q as usize;
+
+    let query = load_row::<F>(q, batch, head, row, valid, scale, head_dim);
+    let grad_row = load_row::<F>(grad_out, batch, head, row, valid, f32::new(1.0), head_dim);
+    let mut acc = Array::<f32>::new(head_dim);
+    for d in 0..head_dim {
+        acc[d] = f32::new(0.0);
+    }
+    let mut row_lse = f32::new(0.0);
+    let mut row_delta = f32::new(0.0);
+    if valid {
+        row_lse = lse[row_statistic(lse, batch, head, row)];
+        row_delta = delta[row_statistic(delta, batch, head, row)];
+    }
+    let mut keys = SharedMemory::<f32>::new(tile * head_dim);
+    let mut values = SharedMemory::<f32>::new(tile * head_dim);
+
+    let mut end = seq_k as usize;
+    if causal && first + threads < end {
+        end = first + threads;
+    }
+    let mut start = 0;
+    while start < end {
+        stage_tiles::<F>(
+            k,
+            v,
+            &mut keys,
+            &mut values,
+            batch,
+            kv_head,
+            start,
+            end,
+            tile,
+            head_dim,
+        );
+        sync_cube();
+        if valid {
+            for t in 0..tile {
+                let key = start + t;
+                if key < end && (!causal || key <= row) {
+                    let offset = t * head_dim;
+                    let p = (dot(&query, &keys, offset, head_dim) - row_lse).exp();
+                    let ds = p * (dot(&grad_row, &values, offset, head_dim) - row_delta);
+                    add_scaled(&mut acc, ds, &keys, offset, head_dim);
+                }
+            }
+        }
+        sync_cube();
+        start += tile;
+    }
+    if valid {
+        store_row::<F>(grad_q, &acc, scale, batch, head, row, head_dim);
+    }
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn grad_kv_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    grad_out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    grad_k: &mut Tensor<F>,
+    grad_v: &mut Tensor<F>,
+    scale: f32,
+    kv_heads: u32,
+    group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    blocks: u32,
+    cubes: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let cube = cube_index();
+    if cube >= cubes as usize {
+        terminate!();
+    }
+    let threads = CUBE_DIM_X as usize;
+    let batch_head = cube / blocks as usize;
+    let first = (cube % blocks as usize) * threads;
+    let batch = batch_head / kv_heads as usize;
+    let kv_head = batch_head % kv_heads as usize;
+    let key = first + UNIT_POS_X as usize;
+    let valid = key < seq_k as usize;
+
+    // The scale is folded into the key row for the scores.
+    let key_row = load_row::<F>(k, batch, kv_head, key, valid, scale, head_dim);
+    let value_row = load_row::<F>(v, batch, kv_head, key, valid, f32::new(1.0), head_dim);
+    let mut grad_key = Array::<f32>::new(head_dim);
+    let mut grad_value = Array::<f32>::new(head_dim);
+    for d in 0..head_dim {
+        grad_key[d] = f32::new(0.0);
+        grad_value[d] = f32::new(0.0);
+    }
+    let mut queries = SharedMemory::<f32>::new(tile * head_dim);
+    let mut grads = SharedMemory::<f32>::new(tile * head_dim);
+
+    let end = seq_q as usize;
+    let mut begin = 0;
+    if causal {
+        begin = first;
+    }
+    for member in 0..group as usize {
+        let head = kv_head * group as usize + member;
+        let mut start = begin;
+        while start < end {
+            stage_tiles::<F>(
+                q,
+                grad_out,
+                &mut queries,
+                &mut grads,
+                batch,
+                head,
+                start,
+                end,
+                tile,
+                head_dim,
+            );
+            sync_cube();
+            if valid {
+                for t in 0..tile {
+                    let query = start + t;
+                    if query < end && (!causal || key <= query) {
+                        let offset = t * head_dim;
+                        let row_lse = lse[row_statistic(lse, batch, head, query)];
+                        let row_delta = delta[row_statistic(delta, batch, head, query)];
+                        let p = (dot(&key_row, &queries, offset, head_dim) - row_lse).exp();
+                        add_scaled(&mut grad_value, p, &grads, offset, head_dim);
+                        let ds = p * (dot(&value_row, &grads, offset, head_dim) - row_delta);
+                        add_scaled(&mut grad_key, ds, &queries, offset, head_dim);
+                    }
+                }
+            }
+            sync_cube();
+            start += tile;
+        }
+    }
+    if valid {
+        store_row::<F>(grad_k, &grad_key, scale, batch, kv_head, key, head_dim);
+        store_row::<F>(
+            grad_v,
+            &grad_value,
+            f32::new(1.0),
+            batch,
+            kv_head,
+            key,
+            head_dim,
+        );
+    }
+}
+
+/// Threads per cube for `rows` rows: a power of two, at most [`ROW_THREADS`].
+fn row_threads(rows: usize) -> usize {
+    rows.next_power_of_two().clamp(8, ROW_THREADS)
+}
+
+/// Rows per staged tile for `head_dim`.
+fn tile_rows(head_dim: usize) -> usize {
+    (TILE_ELEMENTS / head_dim).clamp(1, 32)
+}
+
+/// A 2D grid of `cubes` cubes, each dimension within every runtime's limit.
+fn grid(cubes: usize) -> CubeCount {
+    let x = cubes.clamp(1, 65_535);
+    CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
+}
+
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+pub(super) fn forward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    dims: Dims,
+    options: AttentionOptions,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let out = empty(&q, q.meta.shape().clone(), q.dtype);
+    let lse = empty(
+        &q,
+        Shape::new([dims.batch, dims.heads, dims.seq_q]),
+        DType::F32,
+    );
+    if dims.batch * dims.heads * dims.seq_q == 0 {
+        return (out, lse);
+    }
+    let threads = row_threads(dims.seq_q);
+    let blocks = dims.seq_q.div_ceil(threads);
+    let cubes = dims.batch * dims.heads * blocks;
+    let dtype = q.dtype.into();
+    forward_kernel::launch::<R>(
+        &q.client.clone(),
+        grid(cubes),
+        CubeDim::new_1d(threads as u32),
+        q.into_tensor_arg(),
+        k.into_tensor_arg(),
+        v.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        options.scale,
+        dims.heads as u32,
+        dims.group() as u32,
+        dims.seq_q as u32,
+        dims.seq_k as u32,
+        blocks as u32,
+        cubes as u32,
+        dims.head_dim,
+        tile_rows(dims.head_dim),
+        options.causal,
+        dtype,
+    );
+    (out, lse)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    grad_out: CubeTensor<R>,
+    dims: Dims,
+    options: AttentionOptions,
+) -> [CubeTensor<R>; 3] {
+    let rows = dims.batch * dims.heads * dims.seq_q;
+    let key_rows = dims.batch * dims.kv_heads * dims.seq_k;
+    if rows == 0 || key_rows == 0 {
+        // No query sees a key: every gradient is zero (or empty).
+        return [&q, &k, &v].map(|t| {
+            zeros_client::<R>(
+                q.client.clone(),
+                q.device.clone(),
+                t.meta.shape().clone(),
+                q.dtype,
+            )
+        });
+    }
+    let grad_q = empty(&q, q.meta.shape().clone(), q.dtype);
+    let grad_k = empty(&q, k.meta.shape().clone(), q.dtype);
+    let grad_v = empty(&q, v.meta.shape().clone(), q.dtype);
+    let client = q.client.clone();
+    let dtype: StorageType = q.dtype.into();
+    let tile = tile_rows(dims.head_dim);
+
+    let delta = empty(
+        &q,
+        Shape::new([dims.batch, dims.heads, dims.seq_q]),
+        DType::F32,
+    );
+    let delta_cubes = rows.div_ceil(DELTA_THREADS);
+    delta_kernel::launch::<R>(
+        &client,
+        grid(delta_cubes),
+        CubeDim::new_1d(DELTA_THREADS as u32),
+        out.into_tensor_arg(),
+        grad_out.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        dims.heads as u32,
+        dims.seq_q as u32,
+        rows as u32,
+        dims.head_dim,
+        dtype,
+    );
+
+    let threads = row_threads(dims.seq_q);
+    let blocks = dims.seq_q.div_ceil(threads);
+    let cubes = dims.batch * dims.heads * blocks;
+    grad_q_kernel::launch::<R>(
+        &client,
+        grid(cubes),
+        CubeDim::new_1d(threads as u32),
+        q.clone().into_tensor_arg(),
+        k.clone().into_tensor_arg(),
+        v.clone().into_tensor_arg(),
+        grad_out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        grad_q.clone().into_tensor_arg(),
+        options.scale,
+        dims.heads as u32,
+        dims.group() as u32,
+        dims.seq_q as u32,
+        dims.seq_k as u32,
+        blocks as u32,
+        cubes as u32,
+        dims.head_dim,
+        tile,
+        options.causal,
+        dtype,
+    );
+
+    let threads = row_threads(dims.seq_k);
+    let blocks = dims.seq_k.div_ceil(threads);
+    let cubes = dims.batch * dims.kv_heads * blocks;
+    grad_kv_kernel::launch::<R>(
+        &client,
+        grid(cubes),
+        CubeDim::new_1d(threads as u32),
+        q.into_tensor_arg(),
+        k.into_tensor_arg(),
+        v.into_tensor_arg(),
+        grad_out.into_tensor_arg(),
+        lse.into_tensor_arg(),
+        delta.into_tensor_arg(),
+        grad_k.clone().into_tensor_arg(),
+        grad_v.clone().into_tensor_arg(),
+        options.scale,
+        dims.kv_heads as u32,
+        dims.group() as u32,
+        dims.seq_q as u32,
+        dims.seq_k as u32,
+        blocks as u32,
+        cubes as u32,
+        dims.head_dim,
+        tile,
+        options.causal,
+        dtype,
+    );
+    [grad_q, grad_k, grad_v]
+}
