@@ -437,6 +437,7 @@ mod cube {
 
     /// `ModelBackend::flash_attention` in one kernel (f64 or head_dim above 256: the
     /// composition).
+    #[allow(clippy::type_complexity)]
     pub(super) fn flash_attention<R, F, I, BT>(
         q: Tensor<Cube<R, F, I, BT>, 4>,
         k: Tensor<Cube<R, F, I, BT>, 4>,

@@ -185,6 +185,7 @@ pub fn backward_composition<B: Backend>(
 
 /// The `Autodiff<B>` operation: the forward on the inner backend, one node storing `q`, `k`,
 /// `v`, the output and `lse`. The returned `lse` is not tracked.
+#[allow(clippy::type_complexity)]
 pub(crate) fn autodiff_flash_attention<B: ModelBackend, C: CheckpointStrategy>(
     q: Tensor<Autodiff<B, C>, 4>,
     k: Tensor<Autodiff<B, C>, 4>,

@@ -166,8 +166,8 @@ pub fn backward<R: CubeRuntime>(
     );
     let rows = [dims.batch, dims.heads, dims.seq_q];
     for (name, t, want) in [
-        ("out", &out, &q.meta.shape().as_slice()[..]),
-        ("grad_out", &grad_out, &q.meta.shape().as_slice()[..]),
+        ("out", &out, q.meta.shape().as_slice()),
+        ("grad_out", &grad_out, q.meta.shape().as_slice()),
         ("lse", &lse, &rows[..]),
     ] {
         assert_eq!(

@@ -242,7 +242,7 @@ fn head_base<F: Float>(t: &Tensor<F>, bh: usize, heads: usize) -> usize {
 }
 
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn forward_kernel<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
@@ -459,7 +459,7 @@ fn delta_kernel<F: Float>(
 
 /// `dQ`: one cube per 64 queries walking the visible key blocks.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 fn grad_query_kernel<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
