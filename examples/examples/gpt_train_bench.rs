@@ -160,6 +160,10 @@ struct Args {
     /// bf16 run is compared on against f32 (the batches cycle through four fixed ones).
     #[arg(long)]
     print_losses: bool,
+    /// Run the attention unfused (materialised scores, fused causal softmax) instead of flash
+    /// attention, to compare the two.
+    #[arg(long)]
+    unfused_attention: bool,
 }
 
 /// Host time of each part of a step, and the memory seen at its phase boundaries.
@@ -201,7 +205,8 @@ fn run(args: &Args) -> Result<(), BoxError> {
     let mut config = preset
         .with_hidden_dropout(0.0)
         .with_attention_dropout(0.0)
-        .with_recompute(recompute);
+        .with_recompute(recompute)
+        .with_flash_attention(!args.unfused_attention);
     config.max_sequence_length = max_sequence_length;
     let device = CudaGpu::new(0);
     check_gpu(device.index)?;
@@ -514,10 +519,15 @@ fn report(
     });
     println!(
         "gpt_train_bench: {name} ({:.1}M params; parameter tensors by dtype {}), batch {} × seq {seq}, \
-         recompute {recompute}, {} lr {}, on {}",
+         recompute {recompute}, attention {}, {} lr {}, on {}",
         outcome.params as f64 / 1e6,
         outcome.dtypes,
         args.batch,
+        if args.unfused_attention {
+            "unfused"
+        } else {
+            "flash"
+        },
         match args.optimizer {
             OptimizerArg::Burn => "Burn AdamW",
             OptimizerArg::Flat => "flat fused AdamW (fp32 master weights)",

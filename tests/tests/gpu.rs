@@ -963,3 +963,136 @@ fn fused_norm_matches_the_composition() {
         }
     }
 }
+
+/// The materialised attention in f32 with Burn's autodiff: output, log-sum-exp (natural) and
+/// the gradients of q, k, v given the output's gradient `grad`. K/V heads are repeated for
+/// grouped queries.
+fn materialised_attention(
+    [q, k, v, grad]: [Tensor<Ours, 4>; 4],
+    scale: f64,
+    causal: bool,
+) -> [TensorData; 5] {
+    use burn::tensor::Bool;
+    type AD = Autodiff<Ours>;
+    let device = q.device();
+    let [batch, heads, seq, head_dim] = q.dims();
+    let kv_heads = k.dims()[1];
+    let lift = |t: Tensor<Ours, 4>| Tensor::<AD, 4>::from_inner(t).require_grad();
+    let (q, k, v) = (lift(q), lift(k), lift(v));
+    let repeat = |t: Tensor<AD, 4>| {
+        t.unsqueeze_dim::<5>(2)
+            .expand([batch, kv_heads, heads / kv_heads, seq, head_dim])
+            .reshape([batch, heads, seq, head_dim])
+    };
+    let mut scores = q
+        .clone()
+        .matmul(repeat(k.clone()).swap_dims(2, 3))
+        .mul_scalar(scale);
+    if causal {
+        let future = Tensor::<AD, 2, Bool>::tril_mask([seq, seq], 0, &device);
+        scores = scores.mask_fill(future.unsqueeze::<4>(), f64::NEG_INFINITY);
+    }
+    let max = scores.clone().detach().max_dim(3);
+    let lse = (scores.clone().detach() - max.clone())
+        .exp()
+        .sum_dim(3)
+        .log()
+        + max;
+    let out = burn::tensor::activation::softmax(scores, 3).matmul(repeat(v.clone()));
+    let grads = (out.clone() * Tensor::from_inner(grad)).sum().backward();
+    let grad_of = |t: &Tensor<AD, 4>| t.grad(&grads).unwrap().into_data();
+    [
+        out.into_data(),
+        lse.reshape([batch, heads, seq]).into_data(),
+        grad_of(&q),
+        grad_of(&k),
+        grad_of(&v),
+    ]
+}
+
+/// The tensor-core flash attention (f16, bf16) against the materialised attention in f32 on
+/// the same rounded inputs: output, log-sum-exp and the gradients of q, k, v; causal and not;
+/// S = 1, S not a multiple of the 64-row block; head dims 64 and 128; grouped queries (K/V
+/// heads shared by 2 and 4 query heads).
+#[test]
+fn flash_attention_tensor_cores_match_the_materialised_attention() {
+    use burn_megatron_kernels::fused::flash_attention::tensor_core;
+    let device = CudaGpu::new(0);
+    let raw = |t: Tensor<Ours, 4>| t.into_primitive().tensor();
+    for (batch, heads, kv_heads, seq, head_dim, causal) in [
+        (2, 4, 4, 1, 64, true),
+        (1, 2, 2, 37, 64, false),
+        (1, 2, 2, 37, 64, true),
+        (2, 4, 2, 130, 128, true),
+        (1, 4, 1, 200, 64, false),
+        (1, 8, 8, 512, 128, false),
+        (2, 12, 12, 1024, 64, true),
+    ] {
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        for (dtype, bound) in [(DType::BF16, tolerance::BF16), (DType::F16, tolerance::F16)] {
+            let make = |h: usize, seed: u64, spread: f64| {
+                Tensor::<Ours, 4>::from_data(data(&[batch, h, seq, head_dim], seed), &device)
+                    .mul_scalar(spread)
+                    .cast(dtype)
+            };
+            let inputs = [
+                make(heads, 1, 3.0),
+                make(kv_heads, 2, 3.0),
+                make(kv_heads, 3, 1.0),
+                make(heads, 4, 1.0),
+            ];
+            let want =
+                materialised_attention(inputs.clone().map(|t| t.cast(DType::F32)), scale, causal);
+            let [q, k, v, grad] = inputs;
+            assert!(
+                tensor_core::supports(&raw(q.clone())),
+                "{dtype:?} head dim {head_dim}"
+            );
+            let (out, lse) = tensor_core::forward(
+                raw(q.clone()),
+                raw(k.clone()),
+                raw(v.clone()),
+                scale as f32,
+                causal,
+            );
+            let grads = tensor_core::backward(
+                raw(q),
+                raw(k),
+                raw(v),
+                out.clone(),
+                lse.clone(),
+                raw(grad),
+                scale as f32,
+                causal,
+            );
+            let case = format!(
+                "{dtype:?} b{batch} h{heads}/{kv_heads} s{seq} d{head_dim} causal={causal}"
+            );
+            let got = [
+                Tensor::<Ours, 4>::from_primitive(TensorPrimitive::Float(out))
+                    .cast(DType::F32)
+                    .into_data(),
+                Tensor::<Ours, 3>::from_primitive(TensorPrimitive::Float(lse)).into_data(),
+            ]
+            .into_iter()
+            .chain(grads.into_iter().map(|g| {
+                Tensor::<Ours, 4>::from_primitive(TensorPrimitive::Float(g))
+                    .cast(DType::F32)
+                    .into_data()
+            }));
+            for ((name, got), want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(got).zip(&want) {
+                let name = format!("{case} {name}");
+                let want_values = data_values(want);
+                if want_values.iter().all(|&w| w == 0.0) {
+                    // With one key, softmax is 1 whatever the scores: dq and dk are exactly
+                    // zero, so compare absolutely (the inputs are O(1)).
+                    let largest = data_values(&got).iter().fold(0.0f64, |m, g| m.max(g.abs()));
+                    assert!(largest <= bound, "{name}: {largest:.3e} where 0 is exact");
+                    println!("{name:>14}: largest {largest:.2e} where 0 is exact");
+                } else {
+                    assert_close(&name, &got, want, bound);
+                }
+            }
+        }
+    }
+}

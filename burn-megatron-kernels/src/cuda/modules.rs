@@ -93,6 +93,7 @@ impl Modules {
             .into());
         }
         let ptx = self.compile_ptx(&compiled.source)?;
+        dump(&compiled.entrypoint_name, &compiled.source, &ptx);
         let function = load(&ptx, &compiled.entrypoint_name, shared_memory)?;
         let kernel = LoadedKernel {
             function,
@@ -165,4 +166,22 @@ fn load(
         .map_err(|e| compilation_error(format!("cuFuncSetAttribute: {e:?}")))?;
         Ok(function)
     }
+}
+
+/// With `BM_DUMP_KERNELS=<dir>`, writes each kernel's CUDA source and PTX there as it is
+/// compiled (`<entry point>.cu`, `.ptx`), to read the generated code or run `ptxas -v` on it.
+fn dump(entrypoint: &str, source: &str, ptx: &[std::ffi::c_char]) {
+    let Some(dir) = std::env::var_os("BM_DUMP_KERNELS") else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let ptx: Vec<u8> = ptx
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&c| c != 0)
+        .collect();
+    let name: String = entrypoint.chars().take(120).collect();
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(dir.join(format!("{name}.cu")), source);
+    let _ = std::fs::write(dir.join(format!("{name}.ptx")), ptx);
 }

@@ -49,6 +49,7 @@ struct AttentionShape {
     rope_base: Option<f64>,
     dropout: f64,
     recompute: Recompute,
+    flash: bool,
 }
 
 impl<B: Backend> DeclarePlacements for ParallelAttention<B> {
@@ -101,6 +102,7 @@ impl<B: ModelBackend> ParallelAttention<B> {
                 },
                 dropout: config.attention_dropout,
                 recompute: config.recompute,
+                flash: config.flash_attention,
             },
         })
     }
@@ -146,7 +148,7 @@ impl<B: ModelBackend> ParallelAttention<B> {
             heads: s.heads,
             first_head: s.first_head,
         };
-        let context = if core.dropout_active() {
+        let context = if core.dropout_active() || !s.flash {
             // Dropout on the probabilities needs them materialised: the unfused core, with
             // each key/value head repeated for its group's query heads.
             let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {

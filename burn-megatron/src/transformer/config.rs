@@ -127,6 +127,10 @@ pub struct TransformerConfig {
     /// Activation recomputation.
     #[config(default = "Recompute::None")]
     pub recompute: Recompute,
+    /// Whether attention runs as flash attention where attention dropout allows it (the
+    /// default). `false` runs the unfused attention always, e.g. to compare the two.
+    #[config(default = true)]
+    pub flash_attention: bool,
     /// Seed of the initialisation and of the dropout masks.
     #[config(default = 1234)]
     pub seed: u64,

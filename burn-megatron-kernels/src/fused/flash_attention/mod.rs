@@ -18,9 +18,11 @@
 //! `narrow` need no copy. Arithmetic is f32 for f32, f16 and bf16 storage.
 //!
 //! [`portable`] is the implementation every CubeCL runtime runs (no tensor cores, no plane
-//! operations; lavapipe in CI).
+//! operations; lavapipe in CI). [`tensor_core`] takes f16/bf16 inputs with head dim 64 or 128
+//! on runtimes with warp-level MMA (CUDA); [`forward`] and [`backward`] choose it there.
 
 mod portable;
+pub mod tensor_core;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -135,6 +137,9 @@ pub fn forward<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let dims = Dims::of(q.meta.shape(), k.meta.shape(), v.meta.shape(), options);
     check_dtypes("forward", q.dtype, &[&k, &v]);
+    if tensor_core::supports(&q) {
+        return tensor_core::forward(q, k, v, options.scale, options.causal);
+    }
     portable::forward(q, k, v, dims, options)
 }
 
@@ -171,6 +176,9 @@ pub fn backward<R: CubeRuntime>(
             "flash attention backward: {name} has the wrong shape (q {:?})",
             q.meta.shape().as_slice()
         );
+    }
+    if tensor_core::supports(&q) {
+        return tensor_core::backward(q, k, v, out, lse, grad_out, options.scale, options.causal);
     }
     portable::backward(q, k, v, out, lse, grad_out, dims, options)
 }

@@ -1,0 +1,99 @@
+//! Flash attention on tensor cores against PyTorch's `scaled_dot_product_attention`: forward,
+//! and forward + backward, bf16, causal, head dims 64 and 128, S from 1k to 8k with
+//! `batch · S = 16k` tokens and `heads · head_dim = 2048` (FlashAttention's benchmark shapes),
+//! plus GPT-2 124M's attention (16 × 12 heads × 1024 × 64). Run next to
+//! `bench/torch_attention.py` in the same device call:
+//!
+//!     ../shared/gpu/pack build --release --features cuda -p burn-megatron-examples --example attention_bench
+//!     source .gpu/env.sh && .gpu/bin/attention_bench; python3 bench/torch_attention.py
+//!
+//! FLOPs as FlashAttention counts them: `4 · batch · heads · S² · head_dim` for the forward,
+//! halved when causal; the backward is 2.5 times the forward.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Distribution, Tensor};
+use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
+use burn_megatron_kernels::fused::flash_attention::tensor_core;
+
+type B = MegatronCuda;
+
+/// Median time of one call of `op`: 7 samples of 5 calls after 3 warm-up calls, with a device
+/// sync around each sample.
+fn time<T>(device: &CudaGpu, mut op: impl FnMut() -> T) -> Duration {
+    let warm: Vec<T> = (0..3).map(|_| op()).collect();
+    B::sync(device).unwrap();
+    drop(warm);
+    let mut samples: Vec<Duration> = (0..7)
+        .map(|_| {
+            B::sync(device).unwrap();
+            let start = Instant::now();
+            let out: Vec<T> = (0..5).map(|_| op()).collect();
+            B::sync(device).unwrap();
+            drop(out);
+            start.elapsed() / 5
+        })
+        .collect();
+    samples.sort();
+    samples[3]
+}
+
+fn main() {
+    let device = CudaGpu::new(0);
+    let causal = true;
+    let mut shapes: Vec<[usize; 4]> = vec![[16, 12, 1024, 64]];
+    for head_dim in [64, 128] {
+        for seq in [1024, 2048, 4096, 8192] {
+            shapes.push([16_384 / seq, 2048 / head_dim, seq, head_dim]);
+        }
+    }
+    println!("burn-megatron flash attention (tensor cores), bf16, causal");
+    for [batch, heads, seq, head_dim] in shapes {
+        let make = || {
+            Tensor::<B, 4>::random(
+                [batch, heads, seq, head_dim],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            )
+            .cast(DType::BF16)
+            .into_primitive()
+            .tensor()
+        };
+        let (q, k, v, grad) = (make(), make(), make(), make());
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let forward = time(&device, || {
+            tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, causal)
+        });
+        let both = time(&device, || {
+            let (out, lse) = tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, causal);
+            tensor_core::backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                out,
+                lse,
+                grad.clone(),
+                scale,
+                causal,
+            )
+        });
+        let flops =
+            4.0 * (batch * heads * seq * seq * head_dim) as f64 / if causal { 2.0 } else { 1.0 };
+        let tflops = |f: f64, t: Duration| f / t.as_secs_f64() / 1e12;
+        println!(
+            "b{batch:>2} h{heads:>2} s{seq:>5} d{head_dim:>3}: forward {:>8.3} ms {:>6.1} TFLOP/s, forward+backward {:>8.3} ms {:>6.1} TFLOP/s",
+            forward.as_secs_f64() * 1e3,
+            tflops(flops, forward),
+            both.as_secs_f64() * 1e3,
+            tflops(3.5 * flops, both)
+        );
+        println!(
+            "RESULT impl=ours batch={batch} heads={heads} seq={seq} head_dim={head_dim} fwd_ms={:.4} fwd_tflops={:.1} fwdbwd_ms={:.4} fwdbwd_tflops={:.1}",
+            forward.as_secs_f64() * 1e3,
+            tflops(flops, forward),
+            both.as_secs_f64() * 1e3,
+            tflops(3.5 * flops, both)
+        );
+    }
+}
