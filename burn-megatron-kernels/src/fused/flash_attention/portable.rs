@@ -647,6 +647,36 @@ pub(super) fn forward<R: CubeRuntime>(
     (out, lse)
 }
 
+/// `delta = rowsum(dO ∘ O)` per query row (`[batch, heads, seq_q]`, f32), which every
+/// backward needs first (the tensor-core one too). `dims.seq_q` rows per head, at least one.
+pub(super) fn delta<R: CubeRuntime>(
+    out: CubeTensor<R>,
+    grad_out: CubeTensor<R>,
+    dims: Dims,
+) -> CubeTensor<R> {
+    let rows = dims.batch * dims.heads * dims.seq_q;
+    let delta = empty(
+        &out,
+        Shape::new([dims.batch, dims.heads, dims.seq_q]),
+        DType::F32,
+    );
+    let dtype: StorageType = out.dtype.into();
+    delta_kernel::launch::<R>(
+        &out.client.clone(),
+        grid(rows.div_ceil(DELTA_THREADS)),
+        CubeDim::new_1d(DELTA_THREADS as u32),
+        out.into_tensor_arg(),
+        grad_out.into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        dims.heads as u32,
+        dims.seq_q as u32,
+        rows as u32,
+        dims.head_dim,
+        dtype,
+    );
+    delta
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -678,25 +708,7 @@ pub(super) fn backward<R: CubeRuntime>(
     let dtype: StorageType = q.dtype.into();
     let tile = tile_rows(dims.head_dim);
 
-    let delta = empty(
-        &q,
-        Shape::new([dims.batch, dims.heads, dims.seq_q]),
-        DType::F32,
-    );
-    let delta_cubes = rows.div_ceil(DELTA_THREADS);
-    delta_kernel::launch::<R>(
-        &client,
-        grid(delta_cubes),
-        CubeDim::new_1d(DELTA_THREADS as u32),
-        out.into_tensor_arg(),
-        grad_out.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        dims.heads as u32,
-        dims.seq_q as u32,
-        rows as u32,
-        dims.head_dim,
-        dtype,
-    );
+    let delta = delta(out, grad_out.clone(), dims);
 
     let threads = row_threads(dims.seq_q);
     let blocks = dims.seq_q.div_ceil(threads);

@@ -8,7 +8,8 @@
 //!   accumulator and adds `P · V`, the probabilities going from accumulator registers straight
 //!   into the next MMA's operand registers (the two layouts line up). It writes the output and
 //!   the log-sum-exp of each row.
-//! - **Backward**, deterministic and without atomics, in three kernels: `delta = rowsum(dO ∘ O)`;
+//! - **Backward**, deterministic and without atomics, in three kernels: `delta = rowsum(dO ∘ O)`
+//!   (the portable kernel's);
 //!   `dK, dV` with one cube per 64 keys walking the queries of every query head of the group;
 //!   `dQ` with one cube per 64 queries walking the keys. Each recomputes `P` from the stored
 //!   log-sum-exp, so the `[seq, seq]` matrix never exists.
@@ -427,34 +428,6 @@ fn forward_kernel<F: Float>(
             }
         }
     }
-}
-
-/// `delta = rowsum(dO ∘ O)` per query row, f32: one thread a row.
-#[cube(launch)]
-fn delta_kernel<F: Float>(
-    out: &Tensor<F>,
-    grad: &Tensor<F>,
-    delta: &mut Tensor<f32>,
-    rows: u32,
-    seq: u32,
-    heads: u32,
-    #[comptime] head_dim: usize,
-    #[define(F)] _dtype: StorageType,
-) {
-    let row = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if row >= rows as usize {
-        terminate!();
-    }
-    let (bh, s) = (row / seq as usize, row % seq as usize);
-    let o = head_base::<F>(out, bh, heads as usize) + s * out.stride(2);
-    let d = head_base::<F>(grad, bh, heads as usize) + s * grad.stride(2);
-    let mut sum = f32::new(0.0);
-    #[unroll]
-    for c in 0..head_dim {
-        sum += f32::cast_from(out[o + c * out.stride(3)])
-            * f32::cast_from(grad[d + c * grad.stride(3)]);
-    }
-    delta[row] = sum;
 }
 
 /// `dQ`: one cube per 64 queries walking the visible key blocks.
@@ -946,26 +919,20 @@ pub fn backward<R: CubeRuntime>(
     let grad_q = empty(q.meta.shape(), q.dtype);
     let grad_k = empty(k.meta.shape(), k.dtype);
     let grad_v = empty(v.meta.shape(), v.dtype);
-    let delta = empty(&Shape::new([batch, heads, seq_q]), DType::F32);
     if batch * heads * seq_q == 0 || seq_k == 0 {
         return [grad_q, grad_k, grad_v];
     }
+    let dims = super::Dims {
+        batch,
+        heads,
+        kv_heads,
+        seq_q,
+        seq_k,
+        head_dim,
+    };
+    let delta = super::portable::delta(out, grad.clone(), dims);
     let dtype: StorageType = q.dtype.into();
     let group = (heads / kv_heads) as u32;
-    let rows = batch * heads * seq_q;
-    delta_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(rows.div_ceil(256) as u32, 1, 1),
-        CubeDim::new_1d(256),
-        out.into_tensor_arg(),
-        grad.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        rows as u32,
-        seq_q as u32,
-        heads as u32,
-        head_dim,
-        dtype,
-    );
     grad_query_kernel::launch::<R>(
         &client,
         CubeCount::Static(seq_q.div_ceil(BLOCK) as u32, (batch * heads) as u32, 1),
