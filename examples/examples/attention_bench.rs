@@ -1,4 +1,6 @@
-//! Flash attention on tensor cores against PyTorch's `scaled_dot_product_attention`: forward,
+//! Flash attention, through cuDNN's fused engines (what the model runs on our CUDA backend)
+//! and through our CubeCL tensor-core kernels (the fallback), against PyTorch's
+//! `scaled_dot_product_attention`: forward,
 //! and forward + backward, bf16, causal, head dims 64 and 128, S from 1k to 8k with
 //! `batch · S = 16k` tokens and `heads · head_dim = 2048` (FlashAttention's benchmark shapes),
 //! plus GPT-2 124M's attention (16 × 12 heads × 1024 × 64). Run next to
@@ -14,10 +16,49 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor};
-use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
+use burn_cubecl::tensor::CubeTensor;
+use burn_megatron_kernels::cuda::cudnn::attention as cudnn;
+use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime};
 use burn_megatron_kernels::fused::flash_attention::tensor_core;
 
 type B = MegatronCuda;
+type Raw = CubeTensor<MegatronCudaRuntime>;
+
+/// One implementation: forward `(q, k, v) -> (out, lse)` and backward.
+struct Implementation {
+    name: &'static str,
+    forward: fn(&Raw, &Raw, &Raw, f32) -> (Raw, Raw),
+    backward: fn(&Raw, &Raw, &Raw, Raw, Raw, &Raw, f32) -> [Raw; 3],
+}
+
+const IMPLEMENTATIONS: [Implementation; 2] = [
+    Implementation {
+        name: "cudnn",
+        forward: |q, k, v, scale| {
+            cudnn::forward(q, k, v, scale, true).expect("cuDNN takes the benchmark's shapes")
+        },
+        backward: |q, k, v, out, lse, grad, scale| {
+            cudnn::backward(q, k, v, &out, &lse, grad, scale, true)
+                .expect("cuDNN takes the benchmark's shapes")
+        },
+    },
+    Implementation {
+        name: "cubecl",
+        forward: |q, k, v, scale| tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, true),
+        backward: |q, k, v, out, lse, grad, scale| {
+            tensor_core::backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                out,
+                lse,
+                grad.clone(),
+                scale,
+                true,
+            )
+        },
+    },
+];
 
 /// Median time of one call of `op`: 7 samples of 5 calls after 3 warm-up calls, with a device
 /// sync around each sample.
@@ -48,7 +89,7 @@ fn main() {
             shapes.push([16_384 / seq, 2048 / head_dim, seq, head_dim]);
         }
     }
-    println!("burn-megatron flash attention (tensor cores), bf16, causal");
+    println!("burn-megatron flash attention, bf16, causal");
     for [batch, heads, seq, head_dim] in shapes {
         let make = || {
             Tensor::<B, 4>::random(
@@ -62,38 +103,30 @@ fn main() {
         };
         let (q, k, v, grad) = (make(), make(), make(), make());
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let forward = time(&device, || {
-            tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, causal)
-        });
-        let both = time(&device, || {
-            let (out, lse) = tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, causal);
-            tensor_core::backward(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                out,
-                lse,
-                grad.clone(),
-                scale,
-                causal,
-            )
-        });
-        let flops =
-            4.0 * (batch * heads * seq * seq * head_dim) as f64 / if causal { 2.0 } else { 1.0 };
-        let tflops = |f: f64, t: Duration| f / t.as_secs_f64() / 1e12;
-        println!(
-            "b{batch:>2} h{heads:>2} s{seq:>5} d{head_dim:>3}: forward {:>8.3} ms {:>6.1} TFLOP/s, forward+backward {:>8.3} ms {:>6.1} TFLOP/s",
-            forward.as_secs_f64() * 1e3,
-            tflops(flops, forward),
-            both.as_secs_f64() * 1e3,
-            tflops(3.5 * flops, both)
-        );
-        println!(
-            "RESULT impl=ours batch={batch} heads={heads} seq={seq} head_dim={head_dim} fwd_ms={:.4} fwd_tflops={:.1} fwdbwd_ms={:.4} fwdbwd_tflops={:.1}",
-            forward.as_secs_f64() * 1e3,
-            tflops(flops, forward),
-            both.as_secs_f64() * 1e3,
-            tflops(3.5 * flops, both)
-        );
+        for imp in &IMPLEMENTATIONS {
+            let forward = time(&device, || (imp.forward)(&q, &k, &v, scale));
+            let both = time(&device, || {
+                let (out, lse) = (imp.forward)(&q, &k, &v, scale);
+                (imp.backward)(&q, &k, &v, out, lse, &grad, scale)
+            });
+            let flops = 4.0 * (batch * heads * seq * seq * head_dim) as f64
+                / if causal { 2.0 } else { 1.0 };
+            let tflops = |f: f64, t: Duration| f / t.as_secs_f64() / 1e12;
+            let name = imp.name;
+            println!(
+                "{name:>6} b{batch:>2} h{heads:>2} s{seq:>5} d{head_dim:>3}: forward {:>8.3} ms {:>6.1} TFLOP/s, forward+backward {:>8.3} ms {:>6.1} TFLOP/s",
+                forward.as_secs_f64() * 1e3,
+                tflops(flops, forward),
+                both.as_secs_f64() * 1e3,
+                tflops(3.5 * flops, both)
+            );
+            println!(
+                "RESULT impl={name} batch={batch} heads={heads} seq={seq} head_dim={head_dim} fwd_ms={:.4} fwd_tflops={:.1} fwdbwd_ms={:.4} fwdbwd_tflops={:.1}",
+                forward.as_secs_f64() * 1e3,
+                tflops(flops, forward),
+                both.as_secs_f64() * 1e3,
+                tflops(3.5 * flops, both)
+            );
+        }
     }
 }

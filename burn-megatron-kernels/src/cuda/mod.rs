@@ -11,6 +11,7 @@ pub mod device_check;
 mod driver;
 pub mod event;
 pub mod foreign;
+pub mod cudnn;
 pub mod gemm;
 mod host_syncs;
 mod lanes;
