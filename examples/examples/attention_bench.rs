@@ -9,6 +9,11 @@
 //!     ../shared/gpu/pack build --release --features cuda -p burn-megatron-examples --example attention_bench
 //!     source .gpu/env.sh && .gpu/bin/attention_bench; python3 bench/torch_attention.py
 //!
+//! `attention_bench --memory SEQ` instead runs one forward and backward of the model's
+//! attention (`burn_megatron::ops::flash_attention::attention` under `Autodiff`, bf16, causal,
+//! 1 × 16 heads × SEQ × 128) and prints the device memory it took, for the linear-memory
+//! check (run it once per SEQ: each process starts from an empty pool).
+//!
 //! FLOPs as FlashAttention counts them: `4 · batch · heads · S² · head_dim` for the forward,
 //! halved when causal; the backward is 2.5 times the forward.
 
@@ -44,7 +49,9 @@ const IMPLEMENTATIONS: [Implementation; 2] = [
     },
     Implementation {
         name: "cubecl",
-        forward: |q, k, v, scale| tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, true),
+        forward: |q, k, v, scale| {
+            tensor_core::forward(q.clone(), k.clone(), v.clone(), scale, true)
+        },
         backward: |q, k, v, out, lse, grad, scale| {
             tensor_core::backward(
                 q.clone(),
@@ -80,8 +87,70 @@ fn time<T>(device: &CudaGpu, mut op: impl FnMut() -> T) -> Duration {
     samples[3]
 }
 
+/// Device memory in use (the driver's view: our pool's reservations and cuDNN's scratch).
+fn device_bytes_in_use() -> u64 {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: the driver writes two sizes; the context is current on this thread after a sync.
+    unsafe { cudarc::driver::sys::cuMemGetInfo_v2(&mut free, &mut total) };
+    (total - free) as u64
+}
+
+/// One forward and backward of the model's attention at `seq`; prints the memory it took.
+fn memory(device: &CudaGpu, seq: usize) {
+    type A = burn::backend::Autodiff<B>;
+    let [batch, heads, head_dim] = [1, 16, 128];
+    B::sync(device).unwrap();
+    let before = device_bytes_in_use();
+    let make = || {
+        Tensor::<A, 4>::random(
+            [batch, heads, seq, head_dim],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        )
+        .cast(DType::BF16)
+        .detach()
+        .require_grad()
+    };
+    let (q, k, v) = (make(), make(), make());
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let out = burn_megatron::ops::flash_attention::attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        scale,
+        true,
+    );
+    B::sync(device).unwrap();
+    let after_forward = device_bytes_in_use() - before;
+    let grads = out.sum().backward();
+    let dq = q.grad(&grads).unwrap();
+    B::sync(device).unwrap();
+    let after_backward = device_bytes_in_use() - before;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    println!(
+        "memory b{batch} h{heads} s{seq} d{head_dim} bf16 causal: {:.1} MiB after forward, {:.1} MiB after backward (device, driver's count; dq {:?})",
+        mib(after_forward),
+        mib(after_backward),
+        dq.dims()
+    );
+    println!(
+        "RESULT memory seq={seq} forward_mib={:.1} backward_mib={:.1}",
+        mib(after_forward),
+        mib(after_backward)
+    );
+}
+
 fn main() {
     let device = CudaGpu::new(0);
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, seq] = &args[..]
+        && flag == "--memory"
+    {
+        return memory(
+            &device,
+            seq.parse().expect("--memory takes a sequence length"),
+        );
+    }
     let causal = true;
     let mut shapes: Vec<[usize; 4]> = vec![[16, 12, 1024, 64]];
     for head_dim in [64, 128] {
