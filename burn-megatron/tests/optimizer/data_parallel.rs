@@ -198,7 +198,7 @@ pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
 /// each DP rank taking its share of each global batch, [`DistributedAdamW`] with the clip.
 fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &Run) -> Vec<Run> {
     let ranks = run(layout.tp * layout.pp * layout.dp, |ctx| {
-        let state = layout.state(ctx);
+        let state = layout.state(&ctx);
         let mut model = layout.stage(config, &state);
         let mut optim = DistributedAdamWConfig::new()
             .with_adam(adam())

@@ -48,7 +48,7 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
     let config = tiny_gpt();
     let world = layout.tp * layout.pp * layout.dp;
     run(world, |ctx| {
-        let state = layout.state(ctx);
+        let state = layout.state(&ctx);
         let mut model = layout.stage(&config, &state);
         let mut optim = DistributedAdamWConfig::new()
             .with_adam(adam())
