@@ -61,7 +61,8 @@ pub trait DeviceTransport: burn::tensor::backend::Backend {
     }
 }
 
-impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> DeviceTransport for NdArray<E, I, Q>
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> DeviceTransport
+    for NdArray<E, I, Q>
 where
     NdArrayTensor: From<SharedArray<E>>,
     NdArrayTensor: From<SharedArray<I>>,
@@ -234,4 +235,3 @@ impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, 
         }
     }
 }
-

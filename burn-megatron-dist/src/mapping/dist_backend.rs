@@ -94,7 +94,6 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
     }
 }
 
-
 /// The gradient side of a mapping: one communication applied to the incoming gradient.
 #[derive(Debug)]
 struct MappingBackward<const D: usize> {

@@ -157,4 +157,3 @@ pub fn assert_same_step(
         );
     }
 }
-

@@ -96,7 +96,6 @@ fn clipped(config: &TransformerConfig, layout: Layout, max_norm: f64) -> Vec<Ran
     })
 }
 
-
 /// The single-device gradients (TP = PP = 1, no clipping) and their norm, in f64 on the host.
 fn reference(config: &TransformerConfig) -> (f64, BTreeMap<String, Vec<f64>>) {
     let outcome = clipped(config, layout(1, 1, false), 1e30).remove(0);

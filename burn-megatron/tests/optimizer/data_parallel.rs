@@ -106,7 +106,11 @@ impl Layout {
     pub(crate) fn stage(&self, config: &TransformerConfig, state: &ParallelState) -> GptModel<AD> {
         let split = StageSplit::even(config.num_layers, self.pp).expect("an even split");
         config
-            .init_gpt_stage::<AD>(state.tp(), &split.stage(state.pp_rank()), &Default::default())
+            .init_gpt_stage::<AD>(
+                state.tp(),
+                &split.stage(state.pp_rank()),
+                &Default::default(),
+            )
             .expect("a valid model")
     }
 }
@@ -153,42 +157,53 @@ impl RankRun {
     }
 }
 
+/// One replica (a DP rank's TP rank) put together from its pipeline stages.
+struct Replica {
+    losses: Option<Vec<f64>>,
+    norms: Vec<f64>,
+    params: BTreeMap<String, Vec<f64>>,
+}
+
 /// The ranks' outcomes put together per (DP rank, TP rank): the pipeline stages' parameters
 /// in `want`'s order (the two copies of a tied table must agree), the last stage's losses.
 pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
-    let mut replicas: BTreeMap<(usize, usize), (Option<Vec<f64>>, Vec<f64>, BTreeMap<_, _>)> =
-        BTreeMap::new();
+    let mut replicas = BTreeMap::<(usize, usize), Replica>::new();
     for rank in ranks {
-        let entry = replicas
+        let replica = replicas
             .entry((rank.dp_rank, rank.tp_rank))
-            .or_insert_with(|| (None, rank.norms.clone(), BTreeMap::new()));
-        assert_eq!(entry.1, rank.norms, "the stages' global norms differ");
-        entry.0 = entry.0.take().or(rank.losses);
+            .or_insert_with(|| Replica {
+                losses: None,
+                norms: rank.norms.clone(),
+                params: BTreeMap::new(),
+            });
+        assert_eq!(replica.norms, rank.norms, "the stages' global norms differ");
+        replica.losses = replica.losses.take().or(rank.losses);
         for (path, values) in rank.params {
-            if let Some(other) = entry.2.insert(path.clone(), values.clone()) {
+            if let Some(other) = replica.params.insert(path.clone(), values.clone()) {
                 assert_close(&format!("the copies of {path}"), &other, &values, 0.0);
             }
         }
     }
     replicas
         .into_values()
-        .map(|(losses, norms, mut params)| {
+        .map(|mut replica| {
             let ordered = want
                 .trajectory
                 .params
                 .iter()
                 .map(|(path, _)| {
-                    let values = params.remove(path).unwrap_or_else(|| panic!("no {path}"));
-                    (path.clone(), values)
+                    let values = replica.params.remove(path);
+                    (path.clone(), values.unwrap_or_else(|| panic!("no {path}")))
                 })
                 .collect();
-            assert!(params.is_empty(), "parameters not in the model: {params:?}");
+            let extra: Vec<_> = replica.params.keys().collect();
+            assert!(extra.is_empty(), "parameters not in the model: {extra:?}");
             Run {
                 trajectory: Trajectory {
-                    losses: losses.expect("the last stage reports the losses"),
+                    losses: replica.losses.expect("the last stage reports the losses"),
                     params: ordered,
                 },
-                norms,
+                norms: replica.norms,
             }
         })
         .collect()

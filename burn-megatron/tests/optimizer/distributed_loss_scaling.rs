@@ -94,7 +94,9 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
             scales.push(values(scaler.scale())[0]);
         }
         // Three clean steps grow the scale, the overflow halves it, three more grow it.
-        let want_scales = [1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0, 2048.0];
+        let want_scales = [
+            1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0, 2048.0,
+        ];
         assert_eq!(scales, want_scales, "the scale after each step");
         assert_eq!(values(scaler.skipped_steps())[0], 1.0, "skipped steps");
         assert_eq!(values(optim.step_count())[0], (STEPS - 1) as f64, "steps");
