@@ -66,7 +66,7 @@ where
 }
 
 /// On `Autodiff`, the forward communication runs on the inner tensor and a
-/// [`MappingBackward`] node applies the backward one to the incoming gradient.
+/// `MappingBackward` node applies the backward one to the incoming gradient.
 impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
     fn apply_mapping<const D: usize>(
         x: Tensor<Self, D>,
