@@ -1,10 +1,11 @@
-//! The dynamic loss scaler with the distributed optimizer, at DP = 2 and TP = 2 × DP = 2, with
-//! and without ZeRO-1: the backward passes start from the scaled loss
-//! (`forward_backward_scaled`), and an +∞ injected into one gradient of one rank at one step
-//! skips exactly that step on every rank (parameters unchanged bit for bit, step count not
-//! advanced), halves the scale, and the scale grows back after its window. Every other step
-//! equals unscaled training: the run ends with the losses, norms and parameters of the
-//! flat-buffer AdamW on one device that leaves out the skipped step.
+//! The dynamic loss scaler with the distributed optimizer, at DP = 2, TP = 2 × DP = 2 and
+//! PP = 2 × DP = 2 (1F1B), with and without ZeRO-1. The backward passes start from the scaled
+//! loss (`forward_backward_scaled`). An +∞ injected into one gradient of one rank (the last of
+//! the world: DP rank 1, and TP rank 1 or the last stage) at one step skips exactly that step
+//! on every rank (parameters unchanged bit for bit, step count not advanced) and halves the
+//! scale, which grows back after its window. Every other step equals unscaled training: the
+//! run ends with the losses, norms and parameters of the flat-buffer AdamW on one device that
+//! leaves out the skipped step.
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
@@ -12,6 +13,7 @@ use burn_megatron::distributed::{DataParallelConfig, DistributedAdamWConfig};
 use burn_megatron::models::GptModel;
 use burn_megatron::optimizer::{LossScalerConfig, shared_copies};
 use burn_megatron::pipeline_parallel::{Schedule, forward_backward_scaled};
+use burn_megatron::tensor_parallel::param_infos;
 use burn_megatron_dist::ReduceOp;
 
 use super::data_parallel::{
@@ -24,20 +26,21 @@ const STEPS: usize = 8;
 /// The step whose gradients get the +∞.
 const OVERFLOW: usize = 3;
 
-/// Replaces element 3 of the position-embedding gradient with +∞.
+/// Replaces element 3 of the gradient of the rank's first replicated one-dimensional
+/// parameter (a norm's scale or a bias) with +∞. Replicated parameters count in the norm on
+/// TP rank 0 only, so on another TP rank only the NaN of ∞ · 0 carries the overflow.
 fn inject_inf(model: &GptModel<AD>, grads: &mut GradientsParams) {
-    let id = model
-        .position_embedding
-        .as_ref()
-        .expect("learned positions")
-        .id;
-    let grad: Tensor<B, 2> = grads.remove(id).expect("a gradient");
+    let info = param_infos(model)
+        .into_iter()
+        .find(|p| p.shape.len() == 1 && p.placement.dim().is_none())
+        .expect("a replicated vector");
+    let grad: Tensor<B, 1> = grads.remove(info.id).expect("a gradient");
     let mut data = grad.to_data().to_vec::<f32>().unwrap();
     data[3] = f32::INFINITY;
-    let shape = grad.dims();
+    let len = data.len();
     grads.register(
-        id,
-        Tensor::<B, 2>::from_data(TensorData::new(data, shape), &Default::default()),
+        info.id,
+        Tensor::<B, 1>::from_data(TensorData::new(data, [len]), &Default::default()),
     );
 }
 
@@ -105,15 +108,15 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
 }
 
 #[test]
-fn an_injected_inf_skips_that_step_on_every_data_parallel_rank() {
+fn an_injected_inf_skips_that_step_on_every_rank() {
     let want = one_device(&tiny_gpt(), STEPS, Some(OVERFLOW));
-    for (tp, dp) in [(1, 2), (2, 2)] {
+    for (tp, pp, dp) in [(1, 1, 2), (2, 1, 2), (1, 2, 2)] {
         for zero in [false, true] {
-            let layout = Layout { tp, pp: 1, dp };
+            let layout = Layout { tp, pp, dp };
             let got = merge_stages(scaled(layout, zero), &want);
             assert_eq!(got.len(), tp * dp);
             check(
-                &format!("tp {tp} × dp {dp}, distributed optimizer {zero}, loss scale"),
+                &format!("tp {tp} × pp {pp} × dp {dp}, distributed optimizer {zero}, loss scale"),
                 &tiny_gpt(),
                 &got,
                 &want,
