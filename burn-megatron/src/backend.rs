@@ -800,7 +800,6 @@ mod cube {
             ) -> [Tensor<Self, 4>; 3] {
                 cube::flash_attention_backward(q, k, v, out, lse, grad, scale, causal)
             }
-
         };
     }
     pub(super) use flash_operations;
@@ -808,11 +807,11 @@ mod cube {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use burn::tensor::TensorPrimitive;
     use burn::tensor::{DType, Int, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
-    use burn::tensor::TensorPrimitive;
     use burn_megatron_kernels::cuda::cudnn::attention as cudnn_attention;
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, check_on_device, gemm};
 

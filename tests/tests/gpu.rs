@@ -1096,14 +1096,17 @@ fn flash_attention_through_cudnn_matches_the_materialised_attention() {
                 Tensor::<Ours, 3>::from_primitive(TensorPrimitive::Float(lse)).into_data(),
             ]
             .into_iter()
-            .chain(grads.into_iter().map(|g| float(g).cast(DType::F32).into_data()));
+            .chain(
+                grads
+                    .into_iter()
+                    .map(|g| float(g).cast(DType::F32).into_data()),
+            );
             compare_attention(&case, got, &want, bound);
         }
     }
     // Key counts that are not a multiple of 128, f32 and head dims above 128 are refused.
-    let make = |s: [usize; 4], dtype| {
-        Tensor::<Ours, 4>::from_data(data(&s, 9), &device).cast(dtype)
-    };
+    let make =
+        |s: [usize; 4], dtype| Tensor::<Ours, 4>::from_data(data(&s, 9), &device).cast(dtype);
     for (shape, dtype) in [
         ([1, 2, 37, 64], DType::BF16),
         ([1, 2, 128, 64], DType::F32),

@@ -6,12 +6,12 @@
 //! it adds is [`foreign`]: host operations in the device's queue, on its streams.
 
 mod copy;
+pub mod cudnn;
 mod device;
 pub mod device_check;
 mod driver;
 pub mod event;
 pub mod foreign;
-pub mod cudnn;
 pub mod gemm;
 mod host_syncs;
 mod lanes;

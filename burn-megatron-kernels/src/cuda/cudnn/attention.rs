@@ -102,6 +102,8 @@ struct BackwardKey {
     dv: Layout,
 }
 
+/// A plan's identity. (A few hundred bytes on the stack per call; boxing would not pay.)
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Key {
     Forward(ForwardKey),
@@ -116,11 +118,29 @@ fn mask(g: &mut Graph, sizes: &Sizes, x: Uid) -> CudnnResult<Uid> {
     let layout = sizes.scores();
     g.scalar(NEG_INF, DataType::Float)?;
     let row = g.temporary(DataType::Int32, layout)?;
-    g.pointwise(Pointwise::CUDNN_POINTWISE_GEN_INDEX, DataType::Float, &[x], row, Some(2))?;
+    g.pointwise(
+        Pointwise::CUDNN_POINTWISE_GEN_INDEX,
+        DataType::Float,
+        &[x],
+        row,
+        Some(2),
+    )?;
     let col = g.temporary(DataType::Int32, layout)?;
-    g.pointwise(Pointwise::CUDNN_POINTWISE_GEN_INDEX, DataType::Float, &[x], col, Some(3))?;
+    g.pointwise(
+        Pointwise::CUDNN_POINTWISE_GEN_INDEX,
+        DataType::Float,
+        &[x],
+        col,
+        Some(3),
+    )?;
     let keep = g.temporary(DataType::Boolean, layout)?;
-    g.pointwise(Pointwise::CUDNN_POINTWISE_CMP_GE, DataType::Boolean, &[row, col], keep, None)?;
+    g.pointwise(
+        Pointwise::CUDNN_POINTWISE_CMP_GE,
+        DataType::Boolean,
+        &[row, col],
+        keep,
+        None,
+    )?;
     let y = g.temporary(DataType::Float, layout)?;
     g.pointwise(
         Pointwise::CUDNN_POINTWISE_BINARY_SELECT,
@@ -138,7 +158,13 @@ fn scaled_scores(g: &mut Graph, sizes: &Sizes) -> CudnnResult<Uid> {
     let raw = g.temporary(f32, sizes.scores())?;
     g.matmul(Q, K, raw)?;
     let scaled = g.temporary(f32, sizes.scores())?;
-    g.pointwise(Pointwise::CUDNN_POINTWISE_MUL, f32, &[raw, SCALE], scaled, None)?;
+    g.pointwise(
+        Pointwise::CUDNN_POINTWISE_MUL,
+        f32,
+        &[raw, SCALE],
+        scaled,
+        None,
+    )?;
     Ok(scaled)
 }
 
@@ -173,13 +199,7 @@ fn forward_graph(key: &ForwardKey) -> CudnnResult<Graph> {
 }
 
 /// `c = a · b`, summed over the query heads of each key/value head when they differ.
-fn matmul_per_kv_head(
-    g: &mut Graph,
-    sizes: &Sizes,
-    a: Uid,
-    b: Uid,
-    c: Uid,
-) -> CudnnResult<()> {
+fn matmul_per_kv_head(g: &mut Graph, sizes: &Sizes, a: Uid, b: Uid, c: Uid) -> CudnnResult<()> {
     if sizes.heads == sizes.kv_heads {
         return g.matmul(a, b, c);
     }
@@ -303,7 +323,10 @@ impl CudnnState {
                 Key::Forward(k) => (forward_graph(k)?, [0, 0]),
                 Key::Backward(k) => {
                     let rows = (k.sizes.batch * k.sizes.heads * k.sizes.seq_q) as usize;
-                    (backward_graph(k)?, [rows * 4, rows * k.sizes.head_dim as usize * 4])
+                    (
+                        backward_graph(k)?,
+                        [rows * 4, rows * k.sizes.head_dim as usize * 4],
+                    )
                 }
             };
             let plan = graph.build(self.handle)?;
@@ -315,7 +338,9 @@ impl CudnnState {
                 // SAFETY: allocation in the current context, kept for the process.
                 let result = unsafe { cuMemAlloc_v2(&mut scratch, bytes) };
                 if result != CUresult::CUDA_SUCCESS {
-                    return Err(format!("cuMemAlloc of {bytes} bytes of cuDNN scratch: {result:?}"));
+                    return Err(format!(
+                        "cuMemAlloc of {bytes} bytes of cuDNN scratch: {result:?}"
+                    ));
                 }
             }
             self.plans.insert(
@@ -468,15 +493,20 @@ pub fn forward(
         DType::F32,
     );
     let bindings = [q, k, v, &out, &lse].map(binding).to_vec();
-    queue.submit("cuDNN flash attention", bindings, Lane::Compute, move |ctx| {
-        let p = ctx.pointers.to_vec();
-        let device = [Q, K, V, O, STATS].into_iter().zip(p).collect();
-        let mut scalars = vec![(SCALE, scale)];
-        if causal {
-            scalars.push((NEG_INF, f32::NEG_INFINITY));
-        }
-        run(ctx, key, device, scalars)
-    });
+    queue.submit(
+        "cuDNN flash attention",
+        bindings,
+        Lane::Compute,
+        move |ctx| {
+            let p = ctx.pointers.to_vec();
+            let device = [Q, K, V, O, STATS].into_iter().zip(p).collect();
+            let mut scalars = vec![(SCALE, scale)];
+            if causal {
+                scalars.push((NEG_INF, f32::NEG_INFINITY));
+            }
+            run(ctx, key, device, scalars)
+        },
+    );
     Some((out, lse))
 }
 
@@ -523,18 +553,23 @@ pub fn backward(
     let bindings = [q, k, v, out, lse, grad_out, &dq, &dk, &dv]
         .map(binding)
         .to_vec();
-    queue.submit("cuDNN flash attention backward", bindings, Lane::Compute, move |ctx| {
-        let p = ctx.pointers.to_vec();
-        let device = [Q, K, V, O, STATS, DO, DQ, DK, DV]
-            .into_iter()
-            .zip(p)
-            .collect();
-        let mut scalars = vec![(SCALE, scale), (ONE, 1.0)];
-        if causal {
-            scalars.push((NEG_INF, f32::NEG_INFINITY));
-        }
-        run(ctx, key, device, scalars)
-    });
+    queue.submit(
+        "cuDNN flash attention backward",
+        bindings,
+        Lane::Compute,
+        move |ctx| {
+            let p = ctx.pointers.to_vec();
+            let device = [Q, K, V, O, STATS, DO, DQ, DK, DV]
+                .into_iter()
+                .zip(p)
+                .collect();
+            let mut scalars = vec![(SCALE, scale), (ONE, 1.0)];
+            if causal {
+                scalars.push((NEG_INF, f32::NEG_INFINITY));
+            }
+            run(ctx, key, device, scalars)
+        },
+    );
     Some([dq, dk, dv])
 }
 
@@ -562,7 +597,10 @@ fn run(
         .map(|(uid, ptr)| (uid, ptr as *mut c_void))
         .collect();
     if let Key::Backward(_) = key {
-        pointers.push((DELTA, (scratch + prepared.delta_offset as u64) as *mut c_void));
+        pointers.push((
+            DELTA,
+            (scratch + prepared.delta_offset as u64) as *mut c_void,
+        ));
         pointers.push((DQ_F32, (scratch + prepared.dq_offset as u64) as *mut c_void));
     }
     for (value, (uid, _)) in values.iter_mut().zip(&scalars) {

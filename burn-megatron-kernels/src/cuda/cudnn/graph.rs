@@ -27,7 +27,9 @@ pub(crate) fn check(status: sys::cudnnStatus_t, what: &str) -> CudnnResult<()> {
     // SAFETY: cuDNN writes at most `max_size` bytes, NUL-terminated.
     let detail = unsafe {
         sys::cudnnGetLastErrorString(message.as_mut_ptr(), message.len());
-        std::ffi::CStr::from_ptr(message.as_ptr()).to_string_lossy().into_owned()
+        std::ffi::CStr::from_ptr(message.as_ptr())
+            .to_string_lossy()
+            .into_owned()
     };
     Err(match detail.is_empty() {
         true => format!("{what}: {status:?}"),
@@ -187,14 +189,38 @@ impl Graph {
     ) -> CudnnResult<Uid> {
         use Attr::*;
         let t = Descriptor::new(Kind::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
-        t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, Ty::CUDNN_TYPE_DATA_TYPE, &[dtype.raw()])?;
-        t.set(CUDNN_ATTR_TENSOR_DIMENSIONS, Ty::CUDNN_TYPE_INT64, &layout.dims)?;
-        t.set(CUDNN_ATTR_TENSOR_STRIDES, Ty::CUDNN_TYPE_INT64, &layout.strides)?;
+        t.set(
+            CUDNN_ATTR_TENSOR_DATA_TYPE,
+            Ty::CUDNN_TYPE_DATA_TYPE,
+            &[dtype.raw()],
+        )?;
+        t.set(
+            CUDNN_ATTR_TENSOR_DIMENSIONS,
+            Ty::CUDNN_TYPE_INT64,
+            &layout.dims,
+        )?;
+        t.set(
+            CUDNN_ATTR_TENSOR_STRIDES,
+            Ty::CUDNN_TYPE_INT64,
+            &layout.strides,
+        )?;
         t.set(CUDNN_ATTR_TENSOR_UNIQUE_ID, Ty::CUDNN_TYPE_INT64, &[uid])?;
-        t.set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, Ty::CUDNN_TYPE_INT64, &[16i64])?;
-        t.set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, Ty::CUDNN_TYPE_BOOLEAN, &[is_virtual])?;
+        t.set(
+            CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT,
+            Ty::CUDNN_TYPE_INT64,
+            &[16i64],
+        )?;
+        t.set(
+            CUDNN_ATTR_TENSOR_IS_VIRTUAL,
+            Ty::CUDNN_TYPE_BOOLEAN,
+            &[is_virtual],
+        )?;
         if by_value {
-            t.set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, Ty::CUDNN_TYPE_BOOLEAN, &[true])?;
+            t.set(
+                CUDNN_ATTR_TENSOR_IS_BY_VALUE,
+                Ty::CUDNN_TYPE_BOOLEAN,
+                &[true],
+            )?;
         }
         t.finalize()?;
         self.tensors.insert(uid, t);
@@ -203,13 +229,19 @@ impl Graph {
 
     /// A tensor in device memory, given at execution under `uid` (below 1000).
     pub(crate) fn tensor(&mut self, uid: Uid, dtype: DataType, layout: Layout) -> CudnnResult<Uid> {
-        assert!(uid < FIRST_VIRTUAL_UID, "uid {uid} is reserved for virtual tensors");
+        assert!(
+            uid < FIRST_VIRTUAL_UID,
+            "uid {uid} is reserved for virtual tensors"
+        );
         self.add_tensor(uid, dtype, layout, false, false)
     }
 
     /// A scalar passed by value (a host pointer at execution) under `uid`.
     pub(crate) fn scalar(&mut self, uid: Uid, dtype: DataType) -> CudnnResult<Uid> {
-        assert!(uid < FIRST_VIRTUAL_UID, "uid {uid} is reserved for virtual tensors");
+        assert!(
+            uid < FIRST_VIRTUAL_UID,
+            "uid {uid} is reserved for virtual tensors"
+        );
         let layout = Layout {
             dims: [1; 4],
             strides: [1; 4],
@@ -240,8 +272,16 @@ impl Graph {
     ) -> CudnnResult<()> {
         use Attr::*;
         let desc = Descriptor::new(Kind::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
-        desc.set(CUDNN_ATTR_POINTWISE_MODE, Ty::CUDNN_TYPE_POINTWISE_MODE, &[mode])?;
-        desc.set(CUDNN_ATTR_POINTWISE_MATH_PREC, Ty::CUDNN_TYPE_DATA_TYPE, &[compute.raw()])?;
+        desc.set(
+            CUDNN_ATTR_POINTWISE_MODE,
+            Ty::CUDNN_TYPE_POINTWISE_MODE,
+            &[mode],
+        )?;
+        desc.set(
+            CUDNN_ATTR_POINTWISE_MATH_PREC,
+            Ty::CUDNN_TYPE_DATA_TYPE,
+            &[compute.raw()],
+        )?;
         if let Some(axis) = axis {
             desc.set(CUDNN_ATTR_POINTWISE_AXIS, Ty::CUDNN_TYPE_INT64, &[axis])?;
         }
@@ -324,7 +364,11 @@ impl Graph {
     pub(crate) fn build(self, handle: sys::cudnnHandle_t) -> CudnnResult<Plan> {
         use Attr::*;
         let graph = Descriptor::new(Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
-        graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
+        graph.set(
+            CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
+            Ty::CUDNN_TYPE_HANDLE,
+            &[handle],
+        )?;
         let ops: Vec<_> = self.operations.iter().map(|op| op.raw).collect();
         graph.set(
             CUDNN_ATTR_OPERATIONGRAPH_OPS,
@@ -404,7 +448,11 @@ impl Graph {
 fn plan_for(handle: sys::cudnnHandle_t, config: &Descriptor) -> CudnnResult<(Descriptor, usize)> {
     use Attr::*;
     let plan = Descriptor::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
-    plan.set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
+    plan.set(
+        CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+        Ty::CUDNN_TYPE_HANDLE,
+        &[handle],
+    )?;
     plan.set_descriptor(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config)?;
     plan.finalize()?;
     let (mut workspace, mut got) = (0i64, 0i64);
@@ -455,9 +503,21 @@ impl Plan {
         let pack = Descriptor::new(Kind::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
         let uids: Vec<Uid> = pointers.iter().map(|p| p.0).collect();
         let data: Vec<*mut c_void> = pointers.iter().map(|p| p.1).collect();
-        pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, Ty::CUDNN_TYPE_INT64, &uids)?;
-        pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, Ty::CUDNN_TYPE_VOID_PTR, &data)?;
-        pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, Ty::CUDNN_TYPE_VOID_PTR, &[workspace])?;
+        pack.set(
+            CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
+            Ty::CUDNN_TYPE_INT64,
+            &uids,
+        )?;
+        pack.set(
+            CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+            Ty::CUDNN_TYPE_VOID_PTR,
+            &data,
+        )?;
+        pack.set(
+            CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+            Ty::CUDNN_TYPE_VOID_PTR,
+            &[workspace],
+        )?;
         pack.finalize()?;
         // SAFETY: the caller's contract.
         check(
