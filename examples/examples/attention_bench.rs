@@ -87,12 +87,15 @@ fn time<T>(device: &CudaGpu, mut op: impl FnMut() -> T) -> Duration {
     samples[3]
 }
 
-/// Device memory in use (the driver's view: our pool's reservations and cuDNN's scratch).
-fn device_bytes_in_use() -> u64 {
-    let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: the driver writes two sizes; the context is current on this thread after a sync.
-    unsafe { cudarc::driver::sys::cuMemGetInfo_v2(&mut free, &mut total) };
-    (total - free) as u64
+/// Device memory held: our pool's bytes in use and reserved, plus cuDNN's scratch.
+fn device_bytes(device: &CudaGpu) -> (u64, u64) {
+    use burn_cubecl::cubecl::Runtime;
+    let pool = MegatronCudaRuntime::client(device)
+        .memory_usage()
+        .map(|u| (u.bytes_in_use, u.bytes_reserved))
+        .unwrap_or_default();
+    let scratch = cudnn::scratch_bytes(device) as u64;
+    (pool.0 + scratch, pool.1 + scratch)
 }
 
 /// One forward and backward of the model's attention at `seq`; prints the memory it took.
@@ -100,7 +103,7 @@ fn memory(device: &CudaGpu, seq: usize) {
     type A = burn::backend::Autodiff<B>;
     let [batch, heads, head_dim] = [1, 16, 128];
     B::sync(device).unwrap();
-    let before = device_bytes_in_use();
+    let before = device_bytes(device).0;
     let make = || {
         Tensor::<A, 4>::random(
             [batch, heads, seq, head_dim],
@@ -121,22 +124,25 @@ fn memory(device: &CudaGpu, seq: usize) {
         true,
     );
     B::sync(device).unwrap();
-    let after_forward = device_bytes_in_use() - before;
+    let after_forward = device_bytes(device).0 - before;
     let grads = out.sum().backward();
     let dq = q.grad(&grads).unwrap();
     B::sync(device).unwrap();
-    let after_backward = device_bytes_in_use() - before;
+    let after_backward = device_bytes(device).0 - before;
+    let peak = device_bytes(device).1;
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     println!(
-        "memory b{batch} h{heads} s{seq} d{head_dim} bf16 causal: {:.1} MiB after forward, {:.1} MiB after backward (device, driver's count; dq {:?})",
+        "memory b{batch} h{heads} s{seq} d{head_dim} bf16 causal: in use {:.1} MiB after forward, {:.1} MiB after backward (with dq {:?}); pool reserved + cuDNN scratch {:.1} MiB (the peak)",
         mib(after_forward),
         mib(after_backward),
-        dq.dims()
+        dq.dims(),
+        mib(peak),
     );
     println!(
-        "RESULT memory seq={seq} forward_mib={:.1} backward_mib={:.1}",
+        "RESULT memory seq={seq} forward_mib={:.1} backward_mib={:.1} peak_mib={:.1}",
         mib(after_forward),
-        mib(after_backward)
+        mib(after_backward),
+        mib(peak)
     );
 }
 

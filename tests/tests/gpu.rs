@@ -403,11 +403,18 @@ fn gpt_step_on_three_backends() {
         ];
         for (name, (loss, grads)) in &runs[1..] {
             println!("== {name} vs ours: loss {loss} vs {}", runs[0].1.0);
+            // Our own run again differs only where summation order may (GPU_F32); the other
+            // backends run their f32 GEMMs through other TF32 kernels than cuBLASLt, whose
+            // differences the whole network's gradient accumulates (TF32).
+            let bound = match *name {
+                "ours again" => tolerance::GPU_F32,
+                _ => tolerance::TF32,
+            };
             for ((path, a), (_, b)) in grads.iter().zip(&runs[0].1.1) {
                 let diff = relative_difference(path, &data_values(a), &data_values(b));
                 println!("   {path:>45} {diff:.2e}");
                 assert!(
-                    diff <= tolerance::GPU_F32,
+                    diff <= bound,
                     "{name} vs ours ({recompute:?}): {path} differs by {diff:.2e}"
                 );
             }

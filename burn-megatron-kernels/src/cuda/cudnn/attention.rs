@@ -284,6 +284,7 @@ fn backward_graph(key: &BackwardKey) -> CudnnResult<Graph> {
 struct Prepared {
     plan: Plan,
     scratch: CUdeviceptr,
+    scratch_bytes: usize,
     delta_offset: usize,
     dq_offset: usize,
 }
@@ -348,6 +349,7 @@ impl CudnnState {
                 Prepared {
                     plan,
                     scratch,
+                    scratch_bytes: bytes,
                     delta_offset,
                     dq_offset,
                 },
@@ -355,6 +357,16 @@ impl CudnnState {
         }
         Ok(&self.plans[&key])
     }
+}
+
+/// Bytes of device memory the cuDNN plans of `device` hold as scratch (outside Burn's pool).
+pub fn scratch_bytes(device: &crate::cuda::CudaGpu) -> usize {
+    ForeignQueue::new(device).run_blocking(|extensions| {
+        match extensions.get_mut::<CudnnResult<CudnnState>>() {
+            Some(Ok(state)) => state.plans.values().map(|p| p.scratch_bytes).sum(),
+            _ => 0,
+        }
+    })
 }
 
 /// Whether a plan exists for `key` on `device`, building it on first use.
