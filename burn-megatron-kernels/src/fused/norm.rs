@@ -12,7 +12,8 @@
 //!   and no atomics. Each cube of `column_partials_kernel` owns a chunk of rows and a span
 //!   of columns, one thread a column, and writes its partial sums of `dy · x̂` and `dy` to a
 //!   `[blocks, hidden]` f32 buffer; `column_sum_kernel` then adds the blocks of each column
-//!   in order. The same inputs give the same bits on every run.
+//!   in a fixed order (16 interleaved lanes, then the lanes). The same inputs give the same
+//!   bits on every run.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -254,20 +255,40 @@ fn column_partials_kernel<F: Float>(
     }
 }
 
-/// Stage two: each column's partial sums over the blocks, in block order.
+/// Columns per cube of [`column_sum_kernel`].
+const SUM_COLUMNS: u32 = 16;
+/// Threads per column of [`column_sum_kernel`]: each sums every `SUM_LANES`-th block.
+const SUM_LANES: u32 = 16;
+
+/// Stage two: each column's partial sums over the blocks. Lane `l` of a column sums blocks
+/// `l, l + SUM_LANES, …` in order, then lane 0 adds the lanes in order: a fixed order, so
+/// the same bits on every run, with `SUM_LANES` loads in flight per column instead of one.
 #[cube(launch)]
 fn column_sum_kernel(partial: &Tensor<f32>, total: &mut Tensor<f32>, blocks: u32, hidden: u32) {
     let col = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if col >= hidden as usize {
-        terminate!();
-    }
+    let lane = UNIT_POS_Y as usize;
+    let lanes = CUBE_DIM_Y as usize;
+    let mut lane_sums = SharedMemory::<f32>::new((SUM_COLUMNS * SUM_LANES) as usize);
+    let slot = UNIT_POS_X as usize * lanes;
     let mut sum = f32::new(0.0);
-    let mut block: usize = 0;
-    while block < blocks as usize {
-        sum += partial[block * partial.stride(0) + col * partial.stride(1)];
-        block += 1;
+    if col < hidden as usize {
+        let mut block = lane;
+        while block < blocks as usize {
+            sum += partial[block * partial.stride(0) + col * partial.stride(1)];
+            block += lanes;
+        }
     }
-    total[col * total.stride(0)] = sum;
+    lane_sums[slot + lane] = sum;
+    sync_cube();
+    if lane == 0 && col < hidden as usize {
+        let mut total_sum = f32::new(0.0);
+        let mut l: usize = 0;
+        while l < lanes {
+            total_sum += lane_sums[slot + l];
+            l += 1;
+        }
+        total[col * total.stride(0)] = total_sum;
+    }
 }
 
 /// One cube per row (a 2D grid within every runtime's limit) of a power-of-two thread count
@@ -478,8 +499,8 @@ pub fn backward_into<R: CubeRuntime>(
     let column_sum = |partial: CubeTensor<R>, total: CubeTensor<R>| {
         column_sum_kernel::launch::<R>(
             &client,
-            CubeCount::Static(column_cubes, 1, 1),
-            CubeDim::new_1d(COLUMN_THREADS),
+            CubeCount::Static(hidden.div_ceil(SUM_COLUMNS as usize) as u32, 1, 1),
+            CubeDim::new_2d(SUM_COLUMNS, SUM_LANES),
             partial.into_tensor_arg(),
             total.into_tensor_arg(),
             blocks as u32,
