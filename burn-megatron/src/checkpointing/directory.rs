@@ -124,8 +124,3 @@ pub fn keep_last(root: &Path, keep: usize) -> Result<(), CheckpointError> {
     }
     Ok(())
 }
-
-/// CRC-32 (IEEE) of `bytes`.
-pub(crate) fn crc32(bytes: &[u8]) -> u32 {
-    crc32fast::hash(bytes)
-}

@@ -23,7 +23,9 @@
 //! - **Hugging Face** ([`hugging_face`]): transformers' GPT-2 and Llama checkpoints imported
 //!   at any layout and exported back.
 
+mod async_save;
 mod directory;
+mod distributed_optimizer;
 mod error;
 pub mod hugging_face;
 mod load;
@@ -32,11 +34,15 @@ mod optimizer_state;
 mod region;
 mod save;
 mod slices;
+mod snapshot;
+mod tensor_file;
 
+pub use async_save::AsyncCheckpointer;
 pub use directory::{
     LATEST_FILE, checkpoint_name, keep_last, latest_checkpoint, list_checkpoints,
     remove_partial_saves,
 };
+pub use distributed_optimizer::{MAIN_PARAM, distributed_adamw_state, load_distributed_adamw};
 pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use metadata::{
@@ -45,3 +51,4 @@ pub use metadata::{
 };
 pub use optimizer_state::{ADAMW, OptimizerState, ParamState, adamw_record, adamw_state};
 pub use save::Checkpointer;
+pub use tensor_file::CHECKSUM_BLOCK_BYTES;
