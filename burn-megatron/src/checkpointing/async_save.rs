@@ -8,6 +8,7 @@
 //! [`AsyncCheckpointer::finish`] at the end of training. Until then the previous checkpoint
 //! is the latest, so a crash while writing loses only the save in flight.
 
+use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 
@@ -23,6 +24,7 @@ use crate::models::GptModel;
 use crate::transformer::TransformerConfig;
 
 /// A [`Checkpointer`] whose saves write in the background; at most one save is in flight.
+/// `B` is the model's backend (the ranks agree through it that every file was written).
 ///
 /// ```ignore
 /// let mut checkpointer = AsyncCheckpointer::new(Checkpointer::new("ckpt"));
@@ -39,9 +41,10 @@ use crate::transformer::TransformerConfig;
 /// Dropping it waits for the files being written, but cannot publish them (that needs every
 /// rank): call [`finish`](Self::finish) before the end.
 #[derive(Debug)]
-pub struct AsyncCheckpointer {
+pub struct AsyncCheckpointer<B: ModelBackend> {
     checkpointer: Checkpointer,
     in_flight: Option<InFlight>,
+    backend: PhantomData<fn() -> B>,
 }
 
 /// A save whose files are being written.
@@ -53,13 +56,14 @@ struct InFlight {
     training: TrainingState,
 }
 
-impl AsyncCheckpointer {
+impl<B: ModelBackend> AsyncCheckpointer<B> {
     /// Saves with `checkpointer`'s settings (root, checkpoints kept, checksum blocks), in the
     /// background.
     pub fn new(checkpointer: Checkpointer) -> Self {
         Self {
             checkpointer,
             in_flight: None,
+            backend: PhantomData,
         }
     }
 
@@ -78,7 +82,7 @@ impl AsyncCheckpointer {
     /// flight before it, if any, is waited for and published first: its directory is
     /// returned, and its error, if a rank failed to write it, is returned instead (the new
     /// save is then not started). Every rank must call it.
-    pub fn save<B: ModelBackend>(
+    pub fn save(
         &mut self,
         state: &ParallelState,
         config: &TransformerConfig,
@@ -86,7 +90,7 @@ impl AsyncCheckpointer {
         optimizer: Option<&[OptimizerState]>,
         training: &TrainingState,
     ) -> Result<Option<PathBuf>> {
-        let previous = self.finish::<B>(state)?;
+        let previous = self.finish(state)?;
         let started = self
             .checkpointer
             .begin(state, config, chunks, optimizer, training)?;
@@ -109,7 +113,7 @@ impl AsyncCheckpointer {
     /// Waits for the save in flight and publishes it: its directory, `None` when there was
     /// none. If any rank failed to write it, every rank returns an error and nothing is
     /// published (the previous checkpoint stays the latest). Every rank must call it.
-    pub fn finish<B: ModelBackend>(&mut self, state: &ParallelState) -> Result<Option<PathBuf>> {
+    pub fn finish(&mut self, state: &ParallelState) -> Result<Option<PathBuf>> {
         let Some(save) = self.in_flight.take() else {
             return Ok(None);
         };
@@ -127,7 +131,7 @@ fn join(writer: JoinHandle<Result<()>>, tmp: &std::path::Path) -> Result<()> {
     })
 }
 
-impl Drop for AsyncCheckpointer {
+impl<B: ModelBackend> Drop for AsyncCheckpointer<B> {
     /// Waits for the files being written. They are not published (that needs every rank): the
     /// next save removes them. What happened can only be reported on standard error here.
     fn drop(&mut self) {
