@@ -93,7 +93,7 @@ impl<B: ModelBackend> AsyncCheckpointer<B> {
         let previous = self.finish(state)?;
         let started = self
             .checkpointer
-            .begin(state, config, chunks, optimizer, training)?;
+            .begin(state, config, chunks, None, optimizer, training)?;
         let checkpointer = self.checkpointer.clone();
         let tmp = started.tmp.clone();
         let rank = state.world().rank();

@@ -160,15 +160,25 @@ impl Checkpoint {
     /// `model` (one chunk of any layout, built from the saved configuration) with every
     /// parameter replaced by its slice of the saved one. Vocabulary padding rows are zero.
     pub fn load_model<B: ModelBackend>(&self, model: GptModel<B>) -> Result<GptModel<B>> {
+        let values = self.model_values(&model)?;
+        Ok(model.map(&mut Replace { values }))
+    }
+
+    /// The saved values of `model`'s parameters (one chunk of any layout), in the saved
+    /// dtype, by the chunk's parameter ids.
+    pub(crate) fn model_values<B: ModelBackend>(
+        &self,
+        model: &GptModel<B>,
+    ) -> Result<HashMap<ParamId, TensorData>> {
         let tensors = self.metadata.model_tensors().ok_or_else(|| {
             CheckpointError::mismatch(&self.dir, "the checkpoint holds no model tensors")
         })?;
         let mut values = HashMap::new();
-        for slice in local_slices(&model)? {
+        for slice in local_slices(model)? {
             let entry = self.entry(tensors, MODEL_GROUP, &slice)?;
             values.insert(slice.id, self.assemble(MODEL_GROUP, entry, &slice)?);
         }
-        Ok(model.map(&mut Replace { values }))
+        Ok(values)
     }
 
     /// The saved optimizer state of `model`'s parameters (one chunk of any layout), keyed by

@@ -24,6 +24,7 @@
 //!   at any layout and exported back.
 
 mod async_save;
+mod convert;
 mod directory;
 mod distributed_optimizer;
 mod error;
@@ -38,6 +39,7 @@ mod snapshot;
 mod tensor_file;
 
 pub use async_save::AsyncCheckpointer;
+pub use convert::{TargetLayout, convert_layout, export_hugging_face, import_hugging_face};
 pub use directory::{
     LATEST_FILE, checkpoint_name, keep_last, latest_checkpoint, list_checkpoints,
     remove_partial_saves,

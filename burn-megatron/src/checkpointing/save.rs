@@ -2,11 +2,12 @@
 //! one temporary directory; rank 0 writes the metadata once all have finished, then the
 //! directory is renamed into place. The files each rank writes are described in `snapshot.rs`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::Tensor;
+use burn::module::ParamId;
+use burn::tensor::{Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
 use super::directory::{
@@ -99,7 +100,24 @@ impl Checkpointer {
         optimizer: Option<&[OptimizerState]>,
         training: &TrainingState,
     ) -> Result<PathBuf> {
-        let started = self.begin(state, config, chunks, optimizer, training)?;
+        let started = self.begin(state, config, chunks, None, optimizer, training)?;
+        let written = self.write(started.snapshot, &started.tmp, state.world().rank());
+        self.finish::<B>(state, &started.config, &started.training, &started.tmp, written)
+    }
+
+    /// Saves `values[i]` (parameter values by id, any stored dtype) in the layout of
+    /// `chunks[i]` instead of the chunks' own values: how a conversion rewrites a checkpoint
+    /// in another layout without a round trip through the model's dtype.
+    pub(crate) fn save_values<B: ModelBackend>(
+        &self,
+        state: &ParallelState,
+        config: &TransformerConfig,
+        chunks: &[GptModel<B>],
+        values: Vec<HashMap<ParamId, TensorData>>,
+        optimizer: Option<&[OptimizerState]>,
+        training: &TrainingState,
+    ) -> Result<PathBuf> {
+        let started = self.begin(state, config, chunks, Some(values), optimizer, training)?;
         let written = self.write(started.snapshot, &started.tmp, state.world().rank());
         self.finish::<B>(state, &started.config, &started.training, &started.tmp, written)
     }
@@ -111,6 +129,7 @@ impl Checkpointer {
         state: &ParallelState,
         config: &TransformerConfig,
         chunks: &[GptModel<B>],
+        values: Option<Vec<HashMap<ParamId, TensorData>>>,
         optimizer: Option<&[OptimizerState]>,
         training: &TrainingState,
     ) -> Result<Started> {
@@ -127,7 +146,7 @@ impl Checkpointer {
         };
         agree::<B>(state, prepared.is_ok(), &tmp)?;
         prepared?;
-        let snapshot = RankSnapshot::take(state, chunks, optimizer);
+        let snapshot = RankSnapshot::take(state, chunks, values, optimizer);
         agree::<B>(state, snapshot.is_ok(), &tmp)?;
         Ok(Started {
             snapshot: snapshot?,

@@ -12,7 +12,7 @@
 //! DP rank (`optimizer_tp{t}_pp{p}_dp{d}.safetensors`), each holding its shard. A replicated
 //! parameter is written by TP rank 0; vocabulary padding is never written.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -74,10 +74,13 @@ struct Piece {
 
 impl RankSnapshot {
     /// Copies what this rank writes to the host: its slices of `chunks`' parameters (DP rank
-    /// 0) and of their optimizer state (`optimizer[i]` for `chunks[i]`).
+    /// 0) and of their optimizer state (`optimizer[i]` for `chunks[i]`). `values[i]`, when
+    /// given, replaces `chunks[i]`'s parameter values (a conversion writes a checkpoint's
+    /// values, in their dtype, in the layout of `chunks`).
     pub fn take<B: ModelBackend>(
         state: &ParallelState,
         chunks: &[GptModel<B>],
+        values: Option<Vec<HashMap<ParamId, TensorData>>>,
         optimizer: Option<&[OptimizerState]>,
     ) -> Result<Self> {
         let (t, p, d) = (state.tp().rank(), state.pp_rank(), state.dp().rank());
@@ -89,18 +92,19 @@ impl RankSnapshot {
         let (mut model, mut optim) = (Vec::new(), Vec::new());
         let writes_model = d == 0;
         let writes_optimizer = optimizer.is_some() && (d == 0 || dp_sharded);
+        let mut given = values.map(Vec::into_iter);
         for (i, chunk) in chunks.iter().enumerate() {
             let chunk_state = optimizer.and_then(|o| o.get(i));
             if let Some(s) = chunk_state {
                 manifest.optimizer_kind = Some(s.kind.clone());
             }
-            let mut values = if writes_model {
-                param_values(chunk)
-            } else {
-                Default::default()
+            let mut values = match given.as_mut().and_then(Iterator::next) {
+                Some(values) => values,
+                None if writes_model => param_values(chunk),
+                None => Default::default(),
             };
             for slice in local_slices(chunk)?.into_iter().filter(|s| s.writes) {
-                if let Some(value) = values.remove(&slice.id) {
+                if let Some(value) = values.remove(&slice.id).filter(|_| writes_model) {
                     model.extend(whole(MODEL_GROUP, &slice, value));
                 }
                 let Some(param_state) = chunk_state.and_then(|s| s.params.get(&slice.id)) else {
@@ -271,8 +275,8 @@ fn cut(src: &[u8], (shape, origin): (&[usize], &[usize]), region: &Region, elem:
 }
 
 /// Every float parameter's local value, by id (the host copy).
-fn param_values<B: Backend>(chunk: &GptModel<B>) -> std::collections::HashMap<ParamId, TensorData> {
-    struct Collect(std::collections::HashMap<ParamId, TensorData>);
+fn param_values<B: Backend>(chunk: &GptModel<B>) -> HashMap<ParamId, TensorData> {
+    struct Collect(HashMap<ParamId, TensorData>);
     impl<B: Backend> ModuleVisitor<B> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             self.0.insert(param.id, param.val().into_data());

@@ -3,6 +3,7 @@
 //! stopped; broken checkpoints are refused with their errors.
 
 mod async_save;
+mod convert;
 mod distributed_optimizer;
 mod hugging_face;
 mod loss_scaler;
