@@ -123,7 +123,8 @@ fn bench<B: ModelBackend>(
         let init = start.elapsed();
         let chunks = [model];
         let saver = Checkpointer::new(&sync_root).with_keep_last(1);
-        let mut async_saver = AsyncCheckpointer::new(Checkpointer::new(&async_root).with_keep_last(1));
+        let mut async_saver =
+            AsyncCheckpointer::new(Checkpointer::new(&async_root).with_keep_last(1));
         let mut t = Timings {
             params: 0,
             bytes: 0,

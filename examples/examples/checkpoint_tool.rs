@@ -173,7 +173,11 @@ fn convert(
     if to_hf {
         let dir = checkpoint_dir(src)?;
         export_hugging_face(&dir, dst)?;
-        println!("exported {} to {} (transformers)", dir.display(), dst.display());
+        println!(
+            "exported {} to {} (transformers)",
+            dir.display(),
+            dst.display()
+        );
     } else {
         let written = match from_hf {
             true => import_hugging_face(src, dst, layout)?,
@@ -202,7 +206,13 @@ fn main() {
             virtual_pp,
             from_hf,
             to_hf,
-        } => convert(&src, &dst, TargetLayout::new(tp, pp).with_virtual_pp(virtual_pp), from_hf, to_hf),
+        } => convert(
+            &src,
+            &dst,
+            TargetLayout::new(tp, pp).with_virtual_pp(virtual_pp),
+            from_hf,
+            to_hf,
+        ),
     };
     if let Err(error) = result {
         eprintln!("error: {error}");

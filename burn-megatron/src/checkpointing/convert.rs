@@ -121,7 +121,10 @@ pub fn export_hugging_face(src: &Path, dst: &Path) -> Result<()> {
     })?;
     let mut params = std::collections::BTreeMap::new();
     for path in tensors.keys() {
-        params.insert(path.clone(), checkpoint.read_full(super::MODEL_GROUP, path)?);
+        params.insert(
+            path.clone(),
+            checkpoint.read_full(super::MODEL_GROUP, path)?,
+        );
     }
     export_tensors(&metadata.model_config, params, dst)?;
     copy_tokenizer_files(src, dst)?;
@@ -143,7 +146,9 @@ fn build(
     config: &TransformerConfig,
     layout: TargetLayout,
 ) -> Result<(burn_megatron_dist::ParallelState, Vec<GptModel<Cpu>>)> {
-    let sizes = ParallelSizes::default().with_tp(layout.tp).with_pp(layout.pp);
+    let sizes = ParallelSizes::default()
+        .with_tp(layout.tp)
+        .with_pp(layout.pp);
     let state = ctx
         .parallel_state(sizes)?
         .with_virtual_pipeline_size(layout.virtual_pp)?;

@@ -92,7 +92,10 @@ where
 {
     let range = optim.range();
     let owned = owned(optim, &range);
-    let ranges = owned.iter().map(|(id, local, _)| (*id, local.clone())).collect();
+    let ranges = owned
+        .iter()
+        .map(|(id, local, _)| (*id, local.clone()))
+        .collect();
     let saved = checkpoint.load_optimizer_shard(chunk, &ranges)?;
     let current = optim.state();
     let device = current.main_params.device();

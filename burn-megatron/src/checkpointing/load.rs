@@ -274,7 +274,11 @@ impl Checkpoint {
     /// Bytes of data files checked against their checksums so far, which is what was read of
     /// them: a rank that needs only some slices reads only the blocks holding them.
     pub fn bytes_checked(&self) -> u64 {
-        self.files.borrow().values().map(|f| f.checked_bytes()).sum()
+        self.files
+            .borrow()
+            .values()
+            .map(|f| f.checked_bytes())
+            .sum()
     }
 
     /// The entry of `slice`'s tensor in `group`, checked against the model's full shape.
@@ -401,12 +405,16 @@ impl Checkpoint {
             }
             // Check the blocks the copy reads, consecutive runs merged into one span.
             let mut spans: Vec<Range<usize>> = Vec::new();
-            source_runs(&overlap, elem, &shard.shape, &shard.offsets, |run| {
-                match spans.last_mut() {
+            source_runs(
+                &overlap,
+                elem,
+                &shard.shape,
+                &shard.offsets,
+                |run| match spans.last_mut() {
                     Some(last) if last.end == run.start => last.end = run.end,
                     _ => spans.push(run),
-                }
-            });
+                },
+            );
             for span in spans {
                 file.check(start + span.start..start + span.end)?;
             }

@@ -128,11 +128,11 @@ fn flat_boxes(shape: &[usize], range: Range<usize>, out: &mut Vec<Region>) {
     let in_row = |row: usize, sub: Range<usize>, out: &mut Vec<Region>| {
         let mut boxes = Vec::new();
         flat_boxes(rest, sub, &mut boxes);
-        out.extend(boxes.into_iter().map(|b| {
-            let mut full = vec![row..row + 1];
-            full.extend(b);
-            full
-        }));
+        out.extend(
+            boxes
+                .into_iter()
+                .map(|b| std::iter::once(row..row + 1).chain(b).collect()),
+        );
     };
     let (mut start, end) = (range.start, range.end);
     if start % inner != 0 {
@@ -146,9 +146,11 @@ fn flat_boxes(shape: &[usize], range: Range<usize>, out: &mut Vec<Region>) {
     }
     let (first, last) = (start / inner, end / inner);
     if last > first {
-        let mut full = vec![first..last];
-        full.extend(rest.iter().map(|&n| 0..n));
-        out.push(full);
+        out.push(
+            std::iter::once(first..last)
+                .chain(rest.iter().map(|&n| 0..n))
+                .collect(),
+        );
     }
     if end % inner != 0 {
         in_row(last, 0..end % inner, out);

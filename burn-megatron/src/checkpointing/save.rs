@@ -16,8 +16,8 @@ use super::directory::{
 };
 use super::error::CheckpointError;
 use super::metadata::{
-    CheckpointMetadata, FORMAT_VERSION, METADATA_FILE, OptimizerInfo, OptimizerLayout,
-    SavedLayout, TensorEntry, TrainingState,
+    CheckpointMetadata, FORMAT_VERSION, METADATA_FILE, OptimizerInfo, OptimizerLayout, SavedLayout,
+    TensorEntry, TrainingState,
 };
 use super::optimizer_state::OptimizerState;
 use super::snapshot::{RankManifest, RankSnapshot};
@@ -102,7 +102,13 @@ impl Checkpointer {
     ) -> Result<PathBuf> {
         let started = self.begin(state, config, chunks, None, optimizer, training)?;
         let written = self.write(started.snapshot, &started.tmp, state.world().rank());
-        self.finish::<B>(state, &started.config, &started.training, &started.tmp, written)
+        self.finish::<B>(
+            state,
+            &started.config,
+            &started.training,
+            &started.tmp,
+            written,
+        )
     }
 
     /// Saves `values[i]` (parameter values by id, any stored dtype) in the layout of
@@ -119,7 +125,13 @@ impl Checkpointer {
     ) -> Result<PathBuf> {
         let started = self.begin(state, config, chunks, Some(values), optimizer, training)?;
         let written = self.write(started.snapshot, &started.tmp, state.world().rank());
-        self.finish::<B>(state, &started.config, &started.training, &started.tmp, written)
+        self.finish::<B>(
+            state,
+            &started.config,
+            &started.training,
+            &started.tmp,
+            written,
+        )
     }
 
     /// The first part of a save, every rank together: rank 0 clears what a crashed save left

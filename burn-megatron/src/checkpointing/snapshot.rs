@@ -229,7 +229,12 @@ fn whole(group: &str, slice: &LocalSlice, data: TensorData) -> Option<Piece> {
 
 /// The pieces of `data`, the elements `range` (row-major) of the local tensor of `slice`: one
 /// per contiguous box of the range, padding left out.
-fn ranged(group: &str, slice: &LocalSlice, data: &TensorData, range: std::ops::Range<usize>) -> Vec<Piece> {
+fn ranged(
+    group: &str,
+    slice: &LocalSlice,
+    data: &TensorData,
+    range: std::ops::Range<usize>,
+) -> Vec<Piece> {
     let elem = data.dtype.size();
     let full: Region = slice.global_shape.iter().map(|&n| 0..n).collect();
     let mut pieces = Vec::new();

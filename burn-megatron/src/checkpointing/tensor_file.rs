@@ -200,7 +200,8 @@ impl MappedFile {
         }
         // SAFETY: a published checkpoint's files are never written again (a new save writes a
         // new directory), so the mapping's bytes do not change under us.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| CheckpointError::io(path, "map it", e))?;
+        let map =
+            unsafe { Mmap::map(&file) }.map_err(|e| CheckpointError::io(path, "map it", e))?;
         let blocks = if entry.block_bytes == 0 {
             0
         } else {

@@ -275,8 +275,9 @@ impl<B: DistBackend> DynamicLossScaler<B> {
             )));
         }
         let device = self.scale.device();
-        let scalar =
-            |v: f32| Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (&device, DType::F32));
+        let scalar = |v: f32| {
+            Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (&device, DType::F32))
+        };
         self.scale = scalar(state.scale);
         self.growth_tracker = scalar(state.growth_tracker);
         self.hysteresis_tracker = scalar(state.hysteresis_tracker);

@@ -60,7 +60,10 @@ fn an_async_save_holds_the_state_at_the_call_and_publishes_later() {
         Ok(())
     });
     // The state at the call, byte for byte, not the trained one.
-    let (sync_dir, async_dir) = (sync_root.join("iter_0000001"), async_root.join("iter_0000001"));
+    let (sync_dir, async_dir) = (
+        sync_root.join("iter_0000001"),
+        async_root.join("iter_0000001"),
+    );
     assert_eq!(files(&async_dir), files(&sync_dir));
     for (name, _, _) in files(&sync_dir) {
         assert_eq!(
@@ -85,7 +88,10 @@ fn the_next_save_publishes_the_one_in_flight() {
         assert_eq!(previous, Some(root.join("iter_0000001")));
         assert_eq!(latest_checkpoint(&root)?, Some(root.join("iter_0000001")));
         assert_eq!(checkpointer.in_flight(), Some(2));
-        assert_eq!(checkpointer.finish(&state)?, Some(root.join("iter_0000002")));
+        assert_eq!(
+            checkpointer.finish(&state)?,
+            Some(root.join("iter_0000002"))
+        );
         Ok(())
     });
     let checkpoint = Checkpoint::open_latest(&root).unwrap();
@@ -109,10 +115,16 @@ fn a_failed_background_write_surfaces_on_every_rank_and_publishes_nothing() {
     });
     assert!(errors.iter().all(Option::is_some), "{errors:?}");
     let on_rank_1 = errors[1].as_ref().unwrap();
-    assert!(on_rank_1.contains("injected failure on rank 1"), "{on_rank_1}");
+    assert!(
+        on_rank_1.contains("injected failure on rank 1"),
+        "{on_rank_1}"
+    );
     assert!(!root.join("iter_0000002").exists());
     assert!(!root.join(".tmp.iter_0000002").exists());
-    assert_eq!(latest_checkpoint(&root).unwrap(), Some(root.join("iter_0000001")));
+    assert_eq!(
+        latest_checkpoint(&root).unwrap(),
+        Some(root.join("iter_0000001"))
+    );
     fs::remove_dir_all(root).unwrap();
 }
 

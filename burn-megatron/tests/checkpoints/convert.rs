@@ -21,7 +21,11 @@ fn saved_with_adamw(root: &Path) -> std::path::PathBuf {
         let (state, chunks) = build(&ctx, &config, 2, 2)?;
         let (_, grads) = step(&state, &chunks, &microbatches(0, 2, config.vocab_size))?;
         let mut optim = AdamWConfig::new().init();
-        let chunk = optim.step(1e-2, chunks.into_iter().next().unwrap(), grads.into_iter().next().unwrap());
+        let chunk = optim.step(
+            1e-2,
+            chunks.into_iter().next().unwrap(),
+            grads.into_iter().next().unwrap(),
+        );
         let training = TrainingState {
             iteration: 1,
             consumed_samples: 8,
@@ -37,11 +41,21 @@ fn saved_with_adamw(root: &Path) -> std::path::PathBuf {
 /// Every tensor of every group of `got` equals `want`'s, byte for byte.
 fn assert_same_tensors(what: &str, got: &Checkpoint, want: &Checkpoint, groups: &[&str]) {
     for &group in groups {
-        let (g, w) = (&got.metadata().tensors[group], &want.metadata().tensors[group]);
-        assert_eq!(g.keys().collect::<Vec<_>>(), w.keys().collect::<Vec<_>>(), "{what}: {group}");
+        let (g, w) = (
+            &got.metadata().tensors[group],
+            &want.metadata().tensors[group],
+        );
+        assert_eq!(
+            g.keys().collect::<Vec<_>>(),
+            w.keys().collect::<Vec<_>>(),
+            "{what}: {group}"
+        );
         for (path, entry) in w {
             assert_eq!(g[path].dtype, entry.dtype, "{what}: {group} {path}");
-            let (a, b) = (got.read_full(group, path).unwrap(), want.read_full(group, path).unwrap());
+            let (a, b) = (
+                got.read_full(group, path).unwrap(),
+                want.read_full(group, path).unwrap(),
+            );
             assert_eq!(a.shape, b.shape, "{what}: {group} {path}");
             assert_eq!(a.as_bytes(), b.as_bytes(), "{what}: {group} {path}");
         }
@@ -58,7 +72,10 @@ fn a_layout_conversion_keeps_every_tensor_and_the_training_state() {
         TargetLayout::new(1, 1),
         TargetLayout::new(1, 2).with_virtual_pp(2),
     ] {
-        let dst = root.join(format!("tp{}pp{}v{}", layout.tp, layout.pp, layout.virtual_pp));
+        let dst = root.join(format!(
+            "tp{}pp{}v{}",
+            layout.tp, layout.pp, layout.virtual_pp
+        ));
         let dir = convert_layout(original.dir(), &dst, layout).unwrap();
         assert_eq!(dir, dst.join("iter_0000001"));
         let converted = Checkpoint::open_latest(&dst).unwrap();
@@ -72,8 +89,17 @@ fn a_layout_conversion_keeps_every_tensor_and_the_training_state() {
                 virtual_pp: layout.virtual_pp
             }
         );
-        let files = meta.files.keys().filter(|f| f.starts_with("model_")).count();
-        assert_eq!(files, layout.tp * layout.pp, "{layout:?}: {:?}", meta.files.keys());
+        let files = meta
+            .files
+            .keys()
+            .filter(|f| f.starts_with("model_"))
+            .count();
+        assert_eq!(
+            files,
+            layout.tp * layout.pp,
+            "{layout:?}: {:?}",
+            meta.files.keys()
+        );
         assert_eq!(meta.training, original.metadata().training);
         assert_eq!(meta.optimizer, original.metadata().optimizer);
         assert_same_tensors(&format!("{layout:?}"), &converted, &original, &groups);
@@ -103,10 +129,17 @@ fn a_hugging_face_round_trip_through_convert_is_bit_identical() {
 #[test]
 fn converting_a_missing_checkpoint_names_what_is_missing() {
     let root = scratch("convert-missing");
-    let err = convert_layout(&root.join("nothing"), &root.join("dst"), TargetLayout::new(2, 1))
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("nothing/metadata.json") && err.contains("cannot read"), "{err}");
+    let err = convert_layout(
+        &root.join("nothing"),
+        &root.join("dst"),
+        TargetLayout::new(2, 1),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("nothing/metadata.json") && err.contains("cannot read"),
+        "{err}"
+    );
     let err = import_hugging_face(&root, &root.join("dst"), TargetLayout::new(1, 1))
         .unwrap_err()
         .to_string();

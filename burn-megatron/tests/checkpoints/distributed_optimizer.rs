@@ -51,12 +51,19 @@ fn parts(optim: &DistributedAdamW<AD>) -> (Parts, u64) {
     let range = optim.range();
     let mut out = Vec::new();
     for slot in optim.layout().params() {
-        let (start, end) = (slot.offset.max(range.start), (slot.offset + slot.numel).min(range.end));
+        let (start, end) = (
+            slot.offset.max(range.start),
+            (slot.offset + slot.numel).min(range.end),
+        );
         if start < end {
             let values = buffers
                 .each_ref()
                 .map(|b| b[start - range.start..end - range.start].to_vec());
-            out.push((slot.path.clone(), start - slot.offset..end - slot.offset, values));
+            out.push((
+                slot.path.clone(),
+                start - slot.offset..end - slot.offset,
+                values,
+            ));
         }
     }
     (out, state.step)
@@ -106,7 +113,9 @@ fn train(
     let per_rank = run(tp * dp, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp))?;
         let mut model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
-        let checkpoint = load.map(|(root, _)| Checkpoint::open_latest(root)).transpose()?;
+        let checkpoint = load
+            .map(|(root, _)| Checkpoint::open_latest(root))
+            .transpose()?;
         if let Some(checkpoint) = &checkpoint {
             model = checkpoint.load_model(model)?;
         }
@@ -156,9 +165,15 @@ fn zero_state_saved_at_dp2_reassembles_exactly_at_dp4_and_dp1() {
         let (_, loaded) = train(&reseeded, layout, 0..0, Some((&root, false)), None);
         assert!(loaded.iter().all(|(_, step)| *step == 2), "{layout:?}");
         let got = assemble(&loaded, &checkpoint);
-        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>()
+        );
         for (path, values) in &want {
-            for (i, name) in ["master weights", "exp_avg", "exp_avg_sq"].iter().enumerate() {
+            for (i, name) in ["master weights", "exp_avg", "exp_avg_sq"]
+                .iter()
+                .enumerate()
+            {
                 // Bitwise: the state is copied, never recomputed.
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(

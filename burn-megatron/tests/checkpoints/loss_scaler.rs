@@ -28,7 +28,8 @@ fn scales(scaler: &mut DynamicLossScaler<B>, flags: &[f32]) -> Vec<f32> {
     flags
         .iter()
         .map(|&f| {
-            let flag = Tensor::<B, 1>::from_data(TensorData::new(vec![f], [1]), &Default::default());
+            let flag =
+                Tensor::<B, 1>::from_data(TensorData::new(vec![f], [1]), &Default::default());
             scaler.update(&FoundInf::new(flag));
             scaler.state().scale
         })
@@ -46,7 +47,11 @@ fn the_loss_scale_resumes_exactly_from_a_checkpoint() {
     assert_eq!(before, want[..SAVED_AFTER]);
     let saved = first.state();
     assert_eq!(
-        (saved.growth_tracker, saved.hysteresis_tracker, saved.skipped_steps),
+        (
+            saved.growth_tracker,
+            saved.hysteresis_tracker,
+            saved.skipped_steps
+        ),
         (1.0, 1.0, 4.0),
         "every counter is mid-way at the save"
     );
@@ -72,7 +77,10 @@ fn the_loss_scale_resumes_exactly_from_a_checkpoint() {
 
     // A fresh scaler follows another schedule: the comparison is sharp.
     let mut fresh = config().init::<B>(&device).unwrap();
-    assert_ne!(scales(&mut fresh, &FLAGS[SAVED_AFTER..]), want[SAVED_AFTER..]);
+    assert_ne!(
+        scales(&mut fresh, &FLAGS[SAVED_AFTER..]),
+        want[SAVED_AFTER..]
+    );
 
     // A corrupt scale is refused.
     let mut bad = loaded;

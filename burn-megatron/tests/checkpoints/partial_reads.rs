@@ -56,7 +56,10 @@ fn each_pipeline_rank_reads_only_the_blocks_of_its_layers() {
             "stage {stage} read {bytes} of {size} bytes"
         );
     }
-    assert!(read.iter().sum::<u64>() >= size, "together the stages read the file");
+    assert!(
+        read.iter().sum::<u64>() >= size,
+        "together the stages read the file"
+    );
 
     // A flipped byte inside the last layer's fc1 weight: only the last stage reads it.
     let bytes = fs::read(&file).unwrap();
@@ -73,7 +76,10 @@ fn each_pipeline_rank_reads_only_the_blocks_of_its_layers() {
     let block = at / BLOCK * BLOCK;
     assert!(
         err.contains("model_tp0_pp0.safetensors")
-            && err.contains(&format!("corrupt: CRC-32 of bytes {block}..{}", block + BLOCK)),
+            && err.contains(&format!(
+                "corrupt: CRC-32 of bytes {block}..{}",
+                block + BLOCK
+            )),
         "{err}"
     );
     fs::remove_dir_all(root).unwrap();
