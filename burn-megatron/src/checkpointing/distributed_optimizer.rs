@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 
@@ -79,8 +80,8 @@ where
 
 /// Loads the optimizer state of `chunk`'s parameters from `checkpoint` into `optim` (built for
 /// `chunk` in this run's layout, at any DP size): each rank reads its own range. Load the
-/// model from the same checkpoint first. Without saved master weights (a checkpoint of Burn's
-/// AdamW) the master weights stay the parameters' values.
+/// model from the same checkpoint first: without saved master weights (a checkpoint of Burn's
+/// AdamW) the master weights are the loaded parameters' values.
 pub fn load_distributed_adamw<B>(
     checkpoint: &Checkpoint,
     chunk: &GptModel<B>,
@@ -97,17 +98,27 @@ where
         .map(|(id, local, _)| (*id, local.clone()))
         .collect();
     let saved = checkpoint.load_optimizer_shard(chunk, &ranges)?;
-    let current = optim.state();
-    let device = current.main_params.device();
-    let mut main_params = current
-        .main_params
-        .into_data()
-        .into_vec::<f32>()
-        .map_err(|e| state_error(chunk, format!("cannot read the master weights: {e:?}")))?;
+    let device = optim.state().main_params.device();
+    let mut main_params = vec![0.0f32; range.len()];
+    let mut from_params = None;
     let mut exp_avg = vec![0.0f32; range.len()];
     let mut exp_avg_sq = vec![0.0f32; range.len()];
     let mut step = None;
-    for (id, _, in_range) in owned {
+    for (id, local, in_range) in owned {
+        if saved
+            .params
+            .get(&id)
+            .is_none_or(|p| !p.tensors.contains_key(MAIN_PARAM))
+        {
+            let values = from_params.get_or_insert_with(|| param_values(chunk));
+            let value = values.get(&id).ok_or_else(|| {
+                state_error(
+                    chunk,
+                    "a parameter of the optimizer is not in the model".into(),
+                )
+            })?;
+            main_params[in_range.clone()].copy_from_slice(&value[local.clone()]);
+        }
         let Some(param) = saved.params.get(&id) else {
             continue;
         };
@@ -159,12 +170,31 @@ where
     Ok(())
 }
 
+/// Every float parameter's value (its local tensor, row-major) as f32, by id.
+fn param_values<B: AutodiffBackend>(chunk: &GptModel<B>) -> HashMap<ParamId, Vec<f32>>
+where
+    B: ModelBackend,
+{
+    struct Collect(HashMap<ParamId, Vec<f32>>);
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            if let Ok(values) = data.into_vec::<f32>() {
+                self.0.insert(param.id, values);
+            }
+        }
+    }
+    let mut collect = Collect(HashMap::new());
+    chunk.visit(&mut collect);
+    collect.0
+}
+
 /// The parameters with elements in `range` (of the flat buffers): id, the flat range of the
 /// parameter's local tensor they cover, and where those elements sit in `range`.
 fn owned<B>(
     optim: &DistributedAdamW<B>,
     range: &Range<usize>,
-) -> Vec<(burn::module::ParamId, Range<usize>, Range<usize>)>
+) -> Vec<(ParamId, Range<usize>, Range<usize>)>
 where
     B: AutodiffBackend,
     B::InnerBackend: ModelBackend,
