@@ -171,10 +171,9 @@ where
 }
 
 /// Every float parameter's value (its local tensor, row-major) as f32, by id.
-fn param_values<B: AutodiffBackend>(chunk: &GptModel<B>) -> HashMap<ParamId, Vec<f32>>
-where
-    B: ModelBackend,
-{
+fn param_values<B: AutodiffBackend + ModelBackend>(
+    chunk: &GptModel<B>,
+) -> HashMap<ParamId, Vec<f32>> {
     struct Collect(HashMap<ParamId, Vec<f32>>);
     impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {

@@ -131,3 +131,21 @@ fn async_saved_run_resumes_equal_to_uninterrupted() {
     let what = "saved in the background at (TP, PP) = (2, 2)";
     resume_runs(what, "resume-async", in_background, in_background);
 }
+
+/// A checkpoint of Burn's AdamW (DP = 1) resumes with the distributed optimizer at DP = 2: the
+/// moments are stored per parameter, and the master weights come from the loaded parameters.
+#[test]
+fn burn_adamw_checkpoint_resumes_with_the_distributed_optimizer() {
+    let plain = |iters| {
+        run(1, 1, iters)
+            .with_hidden_dropout(0.0)
+            .with_attention_dropout(0.0)
+    };
+    let zero = move |iters| {
+        plain(iters)
+            .with_data_parallel_size(2)
+            .with_use_distributed_optimizer(true)
+    };
+    let what = "saved by Burn's AdamW at DP = 1, resumed with ZeRO-1 at DP = 2";
+    resume_runs(what, "resume-adamw-zero", plain, zero);
+}
