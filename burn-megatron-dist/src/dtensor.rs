@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use burn::tensor::Tensor;
 
-use crate::backend::DistBackend;
+use crate::device_transport::DeviceTransport;
 use crate::error::{DistError, DistResult};
 use crate::op::ReduceOp;
 use crate::process_group::ProcessGroup;
@@ -40,14 +40,14 @@ impl fmt::Display for Placement {
 /// layers declare their parameters' [`Placement`] through
 /// `burn_megatron::tensor_parallel::DeclarePlacements`.
 #[derive(Debug, Clone)]
-pub struct DistTensor<B: DistBackend, const D: usize> {
+pub struct DistTensor<B: DeviceTransport, const D: usize> {
     local: Tensor<B, D>,
     placement: Placement,
     global_shape: [usize; D],
     group: ProcessGroup,
 }
 
-impl<B: DistBackend, const D: usize> DistTensor<B, D> {
+impl<B: DeviceTransport, const D: usize> DistTensor<B, D> {
     /// Lays out `full`, which every rank holds whole and equal, with `placement`: a shard keeps
     /// this rank's slice; a partial tensor is held by group rank 0, the others hold zeros.
     pub fn distribute(

@@ -3,12 +3,12 @@
 //! - [`launch`] runs a closure on N thread ranks (a CPU "cluster") and never hangs on a rank
 //!   that fails: the others are released with an error naming it.
 //! - [`ProcessGroup`] runs collectives (all-reduce, all-gather, reduce-scatter, broadcast,
-//!   all-to-all, barrier, send/recv) on Burn tensors of any [`DistBackend`], synchronously or
-//!   through [`Work`] handles. A call that cannot complete fails within the timeout, naming
+//!   all-to-all, barrier, send/recv) on Burn tensors of any [`DeviceTransport`] backend,
+//!   synchronously or through [`Work`] handles. A call that cannot complete fails within the timeout, naming
 //!   the group, the operation and the missing ranks.
 //! - [`ParallelLayout`] and [`ParallelState`] build Megatron's TP/PP/DP/CP/EP groups.
 //! - [`mapping`] holds Megatron's differentiable communication operators (*f*, *g*, and the
-//!   sequence-parallel and all-to-all ones).
+//!   sequence-parallel and all-to-all ones), on any [`DistBackend`].
 //! - [`p2p`] holds the batched point-to-point exchange of pipeline stages.
 //! - [`DistTensor`] is a local tensor plus its placement over a group.
 //!
@@ -26,7 +26,7 @@
 //! assert_eq!(sums, vec![6.0; 4]);
 //! ```
 
-mod backend;
+mod device_transport;
 mod dtensor;
 mod error;
 mod launch;
@@ -48,11 +48,12 @@ mod transport;
 mod watchdog;
 mod work;
 
-pub use backend::DistBackend;
+pub use device_transport::DeviceTransport;
 pub use dtensor::{DistTensor, Placement};
 pub use error::{DistError, DistResult};
 pub use launch::{LaunchConfig, LaunchError, RankContext, launch};
 pub use layout::{GroupKind, LayoutError, ParallelLayout, ParallelSizes, RankCoords};
+pub use mapping::DistBackend;
 pub use op::{CollectiveOp, ReduceOp};
 pub use parallel_state::ParallelState;
 pub use process::{ProcessEnv, run_rank};

@@ -1,7 +1,10 @@
-//! Descriptions of collective operations, used to match calls across ranks and in errors.
+//! Descriptions of operations: collectives (matched across ranks and named in errors), and
+//! the sends and receives of a batched exchange ([`P2pOp`]).
 
 use std::fmt;
 
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 /// How an all-reduce or reduce-scatter combines the ranks' tensors.
@@ -90,4 +93,25 @@ impl fmt::Display for CollectiveOp {
             CollectiveOp::CommInit => f.write_str("nccl_comm_init"),
         }
     }
+}
+
+/// One operation of a batched exchange; peers are group-local ranks of the pipeline group.
+#[derive(Debug, Clone)]
+pub enum P2pOp<B: Backend, const D: usize> {
+    /// Sends `tensor` to `peer`.
+    Send {
+        /// The tensor to send.
+        tensor: Tensor<B, D>,
+        /// Group rank of the receiver.
+        peer: usize,
+    },
+    /// Receives a tensor of `shape` and `dtype` from `peer`.
+    Recv {
+        /// Group rank of the sender.
+        peer: usize,
+        /// The shape the sender sends (known in advance).
+        shape: [usize; D],
+        /// The dtype the sender sends.
+        dtype: DType,
+    },
 }

@@ -16,7 +16,7 @@
 //!
 //! On our CUDA backend (`MegatronCuda`, and `Autodiff` over it) the whole batch is one NCCL
 //! group (`ncclGroupStart`, an `ncclSend`/`ncclRecv` per op, `ncclGroupEnd`) on the pipeline
-//! group's side stream, through [`DistBackend::batch_p2p_on_device`]: an in-band foreign
+//! group's side stream, through [`DeviceTransport::batch_p2p_on_device`]: an in-band foreign
 //! operation, like the all-to-all, so the sends wait for the kernels that produced them, the
 //! compute stream waits for the receives before it reads them, and the host never
 //! synchronises. The watchdog follows the batch as one call. With collective checks on,
@@ -24,32 +24,12 @@
 //! receive checks it: a wrong shape is the same [`DistError::Mismatch`] as on the host path.
 //! With checks off no header travels, so a batched send must be met by a batched receive.
 
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
 
-use crate::backend::DistBackend;
+use crate::device_transport::DeviceTransport;
 use crate::error::{DistError, DistResult};
+pub use crate::op::P2pOp;
 use crate::process_group::ProcessGroup;
-
-/// One operation of a batched exchange; peers are group-local ranks of the pipeline group.
-#[derive(Debug, Clone)]
-pub enum P2pOp<B: DistBackend, const D: usize> {
-    /// Sends `tensor` to `peer`.
-    Send {
-        /// The tensor to send.
-        tensor: Tensor<B, D>,
-        /// Group rank of the receiver.
-        peer: usize,
-    },
-    /// Receives a tensor of `shape` and `dtype` from `peer`.
-    Recv {
-        /// Group rank of the sender.
-        peer: usize,
-        /// The shape the sender sends (known in advance).
-        shape: [usize; D],
-        /// The dtype the sender sends.
-        dtype: DType,
-    },
-}
 
 /// Runs every op of `ops` as one exchange over `group` and returns the received tensors, in
 /// the order of the [`P2pOp::Recv`] ops. Messages between two ranks are matched in order: the
@@ -57,7 +37,7 @@ pub enum P2pOp<B: DistBackend, const D: usize> {
 ///
 /// Megatron's `_batched_p2p_ops` (`torch.distributed.batch_isend_irecv`). Every receive fails
 /// within the group's timeout, naming the peer, if its message never comes.
-pub fn batch_isend_irecv<B: DistBackend, const D: usize>(
+pub fn batch_isend_irecv<B: DeviceTransport, const D: usize>(
     group: &ProcessGroup,
     ops: Vec<P2pOp<B, D>>,
     device: &B::Device,

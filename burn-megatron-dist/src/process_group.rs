@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::tensor::{Tensor, TensorData};
 
-use crate::backend::DistBackend;
+use crate::device_transport::DeviceTransport;
 use crate::error::{DistError, DistResult};
 use crate::op::{CollectiveOp, ReduceOp};
 use crate::shard::shard_range;
@@ -201,7 +201,7 @@ impl ProcessGroup {
     }
 
     /// Reduces `x` over the group; every rank gets the result.
-    pub fn all_reduce<B: DistBackend, const D: usize>(
+    pub fn all_reduce<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         op: ReduceOp,
@@ -210,7 +210,7 @@ impl ProcessGroup {
     }
 
     /// Starts [`all_reduce`](Self::all_reduce).
-    pub fn all_reduce_async<B: DistBackend, const D: usize>(
+    pub fn all_reduce_async<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         op: ReduceOp,
@@ -234,7 +234,7 @@ impl ProcessGroup {
 
     /// Concatenates every rank's `x` along `dim`, in rank order. Shards may differ in length
     /// along `dim` (an uneven last shard).
-    pub fn all_gather<B: DistBackend, const D: usize>(
+    pub fn all_gather<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         dim: usize,
@@ -243,7 +243,7 @@ impl ProcessGroup {
     }
 
     /// Starts [`all_gather`](Self::all_gather).
-    pub fn all_gather_async<B: DistBackend, const D: usize>(
+    pub fn all_gather_async<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         dim: usize,
@@ -267,7 +267,7 @@ impl ProcessGroup {
 
     /// Reduces `x` over the group and gives each rank its shard of the result along `dim`
     /// (see [`shard`](crate::shard) for how the dimension is cut).
-    pub fn reduce_scatter<B: DistBackend, const D: usize>(
+    pub fn reduce_scatter<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         dim: usize,
@@ -277,7 +277,7 @@ impl ProcessGroup {
     }
 
     /// Starts [`reduce_scatter`](Self::reduce_scatter).
-    pub fn reduce_scatter_async<B: DistBackend, const D: usize>(
+    pub fn reduce_scatter_async<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         dim: usize,
@@ -309,7 +309,7 @@ impl ProcessGroup {
     }
 
     /// Every rank gets the `x` of group rank `root`; the others' `x` give only shape and dtype.
-    pub fn broadcast<B: DistBackend, const D: usize>(
+    pub fn broadcast<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         root: usize,
@@ -335,7 +335,7 @@ impl ProcessGroup {
 
     /// Splits `x` along `split_dim` into one shard per rank, sends shard `j` to rank `j`, and
     /// concatenates the shards it receives along `concat_dim`, in rank order.
-    pub fn all_to_all<B: DistBackend, const D: usize>(
+    pub fn all_to_all<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         split_dim: usize,
@@ -345,7 +345,7 @@ impl ProcessGroup {
     }
 
     /// Starts [`all_to_all`](Self::all_to_all).
-    pub fn all_to_all_async<B: DistBackend, const D: usize>(
+    pub fn all_to_all_async<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         split_dim: usize,
@@ -448,7 +448,7 @@ impl ProcessGroup {
     }
 
     /// Sends `x` to group rank `dst`. Sends are buffered: this never waits for the receiver.
-    pub fn send<B: DistBackend, const D: usize>(
+    pub fn send<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         dst: usize,
@@ -470,7 +470,7 @@ impl ProcessGroup {
 
     /// Starts [`send`](Self::send): with [`irecv`](Self::irecv), the non-blocking pair a
     /// pipeline schedule needs.
-    pub fn isend<B: DistBackend, const D: usize>(
+    pub fn isend<B: DeviceTransport, const D: usize>(
         &self,
         x: Tensor<B, D>,
         dst: usize,
@@ -480,7 +480,7 @@ impl ProcessGroup {
     }
 
     /// Receives the next tensor that group rank `src` sent to this rank.
-    pub fn recv<B: DistBackend, const D: usize>(
+    pub fn recv<B: DeviceTransport, const D: usize>(
         &self,
         src: usize,
         device: &B::Device,
@@ -489,7 +489,7 @@ impl ProcessGroup {
     }
 
     /// Starts [`recv`](Self::recv); the message is taken when the handle is waited on.
-    pub fn irecv<B: DistBackend, const D: usize>(
+    pub fn irecv<B: DeviceTransport, const D: usize>(
         &self,
         src: usize,
         device: &B::Device,
@@ -544,7 +544,7 @@ impl ProcessGroup {
         Ok(())
     }
 
-    fn start<B: DistBackend, const D: usize>(
+    fn start<B: DeviceTransport, const D: usize>(
         &self,
         op: CollectiveOp,
         x: Tensor<B, D>,
@@ -654,13 +654,13 @@ fn disagreement(parts: &[Contribution], members: &[usize]) -> Option<String> {
 }
 
 impl Contribution {
-    fn tensor<B: DistBackend, const D: usize>(self, device: &B::Device) -> Tensor<B, D> {
+    fn tensor<B: DeviceTransport, const D: usize>(self, device: &B::Device) -> Tensor<B, D> {
         tensor_from_data(self.data.expect("contribution carries data"), device)
     }
 }
 
 /// A tensor with the data's own dtype (not the device's default float type).
-pub(crate) fn tensor_from_data<B: DistBackend, const D: usize>(
+pub(crate) fn tensor_from_data<B: DeviceTransport, const D: usize>(
     data: TensorData,
     device: &B::Device,
 ) -> Tensor<B, D> {
@@ -670,7 +670,7 @@ pub(crate) fn tensor_from_data<B: DistBackend, const D: usize>(
 
 /// Combines tensors in rank order. Every rank runs the same sequence of operations, so every
 /// rank gets bit-identical results.
-fn reduce<B: DistBackend, const D: usize>(
+fn reduce<B: DeviceTransport, const D: usize>(
     tensors: Vec<Tensor<B, D>>,
     op: ReduceOp,
     size: usize,

@@ -742,29 +742,6 @@ mod cube {
                 cube::causal_softmax_backward(probs, grad, scale)
             }
 
-            fn flash_attention(
-                q: Tensor<Self, 4>,
-                k: Tensor<Self, 4>,
-                v: Tensor<Self, 4>,
-                scale: f64,
-                causal: bool,
-            ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
-                cube::flash_attention(q, k, v, scale, causal)
-            }
-
-            fn flash_attention_backward(
-                q: Tensor<Self, 4>,
-                k: Tensor<Self, 4>,
-                v: Tensor<Self, 4>,
-                out: Tensor<Self, 4>,
-                lse: Tensor<Self, 3>,
-                grad: Tensor<Self, 4>,
-                scale: f64,
-                causal: bool,
-            ) -> [Tensor<Self, 4>; 3] {
-                cube::flash_attention_backward(q, k, v, out, lse, grad, scale, causal)
-            }
-
             fn norm_forward(
                 x: Tensor<Self, 2>,
                 scale: Tensor<Self, 1>,
@@ -797,14 +774,45 @@ mod cube {
         };
     }
     pub(super) use fused_operations;
+
+    /// Flash attention through the CubeCL kernels (our CUDA backend puts cuDNN first).
+    macro_rules! flash_operations {
+        () => {
+            fn flash_attention(
+                q: Tensor<Self, 4>,
+                k: Tensor<Self, 4>,
+                v: Tensor<Self, 4>,
+                scale: f64,
+                causal: bool,
+            ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+                cube::flash_attention(q, k, v, scale, causal)
+            }
+
+            fn flash_attention_backward(
+                q: Tensor<Self, 4>,
+                k: Tensor<Self, 4>,
+                v: Tensor<Self, 4>,
+                out: Tensor<Self, 4>,
+                lse: Tensor<Self, 3>,
+                grad: Tensor<Self, 4>,
+                scale: f64,
+                causal: bool,
+            ) -> [Tensor<Self, 4>; 3] {
+                cube::flash_attention_backward(q, k, v, out, lse, grad, scale, causal)
+            }
+        };
+    }
+    pub(super) use flash_operations;
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use burn::tensor::TensorPrimitive;
     use burn::tensor::{DType, Int, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
+    use burn_megatron_kernels::cuda::cudnn::attention as cudnn_attention;
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, check_on_device, gemm};
 
     use super::{ModelBackend, cube};
@@ -818,14 +826,60 @@ mod cuda {
         for CubeBackend<CudaRuntime, F, I, BT>
     {
         cube::fused_operations!();
+        cube::flash_operations!();
     }
 
-    /// Our CUDA backend: the linear layers' GEMMs through cuBLASLt, in stream order, the
-    /// fused kernels, and id checks on the device.
+    /// Our CUDA backend: the linear layers' GEMMs through cuBLASLt, in stream order, flash
+    /// attention through cuDNN where it takes the call, the fused kernels, and id checks on
+    /// the device.
     impl<F: FloatElement, I: IntElement, BT: BoolElement> ModelBackend
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
         cube::fused_operations!();
+
+        fn flash_attention(
+            q: Tensor<Self, 4>,
+            k: Tensor<Self, 4>,
+            v: Tensor<Self, 4>,
+            scale: f64,
+            causal: bool,
+        ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+            let raw = |t: &Tensor<Self, 4>| t.clone().into_primitive().tensor();
+            match cudnn_attention::forward(&raw(&q), &raw(&k), &raw(&v), scale as f32, causal) {
+                Some((out, lse)) => (
+                    Tensor::from_primitive(TensorPrimitive::Float(out)),
+                    Tensor::from_primitive(TensorPrimitive::Float(lse)),
+                ),
+                None => cube::flash_attention(q, k, v, scale, causal),
+            }
+        }
+
+        fn flash_attention_backward(
+            q: Tensor<Self, 4>,
+            k: Tensor<Self, 4>,
+            v: Tensor<Self, 4>,
+            out: Tensor<Self, 4>,
+            lse: Tensor<Self, 3>,
+            grad: Tensor<Self, 4>,
+            scale: f64,
+            causal: bool,
+        ) -> [Tensor<Self, 4>; 3] {
+            let raw = |t: &Tensor<Self, 4>| t.clone().into_primitive().tensor();
+            let grads = cudnn_attention::backward(
+                &raw(&q),
+                &raw(&k),
+                &raw(&v),
+                &raw(&out),
+                &lse.clone().into_primitive().tensor(),
+                &raw(&grad),
+                scale as f32,
+                causal,
+            );
+            match grads {
+                Some(grads) => grads.map(|g| Tensor::from_primitive(TensorPrimitive::Float(g))),
+                None => cube::flash_attention_backward(q, k, v, out, lse, grad, scale, causal),
+            }
+        }
 
         fn gemm(
             a: Tensor<Self, 2>,
@@ -894,6 +948,7 @@ mod wgpu {
         for CubeBackend<WgpuRuntime, F, I, BT>
     {
         cube::fused_operations!();
+        cube::flash_operations!();
     }
 }
 

@@ -1010,6 +1010,116 @@ fn materialised_attention(
     ]
 }
 
+/// `got` (out, lse, dq, dk, dv) against the materialised attention's `want`, within `bound`.
+fn compare_attention(
+    case: &str,
+    got: impl IntoIterator<Item = TensorData>,
+    want: &[TensorData; 5],
+    bound: f64,
+) {
+    for ((name, got), want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(got).zip(want) {
+        let name = format!("{case} {name}");
+        let want_values = data_values(want);
+        if want_values.iter().all(|&w| w == 0.0) {
+            // With one key, softmax is 1 whatever the scores: dq and dk are exactly
+            // zero, so compare absolutely (the inputs are O(1)).
+            let got_values = data_values(&got);
+            assert!(
+                got_values.iter().all(|g| g.is_finite()),
+                "{name}: a value is not finite"
+            );
+            let largest = got_values.iter().fold(0.0f64, |m, g| m.max(g.abs()));
+            assert!(largest <= bound, "{name}: {largest:.3e} where 0 is exact");
+            println!("{name:>14}: largest {largest:.2e} where 0 is exact");
+        } else {
+            assert_close(&name, &got, want, bound);
+        }
+    }
+}
+
+/// cuDNN's fused flash attention (what our CUDA backend runs for f16/bf16 with key counts a
+/// multiple of 128) against the materialised attention in f32 on the same rounded inputs:
+/// causal and not, head dims 64 and 128, grouped queries, and inputs laid out
+/// `[batch, seq, heads, head_dim]` as the model's head split leaves them. Shapes cuDNN does
+/// not take are refused (the caller falls back), not computed wrongly.
+#[test]
+fn flash_attention_through_cudnn_matches_the_materialised_attention() {
+    use burn_megatron_kernels::cuda::cudnn::attention as cudnn;
+    let device = CudaGpu::new(0);
+    let raw = |t: &Tensor<Ours, 4>| t.clone().into_primitive().tensor();
+    let float = |t| Tensor::<Ours, 4>::from_primitive(TensorPrimitive::Float(t));
+    for (batch, heads, kv_heads, seq, head_dim, causal, sequence_major) in [
+        (2, 4, 4, 128, 64, true, false),
+        (1, 4, 2, 256, 128, false, false),
+        (2, 4, 1, 128, 64, true, true),
+        (1, 2, 2, 384, 128, true, true),
+    ] {
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        for (dtype, bound) in [(DType::BF16, tolerance::BF16), (DType::F16, tolerance::F16)] {
+            let make = |h: usize, seed: u64, spread: f64| {
+                let t = if sequence_major {
+                    Tensor::<Ours, 4>::from_data(data(&[batch, seq, h, head_dim], seed), &device)
+                        .swap_dims(1, 2)
+                } else {
+                    Tensor::<Ours, 4>::from_data(data(&[batch, h, seq, head_dim], seed), &device)
+                };
+                t.mul_scalar(spread).cast(dtype)
+            };
+            let inputs = [
+                make(heads, 1, 3.0),
+                make(kv_heads, 2, 3.0),
+                make(kv_heads, 3, 1.0),
+                make(heads, 4, 1.0),
+            ];
+            let want =
+                materialised_attention(inputs.clone().map(|t| t.cast(DType::F32)), scale, causal);
+            let [q, k, v, grad] = inputs;
+            let case = format!(
+                "cuDNN {dtype:?} b{batch} h{heads}/{kv_heads} s{seq} d{head_dim} causal={causal} \
+                 sequence-major={sequence_major}"
+            );
+            let (out, lse) = cudnn::forward(&raw(&q), &raw(&k), &raw(&v), scale as f32, causal)
+                .unwrap_or_else(|| panic!("{case}: cuDNN refused the forward"));
+            let grads = cudnn::backward(
+                &raw(&q),
+                &raw(&k),
+                &raw(&v),
+                &out,
+                &lse,
+                &raw(&grad),
+                scale as f32,
+                causal,
+            )
+            .unwrap_or_else(|| panic!("{case}: cuDNN refused the backward"));
+            let got = [
+                float(out).cast(DType::F32).into_data(),
+                Tensor::<Ours, 3>::from_primitive(TensorPrimitive::Float(lse)).into_data(),
+            ]
+            .into_iter()
+            .chain(
+                grads
+                    .into_iter()
+                    .map(|g| float(g).cast(DType::F32).into_data()),
+            );
+            compare_attention(&case, got, &want, bound);
+        }
+    }
+    // Key counts that are not a multiple of 128, f32 and head dims above 128 are refused.
+    let make =
+        |s: [usize; 4], dtype| Tensor::<Ours, 4>::from_data(data(&s, 9), &device).cast(dtype);
+    for (shape, dtype) in [
+        ([1, 2, 37, 64], DType::BF16),
+        ([1, 2, 128, 64], DType::F32),
+        ([1, 2, 128, 256], DType::BF16),
+    ] {
+        let t = raw(&make(shape, dtype));
+        assert!(
+            cudnn::forward(&t, &t, &t, 0.125, false).is_none(),
+            "cuDNN must refuse {shape:?} {dtype:?}"
+        );
+    }
+}
+
 /// The tensor-core flash attention (f16, bf16) against the materialised attention in f32 on
 /// the same rounded inputs: output, log-sum-exp and the gradients of q, k, v; causal and not;
 /// S = 1, S not a multiple of the 64-row block; head dims 64 and 128; grouped queries (K/V
@@ -1080,24 +1190,7 @@ fn flash_attention_tensor_cores_match_the_materialised_attention() {
                     .cast(DType::F32)
                     .into_data()
             }));
-            for ((name, got), want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(got).zip(&want) {
-                let name = format!("{case} {name}");
-                let want_values = data_values(want);
-                if want_values.iter().all(|&w| w == 0.0) {
-                    // With one key, softmax is 1 whatever the scores: dq and dk are exactly
-                    // zero, so compare absolutely (the inputs are O(1)).
-                    let got_values = data_values(&got);
-                    assert!(
-                        got_values.iter().all(|g| g.is_finite()),
-                        "{name}: a value is not finite"
-                    );
-                    let largest = got_values.iter().fold(0.0f64, |m, g| m.max(g.abs()));
-                    assert!(largest <= bound, "{name}: {largest:.3e} where 0 is exact");
-                    println!("{name:>14}: largest {largest:.2e} where 0 is exact");
-                } else {
-                    assert_close(&name, &got, want, bound);
-                }
-            }
+            compare_attention(&case, got, &want, bound);
         }
     }
 }

@@ -6,6 +6,7 @@
 //! it adds is [`foreign`]: host operations in the device's queue, on its streams.
 
 mod copy;
+pub mod cudnn;
 mod device;
 pub mod device_check;
 mod driver;

@@ -42,7 +42,6 @@ impl LocalSlice {
 
 /// Every float parameter of `chunk`, placed in the whole model.
 pub(crate) fn local_slices<B: ModelBackend>(chunk: &GptModel<B>) -> Result<Vec<LocalSlice>> {
-    let offset = chunk.stage().layers.start;
     let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
     let tp_rank = chunk.tp().rank();
     let infos = try_param_infos(chunk)?;
@@ -50,11 +49,7 @@ pub(crate) fn local_slices<B: ModelBackend>(chunk: &GptModel<B>) -> Result<Vec<L
         .into_iter()
         .map(|info| {
             let copy = tied_copy && info.path == "output.weight";
-            let path = if copy {
-                "embedding.weight".to_string()
-            } else {
-                global_path(&info.path, offset)
-            };
+            let path = chunk.global_path(&info.path);
             let placement = info.placement;
             let held = info
                 .shape
@@ -79,20 +74,6 @@ pub(crate) fn local_slices<B: ModelBackend>(chunk: &GptModel<B>) -> Result<Vec<L
             }
         })
         .collect())
-}
-
-/// A stage's parameter path in the whole model: its layers are numbered from `offset`.
-fn global_path(path: &str, offset: usize) -> String {
-    let Some(rest) = path.strip_prefix("block.layers.") else {
-        return path.to_string();
-    };
-    match rest.split_once('.') {
-        Some((index, tail)) => match index.parse::<usize>() {
-            Ok(index) => format!("block.layers.{}.{tail}", index + offset),
-            Err(_) => path.to_string(),
-        },
-        None => path.to_string(),
-    }
 }
 
 /// safetensors' name of a Burn float dtype, `None` for dtypes checkpoints do not store.

@@ -30,6 +30,20 @@
 //!
 //! The learning rate is the caller's: a schedule advances once per global step, whatever the
 //! DP size (every rank steps once per global batch).
+//!
+//! # fp16 loss scaling
+//! [`DistributedAdamW::step_scaled`] takes gradients of the loss times a
+//! [`DynamicLossScaler`]'s scale (the schedule's
+//! [`forward_backward_scaled`](crate::pipeline_parallel::forward_backward_scaled)). Its
+//! overflow check needs no collective of its own: the global sum of squares of step 3 is
+//! already reduced over every rank that holds a distinct part of the gradients (over DP with
+//! sharding; without it every DP rank holds the same all-reduced buffer, into which a NaN or
+//! ±∞ of any rank's gradients has propagated), and it is finite exactly when no gradient is
+//! NaN or ±∞ and no square overflows (a scale that large should back off too). So one device
+//! scalar, the norm's finiteness, is the flag on every rank of the world: the kernel skips
+//! the update on it (as [`FlatAdamW`](crate::optimizer::FlatAdamW) does), the step count
+//! does not advance, and the scaler backs off or grows on the device. Megatron reads the flag
+//! on the host (`found_inf.item()`) every step; here nothing is read.
 
 use burn::config::Config;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
@@ -42,7 +56,7 @@ use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, redu
 use super::{BufferLayout, ParamAndGradBuffer};
 use crate::ModelBackend;
 use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers};
-use crate::optimizer::{FlatAdamWConfig, clip_coefficient};
+use crate::optimizer::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
 use crate::tensor_parallel::DeclarePlacements;
 
 /// AdamW over a data-parallel replica's flat buffers (see the [module docs](self)).
@@ -183,8 +197,12 @@ pub struct DistributedAdamWState<B: burn::tensor::backend::Backend> {
 pub struct DistributedStep<M, B: burn::tensor::backend::Backend> {
     /// The updated model.
     pub model: M,
-    /// The global gradient norm before clipping, `[1]` f32 on the device.
+    /// The global gradient norm before clipping (the loss scale divided out), `[1]` f32 on
+    /// the device.
     pub grad_norm: Tensor<B, 1>,
+    /// With [`DistributedAdamW::step_scaled`], the overflow flag: set, the step was skipped on
+    /// every rank. Read it ([`FoundInf::read`]) only when the host needs it.
+    pub found_inf: Option<FoundInf<B>>,
 }
 
 /// AdamW over a data-parallel replica's flat buffers, with its state for the whole buffer or,
@@ -209,7 +227,7 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     decay: Tensor<B::InnerBackend, 1>,
     /// `[range / param_alignment]` f32: 1 where the block counts in the global norm.
     counted: Tensor<B::InnerBackend, 1>,
-    /// `[1]` f32 steps taken.
+    /// `[1]` f32 steps taken (skipped ones not counted).
     step: Tensor<B::InnerBackend, 1>,
     one: Tensor<B::InnerBackend, 1>,
     zero: Tensor<B::InnerBackend, 1>,
@@ -240,7 +258,7 @@ where
         self.master.clone()
     }
 
-    /// Steps taken, `[1]` f32 on the device.
+    /// Steps taken, `[1]` f32 on the device (skipped steps not counted).
     pub fn step_count(&self) -> Tensor<B::InnerBackend, 1> {
         self.step.clone()
     }
@@ -298,6 +316,40 @@ where
         model: M,
         grads: &GradientsParams,
     ) -> crate::Result<DistributedStep<M, B::InnerBackend>> {
+        self.step_inner(lr, model, grads, None)
+    }
+
+    /// [`step`](Self::step) for gradients of the loss times `scaler`'s scale
+    /// ([`forward_backward_scaled`](crate::pipeline_parallel::forward_backward_scaled)), with
+    /// Megatron's overflow handling, all on the device (see the [module docs](self)): the
+    /// scale is divided out of the norm and, in the kernel, out of the gradients; if the
+    /// global norm is not finite (a NaN or ±∞ in any rank's gradients, or squares that
+    /// overflow: the scale is too large) every rank skips the step, leaving its parameters,
+    /// master weights, moments and step count as they were; then the scaler is
+    /// [updated](DynamicLossScaler::update) (backed off on an overflow, grown after its
+    /// window). The returned [`DistributedStep::found_inf`] holds the flag; the norm is not
+    /// finite on a skipped step.
+    pub fn step_scaled<M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: &GradientsParams,
+        scaler: &mut DynamicLossScaler<B::InnerBackend>,
+    ) -> crate::Result<DistributedStep<M, B::InnerBackend>> {
+        let out = self.step_inner(lr, model, grads, Some(scaler.scale()))?;
+        if let Some(found) = &out.found_inf {
+            scaler.update(found);
+        }
+        Ok(out)
+    }
+
+    fn step_inner<M: AutodiffModule<B>>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: &GradientsParams,
+        loss_scale: Option<Tensor<B::InnerBackend, 1>>,
+    ) -> crate::Result<DistributedStep<M, B::InnerBackend>> {
         self.buffer.gather_grads(&model, grads)?;
         let bucket = self.config.data_parallel.bucket_numel;
         let sharded = self.config.data_parallel.use_distributed_optimizer;
@@ -315,14 +367,31 @@ where
         if sharded {
             sum_of_squares = self.dp.all_reduce(sum_of_squares, ReduceOp::Sum)?;
         }
-        let grad_norm = self
+        let norm = self
             .model_parallel
             .all_reduce(sum_of_squares, ReduceOp::Sum)?
             .sqrt();
-        let grad_factor = match self.config.clip_grad {
-            Some(max_norm) => clip_coefficient(grad_norm.clone(), max_norm),
-            None => self.one.clone(),
+        // With a power-of-two scale, dividing it out of the norm is exact.
+        let (grad_norm, unscale, found_inf) = match loss_scale {
+            Some(scale) => {
+                let unscale = scale.recip();
+                let grad_norm = norm * unscale.clone();
+                let overflow = grad_norm.clone().is_finite().bool_not();
+                let flag = self.zero.clone().mask_fill(overflow, 1.0);
+                (grad_norm, Some(unscale), Some(FoundInf::new(flag)))
+            }
+            None => (norm, None, None),
         };
+        let clip = self
+            .config
+            .clip_grad
+            .map(|max_norm| clip_coefficient(grad_norm.clone(), max_norm));
+        let grad_factor = match (clip, unscale) {
+            (Some(clip), Some(unscale)) => clip * unscale,
+            (Some(factor), None) | (None, Some(factor)) => factor,
+            (None, None) => self.one.clone(),
+        };
+        let flag = found_inf.as_ref().map(FoundInf::flag);
 
         let a = &self.config.adam;
         let hyper = AdamWScalars::new(lr, a.beta_1, a.beta_2, a.epsilon, a.weight_decay, align);
@@ -340,7 +409,7 @@ where
                 decay: self.decay.clone(),
                 step: self.step.clone(),
                 grad_factor,
-                found_inf: self.zero.clone(),
+                found_inf: flag.clone().unwrap_or_else(|| self.zero.clone()),
             },
             &hyper,
             (model_dtype != DType::F32).then_some(model_dtype),
@@ -348,7 +417,10 @@ where
         self.exp_avg = out.exp_avg;
         self.exp_avg_sq = out.exp_avg_sq;
         self.master = out.master.clone();
-        self.step = self.step.clone().add_scalar(1.0);
+        self.step = match flag {
+            Some(flag) => self.step.clone() + flag.neg().add_scalar(1.0),
+            None => self.step.clone().add_scalar(1.0),
+        };
         let updated = out.model.unwrap_or(out.master);
         let params = if sharded {
             self.dp.all_gather(updated, 0)?
@@ -358,6 +430,7 @@ where
         Ok(DistributedStep {
             model: self.buffer.write_params(model, params),
             grad_norm,
+            found_inf,
         })
     }
 

@@ -271,6 +271,17 @@ impl<B: ModelBackend> GptModel<B> {
         self.context.tie_embeddings
     }
 
+    /// The path in the whole model of this stage's parameter at `path`: layers renumbered
+    /// ([`Stage::global_path`]), and a later stage's copy of a tied embedding table
+    /// (`output.weight`) named as the table it copies, `embedding.weight`.
+    pub fn global_path(&self, path: &str) -> String {
+        let stage = self.stage();
+        if self.ties_embeddings() && !stage.is_first() && path == "output.weight" {
+            return "embedding.weight".to_string();
+        }
+        stage.global_path(path)
+    }
+
     /// The tensor-parallel group the model is split over.
     pub fn tp(&self) -> &ProcessGroup {
         &self.context.tp

@@ -28,7 +28,11 @@
 //! are given, so on a skipped step AdamW's moments see a zero gradient (they decay by β₁ and
 //! β₂) and its bias-correction count advances. Where an exact skip of the optimizer state
 //! matters more than a host read, branch on [`FoundInf::read`] (one sync per step, as
-//! Megatron) and do not call the optimizer when it is `true`.
+//! Megatron) and do not call the optimizer when it is `true`. Our flat-buffer optimizers have
+//! no such difference: [`FlatAdamW::step_with`](super::FlatAdamW::step_with) takes the flag,
+//! and with data parallelism
+//! [`DistributedAdamW::step_scaled`](crate::distributed::DistributedAdamW::step_scaled) does
+//! the check itself on the reduced gradients, over every rank of the world.
 
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};

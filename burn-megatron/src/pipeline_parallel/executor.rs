@@ -43,7 +43,8 @@ pub struct StepOutput<B: AutodiffBackend> {
     /// The step's loss, the mean of the microbatches' losses; on the last stage only.
     pub loss: Option<Tensor<B::InnerBackend, 1>>,
     /// Per model chunk, the gradient of the step's loss with respect to its parameters
-    /// (the microbatches' gradients, each scaled by `1 / microbatches`, summed).
+    /// (the microbatches' gradients, each scaled by `1 / microbatches`, summed), times the
+    /// loss scale if the step had one.
     pub grads: Vec<GradientsParams>,
     /// The most microbatches whose activations this rank held at once.
     pub max_live_activations: usize,
@@ -96,6 +97,8 @@ where
     grads: Vec<GradientsParams>,
     losses: Vec<Tensor<B::InnerBackend, 1>>,
     max_live: usize,
+    /// `[1]` f32: the loss scale every backward pass starts from (fp16 loss scaling).
+    loss_scale: Option<Tensor<B::InnerBackend, 1>>,
 }
 
 impl<'a, B> Executor<'a, B>
@@ -123,6 +126,27 @@ where
             grads: chunks.iter().map(|_| GradientsParams::new()).collect(),
             losses: Vec::new(),
             max_live: 0,
+            loss_scale: None,
+        }
+    }
+
+    /// Starts every backward pass from the loss times `scale` (`[1]` f32, on the device), so
+    /// that the gradients come out multiplied by it; the reported loss is not scaled.
+    pub fn with_loss_scale(mut self, scale: Option<Tensor<B::InnerBackend, 1>>) -> Self {
+        self.loss_scale = scale;
+        self
+    }
+
+    /// The root of a microbatch's backward pass: its share of the step's mean loss, times the
+    /// loss scale if there is one.
+    fn backward_root(&self, loss: Tensor<B, 1>) -> Tensor<B, 1> {
+        let share = loss.div_scalar(self.microbatches.len() as f64);
+        match &self.loss_scale {
+            Some(scale) => {
+                let scale = scale.clone().cast(share.dtype());
+                share * Tensor::from_inner(scale)
+            }
+            None => share,
         }
     }
 
@@ -203,7 +227,6 @@ where
         let data = &self.microbatches[c.microbatch];
         let stage = model.stage().clone();
         let call = model.next_call();
-        let scale = self.microbatches.len() as f64;
         let live = if model.recompute() == Recompute::Full {
             let mut x = if stage.is_first() {
                 model.embed(data.tokens.clone(), call)?.inner()
@@ -249,7 +272,7 @@ where
             let end = if stage.is_last() {
                 let loss = model.loss(model.head(x)?, data.targets.clone())?;
                 self.losses.push(loss.clone().inner());
-                End::Loss(loss.div_scalar(scale))
+                End::Loss(self.backward_root(loss))
             } else {
                 self.mailbox
                     .outgoing
@@ -276,7 +299,7 @@ where
         let input_grad = match live {
             Live::Graph { start, end } => {
                 let root = match end {
-                    End::Loss(scaled) => scaled,
+                    End::Loss(root) => root,
                     End::Hidden(output) => dot(output, self.take(Payload::Gradient, c)?),
                 };
                 let grads = self.backward_segment(model, root, c.chunk)?;
@@ -294,8 +317,8 @@ where
                     let last = Tensor::<B, 3>::from_inner(output).require_grad();
                     let targets = self.microbatches[c.microbatch].targets.clone();
                     let loss = model.loss(model.head(last.clone())?, targets)?;
-                    let scaled = loss.div_scalar(self.microbatches.len() as f64);
-                    let grads = self.backward_segment(model, scaled, c.chunk)?;
+                    let root = self.backward_root(loss);
+                    let grads = self.backward_segment(model, root, c.chunk)?;
                     grad_of(&last, &grads)
                 } else {
                     self.take(Payload::Gradient, c)?

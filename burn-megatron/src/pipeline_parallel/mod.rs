@@ -7,7 +7,8 @@
 //!   builds one.
 //! - [`Schedule`] makes a [`Plan`]: per rank, its forward, backward and exchange steps.
 //!   [`Plan::render_timeline`] prints it, bubble included.
-//! - [`forward_backward`] runs a plan's training step on this rank's model chunks;
+//! - [`forward_backward`] runs a plan's training step on this rank's model chunks
+//!   ([`forward_backward_scaled`] with an fp16 loss scale);
 //!   [`forward_backward_no_pipelining`] is the single-stage case (gradient accumulation), and
 //!   [`forward_only`] the evaluation step.
 //!
@@ -63,13 +64,49 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend,
 {
+    run_schedule(schedule, state, chunks, microbatches, None)
+}
+
+/// [`forward_backward`] with fp16 loss scaling (Megatron's `grad_scale_func`): every backward
+/// pass starts from the loss times `loss_scale` (`[1]` f32 on the device, a
+/// [`DynamicLossScaler`](crate::optimizer::DynamicLossScaler)'s `scale()`), so that small
+/// gradients do not underflow in half precision and come out multiplied by the scale. The
+/// reported loss is not scaled. The optimizer divides the scale out
+/// ([`DistributedAdamW::step_scaled`](crate::distributed::DistributedAdamW::step_scaled)).
+pub fn forward_backward_scaled<B>(
+    schedule: Schedule,
+    state: &ParallelState,
+    chunks: &[GptModel<B>],
+    microbatches: &[Microbatch<B>],
+    loss_scale: Tensor<B::InnerBackend, 1>,
+) -> Result<StepOutput<B>>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend,
+{
+    run_schedule(schedule, state, chunks, microbatches, Some(loss_scale))
+}
+
+fn run_schedule<B>(
+    schedule: Schedule,
+    state: &ParallelState,
+    chunks: &[GptModel<B>],
+    microbatches: &[Microbatch<B>],
+    loss_scale: Option<Tensor<B::InnerBackend, 1>>,
+) -> Result<StepOutput<B>>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend,
+{
     let plan = schedule.plan(
         state.pp().size(),
         state.virtual_pipeline_size(),
         microbatches.len(),
     )?;
     let groups = groups(state, chunks, plan.virtual_size)?;
-    Executor::new(chunks, microbatches, &groups, plan.pp).run(&plan)
+    Executor::new(chunks, microbatches, &groups, plan.pp)
+        .with_loss_scale(loss_scale)
+        .run(&plan)
 }
 
 /// Megatron's `forward_backward_no_pipelining` for a whole model (no pipeline group): each

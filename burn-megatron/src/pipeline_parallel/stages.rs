@@ -96,4 +96,20 @@ impl Stage {
     pub fn is_last(&self) -> bool {
         self.index + 1 == self.num_stages
     }
+
+    /// The path in the whole model of a parameter at `path` in this stage's module: its
+    /// layers are numbered from `layers.start` (`block.layers.1.mlp.fc1.weight` of a stage
+    /// starting at layer 4 is `block.layers.5.mlp.fc1.weight`); other paths are unchanged.
+    pub fn global_path(&self, path: &str) -> String {
+        let Some(rest) = path.strip_prefix("block.layers.") else {
+            return path.to_string();
+        };
+        match rest.split_once('.') {
+            Some((index, tail)) => match index.parse::<usize>() {
+                Ok(index) => format!("block.layers.{}.{tail}", index + self.layers.start),
+                Err(_) => path.to_string(),
+            },
+            None => path.to_string(),
+        }
+    }
 }

@@ -111,10 +111,8 @@ pub fn step(
     let out = forward_backward(Schedule::OneFOneB, state, chunks, microbatches)?;
     let mut grads = Vec::new();
     for (chunk, chunk_grads) in chunks.iter().zip(&out.grads) {
-        let offset = chunk.stage().layers.start;
-        let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
         for (path, data) in gather_full_grads::<AD, _>(chunk, chunk_grads, state.tp())? {
-            grads.push((global_path(&path, offset, tied_copy), data));
+            grads.push((chunk.global_path(&path), data));
         }
     }
     Ok((
@@ -162,21 +160,5 @@ pub fn assert_same_step(
             &data_values(data),
             tolerance::F32,
         );
-    }
-}
-
-fn global_path(path: &str, offset: usize, tied_copy: bool) -> String {
-    if tied_copy && path == "output.weight" {
-        return "embedding.weight".to_string();
-    }
-    match path.strip_prefix("block.layers.") {
-        Some(rest) => {
-            let (index, tail) = rest.split_once('.').unwrap();
-            format!(
-                "block.layers.{}.{tail}",
-                index.parse::<usize>().unwrap() + offset
-            )
-        }
-        None => path.to_string(),
     }
 }

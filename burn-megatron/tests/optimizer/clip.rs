@@ -83,10 +83,8 @@ fn clipped(config: &TransformerConfig, layout: Layout, max_norm: f64) -> Vec<Ran
         let clipped_norm = global_grad_norm(&chunks, &out.grads, &state)?;
         let mut grads = Vec::new();
         for (chunk, chunk_grads) in chunks.iter().zip(&out.grads) {
-            let offset = chunk.stage().layers.start;
-            let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
             for (path, data) in gather_full_grads::<AD, _>(chunk, chunk_grads, state.tp())? {
-                grads.push((global_path(&path, offset, tied_copy), data));
+                grads.push((chunk.global_path(&path), data));
             }
         }
         Ok(RankOutcome {
@@ -96,22 +94,6 @@ fn clipped(config: &TransformerConfig, layout: Layout, max_norm: f64) -> Vec<Ran
             grads,
         })
     })
-}
-
-/// A stage's parameter path in the whole model: layers numbered from `offset`; a last
-/// stage's copy of a tied table is the embedding table.
-fn global_path(path: &str, offset: usize, tied_copy: bool) -> String {
-    if tied_copy && path == "output.weight" {
-        return "embedding.weight".to_string();
-    }
-    match path.strip_prefix("block.layers.") {
-        Some(rest) => {
-            let (index, tail) = rest.split_once('.').expect("a layer's parameter");
-            let index: usize = index.parse().expect("a layer index");
-            format!("block.layers.{}.{tail}", index + offset)
-        }
-        None => path.to_string(),
-    }
 }
 
 /// The single-device gradients (TP = PP = 1, no clipping) and their norm, in f64 on the host.

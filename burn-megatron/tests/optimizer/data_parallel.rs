@@ -1,28 +1,35 @@
 //! Data parallelism against one device: a tiny GPT trained for ten steps on a global batch of
 //! four microbatches, with DP ∈ {1, 2, 4} (each rank taking its share of the microbatches),
-//! with and without the distributed optimizer, and TP = 2 × DP = 2, gives the losses, global
-//! gradient norms (clipping active) and parameters of the flat-buffer AdamW on one device.
-//! The bytes each rank holds follow Megatron's memory table.
+//! with and without the distributed optimizer, TP = 2 × DP = 2 and PP = 2 × DP = 2 (1F1B),
+//! gives the losses, global gradient norms (clipping active) and parameters of the
+//! flat-buffer AdamW on one device. The bytes each rank holds follow Megatron's memory table.
+
+use std::collections::BTreeMap;
 
 use burn_megatron::distributed::{
     BufferConfig, DataParallelConfig, DistributedAdamWConfig, shard_columns,
 };
-use burn_megatron::optimizer::{FlatAdamWConfig, StepScalars, clip_coefficient, global_grad_norm};
-use burn_megatron::pipeline_parallel::forward_backward_no_pipelining;
+use burn_megatron::models::GptModel;
+use burn_megatron::optimizer::{
+    FlatAdamWConfig, StepScalars, clip_coefficient, global_grad_norm, shared_copies,
+};
+use burn_megatron::pipeline_parallel::{
+    Microbatch, Schedule, StageSplit, forward_backward, forward_backward_no_pipelining,
+};
 use burn_megatron::tensor_parallel::param_infos;
 use burn_megatron::transformer::TransformerConfig;
-use burn_megatron_dist::{ParallelSizes, ReduceOp};
+use burn_megatron_dist::{ParallelSizes, ParallelState, ReduceOp};
 
 use super::flat_adamw::{Trajectory, assert_same, full_params};
 use crate::{AD, assert_close, microbatches, run, tiny_gpt, tolerance, values};
 
-const STEPS: usize = 10;
+pub(crate) const STEPS: usize = 10;
 /// Microbatches of a global batch.
-const GLOBAL: usize = 4;
+pub(crate) const GLOBAL: usize = 4;
 /// Small enough that every step clips.
-const MAX_NORM: f64 = 0.05;
+pub(crate) const MAX_NORM: f64 = 0.05;
 
-fn adam() -> FlatAdamWConfig {
+pub(crate) fn adam() -> FlatAdamWConfig {
     FlatAdamWConfig::new()
         .with_beta_1(0.9)
         .with_beta_2(0.95)
@@ -30,27 +37,31 @@ fn adam() -> FlatAdamWConfig {
         .with_weight_decay(0.1)
 }
 
-fn lr(step: usize) -> f64 {
+pub(crate) fn lr(step: usize) -> f64 {
     1e-2 * (1.0 + step as f64) / STEPS as f64
 }
 
 /// Losses, norms and final parameters.
-struct Run {
-    trajectory: Trajectory,
-    norms: Vec<f64>,
+pub(crate) struct Run {
+    pub(crate) trajectory: Trajectory,
+    pub(crate) norms: Vec<f64>,
 }
 
-/// One device, the whole global batch, the flat-buffer AdamW with the global-norm clip.
-fn one_device(config: &TransformerConfig) -> Run {
+/// One device, the whole global batch, the flat-buffer AdamW with the global-norm clip, for
+/// `steps` steps; at step `skip` the optimizer is not called (the loss is still recorded).
+pub(crate) fn one_device(config: &TransformerConfig, steps: usize, skip: Option<usize>) -> Run {
     run(1, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default())?;
         let mut model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
         let mut optim = adam().init::<AD, _>(&model)?;
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
-        for step in 0..STEPS {
+        for step in 0..steps {
             let (loss, grads) =
                 forward_backward_no_pipelining(&model, &microbatches(GLOBAL, 50, step as u64))?;
             losses.push(values(loss)[0]);
+            if skip == Some(step) {
+                continue;
+            }
             let norm = global_grad_norm(
                 std::slice::from_ref(&model),
                 std::slice::from_ref(&grads),
@@ -74,13 +85,136 @@ fn one_device(config: &TransformerConfig) -> Run {
     .remove(0)
 }
 
-/// `tp × dp` ranks; DP rank `r` takes microbatches `r·4/dp .. (r+1)·4/dp` of each global
-/// batch. The loss is the DP mean of the ranks' losses.
-fn data_parallel(config: &TransformerConfig, tp: usize, dp: usize, zero: bool) -> Vec<Run> {
-    run(tp * dp, |ctx| {
-        let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp))?;
-        assert_eq!(state.dp().size(), dp);
-        let mut model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+/// A layout of the world: TP, PP, and DP what is left.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    pub(crate) tp: usize,
+    pub(crate) pp: usize,
+    pub(crate) dp: usize,
+}
+
+impl Layout {
+    pub(crate) fn state(&self, ctx: &burn_megatron_dist::RankContext) -> ParallelState {
+        let state = ctx
+            .parallel_state(ParallelSizes::default().with_tp(self.tp).with_pp(self.pp))
+            .expect("a valid layout");
+        assert_eq!(state.dp().size(), self.dp);
+        state
+    }
+
+    /// This rank's pipeline stage of `config`, a TP slice of it.
+    pub(crate) fn stage(&self, config: &TransformerConfig, state: &ParallelState) -> GptModel<AD> {
+        let split = StageSplit::even(config.num_layers, self.pp).expect("an even split");
+        config
+            .init_gpt_stage::<AD>(
+                state.tp(),
+                &split.stage(state.pp_rank()),
+                &Default::default(),
+            )
+            .expect("a valid model")
+    }
+}
+
+/// DP rank `r`'s share of step `step`'s global batch: microbatches `r·4/dp .. (r+1)·4/dp`.
+pub(crate) fn my_microbatches(state: &ParallelState, step: usize) -> Vec<Microbatch<AD>> {
+    let per_rank = GLOBAL / state.dp().size();
+    microbatches(GLOBAL, 50, step as u64)
+        .into_iter()
+        .skip(state.dp().rank() * per_rank)
+        .take(per_rank)
+        .collect()
+}
+
+/// What one rank ends with: its losses (last stage: the DP mean of the ranks' losses), the
+/// global norms, and its stage's parameters, gathered over TP, by path in the whole model.
+pub(crate) struct RankRun {
+    pub(crate) dp_rank: usize,
+    pub(crate) tp_rank: usize,
+    pub(crate) losses: Option<Vec<f64>>,
+    pub(crate) norms: Vec<f64>,
+    pub(crate) params: Vec<(String, Vec<f64>)>,
+}
+
+impl RankRun {
+    /// A rank's outcome; `losses` are kept on the last stage only.
+    pub(crate) fn new(
+        model: &GptModel<AD>,
+        state: &ParallelState,
+        losses: Vec<f64>,
+        norms: Vec<f64>,
+    ) -> Self {
+        let params = full_params(model, state)
+            .into_iter()
+            .map(|(path, values)| (model.global_path(&path), values))
+            .collect();
+        Self {
+            dp_rank: state.dp().rank(),
+            tp_rank: state.tp().rank(),
+            losses: model.stage().is_last().then_some(losses),
+            norms,
+            params,
+        }
+    }
+}
+
+/// One replica (a DP rank's TP rank) put together from its pipeline stages.
+struct Replica {
+    losses: Option<Vec<f64>>,
+    norms: Vec<f64>,
+    params: BTreeMap<String, Vec<f64>>,
+}
+
+/// The ranks' outcomes put together per (DP rank, TP rank): the pipeline stages' parameters
+/// in `want`'s order (the two copies of a tied table must agree), the last stage's losses.
+pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
+    let mut replicas = BTreeMap::<(usize, usize), Replica>::new();
+    for rank in ranks {
+        let replica = replicas
+            .entry((rank.dp_rank, rank.tp_rank))
+            .or_insert_with(|| Replica {
+                losses: None,
+                norms: rank.norms.clone(),
+                params: BTreeMap::new(),
+            });
+        assert_eq!(replica.norms, rank.norms, "the stages' global norms differ");
+        replica.losses = replica.losses.take().or(rank.losses);
+        for (path, values) in rank.params {
+            if let Some(other) = replica.params.insert(path.clone(), values.clone()) {
+                assert_close(&format!("the copies of {path}"), &other, &values, 0.0);
+            }
+        }
+    }
+    replicas
+        .into_values()
+        .map(|mut replica| {
+            let ordered = want
+                .trajectory
+                .params
+                .iter()
+                .map(|(path, _)| {
+                    let values = replica.params.remove(path);
+                    (path.clone(), values.unwrap_or_else(|| panic!("no {path}")))
+                })
+                .collect();
+            let extra: Vec<_> = replica.params.keys().collect();
+            assert!(extra.is_empty(), "parameters not in the model: {extra:?}");
+            Run {
+                trajectory: Trajectory {
+                    losses: replica.losses.expect("the last stage reports the losses"),
+                    params: ordered,
+                },
+                norms: replica.norms,
+            }
+        })
+        .collect()
+}
+
+/// `tp × pp × dp` ranks, 1F1B over the pipeline stages (gradient accumulation at PP = 1),
+/// each DP rank taking its share of each global batch, [`DistributedAdamW`] with the clip.
+fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &Run) -> Vec<Run> {
+    let ranks = run(layout.tp * layout.pp * layout.dp, |ctx| {
+        let state = layout.state(&ctx);
+        let mut model = layout.stage(config, &state);
         let mut optim = DistributedAdamWConfig::new()
             .with_adam(adam())
             .with_data_parallel(
@@ -90,34 +224,33 @@ fn data_parallel(config: &TransformerConfig, tp: usize, dp: usize, zero: bool) -
                     .with_bucket_numel(700),
             )
             .with_clip_grad(Some(MAX_NORM))
-            .init::<AD, _>(&model, &state, &[])?;
-        let per_rank = GLOBAL / dp;
+            .init::<AD, _>(&model, &state, &shared_copies(&model))?;
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
-            let mine: Vec<_> = microbatches(GLOBAL, 50, step as u64)
-                .into_iter()
-                .skip(state.dp().rank() * per_rank)
-                .take(per_rank)
-                .collect();
-            let (loss, grads) = forward_backward_no_pipelining(&model, &mine)?;
-            losses.push(values(state.dp().all_reduce(loss, ReduceOp::Avg)?)[0]);
-            let out = optim.step(lr(step), model, &grads)?;
-            model = out.model;
-            norms.push(values(out.grad_norm)[0]);
+            let chunks = std::slice::from_ref(&model);
+            let mbs = my_microbatches(&state, step);
+            let mut out = forward_backward(Schedule::OneFOneB, &state, chunks, &mbs)?;
+            if let Some(loss) = out.loss {
+                losses.push(values(state.dp().all_reduce(loss, ReduceOp::Avg)?)[0]);
+            }
+            let stepped = optim.step(lr(step), model, &out.grads.remove(0))?;
+            model = stepped.model;
+            norms.push(values(stepped.grad_norm)[0]);
         }
-        Ok(Run {
-            trajectory: Trajectory {
-                losses,
-                params: full_params(&model, &state),
-            },
-            norms,
-        })
-    })
+        Ok(RankRun::new(&model, &state, losses, norms))
+    });
+    merge_stages(ranks, want)
 }
 
-fn check(label: &str, config: &TransformerConfig, got: &[Run], want: &Run, tolerance: f64) {
+pub(crate) fn check(
+    label: &str,
+    config: &TransformerConfig,
+    got: &[Run],
+    want: &Run,
+    tolerance: f64,
+) {
     for (rank, got) in got.iter().enumerate() {
-        let label = format!("{label}, rank {rank}");
+        let label = format!("{label}, replica {rank}");
         assert_close(
             &format!("{label}: norms"),
             &got.norms,
@@ -140,11 +273,13 @@ fn assert_clipping(want: &Run) {
 #[test]
 fn data_parallel_steps_equal_one_device() {
     let config = tiny_gpt();
-    let want = one_device(&config);
+    let want = one_device(&config, STEPS, None);
     assert_clipping(&want);
     for dp in [1, 2, 4] {
         for zero in [false, true] {
-            let got = data_parallel(&config, 1, dp, zero);
+            let layout = Layout { tp: 1, pp: 1, dp };
+            let got = data_parallel(&config, layout, zero, &want);
+            assert_eq!(got.len(), dp);
             check(
                 &format!("dp {dp}, distributed optimizer {zero}"),
                 &config,
@@ -159,11 +294,43 @@ fn data_parallel_steps_equal_one_device() {
 #[test]
 fn tp2_dp2_steps_equal_one_device() {
     let config = tiny_gpt();
-    let want = one_device(&config);
+    let want = one_device(&config, STEPS, None);
     for zero in [false, true] {
-        let got = data_parallel(&config, 2, 2, zero);
+        let layout = Layout {
+            tp: 2,
+            pp: 1,
+            dp: 2,
+        };
+        let got = data_parallel(&config, layout, zero, &want);
+        assert_eq!(got.len(), 4);
         check(
             &format!("tp 2 × dp 2, distributed optimizer {zero}"),
+            &config,
+            &got,
+            &want,
+            tolerance::F32,
+        );
+    }
+}
+
+/// PP = 2 × DP = 2 with 1F1B: each DP rank runs its two microbatches through the two stages,
+/// the tied embedding's two copies get the sum of their gradients, and its last-stage copy is
+/// not counted in the norm.
+#[test]
+fn pp2_dp2_steps_equal_one_device() {
+    let config = tiny_gpt();
+    let want = one_device(&config, STEPS, None);
+    assert_clipping(&want);
+    for zero in [false, true] {
+        let layout = Layout {
+            tp: 1,
+            pp: 2,
+            dp: 2,
+        };
+        let got = data_parallel(&config, layout, zero, &want);
+        assert_eq!(got.len(), 2);
+        check(
+            &format!("pp 2 × dp 2, distributed optimizer {zero}"),
             &config,
             &got,
             &want,

@@ -1,9 +1,11 @@
 //! The optimizer's pieces: learning-rate schedules against their formulas, the weight-decay
 //! groups, global-norm clipping against the single-device model in TP and PP layouts, and
-//! the dynamic loss scaler's skip, back-off and growth.
+//! the dynamic loss scaler's skip, back-off and growth (with Burn's optimizers and with the
+//! distributed optimizer); data parallelism against one device.
 
 mod clip;
 mod data_parallel;
+mod distributed_loss_scaling;
 mod flat_adamw;
 mod loss_scaler;
 mod lr_schedule;

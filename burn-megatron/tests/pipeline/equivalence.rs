@@ -69,10 +69,8 @@ fn pipelined(
         )?;
         let mut grads = Vec::new();
         for (chunk, chunk_grads) in chunks.iter().zip(&out.grads) {
-            let offset = chunk.stage().layers.start;
-            let tied_copy = chunk.ties_embeddings() && !chunk.stage().is_first();
             for (path, data) in gather_full_grads::<AD, _>(chunk, chunk_grads, state.tp())? {
-                grads.push((global_path(&path, offset, tied_copy), data));
+                grads.push((chunk.global_path(&path), data));
             }
         }
         let loss = out.loss.map(|l| l.into_scalar() as f64);
@@ -95,22 +93,6 @@ fn pipelined(
     Outcome {
         loss: loss.expect("the last stage reports the loss"),
         grads,
-    }
-}
-
-/// A stage's parameter path in the whole model: its layers are numbered from `offset`, and
-/// a last stage's copy of a tied table is the embedding table.
-fn global_path(path: &str, offset: usize, tied_copy: bool) -> String {
-    if tied_copy && path == "output.weight" {
-        return "embedding.weight".to_string();
-    }
-    match path.strip_prefix("block.layers.") {
-        Some(rest) => {
-            let (index, tail) = rest.split_once('.').expect("a layer's parameter");
-            let index: usize = index.parse().expect("a layer index");
-            format!("block.layers.{}.{tail}", index + offset)
-        }
-        None => path.to_string(),
     }
 }
 

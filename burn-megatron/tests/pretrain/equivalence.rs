@@ -139,8 +139,8 @@ fn layouts_equal_single_rank_training() {
 }
 
 /// DP = 2 (each DP rank reading its half of every global batch), with and without the
-/// distributed optimizer, and TP = 2 × DP = 2 with it, against one rank's plain training:
-/// the same step and validation losses.
+/// distributed optimizer, and TP = 2 × DP = 2 and PP = 2 × DP = 2 (1F1B) with it, against one
+/// rank's plain training: the same step and validation losses.
 #[test]
 fn data_parallel_equals_single_rank_training() {
     let want = reference(&tiny_run(1, 1));
@@ -152,6 +152,10 @@ fn data_parallel_equals_single_rank_training() {
         .with_data_parallel_size(2)
         .with_use_distributed_optimizer(true);
     assert_equal_to_reference("TP=2 DP=2 distributed optimizer", &tp_dp, &want);
+    let pp_dp = tiny_run(1, 2)
+        .with_data_parallel_size(2)
+        .with_use_distributed_optimizer(true);
+    assert_equal_to_reference("PP=2 DP=2 distributed optimizer", &pp_dp, &want);
 }
 
 /// The learning rate of each step is the schedule's, stepped once per global step, whatever

@@ -15,10 +15,17 @@
 //! Megatron keeps activations as `[seq, batch, hidden]`; Burn models usually use
 //! `[batch, seq, hidden]`, so the sequence functions take the sequence dimension. On a group of
 //! one rank every function returns its input.
+//!
+//! Each communication runs through [`ProcessGroup`] (and so through a backend's
+//! [`DeviceTransport`]); [`DistBackend`] records its backward half in the autodiff graph.
+
+mod dist_backend;
 
 use burn::tensor::Tensor;
 
-use crate::backend::DistBackend;
+pub use dist_backend::DistBackend;
+
+use crate::device_transport::DeviceTransport;
 use crate::error::DistResult;
 use crate::op::ReduceOp;
 use crate::process_group::ProcessGroup;
@@ -66,7 +73,7 @@ pub struct Mapping {
 
 impl Comm {
     /// Runs this communication on `x` over `group`.
-    pub fn apply<B: DistBackend, const D: usize>(
+    pub fn apply<B: DeviceTransport, const D: usize>(
         self,
         group: &ProcessGroup,
         x: Tensor<B, D>,

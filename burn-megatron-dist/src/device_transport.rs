@@ -1,32 +1,29 @@
-//! The backend extension that distributed code is generic over.
+//! The backend hooks that move tensors over the device's own transport (NCCL) instead of
+//! through the host. This is the only backend-specific part of communication; the
+//! differentiable side (Megatron's mappings) builds on it in [`mapping`](crate::mapping)
+//! and does not come back here.
 
 use burn::backend::Autodiff;
 use burn::backend::NdArray;
 use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
-use burn::tensor::{DType, Tensor, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn::tensor::{DType, Tensor};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, unary};
 
 use crate::error::DistResult;
-use crate::mapping::{Comm, Mapping};
-use crate::op::CollectiveOp;
-use crate::p2p::P2pOp;
+use crate::op::{CollectiveOp, P2pOp};
 use crate::process_group::ProcessGroup;
 
-/// A Burn backend that distributed code can run on.
+/// A Burn backend whose tensors [`ProcessGroup`] collectives can move.
 ///
-/// Plain backends run a [`Mapping`]'s forward communication only; `Autodiff<B>` also records
-/// its backward communication in the graph, so that gradients flow through collectives the
-/// way Megatron's `f` and `g` operators define. Implemented for NdArray, for `Autodiff` over
-/// any implementing backend, and (feature `cuda`) for the CubeCL backends. A backend with its
-/// own transport overrides the `*_on_device` hooks: our CUDA backend
-/// ([`MegatronCuda`](burn_megatron_kernels::cuda::MegatronCuda)) runs them over NCCL, and every
-/// other backend moves tensors through the host.
-pub trait DistBackend: burn::tensor::backend::Backend {
+/// Every hook has a default that hands the tensor back, and the group then moves it through
+/// the host (thread or TCP transport). A backend with its own transport overrides them: our
+/// CUDA backend ([`MegatronCuda`](burn_megatron_kernels::cuda::MegatronCuda)) runs them over
+/// NCCL. Implemented for NdArray, for `Autodiff` over any implementing backend (the result is
+/// a new leaf), and (features `cuda`, `wgpu`) for the CubeCL backends.
+/// [`DistBackend`](crate::DistBackend) adds differentiable communication on top.
+pub trait DeviceTransport: burn::tensor::backend::Backend {
     /// Runs `op` (a collective or a send) on the device's own transport, or gives `x` back
     /// for the host path.
     fn collective_on_device<const D: usize>(
@@ -62,18 +59,10 @@ pub trait DistBackend: burn::tensor::backend::Backend {
         let _ = (group, device);
         Err(ops)
     }
-
-    /// Applies `mapping` to `x` over `group`, differentiably where the backend tracks gradients.
-    fn apply_mapping<const D: usize>(
-        x: Tensor<Self, D>,
-        mapping: Mapping,
-        group: &ProcessGroup,
-    ) -> DistResult<Tensor<Self, D>> {
-        mapping.forward.apply(group, x)
-    }
 }
 
-impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> DistBackend for NdArray<E, I, Q>
+impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> DeviceTransport
+    for NdArray<E, I, Q>
 where
     NdArrayTensor: From<SharedArray<E>>,
     NdArrayTensor: From<SharedArray<I>>,
@@ -90,11 +79,11 @@ mod cube {
     use burn_fusion::{Fusion, FusionBackend};
     use burn_megatron_kernels::cuda::{CudaGpu, MegatronCudaRuntime};
 
-    use super::DistBackend;
+    use super::DeviceTransport;
     use crate::error::DistResult;
     use crate::nccl::GpuP2p;
     use crate::op::CollectiveOp;
-    use crate::p2p::P2pOp;
+    use crate::op::P2pOp;
     use crate::process_group::ProcessGroup;
 
     /// `value` as type `U` when it is one (the runtime is ours), or back as it was.
@@ -121,7 +110,7 @@ mod cube {
 
     /// Every CubeCL backend. On ours (`MegatronCudaRuntime`) collectives run over NCCL; on
     /// the others (burn-cuda's, wgpu) they go through the host.
-    impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DistBackend
+    impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceTransport
         for CubeBackend<R, F, I, BT>
     {
         fn collective_on_device<const D: usize>(
@@ -180,12 +169,13 @@ mod cube {
     }
 
     /// Fused backends move tensors through the host: NCCL takes unfused tensors.
-    impl<B: FusionBackend> DistBackend for Fusion<B> {}
+    impl<B: FusionBackend> DeviceTransport for Fusion<B> {}
 }
 
 /// Burn's wgpu backend without CUDA: collectives go through the host.
 #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
-impl<F, I, BT> DistBackend for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
+impl<F, I, BT> DeviceTransport
+    for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
 where
     F: burn_cubecl::FloatElement,
     I: burn_cubecl::IntElement,
@@ -194,8 +184,9 @@ where
 }
 
 /// On `Autodiff`, collectives on the device take the inner tensor; like the host path, the
-/// result is a new leaf (differentiable communication goes through [`Mapping`]).
-impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
+/// result is a new leaf (differentiable communication goes through
+/// [`mapping`](crate::mapping)).
+impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, C> {
     fn collective_on_device<const D: usize>(
         group: &ProcessGroup,
         op: CollectiveOp,
@@ -242,62 +233,5 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
             }
             Err(_) => Err(ops),
         }
-    }
-
-    fn apply_mapping<const D: usize>(
-        x: Tensor<Self, D>,
-        mapping: Mapping,
-        group: &ProcessGroup,
-    ) -> DistResult<Tensor<Self, D>> {
-        let x = x.into_primitive().tensor();
-        let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone()));
-        let inner_shape = inner.shape();
-        let output = mapping
-            .forward
-            .apply(group, inner)?
-            .into_primitive()
-            .tensor();
-        let backward = MappingBackward::<D> {
-            comm: mapping.backward,
-            group: group.clone(),
-            input_shape: inner_shape,
-        };
-        let output = backward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateless(output);
-        Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
-    }
-}
-
-/// The gradient side of a mapping: one communication applied to the incoming gradient.
-#[derive(Debug)]
-struct MappingBackward<const D: usize> {
-    comm: Comm,
-    group: ProcessGroup,
-    /// The shape of the mapping's input, which its gradient has.
-    input_shape: burn::tensor::Shape,
-}
-
-impl<B: DistBackend, const D: usize> Backward<B, 1> for MappingBackward<D> {
-    type State = ();
-
-    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            let grad = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad));
-            let (device, dtype) = (grad.device(), grad.dtype());
-            // Backward has no error channel: a failed collective is recorded on the group
-            // (whose every later call, and `backward_failure`, returns it) and the gradient
-            // goes on as zeros, so the step ends and reports the error instead of panicking.
-            match self.comm.apply(&self.group, grad) {
-                Ok(grad) => grad.into_primitive().tensor(),
-                Err(error) => {
-                    self.group.fail_in_backward(error);
-                    Tensor::<B, D>::zeros(self.input_shape, (&device, dtype))
-                        .into_primitive()
-                        .tensor()
-                }
-            }
-        });
     }
 }
