@@ -1,6 +1,7 @@
 //! Partial reads: a checkpoint saved at PP = 1 loaded at PP = 4 reads, on each rank, only the
 //! blocks of the file that hold its layers (memory-mapped, each block checked against its own
 //! CRC-32); so a corrupt byte is found by the rank that reads it, naming the file and bytes.
+//! Metadata without block checksums is still read, each file checked whole.
 
 use std::fs;
 use std::path::Path;
@@ -60,6 +61,20 @@ fn each_pipeline_rank_reads_only_the_blocks_of_its_layers() {
         read.iter().sum::<u64>() >= size,
         "together the stages read the file"
     );
+
+    // Metadata without block checksums (as written before they existed): every file a rank
+    // opens is checked whole.
+    let meta = root.join("iter_0000000/metadata.json");
+    let original_meta = fs::read_to_string(&meta).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&original_meta).unwrap();
+    for entry in json["files"].as_object_mut().unwrap().values_mut() {
+        let entry = entry.as_object_mut().unwrap();
+        entry.remove("block_bytes");
+        entry.remove("block_crc32");
+    }
+    fs::write(&meta, serde_json::to_string(&json).unwrap()).unwrap();
+    assert_eq!(load_at_pp(&root, 4), vec![Ok(size); 4]);
+    fs::write(&meta, original_meta).unwrap();
 
     // A flipped byte inside the last layer's fc1 weight: only the last stage reads it.
     let bytes = fs::read(&file).unwrap();
