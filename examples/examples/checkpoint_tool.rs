@@ -1,18 +1,27 @@
-//! Inspects a sharded checkpoint offline: its layout, model configuration, training state,
-//! every tensor (full shape, dtype, how it is split, in how many slices) and every file with
-//! its size, after checking each file's size and CRC-32 against the metadata.
+//! Inspects and converts sharded checkpoints offline.
+//!
+//! `inspect` prints a checkpoint's layout, model configuration, training state, every tensor
+//! (full shape, dtype, how it is split, in how many slices) and every file with its size,
+//! after checking each file's size and CRC-32 against the metadata.
+//!
+//! `convert` rewrites a checkpoint at another (TP, PP, virtual PP) layout (model, optimizer and
+//! training state, in the saved dtypes; the DP size needs no conversion), imports a Hugging
+//! Face checkpoint (`--from-hf`), or exports to one (`--to-hf`, any saved layout). It runs on
+//! CPU thread ranks.
 //!
 //!     cargo run --example checkpoint_tool -- inspect target/pretrain_gpt          # the latest
 //!     cargo run --example checkpoint_tool -- inspect target/pretrain_gpt/iter_0000100
-//!
-//! Converting between layouts and to or from Hugging Face goes through the library
-//! (`Checkpoint::load_model` at the new layout, `checkpointing::hugging_face`); a `convert`
-//! command is not written yet.
+//!     cargo run --example checkpoint_tool -- convert target/pretrain_gpt ck_tp4 --tp 4 --pp 1
+//!     cargo run --example checkpoint_tool -- convert target/pretrain_gpt hf_out --to-hf
+//!     cargo run --example checkpoint_tool -- convert hf_model ck --from-hf --tp 2 --pp 2
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn_megatron::checkpointing::Checkpoint;
+use burn_megatron::checkpointing::{
+    Checkpoint, TargetLayout, convert_layout, export_hugging_face, import_hugging_face,
+    latest_checkpoint,
+};
 use clap::{Parser, Subcommand};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -32,17 +41,48 @@ enum Command {
         /// A checkpoint directory (`iter_*`) or a save root (its latest checkpoint is read).
         path: PathBuf,
     },
+    /// Writes a checkpoint in another layout, or converts to or from Hugging Face.
+    Convert {
+        /// The checkpoint (`iter_*` or a save root: its latest), or with `--from-hf` a
+        /// transformers checkpoint directory.
+        src: PathBuf,
+        /// The save root to write into (`DST/iter_*`, `DST/latest`), or with `--to-hf` the
+        /// transformers checkpoint directory to write.
+        dst: PathBuf,
+        /// Tensor-parallel size of the new checkpoint.
+        #[arg(long, default_value_t = 1)]
+        tp: usize,
+        /// Pipeline-parallel size of the new checkpoint.
+        #[arg(long, default_value_t = 1)]
+        pp: usize,
+        /// Virtual pipeline stages (model chunks) per pipeline rank.
+        #[arg(long, default_value_t = 1)]
+        virtual_pp: usize,
+        /// SRC is a Hugging Face (transformers) checkpoint: import it.
+        #[arg(long, conflicts_with = "to_hf")]
+        from_hf: bool,
+        /// Export SRC to DST as a Hugging Face checkpoint (f32; the layout options are unused).
+        #[arg(long)]
+        to_hf: bool,
+    },
 }
 
-fn open(path: &Path) -> Result<Checkpoint, BoxError> {
-    Ok(match path.join("metadata.json").is_file() {
-        true => Checkpoint::open(path)?,
-        false => Checkpoint::open_latest(path)?,
+/// The checkpoint directory `path` names: itself, or the latest under a save root.
+fn checkpoint_dir(path: &Path) -> Result<PathBuf, BoxError> {
+    if path.join("metadata.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    latest_checkpoint(path)?.ok_or_else(|| {
+        format!(
+            "{}: neither a checkpoint (no metadata.json) nor a save root with one",
+            path.display()
+        )
+        .into()
     })
 }
 
 fn inspect(path: &Path) -> Result<(), BoxError> {
-    let checkpoint = open(path)?;
+    let checkpoint = Checkpoint::open(checkpoint_dir(path)?)?;
     let meta = checkpoint.metadata();
     let config = &meta.model_config;
     let layout = meta.layout;
@@ -122,9 +162,57 @@ fn inspect(path: &Path) -> Result<(), BoxError> {
     }
 }
 
+fn convert(
+    src: &Path,
+    dst: &Path,
+    layout: TargetLayout,
+    from_hf: bool,
+    to_hf: bool,
+) -> Result<(), BoxError> {
+    let start = std::time::Instant::now();
+    if to_hf {
+        let dir = checkpoint_dir(src)?;
+        export_hugging_face(&dir, dst)?;
+        println!(
+            "exported {} to {} (transformers)",
+            dir.display(),
+            dst.display()
+        );
+    } else {
+        let written = match from_hf {
+            true => import_hugging_face(src, dst, layout)?,
+            false => convert_layout(&checkpoint_dir(src)?, dst, layout)?,
+        };
+        println!(
+            "wrote {} at TP {} × PP {} (virtual stages {})",
+            written.display(),
+            layout.tp,
+            layout.pp,
+            layout.virtual_pp
+        );
+    }
+    println!("in {:.2} s", start.elapsed().as_secs_f64());
+    Ok(())
+}
+
 fn main() {
     let result = match Args::parse().command {
         Command::Inspect { path } => inspect(&path),
+        Command::Convert {
+            src,
+            dst,
+            tp,
+            pp,
+            virtual_pp,
+            from_hf,
+            to_hf,
+        } => convert(
+            &src,
+            &dst,
+            TargetLayout::new(tp, pp).with_virtual_pp(virtual_pp),
+            from_hf,
+            to_hf,
+        ),
     };
     if let Err(error) = result {
         eprintln!("error: {error}");

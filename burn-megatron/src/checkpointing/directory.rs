@@ -33,13 +33,26 @@ pub(crate) fn temp_dir(root: &Path, iteration: u64) -> PathBuf {
 /// Writes `bytes` to `path` atomically: into a temporary file beside it, synced, then renamed
 /// over `path`.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = temp_file(path);
+    write_synced(&tmp, bytes)?;
+    fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, "rename it into place", e))
+}
+
+/// The temporary file beside `path` that an atomic write of `path` goes through.
+pub(crate) fn temp_file(path: &Path) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = path.with_file_name(format!("{TEMP_PREFIX}{name}"));
-    write_synced(&tmp, bytes)?;
-    fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, "rename it into place", e))
+    path.with_file_name(format!("{TEMP_PREFIX}{name}"))
+}
+
+/// Syncs the finished file `tmp` (from [`temp_file`]) and renames it over `path`.
+pub(crate) fn publish_file(tmp: &Path, path: &Path) -> Result<(), CheckpointError> {
+    fs::File::open(tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| CheckpointError::io(tmp, "sync it", e))?;
+    fs::rename(tmp, path).map_err(|e| CheckpointError::io(path, "rename it into place", e))
 }
 
 /// Writes `bytes` to `path` and syncs it to disk.
@@ -123,9 +136,4 @@ pub fn keep_last(root: &Path, keep: usize) -> Result<(), CheckpointError> {
         }
     }
     Ok(())
-}
-
-/// CRC-32 (IEEE) of `bytes`.
-pub(crate) fn crc32(bytes: &[u8]) -> u32 {
-    crc32fast::hash(bytes)
 }

@@ -1,35 +1,41 @@
 //! Loading a checkpoint into any layout: each rank works out which slice of each tensor its
-//! model chunk holds, reads the overlapping slices from whatever files hold them (checking
-//! each file's size and checksum first), and assembles its own shard.
+//! model chunk holds, reads the overlapping slices from whatever files hold them, and
+//! assembles its own shard. Files are memory-mapped and checked block by block as they are
+//! read (`tensor_file.rs`): a rank reads only the parts of the files that hold its slices.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::directory::{crc32, latest_checkpoint};
+use super::directory::latest_checkpoint;
 use super::error::CheckpointError;
 use super::metadata::{
     CheckpointMetadata, MODEL_GROUP, OptimizerLayout, TensorEntry, TrainingState,
 };
 use super::optimizer_state::{OptimizerState, ParamState};
-use super::region::{copy_region, intersect, volume};
+use super::region::{
+    Region, copy_region, flat_range_boxes, flat_start, intersect, source_runs, volume,
+};
 use super::slices::{LocalSlice, dtype_from_name, local_slices};
+use super::tensor_file::MappedFile;
 use crate::ModelBackend;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::transformer::TransformerConfig;
 
-/// A saved checkpoint opened for loading: its metadata, and the files read so far (each
-/// checked against its checksum once).
+/// A saved checkpoint opened for loading: its metadata, and the data files mapped so far
+/// (each block checked against its checksum the first time it is read).
 #[derive(Debug)]
 pub struct Checkpoint {
     dir: PathBuf,
     metadata: CheckpointMetadata,
-    files: RefCell<HashMap<String, std::rc::Rc<Vec<u8>>>>,
+    files: RefCell<HashMap<String, Rc<MappedFile>>>,
 }
 
 impl Checkpoint {
@@ -154,38 +160,69 @@ impl Checkpoint {
     /// `model` (one chunk of any layout, built from the saved configuration) with every
     /// parameter replaced by its slice of the saved one. Vocabulary padding rows are zero.
     pub fn load_model<B: ModelBackend>(&self, model: GptModel<B>) -> Result<GptModel<B>> {
+        let values = self.model_values(&model)?;
+        Ok(model.map(&mut Replace { values }))
+    }
+
+    /// The saved values of `model`'s parameters (one chunk of any layout), in the saved
+    /// dtype, by the chunk's parameter ids.
+    pub(crate) fn model_values<B: ModelBackend>(
+        &self,
+        model: &GptModel<B>,
+    ) -> Result<HashMap<ParamId, TensorData>> {
         let tensors = self.metadata.model_tensors().ok_or_else(|| {
             CheckpointError::mismatch(&self.dir, "the checkpoint holds no model tensors")
         })?;
         let mut values = HashMap::new();
-        for slice in local_slices(&model)? {
+        for slice in local_slices(model)? {
             let entry = self.entry(tensors, MODEL_GROUP, &slice)?;
             values.insert(slice.id, self.assemble(MODEL_GROUP, entry, &slice)?);
         }
-        Ok(model.map(&mut Replace { values }))
+        Ok(values)
     }
 
     /// The saved optimizer state of `model`'s parameters (one chunk of any layout), keyed by
     /// the chunk's parameter ids: give it to [`adamw_record`](super::adamw_record). An error
-    /// when the checkpoint holds no optimizer state or its layout is not supported.
+    /// when the checkpoint holds no optimizer state.
     pub fn load_optimizer_state<B: ModelBackend>(
         &self,
         model: &GptModel<B>,
     ) -> Result<OptimizerState> {
+        self.optimizer_state(model, None)
+    }
+
+    /// The saved optimizer state of the elements `ranges[id]` (row-major, of the chunk's local
+    /// tensor) of each parameter in `ranges`: a distributed optimizer's shard, at any DP size
+    /// (see [`load_distributed_adamw`](super::load_distributed_adamw)). Each state tensor is
+    /// `[range.len()]`; vocabulary padding is zero.
+    pub fn load_optimizer_shard<B: ModelBackend>(
+        &self,
+        model: &GptModel<B>,
+        ranges: &HashMap<ParamId, Range<usize>>,
+    ) -> Result<OptimizerState> {
+        self.optimizer_state(model, Some(ranges))
+    }
+
+    fn optimizer_state<B: ModelBackend>(
+        &self,
+        model: &GptModel<B>,
+        ranges: Option<&HashMap<ParamId, Range<usize>>>,
+    ) -> Result<OptimizerState> {
         let info = self.metadata.optimizer.as_ref().ok_or_else(|| {
             CheckpointError::mismatch(&self.dir, "the checkpoint holds no optimizer state")
         })?;
-        if info.layout != OptimizerLayout::PerParameter {
-            return Err(CheckpointError::mismatch(
-                &self.dir,
-                format!("optimizer layout {:?} cannot be loaded yet", info.layout),
-            )
-            .into());
-        }
+        let OptimizerLayout::PerParameter = info.layout;
         let mut params = HashMap::new();
         for slice in local_slices(model)? {
             let Some(&step) = info.steps.get(&slice.path) else {
                 continue;
+            };
+            let range = match ranges {
+                None => None,
+                Some(ranges) => match ranges.get(&slice.id) {
+                    Some(range) => Some(range.clone()),
+                    None => continue,
+                },
             };
             let mut tensors = BTreeMap::new();
             for (group, entries) in &self.metadata.tensors {
@@ -193,14 +230,55 @@ impl Checkpoint {
                     continue;
                 };
                 let entry = self.entry(entries, group, &slice)?;
-                tensors.insert(name.to_string(), self.assemble(group, entry, &slice)?);
+                let data = match &range {
+                    None => self.assemble(group, entry, &slice)?,
+                    Some(range) => self.assemble_range(group, entry, &slice, range.clone())?,
+                };
+                tensors.insert(name.to_string(), data);
             }
-            params.insert(slice.id, ParamState { step, tensors });
+            params.insert(
+                slice.id,
+                ParamState {
+                    step,
+                    tensors,
+                    range,
+                },
+            );
         }
         Ok(OptimizerState {
             kind: info.kind.clone(),
             params,
+            dp_sharded: ranges.is_some(),
         })
+    }
+
+    /// The full (unpadded) tensor `path` of `group` (`"model"`, `"optimizer.exp_avg"`, ...),
+    /// assembled from its saved slices: for tools and exports, which need no model.
+    pub fn read_full(&self, group: &str, path: &str) -> Result<TensorData> {
+        let entry = self
+            .metadata
+            .tensors
+            .get(group)
+            .and_then(|t| t.get(path))
+            .ok_or_else(|| {
+                CheckpointError::mismatch(&self.dir, format!("{group} {path} is missing"))
+            })?;
+        let (dtype, _) = self.dtype(group, path, entry)?;
+        let full: Region = entry.shape.iter().map(|&n| 0..n).collect();
+        let origin = vec![0; full.len()];
+        let mut out = vec![0u8; volume(&full) * dtype.size()];
+        self.read_region(group, path, entry, &full, (&mut out, &entry.shape, &origin))?;
+        Ok(TensorData::from_bytes_vec(out, entry.shape.clone(), dtype))
+    }
+
+    /// Bytes of data files checked against their checksums so far, which is what was read of
+    /// them: a rank that needs only some slices reads only the blocks holding them.
+    pub fn bytes_checked(&self) -> u64 {
+        self.files
+            .borrow()
+            .values()
+            .map(|f| f.checked_bytes())
+            .sum()
     }
 
     /// The entry of `slice`'s tensor in `group`, checked against the model's full shape.
@@ -229,69 +307,12 @@ impl Checkpoint {
     /// This rank's local tensor of `slice` (padding zero), from the saved shards that
     /// overlap it.
     fn assemble(&self, group: &str, entry: &TensorEntry, slice: &LocalSlice) -> Result<TensorData> {
-        let (dtype, st_dtype) = dtype_from_name(&entry.dtype).ok_or_else(|| {
-            CheckpointError::mismatch(
-                &self.dir,
-                format!("{group} {}: unknown dtype {}", slice.path, entry.dtype),
-            )
-        })?;
-        let elem = dtype.size();
-        let mut out = vec![0u8; slice.local_shape.iter().product::<usize>() * elem];
-        let need = slice.real();
-        let mut covered = 0;
-        if let Some(need) = &need {
-            let dst_origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
-            for shard in &entry.shards {
-                let have: Vec<_> = shard
-                    .offsets
-                    .iter()
-                    .zip(&shard.shape)
-                    .map(|(&o, &n)| o..o + n)
-                    .collect();
-                let Some(overlap) = intersect(need, &have) else {
-                    continue;
-                };
-                let bytes = self.file(&shard.file)?;
-                let file = self.dir.join(&shard.file);
-                let tensors = safetensors::SafeTensors::deserialize(&bytes)
-                    .map_err(|e| CheckpointError::file(&file, format!("not safetensors: {e}")))?;
-                let view = tensors.tensor(&shard.key).map_err(|e| {
-                    CheckpointError::file(&file, format!("no tensor {}: {e}", shard.key))
-                })?;
-                if view.dtype() != st_dtype || view.shape() != shard.shape.as_slice() {
-                    return Err(CheckpointError::file(
-                        &file,
-                        format!(
-                            "{} is {:?} {:?}, the metadata says {} {:?}",
-                            shard.key,
-                            view.dtype(),
-                            view.shape(),
-                            entry.dtype,
-                            shard.shape
-                        ),
-                    )
-                    .into());
-                }
-                copy_region(
-                    &overlap,
-                    elem,
-                    (view.data(), &shard.shape, &shard.offsets),
-                    (&mut out, &slice.local_shape, &dst_origin),
-                );
-                covered += volume(&overlap);
-            }
-            if covered != volume(need) {
-                return Err(CheckpointError::mismatch(
-                    &self.dir,
-                    format!(
-                        "{group} {}: the saved shards cover {covered} of the {} elements this \
-                         rank needs (a shard is missing from the metadata)",
-                        slice.path,
-                        volume(need)
-                    ),
-                )
-                .into());
-            }
+        let (dtype, _) = self.dtype(group, &slice.path, entry)?;
+        let mut out = vec![0u8; slice.local_shape.iter().product::<usize>() * dtype.size()];
+        if let Some(need) = slice.real() {
+            let origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
+            let dst = (&mut out[..], &slice.local_shape[..], &origin[..]);
+            self.read_region(group, &slice.path, entry, &need, dst)?;
         }
         Ok(TensorData::from_bytes_vec(
             out,
@@ -300,49 +321,139 @@ impl Checkpoint {
         ))
     }
 
-    /// The bytes of data file `name`, read once and checked against the metadata's size and
-    /// checksum.
-    fn file(&self, name: &str) -> Result<std::rc::Rc<Vec<u8>>> {
-        if let Some(bytes) = self.files.borrow().get(name) {
-            return Ok(bytes.clone());
+    /// The elements `range` (row-major) of this rank's local tensor of `slice` (padding zero),
+    /// `[range.len()]`.
+    fn assemble_range(
+        &self,
+        group: &str,
+        entry: &TensorEntry,
+        slice: &LocalSlice,
+        range: Range<usize>,
+    ) -> Result<TensorData> {
+        let (dtype, _) = self.dtype(group, &slice.path, entry)?;
+        let elem = dtype.size();
+        let full: Region = slice.global_shape.iter().map(|&n| 0..n).collect();
+        let mut out = vec![0u8; range.len() * elem];
+        for local in flat_range_boxes(&slice.local_shape, range.clone()) {
+            let first = flat_start(&slice.local_shape, &local) - range.start;
+            let dst = &mut out[first * elem..(first + volume(&local)) * elem];
+            let global: Region = local
+                .iter()
+                .zip(&slice.held)
+                .map(|(r, h)| r.start + h.start..r.end + h.start)
+                .collect();
+            let Some(need) = intersect(&global, &full) else {
+                continue;
+            };
+            let shape: Vec<usize> = global.iter().map(|r| r.len()).collect();
+            let origin: Vec<usize> = global.iter().map(|r| r.start).collect();
+            self.read_region(group, &slice.path, entry, &need, (dst, &shape, &origin))?;
+        }
+        Ok(TensorData::from_bytes_vec(out, [range.len()], dtype))
+    }
+
+    /// The Burn and safetensors dtypes of a saved tensor.
+    fn dtype(
+        &self,
+        group: &str,
+        path: &str,
+        entry: &TensorEntry,
+    ) -> Result<(burn::tensor::DType, safetensors::Dtype)> {
+        Ok(dtype_from_name(&entry.dtype).ok_or_else(|| {
+            CheckpointError::mismatch(
+                &self.dir,
+                format!("{group} {path}: unknown dtype {}", entry.dtype),
+            )
+        })?)
+    }
+
+    /// Copies the box `need` (global coordinates, inside the tensor) of a saved tensor into
+    /// `dst` (its shape and the global index of its first element) from the saved shards that
+    /// overlap it, checking the blocks it reads; an error unless the shards cover `need`.
+    fn read_region(
+        &self,
+        group: &str,
+        path: &str,
+        entry: &TensorEntry,
+        need: &Region,
+        (dst, dst_shape, dst_origin): (&mut [u8], &[usize], &[usize]),
+    ) -> Result<()> {
+        let (dtype, st_dtype) = self.dtype(group, path, entry)?;
+        let elem = dtype.size();
+        let mut covered = 0;
+        for shard in &entry.shards {
+            let have: Vec<_> = shard
+                .offsets
+                .iter()
+                .zip(&shard.shape)
+                .map(|(&o, &n)| o..o + n)
+                .collect();
+            let Some(overlap) = intersect(need, &have) else {
+                continue;
+            };
+            let file = self.file(&shard.file)?;
+            let (info, data, start) = file.tensor(&shard.key)?;
+            if info.dtype != st_dtype || info.shape != shard.shape {
+                return Err(CheckpointError::file(
+                    file.path(),
+                    format!(
+                        "{} is {:?} {:?}, the metadata says {} {:?}",
+                        shard.key, info.dtype, info.shape, entry.dtype, shard.shape
+                    ),
+                )
+                .into());
+            }
+            // Check the blocks the copy reads, consecutive runs merged into one span.
+            let mut spans: Vec<Range<usize>> = Vec::new();
+            source_runs(
+                &overlap,
+                elem,
+                &shard.shape,
+                &shard.offsets,
+                |run| match spans.last_mut() {
+                    Some(last) if last.end == run.start => last.end = run.end,
+                    _ => spans.push(run),
+                },
+            );
+            for span in spans {
+                file.check(start + span.start..start + span.end)?;
+            }
+            copy_region(
+                &overlap,
+                elem,
+                (data, &shard.shape, &shard.offsets),
+                (dst, dst_shape, dst_origin),
+            );
+            covered += volume(&overlap);
+        }
+        if covered != volume(need) {
+            return Err(CheckpointError::mismatch(
+                &self.dir,
+                format!(
+                    "{group} {path}: the saved shards cover {covered} of the {} elements this \
+                     rank needs (a shard is missing from the metadata)",
+                    volume(need)
+                ),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Data file `name`, mapped once, its size checked against the metadata.
+    fn file(&self, name: &str) -> Result<Rc<MappedFile>> {
+        if let Some(file) = self.files.borrow().get(name) {
+            return Ok(file.clone());
         }
         let path = self.dir.join(name);
         let expected = self.metadata.files.get(name).ok_or_else(|| {
             CheckpointError::file(&path, "not listed in the metadata (no checksum to check)")
         })?;
-        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                CheckpointError::file(&path, "missing (a shard file of this checkpoint)")
-            }
-            _ => CheckpointError::io(&path, "read it", e),
-        })?;
-        if bytes.len() as u64 != expected.bytes {
-            return Err(CheckpointError::file(
-                &path,
-                format!(
-                    "truncated or extended: {} bytes, the metadata says {}",
-                    bytes.len(),
-                    expected.bytes
-                ),
-            )
-            .into());
-        }
-        let crc = crc32(&bytes);
-        if crc != expected.crc32 {
-            return Err(CheckpointError::file(
-                &path,
-                format!(
-                    "corrupt: CRC-32 {crc:08x}, the metadata says {:08x}",
-                    expected.crc32
-                ),
-            )
-            .into());
-        }
-        let bytes = std::rc::Rc::new(bytes);
+        let file = Rc::new(MappedFile::open(&path, expected)?);
         self.files
             .borrow_mut()
-            .insert(name.to_string(), bytes.clone());
-        Ok(bytes)
+            .insert(name.to_string(), file.clone());
+        Ok(file)
     }
 }
 

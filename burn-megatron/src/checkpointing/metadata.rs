@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::error::CheckpointError;
+use crate::optimizer::LossScalerState;
 use crate::transformer::TransformerConfig;
 
 /// The format version written by this crate; loading refuses others.
@@ -80,13 +81,24 @@ pub struct ShardEntry {
     pub shape: Vec<usize>,
 }
 
-/// A data file's size and checksum.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// A data file's size and checksums.
+///
+/// Besides the whole file's CRC-32 (what `checkpoint_tool inspect` checks), each block of
+/// `block_bytes` has its own: a rank that reads only some slices of a file checks only the
+/// blocks it reads, rather than reading the whole file for its checksum.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
     /// Its length in bytes.
     pub bytes: u64,
     /// CRC-32 (IEEE) of its bytes.
     pub crc32: u32,
+    /// The size of the checksummed blocks (the last may be shorter); 0 when the file has no
+    /// block checksums (then a read checks the whole file).
+    #[serde(default)]
+    pub block_bytes: u64,
+    /// CRC-32 of each block, in order.
+    #[serde(default)]
+    pub block_crc32: Vec<u32>,
 }
 
 /// Training progress and state outside the model and optimizer tensors, filled by the
@@ -102,8 +114,8 @@ pub struct TrainingState {
     pub rng_seed: u64,
     /// The learning-rate scheduler's state, in whatever form the scheduler serialises to.
     pub lr_scheduler: Option<serde_json::Value>,
-    /// The loss scaler's state (scale, growth and hysteresis counters).
-    pub loss_scaler: Option<serde_json::Value>,
+    /// The dynamic loss scaler's state (scale, growth and hysteresis counters), for fp16.
+    pub loss_scaler: Option<LossScalerState>,
 }
 
 /// The saved optimizer state.
@@ -115,20 +127,21 @@ pub struct OptimizerInfo {
     pub layout: OptimizerLayout,
     /// Steps each parameter's state has taken (AdamW's bias correction), by path.
     pub steps: BTreeMap<String, u64>,
+    /// Whether the state was saved by a distributed optimizer (ZeRO-1), each DP rank writing
+    /// its shard. The tensors are per parameter either way, and load at any DP size.
+    #[serde(default)]
+    pub dp_sharded: bool,
 }
 
 /// How optimizer state is laid out in the checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OptimizerLayout {
     /// One tensor per parameter and state (group `optimizer.<state>`, same paths, shapes and
-    /// partitions as the parameters): resharded exactly like the model.
+    /// partitions as the parameters): resharded exactly like the model. The distributed
+    /// optimizer's shards are stored this way too, each DP rank's flat range of a parameter
+    /// written as the boxes of the parameter it covers, so a DP size needs no layout of its
+    /// own (Megatron's "fully reshardable" format).
     PerParameter,
-    /// Reserved for the distributed optimizer (ZeRO-1): each DP rank's slice of flat state
-    /// buffers, with every parameter's range in them. Not written or read yet.
-    DpShardedFlat {
-        /// The data-parallel size the buffers were cut for.
-        dp: usize,
-    },
 }
 
 impl CheckpointMetadata {

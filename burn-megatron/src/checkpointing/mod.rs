@@ -2,28 +2,37 @@
 //!
 //! - **Sharded save** ([`Checkpointer::save`]): every rank writes only what it owns (its TP
 //!   and PP slice of the model and of the optimizer state; DP rank 0 of each model-parallel
-//!   rank) as safetensors, keyed by the parameter's path in the whole model
-//!   (`block.layers.3.attention.qkv.weight`, global layer index under PP). Rank 0 then writes
-//!   `metadata.json` ([`CheckpointMetadata`]): each tensor's full shape, dtype, partition
-//!   dimension and which file holds which slice; the layout; the model configuration; the
-//!   caller's [`TrainingState`]; a CRC-32 per file.
+//!   rank, or every DP rank for the distributed optimizer's shards) as safetensors, keyed by
+//!   the parameter's path in the whole model (`block.layers.3.attention.qkv.weight`, global
+//!   layer index under PP). Rank 0 then writes `metadata.json` ([`CheckpointMetadata`]): each
+//!   tensor's full shape, dtype, partition dimension and which file holds which slice; the
+//!   layout; the model configuration; the caller's [`TrainingState`] (with the loss scaler's);
+//!   per file a CRC-32, whole and per block.
+//! - **Asynchronous save** ([`AsyncCheckpointer`]): the step waits for the host copies only;
+//!   files are written in the background and published at the next save or `finish`.
 //! - **Load into any layout** ([`Checkpoint::load_model`],
 //!   [`Checkpoint::load_optimizer_state`]): a rank computes the slice its chunk holds (from the
 //!   placements its layers declare, see
 //!   [`DeclarePlacements`](crate::tensor_parallel::DeclarePlacements)) and copies it out of
 //!   whichever saved slices overlap it, so (TP, PP) = (2, 2) loads at (1, 1), (4, 1), (1, 4)...
+//!   Files are memory-mapped and checked block by block: a rank reads only what it needs.
 //! - **Optimizer state by path**, never by Burn's random `ParamId`: [`adamw_state`] and
-//!   [`adamw_record`] convert Burn's AdamW record. The metadata reserves a DP-sharded flat
-//!   layout ([`OptimizerLayout::DpShardedFlat`]) for the distributed optimizer.
-//! - **Safety** ([`latest_checkpoint`], [`keep_last`], [`remove_partial_saves`]): saves go to a temporary directory renamed into
-//!   place after every rank finished and the metadata is written; `latest` is replaced
-//!   atomically; the last K are kept; files are checked against their size and checksum on
-//!   load, and a wrong model configuration or missing shard is refused, naming the file or
-//!   tensor ([`CheckpointError`]).
+//!   [`adamw_record`] convert Burn's AdamW record; [`distributed_adamw_state`] and
+//!   [`load_distributed_adamw`] the distributed optimizer's DP shards, at any DP size.
+//! - **Safety** ([`latest_checkpoint`], [`keep_last`], [`remove_partial_saves`]): saves go to
+//!   a temporary directory renamed into place after every rank finished and the metadata is
+//!   written; `latest` is replaced atomically; the last K are kept; files are checked against
+//!   their size and checksums on load, and a wrong model configuration or missing shard is
+//!   refused, naming the file or tensor ([`CheckpointError`]).
+//! - **Conversion** ([`convert_layout`], [`import_hugging_face`], [`export_hugging_face`]):
+//!   offline, to another layout and to or from Hugging Face (`checkpoint_tool convert`).
 //! - **Hugging Face** ([`hugging_face`]): transformers' GPT-2 and Llama checkpoints imported
 //!   at any layout and exported back.
 
+mod async_save;
+mod convert;
 mod directory;
+mod distributed_optimizer;
 mod error;
 pub mod hugging_face;
 mod load;
@@ -32,11 +41,16 @@ mod optimizer_state;
 mod region;
 mod save;
 mod slices;
+mod snapshot;
+mod tensor_file;
 
+pub use async_save::AsyncCheckpointer;
+pub use convert::{TargetLayout, convert_layout, export_hugging_face, import_hugging_face};
 pub use directory::{
     LATEST_FILE, checkpoint_name, keep_last, latest_checkpoint, list_checkpoints,
     remove_partial_saves,
 };
+pub use distributed_optimizer::{MAIN_PARAM, distributed_adamw_state, load_distributed_adamw};
 pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use metadata::{
@@ -45,3 +59,4 @@ pub use metadata::{
 };
 pub use optimizer_state::{ADAMW, OptimizerState, ParamState, adamw_record, adamw_state};
 pub use save::Checkpointer;
+pub use tensor_file::CHECKSUM_BLOCK_BYTES;

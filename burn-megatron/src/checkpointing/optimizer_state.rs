@@ -7,6 +7,7 @@
 //! ids of the model chunk at hand.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 
 use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -18,15 +19,19 @@ use burn::tensor::{Tensor, TensorData};
 /// The optimizer name AdamW's state is saved under.
 pub const ADAMW: &str = "adamw";
 
-/// One parameter's optimizer state: tensors of the parameter's local shape, and its step
-/// count.
+/// One parameter's optimizer state: tensors of the parameter's local shape (or of a flat range
+/// of it), and its step count.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamState {
     /// Steps taken (AdamW's bias correction uses it).
     pub step: u64,
     /// State tensors by name (`exp_avg`, `exp_avg_sq` for AdamW), each shaped like this rank's
-    /// slice of the parameter.
+    /// slice of the parameter, or `[range.len()]` when `range` is set.
     pub tensors: BTreeMap<String, TensorData>,
+    /// `None`: the tensors cover the rank's whole slice. `Some(r)`: they hold only the
+    /// elements `r` of the slice in row-major order (a distributed optimizer's shard cuts
+    /// parameters at arbitrary element boundaries).
+    pub range: Option<Range<usize>>,
 }
 
 /// A model chunk's optimizer state, by the ids of its parameters.
@@ -36,6 +41,9 @@ pub struct OptimizerState {
     pub kind: String,
     /// Each parameter's state; a parameter without state (never stepped) is absent.
     pub params: HashMap<ParamId, ParamState>,
+    /// Whether each data-parallel rank holds a different part of the state (the distributed
+    /// optimizer): then every DP rank writes its part, else DP rank 0 writes for all.
+    pub dp_sharded: bool,
 }
 
 /// The state of a Burn [`AdamW`] optimizer over `module` (one model chunk), by parameter.
@@ -64,6 +72,7 @@ where
                 ParamState {
                     step: momentum.time as u64,
                     tensors,
+                    range: None,
                 },
             );
         }
@@ -76,6 +85,7 @@ where
     OptimizerState {
         kind: ADAMW.to_string(),
         params: collect.out,
+        dp_sharded: false,
     }
 }
 
@@ -100,6 +110,9 @@ where
             let Some(saved) = self.state.params.get(&param.id) else {
                 return;
             };
+            if saved.range.is_some() {
+                return;
+            }
             let (Some(m1), Some(m2)) = (
                 saved.tensors.get("exp_avg"),
                 saved.tensors.get("exp_avg_sq"),

@@ -1,33 +1,27 @@
-//! Sharded save: every rank writes only what it owns, in parallel, into one temporary
-//! directory; rank 0 writes the metadata once all have finished, then the directory is
-//! renamed into place.
-//!
-//! Files: `model_tp{t}_pp{p}.safetensors` per model-parallel rank (DP rank 0 only: the
-//! data-parallel replicas are equal), holding that rank's slices of its chunks' parameters,
-//! and `optimizer_tp{t}_pp{p}.safetensors` with the optimizer state sliced the same way.
-//! A replicated parameter is written by TP rank 0; vocabulary padding is never written.
+//! Sharded save: every rank copies what it owns to the host and writes it, in parallel, into
+//! one temporary directory; rank 0 writes the metadata once all have finished, then the
+//! directory is renamed into place. The files each rank writes are described in `snapshot.rs`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::backend::Backend;
+use burn::module::ParamId;
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
-use serde::{Deserialize, Serialize};
 
 use super::directory::{
-    LATEST_FILE, checkpoint_name, crc32, keep_last, remove_partial_saves, sync_dir, temp_dir,
+    LATEST_FILE, checkpoint_name, keep_last, remove_partial_saves, sync_dir, temp_dir,
     write_atomic, write_synced,
 };
 use super::error::CheckpointError;
 use super::metadata::{
-    CheckpointMetadata, FORMAT_VERSION, FileEntry, METADATA_FILE, MODEL_GROUP, OptimizerInfo,
-    OptimizerLayout, SavedLayout, ShardEntry, TensorEntry, TrainingState,
+    CheckpointMetadata, FORMAT_VERSION, METADATA_FILE, OptimizerInfo, OptimizerLayout, SavedLayout,
+    TensorEntry, TrainingState,
 };
 use super::optimizer_state::OptimizerState;
-use super::region::{Region, copy_region, volume};
-use super::slices::{LocalSlice, dtype_from_name, dtype_name, local_slices};
+use super::snapshot::{RankManifest, RankSnapshot};
+use super::tensor_file::CHECKSUM_BLOCK_BYTES;
 use crate::ModelBackend;
 use crate::error::Result;
 use crate::models::GptModel;
@@ -39,48 +33,17 @@ use crate::transformer::TransformerConfig;
 pub struct Checkpointer {
     root: PathBuf,
     keep_last: usize,
+    block_bytes: usize,
     fail_rank: Option<usize>,
 }
 
-/// What one rank wrote: its file and the slices in it. Rank 0 merges these into the metadata.
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct RankManifest {
-    files: BTreeMap<String, FileEntry>,
-    entries: Vec<ManifestEntry>,
-    optimizer_kind: Option<String>,
-    steps: BTreeMap<String, u64>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct ManifestEntry {
-    group: String,
-    path: String,
-    shape: Vec<usize>,
-    dtype: String,
-    partition_dim: Option<usize>,
-    shard: ShardEntry,
-}
-
-/// One tensor to write: its safetensors dtype, shape and bytes.
-struct Blob {
-    dtype: safetensors::Dtype,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl safetensors::View for &Blob {
-    fn dtype(&self) -> safetensors::Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        std::borrow::Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
+/// A save whose snapshot is taken and whose files are not yet published: what the write
+/// needs, and what publishing needs afterwards.
+pub(crate) struct Started {
+    pub snapshot: RankSnapshot,
+    pub tmp: PathBuf,
+    pub config: TransformerConfig,
+    pub training: TrainingState,
 }
 
 impl Checkpointer {
@@ -89,6 +52,7 @@ impl Checkpointer {
         Self {
             root: root.into(),
             keep_last: 3,
+            block_bytes: CHECKSUM_BLOCK_BYTES,
             fail_rank: None,
         }
     }
@@ -96,6 +60,14 @@ impl Checkpointer {
     /// Keeps the newest `k` checkpoints (at least 1); older ones are removed after a save.
     pub fn with_keep_last(mut self, k: usize) -> Self {
         self.keep_last = k.max(1);
+        self
+    }
+
+    /// Checksums each block of `bytes` of a data file (at least 1), besides the whole file: a
+    /// load checks, and reads, only the blocks holding the slices it needs. Default
+    /// [`CHECKSUM_BLOCK_BYTES`].
+    pub fn with_checksum_block(mut self, bytes: usize) -> Self {
+        self.block_bytes = bytes.max(1);
         self
     }
 
@@ -128,12 +100,53 @@ impl Checkpointer {
         optimizer: Option<&[OptimizerState]>,
         training: &TrainingState,
     ) -> Result<PathBuf> {
-        let world = state.world();
+        let started = self.begin(state, config, chunks, None, optimizer, training)?;
+        let written = self.write(started.snapshot, &started.tmp, state.world().rank());
+        self.finish::<B>(
+            state,
+            &started.config,
+            &started.training,
+            &started.tmp,
+            written,
+        )
+    }
+
+    /// Saves `values[i]` (parameter values by id, any stored dtype) in the layout of
+    /// `chunks[i]` instead of the chunks' own values: how a conversion rewrites a checkpoint
+    /// in another layout without a round trip through the model's dtype.
+    pub(crate) fn save_values<B: ModelBackend>(
+        &self,
+        state: &ParallelState,
+        config: &TransformerConfig,
+        chunks: &[GptModel<B>],
+        values: Vec<HashMap<ParamId, TensorData>>,
+        optimizer: Option<&[OptimizerState]>,
+        training: &TrainingState,
+    ) -> Result<PathBuf> {
+        let started = self.begin(state, config, chunks, Some(values), optimizer, training)?;
+        let written = self.write(started.snapshot, &started.tmp, state.world().rank());
+        self.finish::<B>(
+            state,
+            &started.config,
+            &started.training,
+            &started.tmp,
+            written,
+        )
+    }
+
+    /// The first part of a save, every rank together: rank 0 clears what a crashed save left
+    /// behind and makes the temporary directory, then each rank copies its part to the host.
+    pub(crate) fn begin<B: ModelBackend>(
+        &self,
+        state: &ParallelState,
+        config: &TransformerConfig,
+        chunks: &[GptModel<B>],
+        values: Option<Vec<HashMap<ParamId, TensorData>>>,
+        optimizer: Option<&[OptimizerState]>,
+        training: &TrainingState,
+    ) -> Result<Started> {
         let tmp = temp_dir(&self.root, training.iteration);
-        let final_dir = self.root.join(checkpoint_name(training.iteration));
-        // Rank 0 clears what a crashed save left behind and makes the temporary directory
-        // before anyone writes into it.
-        let prepared = if world.rank() == 0 {
+        let prepared = if state.world().rank() == 0 {
             fs::create_dir_all(&self.root)
                 .map_err(|e| CheckpointError::io(&self.root, "create it", e))
                 .and_then(|_| remove_partial_saves(&self.root))
@@ -145,85 +158,58 @@ impl Checkpointer {
         };
         agree::<B>(state, prepared.is_ok(), &tmp)?;
         prepared?;
+        let snapshot = RankSnapshot::take(state, chunks, values, optimizer);
+        agree::<B>(state, snapshot.is_ok(), &tmp)?;
+        Ok(Started {
+            snapshot: snapshot?,
+            tmp,
+            config: config.clone(),
+            training: training.clone(),
+        })
+    }
 
-        let written = self.write_rank(state, chunks, optimizer, &tmp);
-        let written = match (written, self.fail_rank) {
-            (Ok(_), Some(r)) if r == world.rank() => {
-                Err(CheckpointError::file(&tmp, format!("injected failure on rank {r}")).into())
+    /// The second part, each rank alone (on any thread): writes the snapshot into `tmp`.
+    pub(crate) fn write(&self, snapshot: RankSnapshot, tmp: &Path, rank: usize) -> Result<()> {
+        snapshot.write(tmp, self.block_bytes)?;
+        match self.fail_rank {
+            Some(r) if r == rank => {
+                Err(CheckpointError::file(tmp, format!("injected failure on rank {r}")).into())
             }
-            (w, _) => w,
-        };
-        if let Err(e) = agree::<B>(state, written.is_ok(), &tmp) {
+            _ => Ok(()),
+        }
+    }
+
+    /// The last part, every rank together, once this rank's write has ended with `written`:
+    /// if every rank wrote its files, rank 0 publishes the checkpoint. Returns its directory;
+    /// if any rank failed, every rank returns an error and nothing is published.
+    pub(crate) fn finish<B: ModelBackend>(
+        &self,
+        state: &ParallelState,
+        config: &TransformerConfig,
+        training: &TrainingState,
+        tmp: &Path,
+        written: Result<()>,
+    ) -> Result<PathBuf> {
+        let world = state.world();
+        let final_dir = self.root.join(checkpoint_name(training.iteration));
+        if let Err(e) = agree::<B>(state, written.is_ok(), tmp) {
             if world.rank() == 0 {
-                let _ = fs::remove_dir_all(&tmp);
+                let _ = fs::remove_dir_all(tmp);
             }
             return Err(written.err().unwrap_or(e));
         }
-
         let published = if world.rank() == 0 {
-            self.publish(state, config, training, &tmp, &final_dir)
+            self.publish(state, config, training, tmp, &final_dir)
         } else {
             Ok(())
         };
         if let Err(e) = agree::<B>(state, published.is_ok(), &final_dir) {
             if world.rank() == 0 {
-                let _ = fs::remove_dir_all(&tmp);
+                let _ = fs::remove_dir_all(tmp);
             }
             return Err(published.err().unwrap_or(e));
         }
         Ok(final_dir)
-    }
-
-    /// Writes this rank's tensor files and its manifest into `tmp`.
-    fn write_rank<B: ModelBackend>(
-        &self,
-        state: &ParallelState,
-        chunks: &[GptModel<B>],
-        optimizer: Option<&[OptimizerState]>,
-        tmp: &Path,
-    ) -> Result<()> {
-        let mut manifest = RankManifest::default();
-        if state.dp().rank() == 0 {
-            let (t, p) = (state.tp().rank(), state.pp_rank());
-            let mut model = Vec::new();
-            let mut optim = Vec::new();
-            for (i, chunk) in chunks.iter().enumerate() {
-                let values = param_values(chunk);
-                let chunk_state = optimizer.and_then(|o| o.get(i));
-                for slice in local_slices(chunk)?.into_iter().filter(|s| s.writes) {
-                    let Some(value) = values.get(&slice.id) else {
-                        continue;
-                    };
-                    model.push((MODEL_GROUP.to_string(), slice.clone(), value.clone()));
-                    let Some(param_state) = chunk_state.and_then(|s| s.params.get(&slice.id))
-                    else {
-                        continue;
-                    };
-                    manifest.steps.insert(slice.path.clone(), param_state.step);
-                    for (name, data) in &param_state.tensors {
-                        optim.push((format!("optimizer.{name}"), slice.clone(), data.clone()));
-                    }
-                }
-                if let Some(s) = chunk_state {
-                    manifest.optimizer_kind = Some(s.kind.clone());
-                }
-            }
-            write_file(
-                tmp,
-                &format!("model_tp{t}_pp{p}.safetensors"),
-                model,
-                &mut manifest,
-            )?;
-            if optimizer.is_some() {
-                let name = format!("optimizer_tp{t}_pp{p}.safetensors");
-                write_file(tmp, &name, optim, &mut manifest)?;
-            }
-        }
-        let file = tmp.join(format!("rank_{}.json", state.world().rank()));
-        let json = serde_json::to_vec(&manifest)
-            .map_err(|e| CheckpointError::file(&file, format!("cannot encode: {e}")))?;
-        write_synced(&file, &json)?;
-        Ok(())
     }
 
     /// Rank 0: merges the ranks' manifests into the metadata, renames the directory into
@@ -262,6 +248,7 @@ impl Checkpointer {
                     kind,
                     layout: OptimizerLayout::PerParameter,
                     steps: BTreeMap::new(),
+                    dp_sharded: manifest.dp_sharded,
                 });
                 info.steps.extend(manifest.steps);
             }
@@ -342,99 +329,4 @@ fn agree<B: DistBackend>(state: &ParallelState, ok: bool, dir: &Path) -> Result<
         .into());
     }
     Ok(())
-}
-
-/// Every float parameter's local value, by id.
-fn param_values<B: Backend>(
-    chunk: &GptModel<B>,
-) -> std::collections::HashMap<burn::module::ParamId, TensorData> {
-    use burn::module::{Module, ModuleVisitor, Param};
-    struct Collect(std::collections::HashMap<burn::module::ParamId, TensorData>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.insert(param.id, param.val().into_data());
-        }
-    }
-    let mut collect = Collect(Default::default());
-    chunk.visit(&mut collect);
-    collect.0
-}
-
-/// Writes `tensors` (group, slice, local data) to `dir/name`, each cut to its real region,
-/// and records the file and its slices in `manifest`.
-fn write_file(
-    dir: &Path,
-    name: &str,
-    tensors: Vec<(String, LocalSlice, TensorData)>,
-    manifest: &mut RankManifest,
-) -> Result<()> {
-    let path = dir.join(name);
-    let mut blobs: Vec<(String, Blob)> = Vec::new();
-    for (group, slice, data) in tensors {
-        let Some(real) = slice.real() else { continue };
-        let dtype = dtype_name(data.dtype).ok_or_else(|| {
-            CheckpointError::file(
-                &path,
-                format!(
-                    "{} has dtype {:?}, which checkpoints do not store",
-                    slice.path, data.dtype
-                ),
-            )
-        })?;
-        let (_, st_dtype) = dtype_from_name(dtype).expect("a stored dtype");
-        let elem = data.dtype.size();
-        let bytes = cut(&data, &slice, &real, elem);
-        let key = format!("{group}/{}", slice.path);
-        let shape: Vec<usize> = real.iter().map(|r| r.len()).collect();
-        manifest.entries.push(ManifestEntry {
-            group,
-            path: slice.path.clone(),
-            shape: slice.global_shape.clone(),
-            dtype: dtype.to_string(),
-            partition_dim: slice.partition_dim,
-            shard: ShardEntry {
-                file: name.to_string(),
-                key: key.clone(),
-                offsets: real.iter().map(|r| r.start).collect(),
-                shape: shape.clone(),
-            },
-        });
-        blobs.push((
-            key,
-            Blob {
-                dtype: st_dtype,
-                shape,
-                bytes,
-            },
-        ));
-    }
-    let bytes = safetensors::serialize(blobs.iter().map(|(k, b)| (k.as_str(), b)), None)
-        .map_err(|e| CheckpointError::file(&path, format!("cannot encode safetensors: {e}")))?;
-    write_synced(&path, &bytes)?;
-    manifest.files.insert(
-        name.to_string(),
-        FileEntry {
-            bytes: bytes.len() as u64,
-            crc32: crc32(&bytes),
-        },
-    );
-    Ok(())
-}
-
-/// The bytes of `real` (global coordinates) out of the local tensor `data`.
-fn cut(data: &TensorData, slice: &LocalSlice, real: &Region, elem: usize) -> Vec<u8> {
-    if *real == slice.held {
-        return data.as_bytes().to_vec();
-    }
-    let mut out = vec![0u8; volume(real) * elem];
-    let origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
-    let dst_origin: Vec<usize> = real.iter().map(|r| r.start).collect();
-    let dst_shape: Vec<usize> = real.iter().map(|r| r.len()).collect();
-    copy_region(
-        real,
-        elem,
-        (data.as_bytes(), &slice.local_shape, &origin),
-        (&mut out, &dst_shape, &dst_origin),
-    );
-    out
 }

@@ -177,6 +177,21 @@ impl OptimizerMemory {
     }
 }
 
+/// A rank's optimizer state over its [`range`](DistributedAdamW::range) of the flat buffers,
+/// each `[range.len()]` f32: what a checkpoint stores
+/// ([`distributed_adamw_state`](crate::checkpointing::distributed_adamw_state)).
+#[derive(Debug, Clone)]
+pub struct DistributedAdamWState<B: burn::tensor::backend::Backend> {
+    /// The fp32 master weights.
+    pub main_params: Tensor<B, 1>,
+    /// The first moments.
+    pub exp_avg: Tensor<B, 1>,
+    /// The second moments.
+    pub exp_avg_sq: Tensor<B, 1>,
+    /// Steps taken.
+    pub step: u64,
+}
+
 /// What a step returns.
 #[derive(Debug, Clone)]
 pub struct DistributedStep<M, B: burn::tensor::backend::Backend> {
@@ -246,6 +261,50 @@ where
     /// Steps taken, `[1]` f32 on the device (skipped steps not counted).
     pub fn step_count(&self) -> Tensor<B::InnerBackend, 1> {
         self.step.clone()
+    }
+
+    /// The state of the rank's range (reads the step count to the host).
+    pub fn state(&self) -> DistributedAdamWState<B::InnerBackend> {
+        let step: f32 = burn::tensor::ElementConversion::elem(self.step.clone().into_scalar());
+        DistributedAdamWState {
+            main_params: self.master.clone(),
+            exp_avg: self.exp_avg.clone(),
+            exp_avg_sq: self.exp_avg_sq.clone(),
+            step: step as u64,
+        }
+    }
+
+    /// Continues from `state` (a checkpoint's, for this rank's range): each tensor must be
+    /// `[range.len()]`. The model's parameters must hold the same values (load both from one
+    /// checkpoint): the next step starts from the master weights.
+    pub fn load_state(
+        &mut self,
+        state: DistributedAdamWState<B::InnerBackend>,
+    ) -> core::result::Result<(), crate::error::ConfigError> {
+        let len = self.range().len();
+        for (name, t) in [
+            ("main_params", &state.main_params),
+            ("exp_avg", &state.exp_avg),
+            ("exp_avg_sq", &state.exp_avg_sq),
+        ] {
+            if t.dims()[0] != len {
+                return Err(crate::error::ConfigError::Invalid(format!(
+                    "the loaded {name} has {} elements, this rank's range {:?} has {len}",
+                    t.dims()[0],
+                    self.range()
+                )));
+            }
+        }
+        let device = self.master.device();
+        let f32_on_device = |t: Tensor<B::InnerBackend, 1>| t.cast(DType::F32).to_device(&device);
+        self.master = f32_on_device(state.main_params);
+        self.exp_avg = f32_on_device(state.exp_avg);
+        self.exp_avg_sq = f32_on_device(state.exp_avg_sq);
+        self.step = Tensor::from_data(
+            TensorData::new(vec![state.step as f32], [1]),
+            (&device, DType::F32),
+        );
+        Ok(())
     }
 
     /// One step at learning rate `lr` with this rank's gradients `grads` of `model` (the

@@ -18,7 +18,8 @@ pub mod grad_reduction;
 pub mod param_and_grad_buffer;
 
 pub use distrib_optimizer::{
-    DistributedAdamW, DistributedAdamWConfig, DistributedStep, OptimizerMemory,
+    DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
+    OptimizerMemory,
 };
 pub use grad_reduction::{
     DataParallelConfig, all_reduce_grads, reduce_scatter_grads, shard_columns,

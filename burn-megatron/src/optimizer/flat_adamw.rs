@@ -288,12 +288,20 @@ where
                         (name.to_string(), data)
                     })
                     .collect::<BTreeMap<_, _>>();
-                (slot.id, ParamState { step, tensors })
+                (
+                    slot.id,
+                    ParamState {
+                        step,
+                        tensors,
+                        range: None,
+                    },
+                )
             })
             .collect::<HashMap<ParamId, ParamState>>();
         OptimizerState {
             kind: FLAT_ADAMW.to_string(),
             params,
+            dp_sharded: false,
         }
     }
 

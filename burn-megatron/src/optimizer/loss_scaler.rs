@@ -145,6 +145,21 @@ pub struct DynamicLossScaler<B: Backend> {
     skipped: Tensor<B, 1>,
 }
 
+/// The scaler's state read to the host, for checkpoints (`TrainingState::loss_scaler`):
+/// resuming with it continues the scale's schedule exactly where it stopped. The values are
+/// the device's f32 values (exact in JSON: each is an f32).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScalerState {
+    /// The current scale.
+    pub scale: f32,
+    /// Clean steps since the last overflow or growth.
+    pub growth_tracker: f32,
+    /// Overflows left before the scale backs off.
+    pub hysteresis_tracker: f32,
+    /// Steps skipped so far.
+    pub skipped_steps: f32,
+}
+
 /// Whether a step's gradients held a NaN or an infinity on any rank of the model-parallel
 /// group: a `[1]` f32 device tensor, 1 if so and 0 if not.
 #[derive(Debug, Clone)]
@@ -241,6 +256,37 @@ impl<B: DistBackend> DynamicLossScaler<B> {
     /// Steps skipped so far, `[1]` f32 on the device: read it at the log interval.
     pub fn skipped_steps(&self) -> Tensor<B, 1> {
         self.skipped.clone()
+    }
+
+    /// The state, read to the host (one sync with the device): for a checkpoint.
+    pub fn state(&self) -> LossScalerState {
+        let read = |t: &Tensor<B, 1>| t.clone().into_scalar().elem::<f32>();
+        LossScalerState {
+            scale: read(&self.scale),
+            growth_tracker: read(&self.growth_tracker),
+            hysteresis_tracker: read(&self.hysteresis_tracker),
+            skipped_steps: read(&self.skipped),
+        }
+    }
+
+    /// Continues from `state` (a checkpoint's): the settings stay this scaler's. A scale that
+    /// is not positive and finite is an error, as a corrupt checkpoint would give.
+    pub fn load_state(&mut self, state: &LossScalerState) -> core::result::Result<(), ConfigError> {
+        if !(state.scale.is_finite() && state.scale > 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "the saved loss scale ({}) must be positive and finite",
+                state.scale
+            )));
+        }
+        let device = self.scale.device();
+        let scalar = |v: f32| {
+            Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (&device, DType::F32))
+        };
+        self.scale = scalar(state.scale);
+        self.growth_tracker = scalar(state.growth_tracker);
+        self.hysteresis_tracker = scalar(state.hysteresis_tracker);
+        self.skipped = scalar(state.skipped_steps);
+        Ok(())
     }
 
     /// `loss · scale`, to call `backward` on. The scale is a constant of the graph.

@@ -33,6 +33,6 @@ pub use clip::{
     global_grad_norm, local_grad_sum_of_squares, shared_copies,
 };
 pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
-pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig};
+pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig, LossScalerState};
 pub use lr_schedule::{LrDecayStyle, LrSchedule, LrScheduleConfig, WsdDecayStyle};
 pub use param_groups::{ParamGroups, ParamKind, WeightDecayPolicy};

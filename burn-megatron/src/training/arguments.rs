@@ -144,6 +144,10 @@ pub struct PretrainArgs {
     /// `--save d --load d` resumes a killed run with the same command.
     #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
     pub load: Option<PathBuf>,
+    /// Write checkpoints in the background: the step waits only for the host copies.
+    /// [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Checkpoints")]
+    pub async_save: Option<bool>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -217,6 +221,7 @@ impl PretrainArgs {
             eval_interval => eval_interval,
             eval_iters => eval_iters,
             seed => seed,
+            async_save => async_save,
             data_path => data_path,
             split => split,
         );
@@ -268,6 +273,7 @@ impl PretrainArgs {
             save,
             save_interval,
             load,
+            async_save,
             data_path,
             split,
         )

@@ -128,6 +128,10 @@ pub struct PretrainConfig {
     /// Checkpoints kept in `save` (older ones are removed).
     #[config(default = 3)]
     pub keep_last_checkpoints: usize,
+    /// Write checkpoints in the background (`--async-save`): a save blocks the step only for
+    /// the host copies; it is published at the next save or at the end of the run.
+    #[config(default = false)]
+    pub async_save: bool,
     /// Datasets (`--data-path`): indexed-dataset prefixes, optionally as `weight prefix`
     /// pairs for a blend. Empty for the generated default corpus.
     #[config(default = "Vec::new()")]
@@ -222,15 +226,6 @@ impl PretrainConfig {
                 self.data_parallel_size,
                 tp * pp * self.data_parallel_size
             ));
-        }
-        if (dp > 1 || self.use_distributed_optimizer)
-            && (self.save.is_some() || self.load.is_some())
-        {
-            return invalid(
-                "checkpoints of the data-parallel optimizer are not written yet: drop --save \
-                 and --load, or run with DP = 1 and without --use-distributed-optimizer"
-                    .into(),
-            );
         }
         for (name, value) in [
             ("--micro-batch-size", self.micro_batch_size),

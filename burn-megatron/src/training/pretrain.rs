@@ -27,8 +27,8 @@ use super::data::{PretrainData, read_microbatches};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
 use crate::backend::ModelBackend;
 use crate::checkpointing::{
-    Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record, adamw_state,
-    latest_checkpoint,
+    AsyncCheckpointer, Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record,
+    adamw_state, distributed_adamw_state, latest_checkpoint, load_distributed_adamw,
 };
 use crate::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
 use crate::error::Result;
@@ -80,20 +80,28 @@ struct RankModel<B: AutodiffBackend + ModelBackend> {
 impl<B> RankModel<B>
 where
     B: AutodiffBackend + ModelBackend,
-    B::InnerBackend: DistBackend,
+    B::InnerBackend: DistBackend + ModelBackend,
 {
-    fn optimizer_state(&self) -> OptimizerState {
+    fn optimizer_state(&self) -> Result<OptimizerState> {
+        if let Some(optim) = &self.distributed {
+            return distributed_adamw_state(&self.chunk, optim);
+        }
         let mut state = adamw_state(&self.chunk, &self.decay);
         state
             .params
             .extend(adamw_state(&self.chunk, &self.no_decay).params);
-        state
+        Ok(state)
     }
 
-    /// Loads the model and the optimizer state of `checkpoint`; each AdamW gets its group's
-    /// parameters.
-    fn load(self, checkpoint: &Checkpoint) -> Result<Self> {
+    /// Loads the model and the optimizer state of `checkpoint` (saved at any layout, by
+    /// either optimizer); each AdamW gets its group's parameters, the distributed optimizer
+    /// its range.
+    fn load(mut self, checkpoint: &Checkpoint) -> Result<Self> {
         let chunk = checkpoint.load_model(self.chunk)?;
+        if let Some(optim) = self.distributed.as_mut() {
+            load_distributed_adamw(checkpoint, &chunk, optim)?;
+            return Ok(Self { chunk, ..self });
+        }
         let saved = checkpoint.load_optimizer_state(&chunk)?;
         let exempt: HashSet<ParamId> = self.groups.no_decay.iter().map(|p| p.id).collect();
         let (no_decay, decay): (Vec<_>, Vec<_>) = adamw_record(&chunk, &saved)
@@ -217,6 +225,14 @@ where
         resumed_from,
     };
     let chunks = |rank: &RankModel<B>| core::slice::from_ref(&rank.chunk).to_vec();
+    let checkpointer = config
+        .save
+        .as_ref()
+        .map(|root| Checkpointer::new(root).with_keep_last(config.keep_last_checkpoints));
+    let mut in_background = match (&checkpointer, config.async_save) {
+        (Some(c), true) => Some(AsyncCheckpointer::<B>::new(c.clone())),
+        _ => None,
+    };
     while iteration < config.train_iters as u64 {
         let started = Instant::now();
         let lr = LrScheduler::step(&mut schedule);
@@ -284,7 +300,7 @@ where
             }
         }
 
-        if let Some(root) = &config.save
+        if let Some(checkpointer) = &checkpointer
             && (last
                 || config
                     .save_interval
@@ -297,17 +313,39 @@ where
                 lr_scheduler: Some(serde_json::json!({ "next_step": schedule.next_step() })),
                 loss_scaler: None,
             };
-            let dir = Checkpointer::new(root)
-                .with_keep_last(config.keep_last_checkpoints)
-                .save(
-                    &state,
-                    model_config,
-                    core::slice::from_ref(&rank.chunk),
-                    Some(&[rank.optimizer_state()]),
-                    &training,
-                )?;
+            let chunks = core::slice::from_ref(&rank.chunk);
+            let optimizer = [rank.optimizer_state()?];
+            let published = match in_background.as_mut() {
+                Some(saver) => {
+                    let previous = saver.in_flight();
+                    let dir =
+                        saver.save(&state, model_config, chunks, Some(&optimizer), &training)?;
+                    previous.zip(dir)
+                }
+                None => {
+                    let dir = checkpointer.save(
+                        &state,
+                        model_config,
+                        chunks,
+                        Some(&optimizer),
+                        &training,
+                    )?;
+                    Some((iteration, dir))
+                }
+            };
+            if let Some((saved_at, dir)) = published {
+                if logging {
+                    observer.on_checkpoint(saved_at, &dir);
+                }
+                summary.checkpoints.push(dir);
+            }
+        }
+    }
+    if let Some(saver) = in_background.as_mut() {
+        let previous = saver.in_flight();
+        if let Some((saved_at, dir)) = previous.zip(saver.finish(&state)?) {
             if logging {
-                observer.on_checkpoint(iteration, &dir);
+                observer.on_checkpoint(saved_at, &dir);
             }
             summary.checkpoints.push(dir);
         }

@@ -2,7 +2,12 @@
 //! equals the single-device model; training resumed in a new layout continues as if never
 //! stopped; broken checkpoints are refused with their errors.
 
+mod async_save;
+mod convert;
+mod distributed_optimizer;
 mod hugging_face;
+mod loss_scaler;
+mod partial_reads;
 mod placements;
 mod resharding;
 mod resume;

@@ -1,6 +1,8 @@
 //! Stop after iteration 3, resume with the same command (`--save d --load d`): the model,
 //! the AdamW state, the data position, the learning-rate schedule and the dropout masks
-//! continue, so the losses equal the uninterrupted run's. Also resumed in another layout.
+//! continue, so the losses equal the uninterrupted run's. Also resumed in another layout,
+//! with the distributed optimizer at another DP size, and with checkpoints written in the
+//! background (`--async-save`).
 
 use crate::{assert_close, scratch, tiny_run, tolerance, train};
 use burn_megatron::training::PretrainConfig;
@@ -16,18 +18,34 @@ fn run(tp: usize, pp: usize, iters: usize) -> PretrainConfig {
 
 fn resume(from: (usize, usize), to: (usize, usize)) {
     let what = format!("saved at (TP, PP) = {from:?}, resumed at {to:?}");
-    let dir = scratch(&format!("resume-{}{}-{}{}", from.0, from.1, to.0, to.1));
-    let uninterrupted = train(&run(to.0, to.1, 6));
+    let name = format!("resume-{}{}-{}{}", from.0, from.1, to.0, to.1);
+    let (from, to) = (
+        move |iters| run(from.0, from.1, iters),
+        move |iters| run(to.0, to.1, iters),
+    );
+    resume_runs(&what, &name, from, to);
+}
+
+/// Saves `from(3)` after 3 iterations, resumes with `to(6)`'s command: equal to `to(6)`
+/// uninterrupted.
+fn resume_runs(
+    what: &str,
+    name: &str,
+    from: impl Fn(usize) -> PretrainConfig,
+    to: impl Fn(usize) -> PretrainConfig,
+) {
+    let dir = scratch(name);
+    let uninterrupted = train(&to(6));
 
     let stopped = train(
-        &run(from.0, from.1, 3)
+        &from(3)
             .with_save(Some(dir.clone()))
             .with_save_interval(Some(3)),
     );
     assert_eq!(stopped.checkpoints, [dir.join("iter_0000003")], "{what}");
     assert!(stopped.resumed_from.is_none());
 
-    let same_command = run(to.0, to.1, 6)
+    let same_command = to(6)
         .with_save(Some(dir.clone()))
         .with_save_interval(Some(3))
         .with_load(Some(dir.clone()));
@@ -66,7 +84,7 @@ fn resume(from: (usize, usize), to: (usize, usize)) {
     assert_eq!(lrs, want, "{what}: learning rates");
 
     // A fresh run over the same iterations differs: the comparison above is sharp.
-    let fresh = train(&run(to.0, to.1, 3));
+    let fresh = train(&to(3));
     assert!(
         (fresh.losses()[0] - resumed.losses()[0]).abs() > 1e-2,
         "{what}: the resumed run starts where a fresh one does"
@@ -86,4 +104,48 @@ fn resumed_run_equals_uninterrupted() {
 #[test]
 fn resumed_in_another_layout_equals_uninterrupted() {
     resume((2, 2), (1, 1));
+}
+
+/// The distributed optimizer's state saved by 2 DP ranks resumes at DP = 4 (no dropout: the
+/// masks' numbering depends on the microbatches a rank runs).
+#[test]
+fn distributed_optimizer_resumed_at_another_dp_size_equals_uninterrupted() {
+    let zero = |dp: usize| {
+        move |iters| {
+            run(1, 1, iters)
+                .with_hidden_dropout(0.0)
+                .with_attention_dropout(0.0)
+                .with_data_parallel_size(dp)
+                .with_use_distributed_optimizer(true)
+        }
+    };
+    let what = "saved with ZeRO-1 at DP = 2, resumed at DP = 4";
+    resume_runs(what, "resume-zero-dp2-dp4", zero(2), zero(4));
+}
+
+/// Checkpoints written in the background are published by the next save or at the end of the
+/// run, and resume as the synchronous ones do.
+#[test]
+fn async_saved_run_resumes_equal_to_uninterrupted() {
+    let in_background = |iters| run(2, 2, iters).with_async_save(true);
+    let what = "saved in the background at (TP, PP) = (2, 2)";
+    resume_runs(what, "resume-async", in_background, in_background);
+}
+
+/// A checkpoint of Burn's AdamW (DP = 1) resumes with the distributed optimizer at DP = 2: the
+/// moments are stored per parameter, and the master weights come from the loaded parameters.
+#[test]
+fn burn_adamw_checkpoint_resumes_with_the_distributed_optimizer() {
+    let plain = |iters| {
+        run(1, 1, iters)
+            .with_hidden_dropout(0.0)
+            .with_attention_dropout(0.0)
+    };
+    let zero = move |iters| {
+        plain(iters)
+            .with_data_parallel_size(2)
+            .with_use_distributed_optimizer(true)
+    };
+    let what = "saved by Burn's AdamW at DP = 1, resumed with ZeRO-1 at DP = 2";
+    resume_runs(what, "resume-adamw-zero", plain, zero);
 }

@@ -11,6 +11,7 @@ use super::config::HfConfig;
 use super::layout::{Dense, QkvSource, Recipe, qkv_order, recipe};
 use crate::ModelBackend;
 use crate::checkpointing::CheckpointError;
+use crate::checkpointing::directory::{publish_file, sync_dir, temp_file, write_atomic};
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::tensor_parallel::gather_full_params;
@@ -97,10 +98,8 @@ pub fn export_tensors(
         }
     }
     std::fs::create_dir_all(dir).map_err(|e| CheckpointError::io(dir, "create it", e))?;
-    let config_file = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).expect("a JSON value serialises");
-    std::fs::write(&config_file, text)
-        .map_err(|e| CheckpointError::io(&config_file, "write it", e))?;
+    write_atomic(&dir.join("config.json"), text.as_bytes())?;
     let bytes: BTreeMap<String, (Vec<usize>, Vec<u8>)> = out
         .into_iter()
         .map(|(name, d)| {
@@ -115,8 +114,13 @@ pub fn export_tensors(
     });
     // transformers refuses safetensors files without `format: pt` in their metadata.
     let metadata = Some([("format".to_string(), "pt".to_string())].into());
+    // Each file is written beside its name and renamed into place: a crash leaves the old
+    // file or the new one, never half of one.
     let weights = dir.join(HF_WEIGHTS_FILE);
-    safetensors::serialize_to_file(views, metadata, &weights)
+    let tmp = temp_file(&weights);
+    safetensors::serialize_to_file(views, metadata, &tmp)
         .map_err(|e| CheckpointError::file(&weights, format!("cannot write it: {e}")))?;
+    publish_file(&tmp, &weights)?;
+    sync_dir(dir);
     Ok(())
 }

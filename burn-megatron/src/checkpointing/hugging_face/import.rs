@@ -60,18 +60,7 @@ impl HfCheckpoint {
     /// `tokenizer_config.json`, `special_tokens_map.json`, those that exist) into `dir`, to
     /// carry them along with an export. Returns the names copied.
     pub fn copy_tokenizer(&self, dir: &Path) -> Result<Vec<&'static str>> {
-        let mut copied = Vec::new();
-        for name in TOKENIZER_FILES {
-            let from = self.dir().join(name);
-            if from.exists() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| CheckpointError::io(dir, "create it", e))?;
-                std::fs::copy(&from, dir.join(name))
-                    .map_err(|e| CheckpointError::io(&from, "copy it", e))?;
-                copied.push(name);
-            }
-        }
-        Ok(copied)
+        copy_tokenizer_files(self.dir(), dir)
     }
 
     /// `model` (one chunk of any layout of [`config`](Self::config)) with every parameter
@@ -136,6 +125,22 @@ const TOKENIZER_FILES: [&str; 3] = [
     "tokenizer_config.json",
     "special_tokens_map.json",
 ];
+
+/// Copies the tokenizer files found in `from` (those of [`TOKENIZER_FILES`] that exist) into
+/// `to`. Returns the names copied.
+pub(crate) fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<Vec<&'static str>> {
+    let mut copied = Vec::new();
+    for name in TOKENIZER_FILES {
+        let file = from.join(name);
+        if file.exists() {
+            std::fs::create_dir_all(to).map_err(|e| CheckpointError::io(to, "create it", e))?;
+            std::fs::copy(&file, to.join(name))
+                .map_err(|e| CheckpointError::io(&file, "copy it", e))?;
+            copied.push(name);
+        }
+    }
+    Ok(copied)
+}
 
 /// This rank's local tensor of `slice` (padding zero) out of the full tensor.
 fn cut(full: &Dense, slice: &LocalSlice) -> TensorData {

@@ -22,3 +22,4 @@ pub use config::{HfConfig, HfFamily};
 pub use export::{export_model, export_tensors};
 pub use files::{HF_INDEX_FILE, HF_WEIGHTS_FILE};
 pub use import::HfCheckpoint;
+pub(crate) use import::copy_tokenizer_files;
