@@ -1,7 +1,6 @@
 //! An embedding table whose rows (tokens) are split across tensor-parallel ranks.
 
 use burn::module::{Module, Param};
-use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
@@ -12,6 +11,7 @@ use super::placement::{DeclarePlacements, Placements};
 use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
+use crate::ops::embedding::embedding;
 use crate::init::{InitDistribution, init_slice};
 
 /// Token embeddings split by vocabulary: rank `r` holds the rows of its
