@@ -257,8 +257,8 @@ pub trait ModelBackend: DistBackend {
 
     /// Rows of `weight` (`[vocab, hidden]`) for `ids` (`[batch, seq]`), Burn's gather.
     /// `Autodiff<B>` records one node holding the ids, whose backward is
-    /// [`embedding_backward`](Self::embedding_backward).
-    fn embedding(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
+    /// [`embedding_gradient`](Self::embedding_gradient).
+    fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
         burn::tensor::module::embedding(weight, ids)
     }
 
@@ -266,7 +266,7 @@ pub trait ModelBackend: DistBackend {
     /// `grad` (`[tokens, hidden]`) and the ids (`[tokens]`), in `grad`'s dtype: row `v` sums
     /// the rows of `grad` whose id is `v`. CubeCL backends run one deterministic kernel
     /// (`burn_megatron_kernels::fused::embedding`); the default is Burn's `select_add`.
-    fn embedding_backward(
+    fn embedding_gradient(
         grad: Tensor<Self, 2>,
         ids: Tensor<Self, 1, Int>,
         vocab: usize,
@@ -530,8 +530,8 @@ mod cube {
         .map(float)
     }
 
-    /// `ModelBackend::embedding_backward` in one kernel (f64: the composition).
-    pub(super) fn embedding_backward<R, F, I, BT>(
+    /// `ModelBackend::embedding_gradient` in one kernel (f64: the composition).
+    pub(super) fn embedding_gradient<R, F, I, BT>(
         grad: Tensor<Cube<R, F, I, BT>, 2>,
         ids: Tensor<Cube<R, F, I, BT>, 1, Int>,
         vocab: usize,
@@ -815,12 +815,12 @@ mod cube {
                 cube::flat_adamw(buffers, scalars, model_dtype)
             }
 
-            fn embedding_backward(
+            fn embedding_gradient(
                 grad: Tensor<Self, 2>,
                 ids: Tensor<Self, 1, Int>,
                 vocab: usize,
             ) -> Tensor<Self, 2> {
-                cube::embedding_backward(grad, ids, vocab)
+                cube::embedding_gradient(grad, ids, vocab)
             }
         };
     }
@@ -1126,7 +1126,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         autodiff_norm(x, scale, shift, kind, epsilon)
     }
 
-    fn embedding(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
+    fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
         crate::ops::embedding::autodiff_embedding(weight, ids)
     }
 }

@@ -1312,7 +1312,7 @@ fn embedding_backward_equals_the_sequential_sum() {
         // The model's bucket count, and Burn's composition (f32: every sum in the same
         // order, up to Burn's kernel being the same sequential loop).
         let grad = wide.narrow(1, 1, hidden);
-        let ours = <W as ModelBackend>::embedding_backward(grad.clone(), ids_tensor.clone(), vocab);
+        let ours = <W as ModelBackend>::embedding_gradient(grad.clone(), ids_tensor.clone(), vocab);
         let burns =
             burn_megatron::ops::embedding::backward_composition(grad, ids_tensor, vocab);
         assert_close(

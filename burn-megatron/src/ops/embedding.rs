@@ -1,5 +1,5 @@
 //! The token-embedding lookup, with its weight gradient behind
-//! [`ModelBackend::embedding_backward`].
+//! [`ModelBackend::embedding_gradient`].
 //!
 //! The forward is Burn's `embedding` (a gather of rows). Its gradient scatters the output's
 //! gradient back onto the table, `dW[v] = Σ_{tokens t with id v} dY[t]`; Burn's kernel for
@@ -19,9 +19,9 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use crate::backend::{ModelBackend, wrap};
 
 /// Rows of `weight` (`[vocab, hidden]`) for `ids` (`[batch, seq]`, each in `0..vocab`):
-/// `[batch, seq, hidden]`. Its weight gradient is [`ModelBackend::embedding_backward`].
+/// `[batch, seq, hidden]`. Its weight gradient is [`ModelBackend::embedding_gradient`].
 pub fn embedding<B: ModelBackend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-    B::embedding(weight, ids)
+    B::embedding_lookup(weight, ids)
 }
 
 /// `dW` (`[vocab, hidden]`, `grad`'s dtype) from the output's gradient `grad` (`[tokens,
@@ -36,7 +36,7 @@ pub fn backward_composition<B: Backend>(
     zeros.select_assign(0, ids, grad, IndexingUpdateOp::Add)
 }
 
-/// [`ModelBackend::embedding`] on `Autodiff<B>`: Burn's gather on the inner backend, and one
+/// [`ModelBackend::embedding_lookup`] on `Autodiff<B>`: Burn's gather on the inner backend, and one
 /// [`EmbeddingBackward`] node holding the ids and the vocabulary size.
 pub(crate) fn autodiff_embedding<B: ModelBackend, C: CheckpointStrategy>(
     weight: Tensor<Autodiff<B, C>, 2>,
@@ -63,7 +63,7 @@ pub(crate) fn autodiff_embedding<B: ModelBackend, C: CheckpointStrategy>(
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
-/// The backward of `y = W[ids]`: `dW` from [`ModelBackend::embedding_backward`]. Its parent
+/// The backward of `y = W[ids]`: `dW` from [`ModelBackend::embedding_gradient`]. Its parent
 /// is the table.
 #[derive(Debug)]
 struct EmbeddingBackward;
@@ -82,7 +82,7 @@ impl<B: ModelBackend> Backward<B, 1> for EmbeddingBackward {
         let grad = wrap::<B, 3>(grad);
         let [batch, seq, hidden] = grad.dims();
         let ids = Tensor::<B, 2, Int>::from_primitive(ids).reshape([batch * seq]);
-        let dw = B::embedding_backward(grad.reshape([batch * seq, hidden]), ids, vocab);
+        let dw = B::embedding_gradient(grad.reshape([batch * seq, hidden]), ids, vocab);
         grads.register::<B>(parent.id, dw.into_primitive().tensor());
     }
 }
