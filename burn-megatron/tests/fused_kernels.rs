@@ -1283,7 +1283,7 @@ fn embedding_backward_equals_the_sequential_sum() {
                 } else {
                     wide.clone().narrow(1, 1, hidden).cast(dtype)
                 };
-                let host = values(grad.clone());
+                let host: Vec<f32> = values(grad.clone()).iter().map(|&v| v as f32).collect();
                 let expected = Tensor::<W, 2>::from_data(
                     TensorData::new(
                         sequential_sums(&host, &ids, vocab, hidden),
