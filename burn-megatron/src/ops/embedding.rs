@@ -86,3 +86,51 @@ impl<B: ModelBackend> Backward<B, 1> for EmbeddingBackward {
         grads.register::<B>(parent.id, dw.into_primitive().tensor());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::{Int, Tensor, TensorData};
+    use burn_megatron_testing::{assert_close, tolerance, values};
+
+    use crate::init::{InitDistribution, init_full};
+
+    type AD = Autodiff<NdArray>;
+
+    /// Our node (ids kept, `ModelBackend::embedding_gradient` backward) against Burn's own
+    /// autodiff `embedding`: output and table gradient, with repeated ids, the first and last
+    /// row, and rows no token hits (their gradient must be zero, not missing).
+    #[test]
+    fn embedding_gradient_matches_burns_autodiff() {
+        let dev = Default::default();
+        let (vocab, hidden) = (11, 6);
+        let ids = [[0, 3, 3, 10], [7, 0, 3, 10], [1, 1, 1, 5]];
+        let run = |ours: bool| {
+            let w = init_full::<AD, 2>(
+                [vocab, hidden],
+                InitDistribution::Normal { std: 1.0 },
+                1,
+                &dev,
+            )
+            .require_grad();
+            let ids = Tensor::<AD, 2, Int>::from_data(TensorData::from(ids), &dev);
+            let y = if ours {
+                super::embedding(w.clone(), ids)
+            } else {
+                burn::tensor::module::embedding(w.clone(), ids)
+            };
+            let upstream =
+                init_full::<AD, 3>([3, 4, hidden], InitDistribution::Normal { std: 1.0 }, 2, &dev);
+            let grads = (y.clone() * upstream).sum().backward();
+            [values(y.inner()), values(w.grad(&grads).unwrap())]
+        };
+        let [ours, burns] = [run(true), run(false)];
+        assert_close("output", &ours[0], &burns[0], tolerance::F32_SAME_ORDER);
+        assert_close("dW", &ours[1], &burns[1], tolerance::F32_SAME_ORDER);
+        let untouched = (2..vocab).filter(|v| ![3, 5, 7, 10].contains(v));
+        for v in untouched {
+            assert!(ours[1][v * hidden..][..hidden].iter().all(|&g| g == 0.0));
+        }
+        assert!(ours[1][3 * hidden..][..hidden].iter().all(|&g| g != 0.0));
+    }
+}
