@@ -1285,10 +1285,7 @@ fn embedding_backward_equals_the_sequential_sum() {
                 };
                 let host: Vec<f32> = values(grad.clone()).iter().map(|&v| v as f32).collect();
                 let expected = Tensor::<W, 2>::from_data(
-                    TensorData::new(
-                        sequential_sums(&host, &ids, vocab, hidden),
-                        [vocab, hidden],
-                    ),
+                    TensorData::new(sequential_sums(&host, &ids, vocab, hidden), [vocab, hidden]),
                     &device,
                 )
                 .cast(dtype);
@@ -1313,8 +1310,7 @@ fn embedding_backward_equals_the_sequential_sum() {
         // order, up to Burn's kernel being the same sequential loop).
         let grad = wide.narrow(1, 1, hidden);
         let ours = <W as ModelBackend>::embedding_gradient(grad.clone(), ids_tensor.clone(), vocab);
-        let burns =
-            burn_megatron::ops::embedding::backward_composition(grad, ids_tensor, vocab);
+        let burns = burn_megatron::ops::embedding::backward_composition(grad, ids_tensor, vocab);
         assert_close(
             &format!("case {case} against select_add"),
             &values(ours),

@@ -199,20 +199,26 @@ fn embedding_gradient(device: &CudaGpu) {
             _ => (t * 7919) % vocab as i32,
         })
         .collect();
-    let frequent = Tensor::<B, 1, Int>::from_data(
-        burn::tensor::TensorData::new(frequent, [tokens]),
-        device,
-    );
+    let frequent =
+        Tensor::<B, 1, Int>::from_data(burn::tensor::TensorData::new(frequent, [tokens]), device);
     // The gradient read once, the table written once.
     let bytes = (tokens + vocab) * hidden * dtype.size();
     for (name, ids) in [("uniform ids", uniform), ("frequent ids", frequent)] {
         let fused = time(device, || {
             B::embedding_gradient(grad.clone(), ids.clone(), vocab)
         });
-        report(&format!("{dtype:?} embedding gradient, fused, {name}"), bytes, fused);
+        report(
+            &format!("{dtype:?} embedding gradient, fused, {name}"),
+            bytes,
+            fused,
+        );
         let plain = time(device, || {
             burn_megatron::ops::embedding::backward_composition(grad.clone(), ids.clone(), vocab)
         });
-        report(&format!("{dtype:?} embedding gradient, Burn ops, {name}"), bytes, plain);
+        report(
+            &format!("{dtype:?} embedding gradient, Burn ops, {name}"),
+            bytes,
+            plain,
+        );
     }
 }

@@ -1238,10 +1238,12 @@ fn fused_embedding_gradient_matches_the_sequential_sum() {
             assert_eq!(ours.dtype(), dtype);
             let ours = ours.into_data();
             let (a, b) = (data_values(&ours), data_values(&expected));
-            let first_bad = a.iter().zip(&b).position(|(x, y)| x.to_bits() != y.to_bits());
+            let first_bad = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
             assert_eq!(
-                first_bad,
-                None,
+                first_bad, None,
                 "{dtype:?} {tokens}x{vocab}x{hidden}: not the sequential sum"
             );
             if dtype == DType::F32 {

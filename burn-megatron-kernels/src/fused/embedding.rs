@@ -143,9 +143,8 @@ fn accumulate_kernel<F: Float, I: Int, N: Size>(
             for e in 0..listed {
                 let t = listed_tokens[e] as usize;
                 let slot = listed_slots[e] as usize;
-                let g = Vector::<f32, N>::cast_from(
-                    grad[(t * grad.stride(0) + grad_column) / width],
-                );
+                let g =
+                    Vector::<f32, N>::cast_from(grad[(t * grad.stride(0) + grad_column) / width]);
                 let at = (slot * sums.stride(0) + sums_column) / width;
                 if slot == t {
                     sums[at] = g;
@@ -190,7 +189,11 @@ pub fn embedding_backward<R: CubeRuntime>(
     buckets: usize,
 ) -> CubeTensor<R> {
     let dims = grad.meta.shape().as_slice();
-    assert_eq!(dims.len(), 2, "the embedding gradient takes [tokens, hidden]");
+    assert_eq!(
+        dims.len(),
+        2,
+        "the embedding gradient takes [tokens, hidden]"
+    );
     let (tokens, hidden) = (dims[0], dims[1]);
     assert_eq!(
         ids.meta.shape().as_slice(),

@@ -9,8 +9,8 @@
 //! holding only the ids.
 
 use burn::backend::Autodiff;
-use burn::tensor::{Int, Tensor, TensorPrimitive};
 use burn::tensor::{IndexingUpdateOp, backend::Backend, ops::IntTensor};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -46,12 +46,10 @@ pub(crate) fn autodiff_embedding<B: ModelBackend, C: CheckpointStrategy>(
     let ids: IntTensor<B> = ids.into_primitive();
     let table = wrap::<B, 2>(weight.primitive.clone());
     let vocab = table.dims()[0];
-    let output = burn::tensor::module::embedding(
-        table,
-        Tensor::<B, 2, Int>::from_primitive(ids.clone()),
-    )
-    .into_primitive()
-    .tensor();
+    let output =
+        burn::tensor::module::embedding(table, Tensor::<B, 2, Int>::from_primitive(ids.clone()))
+            .into_primitive()
+            .tensor();
     let output = match EmbeddingBackward
         .prepare::<C>([weight.node.clone()])
         .compute_bound()
@@ -119,8 +117,12 @@ mod tests {
             } else {
                 burn::tensor::module::embedding(w.clone(), ids)
             };
-            let upstream =
-                init_full::<AD, 3>([3, 4, hidden], InitDistribution::Normal { std: 1.0 }, 2, &dev);
+            let upstream = init_full::<AD, 3>(
+                [3, 4, hidden],
+                InitDistribution::Normal { std: 1.0 },
+                2,
+                &dev,
+            );
             let grads = (y.clone() * upstream).sum().backward();
             [values(y.inner()), values(w.grad(&grads).unwrap())]
         };

@@ -11,8 +11,8 @@ use super::placement::{DeclarePlacements, Placements};
 use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
-use crate::ops::embedding::embedding;
 use crate::init::{InitDistribution, init_slice};
+use crate::ops::embedding::embedding;
 
 /// Token embeddings split by vocabulary: rank `r` holds the rows of its
 /// [`VocabPartition`] range, looks up the tokens that fall in it (zero for the others), and
