@@ -255,6 +255,25 @@ pub trait ModelBackend: DistBackend {
         norm_backward_composition(x, scale, mean, rstd, grad, kind, with_shift)
     }
 
+    /// Rows of `weight` (`[vocab, hidden]`) for `ids` (`[batch, seq]`), Burn's gather.
+    /// `Autodiff<B>` records one node holding the ids, whose backward is
+    /// [`embedding_gradient`](Self::embedding_gradient).
+    fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
+        burn::tensor::module::embedding(weight, ids)
+    }
+
+    /// The gradient `[vocab, hidden]` of an embedding table from its output's gradient
+    /// `grad` (`[tokens, hidden]`) and the ids (`[tokens]`), in `grad`'s dtype: row `v` sums
+    /// the rows of `grad` whose id is `v`. CubeCL backends run one deterministic kernel
+    /// (`burn_megatron_kernels::fused::embedding`); the default is Burn's `select_add`.
+    fn embedding_gradient(
+        grad: Tensor<Self, 2>,
+        ids: Tensor<Self, 1, Int>,
+        vocab: usize,
+    ) -> Tensor<Self, 2> {
+        crate::ops::embedding::backward_composition(grad, ids, vocab)
+    }
+
     /// One AdamW step over flat fp32 buffers (see [`crate::optimizer::fused_adamw`]): the
     /// updated master weights and moments, and with `model_dtype` the master weights cast to
     /// it. The step is skipped on the device when `found_inf` is set. CubeCL backends run one
@@ -307,6 +326,7 @@ mod cube {
     use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
     use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
+    use burn_megatron_kernels::fused::embedding as embedding_kernels;
     use burn_megatron_kernels::fused::flash_attention as flash_kernels;
     use burn_megatron_kernels::fused::norm as norm_kernels;
 
@@ -508,6 +528,29 @@ mod cube {
             },
         )
         .map(float)
+    }
+
+    /// `ModelBackend::embedding_gradient` in one kernel (f64: the composition).
+    pub(super) fn embedding_gradient<R, F, I, BT>(
+        grad: Tensor<Cube<R, F, I, BT>, 2>,
+        ids: Tensor<Cube<R, F, I, BT>, 1, Int>,
+        vocab: usize,
+    ) -> Tensor<Cube<R, F, I, BT>, 2>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if grad.dtype() == DType::F64 {
+            return crate::ops::embedding::backward_composition(grad, ids, vocab);
+        }
+        float(embedding_kernels::embedding_backward(
+            grad.into_primitive().tensor(),
+            ids.into_primitive(),
+            vocab,
+            embedding_kernels::BUCKETS,
+        ))
     }
 
     /// `ModelBackend::flat_adamw` in one kernel.
@@ -770,6 +813,14 @@ mod cube {
                 model_dtype: Option<DType>,
             ) -> FlatAdamWOutput<Self> {
                 cube::flat_adamw(buffers, scalars, model_dtype)
+            }
+
+            fn embedding_gradient(
+                grad: Tensor<Self, 2>,
+                ids: Tensor<Self, 1, Int>,
+                vocab: usize,
+            ) -> Tensor<Self, 2> {
+                cube::embedding_gradient(grad, ids, vocab)
             }
         };
     }
@@ -1073,6 +1124,10 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         epsilon: f64,
     ) -> Tensor<Self, 2> {
         autodiff_norm(x, scale, shift, kind, epsilon)
+    }
+
+    fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
+        crate::ops::embedding::autodiff_embedding(weight, ids)
     }
 }
 

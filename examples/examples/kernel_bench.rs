@@ -125,6 +125,7 @@ fn main() {
         );
     }
     causal_softmax(&device);
+    embedding_gradient(&device);
 }
 
 /// The attention's causal softmax at GPT-2 124M's shape, batch 16: `[16, 12, 1024, 1024]`.
@@ -172,6 +173,50 @@ fn causal_softmax(device: &CudaGpu) {
         });
         report(
             &format!("{dtype:?} causal softmax backward, Burn ops"),
+            bytes,
+            plain,
+        );
+    }
+}
+
+/// The token embedding's weight gradient at GPT-2 124M's shape: 16 × 1024 tokens, a
+/// 50 304 × 768 table, bf16. Uniform ids, and ids where a few tokens are frequent, as in text
+/// (one in five tokens is one of four ids: their buckets are the kernel's longest walks).
+fn embedding_gradient(device: &CudaGpu) {
+    let (tokens, vocab, hidden) = (16_384, 50_304, 768);
+    println!("embedding gradient, {tokens} tokens, {vocab} × {hidden}");
+    let dtype = DType::BF16;
+    let grad = Tensor::<B, 2>::random([tokens, hidden], Distribution::Normal(0.0, 1.0), device)
+        .cast(dtype);
+    let uniform =
+        Tensor::<B, 1, Int>::random([tokens], Distribution::Uniform(0.0, vocab as f64), device);
+    let frequent: Vec<i32> = (0..tokens as i32)
+        .map(|t| match t % 20 {
+            0 => 11,
+            1 => 13,
+            2 => 198,
+            3 => 262,
+            _ => (t * 7919) % vocab as i32,
+        })
+        .collect();
+    let frequent =
+        Tensor::<B, 1, Int>::from_data(burn::tensor::TensorData::new(frequent, [tokens]), device);
+    // The gradient read once, the table written once.
+    let bytes = (tokens + vocab) * hidden * dtype.size();
+    for (name, ids) in [("uniform ids", uniform), ("frequent ids", frequent)] {
+        let fused = time(device, || {
+            B::embedding_gradient(grad.clone(), ids.clone(), vocab)
+        });
+        report(
+            &format!("{dtype:?} embedding gradient, fused, {name}"),
+            bytes,
+            fused,
+        );
+        let plain = time(device, || {
+            burn_megatron::ops::embedding::backward_composition(grad.clone(), ids.clone(), vocab)
+        });
+        report(
+            &format!("{dtype:?} embedding gradient, Burn ops, {name}"),
             bytes,
             plain,
         );

@@ -11,5 +11,6 @@ pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod flash_attention;
 pub mod norm;

@@ -4,6 +4,8 @@
 //! - [`mod@causal_softmax`]: the attention's scaled, causally masked softmax.
 //! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
 //!   `softmax - one_hot` backward, each one pass over the logits.
+//! - [`mod@embedding`]: the token-embedding lookup, whose weight gradient is one deterministic
+//!   scatter-add kernel.
 //! - [`mod@flash_attention`]: attention as one operation (output and log-sum-exp forward,
 //!   probabilities recomputed backward), grouped-query attention without copying K/V.
 //! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
@@ -13,6 +15,7 @@
 
 pub mod causal_softmax;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod flash_attention;
 pub mod gelu;
 pub mod norm;

@@ -1,7 +1,6 @@
 //! An embedding table whose rows (tokens) are split across tensor-parallel ranks.
 
 use burn::module::{Module, Param};
-use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
@@ -13,6 +12,7 @@ use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
 use crate::init::{InitDistribution, init_slice};
+use crate::ops::embedding::embedding;
 
 /// Token embeddings split by vocabulary: rank `r` holds the rows of its
 /// [`VocabPartition`] range, looks up the tokens that fall in it (zero for the others), and
