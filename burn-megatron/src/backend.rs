@@ -173,6 +173,19 @@ pub trait ModelBackend: DistBackend {
         core.forward(q, k, v)
     }
 
+    /// `x + bias` for `x: [tokens, features]`, `bias: [features]`. `Autodiff<B>` records one
+    /// node whose bias gradient is [`bias_gradient`](Self::bias_gradient).
+    fn bias_add(x: Tensor<Self, 2>, bias: Tensor<Self, 1>) -> Tensor<Self, 2> {
+        x + bias.unsqueeze()
+    }
+
+    /// `Σ_tokens dy` of `dy: [tokens, features]`, in `dy`'s dtype: the gradient of a bias added
+    /// to every token. CubeCL backends sum in f32, in a fixed order, with no atomics
+    /// (`burn_megatron_kernels::fused::column_sum`).
+    fn bias_gradient(dy: Tensor<Self, 2>) -> Tensor<Self, 1> {
+        dy.sum_dim(0).squeeze_dim::<1>(0)
+    }
+
     /// `gelu(x + bias)` for `x: [tokens, features]`, `bias: [features]` (Megatron's
     /// bias-GeLU). `Autodiff<B>` stores `x` and the bias, and its backward calls
     /// [`bias_gelu_backward`](Self::bias_gelu_backward): the true derivative of this forward.
@@ -655,6 +668,26 @@ mod cube {
         ))
     }
 
+    /// `ModelBackend::bias_gradient` as deterministic column sums (f64: the composition).
+    pub(super) fn bias_gradient<R, F, I, BT>(
+        dy: Tensor<Cube<R, F, I, BT>, 2>,
+    ) -> Tensor<Cube<R, F, I, BT>, 1>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = dy.dtype();
+        if dtype == DType::F64 {
+            return dy.sum_dim(0).squeeze_dim::<1>(0);
+        }
+        float(burn_megatron_kernels::fused::column_sum::column_sum(
+            dy.into_primitive().tensor(),
+            dtype,
+        ))
+    }
+
     fn kernel_kind(kind: NormKind) -> norm_kernels::Kind {
         match kind {
             NormKind::LayerNorm => norm_kernels::Kind::LayerNorm,
@@ -737,6 +770,10 @@ mod cube {
     /// The fused operations, the same on every CubeCL backend.
     macro_rules! fused_operations {
         () => {
+            fn bias_gradient(dy: Tensor<Self, 2>) -> Tensor<Self, 1> {
+                cube::bias_gradient(dy)
+            }
+
             fn cross_entropy_statistics(
                 logits: Tensor<Self, 2>,
                 targets: Tensor<Self, 1, Int>,
@@ -1089,6 +1126,22 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         autodiff_bias_gelu(x, bias, form)
     }
 
+    fn bias_add(x: Tensor<Self, 2>, bias: Tensor<Self, 1>) -> Tensor<Self, 2> {
+        let x = x.into_primitive().tensor();
+        let bias = bias.into_primitive().tensor();
+        let output = <B as ModelBackend>::bias_add(
+            wrap::<B, 2>(x.primitive.clone()),
+            wrap::<B, 1>(bias.primitive.clone()),
+        )
+        .into_primitive()
+        .tensor();
+        let output = BiasAddBackward
+            .prepare::<C>([x.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateless(output);
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
         autodiff_swiglu(gate, up)
     }
@@ -1159,7 +1212,7 @@ impl LinearBackward {
             grads.register::<B>(id, dw.into_primitive().tensor());
         }
         if let Some(Some(id)) = parents.get(2) {
-            let db = dy.sum_dim(0).squeeze_dim::<1>(0);
+            let db = B::bias_gradient(dy);
             grads.register::<B>(*id, db.into_primitive().tensor());
         }
     }
@@ -1183,6 +1236,40 @@ impl<B: ModelBackend> Backward<B, 3> for LinearBackward {
         let parents = ops.parents.map(|p| p.map(|node| node.id));
         Self::run::<B>(&parents, dy, ops.state, grads);
     }
+}
+
+/// The backward of `y = x + bias`: `dx = dy`, `db = Σ_tokens dy` through
+/// [`ModelBackend::bias_gradient`] (deterministic column sums on CubeCL backends, where
+/// Burn's broadcast backward runs a generic reduction).
+#[derive(Debug)]
+struct BiasAddBackward;
+
+impl<B: ModelBackend> Backward<B, 2> for BiasAddBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [x, bias] = ops.parents.map(|p| p.map(|node| node.id));
+        if let Some(id) = bias {
+            let db = B::bias_gradient(wrap::<B, 2>(dy.clone()));
+            grads.register::<B>(id, db.into_primitive().tensor());
+        }
+        if let Some(id) = x {
+            grads.register::<B>(id, dy);
+        }
+    }
+}
+
+/// `x + bias` over the last dimension of an `x` of any rank: flattened to `[tokens,
+/// features]` for [`ModelBackend::bias_add`], then reshaped back.
+pub fn bias_add<B: ModelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let features = dims[D - 1];
+    let tokens = dims.iter().product::<usize>() / features.max(1);
+    B::bias_add(x.reshape([tokens, features]), bias).reshape(dims)
 }
 
 /// `x · w + bias` over the last dimension of an `x` of any rank: flattened to
@@ -1238,6 +1325,35 @@ mod tests {
     use crate::init::{InitDistribution, init_full};
 
     type AD = Autodiff<NdArray>;
+
+    /// `bias_add`'s node (bias gradient through `bias_gradient`) against Burn's broadcast add,
+    /// for a 3D input: same output, same gradients of both inputs.
+    #[test]
+    fn bias_add_backward_matches_burns_autodiff() {
+        let dev = Default::default();
+        let normal = |shape: [usize; 3], seed| {
+            init_full::<AD, 3>(shape, InitDistribution::Normal { std: 1.0 }, seed, &dev)
+        };
+        let run = |ours: bool| {
+            let x = normal([2, 5, 7], 1).require_grad();
+            let b = normal([1, 1, 7], 2).reshape([7]).require_grad();
+            let y = if ours {
+                super::bias_add(x.clone(), b.clone())
+            } else {
+                x.clone() + b.clone().unsqueeze()
+            };
+            let upstream = normal([2, 5, 7], 3).detach();
+            let grads = (y.clone() * upstream).sum().backward();
+            [
+                values(y.inner()),
+                values(x.grad(&grads).unwrap()),
+                values(b.grad(&grads).unwrap()),
+            ]
+        };
+        for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
+            assert_close(&format!("bias_add {i}"), a, &b, tolerance::F32_SAME_ORDER);
+        }
+    }
 
     /// Our linear's hand-written backward (GEMMs with folded transposes) against Burn's own
     /// autodiff, for a 3D input, with and without bias, and for a transposed-view weight.

@@ -13,7 +13,7 @@ use burn_cubecl::CubeBackend;
 use burn_megatron::ModelBackend;
 use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
 use burn_megatron_kernels::fused::cross_entropy as kernels;
-use burn_megatron_testing::{assert_close, tolerance, values};
+use burn_megatron_testing::{assert_close, tolerance, values, values_f32};
 
 type W = CubeBackend<WgpuRuntime, f32, i32, u32>;
 
@@ -484,14 +484,19 @@ fn bias_gelu_equals_the_composition() {
     let device = WgpuDevice::default();
     for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
         for form in [GeluForm::Erf, GeluForm::Tanh] {
-            for (rows, cols) in [(1, 1), (7, 300), (33, 129)] {
+            // (rows, columns, extra columns the view leaves out): odd row pitches read
+            // element by element, packed rows of a multiple of 4 as vectors.
+            for (rows, cols, extra) in [(1, 1, 5), (7, 300, 5), (33, 129, 5), (9, 256, 0)] {
                 for with_bias in [false, true] {
                     let wide = Tensor::<W, 2>::from_data(
-                        TensorData::new(random(rows * (cols + 5), 3, 12.0), [rows, cols + 5]),
+                        TensorData::new(
+                            random(rows * (cols + extra), 3, 12.0),
+                            [rows, cols + extra],
+                        ),
                         &device,
                     )
                     .cast(dtype);
-                    let x = wide.narrow(1, 2, cols);
+                    let x = wide.narrow(1, extra.min(2), cols);
                     let bias = with_bias.then(|| {
                         Tensor::<W, 1>::from_data(
                             TensorData::new(random(cols, 4, 1.0), [cols]),
@@ -533,6 +538,60 @@ fn bias_gelu_equals_the_composition() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// `ModelBackend::bias_gradient` (the two-stage column sums) against exact f64 sums of the
+/// stored values, for f32 and f16 `dy`: no rows, one row, row counts that are not multiples
+/// of the 32-row blocks or that need more than 512 blocks, strided views read element by
+/// element and packed rows read as vectors. Every element of the output is first poisoned
+/// with NaN, and two runs give the same bits.
+#[test]
+fn bias_gradient_equals_exact_sums_and_is_deterministic() {
+    use burn_megatron_kernels::fused::column_sum;
+    let device = WgpuDevice::default();
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        // (rows, columns, extra columns the view leaves out)
+        for (rows, cols, extra) in [
+            (0, 8, 0),
+            (1, 1, 0),
+            (70, 300, 0),
+            (70, 300, 3),
+            (33, 7, 1),
+            (17_000, 12, 0),
+        ] {
+            let name = format!("{dtype:?} {rows}x{cols} (+{extra})");
+            let dy = matrix(rows, cols + extra, 61, 2.0, &device)
+                .cast(dtype)
+                .narrow(1, 0, cols);
+            let stored = values(dy.clone());
+            let mut exact = vec![0.0f64; cols];
+            for (i, v) in stored.iter().enumerate() {
+                exact[i % cols] += v;
+            }
+            let got = W::bias_gradient(dy.clone());
+            // (Burn's cast of an empty tensor keeps its dtype.)
+            assert_eq!(got.dtype(), dy.dtype(), "{name}");
+            let poisoned = raw(Tensor::<W, 1>::full([cols], f32::NAN, &device).cast(dy.dtype()));
+            assert_close(
+                &format!("bias gradient {name}"),
+                &values(got.clone().cast(DType::F32)),
+                &exact,
+                bound,
+            );
+            column_sum::column_sums_into(raw(dy), None, Some(poisoned.clone()), None);
+            let bits = |t: Tensor<W, 1>| -> Vec<u32> {
+                values_f32(t.cast(DType::F32))
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(
+                bits(wrap(poisoned)),
+                bits(got),
+                "{name}: a second run into a poisoned buffer gives other bits"
+            );
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Megatron's bias-GeLU, `gelu(x + bias)`, and its derivative, each one element-wise kernel.
+//! Megatron's bias-GeLU, `gelu(x + bias)`, and its derivative, each one element-wise kernel
+//! reading and writing [`Vector`]s (16-byte accesses where shapes and strides allow).
 //!
 //! The Burn composition of the tanh form reads and writes the `[tokens, ffn]` activation about
 //! eight times forward and twelve times backward; each kernel here reads `x` (and the bias)
@@ -12,6 +13,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
+use cubecl::tensor_vector_size_parallel;
 
 /// Threads per cube.
 const THREADS: u32 = 256;
@@ -33,29 +35,41 @@ pub enum Form {
     Tanh,
 }
 
-/// The element this thread handles, as (row, column), or `terminate!` past the end.
+/// This thread's vector as (row, vector within the row), or `terminate!` past the end.
 #[cube]
-fn element(rows: u32, cols: u32) -> (usize, usize) {
-    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
-    let index = cube * CUBE_DIM_X as usize + UNIT_POS_X as usize;
-    if index >= rows as usize * cols as usize {
+fn vector_position(rows: u32, vectors_per_row: u32) -> (usize, usize) {
+    let cube = CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X;
+    let index = cube * CUBE_DIM_X + UNIT_POS_X;
+    if index >= rows * vectors_per_row {
         terminate!();
     }
-    (index / cols as usize, index % cols as usize)
+    (
+        (index / vectors_per_row) as usize,
+        (index % vectors_per_row) as usize,
+    )
 }
 
-/// `x + bias` at (row, col), in f32.
+/// The offset of vector `vector` of row `row` (element offsets over the width: the
+/// vectorised axis has stride 1 whenever the width is above 1).
 #[cube]
-fn biased<F: Float>(
-    x: &Tensor<F>,
-    bias: &Tensor<F>,
+fn offset<F: Float, N: Size>(tensor: &Tensor<Vector<F, N>>, row: usize, vector: usize) -> usize {
+    let width = N::value();
+    (row * tensor.stride(0) + vector * width * tensor.stride(1)) / width
+}
+
+/// `x + bias` at (row, vector), in f32.
+#[cube]
+fn biased<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
     row: usize,
-    col: usize,
+    vector: usize,
     #[comptime] has_bias: bool,
-) -> f32 {
-    let mut v = f32::cast_from(x[row * x.stride(0) + col * x.stride(1)]);
+) -> Vector<f32, N> {
+    let width = N::value();
+    let mut v = Vector::<f32, N>::cast_from(x[offset::<F, N>(x, row, vector)]);
     if has_bias {
-        v += f32::cast_from(bias[col * bias.stride(0)]);
+        v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
     }
     v
 }
@@ -86,43 +100,73 @@ fn gelu_derivative(v: f32, #[comptime] tanh: bool) -> f32 {
 }
 
 #[cube(launch)]
-fn forward_kernel<F: Float>(
-    x: &Tensor<F>,
-    bias: &Tensor<F>,
-    output: &mut Tensor<F>,
+fn forward_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
     rows: u32,
-    cols: u32,
+    vectors_per_row: u32,
     #[comptime] has_bias: bool,
     #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let (row, col) = element(rows, cols);
-    let v = biased::<F>(x, bias, row, col, has_bias);
-    output[row * output.stride(0) + col * output.stride(1)] = F::cast_from(gelu(v, tanh));
+    let (row, vector) = vector_position(rows, vectors_per_row);
+    let v = biased::<F, N>(x, bias, row, vector, has_bias);
+    let mut y = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        y[k] = gelu(v[k], tanh);
+    }
+    output[offset::<F, N>(output, row, vector)] = Vector::cast_from(y);
 }
 
 #[cube(launch)]
-fn backward_kernel<F: Float>(
-    x: &Tensor<F>,
-    bias: &Tensor<F>,
-    grad: &Tensor<F>,
-    grad_x: &mut Tensor<F>,
+#[allow(clippy::too_many_arguments)]
+fn backward_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    grad_x: &mut Tensor<Vector<F, N>>,
     rows: u32,
-    cols: u32,
+    vectors_per_row: u32,
     #[comptime] has_bias: bool,
     #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let (row, col) = element(rows, cols);
-    let v = biased::<F>(x, bias, row, col, has_bias);
-    let dy = f32::cast_from(grad[row * grad.stride(0) + col * grad.stride(1)]);
-    grad_x[row * grad_x.stride(0) + col * grad_x.stride(1)] =
-        F::cast_from(dy * gelu_derivative(v, tanh));
+    let (row, vector) = vector_position(rows, vectors_per_row);
+    let v = biased::<F, N>(x, bias, row, vector, has_bias);
+    let dy = Vector::<f32, N>::cast_from(grad[offset::<F, N>(grad, row, vector)]);
+    let mut dx = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        dx[k] = dy[k] * gelu_derivative(v[k], tanh);
+    }
+    grad_x[offset::<F, N>(grad_x, row, vector)] = Vector::cast_from(dx);
 }
 
-/// A grid of 256-thread cubes covering `elements`, each dimension within every runtime's limit.
-fn launch_shape(elements: usize) -> CubeCount {
-    let cubes = elements.div_ceil(THREADS as usize).max(1);
+/// The widest vector every tensor can be read with along its last dimension.
+fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
+    let client = &tensors[0].client;
+    let elem_size = tensors[0].dtype.size();
+    tensors
+        .iter()
+        .map(|t| {
+            let rank = t.meta.shape().as_slice().len();
+            tensor_vector_size_parallel(
+                client.io_optimized_vector_sizes(elem_size),
+                t.meta.shape(),
+                t.meta.strides(),
+                rank - 1,
+            )
+        })
+        .min()
+        .unwrap_or(1)
+}
+
+/// A grid of 256-thread cubes covering `threads` threads, each dimension within every
+/// runtime's limit.
+fn launch_shape(threads: usize) -> CubeCount {
+    let cubes = threads.div_ceil(THREADS as usize).max(1);
     let x = cubes.min(65_535);
     CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
 }
@@ -157,15 +201,17 @@ pub fn forward<R: CubeRuntime>(
     let has_bias = bias.is_some();
     let bias = bias.unwrap_or_else(|| x.clone());
     let dtype = x.dtype.into();
+    let width = vector_width(&[&x, &bias, &output]);
     forward_kernel::launch::<R>(
         &x.client.clone(),
-        launch_shape(rows * cols),
+        launch_shape(rows * cols / width),
         CubeDim::new_1d(THREADS),
+        width,
         x.into_tensor_arg(),
         bias.into_tensor_arg(),
         output.clone().into_tensor_arg(),
         rows as u32,
-        cols as u32,
+        (cols / width) as u32,
         has_bias,
         form == Form::Tanh,
         dtype,
@@ -189,16 +235,18 @@ pub fn backward<R: CubeRuntime>(
     let has_bias = bias.is_some();
     let bias = bias.unwrap_or_else(|| x.clone());
     let dtype = x.dtype.into();
+    let width = vector_width(&[&x, &bias, &grad, &grad_x]);
     backward_kernel::launch::<R>(
         &x.client.clone(),
-        launch_shape(rows * cols),
+        launch_shape(rows * cols / width),
         CubeDim::new_1d(THREADS),
+        width,
         x.into_tensor_arg(),
         bias.into_tensor_arg(),
         grad.into_tensor_arg(),
         grad_x.clone().into_tensor_arg(),
         rows as u32,
-        cols as u32,
+        (cols / width) as u32,
         has_bias,
         form == Form::Tanh,
         dtype,

@@ -3,14 +3,17 @@
 //! Each kernel replaces a chain of Burn ops that would read and write a large tensor several
 //! times. The model reaches them through `burn_megatron::ModelBackend`, whose default
 //! implementation of each is the plain Burn composition (on NdArray, and the reference the
-//! kernels are tested against). No kernel assumes a plane (warp) size: reductions across a
-//! cube go through shared memory, so they run where planes are absent or narrow (lavapipe
-//! runs CI's kernel tests with a plane of 8).
+//! kernels are tested against). No kernel assumes a plane (warp) size: reductions use plane
+//! operations only where the runtime reports one fixed plane size ([`rows`]), else shared
+//! memory, so they run where planes are absent or narrow (lavapipe, which runs CI's kernel
+//! tests, reports none).
 
 pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;
+pub mod column_sum;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod flash_attention;
 pub mod norm;
+pub mod rows;

@@ -2,32 +2,27 @@
 //! statistics and math for any storage dtype (Megatron's `FusedLayerNormAffineFunction` and
 //! `FusedRMSNormAffineFunction`).
 //!
-//! - Forward: one cube per row. Its threads stride over the row (any width; 16k is 64
-//!   elements a thread), sum through shared memory for the mean (LayerNorm), then again for
-//!   the variance of the centred row (two passes: no cancellation), and write
+//! - Forward: each row is loaded once into registers as [`Vector`]s (16-byte loads where the
+//!   shapes and strides allow), by a group of threads sized to the row ([`RowLayout`]: 32
+//!   threads for GPT-2's 768, up to 1 024 for 16k; several rows a cube for short rows). The
+//!   group sums for the mean (LayerNorm), then for the variance of the centred row (two
+//!   passes over the registers: no cancellation), and writes
 //!   `(x - mean) · rstd · scale (+ shift)` and the row's f32 `mean` and `rstd`.
-//! - Backward, `dx`: one cube per row, two shared-memory sums (`Σ ĝ` and `Σ ĝ · x̂`, with
-//!   `ĝ = dy · scale`), then `rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`.
-//! - Backward, `dscale` and `dshift`: a column sum over the rows, in two deterministic stages
-//!   and no atomics. Each cube of `column_partials_kernel` owns a chunk of rows and a span
-//!   of columns, one thread a column, and writes its partial sums of `dy · x̂` and `dy` to a
-//!   `[blocks, hidden]` f32 buffer; `column_sum_kernel` then adds the blocks of each column
-//!   in a fixed order (16 interleaved lanes, then the lanes). The same inputs give the same
-//!   bits on every run.
+//! - Backward, `dx`: the same layout; `x̂` and `ĝ = dy · scale` in registers, two row sums
+//!   (`Σ ĝ` and `Σ ĝ · x̂`), then `rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`.
+//! - Backward, `dscale` and `dshift`: the deterministic two-stage column sums of
+//!   [`super::column_sum`] (`Σ dy · x̂` and `Σ dy`), no atomics: the same inputs give the
+//!   same bits on every run.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
+use cubecl::tensor_vector_size_parallel;
 
-/// Threads per cube of the column kernels.
-const COLUMN_THREADS: u32 = 256;
-/// Rows per block of the first column stage, at least; more when there would be more than
-/// [`MAX_BLOCKS`] blocks.
-const MIN_ROWS_PER_BLOCK: usize = 32;
-/// At most this many partial sums per column.
-const MAX_BLOCKS: usize = 512;
+use super::column_sum::{Normalised, column_sums_into};
+use super::rows::{RowLayout, row_of_thread, row_sum};
 
 /// Which normalisation the kernels compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,252 +55,210 @@ pub struct Gradients<R: CubeRuntime> {
     pub shift: Option<CubeTensor<R>>,
 }
 
-/// The sum of every thread's `value` over the cube, through `partials` (one slot a thread;
-/// free again on return).
+/// This thread's vector `i` of its row, as f32 (zero past the row's end).
 #[cube]
-fn cube_sum(partials: &mut SharedMemory<f32>, value: f32) -> f32 {
-    let tid = UNIT_POS_X as usize;
-    partials[tid] = value;
-    sync_cube();
-    let mut half = CUBE_DIM_X as usize / 2;
-    while half > 0 {
-        if tid < half {
-            partials[tid] += partials[tid + half];
-        }
-        sync_cube();
-        half /= 2;
+fn load_row<F: Float, N: Size>(
+    tensor: &Tensor<Vector<F, N>>,
+    row: usize,
+    vector: usize,
+    vectors: usize,
+) -> Vector<f32, N> {
+    let width = N::value();
+    let mut value = Vector::<f32, N>::new(0.0);
+    if vector < vectors {
+        value = Vector::cast_from(
+            tensor[(row * tensor.stride(0) + vector * width * tensor.stride(1)) / width],
+        );
     }
-    let total = partials[0];
-    // Every thread has read the total before the next sum overwrites it.
-    sync_cube();
-    total
+    value
 }
 
+/// Vector `vector` of a `[hidden]` parameter, as f32.
 #[cube]
-fn row_index(rows: u32) -> usize {
-    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
-    if row >= rows as usize {
-        terminate!();
+fn load_parameter<F: Float, N: Size>(
+    tensor: &Tensor<Vector<F, N>>,
+    vector: usize,
+) -> Vector<f32, N> {
+    let width = N::value();
+    Vector::cast_from(tensor[vector * width * tensor.stride(0) / width])
+}
+
+/// The sum of a vector's elements.
+#[cube]
+fn lanes_sum<N: Size>(value: Vector<f32, N>) -> f32 {
+    let mut sum = f32::new(0.0);
+    #[unroll]
+    for k in 0..N::value() {
+        sum += value[k];
     }
-    row
+    sum
 }
 
 #[cube(launch)]
-fn forward_kernel<F: Float>(
-    x: &Tensor<F>,
-    scale: &Tensor<F>,
-    shift: &Tensor<F>,
-    output: &mut Tensor<F>,
+#[allow(clippy::too_many_arguments)]
+fn forward_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    scale: &Tensor<Vector<F, N>>,
+    shift: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
     mean: &mut Tensor<f32>,
     rstd: &mut Tensor<f32>,
     rows: u32,
     hidden: u32,
     epsilon: f32,
-    #[comptime] threads: u32,
+    #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = row_index(rows);
+    let width = N::value();
+    let vectors = hidden as usize / width;
+    let threads = comptime!(layout.threads as usize);
     let tid = UNIT_POS_X as usize;
-    let stride = CUBE_DIM_X as usize;
+    let mut row = row_of_thread();
+    let active = row < rows as usize;
+    if !active {
+        // Idle rows still take part in the row sums' barriers.
+        row = 0;
+    }
     let n = f32::cast_from(hidden);
-    let hidden = hidden as usize;
-    let (x_row, x_step) = (row * x.stride(0), x.stride(1));
-    let mut partials = SharedMemory::<f32>::new(threads as usize);
+    let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
 
+    let mut values = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    let mut sum = f32::new(0.0);
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        let value = load_row::<F, N>(x, row, tid + i * threads, vectors);
+        values[i] = value;
+        sum += lanes_sum::<N>(value);
+    }
     let mut mu = f32::new(0.0);
     if layer_norm {
-        let mut sum = f32::new(0.0);
-        let mut j = tid;
-        while j < hidden {
-            sum += f32::cast_from(x[x_row + j * x_step]);
-            j += stride;
-        }
-        mu = cube_sum(&mut partials, sum) / n;
+        mu = row_sum(&mut shared, sum, layout.threads, layout.plane) / n;
     }
+    // The variance of the centred row: a second pass over the registers, no cancellation.
     let mut squares = f32::new(0.0);
-    let mut j = tid;
-    while j < hidden {
-        let centred = f32::cast_from(x[x_row + j * x_step]) - mu;
-        squares += centred * centred;
-        j += stride;
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        if tid + i * threads < vectors {
+            let centred = values[i] - Vector::new(mu);
+            squares += lanes_sum::<N>(centred * centred);
+        }
     }
-    let variance = cube_sum(&mut partials, squares) / n;
+    let variance = row_sum(&mut shared, squares, layout.threads, layout.plane) / n;
     let r = f32::new(1.0) / (variance + epsilon).sqrt();
 
-    let (out_row, out_step) = (row * output.stride(0), output.stride(1));
-    let mut j = tid;
-    while j < hidden {
-        let normalised = (f32::cast_from(x[x_row + j * x_step]) - mu) * r;
-        let mut y = normalised * f32::cast_from(scale[j * scale.stride(0)]);
-        if has_shift {
-            y += f32::cast_from(shift[j * shift.stride(0)]);
+    if active {
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = tid + i * threads;
+            if vector < vectors {
+                let mut y = (values[i] - Vector::new(mu))
+                    * Vector::new(r)
+                    * load_parameter::<F, N>(scale, vector);
+                if has_shift {
+                    y += load_parameter::<F, N>(shift, vector);
+                }
+                output[(row * output.stride(0) + vector * width * output.stride(1)) / width] =
+                    Vector::cast_from(y);
+            }
         }
-        output[out_row + j * out_step] = F::cast_from(y);
-        j += stride;
-    }
-    if tid == 0 {
-        mean[row * mean.stride(0)] = mu;
-        rstd[row * rstd.stride(0)] = r;
+        if tid == 0 {
+            mean[row * mean.stride(0)] = mu;
+            rstd[row * rstd.stride(0)] = r;
+        }
     }
 }
 
 #[cube(launch)]
-fn backward_kernel<F: Float>(
-    x: &Tensor<F>,
-    scale: &Tensor<F>,
+#[allow(clippy::too_many_arguments)]
+fn backward_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    scale: &Tensor<Vector<F, N>>,
     mean: &Tensor<f32>,
     rstd: &Tensor<f32>,
-    grad: &Tensor<F>,
-    grad_x: &mut Tensor<F>,
+    grad: &Tensor<Vector<F, N>>,
+    grad_x: &mut Tensor<Vector<F, N>>,
     rows: u32,
     hidden: u32,
-    #[comptime] threads: u32,
+    #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = row_index(rows);
+    let width = N::value();
+    let vectors = hidden as usize / width;
+    let threads = comptime!(layout.threads as usize);
     let tid = UNIT_POS_X as usize;
-    let stride = CUBE_DIM_X as usize;
+    let mut row = row_of_thread();
+    let active = row < rows as usize;
+    if !active {
+        row = 0;
+    }
     let n = f32::cast_from(hidden);
-    let hidden = hidden as usize;
-    let (x_row, x_step) = (row * x.stride(0), x.stride(1));
-    let (g_row, g_step) = (row * grad.stride(0), grad.stride(1));
     let mut mu = f32::new(0.0);
     if layer_norm {
         mu = mean[row * mean.stride(0)];
     }
     let r = rstd[row * rstd.stride(0)];
+    let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
 
+    // x̂ and ĝ = dy · scale in registers; zero past the row's end, so they add nothing.
+    let mut x_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    let mut g_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
     let mut sum_g = f32::new(0.0);
     let mut sum_gx = f32::new(0.0);
-    let mut j = tid;
-    while j < hidden {
-        let normalised = (f32::cast_from(x[x_row + j * x_step]) - mu) * r;
-        let g =
-            f32::cast_from(grad[g_row + j * g_step]) * f32::cast_from(scale[j * scale.stride(0)]);
-        sum_g += g;
-        sum_gx += g * normalised;
-        j += stride;
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        let vector = tid + i * threads;
+        let mut xh = Vector::<f32, N>::new(0.0);
+        let mut gh = Vector::<f32, N>::new(0.0);
+        if vector < vectors {
+            xh = (load_row::<F, N>(x, row, vector, vectors) - Vector::new(mu)) * Vector::new(r);
+            gh = load_row::<F, N>(grad, row, vector, vectors)
+                * load_parameter::<F, N>(scale, vector);
+        }
+        x_hat[i] = xh;
+        g_hat[i] = gh;
+        sum_g += lanes_sum::<N>(gh);
+        sum_gx += lanes_sum::<N>(gh * xh);
     }
-    let mut partials = SharedMemory::<f32>::new(threads as usize);
     let mut mean_g = f32::new(0.0);
     if layer_norm {
-        mean_g = cube_sum(&mut partials, sum_g) / n;
+        mean_g = row_sum(&mut shared, sum_g, layout.threads, layout.plane) / n;
     }
-    let mean_gx = cube_sum(&mut partials, sum_gx) / n;
+    let mean_gx = row_sum(&mut shared, sum_gx, layout.threads, layout.plane) / n;
 
-    let (out_row, out_step) = (row * grad_x.stride(0), grad_x.stride(1));
-    let mut j = tid;
-    while j < hidden {
-        let normalised = (f32::cast_from(x[x_row + j * x_step]) - mu) * r;
-        let g =
-            f32::cast_from(grad[g_row + j * g_step]) * f32::cast_from(scale[j * scale.stride(0)]);
-        grad_x[out_row + j * out_step] = F::cast_from(r * (g - mean_g - normalised * mean_gx));
-        j += stride;
-    }
-}
-
-/// Stage one of `dscale` (and `dshift`): cube `(i, b)` sums rows `b · rows_per_block ..` of
-/// columns `i · 256 ..`, one thread a column, into row `b` of the partial buffers.
-#[cube(launch)]
-fn column_partials_kernel<F: Float>(
-    x: &Tensor<F>,
-    mean: &Tensor<f32>,
-    rstd: &Tensor<f32>,
-    grad: &Tensor<F>,
-    partial_scale: &mut Tensor<f32>,
-    partial_shift: &mut Tensor<f32>,
-    rows: u32,
-    hidden: u32,
-    rows_per_block: u32,
-    #[comptime] layer_norm: bool,
-    #[comptime] has_shift: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let col = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if col >= hidden as usize {
-        terminate!();
-    }
-    let block = CUBE_POS_Y as usize;
-    let start = block * rows_per_block as usize;
-    let mut end = start + rows_per_block as usize;
-    if end > rows as usize {
-        end = rows as usize;
-    }
-    let mut sum_scale = f32::new(0.0);
-    let mut sum_shift = f32::new(0.0);
-    let mut row = start;
-    while row < end {
-        let mut mu = f32::new(0.0);
-        if layer_norm {
-            mu = mean[row * mean.stride(0)];
-        }
-        let normalised = (f32::cast_from(x[row * x.stride(0) + col * x.stride(1)]) - mu)
-            * rstd[row * rstd.stride(0)];
-        let dy = f32::cast_from(grad[row * grad.stride(0) + col * grad.stride(1)]);
-        sum_scale += dy * normalised;
-        sum_shift += dy;
-        row += 1;
-    }
-    partial_scale[block * partial_scale.stride(0) + col * partial_scale.stride(1)] = sum_scale;
-    if has_shift {
-        partial_shift[block * partial_shift.stride(0) + col * partial_shift.stride(1)] = sum_shift;
-    }
-}
-
-/// Columns per cube of [`column_sum_kernel`].
-const SUM_COLUMNS: u32 = 16;
-/// Threads per column of [`column_sum_kernel`]: each sums every `SUM_LANES`-th block.
-const SUM_LANES: u32 = 16;
-
-/// Stage two: each column's partial sums over the blocks. Lane `l` of a column sums blocks
-/// `l, l + SUM_LANES, …` in order, then lane 0 adds the lanes in order: a fixed order, so
-/// the same bits on every run, with `SUM_LANES` loads in flight per column instead of one.
-#[cube(launch)]
-fn column_sum_kernel(partial: &Tensor<f32>, total: &mut Tensor<f32>, blocks: u32, hidden: u32) {
-    let col = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    let lane = UNIT_POS_Y as usize;
-    let lanes = CUBE_DIM_Y as usize;
-    let mut lane_sums = SharedMemory::<f32>::new((SUM_COLUMNS * SUM_LANES) as usize);
-    let slot = UNIT_POS_X as usize * lanes;
-    let mut sum = f32::new(0.0);
-    if col < hidden as usize {
-        let mut block = lane;
-        while block < blocks as usize {
-            sum += partial[block * partial.stride(0) + col * partial.stride(1)];
-            block += lanes;
+    if active {
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = tid + i * threads;
+            if vector < vectors {
+                let dx = (g_hat[i] - Vector::new(mean_g) - x_hat[i] * Vector::new(mean_gx))
+                    * Vector::new(r);
+                grad_x[(row * grad_x.stride(0) + vector * width * grad_x.stride(1)) / width] =
+                    Vector::cast_from(dx);
+            }
         }
     }
-    lane_sums[slot + lane] = sum;
-    sync_cube();
-    if lane == 0 && col < hidden as usize {
-        let mut total_sum = f32::new(0.0);
-        let mut l: usize = 0;
-        while l < lanes {
-            total_sum += lane_sums[slot + l];
-            l += 1;
-        }
-        total[col * total.stride(0)] = total_sum;
-    }
 }
 
-/// One cube per row (a 2D grid within every runtime's limit) of a power-of-two thread count
-/// fitting the row.
-fn row_launch(rows: usize, hidden: usize) -> (CubeCount, u32) {
-    let threads = hidden.div_ceil(4).next_power_of_two().clamp(32, 256) as u32;
-    let x = rows.min(65_535);
-    (
-        CubeCount::Static(x as u32, rows.div_ceil(x) as u32, 1),
-        threads,
-    )
-}
-
-/// `(blocks, rows_per_block)` of the first column stage.
-fn column_blocks(rows: usize) -> (usize, usize) {
-    let rows_per_block = rows.div_ceil(MAX_BLOCKS).max(MIN_ROWS_PER_BLOCK);
-    (rows.div_ceil(rows_per_block), rows_per_block)
+/// The widest vector every tensor can be read with along its last dimension.
+fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
+    let client = &tensors[0].client;
+    let elem_size = tensors[0].dtype.size();
+    tensors
+        .iter()
+        .map(|t| {
+            let rank = t.meta.shape().as_slice().len();
+            tensor_vector_size_parallel(
+                client.io_optimized_vector_sizes(elem_size),
+                t.meta.shape(),
+                t.meta.strides(),
+                rank - 1,
+            )
+        })
+        .min()
+        .unwrap_or(1)
 }
 
 fn rows_hidden(shape: &Shape) -> (usize, usize) {
@@ -366,14 +319,16 @@ pub fn forward_into<R: CubeRuntime>(
     if rows == 0 || hidden == 0 {
         return;
     }
-    let (count, threads) = row_launch(rows, hidden);
     let has_shift = shift.is_some();
     let shift = shift.unwrap_or_else(|| scale.clone());
+    let width = vector_width(&[&x, &scale, &shift, &out.output]);
+    let layout = RowLayout::for_row(&x.client, hidden / width, width);
     let dtype = x.dtype.into();
     forward_kernel::launch::<R>(
         &x.client.clone(),
-        count,
-        CubeDim::new_1d(threads),
+        layout.cube_count(rows),
+        layout.cube_dim(),
+        width,
         x.into_tensor_arg(),
         scale.into_tensor_arg(),
         shift.into_tensor_arg(),
@@ -383,7 +338,7 @@ pub fn forward_into<R: CubeRuntime>(
         rows as u32,
         hidden as u32,
         epsilon as f32,
-        threads,
+        layout,
         kind == Kind::LayerNorm,
         has_shift,
         dtype,
@@ -445,15 +400,16 @@ pub fn backward_into<R: CubeRuntime>(
     if hidden == 0 {
         return;
     }
-    let client = x.client.clone();
-    let dtype: StorageType = x.dtype.into();
     let layer_norm = kind == Kind::LayerNorm;
     if rows > 0 {
-        let (count, threads) = row_launch(rows, hidden);
+        let width = vector_width(&[&x, &scale, &grad, &out.x]);
+        let layout = RowLayout::for_row(&x.client, hidden / width, width);
+        let dtype = x.dtype.into();
         backward_kernel::launch::<R>(
-            &client,
-            count,
-            CubeDim::new_1d(threads),
+            &x.client.clone(),
+            layout.cube_count(rows),
+            layout.cube_dim(),
+            width,
             x.clone().into_tensor_arg(),
             scale.into_tensor_arg(),
             mean.clone().into_tensor_arg(),
@@ -462,53 +418,16 @@ pub fn backward_into<R: CubeRuntime>(
             out.x.into_tensor_arg(),
             rows as u32,
             hidden as u32,
-            threads,
+            layout,
             layer_norm,
             dtype,
         );
     }
-
-    let (blocks, rows_per_block) = column_blocks(rows);
-    let blocks = blocks.max(1);
-    let partial_scale = f32_buffer(&x, Shape::new([blocks, hidden]));
-    let partial_shift = out
-        .shift
-        .as_ref()
-        .map(|_| f32_buffer(&x, Shape::new([blocks, hidden])));
-    let column_cubes = hidden.div_ceil(COLUMN_THREADS as usize) as u32;
-    column_partials_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(column_cubes, blocks as u32, 1),
-        CubeDim::new_1d(COLUMN_THREADS),
-        x.into_tensor_arg(),
-        mean.into_tensor_arg(),
-        rstd.into_tensor_arg(),
-        grad.into_tensor_arg(),
-        partial_scale.clone().into_tensor_arg(),
-        partial_shift
-            .clone()
-            .unwrap_or_else(|| partial_scale.clone())
-            .into_tensor_arg(),
-        rows as u32,
-        hidden as u32,
-        rows_per_block as u32,
-        layer_norm,
-        partial_shift.is_some(),
-        dtype,
-    );
-    let column_sum = |partial: CubeTensor<R>, total: CubeTensor<R>| {
-        column_sum_kernel::launch::<R>(
-            &client,
-            CubeCount::Static(hidden.div_ceil(SUM_COLUMNS as usize) as u32, 1, 1),
-            CubeDim::new_2d(SUM_COLUMNS, SUM_LANES),
-            partial.into_tensor_arg(),
-            total.into_tensor_arg(),
-            blocks as u32,
-            hidden as u32,
-        );
+    let normalised = Normalised {
+        x,
+        mean,
+        rstd,
+        centred: layer_norm,
     };
-    column_sum(partial_scale, out.scale);
-    if let (Some(partial), Some(total)) = (partial_shift, out.shift) {
-        column_sum(partial, total);
-    }
+    column_sums_into(grad, Some(normalised), out.shift, Some(out.scale));
 }

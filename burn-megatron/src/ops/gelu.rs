@@ -182,7 +182,7 @@ impl BiasGeluBackward {
     ) {
         let dx = B::bias_gelu_backward(wrap(x), bias.map(wrap), wrap(grad), form);
         if let Some(Some(id)) = parents.get(1) {
-            let db = dx.clone().sum_dim(0).squeeze_dim::<1>(0);
+            let db = B::bias_gradient(dx.clone());
             grads.register::<B>(*id, db.into_primitive().tensor());
         }
         if let Some(id) = parents[0] {

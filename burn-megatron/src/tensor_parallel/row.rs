@@ -9,7 +9,7 @@ use burn_megatron_dist::mapping::{
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
-use crate::backend::{ModelBackend, linear};
+use crate::backend::{ModelBackend, bias_add, linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use crate::error::ConfigError;
@@ -140,7 +140,7 @@ impl<B: ModelBackend> RowParallelLinear<B> {
         } else {
             bias.val()
         };
-        Ok(output + bias.unsqueeze())
+        Ok(bias_add(output, bias))
     }
 
     /// The tensor-parallel group.
