@@ -87,6 +87,60 @@ def causal_softmax():
             report(f"torch {name} causal softmax fwd+bwd, {label}", 5 * elements * size, time_ms(step))
 
 
+def norm_gelu_and_bias_gradient():
+    rows = 16_384
+    for norm_width, gelu_width in [(4096, 4096), (768, 3072)]:
+        for dtype in [torch.bfloat16, torch.float32]:
+            size = torch.finfo(dtype).bits // 8
+            name = "BF16" if dtype == torch.bfloat16 else "F32"
+            x = torch.randn(rows, norm_width, device="cuda", dtype=dtype)
+            scale = torch.ones(norm_width, device="cuda", dtype=dtype)
+            shift = torch.zeros(norm_width, device="cuda", dtype=dtype)
+
+            def layer_norm(x, w, b):
+                return F.layer_norm(x, (norm_width,), w, b, 1e-5)
+
+            elements = rows * norm_width
+            for label, fn in [("eager", layer_norm), ("compile", torch.compile(layer_norm))]:
+                report(f"torch {name} LayerNorm forward, {label}, {rows}x{norm_width}",
+                       2 * elements * size, time_ms(lambda: fn(x, scale, shift)))
+                xg = x.detach().requires_grad_(True)
+                wg = scale.detach().requires_grad_(True)
+                bg = shift.detach().requires_grad_(True)
+                grad = torch.randn_like(x)
+
+                def step():
+                    xg.grad = wg.grad = bg.grad = None
+                    fn(xg, wg, bg).backward(grad)
+
+                report(f"torch {name} LayerNorm fwd+bwd, {label}, {rows}x{norm_width}",
+                       5 * elements * size, time_ms(step))
+
+            h = torch.randn(rows, gelu_width, device="cuda", dtype=dtype)
+            bias = torch.randn(gelu_width, device="cuda", dtype=dtype)
+
+            def bias_gelu(h, b):
+                return F.gelu(h + b, approximate="tanh")
+
+            elements = rows * gelu_width
+            for label, fn in [("eager", bias_gelu), ("compile", torch.compile(bias_gelu))]:
+                report(f"torch {name} bias-GeLU forward, {label}, {rows}x{gelu_width}",
+                       2 * elements * size, time_ms(lambda: fn(h, bias)))
+                hg = h.detach().requires_grad_(True)
+                bg = bias.detach().requires_grad_(True)
+                grad = torch.randn_like(h)
+
+                def step():
+                    hg.grad = bg.grad = None
+                    fn(hg, bg).backward(grad)
+
+                report(f"torch {name} bias-GeLU fwd+bwd (with bias grad), {label}, {rows}x{gelu_width}",
+                       5 * elements * size, time_ms(step))
+            report(f"torch {name} bias gradient, sum(0), {rows}x{gelu_width}", elements * size,
+                   time_ms(lambda: h.sum(0)))
+
+
 if __name__ == "__main__":
     main()
     causal_softmax()
+    norm_gelu_and_bias_gradient()

@@ -126,6 +126,7 @@ fn main() {
     }
     causal_softmax(&device);
     embedding_gradient(&device);
+    norm_gelu_and_bias_gradient(&device);
 }
 
 /// The attention's causal softmax at GPT-2 124M's shape, batch 16: `[16, 12, 1024, 1024]`.
@@ -220,5 +221,91 @@ fn embedding_gradient(device: &CudaGpu) {
             bytes,
             plain,
         );
+    }
+}
+
+/// LayerNorm (forward; backward = dx, dscale, dshift), bias-GeLU (tanh) and the bias
+/// gradient's column sums at 16k tokens × 4096 (the transformer size) and GPT-2
+/// 124M's widths (LayerNorm over 768, GeLU over 3072), bf16 and f32.
+fn norm_gelu_and_bias_gradient(device: &CudaGpu) {
+    use burn_megatron::ops::{GeluForm, NormKind};
+    let rows = 16_384;
+    for (norm_width, gelu_width) in [(4096, 4096), (768, 3072)] {
+        println!("LayerNorm over {rows} × {norm_width}, bias-GeLU over {rows} × {gelu_width}");
+        for dtype in [DType::BF16, DType::F32] {
+            let size = dtype.size();
+            let random = |shape: [usize; 2]| {
+                Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+            };
+            let vector = |n: usize| {
+                Tensor::<B, 1>::random([n], Distribution::Normal(1.0, 0.1), device).cast(dtype)
+            };
+            let (x, grad) = (random([rows, norm_width]), random([rows, norm_width]));
+            let (scale, shift) = (vector(norm_width), vector(norm_width));
+            let elements = rows * norm_width;
+            let copy = time(device, || x.clone().add_scalar(1.0));
+            report(
+                &format!("{dtype:?} copy (x + 1), {rows}x{norm_width}"),
+                2 * elements * size,
+                copy,
+            );
+            let forward = || {
+                B::norm_forward(
+                    x.clone(),
+                    scale.clone(),
+                    Some(shift.clone()),
+                    NormKind::LayerNorm,
+                    1e-5,
+                )
+            };
+            report(
+                &format!("{dtype:?} LayerNorm forward, fused, {rows}x{norm_width}"),
+                2 * elements * size,
+                time(device, forward),
+            );
+            let stats = forward();
+            report(
+                &format!("{dtype:?} LayerNorm backward, fused, {rows}x{norm_width}"),
+                3 * elements * size,
+                time(device, || {
+                    B::norm_backward(
+                        x.clone(),
+                        scale.clone(),
+                        stats.mean.clone(),
+                        stats.rstd.clone(),
+                        grad.clone(),
+                        NormKind::LayerNorm,
+                        true,
+                    )
+                }),
+            );
+
+            let (h, dh) = (random([rows, gelu_width]), random([rows, gelu_width]));
+            let bias = vector(gelu_width);
+            let elements = rows * gelu_width;
+            let form = GeluForm::Tanh;
+            report(
+                &format!("{dtype:?} bias-GeLU forward, fused, {rows}x{gelu_width}"),
+                2 * elements * size,
+                time(device, || B::bias_gelu(h.clone(), Some(bias.clone()), form)),
+            );
+            report(
+                &format!("{dtype:?} bias-GeLU backward, fused, {rows}x{gelu_width}"),
+                3 * elements * size,
+                time(device, || {
+                    B::bias_gelu_backward(h.clone(), Some(bias.clone()), dh.clone(), form)
+                }),
+            );
+            report(
+                &format!("{dtype:?} bias gradient, column sums, {rows}x{gelu_width}"),
+                elements * size,
+                time(device, || B::bias_gradient(dh.clone())),
+            );
+            report(
+                &format!("{dtype:?} bias gradient, Burn sum_dim, {rows}x{gelu_width}"),
+                elements * size,
+                time(device, || dh.clone().sum_dim(0)),
+            );
+        }
     }
 }
