@@ -148,6 +148,10 @@ fn ops_match_burn_cuda() {
     for ((name, a), (_, b)) in ours.iter().zip(&reference) {
         let tolerance = if name.contains("bf16") || name.contains("f16") {
             tolerance::BF16
+        } else if *name == "conv2d" {
+            // Each backend autotunes its own convolution; an implicit-GEMM pick may run in
+            // TF32 (seen on the H100: 9e-4).
+            tolerance::TF32
         } else {
             tolerance::F32
         };

@@ -124,6 +124,12 @@ impl<B: ModelBackend> RowParallelLinear<B> {
         } else {
             scatter_to_tensor_parallel_region(input, &self.tp)?
         };
+        if self.tp.size() == 1 {
+            // Nothing to reduce between the GEMM and the bias: the bias goes into the GEMM
+            // (cuBLASLt's epilogue on our CUDA backend), with no separate add.
+            let bias = self.bias.as_ref().map(|b| b.val());
+            return Ok(linear(input, self.weight.val(), bias));
+        }
         let partial = linear(input, self.weight.val(), None);
         let output = if self.sequence_parallel {
             reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)?

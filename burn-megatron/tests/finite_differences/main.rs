@@ -1,5 +1,5 @@
-//! Gradients against central finite differences, in f64 on the CPU: the GeLU, SwiGLU, norm and
-//! flash-attention ops, and every parameter of a tiny GPT and a tiny Llama.
+//! Gradients against central finite differences, in f64 on the CPU: the GeLU, SwiGLU, norm,
+//! flash-attention, embedding and bias-add ops, and every parameter of a tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -8,6 +8,7 @@
 //! `NdArray<f32>` and `NdArray<f64>` share the CPU device, and the first tensor of a process
 //! fixes it. [`device`] checks that this process got f64.
 
+mod embedding_and_bias;
 mod flash_attention;
 mod gelu;
 mod models;

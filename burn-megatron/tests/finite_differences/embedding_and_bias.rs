@@ -1,0 +1,106 @@
+//! The token-embedding lookup and the bias add, whose backwards are written out (a scatter of
+//! the output's gradient into the table's rows in token order; the bias's column sum): their
+//! gradients against central differences of the forward, one element at a time.
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_megatron::backend::bias_add;
+use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::ops::embedding::embedding;
+use burn_megatron_testing::{assert_close, tolerance, values};
+
+use crate::{AD, B, STEP, device};
+
+fn normal<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+    init_full::<B, D>(
+        shape,
+        InitDistribution::Normal { std: 1.0 },
+        seed,
+        &device(),
+    )
+}
+
+/// Central differences of `loss` at `x`, one element at a time.
+fn finite_differences<const D: usize>(
+    x: &Tensor<B, D>,
+    loss: impl Fn(Tensor<B, D>) -> f64,
+) -> Vec<f64> {
+    let shape = x.dims();
+    let base = values(x.clone());
+    (0..base.len())
+        .map(|i| {
+            let shifted = |h: f64| {
+                let mut v = base.clone();
+                v[i] += h;
+                loss(Tensor::from_data(TensorData::new(v, shape), &device()))
+            };
+            (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+        })
+        .collect()
+}
+
+/// A 7-row table looked up by 2 × 5 ids with repeats (id 3 three times, id 0 twice) and rows
+/// no token uses (their gradient is exactly zero).
+#[test]
+fn the_embedding_gradient_matches_finite_differences() {
+    let (vocab, hidden) = (7, 5);
+    let ids = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(vec![3i64, 0, 3, 6, 1, 0, 3, 2, 6, 1], [2, 5]),
+        &device(),
+    );
+    let table = normal([vocab, hidden], 1);
+    let w = normal([2, 5, hidden], 2);
+    let loss = |table: Tensor<AD, 2>| {
+        let y = embedding(table, Tensor::<AD, 2, Int>::from_inner(ids.clone()));
+        (y * Tensor::from_inner(w.clone())).sum()
+    };
+    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
+    let grads = loss(tracked.clone()).backward();
+    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
+    let fd = finite_differences(&table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    assert_close("embedding dW", &got, &fd, tolerance::FINITE_DIFFERENCE_F64);
+    // Rows 4 and 5 are never looked up.
+    for row in [4, 5] {
+        assert!(
+            got[row * hidden..(row + 1) * hidden]
+                .iter()
+                .all(|g| *g == 0.0),
+            "row {row} has a gradient though no token uses it"
+        );
+    }
+}
+
+#[test]
+fn the_bias_add_gradients_match_finite_differences() {
+    let x = normal([3, 4, 6], 3);
+    let bias = normal([6], 4);
+    let w = normal([3, 4, 6], 5);
+    let loss =
+        |x: Tensor<AD, 3>, b: Tensor<AD, 1>| (bias_add(x, b) * Tensor::from_inner(w.clone())).sum();
+    let (tx, tb) = (
+        Tensor::<AD, 3>::from_inner(x.clone()).require_grad(),
+        Tensor::<AD, 1>::from_inner(bias.clone()).require_grad(),
+    );
+    let grads = loss(tx.clone(), tb.clone()).backward();
+    let scalar = |t: Tensor<AD, 1>| values(t.inner())[0];
+    let fd_x = finite_differences(&x, |x| {
+        scalar(loss(
+            Tensor::from_inner(x),
+            Tensor::from_inner(bias.clone()),
+        ))
+    });
+    let fd_b = finite_differences(&bias, |b| {
+        scalar(loss(Tensor::from_inner(x.clone()), Tensor::from_inner(b)))
+    });
+    assert_close(
+        "bias_add dx",
+        &values(tx.grad(&grads).expect("x has a gradient")),
+        &fd_x,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+    assert_close(
+        "bias_add dbias",
+        &values(tb.grad(&grads).expect("the bias has a gradient")),
+        &fd_b,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+}
