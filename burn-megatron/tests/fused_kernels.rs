@@ -372,10 +372,8 @@ fn cross_entropy_reads_and_writes_pitched_rows_by_vector() {
         }
 
         let [max, sum_exp, _] = statistics_composition(logits.clone(), targets.clone(), slice);
-        let grad_loss = Tensor::<W, 1>::from_data(
-            TensorData::new(random(rows, 22, 1.0), [rows]),
-            &device,
-        );
+        let grad_loss =
+            Tensor::<W, 1>::from_data(TensorData::new(random(rows, 22, 1.0), [rows]), &device);
         let want = gradient_composition(
             logits.clone(),
             targets.clone(),

@@ -8,22 +8,29 @@
 //! global statistics; the probabilities are never stored. Statistics are f32 for every logit
 //! dtype. Columns at or past `real` (vocabulary padding) take no part and get zero gradient.
 //!
-//! Both kernels stream the logits once at close to the copy bandwidth:
+//! Both kernels are memory-bound by design: each logit is read once (and, backward, each
+//! gradient element written once), in wide loads, with little work per byte:
 //!
-//! - One cube owns a row. Its threads read the row as [`Vector`]s (16 bytes where the row
-//!   length and stride allow, e.g. 8 bf16), [`UNROLL`] vectors in flight per thread, in place
-//!   by stride: a pitched row (our CUDA runtime pads 50304 bf16 to 50432) is not copied. The
-//!   vectors the real columns fill completely take the fast path; the one `real` cuts and the
-//!   padding after it are masked lane by lane, so any `real` is exact.
-//! - The forward pass is one pass: each thread keeps a running `(max, Σ exp(x - max))`,
-//!   rescaling its sum when the maximum grows, so every logit is loaded once. The cube then
-//!   combines the threads' pairs in one reduction: with planes (warps) of a fixed size, a
-//!   plane reduction, one barrier and a plane reduction of the planes' pairs; without (wgpu
-//!   on lavapipe reports none, some GPUs a variable size), a shared-memory tree. The choice is
-//!   made at compile time from the client's properties. Thread 0 loads the target's logit at
-//!   the start, so that load overlaps the row's.
-//! - The backward pass needs no reduction: each thread writes `exp(x - max) / sum_exp · dloss`
-//!   for its vectors and subtracts `dloss` at the target's lane.
+//! - One cube owns a row; its threads (up to [`MAX_THREADS`], fewer for short rows) read it as
+//!   [`Vector`]s, the widest the row length and stride allow (16 bytes on CUDA: 8 bf16 or 4
+//!   f32), [`UNROLL`] vectors loaded per thread before any is used. Rows are read in place by
+//!   stride: a pitched row (our CUDA runtime pads 50304 bf16 to a 50432-element stride) is not
+//!   copied. When no width above 1 divides the row, the kernels read single elements.
+//! - Vectors that real columns fill take the vector path. The vector that `real` cuts and the
+//!   padding vectors after it are handled lane by lane, so any `real` is exact.
+//! - The forward pass is one pass (an online softmax): each thread keeps a running `(max,
+//!   Σ exp(x - max))` and rescales its sum once per [`UNROLL`] vectors to their maximum. The
+//!   cube then combines the threads' pairs in one reduction: where the client has plane
+//!   (warp) operations and one fixed plane size, a plane reduction, one barrier and a plane
+//!   reduction of the planes' pairs; otherwise (wgpu on lavapipe reports no planes, some GPUs
+//!   a variable size) a shared-memory tree. The choice is made at compile time from the
+//!   client's properties. Thread 0 loads the target's logit first, so that load overlaps the
+//!   row's.
+//! - The backward pass needs no reduction: each thread writes `exp(x - max) · (1 / sum_exp)
+//!   · dloss` for its vectors and `(p - 1) · dloss` at the target's lane.
+//! - `exp` of f32 may compile to the GPU's approximate exponential (CUDA's `__expf`, as
+//!   Triton's `exp` in torch.compile's kernels): a relative error near `|x| · 6e-8`, far
+//!   inside the statistics' f32 tolerance, for a fraction of an exact `expf`'s instructions.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -43,9 +50,8 @@ const UNROLL: usize = 4;
 /// Stands for "no logit yet" in the running maximum: finite, so that `exp(a - b)` of two of
 /// them is 1 rather than NaN, and far below any logit.
 const NO_LOGIT: f32 = -1.0e30;
-/// Lets `exp` of f32 compile to the GPU's approximate exponential (CUDA's `__expf`, as
-/// Triton's `exp` in torch.compile's kernels): a relative error near `|x| · 6e-8`, far inside
-/// the f32 statistics' tolerance, at a fraction of the instructions of an exact `expf`.
+/// The kernels' fast-math flags: those that f32 `exp` needs for its approximate form (see the
+/// module doc). The kernels' one division (`1 / sum_exp`) needs more, and stays exact.
 fn fast_exp() -> EnumSet<FastMath> {
     FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 }
@@ -145,7 +151,7 @@ fn reduce_by_planes(
         let planes = comptime!(threads / plane);
         let mut maxes = SharedMemory::<f32>::new(planes);
         let mut sums = SharedMemory::<f32>::new(planes);
-        if tid % plane == 0 {
+        if UNIT_POS_PLANE == 0 {
             maxes[tid / plane] = m_out;
             sums[tid / plane] = s_out;
         }
@@ -234,22 +240,24 @@ fn statistics_kernel<F: Float, I: Int, N: Size>(
     // once per UNROLL vectors.
     let mut m = f32::new(NO_LOGIT);
     let mut s = f32::new(0.0);
-    let mut xs = Array::<Vector<f32, N>>::new(UNROLL);
+    // Held in the logits' dtype (fewer registers) and widened where used.
+    let mut xs = Array::<Vector<F, N>>::new(UNROLL);
     let mut v = tid;
     while v + (UNROLL - 1) * threads < full {
         #[unroll]
         for u in 0..UNROLL {
-            xs[u] = Vector::cast_from(logits[first + (v + u * threads) * step]);
+            xs[u] = logits[first + (v + u * threads) * step];
         }
         let mut top = m;
         #[unroll]
         for u in 0..UNROLL {
-            top = f32::max(top, vector_max(xs[u]));
+            top = f32::max(top, vector_max(Vector::<f32, N>::cast_from(xs[u])));
         }
         let mut sum = s * (m - top).exp();
         #[unroll]
         for u in 0..UNROLL {
-            sum += vector_total((xs[u] - Vector::new(top)).exp());
+            let x = Vector::<f32, N>::cast_from(xs[u]);
+            sum += vector_total((x - Vector::new(top)).exp());
         }
         m = top;
         s = sum;
@@ -334,14 +342,7 @@ fn gradient_kernel<F: Float, I: Int, N: Size>(
         #[unroll]
         for u in 0..UNROLL {
             let at = v + u * threads;
-            let g = softmax_gradient(
-                xs[u],
-                top,
-                inverse,
-                dloss,
-                at == target_vector,
-                target_lane,
-            );
+            let g = softmax_gradient(xs[u], top, inverse, dloss, at == target_vector, target_lane);
             grad[output + at * out_step] = g;
         }
         v += UNROLL * threads;
