@@ -38,7 +38,10 @@ struct Case {
 
 /// Shapes that are not multiples of the 256-thread block, a single element, a row of
 /// GPT-2's padded vocabulary, a slice with no real column, and a slice that starts inside the
-/// vocabulary (a TP rank's).
+/// vocabulary (a TP rank's). The kernels read rows as vectors of the widest width that divides
+/// the row (at most 4 on wgpu, 8 bf16 on CUDA): the cases take widths 4, 2 and 1, rows of
+/// whole vectors and rows whose last real vector `real` cuts, rows shorter than one vector a
+/// thread and rows of many unrolled rounds.
 fn cases() -> Vec<Case> {
     let case = |rows, local, start, real| Case {
         rows,
@@ -52,6 +55,17 @@ fn cases() -> Vec<Case> {
         case(9, 300, 600, 300),
         case(4, 130, 650, 0),
         case(2, 50_304, 0, 50_257),
+        // Width 4: one whole vector; a vector cut after one lane; three lanes of padding.
+        case(4, 8, 0, 8),
+        case(4, 8, 0, 5),
+        case(4, 12, 40, 9),
+        // Width 2, and a row of unrolled rounds, a remainder and a cut vector.
+        case(4, 6, 0, 6),
+        case(4, 4100, 0, 4099),
+        // Padding vectors past the cut one, in a slice inside the vocabulary.
+        case(4, 2048, 1000, 1023),
+        // Width 1 (an odd row): the scalar path over a ragged GPT-2-sized row.
+        case(4, 50_307, 0, 50_300),
     ]
 }
 
@@ -62,12 +76,14 @@ fn inputs(case: &Case, dtype: DType, device: &WgpuDevice) -> (Tensor<W, 2>, Tens
         device,
     )
     .cast(dtype);
-    // Targets inside the slice, outside it (another rank's), and ignored (-100).
+    // Targets inside the slice, outside it (another rank's), ignored (-100), and the last real
+    // column (in the vector `real` cuts, when it cuts one).
     let targets: Vec<i32> = (0..rows)
-        .map(|r| match r % 3 {
+        .map(|r| match r % 4 {
             0 => (slice.start + (r * 31) % slice.real.max(1)) as i32,
             1 => (slice.start + slice.real + 5) as i32,
-            _ => -100,
+            2 => -100,
+            _ => (slice.start + slice.real) as i32 - 1,
         })
         .collect();
     let targets = Tensor::<W, 1, Int>::from_data(TensorData::new(targets, [rows]), device);
@@ -320,6 +336,112 @@ fn kernels_read_strided_rows_in_place() {
         &values(expect),
         tolerance::F32,
     );
+}
+
+/// Pitched rows whose stride allows vector reads (as our CUDA runtime pitches GPT-2's 50304
+/// columns to 50432): the cross-entropy kernels read the logits by vector in place and write
+/// the gradient into a pitched output, every element of the view and nothing past it.
+#[test]
+fn cross_entropy_reads_and_writes_pitched_rows_by_vector() {
+    let device = WgpuDevice::default();
+    let (rows, local, pitch, out_pitch) = (6, 304, 312, 320);
+    let slice = VocabSlice {
+        start: 0,
+        real: 301,
+    };
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        let label = |what: &str| format!("{dtype:?} pitched {what}");
+        let wide = Tensor::<W, 2>::from_data(
+            TensorData::new(random(rows * pitch, 21, 8.0), [rows, pitch]),
+            &device,
+        )
+        .cast(dtype);
+        let logits = wide.narrow(1, 0, local);
+        // The last real column (in the vector `real` cuts), a padding column, ignored, ...
+        let targets = Tensor::<W, 1, Int>::from_data(
+            TensorData::new(vec![300i32, 303, -100, 0, 150, 299], [rows]),
+            &device,
+        );
+        let fused = W::cross_entropy_statistics(logits.clone(), targets.clone(), slice);
+        let plain = statistics_composition(logits.clone(), targets.clone(), slice);
+        for (name, (a, b)) in ["max", "sum_exp", "target_logit"]
+            .iter()
+            .zip(fused.into_iter().zip(plain))
+        {
+            assert_close(&label(name), &values(a), &values(b), tolerance::F32);
+        }
+
+        let [max, sum_exp, _] = statistics_composition(logits.clone(), targets.clone(), slice);
+        let grad_loss =
+            Tensor::<W, 1>::from_data(TensorData::new(random(rows, 22, 1.0), [rows]), &device);
+        let want = gradient_composition(
+            logits.clone(),
+            targets.clone(),
+            max.clone(),
+            sum_exp.clone(),
+            grad_loss.clone(),
+            slice,
+        );
+        let out = Tensor::<W, 2>::full([rows, out_pitch], f32::NAN, &device).cast(dtype);
+        let raw = |t: Tensor<W, 1>| t.into_primitive().tensor();
+        kernels::gradient_into(
+            logits.into_primitive().tensor(),
+            targets.into_primitive(),
+            raw(max),
+            raw(sum_exp),
+            raw(grad_loss),
+            kernels::VocabSlice {
+                start: slice.start,
+                real: slice.real,
+            },
+            out.clone().narrow(1, 0, local).into_primitive().tensor(),
+        );
+        assert_close(
+            &label("gradient"),
+            &values(out.clone().narrow(1, 0, local)),
+            &values(want),
+            bound,
+        );
+        let past = values(out.narrow(1, local, out_pitch - local));
+        assert!(
+            past.iter().all(|x| x.is_nan()),
+            "{}",
+            label("gradient wrote past its view")
+        );
+    }
+}
+
+/// More rows than one grid dimension holds (65535 cubes on some backends): the kernels' grid
+/// goes on in its second dimension.
+#[test]
+fn cross_entropy_kernels_cover_more_rows_than_one_grid_dimension() {
+    let device = WgpuDevice::default();
+    let case = Case {
+        rows: 65_537,
+        local: 5,
+        slice: VocabSlice { start: 0, real: 4 },
+    };
+    let (logits, targets) = inputs(&case, DType::F32, &device);
+    let fused = W::cross_entropy_statistics(logits.clone(), targets.clone(), case.slice);
+    let plain = statistics_composition(logits.clone(), targets.clone(), case.slice);
+    for (name, (a, b)) in ["max", "sum_exp", "target_logit"]
+        .iter()
+        .zip(fused.into_iter().zip(plain))
+    {
+        assert_close(name, &values(a), &values(b), tolerance::F32);
+    }
+    let [max, sum_exp, _] = statistics_composition(logits.clone(), targets.clone(), case.slice);
+    let grad_loss = Tensor::<W, 1>::ones([case.rows], &device);
+    let want = gradient_composition(
+        logits.clone(),
+        targets.clone(),
+        max.clone(),
+        sum_exp.clone(),
+        grad_loss.clone(),
+        case.slice,
+    );
+    let got = W::cross_entropy_gradient(logits, targets, max, sum_exp, grad_loss, case.slice);
+    assert_close("gradient", &values(got), &values(want), tolerance::F32);
 }
 
 /// One training step of a small GPT (tied embeddings, learned positions, LayerNorm, GeLU) and

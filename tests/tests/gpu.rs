@@ -170,12 +170,17 @@ fn fused_cross_entropy_matches_the_composition() {
     };
     use burn_megatron_kernels::fused::cross_entropy as kernels;
     let device = CudaGpu::new(0);
+    // Rows read by vectors of 8 (bf16/f16), 4, 2 and 1 lanes, with and without a vector cut
+    // by the real vocabulary.
     let cases = [
         (1, 1, 0, 1),
         (5, 1000, 0, 997),
         (9, 300, 600, 300),
         (4, 130, 650, 0),
+        (6, 8, 0, 5),
+        (6, 16, 100, 16),
         (64, 50_304, 0, 50_257),
+        (6, 50_307, 0, 50_300),
     ];
     for (dtype, bound) in [
         (DType::F32, tolerance::F32),

@@ -7,21 +7,54 @@
 //! `(softmax - one_hot(target)) · dloss` for the slice in one pass, from the logits and the two
 //! global statistics; the probabilities are never stored. Statistics are f32 for every logit
 //! dtype. Columns at or past `real` (vocabulary padding) take no part and get zero gradient.
+//!
+//! Both kernels are memory-bound by design: each logit is read once (and, backward, each
+//! gradient element written once), in wide loads, with little work per byte:
+//!
+//! - One cube owns a row; its threads (up to [`MAX_THREADS`], fewer for short rows) read it as
+//!   [`Vector`]s, the widest the row length and stride allow (16 bytes on CUDA: 8 bf16 or 4
+//!   f32), [`UNROLL`] vectors loaded per thread before any is used. Rows are read in place by
+//!   stride: a pitched row (our CUDA runtime pads 50304 bf16 to a 50432-element stride) is not
+//!   copied. When no width above 1 divides the row, the kernels read single elements.
+//! - Vectors that real columns fill take the vector path. The vector that `real` cuts and the
+//!   padding vectors after it are handled lane by lane, so any `real` is exact.
+//! - The forward pass is one pass (an online softmax): each thread keeps a running `(max,
+//!   Σ exp(x - max))` and rescales its sum once per [`UNROLL`] vectors to their maximum. The
+//!   cube then combines the threads' pairs in one reduction: where the client has plane
+//!   (warp) operations and one fixed plane size, a plane reduction, one barrier and a plane
+//!   reduction of the planes' pairs; otherwise (wgpu on lavapipe reports no planes, some GPUs
+//!   a variable size) a shared-memory tree. The choice is made at compile time from the
+//!   client's properties. Thread 0 loads the target's logit first, so that load overlaps the
+//!   row's.
+//! - The backward pass needs no reduction: each thread writes `exp(x - max) · (1 / sum_exp)
+//!   · dloss` for its vectors and `(p - 1) · dloss` at the target's lane.
+//! - `exp` of f32 may compile to the GPU's approximate exponential (CUDA's `__expf`, as
+//!   Triton's `exp` in torch.compile's kernels): a relative error near `|x| · 6e-8`, far
+//!   inside the statistics' f32 tolerance, for a fraction of an exact `expf`'s instructions.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::features::{EnumSet, Plane};
 use cubecl::prelude::*;
+use cubecl::tensor_vector_size_parallel;
 
-/// Threads per row in the forward kernel (a power of two for the tree reduction).
-const ROW_THREADS: u32 = 256;
-/// Threads per cube in the backward kernel.
-const ELEMENT_THREADS: u32 = 256;
+/// Most threads a row's cube gets (a power of two for the tree reduction).
+const MAX_THREADS: usize = 256;
+/// Fewest threads a row's cube gets (short rows).
+const MIN_THREADS: usize = 32;
+/// Vectors each thread loads before it uses them.
+const UNROLL: usize = 4;
 /// Stands for "no logit yet" in the running maximum: finite, so that `exp(a - b)` of two of
 /// them is 1 rather than NaN, and far below any logit.
 const NO_LOGIT: f32 = -1.0e30;
+/// The kernels' fast-math flags: those that f32 `exp` needs for its approximate form (see the
+/// module doc). The kernels' one division (`1 / sum_exp`) needs more, and stays exact.
+fn fast_exp() -> EnumSet<FastMath> {
+    FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+}
 
 /// Where this rank's slice sits in the vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,107 +75,383 @@ pub struct RowStatistics<R: CubeRuntime> {
     pub target_logit: CubeTensor<R>,
 }
 
-#[cube(launch)]
-fn statistics_kernel<F: Float, I: Int>(
-    logits: &Tensor<F>,
+/// The row this cube owns: rows past 65535 go on in the grid's second dimension.
+#[cube]
+fn cube_row() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
+/// Lane `lane` (a run-time index below the width) of `x`.
+#[cube]
+fn lane_of<N: Size>(x: Vector<f32, N>, lane: usize) -> f32 {
+    let mut value = x[0];
+    #[unroll]
+    for i in 1..N::value() {
+        if i == lane {
+            value = x[i];
+        }
+    }
+    value
+}
+
+/// The largest lane of `x`.
+#[cube]
+fn vector_max<N: Size>(x: Vector<f32, N>) -> f32 {
+    let mut top = x[0];
+    #[unroll]
+    for i in 1..N::value() {
+        top = f32::max(top, x[i]);
+    }
+    top
+}
+
+/// Two running `(max, Σ exp(x - max))` pairs as one.
+#[cube]
+fn combine(m1: f32, s1: f32, m2: f32, s2: f32) -> (f32, f32) {
+    let top = f32::max(m1, m2);
+    (top, s1 * (m1 - top).exp() + s2 * (m2 - top).exp())
+}
+
+/// The sum of the lanes of `x`.
+#[cube]
+fn vector_total<N: Size>(x: Vector<f32, N>) -> f32 {
+    let mut total = x[0];
+    #[unroll]
+    for i in 1..N::value() {
+        total += x[i];
+    }
+    total
+}
+
+/// The cube's `(max, Σ exp(x - max))` from each thread's pair, valid in thread 0. `plane` is
+/// the fixed plane size, or 0 for the shared-memory tree.
+#[cube]
+fn reduce_row(m: f32, s: f32, #[comptime] threads: usize, #[comptime] plane: usize) -> (f32, f32) {
+    if comptime!(plane > 0) {
+        reduce_by_planes(m, s, threads, plane)
+    } else {
+        reduce_by_tree(m, s, threads)
+    }
+}
+
+/// [`reduce_row`] with plane operations: a plane reduction, one barrier, and the first plane
+/// reduces the planes' pairs.
+#[cube]
+fn reduce_by_planes(
+    m: f32,
+    s: f32,
+    #[comptime] threads: usize,
+    #[comptime] plane: usize,
+) -> (f32, f32) {
+    let tid = UNIT_POS_X as usize;
+    let top = plane_max(m);
+    let mut m_out = top;
+    let mut s_out = plane_sum(s * (m - top).exp());
+    if comptime!(threads > plane) {
+        let planes = comptime!(threads / plane);
+        let mut maxes = SharedMemory::<f32>::new(planes);
+        let mut sums = SharedMemory::<f32>::new(planes);
+        if UNIT_POS_PLANE == 0 {
+            maxes[tid / plane] = m_out;
+            sums[tid / plane] = s_out;
+        }
+        sync_cube();
+        // Uniform over each plane: the first plane, whole, takes this branch.
+        if tid < plane {
+            let mut m2 = f32::new(NO_LOGIT);
+            let mut s2 = f32::new(0.0);
+            let mut k = tid;
+            while k < planes {
+                let (m3, s3) = combine(m2, s2, maxes[k], sums[k]);
+                m2 = m3;
+                s2 = s3;
+                k += plane;
+            }
+            let top = plane_max(m2);
+            s_out = plane_sum(s2 * (m2 - top).exp());
+            m_out = top;
+        }
+    }
+    (m_out, s_out)
+}
+
+/// [`reduce_row`] through a shared-memory tree, for clients without fixed-size planes.
+#[cube]
+fn reduce_by_tree(m: f32, s: f32, #[comptime] threads: usize) -> (f32, f32) {
+    let tid = UNIT_POS_X as usize;
+    let mut maxes = SharedMemory::<f32>::new(threads);
+    let mut sums = SharedMemory::<f32>::new(threads);
+    maxes[tid] = m;
+    sums[tid] = s;
+    sync_cube();
+    // The launch's cube size (equal to `threads`), read at run time: the halving loop needs a
+    // run-time variable.
+    let mut half = CUBE_DIM_X as usize / 2;
+    while half > 0 {
+        if tid < half {
+            let (m3, s3) = combine(maxes[tid], sums[tid], maxes[tid + half], sums[tid + half]);
+            maxes[tid] = m3;
+            sums[tid] = s3;
+        }
+        sync_cube();
+        half /= 2;
+    }
+    (maxes[0], sums[0])
+}
+
+#[cube(launch, fast_math = fast_exp())]
+fn statistics_kernel<F: Float, I: Int, N: Size>(
+    logits: &Tensor<Vector<F, N>>,
     targets: &Tensor<I>,
     max: &mut Tensor<f32>,
     sum_exp: &mut Tensor<f32>,
     target_logit: &mut Tensor<f32>,
     start: u32,
     real: u32,
-    #[comptime] threads: u32,
+    #[comptime] threads: usize,
+    #[comptime] plane: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let row = CUBE_POS_X as usize;
+    let row = cube_row();
+    if row >= max.shape(0) {
+        terminate!();
+    }
     let tid = UNIT_POS_X as usize;
-    // The launch's cube size (equal to `threads`), read at run time: the halving loop below
-    // needs a run-time variable.
-    let stride = CUBE_DIM_X as usize;
-    let base = row * logits.stride(0);
+    let width = N::value();
     let real = real as usize;
+    // Vector offsets: the vectorised axis has stride 1 whenever `width` is above 1, and the
+    // row stride is then a multiple of `width`.
+    let first = row * logits.stride(0) / width;
+    let step = logits.stride(1);
+    // Vectors of real columns only.
+    let full = real / width;
 
-    // Each thread keeps a running (max, sum of exp relative to it) over its columns.
+    let mut picked = f32::new(0.0);
+    if tid == 0 {
+        let local = i64::cast_from(targets[row]) - i64::cast_from(start);
+        if local >= 0 && local < i64::cast_from(real) {
+            let column = usize::cast_from(local);
+            let x = Vector::<f32, N>::cast_from(logits[first + column / width * step]);
+            picked = lane_of(x, column % width);
+        }
+    }
+
+    // Each thread keeps a running (max, sum of exp relative to it) over its vectors, rescaled
+    // once per UNROLL vectors.
     let mut m = f32::new(NO_LOGIT);
     let mut s = f32::new(0.0);
-    let mut j = tid;
-    while j < real {
-        let x = f32::cast_from(logits[base + j * logits.stride(1)]);
-        if x > m {
-            s = s * (m - x).exp() + f32::new(1.0);
-            m = x;
-        } else {
-            s += (x - m).exp();
+    // Held in the logits' dtype (fewer registers) and widened where used.
+    let mut xs = Array::<Vector<F, N>>::new(UNROLL);
+    let mut v = tid;
+    while v + (UNROLL - 1) * threads < full {
+        #[unroll]
+        for u in 0..UNROLL {
+            xs[u] = logits[first + (v + u * threads) * step];
         }
-        j += stride;
+        let mut top = m;
+        #[unroll]
+        for u in 0..UNROLL {
+            top = f32::max(top, vector_max(Vector::<f32, N>::cast_from(xs[u])));
+        }
+        let mut sum = s * (m - top).exp();
+        #[unroll]
+        for u in 0..UNROLL {
+            let x = Vector::<f32, N>::cast_from(xs[u]);
+            sum += vector_total((x - Vector::new(top)).exp());
+        }
+        m = top;
+        s = sum;
+        v += UNROLL * threads;
     }
-
-    let mut maxes = SharedMemory::<f32>::new(threads as usize);
-    let mut sums = SharedMemory::<f32>::new(threads as usize);
-    maxes[tid] = m;
-    sums[tid] = s;
-    sync_cube();
-    let mut half = stride / 2;
-    while half > 0 {
-        if tid < half {
-            let (m1, s1) = (maxes[tid], sums[tid]);
-            let (m2, s2) = (maxes[tid + half], sums[tid + half]);
-            let mut top = m1;
-            if m2 > m1 {
-                top = m2;
+    while v < full {
+        let x = Vector::<f32, N>::cast_from(logits[first + v * step]);
+        let top = f32::max(m, vector_max(x));
+        s = s * (m - top).exp() + vector_total((x - Vector::new(top)).exp());
+        m = top;
+        v += threads;
+    }
+    // The vector `real` cuts, lane by lane.
+    if full * width < real && tid == full % threads {
+        let x = Vector::<f32, N>::cast_from(logits[first + full * step]);
+        #[unroll]
+        for i in 0..width {
+            if full * width + i < real {
+                let (m2, s2) = combine(m, s, x[i], f32::new(1.0));
+                m = m2;
+                s = s2;
             }
-            maxes[tid] = top;
-            sums[tid] = s1 * (m1 - top).exp() + s2 * (m2 - top).exp();
         }
-        sync_cube();
-        half /= 2;
     }
 
+    let (m, s) = reduce_row(m, s, threads, plane);
     if tid == 0 {
-        max[row] = maxes[0];
-        sum_exp[row] = sums[0];
-        let local = i64::cast_from(targets[row]) - i64::cast_from(start);
-        let mut picked = f32::new(0.0);
-        if local >= 0 && local < i64::cast_from(real) {
-            picked = f32::cast_from(logits[base + usize::cast_from(local) * logits.stride(1)]);
-        }
+        max[row] = m;
+        sum_exp[row] = s;
         target_logit[row] = picked;
     }
 }
 
-#[cube(launch)]
-fn gradient_kernel<F: Float, I: Int>(
-    logits: &Tensor<F>,
+#[cube(launch, fast_math = fast_exp())]
+fn gradient_kernel<F: Float, I: Int, N: Size>(
+    logits: &Tensor<Vector<F, N>>,
     targets: &Tensor<I>,
     max: &Tensor<f32>,
     sum_exp: &Tensor<f32>,
     grad_loss: &Tensor<f32>,
-    grad: &mut Tensor<F>,
+    grad: &mut Tensor<Vector<F, N>>,
     start: u32,
     real: u32,
-    rows: u32,
-    local: u32,
+    #[comptime] threads: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let pos = ABSOLUTE_POS;
-    if pos >= rows as usize * local as usize {
+    let row = cube_row();
+    if row >= max.shape(0) {
         terminate!();
     }
-    let row = pos / local as usize;
-    let column = pos % local as usize;
+    let tid = UNIT_POS_X as usize;
+    let width = N::value();
+    let real = real as usize;
+    let vectors = logits.shape(1) / width;
+    let full = real / width;
     // Strided: the runtime may pitch rows (pad each to an aligned size).
-    let input = row * logits.stride(0) + column * logits.stride(1);
-    let output = row * grad.stride(0) + column * grad.stride(1);
-    let mut g = f32::new(0.0);
-    if column < real as usize {
-        g = (f32::cast_from(logits[input]) - max[row]).exp() / sum_exp[row];
-        let target = i64::cast_from(targets[row]) - i64::cast_from(start);
-        if target == i64::cast_from(column) {
-            g -= f32::new(1.0);
-        }
-        g *= grad_loss[row];
+    let input = row * logits.stride(0) / width;
+    let in_step = logits.stride(1);
+    let output = row * grad.stride(0) / width;
+    let out_step = grad.stride(1);
+
+    let top = max[row];
+    let inverse = f32::new(1.0) / sum_exp[row];
+    let dloss = grad_loss[row];
+    // The target's column, or `real` (no column) when it is outside the slice.
+    let local = i64::cast_from(targets[row]) - i64::cast_from(start);
+    let mut target = real;
+    if local >= 0 && local < i64::cast_from(real) {
+        target = usize::cast_from(local);
     }
-    grad[output] = F::cast_from(g);
+    let target_vector = target / width;
+    let target_lane = target % width;
+
+    // Vectors of real columns only: vector arithmetic, and a fix-up at the target's lane.
+    let mut xs = Array::<Vector<F, N>>::new(UNROLL);
+    let mut v = tid;
+    while v + (UNROLL - 1) * threads < full {
+        #[unroll]
+        for u in 0..UNROLL {
+            xs[u] = logits[input + (v + u * threads) * in_step];
+        }
+        #[unroll]
+        for u in 0..UNROLL {
+            let at = v + u * threads;
+            let g = softmax_gradient(xs[u], top, inverse, dloss, at == target_vector, target_lane);
+            grad[output + at * out_step] = g;
+        }
+        v += UNROLL * threads;
+    }
+    while v < full {
+        let g = softmax_gradient(
+            logits[input + v * in_step],
+            top,
+            inverse,
+            dloss,
+            v == target_vector,
+            target_lane,
+        );
+        grad[output + v * out_step] = g;
+        v += threads;
+    }
+    // The vector `real` cuts and the padding: lane by lane, zero past `real`.
+    let mut v = full + tid;
+    while v < vectors {
+        let x = Vector::<f32, N>::cast_from(logits[input + v * in_step]);
+        let mut g = Vector::<f32, N>::empty();
+        #[unroll]
+        for i in 0..width {
+            let column = v * width + i;
+            let mut gi = f32::new(0.0);
+            if column < real {
+                gi = (x[i] - top).exp() * inverse;
+                if column == target {
+                    gi -= f32::new(1.0);
+                }
+                gi *= dloss;
+            }
+            g[i] = gi;
+        }
+        grad[output + v * out_step] = Vector::cast_from(g);
+        v += threads;
+    }
+}
+
+/// `(exp(x - top) · inverse - one_hot) · dloss` for a vector of real columns, the one-hot at
+/// `lane` when `has_target`.
+#[cube]
+fn softmax_gradient<F: Float, N: Size>(
+    x: Vector<F, N>,
+    top: f32,
+    inverse: f32,
+    dloss: f32,
+    has_target: bool,
+    lane: usize,
+) -> Vector<F, N> {
+    let p = (Vector::<f32, N>::cast_from(x) - Vector::new(top)).exp() * Vector::new(inverse);
+    let mut g = p * Vector::new(dloss);
+    if has_target {
+        #[unroll]
+        for i in 0..N::value() {
+            if i == lane {
+                g[i] = (p[i] - f32::new(1.0)) * dloss;
+            }
+        }
+    }
+    Vector::cast_from(g)
+}
+
+/// The grid of a kernel with one cube per row: 2D past 65535 rows, the limit of one dimension
+/// on some backends.
+fn row_grid(rows: usize) -> CubeCount {
+    let rows = rows as u32;
+    match rows > 65_535 {
+        true => CubeCount::Static(65_535, rows.div_ceil(65_535), 1),
+        false => CubeCount::Static(rows, 1, 1),
+    }
+}
+
+/// Threads of a row's cube for rows of `vectors` vectors: enough for [`UNROLL`] vectors each,
+/// a power of two, whole planes.
+fn row_threads(vectors: usize, plane: usize) -> usize {
+    vectors
+        .div_ceil(UNROLL)
+        .next_power_of_two()
+        .clamp(MIN_THREADS.max(plane), MAX_THREADS)
+}
+
+/// The client's plane size when it has plane operations and one fixed size that whole cubes
+/// of [`MIN_THREADS`]..=[`MAX_THREADS`] threads split into, else 0 (the shared-memory tree).
+fn fixed_plane_size<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
+    let properties = client.properties();
+    let hardware = &properties.hardware;
+    let size = hardware.plane_size_max as usize;
+    let usable = properties.features.plane.contains(Plane::Ops)
+        && hardware.plane_size_min == hardware.plane_size_max
+        && size.is_power_of_two()
+        && size <= MAX_THREADS;
+    if usable { size } else { 0 }
+}
+
+/// The widest vector every tensor in `tensors` can be read by along its rows (axis 1).
+fn row_vector_size<R: CubeRuntime>(tensors: &[&CubeTensor<R>], dtype: DType) -> usize {
+    tensors
+        .iter()
+        .map(|t| {
+            tensor_vector_size_parallel(
+                t.client.io_optimized_vector_sizes(dtype.size()),
+                t.meta.shape(),
+                t.meta.strides(),
+                1,
+            )
+        })
+        .min()
+        .unwrap_or(1)
 }
 
 /// The forward kernel: row statistics of `logits` (`[rows, local]`, any float dtype) against
@@ -155,6 +464,7 @@ pub fn row_statistics<R: CubeRuntime>(
     // Strided reads: no copy of a pitched or transposed slice.
     let targets = into_contiguous(targets);
     let rows = logits.meta.shape()[0];
+    let local = logits.meta.shape()[1];
     let new_stat = || {
         empty_device_contiguous_dtype::<R>(
             logits.client.clone(),
@@ -171,11 +481,16 @@ pub fn row_statistics<R: CubeRuntime>(
     if rows == 0 {
         return stats;
     }
+    let client = logits.client.clone();
+    let width = row_vector_size(&[&logits], logits.dtype);
+    let plane = fixed_plane_size(&client);
+    let threads = row_threads(local / width, plane);
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
     statistics_kernel::launch::<R>(
-        &logits.client.clone(),
-        CubeCount::Static(rows as u32, 1, 1),
-        CubeDim::new_1d(ROW_THREADS),
+        &client,
+        row_grid(rows),
+        CubeDim::new_1d(threads as u32),
+        width,
         logits.into_tensor_arg(),
         targets.into_tensor_arg(),
         stats.max.clone().into_tensor_arg(),
@@ -183,7 +498,8 @@ pub fn row_statistics<R: CubeRuntime>(
         stats.target_logit.clone().into_tensor_arg(),
         slice.start as u32,
         slice.real as u32,
-        ROW_THREADS,
+        threads,
+        plane,
         dtypes,
     );
     stats
@@ -234,21 +550,18 @@ pub fn gradient_into<R: CubeRuntime>(
         [targets, max, sum_exp, grad_loss].map(into_contiguous);
     let shape = logits.meta.shape().clone();
     let (rows, local) = (shape[0], shape[1]);
-    let elements = rows * local;
-    if elements == 0 {
+    if rows * local == 0 {
         return;
     }
+    let client = logits.client.clone();
+    let width = row_vector_size(&[&logits, &grad], logits.dtype);
+    let threads = row_threads(local / width, fixed_plane_size(&client));
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
-    let cubes = elements.div_ceil(ELEMENT_THREADS as usize) as u32;
-    // A 2D grid keeps each dimension of the launch within the hardware's limit.
-    let (x, y) = match cubes > 65_535 {
-        true => (65_535, cubes.div_ceil(65_535)),
-        false => (cubes, 1),
-    };
     gradient_kernel::launch::<R>(
-        &logits.client.clone(),
-        CubeCount::Static(x, y, 1),
-        CubeDim::new_1d(ELEMENT_THREADS),
+        &client,
+        row_grid(rows),
+        CubeDim::new_1d(threads as u32),
+        width,
         logits.into_tensor_arg(),
         targets.into_tensor_arg(),
         max.into_tensor_arg(),
@@ -257,8 +570,7 @@ pub fn gradient_into<R: CubeRuntime>(
         grad.into_tensor_arg(),
         slice.start as u32,
         slice.real as u32,
-        rows as u32,
-        local as u32,
+        threads,
         dtypes,
     );
 }
