@@ -37,7 +37,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::features::{EnumSet, Plane};
+use cubecl::features::EnumSet;
 use cubecl::prelude::*;
 use cubecl::tensor_vector_size_parallel;
 
@@ -425,17 +425,14 @@ fn row_threads(vectors: usize, plane: usize) -> usize {
         .clamp(MIN_THREADS.max(plane), MAX_THREADS)
 }
 
-/// The client's plane size when it has plane operations and one fixed size that whole cubes
-/// of [`MIN_THREADS`]..=[`MAX_THREADS`] threads split into, else 0 (the shared-memory tree).
+/// The client's fixed plane size ([`super::rows::fixed_plane_size`]) if whole cubes of
+/// [`MIN_THREADS`]..=[`MAX_THREADS`] threads split into such planes, else 0 (the
+/// shared-memory tree).
 fn fixed_plane_size<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
-    let properties = client.properties();
-    let hardware = &properties.hardware;
-    let size = hardware.plane_size_max as usize;
-    let usable = properties.features.plane.contains(Plane::Ops)
-        && hardware.plane_size_min == hardware.plane_size_max
-        && size.is_power_of_two()
-        && size <= MAX_THREADS;
-    if usable { size } else { 0 }
+    super::rows::fixed_plane_size(client)
+        .map(|size| size as usize)
+        .filter(|size| size.is_power_of_two() && *size <= MAX_THREADS)
+        .unwrap_or(0)
 }
 
 /// The widest vector every tensor in `tensors` can be read by along its rows (axis 1).
