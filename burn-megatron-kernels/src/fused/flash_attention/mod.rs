@@ -213,9 +213,16 @@ pub fn backward_into<R: CubeRuntime>(
 ) {
     let dims = Dims::of(q.meta.shape(), k.meta.shape(), v.meta.shape(), options);
     check_dtypes("backward", q.dtype, &[&k, &v, &out, &grad_out]);
-    check_dtypes("backward output", q.dtype, &[&grads[0], &grads[1], &grads[2]]);
-    for (name, t, want) in [("dq", &grads[0], &q), ("dk", &grads[1], &k), ("dv", &grads[2], &v)]
-    {
+    check_dtypes(
+        "backward output",
+        q.dtype,
+        &[&grads[0], &grads[1], &grads[2]],
+    );
+    for (name, t, want) in [
+        ("dq", &grads[0], &q),
+        ("dk", &grads[1], &k),
+        ("dv", &grads[2], &v),
+    ] {
         assert_eq!(
             t.meta.shape(),
             want.meta.shape(),
@@ -240,8 +247,7 @@ pub fn backward_into<R: CubeRuntime>(
             q.meta.shape().as_slice()
         );
     }
-    if dims.batch * dims.heads * dims.seq_q == 0 || dims.batch * dims.kv_heads * dims.seq_k == 0
-    {
+    if dims.batch * dims.heads * dims.seq_q == 0 || dims.batch * dims.kv_heads * dims.seq_k == 0 {
         // No query sees a key: every gradient is zero (or empty).
         for t in grads {
             fill_zeros(t);
