@@ -29,8 +29,7 @@ fn normal<const D: usize>(shape: [usize; D], std: f64, seed: u64) -> Vec<f64> {
 
 #[test]
 fn the_gradient_of_qkv_matches_finite_differences() {
-    for (i, &(batch, seq, groups, heads_per_group, head_dim, causal)) in CASES.iter().enumerate()
-    {
+    for (i, &(batch, seq, groups, heads_per_group, head_dim, causal)) in CASES.iter().enumerate() {
         let shape = [batch, seq, groups, heads_per_group + 2, head_dim];
         let out_shape = [batch, seq, groups * heads_per_group, head_dim];
         let seed = 70 + 10 * i as u64;

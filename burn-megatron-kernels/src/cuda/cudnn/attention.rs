@@ -12,6 +12,9 @@
 //! Nothing `[seq_q, seq_k]`-sized is stored: the engines tile it. cuDNN's backward accumulates
 //! `dq` with atomics, so it is not bit-deterministic (our CubeCL kernels are).
 //!
+//! Inputs may be any views with contiguous, 16-byte aligned rows (e.g. q, k, v as views of a
+//! packed QKV buffer); [`backward_into`] writes the gradients into views the caller gives.
+//!
 //! [`forward`] and [`backward`] return `None` when cuDNN cannot take the call (f32, head dims
 //! that are not a multiple of 8 or above 128, key counts that are not a multiple of 128,
 //! misaligned views, no libcudnn, or no engine for the graph); the caller then uses the CubeCL

@@ -15,7 +15,9 @@
 //! Grouped-query attention (GQA, MQA) is native: query head `h` reads key/value head
 //! `h / (heads / kv_heads)`, and K/V are never copied. Causal attention lets query `i` see
 //! keys `0..=i` (`seq_q == seq_k`). Inputs are read by stride, so views from `swap_dims` or
-//! `narrow` need no copy. Arithmetic is f32 for f32, f16 and bf16 storage.
+//! `narrow` need no copy, and [`forward_into`] and [`backward_into`] write their outputs by
+//! stride into tensors the caller gives (views of one packed buffer: see [`packed`]).
+//! Arithmetic is f32 for f32, f16 and bf16 storage.
 //!
 //! [`portable`] is the implementation every CubeCL runtime runs (no tensor cores, no plane
 //! operations; lavapipe in CI). [`tensor_core`] takes f16/bf16 inputs with head dim 64 or 128
