@@ -162,6 +162,41 @@ pub trait ModelBackend: DistBackend {
         crate::ops::flash_attention::backward_composition(q, k, v, out, lse, grad, scale, causal)
     }
 
+    /// Flash attention on the fused QKV projection's output `qkv: [batch, seq, groups,
+    /// heads_per_group + 2, head_dim]` (see [`crate::ops::packed_flash_attention`]): the
+    /// output `[batch, seq, heads, head_dim]` (qkv's dtype) and `lse` `[batch, heads, seq]`
+    /// (f32; f64 for f64 inputs). `Autodiff<B>` records one node whose parent is `qkv`,
+    /// storing `qkv`, the output and `lse` (its `lse` is not tracked), whose backward is
+    /// [`packed_flash_attention_backward`](Self::packed_flash_attention_backward). CubeCL
+    /// backends read q, k and v as views of `qkv` where one head stride exists (one head per
+    /// group, or one group); the default splits `qkv` and calls
+    /// [`flash_attention`](Self::flash_attention).
+    fn packed_flash_attention(
+        qkv: Tensor<Self, 5>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        crate::ops::packed_flash_attention::forward_composition(qkv, scale, causal)
+    }
+
+    /// The gradient of [`packed_flash_attention`](Self::packed_flash_attention)'s `qkv`, one
+    /// `[batch, seq, groups, heads_per_group + 2, head_dim]` tensor, given the output's
+    /// gradient `grad` (`[batch, seq, heads, head_dim]`), from `qkv`, the output and `lse`.
+    /// CubeCL backends write dq, dk and dv into views of one buffer where the forward could
+    /// read views; the default calls
+    /// [`flash_attention_backward`](Self::flash_attention_backward) and assembles the parts
+    /// with one `cat`.
+    fn packed_flash_attention_backward(
+        qkv: Tensor<Self, 5>,
+        out: Tensor<Self, 4>,
+        lse: Tensor<Self, 3>,
+        grad: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> Tensor<Self, 5> {
+        crate::ops::packed_flash_attention::backward_composition(qkv, out, lse, grad, scale, causal)
+    }
+
     /// The attention core, storing only `q`, `k` and `v` for the backward pass (selective
     /// recomputation): the `[batch, heads, seq, seq]` probabilities are recomputed there.
     fn recomputed_attention_core(
@@ -333,7 +368,8 @@ pub fn check_ids_on_host(
 /// CubeCL backends: the fused kernels of `burn_megatron_kernels::fused`.
 #[cfg(feature = "fused")]
 mod cube {
-    use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+    use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
+    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
     use burn_megatron_kernels::fused::adamw as adamw_kernels;
     use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
@@ -341,6 +377,7 @@ mod cube {
     use burn_megatron_kernels::fused::cross_entropy as kernels;
     use burn_megatron_kernels::fused::embedding as embedding_kernels;
     use burn_megatron_kernels::fused::flash_attention as flash_kernels;
+    pub(super) use burn_megatron_kernels::fused::flash_attention::packed::{self, ViewOffsets};
     use burn_megatron_kernels::fused::norm as norm_kernels;
 
     use crate::ops::GeluForm;
@@ -541,6 +578,103 @@ mod cube {
             },
         )
         .map(float)
+    }
+
+    /// `ModelBackend::packed_flash_attention` by the kernels, reading q, k and v as views of
+    /// `qkv` and writing the output into a `[batch, seq, heads, head_dim]` buffer; `None`
+    /// (nothing done) where the views cannot be made (no single head stride for q, offsets
+    /// that `offsets` forbids) or the kernels do not take the call (f64, head_dim above 256):
+    /// the caller then runs the composition.
+    pub(super) fn packed_flash_attention<R, F, I, BT>(
+        qkv: &Tensor<Cube<R, F, I, BT>, 5>,
+        scale: f64,
+        causal: bool,
+        offsets: ViewOffsets,
+    ) -> Option<AttentionOutput<Cube<R, F, I, BT>>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let [batch, seq, groups, slots, head_dim] = qkv.dims();
+        let heads = groups * (slots - 2);
+        let raw = qkv.clone().into_primitive().tensor();
+        if !flash_kernels_take(qkv.dtype(), head_dim) {
+            return None;
+        }
+        let [q, k, v] = packed::views(&raw, offsets)?;
+        let out = empty_device_contiguous_dtype::<R>(
+            raw.client.clone(),
+            raw.device.clone(),
+            Shape::new([batch, seq, heads, head_dim]),
+            raw.dtype,
+        );
+        let lse = flash_kernels::forward_into(
+            q,
+            k,
+            v,
+            burn_cubecl::ops::permute(out.clone(), &[0, 2, 1, 3]),
+            flash_kernels::AttentionOptions {
+                scale: scale as f32,
+                causal,
+            },
+        );
+        Some((float(out), float(lse)))
+    }
+
+    /// `ModelBackend::packed_flash_attention_backward` by the kernels: one `dqkv` buffer, the
+    /// kernels reading views of `qkv` and writing views of `dqkv`; `None` (nothing done)
+    /// where [`packed_flash_attention`] would be.
+    pub(super) fn packed_flash_attention_backward<R, F, I, BT>(
+        qkv: &Tensor<Cube<R, F, I, BT>, 5>,
+        out: &Tensor<Cube<R, F, I, BT>, 4>,
+        lse: &Tensor<Cube<R, F, I, BT>, 3>,
+        grad: &Tensor<Cube<R, F, I, BT>, 4>,
+        scale: f64,
+        causal: bool,
+        offsets: ViewOffsets,
+    ) -> Option<Tensor<Cube<R, F, I, BT>, 5>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = qkv.dtype();
+        if !flash_kernels_take(dtype, qkv.dims()[4]) {
+            return None;
+        }
+        let raw = qkv.clone().into_primitive().tensor();
+        let dqkv = empty_device_contiguous_dtype::<R>(
+            raw.client.clone(),
+            raw.device.clone(),
+            raw.meta.shape().clone(),
+            dtype,
+        );
+        let [q, k, v] = packed::views(&raw, offsets)?;
+        let grads = packed::views(&dqkv, offsets)?;
+        let heads_major = |t: &Tensor<Cube<R, F, I, BT>, 4>| {
+            t.clone()
+                .cast(dtype)
+                .swap_dims(1, 2)
+                .into_primitive()
+                .tensor()
+        };
+        flash_kernels::backward_into(
+            q,
+            k,
+            v,
+            heads_major(out),
+            lse.clone().cast(DType::F32).into_primitive().tensor(),
+            heads_major(grad),
+            grads,
+            flash_kernels::AttentionOptions {
+                scale: scale as f32,
+                causal,
+            },
+        );
+        Some(float(dqkv))
     }
 
     /// `ModelBackend::embedding_gradient` in one kernel (f64: the composition).
@@ -863,9 +997,38 @@ mod cube {
     }
     pub(super) use fused_operations;
 
-    /// Flash attention through the CubeCL kernels (our CUDA backend puts cuDNN first).
+    /// Flash attention through the CubeCL kernels (our CUDA backend puts cuDNN first), with
+    /// views of packed QKV buffers starting where `$offsets` (a `ViewOffsets`) allows.
     macro_rules! flash_operations {
-        () => {
+        ($offsets:expr) => {
+            fn packed_flash_attention(
+                qkv: Tensor<Self, 5>,
+                scale: f64,
+                causal: bool,
+            ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+                cube::packed_flash_attention(&qkv, scale, causal, $offsets).unwrap_or_else(|| {
+                    crate::ops::packed_flash_attention::forward_composition(qkv, scale, causal)
+                })
+            }
+
+            fn packed_flash_attention_backward(
+                qkv: Tensor<Self, 5>,
+                out: Tensor<Self, 4>,
+                lse: Tensor<Self, 3>,
+                grad: Tensor<Self, 4>,
+                scale: f64,
+                causal: bool,
+            ) -> Tensor<Self, 5> {
+                cube::packed_flash_attention_backward(
+                    &qkv, &out, &lse, &grad, scale, causal, $offsets,
+                )
+                .unwrap_or_else(|| {
+                    crate::ops::packed_flash_attention::backward_composition(
+                        qkv, out, lse, grad, scale, causal,
+                    )
+                })
+            }
+
             fn flash_attention(
                 q: Tensor<Self, 4>,
                 k: Tensor<Self, 4>,
@@ -898,6 +1061,7 @@ mod cuda {
     use burn::tensor::TensorPrimitive;
     use burn::tensor::{DType, Int, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
+    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
     use burn_megatron_kernels::cuda::cudnn::attention as cudnn_attention;
@@ -906,7 +1070,17 @@ mod cuda {
     use super::{ModelBackend, cube};
     use crate::error::{IdKind, InputError};
     use crate::ops::cross_entropy::VocabSlice;
+    use crate::ops::packed_flash_attention as packed_ops;
     use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
+
+    /// CUDA kernels get device pointers: views may start at any element.
+    const ANY: cube::ViewOffsets = cube::ViewOffsets::AnyElement;
+
+    fn float<F: FloatElement, I: IntElement, BT: BoolElement, const D: usize>(
+        tensor: burn_cubecl::tensor::CubeTensor<MegatronCudaRuntime>,
+    ) -> Tensor<CubeBackend<MegatronCudaRuntime, F, I, BT>, D> {
+        Tensor::from_primitive(TensorPrimitive::Float(tensor))
+    }
 
     /// burn-cuda's backend: Burn's own matmul (the reference our backend is tested against),
     /// and the fused kernels.
@@ -914,7 +1088,7 @@ mod cuda {
         for CubeBackend<CudaRuntime, F, I, BT>
     {
         cube::fused_operations!();
-        cube::flash_operations!();
+        cube::flash_operations!(cube::ViewOffsets::AnyElement);
     }
 
     /// Our CUDA backend: the linear layers' GEMMs through cuBLASLt, in stream order, flash
@@ -967,6 +1141,66 @@ mod cuda {
                 Some(grads) => grads.map(|g| Tensor::from_primitive(TensorPrimitive::Float(g))),
                 None => cube::flash_attention_backward(q, k, v, out, lse, grad, scale, causal),
             }
+        }
+
+        /// cuDNN on views of `qkv` (one head stride: one head per group, or one group), else
+        /// the CubeCL path.
+        fn packed_flash_attention(
+            qkv: Tensor<Self, 5>,
+            scale: f64,
+            causal: bool,
+        ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+            let raw = qkv.clone().into_primitive().tensor();
+            let attention = cube::packed::views(&raw, ANY)
+                .and_then(|[q, k, v]| cudnn_attention::forward(&q, &k, &v, scale as f32, causal));
+            match attention {
+                // cuDNN stores the output `[batch, seq, heads, head_dim]`.
+                Some((out, lse)) => (float::<F, I, BT, 4>(out).swap_dims(1, 2), float(lse)),
+                None => cube::packed_flash_attention(&qkv, scale, causal, ANY)
+                    .unwrap_or_else(|| packed_ops::forward_composition(qkv, scale, causal)),
+            }
+        }
+
+        /// cuDNN reading views of `qkv` and writing dq, dk and dv into views of one `dqkv`
+        /// buffer, else the CubeCL path.
+        fn packed_flash_attention_backward(
+            qkv: Tensor<Self, 5>,
+            out: Tensor<Self, 4>,
+            lse: Tensor<Self, 3>,
+            grad: Tensor<Self, 4>,
+            scale: f64,
+            causal: bool,
+        ) -> Tensor<Self, 5> {
+            let raw = qkv.clone().into_primitive().tensor();
+            let dqkv = empty_device_contiguous_dtype(
+                raw.client.clone(),
+                raw.device.clone(),
+                raw.meta.shape().clone(),
+                raw.dtype,
+            );
+            let views = cube::packed::views(&raw, ANY).zip(cube::packed::views(&dqkv, ANY));
+            if let Some(([q, k, v], grads)) = views {
+                let heads_major =
+                    |t: &Tensor<Self, 4>| t.clone().swap_dims(1, 2).into_primitive().tensor();
+                let written = cudnn_attention::backward_into(
+                    &q,
+                    &k,
+                    &v,
+                    &heads_major(&out),
+                    &lse.clone().into_primitive().tensor(),
+                    &heads_major(&grad),
+                    &grads,
+                    scale as f32,
+                    causal,
+                );
+                if written {
+                    return float(dqkv);
+                }
+            }
+            cube::packed_flash_attention_backward(&qkv, &out, &lse, &grad, scale, causal, ANY)
+                .unwrap_or_else(|| {
+                    packed_ops::backward_composition(qkv, out, lse, grad, scale, causal)
+                })
         }
 
         fn gemm(
@@ -1036,7 +1270,7 @@ mod wgpu {
         for CubeBackend<WgpuRuntime, F, I, BT>
     {
         cube::fused_operations!();
-        cube::flash_operations!();
+        cube::flash_operations!(cube::ViewOffsets::MemoryAlignment);
     }
 }
 
@@ -1167,6 +1401,14 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         causal: bool,
     ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
         crate::ops::flash_attention::autodiff_flash_attention(q, k, v, scale, causal)
+    }
+
+    fn packed_flash_attention(
+        qkv: Tensor<Self, 5>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        crate::ops::packed_flash_attention::autodiff_packed_flash_attention(qkv, scale, causal)
     }
 
     fn norm(

@@ -1198,6 +1198,107 @@ fn flash_attention_through_cudnn_matches_the_materialised_attention() {
     }
 }
 
+/// The packed flash attention on our backend (`ModelBackend::packed_flash_attention`, its
+/// autodiff node and backward) against the materialised attention in f32 on the same rounded
+/// q, k, v: output, `lse` and the three parts of `dqkv`, bf16 and f16. GPT-2 124M's layer
+/// (MHA, S = 1024, head_dim 64) and MQA run cuDNN on views of `qkv` and write one `dqkv`
+/// through views (checked here directly, into a NaN-poisoned buffer: every element is
+/// written); GQA with 2 groups of 2 has no single head stride and runs the split path; 100
+/// keys are refused by cuDNN and run the tensor-core kernels on the views.
+#[test]
+fn packed_flash_attention_through_cudnn_matches_the_materialised_attention() {
+    use burn_megatron::ModelBackend;
+    use burn_megatron::ops::packed_flash_attention::{attention, split};
+    use burn_megatron_kernels::cuda::cudnn::attention as cudnn;
+    use burn_megatron_kernels::fused::flash_attention::packed::{self, ViewOffsets};
+    let device = CudaGpu::new(0);
+    let raw4 = |t: &Tensor<Ours, 4>| t.clone().into_primitive().tensor();
+    let raw5 = |t: &Tensor<Ours, 5>| t.clone().into_primitive().tensor();
+    let f32_data = |t: Tensor<Ours, 4>| t.cast(DType::F32).into_data();
+    // (batch, seq, groups, heads_per_group, head_dim, causal, cuDNN takes the views)
+    for (batch, seq, groups, per_group, head_dim, causal, through_cudnn) in [
+        (2, 1024, 12, 1, 64, true, true),
+        (1, 256, 1, 4, 128, false, true),
+        (1, 256, 2, 2, 64, true, false),
+        (1, 100, 4, 1, 64, true, false),
+    ] {
+        let shape = [batch, seq, groups, per_group + 2, head_dim];
+        let heads = groups * per_group;
+        let scale = 1.0 / (head_dim as f64).sqrt();
+        for (dtype, bound) in [(DType::BF16, tolerance::BF16), (DType::F16, tolerance::F16)] {
+            let case = format!(
+                "packed {dtype:?} b{batch} s{seq} g{groups}x{per_group} d{head_dim} \
+                 causal={causal}"
+            );
+            let qkv = Tensor::<Ours, 5>::from_data(data(&shape, 21), &device)
+                .mul_scalar(2.0)
+                .cast(dtype);
+            let grad =
+                Tensor::<Ours, 4>::from_data(data(&[batch, seq, heads, head_dim], 22), &device)
+                    .cast(dtype);
+            let [q, k, v] = split(qkv.clone());
+            let want = materialised_attention(
+                [q, k, v, grad.clone().swap_dims(1, 2)].map(|t| t.cast(DType::F32)),
+                scale,
+                causal,
+            );
+
+            let views = packed::views(&raw5(&qkv), ViewOffsets::AnyElement);
+            assert_eq!(
+                views.is_some(),
+                per_group == 1 || groups == 1,
+                "{case}: views"
+            );
+            if let Some([q, k, v]) = &views {
+                let takes = cudnn::forward(q, k, v, scale as f32, causal).is_some();
+                assert_eq!(takes, through_cudnn, "{case}: cuDNN on the views");
+            }
+
+            let (out, lse) = Ours::packed_flash_attention(qkv.clone(), scale, causal);
+            assert_eq!(out.dims(), [batch, seq, heads, head_dim]);
+            let tracked = Tensor::<Autodiff<Ours>, 5>::from_inner(qkv.clone()).require_grad();
+            let y = attention(tracked.clone(), scale, causal);
+            let grads = (y * Tensor::from_inner(grad.clone())).sum().backward();
+            let [dq, dk, dv] = split(tracked.grad(&grads).expect("qkv has a gradient"));
+            let got = [
+                f32_data(out.clone().swap_dims(1, 2)),
+                lse.clone().into_data(),
+                f32_data(dq),
+                f32_data(dk),
+                f32_data(dv),
+            ];
+            compare_attention(&case, got, &want, bound);
+
+            if through_cudnn {
+                let [q, k, v] = views.expect("views");
+                let dqkv = Tensor::<Ours, 5>::full(shape, f32::NAN, &device).cast(dtype);
+                let parts = packed::views(&raw5(&dqkv), ViewOffsets::AnyElement).expect("views");
+                let written = cudnn::backward_into(
+                    &q,
+                    &k,
+                    &v,
+                    &raw4(&out.clone().swap_dims(1, 2)),
+                    &lse.clone().into_primitive().tensor(),
+                    &raw4(&grad.clone().swap_dims(1, 2)),
+                    &parts,
+                    scale as f32,
+                    causal,
+                );
+                assert!(written, "{case}: cuDNN refused the backward into views");
+                let [dq, dk, dv] = split(dqkv);
+                let got = [
+                    f32_data(out.swap_dims(1, 2)),
+                    lse.into_data(),
+                    f32_data(dq),
+                    f32_data(dk),
+                    f32_data(dv),
+                ];
+                compare_attention(&format!("{case} into a poisoned dqkv"), got, &want, bound);
+            }
+        }
+    }
+}
+
 /// The tensor-core flash attention (f16, bf16) against the materialised attention in f32 on
 /// the same rounded inputs: output, log-sum-exp and the gradients of q, k, v; causal and not;
 /// S = 1, S not a multiple of the 64-row block; head dims 64 and 128; grouped queries (K/V

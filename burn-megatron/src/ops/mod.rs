@@ -8,6 +8,9 @@
 //!   scatter-add kernel.
 //! - [`mod@flash_attention`]: attention as one operation (output and log-sum-exp forward,
 //!   probabilities recomputed backward), grouped-query attention without copying K/V.
+//! - [`mod@packed_flash_attention`]: flash attention on the fused QKV projection's output
+//!   `[batch, seq, groups, heads_per_group + 2, head_dim]`: no split copies forward, one
+//!   gradient buffer backward.
 //! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
 //! - [`mod@norm`]: LayerNorm and RMSNorm, f32 statistics, one backward for input, scale and
 //!   shift.
@@ -19,6 +22,7 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod gelu;
 pub mod norm;
+pub mod packed_flash_attention;
 pub mod swiglu;
 
 pub use gelu::{GeluForm, bias_gelu, gelu};

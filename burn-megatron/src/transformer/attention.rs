@@ -10,7 +10,7 @@ use super::rope::apply_rope;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
-use crate::ops::flash_attention;
+use crate::ops::{flash_attention, packed_flash_attention};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
     RowParallelLinear, RowParallelLinearConfig,
@@ -19,10 +19,13 @@ use crate::tensor_parallel::{
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
 /// rank's heads, and a row-parallel output projection.
 ///
-/// The attention runs as flash attention ([`crate::ops::flash_attention`]: no `[batch,
-/// heads, seq, seq]` tensor is stored, K/V heads are not repeated) unless attention dropout is
-/// active (`attention_dropout > 0` while training), which needs the probabilities: then the
-/// unfused [`AttentionCore`] runs, with selective recomputation if configured.
+/// The attention runs as flash attention (no `[batch, heads, seq, seq]` tensor is stored,
+/// K/V heads are not repeated) unless attention dropout is active (`attention_dropout > 0`
+/// while training), which needs the probabilities: then the unfused [`AttentionCore`] runs,
+/// with selective recomputation if configured. Without RoPE, flash attention takes the QKV
+/// projection's output as it is ([`crate::ops::packed_flash_attention`]: no split copies, one
+/// gradient buffer); with RoPE, q and k are split out and rotated first, then
+/// [`crate::ops::flash_attention`] runs.
 ///
 /// Heads are split by query group, so a rank holds whole groups: its query heads with the
 /// key/value head they share (GQA; plain multi-head attention is one head per group). The QKV
@@ -121,18 +124,33 @@ impl<B: ModelBackend> ParallelAttention<B> {
             s.heads_per_group + 2,
             s.head_dim,
         ]);
-        let q = qkv
-            .clone()
-            .narrow(3, 0, s.heads_per_group)
-            .reshape([batch, seq, local_heads, s.head_dim])
-            .swap_dims(1, 2);
-        let kv = |slot: usize| -> Tensor<B, 4> {
-            qkv.clone()
-                .narrow(3, s.heads_per_group + slot, 1)
-                .reshape([batch, seq, s.local_groups, s.head_dim])
-                .swap_dims(1, 2)
+        let core = AttentionCore {
+            scale: 1.0 / (s.head_dim as f64).sqrt(),
+            dropout: s.dropout,
+            training: B::ad_enabled(&qkv.device()),
+            site,
+            heads: s.heads,
+            first_head: s.first_head,
         };
-        let (mut k, v) = (kv(0), kv(1));
+        let flash = s.flash && !core.dropout_active();
+        let context = if flash && s.rope_base.is_none() {
+            // `[batch, seq, heads, head_dim]`: the heads merge below without a copy.
+            packed_flash_attention::attention(qkv, core.scale, true)
+        } else {
+            self.split_attention(qkv, core, flash).swap_dims(1, 2)
+        };
+        let context = context.reshape([batch, seq, local_heads * s.head_dim]);
+        self.output.try_forward(context)
+    }
+
+    /// The attention of the packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2,
+    /// head_dim]`) split into q, k and v (with RoPE applied, if configured), through
+    /// [`flash_attention`] or the unfused core: `[batch, heads, seq, head_dim]`.
+    fn split_attention(&self, qkv: Tensor<B, 5>, core: AttentionCore, flash: bool) -> Tensor<B, 4> {
+        let s = self.shape;
+        let [batch, seq, ..] = qkv.dims();
+        let local_heads = s.local_groups * s.heads_per_group;
+        let [q, mut k, v] = packed_flash_attention::split(qkv);
         let q = match s.rope_base {
             Some(base) => {
                 k = apply_rope(k, base);
@@ -140,34 +158,21 @@ impl<B: ModelBackend> ParallelAttention<B> {
             }
             None => q,
         };
-        let core = AttentionCore {
-            scale: 1.0 / (s.head_dim as f64).sqrt(),
-            dropout: s.dropout,
-            training: B::ad_enabled(&q.device()),
-            site,
-            heads: s.heads,
-            first_head: s.first_head,
+        if flash {
+            return flash_attention::attention(q, k, v, core.scale, true);
+        }
+        // Dropout on the probabilities needs them materialised: the unfused core, with each
+        // key/value head repeated for its group's query heads.
+        let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, s.local_groups, s.heads_per_group, seq, s.head_dim])
+                .reshape([batch, local_heads, seq, s.head_dim])
         };
-        let context = if core.dropout_active() || !s.flash {
-            // Dropout on the probabilities needs them materialised: the unfused core, with
-            // each key/value head repeated for its group's query heads.
-            let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {
-                t.unsqueeze_dim::<5>(2)
-                    .expand([batch, s.local_groups, s.heads_per_group, seq, s.head_dim])
-                    .reshape([batch, local_heads, seq, s.head_dim])
-            };
-            let (k, v) = (repeat(k), repeat(v));
-            match s.recompute {
-                Recompute::Selective => B::recomputed_attention_core(q, k, v, core),
-                Recompute::None | Recompute::Full => core.forward(q, k, v),
-            }
-        } else {
-            flash_attention::attention(q, k, v, core.scale, true)
-        };
-        let context = context
-            .swap_dims(1, 2)
-            .reshape([batch, seq, local_heads * s.head_dim]);
-        self.output.try_forward(context)
+        let (k, v) = (repeat(k), repeat(v));
+        match s.recompute {
+            Recompute::Selective => B::recomputed_attention_core(q, k, v, core),
+            Recompute::None | Recompute::Full => core.forward(q, k, v),
+        }
     }
 }
 

@@ -1,5 +1,6 @@
 //! Gradients against central finite differences, in f64 on the CPU: the GeLU, SwiGLU, norm,
-//! flash-attention, embedding and bias-add ops, and every parameter of a tiny GPT and a tiny Llama.
+//! flash-attention (split and packed), embedding and bias-add ops, and every parameter of a
+//! tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -13,6 +14,7 @@ mod flash_attention;
 mod gelu;
 mod models;
 mod norm;
+mod packed_flash_attention;
 mod swiglu;
 
 use burn::backend::ndarray::NdArrayDevice;

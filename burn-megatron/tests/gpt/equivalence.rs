@@ -99,33 +99,66 @@ fn assert_equivalent_in(
                 .with_sequence_parallel(sp)
                 .with_recompute(recompute);
             let got = outcomes(&config, tp, batches);
-            for (batch, (g, r)) in got.iter().zip(&reference).enumerate() {
-                let at = |what: &str| format!("{layout} batch {batch}: {what}");
-                assert_close(&at("logits"), &g.logits, &r.logits, tolerance::F32);
-                assert_close(
-                    &at("loss"),
-                    &[g.loss as f64],
-                    &[r.loss as f64],
-                    tolerance::F32,
-                );
-                assert_eq!(g.grads.len(), r.grads.len());
-                for ((path, gd), (rpath, rd)) in g.grads.iter().zip(&r.grads) {
-                    assert_eq!(path, rpath);
-                    assert_close(
-                        &at(&format!("gradient of {path}")),
-                        &real_rows(path, gd, config.vocab_size),
-                        &real_rows(path, rd, config.vocab_size),
-                        tolerance::F32,
-                    );
-                }
-            }
+            assert_same_outcomes(&layout, &got, &reference, config.vocab_size);
         }
     }
+}
+
+/// Logits, loss and every gradient of `got` equal `reference`'s, batch by batch.
+fn assert_same_outcomes(name: &str, got: &[Outcome], reference: &[Outcome], vocab: usize) {
+    assert_eq!(got.len(), reference.len());
+    for (batch, (g, r)) in got.iter().zip(reference).enumerate() {
+        let at = |what: &str| format!("{name} batch {batch}: {what}");
+        assert_close(&at("logits"), &g.logits, &r.logits, tolerance::F32);
+        assert_close(
+            &at("loss"),
+            &[g.loss as f64],
+            &[r.loss as f64],
+            tolerance::F32,
+        );
+        assert_eq!(g.grads.len(), r.grads.len());
+        for ((path, gd), (rpath, rd)) in g.grads.iter().zip(&r.grads) {
+            assert_eq!(path, rpath);
+            assert_close(
+                &at(&format!("gradient of {path}")),
+                &real_rows(path, gd, vocab),
+                &real_rows(path, rd, vocab),
+                tolerance::F32,
+            );
+        }
+    }
+}
+
+/// A small GPT with grouped-query attention (8 heads in 4 groups) and learned positions, so
+/// its attention runs on the packed QKV: 4 groups of 2 heads at TP = 1, 2 at TP = 2 (no
+/// single head stride: the split path), 1 at TP = 4 (a view per part).
+fn gqa_gpt() -> TransformerConfig {
+    TransformerConfig::new(32, 2, 8, 24, 50, 8)
+        .with_num_query_groups(Some(4))
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.1)
 }
 
 #[test]
 fn gpt_matches_single_device_in_every_layout() {
     assert_equivalent(crate::small_gpt(), "GPT");
+}
+
+#[test]
+fn gqa_gpt_matches_single_device_in_every_layout() {
+    assert_equivalent(gqa_gpt(), "GPT with GQA");
+}
+
+/// The packed flash attention (GPT: no RoPE) against the unfused attention core, which splits
+/// q, k and v and materialises the probabilities: the same logits and gradients.
+#[test]
+fn packed_flash_attention_matches_the_unfused_attention() {
+    for (config, name) in [(crate::small_gpt(), "GPT"), (gqa_gpt(), "GPT with GQA")] {
+        let unfused = outcomes(&config.clone().with_flash_attention(false), 1, 2);
+        let packed = outcomes(&config, 1, 2);
+        let name = format!("{name}, packed flash vs unfused attention");
+        assert_same_outcomes(&name, &packed, &unfused, config.vocab_size);
+    }
 }
 
 #[test]

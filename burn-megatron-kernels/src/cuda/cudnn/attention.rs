@@ -12,6 +12,9 @@
 //! Nothing `[seq_q, seq_k]`-sized is stored: the engines tile it. cuDNN's backward accumulates
 //! `dq` with atomics, so it is not bit-deterministic (our CubeCL kernels are).
 //!
+//! Inputs may be any views with contiguous, 16-byte aligned rows (e.g. q, k, v as views of a
+//! packed QKV buffer); [`backward_into`] writes the gradients into views the caller gives.
+//!
 //! [`forward`] and [`backward`] return `None` when cuDNN cannot take the call (f32, head dims
 //! that are not a multiple of 8 or above 128, key counts that are not a multiple of 128,
 //! misaligned views, no libcudnn, or no engine for the graph); the caller then uses the CubeCL
@@ -536,17 +539,48 @@ pub fn backward(
     causal: bool,
 ) -> Option<[Tensor; 3]> {
     let sizes = sizes_of(q, k, causal)?;
-    let same = [k, v, out, grad_out].iter().all(|t| t.dtype == q.dtype);
-    let rows = [sizes.heads * sizes.seq_q, sizes.seq_q, 1].map(|s| s as usize);
-    let lse_packed = lse.dtype == DType::F32 && lse.meta.strides()[..] == rows[..];
-    if !same || !lse_packed {
-        return None;
-    }
     let dq = empty_sequence_major(q, sizes.heads as usize);
     let dk = empty_sequence_major(k, sizes.kv_heads as usize);
     let dv = empty_sequence_major(v, sizes.kv_heads as usize);
-    let [q_l, k_l, v_l, out_l, grad_l, dq_l, dk_l, dv_l] =
-        layouts([q, k, v, out, grad_out, &dq, &dk, &dv])?;
+    let grads = [dq, dk, dv];
+    backward_into(q, k, v, out, lse, grad_out, &grads, scale, causal).then_some(grads)
+}
+
+/// [`backward`] writing `[dq, dk, dv]` into `grads` (q's, k's and v's shapes and dtype, any
+/// 16-byte-aligned strides with contiguous rows: views of one packed gradient buffer, say).
+/// Returns `false`, having enqueued nothing, when cuDNN cannot take the call.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    grad_out: &Tensor,
+    grads: &[Tensor; 3],
+    scale: f32,
+    causal: bool,
+) -> bool {
+    let Some(sizes) = sizes_of(q, k, causal) else {
+        return false;
+    };
+    let [dq, dk, dv] = grads;
+    let same = [k, v, out, grad_out, dq, dk, dv]
+        .iter()
+        .all(|t| t.dtype == q.dtype);
+    let shapes = [(dq, q), (dk, k), (dv, v)]
+        .iter()
+        .all(|(g, t)| g.meta.shape() == t.meta.shape());
+    let rows = [sizes.heads * sizes.seq_q, sizes.seq_q, 1].map(|s| s as usize);
+    let lse_packed = lse.dtype == DType::F32 && lse.meta.strides()[..] == rows[..];
+    if !same || !shapes || !lse_packed {
+        return false;
+    }
+    let Some([q_l, k_l, v_l, out_l, grad_l, dq_l, dk_l, dv_l]) =
+        layouts([q, k, v, out, grad_out, dq, dk, dv])
+    else {
+        return false;
+    };
     let key = Key::Backward(BackwardKey {
         sizes,
         q: q_l,
@@ -560,9 +594,9 @@ pub fn backward(
     });
     let queue = ForeignQueue::new(&q.device);
     if !ready(&queue, q.device.index, key) {
-        return None;
+        return false;
     }
-    let bindings = [q, k, v, out, lse, grad_out, &dq, &dk, &dv]
+    let bindings = [q, k, v, out, lse, grad_out, dq, dk, dv]
         .map(binding)
         .to_vec();
     queue.submit(
@@ -582,7 +616,7 @@ pub fn backward(
             run(ctx, key, device, scalars)
         },
     );
-    Some([dq, dk, dv])
+    true
 }
 
 /// Executes `key`'s plan on the operation's stream: `device` are the tensors' device

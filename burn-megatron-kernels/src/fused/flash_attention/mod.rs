@@ -15,17 +15,21 @@
 //! Grouped-query attention (GQA, MQA) is native: query head `h` reads key/value head
 //! `h / (heads / kv_heads)`, and K/V are never copied. Causal attention lets query `i` see
 //! keys `0..=i` (`seq_q == seq_k`). Inputs are read by stride, so views from `swap_dims` or
-//! `narrow` need no copy. Arithmetic is f32 for f32, f16 and bf16 storage.
+//! `narrow` need no copy, and [`forward_into`] and [`backward_into`] write their outputs by
+//! stride into tensors the caller gives (views of one packed buffer: see [`packed`]).
+//! Arithmetic is f32 for f32, f16 and bf16 storage.
 //!
 //! [`portable`] is the implementation every CubeCL runtime runs (no tensor cores, no plane
 //! operations; lavapipe in CI). [`tensor_core`] takes f16/bf16 inputs with head dim 64 or 128
 //! on runtimes with warp-level MMA (CUDA); [`forward`] and [`backward`] choose it there.
 
+pub mod packed;
 mod portable;
 pub mod tensor_core;
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 
 /// The largest head dimension the kernels take (their per-thread rows are sized by it).
@@ -135,12 +139,46 @@ pub fn forward<R: CubeRuntime>(
     v: CubeTensor<R>,
     options: AttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    let out = empty(&q, q.meta.shape().clone(), q.dtype);
+    let lse = forward_into(q, k, v, out.clone(), options);
+    (out, lse)
+}
+
+/// [`forward`] writing the output into `out` (q's shape and dtype, any strides: a `[batch,
+/// seq, heads, head_dim]` buffer seen as `[batch, heads, seq, head_dim]` lets the caller merge
+/// heads without a copy). Returns the log-sum-exp `[batch, heads, seq_q]` (f32).
+pub fn forward_into<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    options: AttentionOptions,
+) -> CubeTensor<R> {
     let dims = Dims::of(q.meta.shape(), k.meta.shape(), v.meta.shape(), options);
-    check_dtypes("forward", q.dtype, &[&k, &v]);
-    if tensor_core::supports(&q) {
-        return tensor_core::forward(q, k, v, options.scale, options.causal);
+    check_dtypes("forward", q.dtype, &[&k, &v, &out]);
+    assert_eq!(
+        out.meta.shape(),
+        q.meta.shape(),
+        "flash attention forward: out must have q's shape"
+    );
+    let lse = empty(
+        &q,
+        Shape::new([dims.batch, dims.heads, dims.seq_q]),
+        DType::F32,
+    );
+    if dims.batch * dims.heads * dims.seq_q == 0 {
+        return lse;
     }
-    portable::forward(q, k, v, dims, options)
+    if tensor_core::supports(&q) {
+        tensor_core::forward_into(q, k, v, out, lse.clone(), options.scale, options.causal);
+    } else {
+        portable::forward(q, k, v, out, lse.clone(), dims, options);
+    }
+    lse
+}
+
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
 /// The gradients `[dq, dk, dv]` of [`forward`]'s output given its gradient `grad_out`
@@ -157,8 +195,42 @@ pub fn backward<R: CubeRuntime>(
     grad_out: CubeTensor<R>,
     options: AttentionOptions,
 ) -> [CubeTensor<R>; 3] {
+    let grads = [&q, &k, &v].map(|t| empty(&q, t.meta.shape().clone(), q.dtype));
+    backward_into(q, k, v, out, lse, grad_out, grads.clone(), options);
+    grads
+}
+
+/// [`backward`] writing `[dq, dk, dv]` into `grads` (q's, k's and v's shapes, q's dtype, any
+/// strides: views of one packed gradient buffer, say). Every element of `grads` is written.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    grad_out: CubeTensor<R>,
+    grads: [CubeTensor<R>; 3],
+    options: AttentionOptions,
+) {
     let dims = Dims::of(q.meta.shape(), k.meta.shape(), v.meta.shape(), options);
     check_dtypes("backward", q.dtype, &[&k, &v, &out, &grad_out]);
+    check_dtypes(
+        "backward output",
+        q.dtype,
+        &[&grads[0], &grads[1], &grads[2]],
+    );
+    for (name, t, want) in [
+        ("dq", &grads[0], &q),
+        ("dk", &grads[1], &k),
+        ("dv", &grads[2], &v),
+    ] {
+        assert_eq!(
+            t.meta.shape(),
+            want.meta.shape(),
+            "flash attention backward: {name} must have the shape of its input"
+        );
+    }
     assert_eq!(
         lse.dtype,
         DType::F32,
@@ -177,8 +249,32 @@ pub fn backward<R: CubeRuntime>(
             q.meta.shape().as_slice()
         );
     }
-    if tensor_core::supports(&q) {
-        return tensor_core::backward(q, k, v, out, lse, grad_out, options.scale, options.causal);
+    if dims.batch * dims.heads * dims.seq_q == 0 || dims.batch * dims.kv_heads * dims.seq_k == 0 {
+        // No query sees a key: every gradient is zero (or empty).
+        for t in grads {
+            fill_zeros(t);
+        }
+        return;
     }
-    portable::backward(q, k, v, out, lse, grad_out, dims, options)
+    if tensor_core::supports(&q) {
+        let scale = options.scale;
+        tensor_core::backward_into(q, k, v, out, lse, grad_out, grads, scale, options.causal);
+    } else {
+        portable::backward(q, k, v, out, lse, grad_out, grads, dims, options);
+    }
+}
+
+/// Writes zeros into every element of `t` (any strides).
+fn fill_zeros<R: CubeRuntime>(t: CubeTensor<R>) {
+    if t.meta.shape().num_elements() == 0 {
+        return;
+    }
+    let zeros = zeros_client::<R>(
+        t.client.clone(),
+        t.device.clone(),
+        t.meta.shape().clone(),
+        t.dtype,
+    );
+    let (client, dtype) = (t.client.clone(), t.dtype.into());
+    cubecl::std::tensor::copy_into(&client, zeros.binding(), t.binding(), dtype);
 }

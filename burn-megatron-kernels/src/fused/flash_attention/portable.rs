@@ -31,7 +31,7 @@
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -603,22 +603,17 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
     empty_device_contiguous_dtype::<R>(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
+/// Writes the output into `out` (q's shape, any strides) and the log-sum-exp into `lse`
+/// (`[batch, heads, seq_q]`, f32). At least one query row.
 pub(super) fn forward<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
     dims: Dims,
     options: AttentionOptions,
-) -> (CubeTensor<R>, CubeTensor<R>) {
-    let out = empty(&q, q.meta.shape().clone(), q.dtype);
-    let lse = empty(
-        &q,
-        Shape::new([dims.batch, dims.heads, dims.seq_q]),
-        DType::F32,
-    );
-    if dims.batch * dims.heads * dims.seq_q == 0 {
-        return (out, lse);
-    }
+) {
     let threads = row_threads(dims.seq_q);
     let blocks = dims.seq_q.div_ceil(threads);
     let cubes = dims.batch * dims.heads * blocks;
@@ -630,8 +625,8 @@ pub(super) fn forward<R: CubeRuntime>(
         q.into_tensor_arg(),
         k.into_tensor_arg(),
         v.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
+        out.into_tensor_arg(),
+        lse.into_tensor_arg(),
         options.scale,
         dims.heads as u32,
         dims.group() as u32,
@@ -644,7 +639,6 @@ pub(super) fn forward<R: CubeRuntime>(
         options.causal,
         dtype,
     );
-    (out, lse)
 }
 
 /// `delta = rowsum(dO ∘ O)` per query row (`[batch, heads, seq_q]`, f32), which every
@@ -677,6 +671,8 @@ pub(super) fn delta<R: CubeRuntime>(
     delta
 }
 
+/// Writes `[dq, dk, dv]` into `grads` (q's, k's and v's shapes, any strides). At least one
+/// query row and one key row.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward<R: CubeRuntime>(
     q: CubeTensor<R>,
@@ -685,25 +681,11 @@ pub(super) fn backward<R: CubeRuntime>(
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     grad_out: CubeTensor<R>,
+    grads: [CubeTensor<R>; 3],
     dims: Dims,
     options: AttentionOptions,
-) -> [CubeTensor<R>; 3] {
-    let rows = dims.batch * dims.heads * dims.seq_q;
-    let key_rows = dims.batch * dims.kv_heads * dims.seq_k;
-    if rows == 0 || key_rows == 0 {
-        // No query sees a key: every gradient is zero (or empty).
-        return [&q, &k, &v].map(|t| {
-            zeros_client::<R>(
-                q.client.clone(),
-                q.device.clone(),
-                t.meta.shape().clone(),
-                q.dtype,
-            )
-        });
-    }
-    let grad_q = empty(&q, q.meta.shape().clone(), q.dtype);
-    let grad_k = empty(&q, k.meta.shape().clone(), q.dtype);
-    let grad_v = empty(&q, v.meta.shape().clone(), q.dtype);
+) {
+    let [grad_q, grad_k, grad_v] = grads;
     let client = q.client.clone();
     let dtype: StorageType = q.dtype.into();
     let tile = tile_rows(dims.head_dim);
@@ -723,7 +705,7 @@ pub(super) fn backward<R: CubeRuntime>(
         grad_out.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),
-        grad_q.clone().into_tensor_arg(),
+        grad_q.into_tensor_arg(),
         options.scale,
         dims.heads as u32,
         dims.group() as u32,
@@ -750,8 +732,8 @@ pub(super) fn backward<R: CubeRuntime>(
         grad_out.into_tensor_arg(),
         lse.into_tensor_arg(),
         delta.into_tensor_arg(),
-        grad_k.clone().into_tensor_arg(),
-        grad_v.clone().into_tensor_arg(),
+        grad_k.into_tensor_arg(),
+        grad_v.into_tensor_arg(),
         options.scale,
         dims.kv_heads as u32,
         dims.group() as u32,
@@ -764,5 +746,4 @@ pub(super) fn backward<R: CubeRuntime>(
         options.causal,
         dtype,
     );
-    [grad_q, grad_k, grad_v]
 }

@@ -857,8 +857,7 @@ pub fn forward<R: CubeRuntime>(
     scale: f32,
     causal: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [batch, heads, seq_q, head_dim] = dims4(q.meta.shape());
-    let [_, kv_heads, seq_k, _] = dims4(k.meta.shape());
+    let [batch, heads, seq_q, _] = dims4(q.meta.shape());
     let client = q.client.clone();
     let out = empty_device_contiguous_dtype::<R>(
         client.clone(),
@@ -867,14 +866,34 @@ pub fn forward<R: CubeRuntime>(
         q.dtype,
     );
     let lse = empty_device_contiguous_dtype::<R>(
-        client.clone(),
+        client,
         q.device.clone(),
         Shape::new([batch, heads, seq_q]),
         DType::F32,
     );
+    forward_into(q, k, v, out.clone(), lse.clone(), scale, causal);
+    (out, lse)
+}
+
+/// [`forward`] writing the output into `out` (q's shape, any strides, e.g. a `[batch, seq,
+/// heads, head_dim]` buffer seen as `[batch, heads, seq, head_dim]`) and the log-sum-exp into
+/// `lse` (`[batch, heads, seq_q]`, f32, contiguous).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_into<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    scale: f32,
+    causal: bool,
+) {
+    let [batch, heads, seq_q, head_dim] = dims4(q.meta.shape());
+    let [_, kv_heads, seq_k, _] = dims4(k.meta.shape());
     if batch * heads * seq_q == 0 {
-        return (out, lse);
+        return;
     }
+    let client = q.client.clone();
     let dtype = q.dtype.into();
     forward_kernel::launch::<R>(
         &client,
@@ -883,8 +902,8 @@ pub fn forward<R: CubeRuntime>(
         q.into_tensor_arg(),
         k.into_tensor_arg(),
         v.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
+        out.into_tensor_arg(),
+        lse.into_tensor_arg(),
         scale,
         seq_q as u32,
         seq_k as u32,
@@ -894,7 +913,6 @@ pub fn forward<R: CubeRuntime>(
         causal,
         dtype,
     );
-    (out, lse)
 }
 
 /// `[dq, dk, dv]` of [`forward`] given its output, log-sum-exp and the output's gradient;
@@ -910,18 +928,40 @@ pub fn backward<R: CubeRuntime>(
     scale: f32,
     causal: bool,
 ) -> [CubeTensor<R>; 3] {
-    let [batch, heads, seq_q, head_dim] = dims4(q.meta.shape());
-    let [_, kv_heads, seq_k, _] = dims4(k.meta.shape());
     let client = q.client.clone();
     let empty = |shape: &Shape, dtype| {
         empty_device_contiguous_dtype::<R>(client.clone(), q.device.clone(), shape.clone(), dtype)
     };
-    let grad_q = empty(q.meta.shape(), q.dtype);
-    let grad_k = empty(k.meta.shape(), k.dtype);
-    let grad_v = empty(v.meta.shape(), v.dtype);
+    let grads = [
+        empty(q.meta.shape(), q.dtype),
+        empty(k.meta.shape(), k.dtype),
+        empty(v.meta.shape(), v.dtype),
+    ];
+    backward_into(q, k, v, out, lse, grad, grads.clone(), scale, causal);
+    grads
+}
+
+/// [`backward`] writing `[dq, dk, dv]` into `grads` (q's, k's and v's shapes, any strides).
+/// Nothing is written when there is no query row or no key.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    grads: [CubeTensor<R>; 3],
+    scale: f32,
+    causal: bool,
+) {
+    let [batch, heads, seq_q, head_dim] = dims4(q.meta.shape());
+    let [_, kv_heads, seq_k, _] = dims4(k.meta.shape());
     if batch * heads * seq_q == 0 || seq_k == 0 {
-        return [grad_q, grad_k, grad_v];
+        return;
     }
+    let [grad_q, grad_k, grad_v] = grads;
+    let client = q.client.clone();
     let dims = super::Dims {
         batch,
         heads,
@@ -943,7 +983,7 @@ pub fn backward<R: CubeRuntime>(
         grad.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         delta.clone().into_tensor_arg(),
-        grad_q.clone().into_tensor_arg(),
+        grad_q.into_tensor_arg(),
         scale,
         seq_q as u32,
         seq_k as u32,
@@ -964,8 +1004,8 @@ pub fn backward<R: CubeRuntime>(
         grad.into_tensor_arg(),
         lse.into_tensor_arg(),
         delta.into_tensor_arg(),
-        grad_k.clone().into_tensor_arg(),
-        grad_v.clone().into_tensor_arg(),
+        grad_k.into_tensor_arg(),
+        grad_v.into_tensor_arg(),
         scale,
         seq_q as u32,
         seq_k as u32,
@@ -976,5 +1016,4 @@ pub fn backward<R: CubeRuntime>(
         causal,
         dtype,
     );
-    [grad_q, grad_k, grad_v]
 }
