@@ -148,9 +148,10 @@ fn ops_match_burn_cuda() {
     for ((name, a), (_, b)) in ours.iter().zip(&reference) {
         let tolerance = if name.contains("bf16") || name.contains("f16") {
             tolerance::BF16
-        } else if *name == "conv2d" {
-            // Each backend autotunes its own convolution; an implicit-GEMM pick may run in
-            // TF32 (seen on the H100: 9e-4).
+        } else if matches!(*name, "matmul_f32" | "transpose" | "conv2d") {
+            // f32 GEMMs: ours run cuBLASLt in TF32, burn-cuda autotunes its own kernels
+            // (some TF32), and a convolution may pick an implicit GEMM. Seen on the H100:
+            // 2.7e-4 for the transposed matmul, 9e-4 for conv2d.
             tolerance::TF32
         } else {
             tolerance::F32

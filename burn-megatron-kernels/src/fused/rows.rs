@@ -47,7 +47,7 @@ impl RowLayout {
             threads *= 2;
         }
         let plane = fixed_plane_size(client)
-            .filter(|&p| p.is_power_of_two() && threads % p == 0)
+            .filter(|&p| p.is_power_of_two() && threads.is_multiple_of(p))
             .unwrap_or(0);
         Self {
             threads,
@@ -70,11 +70,7 @@ impl RowLayout {
 
     /// Shared-memory slots [`row_sum`] needs.
     pub fn shared_slots(&self) -> usize {
-        let per_row = if self.plane > 0 {
-            self.threads / self.plane
-        } else {
-            self.threads
-        };
+        let per_row = self.threads.checked_div(self.plane).unwrap_or(self.threads);
         (per_row * self.rows_per_cube) as usize
     }
 }
@@ -114,7 +110,7 @@ pub fn row_sum(
             total = plane_total;
         } else {
             let planes = comptime!((threads / plane) as usize);
-            if x % comptime!(plane as usize) == 0 {
+            if UNIT_POS_PLANE == 0 {
                 shared[y * planes + x / comptime!(plane as usize)] = plane_total;
             }
             sync_cube();
