@@ -263,13 +263,7 @@ fn clipped_steps_equal_burns_adamw_on_clipped_gradients() {
     // and tensor by tensor on the other: not the same order, so the brief's f32 bound (the
     // parameters' spread reached 1.03e-6 once the model's bias gradients were summed as
     // [tokens, features] instead of per dimension).
-    assert_same(
-        "clipped",
-        &tiny_gpt(),
-        &got[0],
-        &want[0],
-        tolerance::F32,
-    );
+    assert_same("clipped", &tiny_gpt(), &got[0], &want[0], tolerance::F32);
 }
 
 #[test]
@@ -284,13 +278,7 @@ fn a_skipped_step_changes_nothing_and_is_not_counted() {
     // and tensor by tensor on the other: not the same order, so the brief's f32 bound (the
     // parameters' spread reached 1.03e-6 once the model's bias gradients were summed as
     // [tokens, features] instead of per dimension).
-    assert_same(
-        "skipped",
-        &tiny_gpt(),
-        &got[0],
-        &want[0],
-        tolerance::F32,
-    );
+    assert_same("skipped", &tiny_gpt(), &got[0], &want[0], tolerance::F32);
 }
 
 #[test]
