@@ -387,6 +387,7 @@ mod cube {
         NormForward, NormGradients, NormKind, backward_composition as norm_backward_composition,
         forward_composition as norm_forward_composition,
     };
+    use crate::ops::swiglu::{swiglu_derivatives, swiglu_forward};
     use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
@@ -802,6 +803,51 @@ mod cube {
         ))
     }
 
+    /// `ModelBackend::swiglu` in one kernel (f64: the composition).
+    pub(super) fn swiglu<R, F, I, BT>(
+        gate: Tensor<Cube<R, F, I, BT>, 2>,
+        up: Tensor<Cube<R, F, I, BT>, 2>,
+    ) -> Tensor<Cube<R, F, I, BT>, 2>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = gate.dtype();
+        if dtype == DType::F64 {
+            return swiglu_forward(gate, up);
+        }
+        float(burn_megatron_kernels::fused::swiglu::forward(
+            gate.into_primitive().tensor(),
+            up.cast(dtype).into_primitive().tensor(),
+        ))
+    }
+
+    /// `ModelBackend::swiglu_backward` in one kernel (f64: the composition).
+    pub(super) fn swiglu_backward<R, F, I, BT>(
+        gate: Tensor<Cube<R, F, I, BT>, 2>,
+        up: Tensor<Cube<R, F, I, BT>, 2>,
+        grad: Tensor<Cube<R, F, I, BT>, 2>,
+    ) -> [Tensor<Cube<R, F, I, BT>, 2>; 2]
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = gate.dtype();
+        if dtype == DType::F64 {
+            return swiglu_derivatives(gate, up, grad);
+        }
+        burn_megatron_kernels::fused::swiglu::backward(
+            gate.into_primitive().tensor(),
+            up.cast(dtype).into_primitive().tensor(),
+            grad.cast(dtype).into_primitive().tensor(),
+        )
+        .map(float)
+    }
+
     /// `ModelBackend::bias_gradient` as deterministic column sums (f64: the composition).
     pub(super) fn bias_gradient<R, F, I, BT>(
         dy: Tensor<Cube<R, F, I, BT>, 2>,
@@ -906,6 +952,18 @@ mod cube {
         () => {
             fn bias_gradient(dy: Tensor<Self, 2>) -> Tensor<Self, 1> {
                 cube::bias_gradient(dy)
+            }
+
+            fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+                cube::swiglu(gate, up)
+            }
+
+            fn swiglu_backward(
+                gate: Tensor<Self, 2>,
+                up: Tensor<Self, 2>,
+                grad: Tensor<Self, 2>,
+            ) -> [Tensor<Self, 2>; 2] {
+                cube::swiglu_backward(gate, up, grad)
             }
 
             fn cross_entropy_statistics(

@@ -664,6 +664,52 @@ fn bias_gelu_equals_the_composition() {
     }
 }
 
+/// SwiGLU (`ModelBackend::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
+/// way) against the Burn compositions in f32, for f32 and f16 storage, on strided views read
+/// element by element and packed rows read as vectors, with f32 gates far into both tails of
+/// the sigmoid.
+#[test]
+fn swiglu_equals_the_composition() {
+    use burn_megatron::ops::swiglu::{swiglu_derivatives, swiglu_forward};
+    let device = WgpuDevice::default();
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for (rows, cols, extra) in [(1, 1, 3), (7, 300, 5), (9, 256, 0), (33, 129, 1)] {
+            let view = |seed, scale| {
+                matrix(rows, cols + extra, seed, scale, &device)
+                    .cast(dtype)
+                    .narrow(1, 0, cols)
+            };
+            // f32 gates reach far into the sigmoid's tails; f16 ones stay where silu is
+            // representable (silu(-40) ≈ -2e-16 is below f16's smallest subnormal).
+            let gate_scale = if dtype == DType::F32 { 40.0 } else { 6.0 };
+            let (gate, up, grad) = (view(81, gate_scale), view(82, 2.0), view(83, 1.0));
+            let f32_of = |t: Tensor<W, 2>| t.cast(DType::F32);
+            let want = swiglu_forward(f32_of(gate.clone()), f32_of(up.clone()));
+            let [want_gate, want_up] = swiglu_derivatives(
+                f32_of(gate.clone()),
+                f32_of(up.clone()),
+                f32_of(grad.clone()),
+            );
+            let got = W::swiglu(gate.clone(), up.clone());
+            let [got_gate, got_up] = W::swiglu_backward(gate, up, grad);
+            let name = format!("{dtype:?} {rows}x{cols} (+{extra})");
+            for (what, got, want) in [
+                ("forward", got, want),
+                ("d_gate", got_gate, want_gate),
+                ("d_up", got_up, want_up),
+            ] {
+                assert_eq!(got.dtype(), dtype, "{what} {name}");
+                assert_close(
+                    &format!("{what} {name}"),
+                    &values(f32_of(got)),
+                    &values(want),
+                    bound,
+                );
+            }
+        }
+    }
+}
+
 /// `ModelBackend::bias_gradient` (the two-stage column sums) against exact f64 sums of the
 /// stored values, for f32 and f16 `dy`: no rows, one row, row counts that are not multiples
 /// of the 32-row blocks or that need more than 512 blocks, strided views read element by

@@ -13,10 +13,9 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-use cubecl::tensor_vector_size_parallel;
 
-/// Threads per cube.
-const THREADS: u32 = 256;
+use super::vectors::{THREADS, launch_shape, vector_offset, vector_position, vector_width};
+
 /// `sqrt(2 / π)`.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 /// `1 / sqrt(2)`.
@@ -35,28 +34,6 @@ pub enum Form {
     Tanh,
 }
 
-/// This thread's vector as (row, vector within the row), or `terminate!` past the end.
-#[cube]
-fn vector_position(rows: u32, vectors_per_row: u32) -> (usize, usize) {
-    let cube = CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X;
-    let index = cube * CUBE_DIM_X + UNIT_POS_X;
-    if index >= rows * vectors_per_row {
-        terminate!();
-    }
-    (
-        (index / vectors_per_row) as usize,
-        (index % vectors_per_row) as usize,
-    )
-}
-
-/// The offset of vector `vector` of row `row` (element offsets over the width: the
-/// vectorised axis has stride 1 whenever the width is above 1).
-#[cube]
-fn offset<F: Float, N: Size>(tensor: &Tensor<Vector<F, N>>, row: usize, vector: usize) -> usize {
-    let width = N::value();
-    (row * tensor.stride(0) + vector * width * tensor.stride(1)) / width
-}
-
 /// `x + bias` at (row, vector), in f32.
 #[cube]
 fn biased<F: Float, N: Size>(
@@ -67,7 +44,7 @@ fn biased<F: Float, N: Size>(
     #[comptime] has_bias: bool,
 ) -> Vector<f32, N> {
     let width = N::value();
-    let mut v = Vector::<f32, N>::cast_from(x[offset::<F, N>(x, row, vector)]);
+    let mut v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]);
     if has_bias {
         v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
     }
@@ -117,7 +94,7 @@ fn forward_kernel<F: Float, N: Size>(
     for k in 0..N::value() {
         y[k] = gelu(v[k], tanh);
     }
-    output[offset::<F, N>(output, row, vector)] = Vector::cast_from(y);
+    output[vector_offset::<F, N>(output, row, vector)] = Vector::cast_from(y);
 }
 
 #[cube(launch)]
@@ -135,40 +112,13 @@ fn backward_kernel<F: Float, N: Size>(
 ) {
     let (row, vector) = vector_position(rows, vectors_per_row);
     let v = biased::<F, N>(x, bias, row, vector, has_bias);
-    let dy = Vector::<f32, N>::cast_from(grad[offset::<F, N>(grad, row, vector)]);
+    let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
     let mut dx = Vector::<f32, N>::empty();
     #[unroll]
     for k in 0..N::value() {
         dx[k] = dy[k] * gelu_derivative(v[k], tanh);
     }
-    grad_x[offset::<F, N>(grad_x, row, vector)] = Vector::cast_from(dx);
-}
-
-/// The widest vector every tensor can be read with along its last dimension.
-fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
-    let client = &tensors[0].client;
-    let elem_size = tensors[0].dtype.size();
-    tensors
-        .iter()
-        .map(|t| {
-            let rank = t.meta.shape().as_slice().len();
-            tensor_vector_size_parallel(
-                client.io_optimized_vector_sizes(elem_size),
-                t.meta.shape(),
-                t.meta.strides(),
-                rank - 1,
-            )
-        })
-        .min()
-        .unwrap_or(1)
-}
-
-/// A grid of 256-thread cubes covering `threads` threads, each dimension within every
-/// runtime's limit.
-fn launch_shape(threads: usize) -> CubeCount {
-    let cubes = threads.div_ceil(THREADS as usize).max(1);
-    let x = cubes.min(65_535);
-    CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
+    grad_x[vector_offset::<F, N>(grad_x, row, vector)] = Vector::cast_from(dx);
 }
 
 fn rows_cols(shape: &Shape) -> (usize, usize) {

@@ -14,7 +14,8 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-use cubecl::tensor_vector_size_parallel;
+
+use super::vectors::vector_width;
 
 /// Threads per cube of the first stage.
 const PARTIAL_THREADS: u32 = 128;
@@ -153,23 +154,6 @@ fn buffer<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> C
     empty_device_contiguous_dtype::<R>(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
-/// The widest vector every tensor can be read with along its columns.
-fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>], elem_size: usize) -> usize {
-    let client = &tensors[0].client;
-    tensors
-        .iter()
-        .map(|t| {
-            tensor_vector_size_parallel(
-                client.io_optimized_vector_sizes(elem_size),
-                t.meta.shape(),
-                t.meta.strides(),
-                1,
-            )
-        })
-        .min()
-        .unwrap_or(1)
-}
-
 /// The column sums of `dy` (`[rows, columns]`, any strides, f32/f16/bf16) written into
 /// `sum_dy` (when given) and of `dy · x̂` into `sum_dyx` (when `normalised` is given): both
 /// `[columns]`, any float dtype, any stride.
@@ -211,7 +195,7 @@ pub fn column_sums_into<R: CubeRuntime>(
         if normalised.is_some() {
             tensors.push(&x);
         }
-        vector_width(&tensors, dy.dtype.size())
+        vector_width(&tensors)
     };
     let cubes = (columns / width).div_ceil(PARTIAL_THREADS as usize) as u32;
     if rows > 0 {

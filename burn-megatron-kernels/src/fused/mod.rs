@@ -17,3 +17,5 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod norm;
 pub mod rows;
+pub mod swiglu;
+pub mod vectors;

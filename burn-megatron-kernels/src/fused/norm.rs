@@ -19,10 +19,10 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-use cubecl::tensor_vector_size_parallel;
 
 use super::column_sum::{Normalised, column_sums_into};
 use super::rows::{RowLayout, row_of_thread, row_sum};
+use super::vectors::vector_width;
 
 /// Which normalisation the kernels compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -240,25 +240,6 @@ fn backward_kernel<F: Float, N: Size>(
             }
         }
     }
-}
-
-/// The widest vector every tensor can be read with along its last dimension.
-fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
-    let client = &tensors[0].client;
-    let elem_size = tensors[0].dtype.size();
-    tensors
-        .iter()
-        .map(|t| {
-            let rank = t.meta.shape().as_slice().len();
-            tensor_vector_size_parallel(
-                client.io_optimized_vector_sizes(elem_size),
-                t.meta.shape(),
-                t.meta.strides(),
-                rank - 1,
-            )
-        })
-        .min()
-        .unwrap_or(1)
 }
 
 fn rows_hidden(shape: &Shape) -> (usize, usize) {

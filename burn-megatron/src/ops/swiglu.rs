@@ -3,8 +3,10 @@
 //! Burn 0.21's `sigmoid` (and so `silu`) computes in f32 whatever the dtype: for f16 and bf16
 //! that widens, but an f64 model gets an f32 SiLU (relative error ~1e-8, and a forward that
 //! f64 finite differences cannot differentiate). [`sigmoid`] here widens narrow floats and
-//! keeps f64. [`ModelBackend::swiglu`] and [`ModelBackend::swiglu_backward`] are where a fused
-//! kernel goes; `Autodiff<B>` records one node that stores `gate` and `up`.
+//! keeps f64. [`ModelBackend::swiglu`] and [`ModelBackend::swiglu_backward`] run one kernel
+//! each way on CubeCL backends (`burn_megatron_kernels::fused::swiglu`, f32 math for f32, f16
+//! and bf16; f64 keeps this composition); `Autodiff<B>` records one node that stores `gate`
+//! and `up`.
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;

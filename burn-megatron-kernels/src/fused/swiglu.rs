@@ -1,0 +1,145 @@
+//! SwiGLU's element-wise part, `silu(gate) · up`, and its two gradients, each one kernel that
+//! reads and writes [`Vector`]s, in f32 whatever the storage dtype.
+//!
+//! The Burn composition reads and writes `[tokens, ffn]` tensors about five times forward and
+//! eight times backward; here the forward reads `gate` and `up` once and writes once, the
+//! backward reads `gate`, `up` and `dy` once and writes `d_gate` and `d_up` once.
+
+use burn::tensor::Shape;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use super::vectors::{THREADS, launch_shape, vector_offset, vector_position, vector_width};
+
+/// `σ(x) = 1 / (1 + e^(-x))`; 0 where `e^(-x)` overflows, as it should be.
+#[cube]
+fn sigmoid(x: f32) -> f32 {
+    f32::new(1.0) / (f32::new(1.0) + (-x).exp())
+}
+
+#[cube(launch)]
+fn forward_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    rows: u32,
+    vectors_per_row: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (row, vector) = vector_position(rows, vectors_per_row);
+    let g = Vector::<f32, N>::cast_from(gate[vector_offset::<F, N>(gate, row, vector)]);
+    let u = Vector::<f32, N>::cast_from(up[vector_offset::<F, N>(up, row, vector)]);
+    let mut y = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        y[k] = g[k] * sigmoid(g[k]) * u[k];
+    }
+    output[vector_offset::<F, N>(output, row, vector)] = Vector::cast_from(y);
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn backward_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    grad_gate: &mut Tensor<Vector<F, N>>,
+    grad_up: &mut Tensor<Vector<F, N>>,
+    rows: u32,
+    vectors_per_row: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (row, vector) = vector_position(rows, vectors_per_row);
+    let g = Vector::<f32, N>::cast_from(gate[vector_offset::<F, N>(gate, row, vector)]);
+    let u = Vector::<f32, N>::cast_from(up[vector_offset::<F, N>(up, row, vector)]);
+    let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
+    let mut dg = Vector::<f32, N>::empty();
+    let mut du = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        let s = sigmoid(g[k]);
+        du[k] = dy[k] * g[k] * s;
+        dg[k] = dy[k] * u[k] * s * (f32::new(1.0) + g[k] * (f32::new(1.0) - s));
+    }
+    grad_gate[vector_offset::<F, N>(grad_gate, row, vector)] = Vector::cast_from(dg);
+    grad_up[vector_offset::<F, N>(grad_up, row, vector)] = Vector::cast_from(du);
+}
+
+fn rows_cols(shape: &Shape) -> (usize, usize) {
+    let dims = shape.as_slice();
+    assert_eq!(dims.len(), 2, "SwiGLU takes [tokens, features]");
+    (dims[0], dims[1])
+}
+
+fn output_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(
+        x.client.clone(),
+        x.device.clone(),
+        x.meta.shape().clone(),
+        x.dtype,
+    )
+}
+
+/// `silu(gate) · up` for `gate, up: [tokens, features]` (any strides, one float dtype); the
+/// output has `gate`'s shape and dtype.
+pub fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+    let (rows, cols) = rows_cols(gate.meta.shape());
+    assert_eq!(
+        gate.meta.shape(),
+        up.meta.shape(),
+        "gate and up differ in shape"
+    );
+    let output = output_like(&gate);
+    if rows * cols == 0 {
+        return output;
+    }
+    let width = vector_width(&[&gate, &up, &output]);
+    let dtype = gate.dtype.into();
+    forward_kernel::launch::<R>(
+        &gate.client.clone(),
+        launch_shape(rows * cols / width),
+        CubeDim::new_1d(THREADS),
+        width,
+        gate.into_tensor_arg(),
+        up.into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        rows as u32,
+        (cols / width) as u32,
+        dtype,
+    );
+    output
+}
+
+/// `[d_gate, d_up]` of [`forward`] given its output's gradient `grad` (`gate`'s shape and
+/// dtype, any strides): `grad · up · σ(gate) · (1 + gate · (1 - σ(gate)))` and
+/// `grad · silu(gate)`.
+pub fn backward<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    grad: CubeTensor<R>,
+) -> [CubeTensor<R>; 2] {
+    let (rows, cols) = rows_cols(gate.meta.shape());
+    let (grad_gate, grad_up) = (output_like(&gate), output_like(&gate));
+    if rows * cols == 0 {
+        return [grad_gate, grad_up];
+    }
+    let width = vector_width(&[&gate, &up, &grad, &grad_gate, &grad_up]);
+    let dtype = gate.dtype.into();
+    backward_kernel::launch::<R>(
+        &gate.client.clone(),
+        launch_shape(rows * cols / width),
+        CubeDim::new_1d(THREADS),
+        width,
+        gate.into_tensor_arg(),
+        up.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        grad_gate.clone().into_tensor_arg(),
+        grad_up.clone().into_tensor_arg(),
+        rows as u32,
+        (cols / width) as u32,
+        dtype,
+    );
+    [grad_gate, grad_up]
+}

@@ -1,0 +1,68 @@
+//! Reading and writing `[rows, columns]` tensors as [`Vector`]s: the widest vector the shapes
+//! and strides allow (16 bytes on CUDA: 8 bf16 or 4 f32; 4 elements at most on wgpu), and
+//! where a thread's vector sits, for the element-wise kernels.
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+use cubecl::tensor_vector_size_parallel;
+
+/// Threads per cube of the element-wise kernels.
+pub const THREADS: u32 = 256;
+
+/// The widest vector every tensor can be read with along its last dimension (1 when its
+/// stride there is not 1, or no width divides the shape and the other strides). The element
+/// size is the first tensor's.
+pub fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
+    let client = &tensors[0].client;
+    let elem_size = tensors[0].dtype.size();
+    tensors
+        .iter()
+        .map(|t| {
+            let rank = t.meta.shape().as_slice().len();
+            tensor_vector_size_parallel(
+                client.io_optimized_vector_sizes(elem_size),
+                t.meta.shape(),
+                t.meta.strides(),
+                rank - 1,
+            )
+        })
+        .min()
+        .unwrap_or(1)
+}
+
+/// A grid of [`THREADS`]-thread cubes covering `threads` threads, each dimension within every
+/// runtime's limit.
+pub fn launch_shape(threads: usize) -> CubeCount {
+    let cubes = threads.div_ceil(THREADS as usize).max(1);
+    let x = cubes.min(65_535);
+    CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1)
+}
+
+/// This thread's vector as (row, vector within the row), one vector a thread over
+/// `rows × vectors_per_row`, or `terminate!` past the end.
+#[cube]
+pub fn vector_position(rows: u32, vectors_per_row: u32) -> (usize, usize) {
+    let cube = CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X;
+    let index = cube * CUBE_DIM_X + UNIT_POS_X;
+    if index >= rows * vectors_per_row {
+        terminate!();
+    }
+    (
+        (index / vectors_per_row) as usize,
+        (index % vectors_per_row) as usize,
+    )
+}
+
+/// The offset of vector `vector` of row `row` of a 2D tensor: element offsets over the width
+/// (the vectorised axis has stride 1 whenever the width is above 1, and every other stride
+/// is a multiple of it).
+#[cube]
+pub fn vector_offset<F: Float, N: Size>(
+    tensor: &Tensor<Vector<F, N>>,
+    row: usize,
+    vector: usize,
+) -> usize {
+    let width = N::value();
+    (row * tensor.stride(0) + vector * width * tensor.stride(1)) / width
+}
