@@ -208,6 +208,17 @@ pub trait ModelBackend: DistBackend {
         core.forward(q, k, v)
     }
 
+    /// `buffer` (`[numel]` f32) with `values` (`[n]`, any float dtype) cast to f32 written at
+    /// `start..start + n`: how each gradient enters the flat fp32 gradient buffer. CubeCL
+    /// backends write in place, in one kernel, when nothing else holds `buffer`.
+    fn write_slot(
+        buffer: Tensor<Self, 1>,
+        start: usize,
+        values: Tensor<Self, 1>,
+    ) -> Tensor<Self, 1> {
+        write_slot_composition(buffer, start, values)
+    }
+
     /// `x + bias` for `x: [tokens, features]`, `bias: [features]`. `Autodiff<B>` records one
     /// node whose bias gradient is [`bias_gradient`](Self::bias_gradient).
     fn bias_add(x: Tensor<Self, 2>, bias: Tensor<Self, 1>) -> Tensor<Self, 2> {
@@ -803,6 +814,38 @@ mod cube {
         ))
     }
 
+    /// `ModelBackend::write_slot` in one kernel, in place (the composition when `buffer` is
+    /// shared, not contiguous f32, or `values` are f64).
+    pub(super) fn write_slot<R, F, I, BT>(
+        buffer: Tensor<Cube<R, F, I, BT>, 1>,
+        start: usize,
+        values: Tensor<Cube<R, F, I, BT>, 1>,
+    ) -> Tensor<Cube<R, F, I, BT>, 1>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let raw = buffer.into_primitive().tensor();
+        let values_dtype = values.dtype();
+        let direct = raw.dtype == DType::F32
+            && raw.is_contiguous()
+            && raw.can_mut()
+            && matches!(values_dtype, DType::F32 | DType::F16 | DType::BF16);
+        let buffer = float::<R, F, I, BT, 1>(raw);
+        if !direct {
+            return crate::backend::write_slot_composition(buffer, start, values);
+        }
+        let raw = buffer.into_primitive().tensor();
+        burn_megatron_kernels::fused::flat_copy::copy_into(
+            values.into_primitive().tensor(),
+            &raw,
+            start,
+        );
+        float(raw)
+    }
+
     /// `ModelBackend::swiglu` in one kernel (f64: the composition).
     pub(super) fn swiglu<R, F, I, BT>(
         gate: Tensor<Cube<R, F, I, BT>, 2>,
@@ -956,6 +999,14 @@ mod cube {
 
             fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
                 cube::swiglu(gate, up)
+            }
+
+            fn write_slot(
+                buffer: Tensor<Self, 1>,
+                start: usize,
+                values: Tensor<Self, 1>,
+            ) -> Tensor<Self, 1> {
+                cube::write_slot(buffer, start, values)
             }
 
             fn swiglu_backward(
@@ -1558,6 +1609,21 @@ impl<B: ModelBackend> Backward<B, 2> for BiasAddBackward {
             grads.register::<B>(id, dy);
         }
     }
+}
+
+/// [`ModelBackend::write_slot`] as Burn operations: a cast (unless already f32), then a
+/// `slice_assign`.
+pub fn write_slot_composition<B: burn::tensor::backend::Backend>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    values: Tensor<B, 1>,
+) -> Tensor<B, 1> {
+    let n = values.dims()[0];
+    let values = match values.dtype() {
+        DType::F32 => values,
+        _ => values.cast(DType::F32),
+    };
+    buffer.slice_assign([start..start + n], values)
 }
 
 /// `x + bias` over the last dimension of an `x` of any rank: flattened to `[tokens,

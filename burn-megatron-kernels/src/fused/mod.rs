@@ -15,6 +15,7 @@ pub mod column_sum;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod flash_attention;
+pub mod flat_copy;
 pub mod norm;
 pub mod rows;
 pub mod swiglu;

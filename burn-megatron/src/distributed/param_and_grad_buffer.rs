@@ -27,8 +27,9 @@
 //! - `main_params`: `[numel]` f32, the fp32 master weights (for an f32 model, the model's
 //!   parameters are views of it);
 //! - `grads`: `[numel]` f32, filled from a step's gradients by [`ParamAndGradBuffer::gather_grads`]
-//!   (one cast per non-f32 gradient and one `slice_assign` per parameter: the gradients do not
-//!   yet accumulate into the buffer during the backward pass, as Megatron's `main_grad` do).
+//!   (one cast-and-copy kernel per parameter on CubeCL backends, a cast and a `slice_assign`
+//!   elsewhere: the gradients do not yet accumulate into the buffer during the backward pass,
+//!   as Megatron's `main_grad` do).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -328,11 +329,14 @@ impl<B: Backend> ParamAndGradBuffer<B> {
         self.main_params = main_params;
     }
 
-    /// Copies `module`'s gradients from `grads` into the gradient buffer, cast to f32.
+    /// Copies `module`'s gradients from `grads` into the gradient buffer, cast to f32
+    /// ([`ModelBackend::write_slot`](crate::backend::ModelBackend::write_slot): one kernel a
+    /// parameter, in place, on CubeCL backends).
     /// Every parameter of `module` must be in the buffer and have a gradient of its shape:
     /// else an [`InputError`] naming it, and the buffer is left as it was.
     pub fn gather_grads<BA, M>(&mut self, module: &M, grads: &GradientsParams) -> crate::Result<()>
     where
+        B: crate::backend::ModelBackend,
         BA: AutodiffBackend<InnerBackend = B>,
         M: Module<BA>,
     {
@@ -371,10 +375,6 @@ impl<B: Backend> ParamAndGradBuffer<B> {
                     });
                     return;
                 }
-                let grad = match grad.dtype() {
-                    DType::F32 => grad,
-                    _ => grad.cast(DType::F32),
-                };
                 self.pieces.push((slot.range(), grad.reshape([slot.numel])));
             }
         }
@@ -402,7 +402,7 @@ impl<B: Backend> ParamAndGradBuffer<B> {
         let mut buffer = self.grads.clone();
         self.grads = Tensor::empty([0], (&buffer.device(), DType::F32));
         for (range, grad) in gather.pieces {
-            buffer = buffer.slice_assign(range, grad);
+            buffer = B::write_slot(buffer, range.start, grad);
         }
         self.grads = buffer;
         Ok(())
