@@ -1623,7 +1623,7 @@ pub fn write_slot_composition<B: burn::tensor::backend::Backend>(
         DType::F32 => values,
         _ => values.cast(DType::F32),
     };
-    buffer.slice_assign([start..start + n], values)
+    buffer.slice_assign(start..start + n, values)
 }
 
 /// `x + bias` over the last dimension of an `x` of any rank: flattened to `[tokens,

@@ -981,8 +981,8 @@ fn fused_norm_matches_the_composition() {
     }
 }
 
-/// Bias-GeLU forward and backward (vectorised: 16-byte accesses in bf16) and the bias
-/// gradient's column sums on our CUDA backend against the f32 compositions, at the GPT-2 MLP
+/// Bias-GeLU and SwiGLU forward and backward (vectorised: 16-byte accesses in bf16) and the
+/// bias gradient's column sums on our CUDA backend against the f32 compositions, at the GPT-2 MLP
 /// shape and a ragged one; the column sums are also bit-equal between two runs.
 #[test]
 fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
@@ -1017,6 +1017,30 @@ fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
                     &name(&format!("{form:?} backward")),
                     &f32_of(backward).into_data(),
                     &(f32_of(grad.clone()) * form.derivative(biased.clone())).into_data(),
+                    bound,
+                );
+            }
+            // SwiGLU with x as the gate and another random matrix as `up`.
+            let up = Tensor::<Ours, 2>::from_data(data(&[rows, cols], 74), &device).cast(dtype);
+            let [want_gate, want_up] = burn_megatron::ops::swiglu::swiglu_derivatives(
+                f32_of(x.clone()),
+                f32_of(up.clone()),
+                f32_of(grad.clone()),
+            );
+            let [got_gate, got_up] = Ours::swiglu_backward(x.clone(), up.clone(), grad.clone());
+            for (what, got, want) in [
+                (
+                    "SwiGLU forward",
+                    Ours::swiglu(x.clone(), up.clone()),
+                    burn_megatron::ops::swiglu::swiglu_forward(f32_of(x.clone()), f32_of(up)),
+                ),
+                ("SwiGLU d_gate", got_gate, want_gate),
+                ("SwiGLU d_up", got_up, want_up),
+            ] {
+                assert_close(
+                    &name(what),
+                    &f32_of(got).into_data(),
+                    &want.into_data(),
                     bound,
                 );
             }
