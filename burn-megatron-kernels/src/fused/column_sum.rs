@@ -24,8 +24,6 @@ const PARTIAL_THREADS: u32 = 128;
 const MIN_ROWS_PER_BLOCK: usize = 32;
 /// At most this many partial sums per column.
 const MAX_BLOCKS: usize = 512;
-/// Rows whose loads a thread of the first stage issues together.
-const UNROLL: usize = 4;
 /// Columns per cube of the second stage.
 const SUM_COLUMNS: u32 = 4;
 /// Threads per column of the second stage: each sums every `SUM_LANES`-th block, so a lane
@@ -81,45 +79,24 @@ fn partials_kernel<F: Float, N: Size>(
     }
     let mut total_dy = Vector::<f32, N>::new(0.0);
     let mut total_dyx = Vector::<f32, N>::new(0.0);
-    // `UNROLL` rows' loads are issued before any is added (more bytes in flight per thread);
-    // the sums still run row by row, so the bits are those of a sequential loop.
-    let mut g = Array::<Vector<f32, N>>::new(UNROLL);
-    let mut x_hat = Array::<Vector<f32, N>>::new(UNROLL);
     let mut row = start;
     while row < end {
-        #[unroll]
-        for k in 0..UNROLL {
-            let r = row + k;
-            let mut gk = Vector::<f32, N>::new(0.0);
-            let mut xk = Vector::<f32, N>::new(0.0);
-            if r < end {
-                gk = Vector::cast_from(dy[(r * dy.stride(0) + column * dy.stride(1)) / width]);
-                if normalised {
-                    let mut mu = f32::new(0.0);
-                    if centred {
-                        mu = mean[r * mean.stride(0)];
-                    }
-                    let value = Vector::<f32, N>::cast_from(
-                        x[(r * x.stride(0) + column * x.stride(1)) / width],
-                    );
-                    xk = (value - Vector::new(mu)) * Vector::new(rstd[r * rstd.stride(0)]);
-                }
-            }
-            g[k] = gk;
-            x_hat[k] = xk;
+        let g =
+            Vector::<f32, N>::cast_from(dy[(row * dy.stride(0) + column * dy.stride(1)) / width]);
+        if sum_dy {
+            total_dy += g;
         }
-        #[unroll]
-        for k in 0..UNROLL {
-            if row + k < end {
-                if sum_dy {
-                    total_dy += g[k];
-                }
-                if normalised {
-                    total_dyx += g[k] * x_hat[k];
-                }
+        if normalised {
+            let mut mu = f32::new(0.0);
+            if centred {
+                mu = mean[row * mean.stride(0)];
             }
+            let value =
+                Vector::<f32, N>::cast_from(x[(row * x.stride(0) + column * x.stride(1)) / width]);
+            let x_hat = (value - Vector::new(mu)) * Vector::new(rstd[row * rstd.stride(0)]);
+            total_dyx += g * x_hat;
         }
-        row += UNROLL;
+        row += 1;
     }
     if sum_dy {
         partial_dy[(block * partial_dy.stride(0) + column * partial_dy.stride(1)) / width] =
