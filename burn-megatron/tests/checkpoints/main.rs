@@ -5,6 +5,7 @@
 mod async_save;
 mod convert;
 mod distributed_optimizer;
+mod flat_adamw;
 mod hugging_face;
 mod loss_scaler;
 mod partial_reads;
