@@ -833,11 +833,9 @@ mod cube {
             && raw.is_contiguous()
             && raw.can_mut()
             && matches!(values_dtype, DType::F32 | DType::F16 | DType::BF16);
-        let buffer = float::<R, F, I, BT, 1>(raw);
         if !direct {
-            return crate::backend::write_slot_composition(buffer, start, values);
+            return crate::backend::write_slot_composition(float(raw), start, values);
         }
-        let raw = buffer.into_primitive().tensor();
         burn_megatron_kernels::fused::flat_copy::copy_into(
             values.into_primitive().tensor(),
             &raw,

@@ -8,13 +8,13 @@
 //! forward of the same form, `dy · gelu'(x + bias)`; the bias gradient is the caller's column
 //! sum of that.
 
-use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::vectors::{THREADS, launch_shape, vector_offset, vector_position, vector_width};
+use super::vectors::{
+    THREADS, empty_like, launch_shape, rows_cols, vector_offset, vector_position, vector_width,
+};
 
 /// `sqrt(2 / π)`.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -121,21 +121,6 @@ fn backward_kernel<F: Float, N: Size>(
     grad_x[vector_offset::<F, N>(grad_x, row, vector)] = Vector::cast_from(dx);
 }
 
-fn rows_cols(shape: &Shape) -> (usize, usize) {
-    let dims = shape.as_slice();
-    assert_eq!(dims.len(), 2, "bias-GeLU takes [tokens, features]");
-    (dims[0], dims[1])
-}
-
-fn output_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
-    empty_device_contiguous_dtype::<R>(
-        x.client.clone(),
-        x.device.clone(),
-        x.meta.shape().clone(),
-        x.dtype,
-    )
-}
-
 /// `gelu(x + bias)` for `x: [tokens, features]` (any strides) and `bias: [features]` of the
 /// same dtype; the output has `x`'s shape and dtype.
 pub fn forward<R: CubeRuntime>(
@@ -143,8 +128,8 @@ pub fn forward<R: CubeRuntime>(
     bias: Option<CubeTensor<R>>,
     form: Form,
 ) -> CubeTensor<R> {
-    let (rows, cols) = rows_cols(x.meta.shape());
-    let output = output_like(&x);
+    let (rows, cols) = rows_cols(x.meta.shape(), "bias-GeLU");
+    let output = empty_like(&x);
     if rows * cols == 0 {
         return output;
     }
@@ -177,8 +162,8 @@ pub fn backward<R: CubeRuntime>(
     grad: CubeTensor<R>,
     form: Form,
 ) -> CubeTensor<R> {
-    let (rows, cols) = rows_cols(x.meta.shape());
-    let grad_x = output_like(&x);
+    let (rows, cols) = rows_cols(x.meta.shape(), "bias-GeLU");
+    let grad_x = empty_like(&x);
     if rows * cols == 0 {
         return grad_x;
     }

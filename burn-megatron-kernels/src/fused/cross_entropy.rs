@@ -39,7 +39,8 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::EnumSet;
 use cubecl::prelude::*;
-use cubecl::tensor_vector_size_parallel;
+
+use super::vectors::vector_width;
 
 /// Most threads a row's cube gets (a power of two for the tree reduction).
 const MAX_THREADS: usize = 256;
@@ -435,22 +436,6 @@ fn fixed_plane_size<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
         .unwrap_or(0)
 }
 
-/// The widest vector every tensor in `tensors` can be read by along its rows (axis 1).
-fn row_vector_size<R: CubeRuntime>(tensors: &[&CubeTensor<R>], dtype: DType) -> usize {
-    tensors
-        .iter()
-        .map(|t| {
-            tensor_vector_size_parallel(
-                t.client.io_optimized_vector_sizes(dtype.size()),
-                t.meta.shape(),
-                t.meta.strides(),
-                1,
-            )
-        })
-        .min()
-        .unwrap_or(1)
-}
-
 /// The forward kernel: row statistics of `logits` (`[rows, local]`, any float dtype) against
 /// `targets` (`[rows]`, global vocabulary ids; negative ones are never in a slice).
 pub fn row_statistics<R: CubeRuntime>(
@@ -479,7 +464,7 @@ pub fn row_statistics<R: CubeRuntime>(
         return stats;
     }
     let client = logits.client.clone();
-    let width = row_vector_size(&[&logits], logits.dtype);
+    let width = vector_width(&[&logits]);
     let plane = fixed_plane_size(&client);
     let threads = row_threads(local / width, plane);
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
@@ -551,7 +536,7 @@ pub fn gradient_into<R: CubeRuntime>(
         return;
     }
     let client = logits.client.clone();
-    let width = row_vector_size(&[&logits, &grad], logits.dtype);
+    let width = vector_width(&[&logits, &grad]);
     let threads = row_threads(local / width, fixed_plane_size(&client));
     let dtypes = [logits.dtype.into(), targets.dtype.into()];
     gradient_kernel::launch::<R>(

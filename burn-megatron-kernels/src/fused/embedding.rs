@@ -27,7 +27,8 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
-use cubecl::tensor_vector_size_parallel;
+
+use super::vectors::vector_width;
 
 /// Threads per cube: the columns a cube owns are `THREADS` vectors wide.
 const THREADS: u32 = 128;
@@ -218,18 +219,7 @@ pub fn embedding_backward<R: CubeRuntime>(
         Shape::new([tokens.max(1), hidden]),
         DType::F32,
     );
-    let width = [&grad, &output, &sums]
-        .into_iter()
-        .map(|t| {
-            tensor_vector_size_parallel(
-                client.io_optimized_vector_sizes(grad.dtype.size()),
-                t.meta.shape(),
-                t.meta.strides(),
-                1,
-            )
-        })
-        .min()
-        .unwrap_or(1);
+    let width = vector_width(&[&grad, &output, &sums]);
     let blocks = (hidden / width).div_ceil(THREADS as usize);
     let buckets = buckets.min(vocab);
     let dtypes = [grad.dtype.into(), ids.dtype.into()];

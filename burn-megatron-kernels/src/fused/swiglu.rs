@@ -5,13 +5,13 @@
 //! eight times backward; here the forward reads `gate` and `up` once and writes once, the
 //! backward reads `gate`, `up` and `dy` once and writes `d_gate` and `d_up` once.
 
-use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::vectors::{THREADS, launch_shape, vector_offset, vector_position, vector_width};
+use super::vectors::{
+    THREADS, empty_like, launch_shape, rows_cols, vector_offset, vector_position, vector_width,
+};
 
 /// `σ(x) = 1 / (1 + e^(-x))`; 0 where `e^(-x)` overflows, as it should be.
 #[cube]
@@ -67,31 +67,16 @@ fn backward_kernel<F: Float, N: Size>(
     grad_up[vector_offset::<F, N>(grad_up, row, vector)] = Vector::cast_from(du);
 }
 
-fn rows_cols(shape: &Shape) -> (usize, usize) {
-    let dims = shape.as_slice();
-    assert_eq!(dims.len(), 2, "SwiGLU takes [tokens, features]");
-    (dims[0], dims[1])
-}
-
-fn output_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
-    empty_device_contiguous_dtype::<R>(
-        x.client.clone(),
-        x.device.clone(),
-        x.meta.shape().clone(),
-        x.dtype,
-    )
-}
-
 /// `silu(gate) · up` for `gate, up: [tokens, features]` (any strides, one float dtype); the
 /// output has `gate`'s shape and dtype.
 pub fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
-    let (rows, cols) = rows_cols(gate.meta.shape());
+    let (rows, cols) = rows_cols(gate.meta.shape(), "SwiGLU");
     assert_eq!(
         gate.meta.shape(),
         up.meta.shape(),
         "gate and up differ in shape"
     );
-    let output = output_like(&gate);
+    let output = empty_like(&gate);
     if rows * cols == 0 {
         return output;
     }
@@ -120,8 +105,8 @@ pub fn backward<R: CubeRuntime>(
     up: CubeTensor<R>,
     grad: CubeTensor<R>,
 ) -> [CubeTensor<R>; 2] {
-    let (rows, cols) = rows_cols(gate.meta.shape());
-    let (grad_gate, grad_up) = (output_like(&gate), output_like(&gate));
+    let (rows, cols) = rows_cols(gate.meta.shape(), "SwiGLU");
+    let (grad_gate, grad_up) = (empty_like(&gate), empty_like(&gate));
     if rows * cols == 0 {
         return [grad_gate, grad_up];
     }

@@ -2,7 +2,9 @@
 //! and strides allow (16 bytes on CUDA: 8 bf16 or 4 f32; 4 elements at most on wgpu), and
 //! where a thread's vector sits, for the element-wise kernels.
 
+use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::tensor_vector_size_parallel;
@@ -29,6 +31,23 @@ pub fn vector_width<R: CubeRuntime>(tensors: &[&CubeTensor<R>]) -> usize {
         })
         .min()
         .unwrap_or(1)
+}
+
+/// `(rows, columns)` of the `[tokens, features]` input of the element-wise op `op`.
+pub fn rows_cols(shape: &Shape, op: &str) -> (usize, usize) {
+    let dims = shape.as_slice();
+    assert_eq!(dims.len(), 2, "{op} takes [tokens, features]");
+    (dims[0], dims[1])
+}
+
+/// A new contiguous tensor of `x`'s shape, dtype and device.
+pub fn empty_like<R: CubeRuntime>(x: &CubeTensor<R>) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(
+        x.client.clone(),
+        x.device.clone(),
+        x.meta.shape().clone(),
+        x.dtype,
+    )
 }
 
 /// A grid of [`THREADS`]-thread cubes covering `threads` threads, each dimension within every
