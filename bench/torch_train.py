@@ -4,6 +4,12 @@
 #
 #   python3 bench/torch_train.py --preset gpt2-124m --batch 16 --mode compile
 #   python3 bench/torch_train.py --preset gpt2-124m --batch 16 --mode eager
+#   torchrun --nproc-per-node 2 bench/torch_train.py --preset gpt2-350m --batch 8   # DDP
+#
+# Under torchrun (WORLD_SIZE > 1) each process trains a replica on its own GPU with
+# DistributedDataParallel (NCCL, default 25 MiB buckets overlapped with backward): --batch is
+# the per-GPU batch, as in gpt_train_bench's --data-parallel runs, and tokens/s counts every
+# GPU's tokens; TFLOP/s and MFU are per GPU. Rank 0 prints.
 #
 # What it runs: the same model shape (padded vocabulary, tied or untied output, LayerNorm +
 # GELU + learned positions for GPT, RMSNorm + SwiGLU + RoPE + GQA for Llama), the same init
@@ -20,7 +26,10 @@ import math
 import statistics
 import time
 
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -161,16 +170,26 @@ def main():
 
     hidden, layers, heads, groups, ffn, vocab, default_seq, kind, tied = PRESETS[args.preset]
     seq = args.seq or default_seq
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(1234)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     device = torch.device(args.device)
+    if world > 1:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
     cuda = device.type == "cuda"
     positions = max(seq, default_seq)
     model = Gpt(hidden, layers, heads, groups, ffn, vocab, seq, positions, kind, tied).to(device)
     params = sum(p.numel() for p in model.parameters())
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4, fused=cuda)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     forward = torch.compile(model) if args.mode == "compile" else model
+    # Each replica reads its own batches.
+    torch.manual_seed(1234 + rank)
     batches = [
         (
             torch.randint(0, vocab, (args.batch, seq), device=device),
@@ -204,15 +223,19 @@ def main():
         elapsed, loss = step(args.warmup + i)
         times.append(elapsed)
 
+    if world > 1:
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     step_ms = statistics.median(times) * 1e3
-    tokens = args.batch * seq
-    flops = training_flops(hidden, layers, heads, groups, ffn, vocab, kind, args.batch, seq)
-    tflops = flops / (step_ms / 1e3) / 1e12
+    tokens = args.batch * seq * world
+    flops = training_flops(hidden, layers, heads, groups, ffn, vocab, kind, args.batch * world, seq)
+    tflops = flops / (step_ms / 1e3) / 1e12 / world
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
-    mfu = flops / (step_ms / 1e3) / peak_flops(gpu, args.dtype, args.peak_tflops)
+    mfu = flops / (step_ms / 1e3) / peak_flops(gpu, args.dtype, args.peak_tflops) / world
     alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
-    impl = f"torch-{args.mode}"
+    impl = f"torch-{args.mode}" + ("-ddp" if world > 1 else "")
     print(
         f"torch_train: {args.preset} ({params / 1e6:.1f}M params, f32 master weights, "
         f"{args.dtype} autocast), batch {args.batch} x seq {seq}, {impl}, torch "
@@ -224,13 +247,13 @@ def main():
     )
     print(
         f"  step: median {step_ms:.2f} ms (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
-        f"{tokens / (step_ms / 1e3):.0f} tokens/s; {tflops:.1f} TFLOP/s ({flops:.3e} model FLOPs "
-        f"per step); MFU {100 * mfu:.1f}%"
+        f"{tokens / (step_ms / 1e3):.0f} tokens/s on {world} GPU(s); {tflops:.1f} TFLOP/s per GPU "
+        f"({flops:.3e} model FLOPs per step); MFU {100 * mfu:.1f}%"
     )
     print(f"  memory: {alloc:.2f} GiB allocated at most, {reserved:.2f} GiB reserved at most")
     print(
         f"RESULT impl={impl} preset={args.preset} batch={args.batch} seq={seq} dtype={args.dtype} "
-        f"recompute=none params={params} step_ms={step_ms:.2f} tok_s={tokens / (step_ms / 1e3):.0f} "
+        f"recompute=none dp={world} params={params} step_ms={step_ms:.2f} tok_s={tokens / (step_ms / 1e3):.0f} "
         f"tflops={tflops:.1f} mfu={mfu:.4f} mem_alloc_gib={alloc:.2f} mem_reserved_gib={reserved:.2f} "
         f"loss={loss:.4f}",
         flush=True,

@@ -17,6 +17,14 @@
 //! With `BM_PROFILE=1` the measured steps are timed with the profile idle (one extra branch per
 //! launch), then `--profile-steps` more steps are profiled per kernel (see
 //! `burn_megatron_kernels::cuda::profile`).
+//!
+//! With `--data-parallel N` and/or `--tensor-parallel N` the step runs on N GPUs, one thread
+//! rank per GPU over NCCL (issue 14): `--batch` is then each data-parallel rank's batch (as
+//! torch DDP's per-GPU batch), the gradients are all-reduced bucket by bucket after backward,
+//! or reduce-scattered with `--use-distributed-optimizer` (ZeRO-1, `DistributedAdamW`), and
+//! tokens/s counts the whole world's tokens. Ranks are threads of this process, or processes
+//! when started by `bm-launch --nproc-per-node N` (or torchrun). Compare with `torchrun
+//! --nproc-per-node N bench/torch_train.py` (DDP) in the same call.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -27,9 +35,10 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Int, IntDType, Tensor, TensorData, set_default_dtypes};
 use burn_cubecl::cubecl::Runtime;
+use burn_megatron::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
 use burn_megatron::models::GptModel;
 use burn_megatron::transformer::{Recompute, TransformerConfig};
-use burn_megatron_dist::{LaunchConfig, ProcessGroup, launch};
+use burn_megatron_dist::{LaunchConfig, ParallelSizes, ProcessEnv, RankContext, launch, run_rank};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime, profile};
 use clap::{Parser, ValueEnum};
 
@@ -94,6 +103,9 @@ enum OptimizerArg {
 enum StepOptimizer {
     Burn(burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, GptModel<Train>, Train>),
     Flat(Box<burn_megatron::optimizer::FlatAdamW<Train>>),
+    /// Several GPUs: the flat fused AdamW of each data-parallel replica, its gradients
+    /// reduced over the DP group (and, sharded, its state).
+    Distributed(Box<DistributedAdamW<Train>>),
 }
 
 impl StepOptimizer {
@@ -106,6 +118,7 @@ impl StepOptimizer {
         Ok(match self {
             StepOptimizer::Burn(optim) => optim.step(lr, model, grads),
             StepOptimizer::Flat(optim) => optim.step(lr, model, &grads)?,
+            StepOptimizer::Distributed(optim) => optim.step(lr, model, &grads)?.model,
         })
     }
 }
@@ -164,6 +177,30 @@ struct Args {
     /// attention, to compare the two.
     #[arg(long)]
     unfused_attention: bool,
+    /// Data-parallel replicas, one GPU each (`--batch` sequences per replica).
+    #[arg(long, default_value_t = 1)]
+    data_parallel: usize,
+    /// Tensor-parallel ranks per replica, one GPU each.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
+    /// Sequence parallelism in the tensor-parallel group.
+    #[arg(long)]
+    sequence_parallel: bool,
+    /// Shard the master weights and moments over the data-parallel group (ZeRO-1).
+    #[arg(long)]
+    use_distributed_optimizer: bool,
+    /// Elements per data-parallel gradient bucket.
+    #[arg(long, default_value_t = 40_000_000)]
+    bucket_numel: usize,
+    /// Match every GPU collective on the host first (the launch default; off in torch).
+    #[arg(long)]
+    collective_checks: bool,
+}
+
+impl Args {
+    fn world_size(&self) -> usize {
+        self.data_parallel * self.tensor_parallel
+    }
 }
 
 /// Host time of each part of a step, and the memory seen at its phase boundaries.
@@ -208,18 +245,41 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .with_recompute(recompute)
         .with_flash_attention(!args.unfused_attention);
     config.max_sequence_length = max_sequence_length;
-    let device = CudaGpu::new(0);
-    check_gpu(device.index)?;
-    if args.dtype == Precision::Bf16 {
-        // Before any tensor exists on the device: parameters, activations and the tensors the
-        // model creates (masks, RoPE tables) are all bf16 from here.
-        set_default_dtypes::<Train>(&device, FloatDType::BF16, IntDType::I32)?;
+    config.sequence_parallel = args.sequence_parallel;
+    let world = args.world_size();
+    if world == 0 {
+        return Err("--data-parallel and --tensor-parallel must be at least 1".into());
     }
-    let mut outcome = launch(LaunchConfig::new(1), |ctx| {
-        train(args, &config, seq, ctx.world(), &device)
+    let launch_config = LaunchConfig::new(world).with_collective_checks(args.collective_checks);
+    let dtypes = |gpu: usize| -> Result<(), BoxError> {
+        check_gpu(gpu)?;
+        if args.dtype == Precision::Bf16 {
+            // Before any tensor exists on the device: parameters, activations and the tensors
+            // the model creates (masks, RoPE tables) are all bf16 from here.
+            set_default_dtypes::<Train>(&CudaGpu::new(gpu), FloatDType::BF16, IntDType::I32)?;
+        }
+        Ok(())
+    };
+    if std::env::var_os("RANK").is_some() {
+        // One process per GPU (bm-launch or torchrun): this process runs its rank.
+        let env = ProcessEnv::from_env()?;
+        dtypes(env.local_rank)?;
+        let outcome = run_rank(&env, launch_config, |ctx| {
+            train(args, &config, seq, &ctx, &CudaGpu::new(ctx.local_rank()))
+        })?;
+        return match env.rank {
+            0 => report(args, &config, seq, &outcome, "process"),
+            _ => Ok(()),
+        };
+    }
+    for gpu in 0..world {
+        dtypes(gpu)?;
+    }
+    let mut outcome = launch(launch_config, |ctx| {
+        train(args, &config, seq, &ctx, &CudaGpu::new(ctx.local_rank()))
     })?;
     let outcome = outcome.remove(0);
-    report(args, &config, seq, &outcome)
+    report(args, &config, seq, &outcome, "thread")
 }
 
 /// What a run measured.
@@ -239,10 +299,11 @@ fn train(
     args: &Args,
     config: &TransformerConfig,
     seq: usize,
-    world: &ProcessGroup,
+    ctx: &RankContext,
     device: &CudaGpu,
 ) -> Result<Outcome, BoxError> {
-    let mut model = config.init_gpt::<Train>(world, device)?;
+    let state = ctx.parallel_state(ParallelSizes::default().with_tp(args.tensor_parallel))?;
+    let mut model = config.init_gpt::<Train>(state.tp(), device)?;
     let wanted = match args.dtype {
         Precision::F32 => DType::F32,
         Precision::Bf16 => DType::BF16,
@@ -255,6 +316,19 @@ fn train(
     let params = model.num_params();
     let gpu = gpu_name(device.index);
     let mut optim = match args.optimizer {
+        _ if args.world_size() > 1 => {
+            if args.optimizer == OptimizerArg::Burn {
+                return Err("--optimizer burn runs on one GPU only".into());
+            }
+            let data_parallel = DataParallelConfig::new()
+                .with_bucket_numel(args.bucket_numel)
+                .with_use_distributed_optimizer(args.use_distributed_optimizer);
+            StepOptimizer::Distributed(Box::new(
+                DistributedAdamWConfig::new()
+                    .with_data_parallel(data_parallel)
+                    .init(&model, &state, &[])?,
+            ))
+        }
         OptimizerArg::Burn => {
             StepOptimizer::Burn(AdamWConfig::new().init::<Train, GptModel<Train>>())
         }
@@ -262,11 +336,14 @@ fn train(
             burn_megatron::optimizer::FlatAdamWConfig::new().init(&model)?,
         )),
     };
+    // Each data-parallel replica reads its own batches; tensor-parallel ranks share theirs.
+    let first_seed = 8 * state.dp().rank() as u64;
     let batches: Vec<_> = (0..4)
         .map(|i| {
+            let seed = first_seed + 2 * i;
             (
-                random_tokens(args.batch, seq, config.vocab_size, 2 * i, device),
-                random_tokens(args.batch, seq, config.vocab_size, 2 * i + 1, device),
+                random_tokens(args.batch, seq, config.vocab_size, seed, device),
+                random_tokens(args.batch, seq, config.vocab_size, seed + 1, device),
             )
         })
         .collect();
@@ -494,6 +571,7 @@ fn report(
     config: &TransformerConfig,
     seq: usize,
     outcome: &Outcome,
+    ranks: &str,
 ) -> Result<(), BoxError> {
     let name = args
         .preset
@@ -505,11 +583,14 @@ fn report(
     let steps = &outcome.steps;
     let of = |f: fn(&StepTimes) -> Duration| median(steps.iter().map(|s| ms(f(s))).collect());
     let step_ms = of(|s| s.total);
-    let tokens = (args.batch * seq) as f64;
-    let flops = config.training_flops(args.batch, seq)?;
-    let tflops = flops / (step_ms / 1e3) / 1e12;
+    // The world's tokens and FLOPs; TFLOP/s and MFU are per GPU.
+    let world = args.world_size() as f64;
+    let global_batch = args.batch * args.data_parallel;
+    let tokens = (global_batch * seq) as f64;
+    let flops = config.training_flops(global_batch, seq)?;
+    let tflops = flops / (step_ms / 1e3) / 1e12 / world;
     let peak = peak_flops(&outcome.gpu, args.dtype, args.peak_tflops);
-    let mfu = peak.map_or(f64::NAN, |p| flops / (step_ms / 1e3) / p);
+    let mfu = peak.map_or(f64::NAN, |p| flops / (step_ms / 1e3) / p / world);
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let in_use = steps.iter().map(|s| s.in_use).max().unwrap_or(0);
     let reserved = steps.iter().map(|s| s.reserved).max().unwrap_or(0);
@@ -535,6 +616,25 @@ fn report(
         args.lr,
         outcome.gpu
     );
+    if args.world_size() > 1 {
+        println!(
+            "  layout: DP {} × TP {} (sequence parallel {}) on {} GPUs, {ranks} ranks over NCCL, \
+             collective checks {}; {} optimizer, buckets of {} elements; batch {} per replica; \
+             figures from rank 0 (its loss is its replica's)",
+            args.data_parallel,
+            args.tensor_parallel,
+            args.sequence_parallel,
+            args.world_size(),
+            args.collective_checks,
+            if args.use_distributed_optimizer {
+                "distributed (ZeRO-1)"
+            } else {
+                "replicated"
+            },
+            args.bucket_numel,
+            args.batch,
+        );
+    }
     println!(
         "  warm-up: {} steps in {:.1} s (first loss {:.4}); measured: {} steps, loss now {last_loss:.4}",
         args.warmup,
@@ -544,7 +644,7 @@ fn report(
     );
     println!(
         "  step: median {step_ms:.2} ms (min {min:.2}, max {max:.2}); {:.0} tokens/s; \
-         {:.1} TFLOP/s ({:.3e} model FLOPs per step); MFU {:.1}%",
+         {:.1} TFLOP/s per GPU ({:.3e} model FLOPs per step); MFU {:.1}%",
         tokens / (step_ms / 1e3),
         tflops,
         flops,
@@ -576,9 +676,13 @@ fn report(
     }
     println!(
         "RESULT impl=burn-megatron preset={name} batch={} seq={seq} dtype={dtype} \
-         recompute={recompute} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
+         recompute={recompute} dp={} tp={} sp={} zero={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
          mfu={:.4} mem_alloc_gib={:.2} mem_reserved_gib={:.2} loss={last_loss:.4}",
         args.batch,
+        args.data_parallel,
+        args.tensor_parallel,
+        args.sequence_parallel,
+        args.use_distributed_optimizer,
         outcome.params,
         tokens / (step_ms / 1e3),
         mfu,
