@@ -35,6 +35,16 @@ pub trait DeviceTransport: burn::tensor::backend::Backend {
         Err(x)
     }
 
+    /// Whether collectives on `device` run on the device's own transport, asynchronously:
+    /// the host only enqueues them and never waits for the other ranks (unless the group
+    /// checks each call on the host first, [`ProcessGroup::checks_collectives`]). Such a
+    /// collective may start inside a backward pass; one through the host may not (see
+    /// `shared/BURN-0.21.md`: a rank blocked there can deadlock with another's cleanup).
+    fn collectives_on_device(device: &Self::Device) -> bool {
+        let _ = device;
+        false
+    }
+
     /// Receives over the device's own transport a tensor whose header (shape, dtype) came
     /// through the host; `None` where the backend has no such transport.
     fn recv_on_device<const D: usize>(
@@ -124,6 +134,10 @@ mod cube {
             Ok(group.nccl_call::<D>(op, ours, &gpu).map(back))
         }
 
+        fn collectives_on_device(device: &Self::Device) -> bool {
+            cast::<_, CudaGpu>(device.clone()).is_ok()
+        }
+
         fn recv_on_device<const D: usize>(
             group: &ProcessGroup,
             src: usize,
@@ -187,6 +201,10 @@ where
 /// result is a new leaf (differentiable communication goes through
 /// [`mapping`](crate::mapping)).
 impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, C> {
+    fn collectives_on_device(device: &Self::Device) -> bool {
+        B::collectives_on_device(device)
+    }
+
     fn collective_on_device<const D: usize>(
         group: &ProcessGroup,
         op: CollectiveOp,

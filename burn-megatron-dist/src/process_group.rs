@@ -180,6 +180,13 @@ impl ProcessGroup {
         &self.inner.info.name
     }
 
+    /// Whether this group matches every GPU collective on the host before running it
+    /// ([`LaunchConfig::with_collective_checks`](crate::LaunchConfig::with_collective_checks)):
+    /// then each call waits on the host for the other ranks' descriptions.
+    pub fn checks_collectives(&self) -> bool {
+        self.inner.registry.check_collectives
+    }
+
     /// This rank's index in the group.
     pub fn rank(&self) -> usize {
         self.inner.info.group_rank

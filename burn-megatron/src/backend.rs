@@ -3,6 +3,8 @@
 use burn::backend::ndarray::{
     FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
 };
+use std::sync::Arc;
+
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use burn_autodiff::NodeId;
@@ -28,6 +30,14 @@ use crate::optimizer::fused_adamw::{
     AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput, flat_adamw_composition,
 };
 use crate::transformer::AttentionCore;
+
+/// Code that runs inside the backward pass where the model marked a tensor
+/// ([`ModelBackend::backward_hook`]).
+pub trait BackwardHook: Send + Sync + std::fmt::Debug {
+    /// Called when the backward pass reaches the tensor marked with `point`, with the
+    /// gradients computed so far (the marked tensor's own is not yet passed on).
+    fn on_backward(&self, point: usize, grads: &mut Gradients);
+}
 
 /// A [`DistBackend`] with the model's own operations: the dense GEMMs of the linear layers
 /// (cuBLASLt on our CUDA backend, Burn's matmul elsewhere) and the ones that need their own
@@ -206,6 +216,20 @@ pub trait ModelBackend: DistBackend {
         core: AttentionCore,
     ) -> Tensor<Self, 4> {
         core.forward(q, k, v)
+    }
+
+    /// `x` itself. Under `Autodiff`, `hook` runs with `point` when the backward pass reaches
+    /// `x`: after every operation that used `x` has put its gradients into the gradient
+    /// container. A model marks each layer's input this way, so that a hook there sees that
+    /// layer's parameter gradients final (Megatron's gradient hooks, which start a
+    /// data-parallel bucket's reduction while the backward pass goes on).
+    fn backward_hook<const D: usize>(
+        x: Tensor<Self, D>,
+        hook: &Arc<dyn BackwardHook>,
+        point: usize,
+    ) -> Tensor<Self, D> {
+        let _ = (hook, point);
+        x
     }
 
     /// `buffer` (`[numel]` f32) with `values` (`[n]`, any float dtype) cast to f32 written at
@@ -1467,6 +1491,23 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         autodiff_bias_gelu(x, bias, form)
     }
 
+    fn backward_hook<const D: usize>(
+        x: Tensor<Self, D>,
+        hook: &Arc<dyn BackwardHook>,
+        point: usize,
+    ) -> Tensor<Self, D> {
+        let x = x.into_primitive().tensor();
+        let output = match HookBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((hook.clone(), point), x.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(x.primitive),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
     fn bias_add(x: Tensor<Self, 2>, bias: Tensor<Self, 1>) -> Tensor<Self, 2> {
         let x = x.into_primitive().tensor();
         let bias = bias.into_primitive().tensor();
@@ -1605,6 +1646,24 @@ impl<B: ModelBackend> Backward<B, 2> for BiasAddBackward {
         }
         if let Some(id) = x {
             grads.register::<B>(id, dy);
+        }
+    }
+}
+
+/// The backward of [`ModelBackend::backward_hook`]: runs the hook, then passes the gradient
+/// through.
+#[derive(Debug)]
+struct HookBackward;
+
+impl<B: ModelBackend> Backward<B, 1> for HookBackward {
+    type State = (Arc<dyn BackwardHook>, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (hook, point) = ops.state;
+        hook.on_backward(point, grads);
+        let dy = grads.consume::<B>(&ops.node);
+        if let [Some(parent)] = ops.parents {
+            grads.register::<B>(parent.id, dy);
         }
     }
 }

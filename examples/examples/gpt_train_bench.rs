@@ -195,6 +195,10 @@ struct Args {
     /// Match every GPU collective on the host first (the launch default; off in torch).
     #[arg(long)]
     collective_checks: bool,
+    /// Start each gradient bucket's reduction inside the backward pass, as soon as its
+    /// layers' gradients are final (Megatron's option of the same name).
+    #[arg(long)]
+    overlap_grad_reduce: bool,
 }
 
 impl Args {
@@ -293,6 +297,9 @@ struct Outcome {
     losses: Vec<f32>,
     steps: Vec<StepTimes>,
     profile: Option<(profile::Report, Duration)>,
+    /// With `--overlap-grad-reduce`: parameter elements the hook took inside the backward
+    /// pass, and whether their collectives started there.
+    hooked: Option<(usize, bool)>,
 }
 
 fn train(
@@ -323,11 +330,13 @@ fn train(
             let data_parallel = DataParallelConfig::new()
                 .with_bucket_numel(args.bucket_numel)
                 .with_use_distributed_optimizer(args.use_distributed_optimizer);
-            StepOptimizer::Distributed(Box::new(
-                DistributedAdamWConfig::new()
-                    .with_data_parallel(data_parallel)
-                    .init(&model, &state, &[])?,
-            ))
+            let mut optim = DistributedAdamWConfig::new()
+                .with_data_parallel(data_parallel)
+                .init(&model, &state, &[])?;
+            if args.overlap_grad_reduce {
+                model.set_backward_hook(Some(optim.overlap_hook(&model, 1)));
+            }
+            StepOptimizer::Distributed(Box::new(optim))
         }
         OptimizerArg::Burn => {
             StepOptimizer::Burn(AdamWConfig::new().init::<Train, GptModel<Train>>())
@@ -383,6 +392,12 @@ fn train(
         }
         false => None,
     };
+    let hooked = match &optim {
+        StepOptimizer::Distributed(optim) if args.overlap_grad_reduce => {
+            Some((optim.hooked_numel(), optim.overlaps_backward()))
+        }
+        _ => None,
+    };
     Ok(Outcome {
         losses,
         params,
@@ -392,6 +407,7 @@ fn train(
         first_loss,
         steps,
         profile,
+        hooked,
     })
 }
 
@@ -634,6 +650,18 @@ fn report(
             args.bucket_numel,
             args.batch,
         );
+        if let Some((numel, overlaps)) = outcome.hooked {
+            println!(
+                "  overlap: {numel} of {} parameter elements reduced from inside the backward \
+                 pass ({})",
+                outcome.params,
+                if overlaps {
+                    "collectives started there"
+                } else {
+                    "copied there, collectives after it"
+                }
+            );
+        }
     }
     println!(
         "  warm-up: {} steps in {:.1} s (first loss {:.4}); measured: {} steps, loss now {last_loss:.4}",
@@ -676,13 +704,14 @@ fn report(
     }
     println!(
         "RESULT impl=burn-megatron preset={name} batch={} seq={seq} dtype={dtype} \
-         recompute={recompute} dp={} tp={} sp={} zero={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
+         recompute={recompute} dp={} tp={} sp={} zero={} overlap={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
          mfu={:.4} mem_alloc_gib={:.2} mem_reserved_gib={:.2} loss={last_loss:.4}",
         args.batch,
         args.data_parallel,
         args.tensor_parallel,
         args.sequence_parallel,
         args.use_distributed_optimizer,
+        args.overlap_grad_reduce,
         outcome.params,
         tokens / (step_ms / 1e3),
         mfu,

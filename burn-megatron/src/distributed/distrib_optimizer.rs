@@ -45,16 +45,20 @@
 //! does not advance, and the scaler backs off or grows on the device. Megatron reads the flag
 //! on the host (`found_inf.item()`) every step; here nothing is read.
 
+use std::sync::Arc;
+
 use burn::config::Config;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
+use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
 
 use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads};
-use super::{BufferLayout, ParamAndGradBuffer};
+use super::{BufferLayout, GradReduceOverlap, ParamAndGradBuffer};
 use crate::ModelBackend;
+use crate::backend::BackwardHook;
 use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers};
 use crate::optimizer::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
 use crate::tensor_parallel::DeclarePlacements;
@@ -146,6 +150,7 @@ impl DistributedAdamWConfig {
             zero: f32_tensor(vec![0.0]),
             layout,
             buffer,
+            overlap: None,
         })
     }
 }
@@ -231,6 +236,9 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     step: Tensor<B::InnerBackend, 1>,
     one: Tensor<B::InnerBackend, 1>,
     zero: Tensor<B::InnerBackend, 1>,
+    /// The reduction started inside the backward pass, once
+    /// [`overlap_hook`](Self::overlap_hook) made it.
+    overlap: Option<Arc<GradReduceOverlap<B>>>,
 }
 
 impl<B> DistributedAdamW<B>
@@ -307,6 +315,51 @@ where
         Ok(())
     }
 
+    /// The hook that starts this optimizer's data-parallel gradient reduction inside the
+    /// backward pass, bucket by bucket as the layers' gradients become final (Megatron's
+    /// `--overlap-grad-reduce`, see [`overlap`](super::overlap)). Install it in the model
+    /// (`GptModel::set_backward_hook`) whose backward pass comes next; `model` is that model.
+    /// From then on [`step`](Self::step) takes the gradients the hook reduced and those of
+    /// `grads` it did not take, and keeps the hook pointed at the parameters it returns. The
+    /// losses, norms and parameters are the same as without the hook, bit for bit. With
+    /// gradient accumulation, `microbatches` backward passes make a step: the hook sums them
+    /// in f32 and only the last one communicates. Calling it again returns the same hook.
+    pub fn overlap_hook<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        microbatches: usize,
+    ) -> Arc<dyn BackwardHook>
+    where
+        B: AutodiffBackend<Gradients = Gradients>,
+    {
+        let overlap = self.overlap.get_or_insert_with(|| {
+            Arc::new(GradReduceOverlap::new(
+                &self.layout,
+                &self.dp,
+                self.config.data_parallel.bucket_numel,
+                self.config.data_parallel.use_distributed_optimizer,
+                microbatches,
+                &self.master.device(),
+            ))
+        });
+        overlap.arm(model);
+        overlap.clone()
+    }
+
+    /// Whether the reduction overlaps the backward pass: an [`overlap_hook`](Self::overlap_hook)
+    /// exists and the DP group's collectives run on the device (NCCL with collective checks
+    /// off). Elsewhere the hook copies the gradients during the backward pass and the
+    /// collectives run after it.
+    pub fn overlaps_backward(&self) -> bool {
+        self.overlap.as_ref().is_some_and(|o| o.overlaps())
+    }
+
+    /// Parameter elements whose gradients the overlap hook took inside the last step's
+    /// backward pass (0 without a hook).
+    pub fn hooked_numel(&self) -> usize {
+        self.overlap.as_ref().map_or(0, |o| o.hooked_numel())
+    }
+
     /// One step at learning rate `lr` with this rank's gradients `grads` of `model` (the
     /// gradient of the mean loss of its microbatches): reduce over DP, clip, update, gather.
     /// Every rank of the world must call it. Returns the updated model and the global norm.
@@ -350,13 +403,18 @@ where
         grads: &GradientsParams,
         loss_scale: Option<Tensor<B::InnerBackend, 1>>,
     ) -> crate::Result<DistributedStep<M, B::InnerBackend>> {
-        self.buffer.gather_grads(&model, grads)?;
         let bucket = self.config.data_parallel.bucket_numel;
         let sharded = self.config.data_parallel.use_distributed_optimizer;
-        let grads = if sharded {
-            reduce_scatter_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
-        } else {
-            all_reduce_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+        let grads = match &self.overlap {
+            Some(overlap) => overlap.finish(&model, grads)?,
+            None => {
+                self.buffer.gather_grads(&model, grads)?;
+                if sharded {
+                    reduce_scatter_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+                } else {
+                    all_reduce_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+                }
+            }
         };
 
         let align = self.config.adam.buffer.param_alignment;
@@ -427,8 +485,12 @@ where
         } else {
             updated
         };
+        let model = self.buffer.write_params(model, params);
+        if let Some(overlap) = &self.overlap {
+            overlap.arm(&model);
+        }
         Ok(DistributedStep {
-            model: self.buffer.write_params(model, params),
+            model,
             grad_norm,
             found_inf,
         })

@@ -12,9 +12,12 @@
 //!   the global-norm clip over DP × TP × PP, its state for the whole buffer or, with
 //!   `use_distributed_optimizer` (ZeRO-1), for the rank's shard only, the updated parameters
 //!   all-gathered.
+//! - [`overlap`]: the same reduction started inside the backward pass, bucket by bucket as
+//!   the layers' gradients become final ([`DistributedAdamW::overlap_hook`]).
 
 pub mod distrib_optimizer;
 pub mod grad_reduction;
+pub mod overlap;
 pub mod param_and_grad_buffer;
 
 pub use distrib_optimizer::{
@@ -24,4 +27,5 @@ pub use distrib_optimizer::{
 pub use grad_reduction::{
     DataParallelConfig, all_reduce_grads, reduce_scatter_grads, shard_columns,
 };
+pub use overlap::GradReduceOverlap;
 pub use param_and_grad_buffer::{BufferConfig, BufferLayout, ParamAndGradBuffer, ParamSlot};

@@ -340,69 +340,17 @@ impl<B: Backend> ParamAndGradBuffer<B> {
         BA: AutodiffBackend<InnerBackend = B>,
         M: Module<BA>,
     {
-        struct Gather<'a, B: Backend> {
-            layout: &'a BufferLayout,
-            grads: &'a GradientsParams,
-            path: Path,
-            pieces: Vec<(Range<usize>, Tensor<B, 1>)>,
-            error: Option<InputError>,
-        }
-        impl<BA: AutodiffBackend> ModuleVisitor<BA> for Gather<'_, BA::InnerBackend> {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.path.enter(name);
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.exit();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<BA, D>>) {
-                if self.error.is_some() {
-                    return;
-                }
-                let path = self.path.current();
-                let Some(slot) = self.layout.slot(param.id) else {
-                    self.error = Some(InputError::UnknownParameter { path });
-                    return;
-                };
-                let Some(grad) = self.grads.get::<BA::InnerBackend, D>(param.id) else {
-                    self.error = Some(InputError::MissingGradient { path });
-                    return;
-                };
-                if grad.dims().as_slice() != slot.shape.as_slice() {
-                    self.error = Some(InputError::GradientShape {
-                        path,
-                        expected: slot.shape.clone(),
-                        got: grad.dims().to_vec(),
-                    });
-                    return;
-                }
-                self.pieces.push((slot.range(), grad.reshape([slot.numel])));
-            }
-        }
-        let mut gather = Gather {
-            layout: &self.layout,
-            grads,
-            path: Path::default(),
-            pieces: Vec::with_capacity(self.layout.params().len()),
-            error: None,
-        };
-        module.visit(&mut gather);
-        if let Some(error) = gather.error {
-            return Err(error.into());
-        }
-        if gather.pieces.len() != self.layout.params().len() {
-            return Err(ConfigError::Invalid(format!(
-                "the module has {} of the buffer's {} parameters: pass the module the buffer \
-                 was built from",
-                gather.pieces.len(),
-                self.layout.params().len()
-            ))
-            .into());
-        }
+        let pieces = collect_grads::<BA, M>(&self.layout, module, grads, &[])?;
         // Written in place when the buffer is not shared; padding keeps its zeros.
         let mut buffer = self.grads.clone();
         self.grads = Tensor::empty([0], (&buffer.device(), DType::F32));
-        for (range, grad) in gather.pieces {
-            buffer = B::write_slot(buffer, range.start, grad);
+        for (id, grad) in pieces {
+            let start = self
+                .layout
+                .slot(id)
+                .expect("collected from the layout")
+                .offset;
+            buffer = B::write_slot(buffer, start, grad);
         }
         self.grads = buffer;
         Ok(())
@@ -449,4 +397,87 @@ impl<B: Backend> ParamAndGradBuffer<B> {
             values,
         })
     }
+}
+
+/// `module`'s gradients from `grads`, flattened (`[numel]`, their own dtype), for every
+/// parameter of `layout` except those in `skip`, in visiting order. Every parameter of
+/// `module` must be in the layout and (unless skipped) have a gradient of its shape: else an
+/// [`InputError`] naming it.
+pub(crate) fn collect_grads<BA, M>(
+    layout: &BufferLayout,
+    module: &M,
+    grads: &GradientsParams,
+    skip: &[ParamId],
+) -> crate::Result<Vec<(ParamId, Tensor<BA::InnerBackend, 1>)>>
+where
+    BA: AutodiffBackend,
+    M: Module<BA>,
+{
+    struct Gather<'a, B: Backend> {
+        layout: &'a BufferLayout,
+        grads: &'a GradientsParams,
+        skip: &'a [ParamId],
+        path: Path,
+        seen: usize,
+        pieces: Vec<(ParamId, Tensor<B, 1>)>,
+        error: Option<InputError>,
+    }
+    impl<BA: AutodiffBackend> ModuleVisitor<BA> for Gather<'_, BA::InnerBackend> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.enter(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<BA, D>>) {
+            if self.error.is_some() {
+                return;
+            }
+            let path = self.path.current();
+            let Some(slot) = self.layout.slot(param.id) else {
+                self.error = Some(InputError::UnknownParameter { path });
+                return;
+            };
+            self.seen += 1;
+            if self.skip.contains(&param.id) {
+                return;
+            }
+            let Some(grad) = self.grads.get::<BA::InnerBackend, D>(param.id) else {
+                self.error = Some(InputError::MissingGradient { path });
+                return;
+            };
+            if grad.dims().as_slice() != slot.shape.as_slice() {
+                self.error = Some(InputError::GradientShape {
+                    path,
+                    expected: slot.shape.clone(),
+                    got: grad.dims().to_vec(),
+                });
+                return;
+            }
+            self.pieces.push((param.id, grad.reshape([slot.numel])));
+        }
+    }
+    let mut gather = Gather {
+        layout,
+        grads,
+        skip,
+        path: Path::default(),
+        seen: 0,
+        pieces: Vec::with_capacity(layout.params().len()),
+        error: None,
+    };
+    module.visit(&mut gather);
+    if let Some(error) = gather.error {
+        return Err(error.into());
+    }
+    if gather.seen != layout.params().len() {
+        return Err(ConfigError::Invalid(format!(
+            "the module has {} of the buffer's {} parameters: pass the module the buffer \
+             was built from",
+            gather.seen,
+            layout.params().len()
+        ))
+        .into());
+    }
+    Ok(gather.pieces)
 }

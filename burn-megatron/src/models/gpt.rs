@@ -8,7 +8,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::scatter_to_sequence_parallel_region;
 
-use crate::backend::ModelBackend;
+use crate::backend::{BackwardHook, ModelBackend};
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::pipeline_parallel::{PipelineError, Stage};
@@ -62,6 +62,8 @@ struct ModelContext {
     stage: Stage,
     hidden_size: usize,
     tie_embeddings: bool,
+    /// Run at each layer's input in the backward pass ([`GptModel::set_backward_hook`]).
+    backward_hook: Option<Arc<dyn BackwardHook>>,
 }
 
 impl TransformerConfig {
@@ -148,6 +150,7 @@ impl TransformerConfig {
                 stage: stage.clone(),
                 hidden_size: hidden,
                 tie_embeddings: self.tie_embeddings,
+                backward_hook: None,
             },
         })
     }
@@ -183,10 +186,30 @@ impl<B: ModelBackend> GptModel<B> {
         let call = self.next_call();
         let x = self.embed(tokens, call)?;
         let mut x = x;
-        for layer in &self.block.layers {
-            x = layer.try_forward(x, call)?;
+        for (i, layer) in self.block.layers.iter().enumerate() {
+            x = layer.try_forward(self.mark_layer_input(x, i), call)?;
         }
         self.head(x)
+    }
+
+    /// `x`, the input of this stage's layer `i`, marked for the
+    /// [backward hook](Self::set_backward_hook) when one is installed.
+    pub fn mark_layer_input(&self, x: Tensor<B, 3>, i: usize) -> Tensor<B, 3> {
+        match &self.context.backward_hook {
+            Some(hook) => B::backward_hook(x, hook, i),
+            None => x,
+        }
+    }
+
+    /// Installs `hook` (or removes it, with `None`) at every layer's input: in the backward
+    /// pass of [`try_forward`](Self::try_forward) and of the schedules of
+    /// [`pipeline_parallel`](crate::pipeline_parallel) (not under full recomputation), it
+    /// runs with the layer's index in [`layers`](Self::layers) once that layer's gradients
+    /// are all computed, last layer first. The distributed optimizer's
+    /// [`overlap hook`](crate::distributed::DistributedAdamW::overlap_hook) starts the
+    /// data-parallel gradient reduction there.
+    pub fn set_backward_hook(&mut self, hook: Option<Arc<dyn BackwardHook>>) {
+        self.context.backward_hook = hook;
     }
 
     /// [`try_forward`](Self::try_forward), panicking with its error: Burn's convention of an

@@ -266,8 +266,8 @@ where
             let mut x = match &start {
                 Start::Embedded(x) | Start::Received(x) => x.clone(),
             };
-            for layer in model.layers() {
-                x = layer.try_forward(x, call)?;
+            for (i, layer) in model.layers().iter().enumerate() {
+                x = layer.try_forward(model.mark_layer_input(x, i), call)?;
             }
             let end = if stage.is_last() {
                 let loss = model.loss(model.head(x)?, data.targets.clone())?;

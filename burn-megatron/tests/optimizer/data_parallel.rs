@@ -212,6 +212,17 @@ pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
 /// `tp × pp × dp` ranks, 1F1B over the pipeline stages (gradient accumulation at PP = 1),
 /// each DP rank taking its share of each global batch, [`DistributedAdamW`] with the clip.
 fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &Run) -> Vec<Run> {
+    data_parallel_with(config, layout, zero, false, want)
+}
+
+/// [`data_parallel`], with the reduction hooked into the backward pass when `overlap`.
+fn data_parallel_with(
+    config: &TransformerConfig,
+    layout: Layout,
+    zero: bool,
+    overlap: bool,
+    want: &Run,
+) -> Vec<Run> {
     let ranks = run(layout.tp * layout.pp * layout.dp, |ctx| {
         let state = layout.state(&ctx);
         let mut model = layout.stage(config, &state);
@@ -225,6 +236,10 @@ fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &
             )
             .with_clip_grad(Some(MAX_NORM))
             .init::<AD, _>(&model, &state, &shared_copies(&model))?;
+        if overlap {
+            let hook = optim.overlap_hook(&model, GLOBAL / layout.dp);
+            model.set_backward_hook(Some(hook));
+        }
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
             let chunks = std::slice::from_ref(&model);
@@ -236,6 +251,19 @@ fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &
             let stepped = optim.step(lr(step), model, &out.grads.remove(0))?;
             model = stepped.model;
             norms.push(values(stepped.grad_norm)[0]);
+            if overlap {
+                // The layers' gradients (all but the embeddings') went through the hook.
+                let layers: usize = model
+                    .layers()
+                    .iter()
+                    .map(burn::module::Module::num_params)
+                    .sum();
+                assert!(
+                    optim.hooked_numel() >= layers,
+                    "the hook took {} elements, the layers hold {layers}",
+                    optim.hooked_numel()
+                );
+            }
         }
         Ok(RankRun::new(&model, &state, losses, norms))
     });
@@ -287,6 +315,30 @@ fn data_parallel_steps_equal_one_device() {
                 &want,
                 tolerance::F32,
             );
+        }
+    }
+}
+
+/// The reduction started from the backward pass's hook (copies during the backward pass,
+/// collectives after it on thread ranks; gradient accumulation over the microbatches in the
+/// f32 units) gives the same bits as the reduction after the backward pass, at DP 1, 2 and 4,
+/// TP 2 × DP 2 and PP 2 × DP 2, with and without the distributed optimizer.
+#[test]
+fn overlapped_reduction_equals_reduction_after_backward() {
+    let config = tiny_gpt();
+    let want = one_device(&config, STEPS, None);
+    let layouts = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)];
+    for (tp, pp, dp) in layouts {
+        for zero in [false, true] {
+            let layout = Layout { tp, pp, dp };
+            let after = data_parallel_with(&config, layout, zero, false, &want);
+            let hooked = data_parallel_with(&config, layout, zero, true, &want);
+            let label = format!("{layout:?}, distributed optimizer {zero}, hooked");
+            check(&label, &config, &hooked, &want, tolerance::F32);
+            for (h, a) in hooked.iter().zip(&after) {
+                assert_close(&format!("{label}: norms"), &h.norms, &a.norms, 0.0);
+                assert_same(&label, &config, &h.trajectory, &a.trajectory, 0.0);
+            }
         }
     }
 }

@@ -1,0 +1,485 @@
+//! The data-parallel gradient reduction overlapped with the backward pass (Megatron's
+//! `--overlap-grad-reduce`).
+//!
+//! The model marks each layer's input
+//! ([`GptModel::set_backward_hook`](crate::models::GptModel::set_backward_hook)); when the backward pass
+//! reaches layer `i`'s input, the gradients of layer `i` (and of every later layer, the final
+//! norm and the output layer) are final. The hook ([`GradReduceOverlap`]) then takes them out
+//! of Burn's gradient container, copies them (cast to f32) into the reduction units they
+//! belong to, and starts each unit's collective as soon as its last gradient is in:
+//!
+//! - without the distributed optimizer a unit is a bucket ([`BufferLayout::buckets`]) and
+//!   its collective an all-reduce;
+//! - with it a unit is the same column range of every rank's shard (see
+//!   [`grad_reduction`](super::grad_reduction)) and its collective a reduce-scatter. Our
+//!   shards are contiguous, so a unit completes only once the last shard's part of it is
+//!   final: at DP = 2 the reduce-scatters start during the second half of the backward
+//!   pass.
+//!
+//! On GPUs (NCCL, collective checks off) the collectives run on the DP group's side stream
+//! while the compute stream goes on with the earlier layers. Where collectives go through the
+//! host (CPU thread ranks, or checks on), a rank must not wait for the others inside the
+//! backward pass (`shared/BURN-0.21.md`), so the hook only copies and the collectives run after
+//! backward, in the same order. Either way the result is bit for bit the one of
+//! [`all_reduce_grads`](super::all_reduce_grads) or
+//! [`reduce_scatter_grads`](super::reduce_scatter_grads) after the backward pass: the same
+//! copies, the same collectives on the same ranges.
+//!
+//! Gradients the hook did not take (embeddings, whose tied copy is used again at the start of
+//! the model; the output layer, which the pipeline schedule reduces with a tied copy after the
+//! backward pass; any gradient not yet in the container when the hook runs) are taken from the
+//! step's `GradientsParams` afterwards. The hook takes the gradients out of the container, so
+//! each bf16 gradient is freed as soon as it is in the f32 unit, not after the whole backward
+//! pass.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn_autodiff::grads::Gradients;
+use burn_megatron_dist::{DeviceTransport, DistBackend, ProcessGroup, ReduceOp};
+
+use super::BufferLayout;
+use super::grad_reduction::shard_columns;
+use crate::backend::{BackwardHook, ModelBackend};
+use crate::error::InputError;
+
+/// One collective of the reduction: where its elements come from in the flat buffer, and
+/// the slots it waits for.
+#[derive(Debug)]
+struct Unit {
+    /// Flat-buffer ranges, in the unit's element order (one range for a bucket; one per
+    /// shard, same columns, for a reduce-scatter block).
+    ranges: Vec<Range<usize>>,
+    /// Slots (indices into `layout.params()`) with elements in it.
+    slots: usize,
+}
+
+/// What one step's backward pass has done so far.
+#[derive(Debug)]
+struct StepState<B: Backend, P> {
+    /// Each slot's parameter in the current model (its autodiff primitive, the key of its
+    /// gradient), set by [`GradReduceOverlap::arm`].
+    params: Vec<Option<P>>,
+    /// Slots whose gradient is in its units (from an earlier microbatch, or this one).
+    flushed: Vec<bool>,
+    /// Slots flushed in the current backward pass.
+    flushed_now: Vec<bool>,
+    /// Slots each unit still waits for in the current backward pass.
+    missing: Vec<usize>,
+    /// Backward passes (microbatches) seen this step, and the last point reached.
+    passes: usize,
+    last_point: Option<usize>,
+    /// Each unit's f32 elements (`[len]`), until its collective starts.
+    inputs: Vec<Option<Tensor<B, 1>>>,
+    /// Each unit's reduced elements: a bucket's `[len]`, or this rank's `[1, columns]`.
+    outputs: Vec<Option<Tensor<B, 2>>>,
+    /// The first error met in the backward pass, reported by `finish`.
+    error: Option<crate::Error>,
+    /// Parameter elements the hook took in this step's backward passes (the first pass).
+    hooked: usize,
+    /// The same for the last finished step.
+    last_hooked: usize,
+}
+
+/// The hook that overlaps the data-parallel reduction with the backward pass (see the
+/// [module docs](self)). Built by
+/// [`DistributedAdamW::overlap_hook`](super::DistributedAdamW::overlap_hook).
+pub struct GradReduceOverlap<BA: AutodiffBackend> {
+    layout: BufferLayout,
+    /// Per slot: the layer index at whose input its gradient is final, if any.
+    final_at: Vec<Option<usize>>,
+    /// Per slot: the units it has elements in, with the pieces `(flat range, unit offset)`.
+    pieces: Vec<Vec<(usize, Range<usize>, usize)>>,
+    units: Vec<Unit>,
+    slot_of: HashMap<ParamId, usize>,
+    dp: ProcessGroup,
+    sharded: bool,
+    /// Whether collectives start inside the backward pass (on the device, unchecked).
+    in_backward: bool,
+    device: burn::tensor::Device<BA::InnerBackend>,
+    /// Backward passes per step (microbatches of gradient accumulation): only the last one
+    /// starts collectives, as under Megatron's `no_sync` for the others.
+    microbatches: usize,
+    state: Mutex<StepState<BA::InnerBackend, BA::FloatTensorPrimitive>>,
+}
+
+impl<BA: AutodiffBackend> std::fmt::Debug for GradReduceOverlap<BA> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradReduceOverlap")
+            .field("units", &self.units.len())
+            .field("sharded", &self.sharded)
+            .field("in_backward", &self.in_backward)
+            .finish()
+    }
+}
+
+/// The layer index in a path such as `block.layers.3.mlp.fc1.weight`.
+fn layer_of(path: &str) -> Option<usize> {
+    let rest = path.strip_prefix("block.layers.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
+impl<BA> GradReduceOverlap<BA>
+where
+    BA: AutodiffBackend,
+    BA::InnerBackend: DistBackend + ModelBackend,
+{
+    /// The hook for a model chunk laid out as `layout`, reducing over `dp` in units of about
+    /// `bucket_numel` elements, reduce-scattered when `sharded`.
+    pub(crate) fn new(
+        layout: &BufferLayout,
+        dp: &ProcessGroup,
+        bucket_numel: usize,
+        sharded: bool,
+        microbatches: usize,
+        device: &burn::tensor::Device<BA::InnerBackend>,
+    ) -> Self {
+        let size = dp.size();
+        let units: Vec<Vec<Range<usize>>> = if sharded {
+            let shard = layout.numel() / size;
+            shard_columns(shard, size, bucket_numel)
+                .into_iter()
+                .map(|cols| {
+                    (0..size)
+                        .map(|s| s * shard + cols.start..s * shard + cols.end)
+                        .collect()
+                })
+                .collect()
+        } else {
+            layout
+                .buckets(bucket_numel)
+                .into_iter()
+                .map(|b| vec![b])
+                .collect()
+        };
+        // Each slot's pieces: the parts of its range inside each unit range.
+        let mut pieces = vec![Vec::new(); layout.params().len()];
+        let mut counts = vec![0; units.len()];
+        for (i, slot) in layout.params().iter().enumerate() {
+            let range = slot.range();
+            for (u, ranges) in units.iter().enumerate() {
+                let mut offset = 0;
+                let mut touched = false;
+                for r in ranges {
+                    let start = range.start.max(r.start);
+                    let end = range.end.min(r.end);
+                    if start < end {
+                        pieces[i].push((u, start..end, offset + start - r.start));
+                        touched = true;
+                    }
+                    offset += r.len();
+                }
+                counts[u] += usize::from(touched);
+            }
+        }
+        let last = layout
+            .params()
+            .iter()
+            .filter_map(|s| layer_of(&s.path))
+            .max();
+        let final_at = layout
+            .params()
+            .iter()
+            .map(|s| match layer_of(&s.path) {
+                Some(layer) => Some(layer),
+                // The output layer is left for after the backward pass: on the last of
+                // several stages it is a tied copy the schedule reduces afterwards.
+                None if s.path.starts_with("block.final_norm.") => last,
+                None => None,
+            })
+            .collect();
+        let units: Vec<Unit> = units
+            .into_iter()
+            .zip(&counts)
+            .map(|(ranges, &slots)| Unit { ranges, slots })
+            .collect();
+        let in_backward = <BA::InnerBackend as DeviceTransport>::collectives_on_device(device)
+            && !dp.checks_collectives();
+        let n_slots = layout.params().len();
+        let n_units = units.len();
+        Self {
+            slot_of: layout
+                .params()
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (s.id, i))
+                .collect(),
+            layout: layout.clone(),
+            final_at,
+            pieces,
+            units,
+            dp: dp.clone(),
+            sharded,
+            in_backward,
+            microbatches: microbatches.max(1),
+            device: device.clone(),
+            state: Mutex::new(StepState {
+                params: (0..n_slots).map(|_| None).collect(),
+                flushed: vec![false; n_slots],
+                flushed_now: vec![false; n_slots],
+                missing: counts,
+                passes: 0,
+                last_point: None,
+                inputs: (0..n_units).map(|_| None).collect(),
+                outputs: (0..n_units).map(|_| None).collect(),
+                error: None,
+                hooked: 0,
+                last_hooked: 0,
+            }),
+        }
+    }
+
+    /// Starts counting a backward pass's flushes afresh.
+    fn new_pass(&self, state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>) {
+        state.flushed_now.fill(false);
+        for (missing, unit) in state.missing.iter_mut().zip(&self.units) {
+            *missing = unit.slots;
+        }
+    }
+
+    /// Whether the collectives start inside the backward pass (else after it).
+    pub fn overlaps(&self) -> bool {
+        self.in_backward
+    }
+
+    /// Points the hook at `model`'s current parameters (their gradients' keys), for the next
+    /// backward pass.
+    pub(crate) fn arm<M: AutodiffModule<BA>>(&self, model: &M) {
+        struct Collect<'a, P> {
+            slot_of: &'a HashMap<ParamId, usize>,
+            params: Vec<Option<P>>,
+        }
+        impl<BA: AutodiffBackend> ModuleVisitor<BA> for Collect<'_, BA::FloatTensorPrimitive> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<BA, D>>) {
+                if let Some(&i) = self.slot_of.get(&param.id) {
+                    self.params[i] = Some(param.val().into_primitive().tensor());
+                }
+            }
+        }
+        let mut collect = Collect {
+            slot_of: &self.slot_of,
+            params: (0..self.layout.params().len()).map(|_| None).collect(),
+        };
+        model.visit(&mut collect);
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.params = collect.params;
+    }
+
+    /// Copies slot `i`'s gradient (`[numel]`, any float dtype) into its units, and starts the
+    /// collectives of the units it completes when `start` holds.
+    fn flush(
+        &self,
+        state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>,
+        i: usize,
+        grad: Tensor<BA::InnerBackend, 1>,
+        start: bool,
+    ) -> crate::Result<()> {
+        let slot = &self.layout.params()[i];
+        let accumulate = state.flushed[i];
+        for (u, range, at) in &self.pieces[i] {
+            let input = match state.inputs[*u].take() {
+                Some(input) => input,
+                None => {
+                    let len = self.units[*u].ranges.iter().map(Range::len).sum::<usize>();
+                    Tensor::zeros([len], (&grad.device(), DType::F32))
+                }
+            };
+            let values = grad
+                .clone()
+                .slice(range.start - slot.offset..range.end - slot.offset);
+            state.inputs[*u] = Some(if accumulate {
+                // A later microbatch: added to the f32 sum (Megatron's main_grad).
+                let n = range.len();
+                let sum = input.clone().slice(*at..*at + n) + values.cast(DType::F32);
+                input.slice_assign(*at..*at + n, sum)
+            } else {
+                <BA::InnerBackend as ModelBackend>::write_slot(input, *at, values)
+            });
+        }
+        state.flushed[i] = true;
+        state.flushed_now[i] = true;
+        let mut touched: Vec<usize> = self.pieces[i].iter().map(|(u, ..)| *u).collect();
+        touched.dedup();
+        for u in touched {
+            state.missing[u] -= 1;
+            if state.missing[u] == 0 && start {
+                self.start_unit(state, u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts unit `u`'s collective.
+    fn start_unit(
+        &self,
+        state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>,
+        u: usize,
+    ) -> crate::Result<()> {
+        if state.outputs[u].is_some() {
+            return Ok(());
+        }
+        // A unit no parameter reaches (all padding) holds zeros.
+        let input = state.inputs[u].take().unwrap_or_else(|| {
+            let len = self.units[u].ranges.iter().map(Range::len).sum::<usize>();
+            Tensor::zeros([len], (&self.device, DType::F32))
+        });
+        let size = self.dp.size();
+        let output = if self.sharded {
+            let columns = input.dims()[0] / size;
+            self.dp
+                .reduce_scatter(input.reshape([size, columns]), 0, ReduceOp::Avg)?
+        } else {
+            let len = input.dims()[0];
+            self.dp.all_reduce(input, ReduceOp::Avg)?.reshape([1, len])
+        };
+        state.outputs[u] = Some(output);
+        Ok(())
+    }
+
+    /// After the backward pass: the gradients the hook did not take come from `grads`, the
+    /// remaining collectives run, and the result is what
+    /// [`all_reduce_grads`](super::all_reduce_grads) (`[numel]`) or
+    /// [`reduce_scatter_grads`](super::reduce_scatter_grads) (`[numel / dp]`) return. Every
+    /// parameter of `model` must have a gradient in one place or the other.
+    pub(crate) fn finish<M: AutodiffModule<BA>>(
+        &self,
+        model: &M,
+        grads: &GradientsParams,
+    ) -> crate::Result<Tensor<BA::InnerBackend, 1>> {
+        let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = &mut *guard;
+        let outcome = self.finish_step(state, model, grads);
+        // Whatever happened, the next step starts clean.
+        state.flushed.fill(false);
+        self.new_pass(state);
+        state.passes = 0;
+        state.last_point = None;
+        state.inputs.iter_mut().for_each(|t| *t = None);
+        state.outputs.iter_mut().for_each(|t| *t = None);
+        state.error = None;
+        state.last_hooked = std::mem::take(&mut state.hooked);
+        outcome
+    }
+
+    /// Parameter elements whose gradients the hook took inside the last step's backward pass
+    /// (the rest came from the step's `GradientsParams` after it).
+    pub fn hooked_numel(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .last_hooked
+    }
+
+    fn finish_step<M: AutodiffModule<BA>>(
+        &self,
+        state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>,
+        model: &M,
+        grads: &GradientsParams,
+    ) -> crate::Result<Tensor<BA::InnerBackend, 1>> {
+        if let Some(error) = state.error.take() {
+            return Err(error);
+        }
+        if state.passes != 0 && state.passes != self.microbatches {
+            return Err(crate::error::ConfigError::Invalid(format!(
+                "the gradient-reduction hook saw {} backward passes in a step made for {} \
+                 microbatches: make the hook with the step's number of microbatches",
+                state.passes, self.microbatches
+            ))
+            .into());
+        }
+        let skip: Vec<ParamId> = self
+            .layout
+            .params()
+            .iter()
+            .zip(&state.flushed)
+            .filter(|(_, flushed)| **flushed)
+            .map(|(slot, _)| slot.id)
+            .collect();
+        let rest = super::param_and_grad_buffer::collect_grads::<BA, M>(
+            &self.layout,
+            model,
+            grads,
+            &skip,
+        )?;
+        for (id, grad) in rest {
+            let i = self.slot_of[&id];
+            self.flush(state, i, grad, true)?;
+        }
+        for u in 0..self.units.len() {
+            self.start_unit(state, u)?;
+        }
+        let outputs: Vec<Tensor<BA::InnerBackend, 2>> = state
+            .outputs
+            .iter_mut()
+            .map(|o| o.take().expect("every unit's collective has run"))
+            .collect();
+        let out = Tensor::cat(outputs, 1);
+        let len = out.dims()[1];
+        Ok(out.reshape([len]))
+    }
+}
+
+impl<BA> BackwardHook for GradReduceOverlap<BA>
+where
+    BA: AutodiffBackend<Gradients = Gradients>,
+    BA::InnerBackend: DistBackend + ModelBackend,
+{
+    fn on_backward(&self, point: usize, grads: &mut Gradients) {
+        let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = &mut *guard;
+        if state.error.is_some() {
+            return;
+        }
+        // Layers are reached last first: a point not below the previous one starts a pass.
+        if state.last_point.is_none_or(|last| point >= last) {
+            state.passes += 1;
+            self.new_pass(state);
+        }
+        state.last_point = Some(point);
+        let start = self.in_backward && state.passes == self.microbatches;
+        for i in 0..self.layout.params().len() {
+            if state.flushed_now[i] || !self.final_at[i].is_some_and(|at| at >= point) {
+                continue;
+            }
+            let Some(param) = state.params[i].as_ref() else {
+                continue;
+            };
+            // Not in the container yet (used through an operation that runs later): it is
+            // taken after the backward pass.
+            let Some(grad) = BA::grad_remove(param, grads) else {
+                continue;
+            };
+            let slot = &self.layout.params()[i];
+            let shape = grad.shape();
+            if shape.as_slice() != slot.shape.as_slice() {
+                state.error = Some(
+                    InputError::GradientShape {
+                        path: slot.path.clone(),
+                        expected: slot.shape.clone(),
+                        got: shape.to_vec(),
+                    }
+                    .into(),
+                );
+                return;
+            }
+            let flat = <BA::InnerBackend as FloatTensorOps<BA::InnerBackend>>::float_reshape(
+                grad,
+                Shape::new([slot.numel]),
+            );
+            let grad = Tensor::from_primitive(TensorPrimitive::Float(flat));
+            if state.passes == 1 {
+                state.hooked += slot.numel;
+            }
+            if let Err(error) = self.flush(state, i, grad, start) {
+                state.error = Some(error);
+                return;
+            }
+        }
+    }
+}
