@@ -444,7 +444,7 @@ where
         state.last_point = Some(point);
         let start = self.in_backward && state.passes == self.microbatches;
         for i in 0..self.layout.params().len() {
-            if state.flushed_now[i] || !self.final_at[i].is_some_and(|at| at >= point) {
+            if state.flushed_now[i] || self.final_at[i].is_none_or(|at| at < point) {
                 continue;
             }
             let Some(param) = state.params[i].as_ref() else {
