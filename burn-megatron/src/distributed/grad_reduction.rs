@@ -26,15 +26,11 @@
 //! The reduction runs once per global step, on the gradient the schedule accumulated over the
 //! step's microbatches: only the last microbatch communicates, by construction.
 //!
-//! # Overlap with backward (not done)
-//! On thread ranks the reduction must run after backward: a rank blocked in a collective
-//! inside Burn's autodiff graph lock deadlocks against another rank's graph cleanup (see
-//! `shared/BURN-0.21.md`). On GPUs, overlapping it with backward would need: a gradient hook
-//! (or a backward op on the last use of each bucket's parameters) that counts the bucket's
-//! final gradients and, when the last arrives, launches its collective on the DP group's side
-//! stream after an event recorded on the compute stream; the gradients written into the flat
-//! buffer during backward (Megatron's `main_grad`), not gathered after it; and a wait on the
-//! side stream's events before the optimizer reads the buffer.
+//! # Overlap with backward
+//! These functions run after the backward pass. [`overlap`](super::overlap) starts the same
+//! collectives on the same ranges from inside it, as each bucket's gradients become final
+//! ([`DistributedAdamW::overlap_hook`](super::DistributedAdamW::overlap_hook)), with the same
+//! result bit for bit.
 
 use std::ops::Range;
 

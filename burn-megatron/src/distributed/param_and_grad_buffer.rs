@@ -28,8 +28,9 @@
 //!   parameters are views of it);
 //! - `grads`: `[numel]` f32, filled from a step's gradients by [`ParamAndGradBuffer::gather_grads`]
 //!   (one cast-and-copy kernel per parameter on CubeCL backends, a cast and a `slice_assign`
-//!   elsewhere: the gradients do not yet accumulate into the buffer during the backward pass,
-//!   as Megatron's `main_grad` do).
+//!   elsewhere). With the data-parallel overlap hook ([`overlap`](super::overlap)) the
+//!   gradients go into f32 reduction units during the backward pass instead, accumulating over
+//!   microbatches as Megatron's `main_grad` do.
 
 use std::collections::HashMap;
 use std::ops::Range;
