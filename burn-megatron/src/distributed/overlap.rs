@@ -283,13 +283,7 @@ where
         let slot = &self.layout.params()[i];
         let accumulate = state.flushed[i];
         for (u, range, at) in &self.pieces[i] {
-            let input = match state.inputs[*u].take() {
-                Some(input) => input,
-                None => {
-                    let len = self.units[*u].ranges.iter().map(Range::len).sum::<usize>();
-                    Tensor::zeros([len], (&grad.device(), DType::F32))
-                }
-            };
+            let input = state.inputs[*u].take().unwrap_or_else(|| self.zeros(*u));
             let values = grad
                 .clone()
                 .slice(range.start - slot.offset..range.end - slot.offset);
@@ -315,6 +309,12 @@ where
         Ok(())
     }
 
+    /// Unit `u`'s elements before any gradient is in: zeros (padding stays zero), f32.
+    fn zeros(&self, u: usize) -> Tensor<BA::InnerBackend, 1> {
+        let len = self.units[u].ranges.iter().map(Range::len).sum::<usize>();
+        Tensor::zeros([len], (&self.device, DType::F32))
+    }
+
     /// Starts unit `u`'s collective.
     fn start_unit(
         &self,
@@ -325,10 +325,7 @@ where
             return Ok(());
         }
         // A unit no parameter reaches (all padding) holds zeros.
-        let input = state.inputs[u].take().unwrap_or_else(|| {
-            let len = self.units[u].ranges.iter().map(Range::len).sum::<usize>();
-            Tensor::zeros([len], (&self.device, DType::F32))
-        });
+        let input = state.inputs[u].take().unwrap_or_else(|| self.zeros(u));
         let size = self.dp.size();
         let output = if self.sharded {
             let columns = input.dims()[0] / size;

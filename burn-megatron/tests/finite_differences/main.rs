@@ -9,6 +9,7 @@
 //! `NdArray<f32>` and `NdArray<f64>` share the CPU device, and the first tensor of a process
 //! fixes it. [`device`] checks that this process got f64.
 
+mod backward_hook;
 mod embedding_and_bias;
 mod flash_attention;
 mod gelu;
