@@ -4,9 +4,13 @@
 //! streams) and the in-band foreign operations that NCCL collectives and cuBLASLt GEMMs run
 //! through. Fused kernels and GEMM paths build on it.
 //!
+//! Always: [`counter_rng`], the random bits of the dropout masks (the host reference of the
+//! dropout kernel).
+//!
 //! With the `fused` feature (implied by `cuda` and `wgpu`): [`fused`], CubeCL kernels for any
 //! CubeCL runtime.
 
+pub mod counter_rng;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "fused")]

@@ -19,6 +19,7 @@ use crate::ops::GeluForm;
 use crate::ops::cross_entropy::{
     VocabSlice, autodiff_cross_entropy, gradient_composition, statistics_composition,
 };
+use crate::ops::dropout::{DropoutMask, autodiff_dropout, dropout_composition};
 use crate::ops::gelu::{add_bias, autodiff_bias_gelu};
 use crate::ops::norm::{
     NormForward, NormGradients, NormKind, autodiff_norm,
@@ -136,6 +137,34 @@ pub trait ModelBackend: DistBackend {
         crate::ops::causal_softmax::backward_composition(probs, grad, scale)
     }
 
+    /// `softmax(scale · scores)` over the last dimension of `scores` (`[batch, heads, queries,
+    /// keys]`) with a padding mask: batch element `b` sees keys `0..key_lengths[b]` (all keys
+    /// without lengths), and with `causal` (square scores) query `i` also only keys `0..=i`. A
+    /// row that sees no key is zeros. In the scores' dtype, f32 statistics. `Autodiff<B>`
+    /// stores the probabilities; its backward is
+    /// [`masked_softmax_backward`](Self::masked_softmax_backward). CubeCL backends run one
+    /// kernel each way.
+    fn masked_softmax(
+        scores: Tensor<Self, 4>,
+        key_lengths: Option<Tensor<Self, 1, Int>>,
+        scale: f64,
+        causal: bool,
+    ) -> Tensor<Self, 4> {
+        crate::ops::causal_softmax::masked_forward_composition(scores, key_lengths, scale, causal)
+    }
+
+    /// The gradient of [`masked_softmax`](Self::masked_softmax)'s unscaled scores from the
+    /// probabilities `P` and their gradient `dP`: `scale · P ∘ (dP - Σ_row dP ∘ P)` (masked
+    /// probabilities are zero; `causal` lets a kernel skip the future).
+    fn masked_softmax_backward(
+        probs: Tensor<Self, 4>,
+        grad: Tensor<Self, 4>,
+        scale: f64,
+        _causal: bool,
+    ) -> Tensor<Self, 4> {
+        crate::ops::causal_softmax::backward_composition(probs, grad, scale)
+    }
+
     /// Flash attention (see [`crate::ops::flash_attention`]): `softmax(scale · q kᵀ + mask)
     /// v` for `q: [batch, heads, seq_q, head_dim]` and `k, v: [batch, kv_heads, seq_k,
     /// head_dim]` (`heads` a multiple of `kv_heads`; query `i` sees keys `0..=i` when
@@ -247,6 +276,35 @@ pub trait ModelBackend: DistBackend {
     /// node whose bias gradient is [`bias_gradient`](Self::bias_gradient).
     fn bias_add(x: Tensor<Self, 2>, bias: Tensor<Self, 1>) -> Tensor<Self, 2> {
         x + bias.unsqueeze()
+    }
+
+    /// Rotary position embeddings on the packed `qkv: [batch, seq, groups, heads_per_group + 2,
+    /// head_dim]` (see [`crate::ops::rope`]): query and key heads rotated, value heads
+    /// unchanged, in qkv's dtype with f32 angles. `Autodiff<B>` stores nothing; its backward is
+    /// [`packed_rope_backward`](Self::packed_rope_backward). CubeCL backends run one kernel
+    /// (`burn_megatron_kernels::fused::rope`).
+    fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+        crate::ops::rope::packed_rope_composition(qkv, base, false)
+    }
+
+    /// The gradient of [`packed_rope`](Self::packed_rope)'s input from its output's gradient:
+    /// the rotation by `-angle`.
+    fn packed_rope_backward(grad: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+        crate::ops::rope::packed_rope_composition(grad, base, true)
+    }
+
+    /// `residual + x ∘ m` (without a residual, `x ∘ m`) for `x` and `residual` of one shape:
+    /// dropout with the mask `m` of [`crate::ops::dropout`], drawn from the global coordinates
+    /// of each element, and the residual add after it. `Autodiff<B>` stores nothing but the
+    /// mask's description; its backward is this op on the output's gradient. CubeCL backends
+    /// draw the mask inside one kernel (`burn_megatron_kernels::fused::dropout`), others on
+    /// the host.
+    fn dropout(
+        x: Tensor<Self, 4>,
+        residual: Option<Tensor<Self, 4>>,
+        mask: DropoutMask,
+    ) -> Tensor<Self, 4> {
+        dropout_composition(x, residual, mask)
     }
 
     /// `Σ_tokens dy` of `dy: [tokens, features]`, in `dy`'s dtype: the gradient of a bias added
@@ -410,10 +468,12 @@ mod cube {
     use burn_megatron_kernels::fused::bias_gelu as gelu_kernels;
     use burn_megatron_kernels::fused::causal_softmax as softmax_kernels;
     use burn_megatron_kernels::fused::cross_entropy as kernels;
+    use burn_megatron_kernels::fused::dropout as dropout_kernels;
     use burn_megatron_kernels::fused::embedding as embedding_kernels;
     use burn_megatron_kernels::fused::flash_attention as flash_kernels;
     pub(super) use burn_megatron_kernels::fused::flash_attention::packed::{self, ViewOffsets};
     use burn_megatron_kernels::fused::norm as norm_kernels;
+    use burn_megatron_kernels::fused::rope as rope_kernels;
 
     use crate::ops::GeluForm;
     use crate::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
@@ -535,6 +595,131 @@ mod cube {
             probs.into_primitive().tensor(),
             grad.into_primitive().tensor(),
             scale,
+        ))
+    }
+
+    /// `ModelBackend::dropout` in one kernel, the mask drawn in it (f64: the composition).
+    pub(super) fn dropout<R, F, I, BT>(
+        x: Tensor<Cube<R, F, I, BT>, 4>,
+        residual: Option<Tensor<Cube<R, F, I, BT>, 4>>,
+        mask: crate::ops::DropoutMask,
+    ) -> Tensor<Cube<R, F, I, BT>, 4>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if x.dtype() == DType::F64 {
+            return crate::ops::dropout::dropout_composition(x, residual, mask);
+        }
+        let dims = x.dims();
+        let [d0, d1, d2, d3] = dims;
+        let flat = |t: Tensor<Cube<R, F, I, BT>, 4>| t.reshape([d0 * d1 * d2, d3]);
+        let residual = residual.map(|r| flat(r.cast(x.dtype())).into_primitive().tensor());
+        let placement = dropout_kernels::MaskPlacement {
+            prob: mask.prob,
+            seed: mask.seed,
+            inner: [d1, d2],
+            offset: mask.offset,
+        };
+        float::<R, F, I, BT, 2>(dropout_kernels::forward(
+            flat(x).into_primitive().tensor(),
+            residual,
+            placement,
+        ))
+        .reshape(dims)
+    }
+
+    /// `ModelBackend::packed_rope` (with `inverse`, its backward) in one kernel (f64: the
+    /// composition).
+    pub(super) fn packed_rope<R, F, I, BT>(
+        qkv: Tensor<Cube<R, F, I, BT>, 5>,
+        base: f64,
+        inverse: bool,
+    ) -> Tensor<Cube<R, F, I, BT>, 5>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if qkv.dtype() == DType::F64 {
+            return crate::ops::rope::packed_rope_composition(qkv, base, inverse);
+        }
+        let dims = qkv.dims();
+        let [batch, seq, groups, slots, head_dim] = dims;
+        let half = crate::ops::rope::check_shape(dims);
+        let frequencies = Tensor::<Cube<R, F, I, BT>, 1>::from_data(
+            burn::tensor::TensorData::new(
+                crate::ops::rope::inverse_frequencies(head_dim, base),
+                [half],
+            ),
+            (&qkv.device(), DType::F32),
+        );
+        let layout = rope_kernels::PackedRows { seq, groups, slots };
+        float::<R, F, I, BT, 2>(rope_kernels::rotate(
+            qkv.reshape([batch * seq * groups * slots, head_dim])
+                .into_primitive()
+                .tensor(),
+            frequencies.into_primitive().tensor(),
+            layout,
+            inverse,
+        ))
+        .reshape(dims)
+    }
+
+    /// `ModelBackend::masked_softmax` in one kernel (f64: the composition).
+    pub(super) fn masked_softmax<R, F, I, BT>(
+        scores: Tensor<Cube<R, F, I, BT>, 4>,
+        key_lengths: Option<Tensor<Cube<R, F, I, BT>, 1, Int>>,
+        scale: f64,
+        causal: bool,
+    ) -> Tensor<Cube<R, F, I, BT>, 4>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if scores.dtype() == DType::F64 {
+            return crate::ops::causal_softmax::masked_forward_composition(
+                scores,
+                key_lengths,
+                scale,
+                causal,
+            );
+        }
+        float(softmax_kernels::masked_forward(
+            scores.into_primitive().tensor(),
+            key_lengths.map(|l| l.into_primitive()),
+            scale,
+            causal,
+        ))
+    }
+
+    /// `ModelBackend::masked_softmax_backward` in one kernel (f64: the composition).
+    pub(super) fn masked_softmax_backward<R, F, I, BT>(
+        probs: Tensor<Cube<R, F, I, BT>, 4>,
+        grad: Tensor<Cube<R, F, I, BT>, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> Tensor<Cube<R, F, I, BT>, 4>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if probs.dtype() == DType::F64 {
+            return crate::ops::causal_softmax::backward_composition(probs, grad, scale);
+        }
+        let grad = grad.cast(probs.dtype());
+        float(softmax_kernels::masked_backward(
+            probs.into_primitive().tensor(),
+            grad.into_primitive().tensor(),
+            scale,
+            causal,
         ))
     }
 
@@ -1023,6 +1208,22 @@ mod cube {
                 cube::swiglu(gate, up)
             }
 
+            fn dropout(
+                x: Tensor<Self, 4>,
+                residual: Option<Tensor<Self, 4>>,
+                mask: crate::ops::DropoutMask,
+            ) -> Tensor<Self, 4> {
+                cube::dropout(x, residual, mask)
+            }
+
+            fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+                cube::packed_rope(qkv, base, false)
+            }
+
+            fn packed_rope_backward(grad: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+                cube::packed_rope(grad, base, true)
+            }
+
             fn write_slot(
                 buffer: Tensor<Self, 1>,
                 start: usize,
@@ -1060,6 +1261,24 @@ mod cube {
 
             fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
                 cube::causal_softmax(scores, scale)
+            }
+
+            fn masked_softmax(
+                scores: Tensor<Self, 4>,
+                key_lengths: Option<Tensor<Self, 1, Int>>,
+                scale: f64,
+                causal: bool,
+            ) -> Tensor<Self, 4> {
+                cube::masked_softmax(scores, key_lengths, scale, causal)
+            }
+
+            fn masked_softmax_backward(
+                probs: Tensor<Self, 4>,
+                grad: Tensor<Self, 4>,
+                scale: f64,
+                causal: bool,
+            ) -> Tensor<Self, 4> {
+                cube::masked_softmax_backward(probs, grad, scale, causal)
             }
 
             fn bias_gelu(
@@ -1528,6 +1747,18 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         autodiff_swiglu(gate, up)
     }
 
+    fn dropout(
+        x: Tensor<Self, 4>,
+        residual: Option<Tensor<Self, 4>>,
+        mask: DropoutMask,
+    ) -> Tensor<Self, 4> {
+        autodiff_dropout(x, residual, mask)
+    }
+
+    fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+        crate::ops::rope::autodiff_packed_rope(qkv, base)
+    }
+
     fn cross_entropy(
         logits: Tensor<Self, 2>,
         targets: Tensor<Self, 1, Int>,
@@ -1539,6 +1770,15 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
 
     fn causal_softmax(scores: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
         crate::ops::causal_softmax::autodiff_causal_softmax(scores, scale)
+    }
+
+    fn masked_softmax(
+        scores: Tensor<Self, 4>,
+        key_lengths: Option<Tensor<Self, 1, Int>>,
+        scale: f64,
+        causal: bool,
+    ) -> Tensor<Self, 4> {
+        crate::ops::causal_softmax::autodiff_masked_softmax(scores, key_lengths, scale, causal)
     }
 
     fn flash_attention(

@@ -487,7 +487,16 @@ fn a_training_step_on_wgpu_equals_ndarray() {
         .with_add_bias_linear(false)
         .with_tie_embeddings(false);
     let gpt = TransformerConfig::new(64, 2, 4, 256, 50, 16);
-    for (name, config) in [("llama", llama), ("gpt", gpt)] {
+    // Dropout masks drawn by the kernels on wgpu and on the host on NdArray.
+    let dropout = gpt
+        .clone()
+        .with_hidden_dropout(0.2)
+        .with_attention_dropout(0.3);
+    for (name, config) in [
+        ("llama", llama),
+        ("gpt", gpt),
+        ("gpt with dropout", dropout),
+    ] {
         let (loss, grads) = step::<Autodiff<W>>(&config, WgpuDevice::default());
         let (want_loss, want) = step::<Autodiff<NdArray>>(&config, Default::default());
         assert_close(
@@ -1726,5 +1735,251 @@ fn embedding_backward_equals_the_sequential_sum() {
             &values(burns),
             tolerance::F32_SAME_ORDER,
         );
+    }
+}
+
+/// The dropout kernel (`ModelBackend::dropout` on a CubeCL backend) draws the host's mask bit
+/// for bit, at offsets in the global tensor and over shapes that are and are not whole
+/// vectors; applied to f32 and f16 strided views, with and without the residual add, it equals
+/// the composition, writes every element, and its `Autodiff` gradients are `dy ∘ m` and `dy`.
+#[test]
+fn dropout_draws_the_host_mask_and_equals_the_composition() {
+    use burn::backend::Autodiff;
+    use burn_megatron::ops::DropoutMask;
+    use burn_megatron::ops::dropout::dropout_composition;
+    use burn_megatron_kernels::fused::dropout as kernel;
+    let device = WgpuDevice::default();
+    let shapes = [[1, 1, 1, 1], [2, 3, 5, 7], [1, 4, 9, 64], [3, 2, 17, 130]];
+    for (i, dims) in shapes.into_iter().enumerate() {
+        for prob in [0.1, 0.5, 0.9] {
+            let mask = DropoutMask {
+                prob,
+                seed: 0xdead_beef_0000 + i as u64,
+                offset: [i, 2 * i, 0, 3 * i],
+            };
+            let name = format!("{dims:?} p={prob}");
+            // The mask itself: the kernel applied to ones.
+            let ones = Tensor::<W, 4>::ones(dims, &device);
+            let drawn = values(W::dropout(ones, None, mask));
+            let host: Vec<f64> = mask.multipliers(dims).into_iter().map(f64::from).collect();
+            assert_eq!(drawn, host, "mask {name}");
+            let dropped = host.iter().filter(|m| **m == 0.0).count() as f64 / host.len() as f64;
+            if host.len() > 1000 {
+                assert!((dropped - prob).abs() < 0.05, "{name}: dropped {dropped}");
+            }
+
+            for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+                let [d0, d1, d2, d3] = dims;
+                let view = |seed| {
+                    random_4d([d0, d1, d2, d3 + 3], seed, 2.0, dtype, &device).narrow(3, 0, d3)
+                };
+                let (x, residual) = (view(91), view(92));
+                let f32_of = |t: Tensor<W, 4>| t.cast(DType::F32);
+                for with_residual in [false, true] {
+                    let r = with_residual.then(|| residual.clone());
+                    let want = dropout_composition(f32_of(x.clone()), r.clone().map(f32_of), mask);
+                    let output = poisoned(dims, dtype, &device);
+                    let flat = |t: Tensor<W, 4>| raw(t.reshape([d0 * d1 * d2, d3]));
+                    kernel::forward_into(
+                        flat(x.clone()),
+                        r.clone().map(flat),
+                        kernel::MaskPlacement {
+                            prob,
+                            seed: mask.seed,
+                            inner: [d1, d2],
+                            offset: mask.offset,
+                        },
+                        flat(output.clone()),
+                    );
+                    let got = W::dropout(x.clone(), r, mask);
+                    assert_eq!(got.dtype(), dtype);
+                    let what = format!("{name} {dtype:?} residual={with_residual}");
+                    assert_close(&what, &values(f32_of(got)), &values(want.clone()), bound);
+                    assert_close(
+                        &format!("{what} (into a poisoned buffer)"),
+                        &values(f32_of(output)),
+                        &values(want),
+                        bound,
+                    );
+                }
+            }
+
+            // Gradients: `dx = dy ∘ m`, `d_residual = dy`.
+            let x =
+                Tensor::<Autodiff<W>, 4>::from_inner(random_4d(dims, 93, 1.0, DType::F32, &device))
+                    .require_grad();
+            let residual =
+                Tensor::<Autodiff<W>, 4>::from_inner(random_4d(dims, 94, 1.0, DType::F32, &device))
+                    .require_grad();
+            let dy = random_4d(dims, 95, 1.0, DType::F32, &device);
+            let y = <Autodiff<W>>::dropout(x.clone(), Some(residual.clone()), mask);
+            let grads = (y * Tensor::from_inner(dy.clone())).sum().backward();
+            let want_dx: Vec<f64> = values(dy.clone())
+                .iter()
+                .zip(&host)
+                .map(|(g, m)| (*g as f32 * *m as f32) as f64)
+                .collect();
+            assert_close(
+                &format!("dx {name}"),
+                &values(x.grad(&grads).expect("x has a gradient")),
+                &want_dx,
+                tolerance::F32,
+            );
+            assert_eq!(
+                values(residual.grad(&grads).expect("the residual has a gradient")),
+                values(dy),
+                "d_residual {name}"
+            );
+        }
+    }
+}
+
+/// The RoPE kernel (`ModelBackend::packed_rope` and its backward on a CubeCL backend) against
+/// the composition, in f32 and f16, for packed layouts with one and several query heads per
+/// group, odd sequence lengths and head dims whose halves are and are not whole vectors; every
+/// element of a poisoned output is written; value heads are copied bit for bit; and the
+/// backward undoes the forward (the rotation is orthogonal).
+#[test]
+fn rope_equals_the_composition_and_its_backward_undoes_it() {
+    use burn_megatron::ops::rope::{inverse_frequencies, packed_rope_composition};
+    use burn_megatron_kernels::fused::rope as kernel;
+    let device = WgpuDevice::default();
+    // [batch, seq, groups, heads_per_group + 2, head_dim]
+    let shapes = [
+        [1, 1, 1, 3, 2],
+        [2, 7, 3, 3, 6],
+        [1, 33, 2, 4, 64],
+        [2, 5, 1, 10, 16],
+    ];
+    for dims in shapes {
+        let [batch, seq, groups, slots, head_dim] = dims;
+        let n = dims.iter().product();
+        for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+            let name = format!("{dims:?} {dtype:?}");
+            let qkv =
+                Tensor::<W, 5>::from_data(TensorData::new(random(n, 101, 2.0), dims), &device)
+                    .cast(dtype);
+            let f32_of = |t: Tensor<W, 5>| t.cast(DType::F32);
+            for inverse in [false, true] {
+                let want = packed_rope_composition(f32_of(qkv.clone()), 10_000.0, inverse);
+                let got = if inverse {
+                    W::packed_rope_backward(qkv.clone(), 10_000.0)
+                } else {
+                    W::packed_rope(qkv.clone(), 10_000.0)
+                };
+                assert_eq!(got.dtype(), dtype);
+                let what = format!("{name} inverse={inverse}");
+                assert_close(
+                    &what,
+                    &values(f32_of(got.clone())),
+                    &values(want.clone()),
+                    bound,
+                );
+                let values_of = |t: Tensor<W, 5>| values(t.narrow(3, slots - 1, 1));
+                assert_eq!(
+                    values_of(got),
+                    values_of(qkv.clone()),
+                    "{what}: value heads"
+                );
+
+                let rows = batch * seq * groups * slots;
+                let output = Tensor::<W, 2>::full([rows, head_dim], f32::NAN, &device).cast(dtype);
+                let frequencies = Tensor::<W, 1>::from_data(
+                    TensorData::new(inverse_frequencies(head_dim, 10_000.0), [head_dim / 2]),
+                    (&device, DType::F32),
+                );
+                kernel::rotate_into(
+                    raw(qkv.clone().reshape([rows, head_dim])),
+                    raw(frequencies),
+                    kernel::PackedRows { seq, groups, slots },
+                    inverse,
+                    raw(output.clone()),
+                );
+                assert_close(
+                    &format!("{what} (into a poisoned buffer)"),
+                    &values(output.cast(DType::F32)),
+                    &values(want),
+                    bound,
+                );
+            }
+            let there_and_back = W::packed_rope_backward(W::packed_rope(qkv.clone(), 500.0), 500.0);
+            assert_close(
+                &format!("{name}: backward ∘ forward"),
+                &values(f32_of(there_and_back)),
+                &values(f32_of(qkv)),
+                bound * 4.0,
+            );
+        }
+    }
+}
+
+/// The padded softmax kernels (`ModelBackend::masked_softmax` and its backward on a CubeCL
+/// backend) against the composition, f32 and f16, with and without the causal mask, for key
+/// lengths of zero (a row with no visible key is zeros), within and beyond the row, rectangular
+/// scores and rows longer than a cube's threads; every element of a poisoned output written.
+#[test]
+fn masked_softmax_equals_the_composition_and_writes_every_element() {
+    use burn_megatron::ops::causal_softmax::{backward_composition, masked_forward_composition};
+    use burn_megatron_kernels::fused::causal_softmax as softmax;
+    let device = WgpuDevice::default();
+    let cases: [([usize; 4], bool, Option<[i32; 3]>); 6] = [
+        ([3, 2, 5, 5], true, Some([0, 3, 9])),
+        ([3, 2, 5, 5], false, Some([5, 1, 0])),
+        ([3, 1, 4, 700], false, Some([700, 333, 1])),
+        ([3, 2, 37, 37], true, Some([37, 20, 2])),
+        ([3, 2, 6, 9], false, None),
+        ([3, 1, 1, 1], false, Some([1, 0, 1])),
+    ];
+    for (i, (dims, causal, lengths)) in cases.into_iter().enumerate() {
+        for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+            let name = format!("{dims:?} causal={causal} lengths={lengths:?} {dtype:?}");
+            let scores = random_4d(dims, 111 + i as u64, 4.0, dtype, &device);
+            let grad = random_4d(dims, 121 + i as u64, 1.0, dtype, &device);
+            let key_lengths = lengths
+                .map(|l| Tensor::<W, 1, Int>::from_data(TensorData::new(l.to_vec(), [3]), &device));
+            let f32_of = |t: Tensor<W, 4>| t.cast(DType::F32);
+            let want = masked_forward_composition(
+                f32_of(scores.clone()),
+                key_lengths.clone(),
+                0.7,
+                causal,
+            );
+            let got = W::masked_softmax(scores.clone(), key_lengths.clone(), 0.7, causal);
+            assert_eq!(got.dtype(), dtype);
+            let probs_f32 = values(f32_of(got.clone()));
+            assert!(
+                probs_f32.iter().all(|p| p.is_finite()),
+                "{name}: not finite"
+            );
+            assert_close(
+                &format!("forward {name}"),
+                &probs_f32,
+                &values(want.clone()),
+                bound,
+            );
+            let probs = poisoned(dims, dtype, &device);
+            softmax::masked_forward_into(
+                raw4(scores),
+                key_lengths.map(|l| l.into_primitive()),
+                0.7,
+                causal,
+                raw4(probs.clone()),
+            );
+            assert_close(
+                &format!("forward {name} (into a poisoned buffer)"),
+                &values(f32_of(probs)),
+                &values(want.clone()),
+                bound,
+            );
+
+            let want = backward_composition(want, f32_of(grad.clone()), 0.7);
+            let got = W::masked_softmax_backward(got.clone(), grad.clone(), 0.7, causal);
+            assert_close(
+                &format!("backward {name}"),
+                &values(f32_of(got)),
+                &values(want),
+                bound,
+            );
+        }
     }
 }

@@ -1,8 +1,10 @@
-//! The attention's scaled, causally masked softmax, forward and backward, each one kernel
-//! (Megatron's `ScaledUpperTriangMaskedSoftmax`).
+//! The attention's scaled, masked softmax, forward and backward, each one kernel (Megatron's
+//! `ScaledUpperTriangMaskedSoftmax` and `ScaledMaskedSoftmax` for padding).
 //!
-//! Rows are the `[batch · heads · seq]` query positions of the `[batch, heads, seq, seq]`
-//! scores; query `i` sees keys `0..=i`. The forward reads a row's visible scores once for a
+//! Rows are the `[batch · heads · queries]` query positions of the `[batch, heads, queries,
+//! keys]` scores. With the causal mask (square scores) query `i` sees keys `0..=i`; with a
+//! padding mask, batch element `b` sees keys `0..key_lengths[b]`; with both, the intersection.
+//! A row that sees no key is all zeros. The forward reads a row's visible scores once for a
 //! running `(max, sum)` and once more to write `exp(scale · x - max) / sum` (and zeros for
 //! the future); the backward reads the probabilities and their gradient once for
 //! `Σ dP · P` and once more to write `scale · P · (dP - Σ dP · P)`. The statistics are f32
@@ -27,7 +29,7 @@ fn launch_shape(rows: usize, seq: usize) -> (CubeCount, u32) {
     (CubeCount::Static(x, y, 1), threads)
 }
 
-/// Where row `row` (a query position of `[batch, heads, seq, seq]`) starts in `t`: strided,
+/// Where row `row` (a query position of `[batch, heads, seq, keys]`) starts in `t`: strided,
 /// since the runtime may pitch rows (pad each to an aligned size).
 #[cube]
 fn row_offset<F: Float>(t: &Tensor<F>, row: usize, heads: usize, seq: usize) -> usize {
@@ -45,25 +47,59 @@ fn row_index(rows: usize) -> usize {
     row
 }
 
+/// The keys row `row` sees: `0..visible`.
+#[cube]
+fn visible_keys<I: Int>(
+    row: usize,
+    heads: usize,
+    seq: usize,
+    keys: usize,
+    key_lengths: &Tensor<I>,
+    #[comptime] causal: bool,
+    #[comptime] padded: bool,
+) -> usize {
+    let mut visible = keys;
+    if causal {
+        visible = row % seq + 1;
+    }
+    if padded {
+        let length = i64::cast_from(key_lengths[row / seq / heads]);
+        let mut limit = 0usize;
+        if length > 0 {
+            limit = length as usize;
+        }
+        if limit < visible {
+            visible = limit;
+        }
+    }
+    visible
+}
+
 #[cube(launch)]
-fn forward_kernel<F: Float>(
+#[allow(clippy::too_many_arguments)]
+fn forward_kernel<F: Float, I: Int>(
     scores: &Tensor<F>,
+    key_lengths: &Tensor<I>,
     probs: &mut Tensor<F>,
     scale: f32,
     rows: u32,
     heads: u32,
     seq: u32,
+    keys: u32,
     #[comptime] threads: u32,
-    #[define(F)] _dtype: StorageType,
+    #[comptime] causal: bool,
+    #[comptime] padded: bool,
+    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = row_index(rows as usize);
     let tid = UNIT_POS_X as usize;
     let stride = CUBE_DIM_X as usize;
     let seq = seq as usize;
+    let keys = keys as usize;
     let input = row_offset::<F>(scores, row, heads as usize, seq);
     let output = row_offset::<F>(probs, row, heads as usize, seq);
     let (step_in, step_out) = (scores.stride(3), probs.stride(3));
-    let visible = row % seq + 1;
+    let visible = visible_keys::<I>(row, heads as usize, seq, keys, key_lengths, causal, padded);
 
     let mut m = f32::new(NO_SCORE);
     let mut s = f32::new(0.0);
@@ -103,7 +139,7 @@ fn forward_kernel<F: Float>(
     let inverse = f32::new(1.0) / sums[0];
 
     let mut j = tid;
-    while j < seq {
+    while j < keys {
         let mut p = f32::new(0.0);
         if j < visible {
             p = (f32::cast_from(scores[input + j * step_in]) * scale - max).exp() * inverse;
@@ -122,7 +158,9 @@ fn backward_kernel<F: Float>(
     rows: u32,
     heads: u32,
     seq: u32,
+    keys: u32,
     #[comptime] threads: u32,
+    #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index(rows as usize);
@@ -134,7 +172,13 @@ fn backward_kernel<F: Float>(
     let g_row = row_offset::<F>(grad_probs, row, heads, seq);
     let out_row = row_offset::<F>(grad_scores, row, heads, seq);
     let (p_step, g_step, out_step) = (probs.stride(3), grad_probs.stride(3), grad_scores.stride(3));
-    let visible = row % seq + 1;
+    let keys = keys as usize;
+    // Masked probabilities are zero and so are their gradients: beyond the causal limit they
+    // are not read, padded keys are read like any other.
+    let mut visible = keys;
+    if causal {
+        visible = row % seq + 1;
+    }
 
     let mut dot = f32::new(0.0);
     let mut j = tid;
@@ -157,7 +201,7 @@ fn backward_kernel<F: Float>(
     let dot = dots[0];
 
     let mut j = tid;
-    while j < seq {
+    while j < keys {
         let mut g = f32::new(0.0);
         if j < visible {
             let p = f32::cast_from(probs[p_row + j * p_step]);
@@ -171,38 +215,82 @@ fn backward_kernel<F: Float>(
 /// `softmax(scale · scores)` over the last dimension of `scores` (`[.., seq, seq]`, any float
 /// dtype), query `i` seeing keys `0..=i`; the probabilities in the scores' dtype.
 pub fn forward<R: CubeRuntime>(scores: CubeTensor<R>, scale: f64) -> CubeTensor<R> {
-    let shape = scores.meta.shape().clone();
-    let probs = empty_device_contiguous_dtype::<R>(
-        scores.client.clone(),
-        scores.device.clone(),
-        shape.clone(),
-        scores.dtype,
-    );
-    forward_into(scores, scale, probs.clone());
-    probs
+    masked_forward(scores, None, scale, true)
 }
 
 /// [`forward`] written into `probs` (the scores' shape and dtype, any strides): tests pass a
 /// poisoned buffer to catch elements the kernel does not write.
 pub fn forward_into<R: CubeRuntime>(scores: CubeTensor<R>, scale: f64, probs: CubeTensor<R>) {
-    let [rows, heads, seq] = rows_heads_seq(scores.meta.shape());
-    if rows == 0 {
+    masked_forward_into(scores, None, scale, true, probs)
+}
+
+/// `softmax(scale · scores)` over the last dimension of `scores` (`[batch, heads, queries,
+/// keys]`, any float dtype), batch element `b` seeing keys `0..key_lengths[b]` (`[batch]`, any
+/// integer dtype; all keys without it) and, when `causal` (square scores), query `i` keys
+/// `0..=i`; rows that see no key are zeros. The probabilities in the scores' dtype.
+pub fn masked_forward<R: CubeRuntime>(
+    scores: CubeTensor<R>,
+    key_lengths: Option<CubeTensor<R>>,
+    scale: f64,
+    causal: bool,
+) -> CubeTensor<R> {
+    let probs = empty_device_contiguous_dtype::<R>(
+        scores.client.clone(),
+        scores.device.clone(),
+        scores.meta.shape().clone(),
+        scores.dtype,
+    );
+    masked_forward_into(scores, key_lengths, scale, causal, probs.clone());
+    probs
+}
+
+/// [`masked_forward`] written into `probs` (the scores' shape and dtype, any strides).
+pub fn masked_forward_into<R: CubeRuntime>(
+    scores: CubeTensor<R>,
+    key_lengths: Option<CubeTensor<R>>,
+    scale: f64,
+    causal: bool,
+    probs: CubeTensor<R>,
+) {
+    let [rows, heads, seq, keys] = rows_heads_seq_keys(scores.meta.shape(), causal);
+    if let Some(lengths) = &key_lengths {
+        assert_eq!(
+            lengths.meta.shape().as_slice(),
+            [scores.meta.shape().as_slice()[0]],
+            "the padded softmax takes one key length per batch element"
+        );
+    }
+    if rows * keys == 0 {
         return;
     }
-    let (count, threads) = launch_shape(rows, seq);
-    let dtype = scores.dtype.into();
+    let padded = key_lengths.is_some();
+    // Without a padding mask the kernel reads no length: a one-element placeholder.
+    let key_lengths = key_lengths.unwrap_or_else(|| {
+        empty_device_contiguous_dtype::<R>(
+            scores.client.clone(),
+            scores.device.clone(),
+            Shape::new([1]),
+            burn::tensor::DType::I32,
+        )
+    });
+    let (count, threads) = launch_shape(rows, keys);
+    let dtypes = [scores.dtype.into(), key_lengths.dtype.into()];
     forward_kernel::launch::<R>(
         &scores.client.clone(),
         count,
         CubeDim::new_1d(threads),
         scores.into_tensor_arg(),
+        key_lengths.into_tensor_arg(),
         probs.into_tensor_arg(),
         scale as f32,
         rows as u32,
         heads as u32,
         seq as u32,
+        keys as u32,
         threads,
-        dtype,
+        causal,
+        padded,
+        dtypes,
     );
 }
 
@@ -213,15 +301,7 @@ pub fn backward<R: CubeRuntime>(
     grad_probs: CubeTensor<R>,
     scale: f64,
 ) -> CubeTensor<R> {
-    let shape = probs.meta.shape().clone();
-    let grad = empty_device_contiguous_dtype::<R>(
-        probs.client.clone(),
-        probs.device.clone(),
-        shape.clone(),
-        probs.dtype,
-    );
-    backward_into(probs, grad_probs, scale, grad.clone());
-    grad
+    masked_backward(probs, grad_probs, scale, true)
 }
 
 /// [`backward`] written into `grad_scores` (the probabilities' shape and dtype, any strides).
@@ -231,11 +311,43 @@ pub fn backward_into<R: CubeRuntime>(
     scale: f64,
     grad_scores: CubeTensor<R>,
 ) {
-    let [rows, heads, seq] = rows_heads_seq(probs.meta.shape());
-    if rows == 0 {
+    masked_backward_into(probs, grad_probs, scale, true, grad_scores)
+}
+
+/// The gradient of [`masked_forward`]'s `scores` given the probabilities and their gradient
+/// (both `[batch, heads, queries, keys]`, one dtype): `scale · P · (dP - Σ_row dP · P)`. Masked
+/// probabilities are zero, so are their gradients; only the causal mask is needed (to skip
+/// the future), not the key lengths.
+pub fn masked_backward<R: CubeRuntime>(
+    probs: CubeTensor<R>,
+    grad_probs: CubeTensor<R>,
+    scale: f64,
+    causal: bool,
+) -> CubeTensor<R> {
+    let grad = empty_device_contiguous_dtype::<R>(
+        probs.client.clone(),
+        probs.device.clone(),
+        probs.meta.shape().clone(),
+        probs.dtype,
+    );
+    masked_backward_into(probs, grad_probs, scale, causal, grad.clone());
+    grad
+}
+
+/// [`masked_backward`] written into `grad_scores` (the probabilities' shape and dtype, any
+/// strides).
+pub fn masked_backward_into<R: CubeRuntime>(
+    probs: CubeTensor<R>,
+    grad_probs: CubeTensor<R>,
+    scale: f64,
+    causal: bool,
+    grad_scores: CubeTensor<R>,
+) {
+    let [rows, heads, seq, keys] = rows_heads_seq_keys(probs.meta.shape(), causal);
+    if rows * keys == 0 {
         return;
     }
-    let (count, threads) = launch_shape(rows, seq);
+    let (count, threads) = launch_shape(rows, keys);
     let dtype = probs.dtype.into();
     backward_kernel::launch::<R>(
         &probs.client.clone(),
@@ -248,22 +360,25 @@ pub fn backward_into<R: CubeRuntime>(
         rows as u32,
         heads as u32,
         seq as u32,
+        keys as u32,
         threads,
+        causal,
         dtype,
     );
 }
 
-/// `[rows, heads, seq]` of `[batch, heads, seq, seq]` scores.
-fn rows_heads_seq(shape: &Shape) -> [usize; 3] {
+/// `[rows, heads, queries, keys]` of `[batch, heads, queries, keys]` scores (square when
+/// `causal`).
+fn rows_heads_seq_keys(shape: &Shape, causal: bool) -> [usize; 4] {
     let dims = shape.as_slice();
     assert_eq!(
         dims.len(),
         4,
-        "the causal softmax takes [batch, heads, seq, seq] scores"
+        "the masked softmax takes [batch, heads, queries, keys] scores"
     );
-    assert_eq!(
-        dims[2], dims[3],
-        "the causal softmax takes square [seq, seq] scores"
+    assert!(
+        !causal || dims[2] == dims[3],
+        "the causal softmax takes square [seq, seq] scores, got {dims:?}"
     );
-    [dims[0] * dims[1] * dims[2], dims[1], dims[3]]
+    [dims[0] * dims[1] * dims[2], dims[1], dims[2], dims[3]]
 }

@@ -372,6 +372,7 @@ impl<B: ModelBackend> GptModel<B> {
         }
         Ok(hidden_dropout(
             x,
+            None,
             &c.layer,
             DropoutSite::new(c.layer.seed, call, "embedding"),
         ))

@@ -11,11 +11,14 @@
 //!   dropout trains exactly like the single-device model.
 //!
 //! The seed changes with every call (see [`DropoutSite`]), and recomputing a layer with the
-//! same seed redraws the same masks.
+//! same seed redraws the same masks. The masks are drawn by [`ModelBackend::dropout`]: on the
+//! device, inside the kernel that applies them, where the backend has one.
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::Tensor;
 
-use crate::init::{counter_slice, param_seed, uniform};
+use crate::backend::ModelBackend;
+use crate::init::param_seed;
+use crate::ops::DropoutMask;
 
 /// Identifies one draw of a dropout mask: a model seed, a call count and a site name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,45 +34,48 @@ impl DropoutSite {
             seed: param_seed(seed ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15), name),
         }
     }
-}
 
-/// Zeroes each element of `x` with probability `prob` and scales the others by
-/// `1 / (1 - prob)`, in training only (under an autodiff backend), as Burn's `Dropout` does.
-///
-/// `x` is the block of a tensor of shape `global_shape` that starts at `offset`.
-pub fn dropout<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    prob: f64,
-    site: DropoutSite,
-    global_shape: [usize; D],
-    offset: [usize; D],
-) -> Tensor<B, D> {
-    let device = x.device();
-    if prob == 0.0 || !B::ad_enabled(&device) {
-        return x;
-    }
-    let mask = dropout_mask(x.dims(), prob, site, global_shape, offset, &device);
-    x * mask
-}
-
-/// The multiplier [`dropout`] applies to a block of shape `dims` at `offset`: 0 for dropped
-/// elements, `1 / (1 - prob)` for kept ones.
-pub fn dropout_mask<B: Backend, const D: usize>(
-    dims: [usize; D],
-    prob: f64,
-    site: DropoutSite,
-    global_shape: [usize; D],
-    offset: [usize; D],
-    device: &B::Device,
-) -> Tensor<B, D> {
-    let ranges = std::array::from_fn(|d| offset[d]..offset[d] + dims[d]);
-    let scale = (1.0 / (1.0 - prob)) as f32;
-    let mask = counter_slice(global_shape, ranges, |i| {
-        if uniform(site.seed, i) < prob {
-            0.0
-        } else {
-            scale
+    /// The mask of this site with drop probability `prob`, for the block of a global tensor
+    /// (of rank `D` ≤ 4) that starts at `offset`.
+    pub fn mask<const D: usize>(&self, prob: f64, offset: [usize; D]) -> DropoutMask {
+        assert!(
+            D <= 4,
+            "dropout masks are drawn for tensors of rank 4 at most"
+        );
+        let mut padded = [0; 4];
+        padded[4 - D..].copy_from_slice(&offset);
+        DropoutMask {
+            prob,
+            seed: self.seed,
+            offset: padded,
         }
-    });
-    Tensor::from_data(mask, device)
+    }
+}
+
+/// `residual + dropout(x)` (without a residual, `dropout(x)`): zeroes each element of `x` with
+/// probability `prob` and scales the others by `1 / (1 - prob)`, in training only (under an
+/// autodiff backend), as Burn's `Dropout` does.
+///
+/// `x` is the block of a global tensor that starts at `offset`.
+pub fn dropout<B: ModelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    residual: Option<Tensor<B, D>>,
+    prob: f64,
+    site: DropoutSite,
+    offset: [usize; D],
+) -> Tensor<B, D> {
+    if prob == 0.0 || !B::ad_enabled(&x.device()) {
+        return match residual {
+            Some(residual) => residual + x,
+            None => x,
+        };
+    }
+    let dims = x.dims();
+    let as_4d = |t: Tensor<B, D>| -> Tensor<B, 4> {
+        let mut shape = [1; 4];
+        shape[4 - D..].copy_from_slice(&t.dims());
+        t.reshape(shape)
+    };
+    let residual = residual.map(as_4d);
+    B::dropout(as_4d(x), residual, site.mask(prob, offset)).reshape(dims)
 }

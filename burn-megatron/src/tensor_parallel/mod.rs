@@ -12,7 +12,7 @@ mod vocab_output;
 
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use cross_entropy::{masked_mean, vocab_parallel_cross_entropy};
-pub use dropout::{DropoutSite, dropout, dropout_mask};
+pub use dropout::{DropoutSite, dropout};
 pub(crate) use placement::Path;
 pub use placement::{
     DeclarePlacements, ParamInfo, ParamPlacement, Placements, gather_full_grads,

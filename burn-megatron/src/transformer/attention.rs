@@ -6,7 +6,6 @@ use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::attention_core::AttentionCore;
 use super::config::{PositionEmbedding, Recompute, TransformerConfig};
-use super::rope::apply_rope;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
@@ -22,10 +21,11 @@ use crate::tensor_parallel::{
 /// The attention runs as flash attention (no `[batch, heads, seq, seq]` tensor is stored,
 /// K/V heads are not repeated) unless attention dropout is active (`attention_dropout > 0`
 /// while training), which needs the probabilities: then the unfused [`AttentionCore`] runs,
-/// with selective recomputation if configured. Without RoPE, flash attention takes the QKV
-/// projection's output as it is ([`crate::ops::packed_flash_attention`]: no split copies, one
-/// gradient buffer); with RoPE, q and k are split out and rotated first, then
-/// [`crate::ops::flash_attention`] runs.
+/// with selective recomputation if configured. With RoPE, the query and key heads of the QKV
+/// projection's output are rotated in place of the packed layout first
+/// ([`ModelBackend::packed_rope`](crate::ModelBackend::packed_rope)); flash attention then
+/// takes that output as it is ([`crate::ops::packed_flash_attention`]: no split copies, one
+/// gradient buffer).
 ///
 /// Heads are split by query group, so a rank holds whole groups: its query heads with the
 /// key/value head they share (GQA; plain multi-head attention is one head per group). The QKV
@@ -133,7 +133,11 @@ impl<B: ModelBackend> ParallelAttention<B> {
             first_head: s.first_head,
         };
         let flash = s.flash && !core.dropout_active();
-        let context = if flash && s.rope_base.is_none() {
+        let qkv = match s.rope_base {
+            Some(base) => B::packed_rope(qkv, base),
+            None => qkv,
+        };
+        let context = if flash {
             // `[batch, seq, heads, head_dim]`: the heads merge below without a copy.
             packed_flash_attention::attention(qkv, core.scale, true)
         } else {
@@ -144,20 +148,13 @@ impl<B: ModelBackend> ParallelAttention<B> {
     }
 
     /// The attention of the packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2,
-    /// head_dim]`) split into q, k and v (with RoPE applied, if configured), through
-    /// [`flash_attention`] or the unfused core: `[batch, heads, seq, head_dim]`.
+    /// head_dim]`) split into q, k and v, through [`flash_attention`] or the unfused core:
+    /// `[batch, heads, seq, head_dim]`.
     fn split_attention(&self, qkv: Tensor<B, 5>, core: AttentionCore, flash: bool) -> Tensor<B, 4> {
         let s = self.shape;
         let [batch, seq, ..] = qkv.dims();
         let local_heads = s.local_groups * s.heads_per_group;
-        let [q, mut k, v] = packed_flash_attention::split(qkv);
-        let q = match s.rope_base {
-            Some(base) => {
-                k = apply_rope(k, base);
-                apply_rope(q, base)
-            }
-            None => q,
-        };
+        let [q, k, v] = packed_flash_attention::split(qkv);
         if flash {
             return flash_attention::attention(q, k, v, core.scale, true);
         }

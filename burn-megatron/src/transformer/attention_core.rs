@@ -8,7 +8,8 @@ use burn::tensor::Tensor;
 
 use crate::backend::ModelBackend;
 
-use crate::tensor_parallel::{DropoutSite, dropout_mask};
+use crate::ops::DropoutMask;
+use crate::tensor_parallel::DropoutSite;
 
 /// One attention core call: its scale and how its dropout mask is placed.
 ///
@@ -37,26 +38,16 @@ impl AttentionCore {
         self.training && self.dropout > 0.0
     }
 
-    /// The attention probabilities and the dropout multiplier, if any.
-    fn probabilities<B: ModelBackend>(
-        &self,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-    ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
-        let [batch, local_heads, seq, _] = q.dims();
-        let device = q.device();
-        let probs = B::causal_softmax(q.matmul(k.swap_dims(2, 3)), self.scale);
-        let mask = self.dropout_active().then(|| {
-            dropout_mask(
-                [batch, local_heads, seq, seq],
-                self.dropout,
-                self.site,
-                [batch, self.heads, seq, seq],
-                [0, self.first_head, 0, 0],
-                &device,
-            )
-        });
-        (probs, mask)
+    /// The dropout mask of the probabilities, if dropout is active: this rank's heads in the
+    /// global `[batch, heads, seq, seq]` probabilities.
+    fn mask(&self) -> Option<DropoutMask> {
+        self.dropout_active()
+            .then(|| self.site.mask(self.dropout, [0, self.first_head, 0, 0]))
+    }
+
+    /// `softmax(scale · q kᵀ + causal mask)`.
+    fn probabilities<B: ModelBackend>(&self, q: Tensor<B, 4>, k: Tensor<B, 4>) -> Tensor<B, 4> {
+        B::causal_softmax(q.matmul(k.swap_dims(2, 3)), self.scale)
     }
 
     /// `[batch, local_heads, seq, head_dim]` each → the same shape.
@@ -66,9 +57,9 @@ impl AttentionCore {
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) -> Tensor<B, 4> {
-        let (probs, mask) = self.probabilities(q, k);
-        let probs = match mask {
-            Some(mask) => probs * mask,
+        let probs = self.probabilities(q, k);
+        let probs = match self.mask() {
+            Some(mask) => B::dropout(probs, None, mask),
             None => probs,
         };
         probs.matmul(v)
@@ -85,11 +76,12 @@ impl AttentionCore {
         v: Tensor<B, 4>,
         grad: Tensor<B, 4>,
     ) -> [Tensor<B, 4>; 3] {
-        let (probs, mask) = self.probabilities(q.clone(), k.clone());
-        let (kept, grad_probs) = match &mask {
+        let probs = self.probabilities(q.clone(), k.clone());
+        // Dropout is linear: `M` is applied to `P` forward and to `dP` backward, drawn again.
+        let (kept, grad_probs) = match self.mask() {
             Some(mask) => (
-                probs.clone() * mask.clone(),
-                grad.clone().matmul(v.swap_dims(2, 3)) * mask.clone(),
+                B::dropout(probs.clone(), None, mask),
+                B::dropout(grad.clone().matmul(v.swap_dims(2, 3)), None, mask),
             ),
             None => (probs.clone(), grad.clone().matmul(v.swap_dims(2, 3))),
         };

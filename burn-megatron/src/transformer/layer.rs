@@ -91,31 +91,27 @@ impl<B: ModelBackend> TransformerLayer<B> {
         let attention = self
             .attention
             .try_forward(self.input_norm.try_forward(x.clone())?, site("attention"))?;
-        let x = x + hidden_dropout(attention, c, site("attention_output"));
+        let x = hidden_dropout(attention, Some(x), c, site("attention_output"));
         let mlp = self
             .mlp
             .try_forward(self.post_attention_norm.try_forward(x.clone())?)?;
-        Ok(x + hidden_dropout(mlp, c, site("mlp_output")))
+        Ok(hidden_dropout(mlp, Some(x), c, site("mlp_output")))
     }
 }
 
-/// Dropout on the residual stream, placed in the global `[batch, seq, hidden]` tensor.
-pub(crate) fn hidden_dropout<B: Backend>(
+/// `residual + dropout(x)` (or `dropout(x)`) on the residual stream, the mask placed in the
+/// global `[batch, seq, hidden]` tensor.
+pub(crate) fn hidden_dropout<B: ModelBackend>(
     x: Tensor<B, 3>,
+    residual: Option<Tensor<B, 3>>,
     c: &LayerContext,
     site: DropoutSite,
 ) -> Tensor<B, 3> {
-    let [batch, seq, hidden] = x.dims();
-    let (global_seq, offset) = if c.sequence_parallel {
-        (seq * c.tp.size(), seq * c.tp.rank())
+    let [_, seq, _] = x.dims();
+    let offset = if c.sequence_parallel {
+        seq * c.tp.rank()
     } else {
-        (seq, 0)
+        0
     };
-    dropout(
-        x,
-        c.hidden_dropout,
-        site,
-        [batch, global_seq, hidden],
-        [0, offset, 0],
-    )
+    dropout(x, residual, c.hidden_dropout, site, [0, offset, 0])
 }

@@ -8,7 +8,6 @@ mod flops;
 mod layer;
 mod mlp;
 mod norm;
-mod rope;
 
 pub use attention::ParallelAttention;
 pub use attention_core::AttentionCore;
@@ -20,4 +19,3 @@ pub use layer::TransformerLayer;
 pub(crate) use layer::{LayerContext, hidden_dropout};
 pub use mlp::ParallelMlp;
 pub use norm::Norm;
-pub use rope::apply_rope;

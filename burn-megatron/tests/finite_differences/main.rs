@@ -1,6 +1,6 @@
-//! Gradients against central finite differences, in f64 on the CPU: the GeLU, SwiGLU, norm,
-//! flash-attention (split and packed), embedding and bias-add ops, and every parameter of a
-//! tiny GPT and a tiny Llama.
+//! Gradients against central finite differences, in f64 on the CPU: the dropout, RoPE, masked
+//! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding and bias-add ops,
+//! and every parameter of a tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -10,12 +10,15 @@
 //! fixes it. [`device`] checks that this process got f64.
 
 mod backward_hook;
+mod dropout;
 mod embedding_and_bias;
 mod flash_attention;
 mod gelu;
+mod masked_softmax;
 mod models;
 mod norm;
 mod packed_flash_attention;
+mod rope;
 mod swiglu;
 
 use burn::backend::ndarray::NdArrayDevice;

@@ -1,0 +1,141 @@
+//! Rotary position embeddings on the packed QKV projection, one kernel each way.
+//!
+//! The input is `qkv` viewed as `[rows, head_dim]`, a row per (token, group, slot) of Megatron's
+//! packed layout `[batch, seq, groups, heads_per_group + 2, head_dim]`: per group its query
+//! heads, its key head, its value head. Query and key rows are rotated (the "rotate half"
+//! pairs `(i, i + head_dim / 2)` of GPT-NeoX and Llama, at angle `p · inv_freq[i]` for the
+//! token's position `p`), value rows are copied, so the result is again the packed layout
+//! that attention reads. The rotation is orthogonal: the backward is the rotation by `-angle`
+//! of the output's gradient, the same kernel with the sine's sign flipped. Angles, sines and
+//! cosines are f32 for every storage dtype.
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use super::vectors::{
+    THREADS, empty_like, launch_shape, rows_cols, vector_offset, vector_position, vector_width,
+};
+
+/// The packed layout of the rows: `slots = heads_per_group + 2` rows a group, `groups` groups a
+/// token, `seq` tokens a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedRows {
+    /// Tokens in a sequence (positions `0..seq`).
+    pub seq: usize,
+    /// Query groups.
+    pub groups: usize,
+    /// Rows of one group: its query heads, its key head, its value head.
+    pub slots: usize,
+}
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn rope_kernel<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    inv_freq: &Tensor<Vector<f32, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    rows: u32,
+    vectors_per_half: u32,
+    seq: u32,
+    groups: u32,
+    slots: u32,
+    sign: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (row, vector) = vector_position(rows, vectors_per_half);
+    let r = row as u32;
+    let slot = r % slots;
+    let position = f32::cast_from((r / (slots * groups)) % seq);
+    let half = vectors_per_half as usize;
+    let lo_in = vector_offset::<F, N>(input, row, vector);
+    let hi_in = vector_offset::<F, N>(input, row, vector + half);
+    let lo_out = vector_offset::<F, N>(output, row, vector);
+    let hi_out = vector_offset::<F, N>(output, row, vector + half);
+    if slot == slots - 1 {
+        // The value head.
+        output[lo_out] = input[lo_in];
+        output[hi_out] = input[hi_in];
+    } else {
+        let lo = Vector::<f32, N>::cast_from(input[lo_in]);
+        let hi = Vector::<f32, N>::cast_from(input[hi_in]);
+        let frequencies = inv_freq[vector];
+        let mut new_lo = Vector::<f32, N>::empty();
+        let mut new_hi = Vector::<f32, N>::empty();
+        #[unroll]
+        for k in 0..N::value() {
+            let angle = position * frequencies[k];
+            let (c, s) = (angle.cos(), sign * angle.sin());
+            new_lo[k] = lo[k] * c - hi[k] * s;
+            new_hi[k] = hi[k] * c + lo[k] * s;
+        }
+        output[lo_out] = Vector::cast_from(new_lo);
+        output[hi_out] = Vector::cast_from(new_hi);
+    }
+}
+
+/// `qkv` (`[rows, head_dim]`, any strides, laid out as `layout`) with its query and key rows
+/// rotated by `p · inv_freq` (`inv_freq`: `[head_dim / 2]`, f32, contiguous), or by `-p ·
+/// inv_freq` when `inverse` (the backward); value rows copied. The output has `qkv`'s shape
+/// and dtype.
+pub fn rotate<R: CubeRuntime>(
+    qkv: CubeTensor<R>,
+    inv_freq: CubeTensor<R>,
+    layout: PackedRows,
+    inverse: bool,
+) -> CubeTensor<R> {
+    let output = empty_like(&qkv);
+    rotate_into(qkv, inv_freq, layout, inverse, output.clone());
+    output
+}
+
+/// [`rotate`] written into `output` (`qkv`'s shape and dtype, any strides): tests pass a
+/// poisoned buffer to catch elements the kernel does not write.
+pub fn rotate_into<R: CubeRuntime>(
+    qkv: CubeTensor<R>,
+    inv_freq: CubeTensor<R>,
+    layout: PackedRows,
+    inverse: bool,
+    output: CubeTensor<R>,
+) {
+    let (rows, head_dim) = rows_cols(qkv.meta.shape(), "RoPE");
+    let PackedRows { seq, groups, slots } = layout;
+    assert!(
+        head_dim % 2 == 0,
+        "RoPE needs an even head dimension, got {head_dim}"
+    );
+    assert!(
+        slots >= 2 && seq * groups * slots > 0 && rows % (seq * groups * slots) == 0,
+        "RoPE: {rows} rows are not sequences of {seq} tokens × {groups} groups × {slots} slots"
+    );
+    assert_eq!(
+        inv_freq.meta.shape().as_slice(),
+        [head_dim / 2],
+        "RoPE: one frequency per rotated pair"
+    );
+    let half = head_dim / 2;
+    if rows * half == 0 {
+        return;
+    }
+    let mut width = vector_width(&[&qkv, &output]);
+    while half % width != 0 {
+        width /= 2;
+    }
+    let dtype = qkv.dtype.into();
+    rope_kernel::launch::<R>(
+        &qkv.client.clone(),
+        launch_shape(rows * half / width),
+        CubeDim::new_1d(THREADS),
+        width,
+        qkv.into_tensor_arg(),
+        inv_freq.into_tensor_arg(),
+        output.into_tensor_arg(),
+        rows as u32,
+        (half / width) as u32,
+        seq as u32,
+        groups as u32,
+        slots as u32,
+        if inverse { -1.0 } else { 1.0 },
+        dtype,
+    );
+}

@@ -1,0 +1,78 @@
+//! Rotary position embeddings on the packed QKV: the forward against the rotation written
+//! out element by element, and the gradient against central differences.
+
+use burn::tensor::Tensor;
+use burn_megatron::ModelBackend;
+use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::ops::rope::inverse_frequencies;
+use burn_megatron_testing::{assert_close, tolerance, values};
+
+use crate::{AD, B, STEP, device};
+
+/// `[batch, seq, groups, heads_per_group + 2, head_dim]`: two groups of three query heads.
+const DIMS: [usize; 5] = [2, 9, 2, 5, 8];
+const BASE: f64 = 100.0;
+
+fn qkv(seed: u64) -> Tensor<B, 5> {
+    init_full::<B, 5>(DIMS, InitDistribution::Normal { std: 1.0 }, seed, &device())
+}
+
+#[test]
+fn the_forward_is_the_rotation() {
+    let x = qkv(1);
+    let input = values(x.clone());
+    let [batch, seq, groups, slots, head_dim] = DIMS;
+    let half = head_dim / 2;
+    let frequencies = inverse_frequencies(head_dim, BASE);
+    let mut want = input.clone();
+    for row in 0..batch * seq * groups * slots {
+        let (slot, position) = (row % slots, (row / (slots * groups)) % seq);
+        if slot == slots - 1 {
+            continue;
+        }
+        for i in 0..half {
+            // The angle in f32, as the operation defines it; its cosine and sine in f32.
+            let angle = position as f32 * frequencies[i];
+            let (c, s) = (angle.cos() as f64, angle.sin() as f64);
+            let (lo, hi) = (input[row * head_dim + i], input[row * head_dim + half + i]);
+            want[row * head_dim + i] = lo * c - hi * s;
+            want[row * head_dim + half + i] = hi * c + lo * s;
+        }
+    }
+    assert_close(
+        "packed RoPE",
+        &values(B::packed_rope(x, BASE)),
+        &want,
+        tolerance::F64,
+    );
+}
+
+/// The gradient of `Σ w ∘ rope(qkv)` from the backward and from central differences, one
+/// input element at a time over a sample of elements (each output element depends on two
+/// input elements).
+#[test]
+fn the_gradient_matches_finite_differences() {
+    let (x, w) = (qkv(2), qkv(3));
+    let tracked = Tensor::<AD, 5>::from_inner(x.clone()).require_grad();
+    let grads = (AD::packed_rope(tracked.clone(), BASE) * Tensor::from_inner(w.clone()))
+        .sum()
+        .backward();
+    let got = values(tracked.grad(&grads).expect("qkv has a gradient"));
+
+    let loss = |x: Vec<f64>| {
+        let x = Tensor::<B, 5>::from_data(burn::tensor::TensorData::new(x, DIMS), &device());
+        values((B::packed_rope(x, BASE) * w.clone()).sum())[0]
+    };
+    let input = values(x);
+    let sample: Vec<usize> = (0..input.len()).step_by(7).collect();
+    let mut fd = Vec::with_capacity(sample.len());
+    for &i in &sample {
+        let mut plus = input.clone();
+        plus[i] += STEP;
+        let mut minus = input.clone();
+        minus[i] -= STEP;
+        fd.push((loss(plus) - loss(minus)) / (2.0 * STEP));
+    }
+    let got: Vec<f64> = sample.iter().map(|&i| got[i]).collect();
+    assert_close("d_qkv", &got, &fd, tolerance::FINITE_DIFFERENCE_F64);
+}
