@@ -140,7 +140,77 @@ def norm_gelu_and_bias_gradient():
                    time_ms(lambda: h.sum(0)))
 
 
+def dropout_rope_and_padded_softmax():
+    for dtype in [torch.bfloat16, torch.float32]:
+        size = torch.finfo(dtype).bits // 8
+        name = "BF16" if dtype == torch.bfloat16 else "F32"
+        rows, hidden = 16_384, 4096
+        x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+        residual = torch.randn_like(x)
+
+        def dropout_add(x, r):
+            return r + F.dropout(x, 0.1, training=True)
+
+        elements = rows * hidden
+        for label, fn in [("eager", dropout_add), ("compile", torch.compile(dropout_add))]:
+            report(f"torch {name} dropout + residual, {label}, {rows}x{hidden}",
+                   3 * elements * size, time_ms(lambda: fn(x, residual)))
+            xg = x.detach().requires_grad_(True)
+            grad = torch.randn_like(x)
+
+            def step():
+                xg.grad = None
+                fn(xg, residual).backward(grad)
+
+            report(f"torch {name} dropout + residual fwd+bwd, {label}, {rows}x{hidden}",
+                   5 * elements * size, time_ms(step))
+
+        # Llama's rotate-half RoPE on q and k of [8, 2048, 32 + 8 heads, 128], as transformers
+        # applies it (cos/sin tables precomputed, as its rotary embedding caches them).
+        b, t, d = 8, 2048, 128
+        q = torch.randn(b, 32, t, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, 8, t, d, device="cuda", dtype=dtype)
+        inv = 1.0 / (500_000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+        angles = torch.outer(torch.arange(t, device="cuda").float(), inv)
+        emb = torch.cat([angles, angles], -1)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+        def rotate_half(x):
+            return torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+
+        def rope(q, k):
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+        # Bytes as ours: q, k and v read and written (ours also copies v).
+        elements = b * t * 48 * d
+        for label, fn in [("eager", rope), ("compile", torch.compile(rope))]:
+            report(f"torch {name} RoPE on q and k, {label}, [8, 2048, 8, 6, 128]",
+                   2 * elements * size, time_ms(lambda: fn(q, k)))
+
+        shape = (16, 12, 1024, 1024)
+        s = (torch.randn(*shape, device="cuda") * 4).to(dtype)
+        lengths = torch.tensor([1024 - 37 * i for i in range(16)], device="cuda")
+        causal = torch.ones(1024, 1024, device="cuda", dtype=torch.bool).triu(1)
+        padding = torch.arange(1024, device="cuda")[None, :] >= lengths[:, None]
+        mask = causal[None, None] | padding[:, None, None, :]
+
+        def padded_softmax(s):
+            p = torch.softmax((s.float() * 0.125).masked_fill(mask, float("-inf")), -1)
+            return p.nan_to_num(0.0).to(s.dtype)
+
+        elements = 16 * 12 * 1024 * 1024
+        for label, fn in [("eager", padded_softmax), ("compile", torch.compile(padded_softmax))]:
+            report(f"torch {name} padded causal softmax forward, {label}", 2 * elements * size,
+                   time_ms(lambda: fn(s)))
+
+
 if __name__ == "__main__":
-    main()
-    causal_softmax()
-    norm_gelu_and_bias_gradient()
+    # Sections by name (all without arguments), e.g. `python3 bench/torch_kernels.py
+    # dropout_rope_and_padded_softmax`.
+    import sys
+
+    sections = [main, causal_softmax, norm_gelu_and_bias_gradient, dropout_rope_and_padded_softmax]
+    wanted = sys.argv[1:]
+    for section in sections:
+        if not wanted or section.__name__ in wanted:
+            section()

@@ -33,6 +33,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Dropout on the residual stream and the embeddings (`--hidden-dropout`).
+DROPOUT = 0.0
+
 PRESETS = {
     # name: (hidden, layers, heads, query groups, ffn, vocab, default seq, kind, tied)
     "gpt2-124m": (768, 12, 12, 12, 3072, 50257, 1024, "gpt", True),
@@ -101,10 +104,10 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.groups != self.heads
         )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        x = x + F.dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)), DROPOUT, self.training)
         z = self.norm2(x)
         z = F.silu(self.gate(z)) * self.up(z) if self.gate is not None else F.gelu(self.up(z))
-        return x + self.down(z)
+        return x + F.dropout(self.down(z), DROPOUT, self.training)
 
 
 class Gpt(nn.Module):
@@ -134,6 +137,7 @@ class Gpt(nn.Module):
         x = self.embedding(tokens)
         if self.positions is not None:
             x = x + self.positions.weight[: tokens.shape[1]]
+        x = F.dropout(x, DROPOUT, self.training)
         for layer in self.layers:
             x = layer(x)
         x = self.final_norm(x)
@@ -161,12 +165,16 @@ def main():
     parser.add_argument("--seq", type=int)
     parser.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     parser.add_argument("--mode", choices=["compile", "eager"], default="compile")
+    parser.add_argument("--hidden-dropout", type=float, default=0.0,
+                        help="dropout on the residual stream (attention dropout stays 0)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--device", default="cuda", help="cpu only checks the script runs")
     args = parser.parse_args()
+    global DROPOUT
+    DROPOUT = args.hidden_dropout
 
     hidden, layers, heads, groups, ffn, vocab, default_seq, kind, tied = PRESETS[args.preset]
     seq = args.seq or default_seq
@@ -253,7 +261,7 @@ def main():
     print(f"  memory: {alloc:.2f} GiB allocated at most, {reserved:.2f} GiB reserved at most")
     print(
         f"RESULT impl={impl} preset={args.preset} batch={args.batch} seq={seq} dtype={args.dtype} "
-        f"recompute=none dp={world} params={params} step_ms={step_ms:.2f} tok_s={tokens / (step_ms / 1e3):.0f} "
+        f"recompute=none hidden_dropout={args.hidden_dropout} dp={world} params={params} step_ms={step_ms:.2f} tok_s={tokens / (step_ms / 1e3):.0f} "
         f"tflops={tflops:.1f} mfu={mfu:.4f} mem_alloc_gib={alloc:.2f} mem_reserved_gib={reserved:.2f} "
         f"loss={loss:.4f}",
         flush=True,

@@ -148,6 +148,10 @@ struct Args {
     /// Activation recomputation.
     #[arg(long, value_enum, default_value = "none")]
     recompute: RecomputeArg,
+    /// Dropout on the residual stream (after attention and the MLP, and on the embeddings),
+    /// fused with the residual add; attention dropout stays 0, so flash attention runs.
+    #[arg(long, default_value_t = 0.0)]
+    hidden_dropout: f64,
     /// Measured steps.
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -244,7 +248,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         RecomputeArg::Full => Recompute::Full,
     };
     let mut config = preset
-        .with_hidden_dropout(0.0)
+        .with_hidden_dropout(args.hidden_dropout)
         .with_attention_dropout(0.0)
         .with_recompute(recompute)
         .with_flash_attention(!args.unfused_attention);
@@ -704,9 +708,10 @@ fn report(
     }
     println!(
         "RESULT impl=burn-megatron preset={name} batch={} seq={seq} dtype={dtype} \
-         recompute={recompute} dp={} tp={} sp={} zero={} overlap={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
+         recompute={recompute} hidden_dropout={} dp={} tp={} sp={} zero={} overlap={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
          mfu={:.4} mem_alloc_gib={:.2} mem_reserved_gib={:.2} loss={last_loss:.4}",
         args.batch,
+        args.hidden_dropout,
         args.data_parallel,
         args.tensor_parallel,
         args.sequence_parallel,

@@ -52,8 +52,31 @@ fn report(name: &str, bytes: usize, took: Duration) {
     );
 }
 
+/// Runs every section, or those named on the command line (e.g. `kernel_bench
+/// dropout_rope_and_padded_softmax`).
 fn main() {
     let device = CudaGpu::new(0);
+    let wanted: Vec<String> = std::env::args().skip(1).collect();
+    let sections: [(&str, fn(&CudaGpu)); 5] = [
+        ("cross_entropy", cross_entropy),
+        ("causal_softmax", causal_softmax),
+        ("embedding_gradient", embedding_gradient),
+        ("norm_gelu_and_bias_gradient", norm_gelu_and_bias_gradient),
+        (
+            "dropout_rope_and_padded_softmax",
+            dropout_rope_and_padded_softmax,
+        ),
+    ];
+    for (name, section) in sections {
+        if wanted.is_empty() || wanted.iter().any(|w| w == name) {
+            section(&device);
+        }
+    }
+}
+
+/// The vocabulary-parallel cross-entropy's two kernels against the Burn compositions.
+fn cross_entropy(device: &CudaGpu) {
+    let device = device.clone();
     // 16k tokens × GPT-2's vocabulary padded to 50304 (one rank's slice at TP = 1).
     let (rows, local, real) = (16_384, 50_304, 50_257);
     let slice = VocabSlice { start: 0, real };
@@ -124,9 +147,98 @@ fn main() {
             plain,
         );
     }
-    causal_softmax(&device);
-    embedding_gradient(&device);
-    norm_gelu_and_bias_gradient(&device);
+}
+
+/// Dropout + residual add on 16k tokens × 4096 (the mask drawn in the kernel against the
+/// composition's host mask), RoPE on a Llama-sized packed QKV (`[8, 2048, 8, 6, 128]`: 32
+/// query heads in 8 groups), and the padded causal softmax on GPT-2's scores.
+fn dropout_rope_and_padded_softmax(device: &CudaGpu) {
+    use burn_megatron::ops::DropoutMask;
+    use burn_megatron::ops::causal_softmax::masked_forward_composition;
+    use burn_megatron::ops::dropout::dropout_composition;
+    use burn_megatron::ops::rope::packed_rope_composition;
+    for dtype in [DType::BF16, DType::F32] {
+        let size = dtype.size();
+        let random = |shape: Vec<usize>| {
+            let n: usize = shape.iter().product();
+            Tensor::<B, 1>::random([n], Distribution::Normal(0.0, 1.0), device).cast(dtype)
+        };
+        let dims = [1, 16, 1024, 4096];
+        let elements: usize = dims.iter().product();
+        let (x, residual) = (
+            random(dims.to_vec()).reshape(dims),
+            random(dims.to_vec()).reshape(dims),
+        );
+        let mask = DropoutMask {
+            prob: 0.1,
+            seed: 7,
+            offset: [0; 4],
+        };
+        report(
+            &format!("{dtype:?} dropout + residual, fused, 16384x4096"),
+            3 * elements * size,
+            time(device, || {
+                B::dropout(x.clone(), Some(residual.clone()), mask)
+            }),
+        );
+        report(
+            &format!("{dtype:?} dropout backward (dy * mask), fused, 16384x4096"),
+            2 * elements * size,
+            time(device, || B::dropout(x.clone(), None, mask)),
+        );
+        report(
+            &format!("{dtype:?} dropout + residual, Burn ops + host mask, 16384x4096"),
+            3 * elements * size,
+            time(device, || {
+                dropout_composition(x.clone(), Some(residual.clone()), mask)
+            }),
+        );
+
+        let rope = [8, 2048, 8, 6, 128];
+        let elements: usize = rope.iter().product();
+        let qkv = random(rope.to_vec()).reshape(rope);
+        report(
+            &format!("{dtype:?} RoPE on packed QKV, fused, {rope:?}"),
+            2 * elements * size,
+            time(device, || B::packed_rope(qkv.clone(), 500_000.0)),
+        );
+        report(
+            &format!("{dtype:?} RoPE on packed QKV, Burn ops, {rope:?}"),
+            2 * elements * size,
+            time(device, || {
+                packed_rope_composition(qkv.clone(), 500_000.0, false)
+            }),
+        );
+
+        let shape = [16, 12, 1024, 1024];
+        let elements: usize = shape.iter().product();
+        let scores = random(shape.to_vec()).reshape(shape).mul_scalar(4.0);
+        let lengths: Vec<i64> = (0..16).map(|b| 1024 - 37 * b).collect();
+        let lengths =
+            Tensor::<B, 1, Int>::from_data(burn::tensor::TensorData::new(lengths, [16]), device);
+        report(
+            &format!("{dtype:?} padded causal softmax forward, fused"),
+            2 * elements * size,
+            time(device, || {
+                B::masked_softmax(scores.clone(), Some(lengths.clone()), 0.125, true)
+            }),
+        );
+        report(
+            &format!("{dtype:?} padded causal softmax forward, Burn ops"),
+            2 * elements * size,
+            time(device, || {
+                masked_forward_composition(scores.clone(), Some(lengths.clone()), 0.125, true)
+            }),
+        );
+        let probs = B::masked_softmax(scores.clone(), Some(lengths.clone()), 0.125, false);
+        report(
+            &format!("{dtype:?} padded softmax backward, fused"),
+            3 * elements * size,
+            time(device, || {
+                B::masked_softmax_backward(probs.clone(), scores.clone(), 0.125, false)
+            }),
+        );
+    }
 }
 
 /// The attention's causal softmax at GPT-2 124M's shape, batch 16: `[16, 12, 1024, 1024]`.

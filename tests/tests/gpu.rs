@@ -296,6 +296,101 @@ fn fused_causal_softmax_matches_the_composition() {
     }
 }
 
+/// Dropout (mask drawn in the kernel, fused residual add), RoPE on the packed QKV, and the
+/// padded softmax on our CUDA backend at transformer sizes, f32, bf16 and f16: the dropout
+/// mask equals the host's bit for bit; each op and its backward equal the composition.
+#[test]
+fn fused_dropout_rope_and_masked_softmax_match_the_composition() {
+    use burn_megatron::ModelBackend;
+    use burn_megatron::ops::DropoutMask;
+    use burn_megatron::ops::causal_softmax::{backward_composition, masked_forward_composition};
+    use burn_megatron::ops::dropout::dropout_composition;
+    use burn_megatron::ops::rope::packed_rope_composition;
+    let device = CudaGpu::new(0);
+    let f32_of = |d: TensorData| d.convert::<f32>();
+
+    let dims = [2, 1024, 3, 768];
+    let mask = DropoutMask {
+        prob: 0.1,
+        seed: 99,
+        offset: [0, 1, 1024, 0],
+    };
+    let ones = Tensor::<Ours, 4>::ones(dims, &device);
+    let drawn = data_values(&Ours::dropout(ones, None, mask).into_data());
+    let host: Vec<f64> = mask.multipliers(dims).into_iter().map(f64::from).collect();
+    assert!(drawn == host, "the dropout mask differs from the host's");
+
+    let rope_dims = [2, 512, 4, 6, 128];
+    let softmax_dims = [3, 4, 1024, 1024];
+    let lengths =
+        Tensor::<Ours, 1, Int>::from_data(TensorData::new(vec![1024, 517, 0], [3]), &device);
+    for (dtype, bound) in [
+        (DType::F32, tolerance::F32),
+        (DType::BF16, tolerance::BF16),
+        (DType::F16, tolerance::F16),
+    ] {
+        let make = |shape: &[usize], seed| {
+            Tensor::<Ours, 1>::from_data(data(&[shape.iter().product()], seed), &device).cast(dtype)
+        };
+        let (x, residual) = (make(&dims, 1).reshape(dims), make(&dims, 2).reshape(dims));
+        let want = dropout_composition(
+            x.clone().cast(DType::F32),
+            Some(residual.clone().cast(DType::F32)),
+            mask,
+        );
+        let got = Ours::dropout(x, Some(residual), mask);
+        assert_close(
+            &format!("{dtype:?} dropout + residual"),
+            &f32_of(got.cast(DType::F32).into_data()),
+            &want.into_data(),
+            bound,
+        );
+
+        let qkv = make(&rope_dims, 3).reshape(rope_dims);
+        for inverse in [false, true] {
+            let want = packed_rope_composition(qkv.clone().cast(DType::F32), 10_000.0, inverse);
+            let got = if inverse {
+                Ours::packed_rope_backward(qkv.clone(), 10_000.0)
+            } else {
+                Ours::packed_rope(qkv.clone(), 10_000.0)
+            };
+            assert_close(
+                &format!("{dtype:?} RoPE inverse={inverse}"),
+                &got.cast(DType::F32).into_data(),
+                &want.into_data(),
+                bound,
+            );
+        }
+
+        let scores = make(&softmax_dims, 4).reshape(softmax_dims).mul_scalar(8.0);
+        let grad = make(&softmax_dims, 5).reshape(softmax_dims);
+        for causal in [false, true] {
+            let want = masked_forward_composition(
+                scores.clone().cast(DType::F32),
+                Some(lengths.clone()),
+                0.125,
+                causal,
+            );
+            let got = Ours::masked_softmax(scores.clone(), Some(lengths.clone()), 0.125, causal);
+            let want_grad =
+                backward_composition(want.clone(), grad.clone().cast(DType::F32), 0.125);
+            let got_grad = Ours::masked_softmax_backward(got.clone(), grad.clone(), 0.125, causal);
+            assert_close(
+                &format!("{dtype:?} padded softmax causal={causal}"),
+                &got.cast(DType::F32).into_data(),
+                &want.into_data(),
+                bound,
+            );
+            assert_close(
+                &format!("{dtype:?} padded softmax backward causal={causal}"),
+                &got_grad.cast(DType::F32).into_data(),
+                &want_grad.into_data(),
+                bound,
+            );
+        }
+    }
+}
+
 /// Token and target ids outside the vocabulary on our CUDA backend: the forward pass returns
 /// without waiting for the device, and the device's next sync fails, naming the id and the
 /// vocabulary. A valid step before and after syncs cleanly.
