@@ -8,6 +8,9 @@
 //!    `b` of a `[blocks, columns]` f32 buffer.
 //! 2. [`total_kernel`]: each column's blocks, in [`SUM_LANES`] interleaved lanes, then the lanes
 //!    in order; written in the output's dtype.
+//!
+//! The norms' backward writes its stage-one partials itself, next to `dx`, and calls
+//! [`totals_into`].
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -224,27 +227,35 @@ pub fn column_sums_into<R: CubeRuntime>(
             dy.dtype.into(),
         );
     }
-    // With no rows the partials are never written: sum a zeroed block instead.
+    // With no rows the partials are never written: sum no block instead.
     let blocks = if rows > 0 { blocks } else { 0 };
-    let total = |partial: CubeTensor<R>, out: CubeTensor<R>| {
-        let dtype = out.dtype.into();
-        total_kernel::launch::<R>(
-            &client,
-            CubeCount::Static(columns.div_ceil(SUM_COLUMNS as usize) as u32, 1, 1),
-            CubeDim::new_2d(SUM_COLUMNS, SUM_LANES),
-            partial.into_tensor_arg(),
-            out.into_tensor_arg(),
-            blocks as u32,
-            columns as u32,
-            dtype,
-        );
-    };
     if let (Some(partial), Some(out)) = (partial_dy, sum_dy) {
-        total(partial, out);
+        totals_into(partial, blocks, out);
     }
     if let (Some(partial), Some(out)) = (partial_dyx, sum_dyx) {
-        total(partial, out);
+        totals_into(partial, blocks, out);
     }
+}
+
+/// Stage two on its own: the sums over the first `blocks` rows of `partial` (`[at least
+/// blocks, columns]`, f32), written into `out` (`[columns]`, any float dtype and stride). The
+/// norms' backward kernel writes such partials itself.
+pub fn totals_into<R: CubeRuntime>(partial: CubeTensor<R>, blocks: usize, out: CubeTensor<R>) {
+    let columns = partial.meta.shape().as_slice()[1];
+    if columns == 0 {
+        return;
+    }
+    let dtype = out.dtype.into();
+    total_kernel::launch::<R>(
+        &partial.client.clone(),
+        CubeCount::Static(columns.div_ceil(SUM_COLUMNS as usize) as u32, 1, 1),
+        CubeDim::new_2d(SUM_COLUMNS, SUM_LANES),
+        partial.into_tensor_arg(),
+        out.into_tensor_arg(),
+        blocks as u32,
+        columns as u32,
+        dtype,
+    );
 }
 
 /// `Σ_rows dy` of `dy: [rows, columns]` (any strides, f32/f16/bf16), accumulated in f32 in a

@@ -8,11 +8,13 @@
 //!   group sums for the mean (LayerNorm), then for the variance of the centred row (two
 //!   passes over the registers: no cancellation), and writes
 //!   `(x - mean) · rstd · scale (+ shift)` and the row's f32 `mean` and `rstd`.
-//! - Backward, `dx`: the same layout; `x̂` and `ĝ = dy · scale` in registers, two row sums
-//!   (`Σ ĝ` and `Σ ĝ · x̂`), then `rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`.
-//! - Backward, `dscale` and `dshift`: the deterministic two-stage column sums of
-//!   [`super::column_sum`] (`Σ dy · x̂` and `Σ dy`), no atomics: the same inputs give the
-//!   same bits on every run.
+//! - Backward, one kernel: each row group walks a block of rows (16 to 64); per row, `x̂` and
+//!   `ĝ = dy · scale` in registers, two row sums (`Σ ĝ` and `Σ ĝ · x̂`), then
+//!   `dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`; meanwhile each thread adds its columns'
+//!   `dy · x̂` and `dy` over the block's rows in registers and writes them as one row of
+//!   `[blocks, hidden]` f32 partials. `dscale` and `dshift` are then the partials' sums over
+//!   the blocks in a fixed order ([`super::column_sum::totals_into`]): no atomics, the same
+//!   bits on every run, and `x` and `dy` read once for all three gradients.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -20,7 +22,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::column_sum::{Normalised, column_sums_into};
+use super::column_sum::{Normalised, column_sums_into, totals_into};
 use super::rows::{RowLayout, row_of_thread, row_sum};
 use super::vectors::vector_width;
 
@@ -179,64 +181,107 @@ fn backward_kernel<F: Float, N: Size>(
     rstd: &Tensor<f32>,
     grad: &Tensor<Vector<F, N>>,
     grad_x: &mut Tensor<Vector<F, N>>,
+    partial_scale: &mut Tensor<Vector<f32, N>>,
+    partial_shift: &mut Tensor<Vector<f32, N>>,
     rows: u32,
     hidden: u32,
+    rows_per_block: u32,
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
+    #[comptime] has_shift: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
     let vectors = hidden as usize / width;
     let threads = comptime!(layout.threads as usize);
     let tid = UNIT_POS_X as usize;
-    let mut row = row_of_thread();
-    let active = row < rows as usize;
-    if !active {
-        row = 0;
-    }
     let n = f32::cast_from(hidden);
-    let mut mu = f32::new(0.0);
-    if layer_norm {
-        mu = mean[row * mean.stride(0)];
-    }
-    let r = rstd[row * rstd.stride(0)];
+    let block = row_of_thread();
+    let first = block * rows_per_block as usize;
     let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
 
+    // This thread's columns of the block's `Σ dy · x̂` and `Σ dy`, in rows' order.
+    let mut sum_dyx = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    let mut sum_dy = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        sum_dyx[i] = Vector::new(0.0);
+        sum_dy[i] = Vector::new(0.0);
+    }
     // x̂ and ĝ = dy · scale in registers; zero past the row's end, so they add nothing.
     let mut x_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
     let mut g_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
-    let mut sum_g = f32::new(0.0);
-    let mut sum_gx = f32::new(0.0);
-    #[unroll]
-    for i in 0..comptime!(layout.per_thread) {
-        let vector = tid + i * threads;
-        let mut xh = Vector::<f32, N>::new(0.0);
-        let mut gh = Vector::<f32, N>::new(0.0);
-        if vector < vectors {
-            xh = (load_row::<F, N>(x, row, vector, vectors) - Vector::new(mu)) * Vector::new(r);
-            gh = load_row::<F, N>(grad, row, vector, vectors)
-                * load_parameter::<F, N>(scale, vector);
-        }
-        x_hat[i] = xh;
-        g_hat[i] = gh;
-        sum_g += lanes_sum::<N>(gh);
-        sum_gx += lanes_sum::<N>(gh * xh);
-    }
-    let mut mean_g = f32::new(0.0);
-    if layer_norm {
-        mean_g = row_sum(&mut shared, sum_g, layout.threads, layout.plane) / n;
-    }
-    let mean_gx = row_sum(&mut shared, sum_gx, layout.threads, layout.plane) / n;
 
-    if active {
+    // Every row group of the cube runs the same number of rows (the row sums synchronise the
+    // cube); rows past the end are idle.
+    let mut k = 0u32;
+    while k < rows_per_block {
+        let mut row = first + k as usize;
+        let active = row < rows as usize;
+        if !active {
+            row = 0;
+        }
+        let mut mu = f32::new(0.0);
+        if layer_norm {
+            mu = mean[row * mean.stride(0)];
+        }
+        let r = rstd[row * rstd.stride(0)];
+        let mut sum_g = f32::new(0.0);
+        let mut sum_gx = f32::new(0.0);
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = tid + i * threads;
+            let mut xh = Vector::<f32, N>::new(0.0);
+            let mut dy = Vector::<f32, N>::new(0.0);
+            if vector < vectors && active {
+                xh = (load_row::<F, N>(x, row, vector, vectors) - Vector::new(mu)) * Vector::new(r);
+                dy = load_row::<F, N>(grad, row, vector, vectors);
+            }
+            let gh = dy * load_parameter::<F, N>(scale, vector);
+            x_hat[i] = xh;
+            g_hat[i] = gh;
+            sum_dyx[i] += dy * xh;
+            if has_shift {
+                sum_dy[i] += dy;
+            }
+            sum_g += lanes_sum::<N>(gh);
+            sum_gx += lanes_sum::<N>(gh * xh);
+        }
+        let mut mean_g = f32::new(0.0);
+        if layer_norm {
+            mean_g = row_sum(&mut shared, sum_g, layout.threads, layout.plane) / n;
+        }
+        let mean_gx = row_sum(&mut shared, sum_gx, layout.threads, layout.plane) / n;
+
+        if active {
+            #[unroll]
+            for i in 0..comptime!(layout.per_thread) {
+                let vector = tid + i * threads;
+                if vector < vectors {
+                    let dx = (g_hat[i] - Vector::new(mean_g) - x_hat[i] * Vector::new(mean_gx))
+                        * Vector::new(r);
+                    grad_x[(row * grad_x.stride(0) + vector * width * grad_x.stride(1)) / width] =
+                        Vector::cast_from(dx);
+                }
+            }
+        }
+        k += 1;
+    }
+
+    if first < rows as usize {
         #[unroll]
         for i in 0..comptime!(layout.per_thread) {
             let vector = tid + i * threads;
             if vector < vectors {
-                let dx = (g_hat[i] - Vector::new(mean_g) - x_hat[i] * Vector::new(mean_gx))
-                    * Vector::new(r);
-                grad_x[(row * grad_x.stride(0) + vector * width * grad_x.stride(1)) / width] =
-                    Vector::cast_from(dx);
+                let column = vector * width;
+                partial_scale[(block * partial_scale.stride(0)
+                    + column * partial_scale.stride(1))
+                    / width] = sum_dyx[i];
+                if has_shift {
+                    partial_shift[(block * partial_shift.stride(0)
+                        + column * partial_shift.stride(1))
+                        / width] = sum_dy[i];
+                }
             }
         }
     }
@@ -382,33 +427,68 @@ pub fn backward_into<R: CubeRuntime>(
         return;
     }
     let layer_norm = kind == Kind::LayerNorm;
-    if rows > 0 {
-        let width = vector_width(&[&x, &scale, &grad, &out.x]);
-        let layout = RowLayout::for_row(&x.client, hidden / width, width);
-        let dtype = x.dtype.into();
-        backward_kernel::launch::<R>(
-            &x.client.clone(),
-            layout.cube_count(rows),
-            layout.cube_dim(),
-            width,
-            x.clone().into_tensor_arg(),
-            scale.into_tensor_arg(),
-            mean.clone().into_tensor_arg(),
-            rstd.clone().into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            out.x.into_tensor_arg(),
-            rows as u32,
-            hidden as u32,
-            layout,
-            layer_norm,
-            dtype,
-        );
+    if rows == 0 {
+        // No row: the parameter gradients are sums over nothing.
+        let normalised = Normalised {
+            x,
+            mean,
+            rstd,
+            centred: layer_norm,
+        };
+        column_sums_into(grad, Some(normalised), out.shift, Some(out.scale));
+        return;
     }
-    let normalised = Normalised {
-        x,
-        mean,
-        rstd,
-        centred: layer_norm,
-    };
-    column_sums_into(grad, Some(normalised), out.shift, Some(out.scale));
+    let width = vector_width(&[&x, &scale, &grad, &out.x]);
+    let layout = RowLayout::for_row_with(
+        &x.client,
+        hidden / width,
+        width,
+        BACKWARD_ELEMENTS_PER_THREAD,
+    );
+    let rows_per_block = backward_rows_per_block(rows, layout.threads);
+    let blocks = rows.div_ceil(rows_per_block);
+    let partial = || f32_buffer(&x, Shape::new([blocks, hidden]));
+    let partial_scale = partial();
+    let partial_shift = out.shift.as_ref().map(|_| partial());
+    let dtype = x.dtype.into();
+    backward_kernel::launch::<R>(
+        &x.client.clone(),
+        layout.cube_count(blocks),
+        layout.cube_dim(),
+        width,
+        x.into_tensor_arg(),
+        scale.into_tensor_arg(),
+        mean.into_tensor_arg(),
+        rstd.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        out.x.into_tensor_arg(),
+        partial_scale.clone().into_tensor_arg(),
+        partial_shift
+            .clone()
+            .unwrap_or_else(|| partial_scale.clone())
+            .into_tensor_arg(),
+        rows as u32,
+        hidden as u32,
+        rows_per_block as u32,
+        layout,
+        layer_norm,
+        partial_shift.is_some(),
+        dtype,
+    );
+    totals_into(partial_scale, blocks, out.scale);
+    if let (Some(partial), Some(shift)) = (partial_shift, out.shift) {
+        totals_into(partial, blocks, shift);
+    }
+}
+
+/// Elements a thread of the backward holds per row, at most: fewer than the forward's, so
+/// short rows get more threads (the backward runs one row group per block of rows).
+const BACKWARD_ELEMENTS_PER_THREAD: usize = 16;
+
+/// Rows per block of the backward: each row group walks its block's rows and writes one row
+/// of column partials. Enough blocks to fill the device (about 128k threads), each of 16 to 64
+/// rows (a block's f32 partials then weigh at most a quarter of its bf16 `dy`).
+fn backward_rows_per_block(rows: usize, threads_per_row: u32) -> usize {
+    let groups_wanted = (1usize << 17) / threads_per_row as usize;
+    rows.div_ceil(groups_wanted.max(1)).clamp(16, 64)
 }

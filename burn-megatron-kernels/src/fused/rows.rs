@@ -40,9 +40,20 @@ impl RowLayout {
         vectors: usize,
         width: usize,
     ) -> Self {
+        Self::for_row_with(client, vectors, width, MAX_ELEMENTS_PER_THREAD)
+    }
+
+    /// [`for_row`](Self::for_row) with at most `elements_per_thread` elements a thread (more
+    /// threads a row), within [`MAX_ROW_THREADS`].
+    pub fn for_row_with<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        vectors: usize,
+        width: usize,
+        elements_per_thread: usize,
+    ) -> Self {
         let mut threads = 32u32;
         while threads < MAX_ROW_THREADS
-            && vectors.div_ceil(threads as usize) * width > MAX_ELEMENTS_PER_THREAD
+            && vectors.div_ceil(threads as usize) * width > elements_per_thread
         {
             threads *= 2;
         }
