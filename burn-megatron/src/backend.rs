@@ -649,24 +649,65 @@ mod cube {
         }
         let dims = qkv.dims();
         let [batch, seq, groups, slots, head_dim] = dims;
-        let half = crate::ops::rope::check_shape(dims);
-        let frequencies = Tensor::<Cube<R, F, I, BT>, 1>::from_data(
-            burn::tensor::TensorData::new(
-                crate::ops::rope::inverse_frequencies(head_dim, base),
-                [half],
-            ),
-            (&qkv.device(), DType::F32),
-        );
+        crate::ops::rope::check_shape(dims);
+        let table = rope_table::<R, F, I, BT>(&qkv.device(), seq, head_dim, base);
         let layout = rope_kernels::PackedRows { seq, groups, slots };
         float::<R, F, I, BT, 2>(rope_kernels::rotate(
             qkv.reshape([batch * seq * groups * slots, head_dim])
                 .into_primitive()
                 .tensor(),
-            frequencies.into_primitive().tensor(),
+            table,
             layout,
             inverse,
         ))
         .reshape(dims)
+    }
+
+    /// The RoPE table `[cos, sin]` (`[seq, head_dim / 2]` f32 each) on `device`, computed
+    /// and uploaded once per runtime, device, shape and base, then kept for the process.
+    fn rope_table<R, F, I, BT>(
+        device: &R::Device,
+        seq: usize,
+        head_dim: usize,
+        base: f64,
+    ) -> [burn_cubecl::tensor::CubeTensor<R>; 2]
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        use std::any::{Any, TypeId};
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        type Key = (TypeId, String, usize, usize, u64);
+        static TABLES: OnceLock<Mutex<HashMap<Key, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
+        let key = (
+            TypeId::of::<R>(),
+            format!("{device:?}"),
+            seq,
+            head_dim,
+            base.to_bits(),
+        );
+        let mut tables = TABLES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let table = tables.entry(key).or_insert_with(|| {
+            let table = crate::ops::rope::rotation_table(seq, head_dim, base).map(|values| {
+                Tensor::<Cube<R, F, I, BT>, 2>::from_data(
+                    burn::tensor::TensorData::new(values, [seq, head_dim / 2]),
+                    (device, DType::F32),
+                )
+                .into_primitive()
+                .tensor()
+            });
+            Box::new(table)
+        });
+        table
+            .downcast_ref::<[burn_cubecl::tensor::CubeTensor<R>; 2]>()
+            .expect("a RoPE table of this runtime")
+            .clone()
     }
 
     /// `ModelBackend::masked_softmax` in one kernel (f64: the composition).

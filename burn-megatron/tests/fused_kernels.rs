@@ -1841,7 +1841,7 @@ fn dropout_draws_the_host_mask_and_equals_the_composition() {
 /// backward undoes the forward (the rotation is orthogonal).
 #[test]
 fn rope_equals_the_composition_and_its_backward_undoes_it() {
-    use burn_megatron::ops::rope::{inverse_frequencies, packed_rope_composition};
+    use burn_megatron::ops::rope::{packed_rope_composition, rotation_table};
     use burn_megatron_kernels::fused::rope as kernel;
     let device = WgpuDevice::default();
     // [batch, seq, groups, heads_per_group + 2, head_dim]
@@ -1884,13 +1884,15 @@ fn rope_equals_the_composition_and_its_backward_undoes_it() {
 
                 let rows = batch * seq * groups * slots;
                 let output = Tensor::<W, 2>::full([rows, head_dim], f32::NAN, &device).cast(dtype);
-                let frequencies = Tensor::<W, 1>::from_data(
-                    TensorData::new(inverse_frequencies(head_dim, 10_000.0), [head_dim / 2]),
-                    (&device, DType::F32),
-                );
+                let table = rotation_table(seq, head_dim, 10_000.0).map(|values| {
+                    raw(Tensor::<W, 2>::from_data(
+                        TensorData::new(values, [seq, head_dim / 2]),
+                        (&device, DType::F32),
+                    ))
+                });
                 kernel::rotate_into(
                     raw(qkv.clone().reshape([rows, head_dim])),
-                    raw(frequencies),
+                    table,
                     kernel::PackedRows { seq, groups, slots },
                     inverse,
                     raw(output.clone()),

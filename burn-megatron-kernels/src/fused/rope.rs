@@ -3,12 +3,16 @@
 //! The input is `qkv` viewed as `[rows, head_dim]`, a row per (token, group, slot) of Megatron's
 //! packed layout `[batch, seq, groups, heads_per_group + 2, head_dim]`: per group its query
 //! heads, its key head, its value head. Query and key rows are rotated (the "rotate half"
-//! pairs `(i, i + head_dim / 2)` of GPT-NeoX and Llama, at angle `p · inv_freq[i]` for the
-//! token's position `p`), value rows are copied, so the result is again the packed layout
-//! that attention reads. The rotation is orthogonal: the backward is the rotation by `-angle`
-//! of the output's gradient, the same kernel with the sine's sign flipped. Angles, sines and
-//! cosines are f32 for every storage dtype.
+//! pairs `(i, i + head_dim / 2)` of GPT-NeoX and Llama, by the angle of the token's position
+//! `p` and the pair `i`), value rows are copied, so the result is again the packed layout
+//! that attention reads. The cosines and sines come from `[seq, head_dim / 2]` f32 tables
+//! (computed once by the caller, as Megatron caches them): computing them in the kernel
+//! costs precise `sin`/`cos` of arguments up to `seq` radians for every pair of every head.
+//! The rotation is orthogonal: the backward is the rotation by `-angle` of the output's
+//! gradient, the same kernel with the sine's sign flipped. The math is f32 for every storage
+//! dtype.
 
+use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -33,7 +37,8 @@ pub struct PackedRows {
 #[allow(clippy::too_many_arguments)]
 fn rope_kernel<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
-    inv_freq: &Tensor<Vector<f32, N>>,
+    cos: &Tensor<Vector<f32, N>>,
+    sin: &Tensor<Vector<f32, N>>,
     output: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_half: u32,
@@ -46,7 +51,7 @@ fn rope_kernel<F: Float, N: Size>(
     let (row, vector) = vector_position(rows, vectors_per_half);
     let r = row as u32;
     let slot = r % slots;
-    let position = f32::cast_from((r / (slots * groups)) % seq);
+    let position = ((r / (slots * groups)) % seq) as usize;
     let half = vectors_per_half as usize;
     let lo_in = vector_offset::<F, N>(input, row, vector);
     let hi_in = vector_offset::<F, N>(input, row, vector + half);
@@ -59,33 +64,26 @@ fn rope_kernel<F: Float, N: Size>(
     } else {
         let lo = Vector::<f32, N>::cast_from(input[lo_in]);
         let hi = Vector::<f32, N>::cast_from(input[hi_in]);
-        let frequencies = inv_freq[vector];
-        let mut new_lo = Vector::<f32, N>::empty();
-        let mut new_hi = Vector::<f32, N>::empty();
-        #[unroll]
-        for k in 0..N::value() {
-            let angle = position * frequencies[k];
-            let (c, s) = (angle.cos(), sign * angle.sin());
-            new_lo[k] = lo[k] * c - hi[k] * s;
-            new_hi[k] = hi[k] * c + lo[k] * s;
-        }
-        output[lo_out] = Vector::cast_from(new_lo);
-        output[hi_out] = Vector::cast_from(new_hi);
+        let entry = position * half + vector;
+        let c = cos[entry];
+        let s = sin[entry] * Vector::new(sign);
+        output[lo_out] = Vector::cast_from(lo * c - hi * s);
+        output[hi_out] = Vector::cast_from(hi * c + lo * s);
     }
 }
 
 /// `qkv` (`[rows, head_dim]`, any strides, laid out as `layout`) with its query and key rows
-/// rotated by `p · inv_freq` (`inv_freq`: `[head_dim / 2]`, f32, contiguous), or by `-p ·
-/// inv_freq` when `inverse` (the backward); value rows copied. The output has `qkv`'s shape
-/// and dtype.
+/// rotated by the angles whose cosines and sines are `table` (`[seq, head_dim / 2]` each, f32,
+/// contiguous), or by their negatives when `inverse` (the backward); value rows copied. The
+/// output has `qkv`'s shape and dtype.
 pub fn rotate<R: CubeRuntime>(
     qkv: CubeTensor<R>,
-    inv_freq: CubeTensor<R>,
+    table: [CubeTensor<R>; 2],
     layout: PackedRows,
     inverse: bool,
 ) -> CubeTensor<R> {
     let output = empty_like(&qkv);
-    rotate_into(qkv, inv_freq, layout, inverse, output.clone());
+    rotate_into(qkv, table, layout, inverse, output.clone());
     output
 }
 
@@ -93,7 +91,7 @@ pub fn rotate<R: CubeRuntime>(
 /// poisoned buffer to catch elements the kernel does not write.
 pub fn rotate_into<R: CubeRuntime>(
     qkv: CubeTensor<R>,
-    inv_freq: CubeTensor<R>,
+    table: [CubeTensor<R>; 2],
     layout: PackedRows,
     inverse: bool,
     output: CubeTensor<R>,
@@ -108,15 +106,19 @@ pub fn rotate_into<R: CubeRuntime>(
         slots >= 2 && seq * groups * slots > 0 && rows % (seq * groups * slots) == 0,
         "RoPE: {rows} rows are not sequences of {seq} tokens × {groups} groups × {slots} slots"
     );
-    assert_eq!(
-        inv_freq.meta.shape().as_slice(),
-        [head_dim / 2],
-        "RoPE: one frequency per rotated pair"
-    );
     let half = head_dim / 2;
+    for t in &table {
+        assert_eq!(
+            t.meta.shape().as_slice(),
+            [seq, half],
+            "RoPE: a [seq, head_dim / 2] table of cosines and of sines"
+        );
+        assert_eq!(t.dtype, DType::F32, "RoPE: f32 tables");
+    }
     if rows * half == 0 {
         return;
     }
+    let [cos, sin] = table;
     let mut width = vector_width(&[&qkv, &output]);
     while half % width != 0 {
         width /= 2;
@@ -128,7 +130,8 @@ pub fn rotate_into<R: CubeRuntime>(
         CubeDim::new_1d(THREADS),
         width,
         qkv.into_tensor_arg(),
-        inv_freq.into_tensor_arg(),
+        cos.into_tensor_arg(),
+        sin.into_tensor_arg(),
         output.into_tensor_arg(),
         rows as u32,
         (half / width) as u32,

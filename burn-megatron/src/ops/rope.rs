@@ -7,12 +7,13 @@
 //! the pairs `(i, i + head_dim / 2)` (the "rotate half" layout of GPT-NeoX and Llama) by the
 //! angle `p · base^(-2i / head_dim)`.
 //!
-//! Angles are f32 for every dtype: `f32(p) · f32(base^(-2i / head_dim))`, then f32 cosines and
-//! sines. (Computing them in a bf16 model's own dtype, as a plain composition would, rounds
-//! positions above 256 and angles to 8 bits.) The rotation is orthogonal, so the backward is
-//! the rotation by `-angle` of the output's gradient and `Autodiff<B>` stores nothing. CubeCL
-//! backends run one kernel each way (`burn_megatron_kernels::fused::rope`), which also replaces
-//! the split, negate and concatenate copies of the composition.
+//! The cosines and sines are a `[seq, head_dim / 2]` table computed in f64 and rounded to f32
+//! ([`rotation_table`]), for every dtype. (Computing the angles in a bf16 model's own dtype,
+//! as a plain composition would, rounds positions above 256 and angles to 8 bits.) The
+//! rotation is orthogonal, so the backward is the rotation by `-angle` of the output's
+//! gradient and `Autodiff<B>` stores nothing. CubeCL backends run one kernel each way
+//! (`burn_megatron_kernels::fused::rope`) on a table uploaded once per device and shape,
+//! which also replaces the split, negate and concatenate copies of the composition.
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
@@ -24,11 +25,21 @@ use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
 use crate::backend::{ModelBackend, wrap};
 
-/// `base^(-2i / head_dim)` for `i` in `0..head_dim / 2`, computed in f64 and rounded to f32.
-pub fn inverse_frequencies(head_dim: usize, base: f64) -> Vec<f32> {
-    (0..head_dim / 2)
-        .map(|i| base.powf(-2.0 * i as f64 / head_dim as f64) as f32)
-        .collect()
+/// The cosines and sines of the angles `p · base^(-2i / head_dim)` for positions `p` in
+/// `0..seq` and pairs `i` in `0..head_dim / 2`, computed in f64 and rounded to f32: `[cos,
+/// sin]`, each `[seq, head_dim / 2]` row-major.
+pub fn rotation_table(seq: usize, head_dim: usize, base: f64) -> [Vec<f32>; 2] {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(seq * half);
+    let mut sin = Vec::with_capacity(seq * half);
+    for p in 0..seq {
+        for i in 0..half {
+            let angle = p as f64 * base.powf(-2.0 * i as f64 / head_dim as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    [cos, sin]
 }
 
 /// Checks the packed shape and returns `head_dim / 2`.
@@ -54,23 +65,14 @@ pub fn packed_rope_composition<B: Backend>(
     let [_, seq, _, slots, head_dim] = dims;
     let half = check_shape(dims);
     let (device, dtype) = (qkv.device(), qkv.dtype());
-    let frequencies = inverse_frequencies(head_dim, base);
-    let angles: Vec<f32> = (0..seq)
-        .flat_map(|p| frequencies.iter().map(move |f| p as f32 * f))
-        .collect();
-    let angles =
-        Tensor::<B, 2>::from_data(TensorData::new(angles, [seq, half]), (&device, DType::F32));
-    let full = |t: Tensor<B, 2>| {
-        Tensor::cat(vec![t.clone(), t], 1)
+    let [cos, sin] = rotation_table(seq, head_dim, base).map(|values| {
+        let table =
+            Tensor::<B, 2>::from_data(TensorData::new(values, [seq, half]), (&device, DType::F32));
+        Tensor::cat(vec![table.clone(), table], 1)
             .reshape([1, seq, 1, 1, head_dim])
             .cast(dtype)
-    };
-    let cos = full(angles.clone().cos());
-    let sin = full(if inverse {
-        angles.sin().neg()
-    } else {
-        angles.sin()
     });
+    let sin = if inverse { sin.neg() } else { sin };
     let heads = qkv.clone().narrow(3, 0, slots - 1);
     let values = qkv.narrow(3, slots - 1, 1);
     let rotated_half = Tensor::cat(

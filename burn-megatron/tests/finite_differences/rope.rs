@@ -4,7 +4,7 @@
 use burn::tensor::Tensor;
 use burn_megatron::ModelBackend;
 use burn_megatron::init::{InitDistribution, init_full};
-use burn_megatron::ops::rope::inverse_frequencies;
+use burn_megatron::ops::rope::rotation_table;
 use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::{AD, B, STEP, device};
@@ -23,7 +23,6 @@ fn the_forward_is_the_rotation() {
     let input = values(x.clone());
     let [batch, seq, groups, slots, head_dim] = DIMS;
     let half = head_dim / 2;
-    let frequencies = inverse_frequencies(head_dim, BASE);
     let mut want = input.clone();
     for row in 0..batch * seq * groups * slots {
         let (slot, position) = (row % slots, (row / (slots * groups)) % seq);
@@ -31,9 +30,9 @@ fn the_forward_is_the_rotation() {
             continue;
         }
         for i in 0..half {
-            // The angle in f32, as the operation defines it; its cosine and sine in f32.
-            let angle = position as f32 * frequencies[i];
-            let (c, s) = (angle.cos() as f64, angle.sin() as f64);
+            // The cosine and sine in f64, rounded to f32, as the operation's table has them.
+            let angle = position as f64 * BASE.powf(-2.0 * i as f64 / head_dim as f64);
+            let (c, s) = (angle.cos() as f32 as f64, angle.sin() as f32 as f64);
             let (lo, hi) = (input[row * head_dim + i], input[row * head_dim + half + i]);
             want[row * head_dim + i] = lo * c - hi * s;
             want[row * head_dim + half + i] = hi * c + lo * s;
@@ -75,4 +74,16 @@ fn the_gradient_matches_finite_differences() {
     }
     let got: Vec<f64> = sample.iter().map(|&i| got[i]).collect();
     assert_close("d_qkv", &got, &fd, tolerance::FINITE_DIFFERENCE_F64);
+}
+
+/// The table the operation uses is the f64 rotation rounded to f32.
+#[test]
+fn the_table_is_the_rounded_f64_rotation() {
+    let [cos, sin] = rotation_table(3, 4, BASE);
+    assert_eq!(cos.len(), 6);
+    for (p, i) in [(0, 0), (2, 1), (1, 1)] {
+        let angle = p as f64 * BASE.powf(-2.0 * i as f64 / 4.0);
+        assert_eq!(cos[p * 2 + i], angle.cos() as f32);
+        assert_eq!(sin[p * 2 + i], angle.sin() as f32);
+    }
 }
