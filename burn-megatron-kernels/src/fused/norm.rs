@@ -233,11 +233,13 @@ fn backward_kernel<F: Float, N: Size>(
             let vector = tid + i * threads;
             let mut xh = Vector::<f32, N>::new(0.0);
             let mut dy = Vector::<f32, N>::new(0.0);
+            let mut gh = Vector::<f32, N>::new(0.0);
+            // Past the row's end nothing is read: an out-of-bounds `scale` may hold NaN.
             if vector < vectors && active {
                 xh = (load_row::<F, N>(x, row, vector, vectors) - Vector::new(mu)) * Vector::new(r);
                 dy = load_row::<F, N>(grad, row, vector, vectors);
+                gh = dy * load_parameter::<F, N>(scale, vector);
             }
-            let gh = dy * load_parameter::<F, N>(scale, vector);
             x_hat[i] = xh;
             g_hat[i] = gh;
             sum_dyx[i] += dy * xh;
