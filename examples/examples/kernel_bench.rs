@@ -52,12 +52,15 @@ fn report(name: &str, bytes: usize, took: Duration) {
     );
 }
 
+/// A named part of the benchmark.
+type Section = (&'static str, fn(&CudaGpu));
+
 /// Runs every section, or those named on the command line (e.g. `kernel_bench
 /// dropout_rope_and_padded_softmax`).
 fn main() {
     let device = CudaGpu::new(0);
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [(&str, fn(&CudaGpu)); 5] = [
+    let sections: [Section; 5] = [
         ("cross_entropy", cross_entropy),
         ("causal_softmax", causal_softmax),
         ("embedding_gradient", embedding_gradient),

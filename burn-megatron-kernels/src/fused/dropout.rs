@@ -124,7 +124,7 @@ pub fn forward_into<R: CubeRuntime>(
     }
     let [d1, d2] = placement.inner;
     assert!(
-        d1 * d2 > 0 && rows % (d1 * d2) == 0,
+        d1 * d2 > 0 && rows.is_multiple_of(d1 * d2),
         "dropout: {rows} rows are not blocks of {d1} × {d2}"
     );
     let fits = |n: usize| u32::try_from(n).is_ok();

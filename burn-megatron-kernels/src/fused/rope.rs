@@ -99,11 +99,11 @@ pub fn rotate_into<R: CubeRuntime>(
     let (rows, head_dim) = rows_cols(qkv.meta.shape(), "RoPE");
     let PackedRows { seq, groups, slots } = layout;
     assert!(
-        head_dim % 2 == 0,
+        head_dim.is_multiple_of(2),
         "RoPE needs an even head dimension, got {head_dim}"
     );
     assert!(
-        slots >= 2 && seq * groups * slots > 0 && rows % (seq * groups * slots) == 0,
+        slots >= 2 && seq * groups * slots > 0 && rows.is_multiple_of(seq * groups * slots),
         "RoPE: {rows} rows are not sequences of {seq} tokens × {groups} groups × {slots} slots"
     );
     let half = head_dim / 2;
@@ -120,7 +120,7 @@ pub fn rotate_into<R: CubeRuntime>(
     }
     let [cos, sin] = table;
     let mut width = vector_width(&[&qkv, &output]);
-    while half % width != 0 {
+    while !half.is_multiple_of(width) {
         width /= 2;
     }
     let dtype = qkv.dtype.into();

@@ -45,7 +45,7 @@ pub fn rotation_table(seq: usize, head_dim: usize, base: f64) -> [Vec<f32>; 2] {
 /// Checks the packed shape and returns `head_dim / 2`.
 pub(crate) fn check_shape(dims: [usize; 5]) -> usize {
     assert!(
-        dims[4] % 2 == 0,
+        dims[4].is_multiple_of(2),
         "RoPE needs an even head dimension, got {dims:?}"
     );
     assert!(
