@@ -75,6 +75,9 @@ pub struct PretrainArgs {
     /// Shard the optimizer state over DP (ZeRO-1). [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
     pub use_distributed_optimizer: Option<bool>,
+    /// Reduce gradients from inside the backward pass, overlapping it. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
+    pub overlap_grad_reduce: Option<bool>,
 
     /// Samples per microbatch. [default: 4]
     #[arg(long, help_heading = "Batch")]
@@ -206,6 +209,7 @@ impl PretrainArgs {
             sequence_parallel => sequence_parallel,
             data_parallel_size => data_parallel_size,
             use_distributed_optimizer => use_distributed_optimizer,
+            overlap_grad_reduce => overlap_grad_reduce,
             micro_batch_size => micro_batch_size,
             global_batch_size => global_batch_size,
             lr => lr,
@@ -253,6 +257,7 @@ impl PretrainArgs {
             sequence_parallel,
             data_parallel_size,
             use_distributed_optimizer,
+            overlap_grad_reduce,
             micro_batch_size,
             global_batch_size,
             lr,

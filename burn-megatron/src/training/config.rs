@@ -66,6 +66,12 @@ pub struct PretrainConfig {
     /// `--use-distributed-optimizer`): gradients reduce-scattered, parameters all-gathered.
     #[config(default = false)]
     pub use_distributed_optimizer: bool,
+    /// Reduce each bucket's gradients from inside the backward pass, as soon as its layers are
+    /// done (`--overlap-grad-reduce`); with device collectives (NCCL) the reduction overlaps the
+    /// rest of the backward. The same results as reducing after it. No effect without DP or the
+    /// distributed optimizer.
+    #[config(default = false)]
+    pub overlap_grad_reduce: bool,
     /// Samples per microbatch (`--micro-batch-size`).
     #[config(default = 4)]
     pub micro_batch_size: usize,

@@ -54,6 +54,9 @@ pub struct PretrainSummary {
     pub checkpoints: Vec<PathBuf>,
     /// The checkpoint the run resumed from.
     pub resumed_from: Option<PathBuf>,
+    /// With `overlap_grad_reduce`: the parameter elements of this rank whose gradients were
+    /// taken for reduction inside the last step's backward pass (0 otherwise).
+    pub reduced_in_backward: usize,
 }
 
 impl PretrainSummary {
@@ -133,7 +136,7 @@ pub fn pretrain<B>(
     observer: &dyn TrainingObserver,
 ) -> Result<PretrainSummary>
 where
-    B: AutodiffBackend + ModelBackend,
+    B: AutodiffBackend<Gradients = burn_autodiff::grads::Gradients> + ModelBackend,
     B::InnerBackend: DistBackend + ModelBackend,
 {
     let layout = config.check(ctx.world_size())?;
@@ -194,6 +197,12 @@ where
         consumed = checkpoint.training_state().consumed_samples;
         resumed_from = Some(checkpoint.dir().to_path_buf());
     }
+    if config.overlap_grad_reduce
+        && let Some(optim) = rank.distributed.as_mut()
+    {
+        let hook = optim.overlap_hook(&rank.chunk, *num_microbatches);
+        rank.chunk.set_backward_hook(Some(hook));
+    }
     // Dropout masks are keyed by the forward pass's number: continue the count.
     rank.chunk
         .set_next_call(iteration * *num_microbatches as u64);
@@ -223,6 +232,7 @@ where
         evaluations: Vec::new(),
         checkpoints: Vec::new(),
         resumed_from,
+        reduced_in_backward: 0,
     };
     let chunks = |rank: &RankModel<B>| core::slice::from_ref(&rank.chunk).to_vec();
     let checkpointer = config
@@ -353,6 +363,7 @@ where
     if logging {
         observer.on_finish();
     }
+    summary.reduced_in_backward = rank.distributed.as_ref().map_or(0, |o| o.hooked_numel());
     Ok(summary)
 }
 

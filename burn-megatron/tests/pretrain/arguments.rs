@@ -195,6 +195,8 @@ fn bad_options_are_clear_errors() {
     let dp = config(&["--data-parallel-size", "2", "--use-distributed-optimizer"]);
     assert_eq!(dp.world_size(), 8);
     assert!(dp.use_distributed_optimizer);
+    assert!(!dp.overlap_grad_reduce);
+    assert!(config(&["--overlap-grad-reduce"]).overlap_grad_reduce);
     assert_eq!(dp.check(8).unwrap().dp, 2);
     let saved = config(&["--data-parallel-size", "2", "--save", "x", "--async-save"]);
     assert_eq!(saved.check(8).unwrap().dp, 2);

@@ -158,6 +158,34 @@ fn data_parallel_equals_single_rank_training() {
     assert_equal_to_reference("PP=2 DP=2 distributed optimizer", &pp_dp, &want);
 }
 
+/// `--overlap-grad-reduce` (the reduction started from inside the backward pass) gives the
+/// same step and validation losses as reducing after it, with the plain all-reduce and with the
+/// distributed optimizer, with gradient accumulation over microbatches and under PP = 2.
+#[test]
+fn overlapped_gradient_reduction_equals_single_rank_training() {
+    let want = reference(&tiny_run(1, 1));
+    let dp2 = tiny_run(1, 1).with_data_parallel_size(2);
+    let zero = dp2.clone().with_use_distributed_optimizer(true);
+    let pp_dp = tiny_run(1, 2)
+        .with_data_parallel_size(2)
+        .with_use_distributed_optimizer(true);
+    for (what, after) in [
+        ("DP=2", dp2),
+        ("DP=2 distributed optimizer", zero),
+        ("PP=2 DP=2 distributed optimizer", pp_dp),
+    ] {
+        let overlapped = after.clone().with_overlap_grad_reduce(true);
+        assert_equal_to_reference(&format!("{what} overlapped"), &overlapped, &want);
+        let (got, plain) = (train(&overlapped), train(&after));
+        assert_eq!(got.losses(), plain.losses(), "{what}: overlapped and not");
+        assert!(
+            got.reduced_in_backward > 0 && plain.reduced_in_backward == 0,
+            "{what}: the hook took {} elements",
+            got.reduced_in_backward
+        );
+    }
+}
+
 /// The learning rate of each step is the schedule's, stepped once per global step, whatever
 /// the DP size.
 #[test]
