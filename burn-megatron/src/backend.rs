@@ -575,29 +575,6 @@ mod cube {
         ))
     }
 
-    /// `ModelBackend::causal_softmax_backward` in one kernel (f64: the composition).
-    pub(super) fn causal_softmax_backward<R, F, I, BT>(
-        probs: Tensor<Cube<R, F, I, BT>, 4>,
-        grad: Tensor<Cube<R, F, I, BT>, 4>,
-        scale: f64,
-    ) -> Tensor<Cube<R, F, I, BT>, 4>
-    where
-        R: CubeRuntime,
-        F: FloatElement,
-        I: IntElement,
-        BT: BoolElement,
-    {
-        if probs.dtype() == DType::F64 {
-            return crate::ops::causal_softmax::backward_composition(probs, grad, scale);
-        }
-        let grad = grad.cast(probs.dtype());
-        float(softmax_kernels::backward(
-            probs.into_primitive().tensor(),
-            grad.into_primitive().tensor(),
-            scale,
-        ))
-    }
-
     /// `ModelBackend::dropout` in one kernel, the mask drawn in it (f64: the composition).
     pub(super) fn dropout<R, F, I, BT>(
         x: Tensor<Cube<R, F, I, BT>, 4>,
@@ -680,11 +657,11 @@ mod cube {
         use std::any::{Any, TypeId};
         use std::collections::HashMap;
         use std::sync::{Mutex, OnceLock};
-        type Key = (TypeId, String, usize, usize, u64);
+        type Key = (TypeId, burn::tensor::backend::DeviceId, usize, usize, u64);
         static TABLES: OnceLock<Mutex<HashMap<Key, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
         let key = (
             TypeId::of::<R>(),
-            format!("{device:?}"),
+            burn::tensor::backend::DeviceOps::id(device),
             seq,
             head_dim,
             base.to_bits(),
@@ -739,7 +716,8 @@ mod cube {
         ))
     }
 
-    /// `ModelBackend::masked_softmax_backward` in one kernel (f64: the composition).
+    /// `ModelBackend::masked_softmax_backward` (and `causal_softmax_backward`, with `causal`) in
+    /// one kernel (f64: the composition).
     pub(super) fn masked_softmax_backward<R, F, I, BT>(
         probs: Tensor<Cube<R, F, I, BT>, 4>,
         grad: Tensor<Cube<R, F, I, BT>, 4>,
@@ -1344,7 +1322,7 @@ mod cube {
                 grad: Tensor<Self, 4>,
                 scale: f64,
             ) -> Tensor<Self, 4> {
-                cube::causal_softmax_backward(probs, grad, scale)
+                cube::masked_softmax_backward(probs, grad, scale, true)
             }
 
             fn norm_forward(
