@@ -115,6 +115,27 @@ impl Placements {
         self.by_id.insert(param.id, placement);
     }
 
+    /// Declares every float parameter of `module` replicated: how a model with no tensor
+    /// parallelism (any Burn module) declares its parameters for data parallelism and the
+    /// distributed optimizer.
+    ///
+    /// ```ignore
+    /// impl<B: Backend> DeclarePlacements for MyModel<B> {
+    ///     fn declare_placements(&self, out: &mut Placements) {
+    ///         out.declare_replicated(self);
+    ///     }
+    /// }
+    /// ```
+    pub fn declare_replicated<B: Backend, M: Module<B>>(&mut self, module: &M) {
+        struct Replicated<'a>(&'a mut Placements);
+        impl<B: Backend> ModuleVisitor<B> for Replicated<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                self.0.declare(param, ParamPlacement::replicated());
+            }
+        }
+        module.visit(&mut Replicated(self));
+    }
+
     /// The placement declared for the parameter `id`.
     pub fn get(&self, id: ParamId) -> Option<ParamPlacement> {
         self.by_id.get(&id).copied()

@@ -7,8 +7,11 @@ use std::path::PathBuf;
 use burn::config::Config;
 
 use crate::data::{ByteTokenizer, parse_data_path, parse_split};
+use crate::distributed::{DataParallelConfig, DistributedAdamWConfig};
 use crate::error::ConfigError;
-use crate::optimizer::{GradClipConfig, LrDecayStyle, LrSchedule, LrScheduleConfig};
+use crate::optimizer::{
+    FlatAdamWConfig, GradClipConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
+};
 use crate::transformer::TransformerConfig;
 
 /// A pretraining run. The defaults are the embedded run of `pretrain_gpt` with no arguments:
@@ -195,6 +198,24 @@ impl PretrainConfig {
             .with_decay_steps(self.lr_decay_iters.unwrap_or(self.train_iters))
             .with_decay_style(self.lr_decay_style)
             .init()?)
+    }
+
+    /// The flat-buffer AdamW of a data-parallel run (`--use-distributed-optimizer` shards
+    /// its state): Adam's betas and epsilon, the weight decay (none on biases and norms) and
+    /// global-norm clipping at `--clip-grad`.
+    pub fn distributed_adamw(&self) -> DistributedAdamWConfig {
+        let adam = FlatAdamWConfig::new()
+            .with_beta_1(self.adam_beta1 as f64)
+            .with_beta_2(self.adam_beta2 as f64)
+            .with_epsilon(self.adam_eps as f64)
+            .with_weight_decay(self.weight_decay);
+        DistributedAdamWConfig::new()
+            .with_adam(adam)
+            .with_data_parallel(
+                DataParallelConfig::new()
+                    .with_use_distributed_optimizer(self.use_distributed_optimizer),
+            )
+            .with_clip_grad(Some(self.clip_grad))
     }
 
     /// Ranks the run needs: TP × PP × DP.

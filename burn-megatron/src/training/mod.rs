@@ -11,16 +11,18 @@
 //!   checkpoints and resume); [`pretrain_on_threads`] runs every rank as a thread.
 //! - [`TrainingObserver`]: what the logging rank reports; [`ConsoleProgress`] prints it.
 //!
+//! - [`learner`]: the same training through burn-train's `Learner` (one
+//!   `SupervisedTraining` per rank, [`learner::MegatronStrategy`]).
+//!
 //! The world is TP × PP × DP ranks; with DP > 1 or `--use-distributed-optimizer` the step is
 //! [`DistributedAdamW`](crate::distributed::DistributedAdamW)'s (gradients averaged over DP
-//! after backward, the optimizer state optionally sharded), without checkpoints yet. Burn's `Learner`
-//! (burn-train) is not a dependency: burn-train 0.21 is not in this build's offline registry
-//! (book: "Pretraining").
+//! after backward, the optimizer state optionally sharded).
 
 mod arguments;
 mod config;
 mod data;
 mod launch;
+pub mod learner;
 mod observer;
 mod pretrain;
 mod progress;

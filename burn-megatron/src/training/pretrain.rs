@@ -30,11 +30,11 @@ use crate::checkpointing::{
     AsyncCheckpointer, Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record,
     adamw_state, distributed_adamw_state, latest_checkpoint, load_distributed_adamw,
 };
-use crate::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
+use crate::distributed::DistributedAdamW;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::optimizer::{
-    FlatAdamWConfig, GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
+    GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
 };
 use crate::pipeline_parallel::{Schedule, StageSplit, forward_backward, forward_only};
 use crate::tensor_parallel::param_infos;
@@ -168,19 +168,10 @@ where
         distributed: None,
     };
     if *dp > 1 || config.use_distributed_optimizer {
-        let adam = FlatAdamWConfig::new()
-            .with_beta_1(config.adam_beta1 as f64)
-            .with_beta_2(config.adam_beta2 as f64)
-            .with_epsilon(config.adam_eps as f64)
-            .with_weight_decay(config.weight_decay);
-        let optim = DistributedAdamWConfig::new()
-            .with_adam(adam)
-            .with_data_parallel(
-                DataParallelConfig::new()
-                    .with_use_distributed_optimizer(config.use_distributed_optimizer),
-            )
-            .with_clip_grad(Some(config.clip_grad))
-            .init(&rank.chunk, &state, &shared_copies(&rank.chunk))?;
+        let optim =
+            config
+                .distributed_adamw()
+                .init(&rank.chunk, &state, &shared_copies(&rank.chunk))?;
         rank.distributed = Some(optim);
     }
 
@@ -375,11 +366,7 @@ fn shared_loss<B: DistBackend>(
     loss: Option<Tensor<B, 1>>,
     device: &B::Device,
 ) -> Result<Tensor<B, 1>> {
-    let loss = match loss {
-        Some(l) => l.cast(DType::F32),
-        None => Tensor::zeros([1], (device, DType::F32)),
-    };
-    let loss = state.pp().all_reduce(loss, ReduceOp::Sum)?;
+    let loss = super::learner::loss_on_every_stage(state, loss, device)?;
     Ok(state.dp().all_reduce(loss, ReduceOp::Avg)?)
 }
 

@@ -17,7 +17,7 @@ type AD = Autodiff<NdArray<f32>>;
 
 /// The step losses and the validation losses of `config` trained on one rank from the
 /// model's pieces.
-fn reference(config: &PretrainConfig) -> (Vec<f64>, Vec<f64>) {
+pub fn reference(config: &PretrainConfig) -> (Vec<f64>, Vec<f64>) {
     let data = PretrainData::build(config).unwrap();
     let global = config.global_batch_size;
     let micro = config.micro_batch_size;

@@ -5,6 +5,7 @@
 
 mod arguments;
 mod equivalence;
+mod learner;
 mod resume;
 
 use std::path::PathBuf;

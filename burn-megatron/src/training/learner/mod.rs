@@ -1,0 +1,42 @@
+//! Training through Burn's `Learner` (burn-train 0.21): the pieces that make a parallel job
+//! a burn-train run, one `SupervisedTraining` per rank.
+//!
+//! - [`ParallelGpt`]: this rank's GPT chunk as a burn-train model; its `TrainStep` is one
+//!   pipeline-schedule step over the rank's microbatches, its `InferenceStep` the forward
+//!   passes.
+//! - [`LanguageModelOutput`]: what a step reports (loss, tokens, FLOPs, gradient norm), not
+//!   the logits; [`LanguageModelMetric`]: tokens/s, TFLOP/s per device, MFU, gradient norm
+//!   and perplexity for burn-train's dashboard.
+//! - [`MegatronOptimizer`]: [`DistributedAdamW`](crate::distributed::DistributedAdamW) as a
+//!   Burn optimizer (DP reduction, ZeRO-1, global-norm clipping, fp32 master weights).
+//! - [`MegatronStrategy`]: the loop, plugged in with [`MegatronTraining::with_megatron`];
+//!   step-interval sharded checkpoints and resume.
+//! - [`pretrain_with_learner`]: `pretrain_gpt --learner`, a [`PretrainConfig`](crate::training::PretrainConfig)
+//!   run through burn-train.
+//! - [`MetricRecorder`]: metric values kept readable after the run (tests, examples).
+//! - [`GptStepLoader`]: Megatron's per-rank microbatches as a Burn data loader;
+//!   [`DataParallelShard`]: any Burn loader cut among DP ranks.
+//!
+//! Any Burn model whose step reports a [`LanguageModelOutput`] trains the same way with data
+//! parallelism and the distributed optimizer (book: "Pretraining", the Learner section).
+
+mod loader;
+mod metrics;
+mod optimizer;
+mod output;
+mod parallel_gpt;
+mod pretrain;
+mod quiet;
+mod recorder;
+mod strategy;
+
+pub use loader::{DataParallelShard, GptStepLoader, StepShape};
+pub use metrics::{H100_BF16_PEAK_FLOPS, LanguageModelMetric};
+pub use optimizer::MegatronOptimizer;
+pub use output::{LanguageModelOutput, LanguageModelStats};
+pub use parallel_gpt::ParallelGpt;
+pub(crate) use parallel_gpt::loss_on_every_stage;
+pub use pretrain::{LearnerReporting, pretrain_with_learner};
+pub use quiet::{QuietLogger, QuietRenderer};
+pub use recorder::MetricRecorder;
+pub use strategy::{MegatronStrategy, MegatronTraining};

@@ -1,0 +1,95 @@
+//! What a language model's training or validation step gives burn-train: the loss and the
+//! step's size, never the logits (burn-train's `SequenceOutput` copies the full
+//! `[batch, seq, vocab]` logits to the host every step).
+
+use burn::backend::NdArray;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData, Transaction};
+use burn::train::ItemLazy;
+use burn::train::metric::{Adaptor, LossInput};
+
+/// One step of a language model, as its [`TrainStep`](burn::train::TrainStep) or
+/// [`InferenceStep`](burn::train::InferenceStep) reports it. The tensors stay on the device
+/// until burn-train's event processor reads them ([`ItemLazy::sync`]), in one transfer.
+#[derive(Debug, Clone)]
+pub struct LanguageModelOutput<B: Backend> {
+    /// `[1]`: the step's mean next-token loss (nats). On every rank the same value once the
+    /// strategy has averaged it over the data-parallel group.
+    pub loss: Tensor<B, 1>,
+    /// Tokens the step trained on or evaluated, over the whole data-parallel world.
+    pub tokens: usize,
+    /// Model FLOPs of the step over the whole world (Megatron's count, forward and backward;
+    /// 0 for validation).
+    pub flops: f64,
+    /// `[1]`: the global gradient norm before clipping, set by the strategy after the
+    /// optimizer step; `None` for validation.
+    pub grad_norm: Option<Tensor<B, 1>>,
+    /// Devices the step ran on (the world size), for per-device throughput.
+    pub devices: usize,
+}
+
+impl<B: Backend> LanguageModelOutput<B> {
+    /// A step's output with no gradient norm yet.
+    pub fn new(loss: Tensor<B, 1>, tokens: usize, flops: f64, devices: usize) -> Self {
+        Self {
+            loss,
+            tokens,
+            flops,
+            grad_norm: None,
+            devices,
+        }
+    }
+}
+
+/// [`LanguageModelOutput`] on the host: what burn-train's metrics read.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LanguageModelStats {
+    /// The step's mean loss.
+    pub loss: f64,
+    /// Tokens of the step.
+    pub tokens: usize,
+    /// Model FLOPs of the step.
+    pub flops: f64,
+    /// The global gradient norm before clipping (training steps only).
+    pub grad_norm: Option<f64>,
+    /// Devices the step ran on.
+    pub devices: usize,
+}
+
+impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
+    type ItemSync = LanguageModelStats;
+
+    fn sync(self) -> LanguageModelStats {
+        let mut transaction = Transaction::default().register(self.loss.cast(DType::F32));
+        if let Some(norm) = self.grad_norm.clone() {
+            transaction = transaction.register(norm.cast(DType::F32));
+        }
+        let values: Vec<f64> = transaction
+            .execute()
+            .into_iter()
+            .map(|data| {
+                data.convert::<f32>()
+                    .to_vec::<f32>()
+                    .ok()
+                    .and_then(|v| v.first().copied())
+                    .map_or(f64::NAN, f64::from)
+            })
+            .collect();
+        LanguageModelStats {
+            loss: values.first().copied().unwrap_or(f64::NAN),
+            tokens: self.tokens,
+            flops: self.flops,
+            grad_norm: self
+                .grad_norm
+                .map(|_| values.get(1).copied().unwrap_or(f64::NAN)),
+            devices: self.devices,
+        }
+    }
+}
+
+impl Adaptor<LossInput<NdArray>> for LanguageModelStats {
+    fn adapt(&self) -> LossInput<NdArray> {
+        let loss = TensorData::new(vec![self.loss as f32], [1]);
+        LossInput::new(Tensor::from_data(loss, &Default::default()))
+    }
+}

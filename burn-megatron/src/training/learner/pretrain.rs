@@ -1,0 +1,149 @@
+//! `pretrain_gpt --learner`: the run of a [`PretrainConfig`] through burn-train, one
+//! `SupervisedTraining` per rank, with burn-train's dashboard and our metrics.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use burn::data::dataloader::DataLoader;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::metric::{LearningRateMetric, LossMetric};
+use burn::train::{Learner, SupervisedTraining};
+use burn_megatron_dist::{DistBackend, ParallelSizes, RankContext};
+
+use super::{
+    GptStepLoader, H100_BF16_PEAK_FLOPS, LanguageModelMetric, MegatronOptimizer, MegatronStrategy,
+    MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
+};
+use crate::backend::ModelBackend;
+use crate::checkpointing::Checkpointer;
+use crate::error::{ConfigError, Result};
+use crate::optimizer::shared_copies;
+use crate::training::{PretrainConfig, PretrainData};
+
+/// Where a Learner run reports.
+#[derive(Clone, Default)]
+pub struct LearnerReporting {
+    /// burn-train's directory (its metric files and experiment log, rank 0).
+    pub directory: PathBuf,
+    /// Also record every metric value here.
+    pub recorder: Option<MetricRecorder>,
+    /// No dashboard or console output (tests).
+    pub quiet: bool,
+    /// Peak FLOP/s of one device, the MFU denominator.
+    pub peak_flops_per_device: Option<f64>,
+}
+
+/// Runs `config` as this rank of `ctx` through burn-train's `Learner`: the rank's
+/// [`ParallelGpt`] chunk, the distributed optimizer (`--use-distributed-optimizer` shards
+/// its state), Megatron's learning-rate schedule, the training split read as `pretrain`
+/// reads it, and at the end the validation split's batches of `pretrain`'s last evaluation.
+/// With `--save`, checkpoints every `--save-interval` steps and after the last; with `--load`
+/// (the same directory as `--save`), the run resumes from its latest checkpoint.
+///
+/// Every rank of the world must call it with the same configuration and data. The losses
+/// equal `pretrain`'s with the distributed optimizer (tests/pretrain/learner.rs).
+pub fn pretrain_with_learner<B>(
+    ctx: &RankContext,
+    config: &PretrainConfig,
+    data: &PretrainData,
+    device: &B::Device,
+    reporting: &LearnerReporting,
+) -> Result<()>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend + ModelBackend,
+{
+    let layout = config.check(ctx.world_size())?;
+    if config.load.is_some() && config.load != config.save {
+        return Err(ConfigError::Invalid(
+            "with --learner a run resumes from its --save directory: give --load the same \
+             directory as --save, or leave --load out"
+                .into(),
+        )
+        .into());
+    }
+    let sizes = ParallelSizes::default()
+        .with_tp(layout.tp)
+        .with_pp(layout.pp);
+    let state = ctx.parallel_state(sizes)?;
+    let model_config = config.model();
+    let model = ParallelGpt::<B>::init(&model_config, &state, device)?;
+    let optim =
+        config
+            .distributed_adamw()
+            .init(&model.model, &state, &shared_copies(&model.model))?;
+    let optim = MegatronOptimizer::new(optim);
+
+    let shape = StepShape {
+        micro_batch_size: config.micro_batch_size,
+        global_batch_size: config.global_batch_size,
+        vocab_size: config.vocab_size,
+    };
+    let train = GptStepLoader::<B, _>::new(
+        Arc::new(data.train.clone()),
+        &state,
+        shape,
+        config.train_iters,
+        device,
+    )?;
+    let last_evaluation = match config.eval_interval {
+        0 => 0,
+        interval => config.train_iters.div_ceil(interval) - 1,
+    };
+    let eval_steps = if config.eval_interval == 0 {
+        0
+    } else {
+        config.eval_iters
+    };
+    let first_eval = last_evaluation * eval_steps;
+    let valid: Arc<dyn DataLoader<B::InnerBackend, _>> = match &data.valid {
+        Some(valid) => GptStepLoader::<B::InnerBackend, _>::new(
+            Arc::new(valid.clone()),
+            &state,
+            shape,
+            first_eval + eval_steps,
+            device,
+        )?
+        .slice(first_eval, first_eval + eval_steps),
+        None => GptStepLoader::<B::InnerBackend, _>::new(
+            Arc::new(data.train.clone()),
+            &state,
+            shape,
+            0,
+            device,
+        )?
+        .slice(0, 0),
+    };
+
+    let mut strategy = MegatronStrategy::new(&state, &optim);
+    if let Some(root) = &config.save {
+        let checkpointer = Checkpointer::new(root).with_keep_last(config.keep_last_checkpoints);
+        let interval = config.save_interval.unwrap_or(config.train_iters);
+        strategy = strategy.with_checkpoints(checkpointer, interval, shape, config.load.is_some());
+    }
+    let peak = reporting
+        .peak_flops_per_device
+        .unwrap_or(H100_BF16_PEAK_FLOPS);
+    let mut training = SupervisedTraining::new(&reporting.directory, Arc::new(train), valid)
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .metric_valid_numeric(LanguageModelMetric::perplexity())
+        .metric_train_numeric(LearningRateMetric::new())
+        .metric_train_numeric(LanguageModelMetric::grad_norm())
+        .metric_train_numeric(LanguageModelMetric::tokens_per_second())
+        .metric_train_numeric(LanguageModelMetric::tflops_per_device())
+        .metric_train_numeric(LanguageModelMetric::mfu(peak))
+        .num_epochs(1);
+    if let Some(recorder) = &reporting.recorder {
+        training = training.with_metric_logger(recorder.clone());
+    }
+    if reporting.quiet {
+        training = training
+            .renderer(QuietRenderer)
+            .with_application_logger(None);
+    }
+    training
+        .with_megatron(strategy)
+        .launch(Learner::new(model, optim, config.lr_schedule()?));
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! Training through burn-train's `Learner` with [`MegatronStrategy`]: one `SupervisedTraining`
+//! per thread rank gives the losses of `pretrain`'s own loop (the same data, schedule,
+//! optimizer and learning rate), which equal one rank's plain training; checkpoints written
+//! every few steps resume with the uninterrupted run's losses.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::backend::{Autodiff, NdArray};
+use burn_megatron::training::learner::{LearnerReporting, MetricRecorder, pretrain_with_learner};
+use burn_megatron::training::{PretrainConfig, PretrainData};
+
+use crate::equivalence::reference;
+use crate::{assert_close, run, scratch, tiny_run, tolerance, train};
+
+type AD = Autodiff<NdArray<f32>>;
+
+/// Trains `config` through burn-train on its thread ranks (the library's
+/// `pretrain_with_learner`, quietly), and returns the recorded metrics.
+fn train_with_learner(config: &PretrainConfig) -> MetricRecorder {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let data = PretrainData::build(config).unwrap();
+    let reporting = LearnerReporting {
+        directory: scratch(&format!("learner-{}", RUNS.fetch_add(1, Ordering::Relaxed))),
+        recorder: Some(MetricRecorder::new()),
+        quiet: true,
+        peak_flops_per_device: None,
+    };
+    run(config.world_size(), |ctx| {
+        pretrain_with_learner::<AD>(&ctx, config, &data, &Default::default(), &reporting)?;
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&reporting.directory);
+    reporting.recorder.unwrap()
+}
+
+/// TP = 2 × PP = 2, DP = 2 and TP = 2 × DP = 2 (each with the distributed optimizer) through
+/// the `Learner` give `pretrain`'s losses, gradient norms and last validation loss exactly,
+/// and one rank's plain training within the f32 training bound.
+#[test]
+fn learner_training_equals_the_pretrain_loop_and_one_rank() {
+    let single = tiny_run(1, 1);
+    let want = reference(&single);
+    let dp2 = tiny_run(1, 1).with_data_parallel_size(2);
+    for (what, config) in [
+        ("TP=2 PP=2", tiny_run(2, 2)),
+        ("DP=2", dp2.clone()),
+        ("TP=2 DP=2", tiny_run(2, 1).with_data_parallel_size(2)),
+    ] {
+        let config = config.with_use_distributed_optimizer(true);
+        let loop_run = train(&config);
+        let got = train_with_learner(&config);
+        let losses = got.values("Loss", true);
+        assert_eq!(losses, loop_run.losses(), "{what}: losses against the loop");
+        let norms: Vec<f64> = loop_run.iterations.iter().map(|r| r.grad_norm).collect();
+        assert_eq!(
+            got.values("Grad norm", true),
+            norms,
+            "{what}: gradient norms"
+        );
+        let valid = got.values("Loss", false);
+        let last = loop_run.evaluations.last().unwrap().loss;
+        assert_eq!(valid, [last], "{what}: validation loss");
+        assert_close(what, &losses, &want.0, tolerance::F32_TRAINING);
+        let tokens = got.values("Tokens/s", true);
+        assert_eq!(
+            tokens.len(),
+            config.train_iters,
+            "{what}: one throughput per step"
+        );
+        assert!(
+            tokens[1..].iter().all(|t| t.is_finite() && *t > 0.0),
+            "{what}: {tokens:?}"
+        );
+    }
+}
+
+/// A run that checkpoints every 2 steps, interrupted after step 2 (its step-4 checkpoint
+/// removed), resumes with the uninterrupted run's losses for steps 3 and 4 (model, sharded
+/// optimizer state, learning rate, data and dropout masks continue), at TP = 2 × DP = 2 with
+/// dropout on; `pretrain`'s own loop resumes from the same checkpoint with the same losses.
+#[test]
+fn learner_checkpoints_resume_with_the_uninterrupted_losses() {
+    let config = tiny_run(2, 1)
+        .with_data_parallel_size(2)
+        .with_use_distributed_optimizer(true)
+        .with_hidden_dropout(0.1);
+    let whole = train_with_learner(&config).values("Loss", true);
+    let root = scratch("learner-resume");
+    let saving = config
+        .clone()
+        .with_save(Some(root.clone()))
+        .with_save_interval(Some(2));
+    let saved = train_with_learner(&saving).values("Loss", true);
+    assert_eq!(saved, whole, "saving checkpoints changes nothing");
+    let interrupt = || {
+        assert!(root.join("iter_0000002/metadata.json").exists());
+        std::fs::remove_dir_all(root.join("iter_0000004")).unwrap();
+    };
+    interrupt();
+    let resuming = saving.with_load(Some(root.clone()));
+    let resumed = train_with_learner(&resuming).values("Loss", true);
+    assert_eq!(resumed, whole[2..], "the resumed steps");
+    interrupt();
+    let by_the_loop = train(&resuming).losses();
+    assert_eq!(
+        by_the_loop,
+        whole[2..],
+        "pretrain's loop resuming from the Learner's checkpoint"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
