@@ -4,6 +4,7 @@
 //!     cargo run --example pretrain_gpt                      # the embedded default run
 //!     cargo run --example pretrain_gpt -- --help            # every option
 //!     cargo run --example pretrain_gpt -- --config run.toml --train-iters 500
+//!     cargo run --example pretrain_gpt -- --learner         # through burn-train's Learner
 //!
 //! With no launch variables it runs every rank as a thread of this process on the CPU
 //! (TP × PP ranks). Started one process per rank (`bm-launch`, or torchrun's or SLURM's
@@ -17,10 +18,11 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use burn_megatron::training::learner::{LearnerReporting, pretrain_with_learner};
 use burn_megatron::training::{
     ConsoleProgress, PretrainArgs, PretrainConfig, PretrainData, pretrain, pretrain_on_threads,
 };
-use burn_megatron_dist::{LaunchConfig, ProcessEnv, run_rank};
+use burn_megatron_dist::{LaunchConfig, ProcessEnv, launch, run_rank};
 use clap::Parser;
 
 /// Where the default run saves its checkpoints (under the git-ignored `target/`).
@@ -42,6 +44,8 @@ fn main() -> ExitCode {
     let result = if std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some()
     {
         process_rank(&config)
+    } else if config.learner {
+        learner_on_threads(&config)
     } else {
         pretrain_on_threads(&config, &ConsoleProgress::new(config.log_interval as u64))
             .map(|_| ())
@@ -78,8 +82,42 @@ fn process_rank(config: &PretrainConfig) -> Result<(), String> {
     let data = PretrainData::build(config).map_err(|e| e.to_string())?;
     let progress = ConsoleProgress::new(config.log_interval as u64);
     let launch = LaunchConfig::new(env.world_size).with_timeout(Duration::from_secs(600));
+    let reporting = reporting();
     run_rank(&env, launch, |ctx| {
-        pretrain::<Training>(&ctx, config, &data, &device(env.local_rank), &progress)
+        let device = device(env.local_rank);
+        if config.learner {
+            pretrain_with_learner::<Training>(&ctx, config, &data, &device, &reporting)
+        } else {
+            pretrain::<Training>(&ctx, config, &data, &device, &progress).map(|_| ())
+        }
+    })
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+/// burn-train's directory for a `--learner` run: its metric files and experiment log.
+fn reporting() -> LearnerReporting {
+    LearnerReporting {
+        directory: "target/pretrain_gpt_learner".into(),
+        ..Default::default()
+    }
+}
+
+/// `--learner` on CPU thread ranks: one `SupervisedTraining` per rank, rank 0's dashboard.
+fn learner_on_threads(config: &PretrainConfig) -> Result<(), String> {
+    let world = config.world_size();
+    config.check(world).map_err(|e| e.to_string())?;
+    let data = PretrainData::build(config).map_err(|e| e.to_string())?;
+    let reporting = reporting();
+    let launch_config = LaunchConfig::new(world).with_timeout(Duration::from_secs(300));
+    launch(launch_config, |ctx| {
+        pretrain_with_learner::<burn_megatron::training::CpuTraining>(
+            &ctx,
+            config,
+            &data,
+            &Default::default(),
+            &reporting,
+        )
     })
     .map(|_| ())
     .map_err(|e| e.to_string())

@@ -165,8 +165,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let optimizer = DistributedAdamWConfig::new()
         .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(true))
         .with_clip_grad(Some(1.0));
-    // One initial model for every rank, as a checkpoint would give it.
+    // One initial model for every rank. Burn initialises parameters lazily, and each clone of
+    // an uninitialised module on its own: materialise the values once, before cloning.
     let initial = TinyLm::<Train>::new(&device);
+    let initial = initial.clone().load_record(initial.into_record());
 
     let recorder = MetricRecorder::new();
     let dir = std::env::temp_dir().join(format!("wrap_burn_model-{}", std::process::id()));
@@ -241,7 +243,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "largest relative difference {worst:.2e}: {}",
         if equal { "equal" } else { "NOT equal" }
     );
-    if !equal || !(plain_losses.last() < plain_losses.first()) {
+    let learned = plain_losses.last() < plain_losses.first();
+    if !equal || !learned {
         return Err(
             "the Learner's losses differ from the plain loop's, or the loss did not fall".into(),
         );

@@ -51,7 +51,7 @@ use burn::config::Config;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
 
@@ -114,6 +114,7 @@ impl DistributedAdamWConfig {
             0..layout.numel()
         };
         let full = buffer.take_main_params();
+        check_same_parameters(&full, state.dp())?;
         let device = full.device();
         let master = if range.len() == layout.numel() {
             full
@@ -153,6 +154,41 @@ impl DistributedAdamWConfig {
             overlap: None,
         })
     }
+}
+
+/// Refuses replicas that start from different parameters, which would train silently
+/// wrong: the ranks' sums of `params` and of their squares must agree bit for bit over `dp`.
+/// One small all-reduce pair and one host read, at initialisation only.
+fn check_same_parameters<B: ModelBackend>(
+    params: &Tensor<B, 1>,
+    dp: &ProcessGroup,
+) -> crate::Result<()> {
+    if dp.size() == 1 {
+        return Ok(());
+    }
+    let sums = Tensor::cat(
+        vec![
+            params.clone().sum(),
+            (params.clone() * params.clone()).sum(),
+        ],
+        0,
+    );
+    let highest = dp.all_reduce(sums.clone(), ReduceOp::Max)?;
+    let lowest = dp.all_reduce(sums, ReduceOp::Min)?;
+    let spread: f64 = (highest - lowest).abs().max().into_scalar().elem();
+    if spread == 0.0 {
+        return Ok(());
+    }
+    Err(crate::ConfigError::Invalid(format!(
+        "data-parallel rank {} of {} starts from other parameters than its replicas (their sums \
+         differ by {spread:e}): build every rank's model from the same seed or checkpoint. Burn \
+         initialises parameters lazily and each clone of an uninitialised module on its own, \
+         so materialise a module (e.g. `m.clone().load_record(m.into_record())`) before \
+         cloning it for several ranks",
+        dp.rank(),
+        dp.size()
+    ))
+    .into())
 }
 
 /// Bytes one rank holds for training, by role (see the [module docs](self)).

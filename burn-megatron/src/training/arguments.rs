@@ -151,6 +151,10 @@ pub struct PretrainArgs {
     /// [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Checkpoints")]
     pub async_save: Option<bool>,
+    /// Train through burn-train's Learner (its dashboard and metric files, our metrics), with
+    /// the distributed optimizer's step; checkpoints resume from --save. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
+    pub learner: Option<bool>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -226,6 +230,7 @@ impl PretrainArgs {
             eval_iters => eval_iters,
             seed => seed,
             async_save => async_save,
+            learner => learner,
             data_path => data_path,
             split => split,
         );
@@ -279,6 +284,7 @@ impl PretrainArgs {
             save_interval,
             load,
             async_save,
+            learner,
             data_path,
             split,
         )

@@ -141,6 +141,11 @@ pub struct PretrainConfig {
     /// the host copies; it is published at the next save or at the end of the run.
     #[config(default = false)]
     pub async_save: bool,
+    /// Train through burn-train's `Learner` (`--learner`,
+    /// [`pretrain_with_learner`](crate::training::learner::pretrain_with_learner)) instead of
+    /// [`pretrain`](crate::training::pretrain)'s own loop.
+    #[config(default = false)]
+    pub learner: bool,
     /// Datasets (`--data-path`): indexed-dataset prefixes, optionally as `weight prefix`
     /// pairs for a blend. Empty for the generated default corpus.
     #[config(default = "Vec::new()")]

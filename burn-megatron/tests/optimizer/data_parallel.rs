@@ -434,6 +434,38 @@ fn each_rank_holds_megatrons_bytes_per_parameter() {
     }
 }
 
+/// Replicas built from different seeds are refused at initialisation, on every rank, with and
+/// without the distributed optimizer; replicas of one seed are not.
+#[test]
+fn replicas_with_other_parameters_are_refused() {
+    for zero in [false, true] {
+        let results = run(2, |ctx| {
+            let state = ctx.parallel_state(ParallelSizes::default())?;
+            let config = tiny_gpt().with_seed(7 + state.dp().rank() as u64);
+            let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+            let optim = DistributedAdamWConfig::new()
+                .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(zero))
+                .init::<AD, _>(&model, &state, &[]);
+            Ok(optim.err().map(|e| e.to_string()))
+        });
+        for message in results {
+            let message = message.unwrap_or_else(|| panic!("zero {zero}: accepted"));
+            assert!(
+                message.contains("starts from other parameters"),
+                "{message}"
+            );
+        }
+        run(2, |ctx| {
+            let state = ctx.parallel_state(ParallelSizes::default())?;
+            let model = tiny_gpt().init_gpt::<AD>(state.tp(), &Default::default())?;
+            DistributedAdamWConfig::new()
+                .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(zero))
+                .init::<AD, _>(&model, &state, &[])?;
+            Ok(())
+        });
+    }
+}
+
 #[test]
 fn reduce_scatter_buckets_cover_each_shard() {
     assert_eq!(shard_columns(10, 2, 8), vec![0..4, 4..8, 8..10]);

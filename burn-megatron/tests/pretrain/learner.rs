@@ -61,7 +61,7 @@ fn learner_training_equals_the_pretrain_loop_and_one_rank() {
         let last = loop_run.evaluations.last().unwrap().loss;
         assert_eq!(valid, [last], "{what}: validation loss");
         assert_close(what, &losses, &want.0, tolerance::F32_TRAINING);
-        let tokens = got.values("Tokens/s", true);
+        let tokens = got.values("Tokens per second", true);
         assert_eq!(
             tokens.len(),
             config.train_iters,

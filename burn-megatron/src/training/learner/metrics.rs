@@ -38,6 +38,8 @@ impl Stat {
     }
 }
 
+/// Metric names are file names in burn-train's metric logs, so they hold no `/`.
+///
 /// A numeric metric of a language model's steps (burn-train `Metric` + `Numeric`); build one
 /// with [`tokens_per_second`](Self::tokens_per_second), [`tflops_per_device`](Self::tflops_per_device),
 /// [`mfu`](Self::mfu), [`grad_norm`](Self::grad_norm) or [`perplexity`](Self::perplexity).
@@ -63,12 +65,16 @@ impl LanguageModelMetric {
 
     /// Tokens per second over the whole world.
     pub fn tokens_per_second() -> Self {
-        Self::new("Tokens/s", Stat::TokensPerSecond, Some("tok/s"))
+        Self::new("Tokens per second", Stat::TokensPerSecond, Some("tok/s"))
     }
 
     /// Model TFLOP/s per device (Megatron's FLOPs count over the step's wall time).
     pub fn tflops_per_device() -> Self {
-        Self::new("TFLOP/s per device", Stat::TflopsPerDevice, Some("TFLOP/s"))
+        Self::new(
+            "Model TFLOPS per device",
+            Stat::TflopsPerDevice,
+            Some("TFLOP/s"),
+        )
     }
 
     /// Model FLOPs utilisation: TFLOP/s per device over `peak_flops_per_device` (FLOP/s), in

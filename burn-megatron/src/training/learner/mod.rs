@@ -13,6 +13,7 @@
 //!   step-interval sharded checkpoints and resume.
 //! - [`pretrain_with_learner`]: `pretrain_gpt --learner`, a [`PretrainConfig`](crate::training::PretrainConfig)
 //!   run through burn-train.
+//! - [`LogRenderer`]: metric values as log lines, where burn-train's dashboard has no terminal.
 //! - [`MetricRecorder`]: metric values kept readable after the run (tests, examples).
 //! - [`GptStepLoader`]: Megatron's per-rank microbatches as a Burn data loader;
 //!   [`DataParallelShard`]: any Burn loader cut among DP ranks.
@@ -21,6 +22,7 @@
 //! parallelism and the distributed optimizer (book: "Pretraining", the Learner section).
 
 mod loader;
+mod log_renderer;
 mod metrics;
 mod optimizer;
 mod output;
@@ -31,6 +33,7 @@ mod recorder;
 mod strategy;
 
 pub use loader::{DataParallelShard, GptStepLoader, StepShape};
+pub use log_renderer::LogRenderer;
 pub use metrics::{H100_BF16_PEAK_FLOPS, LanguageModelMetric};
 pub use optimizer::MegatronOptimizer;
 pub use output::{LanguageModelOutput, LanguageModelStats};

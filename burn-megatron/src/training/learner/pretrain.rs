@@ -1,6 +1,7 @@
 //! `pretrain_gpt --learner`: the run of a [`PretrainConfig`] through burn-train, one
 //! `SupervisedTraining` per rank, with burn-train's dashboard and our metrics.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -11,8 +12,8 @@ use burn::train::{Learner, SupervisedTraining};
 use burn_megatron_dist::{DistBackend, ParallelSizes, RankContext};
 
 use super::{
-    GptStepLoader, H100_BF16_PEAK_FLOPS, LanguageModelMetric, MegatronOptimizer, MegatronStrategy,
-    MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
+    GptStepLoader, H100_BF16_PEAK_FLOPS, LanguageModelMetric, LogRenderer, MegatronOptimizer,
+    MegatronStrategy, MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
 };
 use crate::backend::ModelBackend;
 use crate::checkpointing::Checkpointer;
@@ -33,7 +34,8 @@ pub struct LearnerReporting {
     pub peak_flops_per_device: Option<f64>,
 }
 
-/// Runs `config` as this rank of `ctx` through burn-train's `Learner`: the rank's
+/// Runs `config` as this rank of `ctx` through burn-train's `Learner` (its dashboard on a
+/// terminal, a [`LogRenderer`] otherwise): the rank's
 /// [`ParallelGpt`] chunk, the distributed optimizer (`--use-distributed-optimizer` shards
 /// its state), Megatron's learning-rate schedule, the training split read as `pretrain`
 /// reads it, and at the end the validation split's batches of `pretrain`'s last evaluation.
@@ -141,6 +143,8 @@ where
         training = training
             .renderer(QuietRenderer)
             .with_application_logger(None);
+    } else if !std::io::stdout().is_terminal() {
+        training = training.renderer(LogRenderer::new(config.log_interval));
     }
     training
         .with_megatron(strategy)
