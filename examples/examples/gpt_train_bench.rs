@@ -221,7 +221,8 @@ struct StepTimes {
     /// From the optimizer's return to the end of the device sync (reading the loss included).
     wait: Duration,
     loss: f32,
-    /// Largest bytes in use in the memory pool at the end of forward or backward.
+    /// Largest bytes in use in the memory pool at the end of forward, backward or the
+    /// optimizer step.
     in_use: u64,
     /// Bytes the pool holds from the driver at the end of backward.
     reserved: u64,
@@ -459,6 +460,8 @@ fn train_step(
     profile::phase(device, "optimizer");
     let model = optim.step(lr, model, grads)?;
     times.optimizer = optimizer.elapsed();
+    // The optimizer's own buffers (the step's fp32 gradients) count too.
+    times.in_use = times.in_use.max(memory(device).0);
     let wait = Instant::now();
     times.loss = loss
         .into_data()
@@ -691,7 +694,7 @@ fn report(
         of(|s| s.wait),
     );
     println!(
-        "  memory pool: {:.2} GiB in use at most (sampled at the end of forward and backward), \
+        "  memory pool: {:.2} GiB in use at most (sampled at the end of forward, backward and the optimizer step), \
          {:.2} GiB reserved from the driver",
         gib(in_use),
         gib(reserved)

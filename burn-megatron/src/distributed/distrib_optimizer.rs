@@ -196,7 +196,8 @@ fn check_same_parameters<B: ModelBackend>(
 pub struct OptimizerMemory {
     /// The model's parameters (its dtype), counted from the module.
     pub params: usize,
-    /// The flat fp32 gradient buffer.
+    /// The flat fp32 gradient buffer (allocated for the optimizer step only, so not held
+    /// during the forward and backward passes).
     pub grads: usize,
     /// The fp32 master weights of the rank's range.
     pub main_params: usize,
@@ -445,10 +446,12 @@ where
             Some(overlap) => overlap.finish(&model, grads)?,
             None => {
                 self.buffer.gather_grads(&model, grads)?;
+                let full = self.buffer.grads();
+                self.buffer.release_grads();
                 if sharded {
-                    reduce_scatter_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+                    reduce_scatter_grads(full, &self.layout, &self.dp, bucket)?
                 } else {
-                    all_reduce_grads(self.buffer.grads(), &self.layout, &self.dp, bucket)?
+                    all_reduce_grads(full, &self.layout, &self.dp, bucket)?
                 }
             }
         };
@@ -551,7 +554,7 @@ where
             && self.buffer.model_dtype() == DType::F32;
         OptimizerMemory {
             params: params.0,
-            grads: bytes(&self.buffer.grads()),
+            grads: 4 * self.layout.numel(),
             main_params: if views { 0 } else { bytes(&self.master) },
             exp_avg: bytes(&self.exp_avg),
             exp_avg_sq: bytes(&self.exp_avg_sq),

@@ -28,7 +28,10 @@
 //!   parameters are views of it);
 //! - `grads`: `[numel]` f32, filled from a step's gradients by [`ParamAndGradBuffer::gather_grads`]
 //!   (one cast-and-copy kernel per parameter on CubeCL backends, a cast and a `slice_assign`
-//!   elsewhere). With the data-parallel overlap hook ([`overlap`](super::overlap)) the
+//!   elsewhere). It lives for the optimizer step only: allocated (zeroed) by `gather_grads`
+//!   after the backward pass and released by the step, so it never adds to the memory peak
+//!   of the forward and backward passes, when the activations are held (at 1.3B parameters,
+//!   5.2 GB less at the peak for one zero fill a step). With the data-parallel overlap hook ([`overlap`](super::overlap)) the
 //!   gradients go into f32 reduction units during the backward pass instead, accumulating over
 //!   microbatches as Megatron's `main_grad` do.
 
@@ -272,7 +275,7 @@ impl<B: Backend> ParamAndGradBuffer<B> {
             )
             .into());
         };
-        let grads = main_params.zeros_like();
+        let grads = Tensor::empty([0], (&main_params.device(), DType::F32));
         let model_dtype = copy.dtypes.first().copied().unwrap_or(DType::F32);
         if let Some(other) = copy.dtypes.iter().find(|d| **d != model_dtype) {
             return Err(ConfigError::Invalid(format!(
@@ -310,9 +313,17 @@ impl<B: Backend> ParamAndGradBuffer<B> {
         self.main_params.clone()
     }
 
-    /// The fp32 gradients of the last [`gather_grads`](Self::gather_grads), `[numel]`.
+    /// The fp32 gradients of the last [`gather_grads`](Self::gather_grads), `[numel]`, until
+    /// [`release_grads`](Self::release_grads) (empty before and after).
     pub fn grads(&self) -> Tensor<B, 1> {
         self.grads.clone()
+    }
+
+    /// Frees the gradient buffer (the optimizer step is done with it); the next
+    /// [`gather_grads`](Self::gather_grads) allocates it again.
+    pub fn release_grads(&mut self) {
+        let device = self.grads.device();
+        self.grads = Tensor::empty([0], (&device, DType::F32));
     }
 
     /// Moves the master weights out (an empty tensor left behind), so that the optimizer can
@@ -343,8 +354,12 @@ impl<B: Backend> ParamAndGradBuffer<B> {
     {
         let pieces = collect_grads::<BA, M>(&self.layout, module, grads, &[])?;
         // Written in place when the buffer is not shared; padding keeps its zeros.
-        let mut buffer = self.grads.clone();
-        self.grads = Tensor::empty([0], (&buffer.device(), DType::F32));
+        let device = self.main_params.device();
+        let mut buffer =
+            std::mem::replace(&mut self.grads, Tensor::empty([0], (&device, DType::F32)));
+        if buffer.dims()[0] != self.layout.numel() {
+            buffer = Tensor::zeros([self.layout.numel()], (&device, DType::F32));
+        }
         for (id, grad) in pieces {
             let start = self
                 .layout

@@ -241,6 +241,7 @@ where
             self.exp_avg = out.exp_avg;
             self.exp_avg_sq = out.exp_avg_sq;
             self.buffer.set_main_params(out.master.clone());
+            self.buffer.release_grads();
             out.model.unwrap_or(out.master)
         };
         self.step = match found_inf {

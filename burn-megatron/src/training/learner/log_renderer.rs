@@ -96,11 +96,11 @@ impl MetricsRendererTraining for LogRenderer {
         if let Some(progress) = item.progress
             && progress.items_processed == progress.items_total
         {
-            println!(
-                " validation ({} steps) | {}",
-                progress.items_total,
-                self.line(&self.valid)
-            );
+            let at = item
+                .iteration
+                .map(|i| format!(" at iteration {i}"))
+                .unwrap_or_default();
+            println!(" validation{at} | {}", self.line(&self.valid));
         }
     }
 

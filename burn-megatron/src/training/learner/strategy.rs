@@ -15,7 +15,9 @@
 //!    only: metrics, the renderer and the metric files are rank 0's.
 //!
 //! At the end of each epoch every rank runs the validation loader through the model's
-//! `InferenceStep`. With [`with_checkpoints`](MegatronStrategy::with_checkpoints) the model
+//! `InferenceStep`, and the logging rank reports one validation item: the mean loss over
+//! the validation batches and the DP ranks (Megatron's evaluation), so burn-train's
+//! validation metrics (loss, perplexity) are the evaluation's. With [`with_checkpoints`](MegatronStrategy::with_checkpoints) the model
 //! and the optimizer's sharded state are saved every `interval` steps into our sharded
 //! checkpoints, and a run that finds one resumes from it (same data order, same losses).
 //!
@@ -253,25 +255,38 @@ where
             processor.process_train(LearnerEvent::EndEpoch(epoch));
 
             let model = learner.model().valid();
-            let mut batches = valid.iter();
-            let mut step = 0;
-            while let Some(batch) = batches.next() {
-                step += 1;
-                let mut item = model.step(batch);
+            let mut evaluation: Option<(LanguageModelOutput<B::InnerBackend>, usize)> = None;
+            for batch in valid.iter() {
+                let item = model.step(batch);
+                evaluation = Some(match evaluation {
+                    None => (item, 1),
+                    Some((sum, n)) => (
+                        LanguageModelOutput {
+                            loss: sum.loss + item.loss,
+                            tokens: sum.tokens + item.tokens,
+                            ..sum
+                        },
+                        n + 1,
+                    ),
+                });
+            }
+            if let Some((mut item, batches)) = evaluation {
+                // The mean over the validation batches, and over DP ranks.
+                let loss = item.loss.div_scalar(batches as f64);
                 item.loss = or_panic(
                     state,
                     "averaging the validation loss over data-parallel ranks",
                     state
                         .dp()
-                        .all_reduce(item.loss, ReduceOp::Avg)
+                        .all_reduce(loss, ReduceOp::Avg)
                         .map_err(Into::into),
                 );
                 if logging {
                     processor.process_valid(LearnerEvent::ProcessedItem(TrainingItem::new(
                         item,
-                        batches.progress(),
+                        Progress::new(1, 1),
                         epoch_progress.clone(),
-                        Some(step),
+                        Some(iteration),
                         None,
                     )));
                 }
