@@ -155,6 +155,10 @@ pub struct PretrainArgs {
     /// the distributed optimizer's step; checkpoints resume from --save. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
     pub learner: Option<bool>,
+    /// bf16 parameters and activations, with fp32 master weights, gradients and AdamW state
+    /// (Megatron's --bf16); needs the CUDA build. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
+    pub bf16: Option<bool>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -231,6 +235,7 @@ impl PretrainArgs {
             seed => seed,
             async_save => async_save,
             learner => learner,
+            bf16 => bf16,
             data_path => data_path,
             split => split,
         );
@@ -285,6 +290,7 @@ impl PretrainArgs {
             load,
             async_save,
             learner,
+            bf16,
             data_path,
             split,
         )

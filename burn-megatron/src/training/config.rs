@@ -146,6 +146,12 @@ pub struct PretrainConfig {
     /// [`pretrain`](crate::training::pretrain)'s own loop.
     #[config(default = false)]
     pub learner: bool,
+    /// bf16 parameters and activations with fp32 master weights, gradients and AdamW state
+    /// (`--bf16`, Megatron's mixed precision): the step is the flat-buffer
+    /// [`DistributedAdamW`](crate::distributed::DistributedAdamW)'s. The launcher sets the
+    /// device's default float dtype to bf16 before the model is built.
+    #[config(default = false)]
+    pub bf16: bool,
     /// Datasets (`--data-path`): indexed-dataset prefixes, optionally as `weight prefix`
     /// pairs for a blend. Empty for the generated default corpus.
     #[config(default = "Vec::new()")]

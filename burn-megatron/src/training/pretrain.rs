@@ -4,7 +4,7 @@
 //! global gradient norm, step AdamW in its two weight-decay groups at the schedule's learning
 //! rate, and evaluate and save at their intervals.
 //!
-//! With data parallelism (DP > 1) or `--use-distributed-optimizer`, the step is
+//! With data parallelism (DP > 1), `--use-distributed-optimizer` or `--bf16`, the step is
 //! [`DistributedAdamW`]'s instead: each DP rank reads its own microbatches of the global batch,
 //! and after the schedule's backward passes the gradients are averaged over DP in the flat
 //! buffer, clipped by the global norm and stepped (the optimizer state sharded over DP with
@@ -75,7 +75,7 @@ struct RankModel<B: AutodiffBackend + ModelBackend> {
     groups: ParamGroups,
     decay: Adam<B>,
     no_decay: Adam<B>,
-    /// With DP > 1 or the distributed optimizer: the flat-buffer AdamW that reduces over DP
+    /// With DP > 1, the distributed optimizer or bf16: the flat-buffer AdamW that reduces over DP
     /// (`decay` and `no_decay` then stay unused).
     distributed: Option<DistributedAdamW<B>>,
 }
@@ -167,7 +167,7 @@ where
         no_decay: adamw.with_weight_decay(0.0).init(),
         distributed: None,
     };
-    if *dp > 1 || config.use_distributed_optimizer {
+    if *dp > 1 || config.use_distributed_optimizer || config.bf16 {
         let optim =
             config
                 .distributed_adamw()
