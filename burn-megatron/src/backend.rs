@@ -45,6 +45,13 @@ pub trait BackwardHook: Send + Sync + std::fmt::Debug {
 /// autodiff (`Autodiff<B>` records backwards that fold transposes into GEMMs, recompute
 /// instead of storing, or are exact where Burn's are not: GeLU, SwiGLU).
 pub trait ModelBackend: DistBackend {
+    /// Bytes of device memory this process's tensors on `device` use now (the memory pool's
+    /// live allocations, in queue order: no wait for the device), for the training log;
+    /// `None` where the backend does not track it (the CPU).
+    fn memory_in_use(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// `op(a) · op(b)`, where `op` transposes when asked; backends with a GEMM library fold
     /// the transposes into it.
     fn gemm(
@@ -1468,6 +1475,14 @@ mod cuda {
     {
         cube::fused_operations!();
 
+        fn memory_in_use(device: &Self::Device) -> Option<u64> {
+            use burn_cubecl::cubecl::Runtime;
+            MegatronCudaRuntime::client(device)
+                .memory_usage()
+                .ok()
+                .map(|usage| usage.bytes_in_use)
+        }
+
         fn flash_attention(
             q: Tensor<Self, 4>,
             k: Tensor<Self, 4>,
@@ -1644,6 +1659,10 @@ mod wgpu {
 }
 
 impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
+    fn memory_in_use(device: &Self::Device) -> Option<u64> {
+        B::memory_in_use(device)
+    }
+
     fn linear(
         x: Tensor<Self, 2>,
         w: Tensor<Self, 2>,

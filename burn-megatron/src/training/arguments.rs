@@ -134,6 +134,10 @@ pub struct PretrainArgs {
     /// Seed of the initialisation, dropout and data shuffles. [default: 1234]
     #[arg(long, help_heading = "Training")]
     pub seed: Option<u64>,
+    /// Peak dense TFLOP/s of one device, for the logged MFU (an H100's bf16 peak by
+    /// default; 494.7 for its TF32 one). [default: 989.4]
+    #[arg(long, help_heading = "Training")]
+    pub peak_tflops: Option<f64>,
 
     /// Directory to save sharded checkpoints in. [default: target/pretrain_gpt]
     #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
@@ -233,6 +237,7 @@ impl PretrainArgs {
             eval_interval => eval_interval,
             eval_iters => eval_iters,
             seed => seed,
+            peak_tflops => peak_tflops,
             async_save => async_save,
             learner => learner,
             bf16 => bf16,
@@ -285,6 +290,7 @@ impl PretrainArgs {
             eval_interval,
             eval_iters,
             seed,
+            peak_tflops,
             save,
             save_interval,
             load,

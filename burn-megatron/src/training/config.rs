@@ -165,6 +165,10 @@ pub struct PretrainConfig {
     /// Seed of the initialisation, dropout and data shuffles (`--seed`).
     #[config(default = 1234)]
     pub seed: u64,
+    /// Peak dense TFLOP/s of one device, the denominator of the logged MFU
+    /// (`--peak-tflops`; 989.4 is an H100/H200 SXM's bf16 peak, 494.7 its TF32 one).
+    #[config(default = 989.4)]
+    pub peak_tflops: f64,
 }
 
 /// The facts every rank derives from a checked [`PretrainConfig`].

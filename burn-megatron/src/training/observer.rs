@@ -49,9 +49,22 @@ pub struct IterationReport {
     /// Model FLOPs per second of this step over all ranks (Megatron's count, see
     /// [`TransformerConfig::training_flops`](crate::transformer::TransformerConfig::training_flops)).
     pub flops_per_second: f64,
+    /// Ranks (devices) the step ran on.
+    pub devices: usize,
+    /// Model FLOPs utilisation of this step: FLOP/s per device over the configured peak
+    /// (`--peak-tflops`), as a fraction.
+    pub mfu: f64,
+    /// Device memory in use at the end of the step, the largest over all ranks, in bytes;
+    /// on logged iterations of backends that track it (GPUs), `None` otherwise.
+    pub max_memory_bytes: Option<f64>,
 }
 
 impl IterationReport {
+    /// Model FLOP/s per device.
+    pub fn flops_per_device(&self) -> f64 {
+        self.flops_per_second / self.devices.max(1) as f64
+    }
+
     /// Tokens per second of this step.
     pub fn tokens_per_second(&self) -> f64 {
         self.tokens as f64 / self.seconds.max(f64::MIN_POSITIVE)

@@ -264,10 +264,27 @@ where
             rank.chunk = rank.no_decay.step(lr, chunk, no_decay);
             norm
         };
-        let [loss, grad_norm] = read_scalars([loss, norm]);
+        let logged = (iteration + 1).is_multiple_of(config.log_interval as u64)
+            || iteration + 1 == config.train_iters as u64;
+        let memory = match B::memory_in_use(device) {
+            Some(bytes) if logged => Some(largest_over_ranks(&state, bytes, device)?),
+            _ => None,
+        };
+        let (loss, grad_norm, max_memory_bytes) = match memory {
+            Some(memory) => {
+                let [loss, norm, memory] = read_scalars([loss, norm, memory]);
+                (loss, norm, Some(memory * MIB))
+            }
+            None => {
+                let [loss, norm] = read_scalars([loss, norm]);
+                (loss, norm, None)
+            }
+        };
         iteration += 1;
         consumed += config.global_batch_size as u64;
         let seconds = started.elapsed().as_secs_f64();
+        let flops_per_second = flops_per_step / seconds.max(f64::MIN_POSITIVE);
+        let devices = state.world().size();
         let report = IterationReport {
             iteration,
             loss,
@@ -276,7 +293,10 @@ where
             consumed_samples: consumed,
             tokens: tokens_per_step,
             seconds,
-            flops_per_second: flops_per_step / seconds.max(f64::MIN_POSITIVE),
+            flops_per_second,
+            devices,
+            mfu: flops_per_second / devices as f64 / (config.peak_tflops * 1e12),
+            max_memory_bytes,
         };
         summary.iterations.push(report);
         if logging
@@ -368,6 +388,20 @@ fn shared_loss<B: DistBackend>(
 ) -> Result<Tensor<B, 1>> {
     let loss = super::learner::loss_on_every_stage(state, loss, device)?;
     Ok(state.dp().all_reduce(loss, ReduceOp::Avg)?)
+}
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// The largest of every rank's `bytes`, in MiB (`[1]` f32, exact to the MiB below 16 TiB),
+/// on the device, for reading with the step's loss.
+fn largest_over_ranks<B: DistBackend>(
+    state: &ParallelState,
+    bytes: u64,
+    device: &B::Device,
+) -> Result<Tensor<B, 1>> {
+    let mib = burn::tensor::TensorData::new(vec![(bytes as f64 / MIB).ceil() as f32], [1]);
+    let mib = Tensor::<B, 1>::from_data(mib, (device, DType::F32));
+    Ok(state.world().all_reduce(mib, ReduceOp::Max)?)
 }
 
 /// `[1]` f32 tensors read in one host transfer.

@@ -92,7 +92,7 @@ impl TrainingObserver for ConsoleProgress {
                 &mut state,
                 &format!(
                     " iteration {:>6}/{:<6} | consumed samples {:>8} | lr {:.3e} | loss {:.4} | \
-                     grad norm {:.3} | {:.0} tokens/s | {:.3} GFLOP/s",
+                     grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}",
                     r.iteration,
                     total,
                     r.consumed_samples,
@@ -100,7 +100,14 @@ impl TrainingObserver for ConsoleProgress {
                     r.loss,
                     r.grad_norm,
                     r.tokens_per_second(),
-                    r.flops_per_second / 1e9
+                    r.flops_per_device() / 1e12,
+                    100.0 * r.mfu,
+                    r.max_memory_bytes
+                        .map(|b| format!(
+                            " | memory {:.2} GiB (largest rank)",
+                            b / (1u64 << 30) as f64
+                        ))
+                        .unwrap_or_default()
                 ),
             );
         }

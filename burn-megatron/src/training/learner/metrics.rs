@@ -1,5 +1,6 @@
 //! The metrics Megatron logs and burn-train lacks: tokens/s, TFLOP/s per device and MFU, the
-//! global gradient norm, and perplexity, read from a step's [`LanguageModelStats`].
+//! global gradient norm, perplexity and the largest rank's memory, read from a step's
+//! [`LanguageModelStats`].
 //!
 //! Throughput is the step's tokens (or FLOPs) over the wall time since the previous step's
 //! update; the first step after a [`clear`](Metric::clear) has no previous one and is given
@@ -27,6 +28,7 @@ enum Stat {
     Mfu { peak_flops_per_device: f64 },
     GradNorm,
     Perplexity,
+    MemoryGib,
 }
 
 impl Stat {
@@ -42,7 +44,8 @@ impl Stat {
 ///
 /// A numeric metric of a language model's steps (burn-train `Metric` + `Numeric`); build one
 /// with [`tokens_per_second`](Self::tokens_per_second), [`tflops_per_device`](Self::tflops_per_device),
-/// [`mfu`](Self::mfu), [`grad_norm`](Self::grad_norm) or [`perplexity`](Self::perplexity).
+/// [`mfu`](Self::mfu), [`grad_norm`](Self::grad_norm), [`perplexity`](Self::perplexity) or
+/// [`memory`](Self::memory).
 #[derive(Clone)]
 pub struct LanguageModelMetric {
     name: MetricName,
@@ -94,6 +97,12 @@ impl LanguageModelMetric {
         Self::new("Grad norm", Stat::GradNorm, None)
     }
 
+    /// Device memory in use after the step, the largest over all ranks, in GiB (backends
+    /// that track memory: GPUs).
+    pub fn memory() -> Self {
+        Self::new("Memory of the largest rank", Stat::MemoryGib, Some("GiB"))
+    }
+
     /// `exp(loss)`: perplexity of the step's tokens.
     pub fn perplexity() -> Self {
         Self::new("Perplexity", Stat::Perplexity, None)
@@ -123,6 +132,10 @@ impl LanguageModelMetric {
                 None => (f64::NAN, 0),
             },
             Stat::Perplexity => (stats.loss.exp(), stats.tokens.max(1)),
+            Stat::MemoryGib => match stats.max_memory_bytes {
+                Some(bytes) => (bytes / (1u64 << 30) as f64, 1),
+                None => (f64::NAN, 0),
+            },
         }
     }
 }
@@ -159,7 +172,10 @@ impl Metric for LanguageModelMetric {
     fn attributes(&self) -> MetricAttributes {
         NumericAttributes {
             unit: self.unit.map(str::to_string),
-            higher_is_better: !matches!(self.stat, Stat::GradNorm | Stat::Perplexity),
+            higher_is_better: !matches!(
+                self.stat,
+                Stat::GradNorm | Stat::Perplexity | Stat::MemoryGib
+            ),
         }
         .into()
     }

@@ -26,6 +26,9 @@ pub struct LanguageModelOutput<B: Backend> {
     pub grad_norm: Option<Tensor<B, 1>>,
     /// Devices the step ran on (the world size), for per-device throughput.
     pub devices: usize,
+    /// `[1]`: device memory in use after the step, the largest over all ranks, in MiB; set
+    /// by the strategy on backends that track memory (GPUs).
+    pub max_memory_mib: Option<Tensor<B, 1>>,
 }
 
 impl<B: Backend> LanguageModelOutput<B> {
@@ -37,6 +40,7 @@ impl<B: Backend> LanguageModelOutput<B> {
             flops,
             grad_norm: None,
             devices,
+            max_memory_mib: None,
         }
     }
 }
@@ -54,35 +58,36 @@ pub struct LanguageModelStats {
     pub grad_norm: Option<f64>,
     /// Devices the step ran on.
     pub devices: usize,
+    /// Device memory in use after the step, the largest over all ranks, in bytes.
+    pub max_memory_bytes: Option<f64>,
 }
 
 impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
     type ItemSync = LanguageModelStats;
 
     fn sync(self) -> LanguageModelStats {
+        let optional = [self.grad_norm.clone(), self.max_memory_mib.clone()];
         let mut transaction = Transaction::default().register(self.loss.cast(DType::F32));
-        if let Some(norm) = self.grad_norm.clone() {
-            transaction = transaction.register(norm.cast(DType::F32));
+        for tensor in optional.iter().flatten() {
+            transaction = transaction.register(tensor.clone().cast(DType::F32));
         }
-        let values: Vec<f64> = transaction
-            .execute()
-            .into_iter()
-            .map(|data| {
-                data.convert::<f32>()
-                    .to_vec::<f32>()
-                    .ok()
-                    .and_then(|v| v.first().copied())
-                    .map_or(f64::NAN, f64::from)
-            })
-            .collect();
+        let mut values = transaction.execute().into_iter().map(|data| {
+            data.convert::<f32>()
+                .to_vec::<f32>()
+                .ok()
+                .and_then(|v| v.first().copied())
+                .map_or(f64::NAN, f64::from)
+        });
+        let loss = values.next().unwrap_or(f64::NAN);
+        let [grad_norm, memory_mib] =
+            optional.map(|t| t.map(|_| values.next().unwrap_or(f64::NAN)));
         LanguageModelStats {
-            loss: values.first().copied().unwrap_or(f64::NAN),
+            loss,
             tokens: self.tokens,
             flops: self.flops,
-            grad_norm: self
-                .grad_norm
-                .map(|_| values.get(1).copied().unwrap_or(f64::NAN)),
+            grad_norm,
             devices: self.devices,
+            max_memory_bytes: memory_mib.map(|mib| mib * (1u64 << 20) as f64),
         }
     }
 }

@@ -12,8 +12,8 @@ use burn::train::{Learner, SupervisedTraining};
 use burn_megatron_dist::{DistBackend, ParallelSizes, RankContext};
 
 use super::{
-    GptStepLoader, H100_BF16_PEAK_FLOPS, LanguageModelMetric, LogRenderer, MegatronOptimizer,
-    MegatronStrategy, MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
+    GptStepLoader, LanguageModelMetric, LogRenderer, MegatronOptimizer, MegatronStrategy,
+    MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
 };
 use crate::backend::ModelBackend;
 use crate::checkpointing::Checkpointer;
@@ -30,7 +30,7 @@ pub struct LearnerReporting {
     pub recorder: Option<MetricRecorder>,
     /// No dashboard or console output (tests).
     pub quiet: bool,
-    /// Peak FLOP/s of one device, the MFU denominator.
+    /// Peak FLOP/s of one device, the MFU denominator (`--peak-tflops` when `None`).
     pub peak_flops_per_device: Option<f64>,
 }
 
@@ -125,7 +125,7 @@ where
     }
     let peak = reporting
         .peak_flops_per_device
-        .unwrap_or(H100_BF16_PEAK_FLOPS);
+        .unwrap_or(config.peak_tflops * 1e12);
     let mut training = SupervisedTraining::new(&reporting.directory, Arc::new(train), valid)
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
@@ -136,6 +136,9 @@ where
         .metric_train_numeric(LanguageModelMetric::tflops_per_device())
         .metric_train_numeric(LanguageModelMetric::mfu(peak))
         .num_epochs(1);
+    if <B::InnerBackend as ModelBackend>::memory_in_use(device).is_some() {
+        training = training.metric_train_numeric(LanguageModelMetric::memory());
+    }
     if let Some(recorder) = &reporting.recorder {
         training = training.with_metric_logger(recorder.clone());
     }

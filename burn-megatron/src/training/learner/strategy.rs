@@ -147,6 +147,27 @@ where
     }
 }
 
+/// Device memory in use on this rank now, the largest over the world, in MiB (`[1]` f32 on
+/// the device); `None` where the backend does not track memory.
+fn largest_memory<B>(
+    state: &ParallelState,
+    model: &impl Module<B>,
+) -> Result<Option<burn::tensor::Tensor<B::InnerBackend, 1>>>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: DistBackend + ModelBackend,
+{
+    let Some(device) = model.devices().into_iter().next() else {
+        return Ok(None);
+    };
+    let Some(bytes) = <B::InnerBackend as ModelBackend>::memory_in_use(&device) else {
+        return Ok(None);
+    };
+    let mib = burn::tensor::TensorData::new(vec![(bytes as f64 / (1u64 << 20) as f64) as f32], [1]);
+    let mib = burn::tensor::Tensor::from_data(mib, (&device, burn::tensor::DType::F32));
+    Ok(Some(state.world().all_reduce(mib, ReduceOp::Max)?))
+}
+
 fn or_panic<T>(state: &ParallelState, what: &str, result: Result<T>) -> T {
     result.unwrap_or_else(|e| panic!("rank {}: {what} failed: {e}", state.world().rank()))
 }
@@ -231,6 +252,11 @@ where
                         .map_err(Into::into),
                 );
                 item.grad_norm = self.optim.last_grad_norm();
+                item.max_memory_mib = or_panic(
+                    state,
+                    "gathering the ranks' memory",
+                    largest_memory::<B>(state, &learner.model()),
+                );
                 if logging {
                     processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
                         item,
