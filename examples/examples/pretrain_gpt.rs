@@ -41,22 +41,20 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let result = if std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some()
-    {
-        process_rank(&config)
-    } else if config.bf16 {
-        Err(
-            "--bf16 trains on GPUs: build with --features cuda and start one process per GPU \
-             (bm-launch); the CPU thread ranks train in f32"
-                .to_string(),
-        )
-    } else if config.learner {
-        learner_on_threads(&config)
-    } else {
-        pretrain_on_threads(&config, &ConsoleProgress::new(config.log_interval as u64))
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    };
+    let result =
+        if std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some() {
+            process_rank(&config)
+        } else if config.bf16 || config.fp16 {
+            Err("--bf16 and --fp16 train on GPUs: build with --features cuda and start one process \
+             per GPU (bm-launch); the CPU thread ranks train in f32"
+            .to_string())
+        } else if config.learner {
+            learner_on_threads(&config)
+        } else {
+            pretrain_on_threads(&config, &ConsoleProgress::new(config.log_interval as u64))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -91,8 +89,8 @@ fn process_rank(config: &PretrainConfig) -> Result<(), String> {
     let reporting = reporting();
     run_rank(&env, launch, |ctx| {
         let device = device(env.local_rank);
-        if config.bf16 {
-            bf16_by_default(&device)?;
+        if config.bf16 || config.fp16 {
+            half_precision_by_default(&device, config.fp16)?;
         }
         if config.learner {
             pretrain_with_learner::<Training>(&ctx, config, &data, &device, &reporting)
@@ -104,20 +102,30 @@ fn process_rank(config: &PretrainConfig) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
-/// `--bf16`: every float tensor made on `device` from here on is bf16 (parameters,
-/// activations, masks); the optimizer keeps its own fp32 buffers.
+/// `--bf16` (or `--fp16`): every float tensor made on `device` from here on is bf16 (f16)
+/// (parameters, activations, masks); the optimizer keeps its own fp32 buffers.
 #[cfg(feature = "cuda")]
-fn bf16_by_default(device: &burn_megatron_kernels::cuda::CudaGpu) -> burn_megatron::Result<()> {
+fn half_precision_by_default(
+    device: &burn_megatron_kernels::cuda::CudaGpu,
+    fp16: bool,
+) -> burn_megatron::Result<()> {
     use burn::tensor::{FloatDType, IntDType, set_default_dtypes};
-    set_default_dtypes::<Training>(device, FloatDType::BF16, IntDType::I32).map_err(|e| {
-        burn_megatron::ConfigError::Invalid(format!("--bf16: cannot set the device's dtype: {e}"))
-            .into()
+    let dtype = if fp16 {
+        FloatDType::F16
+    } else {
+        FloatDType::BF16
+    };
+    set_default_dtypes::<Training>(device, dtype, IntDType::I32).map_err(|e| {
+        burn_megatron::ConfigError::Invalid(format!("cannot set the device's dtype: {e}")).into()
     })
 }
 #[cfg(not(feature = "cuda"))]
-fn bf16_by_default(_: &burn::backend::ndarray::NdArrayDevice) -> burn_megatron::Result<()> {
+fn half_precision_by_default(
+    _: &burn::backend::ndarray::NdArrayDevice,
+    _: bool,
+) -> burn_megatron::Result<()> {
     Err(burn_megatron::ConfigError::Invalid(
-        "--bf16 trains on GPUs: build with --features cuda".into(),
+        "--bf16 and --fp16 train on GPUs: build with --features cuda".into(),
     )
     .into())
 }

@@ -77,6 +77,21 @@ impl LossScalerConfig {
         &self,
         device: &B::Device,
     ) -> core::result::Result<DynamicLossScaler<B>, ConfigError> {
+        self.validate()?;
+        let scalar = |v: f64| {
+            Tensor::<B, 1>::from_data(TensorData::new(vec![v as f32], [1]), (device, DType::F32))
+        };
+        Ok(DynamicLossScaler {
+            config: *self,
+            scale: scalar(self.initial_scale),
+            growth_tracker: scalar(0.0),
+            hysteresis_tracker: scalar(self.hysteresis as f64),
+            skipped: scalar(0.0),
+        })
+    }
+
+    /// A [`ConfigError`] for an inconsistent setting.
+    pub fn validate(&self) -> core::result::Result<(), ConfigError> {
         let positive = |name: &str, v: f64| {
             if v.is_finite() && v > 0.0 {
                 Ok(())
@@ -106,16 +121,7 @@ impl LossScalerConfig {
                 self.growth_interval, self.hysteresis
             )));
         }
-        let scalar = |v: f64| {
-            Tensor::<B, 1>::from_data(TensorData::new(vec![v as f32], [1]), (device, DType::F32))
-        };
-        Ok(DynamicLossScaler {
-            config: *self,
-            scale: scalar(self.initial_scale),
-            growth_tracker: scalar(0.0),
-            hysteresis_tracker: scalar(self.hysteresis as f64),
-            skipped: scalar(0.0),
-        })
+        Ok(())
     }
 }
 

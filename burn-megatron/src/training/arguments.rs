@@ -163,6 +163,19 @@ pub struct PretrainArgs {
     /// (Megatron's --bf16); needs the CUDA build. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
     pub bf16: Option<bool>,
+    /// fp16 parameters and activations, fp32 master weights, gradients and AdamW state, and
+    /// the dynamic loss scaler (Megatron's --fp16); needs the CUDA build. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
+    pub fp16: Option<bool>,
+    /// The loss scale of the first --fp16 step. [default: 4294967296]
+    #[arg(long, help_heading = "Training")]
+    pub initial_loss_scale: Option<f64>,
+    /// Clean steps before the loss scale doubles. [default: 1000]
+    #[arg(long, help_heading = "Training")]
+    pub loss_scale_window: Option<usize>,
+    /// Overflowing steps before the loss scale halves. [default: 2]
+    #[arg(long, help_heading = "Training")]
+    pub hysteresis: Option<usize>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -241,6 +254,10 @@ impl PretrainArgs {
             async_save => async_save,
             learner => learner,
             bf16 => bf16,
+            fp16 => fp16,
+            initial_loss_scale => initial_loss_scale,
+            loss_scale_window => loss_scale_window,
+            hysteresis => hysteresis,
             data_path => data_path,
             split => split,
         );
@@ -297,6 +314,10 @@ impl PretrainArgs {
             async_save,
             learner,
             bf16,
+            fp16,
+            initial_loss_scale,
+            loss_scale_window,
+            hysteresis,
             data_path,
             split,
         )

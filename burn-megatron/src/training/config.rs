@@ -10,7 +10,7 @@ use crate::data::{ByteTokenizer, parse_data_path, parse_split};
 use crate::distributed::{DataParallelConfig, DistributedAdamWConfig};
 use crate::error::ConfigError;
 use crate::optimizer::{
-    FlatAdamWConfig, GradClipConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
+    FlatAdamWConfig, GradClipConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
 use crate::transformer::TransformerConfig;
 
@@ -152,6 +152,21 @@ pub struct PretrainConfig {
     /// device's default float dtype to bf16 before the model is built.
     #[config(default = false)]
     pub bf16: bool,
+    /// fp16 parameters and activations with fp32 master weights, gradients and AdamW state,
+    /// and Megatron's dynamic loss scaler (`--fp16`): the loss is scaled before backward, an
+    /// overflow anywhere skips the step on every rank and backs the scale off, all decided
+    /// on the device. The launcher sets the device's default float dtype to f16.
+    #[config(default = false)]
+    pub fp16: bool,
+    /// The loss scale of the first step (`--initial-loss-scale`, Megatron's 2³²).
+    #[config(default = 4294967296.0)]
+    pub initial_loss_scale: f64,
+    /// Clean steps before the scale doubles (`--loss-scale-window`).
+    #[config(default = 1000)]
+    pub loss_scale_window: usize,
+    /// Overflowing steps before the scale halves (`--hysteresis`).
+    #[config(default = 2)]
+    pub hysteresis: usize,
     /// Datasets (`--data-path`): indexed-dataset prefixes, optionally as `weight prefix`
     /// pairs for a blend. Empty for the generated default corpus.
     #[config(default = "Vec::new()")]
@@ -233,6 +248,14 @@ impl PretrainConfig {
             .with_clip_grad(Some(self.clip_grad))
     }
 
+    /// The dynamic loss scaler of an `--fp16` run.
+    pub fn loss_scaler(&self) -> LossScalerConfig {
+        LossScalerConfig::new()
+            .with_initial_scale(self.initial_loss_scale)
+            .with_growth_interval(self.loss_scale_window)
+            .with_hysteresis(self.hysteresis)
+    }
+
     /// Ranks the run needs: TP × PP × DP.
     pub fn world_size(&self) -> usize {
         self.tensor_model_parallel_size
@@ -249,6 +272,12 @@ impl PretrainConfig {
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
         );
+        if self.bf16 && self.fp16 {
+            return invalid("--bf16 and --fp16 exclude each other: pick one".into());
+        }
+        if self.fp16 {
+            self.loss_scaler().validate()?;
+        }
         if tp == 0 || pp == 0 {
             return invalid(format!(
                 "--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) \

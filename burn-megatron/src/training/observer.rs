@@ -57,6 +57,8 @@ pub struct IterationReport {
     /// Device memory in use at the end of the step, the largest over all ranks, in bytes;
     /// on logged iterations of backends that track it (GPUs), `None` otherwise.
     pub max_memory_bytes: Option<f64>,
+    /// With `--fp16`: the loss scale this step's backward pass used.
+    pub loss_scale: Option<f64>,
 }
 
 impl IterationReport {

@@ -4,7 +4,7 @@
 //! global gradient norm, step AdamW in its two weight-decay groups at the schedule's learning
 //! rate, and evaluate and save at their intervals.
 //!
-//! With data parallelism (DP > 1), `--use-distributed-optimizer` or `--bf16`, the step is
+//! With data parallelism (DP > 1), `--use-distributed-optimizer`, `--bf16` or `--fp16`, the step is
 //! [`DistributedAdamW`]'s instead: each DP rank reads its own microbatches of the global batch,
 //! and after the schedule's backward passes the gradients are averaged over DP in the flat
 //! buffer, clipped by the global norm and stepped (the optimizer state sharded over DP with
@@ -36,7 +36,9 @@ use crate::models::GptModel;
 use crate::optimizer::{
     GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
 };
-use crate::pipeline_parallel::{Schedule, StageSplit, forward_backward, forward_only};
+use crate::pipeline_parallel::{
+    Schedule, StageSplit, forward_backward, forward_backward_scaled, forward_only,
+};
 use crate::tensor_parallel::param_infos;
 
 /// The schedule of every step: 1F1B, Megatron's default without virtual stages (with one
@@ -75,7 +77,7 @@ struct RankModel<B: AutodiffBackend + ModelBackend> {
     groups: ParamGroups,
     decay: Adam<B>,
     no_decay: Adam<B>,
-    /// With DP > 1, the distributed optimizer or bf16: the flat-buffer AdamW that reduces over DP
+    /// With DP > 1, the distributed optimizer, bf16 or fp16: the flat-buffer AdamW that reduces over DP
     /// (`decay` and `no_decay` then stay unused).
     distributed: Option<DistributedAdamW<B>>,
 }
@@ -167,7 +169,7 @@ where
         no_decay: adamw.with_weight_decay(0.0).init(),
         distributed: None,
     };
-    if *dp > 1 || config.use_distributed_optimizer || config.bf16 {
+    if *dp > 1 || config.use_distributed_optimizer || config.bf16 || config.fp16 {
         let optim =
             config
                 .distributed_adamw()
@@ -175,6 +177,12 @@ where
         rank.distributed = Some(optim);
     }
 
+    // fp16: the loss is scaled before backward, the optimizer divides it out and skips a
+    // step whose gradients overflowed, all on the device.
+    let mut scaler = match config.fp16 {
+        true => Some(config.loss_scaler().init::<B::InnerBackend>(device)?),
+        false => None,
+    };
     let mut iteration = 0u64;
     let mut consumed = 0u64;
     let mut resumed_from = None;
@@ -184,6 +192,11 @@ where
         let checkpoint = Checkpoint::open_latest(root)?;
         checkpoint.check_config(model_config)?;
         rank = rank.load(&checkpoint)?;
+        if let (Some(scaler), Some(saved)) =
+            (scaler.as_mut(), &checkpoint.training_state().loss_scaler)
+        {
+            scaler.load_state(saved)?;
+        }
         iteration = checkpoint.training_state().iteration;
         consumed = checkpoint.training_state().consumed_samples;
         resumed_from = Some(checkpoint.dir().to_path_buf());
@@ -247,12 +260,21 @@ where
             device,
         )?;
         let model = chunks(&rank);
-        let out = forward_backward(SCHEDULE, &state, &model, &microbatches)?;
+        let loss_scale = scaler.as_ref().map(|s| s.scale());
+        let out = match &loss_scale {
+            Some(scale) => {
+                forward_backward_scaled(SCHEDULE, &state, &model, &microbatches, scale.clone())?
+            }
+            None => forward_backward(SCHEDULE, &state, &model, &microbatches)?,
+        };
         let mut grads = out.grads;
         let loss = shared_loss(&state, out.loss, device)?;
         let norm = if let Some(optim) = rank.distributed.as_mut() {
             let grads = grads.pop().expect("one chunk's gradients");
-            let step = optim.step(lr, rank.chunk, &grads)?;
+            let step = match scaler.as_mut() {
+                Some(scaler) => optim.step_scaled(lr, rank.chunk, &grads, scaler)?,
+                None => optim.step(lr, rank.chunk, &grads)?,
+            };
             rank.chunk = step.model;
             step.grad_norm
         } else {
@@ -270,16 +292,18 @@ where
             Some(bytes) if logged => Some(largest_over_ranks(&state, bytes, device)?),
             _ => None,
         };
-        let (loss, grad_norm, max_memory_bytes) = match memory {
-            Some(memory) => {
-                let [loss, norm, memory] = read_scalars([loss, norm, memory]);
-                (loss, norm, Some(memory * MIB))
-            }
-            None => {
-                let [loss, norm] = read_scalars([loss, norm]);
-                (loss, norm, None)
-            }
-        };
+        let optional = [loss_scale, memory];
+        let mut values = read_scalars(
+            [loss, norm]
+                .into_iter()
+                .chain(optional.iter().flatten().cloned())
+                .collect(),
+        )
+        .into_iter();
+        let [loss, grad_norm] = [(); 2].map(|_| values.next().unwrap_or(f64::NAN));
+        let [loss_scale, max_memory_bytes] =
+            optional.map(|t| t.map(|_| values.next().unwrap_or(f64::NAN)));
+        let max_memory_bytes = max_memory_bytes.map(|mib| mib * MIB);
         iteration += 1;
         consumed += config.global_batch_size as u64;
         let seconds = started.elapsed().as_secs_f64();
@@ -297,6 +321,7 @@ where
             devices,
             mfu: flops_per_second / devices as f64 / (config.peak_tflops * 1e12),
             max_memory_bytes,
+            loss_scale,
         };
         summary.iterations.push(report);
         if logging
@@ -332,7 +357,7 @@ where
                 consumed_samples: consumed,
                 rng_seed: config.seed,
                 lr_scheduler: Some(serde_json::json!({ "next_step": schedule.next_step() })),
-                loss_scaler: None,
+                loss_scaler: scaler.as_ref().map(|s| s.state()),
             };
             let chunks = core::slice::from_ref(&rank.chunk);
             let optimizer = [rank.optimizer_state()?];
@@ -404,16 +429,17 @@ fn largest_over_ranks<B: DistBackend>(
     Ok(state.world().all_reduce(mib, ReduceOp::Max)?)
 }
 
-/// `[1]` f32 tensors read in one host transfer.
-fn read_scalars<B: burn::tensor::backend::Backend, const N: usize>(
-    tensors: [Tensor<B, 1>; N],
-) -> [f64; N] {
+/// `[1]` f32 tensors read in one host transfer (NaN for a value that cannot be read).
+fn read_scalars<B: burn::tensor::backend::Backend>(tensors: Vec<Tensor<B, 1>>) -> Vec<f64> {
+    let n = tensors.len();
     let values = Tensor::cat(tensors.into_iter().map(|t| t.cast(DType::F32)).collect(), 0)
         .into_data()
         .convert::<f32>()
         .to_vec::<f32>()
         .unwrap_or_default();
-    core::array::from_fn(|i| values.get(i).map_or(f64::NAN, |&v| v as f64))
+    (0..n)
+        .map(|i| values.get(i).map_or(f64::NAN, |&v| v as f64))
+        .collect()
 }
 
 /// Evaluation `index` (0 for the first): `eval_iters` global batches of the validation split,
@@ -449,7 +475,7 @@ where
             device,
         )?;
         let loss = forward_only(SCHEDULE, state, &model, &microbatches)?;
-        let [loss] = read_scalars([shared_loss(state, loss, device)?]);
+        let loss = read_scalars(vec![shared_loss(state, loss, device)?])[0];
         total += loss;
     }
     chunk.set_next_call(call);
@@ -482,6 +508,6 @@ where
         burn::tensor::TensorData::new(vec![local as f32], [1]),
         (device, DType::F32),
     );
-    let [total] = read_scalars([state.world().all_reduce(local, ReduceOp::Sum)?]);
+    let total = read_scalars(vec![state.world().all_reduce(local, ReduceOp::Sum)?])[0];
     Ok(total)
 }

@@ -92,7 +92,7 @@ impl TrainingObserver for ConsoleProgress {
                 &mut state,
                 &format!(
                     " iteration {:>6}/{:<6} | consumed samples {:>8} | lr {:.3e} | loss {:.4} | \
-                     grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}",
+                     grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}{}",
                     r.iteration,
                     total,
                     r.consumed_samples,
@@ -102,6 +102,9 @@ impl TrainingObserver for ConsoleProgress {
                     r.tokens_per_second(),
                     r.flops_per_device() / 1e12,
                     100.0 * r.mfu,
+                    r.loss_scale
+                        .map(|scale| format!(" | loss scale {scale:.1}"))
+                        .unwrap_or_default(),
                     r.max_memory_bytes
                         .map(|b| format!(
                             " | memory {:.2} GiB (largest rank)",

@@ -198,3 +198,43 @@ fn learning_rate_steps_once_per_iteration() {
         assert_eq!(got, want);
     }
 }
+
+/// `--fp16`'s dynamic loss scaler in the loop (run in f32 here): a power-of-two scale is
+/// exact, so the losses equal the unscaled run's bit for bit at TP = 2 × DP = 2; the scale
+/// the log shows grows after each window of clean steps; and a run resumed from a
+/// checkpoint continues with the uninterrupted losses and scales (the scaler's state is in
+/// the checkpoint).
+#[test]
+fn loss_scaling_in_the_loop_is_exact_and_resumes() {
+    let base = tiny_run(2, 1)
+        .with_data_parallel_size(2)
+        .with_use_distributed_optimizer(true);
+    let plain = train(&base);
+    let scaled = base
+        .clone()
+        .with_fp16(true)
+        .with_initial_loss_scale(1024.0)
+        .with_loss_scale_window(2);
+    let whole = train(&scaled);
+    assert_eq!(whole.losses(), plain.losses(), "scaled and unscaled losses");
+    let scales: Vec<Option<f64>> = whole.iterations.iter().map(|r| r.loss_scale).collect();
+    assert_eq!(
+        scales,
+        [Some(1024.0), Some(1024.0), Some(2048.0), Some(2048.0)]
+    );
+    assert!(plain.iterations.iter().all(|r| r.loss_scale.is_none()));
+
+    let root = crate::scratch("fp16-resume");
+    let saving = scaled
+        .clone()
+        .with_save(Some(root.clone()))
+        .with_save_interval(Some(2));
+    train(&saving);
+    std::fs::remove_dir_all(root.join("iter_0000004")).unwrap();
+    let resumed = train(&saving.with_load(Some(root.clone())));
+    assert_eq!(resumed.losses(), whole.losses()[2..], "resumed losses");
+    let resumed_scales: Vec<Option<f64>> =
+        resumed.iterations.iter().map(|r| r.loss_scale).collect();
+    assert_eq!(resumed_scales, scales[2..], "resumed scales");
+    let _ = std::fs::remove_dir_all(&root);
+}

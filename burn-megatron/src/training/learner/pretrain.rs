@@ -64,6 +64,14 @@ where
         )
         .into());
     }
+    if config.fp16 {
+        return Err(ConfigError::Invalid(
+            "--fp16 (the dynamic loss scaler) is not available with --learner yet: use --bf16, \
+             or pretrain_gpt's own loop"
+                .into(),
+        )
+        .into());
+    }
     let sizes = ParallelSizes::default()
         .with_tp(layout.tp)
         .with_pp(layout.pp);
