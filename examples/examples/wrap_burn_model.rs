@@ -167,6 +167,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_clip_grad(Some(1.0));
     // One initial model for every rank. Burn initialises parameters lazily, and each clone of
     // an uninitialised module on its own: materialise the values once, before cloning.
+    <Train as Backend>::seed(&device, 42);
     let initial = TinyLm::<Train>::new(&device);
     let initial = initial.clone().load_record(initial.into_record());
 
