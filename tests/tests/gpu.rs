@@ -578,9 +578,12 @@ fn transformer_autodiff_matches_burn_cuda() {
             tolerance::F32,
         );
         for ((path, a), (_, b)) in grads_ours.iter().zip(&grads_ref) {
-            // Gradients sum over the whole network, and autotune may pick a different matmul
-            // kernel (accumulation order) on each backend: f32 agreement to 1e-3.
-            assert_close(&format!("{name} {path}"), a, b, tolerance::GPU_F32);
+            // Two backends, two GEMM paths: ours is cuBLASLt, burn-cuda's an autotuned CubeCL
+            // matmul, and f32 GEMMs may run in TF32 on either. The losses agree to f32
+            // (above); the gradients, summed over the network, to TF32's bound, as in
+            // `gpt_step_on_three_backends` (the H100 run of 2026-11-25 gave 2.4e-4 to 1.09e-3,
+            // the largest for the first norm's shift, a sum over every token).
+            assert_close(&format!("{name} {path}"), a, b, tolerance::TF32);
         }
     }
 }
