@@ -46,6 +46,14 @@ fn learner_training_equals_the_pretrain_loop_and_one_rank() {
         ("TP=2 PP=2", tiny_run(2, 2)),
         ("DP=2", dp2.clone()),
         ("TP=2 DP=2", tiny_run(2, 1).with_data_parallel_size(2)),
+        (
+            "TP=2 DP=2 fp16 loss scaling",
+            tiny_run(2, 1)
+                .with_data_parallel_size(2)
+                .with_fp16(true)
+                .with_initial_loss_scale(1024.0)
+                .with_loss_scale_window(2),
+        ),
     ] {
         // Two validation batches: the Learner reports their mean, as the loop does.
         let config = config
@@ -60,6 +68,16 @@ fn learner_training_equals_the_pretrain_loop_and_one_rank() {
             got.values("Grad norm", true),
             norms,
             "{what}: gradient norms"
+        );
+        let scales: Vec<f64> = loop_run
+            .iterations
+            .iter()
+            .filter_map(|r| r.loss_scale)
+            .collect();
+        assert_eq!(
+            got.values("Loss scale", true),
+            scales,
+            "{what}: loss scales"
         );
         let valid = got.values("Loss", false);
         let last = loop_run.evaluations.last().unwrap().loss;
@@ -82,16 +100,27 @@ fn learner_training_equals_the_pretrain_loop_and_one_rank() {
 }
 
 /// A run that checkpoints every 2 steps, interrupted after step 2 (its step-4 checkpoint
-/// removed), resumes with the uninterrupted run's losses for steps 3 and 4 (model, sharded
-/// optimizer state, learning rate, data and dropout masks continue), at TP = 2 × DP = 2 with
-/// dropout on; `pretrain`'s own loop resumes from the same checkpoint with the same losses.
+/// removed), resumes with the uninterrupted run's losses and loss scales for steps 3 and 4
+/// (model, sharded optimizer state, loss scaler, learning rate, data and dropout masks
+/// continue), at TP = 2 × DP = 2 with dropout and fp16 loss scaling (run in f32) on;
+/// `pretrain`'s own loop resumes from the same checkpoint with the same losses.
 #[test]
 fn learner_checkpoints_resume_with_the_uninterrupted_losses() {
     let config = tiny_run(2, 1)
         .with_data_parallel_size(2)
         .with_use_distributed_optimizer(true)
-        .with_hidden_dropout(0.1);
-    let whole = train_with_learner(&config).values("Loss", true);
+        .with_hidden_dropout(0.1)
+        .with_fp16(true)
+        .with_initial_loss_scale(1024.0)
+        .with_loss_scale_window(2);
+    let uninterrupted = train_with_learner(&config);
+    let whole = uninterrupted.values("Loss", true);
+    let scales = uninterrupted.values("Loss scale", true);
+    assert_eq!(
+        scales,
+        [1024.0, 1024.0, 2048.0, 2048.0],
+        "the scale grows every 2 steps"
+    );
     let root = scratch("learner-resume");
     let saving = config
         .clone()
@@ -105,8 +134,17 @@ fn learner_checkpoints_resume_with_the_uninterrupted_losses() {
     };
     interrupt();
     let resuming = saving.with_load(Some(root.clone()));
-    let resumed = train_with_learner(&resuming).values("Loss", true);
-    assert_eq!(resumed, whole[2..], "the resumed steps");
+    let resumed = train_with_learner(&resuming);
+    assert_eq!(
+        resumed.values("Loss", true),
+        whole[2..],
+        "the resumed steps"
+    );
+    assert_eq!(
+        resumed.values("Loss scale", true),
+        scales[2..],
+        "the resumed scales"
+    );
     interrupt();
     let by_the_loop = train(&resuming).losses();
     assert_eq!(

@@ -29,6 +29,7 @@ enum Stat {
     GradNorm,
     Perplexity,
     MemoryGib,
+    LossScale,
 }
 
 impl Stat {
@@ -103,6 +104,11 @@ impl LanguageModelMetric {
         Self::new("Memory of the largest rank", Stat::MemoryGib, Some("GiB"))
     }
 
+    /// fp16's loss scale of the step.
+    pub fn loss_scale() -> Self {
+        Self::new("Loss scale", Stat::LossScale, None)
+    }
+
     /// `exp(loss)`: perplexity of the step's tokens.
     pub fn perplexity() -> Self {
         Self::new("Perplexity", Stat::Perplexity, None)
@@ -132,6 +138,10 @@ impl LanguageModelMetric {
                 None => (f64::NAN, 0),
             },
             Stat::Perplexity => (stats.loss.exp(), stats.tokens.max(1)),
+            Stat::LossScale => match stats.loss_scale {
+                Some(scale) => (scale, 1),
+                None => (f64::NAN, 0),
+            },
             Stat::MemoryGib => match stats.max_memory_bytes {
                 Some(bytes) => (bytes / (1u64 << 30) as f64, 1),
                 None => (f64::NAN, 0),

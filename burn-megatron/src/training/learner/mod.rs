@@ -35,7 +35,7 @@ mod strategy;
 pub use loader::{DataParallelShard, GptStepLoader, StepShape};
 pub use log_renderer::LogRenderer;
 pub use metrics::{H100_BF16_PEAK_FLOPS, LanguageModelMetric};
-pub use optimizer::MegatronOptimizer;
+pub use optimizer::{LossScale, MegatronOptimizer};
 pub use output::{LanguageModelOutput, LanguageModelStats};
 pub use parallel_gpt::ParallelGpt;
 pub(crate) use parallel_gpt::loss_on_every_stage;

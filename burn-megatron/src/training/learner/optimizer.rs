@@ -5,6 +5,7 @@
 //! [`MegatronOptimizer`] is a handle: its clones share one optimizer, one goes into the
 //! `Learner` and one into the [`MegatronStrategy`](super::MegatronStrategy).
 
+use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::module::AutodiffModule;
@@ -14,11 +15,40 @@ use burn::tensor::backend::AutodiffBackend;
 
 use crate::backend::ModelBackend;
 use crate::distributed::DistributedAdamW;
+use crate::optimizer::{DynamicLossScaler, LossScalerState};
+
+/// The current fp16 loss scale, for a model's step: a handle on the
+/// [`MegatronOptimizer`] that owns the scaler. It is type-erased so that a module can hold it
+/// whatever its backend (a module's fields are cloned into its inference copy, whose backend
+/// differs); [`scale`](Self::scale) gives the tensor back for the backend that made it.
+#[derive(Clone)]
+pub struct LossScale(Arc<dyn Fn() -> Box<dyn Any + Send> + Send + Sync>);
+
+impl LossScale {
+    /// The scale (`[1]` f32 on the device) for the next backward pass, or `None` when the
+    /// optimizer has no loss scaler. Panics if `B` is not the backend of the optimizer's
+    /// inner tensors, a programming error.
+    pub fn scale<B: burn::tensor::backend::Backend>(&self) -> Option<Tensor<B, 1>> {
+        *(self.0)()
+            .downcast::<Option<Tensor<B, 1>>>()
+            .unwrap_or_else(|_| panic!("LossScale read for another backend than its optimizer's"))
+    }
+}
+
+impl core::fmt::Debug for LossScale {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("LossScale")
+    }
+}
 
 struct Shared<B: AutodiffBackend> {
     optim: DistributedAdamW<B>,
+    /// With fp16: the dynamic loss scaler the step divides out and updates.
+    scaler: Option<DynamicLossScaler<B::InnerBackend>>,
     /// The last step's global gradient norm, `[1]` f32 on the device.
     grad_norm: Option<Tensor<B::InnerBackend, 1>>,
+    /// The loss scale the last step's backward pass used, `[1]` f32 on the device.
+    used_scale: Option<Tensor<B::InnerBackend, 1>>,
 }
 
 /// A shared handle on this rank's [`DistributedAdamW`]: data-parallel gradient reduction
@@ -28,6 +58,9 @@ struct Shared<B: AutodiffBackend> {
 /// Burn's `Optimizer::step` cannot fail, so a failing step (a collective that timed out, a
 /// rank that died) panics with the error's message; thread and process launchers turn the
 /// panic into that rank's error and release the others.
+///
+/// With [`with_loss_scaler`](Self::with_loss_scaler) it is fp16's step: the loss scale is
+/// divided out and an overflow skips the step, on the device.
 ///
 /// Its Burn record is empty: the state is sharded over data-parallel ranks and goes into our
 /// sharded checkpoints (`MegatronStrategy::with_checkpoints`), never into burn-train's
@@ -55,9 +88,53 @@ where
         Self {
             shared: Arc::new(Mutex::new(Shared {
                 optim,
+                scaler: None,
                 grad_norm: None,
+                used_scale: None,
             })),
         }
+    }
+
+    /// With fp16's dynamic loss scaler: each step divides `scaler`'s scale out of the
+    /// gradients, skips the update on every rank if any gradient overflowed, and updates the
+    /// scale ([`DistributedAdamW::step_scaled`]). The model's step must multiply its loss by
+    /// the same scale: give it [`loss_scale`](Self::loss_scale)
+    /// ([`ParallelGpt::with_loss_scale`](super::ParallelGpt::with_loss_scale)).
+    pub fn with_loss_scaler(self, scaler: DynamicLossScaler<B::InnerBackend>) -> Self {
+        self.lock().scaler = Some(scaler);
+        self
+    }
+
+    /// The loss scale the next backward pass must use, `[1]` f32 on the device; `None`
+    /// without a loss scaler.
+    pub fn current_loss_scale(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.lock().scaler.as_ref().map(|s| s.scale())
+    }
+
+    /// A handle on [`current_loss_scale`](Self::current_loss_scale) for the model's step.
+    pub fn loss_scale(&self) -> LossScale {
+        let optim = self.clone();
+        LossScale(Arc::new(move || {
+            Box::new(optim.current_loss_scale()) as Box<dyn Any + Send>
+        }))
+    }
+
+    /// The loss scale the last step's backward pass used.
+    pub fn last_loss_scale(&self) -> Option<Tensor<B::InnerBackend, 1>> {
+        self.lock().used_scale.clone()
+    }
+
+    /// The loss scaler's state, for a checkpoint (one read from the device).
+    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
+        self.lock().scaler.as_ref().map(|s| s.state())
+    }
+
+    /// Continues the loss scaler from a checkpoint's `state`.
+    pub fn load_loss_scaler_state(&self, state: &LossScalerState) -> crate::Result<()> {
+        if let Some(scaler) = self.lock().scaler.as_mut() {
+            scaler.load_state(state)?;
+        }
+        Ok(())
     }
 
     /// The global gradient norm (before clipping) of the last step, `[1]` f32 on the device.
@@ -86,9 +163,16 @@ where
 
     fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
         let mut shared = self.lock();
-        match shared.optim.step(lr, module, &grads) {
+        let Shared { optim, scaler, .. } = &mut *shared;
+        let used_scale = scaler.as_ref().map(|s| s.scale());
+        let step = match scaler.as_mut() {
+            Some(scaler) => optim.step_scaled(lr, module, &grads, scaler),
+            None => optim.step(lr, module, &grads),
+        };
+        match step {
             Ok(step) => {
                 shared.grad_norm = Some(step.grad_norm);
+                shared.used_scale = used_scale;
                 step.model
             }
             Err(e) => panic!("the distributed optimizer's step failed: {e}"),

@@ -29,6 +29,8 @@ pub struct LanguageModelOutput<B: Backend> {
     /// `[1]`: device memory in use after the step, the largest over all ranks, in MiB; set
     /// by the strategy on backends that track memory (GPUs).
     pub max_memory_mib: Option<Tensor<B, 1>>,
+    /// `[1]`: with fp16, the loss scale the step's backward pass used; set by the strategy.
+    pub loss_scale: Option<Tensor<B, 1>>,
 }
 
 impl<B: Backend> LanguageModelOutput<B> {
@@ -41,6 +43,7 @@ impl<B: Backend> LanguageModelOutput<B> {
             grad_norm: None,
             devices,
             max_memory_mib: None,
+            loss_scale: None,
         }
     }
 }
@@ -60,13 +63,19 @@ pub struct LanguageModelStats {
     pub devices: usize,
     /// Device memory in use after the step, the largest over all ranks, in bytes.
     pub max_memory_bytes: Option<f64>,
+    /// With fp16, the loss scale of the step.
+    pub loss_scale: Option<f64>,
 }
 
 impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
     type ItemSync = LanguageModelStats;
 
     fn sync(self) -> LanguageModelStats {
-        let optional = [self.grad_norm.clone(), self.max_memory_mib.clone()];
+        let optional = [
+            self.grad_norm.clone(),
+            self.max_memory_mib.clone(),
+            self.loss_scale.clone(),
+        ];
         let mut transaction = Transaction::default().register(self.loss.cast(DType::F32));
         for tensor in optional.iter().flatten() {
             transaction = transaction.register(tensor.clone().cast(DType::F32));
@@ -79,7 +88,7 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
                 .map_or(f64::NAN, f64::from)
         });
         let loss = values.next().unwrap_or(f64::NAN);
-        let [grad_norm, memory_mib] =
+        let [grad_norm, memory_mib, loss_scale] =
             optional.map(|t| t.map(|_| values.next().unwrap_or(f64::NAN)));
         LanguageModelStats {
             loss,
@@ -88,6 +97,7 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
             grad_norm,
             devices: self.devices,
             max_memory_bytes: memory_mib.map(|mib| mib * (1u64 << 20) as f64),
+            loss_scale,
         }
     }
 }

@@ -8,11 +8,14 @@ use burn::tensor::{DType, Tensor};
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
+use super::optimizer::LossScale;
 use super::output::LanguageModelOutput;
 use crate::backend::ModelBackend;
 use crate::error::Result;
 use crate::models::GptModel;
-use crate::pipeline_parallel::{Microbatch, StageSplit, forward_backward, forward_only};
+use crate::pipeline_parallel::{
+    Microbatch, StageSplit, forward_backward, forward_backward_scaled, forward_only,
+};
 use crate::training::SCHEDULE;
 use crate::transformer::TransformerConfig;
 
@@ -22,6 +25,8 @@ use crate::transformer::TransformerConfig;
 struct StepLayout {
     state: ParallelState,
     config: TransformerConfig,
+    /// With fp16: the scale the loss is multiplied by before backward.
+    loss_scale: Option<LossScale>,
 }
 
 /// This rank's chunk of a GPT (a TP slice of its pipeline stage) for burn-train.
@@ -63,8 +68,16 @@ impl<B: ModelBackend> ParallelGpt<B> {
             layout: StepLayout {
                 state: state.clone(),
                 config: config.clone(),
+                loss_scale: None,
             },
         }
+    }
+
+    /// fp16: every training step multiplies its loss by `scale` before backward (the
+    /// [`MegatronOptimizer`](super::MegatronOptimizer) with the loss scaler divides it out).
+    pub fn with_loss_scale(mut self, scale: LossScale) -> Self {
+        self.layout.loss_scale = Some(scale);
+        self
     }
 
     /// The same layout with `model` (e.g. loaded from a checkpoint) as its chunk.
@@ -129,15 +142,21 @@ where
                 .map_err(Into::into),
         );
         let device = self.model.devices()[0].clone();
+        let chunks = core::slice::from_ref(&self.model);
+        let scale = self
+            .layout
+            .loss_scale
+            .as_ref()
+            .and_then(LossScale::scale::<B::InnerBackend>);
         let out = or_panic(
             "training step",
             state,
-            forward_backward(
-                SCHEDULE,
-                state,
-                core::slice::from_ref(&self.model),
-                &microbatches,
-            ),
+            match scale {
+                Some(scale) => {
+                    forward_backward_scaled(SCHEDULE, state, chunks, &microbatches, scale)
+                }
+                None => forward_backward(SCHEDULE, state, chunks, &microbatches),
+            },
         );
         let loss = or_panic(
             "loss exchange",

@@ -64,14 +64,6 @@ where
         )
         .into());
     }
-    if config.fp16 {
-        return Err(ConfigError::Invalid(
-            "--fp16 (the dynamic loss scaler) is not available with --learner yet: use --bf16, \
-             or pretrain_gpt's own loop"
-                .into(),
-        )
-        .into());
-    }
     let sizes = ParallelSizes::default()
         .with_tp(layout.tp)
         .with_pp(layout.pp);
@@ -82,7 +74,13 @@ where
         config
             .distributed_adamw()
             .init(&model.model, &state, &shared_copies(&model.model))?;
-    let optim = MegatronOptimizer::new(optim);
+    let mut optim = MegatronOptimizer::new(optim);
+    let mut model = model;
+    if config.fp16 {
+        let scaler = config.loss_scaler().init::<B::InnerBackend>(device)?;
+        optim = optim.with_loss_scaler(scaler);
+        model = model.with_loss_scale(optim.loss_scale());
+    }
 
     let shape = StepShape {
         micro_batch_size: config.micro_batch_size,
@@ -144,6 +142,9 @@ where
         .metric_train_numeric(LanguageModelMetric::tflops_per_device())
         .metric_train_numeric(LanguageModelMetric::mfu(peak))
         .num_epochs(1);
+    if config.fp16 {
+        training = training.metric_train_numeric(LanguageModelMetric::loss_scale());
+    }
     if <B::InnerBackend as ModelBackend>::memory_in_use(device).is_some() {
         training = training.metric_train_numeric(LanguageModelMetric::memory());
     }

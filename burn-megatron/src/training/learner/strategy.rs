@@ -116,7 +116,7 @@ where
                 consumed_samples: iteration * global_batch,
                 rng_seed: model.config().seed,
                 lr_scheduler: Some(serde_json::json!({ "next_step": iteration })),
-                loss_scaler: None,
+                loss_scaler: optim.loss_scaler_state(),
             };
             checkpointer.save(
                 model.state(),
@@ -135,6 +135,9 @@ where
             let chunk = checkpoint.load_model(model.model.clone())?;
             optim.with(|o| load_distributed_adamw(&checkpoint, &chunk, o))?;
             let training = checkpoint.training_state().clone();
+            if let Some(saved) = &training.loss_scaler {
+                optim.load_loss_scaler_state(saved)?;
+            }
             chunk.set_next_call(training.iteration * microbatches);
             Ok(Some((model.with_model(chunk), training)))
         });
@@ -252,6 +255,7 @@ where
                         .map_err(Into::into),
                 );
                 item.grad_norm = self.optim.last_grad_norm();
+                item.loss_scale = self.optim.last_loss_scale();
                 item.max_memory_mib = or_panic(
                     state,
                     "gathering the ranks' memory",
