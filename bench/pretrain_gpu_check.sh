@@ -4,7 +4,7 @@
 # bin/{pretrain_gpt,gpt_train_bench,bm-launch} (gzipped is fine) and
 # data/realtext_text_document.{bin,idx} (bench/make_realtext.py, then preprocess_data).
 #   GPUS=2 bash bench/pretrain_gpu_check.sh            # 1 GPU, DP 2, TP 2, --learner DP 2
-#   GPUS=1 PART=pretrain bash bench/pretrain_gpu_check.sh   # bf16, fp16, --learner on 1 GPU
+#   GPUS=1 PART=pretrain bash bench/pretrain_gpu_check.sh   # fp16, --learner fp16/bf16 on 1 GPU
 #   PART=bench bash bench/pretrain_gpu_check.sh        # gpt_train_bench vs torch.compile
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ B=.gpu/bin
 COMMON="--pipeline-model-parallel-size 1 --num-layers 6 --hidden-size 384 --num-attention-heads 6 --seq-length 512 --micro-batch-size 8 --global-batch-size 32 --train-iters ${ITERS:-300} --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 20 --eval-interval ${ITERS:-300} --eval-iters 4 --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document"
 if [ "${PART:-all}" != bench ]; then
   if [ "${GPUS:-2}" = 1 ]; then
-    runs=("bf16_1gpu:1:--tensor-model-parallel-size 1 --bf16" "fp16_1gpu:1:--tensor-model-parallel-size 1 --fp16 --initial-loss-scale 65536" "learner_bf16_1gpu:1:--tensor-model-parallel-size 1 --bf16 --learner --save-interval 150")
+    runs=("fp16_1gpu:1:--tensor-model-parallel-size 1 --fp16 --initial-loss-scale 65536" "learner_fp16_1gpu:1:--tensor-model-parallel-size 1 --fp16 --initial-loss-scale 65536 --learner --save-interval 150" "learner_bf16_1gpu:1:--tensor-model-parallel-size 1 --bf16 --learner --save-interval 150")
   else
     runs=("1 gpu:1:--tensor-model-parallel-size 1" "dp2:2:--tensor-model-parallel-size 1 --data-parallel-size 2" "tp2:2:--tensor-model-parallel-size 2" "learner_dp2:2:--tensor-model-parallel-size 1 --data-parallel-size 2 --learner --save-interval 150")
   fi
