@@ -415,11 +415,11 @@ fn shared_loss<B: DistBackend>(
     Ok(state.dp().all_reduce(loss, ReduceOp::Avg)?)
 }
 
-const MIB: f64 = (1u64 << 20) as f64;
+pub(crate) const MIB: f64 = (1u64 << 20) as f64;
 
 /// The largest of every rank's `bytes`, in MiB (`[1]` f32, exact to the MiB below 16 TiB),
-/// on the device, for reading with the step's loss.
-fn largest_over_ranks<B: DistBackend>(
+/// on the device, for reading with the step's loss (and the Learner's memory metric).
+pub(crate) fn largest_over_ranks<B: DistBackend>(
     state: &ParallelState,
     bytes: u64,
     device: &B::Device,

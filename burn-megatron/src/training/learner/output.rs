@@ -96,7 +96,7 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
             flops: self.flops,
             grad_norm,
             devices: self.devices,
-            max_memory_bytes: memory_mib.map(|mib| mib * (1u64 << 20) as f64),
+            max_memory_bytes: memory_mib.map(|mib| mib * crate::training::pretrain::MIB),
             loss_scale,
         }
     }

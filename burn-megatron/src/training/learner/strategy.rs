@@ -48,6 +48,7 @@ use crate::checkpointing::{
     load_distributed_adamw,
 };
 use crate::error::Result;
+use crate::training::pretrain::largest_over_ranks;
 
 /// Saves the model and optimizer after the given iteration.
 type SaveFn<B, M> = Box<dyn Fn(&M, &MegatronOptimizer<B>, u64) -> Result<PathBuf> + Send + Sync>;
@@ -163,12 +164,9 @@ where
     let Some(device) = model.devices().into_iter().next() else {
         return Ok(None);
     };
-    let Some(bytes) = <B::InnerBackend as ModelBackend>::memory_in_use(&device) else {
-        return Ok(None);
-    };
-    let mib = burn::tensor::TensorData::new(vec![(bytes as f64 / (1u64 << 20) as f64) as f32], [1]);
-    let mib = burn::tensor::Tensor::from_data(mib, (&device, burn::tensor::DType::F32));
-    Ok(Some(state.world().all_reduce(mib, ReduceOp::Max)?))
+    <B::InnerBackend as ModelBackend>::memory_in_use(&device)
+        .map(|bytes| largest_over_ranks::<B::InnerBackend>(state, bytes, &device))
+        .transpose()
 }
 
 fn or_panic<T>(state: &ParallelState, what: &str, result: Result<T>) -> T {
