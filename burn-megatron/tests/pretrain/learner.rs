@@ -154,3 +154,39 @@ fn learner_checkpoints_resume_with_the_uninterrupted_losses() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `DataParallelShard` over a Burn loader of 5 batches at DP 2: rank 0 takes batches 0 and
+/// 2, rank 1 batches 1 and 3, and both drop the incomplete last round (batch 4), so the
+/// ranks take the same number of steps.
+#[test]
+fn data_parallel_shard_deals_batches_round_by_round() {
+    use burn::data::dataloader::DataLoaderBuilder;
+    use burn::data::dataloader::batcher::Batcher;
+    use burn::data::dataset::InMemDataset;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Int, Tensor, TensorData};
+    use burn_megatron::training::learner::DataParallelShard;
+    use burn_megatron_dist::ParallelSizes;
+
+    #[derive(Clone)]
+    struct Ids;
+    impl<B: Backend> Batcher<B, i64, Tensor<B, 1, Int>> for Ids {
+        fn batch(&self, items: Vec<i64>, device: &B::Device) -> Tensor<B, 1, Int> {
+            let n = items.len();
+            Tensor::from_data(TensorData::new(items, [n]), device)
+        }
+    }
+    let taken = run(2, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default())?;
+        let loader = DataLoaderBuilder::new(Ids)
+            .batch_size(2)
+            .build(InMemDataset::new((0..10i64).collect()));
+        let shard = DataParallelShard::<NdArray, _>::new(loader, &state);
+        let batches: Vec<Vec<i64>> = burn::data::dataloader::DataLoader::iter(&shard)
+            .map(|b| b.into_data().convert::<i64>().to_vec::<i64>().unwrap())
+            .collect();
+        Ok(batches)
+    });
+    assert_eq!(taken[0], [vec![0, 1], vec![4, 5]], "rank 0");
+    assert_eq!(taken[1], [vec![2, 3], vec![6, 7]], "rank 1");
+}

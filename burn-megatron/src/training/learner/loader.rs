@@ -172,7 +172,13 @@ where
 
 /// Any Burn loader cut among data-parallel ranks, as Burn's DDP cuts it: DP rank `r` of `d`
 /// takes the loader's batches `r, r + d, r + 2d, …`, so a global step is `d` of the loader's
-/// batches. Every rank gets the same number of steps (a last incomplete round is dropped).
+/// batches.
+///
+/// Every rank iterates the whole loader (so it must give every rank the same batches in the
+/// same order: no unseeded shuffle) and keeps its share; a last round of fewer than `d`
+/// batches is dropped on every rank, so all ranks take the same number of steps. Burn's
+/// loaders count items (samples), not batches: `num_items` and `slice` are in the loader's
+/// items divided among the ranks.
 pub struct DataParallelShard<B: Backend, O> {
     inner: Arc<dyn DataLoader<B, O>>,
     rank: usize,
@@ -196,33 +202,31 @@ struct ShardIterator<'a, O> {
     inner: Box<dyn DataLoaderIterator<O> + 'a>,
     rank: usize,
     size: usize,
-    taken: usize,
-    total: usize,
 }
 
 impl<O> Iterator for ShardIterator<'_, O> {
     type Item = O;
 
+    /// The rank's batch of the next complete round of `size` batches.
     fn next(&mut self) -> Option<O> {
-        if self.taken >= self.total {
-            return None;
+        let mut mine = None;
+        for i in 0..self.size {
+            let batch = self.inner.next()?;
+            if i == self.rank {
+                mine = Some(batch);
+            }
         }
-        let skip_before = if self.taken == 0 {
-            self.rank
-        } else {
-            self.size - 1
-        };
-        for _ in 0..skip_before {
-            self.inner.next()?;
-        }
-        self.taken += 1;
-        self.inner.next()
+        mine
     }
 }
 
 impl<O> DataLoaderIterator<O> for ShardIterator<'_, O> {
     fn progress(&self) -> Progress {
-        Progress::new(self.taken, self.total)
+        let inner = self.inner.progress();
+        Progress::new(
+            inner.items_processed / self.size,
+            inner.items_total / self.size,
+        )
     }
 }
 
@@ -232,8 +236,6 @@ impl<B: Backend, O: 'static> DataLoader<B, O> for DataParallelShard<B, O> {
             inner: self.inner.iter(),
             rank: self.rank,
             size: self.size,
-            taken: 0,
-            total: self.num_items(),
         })
     }
 
