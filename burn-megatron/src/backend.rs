@@ -26,7 +26,9 @@ use crate::ops::norm::{
     backward_composition as norm_backward_composition,
     forward_composition as norm_forward_composition,
 };
-use crate::ops::swiglu::{autodiff_swiglu, swiglu_derivatives, swiglu_forward};
+use crate::ops::swiglu::{
+    SwiGluBias, add_swiglu_bias, autodiff_swiglu, swiglu_derivatives, swiglu_forward,
+};
 use crate::optimizer::fused_adamw::{
     AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput, flat_adamw_composition,
 };
@@ -344,20 +346,28 @@ pub trait ModelBackend: DistBackend {
         grad * form.derivative(add_bias(x, bias))
     }
 
-    /// `silu(gate) · up` for `gate, up: [tokens, features]` (SwiGLU's elementwise part).
-    /// `Autodiff<B>` stores `gate` and `up`, and its backward calls
+    /// `silu(gate + b_g) · (up + b_u)` for `gate, up: [tokens, features]` and optional biases
+    /// `[b_g, b_u]` of `[features]` (SwiGLU's elementwise part, Megatron's bias-SwiGLU).
+    /// `Autodiff<B>` stores `gate`, `up` and the biases, and its backward calls
     /// [`swiglu_backward`](Self::swiglu_backward).
-    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+    fn swiglu(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        bias: Option<SwiGluBias<Self>>,
+    ) -> Tensor<Self, 2> {
+        let (gate, up) = add_swiglu_bias(gate, up, bias);
         swiglu_forward(gate, up)
     }
 
     /// The gradients `[d_gate, d_up]` of [`swiglu`](Self::swiglu) given its output's gradient
-    /// `grad: [tokens, features]`.
+    /// `grad: [tokens, features]`. The biases' gradients are their sums over the tokens.
     fn swiglu_backward(
         gate: Tensor<Self, 2>,
         up: Tensor<Self, 2>,
+        bias: Option<SwiGluBias<Self>>,
         grad: Tensor<Self, 2>,
     ) -> [Tensor<Self, 2>; 2] {
+        let (gate, up) = add_swiglu_bias(gate, up, bias);
         swiglu_derivatives(gate, up, grad)
     }
 
@@ -489,7 +499,7 @@ mod cube {
         NormForward, NormGradients, NormKind, backward_composition as norm_backward_composition,
         forward_composition as norm_forward_composition,
     };
-    use crate::ops::swiglu::{swiglu_derivatives, swiglu_forward};
+    use crate::ops::swiglu::{SwiGluBias, add_swiglu_bias, swiglu_derivatives, swiglu_forward};
     use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
@@ -1083,6 +1093,7 @@ mod cube {
     pub(super) fn swiglu<R, F, I, BT>(
         gate: Tensor<Cube<R, F, I, BT>, 2>,
         up: Tensor<Cube<R, F, I, BT>, 2>,
+        bias: Option<SwiGluBias<Cube<R, F, I, BT>>>,
     ) -> Tensor<Cube<R, F, I, BT>, 2>
     where
         R: CubeRuntime,
@@ -1092,18 +1103,38 @@ mod cube {
     {
         let dtype = gate.dtype();
         if dtype == DType::F64 {
+            let (gate, up) = add_swiglu_bias(gate, up, bias);
             return swiglu_forward(gate, up);
         }
         float(burn_megatron_kernels::fused::swiglu::forward(
             gate.into_primitive().tensor(),
             up.cast(dtype).into_primitive().tensor(),
+            swiglu_kernel_bias(bias, dtype),
         ))
+    }
+
+    /// The biases as the SwiGLU kernels take them, in the activations' dtype.
+    fn swiglu_kernel_bias<R, F, I, BT>(
+        bias: Option<SwiGluBias<Cube<R, F, I, BT>>>,
+        dtype: DType,
+    ) -> Option<burn_megatron_kernels::fused::swiglu::Biases<R>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        bias.map(|[gate, up]| burn_megatron_kernels::fused::swiglu::Biases {
+            gate: gate.cast(dtype).into_primitive().tensor(),
+            up: up.cast(dtype).into_primitive().tensor(),
+        })
     }
 
     /// `ModelBackend::swiglu_backward` in one kernel (f64: the composition).
     pub(super) fn swiglu_backward<R, F, I, BT>(
         gate: Tensor<Cube<R, F, I, BT>, 2>,
         up: Tensor<Cube<R, F, I, BT>, 2>,
+        bias: Option<SwiGluBias<Cube<R, F, I, BT>>>,
         grad: Tensor<Cube<R, F, I, BT>, 2>,
     ) -> [Tensor<Cube<R, F, I, BT>, 2>; 2]
     where
@@ -1114,11 +1145,13 @@ mod cube {
     {
         let dtype = gate.dtype();
         if dtype == DType::F64 {
+            let (gate, up) = add_swiglu_bias(gate, up, bias);
             return swiglu_derivatives(gate, up, grad);
         }
         burn_megatron_kernels::fused::swiglu::backward(
             gate.into_primitive().tensor(),
             up.cast(dtype).into_primitive().tensor(),
+            swiglu_kernel_bias(bias, dtype),
             grad.cast(dtype).into_primitive().tensor(),
         )
         .map(float)
@@ -1230,8 +1263,12 @@ mod cube {
                 cube::bias_gradient(dy)
             }
 
-            fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
-                cube::swiglu(gate, up)
+            fn swiglu(
+                gate: Tensor<Self, 2>,
+                up: Tensor<Self, 2>,
+                bias: Option<crate::ops::swiglu::SwiGluBias<Self>>,
+            ) -> Tensor<Self, 2> {
+                cube::swiglu(gate, up, bias)
             }
 
             fn dropout(
@@ -1261,9 +1298,10 @@ mod cube {
             fn swiglu_backward(
                 gate: Tensor<Self, 2>,
                 up: Tensor<Self, 2>,
+                bias: Option<crate::ops::swiglu::SwiGluBias<Self>>,
                 grad: Tensor<Self, 2>,
             ) -> [Tensor<Self, 2>; 2] {
-                cube::swiglu_backward(gate, up, grad)
+                cube::swiglu_backward(gate, up, bias, grad)
             }
 
             fn cross_entropy_statistics(
@@ -1781,8 +1819,12 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
-    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        autodiff_swiglu(gate, up)
+    fn swiglu(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        bias: Option<SwiGluBias<Self>>,
+    ) -> Tensor<Self, 2> {
+        autodiff_swiglu(gate, up, bias)
     }
 
     fn dropout(

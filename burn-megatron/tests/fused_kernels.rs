@@ -674,46 +674,81 @@ fn bias_gelu_equals_the_composition() {
 }
 
 /// SwiGLU (`ModelBackend::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
-/// way) against the Burn compositions in f32, for f32 and f16 storage, on strided views read
-/// element by element and packed rows read as vectors, with f32 gates far into both tails of
-/// the sigmoid.
+/// way, with and without the projections' biases) against the Burn compositions in f32, for
+/// f32 and f16 storage, on strided views read element by element and packed rows read as
+/// vectors, with f32 gates far into both tails of the sigmoid. Under `Autodiff` the biases'
+/// gradients are the column sums of the inputs' gradients.
 #[test]
 fn swiglu_equals_the_composition() {
-    use burn_megatron::ops::swiglu::{swiglu_derivatives, swiglu_forward};
+    use burn_megatron::ops::swiglu::{add_swiglu_bias, swiglu_derivatives, swiglu_forward};
     let device = WgpuDevice::default();
     for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
         for (rows, cols, extra) in [(1, 1, 3), (7, 300, 5), (9, 256, 0), (33, 129, 1)] {
-            let view = |seed, scale| {
-                matrix(rows, cols + extra, seed, scale, &device)
-                    .cast(dtype)
-                    .narrow(1, 0, cols)
-            };
-            // f32 gates reach far into the sigmoid's tails; f16 ones stay where silu is
-            // representable (silu(-40) ≈ -2e-16 is below f16's smallest subnormal).
-            let gate_scale = if dtype == DType::F32 { 40.0 } else { 6.0 };
-            let (gate, up, grad) = (view(81, gate_scale), view(82, 2.0), view(83, 1.0));
-            let f32_of = |t: Tensor<W, 2>| t.cast(DType::F32);
-            let want = swiglu_forward(f32_of(gate.clone()), f32_of(up.clone()));
-            let [want_gate, want_up] = swiglu_derivatives(
-                f32_of(gate.clone()),
-                f32_of(up.clone()),
-                f32_of(grad.clone()),
-            );
-            let got = W::swiglu(gate.clone(), up.clone());
-            let [got_gate, got_up] = W::swiglu_backward(gate, up, grad);
-            let name = format!("{dtype:?} {rows}x{cols} (+{extra})");
-            for (what, got, want) in [
-                ("forward", got, want),
-                ("d_gate", got_gate, want_gate),
-                ("d_up", got_up, want_up),
-            ] {
-                assert_eq!(got.dtype(), dtype, "{what} {name}");
-                assert_close(
-                    &format!("{what} {name}"),
-                    &values(f32_of(got)),
-                    &values(want),
-                    bound,
+            for with_bias in [false, true] {
+                let view = |seed, scale| {
+                    matrix(rows, cols + extra, seed, scale, &device)
+                        .cast(dtype)
+                        .narrow(1, 0, cols)
+                };
+                // f32 gates reach far into the sigmoid's tails; f16 ones stay where silu is
+                // representable (silu(-40) ≈ -2e-16 is below f16's smallest subnormal).
+                let gate_scale = if dtype == DType::F32 { 40.0 } else { 6.0 };
+                let (gate, up, grad) = (view(81, gate_scale), view(82, 2.0), view(83, 1.0));
+                let bias = with_bias.then(|| {
+                    [
+                        vector(cols, 84, 0.5, &device).cast(dtype),
+                        vector(cols, 85, -0.5, &device).cast(dtype),
+                    ]
+                });
+                let f32_of = |t: Tensor<W, 2>| t.cast(DType::F32);
+                let bias32 = bias.clone().map(|b| b.map(|t| t.cast(DType::F32)));
+                let (gate32, up32) =
+                    add_swiglu_bias(f32_of(gate.clone()), f32_of(up.clone()), bias32);
+                let want = swiglu_forward(gate32.clone(), up32.clone());
+                let [want_gate, want_up] = swiglu_derivatives(gate32, up32, f32_of(grad.clone()));
+                let got = W::swiglu(gate.clone(), up.clone(), bias.clone());
+                let [got_gate, got_up] =
+                    W::swiglu_backward(gate.clone(), up.clone(), bias.clone(), grad.clone());
+                let name = format!("{dtype:?} {rows}x{cols} (+{extra}) bias {with_bias}");
+                for (what, got, want) in [
+                    ("forward", got, want),
+                    ("d_gate", got_gate.clone(), want_gate),
+                    ("d_up", got_up.clone(), want_up),
+                ] {
+                    assert_eq!(got.dtype(), dtype, "{what} {name}");
+                    assert_close(
+                        &format!("{what} {name}"),
+                        &values(f32_of(got)),
+                        &values(want),
+                        bound,
+                    );
+                }
+                let Some([gate_bias, up_bias]) = bias else {
+                    continue;
+                };
+                // The autodiff node: the biases' gradients are the column sums of d_gate, d_up.
+                type A = burn::backend::Autodiff<W>;
+                let tracked = |t: Tensor<W, 1>| Tensor::<A, 1>::from_inner(t).require_grad();
+                let (tracked_gate_bias, tracked_up_bias) = (tracked(gate_bias), tracked(up_bias));
+                let y = A::swiglu(
+                    Tensor::from_inner(gate),
+                    Tensor::from_inner(up),
+                    Some([tracked_gate_bias.clone(), tracked_up_bias.clone()]),
                 );
+                let grads = (y * Tensor::from_inner(grad)).sum().backward();
+                for (what, tracked, d) in [
+                    ("gate bias", tracked_gate_bias, got_gate),
+                    ("up bias", tracked_up_bias, got_up),
+                ] {
+                    let want = f32_of(d).sum_dim(0).squeeze_dim::<1>(0);
+                    let got = tracked.grad(&grads).expect("the bias has a gradient");
+                    assert_close(
+                        &format!("{what} gradient {name}"),
+                        &values(got.cast(DType::F32)),
+                        &values(want),
+                        bound,
+                    );
+                }
             }
         }
     }

@@ -1118,22 +1118,26 @@ fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
                     bound,
                 );
             }
-            // SwiGLU with x as the gate and another random matrix as `up`.
+            // Bias-SwiGLU with x as the gate, another random matrix as `up` and the bias as
+            // both biases.
             let up = Tensor::<Ours, 2>::from_data(data(&[rows, cols], 74), &device).cast(dtype);
+            let swiglu_bias = Some([bias.clone(), bias.clone()]);
+            let up_biased = f32_of(up.clone()) + bias.clone().cast(DType::F32).unsqueeze();
             let [want_gate, want_up] = burn_megatron::ops::swiglu::swiglu_derivatives(
-                f32_of(x.clone()),
-                f32_of(up.clone()),
+                biased.clone(),
+                up_biased.clone(),
                 f32_of(grad.clone()),
             );
-            let [got_gate, got_up] = Ours::swiglu_backward(x.clone(), up.clone(), grad.clone());
+            let [got_gate, got_up] =
+                Ours::swiglu_backward(x.clone(), up.clone(), swiglu_bias.clone(), grad.clone());
             for (what, got, want) in [
                 (
-                    "SwiGLU forward",
-                    Ours::swiglu(x.clone(), up.clone()),
-                    burn_megatron::ops::swiglu::swiglu_forward(f32_of(x.clone()), f32_of(up)),
+                    "bias-SwiGLU forward",
+                    Ours::swiglu(x.clone(), up.clone(), swiglu_bias),
+                    burn_megatron::ops::swiglu::swiglu_forward(biased.clone(), up_biased),
                 ),
-                ("SwiGLU d_gate", got_gate, want_gate),
-                ("SwiGLU d_up", got_up, want_up),
+                ("bias-SwiGLU d_gate", got_gate, want_gate),
+                ("bias-SwiGLU d_up", got_up, want_up),
             ] {
                 assert_close(
                     &name(what),

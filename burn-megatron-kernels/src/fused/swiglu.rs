@@ -1,9 +1,11 @@
-//! SwiGLU's element-wise part, `silu(gate) · up`, and its two gradients, each one kernel that
-//! reads and writes [`Vector`]s, in f32 whatever the storage dtype.
+//! SwiGLU's element-wise part with the projections' biases, `silu(gate + b_g) · (up + b_u)`,
+//! and its two gradients, each one kernel that reads and writes [`Vector`]s, in f32 whatever
+//! the storage dtype.
 //!
 //! The Burn composition reads and writes `[tokens, ffn]` tensors about five times forward and
-//! eight times backward; here the forward reads `gate` and `up` once and writes once, the
-//! backward reads `gate`, `up` and `dy` once and writes `d_gate` and `d_up` once.
+//! eight times backward (two more each with the bias adds); here the forward reads `gate` and
+//! `up` once and writes once, the backward reads `gate`, `up` and `dy` once and writes `d_gate`
+//! and `d_up` once. The biases' gradients are the caller's column sums of `d_gate` and `d_up`.
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
@@ -19,18 +21,39 @@ fn sigmoid(x: f32) -> f32 {
     f32::new(1.0) / (f32::new(1.0) + (-x).exp())
 }
 
+/// `x + bias` at (row, vector), in f32.
+#[cube]
+fn biased<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
+    row: usize,
+    vector: usize,
+    #[comptime] has_bias: bool,
+) -> Vector<f32, N> {
+    let width = N::value();
+    let mut v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]);
+    if has_bias {
+        v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
+    }
+    v
+}
+
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn forward_kernel<F: Float, N: Size>(
     gate: &Tensor<Vector<F, N>>,
     up: &Tensor<Vector<F, N>>,
+    gate_bias: &Tensor<Vector<F, N>>,
+    up_bias: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_row: u32,
+    #[comptime] has_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let (row, vector) = vector_position(rows, vectors_per_row);
-    let g = Vector::<f32, N>::cast_from(gate[vector_offset::<F, N>(gate, row, vector)]);
-    let u = Vector::<f32, N>::cast_from(up[vector_offset::<F, N>(up, row, vector)]);
+    let g = biased::<F, N>(gate, gate_bias, row, vector, has_bias);
+    let u = biased::<F, N>(up, up_bias, row, vector, has_bias);
     let mut y = Vector::<f32, N>::empty();
     #[unroll]
     for k in 0..N::value() {
@@ -44,16 +67,19 @@ fn forward_kernel<F: Float, N: Size>(
 fn backward_kernel<F: Float, N: Size>(
     gate: &Tensor<Vector<F, N>>,
     up: &Tensor<Vector<F, N>>,
+    gate_bias: &Tensor<Vector<F, N>>,
+    up_bias: &Tensor<Vector<F, N>>,
     grad: &Tensor<Vector<F, N>>,
     grad_gate: &mut Tensor<Vector<F, N>>,
     grad_up: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_row: u32,
+    #[comptime] has_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let (row, vector) = vector_position(rows, vectors_per_row);
-    let g = Vector::<f32, N>::cast_from(gate[vector_offset::<F, N>(gate, row, vector)]);
-    let u = Vector::<f32, N>::cast_from(up[vector_offset::<F, N>(up, row, vector)]);
+    let g = biased::<F, N>(gate, gate_bias, row, vector, has_bias);
+    let u = biased::<F, N>(up, up_bias, row, vector, has_bias);
     let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
     let mut dg = Vector::<f32, N>::empty();
     let mut du = Vector::<f32, N>::empty();
@@ -67,9 +93,31 @@ fn backward_kernel<F: Float, N: Size>(
     grad_up[vector_offset::<F, N>(grad_up, row, vector)] = Vector::cast_from(du);
 }
 
-/// `silu(gate) · up` for `gate, up: [tokens, features]` (any strides, one float dtype); the
-/// output has `gate`'s shape and dtype.
-pub fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+/// The biases of the gate and up projections, `[features]` each, of `gate`'s dtype.
+#[derive(Debug, Clone)]
+pub struct Biases<R: CubeRuntime> {
+    pub gate: CubeTensor<R>,
+    pub up: CubeTensor<R>,
+}
+
+/// The kernels' bias arguments: the biases, or `like` twice as unread placeholders.
+fn bias_args<R: CubeRuntime>(
+    bias: Option<Biases<R>>,
+    like: &CubeTensor<R>,
+) -> (bool, CubeTensor<R>, CubeTensor<R>) {
+    match bias {
+        Some(b) => (true, b.gate, b.up),
+        None => (false, like.clone(), like.clone()),
+    }
+}
+
+/// `silu(gate + b_g) · (up + b_u)` for `gate, up: [tokens, features]` (any strides, one float
+/// dtype) and optional biases; the output has `gate`'s shape and dtype.
+pub fn forward<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    bias: Option<Biases<R>>,
+) -> CubeTensor<R> {
     let (rows, cols) = rows_cols(gate.meta.shape(), "SwiGLU");
     assert_eq!(
         gate.meta.shape(),
@@ -80,7 +128,8 @@ pub fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTe
     if rows * cols == 0 {
         return output;
     }
-    let width = vector_width(&[&gate, &up, &output]);
+    let (has_bias, gate_bias, up_bias) = bias_args(bias, &gate);
+    let width = vector_width(&[&gate, &up, &gate_bias, &up_bias, &output]);
     let dtype = gate.dtype.into();
     forward_kernel::launch::<R>(
         &gate.client.clone(),
@@ -89,20 +138,25 @@ pub fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTe
         width,
         gate.into_tensor_arg(),
         up.into_tensor_arg(),
+        gate_bias.into_tensor_arg(),
+        up_bias.into_tensor_arg(),
         output.clone().into_tensor_arg(),
         rows as u32,
         (cols / width) as u32,
+        has_bias,
         dtype,
     );
     output
 }
 
 /// `[d_gate, d_up]` of [`forward`] given its output's gradient `grad` (`gate`'s shape and
-/// dtype, any strides): `grad · up · σ(gate) · (1 + gate · (1 - σ(gate)))` and
-/// `grad · silu(gate)`.
+/// dtype, any strides): with `g = gate + b_g`, `u = up + b_u`,
+/// `grad · u · σ(g) · (1 + g · (1 - σ(g)))` and `grad · silu(g)`. Summed over the tokens
+/// they are the biases' gradients.
 pub fn backward<R: CubeRuntime>(
     gate: CubeTensor<R>,
     up: CubeTensor<R>,
+    bias: Option<Biases<R>>,
     grad: CubeTensor<R>,
 ) -> [CubeTensor<R>; 2] {
     let (rows, cols) = rows_cols(gate.meta.shape(), "SwiGLU");
@@ -110,7 +164,10 @@ pub fn backward<R: CubeRuntime>(
     if rows * cols == 0 {
         return [grad_gate, grad_up];
     }
-    let width = vector_width(&[&gate, &up, &grad, &grad_gate, &grad_up]);
+    let (has_bias, gate_bias, up_bias) = bias_args(bias, &gate);
+    let width = vector_width(&[
+        &gate, &up, &gate_bias, &up_bias, &grad, &grad_gate, &grad_up,
+    ]);
     let dtype = gate.dtype.into();
     backward_kernel::launch::<R>(
         &gate.client.clone(),
@@ -119,11 +176,14 @@ pub fn backward<R: CubeRuntime>(
         width,
         gate.into_tensor_arg(),
         up.into_tensor_arg(),
+        gate_bias.into_tensor_arg(),
+        up_bias.into_tensor_arg(),
         grad.into_tensor_arg(),
         grad_gate.clone().into_tensor_arg(),
         grad_up.clone().into_tensor_arg(),
         rows as u32,
         (cols / width) as u32,
+        has_bias,
         dtype,
     );
     [grad_gate, grad_up]

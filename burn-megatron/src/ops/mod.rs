@@ -18,7 +18,8 @@
 //!   shift.
 //! - [`mod@rope`]: rotary position embeddings on the packed QKV, f32 angles, one kernel each
 //!   way.
-//! - [`mod@swiglu`]: `silu(gate) · up`, with a sigmoid that keeps f64.
+//! - [`mod@swiglu`]: `silu(gate + b_g) · (up + b_u)` (bias-SwiGLU), with a sigmoid that keeps
+//!   f64.
 
 pub mod causal_softmax;
 pub mod cross_entropy;
@@ -34,4 +35,4 @@ pub mod swiglu;
 pub use dropout::DropoutMask;
 pub use gelu::{GeluForm, bias_gelu, gelu};
 pub use norm::{NormKind, norm};
-pub use swiglu::{sigmoid, swiglu};
+pub use swiglu::{bias_swiglu, sigmoid, swiglu};

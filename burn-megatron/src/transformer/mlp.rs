@@ -9,7 +9,7 @@ use super::config::{Activation, TransformerConfig};
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
-use crate::ops::{GeluForm, bias_gelu, swiglu};
+use crate::ops::{GeluForm, bias_gelu, bias_swiglu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, Placements,
     RowParallelLinear, RowParallelLinearConfig,
@@ -19,7 +19,8 @@ use crate::tensor_parallel::{
 /// features (no communication), and a row-parallel down-projection.
 ///
 /// GeLU takes `fc1`'s bias with it (Megatron's bias-GeLU: `fc1` skips the bias add), through
-/// [`bias_gelu`]; SwiGLU's product goes through [`swiglu()`]. Both have exact backwards.
+/// [`bias_gelu`]; SwiGLU takes the gate's and `fc1`'s biases the same way, through
+/// [`bias_swiglu`]. Both have exact backwards.
 ///
 /// SwiGLU's gate and up projections are two layers rather than one fused weight, so that each
 /// has a layout-independent initialisation and a plain column split.
@@ -79,7 +80,16 @@ impl<B: ModelBackend> ParallelMlp<B> {
     /// parallelism).
     pub fn try_forward(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
         let hidden = match (&self.gate, self.gelu) {
-            (Some(gate), _) => swiglu(gate.try_forward(x.clone())?, self.fc1.try_forward(x)?),
+            (Some(gate), _) => {
+                let (g, gate_bias) = gate.try_forward_skip_bias(x.clone())?;
+                let (u, up_bias) = self.fc1.try_forward_skip_bias(x)?;
+                let bias = match (gate_bias, up_bias) {
+                    (Some(gate_bias), Some(up_bias)) => Some([gate_bias, up_bias]),
+                    (None, None) => None,
+                    _ => unreachable!("`new` gives the gate and fc1 the same bias setting"),
+                };
+                bias_swiglu(g, u, bias)
+            }
             (None, Some(form)) => {
                 let (h, bias) = self.fc1.try_forward_skip_bias(x)?;
                 bias_gelu(h, bias, form)
