@@ -204,12 +204,40 @@ def dropout_rope_and_padded_softmax():
                    time_ms(lambda: fn(s)))
 
 
+def bias_swiglu():
+    rows, columns = 16_384, 4096
+    for dtype in [torch.bfloat16, torch.float32]:
+        size = torch.finfo(dtype).bits // 8
+        name = "BF16" if dtype == torch.bfloat16 else "F32"
+        gate, up = (torch.randn(rows, columns, device="cuda", dtype=dtype) for _ in range(2))
+        bg, bu = (torch.randn(columns, device="cuda", dtype=dtype) * 0.1 for _ in range(2))
+
+        def swiglu(g, u, bg, bu):
+            return F.silu(g + bg) * (u + bu)
+
+        elements = rows * columns
+        for label, fn in [("eager", swiglu), ("compile", torch.compile(swiglu))]:
+            report(f"torch {name} bias-SwiGLU forward, {label}, {rows}x{columns}",
+                   3 * elements * size, time_ms(lambda: fn(gate, up, bg, bu)))
+            tensors = [t.detach().requires_grad_(True) for t in (gate, up, bg, bu)]
+            grad = torch.randn_like(gate)
+
+            def step():
+                for t in tensors:
+                    t.grad = None
+                fn(*tensors).backward(grad)
+
+            report(f"torch {name} bias-SwiGLU fwd+bwd (with bias grads), {label}, {rows}x{columns}",
+                   8 * elements * size, time_ms(step))
+
+
 if __name__ == "__main__":
     # Sections by name (all without arguments), e.g. `python3 bench/torch_kernels.py
     # dropout_rope_and_padded_softmax`.
     import sys
 
-    sections = [main, causal_softmax, norm_gelu_and_bias_gradient, dropout_rope_and_padded_softmax]
+    sections = [main, causal_softmax, norm_gelu_and_bias_gradient, dropout_rope_and_padded_softmax,
+                bias_swiglu]
     wanted = sys.argv[1:]
     for section in sections:
         if not wanted or section.__name__ in wanted:

@@ -1166,6 +1166,170 @@ fn norm_kernels_equal_exact_f64_values() {
 
 /// `dscale` and `dshift` come from a fixed-order two-stage sum, not atomics: two runs on the
 /// same inputs give the same bits (1000 rows: 32 blocks of partial sums).
+/// Every shape of the column sums' two stages (`ColumnSumLayout`: row lanes, loads in flight,
+/// block sizes, second-stage lanes; `kernel_bench column_sum_layouts` picks the default among
+/// them) gives the exact sums of `dy` and of `dy · x̂`, on strided views, with blocks that end
+/// inside a group of loads, with columns past the last cube's, and with no rows.
+#[test]
+fn column_sum_layouts_all_give_the_exact_sums() {
+    use burn_megatron_kernels::fused::column_sum::{
+        ColumnSumLayout, Normalised, column_sums_into_with,
+    };
+    let device = WgpuDevice::default();
+    let layouts = [
+        ColumnSumLayout::default(),
+        ColumnSumLayout {
+            column_vectors: 32,
+            row_lanes: 8,
+            loads_in_flight: 4,
+            min_rows_per_block: 8,
+            max_blocks: 512,
+            total_columns: 16,
+            total_lanes: 16,
+        },
+        ColumnSumLayout {
+            column_vectors: 64,
+            row_lanes: 4,
+            loads_in_flight: 2,
+            min_rows_per_block: 128,
+            max_blocks: 4,
+            total_columns: 4,
+            total_lanes: 64,
+        },
+        ColumnSumLayout {
+            column_vectors: 16,
+            row_lanes: 2,
+            loads_in_flight: 3,
+            min_rows_per_block: 7,
+            max_blocks: 512,
+            total_columns: 32,
+            total_lanes: 8,
+        },
+    ];
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for (rows, cols, extra) in [(0, 8, 0), (1, 1, 0), (70, 300, 3), (1000, 260, 0)] {
+            let dy = matrix(rows, cols + extra, 62, 2.0, &device)
+                .cast(dtype)
+                .narrow(1, 0, cols);
+            let x = matrix(rows, cols, 63, 3.0, &device).cast(dtype);
+            let mean = vector(rows, 64, 0.5, &device);
+            let rstd = vector(rows, 65, 1.5, &device);
+            let (dy_v, x_v) = (values(dy.clone()), values(x.clone()));
+            let (mean_v, rstd_v) = (values(mean.clone()), values(rstd.clone()));
+            let mut exact_dy = vec![0.0f64; cols];
+            let mut exact_dyx = vec![0.0f64; cols];
+            for (i, g) in dy_v.iter().enumerate() {
+                let (row, col) = (i / cols, i % cols);
+                exact_dy[col] += g;
+                exact_dyx[col] += g * (x_v[i] - mean_v[row]) * rstd_v[row];
+            }
+            for (l, layout) in layouts.iter().enumerate() {
+                let name = format!("{dtype:?} {rows}x{cols} (+{extra}) layout {l}");
+                let poisoned = || raw(Tensor::<W, 1>::full([cols], f32::NAN, &device));
+                let (sum_dy, sum_dyx) = (poisoned(), poisoned());
+                let normalised = Normalised {
+                    x: raw(x.clone()),
+                    mean: raw(mean.clone()),
+                    rstd: raw(rstd.clone()),
+                    centred: true,
+                };
+                column_sums_into_with(
+                    *layout,
+                    raw(dy.clone()),
+                    Some(normalised),
+                    Some(sum_dy.clone()),
+                    Some(sum_dyx.clone()),
+                );
+                assert_close(
+                    &format!("Σ dy {name}"),
+                    &values(wrap::<1>(sum_dy)),
+                    &exact_dy,
+                    bound,
+                );
+                assert_close(
+                    &format!("Σ dy·x̂ {name}"),
+                    &values(wrap::<1>(sum_dyx)),
+                    &exact_dyx,
+                    bound,
+                );
+            }
+        }
+    }
+}
+
+/// The norm backward's work layouts (`NormBackwardLayout`: elements a thread, blocks, the next
+/// row prefetched or not) give the default layout's gradients, with the last block ending
+/// inside the rows and rows shorter than a thread group.
+#[test]
+fn norm_backward_layouts_agree() {
+    use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
+    let device = WgpuDevice::default();
+    let layouts = [
+        NormBackwardLayout {
+            prefetch: true,
+            ..NormBackwardLayout::default()
+        },
+        NormBackwardLayout {
+            bytes_per_thread: 16,
+            target_threads: 1 << 10,
+            rows_per_block: (3, 5),
+            prefetch: true,
+            ..NormBackwardLayout::default()
+        },
+        NormBackwardLayout {
+            bytes_per_thread: 64,
+            target_threads: 1 << 12,
+            rows_per_block: (1, 200),
+            prefetch: false,
+            ..NormBackwardLayout::default()
+        },
+    ];
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for (rows, hidden) in [(1, 3), (37, 7), (301, 300), (9, 4099)] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                let x = matrix(rows, hidden, 66, 3.0, &device).cast(dtype);
+                let grad = matrix(rows, hidden, 67, 1.0, &device).cast(dtype);
+                let scale = vector(hidden, 68, 1.0, &device).cast(dtype);
+                let stats = norm::forward(raw(x.clone()), raw(scale.clone()), None, kind, 1e-5);
+                let run = |layout: NormBackwardLayout| {
+                    let g = norm::backward_with(
+                        layout,
+                        raw(x.clone()),
+                        raw(scale.clone()),
+                        stats.mean.clone(),
+                        stats.rstd.clone(),
+                        raw(grad.clone()),
+                        kind,
+                        true,
+                    );
+                    [
+                        values(wrap::<2>(g.x).cast(DType::F32)),
+                        values(wrap::<1>(g.scale)),
+                        values(wrap::<1>(g.shift.expect("asked for"))),
+                    ]
+                };
+                let want = run(NormBackwardLayout::default());
+                for (l, layout) in layouts.iter().enumerate() {
+                    let got = run(*layout);
+                    for (what, got, want) in ["dx", "dscale", "dshift"]
+                        .iter()
+                        .zip(&got)
+                        .zip(&want)
+                        .map(|((w, g), v)| (w, g, v))
+                    {
+                        assert_close(
+                            &format!("{what} {kind:?} {dtype:?} {rows}x{hidden} layout {l}"),
+                            got,
+                            want,
+                            bound,
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn norm_parameter_gradients_are_deterministic() {
     use burn_megatron::ops::NormKind;

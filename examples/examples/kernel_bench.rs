@@ -60,8 +60,11 @@ type Section = (&'static str, fn(&CudaGpu));
 fn main() {
     let device = CudaGpu::new(0);
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [Section; 5] = [
+    let sections: [Section; 8] = [
         ("cross_entropy", cross_entropy),
+        ("column_sum_layouts", column_sum_layouts),
+        ("norm_backward_layouts", norm_backward_layouts),
+        ("bias_swiglu", bias_swiglu),
         ("causal_softmax", causal_softmax),
         ("embedding_gradient", embedding_gradient),
         ("norm_gelu_and_bias_gradient", norm_gelu_and_bias_gradient),
@@ -422,5 +425,213 @@ fn norm_gelu_and_bias_gradient(device: &CudaGpu) {
                 time(device, || dh.clone().sum_dim(0)),
             );
         }
+    }
+}
+
+/// The column sums' stage shapes (`ColumnSumLayout`) at the model's bias widths, against the
+/// default layout and Burn's `sum_dim`: what picks the default.
+fn column_sum_layouts(device: &CudaGpu) {
+    use burn_megatron_kernels::fused::column_sum::{ColumnSumLayout, column_sum_with};
+    let rows = 16_384;
+    let mut layouts = vec![ColumnSumLayout::default()];
+    for (column_vectors, row_lanes) in [(32, 8), (64, 4), (32, 4), (128, 2), (64, 2)] {
+        for loads_in_flight in [1, 2, 4] {
+            for (min_rows_per_block, max_blocks) in [(32, 512), (64, 256), (128, 128)] {
+                for total_lanes in [16, 64] {
+                    layouts.push(ColumnSumLayout {
+                        column_vectors,
+                        row_lanes,
+                        loads_in_flight,
+                        min_rows_per_block,
+                        max_blocks,
+                        total_columns: 256 / total_lanes,
+                        total_lanes,
+                    });
+                }
+            }
+        }
+    }
+    for (column_vectors, loads_in_flight) in [(128, 2), (128, 4), (64, 1), (64, 4)] {
+        for (min_rows_per_block, max_blocks) in [(32, 512), (64, 256)] {
+            layouts.push(ColumnSumLayout {
+                column_vectors,
+                row_lanes: 1,
+                loads_in_flight,
+                min_rows_per_block,
+                max_blocks,
+                ..ColumnSumLayout::default()
+            });
+        }
+    }
+    for dtype in [DType::BF16, DType::F32] {
+        for columns in [4096, 768, 2304, 3072] {
+            let dy =
+                Tensor::<B, 2>::random([rows, columns], Distribution::Normal(0.0, 1.0), device)
+                    .cast(dtype);
+            let bytes = rows * columns * dtype.size();
+            report(
+                &format!("{dtype:?} copy (x + 1), {rows}x{columns}"),
+                2 * bytes,
+                time(device, || dy.clone().add_scalar(1.0)),
+            );
+            report(
+                &format!("{dtype:?} Burn sum_dim(0), {rows}x{columns}"),
+                bytes,
+                time(device, || dy.clone().sum_dim(0)),
+            );
+            let raw = dy.clone().into_primitive().tensor();
+            let mut best = (f64::MAX, 0);
+            for (i, layout) in layouts.iter().enumerate() {
+                let took = time(device, || column_sum_with(*layout, raw.clone(), DType::F32));
+                if took.as_secs_f64() < best.0 {
+                    best = (took.as_secs_f64(), i);
+                }
+                report(
+                    &format!("{dtype:?} column sums {rows}x{columns} layout {i}"),
+                    bytes,
+                    took,
+                );
+            }
+            println!(
+                "BEST {dtype:?} {columns}: layout {} {:?}",
+                best.1, layouts[best.1]
+            );
+        }
+    }
+    for (i, layout) in layouts.iter().enumerate() {
+        println!("layout {i}: {layout:?}");
+    }
+}
+
+/// The LayerNorm backward's work layouts (`NormBackwardLayout`) at GPT-2's and a 1B model's
+/// widths: what picks the default.
+fn norm_backward_layouts(device: &CudaGpu) {
+    use burn_megatron_kernels::fused::column_sum::ColumnSumLayout;
+    use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
+    let rows = 16_384;
+    let mut layouts = vec![NormBackwardLayout::default()];
+    for prefetch in [false, true] {
+        for bytes_per_thread in [16, 32, 64] {
+            for target_threads in [1 << 16, 1 << 17, 1 << 18] {
+                for rows_per_block in [(16, 64), (8, 32), (32, 128)] {
+                    layouts.push(NormBackwardLayout {
+                        bytes_per_thread,
+                        target_threads,
+                        rows_per_block,
+                        prefetch,
+                        totals: ColumnSumLayout::default(),
+                    });
+                }
+            }
+        }
+    }
+    for dtype in [DType::BF16, DType::F32] {
+        for hidden in [4096, 768, 2048] {
+            let random = |shape: [usize; 2]| {
+                Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+            };
+            let (x, grad) = (random([rows, hidden]), random([rows, hidden]));
+            let scale = Tensor::<B, 1>::random([hidden], Distribution::Normal(1.0, 0.1), device)
+                .cast(dtype);
+            let bytes = rows * hidden * dtype.size();
+            report(
+                &format!("{dtype:?} copy (x + 1), {rows}x{hidden}"),
+                2 * bytes,
+                time(device, || x.clone().add_scalar(1.0)),
+            );
+            let raw = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
+            let stats = norm::forward(
+                raw(&x),
+                scale.clone().into_primitive().tensor(),
+                None,
+                Kind::LayerNorm,
+                1e-5,
+            );
+            let mut best = (f64::MAX, 0);
+            for (i, layout) in layouts.iter().enumerate() {
+                let took = time(device, || {
+                    norm::backward_with(
+                        *layout,
+                        raw(&x),
+                        scale.clone().into_primitive().tensor(),
+                        stats.mean.clone(),
+                        stats.rstd.clone(),
+                        raw(&grad),
+                        Kind::LayerNorm,
+                        true,
+                    )
+                });
+                if took.as_secs_f64() < best.0 {
+                    best = (took.as_secs_f64(), i);
+                }
+                report(
+                    &format!("{dtype:?} LayerNorm backward {rows}x{hidden} layout {i}"),
+                    3 * bytes,
+                    took,
+                );
+            }
+            println!(
+                "BEST {dtype:?} {hidden}: layout {} {:?}",
+                best.1, layouts[best.1]
+            );
+        }
+    }
+    for (i, layout) in layouts.iter().enumerate() {
+        println!("layout {i}: {layout:?}");
+    }
+}
+
+/// Bias-SwiGLU forward and backward (one kernel each) against the Burn composition, at a 1B
+/// Llama's MLP width with biases.
+fn bias_swiglu(device: &CudaGpu) {
+    use burn_megatron::ops::swiglu::{add_swiglu_bias, swiglu_derivatives, swiglu_forward};
+    let (rows, columns) = (16_384, 4096);
+    for dtype in [DType::BF16, DType::F32] {
+        let random = |shape: [usize; 2]| {
+            Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+        };
+        let vector = || {
+            Tensor::<B, 1>::random([columns], Distribution::Normal(0.0, 0.1), device).cast(dtype)
+        };
+        let (gate, up, grad) = (
+            random([rows, columns]),
+            random([rows, columns]),
+            random([rows, columns]),
+        );
+        let bias = Some([vector(), vector()]);
+        let bytes = rows * columns * dtype.size();
+        report(
+            &format!("{dtype:?} copy (x + 1), {rows}x{columns}"),
+            2 * bytes,
+            time(device, || gate.clone().add_scalar(1.0)),
+        );
+        report(
+            &format!("{dtype:?} bias-SwiGLU forward, fused, {rows}x{columns}"),
+            3 * bytes,
+            time(device, || B::swiglu(gate.clone(), up.clone(), bias.clone())),
+        );
+        report(
+            &format!("{dtype:?} bias-SwiGLU backward, fused, {rows}x{columns}"),
+            5 * bytes,
+            time(device, || {
+                B::swiglu_backward(gate.clone(), up.clone(), bias.clone(), grad.clone())
+            }),
+        );
+        report(
+            &format!("{dtype:?} bias-SwiGLU forward, Burn ops, {rows}x{columns}"),
+            3 * bytes,
+            time(device, || {
+                let (g, u) = add_swiglu_bias(gate.clone(), up.clone(), bias.clone());
+                swiglu_forward(g, u)
+            }),
+        );
+        report(
+            &format!("{dtype:?} bias-SwiGLU backward, Burn ops, {rows}x{columns}"),
+            5 * bytes,
+            time(device, || {
+                let (g, u) = add_swiglu_bias(gate.clone(), up.clone(), bias.clone());
+                swiglu_derivatives(g, u, grad.clone())
+            }),
+        );
     }
 }

@@ -4,10 +4,14 @@
 //!
 //! Two stages, each in a fixed order, so the same inputs give the same bits on every run:
 //! 1. [`partials_kernel`]: cube `(i, b)` sums rows `b · rows_per_block ..` of a span of
-//!    columns, one [`Vector`] of columns a thread (coalesced 16-byte loads in bf16), into row
-//!    `b` of a `[blocks, columns]` f32 buffer.
-//! 2. [`total_kernel`]: each column's blocks, in [`SUM_LANES`] interleaved lanes, then the lanes
-//!    in order; written in the output's dtype.
+//!    columns into row `b` of a `[blocks, columns]` f32 buffer. A thread holds one [`Vector`]
+//!    of columns (coalesced 16-byte loads in bf16) and one of `row_lanes` interleaved lanes of
+//!    the block's rows, with `loads_in_flight` rows loaded before they are added (the stage is
+//!    bound by load latency otherwise); the lanes are then added in order.
+//! 2. [`total_kernel`]: each column's blocks, in `lanes` interleaved lanes, then the lanes in
+//!    order; written in the output's dtype.
+//!
+//! [`ColumnSumLayout`] holds these shapes; `kernel_bench column_sum_layouts` measures them.
 //!
 //! The norms' backward writes its stage-one partials itself, next to `dx`, and calls
 //! [`totals_into`].
@@ -20,19 +24,56 @@ use cubecl::prelude::*;
 
 use super::vectors::vector_width;
 
-/// Threads per cube of the first stage.
-const PARTIAL_THREADS: u32 = 128;
-/// Rows per block of the first stage, at least; more when there would be more than
-/// [`MAX_BLOCKS`] blocks.
-const MIN_ROWS_PER_BLOCK: usize = 32;
-/// At most this many partial sums per column.
-const MAX_BLOCKS: usize = 512;
-/// Columns per cube of the second stage.
-const SUM_COLUMNS: u32 = 4;
-/// Threads per column of the second stage: each sums every `SUM_LANES`-th block, so a lane
-/// waits on at most `MAX_BLOCKS / SUM_LANES` loads in a row (at 16 lanes, 32 loads made the
-/// stage latency-bound: 12 µs a launch on the H100).
-pub const SUM_LANES: u32 = 64;
+/// The shapes of the two stages. The default is the fastest measured on an H100
+/// (`kernel_bench column_sum_layouts`); the result's bits depend on the layout, never on the
+/// run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ColumnSumLayout {
+    /// Column vectors per cube of the first stage (`CUBE_DIM_X`).
+    pub column_vectors: u32,
+    /// Threads per column vector of the first stage (`CUBE_DIM_Y`), each summing every
+    /// `row_lanes`-th row of the block.
+    pub row_lanes: u32,
+    /// Rows a first-stage thread loads before adding them.
+    pub loads_in_flight: u32,
+    /// Rows per block of the first stage, at least; more when there would be more than
+    /// `max_blocks` blocks.
+    pub min_rows_per_block: usize,
+    /// Partial sums per column, at most.
+    pub max_blocks: usize,
+    /// Columns per cube of the second stage.
+    pub total_columns: u32,
+    /// Threads per column of the second stage, each summing every `total_lanes`-th block.
+    pub total_lanes: u32,
+}
+
+impl Default for ColumnSumLayout {
+    fn default() -> Self {
+        // Against the layout before the sweep (128 vectors, one load in flight, 32-row blocks,
+        // at most 512 blocks): bf16 16 384 × 4 096 in 0.074 ms instead of 0.085; the geometric
+        // mean over bf16 and f32 at 768 to 4 096 columns 1.04× the best layout's time at each
+        // size, the old one's 1.08× (2026-11-25).
+        Self {
+            column_vectors: 64,
+            row_lanes: 1,
+            loads_in_flight: 4,
+            min_rows_per_block: 64,
+            max_blocks: 256,
+            total_columns: 4,
+            total_lanes: 64,
+        }
+    }
+}
+
+impl ColumnSumLayout {
+    /// `(blocks, rows_per_block)` of the first stage over `rows` rows.
+    pub fn blocks(&self, rows: usize) -> (usize, usize) {
+        let rows_per_block = rows
+            .div_ceil(self.max_blocks.max(1))
+            .max(self.min_rows_per_block.max(1));
+        (rows.div_ceil(rows_per_block).max(1), rows_per_block)
+    }
+}
 
 /// The normalised input `x̂ = (x - mean) · rstd` of a norm, whose products with `dy` are summed
 /// next to `dy` itself (the scale and shift gradients).
@@ -48,6 +89,36 @@ pub struct Normalised<R: CubeRuntime> {
     pub centred: bool,
 }
 
+/// `dy` (and `dy · x̂`) of one row at this thread's columns, in f32, added to the totals.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_row<F: Float, N: Size>(
+    g: Vector<F, N>,
+    value: Vector<F, N>,
+    row: usize,
+    mean: &Tensor<f32>,
+    rstd: &Tensor<f32>,
+    total_dy: &mut Vector<f32, N>,
+    total_dyx: &mut Vector<f32, N>,
+    #[comptime] sum_dy: bool,
+    #[comptime] normalised: bool,
+    #[comptime] centred: bool,
+) {
+    let g = Vector::<f32, N>::cast_from(g);
+    if sum_dy {
+        *total_dy += g;
+    }
+    if normalised {
+        let mut mu = f32::new(0.0);
+        if centred {
+            mu = mean[row * mean.stride(0)];
+        }
+        let x_hat = (Vector::<f32, N>::cast_from(value) - Vector::new(mu))
+            * Vector::new(rstd[row * rstd.stride(0)]);
+        *total_dyx += g * x_hat;
+    }
+}
+
 /// Stage one: partial sums of `dy` (into `partial_dy`, when `sum_dy`) and of `dy · x̂` (into
 /// `partial_dyx`, when `normalised`).
 #[cube(launch)]
@@ -61,6 +132,7 @@ fn partials_kernel<F: Float, N: Size>(
     partial_dyx: &mut Tensor<Vector<f32, N>>,
     rows: u32,
     rows_per_block: u32,
+    #[comptime] layout: ColumnSumLayout,
     #[comptime] sum_dy: bool,
     #[comptime] normalised: bool,
     #[comptime] centred: bool,
@@ -68,9 +140,8 @@ fn partials_kernel<F: Float, N: Size>(
 ) {
     let width = N::value();
     let vector = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if vector >= dy.shape(1) / width {
-        terminate!();
-    }
+    // Threads past the last column still reach the lanes' barrier.
+    let active = vector < dy.shape(1) / width;
     // Element offsets to vector offsets: the vectorised axis has stride 1 whenever `width` is
     // above 1, and every other stride is a multiple of `width`.
     let column = vector * width;
@@ -80,51 +151,122 @@ fn partials_kernel<F: Float, N: Size>(
     if end > rows as usize {
         end = rows as usize;
     }
+    if !active {
+        end = start;
+    }
+    let lanes = comptime!(layout.row_lanes as usize);
+    let in_flight = comptime!(layout.loads_in_flight as usize);
     let mut total_dy = Vector::<f32, N>::new(0.0);
     let mut total_dyx = Vector::<f32, N>::new(0.0);
-    let mut row = start;
+    let mut gs = Array::<Vector<F, N>>::new(in_flight);
+    let mut xs = Array::<Vector<F, N>>::new(in_flight);
+    let mut row = start + UNIT_POS_Y as usize;
+    // Whole groups of `loads_in_flight` rows: every load first, then the adds in row order.
+    while row + (in_flight - 1) * lanes < end {
+        #[unroll]
+        for j in 0..in_flight {
+            let r = row + j * lanes;
+            gs[j] = dy[(r * dy.stride(0) + column * dy.stride(1)) / width];
+            if normalised {
+                xs[j] = x[(r * x.stride(0) + column * x.stride(1)) / width];
+            }
+        }
+        #[unroll]
+        for j in 0..in_flight {
+            let mut value = gs[j];
+            if normalised {
+                value = xs[j];
+            }
+            add_row::<F, N>(
+                gs[j],
+                value,
+                row + j * lanes,
+                mean,
+                rstd,
+                &mut total_dy,
+                &mut total_dyx,
+                sum_dy,
+                normalised,
+                centred,
+            );
+        }
+        row += in_flight * lanes;
+    }
     while row < end {
-        let g =
-            Vector::<f32, N>::cast_from(dy[(row * dy.stride(0) + column * dy.stride(1)) / width]);
+        let g = dy[(row * dy.stride(0) + column * dy.stride(1)) / width];
+        let mut value = g;
+        if normalised {
+            value = x[(row * x.stride(0) + column * x.stride(1)) / width];
+        }
+        add_row::<F, N>(
+            g,
+            value,
+            row,
+            mean,
+            rstd,
+            &mut total_dy,
+            &mut total_dyx,
+            sum_dy,
+            normalised,
+            centred,
+        );
+        row += lanes;
+    }
+    if lanes > 1 {
+        // The lanes' totals, added in lane order by lane 0.
+        let slots = comptime!((layout.row_lanes * layout.column_vectors) as usize);
+        let mut shared_dy = SharedMemory::<Vector<f32, N>>::new(slots);
+        let mut shared_dyx = SharedMemory::<Vector<f32, N>>::new(slots);
+        let slot = UNIT_POS_Y as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
         if sum_dy {
-            total_dy += g;
+            shared_dy[slot] = total_dy;
         }
         if normalised {
-            let mut mu = f32::new(0.0);
-            if centred {
-                mu = mean[row * mean.stride(0)];
-            }
-            let value =
-                Vector::<f32, N>::cast_from(x[(row * x.stride(0) + column * x.stride(1)) / width]);
-            let x_hat = (value - Vector::new(mu)) * Vector::new(rstd[row * rstd.stride(0)]);
-            total_dyx += g * x_hat;
+            shared_dyx[slot] = total_dyx;
         }
-        row += 1;
+        sync_cube();
+        if UNIT_POS_Y == 0 {
+            total_dy = Vector::new(0.0);
+            total_dyx = Vector::new(0.0);
+            #[unroll]
+            for l in 0..lanes {
+                let slot = l * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+                if sum_dy {
+                    total_dy += shared_dy[slot];
+                }
+                if normalised {
+                    total_dyx += shared_dyx[slot];
+                }
+            }
+        }
     }
-    if sum_dy {
-        partial_dy[(block * partial_dy.stride(0) + column * partial_dy.stride(1)) / width] =
-            total_dy;
-    }
-    if normalised {
-        partial_dyx[(block * partial_dyx.stride(0) + column * partial_dyx.stride(1)) / width] =
-            total_dyx;
+    if active && UNIT_POS_Y == 0 {
+        if sum_dy {
+            partial_dy[(block * partial_dy.stride(0) + column * partial_dy.stride(1)) / width] =
+                total_dy;
+        }
+        if normalised {
+            partial_dyx[(block * partial_dyx.stride(0) + column * partial_dyx.stride(1)) / width] =
+                total_dyx;
+        }
     }
 }
 
-/// Stage two: lane `l` of a column sums blocks `l, l + SUM_LANES, …` in order, then lane 0
-/// adds the lanes in order and writes the total in `O`.
+/// Stage two: lane `l` of a column sums blocks `l, l + lanes, …` in order, then lane 0 adds
+/// the lanes in order and writes the total in `O`.
 #[cube(launch)]
 fn total_kernel<O: Float>(
     partial: &Tensor<f32>,
     total: &mut Tensor<O>,
     blocks: u32,
     columns: u32,
+    #[comptime] slots: u32,
     #[define(O)] _dtype: StorageType,
 ) {
     let col = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
     let lane = UNIT_POS_Y as usize;
     let lanes = CUBE_DIM_Y as usize;
-    let mut lane_sums = SharedMemory::<f32>::new((SUM_COLUMNS * SUM_LANES) as usize);
+    let mut lane_sums = SharedMemory::<f32>::new(comptime!(slots as usize));
     let slot = UNIT_POS_X as usize * lanes;
     let mut sum = f32::new(0.0);
     if col < columns as usize {
@@ -147,12 +289,6 @@ fn total_kernel<O: Float>(
     }
 }
 
-/// `(blocks, rows_per_block)` of the first stage.
-fn blocks(rows: usize) -> (usize, usize) {
-    let rows_per_block = rows.div_ceil(MAX_BLOCKS).max(MIN_ROWS_PER_BLOCK);
-    (rows.div_ceil(rows_per_block).max(1), rows_per_block)
-}
-
 fn buffer<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
     empty_device_contiguous_dtype::<R>(like.client.clone(), like.device.clone(), shape, dtype)
 }
@@ -161,6 +297,17 @@ fn buffer<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> C
 /// `sum_dy` (when given) and of `dy · x̂` into `sum_dyx` (when `normalised` is given): both
 /// `[columns]`, any float dtype, any stride.
 pub fn column_sums_into<R: CubeRuntime>(
+    dy: CubeTensor<R>,
+    normalised: Option<Normalised<R>>,
+    sum_dy: Option<CubeTensor<R>>,
+    sum_dyx: Option<CubeTensor<R>>,
+) {
+    column_sums_into_with(ColumnSumLayout::default(), dy, normalised, sum_dy, sum_dyx);
+}
+
+/// [`column_sums_into`] with the stages shaped by `layout`.
+pub fn column_sums_into_with<R: CubeRuntime>(
+    layout: ColumnSumLayout,
     dy: CubeTensor<R>,
     normalised: Option<Normalised<R>>,
     sum_dy: Option<CubeTensor<R>>,
@@ -178,7 +325,7 @@ pub fn column_sums_into<R: CubeRuntime>(
         return;
     }
     let client = dy.client.clone();
-    let (blocks, rows_per_block) = blocks(rows);
+    let (blocks, rows_per_block) = layout.blocks(rows);
     let partial_dy = sum_dy
         .as_ref()
         .map(|_| buffer(&dy, Shape::new([blocks, columns]), DType::F32));
@@ -200,12 +347,12 @@ pub fn column_sums_into<R: CubeRuntime>(
         }
         vector_width(&tensors)
     };
-    let cubes = (columns / width).div_ceil(PARTIAL_THREADS as usize) as u32;
+    let cubes = (columns / width).div_ceil(layout.column_vectors as usize) as u32;
     if rows > 0 {
         partials_kernel::launch::<R>(
             &client,
             CubeCount::Static(cubes, blocks as u32, 1),
-            CubeDim::new_1d(PARTIAL_THREADS),
+            CubeDim::new_2d(layout.column_vectors, layout.row_lanes),
             width,
             dy.clone().into_tensor_arg(),
             x.into_tensor_arg(),
@@ -221,6 +368,7 @@ pub fn column_sums_into<R: CubeRuntime>(
                 .into_tensor_arg(),
             rows as u32,
             rows_per_block as u32,
+            layout,
             partial_dy.is_some(),
             normalised.is_some(),
             centred,
@@ -230,10 +378,10 @@ pub fn column_sums_into<R: CubeRuntime>(
     // With no rows the partials are never written: sum no block instead.
     let blocks = if rows > 0 { blocks } else { 0 };
     if let (Some(partial), Some(out)) = (partial_dy, sum_dy) {
-        totals_into(partial, blocks, out);
+        totals_into_with(layout, partial, blocks, out);
     }
     if let (Some(partial), Some(out)) = (partial_dyx, sum_dyx) {
-        totals_into(partial, blocks, out);
+        totals_into_with(layout, partial, blocks, out);
     }
 }
 
@@ -241,6 +389,16 @@ pub fn column_sums_into<R: CubeRuntime>(
 /// blocks, columns]`, f32), written into `out` (`[columns]`, any float dtype and stride). The
 /// norms' backward kernel writes such partials itself.
 pub fn totals_into<R: CubeRuntime>(partial: CubeTensor<R>, blocks: usize, out: CubeTensor<R>) {
+    totals_into_with(ColumnSumLayout::default(), partial, blocks, out);
+}
+
+/// [`totals_into`] shaped by `layout`'s `total_columns` and `total_lanes`.
+pub fn totals_into_with<R: CubeRuntime>(
+    layout: ColumnSumLayout,
+    partial: CubeTensor<R>,
+    blocks: usize,
+    out: CubeTensor<R>,
+) {
     let columns = partial.meta.shape().as_slice()[1];
     if columns == 0 {
         return;
@@ -248,12 +406,13 @@ pub fn totals_into<R: CubeRuntime>(partial: CubeTensor<R>, blocks: usize, out: C
     let dtype = out.dtype.into();
     total_kernel::launch::<R>(
         &partial.client.clone(),
-        CubeCount::Static(columns.div_ceil(SUM_COLUMNS as usize) as u32, 1, 1),
-        CubeDim::new_2d(SUM_COLUMNS, SUM_LANES),
+        CubeCount::Static(columns.div_ceil(layout.total_columns as usize) as u32, 1, 1),
+        CubeDim::new_2d(layout.total_columns, layout.total_lanes),
         partial.into_tensor_arg(),
         out.into_tensor_arg(),
         blocks as u32,
         columns as u32,
+        layout.total_columns * layout.total_lanes,
         dtype,
     );
 }
@@ -262,8 +421,17 @@ pub fn totals_into<R: CubeRuntime>(partial: CubeTensor<R>, blocks: usize, out: C
 /// fixed order, as `[columns]` in `dtype`: the bias gradient of a layer whose output
 /// gradient is `dy`.
 pub fn column_sum<R: CubeRuntime>(dy: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
+    column_sum_with(ColumnSumLayout::default(), dy, dtype)
+}
+
+/// [`column_sum`] with the stages shaped by `layout`.
+pub fn column_sum_with<R: CubeRuntime>(
+    layout: ColumnSumLayout,
+    dy: CubeTensor<R>,
+    dtype: DType,
+) -> CubeTensor<R> {
     let columns = dy.meta.shape().as_slice().get(1).copied().unwrap_or(0);
     let out = buffer(&dy, Shape::new([columns]), dtype);
-    column_sums_into(dy, None, Some(out.clone()), None);
+    column_sums_into_with(layout, dy, None, Some(out.clone()), None);
     out
 }

@@ -22,7 +22,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::column_sum::{Normalised, column_sums_into, totals_into};
+use super::column_sum::{ColumnSumLayout, Normalised, column_sums_into, totals_into_with};
 use super::rows::{RowLayout, row_of_thread, row_sum};
 use super::vectors::vector_width;
 
@@ -83,6 +83,42 @@ fn load_parameter<F: Float, N: Size>(
 ) -> Vector<f32, N> {
     let width = N::value();
     Vector::cast_from(tensor[vector * width * tensor.stride(0) / width])
+}
+
+/// Row `row`'s `x` and `dy` at this thread's vectors, as stored, into `xs` and `dys` (zero past
+/// the row's end and for rows past the last).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_row_raw<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    xs: &mut Array<Vector<F, N>>,
+    dys: &mut Array<Vector<F, N>>,
+    row: usize,
+    rows: u32,
+    vectors: usize,
+    #[comptime] layout: RowLayout,
+) {
+    let width = N::value();
+    let threads = comptime!(layout.threads as usize);
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        let vector = tid_vector(i, threads);
+        let mut xv = Vector::<F, N>::new(F::new(0.0));
+        let mut dv = Vector::<F, N>::new(F::new(0.0));
+        if vector < vectors && row < rows as usize {
+            xv = x[(row * x.stride(0) + vector * width * x.stride(1)) / width];
+            dv = grad[(row * grad.stride(0) + vector * width * grad.stride(1)) / width];
+        }
+        xs[i] = xv;
+        dys[i] = dv;
+    }
+}
+
+/// This thread's `i`-th vector of its row.
+#[cube]
+fn tid_vector(i: usize, #[comptime] threads: usize) -> usize {
+    UNIT_POS_X as usize + i * threads
 }
 
 /// The sum of a vector's elements.
@@ -189,11 +225,13 @@ fn backward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
+    #[comptime] prefetch: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
     let vectors = hidden as usize / width;
     let threads = comptime!(layout.threads as usize);
+    let per_thread = comptime!(layout.per_thread);
     let tid = UNIT_POS_X as usize;
     let n = f32::cast_from(hidden);
     let block = row_of_thread();
@@ -211,6 +249,24 @@ fn backward_kernel<F: Float, N: Size>(
     // x̂ and ĝ = dy · scale in registers; zero past the row's end, so they add nothing.
     let mut x_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
     let mut g_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    // With `prefetch`, the next row's `x` and `dy` are loaded (as stored) while this row's
+    // sums and `dx` are computed: the loads' latency hides behind the row sums' barriers.
+    let mut x_row = Array::<Vector<F, N>>::new(per_thread);
+    let mut dy_row = Array::<Vector<F, N>>::new(per_thread);
+    let mut x_next = Array::<Vector<F, N>>::new(per_thread);
+    let mut dy_next = Array::<Vector<F, N>>::new(per_thread);
+    if prefetch {
+        load_row_raw::<F, N>(
+            x,
+            grad,
+            &mut x_next,
+            &mut dy_next,
+            first,
+            rows,
+            vectors,
+            layout,
+        );
+    }
 
     // Every row group of the cube runs the same number of rows (the row sums synchronise the
     // cube); rows past the end are idle.
@@ -226,6 +282,27 @@ fn backward_kernel<F: Float, N: Size>(
             mu = mean[row * mean.stride(0)];
         }
         let r = rstd[row * rstd.stride(0)];
+        if prefetch {
+            #[unroll]
+            for i in 0..per_thread {
+                x_row[i] = x_next[i];
+                dy_row[i] = dy_next[i];
+            }
+            if k + 1 < rows_per_block {
+                load_row_raw::<F, N>(
+                    x,
+                    grad,
+                    &mut x_next,
+                    &mut dy_next,
+                    first + k as usize + 1,
+                    rows,
+                    vectors,
+                    layout,
+                );
+            }
+        } else {
+            load_row_raw::<F, N>(x, grad, &mut x_row, &mut dy_row, row, rows, vectors, layout);
+        }
         let mut sum_g = f32::new(0.0);
         let mut sum_gx = f32::new(0.0);
         #[unroll]
@@ -236,8 +313,8 @@ fn backward_kernel<F: Float, N: Size>(
             let mut gh = Vector::<f32, N>::new(0.0);
             // Past the row's end nothing is read: an out-of-bounds `scale` may hold NaN.
             if vector < vectors && active {
-                xh = (load_row::<F, N>(x, row, vector, vectors) - Vector::new(mu)) * Vector::new(r);
-                dy = load_row::<F, N>(grad, row, vector, vectors);
+                xh = (Vector::<f32, N>::cast_from(x_row[i]) - Vector::new(mu)) * Vector::new(r);
+                dy = Vector::<f32, N>::cast_from(dy_row[i]);
                 gh = dy * load_parameter::<F, N>(scale, vector);
             }
             x_hat[i] = xh;
@@ -385,6 +462,22 @@ pub fn backward<R: CubeRuntime>(
     kind: Kind,
     with_shift: bool,
 ) -> Gradients<R> {
+    let layout = NormBackwardLayout::default();
+    backward_with(layout, x, scale, mean, rstd, grad, kind, with_shift)
+}
+
+/// [`backward`] with its work spread by `layout`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_with<R: CubeRuntime>(
+    layout: NormBackwardLayout,
+    x: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    mean: CubeTensor<R>,
+    rstd: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    kind: Kind,
+    with_shift: bool,
+) -> Gradients<R> {
     let (_, hidden) = rows_hidden(x.meta.shape());
     let grad_x = empty_device_contiguous_dtype::<R>(
         x.client.clone(),
@@ -394,7 +487,8 @@ pub fn backward<R: CubeRuntime>(
     );
     let grad_scale = f32_buffer(&x, Shape::new([hidden]));
     let grad_shift = with_shift.then(|| f32_buffer(&x, Shape::new([hidden])));
-    backward_into(
+    backward_into_with(
+        layout,
         x,
         scale,
         mean,
@@ -424,6 +518,22 @@ pub fn backward_into<R: CubeRuntime>(
     kind: Kind,
     out: Gradients<R>,
 ) {
+    let layout = NormBackwardLayout::default();
+    backward_into_with(layout, x, scale, mean, rstd, grad, kind, out);
+}
+
+/// [`backward_into`] with its work spread by `tuning`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into_with<R: CubeRuntime>(
+    tuning: NormBackwardLayout,
+    x: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    mean: CubeTensor<R>,
+    rstd: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    kind: Kind,
+    out: Gradients<R>,
+) {
     let (rows, hidden) = rows_hidden(x.meta.shape());
     if hidden == 0 {
         return;
@@ -441,13 +551,9 @@ pub fn backward_into<R: CubeRuntime>(
         return;
     }
     let width = vector_width(&[&x, &scale, &grad, &out.x]);
-    let layout = RowLayout::for_row_with(
-        &x.client,
-        hidden / width,
-        width,
-        BACKWARD_ELEMENTS_PER_THREAD,
-    );
-    let rows_per_block = backward_rows_per_block(rows, layout.threads);
+    let elements_per_thread = (tuning.bytes_per_thread / x.dtype.size()).max(1);
+    let layout = RowLayout::for_row_with(&x.client, hidden / width, width, elements_per_thread);
+    let rows_per_block = tuning.rows_per_block(rows, layout.threads);
     let blocks = rows.div_ceil(rows_per_block);
     let partial = || f32_buffer(&x, Shape::new([blocks, hidden]));
     let partial_scale = partial();
@@ -475,22 +581,55 @@ pub fn backward_into<R: CubeRuntime>(
         layout,
         layer_norm,
         partial_shift.is_some(),
+        tuning.prefetch,
         dtype,
     );
-    totals_into(partial_scale, blocks, out.scale);
+    totals_into_with(tuning.totals, partial_scale, blocks, out.scale);
     if let (Some(partial), Some(shift)) = (partial_shift, out.shift) {
-        totals_into(partial, blocks, shift);
+        totals_into_with(tuning.totals, partial, blocks, shift);
     }
 }
 
-/// Elements a thread of the backward holds per row, at most: fewer than the forward's, so
-/// short rows get more threads (the backward runs one row group per block of rows).
-const BACKWARD_ELEMENTS_PER_THREAD: usize = 16;
+/// How the backward spreads its work. The default is the fastest measured on an H100
+/// (`kernel_bench norm_backward_layouts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormBackwardLayout {
+    /// Bytes of `x` a thread holds per row, at most (16 bf16 or 8 f32 elements at 32): fewer
+    /// than the forward's, so short rows get more threads (the backward runs one row group per
+    /// block of rows).
+    pub bytes_per_thread: usize,
+    /// Threads the blocks should add up to (enough to fill the device).
+    pub target_threads: usize,
+    /// Rows per block at least and at most (each block writes one row of f32 partials, so
+    /// short blocks cost partials traffic, long ones parallelism).
+    pub rows_per_block: (usize, usize),
+    /// Whether the next row is loaded while the current one is computed.
+    pub prefetch: bool,
+    /// The second stage, summing the blocks' partials.
+    pub totals: ColumnSumLayout,
+}
 
-/// Rows per block of the backward: each row group walks its block's rows and writes one row
-/// of column partials. Enough blocks to fill the device (about 128k threads), each of 16 to 64
-/// rows (a block's f32 partials then weigh at most a quarter of its bf16 `dy`).
-fn backward_rows_per_block(rows: usize, threads_per_row: u32) -> usize {
-    let groups_wanted = (1usize << 17) / threads_per_row as usize;
-    rows.div_ceil(groups_wanted.max(1)).clamp(16, 64)
+impl Default for NormBackwardLayout {
+    fn default() -> Self {
+        // 32 bytes a thread: the fastest for bf16 (16 elements) and for f32 (8 elements, 18 %
+        // faster than 16 at 16 384 × 4 096) on an H100; prefetching the next row was slower
+        // at every size (2026-11-25).
+        Self {
+            bytes_per_thread: 32,
+            target_threads: 1 << 17,
+            rows_per_block: (16, 64),
+            prefetch: false,
+            totals: ColumnSumLayout::default(),
+        }
+    }
+}
+
+impl NormBackwardLayout {
+    /// Rows per block for `rows` rows of `threads_per_row` threads each.
+    pub fn rows_per_block(&self, rows: usize, threads_per_row: u32) -> usize {
+        let groups_wanted = self.target_threads / threads_per_row as usize;
+        let (least, most) = self.rows_per_block;
+        rows.div_ceil(groups_wanted.max(1))
+            .clamp(least.max(1), most.max(least.max(1)))
+    }
 }
