@@ -1257,8 +1257,8 @@ fn column_sum_layouts_all_give_the_exact_sums() {
     }
 }
 
-/// The norm backward's work layouts (`NormBackwardLayout`: elements a thread, blocks, the next
-/// row prefetched or not) give the default layout's gradients, with the last block ending
+/// The norm backward's work layouts (`NormBackwardLayout`: bytes a thread, blocks, the second
+/// stage's shape) give the default layout's gradients, with the last block ending
 /// inside the rows and rows shorter than a thread group.
 #[test]
 fn norm_backward_layouts_agree() {
@@ -1266,21 +1266,23 @@ fn norm_backward_layouts_agree() {
     let device = WgpuDevice::default();
     let layouts = [
         NormBackwardLayout {
-            prefetch: true,
+            totals: burn_megatron_kernels::fused::column_sum::ColumnSumLayout {
+                total_columns: 32,
+                total_lanes: 8,
+                ..Default::default()
+            },
             ..NormBackwardLayout::default()
         },
         NormBackwardLayout {
             bytes_per_thread: 16,
             target_threads: 1 << 10,
             rows_per_block: (3, 5),
-            prefetch: true,
             ..NormBackwardLayout::default()
         },
         NormBackwardLayout {
             bytes_per_thread: 64,
             target_threads: 1 << 12,
             rows_per_block: (1, 200),
-            prefetch: false,
             ..NormBackwardLayout::default()
         },
     ];

@@ -510,18 +510,15 @@ fn norm_backward_layouts(device: &CudaGpu) {
     use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
     let rows = 16_384;
     let mut layouts = vec![NormBackwardLayout::default()];
-    for prefetch in [false, true] {
-        for bytes_per_thread in [16, 32, 64] {
-            for target_threads in [1 << 16, 1 << 17, 1 << 18] {
-                for rows_per_block in [(16, 64), (8, 32), (32, 128)] {
-                    layouts.push(NormBackwardLayout {
-                        bytes_per_thread,
-                        target_threads,
-                        rows_per_block,
-                        prefetch,
-                        totals: ColumnSumLayout::default(),
-                    });
-                }
+    for bytes_per_thread in [16, 32, 64] {
+        for target_threads in [1 << 16, 1 << 17, 1 << 18] {
+            for rows_per_block in [(16, 64), (8, 32), (32, 128)] {
+                layouts.push(NormBackwardLayout {
+                    bytes_per_thread,
+                    target_threads,
+                    rows_per_block,
+                    totals: ColumnSumLayout::default(),
+                });
             }
         }
     }

@@ -8,8 +8,9 @@
 //!   group sums for the mean (LayerNorm), then for the variance of the centred row (two
 //!   passes over the registers: no cancellation), and writes
 //!   `(x - mean) · rstd · scale (+ shift)` and the row's f32 `mean` and `rstd`.
-//! - Backward, one kernel: each row group walks a block of rows (16 to 64); per row, `x̂` and
-//!   `ĝ = dy · scale` in registers, two row sums (`Σ ĝ` and `Σ ĝ · x̂`), then
+//! - Backward, one kernel: each row group walks a block of rows (16 to 64); per row, `x` and
+//!   `dy` in registers as stored, `x̂` and `ĝ = dy · scale` computed from them for two row
+//!   sums (`Σ ĝ` and `Σ ĝ · x̂`) and again for
 //!   `dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ · x̂))`; meanwhile each thread adds its columns'
 //!   `dy · x̂` and `dy` over the block's rows in registers and writes them as one row of
 //!   `[blocks, hidden]` f32 partials. `dscale` and `dshift` are then the partials' sums over
@@ -103,7 +104,7 @@ fn load_row_raw<F: Float, N: Size>(
     let threads = comptime!(layout.threads as usize);
     #[unroll]
     for i in 0..comptime!(layout.per_thread) {
-        let vector = tid_vector(i, threads);
+        let vector = UNIT_POS_X as usize + i * threads;
         let mut xv = Vector::<F, N>::new(F::new(0.0));
         let mut dv = Vector::<F, N>::new(F::new(0.0));
         if vector < vectors && row < rows as usize {
@@ -113,12 +114,6 @@ fn load_row_raw<F: Float, N: Size>(
         xs[i] = xv;
         dys[i] = dv;
     }
-}
-
-/// This thread's `i`-th vector of its row.
-#[cube]
-fn tid_vector(i: usize, #[comptime] threads: usize) -> usize {
-    UNIT_POS_X as usize + i * threads
 }
 
 /// The sum of a vector's elements.
@@ -225,7 +220,6 @@ fn backward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
-    #[comptime] prefetch: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
@@ -246,27 +240,11 @@ fn backward_kernel<F: Float, N: Size>(
         sum_dyx[i] = Vector::new(0.0);
         sum_dy[i] = Vector::new(0.0);
     }
-    // x̂ and ĝ = dy · scale in registers; zero past the row's end, so they add nothing.
-    let mut x_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
-    let mut g_hat = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
-    // With `prefetch`, the next row's `x` and `dy` are loaded (as stored) while this row's
-    // sums and `dx` are computed: the loads' latency hides behind the row sums' barriers.
+    // The row as stored (half the registers of f32 in bf16): x̂ and ĝ = dy · scale are computed
+    // from it twice, for the row sums and for `dx`, rather than held in f32 across the sums'
+    // barriers (fewer registers, more rows in flight per SM).
     let mut x_row = Array::<Vector<F, N>>::new(per_thread);
     let mut dy_row = Array::<Vector<F, N>>::new(per_thread);
-    let mut x_next = Array::<Vector<F, N>>::new(per_thread);
-    let mut dy_next = Array::<Vector<F, N>>::new(per_thread);
-    if prefetch {
-        load_row_raw::<F, N>(
-            x,
-            grad,
-            &mut x_next,
-            &mut dy_next,
-            first,
-            rows,
-            vectors,
-            layout,
-        );
-    }
 
     // Every row group of the cube runs the same number of rows (the row sums synchronise the
     // cube); rows past the end are idle.
@@ -282,27 +260,7 @@ fn backward_kernel<F: Float, N: Size>(
             mu = mean[row * mean.stride(0)];
         }
         let r = rstd[row * rstd.stride(0)];
-        if prefetch {
-            #[unroll]
-            for i in 0..per_thread {
-                x_row[i] = x_next[i];
-                dy_row[i] = dy_next[i];
-            }
-            if k + 1 < rows_per_block {
-                load_row_raw::<F, N>(
-                    x,
-                    grad,
-                    &mut x_next,
-                    &mut dy_next,
-                    first + k as usize + 1,
-                    rows,
-                    vectors,
-                    layout,
-                );
-            }
-        } else {
-            load_row_raw::<F, N>(x, grad, &mut x_row, &mut dy_row, row, rows, vectors, layout);
-        }
+        load_row_raw::<F, N>(x, grad, &mut x_row, &mut dy_row, row, rows, vectors, layout);
         let mut sum_g = f32::new(0.0);
         let mut sum_gx = f32::new(0.0);
         #[unroll]
@@ -317,8 +275,6 @@ fn backward_kernel<F: Float, N: Size>(
                 dy = Vector::<f32, N>::cast_from(dy_row[i]);
                 gh = dy * load_parameter::<F, N>(scale, vector);
             }
-            x_hat[i] = xh;
-            g_hat[i] = gh;
             sum_dyx[i] += dy * xh;
             if has_shift {
                 sum_dy[i] += dy;
@@ -337,8 +293,12 @@ fn backward_kernel<F: Float, N: Size>(
             for i in 0..comptime!(layout.per_thread) {
                 let vector = tid + i * threads;
                 if vector < vectors {
-                    let dx = (g_hat[i] - Vector::new(mean_g) - x_hat[i] * Vector::new(mean_gx))
-                        * Vector::new(r);
+                    let xh =
+                        (Vector::<f32, N>::cast_from(x_row[i]) - Vector::new(mu)) * Vector::new(r);
+                    let gh = Vector::<f32, N>::cast_from(dy_row[i])
+                        * load_parameter::<F, N>(scale, vector);
+                    let dx =
+                        (gh - Vector::new(mean_g) - xh * Vector::new(mean_gx)) * Vector::new(r);
                     grad_x[(row * grad_x.stride(0) + vector * width * grad_x.stride(1)) / width] =
                         Vector::cast_from(dx);
                 }
@@ -581,7 +541,6 @@ pub fn backward_into_with<R: CubeRuntime>(
         layout,
         layer_norm,
         partial_shift.is_some(),
-        tuning.prefetch,
         dtype,
     );
     totals_into_with(tuning.totals, partial_scale, blocks, out.scale);
@@ -603,8 +562,6 @@ pub struct NormBackwardLayout {
     /// Rows per block at least and at most (each block writes one row of f32 partials, so
     /// short blocks cost partials traffic, long ones parallelism).
     pub rows_per_block: (usize, usize),
-    /// Whether the next row is loaded while the current one is computed.
-    pub prefetch: bool,
     /// The second stage, summing the blocks' partials.
     pub totals: ColumnSumLayout,
 }
@@ -612,13 +569,11 @@ pub struct NormBackwardLayout {
 impl Default for NormBackwardLayout {
     fn default() -> Self {
         // 32 bytes a thread: the fastest for bf16 (16 elements) and for f32 (8 elements, 18 %
-        // faster than 16 at 16 384 × 4 096) on an H100; prefetching the next row was slower
-        // at every size (2026-11-25).
+        // faster than 16 at 16 384 × 4 096) on an H100 (2026-11-25).
         Self {
             bytes_per_thread: 32,
             target_threads: 1 << 17,
             rows_per_block: (16, 64),
-            prefetch: false,
             totals: ColumnSumLayout::default(),
         }
     }

@@ -6,9 +6,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use burn::backend::NdArray;
+use burn::backend::ndarray::NdArrayDevice;
 use burn::module::ParamId;
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
+use burn_megatron_dist::{ParallelState, ReduceOp};
 
 use super::directory::{
     LATEST_FILE, checkpoint_name, keep_last, remove_partial_saves, sync_dir, temp_dir,
@@ -156,10 +158,10 @@ impl Checkpointer {
         } else {
             Ok(())
         };
-        agree::<B>(state, prepared.is_ok(), &tmp)?;
+        agree(state, prepared.is_ok(), &tmp)?;
         prepared?;
         let snapshot = RankSnapshot::take(state, chunks, values, optimizer);
-        agree::<B>(state, snapshot.is_ok(), &tmp)?;
+        agree(state, snapshot.is_ok(), &tmp)?;
         Ok(Started {
             snapshot: snapshot?,
             tmp,
@@ -192,7 +194,7 @@ impl Checkpointer {
     ) -> Result<PathBuf> {
         let world = state.world();
         let final_dir = self.root.join(checkpoint_name(training.iteration));
-        if let Err(e) = agree::<B>(state, written.is_ok(), tmp) {
+        if let Err(e) = agree(state, written.is_ok(), tmp) {
             if world.rank() == 0 {
                 let _ = fs::remove_dir_all(tmp);
             }
@@ -203,7 +205,7 @@ impl Checkpointer {
         } else {
             Ok(())
         };
-        if let Err(e) = agree::<B>(state, published.is_ok(), &final_dir) {
+        if let Err(e) = agree(state, published.is_ok(), &final_dir) {
             if world.rank() == 0 {
                 let _ = fs::remove_dir_all(tmp);
             }
@@ -316,9 +318,11 @@ impl Checkpointer {
 }
 
 /// Whether every rank of the world reports `ok`: an all-reduce of the failures, so that all
-/// ranks take the same branch.
-fn agree<B: DistBackend>(state: &ParallelState, ok: bool, dir: &Path) -> Result<()> {
-    let flag = Tensor::<B, 1>::from_floats([if ok { 0.0 } else { 1.0 }], &Default::default());
+/// ranks take the same branch. The flag is a host tensor, through the group's host transport:
+/// a tensor on the model's backend would need this rank's device (the default device, GPU 0,
+/// failed on the second rank of a two-GPU run).
+fn agree(state: &ParallelState, ok: bool, dir: &Path) -> Result<()> {
+    let flag = Tensor::<NdArray, 1>::from_floats([if ok { 0.0 } else { 1.0 }], &NdArrayDevice::Cpu);
     let failed = state.world().all_reduce(flag, ReduceOp::Sum)?.into_scalar();
     let failed: f64 = burn::tensor::ElementConversion::elem(failed);
     if failed > 0.0 {

@@ -158,7 +158,9 @@ impl DistributedAdamWConfig {
 
 /// Refuses replicas that start from different parameters, which would train silently
 /// wrong: the ranks' sums of `params` and of their squares must agree bit for bit over `dp`.
-/// One small all-reduce pair and one host read, at initialisation only.
+/// The sums are taken in a fixed order ([`fixed_order_sum`]): Burn's `sum` may add with
+/// atomics on a GPU, whose order, and so last bits, differ between equal replicas (found on
+/// two H100s). One small all-reduce pair and one host read, at initialisation only.
 fn check_same_parameters<B: ModelBackend>(
     params: &Tensor<B, 1>,
     dp: &ProcessGroup,
@@ -168,8 +170,8 @@ fn check_same_parameters<B: ModelBackend>(
     }
     let sums = Tensor::cat(
         vec![
-            params.clone().sum(),
-            (params.clone() * params.clone()).sum(),
+            fixed_order_sum(params.clone()),
+            fixed_order_sum(params.clone() * params.clone()),
         ],
         0,
     );
@@ -189,6 +191,34 @@ fn check_same_parameters<B: ModelBackend>(
         dp.size()
     ))
     .into())
+}
+
+/// `[Σ x]` added in an order fixed by the length alone, so that equal tensors give equal bits
+/// on every rank: [`ModelBackend::bias_gradient`]'s deterministic column sums over 1 024
+/// columns, then over those columns, plus the tail that does not fill a row.
+fn fixed_order_sum<B: ModelBackend>(x: Tensor<B, 1>) -> Tensor<B, 1> {
+    const COLUMNS: usize = 1024;
+    let n = x.dims()[0];
+    let whole = n / COLUMNS * COLUMNS;
+    let column_sum =
+        |t: Tensor<B, 1>, rows: usize, columns: usize| B::bias_gradient(t.reshape([rows, columns]));
+    let mut parts = Vec::new();
+    if whole > 0 {
+        let columns = column_sum(x.clone().narrow(0, 0, whole), whole / COLUMNS, COLUMNS);
+        parts.push(column_sum(columns, COLUMNS, 1));
+    }
+    if n > whole {
+        parts.push(column_sum(
+            x.clone().narrow(0, whole, n - whole),
+            n - whole,
+            1,
+        ));
+    }
+    match parts.len() {
+        0 => x.sum(),
+        // At most two values: their sum is the same in either order.
+        _ => Tensor::cat(parts, 0).sum(),
+    }
 }
 
 /// Bytes one rank holds for training, by role (see the [module docs](self)).
@@ -558,6 +588,30 @@ where
             main_params: if views { 0 } else { bytes(&self.master) },
             exp_avg: bytes(&self.exp_avg),
             exp_avg_sq: bytes(&self.exp_avg_sq),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::NdArray;
+    use burn::tensor::{Tensor, TensorData};
+
+    use super::fixed_order_sum;
+
+    /// The fixed-order sum is the sum, at lengths below, at and around one row of columns.
+    #[test]
+    fn fixed_order_sum_is_the_sum() {
+        for n in [0usize, 1, 1023, 1024, 1025, 5000] {
+            // Small integers: every order of adding them is exact in f32.
+            let values: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32) - 50.0).collect();
+            let want: f32 = values.iter().sum();
+            let x = Tensor::<NdArray<f32>, 1>::from_data(
+                TensorData::new(values, [n]),
+                &Default::default(),
+            );
+            let got: f32 = fixed_order_sum(x).into_scalar();
+            assert_eq!(got, want, "length {n}");
         }
     }
 }
