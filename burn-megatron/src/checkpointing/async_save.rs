@@ -119,7 +119,7 @@ impl<B: ModelBackend> AsyncCheckpointer<B> {
         };
         let written = join(save.writer, &save.tmp);
         self.checkpointer
-            .finish::<B>(state, &save.config, &save.training, &save.tmp, written)
+            .finish(state, &save.config, &save.training, &save.tmp, written)
             .map(Some)
     }
 }

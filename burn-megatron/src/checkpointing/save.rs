@@ -104,7 +104,7 @@ impl Checkpointer {
     ) -> Result<PathBuf> {
         let started = self.begin(state, config, chunks, None, optimizer, training)?;
         let written = self.write(started.snapshot, &started.tmp, state.world().rank());
-        self.finish::<B>(
+        self.finish(
             state,
             &started.config,
             &started.training,
@@ -127,7 +127,7 @@ impl Checkpointer {
     ) -> Result<PathBuf> {
         let started = self.begin(state, config, chunks, Some(values), optimizer, training)?;
         let written = self.write(started.snapshot, &started.tmp, state.world().rank());
-        self.finish::<B>(
+        self.finish(
             state,
             &started.config,
             &started.training,
@@ -184,7 +184,7 @@ impl Checkpointer {
     /// The last part, every rank together, once this rank's write has ended with `written`:
     /// if every rank wrote its files, rank 0 publishes the checkpoint. Returns its directory;
     /// if any rank failed, every rank returns an error and nothing is published.
-    pub(crate) fn finish<B: ModelBackend>(
+    pub(crate) fn finish(
         &self,
         state: &ParallelState,
         config: &TransformerConfig,
