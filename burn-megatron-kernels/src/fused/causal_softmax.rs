@@ -7,9 +7,10 @@
 //! A row that sees no key is all zeros. The forward reads a row's visible scores once for a
 //! running `(max, sum)` and once more to write `exp(scale · x - max) / sum` (and zeros for
 //! the future); the backward reads the probabilities and their gradient once for
-//! `Σ dP · P` and once more to write `scale · P · (dP - Σ dP · P)`. The statistics are f32
-//! for every dtype; a row's threads combine theirs through shared memory (no plane size is
-//! assumed).
+//! `Σ dP · P` and once more to write `scale · P · (dP - Σ dP · P)`. Rows are read and written
+//! as [`Vector`]s (16-byte accesses where the shapes and strides allow), the masks applied
+//! element by element inside a vector. The statistics are f32 for every dtype; a row's
+//! threads combine theirs through shared memory (no plane size is assumed).
 
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -17,25 +18,35 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::vectors::vector_width;
+
 /// Stands for "no score yet" in the running maximum (finite: see the cross-entropy kernel).
 const NO_SCORE: f32 = -1.0e30;
 
-/// The launch of one cube per row: a power-of-two thread count fitting the row, and a 2D
-/// grid that keeps each dimension within every runtime's limit.
-fn launch_shape(rows: usize, seq: usize) -> (CubeCount, u32) {
-    let threads = (seq.div_ceil(4)).next_power_of_two().clamp(32, 256) as u32;
+/// The launch of one cube per row: a power-of-two thread count fitting the row's `vectors`
+/// (about two a thread), and a 2D grid that keeps each dimension within every runtime's limit.
+fn launch_shape(rows: usize, vectors: usize) -> (CubeCount, u32) {
+    let threads = (vectors.div_ceil(2)).next_power_of_two().clamp(32, 256) as u32;
     let x = rows.min(65_535) as u32;
     let y = rows.div_ceil(x as usize) as u32;
     (CubeCount::Static(x, y, 1), threads)
 }
 
-/// Where row `row` (a query position of `[batch, heads, seq, keys]`) starts in `t`: strided,
-/// since the runtime may pitch rows (pad each to an aligned size).
+/// Where row `row` (a query position of `[batch, heads, seq, keys]`) starts in `t`, in
+/// vectors: strided, since the runtime may pitch rows (pad each to an aligned size). The keys'
+/// axis has stride 1 whenever the width is above 1, and every other stride is then a multiple
+/// of it.
 #[cube]
-fn row_offset<F: Float>(t: &Tensor<F>, row: usize, heads: usize, seq: usize) -> usize {
+fn row_offset<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    row: usize,
+    heads: usize,
+    seq: usize,
+) -> usize {
     let query = row % seq;
     let batch_head = row / seq;
-    (batch_head / heads) * t.stride(0) + (batch_head % heads) * t.stride(1) + query * t.stride(2)
+    ((batch_head / heads) * t.stride(0) + (batch_head % heads) * t.stride(1) + query * t.stride(2))
+        / N::value()
 }
 
 #[cube]
@@ -77,10 +88,10 @@ fn visible_keys<I: Int>(
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn forward_kernel<F: Float, I: Int>(
-    scores: &Tensor<F>,
+fn forward_kernel<F: Float, I: Int, N: Size>(
+    scores: &Tensor<Vector<F, N>>,
     key_lengths: &Tensor<I>,
-    probs: &mut Tensor<F>,
+    probs: &mut Tensor<Vector<F, N>>,
     scale: f32,
     rows: u32,
     heads: u32,
@@ -92,27 +103,35 @@ fn forward_kernel<F: Float, I: Int>(
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = row_index(rows as usize);
+    let width = N::value();
     let tid = UNIT_POS_X as usize;
     let stride = CUBE_DIM_X as usize;
     let seq = seq as usize;
     let keys = keys as usize;
-    let input = row_offset::<F>(scores, row, heads as usize, seq);
-    let output = row_offset::<F>(probs, row, heads as usize, seq);
+    let input = row_offset::<F, N>(scores, row, heads as usize, seq);
+    let output = row_offset::<F, N>(probs, row, heads as usize, seq);
     let (step_in, step_out) = (scores.stride(3), probs.stride(3));
     let visible = visible_keys::<I>(row, heads as usize, seq, keys, key_lengths, causal, padded);
 
+    // The running (max, sum) over the visible keys, a vector at a time.
     let mut m = f32::new(NO_SCORE);
     let mut s = f32::new(0.0);
-    let mut j = tid;
-    while j < visible {
-        let x = f32::cast_from(scores[input + j * step_in]) * scale;
-        if x > m {
-            s = s * (m - x).exp() + f32::new(1.0);
-            m = x;
-        } else {
-            s += (x - m).exp();
+    let mut v = tid;
+    while v * width < visible {
+        let x = Vector::<f32, N>::cast_from(scores[input + v * step_in]);
+        #[unroll]
+        for k in 0..N::value() {
+            if v * width + k < visible {
+                let xs = x[k] * scale;
+                if xs > m {
+                    s = s * (m - xs).exp() + f32::new(1.0);
+                    m = xs;
+                } else {
+                    s += (xs - m).exp();
+                }
+            }
         }
-        j += stride;
+        v += stride;
     }
 
     let mut maxes = SharedMemory::<f32>::new(threads as usize);
@@ -138,22 +157,30 @@ fn forward_kernel<F: Float, I: Int>(
     let max = maxes[0];
     let inverse = f32::new(1.0) / sums[0];
 
-    let mut j = tid;
-    while j < keys {
-        let mut p = f32::new(0.0);
-        if j < visible {
-            p = (f32::cast_from(scores[input + j * step_in]) * scale - max).exp() * inverse;
+    let mut v = tid;
+    while v * width < keys {
+        let mut p = Vector::<f32, N>::new(0.0);
+        // A vector past the visible keys is written as zeros without being read.
+        if v * width < visible {
+            let x = Vector::<f32, N>::cast_from(scores[input + v * step_in]);
+            #[unroll]
+            for k in 0..N::value() {
+                if v * width + k < visible {
+                    p[k] = (x[k] * scale - max).exp() * inverse;
+                }
+            }
         }
-        probs[output + j * step_out] = F::cast_from(p);
-        j += stride;
+        probs[output + v * step_out] = Vector::cast_from(p);
+        v += stride;
     }
 }
 
 #[cube(launch)]
-fn backward_kernel<F: Float>(
-    probs: &Tensor<F>,
-    grad_probs: &Tensor<F>,
-    grad_scores: &mut Tensor<F>,
+#[allow(clippy::too_many_arguments)]
+fn backward_kernel<F: Float, N: Size>(
+    probs: &Tensor<Vector<F, N>>,
+    grad_probs: &Tensor<Vector<F, N>>,
+    grad_scores: &mut Tensor<Vector<F, N>>,
     scale: f32,
     rows: u32,
     heads: u32,
@@ -164,13 +191,14 @@ fn backward_kernel<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let row = row_index(rows as usize);
+    let width = N::value();
     let tid = UNIT_POS_X as usize;
     let stride = CUBE_DIM_X as usize;
     let seq = seq as usize;
     let heads = heads as usize;
-    let p_row = row_offset::<F>(probs, row, heads, seq);
-    let g_row = row_offset::<F>(grad_probs, row, heads, seq);
-    let out_row = row_offset::<F>(grad_scores, row, heads, seq);
+    let p_row = row_offset::<F, N>(probs, row, heads, seq);
+    let g_row = row_offset::<F, N>(grad_probs, row, heads, seq);
+    let out_row = row_offset::<F, N>(grad_scores, row, heads, seq);
     let (p_step, g_step, out_step) = (probs.stride(3), grad_probs.stride(3), grad_scores.stride(3));
     let keys = keys as usize;
     // Masked probabilities are zero and so are their gradients: beyond the causal limit they
@@ -181,11 +209,17 @@ fn backward_kernel<F: Float>(
     }
 
     let mut dot = f32::new(0.0);
-    let mut j = tid;
-    while j < visible {
-        dot += f32::cast_from(probs[p_row + j * p_step])
-            * f32::cast_from(grad_probs[g_row + j * g_step]);
-        j += stride;
+    let mut v = tid;
+    while v * width < visible {
+        let p = Vector::<f32, N>::cast_from(probs[p_row + v * p_step]);
+        let g = Vector::<f32, N>::cast_from(grad_probs[g_row + v * g_step]);
+        #[unroll]
+        for k in 0..N::value() {
+            if v * width + k < visible {
+                dot += p[k] * g[k];
+            }
+        }
+        v += stride;
     }
     let mut dots = SharedMemory::<f32>::new(threads as usize);
     dots[tid] = dot;
@@ -200,15 +234,21 @@ fn backward_kernel<F: Float>(
     }
     let dot = dots[0];
 
-    let mut j = tid;
-    while j < keys {
-        let mut g = f32::new(0.0);
-        if j < visible {
-            let p = f32::cast_from(probs[p_row + j * p_step]);
-            g = scale * p * (f32::cast_from(grad_probs[g_row + j * g_step]) - dot);
+    let mut v = tid;
+    while v * width < keys {
+        let mut out = Vector::<f32, N>::new(0.0);
+        if v * width < visible {
+            let p = Vector::<f32, N>::cast_from(probs[p_row + v * p_step]);
+            let g = Vector::<f32, N>::cast_from(grad_probs[g_row + v * g_step]);
+            #[unroll]
+            for k in 0..N::value() {
+                if v * width + k < visible {
+                    out[k] = scale * p[k] * (g[k] - dot);
+                }
+            }
         }
-        grad_scores[out_row + j * out_step] = F::cast_from(g);
-        j += stride;
+        grad_scores[out_row + v * out_step] = Vector::cast_from(out);
+        v += stride;
     }
 }
 
@@ -273,12 +313,14 @@ pub fn masked_forward_into<R: CubeRuntime>(
             burn::tensor::DType::I32,
         )
     });
-    let (count, threads) = launch_shape(rows, keys);
+    let width = vector_width(&[&scores, &probs]);
+    let (count, threads) = launch_shape(rows, keys / width);
     let dtypes = [scores.dtype.into(), key_lengths.dtype.into()];
     forward_kernel::launch::<R>(
         &scores.client.clone(),
         count,
         CubeDim::new_1d(threads),
+        width,
         scores.into_tensor_arg(),
         key_lengths.into_tensor_arg(),
         probs.into_tensor_arg(),
@@ -347,12 +389,14 @@ pub fn masked_backward_into<R: CubeRuntime>(
     if rows * keys == 0 {
         return;
     }
-    let (count, threads) = launch_shape(rows, keys);
+    let width = vector_width(&[&probs, &grad_probs, &grad_scores]);
+    let (count, threads) = launch_shape(rows, keys / width);
     let dtype = probs.dtype.into();
     backward_kernel::launch::<R>(
         &probs.client.clone(),
         count,
         CubeDim::new_1d(threads),
+        width,
         probs.into_tensor_arg(),
         grad_probs.into_tensor_arg(),
         grad_scores.into_tensor_arg(),
