@@ -14,7 +14,7 @@
 //! [`ColumnSumLayout`] holds these shapes; `kernel_bench column_sum_layouts` measures them.
 //!
 //! The norms' backward writes its stage-one partials itself, next to `dx`, and calls
-//! [`totals_into`].
+//! [`totals_into_with`] with its own layout.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
