@@ -282,6 +282,13 @@ fn gpt_with_tanh_gelu_matches_finite_differences() {
     check_model("GPT (tanh GeLU)", tiny_gpt(Activation::GeluTanh));
 }
 
+/// LayerNorm, biases and SwiGLU: the gate's and up projection's biases go through the
+/// bias-SwiGLU op.
+#[test]
+fn gpt_with_bias_swiglu_matches_finite_differences() {
+    check_model("GPT (bias-SwiGLU)", tiny_gpt(Activation::SwiGlu));
+}
+
 #[test]
 fn llama_matches_finite_differences() {
     check_model("Llama", tiny_llama());

@@ -5,7 +5,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::TensorData;
 use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
-use burn_megatron::transformer::{Recompute, TransformerConfig};
+use burn_megatron::transformer::{Activation, Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
 
 use crate::{AD, assert_close, data_values, run, tokens, tolerance};
@@ -164,6 +164,15 @@ fn packed_flash_attention_matches_the_unfused_attention() {
 #[test]
 fn llama_matches_single_device_in_every_layout() {
     assert_equivalent(crate::small_llama(), "Llama");
+}
+
+/// SwiGLU with the projections' biases (bias-SwiGLU: each rank adds its slice of the gate's
+/// and up projection's column-parallel biases inside the op).
+#[test]
+fn bias_swiglu_gpt_matches_single_device_in_every_layout() {
+    let config = crate::small_gpt().with_activation(Activation::SwiGlu);
+    assert!(config.add_bias_linear, "the GPT preset has biases");
+    assert_equivalent(config, "GPT with bias-SwiGLU");
 }
 
 /// Dropout masks are drawn from global element indices, so a TP model with dropout is the
