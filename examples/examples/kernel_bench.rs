@@ -480,26 +480,36 @@ fn column_sum_layouts(device: &CudaGpu) {
                 time(device, || dy.clone().sum_dim(0)),
             );
             let raw = dy.clone().into_primitive().tensor();
-            let mut best = (f64::MAX, 0);
-            for (i, layout) in layouts.iter().enumerate() {
-                let took = time(device, || column_sum_with(*layout, raw.clone(), DType::F32));
-                if took.as_secs_f64() < best.0 {
-                    best = (took.as_secs_f64(), i);
-                }
-                report(
-                    &format!("{dtype:?} column sums {rows}x{columns} layout {i}"),
-                    bytes,
-                    took,
-                );
-            }
-            println!(
-                "BEST {dtype:?} {columns}: layout {} {:?}",
-                best.1, layouts[best.1]
+            sweep(
+                &format!("{dtype:?} column sums {rows}x{columns}"),
+                &layouts,
+                bytes,
+                |layout| time(device, || column_sum_with(*layout, raw.clone(), DType::F32)),
             );
         }
     }
     for (i, layout) in layouts.iter().enumerate() {
         println!("layout {i}: {layout:?}");
+    }
+}
+
+/// Reports `run`'s time for each of `layouts` as `name layout i`, then the fastest.
+fn sweep<L: std::fmt::Debug>(
+    name: &str,
+    layouts: &[L],
+    bytes: usize,
+    mut run: impl FnMut(&L) -> Duration,
+) {
+    let mut best: Option<(Duration, usize)> = None;
+    for (i, layout) in layouts.iter().enumerate() {
+        let took = run(layout);
+        if best.is_none_or(|(fastest, _)| took < fastest) {
+            best = Some((took, i));
+        }
+        report(&format!("{name} layout {i}"), bytes, took);
+    }
+    if let Some((_, i)) = best {
+        println!("BEST {name}: layout {i} {:?}", layouts[i]);
     }
 }
 
@@ -544,32 +554,24 @@ fn norm_backward_layouts(device: &CudaGpu) {
                 Kind::LayerNorm,
                 1e-5,
             );
-            let mut best = (f64::MAX, 0);
-            for (i, layout) in layouts.iter().enumerate() {
-                let took = time(device, || {
-                    norm::backward_with(
-                        *layout,
-                        raw(&x),
-                        scale.clone().into_primitive().tensor(),
-                        stats.mean.clone(),
-                        stats.rstd.clone(),
-                        raw(&grad),
-                        Kind::LayerNorm,
-                        true,
-                    )
-                });
-                if took.as_secs_f64() < best.0 {
-                    best = (took.as_secs_f64(), i);
-                }
-                report(
-                    &format!("{dtype:?} LayerNorm backward {rows}x{hidden} layout {i}"),
-                    3 * bytes,
-                    took,
-                );
-            }
-            println!(
-                "BEST {dtype:?} {hidden}: layout {} {:?}",
-                best.1, layouts[best.1]
+            sweep(
+                &format!("{dtype:?} LayerNorm backward {rows}x{hidden}"),
+                &layouts,
+                3 * bytes,
+                |layout| {
+                    time(device, || {
+                        norm::backward_with(
+                            *layout,
+                            raw(&x),
+                            scale.clone().into_primitive().tensor(),
+                            stats.mean.clone(),
+                            stats.rstd.clone(),
+                            raw(&grad),
+                            Kind::LayerNorm,
+                            true,
+                        )
+                    })
+                },
             );
         }
     }

@@ -13,7 +13,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::vectors::{
-    THREADS, empty_like, launch_shape, rows_cols, vector_offset, vector_position, vector_width,
+    THREADS, biased, empty_like, launch_shape, rows_cols, vector_offset, vector_position,
+    vector_width,
 };
 
 /// `sqrt(2 / π)`.
@@ -32,23 +33,6 @@ pub enum Form {
     Erf,
     /// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`.
     Tanh,
-}
-
-/// `x + bias` at (row, vector), in f32.
-#[cube]
-fn biased<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    bias: &Tensor<Vector<F, N>>,
-    row: usize,
-    vector: usize,
-    #[comptime] has_bias: bool,
-) -> Vector<f32, N> {
-    let width = N::value();
-    let mut v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]);
-    if has_bias {
-        v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
-    }
-    v
 }
 
 #[cube]

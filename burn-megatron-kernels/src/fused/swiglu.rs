@@ -12,30 +12,14 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::vectors::{
-    THREADS, empty_like, launch_shape, rows_cols, vector_offset, vector_position, vector_width,
+    THREADS, biased, empty_like, launch_shape, rows_cols, vector_offset, vector_position,
+    vector_width,
 };
 
 /// `σ(x) = 1 / (1 + e^(-x))`; 0 where `e^(-x)` overflows, as it should be.
 #[cube]
 fn sigmoid(x: f32) -> f32 {
     f32::new(1.0) / (f32::new(1.0) + (-x).exp())
-}
-
-/// `x + bias` at (row, vector), in f32.
-#[cube]
-fn biased<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    bias: &Tensor<Vector<F, N>>,
-    row: usize,
-    vector: usize,
-    #[comptime] has_bias: bool,
-) -> Vector<f32, N> {
-    let width = N::value();
-    let mut v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]);
-    if has_bias {
-        v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
-    }
-    v
 }
 
 #[cube(launch)]

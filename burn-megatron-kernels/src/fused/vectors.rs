@@ -85,3 +85,21 @@ pub fn vector_offset<F: Float, N: Size>(
     let width = N::value();
     (row * tensor.stride(0) + vector * width * tensor.stride(1)) / width
 }
+
+/// `x + bias` at (row, vector) of `x: [rows, columns]` with `bias: [columns]`, in f32 (`x`
+/// alone without `has_bias`): the bias add of the bias-activation kernels.
+#[cube]
+pub fn biased<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
+    row: usize,
+    vector: usize,
+    #[comptime] has_bias: bool,
+) -> Vector<f32, N> {
+    let width = N::value();
+    let mut v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]);
+    if has_bias {
+        v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
+    }
+    v
+}
