@@ -14,6 +14,7 @@ use burn_megatron_kernels::cuda::CudaGpu;
 
 use super::ProcessGroup;
 use crate::error::{DistError, DistResult};
+use crate::flat_collective;
 use crate::nccl::{Flat, GpuP2p, GpuTensor, NcclGroup, NcclId, PeerOp, primitive, tensor};
 use crate::op::CollectiveOp;
 use crate::shard::shard_range;
@@ -134,9 +135,21 @@ impl ProcessGroup {
                     .reshape(shape)
             }
             CollectiveOp::AllGather { dim } => {
-                // Gather along the first dimension, every part padded to the longest.
                 let lens: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
                 let longest = *lens.iter().max().expect("a group has ranks");
+                if lens.iter().all(|&l| l == longest) {
+                    // Equal parts: NCCL concatenates the buffers as they are.
+                    let part = x.dims();
+                    let flat = nccl.collective(seq, name, primitive(x), Flat::AllGather)?;
+                    return Ok(primitive(flat_collective::gathered_along(
+                        tensor::<1>(flat),
+                        part,
+                        n,
+                        dim,
+                    )));
+                }
+                // Uneven parts: gather along the first dimension, every part padded to the
+                // longest.
                 let moved = x.swap_dims(0, dim);
                 let mut rows = moved.dims();
                 let mine = rows[0];
@@ -164,7 +177,17 @@ impl ProcessGroup {
                 gathered.swap_dims(0, dim)
             }
             CollectiveOp::ReduceScatter { dim, op: red } => {
-                // Reduce shards padded to the longest, then keep this rank's length.
+                let dims = x.dims();
+                if dims[dim] % n == 0 {
+                    // Even shards: each rank's is one piece of the rank-major buffer.
+                    let flat = flat_collective::rank_major(x, n, dim);
+                    let part =
+                        nccl.collective(seq, name, primitive(flat), Flat::ReduceScatter(red))?;
+                    let shape = flat_collective::scattered_shape(dims, n, dim);
+                    return Ok(primitive(tensor::<1>(part).reshape(shape)));
+                }
+                // Uneven shards: reduce shards padded to the longest, then keep this rank's
+                // length.
                 let moved = x.swap_dims(0, dim);
                 let mut rows = moved.dims();
                 let len = rows[0];

@@ -29,6 +29,8 @@
 mod device_transport;
 mod dtensor;
 mod error;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod flat_collective;
 mod launch;
 mod layout;
 pub mod mapping;

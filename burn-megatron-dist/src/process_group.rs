@@ -175,6 +175,12 @@ impl ProcessGroup {
         })
     }
 
+    /// Collectives this rank has started on this group so far, of every kind: for tests and
+    /// profiles that count a model's communication.
+    pub fn collectives_started(&self) -> u64 {
+        self.inner.shared.collectives.load(Ordering::Relaxed)
+    }
+
     /// The group's name, as used in errors.
     pub fn name(&self) -> &str {
         &self.inner.info.name

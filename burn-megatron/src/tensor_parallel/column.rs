@@ -127,7 +127,19 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
         &self,
         input: Tensor<B, D>,
     ) -> DistResult<(Tensor<B, D>, Option<Tensor<B, 1>>)> {
-        let output = self.output(linear(self.input(input)?, self.weight.val(), None))?;
+        self.try_forward_entered_skip_bias(self.input(input)?)
+    }
+
+    /// [`try_forward_skip_bias`](Self::try_forward_skip_bias) of an input that has already
+    /// entered the tensor-parallel region through [`input`](Self::input) (of this layer, or
+    /// of another with the same group and sequence parallelism). Layers that read one input
+    /// (SwiGLU's gate and up projections) enter it once: one all-gather forward and one
+    /// reduce-scatter backward under sequence parallelism, instead of one per layer.
+    pub fn try_forward_entered_skip_bias<const D: usize>(
+        &self,
+        entered: Tensor<B, D>,
+    ) -> DistResult<(Tensor<B, D>, Option<Tensor<B, 1>>)> {
+        let output = self.output(linear(entered, self.weight.val(), None))?;
         let bias = match &self.bias {
             Some(bias) => Some(self.output(bias.val())?),
             None => None,
@@ -135,9 +147,15 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
         Ok((output, bias))
     }
 
-    /// The input as the product needs it: copied into the tensor-parallel region, or
-    /// gathered along the sequence.
-    fn input<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
+    /// Whether `other` enters its input into the same region the same way, so that one
+    /// [`input`](Self::input) serves both.
+    pub fn shares_input_with(&self, other: &Self) -> bool {
+        self.tp == other.tp && self.sequence_parallel == other.sequence_parallel
+    }
+
+    /// The input as the product needs it: copied into the tensor-parallel region (the *f*
+    /// operator), or gathered along the sequence (dimension 1) under sequence parallelism.
+    pub fn input<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
         if self.sequence_parallel {
             gather_from_sequence_parallel_region(input, &self.tp, 1, true)
         } else {

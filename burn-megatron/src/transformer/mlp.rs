@@ -78,11 +78,23 @@ impl<B: ModelBackend> ParallelMlp<B> {
 
     /// `[batch, seq, hidden]` → `[batch, seq, hidden]` (`seq / tp` in and out under sequence
     /// parallelism).
+    ///
+    /// Every operation between the all-gather before `fc1` and the reduce-scatter after `fc2`
+    /// works row by row, so the tokens need not be in sequence order there. The block runs on
+    /// `[1, batch · seq, hidden]`: the sequence-parallel all-gather then concatenates whole
+    /// rank shards (rank-major token order), and the reduce-scatter hands each rank back its
+    /// own tokens. On NCCL both are then flat calls without the copies that reorder tokens
+    /// into `[batch, seq]` order and back.
     pub fn try_forward(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
+        let [batch, seq, features] = x.dims();
+        let x = x.reshape([1, batch * seq, features]);
         let hidden = match (&self.gate, self.gelu) {
             (Some(gate), _) => {
-                let (g, gate_bias) = gate.try_forward_skip_bias(x.clone())?;
-                let (u, up_bias) = self.fc1.try_forward_skip_bias(x)?;
+                // One entry into the tensor-parallel region for both projections.
+                let x = self.fc1.input(x)?;
+                debug_assert!(gate.shares_input_with(&self.fc1));
+                let (g, gate_bias) = gate.try_forward_entered_skip_bias(x.clone())?;
+                let (u, up_bias) = self.fc1.try_forward_entered_skip_bias(x)?;
                 let bias = match (gate_bias, up_bias) {
                     (Some(gate_bias), Some(up_bias)) => Some([gate_bias, up_bias]),
                     (None, None) => None,
@@ -96,6 +108,9 @@ impl<B: ModelBackend> ParallelMlp<B> {
             }
             (None, None) => unreachable!("`new` gives an MLP without a gate a GeLU form"),
         };
-        self.fc2.try_forward(hidden)
+        Ok(self
+            .fc2
+            .try_forward(hidden)?
+            .reshape([batch, seq, features]))
     }
 }

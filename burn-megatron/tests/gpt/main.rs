@@ -1,6 +1,7 @@
 //! Tensor-parallel GPT and Llama models against the single-device model, on CPU thread ranks.
 
 mod bad_input;
+mod communication;
 mod config_errors;
 mod cross_entropy;
 mod equivalence;
