@@ -178,7 +178,7 @@ impl ProcessGroup {
             }
             CollectiveOp::ReduceScatter { dim, op: red } => {
                 let dims = x.dims();
-                if dims[dim] % n == 0 {
+                if dims[dim].is_multiple_of(n) {
                     // Even shards: each rank's is one piece of the rank-major buffer.
                     let flat = flat_collective::rank_major(x, n, dim);
                     let part =

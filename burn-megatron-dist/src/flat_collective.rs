@@ -46,7 +46,10 @@ pub(crate) fn rank_major<B: Backend, const D: usize>(
     dim: usize,
 ) -> Tensor<B, 1> {
     let dims = x.dims();
-    debug_assert_eq!(dims[dim] % n, 0, "the scattered dimension splits evenly");
+    debug_assert!(
+        dims[dim].is_multiple_of(n),
+        "the scattered dimension splits evenly"
+    );
     let (outer, inner) = split_at(&dims, dim);
     if outer == 1 {
         return x.reshape([outer * inner]);
