@@ -92,14 +92,13 @@ pub(crate) fn autodiff_packed_rope<B: ModelBackend, C: CheckpointStrategy>(
     base: f64,
 ) -> Tensor<Autodiff<B, C>, 5> {
     let qkv = qkv.into_primitive().tensor();
-    let output = B::packed_rope(wrap::<B, 5>(qkv.primitive.clone()), base)
+    // The backward needs nothing of the input: hand its buffer over, so that the kernel can
+    // rotate it in place when nothing else holds it.
+    let (input, node) = (qkv.primitive, qkv.node);
+    let output = B::packed_rope(wrap::<B, 5>(input), base)
         .into_primitive()
         .tensor();
-    let output = match RopeBackward
-        .prepare::<C>([qkv.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
+    let output = match RopeBackward.prepare::<C>([node]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(base, output),
         OpsKind::UnTracked(prep) => prep.finish(output),
     };
