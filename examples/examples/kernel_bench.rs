@@ -204,9 +204,20 @@ fn dropout_rope_and_padded_softmax(device: &CudaGpu) {
         let elements: usize = rope.iter().product();
         let qkv = random(rope.to_vec()).reshape(rope);
         report(
-            &format!("{dtype:?} RoPE on packed QKV, fused, {rope:?}"),
+            &format!("{dtype:?} RoPE on packed QKV, fused, copy, {rope:?}"),
             2 * elements * size,
             time(device, || B::packed_rope(qkv.clone(), 500_000.0)),
+        );
+        // A buffer nothing else holds is rotated in place (q and k rows only): the step's
+        // case, where RoPE gets the QKV projection's fresh output.
+        let mut only = Some(random(rope.to_vec()).reshape(rope));
+        report(
+            &format!("{dtype:?} RoPE on packed QKV, fused, in place, {rope:?}"),
+            2 * elements * size,
+            time(device, || {
+                let x = only.take().expect("the buffer is put back after each call");
+                only = Some(B::packed_rope(x, 500_000.0));
+            }),
         );
         report(
             &format!("{dtype:?} RoPE on packed QKV, Burn ops, {rope:?}"),
