@@ -133,59 +133,80 @@ fn a_crashed_process_releases_its_gpu_peers() {
     assert!(elapsed < Duration::from_secs(30), "took {elapsed:?}");
 }
 
-/// The tensor-parallel GPT over NCCL: TP = 2 with sequence parallelism on two GPUs gives the
-/// one-GPU loss and gradients. Every collective of the forward pass, the backward pass and
-/// the gradient gathering runs over NCCL. f32 with TF32 matmuls: agreement to 1e-3.
+/// The tensor-parallel GPT and Llama over NCCL: TP = 2 with sequence parallelism on two GPUs
+/// gives the one-GPU loss and gradients. Every collective of the forward pass, the backward
+/// pass and the gradient gathering runs over NCCL: the sequence gathers and scatters of the
+/// attention and the embedding (an inner dimension of `[batch, seq, hidden]`, batch 2), the
+/// MLP's flat ones on rank-major tokens, SwiGLU's one entry for two projections, and RoPE in
+/// place. f32 with TF32 matmuls: agreement to 1e-3.
 #[test]
 fn tensor_parallel_gpt_over_nccl_matches_one_gpu() {
     use burn::tensor::{Int, TensorData};
     use burn_megatron::tensor_parallel::gather_full_grads;
-    use burn_megatron::transformer::TransformerConfig;
+    use burn_megatron::transformer::{
+        Activation, Normalization, PositionEmbedding, TransformerConfig,
+    };
     use burn_megatron_testing::{assert_close, data_values, tolerance};
     type A = Autodiff<MegatronCuda>;
 
-    let model_config = TransformerConfig::new(64, 2, 4, 256, 50, 16).with_sequence_parallel(true);
-    let run = |tp: usize| {
-        launch(config(tp), |ctx| {
-            let device = CudaGpu::new(ctx.local_rank());
-            let model = model_config.init_gpt::<A>(ctx.world(), &device)?;
-            let ids = |seed: i64| {
-                let v: Vec<i64> = (0..2 * 16).map(|i| (i * 13 + seed) % 50).collect();
-                Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
-            };
-            let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
-                &model,
-                &[burn_megatron::pipeline_parallel::Microbatch::new(
-                    ids(1),
-                    ids(2),
-                )],
-            )?;
-            let grads = gather_full_grads::<A, _>(&model, &grads, ctx.world())?;
-            let loss: f32 = loss.into_scalar().to_string().parse().unwrap();
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((loss, grads))
-        })
-        .unwrap_or_else(|e| panic!("TP={tp}: {e}"))
-        .remove(0)
-    };
-    let (loss_tp2, grads_tp2) = run(2);
-    let (loss_tp1, grads_tp1) = run(1);
-    println!("loss TP=2 over NCCL {loss_tp2}, TP=1 {loss_tp1}");
-    assert_close(
-        "loss",
-        &[loss_tp2 as f64],
-        &[loss_tp1 as f64],
-        tolerance::F32,
-    );
-    assert_eq!(grads_tp2.len(), grads_tp1.len());
-    for ((path, a), (_, b)) in grads_tp2.iter().zip(&grads_tp1) {
-        // TP pads the vocabulary to a multiple of TP: compare the real rows.
-        let len = match path.as_str() {
-            "embedding.weight" | "output.weight" => model_config.vocab_size * b.shape[1],
-            _ => b.num_elements(),
+    let gpt = TransformerConfig::new(64, 2, 4, 256, 50, 16).with_sequence_parallel(true);
+    let llama = TransformerConfig::new(64, 2, 8, 96, 50, 16)
+        .with_num_query_groups(Some(4))
+        .with_normalization(Normalization::RmsNorm)
+        .with_activation(Activation::SwiGlu)
+        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(false)
+        .with_sequence_parallel(true);
+    for (name, model_config) in [("GPT", gpt), ("Llama", llama)] {
+        let run = |tp: usize| {
+            launch(config(tp), |ctx| {
+                let device = CudaGpu::new(ctx.local_rank());
+                let model = model_config.init_gpt::<A>(ctx.world(), &device)?;
+                let ids = |seed: i64| {
+                    let v: Vec<i64> = (0..2 * 16).map(|i| (i * 13 + seed) % 50).collect();
+                    Tensor::<A, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
+                };
+                let (loss, grads) =
+                    burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
+                        &model,
+                        &[burn_megatron::pipeline_parallel::Microbatch::new(
+                            ids(1),
+                            ids(2),
+                        )],
+                    )?;
+                let grads = gather_full_grads::<A, _>(&model, &grads, ctx.world())?;
+                let loss: f32 = loss.into_scalar().to_string().parse().unwrap();
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>((loss, grads))
+            })
+            .unwrap_or_else(|e| panic!("{name} TP={tp}: {e}"))
+            .remove(0)
         };
-        let (a, b) = (data_values(a), data_values(b));
-        let err = assert_close(path, &a[..len], &b[..len], tolerance::GPU_F32);
-        println!("{path:>40}: relative difference {err:.2e}");
+        let (loss_tp2, grads_tp2) = run(2);
+        let (loss_tp1, grads_tp1) = run(1);
+        println!("{name}: loss TP=2 over NCCL {loss_tp2}, TP=1 {loss_tp1}");
+        assert_close(
+            &format!("{name} loss"),
+            &[loss_tp2 as f64],
+            &[loss_tp1 as f64],
+            tolerance::F32,
+        );
+        assert_eq!(grads_tp2.len(), grads_tp1.len());
+        for ((path, a), (_, b)) in grads_tp2.iter().zip(&grads_tp1) {
+            // TP pads the vocabulary to a multiple of TP: compare the real rows.
+            let len = match path.as_str() {
+                "embedding.weight" | "output.weight" => model_config.vocab_size * b.shape[1],
+                _ => b.num_elements(),
+            };
+            let (a, b) = (data_values(a), data_values(b));
+            let err = assert_close(
+                &format!("{name} {path}"),
+                &a[..len],
+                &b[..len],
+                tolerance::GPU_F32,
+            );
+            println!("{name} {path:>40}: relative difference {err:.2e}");
+        }
     }
 }
 
