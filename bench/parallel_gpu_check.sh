@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Data and tensor parallelism on two GPUs (issue 14), with the kernels the TP path uses, in
+# one device call (kind nvidia-h100-x2 or nvidia-h200-x2); logs go to $OUT. Needs, packed
+# under .gpu/ (../shared/gpu/README.md), gzipped is fine:
+#   bin/{gpt_train_bench,kernel_bench,bm-launch}  ../shared/gpu/pack build --release --features cuda
+#       -p burn-megatron-examples --example gpt_train_bench --example kernel_bench, and
+#       -p burn-megatron-dist --bin bm-launch
+#   bin/nccl-*                                    ../shared/gpu/pack test --release --features cuda
+#       -p burn-megatron-tests --test nccl
+#   PART=tests|kernels|dp|tp bash bench/parallel_gpu_check.sh   (default: all four)
+set -u
+cd "$(dirname "$0")/.."
+source .gpu/env.sh
+gunzip -kf .gpu/bin/*.gz 2>/dev/null
+chmod +x .gpu/bin/* 2>/dev/null
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
+nvidia-smi topo -m | tee -a $OUT/gpus.txt
+B=.gpu/bin
+part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
+ours() { # name, ranks, flags...
+  local name=$1 n=$2; shift 2
+  echo "=== ours $name" | tee -a $OUT/bench.log
+  if [ "$n" = 1 ]; then
+    timeout 300 $B/gpt_train_bench "$@" > $OUT/$name.log 2>&1
+  else
+    timeout 300 $B/bm-launch --nproc-per-node $n -- $B/gpt_train_bench "$@" > $OUT/$name.log 2>&1
+  fi
+  echo "rc=$?" | tee -a $OUT/bench.log
+  grep -E "RESULT|step|tokens/s|Error|panicked" $OUT/$name.log | tail -4 | tee -a $OUT/bench.log
+}
+torch() { # name, ranks, flags...
+  local name=$1 n=$2; shift 2
+  echo "=== torch $name" | tee -a $OUT/bench.log
+  if [ "$n" = 1 ]; then
+    timeout 300 python3 bench/torch_train.py "$@" > $OUT/torch_$name.log 2>&1
+  else
+    timeout 300 torchrun --nproc-per-node $n bench/torch_train.py "$@" > $OUT/torch_$name.log 2>&1
+  fi
+  echo "rc=$?" | tee -a $OUT/bench.log
+  tail -3 $OUT/torch_$name.log | tee -a $OUT/bench.log
+}
+
+if part tests; then
+  # TP 2 + SP over NCCL equals one GPU (GPT and Llama), and the collective suite (all-gather
+  # and reduce-scatter along every dimension, even and uneven).
+  timeout 400 $B/nccl-* --test-threads=1 tensor_parallel_gpt_over_nccl suite_over_nccl 2>&1 |
+    tee $OUT/nccl_tests.log | grep -E "^test |test result|relative difference|loss TP"
+fi
+if part kernels; then
+  timeout 200 $B/kernel_bench dropout_rope_and_padded_softmax 2>&1 | tee $OUT/kernels.log | grep RoPE
+  timeout 200 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax 2>&1 |
+    tee $OUT/torch_kernels.log | grep -i rope
+fi
+if part dp; then
+  M="--preset gpt2-350m --batch 8 --dtype bf16"
+  ours 350m_1gpu 1 $M
+  ours 350m_dp2_allreduce_overlap 2 $M --data-parallel 2 --overlap-grad-reduce
+  ours 350m_dp2_zero_overlap 2 $M --data-parallel 2 --use-distributed-optimizer --overlap-grad-reduce
+  torch 350m_1gpu 1 --preset gpt2-350m --batch 8 --mode compile
+  torch 350m_ddp2 2 --preset gpt2-350m --batch 8 --mode compile
+fi
+if part tp; then
+  M="--preset gpt2-350m --batch 8 --dtype bf16"
+  ours 350m_1gpu_again 1 $M
+  ours 350m_tp2_sp 2 $M --tensor-parallel 2 --sequence-parallel
+  L="--preset llama-1b --batch 4 --dtype bf16 --steps 6 --warmup 2"
+  ours llama1b_1gpu 1 $L
+  ours llama1b_tp2_sp 2 $L --tensor-parallel 2 --sequence-parallel
+  torch llama1b_1gpu 1 --preset llama-1b --batch 4 --mode compile --steps 6 --warmup 2
+fi
