@@ -199,8 +199,15 @@ fn cross_entropy_gradient_equals_the_composition_and_writes_every_element() {
 
 /// `[batch, heads, seq, seq]` shapes: a single element, ragged sizes, a row longer than the
 /// 256-thread block.
-const SOFTMAX_SHAPES: [[usize; 4]; 4] =
-    [[1, 1, 1, 1], [2, 3, 5, 5], [1, 2, 37, 37], [2, 1, 300, 300]];
+/// Rows of one key to more than a 32-thread group holds at 32 elements a thread (1 030 keys,
+/// read two at a time), and row counts that leave rows of the last cube idle.
+const SOFTMAX_SHAPES: [[usize; 4]; 5] = [
+    [1, 1, 1, 1],
+    [2, 3, 5, 5],
+    [1, 2, 37, 37],
+    [2, 1, 300, 300],
+    [1, 1, 1030, 1030],
+];
 
 fn random_4d(
     shape: [usize; 4],
@@ -241,6 +248,27 @@ fn causal_softmax_equals_the_composition_and_writes_every_element() {
                 &values(want.clone()),
                 bound,
             );
+            // Both kernel sets: rows in registers (the default) and streamed.
+            for kernels in [
+                softmax::SoftmaxKernels::Registers,
+                softmax::SoftmaxKernels::Streaming,
+            ] {
+                let got = poisoned(shape, dtype, &device);
+                softmax::masked_forward_into_with(
+                    raw4(scores.clone()),
+                    None,
+                    scale,
+                    true,
+                    raw4(got.clone()),
+                    kernels,
+                );
+                assert_close(
+                    &label(&format!("probabilities, {kernels:?}")),
+                    &values(got),
+                    &values(want.clone()),
+                    bound,
+                );
+            }
             // With a fresh output.
             let fresh = Tensor::<W, 4>::from_primitive(TensorPrimitive::Float(softmax::forward(
                 raw4(scores),
@@ -257,8 +285,38 @@ fn causal_softmax_equals_the_composition_and_writes_every_element() {
             let want = backward_composition(want.clone(), grad.clone(), scale);
             let got = poisoned(shape, dtype, &device);
             let probs = forward_composition(random_4d(shape, 11, 30.0, dtype, &device), scale);
-            softmax::backward_into(raw4(probs), raw4(grad), scale, raw4(got.clone()));
-            assert_close(&label("gradient"), &values(got), &values(want), bound);
+            softmax::backward_into(
+                raw4(probs.clone()),
+                raw4(grad.clone()),
+                scale,
+                raw4(got.clone()),
+            );
+            assert_close(
+                &label("gradient"),
+                &values(got),
+                &values(want.clone()),
+                bound,
+            );
+            for kernels in [
+                softmax::SoftmaxKernels::Registers,
+                softmax::SoftmaxKernels::Streaming,
+            ] {
+                let got = poisoned(shape, dtype, &device);
+                softmax::masked_backward_into_with(
+                    raw4(probs.clone()),
+                    raw4(grad.clone()),
+                    scale,
+                    true,
+                    raw4(got.clone()),
+                    kernels,
+                );
+                assert_close(
+                    &label(&format!("gradient, {kernels:?}")),
+                    &values(got),
+                    &values(want.clone()),
+                    bound,
+                );
+            }
         }
     }
 }
@@ -2196,29 +2254,56 @@ fn masked_softmax_equals_the_composition_and_writes_every_element() {
                 &values(want.clone()),
                 bound,
             );
-            let probs = poisoned(dims, dtype, &device);
-            softmax::masked_forward_into(
-                raw4(scores),
-                key_lengths.map(|l| l.into_primitive()),
-                0.7,
-                causal,
-                raw4(probs.clone()),
-            );
+            // Both kernel sets (rows in registers, rows streamed), into poisoned buffers.
+            for kernels in [
+                softmax::SoftmaxKernels::Registers,
+                softmax::SoftmaxKernels::Streaming,
+            ] {
+                let probs = poisoned(dims, dtype, &device);
+                softmax::masked_forward_into_with(
+                    raw4(scores.clone()),
+                    key_lengths.clone().map(|l| l.into_primitive()),
+                    0.7,
+                    causal,
+                    raw4(probs.clone()),
+                    kernels,
+                );
+                assert_close(
+                    &format!("forward {name} (into a poisoned buffer, {kernels:?})"),
+                    &values(f32_of(probs)),
+                    &values(want.clone()),
+                    bound,
+                );
+            }
+
+            let want = backward_composition(want, f32_of(grad.clone()), 0.7);
+            let got_grad = W::masked_softmax_backward(got.clone(), grad.clone(), 0.7, causal);
             assert_close(
-                &format!("forward {name} (into a poisoned buffer)"),
-                &values(f32_of(probs)),
+                &format!("backward {name}"),
+                &values(f32_of(got_grad)),
                 &values(want.clone()),
                 bound,
             );
-
-            let want = backward_composition(want, f32_of(grad.clone()), 0.7);
-            let got = W::masked_softmax_backward(got.clone(), grad.clone(), 0.7, causal);
-            assert_close(
-                &format!("backward {name}"),
-                &values(f32_of(got)),
-                &values(want),
-                bound,
-            );
+            for kernels in [
+                softmax::SoftmaxKernels::Registers,
+                softmax::SoftmaxKernels::Streaming,
+            ] {
+                let grad_scores = poisoned(dims, dtype, &device);
+                softmax::masked_backward_into_with(
+                    raw4(got.clone()),
+                    raw4(grad.clone()),
+                    0.7,
+                    causal,
+                    raw4(grad_scores.clone()),
+                    kernels,
+                );
+                assert_close(
+                    &format!("backward {name} (into a poisoned buffer, {kernels:?})"),
+                    &values(f32_of(grad_scores)),
+                    &values(want.clone()),
+                    bound,
+                );
+            }
         }
     }
 }

@@ -282,6 +282,24 @@ fn causal_softmax(device: &CudaGpu) {
             bytes,
             fused,
         );
+        // The kernels that stream each row twice through one cube (the default before the
+        // rows moved into registers), written into one buffer.
+        let out = scores.clone().zeros_like();
+        let streamed = time(device, || {
+            softmax::masked_forward_into_with(
+                raw(&scores),
+                None,
+                scale,
+                true,
+                raw(&out),
+                softmax::SoftmaxKernels::Streaming,
+            )
+        });
+        report(
+            &format!("{dtype:?} causal softmax forward, fused, streamed"),
+            bytes,
+            streamed,
+        );
         let plain = time(device, || forward_composition(scores.clone(), scale));
         report(
             &format!("{dtype:?} causal softmax forward, Burn ops"),
@@ -297,6 +315,21 @@ fn causal_softmax(device: &CudaGpu) {
             &format!("{dtype:?} causal softmax backward, fused"),
             bytes,
             fused,
+        );
+        let streamed = time(device, || {
+            softmax::masked_backward_into_with(
+                raw(&probs),
+                raw(&grad),
+                scale,
+                true,
+                raw(&out),
+                softmax::SoftmaxKernels::Streaming,
+            )
+        });
+        report(
+            &format!("{dtype:?} causal softmax backward, fused, streamed"),
+            bytes,
+            streamed,
         );
         let plain = time(device, || {
             backward_composition(probs.clone(), grad.clone(), scale)

@@ -9,8 +9,15 @@
 //! the future); the backward reads the probabilities and their gradient once for
 //! `Σ dP · P` and once more to write `scale · P · (dP - Σ dP · P)`. Rows are read and written
 //! as [`Vector`]s (16-byte accesses where the shapes and strides allow), the masks applied
-//! element by element inside a vector. The statistics are f32 for every dtype; a row's
-//! threads combine theirs through shared memory (no plane size is assumed).
+//! element by element inside a vector. The statistics are f32 for every dtype.
+//!
+//! Two kernel sets ([`SoftmaxKernels`]):
+//! - **rows in registers** (the default wherever a row fits, up to 64 elements a thread):
+//!   a group of threads a row ([`RowLayout`], several rows a cube), one read of the row, one
+//!   exponential per visible element, and the row's maximum and sum as plane reductions
+//!   where the device has fixed-size planes (shared memory otherwise, as on lavapipe);
+//! - **streamed**: one cube a row, a running `(max, sum)` over one read and the writes over a
+//!   second, combined through shared memory. Any row length.
 
 use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
@@ -18,6 +25,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::rows::{RowLayout, row_max, row_of_thread, row_sum};
 use super::vectors::vector_width;
 
 /// Stands for "no score yet" in the running maximum (finite: see the cross-entropy kernel).
@@ -252,6 +260,208 @@ fn backward_kernel<F: Float, N: Size>(
     }
 }
 
+/// [`forward_kernel`] with the row in registers ([`RowLayout`]): the row's maximum, then its
+/// exponentials kept in registers and their sum, then the writes. One read of the scores and
+/// one exponential per visible element; the reductions are plane operations where the device
+/// has fixed-size planes, and several rows share a cube.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn forward_rows_kernel<F: Float, I: Int, N: Size>(
+    scores: &Tensor<Vector<F, N>>,
+    key_lengths: &Tensor<I>,
+    probs: &mut Tensor<Vector<F, N>>,
+    scale: f32,
+    rows: u32,
+    heads: u32,
+    seq: u32,
+    keys: u32,
+    #[comptime] layout: RowLayout,
+    #[comptime] causal: bool,
+    #[comptime] padded: bool,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let width = N::value();
+    let threads = comptime!(layout.threads as usize);
+    let tid = UNIT_POS_X as usize;
+    let mut row = row_of_thread();
+    let active = row < rows as usize;
+    if !active {
+        // Idle rows still take part in the row reductions' barriers.
+        row = 0;
+    }
+    let seq = seq as usize;
+    let keys = keys as usize;
+    let input = row_offset::<F, N>(scores, row, heads as usize, seq);
+    let output = row_offset::<F, N>(probs, row, heads as usize, seq);
+    let (step_in, step_out) = (scores.stride(3), probs.stride(3));
+    let mut visible =
+        visible_keys::<I>(row, heads as usize, seq, keys, key_lengths, causal, padded);
+    if !active {
+        visible = 0;
+    }
+    let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
+
+    // The scaled visible scores (NO_SCORE elsewhere) and their maximum.
+    let mut values = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    let mut m = f32::new(NO_SCORE);
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        let vector = tid + i * threads;
+        let mut x = Vector::<f32, N>::new(NO_SCORE);
+        if vector * width < visible {
+            let raw = Vector::<f32, N>::cast_from(scores[input + vector * step_in]);
+            #[unroll]
+            for k in 0..N::value() {
+                if vector * width + k < visible {
+                    x[k] = raw[k] * scale;
+                    m = f32::max(m, x[k]);
+                }
+            }
+        }
+        values[i] = x;
+    }
+    let max = row_max(&mut shared, m, layout.threads, layout.plane);
+
+    let mut s = f32::new(0.0);
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        let vector = tid + i * threads;
+        let x = values[i];
+        let mut e = Vector::<f32, N>::new(0.0);
+        if vector * width < visible {
+            #[unroll]
+            for k in 0..N::value() {
+                if vector * width + k < visible {
+                    e[k] = (x[k] - max).exp();
+                    s += e[k];
+                }
+            }
+        }
+        values[i] = e;
+    }
+    let sum = row_sum(&mut shared, s, layout.threads, layout.plane);
+    // A row that sees no key has no sum: its probabilities are the zeros in `values`.
+    let mut inverse = f32::new(0.0);
+    if sum > 0.0 {
+        inverse = f32::new(1.0) / sum;
+    }
+
+    if active {
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = tid + i * threads;
+            if vector * width < keys {
+                probs[output + vector * step_out] =
+                    Vector::cast_from(values[i] * Vector::new(inverse));
+            }
+        }
+    }
+}
+
+/// [`backward_kernel`] with the row's probabilities and gradient in registers: one read of
+/// each.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn backward_rows_kernel<F: Float, N: Size>(
+    probs: &Tensor<Vector<F, N>>,
+    grad_probs: &Tensor<Vector<F, N>>,
+    grad_scores: &mut Tensor<Vector<F, N>>,
+    scale: f32,
+    rows: u32,
+    heads: u32,
+    seq: u32,
+    keys: u32,
+    #[comptime] layout: RowLayout,
+    #[comptime] causal: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let width = N::value();
+    let threads = comptime!(layout.threads as usize);
+    let tid = UNIT_POS_X as usize;
+    let mut row = row_of_thread();
+    let active = row < rows as usize;
+    if !active {
+        row = 0;
+    }
+    let seq = seq as usize;
+    let heads = heads as usize;
+    let keys = keys as usize;
+    let p_row = row_offset::<F, N>(probs, row, heads, seq);
+    let g_row = row_offset::<F, N>(grad_probs, row, heads, seq);
+    let out_row = row_offset::<F, N>(grad_scores, row, heads, seq);
+    let (p_step, g_step, out_step) = (probs.stride(3), grad_probs.stride(3), grad_scores.stride(3));
+    // As in `backward_kernel`: beyond the causal limit nothing is read.
+    let mut visible = keys;
+    if causal {
+        visible = row % seq + 1;
+    }
+    if !active {
+        visible = 0;
+    }
+    let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
+
+    let mut ps = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    let mut gs = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
+    let mut dot = f32::new(0.0);
+    #[unroll]
+    for i in 0..comptime!(layout.per_thread) {
+        let vector = tid + i * threads;
+        let mut p = Vector::<f32, N>::new(0.0);
+        let mut g = Vector::<f32, N>::new(0.0);
+        if vector * width < visible {
+            let p_in = Vector::<f32, N>::cast_from(probs[p_row + vector * p_step]);
+            let g_in = Vector::<f32, N>::cast_from(grad_probs[g_row + vector * g_step]);
+            #[unroll]
+            for k in 0..N::value() {
+                if vector * width + k < visible {
+                    p[k] = p_in[k];
+                    g[k] = g_in[k];
+                    dot += p_in[k] * g_in[k];
+                }
+            }
+        }
+        ps[i] = p;
+        gs[i] = g;
+    }
+    let dot = row_sum(&mut shared, dot, layout.threads, layout.plane);
+
+    if active {
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = tid + i * threads;
+            if vector * width < keys {
+                let out = Vector::new(scale) * ps[i] * (gs[i] - Vector::new(dot));
+                grad_scores[out_row + vector * out_step] = Vector::cast_from(out);
+            }
+        }
+    }
+}
+
+/// Which kernels run a softmax: the rows held in registers (the default wherever a row fits:
+/// up to [`MAX_REGISTER_ELEMENTS`] elements a thread), or streamed twice through one cube a
+/// row (any length).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SoftmaxKernels {
+    /// [`RowLayout`]'s rows in registers.
+    Registers,
+    /// One cube a row, the row read twice.
+    Streaming,
+}
+
+/// Most elements a thread of the register kernels holds (per array: the backward holds two).
+pub const MAX_REGISTER_ELEMENTS: usize = 64;
+
+impl SoftmaxKernels {
+    /// The kernels for rows of `keys` elements read `width` at a time on `client`'s device.
+    pub fn for_rows<R: CubeRuntime>(client: &ComputeClient<R>, keys: usize, width: usize) -> Self {
+        let layout = RowLayout::for_row(client, keys / width, width);
+        match layout.per_thread * width <= MAX_REGISTER_ELEMENTS {
+            true => Self::Registers,
+            false => Self::Streaming,
+        }
+    }
+}
+
 /// `softmax(scale · scores)` over the last dimension of `scores` (`[.., seq, seq]`, any float
 /// dtype), query `i` seeing keys `0..=i`; the probabilities in the scores' dtype.
 pub fn forward<R: CubeRuntime>(scores: CubeTensor<R>, scale: f64) -> CubeTensor<R> {
@@ -292,6 +502,21 @@ pub fn masked_forward_into<R: CubeRuntime>(
     causal: bool,
     probs: CubeTensor<R>,
 ) {
+    let keys = scores.meta.shape().as_slice().last().copied().unwrap_or(0);
+    let width = vector_width(&[&scores, &probs]);
+    let kernels = SoftmaxKernels::for_rows(&scores.client, keys, width);
+    masked_forward_into_with(scores, key_lengths, scale, causal, probs, kernels)
+}
+
+/// [`masked_forward_into`] through the given kernels (tests and benchmarks compare them).
+pub fn masked_forward_into_with<R: CubeRuntime>(
+    scores: CubeTensor<R>,
+    key_lengths: Option<CubeTensor<R>>,
+    scale: f64,
+    causal: bool,
+    probs: CubeTensor<R>,
+    kernels: SoftmaxKernels,
+) {
     let [rows, heads, seq, keys] = rows_heads_seq_keys(scores.meta.shape(), causal);
     if let Some(lengths) = &key_lengths {
         assert_eq!(
@@ -314,26 +539,52 @@ pub fn masked_forward_into<R: CubeRuntime>(
         )
     });
     let width = vector_width(&[&scores, &probs]);
-    let (count, threads) = launch_shape(rows, keys / width);
     let dtypes = [scores.dtype.into(), key_lengths.dtype.into()];
-    forward_kernel::launch::<R>(
-        &scores.client.clone(),
-        count,
-        CubeDim::new_1d(threads),
-        width,
-        scores.into_tensor_arg(),
-        key_lengths.into_tensor_arg(),
-        probs.into_tensor_arg(),
-        scale as f32,
-        rows as u32,
-        heads as u32,
-        seq as u32,
-        keys as u32,
-        threads,
-        causal,
-        padded,
-        dtypes,
-    );
+    let client = scores.client.clone();
+    match kernels {
+        SoftmaxKernels::Registers => {
+            let layout = RowLayout::for_row(&client, keys.div_ceil(width), width);
+            forward_rows_kernel::launch::<R>(
+                &client,
+                layout.cube_count(rows),
+                layout.cube_dim(),
+                width,
+                scores.into_tensor_arg(),
+                key_lengths.into_tensor_arg(),
+                probs.into_tensor_arg(),
+                scale as f32,
+                rows as u32,
+                heads as u32,
+                seq as u32,
+                keys as u32,
+                layout,
+                causal,
+                padded,
+                dtypes,
+            );
+        }
+        SoftmaxKernels::Streaming => {
+            let (count, threads) = launch_shape(rows, keys / width);
+            forward_kernel::launch::<R>(
+                &client,
+                count,
+                CubeDim::new_1d(threads),
+                width,
+                scores.into_tensor_arg(),
+                key_lengths.into_tensor_arg(),
+                probs.into_tensor_arg(),
+                scale as f32,
+                rows as u32,
+                heads as u32,
+                seq as u32,
+                keys as u32,
+                threads,
+                causal,
+                padded,
+                dtypes,
+            );
+        }
+    }
 }
 
 /// The gradient of [`forward`]'s `scores` given the probabilities and their gradient (both
@@ -385,30 +636,70 @@ pub fn masked_backward_into<R: CubeRuntime>(
     causal: bool,
     grad_scores: CubeTensor<R>,
 ) {
+    let keys = probs.meta.shape().as_slice().last().copied().unwrap_or(0);
+    let width = vector_width(&[&probs, &grad_probs, &grad_scores]);
+    let kernels = SoftmaxKernels::for_rows(&probs.client, keys, width);
+    masked_backward_into_with(probs, grad_probs, scale, causal, grad_scores, kernels)
+}
+
+/// [`masked_backward_into`] through the given kernels.
+pub fn masked_backward_into_with<R: CubeRuntime>(
+    probs: CubeTensor<R>,
+    grad_probs: CubeTensor<R>,
+    scale: f64,
+    causal: bool,
+    grad_scores: CubeTensor<R>,
+    kernels: SoftmaxKernels,
+) {
     let [rows, heads, seq, keys] = rows_heads_seq_keys(probs.meta.shape(), causal);
     if rows * keys == 0 {
         return;
     }
     let width = vector_width(&[&probs, &grad_probs, &grad_scores]);
-    let (count, threads) = launch_shape(rows, keys / width);
     let dtype = probs.dtype.into();
-    backward_kernel::launch::<R>(
-        &probs.client.clone(),
-        count,
-        CubeDim::new_1d(threads),
-        width,
-        probs.into_tensor_arg(),
-        grad_probs.into_tensor_arg(),
-        grad_scores.into_tensor_arg(),
-        scale as f32,
-        rows as u32,
-        heads as u32,
-        seq as u32,
-        keys as u32,
-        threads,
-        causal,
-        dtype,
-    );
+    let client = probs.client.clone();
+    match kernels {
+        SoftmaxKernels::Registers => {
+            let layout = RowLayout::for_row(&client, keys.div_ceil(width), width);
+            backward_rows_kernel::launch::<R>(
+                &client,
+                layout.cube_count(rows),
+                layout.cube_dim(),
+                width,
+                probs.into_tensor_arg(),
+                grad_probs.into_tensor_arg(),
+                grad_scores.into_tensor_arg(),
+                scale as f32,
+                rows as u32,
+                heads as u32,
+                seq as u32,
+                keys as u32,
+                layout,
+                causal,
+                dtype,
+            );
+        }
+        SoftmaxKernels::Streaming => {
+            let (count, threads) = launch_shape(rows, keys / width);
+            backward_kernel::launch::<R>(
+                &client,
+                count,
+                CubeDim::new_1d(threads),
+                width,
+                probs.into_tensor_arg(),
+                grad_probs.into_tensor_arg(),
+                grad_scores.into_tensor_arg(),
+                scale as f32,
+                rows as u32,
+                heads as u32,
+                seq as u32,
+                keys as u32,
+                threads,
+                causal,
+                dtype,
+            );
+        }
+    }
 }
 
 /// `[rows, heads, queries, keys]` of `[batch, heads, queries, keys]` scores (square when

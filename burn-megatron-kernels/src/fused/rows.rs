@@ -112,35 +112,68 @@ pub fn row_sum(
     #[comptime] threads: u32,
     #[comptime] plane: u32,
 ) -> f32 {
+    row_reduce(shared, value, threads, plane, false)
+}
+
+/// The maximum of `value` over the threads of this thread's row, as [`row_sum`].
+#[cube]
+pub fn row_max(
+    shared: &mut SharedMemory<f32>,
+    value: f32,
+    #[comptime] threads: u32,
+    #[comptime] plane: u32,
+) -> f32 {
+    row_reduce(shared, value, threads, plane, true)
+}
+
+/// `a + b`, or the larger of the two when `max`.
+#[cube]
+fn combine(a: f32, b: f32, #[comptime] max: bool) -> f32 {
+    if max { f32::max(a, b) } else { a + b }
+}
+
+/// [`row_sum`] (`max` false) or [`row_max`] (`max` true).
+#[cube]
+fn row_reduce(
+    shared: &mut SharedMemory<f32>,
+    value: f32,
+    #[comptime] threads: u32,
+    #[comptime] plane: u32,
+    #[comptime] max: bool,
+) -> f32 {
     let x = UNIT_POS_X as usize;
     let y = UNIT_POS_Y as usize;
-    let mut total = f32::new(0.0);
+    let mut total = value;
     if plane > 0 {
-        let plane_total = plane_sum(value);
-        if threads == plane {
-            total = plane_total;
+        let plane_total = if max {
+            plane_max(value)
         } else {
+            plane_sum(value)
+        };
+        total = plane_total;
+        if threads != plane {
             let planes = comptime!((threads / plane) as usize);
             if UNIT_POS_PLANE == 0 {
                 shared[y * planes + x / comptime!(plane as usize)] = plane_total;
             }
             sync_cube();
+            total = shared[y * planes];
             #[unroll]
-            for p in 0..planes {
-                total += shared[y * planes + p];
+            for p in 1..planes {
+                total = combine(total, shared[y * planes + p], max);
             }
-            // Every thread has read the slots before the next sum overwrites them.
+            // Every thread has read the slots before the next reduction overwrites them.
             sync_cube();
         }
     } else {
         // Runtime values: a `let mut` of a comptime value would be folded at expansion.
         let base = y * CUBE_DIM_X as usize;
-        shared[base + x] = value;
+        shared[base + x] = total;
         sync_cube();
         let mut half = CUBE_DIM_X as usize / 2;
         while half > 0 {
             if x < half {
-                shared[base + x] += shared[base + x + half];
+                shared[base + x] = combine(shared[base + x], shared[base + x + half], max);
             }
             sync_cube();
             half /= 2;
