@@ -7,7 +7,8 @@
 #       -p burn-megatron-dist --bin bm-launch
 #   bin/nccl-*                                    ../shared/gpu/pack test --release --features cuda
 #       -p burn-megatron-tests --test nccl
-#   PART=tests|kernels|dp|tp bash bench/parallel_gpu_check.sh   (default: all four)
+#   bin/gpu-*                                     ... --test gpu (the one-GPU kernel tests)
+#   PART=tests|kernels|gputests|dp|tp bash bench/parallel_gpu_check.sh   (default: all)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -47,9 +48,18 @@ if part tests; then
     tee $OUT/nccl_tests.log | grep -E "^test |test result|relative difference|loss TP"
 fi
 if part kernels; then
-  timeout 200 $B/kernel_bench dropout_rope_and_padded_softmax 2>&1 | tee $OUT/kernels.log | grep RoPE
-  timeout 200 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax 2>&1 |
-    tee $OUT/torch_kernels.log | grep -i rope
+  # RoPE in place against the copy path; the softmax with rows in registers against the
+  # streamed kernels; torch.compile's peers in the same call.
+  timeout 300 $B/kernel_bench dropout_rope_and_padded_softmax causal_softmax 2>&1 |
+    tee $OUT/kernels.log | grep -iE "rope|softmax|copy"
+  timeout 300 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax causal_softmax 2>&1 |
+    tee $OUT/torch_kernels.log | grep -iE "rope|softmax"
+fi
+if part gputests; then
+  # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu-*:
+  # ../shared/gpu/pack test --release --features cuda -p burn-megatron-tests --test gpu).
+  timeout 500 $B/gpu-* --test-threads=1 fused_causal_softmax fused_dropout_rope transformer_autodiff_matches_burn_cuda fused_norm 2>&1 |
+    tee $OUT/gpu_tests.log | grep -E "^test |test result"
 fi
 if part dp; then
   M="--preset gpt2-350m --batch 8 --dtype bf16"
