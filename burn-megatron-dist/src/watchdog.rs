@@ -146,8 +146,14 @@ impl Watchdog {
             started: Instant::now(),
             end: OnceLock::new(),
         });
+        // Wake the watchdog only from its idle wait: while collectives are pending it polls
+        // anyway, and waking it at every call (hundreds a step under tensor parallelism)
+        // would make it query CUDA events against the thread that launches kernels.
+        let was_idle = state.in_flight.is_empty();
         state.in_flight.push_back(tracked.clone());
-        self.changed.notify_all();
+        if was_idle {
+            self.changed.notify_all();
+        }
         Ok(tracked)
     }
 
