@@ -6,9 +6,10 @@
 //! pairs `(i, i + head_dim / 2)` of GPT-NeoX and Llama, by the angle of the token's position
 //! `p` and the pair `i`), value rows are copied, so the result is again the packed layout
 //! that attention reads. Where nothing else holds `qkv`'s buffer the query and key rows are
-//! rotated in place and the value rows are not touched at all. The cosines and sines come from `[seq, head_dim / 2]` f32 tables
-//! (computed once by the caller, as Megatron caches them): computing them in the kernel
-//! costs precise `sin`/`cos` of arguments up to `seq` radians for every pair of every head.
+//! rotated in place and the value rows are not touched at all. The cosines and sines come
+//! from `[seq, head_dim / 2]` f32 tables (computed once by the caller, as Megatron caches
+//! them): computing them in the kernel costs precise `sin`/`cos` of arguments up to `seq`
+//! radians for every pair of every head.
 //! The rotation is orthogonal: the backward is the rotation by `-angle` of the output's
 //! gradient, the same kernel with the sine's sign flipped. The math is f32 for every storage
 //! dtype.
