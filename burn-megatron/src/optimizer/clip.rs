@@ -123,10 +123,10 @@ where
             None => part,
         });
     }
-    let total = match total {
-        Some(t) => t,
-        None => Tensor::zeros([1], (&Default::default(), burn::tensor::DType::F32)),
-    };
+    // Every rank holds at least one chunk; without one there is no device to sum on.
+    let total = total.ok_or_else(|| {
+        ConfigError::Invalid("no model chunks: a rank holds at least one chunk".into())
+    })?;
     norm_over(total, state.model_parallel())
 }
 
