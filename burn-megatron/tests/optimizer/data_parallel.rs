@@ -252,7 +252,8 @@ fn data_parallel_with(
             model = stepped.model;
             norms.push(values(stepped.grad_norm)[0]);
             if overlap {
-                // The layers' gradients (all but the embeddings') went through the hook.
+                // The layers' gradients (all but the embeddings' and the output layer's) went
+                // through the hook.
                 let layers: usize = model
                     .layers()
                     .iter()
@@ -325,7 +326,18 @@ fn data_parallel_steps_equal_one_device() {
 /// TP 2 × DP 2 and PP 2 × DP 2, with and without the distributed optimizer.
 #[test]
 fn overlapped_reduction_equals_reduction_after_backward() {
-    let config = tiny_gpt();
+    overlap_equals_reduction_after_backward(&tiny_gpt());
+}
+
+/// [`overlapped_reduction_equals_reduction_after_backward`] with an untied output layer (its
+/// own gradient on every stage layout, taken after the backward pass).
+#[test]
+fn overlapped_reduction_with_an_untied_output_layer_equals_reduction_after_backward() {
+    overlap_equals_reduction_after_backward(&tiny_gpt().with_tie_embeddings(false));
+}
+
+fn overlap_equals_reduction_after_backward(config: &TransformerConfig) {
+    let config = config.clone();
     let want = one_device(&config, STEPS, None);
     let layouts = [(1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)];
     for (tp, pp, dp) in layouts {
