@@ -76,6 +76,24 @@ pub trait ModelBackend: DistBackend {
         burn::tensor::module::linear(x, w, bias)
     }
 
+    /// `x · w_tᵀ + bias` for a weight stored output-major, `w_t: [d_out, d_in]` (the output
+    /// layer's vocabulary table). Unlike [`linear`](Self::linear) of a transposed view,
+    /// `Autodiff<B>` records one node whose weight gradient is `w_t`'s own: it is final when
+    /// that node's backward runs. Burn runs backward steps by depth, and a transpose of a
+    /// parameter has depth 1, so its gradient would come after every layer's, too late to
+    /// be reduced while the backward pass goes on.
+    fn linear_output_major(
+        x: Tensor<Self, 2>,
+        w_t: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        let y = Self::gemm(x, w_t, false, true);
+        match bias {
+            Some(bias) => Self::bias_add(y, bias),
+            None => y,
+        }
+    }
+
     /// Checks that every id of `ids` is a valid `kind` id for a vocabulary of `vocab_size`
     /// tokens.
     ///
@@ -1738,6 +1756,43 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
 
+    fn linear_output_major(
+        x: Tensor<Self, 2>,
+        w_t: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        let x = x.into_primitive().tensor();
+        let w_t = w_t.into_primitive().tensor();
+        let bias = bias.map(|b| b.into_primitive().tensor());
+        let output = <B as ModelBackend>::linear_output_major(
+            wrap::<B, 2>(x.primitive.clone()),
+            wrap::<B, 2>(w_t.primitive.clone()),
+            bias.as_ref().map(|b| wrap::<B, 1>(b.primitive.clone())),
+        )
+        .into_primitive()
+        .tensor();
+        let state = (x.primitive.clone(), w_t.primitive.clone());
+        let output = match bias {
+            Some(bias) => match LinearOutputMajorBackward
+                .prepare::<C>([x.node.clone(), w_t.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, output),
+                OpsKind::UnTracked(prep) => prep.finish(output),
+            },
+            None => match LinearOutputMajorBackward
+                .prepare::<C>([x.node.clone(), w_t.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, output),
+                OpsKind::UnTracked(prep) => prep.finish(output),
+            },
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
+
     fn check_ids<const D: usize>(
         ids: Tensor<Self, D, Int>,
         kind: IdKind,
@@ -1948,6 +2003,54 @@ impl<B: ModelBackend> Backward<B, 3> for LinearBackward {
     }
 }
 
+/// The backward of `y = x · w_tᵀ + bias` ([`ModelBackend::linear_output_major`]):
+/// `dx = dy · w_t`, `dw_t = dyᵀ · x` (output-major, as the weight is stored), `db = Σ_tokens dy`.
+#[derive(Debug)]
+struct LinearOutputMajorBackward;
+
+impl LinearOutputMajorBackward {
+    fn run<B: ModelBackend>(
+        parents: &[Option<NodeId>],
+        dy: B::FloatTensorPrimitive,
+        (x, w_t): (B::FloatTensorPrimitive, B::FloatTensorPrimitive),
+        grads: &mut Gradients,
+    ) {
+        let dy = wrap::<B, 2>(dy);
+        if let Some(id) = parents[0] {
+            let dx = B::gemm(dy.clone(), wrap(w_t), false, false);
+            grads.register::<B>(id, dx.into_primitive().tensor());
+        }
+        if let Some(id) = parents[1] {
+            let dw_t = B::gemm(dy.clone(), wrap(x), true, false);
+            grads.register::<B>(id, dw_t.into_primitive().tensor());
+        }
+        if let Some(Some(id)) = parents.get(2) {
+            let db = B::bias_gradient(dy);
+            grads.register::<B>(*id, db.into_primitive().tensor());
+        }
+    }
+}
+
+impl<B: ModelBackend> Backward<B, 2> for LinearOutputMajorBackward {
+    type State = (B::FloatTensorPrimitive, B::FloatTensorPrimitive);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let parents = ops.parents.map(|p| p.map(|node| node.id));
+        Self::run::<B>(&parents, dy, ops.state, grads);
+    }
+}
+
+impl<B: ModelBackend> Backward<B, 3> for LinearOutputMajorBackward {
+    type State = (B::FloatTensorPrimitive, B::FloatTensorPrimitive);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let parents = ops.parents.map(|p| p.map(|node| node.id));
+        Self::run::<B>(&parents, dy, ops.state, grads);
+    }
+}
+
 /// The backward of `y = x + bias`: `dx = dy`, `db = Σ_tokens dy` through
 /// [`ModelBackend::bias_gradient`] (deterministic column sums on CubeCL backends, where
 /// Burn's broadcast backward runs a generic reduction).
@@ -2026,6 +2129,23 @@ pub fn linear<B: ModelBackend, const D: usize>(
     let d_out = w.dims()[1];
     let tokens: usize = dims[..D - 1].iter().product();
     let y = <B as ModelBackend>::linear(x.reshape([tokens, dims[D - 1]]), w, bias);
+    let mut out = dims;
+    out[D - 1] = d_out;
+    y.reshape(out)
+}
+
+/// `x · w_tᵀ + bias` over the last dimension of an `x` of any rank, for a weight stored
+/// output-major (`w_t: [d_out, d_in]`): [`ModelBackend::linear_output_major`] on `x`
+/// flattened to `[tokens, d_in]`, reshaped back.
+pub fn linear_output_major<B: ModelBackend, const D: usize>(
+    x: Tensor<B, D>,
+    w_t: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let d_out = w_t.dims()[0];
+    let tokens: usize = dims[..D - 1].iter().product();
+    let y = <B as ModelBackend>::linear_output_major(x.reshape([tokens, dims[D - 1]]), w_t, bias);
     let mut out = dims;
     out[D - 1] = d_out;
     y.reshape(out)
@@ -2139,6 +2259,45 @@ mod tests {
             for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
                 assert_close(
                     &format!("output {i} (bias {with_bias}, transposed {transposed_weight})"),
+                    a,
+                    &b,
+                    tolerance::F32_SAME_ORDER,
+                );
+            }
+        }
+    }
+
+    /// `linear_output_major` (the weight stored `[d_out, d_in]`, no transposed view) against
+    /// Burn's autodiff of `linear` on the transposed view, with and without bias.
+    #[test]
+    fn output_major_linear_matches_burns_autodiff() {
+        let dev = Default::default();
+        let normal = |shape: [usize; 3], seed| {
+            init_full::<AD, 3>(shape, InitDistribution::Normal { std: 1.0 }, seed, &dev)
+        };
+        for with_bias in [false, true] {
+            let run = |ours: bool| {
+                let x = normal([2, 5, 7], 1).require_grad();
+                let w_t = normal([1, 3, 7], 2).squeeze_dim::<2>(0).require_grad();
+                let b = with_bias.then(|| normal([1, 1, 3], 3).reshape([3]).require_grad());
+                let y = if ours {
+                    super::linear_output_major(x.clone(), w_t.clone(), b.clone())
+                } else {
+                    burn::tensor::module::linear(x.clone(), w_t.clone().transpose(), b.clone())
+                };
+                let upstream = normal([2, 5, 3], 4).detach();
+                let grads = (y.clone() * upstream).sum().backward();
+                let mut out = vec![
+                    values(y.inner()),
+                    values(x.grad(&grads).unwrap()),
+                    values(w_t.grad(&grads).unwrap()),
+                ];
+                out.extend(b.map(|b| values(b.grad(&grads).unwrap())));
+                out
+            };
+            for (i, (a, b)) in run(true).iter().zip(run(false)).enumerate() {
+                assert_close(
+                    &format!("output {i} (bias {with_bias})"),
                     a,
                     &b,
                     tolerance::F32_SAME_ORDER,

@@ -151,6 +151,7 @@ impl DistributedAdamWConfig {
             zero: f32_tensor(vec![0.0]),
             layout,
             buffer,
+            shared_copies: shared_copies.to_vec(),
             overlap: None,
         })
     }
@@ -306,6 +307,9 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     /// The reduction started inside the backward pass, once
     /// [`overlap_hook`](Self::overlap_hook) made it.
     overlap: Option<Arc<GradReduceOverlap<B>>>,
+    /// Paths of copies of parameters held on another rank (see
+    /// [`DistributedAdamWConfig::init`]).
+    shared_copies: Vec<String>,
 }
 
 impl<B> DistributedAdamW<B>
@@ -406,6 +410,7 @@ where
                 self.config.data_parallel.bucket_numel,
                 self.config.data_parallel.use_distributed_optimizer,
                 microbatches,
+                &self.shared_copies,
                 &self.master.device(),
             ))
         });

@@ -26,9 +26,10 @@
 //! copies, the same collectives on the same ranges.
 //!
 //! Gradients the hook did not take (embeddings, whose tied copy is used again at the start of
-//! the model; the output layer, which the pipeline schedule reduces with a tied copy after the
-//! backward pass; any gradient not yet in the container when the hook runs) are taken from the
-//! step's `GradientsParams` afterwards. The hook takes the gradients out of the container, so
+//! the model; a tied output layer's copy on the last of several stages, which the pipeline
+//! schedule reduces with the first stage's after the backward pass; any gradient not yet in
+//! the container when the hook runs) are taken from the step's `GradientsParams` afterwards.
+//! An untied output layer's gradient is taken at the first marker, with the last layer's. The hook takes the gradients out of the container, so
 //! each bf16 gradient is freed as soon as it is in the f32 unit, not after the whole backward
 //! pass.
 
@@ -138,6 +139,7 @@ where
         bucket_numel: usize,
         sharded: bool,
         microbatches: usize,
+        shared_copies: &[String],
         device: &burn::tensor::Device<BA::InnerBackend>,
     ) -> Self {
         let size = dp.size();
@@ -188,9 +190,13 @@ where
             .iter()
             .map(|s| match layer_of(&s.path) {
                 Some(layer) => Some(layer),
-                // The output layer is left for after the backward pass: on the last of
-                // several stages it is a tied copy the schedule reduces afterwards.
                 None if s.path.starts_with("block.final_norm.") => last,
+                // The output layer's gradient is final before the last layer's (its product
+                // records the weight's own gradient: `linear_output_major`), as in
+                // Megatron's first bucket. A tied copy on the last of several stages is left
+                // for after the backward pass, where the schedule adds the first stage's
+                // gradient to it.
+                None if s.path.starts_with("output.") && !shared_copies.contains(&s.path) => last,
                 None => None,
             })
             .collect();

@@ -7,7 +7,7 @@ use burn_megatron_dist::mapping::{
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
-use crate::backend::{ModelBackend, linear};
+use crate::backend::{ModelBackend, linear_output_major};
 
 use super::placement::{DeclarePlacements, Placements};
 use super::vocab::VocabPartition;
@@ -68,5 +68,5 @@ pub fn parallel_lm_logits<B: ModelBackend>(
     } else {
         copy_to_tensor_parallel_region(hidden, tp)?
     };
-    Ok(linear(hidden, weight.transpose(), None))
+    Ok(linear_output_major(hidden, weight, None))
 }
