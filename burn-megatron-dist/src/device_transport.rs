@@ -15,6 +15,16 @@ use crate::error::DistResult;
 use crate::op::{CollectiveOp, P2pOp};
 use crate::process_group::ProcessGroup;
 
+/// What a backend did with a communication call: ran it on the device's own transport, or
+/// handed the input back for the host path.
+#[derive(Debug)]
+pub enum OnDevice<T, Input> {
+    /// Run on the device's transport: its result.
+    Done(DistResult<T>),
+    /// Not for the device's transport: the input, for the host path.
+    Host(Input),
+}
+
 /// A Burn backend whose tensors [`ProcessGroup`] collectives can move.
 ///
 /// Every hook has a default that hands the tensor back, and the group then moves it through
@@ -30,9 +40,9 @@ pub trait DeviceTransport: burn::tensor::backend::Backend {
         group: &ProcessGroup,
         op: CollectiveOp,
         x: Tensor<Self, D>,
-    ) -> Result<DistResult<Tensor<Self, D>>, Tensor<Self, D>> {
+    ) -> OnDevice<Tensor<Self, D>, Tensor<Self, D>> {
         let _ = (group, op);
-        Err(x)
+        OnDevice::Host(x)
     }
 
     /// Whether collectives on `device` run on the device's own transport, asynchronously:
@@ -65,9 +75,9 @@ pub trait DeviceTransport: burn::tensor::backend::Backend {
         group: &ProcessGroup,
         ops: Vec<P2pOp<Self, D>>,
         device: &Self::Device,
-    ) -> Result<DistResult<Vec<Tensor<Self, D>>>, Vec<P2pOp<Self, D>>> {
+    ) -> OnDevice<Vec<Tensor<Self, D>>, Vec<P2pOp<Self, D>>> {
         let _ = (group, device);
-        Err(ops)
+        OnDevice::Host(ops)
     }
 }
 
@@ -89,7 +99,7 @@ mod cube {
     use burn_fusion::{Fusion, FusionBackend};
     use burn_megatron_kernels::cuda::{CudaGpu, MegatronCudaRuntime};
 
-    use super::DeviceTransport;
+    use super::{DeviceTransport, OnDevice};
     use crate::error::DistResult;
     use crate::nccl::GpuP2p;
     use crate::op::CollectiveOp;
@@ -127,11 +137,15 @@ mod cube {
             group: &ProcessGroup,
             op: CollectiveOp,
             x: Tensor<Self, D>,
-        ) -> Result<DistResult<Tensor<Self, D>>, Tensor<Self, D>> {
+        ) -> OnDevice<Tensor<Self, D>, Tensor<Self, D>> {
             let x: CubeTensor<R> = x.into_primitive().tensor();
-            let ours = cast::<_, CubeTensor<MegatronCudaRuntime>>(x).map_err(wrap)?;
-            let gpu = ours.device.clone();
-            Ok(group.nccl_call::<D>(op, ours, &gpu).map(back))
+            match cast::<_, CubeTensor<MegatronCudaRuntime>>(x) {
+                Ok(ours) => {
+                    let gpu = ours.device.clone();
+                    OnDevice::Done(group.nccl_call::<D>(op, ours, &gpu).map(back))
+                }
+                Err(x) => OnDevice::Host(wrap(x)),
+            }
         }
 
         fn collectives_on_device(device: &Self::Device) -> bool {
@@ -153,9 +167,9 @@ mod cube {
             group: &ProcessGroup,
             ops: Vec<P2pOp<Self, D>>,
             device: &Self::Device,
-        ) -> Result<DistResult<Vec<Tensor<Self, D>>>, Vec<P2pOp<Self, D>>> {
+        ) -> OnDevice<Vec<Tensor<Self, D>>, Vec<P2pOp<Self, D>>> {
             let Ok(gpu) = cast::<_, CudaGpu>(device.clone()) else {
-                return Err(ops);
+                return OnDevice::Host(ops);
             };
             let ops = ops
                 .into_iter()
@@ -176,9 +190,11 @@ mod cube {
                     },
                 })
                 .collect();
-            Ok(group
-                .nccl_batch(ops, &gpu)
-                .map(|received| received.into_iter().map(back).collect()))
+            OnDevice::Done(
+                group
+                    .nccl_batch(ops, &gpu)
+                    .map(|received| received.into_iter().map(back).collect()),
+            )
         }
     }
 
@@ -209,10 +225,10 @@ impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, 
         group: &ProcessGroup,
         op: CollectiveOp,
         x: Tensor<Self, D>,
-    ) -> Result<DistResult<Tensor<Self, D>>, Tensor<Self, D>> {
+    ) -> OnDevice<Tensor<Self, D>, Tensor<Self, D>> {
         match B::collective_on_device(group, op, x.clone().inner()) {
-            Ok(result) => Ok(result.map(Tensor::from_inner)),
-            Err(_) => Err(x),
+            OnDevice::Done(result) => OnDevice::Done(result.map(Tensor::from_inner)),
+            OnDevice::Host(_) => OnDevice::Host(x),
         }
     }
 
@@ -230,7 +246,7 @@ impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, 
         group: &ProcessGroup,
         ops: Vec<P2pOp<Self, D>>,
         device: &Self::Device,
-    ) -> Result<DistResult<Vec<Tensor<Self, D>>>, Vec<P2pOp<Self, D>>> {
+    ) -> OnDevice<Vec<Tensor<Self, D>>, Vec<P2pOp<Self, D>>> {
         let inner = ops
             .iter()
             .map(|op| match op {
@@ -246,10 +262,10 @@ impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, 
             })
             .collect();
         match B::batch_p2p_on_device(group, inner, device) {
-            Ok(result) => {
-                Ok(result.map(|received| received.into_iter().map(Tensor::from_inner).collect()))
-            }
-            Err(_) => Err(ops),
+            OnDevice::Done(result) => OnDevice::Done(
+                result.map(|received| received.into_iter().map(Tensor::from_inner).collect()),
+            ),
+            OnDevice::Host(_) => OnDevice::Host(ops),
         }
     }
 }

@@ -50,7 +50,7 @@ mod transport;
 mod watchdog;
 mod work;
 
-pub use device_transport::DeviceTransport;
+pub use device_transport::{DeviceTransport, OnDevice};
 pub use dtensor::{DistTensor, Placement};
 pub use error::{DistError, DistResult};
 pub use launch::{LaunchConfig, LaunchError, RankContext, launch};

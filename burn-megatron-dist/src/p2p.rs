@@ -26,7 +26,7 @@
 
 use burn::tensor::Tensor;
 
-use crate::device_transport::DeviceTransport;
+use crate::device_transport::{DeviceTransport, OnDevice};
 use crate::error::{DistError, DistResult};
 pub use crate::op::P2pOp;
 use crate::process_group::ProcessGroup;
@@ -46,8 +46,8 @@ pub fn batch_isend_irecv<B: DeviceTransport, const D: usize>(
         return Ok(Vec::new());
     }
     let ops = match B::batch_p2p_on_device(group, ops, device) {
-        Ok(done) => return done,
-        Err(ops) => ops,
+        OnDevice::Done(done) => return done,
+        OnDevice::Host(ops) => ops,
     };
     let mut receives = Vec::new();
     for op in ops {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::tensor::{Tensor, TensorData};
 
-use crate::device_transport::DeviceTransport;
+use crate::device_transport::{DeviceTransport, OnDevice};
 use crate::error::{DistError, DistResult};
 use crate::op::{CollectiveOp, ReduceOp};
 use crate::shard::shard_range;
@@ -15,7 +15,6 @@ use crate::transport::{Contribution, GroupInfo, Transport};
 use crate::work::Work;
 
 #[cfg(feature = "cuda")]
-#[path = "device_calls.rs"]
 mod device_calls;
 
 /// A set of ranks that communicate: Megatron's TP, PP, DP, CP or EP group, or the world.
@@ -232,8 +231,8 @@ impl ProcessGroup {
             return Ok(Work::ready(x));
         }
         let x = match B::collective_on_device(self, CollectiveOp::AllReduce(op), x) {
-            Ok(done) => return done.map(Work::ready),
-            Err(x) => x,
+            OnDevice::Done(done) => return done.map(Work::ready),
+            OnDevice::Host(x) => x,
         };
         let device = x.device();
         let size = self.size();
@@ -266,8 +265,8 @@ impl ProcessGroup {
             return Ok(Work::ready(x));
         }
         let x = match B::collective_on_device(self, CollectiveOp::AllGather { dim }, x) {
-            Ok(done) => return done.map(Work::ready),
-            Err(x) => x,
+            OnDevice::Done(done) => return done.map(Work::ready),
+            OnDevice::Host(x) => x,
         };
         let device = x.device();
         let pending = self.start(CollectiveOp::AllGather { dim }, x)?;
@@ -303,8 +302,8 @@ impl ProcessGroup {
             return Ok(Work::ready(x));
         }
         let x = match B::collective_on_device(self, CollectiveOp::ReduceScatter { dim, op }, x) {
-            Ok(done) => return done.map(Work::ready),
-            Err(x) => x,
+            OnDevice::Done(done) => return done.map(Work::ready),
+            OnDevice::Host(x) => x,
         };
         let device = x.device();
         let pending = self.start(CollectiveOp::ReduceScatter { dim, op }, x)?;
@@ -333,8 +332,8 @@ impl ProcessGroup {
         }
         let op = CollectiveOp::Broadcast { root };
         let x = match B::collective_on_device(self, op, x) {
-            Ok(done) => return done,
-            Err(x) => x,
+            OnDevice::Done(done) => return done,
+            OnDevice::Host(x) => x,
         };
         let device = x.device();
         let pending = if self.rank() == root {
@@ -375,8 +374,8 @@ impl ProcessGroup {
             concat_dim,
         };
         let x = match B::collective_on_device(self, op, x) {
-            Ok(done) => return done.map(Work::ready),
-            Err(x) => x,
+            OnDevice::Done(done) => return done.map(Work::ready),
+            OnDevice::Host(x) => x,
         };
         let device = x.device();
         let pending = self.start(op, x)?;
@@ -469,8 +468,8 @@ impl ProcessGroup {
         self.check_peer(dst, "send destination")?;
         let op = CollectiveOp::Send { dst };
         let x = match B::collective_on_device(self, op, x) {
-            Ok(done) => return done.map(|_| ()),
-            Err(x) => x,
+            OnDevice::Done(done) => return done.map(|_| ()),
+            OnDevice::Host(x) => x,
         };
         let message = Contribution {
             op,
