@@ -6,14 +6,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::ProcessGroup;
-use burn_megatron_dist::mapping::scatter_to_sequence_parallel_region;
 
 use crate::backend::{BackwardHook, ModelBackend};
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::pipeline_parallel::{PipelineError, Stage};
 use crate::tensor_parallel::{
-    DeclarePlacements, DropoutSite, ParamPlacement, Placements, VocabParallelEmbedding,
+    DeclarePlacements, DropoutSite, ParamPlacement, Placements, TpContext, VocabParallelEmbedding,
     VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
     vocab_parallel_cross_entropy,
 };
@@ -51,7 +50,6 @@ pub struct GptModel<B: Backend> {
 
 #[derive(Debug, Clone)]
 struct ModelContext {
-    tp: ProcessGroup,
     vocab: VocabPartition,
     max_sequence_length: usize,
     layer: LayerContext,
@@ -134,15 +132,13 @@ impl TransformerConfig {
             block: TransformerBlock::new_stage(self, stage.layers.clone(), last, tp, device)?,
             output,
             context: ModelContext {
-                tp: tp.clone(),
                 vocab,
                 max_sequence_length: self.max_sequence_length,
                 layer: LayerContext {
                     index: usize::MAX,
                     seed: self.seed,
                     hidden_dropout: self.hidden_dropout,
-                    tp: tp.clone(),
-                    sequence_parallel: self.sequence_parallel,
+                    tp: TpContext::new(tp, self.sequence_parallel),
                 },
                 calls: Arc::new(AtomicU64::new(0)),
                 recompute: self.recompute,
@@ -227,7 +223,7 @@ impl<B: ModelBackend> GptModel<B> {
         logits: Tensor<B, 3>,
         targets: Tensor<B, 2, Int>,
     ) -> Result<Tensor<B, 2>> {
-        vocab_parallel_cross_entropy(logits, targets, &self.context.vocab, &self.context.tp)
+        vocab_parallel_cross_entropy(logits, targets, &self.context.vocab, self.tp())
     }
 
     /// The mean cross-entropy over the targets that are not negative (a negative target,
@@ -281,8 +277,8 @@ impl<B: ModelBackend> GptModel<B> {
     /// `[batch, seq, hidden]`, or `[batch, seq / tp, hidden]` under sequence parallelism.
     pub fn activation_shape(&self, batch: usize, seq: usize) -> [usize; 3] {
         let c = &self.context;
-        let seq = if c.layer.sequence_parallel {
-            seq / c.tp.size()
+        let seq = if c.layer.tp.sequence_parallel {
+            seq / c.layer.tp.group.size()
         } else {
             seq
         };
@@ -307,7 +303,7 @@ impl<B: ModelBackend> GptModel<B> {
 
     /// The tensor-parallel group the model is split over.
     pub fn tp(&self) -> &ProcessGroup {
-        &self.context.tp
+        &self.context.layer.tp.group
     }
 
     /// Whether a forward pass would record a graph for the parameters' gradients.
@@ -345,7 +341,7 @@ impl<B: ModelBackend> GptModel<B> {
             .ok_or_else(|| self.missing("embedding"))?;
         let c = &self.context;
         let [_, seq] = tokens.dims();
-        let tp = &c.tp;
+        let tp = &c.layer.tp.group;
         if seq > c.max_sequence_length {
             return Err(InputError::SequenceTooLong {
                 len: seq,
@@ -353,7 +349,7 @@ impl<B: ModelBackend> GptModel<B> {
             }
             .into());
         }
-        if c.layer.sequence_parallel && !seq.is_multiple_of(tp.size()) {
+        if c.layer.tp.sequence_parallel && !seq.is_multiple_of(tp.size()) {
             return Err(InputError::SequenceNotDivisible {
                 len: seq,
                 tp: tp.size(),
@@ -363,11 +359,7 @@ impl<B: ModelBackend> GptModel<B> {
         let mut x = embedding.try_forward(tokens)?;
         if let Some(table) = &self.position_embedding {
             let positions = table.val().narrow(0, 0, seq).unsqueeze::<3>();
-            let positions = if c.layer.sequence_parallel {
-                scatter_to_sequence_parallel_region(positions, tp, 1)?
-            } else {
-                positions
-            };
+            let positions = c.layer.tp.split_sequence(positions)?;
             x = x + positions;
         }
         Ok(hidden_dropout(
@@ -395,8 +387,7 @@ impl<B: ModelBackend> GptModel<B> {
         Ok(parallel_lm_logits(
             norm.try_forward(x)?,
             table,
-            &self.context.tp,
-            self.context.layer.sequence_parallel,
+            &self.context.layer.tp,
         )?)
     }
 }

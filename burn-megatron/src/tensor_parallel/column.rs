@@ -3,15 +3,13 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::mapping::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region,
-};
+use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::{ModelBackend, linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
+use super::tp_context::TpContext;
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
 
@@ -50,11 +48,9 @@ pub struct ColumnParallelLinear<B: Backend> {
     /// `[d_output / tp]`: this rank's slice of the bias, initialised to zero.
     pub bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
-    tp: ProcessGroup,
+    tp: TpContext,
     #[module(skip)]
     gather_output: bool,
-    #[module(skip)]
-    sequence_parallel: bool,
 }
 
 impl ColumnParallelLinearConfig {
@@ -82,9 +78,8 @@ impl ColumnParallelLinearConfig {
         Ok(ColumnParallelLinear {
             weight: Param::from_tensor(weight),
             bias,
-            tp: tp.clone(),
+            tp: TpContext::new(tp, self.sequence_parallel),
             gather_output: self.gather_output,
-            sequence_parallel: self.sequence_parallel,
         })
     }
 }
@@ -92,9 +87,9 @@ impl ColumnParallelLinearConfig {
 /// The weight's columns and the bias are sharded over TP (dimensions 1 and 0).
 impl<B: Backend> DeclarePlacements for ColumnParallelLinear<B> {
     fn declare_placements(&self, out: &mut Placements) {
-        out.declare(&self.weight, ParamPlacement::sharded(1, &self.tp));
+        out.declare(&self.weight, ParamPlacement::sharded(1, &self.tp.group));
         if let Some(bias) = &self.bias {
-            out.declare(bias, ParamPlacement::sharded(0, &self.tp));
+            out.declare(bias, ParamPlacement::sharded(0, &self.tp.group));
         }
     }
 }
@@ -150,23 +145,19 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
     /// Whether `other` enters its input into the same region the same way, so that one
     /// [`input`](Self::input) serves both.
     pub fn shares_input_with(&self, other: &Self) -> bool {
-        self.tp == other.tp && self.sequence_parallel == other.sequence_parallel
+        self.tp == other.tp
     }
 
     /// The input as the product needs it: copied into the tensor-parallel region (the *f*
     /// operator), or gathered along the sequence (dimension 1) under sequence parallelism.
     pub fn input<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
-        if self.sequence_parallel {
-            gather_from_sequence_parallel_region(input, &self.tp, 1, true)
-        } else {
-            copy_to_tensor_parallel_region(input, &self.tp)
-        }
+        self.tp.enter(input)
     }
 
     /// This rank's features, or all of them with `gather_output`.
     fn output<const D: usize>(&self, output: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
         if self.gather_output {
-            gather_from_tensor_parallel_region(output, &self.tp)
+            gather_from_tensor_parallel_region(output, &self.tp.group)
         } else {
             Ok(output)
         }
@@ -174,6 +165,6 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
 
     /// The tensor-parallel group.
     pub fn tp(&self) -> &ProcessGroup {
-        &self.tp
+        &self.tp.group
     }
 }

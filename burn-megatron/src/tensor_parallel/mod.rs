@@ -6,6 +6,7 @@ mod cross_entropy;
 mod dropout;
 mod placement;
 mod row;
+mod tp_context;
 mod vocab;
 mod vocab_embedding;
 mod vocab_output;
@@ -19,6 +20,7 @@ pub use placement::{
     gather_full_params, param_infos, param_shards, try_param_infos,
 };
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
+pub use tp_context::{SEQ_DIM, TpContext};
 pub use vocab::VocabPartition;
 pub use vocab_embedding::VocabParallelEmbedding;
 pub use vocab_output::{VocabParallelOutput, parallel_lm_logits};

@@ -3,15 +3,13 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::mapping::{
-    copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region,
-};
+use burn_megatron_dist::mapping::scatter_to_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::{ModelBackend, bias_add, linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
+use super::tp_context::TpContext;
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
 
@@ -53,11 +51,9 @@ pub struct RowParallelLinear<B: Backend> {
     /// after the reduction.
     pub bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
-    tp: ProcessGroup,
+    tp: TpContext,
     #[module(skip)]
     input_is_parallel: bool,
-    #[module(skip)]
-    sequence_parallel: bool,
 }
 
 impl RowParallelLinearConfig {
@@ -85,9 +81,8 @@ impl RowParallelLinearConfig {
         Ok(RowParallelLinear {
             weight: Param::from_tensor(weight),
             bias,
-            tp: tp.clone(),
+            tp: TpContext::new(tp, self.sequence_parallel),
             input_is_parallel: self.input_is_parallel,
-            sequence_parallel: self.sequence_parallel,
         })
     }
 }
@@ -96,7 +91,7 @@ impl RowParallelLinearConfig {
 /// is replicated.
 impl<B: Backend> DeclarePlacements for RowParallelLinear<B> {
     fn declare_placements(&self, out: &mut Placements) {
-        out.declare(&self.weight, ParamPlacement::sharded(0, &self.tp));
+        out.declare(&self.weight, ParamPlacement::sharded(0, &self.tp.group));
         if let Some(bias) = &self.bias {
             out.declare(bias, ParamPlacement::replicated());
         }
@@ -122,35 +117,24 @@ impl<B: ModelBackend> RowParallelLinear<B> {
         let input = if self.input_is_parallel {
             input
         } else {
-            scatter_to_tensor_parallel_region(input, &self.tp)?
+            scatter_to_tensor_parallel_region(input, &self.tp.group)?
         };
-        if self.tp.size() == 1 {
+        if self.tp.group.size() == 1 {
             // Nothing to reduce between the GEMM and the bias: the bias goes into the GEMM
             // (cuBLASLt's epilogue on our CUDA backend), with no separate add.
             let bias = self.bias.as_ref().map(|b| b.val());
             return Ok(linear(input, self.weight.val(), bias));
         }
-        let partial = linear(input, self.weight.val(), None);
-        let output = if self.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)?
-        } else {
-            reduce_from_tensor_parallel_region(partial, &self.tp)?
-        };
+        let output = self.tp.leave(linear(input, self.weight.val(), None))?;
         let Some(bias) = &self.bias else {
             return Ok(output);
         };
-        // Under sequence parallelism each rank adds the bias to its own part of the sequence,
-        // so its gradient is partial: entering through *f* sums it over the group.
-        let bias = if self.sequence_parallel {
-            copy_to_tensor_parallel_region(bias.val(), &self.tp)?
-        } else {
-            bias.val()
-        };
-        Ok(bias_add(output, bias))
+        // Under sequence parallelism each rank adds the bias to its own part of the sequence.
+        Ok(bias_add(output, self.tp.replicated(bias.val())?))
     }
 
     /// The tensor-parallel group.
     pub fn tp(&self) -> &ProcessGroup {
-        &self.tp
+        &self.tp.group
     }
 }

@@ -2,12 +2,10 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
-use burn_megatron_dist::mapping::{
-    reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region,
-};
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::placement::{DeclarePlacements, Placements};
+use super::tp_context::TpContext;
 use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
@@ -24,11 +22,9 @@ pub struct VocabParallelEmbedding<B: Backend> {
     /// `N(0, init_std²)`.
     pub weight: Param<Tensor<B, 2>>,
     #[module(skip)]
-    tp: ProcessGroup,
+    tp: TpContext,
     #[module(skip)]
     vocab: VocabPartition,
-    #[module(skip)]
-    sequence_parallel: bool,
 }
 
 impl<B: DistBackend> VocabParallelEmbedding<B> {
@@ -52,9 +48,8 @@ impl<B: DistBackend> VocabParallelEmbedding<B> {
         );
         Self {
             weight: Param::from_tensor(weight),
-            tp: tp.clone(),
+            tp: TpContext::new(tp, sequence_parallel),
             vocab,
-            sequence_parallel,
         }
     }
 
@@ -81,10 +76,6 @@ impl<B: ModelBackend> VocabParallelEmbedding<B> {
         let (local, in_range) = self.vocab.localize(tokens);
         let rows = embedding(self.weight.val(), local);
         let partial = rows * in_range.float().unsqueeze_dim::<3>(2);
-        Ok(if self.sequence_parallel {
-            reduce_scatter_to_sequence_parallel_region(partial, &self.tp, 1)?
-        } else {
-            reduce_from_tensor_parallel_region(partial, &self.tp)?
-        })
+        Ok(self.tp.leave(partial)?)
     }
 }

@@ -2,14 +2,12 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::mapping::{
-    copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-};
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistResult};
 
 use crate::backend::{ModelBackend, linear_output_major};
 
 use super::placement::{DeclarePlacements, Placements};
+use super::tp_context::TpContext;
 use super::vocab::VocabPartition;
 use crate::init::{InitDistribution, init_slice};
 
@@ -60,13 +58,7 @@ impl<B: Backend> DeclarePlacements for VocabParallelOutput<B> {
 pub fn parallel_lm_logits<B: ModelBackend>(
     hidden: Tensor<B, 3>,
     weight: Tensor<B, 2>,
-    tp: &ProcessGroup,
-    sequence_parallel: bool,
+    tp: &TpContext,
 ) -> DistResult<Tensor<B, 3>> {
-    let hidden = if sequence_parallel {
-        gather_from_sequence_parallel_region(hidden, tp, 1, true)?
-    } else {
-        copy_to_tensor_parallel_region(hidden, tp)?
-    };
-    Ok(linear_output_major(hidden, weight, None))
+    Ok(linear_output_major(tp.enter(hidden)?, weight, None))
 }

@@ -11,7 +11,7 @@ use super::layer::TransformerLayer;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
-use crate::tensor_parallel::{DeclarePlacements, Placements};
+use crate::tensor_parallel::{DeclarePlacements, Placements, TpContext};
 
 /// Megatron's `TransformerBlock`: pre-norm layers, then the final norm. A pipeline stage's
 /// block holds its own layers only, and the final norm only on the last stage (Megatron's
@@ -54,7 +54,7 @@ impl<B: ModelBackend> TransformerBlock<B> {
         let layers = layers
             .map(|i| TransformerLayer::new(config, i, tp, device))
             .collect::<Result<Vec<_>, _>>()?;
-        let sp_group = config.sequence_parallel.then(|| tp.clone());
+        let context = TpContext::new(tp, config.sequence_parallel);
         Ok(Self {
             layers,
             final_norm: final_norm.then(|| {
@@ -62,7 +62,7 @@ impl<B: ModelBackend> TransformerBlock<B> {
                     config.normalization,
                     config.hidden_size,
                     config.norm_epsilon,
-                    sp_group,
+                    &context,
                     device,
                 )
             }),

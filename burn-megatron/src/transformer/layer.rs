@@ -10,7 +10,7 @@ use super::mlp::ParallelMlp;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
-use crate::tensor_parallel::{DeclarePlacements, Placements};
+use crate::tensor_parallel::{DeclarePlacements, Placements, TpContext};
 use crate::tensor_parallel::{DropoutSite, dropout};
 
 /// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`.
@@ -37,8 +37,7 @@ pub(crate) struct LayerContext {
     pub index: usize,
     pub seed: u64,
     pub hidden_dropout: f64,
-    pub tp: ProcessGroup,
-    pub sequence_parallel: bool,
+    pub tp: TpContext,
 }
 
 impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
@@ -58,13 +57,13 @@ impl<B: ModelBackend> TransformerLayer<B> {
         tp: &ProcessGroup,
         device: &B::Device,
     ) -> Result<Self, ConfigError> {
-        let sp_group = config.sequence_parallel.then(|| tp.clone());
+        let context = TpContext::new(tp, config.sequence_parallel);
         let norm = || {
             Norm::new(
                 config.normalization,
                 config.hidden_size,
                 config.norm_epsilon,
-                sp_group.clone(),
+                &context,
                 device,
             )
         };
@@ -77,8 +76,7 @@ impl<B: ModelBackend> TransformerLayer<B> {
                 index,
                 seed: config.seed,
                 hidden_dropout: config.hidden_dropout,
-                tp: tp.clone(),
-                sequence_parallel: config.sequence_parallel,
+                tp: context.clone(),
             },
         })
     }
@@ -108,8 +106,8 @@ pub(crate) fn hidden_dropout<B: ModelBackend>(
     site: DropoutSite,
 ) -> Tensor<B, 3> {
     let [_, seq, _] = x.dims();
-    let offset = if c.sequence_parallel {
-        seq * c.tp.rank()
+    let offset = if c.tp.sequence_parallel {
+        seq * c.tp.group.rank()
     } else {
         0
     };

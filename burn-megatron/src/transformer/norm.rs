@@ -2,21 +2,20 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::mapping::copy_to_tensor_parallel_region;
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistResult};
 
 use super::config::Normalization;
 use crate::ModelBackend;
 use crate::ops::{NormKind, norm};
-use crate::tensor_parallel::{DeclarePlacements, ParamPlacement, Placements};
+use crate::tensor_parallel::{DeclarePlacements, ParamPlacement, Placements, TpContext};
 
 /// Normalisation of the last dimension: `(x - mean) / sqrt(var + eps) · scale + shift`
 /// (LayerNorm) or `x / sqrt(mean(x²) + eps) · scale` (RMSNorm).
 ///
 /// Its parameters are replicated on every TP rank. Under sequence parallelism each rank
 /// normalises its own part of the sequence, so each holds a partial gradient: the parameters
-/// enter through *f*, which sums the gradient over the TP group (Megatron reduces these
-/// "sequence-parallel parameters" after the backward pass instead).
+/// enter through *f* ([`TpContext::replicated`]), which sums the gradient over the TP group
+/// (Megatron reduces these "sequence-parallel parameters" after the backward pass instead).
 #[derive(Module, Debug)]
 pub struct Norm<B: Backend> {
     /// `[hidden]`, initialised to one.
@@ -26,7 +25,7 @@ pub struct Norm<B: Backend> {
     #[module(skip)]
     epsilon: f64,
     #[module(skip)]
-    sequence_parallel_group: Option<ProcessGroup>,
+    tp: TpContext,
 }
 
 /// Scale and shift are replicated on every TP rank.
@@ -40,13 +39,12 @@ impl<B: Backend> DeclarePlacements for Norm<B> {
 }
 
 impl<B: DistBackend> Norm<B> {
-    /// A norm over `hidden` features; `sequence_parallel_group` is the TP group when sequence
-    /// parallelism is on.
+    /// A norm over `hidden` features in the tensor-parallel context `tp`.
     pub fn new(
         kind: Normalization,
         hidden: usize,
         epsilon: f64,
-        sequence_parallel_group: Option<ProcessGroup>,
+        tp: &TpContext,
         device: &B::Device,
     ) -> Self {
         Self {
@@ -54,7 +52,7 @@ impl<B: DistBackend> Norm<B> {
             shift: (kind == Normalization::LayerNorm)
                 .then(|| Param::from_tensor(Tensor::zeros([hidden], device))),
             epsilon,
-            sequence_parallel_group,
+            tp: tp.clone(),
         }
     }
 }
@@ -63,12 +61,7 @@ impl<B: ModelBackend> Norm<B> {
     /// `[.., hidden]` → `[.., hidden]`, one [`ModelBackend::norm`] (a fused kernel on CubeCL
     /// backends).
     pub fn try_forward<const D: usize>(&self, x: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
-        let param = |p: &Param<Tensor<B, 1>>| -> DistResult<Tensor<B, 1>> {
-            match &self.sequence_parallel_group {
-                Some(tp) => copy_to_tensor_parallel_region(p.val(), tp),
-                None => Ok(p.val()),
-            }
-        };
+        let param = |p: &Param<Tensor<B, 1>>| self.tp.replicated(p.val());
         let (kind, shift) = match &self.shift {
             Some(shift) => (NormKind::LayerNorm, Some(param(shift)?)),
             None => (NormKind::RmsNorm, None),
