@@ -23,7 +23,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::column_sum::{ColumnSumLayout, Normalised, column_sums_into, totals_into_with};
-use super::rows::{RowLayout, row_of_thread, row_sum};
+use super::rows::{RowLayout, row_of_thread, row_sum, row_sum_pair};
 use super::vectors::vector_width;
 
 /// Which normalisation the kernels compute.
@@ -229,7 +229,8 @@ fn backward_kernel<F: Float, N: Size>(
     let n = f32::cast_from(hidden);
     let block = row_of_thread();
     let first = block * rows_per_block as usize;
-    let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
+    // Room for two row sums at once (`row_sum_pair`).
+    let mut shared = SharedMemory::<f32>::new(comptime!(2 * layout.shared_slots()));
 
     // This thread's columns of the block's `Σ dy · x̂` and `Σ dy`, in rows' order.
     let mut sum_dyx = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
@@ -285,10 +286,22 @@ fn backward_kernel<F: Float, N: Size>(
             sum_gx += lanes_sum::<N>(gh * xh);
         }
         let mut mean_g = f32::new(0.0);
+        let mut mean_gx = f32::new(0.0);
         if layer_norm {
-            mean_g = row_sum(&mut shared, sum_g, layout.threads, layout.plane) / n;
+            // Both row sums behind one set of barriers (the row is latency-bound in bf16).
+            let (total_g, total_gx) = row_sum_pair(
+                &mut shared,
+                sum_g,
+                sum_gx,
+                layout.threads,
+                layout.plane,
+                comptime!(layout.shared_slots()),
+            );
+            mean_g = total_g / n;
+            mean_gx = total_gx / n;
+        } else {
+            mean_gx = row_sum(&mut shared, sum_gx, layout.threads, layout.plane) / n;
         }
-        let mean_gx = row_sum(&mut shared, sum_gx, layout.threads, layout.plane) / n;
 
         if active {
             #[unroll]

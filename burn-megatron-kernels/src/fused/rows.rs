@@ -115,6 +115,66 @@ pub fn row_sum(
     row_reduce(shared, value, threads, plane, false)
 }
 
+/// The sums of `a` and of `b` over the threads of this thread's row: two [`row_sum`]s (the
+/// same bits) with the barriers of one. `shared` has twice [`RowLayout::shared_slots`]
+/// slots, `slots` being that count; it is free again on return.
+#[cube]
+pub fn row_sum_pair(
+    shared: &mut SharedMemory<f32>,
+    a: f32,
+    b: f32,
+    #[comptime] threads: u32,
+    #[comptime] plane: u32,
+    #[comptime] slots: usize,
+) -> (f32, f32) {
+    let x = UNIT_POS_X as usize;
+    let y = UNIT_POS_Y as usize;
+    let mut total_a = a;
+    let mut total_b = b;
+    if plane > 0 {
+        let plane_a = plane_sum(a);
+        let plane_b = plane_sum(b);
+        total_a = plane_a;
+        total_b = plane_b;
+        if threads != plane {
+            let planes = comptime!((threads / plane) as usize);
+            if UNIT_POS_PLANE == 0 {
+                let at = y * planes + x / comptime!(plane as usize);
+                shared[at] = plane_a;
+                shared[slots + at] = plane_b;
+            }
+            sync_cube();
+            total_a = shared[y * planes];
+            total_b = shared[slots + y * planes];
+            #[unroll]
+            for p in 1..planes {
+                total_a += shared[y * planes + p];
+                total_b += shared[slots + y * planes + p];
+            }
+            // Every thread has read the slots before the next reduction overwrites them.
+            sync_cube();
+        }
+    } else {
+        let base = y * CUBE_DIM_X as usize;
+        shared[base + x] = total_a;
+        shared[slots + base + x] = total_b;
+        sync_cube();
+        let mut half = CUBE_DIM_X as usize / 2;
+        while half > 0 {
+            if x < half {
+                shared[base + x] += shared[base + x + half];
+                shared[slots + base + x] += shared[slots + base + x + half];
+            }
+            sync_cube();
+            half /= 2;
+        }
+        total_a = shared[base];
+        total_b = shared[slots + base];
+        sync_cube();
+    }
+    (total_a, total_b)
+}
+
 /// The maximum of `value` over the threads of this thread's row, as [`row_sum`].
 #[cube]
 pub fn row_max(
