@@ -74,7 +74,10 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
         group: &ProcessGroup,
     ) -> DistResult<Tensor<Self, D>> {
         let x = x.into_primitive().tensor();
-        let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(x.primitive.clone()));
+        // The backward needs nothing of the input: hand its buffer over, so that an
+        // all-reduce of a tensor nothing else holds runs in place.
+        let (primitive, node) = (x.primitive, x.node);
+        let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(primitive));
         let inner_shape = inner.shape();
         let output = mapping
             .forward
@@ -87,7 +90,7 @@ impl<B: DistBackend, C: CheckpointStrategy> DistBackend for Autodiff<B, C> {
             input_shape: inner_shape,
         };
         let output = backward
-            .prepare::<C>([x.node.clone()])
+            .prepare::<C>([node])
             .compute_bound()
             .stateless(output);
         Ok(Tensor::from_primitive(TensorPrimitive::Float(output)))
