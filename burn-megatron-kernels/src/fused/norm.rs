@@ -286,7 +286,7 @@ fn backward_kernel<F: Float, N: Size>(
             sum_gx += lanes_sum::<N>(gh * xh);
         }
         let mut mean_g = f32::new(0.0);
-        let mut mean_gx = f32::new(0.0);
+        let mut mean_gx = sum_gx;
         if layer_norm {
             // Both row sums behind one set of barriers (the row is latency-bound in bf16).
             let (total_g, total_gx) = row_sum_pair(
@@ -300,7 +300,7 @@ fn backward_kernel<F: Float, N: Size>(
             mean_g = total_g / n;
             mean_gx = total_gx / n;
         } else {
-            mean_gx = row_sum(&mut shared, sum_gx, layout.threads, layout.plane) / n;
+            mean_gx = row_sum(&mut shared, mean_gx, layout.threads, layout.plane) / n;
         }
 
         if active {
