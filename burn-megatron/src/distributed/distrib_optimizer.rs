@@ -48,7 +48,7 @@
 use std::sync::Arc;
 
 use burn::config::Config;
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
@@ -56,12 +56,13 @@ use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
 
 use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads};
+use super::overlap::AfterBackward;
 use super::{BufferLayout, GradReduceOverlap, ParamAndGradBuffer};
 use crate::ModelBackend;
 use crate::backend::BackwardHook;
 use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers};
 use crate::optimizer::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
-use crate::tensor_parallel::DeclarePlacements;
+use crate::tensor_parallel::{DeclarePlacements, Placements};
 
 /// AdamW over a data-parallel replica's flat buffers (see the [module docs](self)).
 #[derive(Config, Debug, Copy, PartialEq)]
@@ -152,6 +153,7 @@ impl DistributedAdamWConfig {
             layout,
             buffer,
             shared_copies: shared_copies.to_vec(),
+            partial: Placements::of(model).partial_gradients().to_vec(),
             overlap: None,
         })
     }
@@ -310,6 +312,9 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     /// Paths of copies of parameters held on another rank (see
     /// [`DistributedAdamWConfig::init`]).
     shared_copies: Vec<String>,
+    /// Parameters whose gradients the schedule sums over TP after the backward pass
+    /// ([`Placements::declare_partial_gradient`]).
+    partial: Vec<ParamId>,
 }
 
 impl<B> DistributedAdamW<B>
@@ -410,7 +415,10 @@ where
                 self.config.data_parallel.bucket_numel,
                 self.config.data_parallel.use_distributed_optimizer,
                 microbatches,
-                &self.shared_copies,
+                AfterBackward {
+                    shared_copies: &self.shared_copies,
+                    partial: &self.partial,
+                },
                 &self.master.device(),
             ))
         });

@@ -29,7 +29,9 @@
 //! the model; a tied output layer's copy on the last of several stages, which the pipeline
 //! schedule reduces with the first stage's after the backward pass; any gradient not yet in
 //! the container when the hook runs) are taken from the step's `GradientsParams` afterwards.
-//! An untied output layer's gradient is taken at the first marker, with the last layer's. The hook takes the gradients out of the container, so
+//! An untied output layer's gradient is taken at the first marker, with the last layer's.
+//! The gradients sequence parallelism leaves partial (norms, row-parallel biases) are taken
+//! afterwards too: the schedule sums them over TP after the backward pass. The hook takes the gradients out of the container, so
 //! each bf16 gradient is freed as soon as it is in the f32 unit, not after the whole backward
 //! pass.
 
@@ -120,6 +122,18 @@ impl<BA: AutodiffBackend> std::fmt::Debug for GradReduceOverlap<BA> {
     }
 }
 
+/// Gradients the schedule still changes after the backward pass, which the hook must leave
+/// for then.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AfterBackward<'a> {
+    /// Paths of copies of parameters held on another rank (a tied embedding's last-stage
+    /// copy), to which the schedule adds the other copy's gradient.
+    pub shared_copies: &'a [String],
+    /// Parameters whose gradients are partial under sequence parallelism, which the schedule
+    /// sums over TP.
+    pub partial: &'a [ParamId],
+}
+
 /// The layer index in a path such as `block.layers.3.mlp.fc1.weight`.
 fn layer_of(path: &str) -> Option<usize> {
     let rest = path.strip_prefix("block.layers.")?;
@@ -132,16 +146,21 @@ where
     BA::InnerBackend: DistBackend + ModelBackend,
 {
     /// The hook for a model chunk laid out as `layout`, reducing over `dp` in units of about
-    /// `bucket_numel` elements, reduce-scattered when `sharded`.
+    /// `bucket_numel` elements, reduce-scattered when `sharded`; `after` names the gradients
+    /// the schedule still changes after the backward pass.
     pub(crate) fn new(
         layout: &BufferLayout,
         dp: &ProcessGroup,
         bucket_numel: usize,
         sharded: bool,
         microbatches: usize,
-        shared_copies: &[String],
+        after: AfterBackward<'_>,
         device: &burn::tensor::Device<BA::InnerBackend>,
     ) -> Self {
+        let AfterBackward {
+            shared_copies,
+            partial,
+        } = after;
         let size = dp.size();
         let units: Vec<Vec<Range<usize>>> = if sharded {
             let shard = layout.numel() / size;
@@ -189,6 +208,9 @@ where
             .params()
             .iter()
             .map(|s| match layer_of(&s.path) {
+                // Partial under sequence parallelism: summed over TP after the backward pass
+                // (`sum_sequence_parallel_grads`), then taken from `GradientsParams`.
+                _ if partial.contains(&s.id) => None,
                 Some(layer) => Some(layer),
                 None if s.path.starts_with("block.final_norm.") => last,
                 // The output layer's gradient is final before the last layer's (its product

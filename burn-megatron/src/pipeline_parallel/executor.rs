@@ -150,8 +150,11 @@ where
         }
     }
 
-    /// Runs every step of this rank in `plan`, then reduces the tied embeddings' gradients.
+    /// Runs every step of this rank in `plan`, then reduces the tied embeddings' gradients
+    /// and sums the gradients sequence parallelism leaves partial over TP.
     pub fn run(mut self, plan: &Plan) -> Result<StepOutput<B>> {
+        // The forward passes leave sequence-parallel gradients partial; summed below.
+        let defer = crate::tensor_parallel::DeferSequenceParallelGrads::new();
         let single_stage = plan.pp * plan.virtual_size == 1;
         for step in plan.steps(self.groups.pp_rank) {
             self.step(step).map_err(|source| {
@@ -163,6 +166,11 @@ where
             })?;
         }
         self.reduce_tied_embeddings()?;
+        // Sequence parallelism's partial gradients (norms, row-parallel biases), summed over
+        // TP in one all-reduce.
+        let tp = self.chunks[0].tp().clone();
+        crate::tensor_parallel::sum_sequence_parallel_grads(self.chunks, &mut self.grads, &tp)?;
+        drop(defer);
         let loss = (!self.losses.is_empty()).then(|| {
             let count = self.losses.len();
             Tensor::cat(std::mem::take(&mut self.losses), 0)

@@ -103,6 +103,8 @@ impl ParamPlacement {
 #[derive(Debug, Clone, Default)]
 pub struct Placements {
     by_id: HashMap<ParamId, ParamPlacement>,
+    /// Replicated parameters whose gradient on a rank covers only its part of the sequence.
+    partial: Vec<ParamId>,
 }
 
 impl Placements {
@@ -134,6 +136,22 @@ impl Placements {
             }
         }
         module.visit(&mut Replicated(self));
+    }
+
+    /// Declares that `param` (replicated, 1D: a norm's weight, a row-parallel bias) is applied
+    /// to this rank's part of the sequence under sequence parallelism, so that each TP rank's
+    /// gradient of it is partial. The training schedules sum these gradients over the TP
+    /// group after the backward pass, all in one all-reduce (Megatron's
+    /// `finalize_model_grads`), where the layer defers its *f* to them
+    /// ([`TpContext::replicated`](crate::tensor_parallel::TpContext::replicated)).
+    pub fn declare_partial_gradient<B: Backend>(&mut self, param: &Param<Tensor<B, 1>>) {
+        self.partial.push(param.id);
+    }
+
+    /// The parameters declared with [`declare_partial_gradient`](Self::declare_partial_gradient),
+    /// in declaration order.
+    pub fn partial_gradients(&self) -> &[ParamId] {
+        &self.partial
     }
 
     /// The placement declared for the parameter `id`.

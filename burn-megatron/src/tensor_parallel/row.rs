@@ -94,6 +94,9 @@ impl<B: Backend> DeclarePlacements for RowParallelLinear<B> {
         out.declare(&self.weight, ParamPlacement::sharded(0, &self.tp.group));
         if let Some(bias) = &self.bias {
             out.declare(bias, ParamPlacement::replicated());
+            if self.tp.sequence_parallel {
+                out.declare_partial_gradient(bias);
+            }
         }
     }
 }
@@ -129,7 +132,8 @@ impl<B: ModelBackend> RowParallelLinear<B> {
         let Some(bias) = &self.bias else {
             return Ok(output);
         };
-        // Under sequence parallelism each rank adds the bias to its own part of the sequence.
+        // Under sequence parallelism each rank adds the bias to its own part of the sequence:
+        // its gradient is partial (see `TpContext::replicated`).
         Ok(bias_add(output, self.tp.replicated(bias.val())?))
     }
 

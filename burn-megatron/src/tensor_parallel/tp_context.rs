@@ -11,6 +11,8 @@ use burn_megatron_dist::mapping::{
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
+use super::sequence_parallel_grads::sequence_parallel_grads_deferred;
+
 /// The sequence dimension of the model's `[batch, seq, hidden]` activations.
 pub const SEQ_DIM: usize = 1;
 
@@ -72,13 +74,16 @@ impl TpContext {
     }
 
     /// A replicated parameter (a norm's weight, a row-parallel bias) applied to this rank's
-    /// part of the sequence: under sequence parallelism its gradient is partial, and it
-    /// enters through *f*, whose backward sums it over the group. Unchanged otherwise.
+    /// part of the sequence. Under sequence parallelism its gradient is partial: it enters
+    /// through *f*, whose backward sums the gradient over the group, unless a schedule
+    /// defers that sum to one all-reduce after the backward pass (see
+    /// [`sum_sequence_parallel_grads`](super::sequence_parallel_grads)). Unchanged without
+    /// sequence parallelism.
     pub fn replicated<B: DistBackend, const D: usize>(
         &self,
         param: Tensor<B, D>,
     ) -> DistResult<Tensor<B, D>> {
-        match self.sequence_parallel {
+        match self.sequence_parallel && !sequence_parallel_grads_deferred() {
             true => copy_to_tensor_parallel_region(param, &self.group),
             false => Ok(param),
         }

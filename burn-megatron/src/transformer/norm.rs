@@ -13,9 +13,11 @@ use crate::tensor_parallel::{DeclarePlacements, ParamPlacement, Placements, TpCo
 /// (LayerNorm) or `x / sqrt(mean(x²) + eps) · scale` (RMSNorm).
 ///
 /// Its parameters are replicated on every TP rank. Under sequence parallelism each rank
-/// normalises its own part of the sequence, so each holds a partial gradient: the parameters
-/// enter through *f* ([`TpContext::replicated`]), which sums the gradient over the TP group
-/// (Megatron reduces these "sequence-parallel parameters" after the backward pass instead).
+/// normalises its own part of the sequence, so each holds a partial gradient. They enter
+/// through *f* ([`TpContext::replicated`]), which sums it over the TP group; the training
+/// schedules defer that sum to one all-reduce of every such gradient after the backward pass
+/// (Megatron's "sequence-parallel parameters"), and the norm declares them for it
+/// ([`Placements::declare_partial_gradient`]).
 #[derive(Module, Debug)]
 pub struct Norm<B: Backend> {
     /// `[hidden]`, initialised to one.
@@ -34,6 +36,12 @@ impl<B: Backend> DeclarePlacements for Norm<B> {
         out.declare(&self.scale, ParamPlacement::replicated());
         if let Some(shift) = &self.shift {
             out.declare(shift, ParamPlacement::replicated());
+        }
+        if self.tp.sequence_parallel {
+            out.declare_partial_gradient(&self.scale);
+            if let Some(shift) = &self.shift {
+                out.declare_partial_gradient(shift);
+            }
         }
     }
 }

@@ -64,3 +64,46 @@ fn a_swiglu_mlp_communicates_as_much_as_a_gelu_mlp() {
         );
     }
 }
+
+/// Collectives one rank of TP 2 with sequence parallelism starts for one training step of a
+/// small GPT (LayerNorm, biases) of `layers` layers: through the schedule
+/// (`forward_backward_no_pipelining`), and through a loop of one's own
+/// (`loss.backward()`).
+fn step_collectives(layers: usize) -> (u64, u64) {
+    use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
+    let config = burn_megatron::transformer::TransformerConfig::new(16, layers, 4, 32, 50, 8)
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.1)
+        .with_sequence_parallel(true);
+    let counts = run(2, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default().with_tp(2))?;
+        let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+        let (input, targets) = (crate::tokens(2, 8, 50, 1), crate::tokens(2, 8, 50, 2));
+        let tp = state.tp();
+        let before = tp.collectives_started();
+        forward_backward_no_pipelining(&model, &[Microbatch::new(input.clone(), targets.clone())])?;
+        let schedule = tp.collectives_started() - before;
+        let before = tp.collectives_started();
+        let loss = model.loss(model.try_forward(input)?, targets)?;
+        let _grads = loss.backward();
+        let own_loop = tp.collectives_started() - before;
+        Ok((schedule, own_loop))
+    });
+    assert_eq!(
+        counts[0], counts[1],
+        "both TP ranks start the same collectives"
+    );
+    counts[0]
+}
+
+/// Megatron's count: a layer's all-gather and reduce-scatter before and after attention and
+/// the MLP, forward and backward (8). The gradients sequence parallelism leaves partial (two
+/// LayerNorms' scale and shift, two row-parallel biases) are summed in one all-reduce per
+/// step, after the backward pass, not one each per layer (which a loop of one's own still
+/// does: *f* inside the backward pass, 6 more a layer).
+#[test]
+fn a_sequence_parallel_layer_starts_eight_collectives_a_step() {
+    let (two, four) = (step_collectives(2), step_collectives(4));
+    assert_eq!((four.0 - two.0) / 2, 8, "through the schedule");
+    assert_eq!((four.1 - two.1) / 2, 14, "in a loop of one's own");
+}

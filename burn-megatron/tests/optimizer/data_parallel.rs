@@ -16,7 +16,7 @@ use burn_megatron::optimizer::{
 use burn_megatron::pipeline_parallel::{
     Microbatch, Schedule, StageSplit, forward_backward, forward_backward_no_pipelining,
 };
-use burn_megatron::tensor_parallel::param_infos;
+use burn_megatron::tensor_parallel::{Placements, param_infos};
 use burn_megatron::transformer::TransformerConfig;
 use burn_megatron_dist::{ParallelSizes, ParallelState, ReduceOp};
 
@@ -252,12 +252,17 @@ fn data_parallel_with(
             model = stepped.model;
             norms.push(values(stepped.grad_norm)[0]);
             if overlap {
-                // The layers' gradients went through the hook, and an untied output layer's
-                // (not a tied copy, which the schedule reduces after the backward pass).
+                // The layers' gradients went through the hook, but for those sequence
+                // parallelism leaves partial (summed over TP after the backward pass); and an
+                // untied output layer's (not a tied copy, which the schedule reduces after the
+                // backward pass).
+                let partial = Placements::of(&model).partial_gradients().to_vec();
                 let layers: usize = model
                     .layers()
                     .iter()
-                    .map(burn::module::Module::num_params)
+                    .flat_map(param_infos)
+                    .filter(|info| !partial.contains(&info.id))
+                    .map(|info| info.shape.iter().product::<usize>())
                     .sum();
                 let output = match (&model.output, shared_copies(&model).is_empty()) {
                     (Some(output), true) => burn::module::Module::num_params(output),
@@ -339,6 +344,14 @@ fn overlapped_reduction_equals_reduction_after_backward() {
 #[test]
 fn overlapped_reduction_with_an_untied_output_layer_equals_reduction_after_backward() {
     overlap_equals_reduction_after_backward(&tiny_gpt().with_tie_embeddings(false));
+}
+
+/// [`overlapped_reduction_equals_reduction_after_backward`] with sequence parallelism: the
+/// norms' and row-parallel biases' gradients, partial on each TP rank, are left to the
+/// schedule's sum over TP and reduced over DP after it.
+#[test]
+fn overlapped_reduction_with_sequence_parallelism_equals_reduction_after_backward() {
+    overlap_equals_reduction_after_backward(&tiny_gpt().with_sequence_parallel(true));
 }
 
 fn overlap_equals_reduction_after_backward(config: &TransformerConfig) {

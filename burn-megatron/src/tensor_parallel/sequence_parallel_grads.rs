@@ -1,0 +1,132 @@
+//! The gradients sequence parallelism leaves partial, summed over the TP group after the
+//! backward pass: Megatron's all-reduce of the "sequence-parallel parameters" in
+//! `finalize_model_grads`.
+//!
+//! Under sequence parallelism each TP rank applies the replicated norm weights and
+//! row-parallel biases to its own part of the sequence, so its gradient of them is partial.
+//! By default each enters through *f*, whose backward sums its gradient: a small all-reduce
+//! per parameter inside the backward pass, six a layer for a GPT, about half of a step's
+//! collectives. The training schedules instead defer them ([`DeferSequenceParallelGrads`],
+//! for the passes they run on their thread) and sum them all in one all-reduce afterwards
+//! ([`sum_sequence_parallel_grads`]). A forward pass outside a schedule (a loop of one's own
+//! with `loss.backward()`) keeps *f*, so its gradients are whole without another call.
+
+use std::cell::Cell;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Tensor};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup, ReduceOp};
+
+use super::placement::{DeclarePlacements, Placements};
+
+/// Sums over `tp` the gradients in `grads[i]` of the parameters `chunks[i]` declares partial
+/// ([`Placements::declare_partial_gradient`]), in one all-reduce of their concatenation in
+/// f32; each sum is registered back in its gradient's dtype. A declared parameter without a
+/// gradient counts as zero, so every TP rank contributes the same elements in the same
+/// order. Only for gradients of passes run under [`DeferSequenceParallelGrads`] (the
+/// schedules call it after their backward passes); elsewhere *f* has summed them already.
+pub(crate) fn sum_sequence_parallel_grads<B, M>(
+    chunks: &[M],
+    grads: &mut [GradientsParams],
+    tp: &ProcessGroup,
+) -> DistResult<()>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: DistBackend,
+    M: Module<B> + DeclarePlacements,
+{
+    if tp.size() == 1 {
+        return Ok(());
+    }
+    // (chunk, parameter id, the parameter's value as a 1D tensor: shape, dtype, device).
+    let mut partial = Vec::new();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let placements = Placements::of(chunk);
+        let ids = placements.partial_gradients();
+        if ids.is_empty() {
+            continue;
+        }
+        let mut values = Values::<B::InnerBackend> {
+            ids,
+            found: Vec::new(),
+        };
+        chunk.visit(&mut values);
+        // In declaration order, the same on every TP rank.
+        for id in ids {
+            if let Some((_, value)) = values.found.iter().find(|(found, _)| found == id) {
+                partial.push((i, *id, value.clone()));
+            }
+        }
+    }
+    if partial.is_empty() {
+        return Ok(());
+    }
+    let mut dtypes = Vec::with_capacity(partial.len());
+    let mut parts = Vec::with_capacity(partial.len());
+    for (i, id, value) in &partial {
+        let grad = grads[*i]
+            .remove::<B::InnerBackend, 1>(*id)
+            .unwrap_or_else(|| value.zeros_like());
+        dtypes.push(grad.dtype());
+        parts.push(grad.cast(DType::F32));
+    }
+    let lens: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
+    let sum = tp.all_reduce(Tensor::cat(parts, 0), ReduceOp::Sum)?;
+    let mut start = 0;
+    for ((i, id, _), (len, dtype)) in partial.into_iter().zip(lens.into_iter().zip(dtypes)) {
+        let grad = sum.clone().narrow(0, start, len).cast(dtype);
+        grads[i].register::<B::InnerBackend, 1>(id, grad);
+        start += len;
+    }
+    Ok(())
+}
+
+/// Collects the values (inner backend) of the 1D parameters `ids`.
+struct Values<'a, B: burn::tensor::backend::Backend> {
+    ids: &'a [ParamId],
+    found: Vec<(ParamId, Tensor<B, 1>)>,
+}
+
+impl<BA: AutodiffBackend> ModuleVisitor<BA> for Values<'_, BA::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<BA, D>>) {
+        if self.ids.contains(&param.id) {
+            let value = param.val().inner();
+            let numel = value.shape().num_elements();
+            self.found.push((param.id, value.reshape([numel])));
+        }
+    }
+}
+
+thread_local! {
+    /// Whether forward passes on this thread leave sequence-parallel gradients partial.
+    static DEFERRED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// While alive, forward passes on this thread leave the gradients of parameters declared
+/// with [`Placements::declare_partial_gradient`] partial (no *f*), for
+/// [`sum_sequence_parallel_grads`] after the backward pass. The schedules hold one over
+/// their forward and backward passes. Dropping it restores the previous setting.
+pub(crate) struct DeferSequenceParallelGrads {
+    previous: bool,
+}
+
+impl DeferSequenceParallelGrads {
+    pub(crate) fn new() -> Self {
+        Self {
+            previous: DEFERRED.with(|d| d.replace(true)),
+        }
+    }
+}
+
+impl Drop for DeferSequenceParallelGrads {
+    fn drop(&mut self) {
+        DEFERRED.with(|d| d.set(self.previous));
+    }
+}
+
+/// Whether this thread's forward passes defer sequence-parallel gradients.
+pub(crate) fn sequence_parallel_grads_deferred() -> bool {
+    DEFERRED.with(Cell::get)
+}
