@@ -442,13 +442,22 @@ fn train_step(
             (loss, grads)
         }
         _ => {
+            // As the schedules do: sequence parallelism's partial gradients summed over TP
+            // in one all-reduce after the backward pass.
+            let deferred = burn_megatron::tensor_parallel::DeferSequenceParallelGrads::new();
             profile::phase(device, "forward");
             let loss = model.loss(model.try_forward(tokens)?, targets)?;
             times.forward = start.elapsed();
             times.in_use = memory(device).0;
             let backward = Instant::now();
             profile::phase(device, "backward");
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            burn_megatron::tensor_parallel::sum_sequence_parallel_grads(
+                std::slice::from_ref(&model),
+                std::slice::from_mut(&mut grads),
+                model.tp(),
+            )?;
+            drop(deferred);
             times.backward = backward.elapsed();
             (loss.inner(), grads)
         }

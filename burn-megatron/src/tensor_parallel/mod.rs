@@ -21,7 +21,7 @@ pub use placement::{
     gather_full_params, param_infos, param_shards, try_param_infos,
 };
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
-pub(crate) use sequence_parallel_grads::{DeferSequenceParallelGrads, sum_sequence_parallel_grads};
+pub use sequence_parallel_grads::{DeferSequenceParallelGrads, sum_sequence_parallel_grads};
 pub use tp_context::{SEQ_DIM, TpContext};
 pub use vocab::VocabPartition;
 pub use vocab_embedding::VocabParallelEmbedding;

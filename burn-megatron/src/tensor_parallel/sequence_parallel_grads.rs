@@ -27,7 +27,17 @@ use super::placement::{DeclarePlacements, Placements};
 /// gradient counts as zero, so every TP rank contributes the same elements in the same
 /// order. Only for gradients of passes run under [`DeferSequenceParallelGrads`] (the
 /// schedules call it after their backward passes); elsewhere *f* has summed them already.
-pub(crate) fn sum_sequence_parallel_grads<B, M>(
+///
+/// A loop of one's own that wants the deferred sum:
+///
+/// ```ignore
+/// let deferred = DeferSequenceParallelGrads::new();
+/// let loss = model.loss(model.try_forward(tokens)?, targets)?;
+/// let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+/// sum_sequence_parallel_grads(std::slice::from_ref(&model), std::slice::from_mut(&mut grads), model.tp())?;
+/// drop(deferred);
+/// ```
+pub fn sum_sequence_parallel_grads<B, M>(
     chunks: &[M],
     grads: &mut [GradientsParams],
     tp: &ProcessGroup,
@@ -108,12 +118,15 @@ thread_local! {
 /// with [`Placements::declare_partial_gradient`] partial (no *f*), for
 /// [`sum_sequence_parallel_grads`] after the backward pass. The schedules hold one over
 /// their forward and backward passes. Dropping it restores the previous setting.
-pub(crate) struct DeferSequenceParallelGrads {
+#[derive(Debug)]
+pub struct DeferSequenceParallelGrads {
     previous: bool,
 }
 
 impl DeferSequenceParallelGrads {
-    pub(crate) fn new() -> Self {
+    /// Defers the sums on this thread until the value is dropped.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
         Self {
             previous: DEFERRED.with(|d| d.replace(true)),
         }

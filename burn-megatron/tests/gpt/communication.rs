@@ -1,11 +1,15 @@
 //! How many collectives a tensor-parallel MLP starts: SwiGLU's gate and up projections share
 //! one entry into the tensor-parallel region, as GeLU's single `fc1` does.
 
+use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, Tensor};
+use burn_megatron::tensor_parallel::{
+    DeferSequenceParallelGrads, param_infos, sum_sequence_parallel_grads,
+};
 use burn_megatron::transformer::{Activation, ParallelMlp};
 use burn_megatron_dist::ParallelSizes;
 
-use crate::{AD, run};
+use crate::{AD, B, run};
 
 /// The collectives one forward and one backward pass of layer 0's MLP start on TP 2, for
 /// `activation`, with and without sequence parallelism: `[(forward, backward)]`.
@@ -67,9 +71,10 @@ fn a_swiglu_mlp_communicates_as_much_as_a_gelu_mlp() {
 
 /// Collectives one rank of TP 2 with sequence parallelism starts for one training step of a
 /// small GPT (LayerNorm, biases) of `layers` layers: through the schedule
-/// (`forward_backward_no_pipelining`), and through a loop of one's own
-/// (`loss.backward()`).
-fn step_collectives(layers: usize) -> (u64, u64) {
+/// (`forward_backward_no_pipelining`), through a loop of one's own (`loss.backward()`), and
+/// through that loop with the sums deferred (`DeferSequenceParallelGrads` and
+/// `sum_sequence_parallel_grads`), whose gradients must be the plain loop's, bit for bit.
+fn step_collectives(layers: usize) -> (u64, u64, u64) {
     use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
     let config = burn_megatron::transformer::TransformerConfig::new(16, layers, 4, 32, 50, 8)
         .with_make_vocab_size_divisible_by(4)
@@ -84,10 +89,37 @@ fn step_collectives(layers: usize) -> (u64, u64) {
         forward_backward_no_pipelining(&model, &[Microbatch::new(input.clone(), targets.clone())])?;
         let schedule = tp.collectives_started() - before;
         let before = tp.collectives_started();
-        let loss = model.loss(model.try_forward(input)?, targets)?;
-        let _grads = loss.backward();
+        let loss = model.loss(model.try_forward(input.clone())?, targets.clone())?;
+        let plain = GradientsParams::from_grads(loss.backward(), &model);
         let own_loop = tp.collectives_started() - before;
-        Ok((schedule, own_loop))
+
+        let before = tp.collectives_started();
+        let deferred = DeferSequenceParallelGrads::new();
+        let loss = model.loss(model.try_forward(input)?, targets)?;
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        sum_sequence_parallel_grads(
+            std::slice::from_ref(&model),
+            std::slice::from_mut(&mut grads),
+            tp,
+        )?;
+        drop(deferred);
+        let own_loop_deferred = tp.collectives_started() - before;
+        for info in param_infos(&model) {
+            let [a, b] = [&plain, &grads].map(|g| {
+                let numel = info.shape.iter().product::<usize>();
+                let grad = match info.shape.len() {
+                    1 => g.get::<B, 1>(info.id).map(|t| t.reshape([numel])),
+                    2 => g.get::<B, 2>(info.id).map(|t| t.reshape([numel])),
+                    _ => unreachable!("the GPT's parameters are 1D or 2D"),
+                };
+                grad.expect("every parameter has a gradient")
+                    .into_data()
+                    .to_vec::<f32>()
+                    .unwrap()
+            });
+            assert_eq!(a, b, "{}: deferred sum against f", info.path);
+        }
+        Ok((schedule, own_loop, own_loop_deferred))
     });
     assert_eq!(
         counts[0], counts[1],
@@ -106,4 +138,5 @@ fn a_sequence_parallel_layer_starts_eight_collectives_a_step() {
     let (two, four) = (step_collectives(2), step_collectives(4));
     assert_eq!((four.0 - two.0) / 2, 8, "through the schedule");
     assert_eq!((four.1 - two.1) / 2, 14, "in a loop of one's own");
+    assert_eq!((four.2 - two.2) / 2, 8, "in a loop of one's own, deferred");
 }
