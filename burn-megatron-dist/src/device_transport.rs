@@ -29,7 +29,7 @@ pub enum OnDevice<T, Input> {
 ///
 /// Every hook has a default that hands the tensor back, and the group then moves it through
 /// the host (thread or TCP transport). A backend with its own transport overrides them: our
-/// CUDA backend ([`MegatronCuda`](burn_megatron_kernels::cuda::MegatronCuda)) runs them over
+/// CUDA backend (`burn_megatron_kernels::cuda::MegatronCuda`) runs them over
 /// NCCL. Implemented for NdArray, for `Autodiff` over any implementing backend (the result is
 /// a new leaf), and (features `cuda`, `wgpu`) for the CubeCL backends.
 /// [`DistBackend`](crate::DistBackend) adds differentiable communication on top.

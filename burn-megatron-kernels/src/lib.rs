@@ -1,13 +1,13 @@
 //! burn-megatron's GPU pieces.
 //!
-//! With the `cuda` feature: [`cuda`], our CUDA backend (a CubeCL runtime that owns its
+//! With the `cuda` feature: `cuda`, our CUDA backend (a CubeCL runtime that owns its
 //! streams) and the in-band foreign operations that NCCL collectives and cuBLASLt GEMMs run
 //! through. Fused kernels and GEMM paths build on it.
 //!
 //! Always: [`counter_rng`], the random bits of the dropout masks (the host reference of the
 //! dropout kernel).
 //!
-//! With the `fused` feature (implied by `cuda` and `wgpu`): [`fused`], CubeCL kernels for any
+//! With the `fused` feature (implied by `cuda` and `wgpu`): `fused`, CubeCL kernels for any
 //! CubeCL runtime.
 
 pub mod counter_rng;

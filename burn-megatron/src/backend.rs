@@ -390,7 +390,7 @@ pub trait ModelBackend: DistBackend {
     }
 
     /// `norm(x) · scale (+ shift)` for `x: [rows, hidden]`, `scale, shift: [hidden]`
-    /// (LayerNorm or RMSNorm, see [`crate::ops::norm`]), in `x`'s dtype. `Autodiff<B>` records
+    /// (LayerNorm or RMSNorm, see [`crate::ops::norm()`]), in `x`'s dtype. `Autodiff<B>` records
     /// one node that stores `x`, the scale and the statistics of
     /// [`norm_forward`](Self::norm_forward), and calls [`norm_backward`](Self::norm_backward).
     fn norm(

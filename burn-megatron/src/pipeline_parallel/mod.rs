@@ -111,8 +111,8 @@ where
 
 /// Megatron's `forward_backward_no_pipelining` for a whole model (no pipeline group): each
 /// microbatch's forward and backward pass in turn, gradients accumulated. Returns the mean
-/// loss over the microbatches and the gradient of that mean. Honours [`Recompute::Full`]
-/// (crate::transformer::Recompute::Full).
+/// loss over the microbatches and the gradient of that mean. Honours
+/// [`Recompute::Full`](crate::transformer::Recompute::Full).
 pub fn forward_backward_no_pipelining<B>(
     model: &GptModel<B>,
     microbatches: &[Microbatch<B>],

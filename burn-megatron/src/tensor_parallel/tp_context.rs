@@ -77,7 +77,7 @@ impl TpContext {
     /// part of the sequence. Under sequence parallelism its gradient is partial: it enters
     /// through *f*, whose backward sums the gradient over the group, unless a schedule
     /// defers that sum to one all-reduce after the backward pass (see
-    /// [`sum_sequence_parallel_grads`](super::sequence_parallel_grads)). Unchanged without
+    /// [`sum_sequence_parallel_grads`](super::sum_sequence_parallel_grads)). Unchanged without
     /// sequence parallelism.
     pub fn replicated<B: DistBackend, const D: usize>(
         &self,

@@ -76,8 +76,9 @@ struct StepCheckpoints<B: AutodiffBackend, M> {
     resume: ResumeFn<B, M>,
 }
 
-/// burn-train's training loop for one rank of a Megatron-style parallel job (see the
-/// [module docs](self)). `M` is the training model, `B` its backend.
+/// burn-train's training loop for one rank of a Megatron-style parallel job: each global
+/// step, the LR schedule once, the model's `TrainStep`, the optimizer, and the loss averaged
+/// over DP for the logging rank. `M` is the training model, `B` its backend.
 pub struct MegatronStrategy<B: AutodiffBackend, M> {
     state: ParallelState,
     optim: MegatronOptimizer<B>,
