@@ -3,12 +3,12 @@
 //! norms' weight gradients (`Σ_rows dy · x̂` and `Σ_rows dy`).
 //!
 //! Two stages, each in a fixed order, so the same inputs give the same bits on every run:
-//! 1. [`partials_kernel`]: cube `(i, b)` sums rows `b · rows_per_block ..` of a span of
+//! 1. `partials_kernel`: cube `(i, b)` sums rows `b · rows_per_block ..` of a span of
 //!    columns into row `b` of a `[blocks, columns]` f32 buffer. A thread holds one [`Vector`]
 //!    of columns (coalesced 16-byte loads in bf16) and one of `row_lanes` interleaved lanes of
 //!    the block's rows, with `loads_in_flight` rows loaded before they are added (the stage is
 //!    bound by load latency otherwise); the lanes are then added in order.
-//! 2. [`total_kernel`]: each column's blocks, in `lanes` interleaved lanes, then the lanes in
+//! 2. `total_kernel`: each column's blocks, in `lanes` interleaved lanes, then the lanes in
 //!    order; written in the output's dtype.
 //!
 //! [`ColumnSumLayout`] holds these shapes; `kernel_bench column_sum_layouts` measures them.

@@ -11,15 +11,15 @@
 //! Both kernels are memory-bound by design: each logit is read once (and, backward, each
 //! gradient element written once), in wide loads, with little work per byte:
 //!
-//! - One cube owns a row; its threads (up to [`MAX_THREADS`], fewer for short rows) read it as
+//! - One cube owns a row; its threads (up to `MAX_THREADS`, fewer for short rows) read it as
 //!   [`Vector`]s, the widest the row length and stride allow (16 bytes on CUDA: 8 bf16 or 4
-//!   f32), [`UNROLL`] vectors loaded per thread before any is used. Rows are read in place by
+//!   f32), `UNROLL` vectors loaded per thread before any is used. Rows are read in place by
 //!   stride: a pitched row (our CUDA runtime pads 50304 bf16 to a 50432-element stride) is not
 //!   copied. When no width above 1 divides the row, the kernels read single elements.
 //! - Vectors that real columns fill take the vector path. The vector that `real` cuts and the
 //!   padding vectors after it are handled lane by lane, so any `real` is exact.
 //! - The forward pass is one pass (an online softmax): each thread keeps a running `(max,
-//!   Σ exp(x - max))` and rescales its sum once per [`UNROLL`] vectors to their maximum. The
+//!   Σ exp(x - max))` and rescales its sum once per `UNROLL` vectors to their maximum. The
 //!   cube then combines the threads' pairs in one reduction: where the client has plane
 //!   (warp) operations and one fixed plane size, a plane reduction, one barrier and a plane
 //!   reduction of the planes' pairs; otherwise (wgpu on lavapipe reports no planes, some GPUs
@@ -417,7 +417,7 @@ fn row_grid(rows: usize) -> CubeCount {
     }
 }
 
-/// Threads of a row's cube for rows of `vectors` vectors: enough for [`UNROLL`] vectors each,
+/// Threads of a row's cube for rows of `vectors` vectors: enough for `UNROLL` vectors each,
 /// a power of two, whole planes.
 fn row_threads(vectors: usize, plane: usize) -> usize {
     vectors
@@ -427,7 +427,7 @@ fn row_threads(vectors: usize, plane: usize) -> usize {
 }
 
 /// The client's fixed plane size ([`super::rows::fixed_plane_size`]) if whole cubes of
-/// [`MIN_THREADS`]..=[`MAX_THREADS`] threads split into such planes, else 0 (the
+/// [`MIN_THREADS`]..=`MAX_THREADS` threads split into such planes, else 0 (the
 /// shared-memory tree).
 fn fixed_plane_size<R: CubeRuntime>(client: &ComputeClient<R>) -> usize {
     super::rows::fixed_plane_size(client)

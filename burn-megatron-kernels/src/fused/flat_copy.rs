@@ -26,8 +26,8 @@ fn copy_kernel<F: Float, N: Size>(
     buffer[start as usize + i] = Vector::cast_from(values[i * width * values.stride(0) / width]);
 }
 
-/// Writes `values` (`[n]`, any strides, f32/f16/bf16) cast to f32 into `buffer[start..start
-/// + n]` (`buffer`: `[numel]`, contiguous f32) in place. The caller owns `buffer`: nothing
+/// Writes `values` (`[n]`, any strides, f32/f16/bf16) cast to f32 into
+/// `buffer[start..start + n]` (`buffer`: `[numel]`, contiguous f32) in place. The caller owns `buffer`: nothing
 /// else may read it while this runs (check `buffer.can_mut()`).
 pub fn copy_into<R: CubeRuntime>(values: CubeTensor<R>, buffer: &CubeTensor<R>, start: usize) {
     let n = values.meta.shape().as_slice()[0];

@@ -44,7 +44,7 @@ impl RowLayout {
     }
 
     /// [`for_row`](Self::for_row) with at most `elements_per_thread` elements a thread (more
-    /// threads a row), within [`MAX_ROW_THREADS`].
+    /// threads a row), within `MAX_ROW_THREADS`.
     pub fn for_row_with<R: CubeRuntime>(
         client: &ComputeClient<R>,
         vectors: usize,
@@ -79,7 +79,7 @@ impl RowLayout {
         CubeDim::new_2d(self.threads, self.rows_per_cube)
     }
 
-    /// Shared-memory slots [`row_sum`] needs.
+    /// Shared-memory slots [`row_sum()`] needs.
     pub fn shared_slots(&self) -> usize {
         let per_row = self.threads.checked_div(self.plane).unwrap_or(self.threads);
         (per_row * self.rows_per_cube) as usize
@@ -115,7 +115,7 @@ pub fn row_sum(
     row_reduce(shared, value, threads, plane, false)
 }
 
-/// The sums of `a` and of `b` over the threads of this thread's row: two [`row_sum`]s (the
+/// The sums of `a` and of `b` over the threads of this thread's row: two [`row_sum()`]s (the
 /// same bits) with the barriers of one. `shared` has twice [`RowLayout::shared_slots`]
 /// slots, `slots` being that count; it is free again on return.
 #[cube]
@@ -175,7 +175,7 @@ pub fn row_sum_pair(
     (total_a, total_b)
 }
 
-/// The maximum of `value` over the threads of this thread's row, as [`row_sum`].
+/// The maximum of `value` over the threads of this thread's row, as [`row_sum()`].
 #[cube]
 pub fn row_max(
     shared: &mut SharedMemory<f32>,
@@ -192,7 +192,7 @@ fn combine(a: f32, b: f32, #[comptime] max: bool) -> f32 {
     if max { f32::max(a, b) } else { a + b }
 }
 
-/// [`row_sum`] (`max` false) or [`row_max`] (`max` true).
+/// [`row_sum()`] (`max` false) or [`row_max`] (`max` true).
 #[cube]
 fn row_reduce(
     shared: &mut SharedMemory<f32>,

@@ -19,7 +19,7 @@
 //! stride into tensors the caller gives (views of one packed buffer: see [`packed`]).
 //! Arithmetic is f32 for f32, f16 and bf16 storage.
 //!
-//! [`portable`] is the implementation every CubeCL runtime runs (no tensor cores, no plane
+//! `portable` is the implementation every CubeCL runtime runs (no tensor cores, no plane
 //! operations; lavapipe in CI). [`tensor_core`] takes f16/bf16 inputs with head dim 64 or 128
 //! on runtimes with warp-level MMA (CUDA); [`forward`] and [`backward`] choose it there.
 
