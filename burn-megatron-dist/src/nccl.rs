@@ -5,7 +5,7 @@
 //! NCCL id and hands it to the others through the group's host transport), and its own side
 //! stream of the device. Every call is an in-band foreign operation on that stream, on Burn's
 //! buffers: it starts after the compute work enqueued before it, and the compute stream waits
-//! for it before the next use of its memory. No host synchronisation. A [`Watchdog`] follows
+//! for it before the next use of its memory. No host synchronisation. A watchdog thread follows
 //! each call until its GPU work ends.
 
 use std::sync::atomic::{AtomicU8, Ordering};
