@@ -85,7 +85,9 @@ fn process_rank(config: &PretrainConfig) -> Result<(), String> {
     config.check(env.world_size).map_err(|e| e.to_string())?;
     let data = PretrainData::build(config).map_err(|e| e.to_string())?;
     let progress = ConsoleProgress::new(config.log_interval as u64);
-    let launch = LaunchConfig::new(env.world_size).with_timeout(Duration::from_secs(600));
+    let launch = LaunchConfig::new(env.world_size)
+        .with_timeout(Duration::from_secs(600))
+        .with_collective_checks(config.collective_checks);
     let reporting = reporting();
     run_rank(&env, launch, |ctx| {
         let device = device(env.local_rank);

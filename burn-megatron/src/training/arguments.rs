@@ -78,6 +78,12 @@ pub struct PretrainArgs {
     /// Reduce gradients from inside the backward pass, overlapping it. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
     pub overlap_grad_reduce: Option<bool>,
+    /// Match each GPU collective across ranks on the host first: a mismatch is an error
+    /// naming each rank's call, for a host round trip per call. Turn off for speed on GPUs
+    /// (a mismatch then ends in the watchdog's timeout); --overlap-grad-reduce overlaps the
+    /// backward pass only with checks off. [default: true]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
+    pub collective_checks: Option<bool>,
 
     /// Samples per microbatch. [default: 4]
     #[arg(long, help_heading = "Batch")]
@@ -235,6 +241,7 @@ impl PretrainArgs {
             data_parallel_size => data_parallel_size,
             use_distributed_optimizer => use_distributed_optimizer,
             overlap_grad_reduce => overlap_grad_reduce,
+            collective_checks => collective_checks,
             micro_batch_size => micro_batch_size,
             global_batch_size => global_batch_size,
             lr => lr,
@@ -290,6 +297,7 @@ impl PretrainArgs {
             data_parallel_size,
             use_distributed_optimizer,
             overlap_grad_reduce,
+            collective_checks,
             micro_batch_size,
             global_batch_size,
             lr,

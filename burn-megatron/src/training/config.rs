@@ -75,6 +75,14 @@ pub struct PretrainConfig {
     /// distributed optimizer.
     #[config(default = false)]
     pub overlap_grad_reduce: bool,
+    /// Match every GPU collective across ranks on the host before it runs
+    /// (`--collective-checks`): a mismatch is an error naming each rank's call, at the cost of
+    /// a host round trip per call. Off, calls go straight to NCCL: a mismatch then ends in the
+    /// watchdog's timeout naming the rank and operation, and `overlap_grad_reduce` overlaps
+    /// the backward pass (with checks on, the reduction runs after it). No effect on CPU
+    /// ranks.
+    #[config(default = true)]
+    pub collective_checks: bool,
     /// Samples per microbatch (`--micro-batch-size`).
     #[config(default = 4)]
     pub micro_batch_size: usize,

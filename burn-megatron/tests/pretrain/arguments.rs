@@ -197,6 +197,8 @@ fn bad_options_are_clear_errors() {
     assert!(dp.use_distributed_optimizer);
     assert!(!dp.overlap_grad_reduce);
     assert!(config(&["--overlap-grad-reduce"]).overlap_grad_reduce);
+    assert!(dp.collective_checks, "on by default");
+    assert!(!config(&["--collective-checks", "false"]).collective_checks);
     assert_eq!(dp.check(8).unwrap().dp, 2);
     let saved = config(&["--data-parallel-size", "2", "--save", "x", "--async-save"]);
     assert_eq!(saved.check(8).unwrap().dp, 2);
