@@ -71,8 +71,15 @@ pub(crate) fn forward<B: ModelBackend>(
 ) -> DistResult<CrossEntropyForward<B>> {
     let [local_max, local_sum, target_logit] = B::cross_entropy_statistics(logits, targets, slice);
     let max = tp.all_reduce(local_max.clone(), ReduceOp::Max)?;
-    let sum_exp = tp.all_reduce(local_sum * (local_max - max.clone()).exp(), ReduceOp::Sum)?;
-    let target_logit = tp.all_reduce(target_logit, ReduceOp::Sum)?;
+    // The two sums in one all-reduce: `[sum_exp | target_logit]`.
+    let rows = target_logit.dims()[0];
+    let sums = Tensor::cat(
+        vec![local_sum * (local_max - max.clone()).exp(), target_logit],
+        0,
+    );
+    let sums = tp.all_reduce(sums, ReduceOp::Sum)?;
+    let sum_exp = sums.clone().narrow(0, 0, rows);
+    let target_logit = sums.narrow(0, rows, rows);
     Ok(CrossEntropyForward {
         losses: sum_exp.clone().log() + max.clone() - target_logit,
         max,

@@ -13,7 +13,7 @@ use crate::ops::cross_entropy::VocabSlice;
 /// `logits`: `[batch, seq, padded_vocab / tp]`, this rank's slice; `targets`: `[batch, seq]`.
 /// Returns `[batch, seq]` losses, equal on every rank. As in Megatron, only three
 /// `[batch, seq]` reductions cross ranks: the maximum (for stability), the sum of
-/// exponentials and the target's logit. Padded vocabulary entries are left out, so the loss
+/// exponentials and the target's logit (the last two in one all-reduce). Padded vocabulary entries are left out, so the loss
 /// does not depend on the padding. A negative target (such as an ignore index of -100) gives
 /// a meaningless loss there: mask it with [`masked_mean`]. A target at or above the real
 /// vocabulary size is an [`InputError::IdOutOfRange`](crate::InputError::IdOutOfRange) (see
