@@ -140,3 +140,24 @@ fn a_sequence_parallel_layer_starts_eight_collectives_a_step() {
     assert_eq!((four.1 - two.1) / 2, 14, "in a loop of one's own");
     assert_eq!((four.2 - two.2) / 2, 8, "in a loop of one's own, deferred");
 }
+
+/// The vocabulary-parallel loss crosses ranks twice (Megatron's three reductions, the two
+/// sums in one all-reduce): the maximum, then the sum of exponentials with the target logit.
+#[test]
+fn the_vocabulary_parallel_loss_takes_two_all_reduces() {
+    use burn_megatron::tensor_parallel::{VocabPartition, vocab_parallel_cross_entropy};
+    let counts = run(2, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default().with_tp(2))?;
+        let tp = state.tp();
+        let vocab = VocabPartition::new(50, 4, 2, tp.rank()).expect("a valid partition");
+        let logits = Tensor::<AD, 3>::random(
+            [2, 8, vocab.local_size()],
+            Distribution::Uniform(-1.0, 1.0),
+            &Default::default(),
+        );
+        let before = tp.collectives_started();
+        vocab_parallel_cross_entropy(logits, crate::tokens(2, 8, 50, 3), &vocab, tp)?;
+        Ok(tp.collectives_started() - before)
+    });
+    assert_eq!(counts, [2, 2]);
+}
