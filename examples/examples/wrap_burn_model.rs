@@ -175,7 +175,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("wrap_burn_model-{}", std::process::id()));
     launch(LaunchConfig::new(args.dp), |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default())?;
-        let model = initial.clone();
+        // Each thread rank gets autodiff leaves of its own (a plain clone would share them,
+        // and burn-autodiff would merge the ranks' graphs: see the book's "Pretraining").
+        let model = initial.clone().fork(&device);
         // DP: the distributed optimizer over this rank's model, shared with the strategy.
         let optim = MegatronOptimizer::new(optimizer.init(&model, &state, &[])?);
         // DP: each rank reads its share of the batches.
