@@ -50,10 +50,11 @@ fi
 if part kernels; then
   # RoPE in place against the copy path; the softmax with rows in registers against the
   # streamed kernels; torch.compile's peers in the same call.
-  timeout 300 $B/kernel_bench dropout_rope_and_padded_softmax causal_softmax 2>&1 |
-    tee $OUT/kernels.log | grep -iE "rope|softmax|copy"
-  timeout 300 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax causal_softmax 2>&1 |
-    tee $OUT/torch_kernels.log | grep -iE "rope|softmax"
+  # And the norms' backward (LayerNorm's two row sums now behind one set of barriers).
+  timeout 400 $B/kernel_bench dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient 2>&1 |
+    tee $OUT/kernels.log | grep -iE "rope|softmax|copy|norm"
+  timeout 300 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient 2>&1 |
+    tee $OUT/torch_kernels.log | grep -iE "rope|softmax|norm"
 fi
 if part gputests; then
   # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu-*:
