@@ -54,6 +54,14 @@ pub trait ModelBackend: DistBackend {
         None
     }
 
+    /// The id of `tensor`'s autodiff node (for a parameter, its leaf), `None` on a backend
+    /// without autodiff. Thread ranks compare them to refuse parameters shared between ranks
+    /// (see [`DistributedAdamWConfig::init`](crate::distributed::DistributedAdamWConfig::init)).
+    fn autodiff_node(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
+        let _ = tensor;
+        None
+    }
+
     /// `op(a) · op(b)`, where `op` transposes when asked; backends with a GEMM library fold
     /// the transposes into it.
     fn gemm(
@@ -1717,6 +1725,10 @@ mod wgpu {
 impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     fn memory_in_use(device: &Self::Device) -> Option<u64> {
         B::memory_in_use(device)
+    }
+
+    fn autodiff_node(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
+        Some(tensor.node.id.value)
     }
 
     fn linear(

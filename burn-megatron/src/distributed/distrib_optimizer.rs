@@ -92,7 +92,7 @@ impl DistributedAdamWConfig {
         shared_copies: &[String],
     ) -> crate::Result<DistributedAdamW<B>>
     where
-        B: AutodiffBackend,
+        B: AutodiffBackend + ModelBackend,
         B::InnerBackend: ModelBackend,
         M: AutodiffModule<B> + DeclarePlacements,
     {
@@ -105,6 +105,7 @@ impl DistributedAdamWConfig {
                 .with_max_norm(max_norm)
                 .validate()?;
         }
+        super::shared_leaves::refuse_shared_leaves::<B, M>(model, state.world())?;
         let mut buffer = ParamAndGradBuffer::from_module(model, adam.buffer)?;
         let layout = buffer.layout().clone();
         check_dp(&layout, state.dp())?;
@@ -189,7 +190,8 @@ fn check_same_parameters<B: ModelBackend>(
          differ by {spread:e}): build every rank's model from the same seed or checkpoint. Burn \
          initialises parameters lazily and each clone of an uninitialised module on its own, \
          so materialise a module (e.g. `m.clone().load_record(m.into_record())`) before \
-         cloning it for several ranks",
+         copying it for several ranks, and give each thread rank its own copy with \
+         `m.clone().fork(&device)`",
         dp.rank(),
         dp.size()
     ))

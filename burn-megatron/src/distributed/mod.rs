@@ -19,6 +19,7 @@ pub mod distrib_optimizer;
 pub mod grad_reduction;
 pub mod overlap;
 pub mod param_and_grad_buffer;
+mod shared_leaves;
 
 pub use distrib_optimizer::{
     DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,

@@ -496,6 +496,41 @@ fn replicas_with_other_parameters_are_refused() {
     }
 }
 
+/// Thread ranks that clone one model share its autodiff leaves, which can deadlock
+/// burn-autodiff: the optimizer's setup refuses them, naming the ranks and the fix; a forked
+/// copy per rank (own leaves, same values) is accepted.
+#[test]
+fn a_model_cloned_between_thread_ranks_is_refused() {
+    // One model, built once (on a one-rank launch) and cloned by two thread ranks.
+    let shared = run(1, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default())?;
+        Ok(tiny_gpt().init_gpt::<AD>(state.tp(), &Default::default())?)
+    })
+    .remove(0);
+    for fork in [false, true] {
+        let results = run(2, |ctx| {
+            let state = ctx.parallel_state(ParallelSizes::default())?;
+            let model = match fork {
+                true => burn::module::Module::fork(shared.clone(), &Default::default()),
+                false => shared.clone(),
+            };
+            let optim = DistributedAdamWConfig::new().init::<AD, _>(&model, &state, &[]);
+            Ok(optim.err().map(|e| e.to_string()))
+        });
+        for message in results {
+            match (fork, message) {
+                (false, Some(message)) => assert!(
+                    message.contains("share parameters") && message.contains("fork"),
+                    "{message}"
+                ),
+                (false, None) => panic!("a shared model was accepted"),
+                (true, None) => {}
+                (true, Some(message)) => panic!("forked copies were refused: {message}"),
+            }
+        }
+    }
+}
+
 #[test]
 fn reduce_scatter_buckets_cover_each_shard() {
     assert_eq!(shard_columns(10, 2, 8), vec![0..4, 4..8, 8..10]);
