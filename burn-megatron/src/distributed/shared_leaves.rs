@@ -19,10 +19,12 @@ use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 
 /// A number drawn once per process: ranks that report the same one are threads of one
-/// process (node ids are numbered per process). 32 bits, exact in f64.
-fn process_token() -> u32 {
-    static TOKEN: OnceLock<u32> = OnceLock::new();
-    *TOKEN.get_or_init(|| RandomState::new().hash_one(std::process::id()) as u32)
+/// process (node ids are numbered per process). 52 random bits, exact in f64.
+fn process_token() -> f64 {
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    let token =
+        *TOKEN.get_or_init(|| RandomState::new().hash_one(std::process::id()) & ((1 << 52) - 1));
+    token as f64
 }
 
 /// The autodiff leaves of `model`'s parameters that require gradients.
@@ -61,14 +63,14 @@ pub(crate) fn refuse_shared_leaves<B: ModelBackend, M: Module<B>>(
             (&Default::default(), DType::F64),
         )
     };
-    let header = world.all_gather(host(vec![f64::from(token), mine.len() as f64]), 0)?;
+    let header = world.all_gather(host(vec![token, mine.len() as f64]), 0)?;
     let header = header.into_data().to_vec::<f64>().map_err(|e| {
         ConfigError::Invalid(format!(
             "the ranks' parameter leaves could not be read: {e:?}"
         ))
     })?;
     // The token first, so that no rank sends an empty tensor.
-    let mut body = vec![f64::from(token)];
+    let mut body = vec![token];
     body.extend(mine.iter().map(|&id| id as f64));
     let bodies = world.all_gather(host(body), 0)?;
     let bodies = bodies.into_data().to_vec::<f64>().map_err(|e| {
@@ -83,7 +85,7 @@ pub(crate) fn refuse_shared_leaves<B: ModelBackend, M: Module<B>>(
         let len = pair[1] as usize;
         let theirs = &bodies[start + 1..start + 1 + len];
         start += 1 + len;
-        if rank == me || pair[0] != f64::from(token) {
+        if rank == me || pair[0] != token {
             continue;
         }
         if theirs.iter().any(|&id| mine.contains(&(id as u64))) {
