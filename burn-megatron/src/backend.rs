@@ -1736,36 +1736,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         w: Tensor<Self, 2>,
         bias: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 2> {
-        let x = x.into_primitive().tensor();
-        let w = w.into_primitive().tensor();
-        let bias = bias.map(|b| b.into_primitive().tensor());
-        let output = <B as ModelBackend>::linear(
-            wrap::<B, 2>(x.primitive.clone()),
-            wrap::<B, 2>(w.primitive.clone()),
-            bias.as_ref().map(|b| wrap::<B, 1>(b.primitive.clone())),
-        )
-        .into_primitive()
-        .tensor();
-        let state = (x.primitive.clone(), w.primitive.clone());
-        let output = match bias {
-            Some(bias) => match LinearBackward
-                .prepare::<C>([x.node.clone(), w.node.clone(), bias.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish(state, output),
-                OpsKind::UnTracked(prep) => prep.finish(output),
-            },
-            None => match LinearBackward
-                .prepare::<C>([x.node.clone(), w.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish(state, output),
-                OpsKind::UnTracked(prep) => prep.finish(output),
-            },
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        autodiff_linear::<B, C>(x, w, bias, false)
     }
 
     fn linear_output_major(
@@ -1773,36 +1744,7 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
         w_t: Tensor<Self, 2>,
         bias: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 2> {
-        let x = x.into_primitive().tensor();
-        let w_t = w_t.into_primitive().tensor();
-        let bias = bias.map(|b| b.into_primitive().tensor());
-        let output = <B as ModelBackend>::linear_output_major(
-            wrap::<B, 2>(x.primitive.clone()),
-            wrap::<B, 2>(w_t.primitive.clone()),
-            bias.as_ref().map(|b| wrap::<B, 1>(b.primitive.clone())),
-        )
-        .into_primitive()
-        .tensor();
-        let state = (x.primitive.clone(), w_t.primitive.clone());
-        let output = match bias {
-            Some(bias) => match LinearOutputMajorBackward
-                .prepare::<C>([x.node.clone(), w_t.node.clone(), bias.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish(state, output),
-                OpsKind::UnTracked(prep) => prep.finish(output),
-            },
-            None => match LinearOutputMajorBackward
-                .prepare::<C>([x.node.clone(), w_t.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(prep) => prep.finish(state, output),
-                OpsKind::UnTracked(prep) => prep.finish(output),
-            },
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        autodiff_linear::<B, C>(x, w_t, bias, true)
     }
 
     fn check_ids<const D: usize>(
@@ -1967,13 +1909,63 @@ pub(crate) fn wrap<B: burn::tensor::backend::Backend, const D: usize>(
     Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
-/// The backward of `y = x · w (+ b)`: `dx = dy · wᵀ`, `dw = xᵀ · dy` (transposes folded into
-/// the GEMMs), `db = Σ_tokens dy`. Its parents are `[x, w]` or `[x, w, b]`.
+/// [`ModelBackend::linear`] (or, with `output_major`, `linear_output_major`) on `Autodiff<B>`:
+/// the inner backend's product and one node storing `x` and `w`.
+fn autodiff_linear<B: ModelBackend, C: CheckpointStrategy>(
+    x: Tensor<Autodiff<B, C>, 2>,
+    w: Tensor<Autodiff<B, C>, 2>,
+    bias: Option<Tensor<Autodiff<B, C>, 1>>,
+    output_major: bool,
+) -> Tensor<Autodiff<B, C>, 2> {
+    let x = x.into_primitive().tensor();
+    let w = w.into_primitive().tensor();
+    let bias = bias.map(|b| b.into_primitive().tensor());
+    let (inner_x, inner_w) = (
+        wrap::<B, 2>(x.primitive.clone()),
+        wrap::<B, 2>(w.primitive.clone()),
+    );
+    let inner_bias = bias.as_ref().map(|b| wrap::<B, 1>(b.primitive.clone()));
+    let output = match output_major {
+        false => <B as ModelBackend>::linear(inner_x, inner_w, inner_bias),
+        true => <B as ModelBackend>::linear_output_major(inner_x, inner_w, inner_bias),
+    }
+    .into_primitive()
+    .tensor();
+    let state = (x.primitive.clone(), w.primitive.clone());
+    let backward = LinearBackward { output_major };
+    let output = match bias {
+        Some(bias) => match backward
+            .prepare::<C>([x.node.clone(), w.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        },
+        None => match backward
+            .prepare::<C>([x.node.clone(), w.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        },
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(output))
+}
+
+/// The backward of `y = x · w + bias` ([`ModelBackend::linear`]) or, with `output_major`, of
+/// `y = x · wᵀ + bias` ([`ModelBackend::linear_output_major`], `w: [d_out, d_in]`): the
+/// transposes folded into the GEMMs, the weight's gradient in the weight's own layout, and
+/// `db = Σ_tokens dy`.
 #[derive(Debug)]
-struct LinearBackward;
+struct LinearBackward {
+    output_major: bool,
+}
 
 impl LinearBackward {
     fn run<B: ModelBackend>(
+        &self,
         parents: &[Option<NodeId>],
         dy: B::FloatTensorPrimitive,
         (x, w): (B::FloatTensorPrimitive, B::FloatTensorPrimitive),
@@ -1981,11 +1973,16 @@ impl LinearBackward {
     ) {
         let dy = wrap::<B, 2>(dy);
         if let Some(id) = parents[0] {
-            let dx = B::gemm(dy.clone(), wrap(w), false, true);
+            // dx = dy · wᵀ, or dy · w for an output-major weight.
+            let dx = B::gemm(dy.clone(), wrap(w), false, !self.output_major);
             grads.register::<B>(id, dx.into_primitive().tensor());
         }
         if let Some(id) = parents[1] {
-            let dw = B::gemm(wrap(x), dy.clone(), true, false);
+            // dw = xᵀ · dy, or dyᵀ · x for an output-major weight.
+            let dw = match self.output_major {
+                false => B::gemm(wrap(x), dy.clone(), true, false),
+                true => B::gemm(dy.clone(), wrap(x), true, false),
+            };
             grads.register::<B>(id, dw.into_primitive().tensor());
         }
         if let Some(Some(id)) = parents.get(2) {
@@ -2001,7 +1998,7 @@ impl<B: ModelBackend> Backward<B, 2> for LinearBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
         let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, dy, ops.state, grads);
+        self.run::<B>(&parents, dy, ops.state, grads);
     }
 }
 
@@ -2011,55 +2008,7 @@ impl<B: ModelBackend> Backward<B, 3> for LinearBackward {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
         let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, dy, ops.state, grads);
-    }
-}
-
-/// The backward of `y = x · w_tᵀ + bias` ([`ModelBackend::linear_output_major`]):
-/// `dx = dy · w_t`, `dw_t = dyᵀ · x` (output-major, as the weight is stored), `db = Σ_tokens dy`.
-#[derive(Debug)]
-struct LinearOutputMajorBackward;
-
-impl LinearOutputMajorBackward {
-    fn run<B: ModelBackend>(
-        parents: &[Option<NodeId>],
-        dy: B::FloatTensorPrimitive,
-        (x, w_t): (B::FloatTensorPrimitive, B::FloatTensorPrimitive),
-        grads: &mut Gradients,
-    ) {
-        let dy = wrap::<B, 2>(dy);
-        if let Some(id) = parents[0] {
-            let dx = B::gemm(dy.clone(), wrap(w_t), false, false);
-            grads.register::<B>(id, dx.into_primitive().tensor());
-        }
-        if let Some(id) = parents[1] {
-            let dw_t = B::gemm(dy.clone(), wrap(x), true, false);
-            grads.register::<B>(id, dw_t.into_primitive().tensor());
-        }
-        if let Some(Some(id)) = parents.get(2) {
-            let db = B::bias_gradient(dy);
-            grads.register::<B>(*id, db.into_primitive().tensor());
-        }
-    }
-}
-
-impl<B: ModelBackend> Backward<B, 2> for LinearOutputMajorBackward {
-    type State = (B::FloatTensorPrimitive, B::FloatTensorPrimitive);
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, dy, ops.state, grads);
-    }
-}
-
-impl<B: ModelBackend> Backward<B, 3> for LinearOutputMajorBackward {
-    type State = (B::FloatTensorPrimitive, B::FloatTensorPrimitive);
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let dy = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, dy, ops.state, grads);
+        self.run::<B>(&parents, dy, ops.state, grads);
     }
 }
 

@@ -35,6 +35,22 @@ pub struct PackedRows {
     pub slots: usize,
 }
 
+/// The pair `(lo, hi)` rotated by the angle at `entry` of the tables (by its negative when
+/// `sign` is -1): `(lo · cos - hi · sin, hi · cos + lo · sin)`, in f32.
+#[cube]
+fn rotate_pair<N: Size>(
+    lo: Vector<f32, N>,
+    hi: Vector<f32, N>,
+    cos: &Tensor<Vector<f32, N>>,
+    sin: &Tensor<Vector<f32, N>>,
+    entry: usize,
+    sign: f32,
+) -> (Vector<f32, N>, Vector<f32, N>) {
+    let c = cos[entry];
+    let s = sin[entry] * Vector::new(sign);
+    (lo * c - hi * s, hi * c + lo * s)
+}
+
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn rope_kernel<F: Float, N: Size>(
@@ -66,11 +82,9 @@ fn rope_kernel<F: Float, N: Size>(
     } else {
         let lo = Vector::<f32, N>::cast_from(input[lo_in]);
         let hi = Vector::<f32, N>::cast_from(input[hi_in]);
-        let entry = position * half + vector;
-        let c = cos[entry];
-        let s = sin[entry] * Vector::new(sign);
-        output[lo_out] = Vector::cast_from(lo * c - hi * s);
-        output[hi_out] = Vector::cast_from(hi * c + lo * s);
+        let (lo, hi) = rotate_pair::<N>(lo, hi, cos, sin, position * half + vector, sign);
+        output[lo_out] = Vector::cast_from(lo);
+        output[hi_out] = Vector::cast_from(hi);
     }
 }
 
@@ -102,11 +116,9 @@ fn rope_in_place_kernel<F: Float, N: Size>(
     let hi_at = vector_offset::<F, N>(qkv, row, vector + half);
     let lo = Vector::<f32, N>::cast_from(qkv[lo_at]);
     let hi = Vector::<f32, N>::cast_from(qkv[hi_at]);
-    let entry = position * half + vector;
-    let c = cos[entry];
-    let s = sin[entry] * Vector::new(sign);
-    qkv[lo_at] = Vector::cast_from(lo * c - hi * s);
-    qkv[hi_at] = Vector::cast_from(hi * c + lo * s);
+    let (lo, hi) = rotate_pair::<N>(lo, hi, cos, sin, position * half + vector, sign);
+    qkv[lo_at] = Vector::cast_from(lo);
+    qkv[hi_at] = Vector::cast_from(hi);
 }
 
 /// `qkv` (`[rows, head_dim]`, any strides, laid out as `layout`) with its query and key rows

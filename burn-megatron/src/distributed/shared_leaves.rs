@@ -63,21 +63,18 @@ pub(crate) fn refuse_shared_leaves<B: ModelBackend, M: Module<B>>(
             (&Default::default(), DType::F64),
         )
     };
-    let header = world.all_gather(host(vec![token, mine.len() as f64]), 0)?;
-    let header = header.into_data().to_vec::<f64>().map_err(|e| {
-        ConfigError::Invalid(format!(
-            "the ranks' parameter leaves could not be read: {e:?}"
-        ))
-    })?;
+    let read = |t: Tensor<NdArray, 1>| {
+        t.into_data().to_vec::<f64>().map_err(|e| {
+            ConfigError::Invalid(format!(
+                "the ranks' parameter leaves could not be read: {e:?}"
+            ))
+        })
+    };
+    let header = read(world.all_gather(host(vec![token, mine.len() as f64]), 0)?)?;
     // The token first, so that no rank sends an empty tensor.
     let mut body = vec![token];
     body.extend(mine.iter().map(|&id| id as f64));
-    let bodies = world.all_gather(host(body), 0)?;
-    let bodies = bodies.into_data().to_vec::<f64>().map_err(|e| {
-        ConfigError::Invalid(format!(
-            "the ranks' parameter leaves could not be read: {e:?}"
-        ))
-    })?;
+    let bodies = read(world.all_gather(host(body), 0)?)?;
     let mine: HashSet<u64> = mine.into_iter().collect();
     let me = world.rank();
     let mut start = 0;

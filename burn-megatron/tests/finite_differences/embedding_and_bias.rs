@@ -1,9 +1,10 @@
-//! The token-embedding lookup and the bias add, whose backwards are written out (a scatter of
-//! the output's gradient into the table's rows in token order; the bias's column sum): their
-//! gradients against central differences of the forward, one element at a time.
+//! The token-embedding lookup, the bias add and the output-major linear, whose backwards are
+//! written out (a scatter of the output's gradient into the table's rows in token order; the
+//! bias's column sum; GEMMs with folded transposes): their gradients against central
+//! differences of the forward, one element at a time.
 
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::backend::bias_add;
+use burn_megatron::backend::{bias_add, linear_output_major};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::ops::embedding::embedding;
 use burn_megatron_testing::{assert_close, tolerance, values};
@@ -103,4 +104,59 @@ fn the_bias_add_gradients_match_finite_differences() {
         &fd_b,
         tolerance::FINITE_DIFFERENCE_F64,
     );
+}
+
+/// The output layer's product with its weight as stored (`[d_out, d_in]`,
+/// `linear_output_major`, a backward written out): the gradients of the input, the weight and
+/// the bias.
+#[test]
+fn the_output_major_linear_gradients_match_finite_differences() {
+    let x = normal([2, 3, 4], 6);
+    let w_t = normal([5, 4], 7);
+    let bias = normal([5], 8);
+    let upstream = normal([2, 3, 5], 9);
+    let loss = |x: Tensor<AD, 3>, w_t: Tensor<AD, 2>, b: Tensor<AD, 1>| {
+        (linear_output_major(x, w_t, Some(b)) * Tensor::from_inner(upstream.clone())).sum()
+    };
+    let (tx, tw, tb) = (
+        Tensor::<AD, 3>::from_inner(x.clone()).require_grad(),
+        Tensor::<AD, 2>::from_inner(w_t.clone()).require_grad(),
+        Tensor::<AD, 1>::from_inner(bias.clone()).require_grad(),
+    );
+    let grads = loss(tx.clone(), tw.clone(), tb.clone()).backward();
+    let scalar = |t: Tensor<AD, 1>| values(t.inner())[0];
+    let at = |x: &Tensor<B, 3>, w: &Tensor<B, 2>, b: &Tensor<B, 1>| {
+        scalar(loss(
+            Tensor::from_inner(x.clone()),
+            Tensor::from_inner(w.clone()),
+            Tensor::from_inner(b.clone()),
+        ))
+    };
+    let fd_x = finite_differences(&x, |x| at(&x, &w_t, &bias));
+    let fd_w = finite_differences(&w_t, |w| at(&x, &w, &bias));
+    let fd_b = finite_differences(&bias, |b| at(&x, &w_t, &b));
+    for (name, got, fd) in [
+        (
+            "dx",
+            values(tx.grad(&grads).expect("x has a gradient")),
+            fd_x,
+        ),
+        (
+            "dw_t",
+            values(tw.grad(&grads).expect("w_t has a gradient")),
+            fd_w,
+        ),
+        (
+            "dbias",
+            values(tb.grad(&grads).expect("the bias has a gradient")),
+            fd_b,
+        ),
+    ] {
+        assert_close(
+            &format!("output-major linear {name}"),
+            &got,
+            &fd,
+            tolerance::FINITE_DIFFERENCE_F64,
+        );
+    }
 }

@@ -1,6 +1,6 @@
 //! Gradients against central finite differences, in f64 on the CPU: the dropout, RoPE, masked
-//! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding and bias-add ops,
-//! and every parameter of a tiny GPT and a tiny Llama.
+//! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding, bias-add and
+//! output-major linear ops, and every parameter of a tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
