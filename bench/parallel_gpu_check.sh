@@ -5,26 +5,27 @@
 #   bin/{gpt_train_bench,kernel_bench,bm-launch}  ../shared/gpu/pack build --release --features cuda
 #       -p burn-megatron-examples --example gpt_train_bench --example kernel_bench, and
 #       -p burn-megatron-dist --bin bm-launch
-#   bin/nccl-*                                    ../shared/gpu/pack test --release --features cuda
+#   bin/nccl                                       ../shared/gpu/pack test --release --features cuda
 #       -p burn-megatron-tests --test nccl
-#   bin/gpu-*                                     ... --test gpu (the one-GPU kernel tests)
+#   bin/gpu                                        ... --test gpu (the one-GPU kernel tests)
 #   PART=tests|kernels|gputests|dp|tp bash bench/parallel_gpu_check.sh   (default: all)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
-gunzip -kf .gpu/bin/*.gz 2>/dev/null
+# Unpack once (two parts may run at once, one a GPU: unpack before starting them).
+for z in .gpu/bin/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
 chmod +x .gpu/bin/* 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
 nvidia-smi topo -m | tee -a $OUT/gpus.txt
 B=.gpu/bin
 part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
-ours() { # name, ranks, flags...
+ours() { # name, ranks, flags...  (E="VAR=value ..." adds to the environment)
   local name=$1 n=$2; shift 2
-  echo "=== ours $name" | tee -a $OUT/bench.log
+  echo "=== ours $name ${E:-}" | tee -a $OUT/bench.log
   if [ "$n" = 1 ]; then
-    timeout 300 $B/gpt_train_bench "$@" > $OUT/$name.log 2>&1
+    env ${E:-} timeout 200 $B/gpt_train_bench "$@" > $OUT/$name.log 2>&1
   else
-    timeout 300 $B/bm-launch --nproc-per-node $n -- $B/gpt_train_bench "$@" > $OUT/$name.log 2>&1
+    env ${E:-} timeout 200 $B/bm-launch --nproc-per-node $n -- $B/gpt_train_bench "$@" > $OUT/$name.log 2>&1
   fi
   echo "rc=$?" | tee -a $OUT/bench.log
   grep -E "RESULT|step|tokens/s|Error|panicked" $OUT/$name.log | tail -4 | tee -a $OUT/bench.log
@@ -44,7 +45,7 @@ torch() { # name, ranks, flags...
 if part tests; then
   # TP 2 + SP over NCCL equals one GPU (GPT and Llama), and the collective suite (all-gather
   # and reduce-scatter along every dimension, even and uneven).
-  timeout 400 $B/nccl-* --test-threads=1 tensor_parallel_gpt_over_nccl suite_over_nccl 2>&1 |
+  timeout 400 $B/nccl --test-threads=1 tensor_parallel_gpt_over_nccl suite_over_nccl 2>&1 |
     tee $OUT/nccl_tests.log | grep -E "^test |test result|relative difference|loss TP"
 fi
 if part kernels; then
@@ -57,16 +58,21 @@ if part kernels; then
     tee $OUT/torch_kernels.log | grep -iE "rope|softmax|norm"
 fi
 if part gputests; then
-  # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu-*:
+  # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu:
   # ../shared/gpu/pack test --release --features cuda -p burn-megatron-tests --test gpu).
   # (gpt_step_on_three_backends alone takes over 150 s.)
-  timeout 580 $B/gpu-* --test-threads=1 fused_causal_softmax fused_dropout_rope transformer_autodiff_matches_burn_cuda fused_norm gpt_step_on_three_backends 2>&1 |
-    tee $OUT/gpu_tests.log | grep -E "^test |test result"
+  timeout 300 $B/gpu --test-threads=1 fused_causal_softmax fused_dropout_rope transformer_autodiff_matches_burn_cuda \
+    fused_norm fused_bias_gelu a_training_step_never 2>&1 | tee $OUT/gpu_tests.log | grep -E "^test |test result"
+  timeout 280 $B/gpu --test-threads=1 gpt_step_on_three_backends 2>&1 |
+    tee $OUT/gpu_tests_step.log | grep -E "^test |test result"
 fi
 if part dp; then
   M="--preset gpt2-350m --batch 8 --dtype bf16"
   ours 350m_1gpu 1 $M
   ours 350m_dp2_allreduce_overlap 2 $M --data-parallel 2 --overlap-grad-reduce
+  # NCCL on fewer SMs leaves more of them to the backward pass it overlaps.
+  E="NCCL_MAX_NCHANNELS=8" ours 350m_dp2_allreduce_overlap_8ch 2 $M --data-parallel 2 --overlap-grad-reduce
+  ours 350m_dp2_allreduce_overlap_b10m 2 $M --data-parallel 2 --overlap-grad-reduce --bucket-numel 10000000
   ours 350m_dp2_zero_overlap 2 $M --data-parallel 2 --use-distributed-optimizer --overlap-grad-reduce
   torch 350m_1gpu 1 --preset gpt2-350m --batch 8 --mode compile
   torch 350m_ddp2 2 --preset gpt2-350m --batch 8 --mode compile
