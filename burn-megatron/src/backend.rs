@@ -446,10 +446,28 @@ pub trait ModelBackend: DistBackend {
         burn::tensor::module::embedding(weight, ids)
     }
 
+    /// [`embedding_lookup`](Self::embedding_lookup) where an id of `vocab` (the table's row
+    /// count) or more gives a zero row and adds nothing to the table's gradient: the tokens
+    /// that another tensor-parallel rank's slice of the vocabulary holds. Pointing those at a
+    /// row of this slice and masking the row would give the same values, but the gradient
+    /// kernel would then sum every such token into that one row, one after the other.
+    fn embedding_lookup_or_zero(
+        weight: Tensor<Self, 2>,
+        ids: Tensor<Self, 2, Int>,
+    ) -> Tensor<Self, 3> {
+        let vocab = weight.dims()[0] as i64;
+        let in_range = ids.clone().lower_elem(vocab);
+        let rows = burn::tensor::module::embedding(weight, ids.clamp_max(vocab - 1));
+        let dtype = rows.dtype();
+        rows * in_range.float().cast(dtype).unsqueeze_dim::<3>(2)
+    }
+
     /// The gradient `[vocab, hidden]` of an embedding table from its output's gradient
     /// `grad` (`[tokens, hidden]`) and the ids (`[tokens]`), in `grad`'s dtype: row `v` sums
-    /// the rows of `grad` whose id is `v`. CubeCL backends run one deterministic kernel
-    /// (`burn_megatron_kernels::fused::embedding`); the default is Burn's `select_add`.
+    /// the rows of `grad` whose id is `v`; ids of `vocab` or more add nothing (see
+    /// [`embedding_lookup_or_zero`](Self::embedding_lookup_or_zero)). CubeCL backends run one
+    /// deterministic kernel (`burn_megatron_kernels::fused::embedding`); the default is Burn's
+    /// `select_add`.
     fn embedding_gradient(
         grad: Tensor<Self, 2>,
         ids: Tensor<Self, 1, Int>,
@@ -1899,7 +1917,14 @@ impl<B: ModelBackend, C: CheckpointStrategy> ModelBackend for Autodiff<B, C> {
     }
 
     fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
-        crate::ops::embedding::autodiff_embedding(weight, ids)
+        crate::ops::embedding::autodiff_embedding(weight, ids, false)
+    }
+
+    fn embedding_lookup_or_zero(
+        weight: Tensor<Self, 2>,
+        ids: Tensor<Self, 2, Int>,
+    ) -> Tensor<Self, 3> {
+        crate::ops::embedding::autodiff_embedding(weight, ids, true)
     }
 }
 

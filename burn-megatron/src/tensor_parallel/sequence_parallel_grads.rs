@@ -80,10 +80,20 @@ where
             .remove::<B::InnerBackend, 1>(*id)
             .unwrap_or_else(|| value.zeros_like());
         dtypes.push(grad.dtype());
-        parts.push(grad.cast(DType::F32));
+        parts.push(grad);
     }
     let lens: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
-    let sum = tp.all_reduce(Tensor::cat(parts, 0), ReduceOp::Sum)?;
+    // Summed in f32. Gradients of one dtype (the usual case) are joined first and cast once
+    // each way: two launches, where a cast per tensor is hundreds of tiny ones.
+    let one_dtype = dtypes.windows(2).all(|w| w[0] == w[1]);
+    let joined = match one_dtype {
+        true => Tensor::cat(parts, 0).cast(DType::F32),
+        false => Tensor::cat(parts.into_iter().map(|p| p.cast(DType::F32)).collect(), 0),
+    };
+    let mut sum = tp.all_reduce(joined, ReduceOp::Sum)?;
+    if one_dtype {
+        sum = sum.cast(dtypes[0]);
+    }
     let mut start = 0;
     for ((i, id, _), (len, dtype)) in partial.into_iter().zip(lens.into_iter().zip(dtypes)) {
         let grad = sum.clone().narrow(0, start, len).cast(dtype);

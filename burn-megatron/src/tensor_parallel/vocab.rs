@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 
 use burn_megatron_dist::Placement;
 
@@ -71,21 +71,20 @@ impl VocabPartition {
         self.rank * n..(self.rank + 1) * n
     }
 
-    /// Token ids as indices into this rank's slice: `(local ids, in range)`. Ids outside the
-    /// slice are clamped into it (so they stay valid indices) and marked out of range.
+    /// Token ids as indices into this rank's slice, with ids outside the slice mapped to the
+    /// slice's length (one past its last row): the ids
+    /// [`embedding_or_zero`](crate::ops::embedding::embedding_or_zero) gives zero rows.
     pub fn localize<B: Backend, const D: usize>(
         &self,
         ids: Tensor<B, D, Int>,
-    ) -> (Tensor<B, D, Int>, Tensor<B, D, Bool>) {
+    ) -> Tensor<B, D, Int> {
         let range = self.range();
-        let in_range = ids
+        let outside = ids
             .clone()
-            .greater_equal_elem(range.start as i64)
-            .bool_and(ids.clone().lower_elem(range.end as i64));
-        let local = ids
-            .sub_scalar(range.start as i64)
-            .clamp(0, range.len() as i64 - 1);
-        (local, in_range)
+            .lower_elem(range.start as i64)
+            .bool_or(ids.clone().greater_equal_elem(range.end as i64));
+        ids.sub_scalar(range.start as i64)
+            .mask_fill(outside, range.len() as i64)
     }
 
     /// A note for the user when padding was added, `None` otherwise.

@@ -10,7 +10,7 @@ use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
 use crate::init::{InitDistribution, init_slice};
-use crate::ops::embedding::embedding;
+use crate::ops::embedding::embedding_or_zero;
 
 /// Token embeddings split by vocabulary: rank `r` holds the rows of its
 /// [`VocabPartition`] range, looks up the tokens that fall in it (zero for the others), and
@@ -73,9 +73,7 @@ impl<B: ModelBackend> VocabParallelEmbedding<B> {
     /// raised at the device's next read or sync: see [`ModelBackend::check_ids`]).
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
         B::check_ids(tokens.clone(), IdKind::Token, self.vocab.vocab_size)?;
-        let (local, in_range) = self.vocab.localize(tokens);
-        let rows = embedding(self.weight.val(), local);
-        let partial = rows * in_range.float().unsqueeze_dim::<3>(2);
+        let partial = embedding_or_zero(self.weight.val(), self.vocab.localize(tokens));
         Ok(self.tp.leave(partial)?)
     }
 }
