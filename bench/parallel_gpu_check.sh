@@ -86,3 +86,15 @@ if part tp; then
   ours llama1b_tp2_sp 2 $L --tensor-parallel 2 --sequence-parallel
   torch llama1b_1gpu 1 --preset llama-1b --batch 4 --mode compile --steps 6 --warmup 2
 fi
+if part profiles; then
+  # Where each layout's step goes (BM_PROFILE=1: per-kernel GPU time, NCCL's side lane, the
+  # compute stream's coverage): one GPU, TP 2 + SP, and DP 2 overlapped with and without ZeRO.
+  M="--preset gpt2-350m --batch 8 --dtype bf16"
+  E="BM_PROFILE=1" ours 350m_1gpu_profile 1 $M --top 12
+  E="BM_PROFILE=1" ours 350m_tp2_sp_profile 2 $M --tensor-parallel 2 --sequence-parallel --top 16
+  E="BM_PROFILE=1" ours 350m_dp2_allreduce_profile 2 $M --data-parallel 2 --overlap-grad-reduce --top 8
+  E="BM_PROFILE=1" ours 350m_dp2_zero_profile 2 $M --data-parallel 2 --use-distributed-optimizer --overlap-grad-reduce --top 8
+  for f in 350m_1gpu_profile 350m_tp2_sp_profile 350m_dp2_allreduce_profile 350m_dp2_zero_profile; do
+    echo "=== $f"; grep -E "step:|host ms|total:|phase|nccl|share|Kernel|Foreign" $OUT/$f.log | head -24
+  done | tee -a $OUT/bench.log
+fi
