@@ -84,7 +84,7 @@ if part tp; then
   L="--preset llama-1b --batch 4 --dtype bf16 --steps 6 --warmup 2"
   ours llama1b_1gpu 1 $L
   ours llama1b_tp2_sp 2 $L --tensor-parallel 2 --sequence-parallel
-  torch llama1b_1gpu 1 --preset llama-1b --batch 4 --mode compile --steps 6 --warmup 2
+  [ -n "${SKIP_TORCH:-}" ] || torch llama1b_1gpu 1 --preset llama-1b --batch 4 --mode compile --steps 6 --warmup 2
 fi
 if part profiles; then
   # Where each layout's step goes (BM_PROFILE=1: per-kernel GPU time, NCCL's side lane, the
