@@ -8,7 +8,8 @@
 #   bin/nccl                                       ../shared/gpu/pack test --release --features cuda
 #       -p burn-megatron-tests --test nccl
 #   bin/gpu                                        ... --test gpu (the one-GPU kernel tests)
-#   PART=tests|kernels|gputests|dp|tp bash bench/parallel_gpu_check.sh   (default: all)
+#   PART=tests|kernels|gputests|dp|tp|profiles|dp4 bash bench/parallel_gpu_check.sh   (default: all
+#   but dp4, which needs four GPUs)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -18,7 +19,7 @@ chmod +x .gpu/bin/* 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
 nvidia-smi topo -m | tee -a $OUT/gpus.txt
 B=.gpu/bin
-part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
+part() { { [ "${PART:-all}" = all ] && [ "$1" != dp4 ]; } || [ "${PART:-all}" = "$1" ]; }
 ours() { # name, ranks, flags...  (E="VAR=value ..." adds to the environment)
   local name=$1 n=$2; shift 2
   echo "=== ours $name ${E:-}" | tee -a $OUT/bench.log
@@ -97,4 +98,13 @@ if part profiles; then
   for f in 350m_1gpu_profile 350m_tp2_sp_profile 350m_dp2_allreduce_profile 350m_dp2_zero_profile; do
     echo "=== $f"; grep -E "step:|host ms|total:|phase|nccl|share|Kernel|Foreign" $OUT/$f.log | head -24
   done | tee -a $OUT/bench.log
+fi
+if part dp4; then
+  # DP 4 (kind nvidia-h100-x4 or nvidia-h200-x4), against one GPU in the same call.
+  M="--preset gpt2-350m --batch 8 --dtype bf16"
+  ours 350m_1gpu 1 $M
+  ours 350m_dp4_allreduce_overlap 4 $M --data-parallel 4 --overlap-grad-reduce
+  ours 350m_dp4_zero_overlap 4 $M --data-parallel 4 --use-distributed-optimizer --overlap-grad-reduce
+  torch 350m_1gpu 1 --preset gpt2-350m --batch 8 --mode compile
+  torch 350m_ddp4 4 --preset gpt2-350m --batch 8 --mode compile
 fi
