@@ -731,6 +731,75 @@ fn bias_gelu_equals_the_composition() {
     }
 }
 
+/// The row-blocked layouts of the bias-GeLU kernels (`bias_gelu::Layout::Rows`: a thread on one
+/// column vector of several rows) give the flat kernels' bits, forward and backward, both
+/// forms, with and without a bias, into poisoned outputs: row counts that are and are not
+/// multiples of the block, one row, strided views (element by element) and packed rows
+/// (vectors), and more vectors a row than a cube has threads.
+#[test]
+fn bias_gelu_row_blocks_equal_the_flat_kernels() {
+    use burn_megatron_kernels::fused::bias_gelu::{Form, Layout, backward_with, forward_with};
+    let device = WgpuDevice::default();
+    for dtype in [DType::F32, DType::F16] {
+        for (rows, cols, extra) in [(1, 8, 0), (7, 300, 5), (33, 129, 1), (10, 2052, 0)] {
+            let view = |seed, scale| {
+                matrix(rows, cols + extra, seed, scale, &device)
+                    .cast(dtype)
+                    .narrow(1, 0, cols)
+            };
+            let (x, grad) = (view(91, 6.0), view(92, 1.0));
+            for with_bias in [false, true] {
+                let bias = with_bias.then(|| vector(cols, 93, 0.5, &device).cast(dtype));
+                for form in [Form::Erf, Form::Tanh] {
+                    let run = |layout| {
+                        let forward = wrap::<2>(forward_with(
+                            layout,
+                            raw(x.clone()),
+                            bias.clone().map(raw),
+                            form,
+                        ));
+                        let backward = wrap::<2>(backward_with(
+                            layout,
+                            raw(x.clone()),
+                            bias.clone().map(raw),
+                            raw(grad.clone()),
+                            form,
+                        ));
+                        (values(forward), values(backward))
+                    };
+                    let flat = run(Layout::Flat);
+                    for rows_per_thread in [1, 3, 4] {
+                        let name = format!(
+                            "{dtype:?} {rows}x{cols} bias {with_bias} {form:?} rows {rows_per_thread}"
+                        );
+                        // Poison the pool with the outputs' size, so that an output reusing
+                        // the flat run's buffers shows NaN, not the flat run's bits, where the
+                        // kernel leaves an element unwritten.
+                        let poison =
+                            || Tensor::<W, 2>::full([rows, cols], f32::NAN, &device).cast(dtype);
+                        drop((poison(), poison()));
+                        let blocked = run(Layout::Rows(rows_per_thread));
+                        for (what, got, want) in [
+                            ("forward", &blocked.0, &flat.0),
+                            ("backward", &blocked.1, &flat.1),
+                        ] {
+                            assert!(
+                                got.iter().all(|v| v.is_finite()),
+                                "{what} {name}: not finite"
+                            );
+                            let first_bad = got
+                                .iter()
+                                .zip(want)
+                                .position(|(a, b)| a.to_bits() != b.to_bits());
+                            assert_eq!(first_bad, None, "{what} {name}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// SwiGLU (`ModelBackend::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
 /// way, with and without the projections' biases) against the Burn compositions in f32, for
 /// f32 and f16 storage, on strided views read element by element and packed rows read as

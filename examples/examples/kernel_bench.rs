@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, Int, Tensor};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorPrimitive};
 use burn_megatron::ModelBackend;
 use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
 use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
@@ -60,8 +60,9 @@ type Section = (&'static str, fn(&CudaGpu));
 fn main() {
     let device = CudaGpu::new(0);
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [Section; 8] = [
+    let sections: [Section; 9] = [
         ("cross_entropy", cross_entropy),
+        ("gelu_layouts", gelu_layouts),
         ("column_sum_layouts", column_sum_layouts),
         ("norm_backward_layouts", norm_backward_layouts),
         ("bias_swiglu", bias_swiglu),
@@ -468,6 +469,85 @@ fn norm_gelu_and_bias_gradient(device: &CudaGpu) {
                 elements * size,
                 time(device, || dh.clone().sum_dim(0)),
             );
+        }
+    }
+}
+
+/// The bias-GeLU kernels (tanh form) in their flat layout and in row blocks of 1 to 8 rows a
+/// thread (`bias_gelu::Layout`), forward and backward, bf16 and f32, at 16k tokens × 4096 and
+/// GPT-2's 3072, next to the copy; each layout's outputs must equal the flat kernel's bit for
+/// bit (the layouts' check on CUDA).
+fn gelu_layouts(device: &CudaGpu) {
+    use burn_megatron_kernels::fused::bias_gelu::{Form, Layout, backward_with, forward_with};
+    let rows = 16_384;
+    let layouts = [
+        Layout::Flat,
+        Layout::Rows(1),
+        Layout::Rows(2),
+        Layout::Rows(4),
+        Layout::Rows(8),
+    ];
+    for width in [4096, 3072] {
+        for dtype in [DType::BF16, DType::F32] {
+            let random = |shape: [usize; 2]| {
+                Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+            };
+            let (x, dy) = (random([rows, width]), random([rows, width]));
+            let bias =
+                Tensor::<B, 1>::random([width], Distribution::Normal(0.0, 0.1), device).cast(dtype);
+            let bytes = rows * width * dtype.size();
+            report(
+                &format!("{dtype:?} copy (x + 1), {rows}x{width}"),
+                2 * bytes,
+                time(device, || x.clone().add_scalar(1.0)),
+            );
+            let raw = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
+            let raw_bias = || Some(bias.clone().into_primitive().tensor());
+            let bits = |t| -> Vec<u32> {
+                Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t))
+                    .cast(DType::F32)
+                    .into_data()
+                    .to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            let flat = (
+                bits(forward_with(Layout::Flat, raw(&x), raw_bias(), Form::Tanh)),
+                bits(backward_with(
+                    Layout::Flat,
+                    raw(&x),
+                    raw_bias(),
+                    raw(&dy),
+                    Form::Tanh,
+                )),
+            );
+            for layout in layouts {
+                let same = bits(forward_with(layout, raw(&x), raw_bias(), Form::Tanh)) == flat.0
+                    && bits(backward_with(
+                        layout,
+                        raw(&x),
+                        raw_bias(),
+                        raw(&dy),
+                        Form::Tanh,
+                    )) == flat.1;
+                assert!(same, "bias-GeLU {layout:?} differs from the flat kernel");
+                report(
+                    &format!("{dtype:?} bias-GeLU forward, {layout:?}, {rows}x{width}"),
+                    2 * bytes,
+                    time(device, || {
+                        forward_with(layout, raw(&x), raw_bias(), Form::Tanh)
+                    }),
+                );
+                report(
+                    &format!("{dtype:?} bias-GeLU backward, {layout:?}, {rows}x{width}"),
+                    3 * bytes,
+                    time(device, || {
+                        backward_with(layout, raw(&x), raw_bias(), raw(&dy), Form::Tanh)
+                    }),
+                );
+            }
         }
     }
 }
