@@ -62,7 +62,7 @@ fn main() {
     let wanted: Vec<String> = std::env::args().skip(1).collect();
     let sections: [Section; 9] = [
         ("cross_entropy", cross_entropy),
-        ("gelu_layouts", gelu_layouts),
+        ("elementwise_layouts", elementwise_layouts),
         ("column_sum_layouts", column_sum_layouts),
         ("norm_backward_layouts", norm_backward_layouts),
         ("bias_swiglu", bias_swiglu),
@@ -473,28 +473,45 @@ fn norm_gelu_and_bias_gradient(device: &CudaGpu) {
     }
 }
 
-/// The bias-GeLU kernels (tanh form) in their flat layout and in row blocks of 1 to 8 rows a
-/// thread (`bias_gelu::Layout`), forward and backward, bf16 and f32, at 16k tokens × 4096 and
-/// GPT-2's 3072, next to the copy; each layout's outputs must equal the flat kernel's bit for
-/// bit (the layouts' check on CUDA).
-fn gelu_layouts(device: &CudaGpu) {
-    use burn_megatron_kernels::fused::bias_gelu::{Form, Layout, backward_with, forward_with};
+/// The element-wise kernels (bias-GeLU in the tanh form, bias-SwiGLU) in their flat layout
+/// and in blocks of 1 to 8 rows a thread (`ElementwiseLayout`), forward and backward, bf16
+/// and f32, at 16k tokens × 4096 and GPT-2's 3072, next to the copy. Each layout's outputs
+/// must equal the flat kernel's bit for bit (the layouts' check on CUDA).
+fn elementwise_layouts(device: &CudaGpu) {
+    use burn_megatron_kernels::fused::vectors::ElementwiseLayout;
+    use burn_megatron_kernels::fused::{bias_gelu, swiglu};
     let rows = 16_384;
     let layouts = [
-        Layout::Flat,
-        Layout::Rows(1),
-        Layout::Rows(2),
-        Layout::Rows(4),
-        Layout::Rows(8),
+        ElementwiseLayout::Flat,
+        ElementwiseLayout::Rows(1),
+        ElementwiseLayout::Rows(2),
+        ElementwiseLayout::Rows(4),
+        ElementwiseLayout::Rows(8),
     ];
+    let form = bias_gelu::Form::Tanh;
     for width in [4096, 3072] {
         for dtype in [DType::BF16, DType::F32] {
             let random = |shape: [usize; 2]| {
                 Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
             };
-            let (x, dy) = (random([rows, width]), random([rows, width]));
-            let bias =
-                Tensor::<B, 1>::random([width], Distribution::Normal(0.0, 0.1), device).cast(dtype);
+            let (x, up, dy) = (
+                random([rows, width]),
+                random([rows, width]),
+                random([rows, width]),
+            );
+            let bias = |seed: u64| {
+                let b = Tensor::<B, 1>::random([width], Distribution::Normal(0.0, 0.1), device)
+                    .cast(dtype)
+                    .add_scalar(seed as f64 * 1e-3);
+                b.into_primitive().tensor()
+            };
+            let (b, bg, bu) = (bias(1), bias(2), bias(3));
+            let biases = || {
+                Some(swiglu::Biases {
+                    gate: bg.clone(),
+                    up: bu.clone(),
+                })
+            };
             let bytes = rows * width * dtype.size();
             report(
                 &format!("{dtype:?} copy (x + 1), {rows}x{width}"),
@@ -502,7 +519,6 @@ fn gelu_layouts(device: &CudaGpu) {
                 time(device, || x.clone().add_scalar(1.0)),
             );
             let raw = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
-            let raw_bias = || Some(bias.clone().into_primitive().tensor());
             let bits = |t| -> Vec<u32> {
                 Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t))
                     .cast(DType::F32)
@@ -513,38 +529,61 @@ fn gelu_layouts(device: &CudaGpu) {
                     .map(|v| v.to_bits())
                     .collect()
             };
-            let flat = (
-                bits(forward_with(Layout::Flat, raw(&x), raw_bias(), Form::Tanh)),
-                bits(backward_with(
-                    Layout::Flat,
-                    raw(&x),
-                    raw_bias(),
-                    raw(&dy),
-                    Form::Tanh,
-                )),
-            );
-            for layout in layouts {
-                let same = bits(forward_with(layout, raw(&x), raw_bias(), Form::Tanh)) == flat.0
-                    && bits(backward_with(
+            let outputs = |layout| {
+                let [d_gate, d_up] =
+                    swiglu::backward_with(layout, raw(&x), raw(&up), biases(), raw(&dy));
+                [
+                    bits(bias_gelu::forward_with(
                         layout,
                         raw(&x),
-                        raw_bias(),
+                        Some(b.clone()),
+                        form,
+                    )),
+                    bits(bias_gelu::backward_with(
+                        layout,
+                        raw(&x),
+                        Some(b.clone()),
                         raw(&dy),
-                        Form::Tanh,
-                    )) == flat.1;
-                assert!(same, "bias-GeLU {layout:?} differs from the flat kernel");
+                        form,
+                    )),
+                    bits(swiglu::forward_with(layout, raw(&x), raw(&up), biases())),
+                    bits(d_gate),
+                    bits(d_up),
+                ]
+            };
+            let flat = outputs(ElementwiseLayout::Flat);
+            for layout in layouts {
+                assert!(
+                    outputs(layout) == flat,
+                    "{layout:?} differs from the flat kernels"
+                );
+                let name = |op: &str| format!("{dtype:?} {op}, {layout:?}, {rows}x{width}");
                 report(
-                    &format!("{dtype:?} bias-GeLU forward, {layout:?}, {rows}x{width}"),
+                    &name("bias-GeLU forward"),
                     2 * bytes,
                     time(device, || {
-                        forward_with(layout, raw(&x), raw_bias(), Form::Tanh)
+                        bias_gelu::forward_with(layout, raw(&x), Some(b.clone()), form)
                     }),
                 );
                 report(
-                    &format!("{dtype:?} bias-GeLU backward, {layout:?}, {rows}x{width}"),
+                    &name("bias-GeLU backward"),
                     3 * bytes,
                     time(device, || {
-                        backward_with(layout, raw(&x), raw_bias(), raw(&dy), Form::Tanh)
+                        bias_gelu::backward_with(layout, raw(&x), Some(b.clone()), raw(&dy), form)
+                    }),
+                );
+                report(
+                    &name("bias-SwiGLU forward"),
+                    3 * bytes,
+                    time(device, || {
+                        swiglu::forward_with(layout, raw(&x), raw(&up), biases())
+                    }),
+                );
+                report(
+                    &name("bias-SwiGLU backward"),
+                    5 * bytes,
+                    time(device, || {
+                        swiglu::backward_with(layout, raw(&x), raw(&up), biases(), raw(&dy))
                     }),
                 );
             }

@@ -13,8 +13,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::vectors::{
-    THREADS, biased, empty_like, launch_shape, rows_cols, vector_offset, vector_position,
-    vector_width,
+    ElementwiseLayout, THREADS, empty_like, rows_cols, thread_position, vector_offset, vector_width,
 };
 
 /// `sqrt(2 / π)`.
@@ -60,87 +59,38 @@ fn gelu_derivative(v: f32, #[comptime] tanh: bool) -> f32 {
     }
 }
 
+/// The bias of this thread's column vector, in f32 (zero without `has_bias`).
+#[cube]
+fn column_bias<F: Float, N: Size>(
+    bias: &Tensor<Vector<F, N>>,
+    vector: usize,
+    #[comptime] has_bias: bool,
+) -> Vector<f32, N> {
+    let width = N::value();
+    let mut b = Vector::<f32, N>::new(0.0);
+    if has_bias {
+        b = Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
+    }
+    b
+}
+
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn forward_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     bias: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_row: u32,
+    #[comptime] layout: ElementwiseLayout,
     #[comptime] has_bias: bool,
     #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let (row, vector) = vector_position(rows, vectors_per_row);
-    let v = biased::<F, N>(x, bias, row, vector, has_bias);
-    let mut y = Vector::<f32, N>::empty();
-    #[unroll]
-    for k in 0..N::value() {
-        y[k] = gelu(v[k], tanh);
-    }
-    output[vector_offset::<F, N>(output, row, vector)] = Vector::cast_from(y);
-}
-
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn backward_kernel<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    bias: &Tensor<Vector<F, N>>,
-    grad: &Tensor<Vector<F, N>>,
-    grad_x: &mut Tensor<Vector<F, N>>,
-    rows: u32,
-    vectors_per_row: u32,
-    #[comptime] has_bias: bool,
-    #[comptime] tanh: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let (row, vector) = vector_position(rows, vectors_per_row);
-    let v = biased::<F, N>(x, bias, row, vector, has_bias);
-    let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
-    let mut dx = Vector::<f32, N>::empty();
-    #[unroll]
-    for k in 0..N::value() {
-        dx[k] = dy[k] * gelu_derivative(v[k], tanh);
-    }
-    grad_x[vector_offset::<F, N>(grad_x, row, vector)] = Vector::cast_from(dx);
-}
-
-/// This thread's column vector and its block's first row, for the row-blocked layout: cubes
-/// along x cover a row's vectors, cubes along y (and z, past y's limit) blocks of rows.
-/// `terminate!` past the last vector.
-#[cube]
-fn block_position(vectors_per_row: u32, #[comptime] rows_per_thread: u32) -> (usize, usize) {
-    let vector = CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X;
-    if vector >= vectors_per_row {
-        terminate!();
-    }
-    let block = CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y;
-    (vector as usize, (block * rows_per_thread) as usize)
-}
-
-/// [`forward_kernel`] with each thread on one column vector of `rows_per_thread` rows: the
-/// bias is read once, the rows' loads are all issued before any is used, and there is no
-/// division to find a thread's row.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn forward_rows_kernel<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    bias: &Tensor<Vector<F, N>>,
-    output: &mut Tensor<Vector<F, N>>,
-    rows: u32,
-    vectors_per_row: u32,
-    #[comptime] rows_per_thread: u32,
-    #[comptime] has_bias: bool,
-    #[comptime] tanh: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let width = N::value();
-    let (vector, first) = block_position(vectors_per_row, rows_per_thread);
-    let mut b = Vector::<f32, N>::new(0.0);
-    if has_bias {
-        b = Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
-    }
-    let count = comptime!(rows_per_thread as usize);
+    let (vector, first) = thread_position(rows, vectors_per_row, layout);
+    let b = column_bias::<F, N>(bias, vector, has_bias);
+    let count = comptime!(layout.rows_per_thread() as usize);
+    // Every row's load first, then the math.
     let mut xs = Array::<Vector<F, N>>::new(count);
     #[unroll]
     for j in 0..count {
@@ -162,28 +112,23 @@ fn forward_rows_kernel<F: Float, N: Size>(
     }
 }
 
-/// [`backward_kernel`] in the row-blocked layout of [`forward_rows_kernel`].
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn backward_rows_kernel<F: Float, N: Size>(
+fn backward_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     bias: &Tensor<Vector<F, N>>,
     grad: &Tensor<Vector<F, N>>,
     grad_x: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_row: u32,
-    #[comptime] rows_per_thread: u32,
+    #[comptime] layout: ElementwiseLayout,
     #[comptime] has_bias: bool,
     #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let width = N::value();
-    let (vector, first) = block_position(vectors_per_row, rows_per_thread);
-    let mut b = Vector::<f32, N>::new(0.0);
-    if has_bias {
-        b = Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
-    }
-    let count = comptime!(rows_per_thread as usize);
+    let (vector, first) = thread_position(rows, vectors_per_row, layout);
+    let b = column_bias::<F, N>(bias, vector, has_bias);
+    let count = comptime!(layout.rows_per_thread() as usize);
     let mut xs = Array::<Vector<F, N>>::new(count);
     let mut dys = Array::<Vector<F, N>>::new(count);
     #[unroll]
@@ -208,25 +153,12 @@ fn backward_rows_kernel<F: Float, N: Size>(
     }
 }
 
-/// How the element-wise kernels spread their work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Layout {
-    /// One vector a thread, threads numbered over all the rows' vectors.
-    #[default]
-    Flat,
-    /// One column vector a thread over this many consecutive rows (`kernel_bench
-    /// gelu_layouts` compares them).
-    Rows(u32),
-}
-
-/// The grid of the row-blocked layout: `vectors_per_row` vectors along x, blocks of
-/// `rows_per_thread` rows along y and z.
-fn rows_launch(rows: usize, vectors_per_row: usize, rows_per_thread: u32) -> CubeCount {
-    let x = vectors_per_row.div_ceil(THREADS as usize).max(1);
-    let blocks = rows.div_ceil(rows_per_thread as usize).max(1);
-    let y = blocks.min(65_535);
-    CubeCount::Static(x as u32, y as u32, blocks.div_ceil(y) as u32)
-}
+/// The forward's layout: two rows a thread (bf16 at 16k × 4096 on an H100: 0.105 ms against
+/// the flat kernel's 0.115; f32 0.192 against 0.230; `kernel_bench gelu_layouts`, 2026-11-26).
+pub const FORWARD_LAYOUT: ElementwiseLayout = ElementwiseLayout::Rows(2);
+/// The backward's layout: one row a thread (bf16 0.149 ms against 0.156 flat and 0.160 for two
+/// rows; f32 0.277 against 0.314, same call).
+pub const BACKWARD_LAYOUT: ElementwiseLayout = ElementwiseLayout::Rows(1);
 
 /// `gelu(x + bias)` for `x: [tokens, features]` (any strides) and `bias: [features]` of the
 /// same dtype; the output has `x`'s shape and dtype.
@@ -235,12 +167,12 @@ pub fn forward<R: CubeRuntime>(
     bias: Option<CubeTensor<R>>,
     form: Form,
 ) -> CubeTensor<R> {
-    forward_with(Layout::default(), x, bias, form)
+    forward_with(FORWARD_LAYOUT, x, bias, form)
 }
 
-/// [`forward`] in a given [`Layout`].
+/// [`forward`] in a given layout.
 pub fn forward_with<R: CubeRuntime>(
-    layout: Layout,
+    layout: ElementwiseLayout,
     x: CubeTensor<R>,
     bias: Option<CubeTensor<R>>,
     form: Form,
@@ -254,27 +186,9 @@ pub fn forward_with<R: CubeRuntime>(
     let bias = bias.unwrap_or_else(|| x.clone());
     let dtype = x.dtype.into();
     let width = vector_width(&[&x, &bias, &output]);
-    if let Layout::Rows(rows_per_thread) = layout {
-        forward_rows_kernel::launch::<R>(
-            &x.client.clone(),
-            rows_launch(rows, cols / width, rows_per_thread),
-            CubeDim::new_1d(THREADS),
-            width,
-            x.into_tensor_arg(),
-            bias.into_tensor_arg(),
-            output.clone().into_tensor_arg(),
-            rows as u32,
-            (cols / width) as u32,
-            rows_per_thread,
-            has_bias,
-            form == Form::Tanh,
-            dtype,
-        );
-        return output;
-    }
     forward_kernel::launch::<R>(
         &x.client.clone(),
-        launch_shape(rows * cols / width),
+        layout.cube_count(rows, cols / width),
         CubeDim::new_1d(THREADS),
         width,
         x.into_tensor_arg(),
@@ -282,6 +196,7 @@ pub fn forward_with<R: CubeRuntime>(
         output.clone().into_tensor_arg(),
         rows as u32,
         (cols / width) as u32,
+        layout,
         has_bias,
         form == Form::Tanh,
         dtype,
@@ -297,12 +212,12 @@ pub fn backward<R: CubeRuntime>(
     grad: CubeTensor<R>,
     form: Form,
 ) -> CubeTensor<R> {
-    backward_with(Layout::default(), x, bias, grad, form)
+    backward_with(BACKWARD_LAYOUT, x, bias, grad, form)
 }
 
-/// [`backward`] in a given [`Layout`].
+/// [`backward`] in a given layout.
 pub fn backward_with<R: CubeRuntime>(
-    layout: Layout,
+    layout: ElementwiseLayout,
     x: CubeTensor<R>,
     bias: Option<CubeTensor<R>>,
     grad: CubeTensor<R>,
@@ -317,28 +232,9 @@ pub fn backward_with<R: CubeRuntime>(
     let bias = bias.unwrap_or_else(|| x.clone());
     let dtype = x.dtype.into();
     let width = vector_width(&[&x, &bias, &grad, &grad_x]);
-    if let Layout::Rows(rows_per_thread) = layout {
-        backward_rows_kernel::launch::<R>(
-            &x.client.clone(),
-            rows_launch(rows, cols / width, rows_per_thread),
-            CubeDim::new_1d(THREADS),
-            width,
-            x.into_tensor_arg(),
-            bias.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            grad_x.clone().into_tensor_arg(),
-            rows as u32,
-            (cols / width) as u32,
-            rows_per_thread,
-            has_bias,
-            form == Form::Tanh,
-            dtype,
-        );
-        return grad_x;
-    }
     backward_kernel::launch::<R>(
         &x.client.clone(),
-        launch_shape(rows * cols / width),
+        layout.cube_count(rows, cols / width),
         CubeDim::new_1d(THREADS),
         width,
         x.into_tensor_arg(),
@@ -347,6 +243,7 @@ pub fn backward_with<R: CubeRuntime>(
         grad_x.clone().into_tensor_arg(),
         rows as u32,
         (cols / width) as u32,
+        layout,
         has_bias,
         form == Form::Tanh,
         dtype,

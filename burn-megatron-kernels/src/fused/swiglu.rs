@@ -12,14 +12,31 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::vectors::{
-    THREADS, biased, empty_like, launch_shape, rows_cols, vector_offset, vector_position,
-    vector_width,
+    ElementwiseLayout, THREADS, empty_like, rows_cols, thread_position, vector_offset, vector_width,
 };
 
 /// `σ(x) = 1 / (1 + e^(-x))`; 0 where `e^(-x)` overflows, as it should be.
 #[cube]
 fn sigmoid(x: f32) -> f32 {
     f32::new(1.0) / (f32::new(1.0) + (-x).exp())
+}
+
+/// The biases of this thread's column vector, in f32 (zero without `has_bias`).
+#[cube]
+fn column_biases<F: Float, N: Size>(
+    gate_bias: &Tensor<Vector<F, N>>,
+    up_bias: &Tensor<Vector<F, N>>,
+    vector: usize,
+    #[comptime] has_bias: bool,
+) -> (Vector<f32, N>, Vector<f32, N>) {
+    let width = N::value();
+    let mut bg = Vector::<f32, N>::new(0.0);
+    let mut bu = Vector::<f32, N>::new(0.0);
+    if has_bias {
+        bg = Vector::<f32, N>::cast_from(gate_bias[vector * width * gate_bias.stride(0) / width]);
+        bu = Vector::<f32, N>::cast_from(up_bias[vector * width * up_bias.stride(0) / width]);
+    }
+    (bg, bu)
 }
 
 #[cube(launch)]
@@ -32,18 +49,36 @@ fn forward_kernel<F: Float, N: Size>(
     output: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_row: u32,
+    #[comptime] layout: ElementwiseLayout,
     #[comptime] has_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let (row, vector) = vector_position(rows, vectors_per_row);
-    let g = biased::<F, N>(gate, gate_bias, row, vector, has_bias);
-    let u = biased::<F, N>(up, up_bias, row, vector, has_bias);
-    let mut y = Vector::<f32, N>::empty();
+    let (vector, first) = thread_position(rows, vectors_per_row, layout);
+    let (bg, bu) = column_biases::<F, N>(gate_bias, up_bias, vector, has_bias);
+    let count = comptime!(layout.rows_per_thread() as usize);
+    // Every row's loads first, then the math.
+    let mut gs = Array::<Vector<F, N>>::new(count);
+    let mut us = Array::<Vector<F, N>>::new(count);
     #[unroll]
-    for k in 0..N::value() {
-        y[k] = g[k] * sigmoid(g[k]) * u[k];
+    for j in 0..count {
+        if first + j < rows as usize {
+            gs[j] = gate[vector_offset::<F, N>(gate, first + j, vector)];
+            us[j] = up[vector_offset::<F, N>(up, first + j, vector)];
+        }
     }
-    output[vector_offset::<F, N>(output, row, vector)] = Vector::cast_from(y);
+    #[unroll]
+    for j in 0..count {
+        if first + j < rows as usize {
+            let g = Vector::<f32, N>::cast_from(gs[j]) + bg;
+            let u = Vector::<f32, N>::cast_from(us[j]) + bu;
+            let mut y = Vector::<f32, N>::empty();
+            #[unroll]
+            for k in 0..N::value() {
+                y[k] = g[k] * sigmoid(g[k]) * u[k];
+            }
+            output[vector_offset::<F, N>(output, first + j, vector)] = Vector::cast_from(y);
+        }
+    }
 }
 
 #[cube(launch)]
@@ -58,24 +93,49 @@ fn backward_kernel<F: Float, N: Size>(
     grad_up: &mut Tensor<Vector<F, N>>,
     rows: u32,
     vectors_per_row: u32,
+    #[comptime] layout: ElementwiseLayout,
     #[comptime] has_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let (row, vector) = vector_position(rows, vectors_per_row);
-    let g = biased::<F, N>(gate, gate_bias, row, vector, has_bias);
-    let u = biased::<F, N>(up, up_bias, row, vector, has_bias);
-    let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
-    let mut dg = Vector::<f32, N>::empty();
-    let mut du = Vector::<f32, N>::empty();
+    let (vector, first) = thread_position(rows, vectors_per_row, layout);
+    let (bg, bu) = column_biases::<F, N>(gate_bias, up_bias, vector, has_bias);
+    let count = comptime!(layout.rows_per_thread() as usize);
+    let mut gs = Array::<Vector<F, N>>::new(count);
+    let mut us = Array::<Vector<F, N>>::new(count);
+    let mut dys = Array::<Vector<F, N>>::new(count);
     #[unroll]
-    for k in 0..N::value() {
-        let s = sigmoid(g[k]);
-        du[k] = dy[k] * g[k] * s;
-        dg[k] = dy[k] * u[k] * s * (f32::new(1.0) + g[k] * (f32::new(1.0) - s));
+    for j in 0..count {
+        if first + j < rows as usize {
+            gs[j] = gate[vector_offset::<F, N>(gate, first + j, vector)];
+            us[j] = up[vector_offset::<F, N>(up, first + j, vector)];
+            dys[j] = grad[vector_offset::<F, N>(grad, first + j, vector)];
+        }
     }
-    grad_gate[vector_offset::<F, N>(grad_gate, row, vector)] = Vector::cast_from(dg);
-    grad_up[vector_offset::<F, N>(grad_up, row, vector)] = Vector::cast_from(du);
+    #[unroll]
+    for j in 0..count {
+        if first + j < rows as usize {
+            let g = Vector::<f32, N>::cast_from(gs[j]) + bg;
+            let u = Vector::<f32, N>::cast_from(us[j]) + bu;
+            let dy = Vector::<f32, N>::cast_from(dys[j]);
+            let mut dg = Vector::<f32, N>::empty();
+            let mut du = Vector::<f32, N>::empty();
+            #[unroll]
+            for k in 0..N::value() {
+                let s = sigmoid(g[k]);
+                du[k] = dy[k] * g[k] * s;
+                dg[k] = dy[k] * u[k] * s * (f32::new(1.0) + g[k] * (f32::new(1.0) - s));
+            }
+            let row = first + j;
+            grad_gate[vector_offset::<F, N>(grad_gate, row, vector)] = Vector::cast_from(dg);
+            grad_up[vector_offset::<F, N>(grad_up, row, vector)] = Vector::cast_from(du);
+        }
+    }
 }
+
+/// The forward's and the backward's layout (`kernel_bench elementwise_layouts`).
+pub const FORWARD_LAYOUT: ElementwiseLayout = ElementwiseLayout::Flat;
+/// See [`FORWARD_LAYOUT`].
+pub const BACKWARD_LAYOUT: ElementwiseLayout = ElementwiseLayout::Flat;
 
 /// The biases of the gate and up projections, `[features]` each, of `gate`'s dtype.
 #[derive(Debug, Clone)]
@@ -102,6 +162,16 @@ pub fn forward<R: CubeRuntime>(
     up: CubeTensor<R>,
     bias: Option<Biases<R>>,
 ) -> CubeTensor<R> {
+    forward_with(FORWARD_LAYOUT, gate, up, bias)
+}
+
+/// [`forward`] in a given layout.
+pub fn forward_with<R: CubeRuntime>(
+    layout: ElementwiseLayout,
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    bias: Option<Biases<R>>,
+) -> CubeTensor<R> {
     let (rows, cols) = rows_cols(gate.meta.shape(), "SwiGLU");
     assert_eq!(
         gate.meta.shape(),
@@ -117,7 +187,7 @@ pub fn forward<R: CubeRuntime>(
     let dtype = gate.dtype.into();
     forward_kernel::launch::<R>(
         &gate.client.clone(),
-        launch_shape(rows * cols / width),
+        layout.cube_count(rows, cols / width),
         CubeDim::new_1d(THREADS),
         width,
         gate.into_tensor_arg(),
@@ -127,6 +197,7 @@ pub fn forward<R: CubeRuntime>(
         output.clone().into_tensor_arg(),
         rows as u32,
         (cols / width) as u32,
+        layout,
         has_bias,
         dtype,
     );
@@ -138,6 +209,17 @@ pub fn forward<R: CubeRuntime>(
 /// `grad · u · σ(g) · (1 + g · (1 - σ(g)))` and `grad · silu(g)`. Summed over the tokens
 /// they are the biases' gradients.
 pub fn backward<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    bias: Option<Biases<R>>,
+    grad: CubeTensor<R>,
+) -> [CubeTensor<R>; 2] {
+    backward_with(BACKWARD_LAYOUT, gate, up, bias, grad)
+}
+
+/// [`backward`] in a given layout.
+pub fn backward_with<R: CubeRuntime>(
+    layout: ElementwiseLayout,
     gate: CubeTensor<R>,
     up: CubeTensor<R>,
     bias: Option<Biases<R>>,
@@ -155,7 +237,7 @@ pub fn backward<R: CubeRuntime>(
     let dtype = gate.dtype.into();
     backward_kernel::launch::<R>(
         &gate.client.clone(),
-        launch_shape(rows * cols / width),
+        layout.cube_count(rows, cols / width),
         CubeDim::new_1d(THREADS),
         width,
         gate.into_tensor_arg(),
@@ -167,6 +249,7 @@ pub fn backward<R: CubeRuntime>(
         grad_up.clone().into_tensor_arg(),
         rows as u32,
         (cols / width) as u32,
+        layout,
         has_bias,
         dtype,
     );

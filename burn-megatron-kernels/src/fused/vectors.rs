@@ -73,6 +73,64 @@ pub fn vector_position(rows: u32, vectors_per_row: u32) -> (usize, usize) {
     )
 }
 
+/// How an element-wise kernel spreads `[rows, columns]` over threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ElementwiseLayout {
+    /// One vector a thread, threads numbered over all the rows' vectors: a division finds a
+    /// thread's row.
+    #[default]
+    Flat,
+    /// One column vector a thread over this many consecutive rows: cubes along x cover a row's
+    /// vectors, cubes along y (and z, past y's limit) blocks of rows; the column's bias is
+    /// read once and every row's loads are issued before any is used.
+    Rows(u32),
+}
+
+impl ElementwiseLayout {
+    /// Rows each thread computes.
+    pub fn rows_per_thread(&self) -> u32 {
+        match self {
+            ElementwiseLayout::Flat => 1,
+            ElementwiseLayout::Rows(n) => (*n).max(1),
+        }
+    }
+
+    /// The grid over `rows` rows of `vectors_per_row` vectors, [`THREADS`]-thread cubes.
+    pub fn cube_count(&self, rows: usize, vectors_per_row: usize) -> CubeCount {
+        match self {
+            ElementwiseLayout::Flat => launch_shape(rows * vectors_per_row),
+            ElementwiseLayout::Rows(_) => {
+                let x = vectors_per_row.div_ceil(THREADS as usize).max(1);
+                let blocks = rows.div_ceil(self.rows_per_thread() as usize).max(1);
+                let y = blocks.min(65_535);
+                CubeCount::Static(x as u32, y as u32, blocks.div_ceil(y) as u32)
+            }
+        }
+    }
+}
+
+/// This thread's column vector and first row under `layout` (it computes rows `first ..
+/// first + layout.rows_per_thread()` that are below `rows`), or `terminate!` when it has none.
+#[cube]
+pub fn thread_position(
+    rows: u32,
+    vectors_per_row: u32,
+    #[comptime] layout: ElementwiseLayout,
+) -> (usize, usize) {
+    if comptime!(layout == ElementwiseLayout::Flat) {
+        let (row, vector) = vector_position(rows, vectors_per_row);
+        (vector, row)
+    } else {
+        let vector = CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X;
+        let block = CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y;
+        let first = block * comptime!(layout.rows_per_thread());
+        if vector >= vectors_per_row || first >= rows {
+            terminate!();
+        }
+        (vector as usize, first as usize)
+    }
+}
+
 /// The offset of vector `vector` of row `row` of a 2D tensor: element offsets over the width
 /// (the vectorised axis has stride 1 whenever the width is above 1, and every other stride
 /// is a multiple of it).
@@ -84,22 +142,4 @@ pub fn vector_offset<F: Float, N: Size>(
 ) -> usize {
     let width = N::value();
     (row * tensor.stride(0) + vector * width * tensor.stride(1)) / width
-}
-
-/// `x + bias` at (row, vector) of `x: [rows, columns]` with `bias: [columns]`, in f32 (`x`
-/// alone without `has_bias`): the bias add of the bias-activation kernels.
-#[cube]
-pub fn biased<F: Float, N: Size>(
-    x: &Tensor<Vector<F, N>>,
-    bias: &Tensor<Vector<F, N>>,
-    row: usize,
-    vector: usize,
-    #[comptime] has_bias: bool,
-) -> Vector<f32, N> {
-    let width = N::value();
-    let mut v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]);
-    if has_bias {
-        v += Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
-    }
-    v
 }
