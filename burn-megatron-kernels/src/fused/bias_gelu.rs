@@ -153,11 +153,12 @@ fn backward_kernel<F: Float, N: Size>(
     }
 }
 
-/// The forward's layout: two rows a thread (bf16 at 16k × 4096 on an H100: 0.105 ms against
-/// the flat kernel's 0.115; f32 0.192 against 0.230; `kernel_bench gelu_layouts`, 2026-11-26).
+/// The forward's layout: two rows a thread (bf16 at 16k × 4096 on an H100: 0.103-0.105 ms
+/// against the flat kernel's 0.115; f32 0.189-0.192 against 0.229; `kernel_bench
+/// elementwise_layouts`, two calls on 2026-11-26).
 pub const FORWARD_LAYOUT: ElementwiseLayout = ElementwiseLayout::Rows(2);
-/// The backward's layout: one row a thread (bf16 0.149 ms against 0.156 flat and 0.160 for two
-/// rows; f32 0.277 against 0.314, same call).
+/// The backward's layout: one row a thread (bf16 0.148-0.149 ms against 0.152-0.156 flat and
+/// 0.158-0.160 for two rows; f32 0.277 against 0.312-0.314, same calls).
 pub const BACKWARD_LAYOUT: ElementwiseLayout = ElementwiseLayout::Rows(1);
 
 /// `gelu(x + bias)` for `x: [tokens, features]` (any strides) and `bias: [features]` of the
