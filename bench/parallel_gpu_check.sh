@@ -53,10 +53,14 @@ if part kernels; then
   # RoPE in place against the copy path; the softmax with rows in registers against the
   # streamed kernels; torch.compile's peers in the same call.
   # And the norms' backward (LayerNorm's two row sums now behind one set of barriers).
-  timeout 400 $B/kernel_bench dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient 2>&1 |
-    tee $OUT/kernels.log | grep -iE "rope|softmax|copy|norm"
-  timeout 300 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient 2>&1 |
-    tee $OUT/torch_kernels.log | grep -iE "rope|softmax|norm"
+  # And the element-wise kernels' layouts (bias-GeLU, SwiGLU), each checked against the flat
+  # kernels' bits.
+  timeout 400 $B/kernel_bench dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient \
+    elementwise_layouts bias_swiglu 2>&1 |
+    tee $OUT/kernels.log | grep -iE "rope|softmax|copy|norm|gelu|swiglu"
+  timeout 300 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient \
+    bias_swiglu 2>&1 |
+    tee $OUT/torch_kernels.log | grep -iE "rope|softmax|norm|gelu|swiglu"
 fi
 if part gputests; then
   # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu:
