@@ -372,6 +372,21 @@ pub trait ModelBackend: DistBackend {
         grad * form.derivative(add_bias(x, bias))
     }
 
+    /// [`bias_gelu_backward`](Self::bias_gelu_backward) and the bias's gradient, its sum over
+    /// the tokens, in `x`'s dtype. CubeCL backends take the bias gradient's first stage inside
+    /// the backward kernel (the bits of [`bias_gradient`](Self::bias_gradient) of `dx`,
+    /// without reading `dx` again); the default is the two calls.
+    fn bias_gelu_backward_and_bias_gradient(
+        x: Tensor<Self, 2>,
+        bias: Tensor<Self, 1>,
+        grad: Tensor<Self, 2>,
+        form: GeluForm,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        let dx = Self::bias_gelu_backward(x, Some(bias), grad, form);
+        let db = Self::bias_gradient(dx.clone());
+        (dx, db)
+    }
+
     /// `silu(gate + b_g) · (up + b_u)` for `gate, up: [tokens, features]` and optional biases
     /// `[b_g, b_u]` of `[features]` (SwiGLU's elementwise part, Megatron's bias-SwiGLU).
     /// `Autodiff<B>` stores `gate`, `up` and the biases, and its backward calls
@@ -547,6 +562,8 @@ mod cube {
     use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
 
     type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    /// An input's gradient and its bias's.
+    type WithBiasGradient<B> = (Tensor<B, 2>, Tensor<B, 1>);
     /// Flash attention's output and log-sum-exp.
     type AttentionOutput<B> = (Tensor<B, 4>, Tensor<B, 3>);
 
@@ -1103,6 +1120,35 @@ mod cube {
         ))
     }
 
+    /// `ModelBackend::bias_gelu_backward_and_bias_gradient`: one kernel and the column sums'
+    /// second stage (f64: the composition).
+    pub(super) fn bias_gelu_backward_and_bias_gradient<R, F, I, BT>(
+        x: Tensor<Cube<R, F, I, BT>, 2>,
+        bias: Tensor<Cube<R, F, I, BT>, 1>,
+        grad: Tensor<Cube<R, F, I, BT>, 2>,
+        form: GeluForm,
+    ) -> WithBiasGradient<Cube<R, F, I, BT>>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if x.dtype() == DType::F64 {
+            let dx = grad * form.derivative(add_bias(x, Some(bias)));
+            let db = dx.clone().sum_dim(0).squeeze_dim::<1>(0);
+            return (dx, db);
+        }
+        let dtype = x.dtype();
+        let (dx, db) = gelu_kernels::backward_and_bias_gradient(
+            x.into_primitive().tensor(),
+            bias.cast(dtype).into_primitive().tensor(),
+            grad.cast(dtype).into_primitive().tensor(),
+            kernel_form(form),
+        );
+        (float(dx), float(db))
+    }
+
     /// `ModelBackend::write_slot` in one kernel, in place (the composition when `buffer` is
     /// shared, not contiguous f32, or `values` are f64).
     pub(super) fn write_slot<R, F, I, BT>(
@@ -1404,6 +1450,15 @@ mod cube {
                 form: crate::ops::GeluForm,
             ) -> Tensor<Self, 2> {
                 cube::bias_gelu_backward(x, bias, grad, form)
+            }
+
+            fn bias_gelu_backward_and_bias_gradient(
+                x: Tensor<Self, 2>,
+                bias: Tensor<Self, 1>,
+                grad: Tensor<Self, 2>,
+                form: crate::ops::GeluForm,
+            ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+                cube::bias_gelu_backward_and_bias_gradient(x, bias, grad, form)
             }
 
             fn causal_softmax_backward(

@@ -819,6 +819,71 @@ fn elementwise_layouts_give_the_flat_kernels_bits() {
     }
 }
 
+/// The bias-GeLU backward with the bias gradient's first stage inside it
+/// (`bias_gelu::backward_and_bias_gradient`, `ModelBackend::bias_gelu_backward_and_bias_gradient`
+/// on a CubeCL backend) gives the bits of the backward kernel followed by the column sum of
+/// `dx`: both forms, f32 and f16 storage, one row, fewer rows than a block and several blocks
+/// with a partial last one, strided views (element by element) and packed rows (vectors), into
+/// poisoned outputs.
+#[test]
+fn bias_gelu_backward_with_the_bias_gradient_equals_the_two_kernels() {
+    use burn_megatron::ops::GeluForm;
+    use burn_megatron_kernels::fused::bias_gelu::{Form, backward, backward_and_bias_gradient};
+    use burn_megatron_kernels::fused::column_sum::column_sum;
+    let device = WgpuDevice::default();
+    let bits = |t: Tensor<W, 2>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
+    let bits1 = |t: Tensor<W, 1>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
+    for dtype in [DType::F32, DType::F16] {
+        for (rows, cols, extra) in [(1, 8, 0), (7, 300, 5), (200, 129, 1), (130, 2052, 0)] {
+            let view = |seed, scale| {
+                matrix(rows, cols + extra, seed, scale, &device)
+                    .cast(dtype)
+                    .narrow(1, 0, cols)
+            };
+            let (x, grad) = (view(101, 6.0), view(102, 1.0));
+            let bias = vector(cols, 103, 0.5, &device).cast(dtype);
+            for (form, model_form) in [(Form::Erf, GeluForm::Erf), (Form::Tanh, GeluForm::Tanh)] {
+                let name = format!("{dtype:?} {rows}x{cols} {form:?}");
+                let dx = wrap::<2>(backward(
+                    raw(x.clone()),
+                    Some(raw(bias.clone())),
+                    raw(grad.clone()),
+                    form,
+                ));
+                let db = wrap::<1>(column_sum(raw(dx.clone()), dtype));
+                let (want_dx, want_db) = (bits(dx), bits1(db));
+                // Poison the pool with the outputs' sizes (see the layouts' test).
+                drop((
+                    Tensor::<W, 2>::full([rows, cols], f32::NAN, &device).cast(dtype),
+                    Tensor::<W, 1>::full([cols], f32::NAN, &device).cast(dtype),
+                ));
+                let (dx, db) = backward_and_bias_gradient(
+                    raw(x.clone()),
+                    raw(bias.clone()),
+                    raw(grad.clone()),
+                    form,
+                );
+                let (got_dx, got_db) = (bits(wrap::<2>(dx)), bits1(wrap::<1>(db)));
+                assert_eq!(got_dx, want_dx, "dx {name}");
+                assert_eq!(got_db, want_db, "db {name}");
+                assert!(
+                    got_db.iter().all(|&b| f64::from_bits(b).is_finite()),
+                    "db {name}: not finite"
+                );
+                // Through the backend, as the autodiff node calls it.
+                let (dx, db) = W::bias_gelu_backward_and_bias_gradient(
+                    x.clone(),
+                    bias.clone(),
+                    grad.clone(),
+                    model_form,
+                );
+                assert_eq!(bits(dx), want_dx, "backend dx {name}");
+                assert_eq!(bits1(db), want_db, "backend db {name}");
+            }
+        }
+    }
+}
+
 /// SwiGLU (`ModelBackend::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
 /// way, with and without the projections' biases) against the Burn compositions in f32, for
 /// f32 and f16 storage, on strided views read element by element and packed rows read as

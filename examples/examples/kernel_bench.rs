@@ -465,6 +465,30 @@ fn norm_gelu_and_bias_gradient(device: &CudaGpu) {
                 time(device, || B::bias_gradient(dh.clone())),
             );
             report(
+                &format!(
+                    "{dtype:?} bias-GeLU backward + bias gradient, two kernels, {rows}x{gelu_width}"
+                ),
+                3 * elements * size,
+                time(device, || {
+                    let dx = B::bias_gelu_backward(h.clone(), Some(bias.clone()), dh.clone(), form);
+                    (B::bias_gradient(dx.clone()), dx)
+                }),
+            );
+            report(
+                &format!(
+                    "{dtype:?} bias-GeLU backward + bias gradient, one kernel, {rows}x{gelu_width}"
+                ),
+                3 * elements * size,
+                time(device, || {
+                    B::bias_gelu_backward_and_bias_gradient(
+                        h.clone(),
+                        bias.clone(),
+                        dh.clone(),
+                        form,
+                    )
+                }),
+            );
+            report(
                 &format!("{dtype:?} bias gradient, Burn sum_dim, {rows}x{gelu_width}"),
                 elements * size,
                 time(device, || dh.clone().sum_dim(0)),

@@ -180,11 +180,15 @@ impl BiasGeluBackward {
         (x, bias, form): BiasGeluState<B>,
         grads: &mut Gradients,
     ) {
-        let dx = B::bias_gelu_backward(wrap(x), bias.map(wrap), wrap(grad), form);
-        if let Some(Some(id)) = parents.get(1) {
-            let db = B::bias_gradient(dx.clone());
-            grads.register::<B>(*id, db.into_primitive().tensor());
-        }
+        let dx = match (parents.get(1), bias) {
+            (Some(Some(id)), Some(bias)) => {
+                let (dx, db) =
+                    B::bias_gelu_backward_and_bias_gradient(wrap(x), wrap(bias), wrap(grad), form);
+                grads.register::<B>(*id, db.into_primitive().tensor());
+                dx
+            }
+            (_, bias) => B::bias_gelu_backward(wrap(x), bias.map(wrap), wrap(grad), form),
+        };
         if let Some(id) = parents[0] {
             grads.register::<B>(id, dx.into_primitive().tensor());
         }
