@@ -1111,6 +1111,26 @@ fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
                 );
                 let backward =
                     Ours::bias_gelu_backward(x.clone(), Some(bias.clone()), grad.clone(), form);
+                // The backward with the bias gradient inside it: the bits of the backward kernel
+                // and of the column sum of its `dx`.
+                let (dx, db) = Ours::bias_gelu_backward_and_bias_gradient(
+                    x.clone(),
+                    bias.clone(),
+                    grad.clone(),
+                    form,
+                );
+                assert_eq!(
+                    dx.into_data(),
+                    backward.clone().into_data(),
+                    "{}",
+                    name(&format!("{form:?} dx with the bias gradient"))
+                );
+                assert_eq!(
+                    db.into_data(),
+                    Ours::bias_gradient(backward.clone()).into_data(),
+                    "{}",
+                    name(&format!("{form:?} bias gradient inside the backward"))
+                );
                 assert_close(
                     &name(&format!("{form:?} backward")),
                     &f32_of(backward).into_data(),
