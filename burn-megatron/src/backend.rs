@@ -1135,9 +1135,8 @@ mod cube {
         BT: BoolElement,
     {
         if x.dtype() == DType::F64 {
-            let dx = grad * form.derivative(add_bias(x, Some(bias)));
-            let db = dx.clone().sum_dim(0).squeeze_dim::<1>(0);
-            return (dx, db);
+            let dx = bias_gelu_backward(x, Some(bias), grad, form);
+            return (dx.clone(), bias_gradient(dx));
         }
         let dtype = x.dtype();
         let (dx, db) = gelu_kernels::backward_and_bias_gradient(

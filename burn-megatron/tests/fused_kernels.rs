@@ -870,6 +870,10 @@ fn bias_gelu_backward_with_the_bias_gradient_equals_the_two_kernels() {
                     got_db.iter().all(|&b| f64::from_bits(b).is_finite()),
                     "db {name}: not finite"
                 );
+                assert!(
+                    got_dx.iter().all(|&b| f64::from_bits(b).is_finite()),
+                    "dx {name}: not finite"
+                );
                 // Through the backend, as the autodiff node calls it.
                 let (dx, db) = W::bias_gelu_backward_and_bias_gradient(
                     x.clone(),

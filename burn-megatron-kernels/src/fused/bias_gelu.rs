@@ -15,9 +15,9 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::column_sum::{ColumnSumLayout, column_sums_into, totals_into_with};
-
 use super::vectors::{
-    ElementwiseLayout, THREADS, empty_like, rows_cols, thread_position, vector_offset, vector_width,
+    ElementwiseLayout, THREADS, column_vector, empty_like, rows_cols, thread_position,
+    vector_offset, vector_width,
 };
 
 /// `sqrt(2 / π)`.
@@ -70,10 +70,9 @@ fn column_bias<F: Float, N: Size>(
     vector: usize,
     #[comptime] has_bias: bool,
 ) -> Vector<f32, N> {
-    let width = N::value();
     let mut b = Vector::<f32, N>::new(0.0);
     if has_bias {
-        b = Vector::<f32, N>::cast_from(bias[vector * width * bias.stride(0) / width]);
+        b = column_vector::<F, N>(bias, vector);
     }
     b
 }

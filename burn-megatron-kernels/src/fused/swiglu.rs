@@ -12,7 +12,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::vectors::{
-    ElementwiseLayout, THREADS, empty_like, rows_cols, thread_position, vector_offset, vector_width,
+    ElementwiseLayout, THREADS, column_vector, empty_like, rows_cols, thread_position,
+    vector_offset, vector_width,
 };
 
 /// `σ(x) = 1 / (1 + e^(-x))`; 0 where `e^(-x)` overflows, as it should be.
@@ -29,12 +30,11 @@ fn column_biases<F: Float, N: Size>(
     vector: usize,
     #[comptime] has_bias: bool,
 ) -> (Vector<f32, N>, Vector<f32, N>) {
-    let width = N::value();
     let mut bg = Vector::<f32, N>::new(0.0);
     let mut bu = Vector::<f32, N>::new(0.0);
     if has_bias {
-        bg = Vector::<f32, N>::cast_from(gate_bias[vector * width * gate_bias.stride(0) / width]);
-        bu = Vector::<f32, N>::cast_from(up_bias[vector * width * up_bias.stride(0) / width]);
+        bg = column_vector::<F, N>(gate_bias, vector);
+        bu = column_vector::<F, N>(up_bias, vector);
     }
     (bg, bu)
 }

@@ -143,3 +143,13 @@ pub fn vector_offset<F: Float, N: Size>(
     let width = N::value();
     (row * tensor.stride(0) + vector * width * tensor.stride(1)) / width
 }
+
+/// Vector `vector` of a `[columns]` parameter (a bias), as f32.
+#[cube]
+pub fn column_vector<F: Float, N: Size>(
+    tensor: &Tensor<Vector<F, N>>,
+    vector: usize,
+) -> Vector<f32, N> {
+    let width = N::value();
+    Vector::<f32, N>::cast_from(tensor[vector * width * tensor.stride(0) / width])
+}

@@ -1,4 +1,5 @@
-//! The token-embedding lookup, the bias add and the output-major linear, whose backwards are
+//! The token-embedding lookup (also with ids past the table, as a vocabulary-parallel rank
+//! passes the other ranks' tokens), the bias add and the output-major linear, whose backwards are
 //! written out (a scatter of the output's gradient into the table's rows in token order; the
 //! bias's column sum; GEMMs with folded transposes): their gradients against central
 //! differences of the forward, one element at a time.
@@ -6,7 +7,7 @@
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::backend::{bias_add, linear_output_major};
 use burn_megatron::init::{InitDistribution, init_full};
-use burn_megatron::ops::embedding::embedding;
+use burn_megatron::ops::embedding::{embedding, embedding_or_zero};
 use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::{AD, B, STEP, device};
@@ -68,6 +69,33 @@ fn the_embedding_gradient_matches_finite_differences() {
             "row {row} has a gradient though no token uses it"
         );
     }
+}
+
+/// The lookup where ids of `vocab` or more (7, 9 here) give zero rows and no gradient: the
+/// table's gradient against central differences, first and last rows included.
+#[test]
+fn the_embedding_or_zero_gradient_matches_finite_differences() {
+    let (vocab, hidden) = (7, 5);
+    let ids = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(vec![3i64, 7, 0, 6, 9, 0, 3, 7, 6, 1], [2, 5]),
+        &device(),
+    );
+    let table = normal([vocab, hidden], 6);
+    let w = normal([2, 5, hidden], 7);
+    let loss = |table: Tensor<AD, 2>| {
+        let y = embedding_or_zero(table, Tensor::<AD, 2, Int>::from_inner(ids.clone()));
+        (y * Tensor::from_inner(w.clone())).sum()
+    };
+    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
+    let grads = loss(tracked.clone()).backward();
+    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
+    let fd = finite_differences(&table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    assert_close(
+        "embedding_or_zero dW",
+        &got,
+        &fd,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
 }
 
 #[test]
