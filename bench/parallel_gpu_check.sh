@@ -8,7 +8,7 @@
 #   bin/nccl                                       ../shared/gpu/pack test --release --features cuda
 #       -p burn-megatron-tests --test nccl
 #   bin/gpu                                        ... --test gpu (the one-GPU kernel tests)
-#   PART=tests|kernels|gputests|dp|tp|profiles|dp4 bash bench/parallel_gpu_check.sh   (default: all
+#   PART=tests|kernels|norms|gputests|dp|tp|profiles|dp4 bash bench/parallel_gpu_check.sh   (default: all
 #   but dp4, which needs four GPUs)
 set -u
 cd "$(dirname "$0")/.."
@@ -61,6 +61,18 @@ if part kernels; then
   timeout 300 python3 bench/torch_kernels.py dropout_rope_and_padded_softmax causal_softmax norm_gelu_and_bias_gradient \
     bias_swiglu 2>&1 |
     tee $OUT/torch_kernels.log | grep -iE "rope|softmax|norm|gelu|swiglu"
+fi
+if part norms; then
+  # The LayerNorm kernels' layouts (forward: elements a thread, threads a cube, parameters
+  # loaded with the row; backward: where the scale and column sums are kept), each kernel's
+  # registers (BM_KERNEL_INFO), and Nsight Compute's view of the bf16 kernels at 16k x 4096.
+  BM_KERNEL_INFO=1 timeout 300 $B/kernel_bench norm_forward_layouts norm_backward_layouts 2>&1 |
+    tee $OUT/norm_layouts.log | grep -E "BEST|copy|^layout|KERNEL"
+  timeout 200 /usr/local/cuda/bin/ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis -k regex:"forward|backward" -c 12 \
+    $B/kernel_bench norm_profile > $OUT/ncu_norm.txt 2>&1
+  grep -E "^  [a-z_]+.*\(|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|DRAM Throughput|Duration|Block Limit|Stall|Warp Cycles Per Issued" \
+    $OUT/ncu_norm.txt | head -150
 fi
 if part gputests; then
   # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu:

@@ -412,6 +412,22 @@ pub trait ModelBackend: DistBackend {
         swiglu_derivatives(gate, up, grad)
     }
 
+    /// [`swiglu_backward`](Self::swiglu_backward) and both biases' gradients, their sums over
+    /// the tokens, in `gate`'s dtype: `([d_gate, d_up], [d_b_g, d_b_u])`. CubeCL backends take
+    /// the bias gradients' first stage inside the backward kernel (the bits of
+    /// [`bias_gradient`](Self::bias_gradient) of each derivative, without reading them again);
+    /// the default is the three calls.
+    fn swiglu_backward_and_bias_gradients(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        bias: SwiGluBias<Self>,
+        grad: Tensor<Self, 2>,
+    ) -> ([Tensor<Self, 2>; 2], [Tensor<Self, 1>; 2]) {
+        let derivatives = Self::swiglu_backward(gate, up, Some(bias), grad);
+        let bias_gradients = derivatives.clone().map(Self::bias_gradient);
+        (derivatives, bias_gradients)
+    }
+
     /// `norm(x) · scale (+ shift)` for `x: [rows, hidden]`, `scale, shift: [hidden]`
     /// (LayerNorm or RMSNorm, see [`crate::ops::norm()`]), in `x`'s dtype. `Autodiff<B>` records
     /// one node that stores `x`, the scale and the statistics of
@@ -1246,6 +1262,40 @@ mod cube {
         .map(float)
     }
 
+    /// `ModelBackend::swiglu_backward_and_bias_gradients`: one kernel and the column sums'
+    /// second stage (f64: the composition).
+    #[allow(clippy::type_complexity)]
+    pub(super) fn swiglu_backward_and_bias_gradients<R, F, I, BT>(
+        gate: Tensor<Cube<R, F, I, BT>, 2>,
+        up: Tensor<Cube<R, F, I, BT>, 2>,
+        bias: SwiGluBias<Cube<R, F, I, BT>>,
+        grad: Tensor<Cube<R, F, I, BT>, 2>,
+    ) -> (
+        [Tensor<Cube<R, F, I, BT>, 2>; 2],
+        [Tensor<Cube<R, F, I, BT>, 1>; 2],
+    )
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let dtype = gate.dtype();
+        if dtype == DType::F64 {
+            let derivatives = swiglu_backward(gate, up, Some(bias), grad);
+            let bias_gradients = derivatives.clone().map(bias_gradient);
+            return (derivatives, bias_gradients);
+        }
+        let (derivatives, bias_gradients) =
+            burn_megatron_kernels::fused::swiglu::backward_and_bias_gradients(
+                gate.into_primitive().tensor(),
+                up.cast(dtype).into_primitive().tensor(),
+                swiglu_kernel_bias(Some(bias), dtype).expect("the biases are given"),
+                grad.cast(dtype).into_primitive().tensor(),
+            );
+        (derivatives.map(float), bias_gradients.map(float))
+    }
+
     /// `ModelBackend::bias_gradient` as deterministic column sums (f64: the composition).
     pub(super) fn bias_gradient<R, F, I, BT>(
         dy: Tensor<Cube<R, F, I, BT>, 2>,
@@ -1391,6 +1441,15 @@ mod cube {
                 grad: Tensor<Self, 2>,
             ) -> [Tensor<Self, 2>; 2] {
                 cube::swiglu_backward(gate, up, bias, grad)
+            }
+
+            fn swiglu_backward_and_bias_gradients(
+                gate: Tensor<Self, 2>,
+                up: Tensor<Self, 2>,
+                bias: crate::ops::swiglu::SwiGluBias<Self>,
+                grad: Tensor<Self, 2>,
+            ) -> ([Tensor<Self, 2>; 2], [Tensor<Self, 1>; 2]) {
+                cube::swiglu_backward_and_bias_gradients(gate, up, bias, grad)
             }
 
             fn cross_entropy_statistics(

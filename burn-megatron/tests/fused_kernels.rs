@@ -888,6 +888,85 @@ fn bias_gelu_backward_with_the_bias_gradient_equals_the_two_kernels() {
     }
 }
 
+/// The SwiGLU backward with both bias gradients' first stage inside it
+/// (`swiglu::backward_and_bias_gradients`, `ModelBackend::swiglu_backward_and_bias_gradients`
+/// on a CubeCL backend) gives the bits of the backward kernel followed by the column sums of
+/// `d_gate` and `d_up`: f32 and f16 storage, one row, fewer rows than a block and several
+/// blocks with a partial last one, strided views (element by element) and packed rows
+/// (vectors), into poisoned outputs.
+#[test]
+fn swiglu_backward_with_the_bias_gradients_equals_the_kernel_and_column_sums() {
+    use burn_megatron_kernels::fused::column_sum::column_sum;
+    use burn_megatron_kernels::fused::swiglu::{Biases, backward, backward_and_bias_gradients};
+    let device = WgpuDevice::default();
+    let bits = |t: Tensor<W, 2>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
+    let bits1 = |t: Tensor<W, 1>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
+    for dtype in [DType::F32, DType::F16] {
+        for (rows, cols, extra) in [(1, 8, 0), (7, 300, 5), (200, 129, 1), (130, 2052, 0)] {
+            let view = |seed, scale| {
+                matrix(rows, cols + extra, seed, scale, &device)
+                    .cast(dtype)
+                    .narrow(1, 0, cols)
+            };
+            let (gate, up, grad) = (view(111, 6.0), view(112, 2.0), view(113, 1.0));
+            let gate_bias = vector(cols, 114, 0.5, &device).cast(dtype);
+            let up_bias = vector(cols, 115, -0.5, &device).cast(dtype);
+            let biases = || Biases {
+                gate: raw(gate_bias.clone()),
+                up: raw(up_bias.clone()),
+            };
+            let name = format!("{dtype:?} {rows}x{cols}");
+            let derivatives = backward(
+                raw(gate.clone()),
+                raw(up.clone()),
+                Some(biases()),
+                raw(grad.clone()),
+            )
+            .map(wrap::<2>);
+            let want_db = derivatives
+                .clone()
+                .map(|d| bits1(wrap::<1>(column_sum(raw(d), dtype))));
+            let want_d = derivatives.map(bits);
+            // Poison the pool with the outputs' sizes (see the layouts' test).
+            drop((
+                Tensor::<W, 2>::full([rows, cols], f32::NAN, &device).cast(dtype),
+                Tensor::<W, 2>::full([rows, cols], f32::NAN, &device).cast(dtype),
+                Tensor::<W, 1>::full([cols], f32::NAN, &device).cast(dtype),
+                Tensor::<W, 1>::full([cols], f32::NAN, &device).cast(dtype),
+            ));
+            let (got_d, got_db) = backward_and_bias_gradients(
+                raw(gate.clone()),
+                raw(up.clone()),
+                biases(),
+                raw(grad.clone()),
+            );
+            let got_d = got_d.map(|d| bits(wrap::<2>(d)));
+            let got_db = got_db.map(|d| bits1(wrap::<1>(d)));
+            for (i, what) in ["gate", "up"].iter().enumerate() {
+                assert_eq!(got_d[i], want_d[i], "d_{what} {name}");
+                assert_eq!(got_db[i], want_db[i], "{what} bias gradient {name}");
+                assert!(
+                    got_d[i].iter().all(|&b| f64::from_bits(b).is_finite()),
+                    "d_{what} {name}: not finite"
+                );
+                assert!(
+                    got_db[i].iter().all(|&b| f64::from_bits(b).is_finite()),
+                    "{what} bias gradient {name}: not finite"
+                );
+            }
+            // Through the backend, as the autodiff node calls it.
+            let (d, db) = W::swiglu_backward_and_bias_gradients(
+                gate.clone(),
+                up.clone(),
+                [gate_bias.clone(), up_bias.clone()],
+                grad.clone(),
+            );
+            assert_eq!(d.map(bits), want_d, "backend derivatives {name}");
+            assert_eq!(db.map(bits1), want_db, "backend bias gradients {name}");
+        }
+    }
+}
+
 /// SwiGLU (`ModelBackend::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
 /// way, with and without the projections' biases) against the Burn compositions in f32, for
 /// f32 and f16 storage, on strided views read element by element and packed rows read as
@@ -1473,8 +1552,9 @@ fn column_sum_layouts_all_give_the_exact_sums() {
 }
 
 /// The norm backward's work layouts (`NormBackwardLayout`: bytes a thread, blocks, the second
-/// stage's shape) give the default layout's gradients, with the last block ending
-/// inside the rows and rows shorter than a thread group.
+/// stage's shape, where the scale and the column sums are kept) give the default layout's
+/// gradients, with the last block ending inside the rows and rows shorter than a thread group;
+/// the scale held in registers gives its bits.
 #[test]
 fn norm_backward_layouts_agree() {
     use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
@@ -1500,7 +1580,32 @@ fn norm_backward_layouts_agree() {
             rows_per_block: (1, 200),
             ..NormBackwardLayout::default()
         },
+        // Where the scale and the column sums are kept: the same arithmetic in the same order.
+        NormBackwardLayout {
+            scale_in_registers: true,
+            ..NormBackwardLayout::default()
+        },
+        NormBackwardLayout {
+            sums_in_shared: true,
+            ..NormBackwardLayout::default()
+        },
+        NormBackwardLayout {
+            bytes_per_thread: 16,
+            scale_in_registers: true,
+            sums_in_shared: true,
+            ..NormBackwardLayout::default()
+        },
     ];
+    let default = NormBackwardLayout::default();
+    // Holding the scale in registers changes no arithmetic: that layout gives the default's
+    // bits. Sums in shared memory add the same terms in the same order, but the compiler may
+    // fuse `dy · x̂` into the addition (an FMA) in one placement and not the other.
+    let same_bits = |layout: &NormBackwardLayout| {
+        NormBackwardLayout {
+            scale_in_registers: false,
+            ..*layout
+        } == default
+    };
     for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
         for (rows, hidden) in [(1, 3), (37, 7), (301, 300), (9, 4099)] {
             for kind in [Kind::LayerNorm, Kind::RmsNorm] {
@@ -1528,6 +1633,18 @@ fn norm_backward_layouts_agree() {
                 let want = run(NormBackwardLayout::default());
                 for (l, layout) in layouts.iter().enumerate() {
                     let got = run(*layout);
+                    if same_bits(layout) {
+                        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        for (what, (got, want)) in
+                            ["dx", "dscale", "dshift"].iter().zip(got.iter().zip(&want))
+                        {
+                            assert_eq!(
+                                bits(got),
+                                bits(want),
+                                "{what} {kind:?} {dtype:?} {rows}x{hidden} layout {l}: not the default's bits"
+                            );
+                        }
+                    }
                     for (what, got, want) in ["dx", "dscale", "dshift"]
                         .iter()
                         .zip(&got)
@@ -1540,6 +1657,89 @@ fn norm_backward_layouts_agree() {
                             want,
                             bound,
                         );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The norm forward's work layouts (`NormForwardLayout`: elements a thread, threads a cube,
+/// the parameters loaded with the row) give the default layout's output and statistics, into
+/// poisoned outputs, with rows shorter than a thread group and longer than a cube; loading the
+/// parameters early alone gives its bits.
+#[test]
+fn norm_forward_layouts_agree() {
+    use burn_megatron_kernels::fused::norm::{self, Forward, Kind, NormForwardLayout};
+    let device = WgpuDevice::default();
+    let default = NormForwardLayout::default();
+    let layouts = [
+        NormForwardLayout {
+            early_parameters: true,
+            ..default
+        },
+        NormForwardLayout {
+            elements_per_thread: 8,
+            cube_threads: 512,
+            ..default
+        },
+        NormForwardLayout {
+            elements_per_thread: 64,
+            cube_threads: 128,
+            early_parameters: true,
+        },
+    ];
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for (rows, hidden) in [(1, 3), (37, 7), (301, 300), (9, 4099)] {
+            for kind in [Kind::LayerNorm, Kind::RmsNorm] {
+                let x = matrix(rows, hidden, 76, 3.0, &device).cast(dtype);
+                let scale = vector(hidden, 77, 1.0, &device).cast(dtype);
+                let shift = vector(hidden, 78, 0.5, &device).cast(dtype);
+                let run = |layout: NormForwardLayout| {
+                    let nan = |shape: [usize; 2], dtype| {
+                        Tensor::<W, 2>::full(shape, f32::NAN, &device).cast(dtype)
+                    };
+                    let out = Forward {
+                        output: raw(nan([rows, hidden], dtype)),
+                        mean: raw(nan([1, rows], DType::F32).reshape([rows])),
+                        rstd: raw(nan([1, rows], DType::F32).reshape([rows])),
+                    };
+                    let (output, mean, rstd) =
+                        (out.output.clone(), out.mean.clone(), out.rstd.clone());
+                    norm::forward_into_with(
+                        layout,
+                        raw(x.clone()),
+                        raw(scale.clone()),
+                        Some(raw(shift.clone())),
+                        kind,
+                        1e-5,
+                        out,
+                    );
+                    [
+                        values(wrap::<2>(output).cast(DType::F32)),
+                        values(wrap::<1>(mean)),
+                        values(wrap::<1>(rstd)),
+                    ]
+                };
+                let want = run(default);
+                for (l, layout) in layouts.iter().enumerate() {
+                    let got = run(*layout);
+                    let same_bits = NormForwardLayout {
+                        early_parameters: false,
+                        ..*layout
+                    } == default;
+                    for (what, (got, want)) in
+                        ["output", "mean", "rstd"].iter().zip(got.iter().zip(&want))
+                    {
+                        let name = format!("{what} {kind:?} {dtype:?} {rows}x{hidden} layout {l}");
+                        assert!(got.iter().all(|v| v.is_finite()), "{name}: not finite");
+                        if same_bits {
+                            let bits =
+                                |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(bits(got), bits(want), "{name}: not the default's bits");
+                        } else {
+                            assert_close(&name, got, want, bound);
+                        }
                     }
                 }
             }

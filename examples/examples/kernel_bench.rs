@@ -60,10 +60,12 @@ type Section = (&'static str, fn(&CudaGpu));
 fn main() {
     let device = CudaGpu::new(0);
     let wanted: Vec<String> = std::env::args().skip(1).collect();
-    let sections: [Section; 9] = [
+    let sections: [Section; 11] = [
         ("cross_entropy", cross_entropy),
         ("elementwise_layouts", elementwise_layouts),
         ("column_sum_layouts", column_sum_layouts),
+        ("norm_forward_layouts", norm_forward_layouts),
+        ("norm_profile", norm_profile),
         ("norm_backward_layouts", norm_backward_layouts),
         ("bias_swiglu", bias_swiglu),
         ("causal_softmax", causal_softmax),
@@ -700,6 +702,126 @@ fn sweep<L: std::fmt::Debug>(
     }
 }
 
+/// One launch each of the bf16 LayerNorm forward and backward at 16 384 × 4 096 in the
+/// default layouts and in the alternatives, after a warm-up: for `ncu` (the kernels' names
+/// contain `forward_kernel` and `backward_kernel`).
+fn norm_profile(device: &CudaGpu) {
+    use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout, NormForwardLayout};
+    let (rows, hidden) = (16_384, 4096);
+    let dtype = DType::BF16;
+    let random = |shape: [usize; 2]| {
+        Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device)
+            .cast(dtype)
+            .into_primitive()
+            .tensor()
+    };
+    let (x, grad) = (random([rows, hidden]), random([rows, hidden]));
+    let scale = Tensor::<B, 1>::random([hidden], Distribution::Normal(1.0, 0.1), device)
+        .cast(dtype)
+        .into_primitive()
+        .tensor();
+    let forwards = [
+        NormForwardLayout::default(),
+        NormForwardLayout {
+            early_parameters: true,
+            ..NormForwardLayout::default()
+        },
+    ];
+    let backwards = [
+        NormBackwardLayout::default(),
+        NormBackwardLayout {
+            scale_in_registers: true,
+            sums_in_shared: true,
+            ..NormBackwardLayout::default()
+        },
+    ];
+    for _ in 0..2 {
+        for layout in forwards {
+            let stats = norm::forward_with(
+                layout,
+                x.clone(),
+                scale.clone(),
+                Some(scale.clone()),
+                Kind::LayerNorm,
+                1e-5,
+            );
+            for layout in backwards {
+                norm::backward_with(
+                    layout,
+                    x.clone(),
+                    scale.clone(),
+                    stats.mean.clone(),
+                    stats.rstd.clone(),
+                    grad.clone(),
+                    Kind::LayerNorm,
+                    true,
+                );
+            }
+        }
+        B::sync(device).unwrap();
+    }
+}
+
+/// The LayerNorm forward's work layouts (`NormForwardLayout`: elements a thread, threads a
+/// cube, the parameters loaded with the row) at GPT-2's and a 1B model's widths.
+fn norm_forward_layouts(device: &CudaGpu) {
+    use burn_megatron_kernels::fused::norm::{self, Kind, NormForwardLayout};
+    let rows = 16_384;
+    let mut layouts = vec![NormForwardLayout::default()];
+    for elements_per_thread in [8, 16, 32, 64] {
+        for cube_threads in [256, 512] {
+            for early_parameters in [false, true] {
+                layouts.push(NormForwardLayout {
+                    elements_per_thread,
+                    cube_threads,
+                    early_parameters,
+                });
+            }
+        }
+    }
+    for dtype in [DType::BF16, DType::F32] {
+        for hidden in [4096, 768, 2048] {
+            let random = |shape: [usize; 2]| {
+                Tensor::<B, 2>::random(shape, Distribution::Normal(0.0, 1.0), device).cast(dtype)
+            };
+            let x = random([rows, hidden]);
+            let vector = || {
+                Tensor::<B, 1>::random([hidden], Distribution::Normal(1.0, 0.1), device)
+                    .cast(dtype)
+                    .into_primitive()
+                    .tensor()
+            };
+            let (scale, shift) = (vector(), vector());
+            let bytes = rows * hidden * dtype.size();
+            report(
+                &format!("{dtype:?} copy (x + 1), {rows}x{hidden}"),
+                2 * bytes,
+                time(device, || x.clone().add_scalar(1.0)),
+            );
+            sweep(
+                &format!("{dtype:?} LayerNorm forward {rows}x{hidden}"),
+                &layouts,
+                2 * bytes,
+                |layout| {
+                    time(device, || {
+                        norm::forward_with(
+                            *layout,
+                            x.clone().into_primitive().tensor(),
+                            scale.clone(),
+                            Some(shift.clone()),
+                            Kind::LayerNorm,
+                            1e-5,
+                        )
+                    })
+                },
+            );
+        }
+    }
+    for (i, layout) in layouts.iter().enumerate() {
+        println!("layout {i}: {layout:?}");
+    }
+}
+
 /// The LayerNorm backward's work layouts (`NormBackwardLayout`) at GPT-2's and a 1B model's
 /// widths: what picks the default.
 fn norm_backward_layouts(device: &CudaGpu) {
@@ -707,16 +829,31 @@ fn norm_backward_layouts(device: &CudaGpu) {
     use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
     let rows = 16_384;
     let mut layouts = vec![NormBackwardLayout::default()];
+    let grid = std::env::var_os("BM_NORM_GRID").is_some();
     for bytes_per_thread in [16, 32, 64] {
         for target_threads in [1 << 16, 1 << 17, 1 << 18] {
             for rows_per_block in [(16, 64), (8, 32), (32, 128)] {
-                layouts.push(NormBackwardLayout {
-                    bytes_per_thread,
-                    target_threads,
-                    rows_per_block,
-                    totals: ColumnSumLayout::default(),
-                });
+                // The whole grid with `BM_NORM_GRID` (it compiles a kernel for each).
+                if grid {
+                    layouts.push(NormBackwardLayout {
+                        bytes_per_thread,
+                        target_threads,
+                        rows_per_block,
+                        totals: ColumnSumLayout::default(),
+                        ..NormBackwardLayout::default()
+                    });
+                }
             }
+        }
+        for (scale_in_registers, sums_in_shared) in
+            [(false, false), (true, false), (false, true), (true, true)]
+        {
+            layouts.push(NormBackwardLayout {
+                bytes_per_thread,
+                scale_in_registers,
+                sums_in_shared,
+                ..NormBackwardLayout::default()
+            });
         }
     }
     for dtype in [DType::BF16, DType::F32] {
@@ -801,6 +938,32 @@ fn bias_swiglu(device: &CudaGpu) {
             5 * bytes,
             time(device, || {
                 B::swiglu_backward(gate.clone(), up.clone(), bias.clone(), grad.clone())
+            }),
+        );
+        let [bias_gate, bias_up] = bias.clone().expect("biases");
+        report(
+            &format!(
+                "{dtype:?} bias-SwiGLU backward + both bias gradients, two kernels and two column sums, {rows}x{columns}"
+            ),
+            5 * bytes,
+            time(device, || {
+                let [d_gate, d_up] =
+                    B::swiglu_backward(gate.clone(), up.clone(), bias.clone(), grad.clone());
+                (B::bias_gradient(d_gate), B::bias_gradient(d_up))
+            }),
+        );
+        report(
+            &format!(
+                "{dtype:?} bias-SwiGLU backward + both bias gradients, one kernel, {rows}x{columns}"
+            ),
+            5 * bytes,
+            time(device, || {
+                B::swiglu_backward_and_bias_gradients(
+                    gate.clone(),
+                    up.clone(),
+                    [bias_gate.clone(), bias_up.clone()],
+                    grad.clone(),
+                )
             }),
         );
         report(

@@ -1081,7 +1081,9 @@ fn fused_norm_matches_the_composition() {
 
 /// Bias-GeLU and SwiGLU forward and backward (vectorised: 16-byte accesses in bf16) and the
 /// bias gradient's column sums on our CUDA backend against the f32 compositions, at the GPT-2 MLP
-/// shape and a ragged one; the column sums are also bit-equal between two runs.
+/// shape and a ragged one; the column sums are also bit-equal between two runs, and the
+/// backward kernels with the bias gradients inside them give the bits of the backward followed
+/// by the column sums.
 #[test]
 fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
     use burn_megatron::ModelBackend;
@@ -1150,6 +1152,33 @@ fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
             );
             let [got_gate, got_up] =
                 Ours::swiglu_backward(x.clone(), up.clone(), swiglu_bias.clone(), grad.clone());
+            // The backward with both bias gradients inside it: the bits of the backward kernel
+            // and of the column sums of its derivatives.
+            let (fused, fused_bias) = Ours::swiglu_backward_and_bias_gradients(
+                x.clone(),
+                up.clone(),
+                [bias.clone(), bias.clone()],
+                grad.clone(),
+            );
+            for (what, fused, fused_bias, unfused) in [
+                ("gate", &fused[0], &fused_bias[0], &got_gate),
+                ("up", &fused[1], &fused_bias[1], &got_up),
+            ] {
+                assert_eq!(
+                    fused.clone().into_data(),
+                    unfused.clone().into_data(),
+                    "{}",
+                    name(&format!("bias-SwiGLU d_{what} with the bias gradients"))
+                );
+                assert_eq!(
+                    fused_bias.clone().into_data(),
+                    Ours::bias_gradient(unfused.clone()).into_data(),
+                    "{}",
+                    name(&format!(
+                        "bias-SwiGLU {what} bias gradient inside the backward"
+                    ))
+                );
+            }
             for (what, got, want) in [
                 (
                     "bias-SwiGLU forward",

@@ -164,8 +164,29 @@ fn load(
             shared_memory as i32,
         )
         .map_err(|e| compilation_error(format!("cuFuncSetAttribute: {e:?}")))?;
+        if std::env::var_os("BM_KERNEL_INFO").is_some() {
+            report_resources(function, entrypoint);
+        }
         Ok(function)
     }
+}
+
+/// With `BM_KERNEL_INFO` set, prints each kernel's registers a thread, spilled (local)
+/// bytes a thread and static shared bytes as it is loaded: what limits its occupancy.
+///
+/// # Safety
+/// `function` is a loaded kernel.
+unsafe fn report_resources(function: CUfunction, entrypoint: &str) {
+    use cudarc::driver::result::function::get_function_attribute;
+    use cudarc::driver::sys::CUfunction_attribute as Attribute;
+    // SAFETY: queries on a loaded function.
+    let get = |attribute| unsafe { get_function_attribute(function, attribute).unwrap_or(-1) };
+    eprintln!(
+        "KERNEL {entrypoint}: {} registers, {} local bytes, {} static shared bytes",
+        get(Attribute::CU_FUNC_ATTRIBUTE_NUM_REGS),
+        get(Attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+        get(Attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+    );
 }
 
 /// With `BM_DUMP_KERNELS=<dir>`, writes each kernel's CUDA source and PTX there as it is

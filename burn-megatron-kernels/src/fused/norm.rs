@@ -141,6 +141,7 @@ fn forward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
+    #[comptime] early_parameters: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
@@ -164,6 +165,22 @@ fn forward_kernel<F: Float, N: Size>(
         values[i] = value;
         sum += lanes_sum::<N>(value);
     }
+    // With `early_parameters`, the scale and shift are loaded as stored next to the row, so
+    // their latency hides behind the row sums' instead of following them.
+    let mut scales = Array::<Vector<F, N>>::new(comptime!(layout.per_thread));
+    let mut shifts = Array::<Vector<F, N>>::new(comptime!(layout.per_thread));
+    if early_parameters {
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = tid + i * threads;
+            if vector < vectors {
+                scales[i] = scale[vector * width * scale.stride(0) / width];
+                if has_shift {
+                    shifts[i] = shift[vector * width * shift.stride(0) / width];
+                }
+            }
+        }
+    }
     let mut mu = f32::new(0.0);
     if layer_norm {
         mu = row_sum(&mut shared, sum, layout.threads, layout.plane) / n;
@@ -185,11 +202,18 @@ fn forward_kernel<F: Float, N: Size>(
         for i in 0..comptime!(layout.per_thread) {
             let vector = tid + i * threads;
             if vector < vectors {
-                let mut y = (values[i] - Vector::new(mu))
-                    * Vector::new(r)
-                    * load_parameter::<F, N>(scale, vector);
+                let s = if early_parameters {
+                    Vector::<f32, N>::cast_from(scales[i])
+                } else {
+                    load_parameter::<F, N>(scale, vector)
+                };
+                let mut y = (values[i] - Vector::new(mu)) * Vector::new(r) * s;
                 if has_shift {
-                    y += load_parameter::<F, N>(shift, vector);
+                    y += if early_parameters {
+                        Vector::<f32, N>::cast_from(shifts[i])
+                    } else {
+                        load_parameter::<F, N>(shift, vector)
+                    };
                 }
                 output[(row * output.stride(0) + vector * width * output.stride(1)) / width] =
                     Vector::cast_from(y);
@@ -219,12 +243,44 @@ fn backward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
+    #[comptime] placement: BackwardPlacement,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
     let vectors = hidden as usize / width;
     let threads = comptime!(layout.threads as usize);
     let per_thread = comptime!(layout.per_thread);
+    let scale_in_registers = comptime!(placement.scale_in_registers);
+    let sums_in_shared = comptime!(placement.sums_in_shared);
+    // With `sums_in_shared`, the block's column sums live in shared memory, slot
+    // `((which · per_thread + i) · width + lane) · cube_threads + UNIT_POS`: each thread's own
+    // slots, so no barrier, and registers are freed for more rows in flight.
+    let cube_threads = comptime!((layout.threads * layout.rows_per_cube) as usize);
+    let sum_half = comptime!(per_thread * placement.width * cube_threads);
+    let mut sums = SharedMemory::<f32>::new(comptime!(if placement.sums_in_shared {
+        2 * per_thread * placement.width * cube_threads
+    } else {
+        1
+    }));
+    let unit = UNIT_POS as usize;
+    if sums_in_shared {
+        #[unroll]
+        for slot in 0..comptime!(2 * per_thread * placement.width) {
+            sums[slot * cube_threads + unit] = f32::new(0.0);
+        }
+    }
+    // With `scale_in_registers`, this thread's scale vectors, as stored, for all the block's
+    // rows.
+    let mut scales = Array::<Vector<F, N>>::new(per_thread);
+    if scale_in_registers {
+        #[unroll]
+        for i in 0..comptime!(layout.per_thread) {
+            let vector = UNIT_POS_X as usize + i * threads;
+            if vector < vectors {
+                scales[i] = scale[vector * width * scale.stride(0) / width];
+            }
+        }
+    }
     let tid = UNIT_POS_X as usize;
     let n = f32::cast_from(hidden);
     let block = row_of_thread();
@@ -274,13 +330,30 @@ fn backward_kernel<F: Float, N: Size>(
             if vector < vectors && active {
                 xh = (Vector::<f32, N>::cast_from(x_row[i]) - Vector::new(mu)) * Vector::new(r);
                 dy = Vector::<f32, N>::cast_from(dy_row[i]);
-                gh = dy * load_parameter::<F, N>(scale, vector);
+                let s = if scale_in_registers {
+                    Vector::<f32, N>::cast_from(scales[i])
+                } else {
+                    load_parameter::<F, N>(scale, vector)
+                };
+                gh = dy * s;
             }
             x_hat[i] = xh;
             g_hat[i] = gh;
-            sum_dyx[i] += dy * xh;
-            if has_shift {
-                sum_dy[i] += dy;
+            if sums_in_shared {
+                let dyx = dy * xh;
+                #[unroll]
+                for lane in 0..N::value() {
+                    let at = (i * width + lane) * cube_threads + unit;
+                    sums[at] += dyx[lane];
+                    if has_shift {
+                        sums[sum_half + at] += dy[lane];
+                    }
+                }
+            } else {
+                sum_dyx[i] += dy * xh;
+                if has_shift {
+                    sum_dy[i] += dy;
+                }
             }
             sum_g += lanes_sum::<N>(gh);
             sum_gx += lanes_sum::<N>(gh * xh);
@@ -323,6 +396,18 @@ fn backward_kernel<F: Float, N: Size>(
         for i in 0..comptime!(layout.per_thread) {
             let vector = tid + i * threads;
             if vector < vectors {
+                if sums_in_shared {
+                    let mut dyx = Vector::<f32, N>::empty();
+                    let mut dy = Vector::<f32, N>::empty();
+                    #[unroll]
+                    for lane in 0..N::value() {
+                        let at = (i * width + lane) * cube_threads + unit;
+                        dyx[lane] = sums[at];
+                        dy[lane] = sums[sum_half + at];
+                    }
+                    sum_dyx[i] = dyx;
+                    sum_dy[i] = dy;
+                }
                 let column = vector * width;
                 partial_scale[(block * partial_scale.stride(0)
                     + column * partial_scale.stride(1))
@@ -357,6 +442,18 @@ pub fn forward<R: CubeRuntime>(
     kind: Kind,
     epsilon: f64,
 ) -> Forward<R> {
+    forward_with(NormForwardLayout::default(), x, scale, shift, kind, epsilon)
+}
+
+/// [`forward`] with its work spread by `tuning`.
+pub fn forward_with<R: CubeRuntime>(
+    tuning: NormForwardLayout,
+    x: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    shift: Option<CubeTensor<R>>,
+    kind: Kind,
+    epsilon: f64,
+) -> Forward<R> {
     let (rows, _) = rows_hidden(x.meta.shape());
     let output = empty_device_contiguous_dtype::<R>(
         x.client.clone(),
@@ -366,7 +463,8 @@ pub fn forward<R: CubeRuntime>(
     );
     let mean = f32_buffer(&x, Shape::new([rows]));
     let rstd = f32_buffer(&x, Shape::new([rows]));
-    forward_into(
+    forward_into_with(
+        tuning,
         x,
         scale,
         shift,
@@ -391,6 +489,27 @@ pub fn forward_into<R: CubeRuntime>(
     epsilon: f64,
     out: Forward<R>,
 ) {
+    forward_into_with(
+        NormForwardLayout::default(),
+        x,
+        scale,
+        shift,
+        kind,
+        epsilon,
+        out,
+    );
+}
+
+/// [`forward_into`] with its work spread by `tuning`.
+pub fn forward_into_with<R: CubeRuntime>(
+    tuning: NormForwardLayout,
+    x: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    shift: Option<CubeTensor<R>>,
+    kind: Kind,
+    epsilon: f64,
+    out: Forward<R>,
+) {
     let (rows, hidden) = rows_hidden(x.meta.shape());
     if rows == 0 || hidden == 0 {
         return;
@@ -398,7 +517,13 @@ pub fn forward_into<R: CubeRuntime>(
     let has_shift = shift.is_some();
     let shift = shift.unwrap_or_else(|| scale.clone());
     let width = vector_width(&[&x, &scale, &shift, &out.output]);
-    let layout = RowLayout::for_row(&x.client, hidden / width, width);
+    let layout = RowLayout::for_row_in_cubes_of(
+        &x.client,
+        hidden / width,
+        width,
+        tuning.elements_per_thread,
+        tuning.cube_threads,
+    );
     let dtype = x.dtype.into();
     forward_kernel::launch::<R>(
         &x.client.clone(),
@@ -417,8 +542,31 @@ pub fn forward_into<R: CubeRuntime>(
         layout,
         kind == Kind::LayerNorm,
         has_shift,
+        tuning.early_parameters,
         dtype,
     );
+}
+
+/// How the forward spreads its work. The default is the fastest measured on an H100
+/// (`kernel_bench norm_forward_layouts`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NormForwardLayout {
+    /// Elements of `x` a thread holds, at most (more threads a row when the row is longer).
+    pub elements_per_thread: usize,
+    /// Threads per cube the rows are stacked to.
+    pub cube_threads: u32,
+    /// Load the scale and shift with the row, before the row sums.
+    pub early_parameters: bool,
+}
+
+impl Default for NormForwardLayout {
+    fn default() -> Self {
+        Self {
+            elements_per_thread: super::rows::MAX_ELEMENTS_PER_THREAD,
+            cube_threads: 256,
+            early_parameters: false,
+        }
+    }
 }
 
 /// The gradients of [`forward`]'s `x`, scale and (with `with_shift`) shift, given `x`, the
@@ -524,6 +672,8 @@ pub fn backward_into_with<R: CubeRuntime>(
     let width = vector_width(&[&x, &scale, &grad, &out.x]);
     let elements_per_thread = (tuning.bytes_per_thread / x.dtype.size()).max(1);
     let layout = RowLayout::for_row_with(&x.client, hidden / width, width, elements_per_thread);
+    let max_shared = x.client.properties().hardware.max_shared_memory_size;
+    let placement = tuning.placement(layout, width, max_shared);
     let rows_per_block = tuning.rows_per_block(rows, layout.threads);
     let blocks = rows.div_ceil(rows_per_block);
     let partial = || f32_buffer(&x, Shape::new([blocks, hidden]));
@@ -552,6 +702,7 @@ pub fn backward_into_with<R: CubeRuntime>(
         layout,
         layer_norm,
         partial_shift.is_some(),
+        placement,
         dtype,
     );
     totals_into_with(tuning.totals, partial_scale, blocks, out.scale);
@@ -575,6 +726,25 @@ pub struct NormBackwardLayout {
     pub rows_per_block: (usize, usize),
     /// The second stage, summing the blocks' partials.
     pub totals: ColumnSumLayout,
+    /// Load the scale once a block into registers, rather than with each row.
+    pub scale_in_registers: bool,
+    /// Keep the block's column sums in shared memory rather than registers (where they fit in
+    /// [`SUMS_IN_SHARED_BYTES`] and the device's shared memory: 32 KiB on lavapipe).
+    pub sums_in_shared: bool,
+}
+
+/// The most shared memory the backward's column sums may take.
+pub const SUMS_IN_SHARED_BYTES: usize = 40 * 1024;
+
+/// Where the backward kernel keeps the scale and its column sums.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BackwardPlacement {
+    /// The scale in registers for the whole block.
+    pub scale_in_registers: bool,
+    /// The column sums in shared memory.
+    pub sums_in_shared: bool,
+    /// The vector width (sizes the shared memory).
+    pub width: usize,
 }
 
 impl Default for NormBackwardLayout {
@@ -588,11 +758,29 @@ impl Default for NormBackwardLayout {
             target_threads: 1 << 17,
             rows_per_block: (16, 64),
             totals: ColumnSumLayout::default(),
+            scale_in_registers: false,
+            sums_in_shared: false,
         }
     }
 }
 
 impl NormBackwardLayout {
+    /// The kernel's placement for `layout` and vectors of `width`, on a device with
+    /// `max_shared` bytes of shared memory a cube.
+    fn placement(&self, layout: RowLayout, width: usize, max_shared: usize) -> BackwardPlacement {
+        let threads = (layout.threads * layout.rows_per_cube) as usize;
+        let sums = 2 * layout.per_thread * width * threads * 4;
+        let row_sums = 2 * layout.shared_slots() * 4;
+        let sums_in_shared =
+            self.sums_in_shared && sums <= SUMS_IN_SHARED_BYTES && sums + row_sums <= max_shared;
+        BackwardPlacement {
+            scale_in_registers: self.scale_in_registers,
+            sums_in_shared,
+            // Only sizes the shared memory: 1 without it, so the kernel is not recompiled.
+            width: if sums_in_shared { width } else { 1 },
+        }
+    }
+
     /// Rows per block for `rows` rows of `threads_per_row` threads each.
     pub fn rows_per_block(&self, rows: usize, threads_per_row: u32) -> usize {
         let groups_wanted = self.target_threads / threads_per_row as usize;

@@ -51,6 +51,18 @@ impl RowLayout {
         width: usize,
         elements_per_thread: usize,
     ) -> Self {
+        Self::for_row_in_cubes_of(client, vectors, width, elements_per_thread, CUBE_THREADS)
+    }
+
+    /// [`for_row_with`](Self::for_row_with) with rows stacked into cubes of about
+    /// `cube_threads` threads.
+    pub fn for_row_in_cubes_of<R: CubeRuntime>(
+        client: &ComputeClient<R>,
+        vectors: usize,
+        width: usize,
+        elements_per_thread: usize,
+        cube_threads: u32,
+    ) -> Self {
         let mut threads = 32u32;
         while threads < MAX_ROW_THREADS
             && vectors.div_ceil(threads as usize) * width > elements_per_thread
@@ -63,7 +75,7 @@ impl RowLayout {
         Self {
             threads,
             per_thread: vectors.div_ceil(threads as usize).max(1),
-            rows_per_cube: (CUBE_THREADS / threads).max(1),
+            rows_per_cube: (cube_threads / threads).max(1),
             plane,
         }
     }

@@ -5,12 +5,16 @@
 //! The Burn composition reads and writes `[tokens, ffn]` tensors about five times forward and
 //! eight times backward (two more each with the bias adds); here the forward reads `gate` and
 //! `up` once and writes once, the backward reads `gate`, `up` and `dy` once and writes `d_gate`
-//! and `d_up` once. The biases' gradients are the caller's column sums of `d_gate` and `d_up`.
+//! and `d_up` once. [`backward_and_bias_gradients`] also sums them over the rows (the biases'
+//! gradients) as it writes them.
 
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::column_sum::{ColumnSumLayout, column_sums_into, totals_into_with};
 use super::vectors::{
     ElementwiseLayout, THREADS, column_vector, empty_like, rows_cols, thread_position,
     vector_offset, vector_width,
@@ -20,6 +24,24 @@ use super::vectors::{
 #[cube]
 fn sigmoid(x: f32) -> f32 {
     f32::new(1.0) / (f32::new(1.0) + (-x).exp())
+}
+
+/// `(d_gate, d_up)` at `g = gate + b_g`, `u = up + b_u` given the output's gradient `dy`.
+#[cube]
+fn swiglu_derivative<N: Size>(
+    g: Vector<f32, N>,
+    u: Vector<f32, N>,
+    dy: Vector<f32, N>,
+) -> (Vector<f32, N>, Vector<f32, N>) {
+    let mut dg = Vector::<f32, N>::empty();
+    let mut du = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        let s = sigmoid(g[k]);
+        du[k] = dy[k] * g[k] * s;
+        dg[k] = dy[k] * u[k] * s * (f32::new(1.0) + g[k] * (f32::new(1.0) - s));
+    }
+    (dg, du)
 }
 
 /// The biases of this thread's column vector, in f32 (zero without `has_bias`).
@@ -117,19 +139,69 @@ fn backward_kernel<F: Float, N: Size>(
             let g = Vector::<f32, N>::cast_from(gs[j]) + bg;
             let u = Vector::<f32, N>::cast_from(us[j]) + bu;
             let dy = Vector::<f32, N>::cast_from(dys[j]);
-            let mut dg = Vector::<f32, N>::empty();
-            let mut du = Vector::<f32, N>::empty();
-            #[unroll]
-            for k in 0..N::value() {
-                let s = sigmoid(g[k]);
-                du[k] = dy[k] * g[k] * s;
-                dg[k] = dy[k] * u[k] * s * (f32::new(1.0) + g[k] * (f32::new(1.0) - s));
-            }
+            let (dg, du) = swiglu_derivative::<N>(g, u, dy);
             let row = first + j;
             grad_gate[vector_offset::<F, N>(grad_gate, row, vector)] = Vector::cast_from(dg);
             grad_up[vector_offset::<F, N>(grad_up, row, vector)] = Vector::cast_from(du);
         }
     }
+}
+
+/// [`backward_kernel`] with both biases' gradients' first stage: a thread walks its column
+/// vector down one block of rows, writes `d_gate` and `d_up`, and adds each row's gradients as
+/// stored into row `block` of `partial_gate` and `partial_up` (`[blocks, columns]` f32), rows
+/// in order. That is the order of the column sums' first stage
+/// ([`column_sum`](super::column_sum)), so each bias gradient has the bits of the column sum
+/// of its input's gradient, without reading it again.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn backward_bias_kernel<F: Float, N: Size>(
+    gate: &Tensor<Vector<F, N>>,
+    up: &Tensor<Vector<F, N>>,
+    gate_bias: &Tensor<Vector<F, N>>,
+    up_bias: &Tensor<Vector<F, N>>,
+    grad: &Tensor<Vector<F, N>>,
+    grad_gate: &mut Tensor<Vector<F, N>>,
+    grad_up: &mut Tensor<Vector<F, N>>,
+    partial_gate: &mut Tensor<Vector<f32, N>>,
+    partial_up: &mut Tensor<Vector<f32, N>>,
+    rows: u32,
+    vectors_per_row: u32,
+    rows_per_block: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let width = N::value();
+    let vector = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    if vector >= vectors_per_row as usize {
+        terminate!();
+    }
+    let block = CUBE_POS_Y as usize;
+    let start = block * rows_per_block as usize;
+    let mut end = start + rows_per_block as usize;
+    if end > rows as usize {
+        end = rows as usize;
+    }
+    let (bg, bu) = column_biases::<F, N>(gate_bias, up_bias, vector, true);
+    let mut total_gate = Vector::<f32, N>::new(0.0);
+    let mut total_up = Vector::<f32, N>::new(0.0);
+    let mut row = start;
+    while row < end {
+        let g = Vector::<f32, N>::cast_from(gate[vector_offset::<F, N>(gate, row, vector)]) + bg;
+        let u = Vector::<f32, N>::cast_from(up[vector_offset::<F, N>(up, row, vector)]) + bu;
+        let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
+        let (dg, du) = swiglu_derivative::<N>(g, u, dy);
+        let stored_gate = Vector::<F, N>::cast_from(dg);
+        let stored_up = Vector::<F, N>::cast_from(du);
+        grad_gate[vector_offset::<F, N>(grad_gate, row, vector)] = stored_gate;
+        grad_up[vector_offset::<F, N>(grad_up, row, vector)] = stored_up;
+        total_gate += Vector::<f32, N>::cast_from(stored_gate);
+        total_up += Vector::<f32, N>::cast_from(stored_up);
+        row += 1;
+    }
+    let at = (block * partial_gate.stride(0) + vector * width * partial_gate.stride(1)) / width;
+    partial_gate[at] = total_gate;
+    let at = (block * partial_up.stride(0) + vector * width * partial_up.stride(1)) / width;
+    partial_up[at] = total_up;
 }
 
 /// The forward's layout: one row a thread (f32 at 16k × 4096 on an H100: 0.276 ms against the
@@ -257,4 +329,90 @@ pub fn backward_with<R: CubeRuntime>(
         dtype,
     );
     [grad_gate, grad_up]
+}
+
+/// [`backward`] and both biases' gradients, `([d_gate, d_up], [Σ_rows d_gate, Σ_rows d_up])`,
+/// the gradients in `gate`'s dtype: one kernel for the derivatives and the column sums' first
+/// stage, then their second stage. The same bits as [`backward`] followed by
+/// [`column_sum`](super::column_sum::column_sum) of each derivative.
+pub fn backward_and_bias_gradients<R: CubeRuntime>(
+    gate: CubeTensor<R>,
+    up: CubeTensor<R>,
+    bias: Biases<R>,
+    grad: CubeTensor<R>,
+) -> ([CubeTensor<R>; 2], [CubeTensor<R>; 2]) {
+    let (rows, cols) = rows_cols(gate.meta.shape(), "SwiGLU");
+    assert_eq!(
+        gate.meta.shape(),
+        up.meta.shape(),
+        "gate and up differ in shape"
+    );
+    let (grad_gate, grad_up) = (empty_like(&gate), empty_like(&gate));
+    let bias_gradient = || {
+        empty_device_contiguous_dtype::<R>(
+            gate.client.clone(),
+            gate.device.clone(),
+            Shape::new([cols]),
+            gate.dtype,
+        )
+    };
+    let (db_gate, db_up) = (bias_gradient(), bias_gradient());
+    let derivatives = [grad_gate.clone(), grad_up.clone()];
+    let bias_gradients = [db_gate.clone(), db_up.clone()];
+    if rows == 0 || cols == 0 {
+        if cols > 0 {
+            column_sums_into(grad_gate, None, Some(db_gate), None);
+            column_sums_into(grad_up, None, Some(db_up), None);
+        }
+        return (derivatives, bias_gradients);
+    }
+    let layout = ColumnSumLayout::default();
+    let (blocks, rows_per_block) = layout.blocks(rows);
+    let partial = || {
+        empty_device_contiguous_dtype::<R>(
+            gate.client.clone(),
+            gate.device.clone(),
+            Shape::new([blocks, cols]),
+            DType::F32,
+        )
+    };
+    let (partial_gate, partial_up) = (partial(), partial());
+    let width = vector_width(&[
+        &gate,
+        &up,
+        &bias.gate,
+        &bias.up,
+        &grad,
+        &grad_gate,
+        &grad_up,
+        &partial_gate,
+    ]);
+    let vectors_per_row = cols / width;
+    let dtype = gate.dtype.into();
+    backward_bias_kernel::launch::<R>(
+        &gate.client.clone(),
+        CubeCount::Static(
+            vectors_per_row.div_ceil(layout.column_vectors as usize) as u32,
+            blocks as u32,
+            1,
+        ),
+        CubeDim::new_1d(layout.column_vectors),
+        width,
+        gate.into_tensor_arg(),
+        up.into_tensor_arg(),
+        bias.gate.into_tensor_arg(),
+        bias.up.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        grad_gate.into_tensor_arg(),
+        grad_up.into_tensor_arg(),
+        partial_gate.clone().into_tensor_arg(),
+        partial_up.clone().into_tensor_arg(),
+        rows as u32,
+        vectors_per_row as u32,
+        rows_per_block as u32,
+        dtype,
+    );
+    totals_into_with(layout, partial_gate, blocks, db_gate);
+    totals_into_with(layout, partial_up, blocks, db_up);
+    (derivatives, bias_gradients)
 }

@@ -147,8 +147,10 @@ pub(crate) fn autodiff_swiglu<B: ModelBackend, C: CheckpointStrategy>(
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
-/// The backward of `y = silu(gate + b_g) · (up + b_u)`: `[d_gate, d_up]` from
-/// [`ModelBackend::swiglu_backward`], and the biases' gradients their column sums. Its parents
+/// The backward of `y = silu(gate + b_g) · (up + b_u)`: `[d_gate, d_up]` and, when a bias is
+/// tracked, the biases' gradients, their column sums, from
+/// [`ModelBackend::swiglu_backward_and_bias_gradients`] (else [`ModelBackend::swiglu_backward`]).
+/// Its parents
 /// are `[gate, up]` or `[gate, up, b_g, b_u]`.
 #[derive(Debug)]
 struct SwiGluBackward;
@@ -163,15 +165,24 @@ impl SwiGluBackward {
         (gate, up, bias): SwiGluState<B>,
         grads: &mut Gradients,
     ) {
-        let derivatives =
-            B::swiglu_backward(wrap(gate), wrap(up), bias.map(|b| b.map(wrap)), wrap(grad));
-        // The biases' gradients first: they read the derivatives the inputs then take.
-        for (parent, derivative) in parents.iter().skip(2).zip(&derivatives) {
-            if let Some(id) = parent {
-                let db = B::bias_gradient(derivative.clone());
-                grads.register::<B>(*id, db.into_primitive().tensor());
+        let biases_tracked = parents.iter().skip(2).any(Option::is_some);
+        let derivatives = match bias {
+            Some(bias) if biases_tracked => {
+                let (derivatives, bias_gradients) = B::swiglu_backward_and_bias_gradients(
+                    wrap(gate),
+                    wrap(up),
+                    bias.map(wrap),
+                    wrap(grad),
+                );
+                for (parent, db) in parents.iter().skip(2).zip(bias_gradients) {
+                    if let Some(id) = parent {
+                        grads.register::<B>(*id, db.into_primitive().tensor());
+                    }
+                }
+                derivatives
             }
-        }
+            bias => B::swiglu_backward(wrap(gate), wrap(up), bias.map(|b| b.map(wrap)), wrap(grad)),
+        };
         for (parent, derivative) in parents.iter().zip(derivatives) {
             if let Some(id) = parent {
                 grads.register::<B>(*id, derivative.into_primitive().tensor());
