@@ -828,7 +828,9 @@ fn elementwise_layouts_give_the_flat_kernels_bits() {
 #[test]
 fn bias_gelu_backward_with_the_bias_gradient_equals_the_two_kernels() {
     use burn_megatron::ops::GeluForm;
-    use burn_megatron_kernels::fused::bias_gelu::{Form, backward, backward_and_bias_gradient};
+    use burn_megatron_kernels::fused::bias_gelu::{
+        Form, backward, backward_and_bias_gradient, backward_and_bias_gradient_with,
+    };
     use burn_megatron_kernels::fused::column_sum::column_sum;
     let device = WgpuDevice::default();
     let bits = |t: Tensor<W, 2>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
@@ -874,6 +876,26 @@ fn bias_gelu_backward_with_the_bias_gradient_equals_the_two_kernels() {
                     got_dx.iter().all(|&b| f64::from_bits(b).is_finite()),
                     "dx {name}: not finite"
                 );
+                // Any number of rows in flight, a partial last group included: the same bits.
+                for rows_in_flight in [1, 3] {
+                    let (dx, db) = backward_and_bias_gradient_with(
+                        rows_in_flight,
+                        raw(x.clone()),
+                        raw(bias.clone()),
+                        raw(grad.clone()),
+                        form,
+                    );
+                    assert_eq!(
+                        bits(wrap::<2>(dx)),
+                        want_dx,
+                        "dx {name} {rows_in_flight} rows"
+                    );
+                    assert_eq!(
+                        bits1(wrap::<1>(db)),
+                        want_db,
+                        "db {name} {rows_in_flight} rows"
+                    );
+                }
                 // Through the backend, as the autodiff node calls it.
                 let (dx, db) = W::bias_gelu_backward_and_bias_gradient(
                     x.clone(),
@@ -897,7 +919,9 @@ fn bias_gelu_backward_with_the_bias_gradient_equals_the_two_kernels() {
 #[test]
 fn swiglu_backward_with_the_bias_gradients_equals_the_kernel_and_column_sums() {
     use burn_megatron_kernels::fused::column_sum::column_sum;
-    use burn_megatron_kernels::fused::swiglu::{Biases, backward, backward_and_bias_gradients};
+    use burn_megatron_kernels::fused::swiglu::{
+        Biases, backward, backward_and_bias_gradients, backward_and_bias_gradients_with,
+    };
     let device = WgpuDevice::default();
     let bits = |t: Tensor<W, 2>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
     let bits1 = |t: Tensor<W, 1>| -> Vec<u64> { values(t).iter().map(|v| v.to_bits()).collect() };
@@ -952,6 +976,23 @@ fn swiglu_backward_with_the_bias_gradients_equals_the_kernel_and_column_sums() {
                 assert!(
                     got_db[i].iter().all(|&b| f64::from_bits(b).is_finite()),
                     "{what} bias gradient {name}: not finite"
+                );
+            }
+            // Any number of rows in flight, a partial last group included: the same bits.
+            for rows_in_flight in [1, 3] {
+                let (d, db) = backward_and_bias_gradients_with(
+                    rows_in_flight,
+                    raw(gate.clone()),
+                    raw(up.clone()),
+                    biases(),
+                    raw(grad.clone()),
+                );
+                let what = format!("{name}, {rows_in_flight} rows in flight");
+                assert_eq!(d.map(|d| bits(wrap::<2>(d))), want_d, "derivatives {what}");
+                assert_eq!(
+                    db.map(|d| bits1(wrap::<1>(d))),
+                    want_db,
+                    "bias gradients {what}"
                 );
             }
             // Through the backend, as the autodiff node calls it.
@@ -1551,10 +1592,10 @@ fn column_sum_layouts_all_give_the_exact_sums() {
     }
 }
 
-/// The norm backward's work layouts (`NormBackwardLayout`: bytes a thread, blocks, the second
-/// stage's shape, where the scale and the column sums are kept) give the default layout's
-/// gradients, with the last block ending inside the rows and rows shorter than a thread group;
-/// the scale held in registers gives its bits.
+/// The norm backward's work layouts (`NormBackwardLayout`: elements a thread, blocks, the second
+/// stage's shape, CubeCL's bounds checks) give the default layout's gradients, with the last
+/// block ending inside the rows and rows shorter than a thread group; the bounds checks alone
+/// give its bits.
 #[test]
 fn norm_backward_layouts_agree() {
     use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
@@ -1569,40 +1610,27 @@ fn norm_backward_layouts_agree() {
             ..NormBackwardLayout::default()
         },
         NormBackwardLayout {
-            bytes_per_thread: 16,
+            elements_per_thread: 4,
             target_threads: 1 << 10,
             rows_per_block: (3, 5),
             ..NormBackwardLayout::default()
         },
         NormBackwardLayout {
-            bytes_per_thread: 64,
+            elements_per_thread: 32,
             target_threads: 1 << 12,
             rows_per_block: (1, 200),
             ..NormBackwardLayout::default()
         },
-        // Where the scale and the column sums are kept: the same arithmetic in the same order.
         NormBackwardLayout {
-            scale_in_registers: true,
-            ..NormBackwardLayout::default()
-        },
-        NormBackwardLayout {
-            sums_in_shared: true,
-            ..NormBackwardLayout::default()
-        },
-        NormBackwardLayout {
-            bytes_per_thread: 16,
-            scale_in_registers: true,
-            sums_in_shared: true,
+            checked: true,
             ..NormBackwardLayout::default()
         },
     ];
     let default = NormBackwardLayout::default();
-    // Holding the scale in registers changes no arithmetic: that layout gives the default's
-    // bits. Sums in shared memory add the same terms in the same order, but the compiler may
-    // fuse `dy · x̂` into the addition (an FMA) in one placement and not the other.
+    // CubeCL's bounds checks change no arithmetic: that layout gives the default's bits.
     let same_bits = |layout: &NormBackwardLayout| {
         NormBackwardLayout {
-            scale_in_registers: false,
+            checked: false,
             ..*layout
         } == default
     };
@@ -1665,19 +1693,15 @@ fn norm_backward_layouts_agree() {
 }
 
 /// The norm forward's work layouts (`NormForwardLayout`: elements a thread, threads a cube,
-/// the parameters loaded with the row) give the default layout's output and statistics, into
-/// poisoned outputs, with rows shorter than a thread group and longer than a cube; loading the
-/// parameters early alone gives its bits.
+/// CubeCL's bounds checks) give the default layout's output and statistics, into poisoned
+/// outputs, with rows shorter than a thread group and longer than a cube; the bounds checks
+/// alone give its bits.
 #[test]
 fn norm_forward_layouts_agree() {
     use burn_megatron_kernels::fused::norm::{self, Forward, Kind, NormForwardLayout};
     let device = WgpuDevice::default();
     let default = NormForwardLayout::default();
     let layouts = [
-        NormForwardLayout {
-            early_parameters: true,
-            ..default
-        },
         NormForwardLayout {
             elements_per_thread: 8,
             cube_threads: 512,
@@ -1686,7 +1710,11 @@ fn norm_forward_layouts_agree() {
         NormForwardLayout {
             elements_per_thread: 64,
             cube_threads: 128,
-            early_parameters: true,
+            checked: true,
+        },
+        NormForwardLayout {
+            checked: true,
+            ..default
         },
     ];
     for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
@@ -1725,7 +1753,7 @@ fn norm_forward_layouts_agree() {
                 for (l, layout) in layouts.iter().enumerate() {
                     let got = run(*layout);
                     let same_bits = NormForwardLayout {
-                        early_parameters: false,
+                        checked: false,
                         ..*layout
                     } == default;
                     for (what, (got, want)) in

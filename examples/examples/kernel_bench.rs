@@ -490,6 +490,24 @@ fn norm_gelu_and_bias_gradient(device: &CudaGpu) {
                     )
                 }),
             );
+            for rows_in_flight in [1, 2, 4] {
+                let raw = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
+                report(
+                    &format!(
+                        "{dtype:?} bias-GeLU backward + bias gradient, one kernel, {rows_in_flight} rows in flight, {rows}x{gelu_width}"
+                    ),
+                    3 * elements * size,
+                    time(device, || {
+                        burn_megatron_kernels::fused::bias_gelu::backward_and_bias_gradient_with(
+                            rows_in_flight,
+                            raw(&h),
+                            bias.clone().into_primitive().tensor(),
+                            raw(&dh),
+                            burn_megatron_kernels::fused::bias_gelu::Form::Tanh,
+                        )
+                    }),
+                );
+            }
             report(
                 &format!("{dtype:?} bias gradient, Burn sum_dim, {rows}x{gelu_width}"),
                 elements * size,
@@ -723,15 +741,14 @@ fn norm_profile(device: &CudaGpu) {
     let forwards = [
         NormForwardLayout::default(),
         NormForwardLayout {
-            early_parameters: true,
+            checked: true,
             ..NormForwardLayout::default()
         },
     ];
     let backwards = [
         NormBackwardLayout::default(),
         NormBackwardLayout {
-            scale_in_registers: true,
-            sums_in_shared: true,
+            checked: true,
             ..NormBackwardLayout::default()
         },
     ];
@@ -763,18 +780,19 @@ fn norm_profile(device: &CudaGpu) {
 }
 
 /// The LayerNorm forward's work layouts (`NormForwardLayout`: elements a thread, threads a
-/// cube, the parameters loaded with the row) at GPT-2's and a 1B model's widths.
+/// cube, CubeCL's bounds checks) at GPT-2's and a 1B model's widths.
 fn norm_forward_layouts(device: &CudaGpu) {
     use burn_megatron_kernels::fused::norm::{self, Kind, NormForwardLayout};
     let rows = 16_384;
     let mut layouts = vec![NormForwardLayout::default()];
-    for elements_per_thread in [8, 16, 32, 64] {
+    for elements_per_thread in [8, 16, 32] {
         for cube_threads in [256, 512] {
-            for early_parameters in [false, true] {
+            for checked in [false, true] {
                 layouts.push(NormForwardLayout {
                     elements_per_thread,
                     cube_threads,
-                    early_parameters,
+                    checked,
+                    ..NormForwardLayout::default()
                 });
             }
         }
@@ -829,31 +847,27 @@ fn norm_backward_layouts(device: &CudaGpu) {
     use burn_megatron_kernels::fused::norm::{self, Kind, NormBackwardLayout};
     let rows = 16_384;
     let mut layouts = vec![NormBackwardLayout::default()];
+    // The whole grid with `BM_NORM_GRID` (it compiles a kernel for each layout and shape).
     let grid = std::env::var_os("BM_NORM_GRID").is_some();
-    for bytes_per_thread in [16, 32, 64] {
+    for elements_per_thread in [4, 8, 16] {
+        layouts.push(NormBackwardLayout {
+            elements_per_thread,
+            checked: true,
+            ..NormBackwardLayout::default()
+        });
         for target_threads in [1 << 16, 1 << 17, 1 << 18] {
             for rows_per_block in [(16, 64), (8, 32), (32, 128)] {
-                // The whole grid with `BM_NORM_GRID` (it compiles a kernel for each).
-                if grid {
-                    layouts.push(NormBackwardLayout {
-                        bytes_per_thread,
-                        target_threads,
-                        rows_per_block,
-                        totals: ColumnSumLayout::default(),
-                        ..NormBackwardLayout::default()
-                    });
+                let layout = NormBackwardLayout {
+                    elements_per_thread,
+                    target_threads,
+                    rows_per_block,
+                    totals: ColumnSumLayout::default(),
+                    ..NormBackwardLayout::default()
+                };
+                if grid || (target_threads == 1 << 17 && rows_per_block == (16, 64)) {
+                    layouts.push(layout);
                 }
             }
-        }
-        for (scale_in_registers, sums_in_shared) in
-            [(false, false), (true, false), (false, true), (true, true)]
-        {
-            layouts.push(NormBackwardLayout {
-                bytes_per_thread,
-                scale_in_registers,
-                sums_in_shared,
-                ..NormBackwardLayout::default()
-            });
         }
     }
     for dtype in [DType::BF16, DType::F32] {
@@ -966,6 +980,27 @@ fn bias_swiglu(device: &CudaGpu) {
                 )
             }),
         );
+        for rows_in_flight in [1, 2, 4] {
+            let raw = |t: &Tensor<B, 2>| t.clone().into_primitive().tensor();
+            report(
+                &format!(
+                    "{dtype:?} bias-SwiGLU backward + both bias gradients, one kernel, {rows_in_flight} rows in flight, {rows}x{columns}"
+                ),
+                5 * bytes,
+                time(device, || {
+                    burn_megatron_kernels::fused::swiglu::backward_and_bias_gradients_with(
+                        rows_in_flight,
+                        raw(&gate),
+                        raw(&up),
+                        burn_megatron_kernels::fused::swiglu::Biases {
+                            gate: bias_gate.clone().into_primitive().tensor(),
+                            up: bias_up.clone().into_primitive().tensor(),
+                        },
+                        raw(&grad),
+                    )
+                }),
+            );
+        }
         report(
             &format!("{dtype:?} bias-SwiGLU forward, Burn ops, {rows}x{columns}"),
             3 * bytes,

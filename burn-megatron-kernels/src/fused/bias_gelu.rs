@@ -172,6 +172,7 @@ fn backward_bias_kernel<F: Float, N: Size>(
     rows: u32,
     vectors_per_row: u32,
     rows_per_block: u32,
+    #[comptime] rows_in_flight: usize,
     #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -188,19 +189,35 @@ fn backward_bias_kernel<F: Float, N: Size>(
     }
     let b = column_bias::<F, N>(bias, vector, true);
     let mut total = Vector::<f32, N>::new(0.0);
+    // `rows_in_flight` rows' loads are issued before any is used; the sum still takes the
+    // rows in order.
+    let mut xs = Array::<Vector<F, N>>::new(rows_in_flight);
+    let mut dys = Array::<Vector<F, N>>::new(rows_in_flight);
     let mut row = start;
     while row < end {
-        let v = Vector::<f32, N>::cast_from(x[vector_offset::<F, N>(x, row, vector)]) + b;
-        let dy = Vector::<f32, N>::cast_from(grad[vector_offset::<F, N>(grad, row, vector)]);
-        let mut dx = Vector::<f32, N>::empty();
         #[unroll]
-        for k in 0..N::value() {
-            dx[k] = dy[k] * gelu_derivative(v[k], tanh);
+        for j in 0..rows_in_flight {
+            if row + j < end {
+                xs[j] = x[vector_offset::<F, N>(x, row + j, vector)];
+                dys[j] = grad[vector_offset::<F, N>(grad, row + j, vector)];
+            }
         }
-        let stored = Vector::<F, N>::cast_from(dx);
-        grad_x[vector_offset::<F, N>(grad_x, row, vector)] = stored;
-        total += Vector::<f32, N>::cast_from(stored);
-        row += 1;
+        #[unroll]
+        for j in 0..rows_in_flight {
+            if row + j < end {
+                let v = Vector::<f32, N>::cast_from(xs[j]) + b;
+                let dy = Vector::<f32, N>::cast_from(dys[j]);
+                let mut dx = Vector::<f32, N>::empty();
+                #[unroll]
+                for k in 0..N::value() {
+                    dx[k] = dy[k] * gelu_derivative(v[k], tanh);
+                }
+                let stored = Vector::<F, N>::cast_from(dx);
+                grad_x[vector_offset::<F, N>(grad_x, row + j, vector)] = stored;
+                total += Vector::<f32, N>::cast_from(stored);
+            }
+        }
+        row += rows_in_flight;
     }
     partial[(block * partial.stride(0) + vector * width * partial.stride(1)) / width] = total;
 }
@@ -313,6 +330,22 @@ pub fn backward_and_bias_gradient<R: CubeRuntime>(
     grad: CubeTensor<R>,
     form: Form,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
+    backward_and_bias_gradient_with(BIAS_GRADIENT_ROWS_IN_FLIGHT, x, bias, grad, form)
+}
+
+/// Rows whose loads [`backward_and_bias_gradient`] issues before using any.
+pub const BIAS_GRADIENT_ROWS_IN_FLIGHT: usize = 2;
+
+/// [`backward_and_bias_gradient`] with `rows_in_flight` rows loaded before any is used (the
+/// same bits for any count).
+pub fn backward_and_bias_gradient_with<R: CubeRuntime>(
+    rows_in_flight: usize,
+    x: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    grad: CubeTensor<R>,
+    form: Form,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let rows_in_flight = rows_in_flight.max(1);
     let (rows, cols) = rows_cols(x.meta.shape(), "bias-GeLU");
     let grad_x = empty_like(&x);
     let grad_bias = empty_device_contiguous_dtype::<R>(
@@ -355,6 +388,7 @@ pub fn backward_and_bias_gradient<R: CubeRuntime>(
         rows as u32,
         vectors_per_row as u32,
         rows_per_block as u32,
+        rows_in_flight,
         form == Form::Tanh,
         dtype,
     );

@@ -126,7 +126,7 @@ fn lanes_sum<N: Size>(value: Vector<f32, N>) -> f32 {
     sum
 }
 
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn forward_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -141,7 +141,6 @@ fn forward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
-    #[comptime] early_parameters: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
@@ -165,22 +164,6 @@ fn forward_kernel<F: Float, N: Size>(
         values[i] = value;
         sum += lanes_sum::<N>(value);
     }
-    // With `early_parameters`, the scale and shift are loaded as stored next to the row, so
-    // their latency hides behind the row sums' instead of following them.
-    let mut scales = Array::<Vector<F, N>>::new(comptime!(layout.per_thread));
-    let mut shifts = Array::<Vector<F, N>>::new(comptime!(layout.per_thread));
-    if early_parameters {
-        #[unroll]
-        for i in 0..comptime!(layout.per_thread) {
-            let vector = tid + i * threads;
-            if vector < vectors {
-                scales[i] = scale[vector * width * scale.stride(0) / width];
-                if has_shift {
-                    shifts[i] = shift[vector * width * shift.stride(0) / width];
-                }
-            }
-        }
-    }
     let mut mu = f32::new(0.0);
     if layer_norm {
         mu = row_sum(&mut shared, sum, layout.threads, layout.plane) / n;
@@ -202,18 +185,11 @@ fn forward_kernel<F: Float, N: Size>(
         for i in 0..comptime!(layout.per_thread) {
             let vector = tid + i * threads;
             if vector < vectors {
-                let s = if early_parameters {
-                    Vector::<f32, N>::cast_from(scales[i])
-                } else {
-                    load_parameter::<F, N>(scale, vector)
-                };
-                let mut y = (values[i] - Vector::new(mu)) * Vector::new(r) * s;
+                let mut y = (values[i] - Vector::new(mu))
+                    * Vector::new(r)
+                    * load_parameter::<F, N>(scale, vector);
                 if has_shift {
-                    y += if early_parameters {
-                        Vector::<f32, N>::cast_from(shifts[i])
-                    } else {
-                        load_parameter::<F, N>(shift, vector)
-                    };
+                    y += load_parameter::<F, N>(shift, vector);
                 }
                 output[(row * output.stride(0) + vector * width * output.stride(1)) / width] =
                     Vector::cast_from(y);
@@ -226,7 +202,7 @@ fn forward_kernel<F: Float, N: Size>(
     }
 }
 
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn backward_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -243,44 +219,12 @@ fn backward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
-    #[comptime] placement: BackwardPlacement,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
     let vectors = hidden as usize / width;
     let threads = comptime!(layout.threads as usize);
     let per_thread = comptime!(layout.per_thread);
-    let scale_in_registers = comptime!(placement.scale_in_registers);
-    let sums_in_shared = comptime!(placement.sums_in_shared);
-    // With `sums_in_shared`, the block's column sums live in shared memory, slot
-    // `((which · per_thread + i) · width + lane) · cube_threads + UNIT_POS`: each thread's own
-    // slots, so no barrier, and registers are freed for more rows in flight.
-    let cube_threads = comptime!((layout.threads * layout.rows_per_cube) as usize);
-    let sum_half = comptime!(per_thread * placement.width * cube_threads);
-    let mut sums = SharedMemory::<f32>::new(comptime!(if placement.sums_in_shared {
-        2 * per_thread * placement.width * cube_threads
-    } else {
-        1
-    }));
-    let unit = UNIT_POS as usize;
-    if sums_in_shared {
-        #[unroll]
-        for slot in 0..comptime!(2 * per_thread * placement.width) {
-            sums[slot * cube_threads + unit] = f32::new(0.0);
-        }
-    }
-    // With `scale_in_registers`, this thread's scale vectors, as stored, for all the block's
-    // rows.
-    let mut scales = Array::<Vector<F, N>>::new(per_thread);
-    if scale_in_registers {
-        #[unroll]
-        for i in 0..comptime!(layout.per_thread) {
-            let vector = UNIT_POS_X as usize + i * threads;
-            if vector < vectors {
-                scales[i] = scale[vector * width * scale.stride(0) / width];
-            }
-        }
-    }
     let tid = UNIT_POS_X as usize;
     let n = f32::cast_from(hidden);
     let block = row_of_thread();
@@ -330,30 +274,13 @@ fn backward_kernel<F: Float, N: Size>(
             if vector < vectors && active {
                 xh = (Vector::<f32, N>::cast_from(x_row[i]) - Vector::new(mu)) * Vector::new(r);
                 dy = Vector::<f32, N>::cast_from(dy_row[i]);
-                let s = if scale_in_registers {
-                    Vector::<f32, N>::cast_from(scales[i])
-                } else {
-                    load_parameter::<F, N>(scale, vector)
-                };
-                gh = dy * s;
+                gh = dy * load_parameter::<F, N>(scale, vector);
             }
             x_hat[i] = xh;
             g_hat[i] = gh;
-            if sums_in_shared {
-                let dyx = dy * xh;
-                #[unroll]
-                for lane in 0..N::value() {
-                    let at = (i * width + lane) * cube_threads + unit;
-                    sums[at] += dyx[lane];
-                    if has_shift {
-                        sums[sum_half + at] += dy[lane];
-                    }
-                }
-            } else {
-                sum_dyx[i] += dy * xh;
-                if has_shift {
-                    sum_dy[i] += dy;
-                }
+            sum_dyx[i] += dy * xh;
+            if has_shift {
+                sum_dy[i] += dy;
             }
             sum_g += lanes_sum::<N>(gh);
             sum_gx += lanes_sum::<N>(gh * xh);
@@ -396,18 +323,6 @@ fn backward_kernel<F: Float, N: Size>(
         for i in 0..comptime!(layout.per_thread) {
             let vector = tid + i * threads;
             if vector < vectors {
-                if sums_in_shared {
-                    let mut dyx = Vector::<f32, N>::empty();
-                    let mut dy = Vector::<f32, N>::empty();
-                    #[unroll]
-                    for lane in 0..N::value() {
-                        let at = (i * width + lane) * cube_threads + unit;
-                        dyx[lane] = sums[at];
-                        dy[lane] = sums[sum_half + at];
-                    }
-                    sum_dyx[i] = dyx;
-                    sum_dy[i] = dy;
-                }
                 let column = vector * width;
                 partial_scale[(block * partial_scale.stride(0)
                     + column * partial_scale.stride(1))
@@ -420,6 +335,22 @@ fn backward_kernel<F: Float, N: Size>(
             }
         }
     }
+}
+
+/// Launches `$kernel` with CubeCL's bounds check on every tensor access (`$checked`) or without
+/// (`launch_unchecked`): the norm kernels bound every access themselves (rows past the end and
+/// vectors past the row are never read or written), so the checks only cost instructions.
+macro_rules! launch_norm_kernel {
+    ($kernel:ident, $checked:expr, $client:expr, $($arg:expr),* $(,)?) => {
+        if $checked {
+            $kernel::launch::<R>($client, $($arg),*)
+        } else {
+            // SAFETY: every read and write of the kernel is bounded by its own `rows`,
+            // `vectors` and block checks (the lavapipe tests run it on ragged shapes into
+            // poisoned outputs; the GPU tests under compute-sanitizer).
+            unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) }
+        }
+    };
 }
 
 fn rows_hidden(shape: &Shape) -> (usize, usize) {
@@ -525,7 +456,9 @@ pub fn forward_into_with<R: CubeRuntime>(
         tuning.cube_threads,
     );
     let dtype = x.dtype.into();
-    forward_kernel::launch::<R>(
+    launch_norm_kernel!(
+        forward_kernel,
+        tuning.checked,
         &x.client.clone(),
         layout.cube_count(rows),
         layout.cube_dim(),
@@ -542,7 +475,6 @@ pub fn forward_into_with<R: CubeRuntime>(
         layout,
         kind == Kind::LayerNorm,
         has_shift,
-        tuning.early_parameters,
         dtype,
     );
 }
@@ -555,16 +487,21 @@ pub struct NormForwardLayout {
     pub elements_per_thread: usize,
     /// Threads per cube the rows are stacked to.
     pub cube_threads: u32,
-    /// Load the scale and shift with the row, before the row sums.
-    pub early_parameters: bool,
+    /// Let CubeCL check the bounds of every tensor access (the kernel bounds them itself).
+    pub checked: bool,
 }
 
 impl Default for NormForwardLayout {
     fn default() -> Self {
+        // 16 elements a thread (40 registers, 70 % occupancy) without CubeCL's bounds checks:
+        // on an H100 at 16 384 × 4 096, bf16 0.111-0.113 ms against 0.139 with 32 elements
+        // (64 registers) and 0.127 with the checks; f32 unchanged (0.196 ms, at the copy
+        // bandwidth). Loading the scale and shift with the row, before the row sums, was
+        // slower everywhere (registers) (2026-11-26).
         Self {
-            elements_per_thread: super::rows::MAX_ELEMENTS_PER_THREAD,
+            elements_per_thread: 16,
             cube_threads: 256,
-            early_parameters: false,
+            checked: false,
         }
     }
 }
@@ -670,17 +607,17 @@ pub fn backward_into_with<R: CubeRuntime>(
         return;
     }
     let width = vector_width(&[&x, &scale, &grad, &out.x]);
-    let elements_per_thread = (tuning.bytes_per_thread / x.dtype.size()).max(1);
-    let layout = RowLayout::for_row_with(&x.client, hidden / width, width, elements_per_thread);
-    let max_shared = x.client.properties().hardware.max_shared_memory_size;
-    let placement = tuning.placement(layout, width, max_shared);
+    let layout =
+        RowLayout::for_row_with(&x.client, hidden / width, width, tuning.elements_per_thread);
     let rows_per_block = tuning.rows_per_block(rows, layout.threads);
     let blocks = rows.div_ceil(rows_per_block);
     let partial = || f32_buffer(&x, Shape::new([blocks, hidden]));
     let partial_scale = partial();
     let partial_shift = out.shift.as_ref().map(|_| partial());
     let dtype = x.dtype.into();
-    backward_kernel::launch::<R>(
+    launch_norm_kernel!(
+        backward_kernel,
+        tuning.checked,
         &x.client.clone(),
         layout.cube_count(blocks),
         layout.cube_dim(),
@@ -702,7 +639,6 @@ pub fn backward_into_with<R: CubeRuntime>(
         layout,
         layer_norm,
         partial_shift.is_some(),
-        placement,
         dtype,
     );
     totals_into_with(tuning.totals, partial_scale, blocks, out.scale);
@@ -715,10 +651,10 @@ pub fn backward_into_with<R: CubeRuntime>(
 /// (`kernel_bench norm_backward_layouts`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NormBackwardLayout {
-    /// Bytes of `x` a thread holds per row, at most (16 bf16 or 8 f32 elements at 32): fewer
-    /// than the forward's, so short rows get more threads (the backward runs one row group per
-    /// block of rows).
-    pub bytes_per_thread: usize,
+    /// Elements of `x` a thread holds per row, at most: fewer than the forward's, so rows get
+    /// more threads (the backward runs one row group per block of rows) and the kernel fewer
+    /// registers.
+    pub elements_per_thread: usize,
     /// Threads the blocks should add up to (enough to fill the device).
     pub target_threads: usize,
     /// Rows per block at least and at most (each block writes one row of f32 partials, so
@@ -726,61 +662,30 @@ pub struct NormBackwardLayout {
     pub rows_per_block: (usize, usize),
     /// The second stage, summing the blocks' partials.
     pub totals: ColumnSumLayout,
-    /// Load the scale once a block into registers, rather than with each row.
-    pub scale_in_registers: bool,
-    /// Keep the block's column sums in shared memory rather than registers (where they fit in
-    /// [`SUMS_IN_SHARED_BYTES`] and the device's shared memory: 32 KiB on lavapipe).
-    pub sums_in_shared: bool,
-}
-
-/// The most shared memory the backward's column sums may take.
-pub const SUMS_IN_SHARED_BYTES: usize = 40 * 1024;
-
-/// Where the backward kernel keeps the scale and its column sums.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BackwardPlacement {
-    /// The scale in registers for the whole block.
-    pub scale_in_registers: bool,
-    /// The column sums in shared memory.
-    pub sums_in_shared: bool,
-    /// The vector width (sizes the shared memory).
-    pub width: usize,
+    /// Let CubeCL check the bounds of every tensor access (the kernel bounds them itself).
+    pub checked: bool,
 }
 
 impl Default for NormBackwardLayout {
     fn default() -> Self {
-        // 32 bytes a thread: the fastest for bf16 (16 elements) and for f32 (8 elements, 18 %
-        // faster than 16 at 16 384 × 4 096) on an H100. Tried and slower there: loading the
-        // next row while computing this one (bf16 at 4 096: 0.40 ms against 0.28), and holding
-        // the row as stored instead of `x̂` and `ĝ` in f32 (0.298 against 0.275) (2026-11-25).
+        // 8 elements a thread, without CubeCL's bounds checks: on an H100 at 16 384 × 4 096,
+        // bf16 0.239 ms against 0.262 with 16 elements and 0.322 with the checks; f32 as fast
+        // as before (2026-11-26). Tried and slower or no faster there: loading the next row
+        // while computing this one (bf16 at 4 096: 0.40 ms against 0.28), holding the row as
+        // stored instead of `x̂` and `ĝ` in f32 (0.298 against 0.275) (2026-11-25); the scale
+        // held in registers for the block, and the column sums in shared memory instead of
+        // registers (2026-11-26: within noise, and the registers stayed at 116-123).
         Self {
-            bytes_per_thread: 32,
+            elements_per_thread: 8,
             target_threads: 1 << 17,
             rows_per_block: (16, 64),
             totals: ColumnSumLayout::default(),
-            scale_in_registers: false,
-            sums_in_shared: false,
+            checked: false,
         }
     }
 }
 
 impl NormBackwardLayout {
-    /// The kernel's placement for `layout` and vectors of `width`, on a device with
-    /// `max_shared` bytes of shared memory a cube.
-    fn placement(&self, layout: RowLayout, width: usize, max_shared: usize) -> BackwardPlacement {
-        let threads = (layout.threads * layout.rows_per_cube) as usize;
-        let sums = 2 * layout.per_thread * width * threads * 4;
-        let row_sums = 2 * layout.shared_slots() * 4;
-        let sums_in_shared =
-            self.sums_in_shared && sums <= SUMS_IN_SHARED_BYTES && sums + row_sums <= max_shared;
-        BackwardPlacement {
-            scale_in_registers: self.scale_in_registers,
-            sums_in_shared,
-            // Only sizes the shared memory: 1 without it, so the kernel is not recompiled.
-            width: if sums_in_shared { width } else { 1 },
-        }
-    }
-
     /// Rows per block for `rows` rows of `threads_per_row` threads each.
     pub fn rows_per_block(&self, rows: usize, threads_per_row: u32) -> usize {
         let groups_wanted = self.target_threads / threads_per_row as usize;
