@@ -57,32 +57,40 @@ pub struct Gradients<R: CubeRuntime> {
     pub shift: Option<CubeTensor<R>>,
 }
 
-/// This thread's vector `i` of its row, as f32 (zero past the row's end).
+/// The strides of a `[rows, hidden]` tensor in vectors, `(row, vector)`, read once per kernel
+/// rather than at every access: vector `v` of row `r` is at `r · row + v · vector` (the
+/// vectorised axis has stride 1 whenever the width is above 1, and the row stride is a
+/// multiple of the width).
+#[cube]
+fn vector_strides<F: Float, N: Size>(tensor: &Tensor<Vector<F, N>>) -> (usize, usize) {
+    (tensor.stride(0) / N::value(), tensor.stride(1))
+}
+
+/// This thread's vector `vector` of row `row`, as f32 (zero past the row's end), with the
+/// tensor's [`vector_strides`].
 #[cube]
 fn load_row<F: Float, N: Size>(
     tensor: &Tensor<Vector<F, N>>,
+    strides: (usize, usize),
     row: usize,
     vector: usize,
     vectors: usize,
 ) -> Vector<f32, N> {
-    let width = N::value();
     let mut value = Vector::<f32, N>::new(0.0);
     if vector < vectors {
-        value = Vector::cast_from(
-            tensor[(row * tensor.stride(0) + vector * width * tensor.stride(1)) / width],
-        );
+        value = Vector::cast_from(tensor[row * strides.0 + vector * strides.1]);
     }
     value
 }
 
-/// Vector `vector` of a `[hidden]` parameter, as f32.
+/// Vector `vector` of a `[hidden]` parameter whose stride is `stride` elements, as f32.
 #[cube]
 fn load_parameter<F: Float, N: Size>(
     tensor: &Tensor<Vector<F, N>>,
+    stride: usize,
     vector: usize,
 ) -> Vector<f32, N> {
-    let width = N::value();
-    Vector::cast_from(tensor[vector * width * tensor.stride(0) / width])
+    Vector::cast_from(tensor[vector * stride])
 }
 
 /// Row `row`'s `x` and `dy` at this thread's vectors, as stored, into `xs` and `dys` (zero past
@@ -92,6 +100,7 @@ fn load_parameter<F: Float, N: Size>(
 fn load_row_raw<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
     grad: &Tensor<Vector<F, N>>,
+    strides: ((usize, usize), (usize, usize)),
     xs: &mut Array<Vector<F, N>>,
     dys: &mut Array<Vector<F, N>>,
     row: usize,
@@ -99,7 +108,7 @@ fn load_row_raw<F: Float, N: Size>(
     vectors: usize,
     #[comptime] layout: RowLayout,
 ) {
-    let width = N::value();
+    let (x_strides, grad_strides) = strides;
     let threads = comptime!(layout.threads as usize);
     #[unroll]
     for i in 0..comptime!(layout.per_thread) {
@@ -107,8 +116,8 @@ fn load_row_raw<F: Float, N: Size>(
         let mut xv = Vector::<F, N>::new(F::new(0.0));
         let mut dv = Vector::<F, N>::new(F::new(0.0));
         if vector < vectors && row < rows as usize {
-            xv = x[(row * x.stride(0) + vector * width * x.stride(1)) / width];
-            dv = grad[(row * grad.stride(0) + vector * width * grad.stride(1)) / width];
+            xv = x[row * x_strides.0 + vector * x_strides.1];
+            dv = grad[row * grad_strides.0 + vector * grad_strides.1];
         }
         xs[i] = xv;
         dys[i] = dv;
@@ -155,12 +164,15 @@ fn forward_kernel<F: Float, N: Size>(
     }
     let n = f32::cast_from(hidden);
     let mut shared = SharedMemory::<f32>::new(comptime!(layout.shared_slots()));
+    let x_strides = vector_strides::<F, N>(x);
+    let out_strides = vector_strides::<F, N>(output);
+    let (scale_stride, shift_stride) = (scale.stride(0), shift.stride(0));
 
     let mut values = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
     let mut sum = f32::new(0.0);
     #[unroll]
     for i in 0..comptime!(layout.per_thread) {
-        let value = load_row::<F, N>(x, row, tid + i * threads, vectors);
+        let value = load_row::<F, N>(x, x_strides, row, tid + i * threads, vectors);
         values[i] = value;
         sum += lanes_sum::<N>(value);
     }
@@ -187,12 +199,11 @@ fn forward_kernel<F: Float, N: Size>(
             if vector < vectors {
                 let mut y = (values[i] - Vector::new(mu))
                     * Vector::new(r)
-                    * load_parameter::<F, N>(scale, vector);
+                    * load_parameter::<F, N>(scale, scale_stride, vector);
                 if has_shift {
-                    y += load_parameter::<F, N>(shift, vector);
+                    y += load_parameter::<F, N>(shift, shift_stride, vector);
                 }
-                output[(row * output.stride(0) + vector * width * output.stride(1)) / width] =
-                    Vector::cast_from(y);
+                output[row * out_strides.0 + vector * out_strides.1] = Vector::cast_from(y);
             }
         }
         if tid == 0 {
@@ -231,6 +242,10 @@ fn backward_kernel<F: Float, N: Size>(
     let first = block * rows_per_block as usize;
     // Room for two row sums at once (`row_sum_pair`).
     let mut shared = SharedMemory::<f32>::new(comptime!(2 * layout.shared_slots()));
+    let strides = (vector_strides::<F, N>(x), vector_strides::<F, N>(grad));
+    let dx_strides = vector_strides::<F, N>(grad_x);
+    let scale_stride = scale.stride(0);
+    let (mean_stride, rstd_stride) = (mean.stride(0), rstd.stride(0));
 
     // This thread's columns of the block's `Σ dy · x̂` and `Σ dy`, in rows' order.
     let mut sum_dyx = Array::<Vector<f32, N>>::new(comptime!(layout.per_thread));
@@ -258,10 +273,20 @@ fn backward_kernel<F: Float, N: Size>(
         }
         let mut mu = f32::new(0.0);
         if layer_norm {
-            mu = mean[row * mean.stride(0)];
+            mu = mean[row * mean_stride];
         }
-        let r = rstd[row * rstd.stride(0)];
-        load_row_raw::<F, N>(x, grad, &mut x_row, &mut dy_row, row, rows, vectors, layout);
+        let r = rstd[row * rstd_stride];
+        load_row_raw::<F, N>(
+            x,
+            grad,
+            strides,
+            &mut x_row,
+            &mut dy_row,
+            row,
+            rows,
+            vectors,
+            layout,
+        );
         let mut sum_g = f32::new(0.0);
         let mut sum_gx = f32::new(0.0);
         #[unroll]
@@ -274,7 +299,7 @@ fn backward_kernel<F: Float, N: Size>(
             if vector < vectors && active {
                 xh = (Vector::<f32, N>::cast_from(x_row[i]) - Vector::new(mu)) * Vector::new(r);
                 dy = Vector::<f32, N>::cast_from(dy_row[i]);
-                gh = dy * load_parameter::<F, N>(scale, vector);
+                gh = dy * load_parameter::<F, N>(scale, scale_stride, vector);
             }
             x_hat[i] = xh;
             g_hat[i] = gh;
@@ -310,8 +335,7 @@ fn backward_kernel<F: Float, N: Size>(
                 if vector < vectors {
                     let dx = (g_hat[i] - Vector::new(mean_g) - x_hat[i] * Vector::new(mean_gx))
                         * Vector::new(r);
-                    grad_x[(row * grad_x.stride(0) + vector * width * grad_x.stride(1)) / width] =
-                        Vector::cast_from(dx);
+                    grad_x[row * dx_strides.0 + vector * dx_strides.1] = Vector::cast_from(dx);
                 }
             }
         }
