@@ -1592,7 +1592,7 @@ fn column_sum_layouts_all_give_the_exact_sums() {
     }
 }
 
-/// The norm backward's work layouts (`NormBackwardLayout`: elements a thread, blocks, the second
+/// The norm backward's work layouts (`NormBackwardLayout`: bytes a thread, blocks, the second
 /// stage's shape, CubeCL's bounds checks) give the default layout's gradients, with the last
 /// block ending inside the rows and rows shorter than a thread group; the bounds checks alone
 /// give its bits.
@@ -1610,13 +1610,13 @@ fn norm_backward_layouts_agree() {
             ..NormBackwardLayout::default()
         },
         NormBackwardLayout {
-            elements_per_thread: 4,
+            bytes_per_thread: 16,
             target_threads: 1 << 10,
             rows_per_block: (3, 5),
             ..NormBackwardLayout::default()
         },
         NormBackwardLayout {
-            elements_per_thread: 32,
+            bytes_per_thread: 64,
             target_threads: 1 << 12,
             rows_per_block: (1, 200),
             ..NormBackwardLayout::default()

@@ -792,7 +792,6 @@ fn norm_forward_layouts(device: &CudaGpu) {
                     elements_per_thread,
                     cube_threads,
                     checked,
-                    ..NormForwardLayout::default()
                 });
             }
         }
@@ -849,16 +848,16 @@ fn norm_backward_layouts(device: &CudaGpu) {
     let mut layouts = vec![NormBackwardLayout::default()];
     // The whole grid with `BM_NORM_GRID` (it compiles a kernel for each layout and shape).
     let grid = std::env::var_os("BM_NORM_GRID").is_some();
-    for elements_per_thread in [4, 8, 16] {
+    for bytes_per_thread in [16, 32, 64] {
         layouts.push(NormBackwardLayout {
-            elements_per_thread,
+            bytes_per_thread,
             checked: true,
             ..NormBackwardLayout::default()
         });
         for target_threads in [1 << 16, 1 << 17, 1 << 18] {
             for rows_per_block in [(16, 64), (8, 32), (32, 128)] {
                 let layout = NormBackwardLayout {
-                    elements_per_thread,
+                    bytes_per_thread,
                     target_threads,
                     rows_per_block,
                     totals: ColumnSumLayout::default(),

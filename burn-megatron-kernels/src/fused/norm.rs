@@ -3,8 +3,9 @@
 //! `FusedRMSNormAffineFunction`).
 //!
 //! - Forward: each row is loaded once into registers as [`Vector`]s (16-byte loads where the
-//!   shapes and strides allow), by a group of threads sized to the row ([`RowLayout`]: 32
-//!   threads for GPT-2's 768, up to 1 024 for 16k; several rows a cube for short rows). The
+//!   shapes and strides allow), by a group of threads sized to the row ([`RowLayout`]: 16
+//!   elements a thread by default, up to 1 024 threads for 16k; several rows a cube for short
+//!   rows). The
 //!   group sums for the mean (LayerNorm), then for the variance of the centred row (two
 //!   passes over the registers: no cancellation), and writes
 //!   `(x - mean) · rstd · scale (+ shift)` and the row's f32 `mean` and `rstd`.
@@ -15,6 +16,13 @@
 //!   `[blocks, hidden]` f32 partials. `dscale` and `dshift` are then the partials' sums over
 //!   the blocks in a fixed order ([`super::column_sum::totals_into`]): no atomics, the same
 //!   bits on every run, and `x` and `dy` read once for all three gradients.
+//!
+//! Both kernels bound every access themselves, so they launch without CubeCL's per-access
+//! bounds checks, and read each tensor's strides once: in bf16 the checks and the index
+//! arithmetic cost more than a tenth of the forward's time. How many elements a thread holds
+//! decides the registers, and so how many cubes share an SM ([`NormForwardLayout`],
+//! [`NormBackwardLayout`], measured by `kernel_bench norm_forward_layouts` and
+//! `norm_backward_layouts`).
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -631,8 +639,8 @@ pub fn backward_into_with<R: CubeRuntime>(
         return;
     }
     let width = vector_width(&[&x, &scale, &grad, &out.x]);
-    let layout =
-        RowLayout::for_row_with(&x.client, hidden / width, width, tuning.elements_per_thread);
+    let elements_per_thread = (tuning.bytes_per_thread / x.dtype.size()).max(1);
+    let layout = RowLayout::for_row_with(&x.client, hidden / width, width, elements_per_thread);
     let rows_per_block = tuning.rows_per_block(rows, layout.threads);
     let blocks = rows.div_ceil(rows_per_block);
     let partial = || f32_buffer(&x, Shape::new([blocks, hidden]));
@@ -675,10 +683,10 @@ pub fn backward_into_with<R: CubeRuntime>(
 /// (`kernel_bench norm_backward_layouts`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NormBackwardLayout {
-    /// Elements of `x` a thread holds per row, at most: fewer than the forward's, so rows get
-    /// more threads (the backward runs one row group per block of rows) and the kernel fewer
-    /// registers.
-    pub elements_per_thread: usize,
+    /// Bytes of `x` a thread holds per row, at most (16 bf16 or 8 f32 elements at 32). Fewer
+    /// give a row more threads (more barrier cost a row) and fewer registers a thread; what
+    /// counts is how many cubes then share an SM.
+    pub bytes_per_thread: usize,
     /// Threads the blocks should add up to (enough to fill the device).
     pub target_threads: usize,
     /// Rows per block at least and at most (each block writes one row of f32 partials, so
@@ -692,15 +700,17 @@ pub struct NormBackwardLayout {
 
 impl Default for NormBackwardLayout {
     fn default() -> Self {
-        // 8 elements a thread, without CubeCL's bounds checks: on an H100 at 16 384 × 4 096,
-        // bf16 0.239 ms against 0.262 with 16 elements and 0.322 with the checks; f32 as fast
-        // as before (2026-11-26). Tried and slower or no faster there: loading the next row
-        // while computing this one (bf16 at 4 096: 0.40 ms against 0.28), holding the row as
-        // stored instead of `x̂` and `ĝ` in f32 (0.298 against 0.275) (2026-11-25); the scale
+        // 32 bytes a thread, without CubeCL's bounds checks and with each tensor's strides
+        // read once: on an H100 at 16 384 × 4 096, bf16 0.213-0.217 ms (16 elements: 256
+        // threads a row, 123 registers, two cubes an SM) against 0.280 with 8 elements (512
+        // threads a row, 81 registers: one cube an SM) and 0.255 with the checks; f32 0.325 ms
+        // (8 elements) (2026-11-26). Tried and slower or no faster there: loading the next
+        // row while computing this one (bf16 at 4 096: 0.40 ms against 0.28), holding the row
+        // as stored instead of `x̂` and `ĝ` in f32 (0.298 against 0.275) (2026-11-25); the scale
         // held in registers for the block, and the column sums in shared memory instead of
-        // registers (2026-11-26: within noise, and the registers stayed at 116-123).
+        // registers (2026-11-26: within noise).
         Self {
-            elements_per_thread: 8,
+            bytes_per_thread: 32,
             target_threads: 1 << 17,
             rows_per_block: (16, 64),
             totals: ColumnSumLayout::default(),
