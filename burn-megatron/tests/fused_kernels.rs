@@ -1502,8 +1502,8 @@ fn norm_kernels_equal_exact_f64_values() {
 /// `dscale` and `dshift` come from a fixed-order two-stage sum, not atomics: two runs on the
 /// same inputs give the same bits (1000 rows: 32 blocks of partial sums).
 /// Every shape of the column sums' two stages (`ColumnSumLayout`: row lanes, loads in flight,
-/// block sizes, second-stage lanes; `kernel_bench column_sum_layouts` picks the default among
-/// them) gives the exact sums of `dy` and of `dy · x̂`, on strided views, with blocks that end
+/// block sizes, second-stage lanes, CubeCL's bounds checks; `kernel_bench column_sum_layouts`
+/// picks the default among them) gives the exact sums of `dy` and of `dy · x̂`, on strided views, with blocks that end
 /// inside a group of loads, with columns past the last cube's, and with no rows.
 #[test]
 fn column_sum_layouts_all_give_the_exact_sums() {
@@ -1514,6 +1514,10 @@ fn column_sum_layouts_all_give_the_exact_sums() {
     let layouts = [
         ColumnSumLayout::default(),
         ColumnSumLayout {
+            checked: true,
+            ..ColumnSumLayout::default()
+        },
+        ColumnSumLayout {
             column_vectors: 32,
             row_lanes: 8,
             loads_in_flight: 4,
@@ -1521,6 +1525,7 @@ fn column_sum_layouts_all_give_the_exact_sums() {
             max_blocks: 512,
             total_columns: 16,
             total_lanes: 16,
+            checked: true,
         },
         ColumnSumLayout {
             column_vectors: 64,
@@ -1530,6 +1535,7 @@ fn column_sum_layouts_all_give_the_exact_sums() {
             max_blocks: 4,
             total_columns: 4,
             total_lanes: 64,
+            checked: false,
         },
         ColumnSumLayout {
             column_vectors: 16,
@@ -1539,6 +1545,7 @@ fn column_sum_layouts_all_give_the_exact_sums() {
             max_blocks: 512,
             total_columns: 32,
             total_lanes: 8,
+            checked: false,
         },
     ];
     for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {

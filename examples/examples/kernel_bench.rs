@@ -640,8 +640,21 @@ fn elementwise_layouts(device: &CudaGpu) {
 fn column_sum_layouts(device: &CudaGpu) {
     use burn_megatron_kernels::fused::column_sum::{ColumnSumLayout, column_sum_with};
     let rows = 16_384;
-    let mut layouts = vec![ColumnSumLayout::default()];
-    for (column_vectors, row_lanes) in [(32, 8), (64, 4), (32, 4), (128, 2), (64, 2)] {
+    let mut layouts = vec![
+        ColumnSumLayout::default(),
+        ColumnSumLayout {
+            checked: true,
+            ..ColumnSumLayout::default()
+        },
+    ];
+    // The row-lane grid with `BM_COLUMN_GRID` (it compiles kernels for each layout and shape).
+    let grid = std::env::var_os("BM_COLUMN_GRID").is_some();
+    let lanes: &[(u32, u32)] = if grid {
+        &[(32, 8), (64, 4), (32, 4), (128, 2), (64, 2)]
+    } else {
+        &[]
+    };
+    for &(column_vectors, row_lanes) in lanes {
         for loads_in_flight in [1, 2, 4] {
             for (min_rows_per_block, max_blocks) in [(32, 512), (64, 256), (128, 128)] {
                 for total_lanes in [16, 64] {
@@ -653,6 +666,7 @@ fn column_sum_layouts(device: &CudaGpu) {
                         max_blocks,
                         total_columns: 256 / total_lanes,
                         total_lanes,
+                        checked: false,
                     });
                 }
             }

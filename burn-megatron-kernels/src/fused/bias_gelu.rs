@@ -161,7 +161,7 @@ fn backward_kernel<F: Float, N: Size>(
 /// `partial` (`[blocks, columns]` f32), rows in order. That is the order of the column sums'
 /// first stage ([`column_sum`](super::column_sum)), so the bias gradient has the bits of the
 /// column sum of `dx`, without reading `dx` again.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn backward_bias_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
@@ -371,7 +371,9 @@ pub fn backward_and_bias_gradient_with<R: CubeRuntime>(
     let dtype = x.dtype.into();
     let width = vector_width(&[&x, &bias, &grad, &grad_x, &partial]);
     let vectors_per_row = cols / width;
-    backward_bias_kernel::launch::<R>(
+    launch_checked_or_not!(
+        backward_bias_kernel,
+        layout.checked,
         &x.client.clone(),
         CubeCount::Static(
             vectors_per_row.div_ceil(layout.column_vectors as usize) as u32,

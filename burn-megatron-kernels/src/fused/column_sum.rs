@@ -45,6 +45,9 @@ pub struct ColumnSumLayout {
     pub total_columns: u32,
     /// Threads per column of the second stage, each summing every `total_lanes`-th block.
     pub total_lanes: u32,
+    /// Let CubeCL check the bounds of every tensor access (both stages, and the bias-GeLU and
+    /// SwiGLU backward kernels that write stage-one partials, bound every access themselves).
+    pub checked: bool,
 }
 
 impl Default for ColumnSumLayout {
@@ -61,6 +64,7 @@ impl Default for ColumnSumLayout {
             max_blocks: 256,
             total_columns: 4,
             total_lanes: 64,
+            checked: false,
         }
     }
 }
@@ -121,7 +125,7 @@ fn add_row<F: Float, N: Size>(
 
 /// Stage one: partial sums of `dy` (into `partial_dy`, when `sum_dy`) and of `dy · x̂` (into
 /// `partial_dyx`, when `normalised`).
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn partials_kernel<F: Float, N: Size>(
     dy: &Tensor<Vector<F, N>>,
@@ -254,7 +258,7 @@ fn partials_kernel<F: Float, N: Size>(
 
 /// Stage two: lane `l` of a column sums blocks `l, l + lanes, …` in order, then lane 0 adds
 /// the lanes in order and writes the total in `O`.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 fn total_kernel<O: Float>(
     partial: &Tensor<f32>,
     total: &mut Tensor<O>,
@@ -349,7 +353,9 @@ pub fn column_sums_into_with<R: CubeRuntime>(
     };
     let cubes = (columns / width).div_ceil(layout.column_vectors as usize) as u32;
     if rows > 0 {
-        partials_kernel::launch::<R>(
+        launch_checked_or_not!(
+            partials_kernel,
+            layout.checked,
             &client,
             CubeCount::Static(cubes, blocks as u32, 1),
             CubeDim::new_2d(layout.column_vectors, layout.row_lanes),
@@ -404,7 +410,9 @@ pub fn totals_into_with<R: CubeRuntime>(
         return;
     }
     let dtype = out.dtype.into();
-    total_kernel::launch::<R>(
+    launch_checked_or_not!(
+        total_kernel,
+        layout.checked,
         &partial.client.clone(),
         CubeCount::Static(columns.div_ceil(layout.total_columns as usize) as u32, 1, 1),
         CubeDim::new_2d(layout.total_columns, layout.total_lanes),

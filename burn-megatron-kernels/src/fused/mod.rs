@@ -8,6 +8,23 @@
 //! memory, so they run where planes are absent or narrow (lavapipe, which runs CI's kernel
 //! tests, reports none).
 
+/// Launches `$kernel` (declared `#[cube(launch, launch_unchecked)]`) with CubeCL's bounds check
+/// on every tensor access (`$checked`) or without. Only for kernels that bound every access
+/// themselves (rows past the end and vectors past a row are never read or written): there the
+/// checks cost instructions and nothing else. `R` is the caller's runtime parameter.
+macro_rules! launch_checked_or_not {
+    ($kernel:ident, $checked:expr, $client:expr, $($arg:expr),* $(,)?) => {
+        if $checked {
+            $kernel::launch::<R>($client, $($arg),*)
+        } else {
+            // SAFETY: the kernel bounds every read and write itself (see its launcher; the
+            // lavapipe tests run it on ragged shapes into poisoned outputs, and the GPU tests
+            // under compute-sanitizer).
+            unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) }
+        }
+    };
+}
+
 pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;

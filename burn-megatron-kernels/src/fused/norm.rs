@@ -369,22 +369,6 @@ fn backward_kernel<F: Float, N: Size>(
     }
 }
 
-/// Launches `$kernel` with CubeCL's bounds check on every tensor access (`$checked`) or without
-/// (`launch_unchecked`): the norm kernels bound every access themselves (rows past the end and
-/// vectors past the row are never read or written), so the checks only cost instructions.
-macro_rules! launch_norm_kernel {
-    ($kernel:ident, $checked:expr, $client:expr, $($arg:expr),* $(,)?) => {
-        if $checked {
-            $kernel::launch::<R>($client, $($arg),*)
-        } else {
-            // SAFETY: every read and write of the kernel is bounded by its own `rows`,
-            // `vectors` and block checks (the lavapipe tests run it on ragged shapes into
-            // poisoned outputs; the GPU tests under compute-sanitizer).
-            unsafe { $kernel::launch_unchecked::<R>($client, $($arg),*) }
-        }
-    };
-}
-
 fn rows_hidden(shape: &Shape) -> (usize, usize) {
     let dims = shape.as_slice();
     assert_eq!(dims.len(), 2, "the norm kernels take x: [rows, hidden]");
@@ -488,7 +472,7 @@ pub fn forward_into_with<R: CubeRuntime>(
         tuning.cube_threads,
     );
     let dtype = x.dtype.into();
-    launch_norm_kernel!(
+    launch_checked_or_not!(
         forward_kernel,
         tuning.checked,
         &x.client.clone(),
@@ -647,7 +631,7 @@ pub fn backward_into_with<R: CubeRuntime>(
     let partial_scale = partial();
     let partial_shift = out.shift.as_ref().map(|_| partial());
     let dtype = x.dtype.into();
-    launch_norm_kernel!(
+    launch_checked_or_not!(
         backward_kernel,
         tuning.checked,
         &x.client.clone(),

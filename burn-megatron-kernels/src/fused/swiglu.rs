@@ -153,7 +153,7 @@ fn backward_kernel<F: Float, N: Size>(
 /// in order. That is the order of the column sums' first stage
 /// ([`column_sum`](super::column_sum)), so each bias gradient has the bits of the column sum
 /// of its input's gradient, without reading it again.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn backward_bias_kernel<F: Float, N: Size>(
     gate: &Tensor<Vector<F, N>>,
@@ -424,7 +424,9 @@ pub fn backward_and_bias_gradients_with<R: CubeRuntime>(
     ]);
     let vectors_per_row = cols / width;
     let dtype = gate.dtype.into();
-    backward_bias_kernel::launch::<R>(
+    launch_checked_or_not!(
+        backward_bias_kernel,
+        layout.checked,
         &gate.client.clone(),
         CubeCount::Static(
             vectors_per_row.div_ceil(layout.column_vectors as usize) as u32,
