@@ -1514,7 +1514,7 @@ fn column_sum_layouts_all_give_the_exact_sums() {
     let layouts = [
         ColumnSumLayout::default(),
         ColumnSumLayout {
-            checked: true,
+            checked: false,
             ..ColumnSumLayout::default()
         },
         ColumnSumLayout {

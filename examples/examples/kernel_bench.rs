@@ -643,7 +643,7 @@ fn column_sum_layouts(device: &CudaGpu) {
     let mut layouts = vec![
         ColumnSumLayout::default(),
         ColumnSumLayout {
-            checked: true,
+            checked: false,
             ..ColumnSumLayout::default()
         },
     ];
@@ -666,7 +666,7 @@ fn column_sum_layouts(device: &CudaGpu) {
                         max_blocks,
                         total_columns: 256 / total_lanes,
                         total_lanes,
-                        checked: false,
+                        checked: true,
                     });
                 }
             }

@@ -45,8 +45,10 @@ pub struct ColumnSumLayout {
     pub total_columns: u32,
     /// Threads per column of the second stage, each summing every `total_lanes`-th block.
     pub total_lanes: u32,
-    /// Let CubeCL check the bounds of every tensor access (both stages, and the bias-GeLU and
-    /// SwiGLU backward kernels that write stage-one partials, bound every access themselves).
+    /// Let CubeCL check the bounds of every tensor access in both stages (they bound every
+    /// access themselves). On by default: the sums were as fast or faster with the checks
+    /// (H100, 2026-11-26: bf16 16 384 × 4 096 in 0.071 ms against 0.076 without; 7 of 8
+    /// shapes), their loops having few accesses to check.
     pub checked: bool,
 }
 
@@ -64,7 +66,7 @@ impl Default for ColumnSumLayout {
             max_blocks: 256,
             total_columns: 4,
             total_lanes: 64,
-            checked: false,
+            checked: true,
         }
     }
 }
