@@ -8,13 +8,13 @@
 //! forward of the same form, `dy · gelu'(x + bias)`; the bias gradient is the caller's column
 //! sum of that.
 
-use burn::tensor::{DType, Shape};
+use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::column_sum::{ColumnSumLayout, column_sums_into, totals_into_with};
+use super::column_sum::{ColumnWalk, column_sums_into, walked_rows};
 use super::vectors::{
     ElementwiseLayout, THREADS, column_vector, empty_like, rows_cols, thread_position,
     vector_offset, vector_width,
@@ -61,6 +61,24 @@ fn gelu_derivative(v: f32, #[comptime] tanh: bool) -> f32 {
         let cdf = 0.5 * (1.0 + Erf::erf(v * FRAC_1_SQRT_2));
         cdf + v * FRAC_1_SQRT_2PI * (-0.5 * v * v).exp()
     }
+}
+
+/// `dy · gelu'(x + b)` for one vector of `x` and `dy` as stored, in f32.
+#[cube]
+fn gelu_backward<F: Float, N: Size>(
+    x: Vector<F, N>,
+    b: Vector<f32, N>,
+    dy: Vector<F, N>,
+    #[comptime] tanh: bool,
+) -> Vector<f32, N> {
+    let v = Vector::<f32, N>::cast_from(x) + b;
+    let dy = Vector::<f32, N>::cast_from(dy);
+    let mut dx = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        dx[k] = dy[k] * gelu_derivative(v[k], tanh);
+    }
+    dx
 }
 
 /// The bias of this thread's column vector, in f32 (zero without `has_bias`).
@@ -144,13 +162,7 @@ fn backward_kernel<F: Float, N: Size>(
     #[unroll]
     for j in 0..count {
         if first + j < rows as usize {
-            let v = Vector::<f32, N>::cast_from(xs[j]) + b;
-            let dy = Vector::<f32, N>::cast_from(dys[j]);
-            let mut dx = Vector::<f32, N>::empty();
-            #[unroll]
-            for k in 0..N::value() {
-                dx[k] = dy[k] * gelu_derivative(v[k], tanh);
-            }
+            let dx = gelu_backward::<F, N>(xs[j], b, dys[j], tanh);
             grad_x[vector_offset::<F, N>(grad_x, first + j, vector)] = Vector::cast_from(dx);
         }
     }
@@ -177,16 +189,8 @@ fn backward_bias_kernel<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
-    let vector = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if vector >= vectors_per_row as usize {
-        terminate!();
-    }
+    let (vector, start, end) = walked_rows(rows, vectors_per_row, rows_per_block);
     let block = CUBE_POS_Y as usize;
-    let start = block * rows_per_block as usize;
-    let mut end = start + rows_per_block as usize;
-    if end > rows as usize {
-        end = rows as usize;
-    }
     let b = column_bias::<F, N>(bias, vector, true);
     let mut total = Vector::<f32, N>::new(0.0);
     // `rows_in_flight` rows' loads are issued before any is used; the sum still takes the
@@ -205,14 +209,8 @@ fn backward_bias_kernel<F: Float, N: Size>(
         #[unroll]
         for j in 0..rows_in_flight {
             if row + j < end {
-                let v = Vector::<f32, N>::cast_from(xs[j]) + b;
-                let dy = Vector::<f32, N>::cast_from(dys[j]);
-                let mut dx = Vector::<f32, N>::empty();
-                #[unroll]
-                for k in 0..N::value() {
-                    dx[k] = dy[k] * gelu_derivative(v[k], tanh);
-                }
-                let stored = Vector::<F, N>::cast_from(dx);
+                let stored =
+                    Vector::<F, N>::cast_from(gelu_backward::<F, N>(xs[j], b, dys[j], tanh));
                 grad_x[vector_offset::<F, N>(grad_x, row + j, vector)] = stored;
                 total += Vector::<f32, N>::cast_from(stored);
             }
@@ -360,14 +358,8 @@ pub fn backward_and_bias_gradient_with<R: CubeRuntime>(
         }
         return (grad_x, grad_bias);
     }
-    let layout = ColumnSumLayout::default();
-    let (blocks, rows_per_block) = layout.blocks(rows);
-    let partial = empty_device_contiguous_dtype::<R>(
-        x.client.clone(),
-        x.device.clone(),
-        Shape::new([blocks, cols]),
-        DType::F32,
-    );
+    let walk = ColumnWalk::new(rows);
+    let partial = walk.partials(&x, cols);
     let dtype = x.dtype.into();
     let width = vector_width(&[&x, &bias, &grad, &grad_x, &partial]);
     let vectors_per_row = cols / width;
@@ -378,12 +370,8 @@ pub fn backward_and_bias_gradient_with<R: CubeRuntime>(
     unsafe {
         backward_bias_kernel::launch_unchecked::<R>(
             &x.client.clone(),
-            CubeCount::Static(
-                vectors_per_row.div_ceil(layout.column_vectors as usize) as u32,
-                blocks as u32,
-                1,
-            ),
-            CubeDim::new_1d(layout.column_vectors),
+            walk.cube_count(vectors_per_row),
+            walk.cube_dim(),
             width,
             x.into_tensor_arg(),
             bias.into_tensor_arg(),
@@ -392,12 +380,12 @@ pub fn backward_and_bias_gradient_with<R: CubeRuntime>(
             partial.clone().into_tensor_arg(),
             rows as u32,
             vectors_per_row as u32,
-            rows_per_block as u32,
+            walk.rows_per_block as u32,
             rows_in_flight,
             form == Form::Tanh,
             dtype,
         );
     }
-    totals_into_with(layout, partial, blocks, grad_bias.clone());
+    walk.totals_into(partial, grad_bias.clone());
     (grad_x, grad_bias)
 }

@@ -81,6 +81,69 @@ impl ColumnSumLayout {
     }
 }
 
+/// The grid of a kernel that writes the column sums' first-stage partials itself as it walks
+/// each column vector down a block of rows (the bias-GeLU and SwiGLU backward): the default
+/// layout's blocks, one thread a column vector, [`walked_rows`] inside the kernel, then
+/// [`totals_into_with`] on the partials.
+#[derive(Debug, Clone, Copy)]
+pub struct ColumnWalk {
+    pub layout: ColumnSumLayout,
+    pub blocks: usize,
+    pub rows_per_block: usize,
+}
+
+impl ColumnWalk {
+    /// The walk over `rows` rows.
+    pub fn new(rows: usize) -> Self {
+        let layout = ColumnSumLayout::default();
+        let (blocks, rows_per_block) = layout.blocks(rows);
+        Self {
+            layout,
+            blocks,
+            rows_per_block,
+        }
+    }
+
+    /// Cubes along x over a row's `vectors_per_row` vectors, along y over the blocks.
+    pub fn cube_count(&self, vectors_per_row: usize) -> CubeCount {
+        CubeCount::Static(
+            vectors_per_row.div_ceil(self.layout.column_vectors as usize) as u32,
+            self.blocks as u32,
+            1,
+        )
+    }
+
+    pub fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_1d(self.layout.column_vectors)
+    }
+
+    /// A `[blocks, columns]` f32 buffer for the partials, on `like`'s device.
+    pub fn partials<R: CubeRuntime>(&self, like: &CubeTensor<R>, columns: usize) -> CubeTensor<R> {
+        buffer(like, Shape::new([self.blocks, columns]), DType::F32)
+    }
+
+    /// The totals of `partial` (from [`partials`](Self::partials)) written into `out`.
+    pub fn totals_into<R: CubeRuntime>(&self, partial: CubeTensor<R>, out: CubeTensor<R>) {
+        totals_into_with(self.layout, partial, self.blocks, out);
+    }
+}
+
+/// This thread's column vector and its block's rows `start..end` in a [`ColumnWalk`], or
+/// `terminate!` past the row's vectors.
+#[cube]
+pub fn walked_rows(rows: u32, vectors_per_row: u32, rows_per_block: u32) -> (usize, usize, usize) {
+    let vector = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    if vector >= vectors_per_row as usize {
+        terminate!();
+    }
+    let start = CUBE_POS_Y as usize * rows_per_block as usize;
+    let mut end = start + rows_per_block as usize;
+    if end > rows as usize {
+        end = rows as usize;
+    }
+    (vector, start, end)
+}
+
 /// The normalised input `x̂ = (x - mean) · rstd` of a norm, whose products with `dy` are summed
 /// next to `dy` itself (the scale and shift gradients).
 #[derive(Debug, Clone)]

@@ -8,13 +8,13 @@
 //! and `d_up` once. [`backward_and_bias_gradients`] also sums them over the rows (the biases'
 //! gradients) as it writes them.
 
-use burn::tensor::{DType, Shape};
+use burn::tensor::Shape;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::column_sum::{ColumnSumLayout, column_sums_into, totals_into_with};
+use super::column_sum::{ColumnWalk, column_sums_into, walked_rows};
 use super::vectors::{
     ElementwiseLayout, THREADS, column_vector, empty_like, rows_cols, thread_position,
     vector_offset, vector_width,
@@ -172,16 +172,8 @@ fn backward_bias_kernel<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
-    let vector = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
-    if vector >= vectors_per_row as usize {
-        terminate!();
-    }
+    let (vector, start, end) = walked_rows(rows, vectors_per_row, rows_per_block);
     let block = CUBE_POS_Y as usize;
-    let start = block * rows_per_block as usize;
-    let mut end = start + rows_per_block as usize;
-    if end > rows as usize {
-        end = rows as usize;
-    }
     let (bg, bu) = column_biases::<F, N>(gate_bias, up_bias, vector, true);
     let mut total_gate = Vector::<f32, N>::new(0.0);
     let mut total_up = Vector::<f32, N>::new(0.0);
@@ -401,17 +393,8 @@ pub fn backward_and_bias_gradients_with<R: CubeRuntime>(
         }
         return (derivatives, bias_gradients);
     }
-    let layout = ColumnSumLayout::default();
-    let (blocks, rows_per_block) = layout.blocks(rows);
-    let partial = || {
-        empty_device_contiguous_dtype::<R>(
-            gate.client.clone(),
-            gate.device.clone(),
-            Shape::new([blocks, cols]),
-            DType::F32,
-        )
-    };
-    let (partial_gate, partial_up) = (partial(), partial());
+    let walk = ColumnWalk::new(rows);
+    let (partial_gate, partial_up) = (walk.partials(&gate, cols), walk.partials(&gate, cols));
     let width = vector_width(&[
         &gate,
         &up,
@@ -431,12 +414,8 @@ pub fn backward_and_bias_gradients_with<R: CubeRuntime>(
     unsafe {
         backward_bias_kernel::launch_unchecked::<R>(
             &gate.client.clone(),
-            CubeCount::Static(
-                vectors_per_row.div_ceil(layout.column_vectors as usize) as u32,
-                blocks as u32,
-                1,
-            ),
-            CubeDim::new_1d(layout.column_vectors),
+            walk.cube_count(vectors_per_row),
+            walk.cube_dim(),
             width,
             gate.into_tensor_arg(),
             up.into_tensor_arg(),
@@ -449,12 +428,12 @@ pub fn backward_and_bias_gradients_with<R: CubeRuntime>(
             partial_up.clone().into_tensor_arg(),
             rows as u32,
             vectors_per_row as u32,
-            rows_per_block as u32,
+            walk.rows_per_block as u32,
             rows_in_flight,
             dtype,
         );
     }
-    totals_into_with(layout, partial_gate, blocks, db_gate);
-    totals_into_with(layout, partial_up, blocks, db_up);
+    walk.totals_into(partial_gate, db_gate);
+    walk.totals_into(partial_up, db_up);
     (derivatives, bias_gradients)
 }
