@@ -83,7 +83,7 @@ impl ColumnSumLayout {
 
 /// The grid of a kernel that writes the column sums' first-stage partials itself as it walks
 /// each column vector down a block of rows (the bias-GeLU and SwiGLU backward): the default
-/// layout's blocks, one thread a column vector, [`walked_rows`] inside the kernel, then
+/// layout's blocks, one thread a column vector, [`walked_rows()`] inside the kernel, then
 /// [`totals_into_with`] on the partials.
 #[derive(Debug, Clone, Copy)]
 pub struct ColumnWalk {
