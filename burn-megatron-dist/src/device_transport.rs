@@ -202,11 +202,11 @@ mod cube {
     impl<B: FusionBackend> DeviceTransport for Fusion<B> {}
 }
 
-/// Burn's wgpu backend without CUDA: collectives go through the host.
+/// CubeCL backends without CUDA (Burn's wgpu): collectives go through the host.
 #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
-impl<F, I, BT> DeviceTransport
-    for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
+impl<R, F, I, BT> DeviceTransport for burn_cubecl::CubeBackend<R, F, I, BT>
 where
+    R: burn_cubecl::CubeRuntime,
     F: burn_cubecl::FloatElement,
     I: burn_cubecl::IntElement,
     BT: burn_cubecl::BoolElement,

@@ -12,6 +12,10 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use burn_cubecl::CubeBackend;
 use burn_megatron::ModelBackend;
 use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
+use burn_megatron::ops::{
+    AdamWOps, BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps, FlashAttentionOps, GeluOps,
+    NormOps, PackedFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
+};
 use burn_megatron_kernels::fused::cross_entropy as kernels;
 use burn_megatron_testing::{assert_close, tolerance, values, values_f32};
 
@@ -580,9 +584,7 @@ fn a_training_step_on_wgpu_equals_ndarray() {
 /// (every input unchanged, though the gradients hold NaN).
 #[test]
 fn flat_adamw_equals_the_composition() {
-    use burn_megatron::optimizer::fused_adamw::{
-        AdamWScalars, FlatAdamWBuffers, flat_adamw_composition,
-    };
+    use burn_megatron::ops::adamw::{AdamWScalars, FlatAdamWBuffers, flat_adamw_composition};
     let device = WgpuDevice::default();
     let (block, blocks) = (8, 129);
     let n = block * blocks;
@@ -1096,7 +1098,7 @@ fn swiglu_equals_the_composition() {
 /// through (the holder's copy is unchanged).
 #[test]
 fn write_slot_equals_the_composition_and_leaves_shared_buffers_alone() {
-    use burn_megatron::backend::write_slot_composition;
+    use burn_megatron::ops::write_slot::write_slot_composition;
     let device = WgpuDevice::default();
     let numel = 64;
     let fresh =
@@ -2387,7 +2389,7 @@ fn embedding_backward_equals_the_sequential_sum() {
         // The model's bucket count, and Burn's composition (f32: every sum in the same
         // order, up to Burn's kernel being the same sequential loop).
         let grad = wide.narrow(1, 1, hidden);
-        let ours = <W as ModelBackend>::embedding_gradient(grad.clone(), ids_tensor.clone(), vocab);
+        let ours = <W as EmbeddingOps>::embedding_gradient(grad.clone(), ids_tensor.clone(), vocab);
         let burns = burn_megatron::ops::embedding::backward_composition(grad, ids_tensor, vocab);
         assert_close(
             &format!("case {case} against select_add"),

@@ -12,9 +12,12 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorPrimitive};
-use burn_megatron::ModelBackend;
 use burn_megatron::ops::causal_softmax::{backward_composition, forward_composition};
 use burn_megatron::ops::cross_entropy::{VocabSlice, gradient_composition, statistics_composition};
+use burn_megatron::ops::{
+    BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps, GeluOps, NormOps, RopeOps, SoftmaxOps,
+    SwiGluOps,
+};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
 use burn_megatron_kernels::fused::causal_softmax as softmax;
 

@@ -165,7 +165,7 @@ fn ops_match_burn_cuda() {
 /// comparison runs on lavapipe in CI: burn-megatron/tests/fused_kernels.rs).
 #[test]
 fn fused_cross_entropy_matches_the_composition() {
-    use burn_megatron::ModelBackend;
+    use burn_megatron::ops::CrossEntropyOps;
     use burn_megatron::ops::cross_entropy::{
         VocabSlice, gradient_composition, statistics_composition,
     };
@@ -301,11 +301,11 @@ fn fused_causal_softmax_matches_the_composition() {
 /// mask equals the host's bit for bit; each op and its backward equal the composition.
 #[test]
 fn fused_dropout_rope_and_masked_softmax_match_the_composition() {
-    use burn_megatron::ModelBackend;
     use burn_megatron::ops::DropoutMask;
     use burn_megatron::ops::causal_softmax::{backward_composition, masked_forward_composition};
     use burn_megatron::ops::dropout::dropout_composition;
     use burn_megatron::ops::rope::packed_rope_composition;
+    use burn_megatron::ops::{DropoutOps, RopeOps, SoftmaxOps};
     let device = CudaGpu::new(0);
     let f32_of = |d: TensorData| d.convert::<f32>();
 
@@ -822,10 +822,8 @@ fn gemm_accumulates_into_an_f32_buffer() {
 /// gradient factor, a skipped step, and a buffer past 65,535 × 256 elements (the 2D grid).
 #[test]
 fn fused_adamw_matches_the_composition() {
-    use burn_megatron::ModelBackend;
-    use burn_megatron::optimizer::fused_adamw::{
-        AdamWScalars, FlatAdamWBuffers, flat_adamw_composition,
-    };
+    use burn_megatron::ops::AdamWOps;
+    use burn_megatron::ops::adamw::{AdamWScalars, FlatAdamWBuffers, flat_adamw_composition};
     let device = CudaGpu::new(0);
     let block = 256;
     for blocks in [129, 70_000] {
@@ -946,8 +944,8 @@ fn a_training_step_never_waits_for_the_device() {
 /// lavapipe in CI: burn-megatron/tests/fused_kernels.rs).
 #[test]
 fn fused_norm_matches_the_composition() {
-    use burn_megatron::ModelBackend;
     use burn_megatron::ops::NormKind;
+    use burn_megatron::ops::NormOps;
     use burn_megatron::ops::norm::{backward_composition, forward_composition};
     let device = CudaGpu::new(0);
     for (dtype, bound) in [
@@ -1086,8 +1084,8 @@ fn fused_norm_matches_the_composition() {
 /// by the column sums.
 #[test]
 fn fused_bias_gelu_and_bias_gradient_match_the_composition() {
-    use burn_megatron::ModelBackend;
     use burn_megatron::ops::GeluForm;
+    use burn_megatron::ops::{BiasOps, GeluOps, SwiGluOps};
     let device = CudaGpu::new(0);
     for (dtype, bound) in [
         (DType::F32, tolerance::F32),
@@ -1383,7 +1381,7 @@ fn flash_attention_through_cudnn_matches_the_materialised_attention() {
 /// keys are refused by cuDNN and run the tensor-core kernels on the views.
 #[test]
 fn packed_flash_attention_through_cudnn_matches_the_materialised_attention() {
-    use burn_megatron::ModelBackend;
+    use burn_megatron::ops::PackedFlashAttentionOps;
     use burn_megatron::ops::packed_flash_attention::{attention, split};
     use burn_megatron_kernels::cuda::cudnn::attention as cudnn;
     use burn_megatron_kernels::fused::flash_attention::packed::{self, ViewOffsets};
@@ -1557,7 +1555,7 @@ fn flash_attention_tensor_cores_match_the_materialised_attention() {
 /// a small ragged one, and a pitched (narrowed) gradient.
 #[test]
 fn fused_embedding_gradient_matches_the_sequential_sum() {
-    use burn_megatron::ModelBackend;
+    use burn_megatron::ops::EmbeddingOps;
     use burn_megatron::ops::embedding::backward_composition;
     let device = CudaGpu::new(0);
     for (tokens, vocab, hidden) in [(16_384, 50_304, 768), (1000, 37, 13)] {

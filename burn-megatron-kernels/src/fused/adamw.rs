@@ -29,30 +29,10 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+pub use crate::adamw_scalars::AdamWScalars;
+
 /// Threads per cube.
 const THREADS: u32 = 256;
-
-/// AdamW's hyper-parameters for one step, as the kernel takes them (f32, computed on the host
-/// from the f64 settings).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWScalars {
-    /// The learning rate.
-    pub lr: f32,
-    /// `β₁`.
-    pub beta_1: f32,
-    /// `β₂`.
-    pub beta_2: f32,
-    /// `ln β₁` (for the bias correction).
-    pub ln_beta_1: f32,
-    /// `ln β₂`.
-    pub ln_beta_2: f32,
-    /// `ε`, added to `sqrt(v̂)`.
-    pub epsilon: f32,
-    /// `1 - lr · weight_decay`, the factor of a decayed element.
-    pub decay_factor: f32,
-    /// Elements per weight-decay block.
-    pub block: u32,
-}
 
 /// The flat buffers of one step. `master`, `grad`, `exp_avg`, `exp_avg_sq` are `[n]` f32,
 /// `decay` is `[n / block]` f32 (1: decay, 0: exempt); `step`, `grad_factor` and `found_inf`
@@ -242,7 +222,7 @@ pub fn adamw_step<R: CubeRuntime>(
         scalars.ln_beta_2,
         scalars.epsilon,
         scalars.decay_factor,
-        scalars.block,
+        scalars.block as u32,
         n as u32,
         in_place,
         write_model,

@@ -6,8 +6,8 @@ use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::{DataError, SampleDataset};
-use crate::backend::check_ids_on_host;
 use crate::error::{IdKind, Result};
+use crate::ops::ids::check_ids_on_host;
 use crate::pipeline_parallel::Microbatch;
 
 /// `micro_batch_size` samples of `sequence_length + 1` tokens, on the host, row-major

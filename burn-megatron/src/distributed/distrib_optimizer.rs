@@ -59,8 +59,8 @@ use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, redu
 use super::overlap::AfterBackward;
 use super::{BufferLayout, GradReduceOverlap, ParamAndGradBuffer};
 use crate::ModelBackend;
-use crate::backend::BackwardHook;
-use crate::optimizer::fused_adamw::{AdamWScalars, FlatAdamWBuffers};
+use crate::ops::BackwardHook;
+use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
 use crate::optimizer::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
 use crate::tensor_parallel::{DeclarePlacements, Placements};
 
@@ -542,7 +542,7 @@ where
             let device = t.device();
             std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
         };
-        let out = <B::InnerBackend as ModelBackend>::flat_adamw(
+        let out = <B::InnerBackend as AdamWOps>::flat_adamw(
             FlatAdamWBuffers {
                 master: take(&mut self.master),
                 grad: grads,

@@ -49,8 +49,9 @@ use burn_megatron_dist::{DeviceTransport, DistBackend, ProcessGroup, ReduceOp};
 
 use super::BufferLayout;
 use super::grad_reduction::shard_columns;
-use crate::backend::{BackwardHook, ModelBackend};
+use crate::backend::ModelBackend;
 use crate::error::InputError;
+use crate::ops::{BackwardHook, WriteSlotOps};
 
 /// One collective of the reduction: where its elements come from in the flat buffer, and
 /// the slots it waits for.
@@ -321,7 +322,7 @@ where
                 let sum = input.clone().slice(*at..*at + n) + values.cast(DType::F32);
                 input.slice_assign(*at..*at + n, sum)
             } else {
-                <BA::InnerBackend as ModelBackend>::write_slot(input, *at, values)
+                <BA::InnerBackend as WriteSlotOps>::write_slot(input, *at, values)
             });
         }
         state.flushed[i] = true;

@@ -342,7 +342,7 @@ impl<B: Backend> ParamAndGradBuffer<B> {
     }
 
     /// Copies `module`'s gradients from `grads` into the gradient buffer, cast to f32
-    /// ([`ModelBackend::write_slot`](crate::backend::ModelBackend::write_slot): one kernel a
+    /// ([`WriteSlotOps::write_slot`](crate::ops::WriteSlotOps::write_slot): one kernel a
     /// parameter, in place, on CubeCL backends).
     /// Every parameter of `module` must be in the buffer and have a gradient of its shape:
     /// else an [`InputError`] naming it, and the buffer is left as it was.

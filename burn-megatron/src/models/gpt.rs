@@ -7,9 +7,10 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::ProcessGroup;
 
-use crate::backend::{BackwardHook, ModelBackend};
+use crate::backend::ModelBackend;
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
+use crate::ops::BackwardHook;
 use crate::pipeline_parallel::{PipelineError, Stage};
 use crate::tensor_parallel::{
     DeclarePlacements, DropoutSite, ParamPlacement, Placements, TpContext, VocabParallelEmbedding,

@@ -1,10 +1,10 @@
 //! The vocabulary-parallel cross-entropy as one operation with a written-out backward.
 //!
 //! Each rank reduces its `[rows, local]` slice of the logits to three `[rows]` statistics
-//! ([`ModelBackend::cross_entropy_statistics`]: the largest logit, `Σ exp(x - max)` and the
+//! ([`CrossEntropyOps::cross_entropy_statistics`]: the largest logit, `Σ exp(x - max)` and the
 //! target's logit), the TP group reduces those (three `[rows]` collectives, as Megatron), and
 //! the loss is `ln Σ + max - target_logit`. The backward
-//! ([`ModelBackend::cross_entropy_gradient`]) writes `(softmax - one_hot) · dloss` for the slice
+//! ([`CrossEntropyOps::cross_entropy_gradient`]) writes `(softmax - one_hot) · dloss` for the slice
 //! from the logits and the two global statistics, with no collective: every rank computes the
 //! same loss. Nothing `[rows, vocab]`-sized is stored besides the logits themselves, and on
 //! CubeCL backends each of the two passes is one fused kernel.
@@ -14,18 +14,58 @@
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn::tensor::{DType, Int, Tensor};
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
-use burn_megatron_dist::{DistResult, ProcessGroup, ReduceOp};
+use burn_megatron_dist::{DeviceTransport, DistResult, ProcessGroup, ReduceOp};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::primitive::{raw, wrap};
 
 /// Stands for "no logit" in a row maximum: finite, so that `exp(a - b)` of two of them is 1
 /// (times a zero sum) rather than NaN.
 pub const NO_LOGIT: f64 = -1.0e30;
+
+/// The vocabulary-parallel cross-entropy.
+pub trait CrossEntropyOps: DeviceTransport {
+    /// Per-token losses `[rows]` of this rank's logits slice `[rows, local]` against `targets`
+    /// (`[rows]`), reduced over `tp` (see the [module docs](self)). `Autodiff<B>` records one
+    /// node whose backward is [`cross_entropy_gradient`](Self::cross_entropy_gradient).
+    fn cross_entropy(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        slice: VocabSlice,
+        tp: &ProcessGroup,
+    ) -> DistResult<Tensor<Self, 1>> {
+        Ok(forward(logits, targets, slice, tp)?.losses)
+    }
+
+    /// This rank's `[max, Σ exp(x - max), target logit]` per row of `logits` (`[rows, local]`),
+    /// f32 (f64 for f64 logits); padding columns are left out, and a target outside the slice
+    /// has logit 0. CubeCL backends run one fused kernel.
+    fn cross_entropy_statistics(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        slice: VocabSlice,
+    ) -> [Tensor<Self, 1>; 3] {
+        statistics_composition(logits, targets, slice)
+    }
+
+    /// `(exp(x - max) / sum_exp - one_hot(target)) · grad_loss` per row of `logits`
+    /// (`[rows, local]`), zero in padding columns, in the logits' dtype; `max` and `sum_exp`
+    /// are the TP-reduced statistics. CubeCL backends run one fused kernel.
+    fn cross_entropy_gradient(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        max: Tensor<Self, 1>,
+        sum_exp: Tensor<Self, 1>,
+        grad_loss: Tensor<Self, 1>,
+        slice: VocabSlice,
+    ) -> Tensor<Self, 2> {
+        gradient_composition(logits, targets, max, sum_exp, grad_loss, slice)
+    }
+}
 
 /// Where a rank's slice of the logits sits in the vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +87,7 @@ pub fn statistics_dtype(logits: DType) -> DType {
 /// The per-token losses `[rows]` of `logits` (`[rows, local]`, this rank's slice) against
 /// `targets` (`[rows]`, vocabulary ids; a negative target gives a meaningless loss, to be
 /// masked): equal on every rank of `tp`.
-pub fn vocab_parallel_cross_entropy_rows<B: ModelBackend>(
+pub fn vocab_parallel_cross_entropy_rows<B: CrossEntropyOps>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
     slice: VocabSlice,
@@ -57,13 +97,13 @@ pub fn vocab_parallel_cross_entropy_rows<B: ModelBackend>(
 }
 
 /// The forward pass on any backend: the losses and the global statistics the backward needs.
-pub(crate) struct CrossEntropyForward<B: Backend> {
-    pub losses: Tensor<B, 1>,
-    pub max: Tensor<B, 1>,
-    pub sum_exp: Tensor<B, 1>,
+struct CrossEntropyForward<B: Backend> {
+    losses: Tensor<B, 1>,
+    max: Tensor<B, 1>,
+    sum_exp: Tensor<B, 1>,
 }
 
-pub(crate) fn forward<B: ModelBackend>(
+fn forward<B: CrossEntropyOps>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
     slice: VocabSlice,
@@ -87,7 +127,7 @@ pub(crate) fn forward<B: ModelBackend>(
     })
 }
 
-/// [`ModelBackend::cross_entropy_statistics`] as a Burn composition.
+/// [`CrossEntropyOps::cross_entropy_statistics`] as a Burn composition.
 pub fn statistics_composition<B: Backend>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -110,7 +150,7 @@ pub fn statistics_composition<B: Backend>(
     [max, sum_exp, picked].map(|t| t.squeeze_dim(1))
 }
 
-/// [`ModelBackend::cross_entropy_gradient`] as a Burn composition.
+/// [`CrossEntropyOps::cross_entropy_gradient`] as a Burn composition.
 pub fn gradient_composition<B: Backend>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -162,39 +202,32 @@ fn localize<B: Backend>(
     (local, in_slice)
 }
 
-/// The `Autodiff<B>` operation: the forward on the inner backend, and one node whose
-/// backward calls [`ModelBackend::cross_entropy_gradient`].
-pub(crate) fn autodiff_cross_entropy<B: ModelBackend, C: CheckpointStrategy>(
-    logits: Tensor<Autodiff<B, C>, 2>,
-    targets: Tensor<Autodiff<B, C>, 1, Int>,
-    slice: VocabSlice,
-    tp: &ProcessGroup,
-) -> DistResult<Tensor<Autodiff<B, C>, 1>> {
-    let logits = logits.into_primitive().tensor();
-    let targets: Tensor<B, 1, Int> = Tensor::from_primitive(targets.into_primitive());
-    let outcome = forward::<B>(
-        wrap::<B, 2>(logits.primitive.clone()),
-        targets.clone(),
-        slice,
-        tp,
-    )?;
-    let losses = outcome.losses.into_primitive().tensor();
-    let state = CrossEntropyState::<B> {
-        logits: logits.primitive.clone(),
-        targets: targets.into_primitive(),
-        max: outcome.max.into_primitive().tensor(),
-        sum_exp: outcome.sum_exp.into_primitive().tensor(),
-        slice,
-    };
-    let losses = match CrossEntropyBackward
-        .prepare::<C>([logits.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish(state, losses),
-        OpsKind::UnTracked(prep) => prep.finish(losses),
-    };
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(losses)))
+/// The forward on the inner backend, and one node whose backward calls
+/// [`CrossEntropyOps::cross_entropy_gradient`].
+impl<B: CrossEntropyOps, C: CheckpointStrategy> CrossEntropyOps for Autodiff<B, C> {
+    fn cross_entropy(
+        logits: Tensor<Self, 2>,
+        targets: Tensor<Self, 1, Int>,
+        slice: VocabSlice,
+        tp: &ProcessGroup,
+    ) -> DistResult<Tensor<Self, 1>> {
+        let logits = raw(logits);
+        let targets: Tensor<B, 1, Int> = Tensor::from_primitive(targets.into_primitive());
+        let outcome = forward::<B>(inner(&logits), targets.clone(), slice, tp)?;
+        let state = CrossEntropyState::<B> {
+            logits: logits.primitive.clone(),
+            targets: targets.into_primitive(),
+            max: raw(outcome.max),
+            sum_exp: raw(outcome.sum_exp),
+            slice,
+        };
+        Ok(wrap(record::<B, C, _>(
+            CrossEntropyBackward,
+            &[&logits],
+            state,
+            raw(outcome.losses),
+        )))
+    }
 }
 
 #[derive(Debug)]
@@ -221,22 +254,89 @@ impl<B: Backend> Clone for CrossEntropyState<B> {
     }
 }
 
-impl<B: ModelBackend> Backward<B, 1> for CrossEntropyBackward {
+impl<B: CrossEntropyOps> BackwardStep<B> for CrossEntropyBackward {
     type State = CrossEntropyState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad_loss = grads.consume::<B>(&ops.node);
-        let [parent] = ops.parents;
-        let Some(parent) = parent else { return };
-        let s = ops.state;
-        let grad = B::cross_entropy_gradient(
-            wrap::<B, 2>(s.logits),
-            Tensor::from_primitive(s.targets),
-            wrap::<B, 1>(s.max),
-            wrap::<B, 1>(s.sum_exp),
-            wrap::<B, 1>(grad_loss),
-            s.slice,
-        );
-        grads.register::<B>(parent.id, grad.into_primitive().tensor());
+    fn backward(
+        self,
+        grad_loss: FloatTensor<B>,
+        s: CrossEntropyState<B>,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        register(grads, parent(parents, 0), || {
+            B::cross_entropy_gradient(
+                wrap(s.logits),
+                Tensor::from_primitive(s.targets),
+                wrap(s.max),
+                wrap(s.sum_exp),
+                wrap(grad_loss),
+                s.slice,
+            )
+        });
+    }
+}
+
+/// CubeCL backends: one kernel for the statistics, one for the gradient.
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Int, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::cross_entropy as kernels;
+
+    use super::{CrossEntropyOps, VocabSlice, gradient_composition, statistics_composition};
+    use crate::ops::primitive::{raw, wrap};
+
+    fn kernel_slice(slice: VocabSlice) -> kernels::VocabSlice {
+        kernels::VocabSlice {
+            start: slice.start,
+            real: slice.real,
+        }
+    }
+
+    impl<R, F, I, BT> CrossEntropyOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        /// One kernel (f64 logits: the composition).
+        fn cross_entropy_statistics(
+            logits: Tensor<Self, 2>,
+            targets: Tensor<Self, 1, Int>,
+            slice: VocabSlice,
+        ) -> [Tensor<Self, 1>; 3] {
+            if logits.dtype() == DType::F64 {
+                return statistics_composition(logits, targets, slice);
+            }
+            let stats =
+                kernels::row_statistics(raw(logits), targets.into_primitive(), kernel_slice(slice));
+            [stats.max, stats.sum_exp, stats.target_logit].map(wrap)
+        }
+
+        /// One kernel (f64 logits: the composition).
+        fn cross_entropy_gradient(
+            logits: Tensor<Self, 2>,
+            targets: Tensor<Self, 1, Int>,
+            max: Tensor<Self, 1>,
+            sum_exp: Tensor<Self, 1>,
+            grad_loss: Tensor<Self, 1>,
+            slice: VocabSlice,
+        ) -> Tensor<Self, 2> {
+            if logits.dtype() == DType::F64 {
+                return gradient_composition(logits, targets, max, sum_exp, grad_loss, slice);
+            }
+            let [max, sum_exp, grad_loss] =
+                [max, sum_exp, grad_loss].map(|t| raw(t.cast(DType::F32)));
+            wrap(kernels::gradient(
+                raw(logits),
+                targets.into_primitive(),
+                max,
+                sum_exp,
+                grad_loss,
+                kernel_slice(slice),
+            ))
+        }
     }
 }

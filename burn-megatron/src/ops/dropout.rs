@@ -9,14 +9,32 @@
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorData};
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 use burn_megatron_kernels::counter_rng::{drop_threshold, element_bits, multiplier, stream_key};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::primitive::{raw, wrap};
+
+/// Dropout with masks drawn from global coordinates.
+pub trait DropoutOps: Backend {
+    /// `residual + x ∘ m` (without a residual, `x ∘ m`) for `x` and `residual` of one shape:
+    /// dropout with the mask `m` of the [module docs](self), drawn from the global coordinates
+    /// of each element, and the residual add after it. `Autodiff<B>` stores nothing but the
+    /// mask's description; its backward is this op on the output's gradient. CubeCL backends
+    /// draw the mask inside one kernel (`burn_megatron_kernels::fused::dropout`), others on
+    /// the host.
+    fn dropout(
+        x: Tensor<Self, 4>,
+        residual: Option<Tensor<Self, 4>>,
+        mask: DropoutMask,
+    ) -> Tensor<Self, 4> {
+        dropout_composition(x, residual, mask)
+    }
+}
 
 /// One dropout mask: the drop probability, the stream it is drawn from, and where the tensor
 /// it is applied to sits in the global 4D tensor the mask is drawn for.
@@ -57,7 +75,7 @@ impl DropoutMask {
     }
 }
 
-/// [`ModelBackend::dropout`] as a Burn composition: the mask built on the host, then
+/// [`DropoutOps::dropout`] as a Burn composition: the mask built on the host, then
 /// `residual + x · mask` in `x`'s dtype.
 pub fn dropout_composition<B: Backend>(
     x: Tensor<B, 4>,
@@ -73,75 +91,79 @@ pub fn dropout_composition<B: Backend>(
     }
 }
 
-/// The `Autodiff<B>` operation: the inner backend's forward, and a node that keeps only the
-/// mask's description.
-pub(crate) fn autodiff_dropout<B: ModelBackend, C: CheckpointStrategy>(
-    x: Tensor<Autodiff<B, C>, 4>,
-    residual: Option<Tensor<Autodiff<B, C>, 4>>,
-    mask: DropoutMask,
-) -> Tensor<Autodiff<B, C>, 4> {
-    let x = x.into_primitive().tensor();
-    let residual = residual.map(|r| r.into_primitive().tensor());
-    let output = B::dropout(
-        wrap::<B, 4>(x.primitive.clone()),
-        residual.as_ref().map(|r| wrap::<B, 4>(r.primitive.clone())),
-        mask,
-    )
-    .into_primitive()
-    .tensor();
-    let output = match residual {
-        Some(residual) => match DropoutAddBackward
-            .prepare::<C>([x.node.clone(), residual.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(mask, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match DropoutBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(mask, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(output))
-}
-
-/// The backward of `y = x ∘ m`: `dx = dy ∘ m`.
-#[derive(Debug)]
-struct DropoutBackward;
-
-impl<B: ModelBackend> Backward<B, 1> for DropoutBackward {
-    type State = DropoutMask;
-
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [Some(x)] = ops.parents else { return };
-        let dx = B::dropout(wrap::<B, 4>(grad), None, ops.state);
-        grads.register::<B>(x.id, dx.into_primitive().tensor());
+/// The inner backend's forward, and a node that keeps only the mask's description.
+impl<B: DropoutOps, C: CheckpointStrategy> DropoutOps for Autodiff<B, C> {
+    fn dropout(
+        x: Tensor<Self, 4>,
+        residual: Option<Tensor<Self, 4>>,
+        mask: DropoutMask,
+    ) -> Tensor<Self, 4> {
+        let (x, residual) = (raw(x), residual.map(raw));
+        let output = raw(B::dropout(inner(&x), residual.as_ref().map(inner), mask));
+        wrap(match &residual {
+            Some(residual) => record::<B, C, _>(DropoutBackward, &[&x, residual], mask, output),
+            None => record::<B, C, _>(DropoutBackward, &[&x], mask, output),
+        })
     }
 }
 
-/// The backward of `y = residual + x ∘ m`: `dx = dy ∘ m`, `d_residual = dy`. Its parents are
-/// `[x, residual]`.
+/// The backward of `y = residual + x ∘ m` (or `y = x ∘ m`): `dx = dy ∘ m`, `d_residual = dy`.
+/// Its parents are `[x]` or `[x, residual]`.
 #[derive(Debug)]
-struct DropoutAddBackward;
+struct DropoutBackward;
 
-impl<B: ModelBackend> Backward<B, 2> for DropoutAddBackward {
+impl<B: DropoutOps> BackwardStep<B> for DropoutBackward {
     type State = DropoutMask;
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [x, residual] = ops.parents;
-        if let Some(x) = x {
-            let dx = B::dropout(wrap::<B, 4>(grad.clone()), None, ops.state);
-            grads.register::<B>(x.id, dx.into_primitive().tensor());
-        }
-        if let Some(residual) = residual {
-            grads.register::<B>(residual.id, grad);
+    fn backward(
+        self,
+        grad: FloatTensor<B>,
+        mask: DropoutMask,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        register(grads, parent(parents, 0), || {
+            B::dropout(wrap::<B, 4>(grad.clone()), None, mask)
+        });
+        register(grads, parent(parents, 1), || wrap::<B, 4>(grad));
+    }
+}
+
+/// CubeCL backends: the mask drawn inside one kernel (f64: the composition).
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::dropout as kernels;
+
+    use super::{DropoutMask, DropoutOps, dropout_composition};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<R, F, I, BT> DropoutOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn dropout(
+            x: Tensor<Self, 4>,
+            residual: Option<Tensor<Self, 4>>,
+            mask: DropoutMask,
+        ) -> Tensor<Self, 4> {
+            if x.dtype() == DType::F64 {
+                return dropout_composition(x, residual, mask);
+            }
+            let dims @ [d0, d1, d2, d3] = x.dims();
+            let flat = |t: Tensor<Self, 4>| raw(t.reshape([d0 * d1 * d2, d3]));
+            let residual = residual.map(|r| flat(r.cast(x.dtype())));
+            let placement = kernels::MaskPlacement {
+                prob: mask.prob,
+                seed: mask.seed,
+                inner: [d1, d2],
+                offset: mask.offset,
+            };
+            wrap::<Self, 2>(kernels::forward(flat(x), residual, placement)).reshape(dims)
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The token-embedding lookup, with its weight gradient behind
-//! [`ModelBackend::embedding_gradient`].
+//! [`EmbeddingOps::embedding_gradient`].
 //!
 //! The forward is Burn's `embedding` (a gather of rows). Its gradient scatters the output's
 //! gradient back onto the table, `dW[v] = Σ_{tokens t with id v} dY[t]`; Burn's kernel for
@@ -9,24 +9,64 @@
 //! holding only the ids.
 
 use burn::backend::Autodiff;
-use burn::tensor::{IndexingUpdateOp, backend::Backend, ops::IntTensor};
-use burn::tensor::{Int, Tensor, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, backend::Backend};
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::primitive::{raw, wrap};
+
+/// The token-embedding lookup and its weight gradient.
+pub trait EmbeddingOps: Backend {
+    /// Rows of `weight` (`[vocab, hidden]`) for `ids` (`[batch, seq]`), Burn's gather.
+    /// `Autodiff<B>` records one node holding the ids, whose backward is
+    /// [`embedding_gradient`](Self::embedding_gradient).
+    fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
+        burn::tensor::module::embedding(weight, ids)
+    }
+
+    /// [`embedding_lookup`](Self::embedding_lookup) where an id of `vocab` (the table's row
+    /// count) or more gives a zero row and adds nothing to the table's gradient: the tokens
+    /// that another tensor-parallel rank's slice of the vocabulary holds. Pointing those at a
+    /// row of this slice and masking the row would give the same values, but the gradient
+    /// kernel would then sum every such token into that one row, one after the other.
+    fn embedding_lookup_or_zero(
+        weight: Tensor<Self, 2>,
+        ids: Tensor<Self, 2, Int>,
+    ) -> Tensor<Self, 3> {
+        let vocab = weight.dims()[0] as i64;
+        let in_range = ids.clone().lower_elem(vocab);
+        let rows = burn::tensor::module::embedding(weight, ids.clamp_max(vocab - 1));
+        let dtype = rows.dtype();
+        rows * in_range.float().cast(dtype).unsqueeze_dim::<3>(2)
+    }
+
+    /// The gradient `[vocab, hidden]` of an embedding table from its output's gradient
+    /// `grad` (`[tokens, hidden]`) and the ids (`[tokens]`), in `grad`'s dtype: row `v` sums
+    /// the rows of `grad` whose id is `v`; ids of `vocab` or more add nothing (see
+    /// [`embedding_lookup_or_zero`](Self::embedding_lookup_or_zero)). CubeCL backends run one
+    /// deterministic kernel (`burn_megatron_kernels::fused::embedding`); the default is Burn's
+    /// `select_add`.
+    fn embedding_gradient(
+        grad: Tensor<Self, 2>,
+        ids: Tensor<Self, 1, Int>,
+        vocab: usize,
+    ) -> Tensor<Self, 2> {
+        backward_composition(grad, ids, vocab)
+    }
+}
 
 /// Rows of `weight` (`[vocab, hidden]`) for `ids` (`[batch, seq]`, each in `0..vocab`):
-/// `[batch, seq, hidden]`. Its weight gradient is [`ModelBackend::embedding_gradient`].
-pub fn embedding<B: ModelBackend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+/// `[batch, seq, hidden]`. Its weight gradient is [`EmbeddingOps::embedding_gradient`].
+pub fn embedding<B: EmbeddingOps>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     B::embedding_lookup(weight, ids)
 }
 
 /// Rows of `weight` for `ids`, where an id of `vocab` (the table's row count) or more gives
-/// a zero row and no gradient: [`ModelBackend::embedding_lookup_or_zero`].
-pub fn embedding_or_zero<B: ModelBackend>(
+/// a zero row and no gradient: [`EmbeddingOps::embedding_lookup_or_zero`].
+pub fn embedding_or_zero<B: EmbeddingOps>(
     weight: Tensor<B, 2>,
     ids: Tensor<B, 2, Int>,
 ) -> Tensor<B, 3> {
@@ -50,57 +90,101 @@ pub fn backward_composition<B: Backend>(
     zeros.select_assign(0, ids, grad, IndexingUpdateOp::Add)
 }
 
-/// [`ModelBackend::embedding_lookup`] (or, with `or_zero`, `embedding_lookup_or_zero`) on
-/// `Autodiff<B>`: the inner backend's lookup, and one [`EmbeddingBackward`] node holding the
-/// ids and the vocabulary size.
-pub(crate) fn autodiff_embedding<B: ModelBackend, C: CheckpointStrategy>(
+/// The inner backend's lookup, and one node holding the ids and the vocabulary size.
+impl<B: EmbeddingOps, C: CheckpointStrategy> EmbeddingOps for Autodiff<B, C> {
+    fn embedding_lookup(weight: Tensor<Self, 2>, ids: Tensor<Self, 2, Int>) -> Tensor<Self, 3> {
+        autodiff_embedding::<B, C>(weight, ids, false)
+    }
+
+    fn embedding_lookup_or_zero(
+        weight: Tensor<Self, 2>,
+        ids: Tensor<Self, 2, Int>,
+    ) -> Tensor<Self, 3> {
+        autodiff_embedding::<B, C>(weight, ids, true)
+    }
+}
+
+/// [`EmbeddingOps::embedding_lookup`] (or, with `or_zero`, `embedding_lookup_or_zero`) on
+/// `Autodiff<B>`.
+fn autodiff_embedding<B: EmbeddingOps, C: CheckpointStrategy>(
     weight: Tensor<Autodiff<B, C>, 2>,
     ids: Tensor<Autodiff<B, C>, 2, Int>,
     or_zero: bool,
 ) -> Tensor<Autodiff<B, C>, 3> {
-    let weight = weight.into_primitive().tensor();
+    let weight = raw(weight);
     let ids: IntTensor<B> = ids.into_primitive();
-    let table = wrap::<B, 2>(weight.primitive.clone());
+    let table = inner::<B, 2>(&weight);
     let vocab = table.dims()[0];
     let inner_ids = Tensor::<B, 2, Int>::from_primitive(ids.clone());
     let output = match or_zero {
         false => B::embedding_lookup(table, inner_ids),
         true => B::embedding_lookup_or_zero(table, inner_ids),
-    }
-    .into_primitive()
-    .tensor();
-    let output = match EmbeddingBackward
-        .prepare::<C>([weight.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish((ids, vocab), output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
     };
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+    wrap(record::<B, C, _>(
+        EmbeddingBackward,
+        &[&weight],
+        (ids, vocab),
+        raw(output),
+    ))
 }
 
-/// The backward of `y = W[ids]`: `dW` from [`ModelBackend::embedding_gradient`]. Its parent
+/// The backward of `y = W[ids]`: `dW` from [`EmbeddingOps::embedding_gradient`]. Its parent
 /// is the table.
 #[derive(Debug)]
 struct EmbeddingBackward;
 
-impl<B: ModelBackend> Backward<B, 1> for EmbeddingBackward {
+impl<B: EmbeddingOps> BackwardStep<B> for EmbeddingBackward {
     /// The `[batch, seq]` ids and the vocabulary size.
     type State = (IntTensor<B>, usize);
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [parent] = ops.parents;
-        let Some(parent) = parent else {
-            return;
-        };
-        let (ids, vocab) = ops.state;
-        let grad = wrap::<B, 3>(grad);
-        let [batch, seq, hidden] = grad.dims();
-        let ids = Tensor::<B, 2, Int>::from_primitive(ids).reshape([batch * seq]);
-        let dw = B::embedding_gradient(grad.reshape([batch * seq, hidden]), ids, vocab);
-        grads.register::<B>(parent.id, dw.into_primitive().tensor());
+    fn backward(
+        self,
+        grad: FloatTensor<B>,
+        (ids, vocab): <Self as BackwardStep<B>>::State,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        register(grads, parent(parents, 0), || {
+            let grad = wrap::<B, 3>(grad);
+            let [batch, seq, hidden] = grad.dims();
+            let ids = Tensor::<B, 2, Int>::from_primitive(ids).reshape([batch * seq]);
+            B::embedding_gradient(grad.reshape([batch * seq, hidden]), ids, vocab)
+        });
+    }
+}
+
+/// CubeCL backends: the gradient in one deterministic kernel (f64: the composition).
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Int, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::embedding as kernels;
+
+    use super::{EmbeddingOps, backward_composition};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<R, F, I, BT> EmbeddingOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn embedding_gradient(
+            grad: Tensor<Self, 2>,
+            ids: Tensor<Self, 1, Int>,
+            vocab: usize,
+        ) -> Tensor<Self, 2> {
+            if grad.dtype() == DType::F64 {
+                return backward_composition(grad, ids, vocab);
+            }
+            wrap(kernels::embedding_backward(
+                raw(grad),
+                ids.into_primitive(),
+                vocab,
+                kernels::BUCKETS,
+            ))
+        }
     }
 }
 
@@ -114,7 +198,7 @@ mod tests {
 
     type AD = Autodiff<NdArray>;
 
-    /// Our node (ids kept, `ModelBackend::embedding_gradient` backward) against Burn's own
+    /// Our node (ids kept, `EmbeddingOps::embedding_gradient` backward) against Burn's own
     /// autodiff `embedding`: output and table gradient, with repeated ids, the first and last
     /// row, and rows no token hits (their gradient must be zero, not missing).
     #[test]

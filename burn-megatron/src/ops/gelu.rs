@@ -3,23 +3,23 @@
 //!
 //! Burn 0.21's `activation::gelu` computes the erf form but backpropagates the derivative of the
 //! tanh approximation: relative errors of ~1e-3 in every gradient upstream of the MLP.
-//! [`ModelBackend::bias_gelu`] and [`ModelBackend::bias_gelu_backward`] are where a fused kernel
-//! goes; `Autodiff<B>` records one node that stores only the input (and the bias) and calls
-//! the backward on the inner backend.
+//! [`GeluOps::bias_gelu`] and [`GeluOps::bias_gelu_backward`] are where a fused kernel goes
+//! (`burn_megatron_kernels::fused::bias_gelu`); `Autodiff<B>` records one node that stores only
+//! the input (and the bias) and calls the backward on the inner backend.
 
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 
 use burn::backend::Autodiff;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
 use burn_autodiff::NodeId;
-use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::bias::BiasOps;
+use super::primitive::{raw, wrap};
 
 /// `sqrt(2 / π)`.
 const SQRT_2_OVER_PI: f64 = FRAC_2_SQRT_PI * FRAC_1_SQRT_2;
@@ -27,6 +27,47 @@ const SQRT_2_OVER_PI: f64 = FRAC_2_SQRT_PI * FRAC_1_SQRT_2;
 const FRAC_1_SQRT_2PI: f64 = FRAC_2_SQRT_PI * FRAC_1_SQRT_2 * 0.5;
 /// The cubic coefficient of the tanh approximation.
 const TANH_CUBIC: f64 = 0.044715;
+
+/// GeLU after an optional bias add.
+pub trait GeluOps: BiasOps {
+    /// `gelu(x + bias)` for `x: [tokens, features]`, `bias: [features]` (Megatron's
+    /// bias-GeLU). `Autodiff<B>` stores `x` and the bias, and its backward calls
+    /// [`bias_gelu_backward`](Self::bias_gelu_backward): the true derivative of this forward.
+    fn bias_gelu(
+        x: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        form: GeluForm,
+    ) -> Tensor<Self, 2> {
+        form.forward(add_bias(x, bias))
+    }
+
+    /// The gradient of [`bias_gelu`](Self::bias_gelu)'s `x` given its output's gradient
+    /// `grad: [tokens, features]`: `grad · gelu'(x + bias)`. The bias's gradient is its sum
+    /// over the tokens.
+    fn bias_gelu_backward(
+        x: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        grad: Tensor<Self, 2>,
+        form: GeluForm,
+    ) -> Tensor<Self, 2> {
+        grad * form.derivative(add_bias(x, bias))
+    }
+
+    /// [`bias_gelu_backward`](Self::bias_gelu_backward) and the bias's gradient, its sum over
+    /// the tokens, in `x`'s dtype. CubeCL backends take the bias gradient's first stage inside
+    /// the backward kernel (the bits of [`bias_gradient`](BiasOps::bias_gradient) of `dx`,
+    /// without reading `dx` again); the default is the two calls.
+    fn bias_gelu_backward_and_bias_gradient(
+        x: Tensor<Self, 2>,
+        bias: Tensor<Self, 1>,
+        grad: Tensor<Self, 2>,
+        form: GeluForm,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        let dx = Self::bias_gelu_backward(x, Some(bias), grad, form);
+        let db = Self::bias_gradient(dx.clone());
+        (dx, db)
+    }
+}
 
 /// Which GeLU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +82,7 @@ pub enum GeluForm {
 
 impl GeluForm {
     /// The activation, elementwise, as plain Burn operations: the default forward of
-    /// [`ModelBackend::bias_gelu`] (a model calls [`gelu`] or [`bias_gelu`]).
+    /// [`GeluOps::bias_gelu`] (a model calls [`gelu`] or [`bias_gelu`]).
     pub fn forward<B: Backend, const D: usize>(self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Self::Erf => {
@@ -97,8 +138,13 @@ fn tanh_argument<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 }
 
 /// `gelu(x + bias)` over the last dimension of an `x` of any rank (`bias: [features]`),
-/// flattened to `[tokens, features]` for [`ModelBackend::bias_gelu`], then reshaped back.
-pub fn bias_gelu<B: ModelBackend, const D: usize>(
+/// flattened to `[tokens, features]` for [`GeluOps::bias_gelu`], then reshaped back.
+///
+/// # Shapes
+/// - `x`: `[..., features]`
+/// - `bias`: `[features]`
+/// - output: the shape of `x`
+pub fn bias_gelu<B: GeluOps, const D: usize>(
     x: Tensor<B, D>,
     bias: Option<Tensor<B, 1>>,
     form: GeluForm,
@@ -110,107 +156,145 @@ pub fn bias_gelu<B: ModelBackend, const D: usize>(
 }
 
 /// `gelu(x)`, elementwise, with an exact backward: [`bias_gelu`] without a bias.
-pub fn gelu<B: ModelBackend, const D: usize>(x: Tensor<B, D>, form: GeluForm) -> Tensor<B, D> {
+pub fn gelu<B: GeluOps, const D: usize>(x: Tensor<B, D>, form: GeluForm) -> Tensor<B, D> {
     bias_gelu(x, None, form)
 }
 
 /// `x + bias` (`x: [tokens, features]`, `bias: [features]`).
-pub(crate) fn add_bias<B: Backend>(x: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
+fn add_bias<B: Backend>(x: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Tensor<B, 2> {
     match bias {
         Some(bias) => x + bias.unsqueeze(),
         None => x,
     }
 }
 
-/// [`ModelBackend::bias_gelu`] on `Autodiff<B>`: the inner backend's forward, and one
-/// [`BiasGeluBackward`] node holding `x` and the bias.
-pub(crate) fn autodiff_bias_gelu<B: ModelBackend, C: CheckpointStrategy>(
-    x: Tensor<Autodiff<B, C>, 2>,
-    bias: Option<Tensor<Autodiff<B, C>, 1>>,
-    form: GeluForm,
-) -> Tensor<Autodiff<B, C>, 2> {
-    let x = x.into_primitive().tensor();
-    let bias = bias.map(|b| b.into_primitive().tensor());
-    let output = B::bias_gelu(
-        wrap::<B, 2>(x.primitive.clone()),
-        bias.as_ref().map(|b| wrap::<B, 1>(b.primitive.clone())),
-        form,
-    )
-    .into_primitive()
-    .tensor();
-    let state = (
-        x.primitive.clone(),
-        bias.as_ref().map(|b| b.primitive.clone()),
-        form,
-    );
-    let output = match &bias {
-        Some(bias) => match BiasGeluBackward
-            .prepare::<C>([x.node.clone(), bias.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match BiasGeluBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+/// The inner backend's forward, and one node holding `x` and the bias.
+impl<B: GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
+    fn bias_gelu(
+        x: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        form: GeluForm,
+    ) -> Tensor<Self, 2> {
+        let (x, bias) = (raw(x), bias.map(raw));
+        let output = raw(B::bias_gelu(inner(&x), bias.as_ref().map(inner), form));
+        let state = (
+            x.primitive.clone(),
+            bias.as_ref().map(|b| b.primitive.clone()),
+            form,
+        );
+        wrap(match &bias {
+            Some(bias) => record::<B, C, _>(BiasGeluBackward, &[&x, bias], state, output),
+            None => record::<B, C, _>(BiasGeluBackward, &[&x], state, output),
+        })
+    }
 }
 
 /// The backward of `y = gelu(x + b)`: `dx = dy · gelu'(x + b)` (from
-/// [`ModelBackend::bias_gelu_backward`]) and `db = Σ_tokens dx`. Its parents are `[x]` or
-/// `[x, b]`.
+/// [`GeluOps::bias_gelu_backward`]) and `db = Σ_tokens dx`. Its parents are `[x]` or `[x, b]`.
 #[derive(Debug)]
 struct BiasGeluBackward;
 
-/// `x`, the bias and the form.
-type BiasGeluState<B> = (FloatTensor<B>, Option<FloatTensor<B>>, GeluForm);
+impl<B: GeluOps> BackwardStep<B> for BiasGeluBackward {
+    /// `x`, the bias and the form.
+    type State = (FloatTensor<B>, Option<FloatTensor<B>>, GeluForm);
 
-impl BiasGeluBackward {
-    fn run<B: ModelBackend>(
+    fn backward(
+        self,
+        grad: FloatTensor<B>,
+        (x, bias, form): <Self as BackwardStep<B>>::State,
         parents: &[Option<NodeId>],
-        grad: B::FloatTensorPrimitive,
-        (x, bias, form): BiasGeluState<B>,
         grads: &mut Gradients,
     ) {
-        let dx = match (parents.get(1), bias) {
-            (Some(Some(id)), Some(bias)) => {
+        let dx = match (parent(parents, 1), bias) {
+            (Some(id), Some(bias)) => {
                 let (dx, db) =
                     B::bias_gelu_backward_and_bias_gradient(wrap(x), wrap(bias), wrap(grad), form);
-                grads.register::<B>(*id, db.into_primitive().tensor());
+                register(grads, Some(id), || db);
                 dx
             }
             (_, bias) => B::bias_gelu_backward(wrap(x), bias.map(wrap), wrap(grad), form),
         };
-        if let Some(id) = parents[0] {
-            grads.register::<B>(id, dx.into_primitive().tensor());
+        register(grads, parent(parents, 0), || dx);
+    }
+}
+
+/// CubeCL backends: one kernel each way, the bias gradient's first stage inside the backward
+/// (f64: the composition).
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::bias_gelu as kernels;
+
+    use super::{GeluForm, GeluOps, add_bias};
+    use crate::ops::bias::BiasOps;
+    use crate::ops::primitive::{raw, wrap};
+
+    fn kernel_form(form: GeluForm) -> kernels::Form {
+        match form {
+            GeluForm::Erf => kernels::Form::Erf,
+            GeluForm::Tanh => kernels::Form::Tanh,
         }
     }
-}
 
-impl<B: ModelBackend> Backward<B, 1> for BiasGeluBackward {
-    type State = BiasGeluState<B>;
+    impl<R, F, I, BT> GeluOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn bias_gelu(
+            x: Tensor<Self, 2>,
+            bias: Option<Tensor<Self, 1>>,
+            form: GeluForm,
+        ) -> Tensor<Self, 2> {
+            let dtype = x.dtype();
+            if dtype == DType::F64 {
+                return form.forward(add_bias(x, bias));
+            }
+            let bias = bias.map(|b| raw(b.cast(dtype)));
+            wrap(kernels::forward(raw(x), bias, kernel_form(form)))
+        }
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, grad, ops.state, grads);
-    }
-}
+        fn bias_gelu_backward(
+            x: Tensor<Self, 2>,
+            bias: Option<Tensor<Self, 1>>,
+            grad: Tensor<Self, 2>,
+            form: GeluForm,
+        ) -> Tensor<Self, 2> {
+            let dtype = x.dtype();
+            if dtype == DType::F64 {
+                return grad * form.derivative(add_bias(x, bias));
+            }
+            let bias = bias.map(|b| raw(b.cast(dtype)));
+            wrap(kernels::backward(
+                raw(x),
+                bias,
+                raw(grad.cast(dtype)),
+                kernel_form(form),
+            ))
+        }
 
-impl<B: ModelBackend> Backward<B, 2> for BiasGeluBackward {
-    type State = BiasGeluState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, grad, ops.state, grads);
+        /// One kernel and the column sums' second stage.
+        fn bias_gelu_backward_and_bias_gradient(
+            x: Tensor<Self, 2>,
+            bias: Tensor<Self, 1>,
+            grad: Tensor<Self, 2>,
+            form: GeluForm,
+        ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+            let dtype = x.dtype();
+            if dtype == DType::F64 {
+                let dx = Self::bias_gelu_backward(x, Some(bias), grad, form);
+                return (dx.clone(), Self::bias_gradient(dx));
+            }
+            let (dx, db) = kernels::backward_and_bias_gradient(
+                raw(x),
+                raw(bias.cast(dtype)),
+                raw(grad.cast(dtype)),
+                kernel_form(form),
+            );
+            (wrap(dx), wrap(db))
+        }
     }
 }

@@ -1,38 +1,74 @@
-//! The model's elementwise operations whose backward is written out: exact where Burn's is
-//! not, and the place where a fused kernel replaces the forward and the backward together.
+//! The model's operations, one file (or folder) each: the op's backend trait, its plain Burn
+//! composition (the default, on NdArray, and the reference the kernels are tested against),
+//! its `Autodiff<B>` node, and its wiring to the CubeCL kernels of `burn_megatron_kernels::fused`
+//! or a vendor library (cuBLASLt, cuDNN). [`ModelBackend`](crate::ModelBackend) gathers the
+//! traits.
 //!
-//! - [`mod@causal_softmax`]: the attention's scaled, causally masked softmax.
-//! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
-//!   `softmax - one_hot` backward, each one pass over the logits.
+//! - [`mod@linear`]: the dense layers' GEMMs, transposes folded in, cuBLASLt on our CUDA backend.
+//! - [`mod@bias`]: a bias added to every token, its gradient as deterministic column sums.
+//! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
+//! - [`mod@swiglu`]: `silu(gate + b_g) · (up + b_u)` (bias-SwiGLU), with a sigmoid that keeps
+//!   f64.
+//! - [`mod@norm`]: LayerNorm and RMSNorm, f32 statistics, one backward for input, scale and
+//!   shift.
 //! - [`mod@dropout`]: dropout with masks drawn from global coordinates (on the device where a
 //!   kernel exists), fused with the residual add after it.
-//! - [`mod@embedding`]: the token-embedding lookup, whose weight gradient is one deterministic
-//!   scatter-add kernel.
+//! - [`mod@rope`]: rotary position embeddings on the packed QKV, f32 angles, one kernel each
+//!   way.
+//! - [`mod@causal_softmax`]: the attention's scaled, causally (or padding-) masked softmax.
 //! - [`mod@flash_attention`]: attention as one operation (output and log-sum-exp forward,
 //!   probabilities recomputed backward), grouped-query attention without copying K/V.
 //! - [`mod@packed_flash_attention`]: flash attention on the fused QKV projection's output
 //!   `[batch, seq, groups, heads_per_group + 2, head_dim]`: no split copies forward, one
 //!   gradient buffer backward.
-//! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
-//! - [`mod@norm`]: LayerNorm and RMSNorm, f32 statistics, one backward for input, scale and
-//!   shift.
-//! - [`mod@rope`]: rotary position embeddings on the packed QKV, f32 angles, one kernel each
-//!   way.
-//! - [`mod@swiglu`]: `silu(gate + b_g) · (up + b_u)` (bias-SwiGLU), with a sigmoid that keeps
-//!   f64.
+//! - [`mod@recompute`]: the attention core stored as its inputs only (selective recomputation).
+//! - [`mod@embedding`]: the token-embedding lookup, whose weight gradient is one deterministic
+//!   scatter-add kernel.
+//! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
+//!   `softmax - one_hot` backward, each one pass over the logits.
+//! - [`mod@ids`]: token and target ids checked against the vocabulary (on the device on our
+//!   CUDA backend).
+//! - [`mod@backward_hook`]: code run inside the backward pass where a tensor was marked.
+//! - [`mod@write_slot`]: a gradient cast and copied into its slot of a flat fp32 buffer.
+//! - [`mod@adamw`]: one AdamW step over flat fp32 buffers.
+//!
+//! `autodiff` holds the backward shell the ops share, `primitive` the moves between tensors
+//! and primitives.
 
+pub mod adamw;
+mod autodiff;
+pub mod backward_hook;
+pub mod bias;
 pub mod causal_softmax;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
 pub mod flash_attention;
 pub mod gelu;
+pub mod ids;
+pub mod linear;
 pub mod norm;
 pub mod packed_flash_attention;
+mod primitive;
+pub mod recompute;
 pub mod rope;
 pub mod swiglu;
+pub mod write_slot;
 
-pub use dropout::DropoutMask;
-pub use gelu::{GeluForm, bias_gelu, gelu};
-pub use norm::{NormKind, norm};
-pub use swiglu::{bias_swiglu, sigmoid, swiglu};
+pub use adamw::AdamWOps;
+pub use backward_hook::{BackwardHook, BackwardHookOps};
+pub use bias::{BiasOps, bias_add};
+pub use causal_softmax::SoftmaxOps;
+pub use cross_entropy::CrossEntropyOps;
+pub use dropout::{DropoutMask, DropoutOps};
+pub use embedding::EmbeddingOps;
+pub use flash_attention::FlashAttentionOps;
+pub use gelu::{GeluForm, GeluOps, bias_gelu, gelu};
+pub use ids::IdCheckOps;
+pub use linear::{LinearOps, linear, linear_output_major};
+pub use norm::{NormKind, NormOps, norm};
+pub use packed_flash_attention::PackedFlashAttentionOps;
+pub use recompute::{RecomputeOps, RecomputedAttention};
+pub use rope::RopeOps;
+pub use swiglu::{SwiGluOps, bias_swiglu, sigmoid, swiglu};
+pub use write_slot::WriteSlotOps;

@@ -1,8 +1,8 @@
 //! LayerNorm and RMSNorm over the last dimension, forward and backward, with f32 statistics
 //! for any storage dtype (f64 stays f64).
 //!
-//! [`ModelBackend::norm_forward`] returns the output and each row's `mean` and `rstd` (the
-//! reciprocal standard deviation); [`ModelBackend::norm_backward`] turns them, the input and
+//! [`NormOps::norm_forward`] returns the output and each row's `mean` and `rstd` (the
+//! reciprocal standard deviation); [`NormOps::norm_backward`] turns them, the input and
 //! the output's gradient into the gradients of the input, the scale and the shift. Both are
 //! where a fused kernel goes (`burn_megatron_kernels::fused::norm` on CubeCL backends);
 //! their defaults here are the plain Burn compositions. `Autodiff<B>` records one node that
@@ -17,14 +17,59 @@
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor};
 use burn_autodiff::NodeId;
-use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::primitive::{raw, wrap};
+
+/// LayerNorm and RMSNorm.
+pub trait NormOps: Backend {
+    /// `norm(x) · scale (+ shift)` for `x: [rows, hidden]`, `scale, shift: [hidden]`
+    /// (LayerNorm or RMSNorm, see [`norm()`]), in `x`'s dtype. `Autodiff<B>` records one node
+    /// that stores `x`, the scale and the statistics of [`norm_forward`](Self::norm_forward),
+    /// and calls [`norm_backward`](Self::norm_backward).
+    fn norm(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> Tensor<Self, 2> {
+        Self::norm_forward(x, scale, shift, kind, epsilon).output
+    }
+
+    /// [`norm`](Self::norm)'s output and each row's `mean` and `rstd` (`[rows]`, f32; f64 for
+    /// f64 inputs). CubeCL backends run one kernel (`burn_megatron_kernels::fused::norm`).
+    fn norm_forward(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> NormForward<Self> {
+        forward_composition(x, scale, shift, kind, epsilon)
+    }
+
+    /// The gradients of [`norm`](Self::norm)'s `x`, scale and (with `with_shift`) shift given
+    /// its output's gradient `grad: [rows, hidden]` and the forward's statistics. CubeCL
+    /// backends run one kernel for `dx` and a two-stage column reduction for the scale and
+    /// shift (deterministic: no atomics).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        mean: Tensor<Self, 1>,
+        rstd: Tensor<Self, 1>,
+        grad: Tensor<Self, 2>,
+        kind: NormKind,
+        with_shift: bool,
+    ) -> NormGradients<Self> {
+        backward_composition(x, scale, mean, rstd, grad, kind, with_shift)
+    }
+}
 
 /// Which normalisation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +92,7 @@ pub struct NormForward<B: Backend> {
     pub rstd: Tensor<B, 1>,
 }
 
-/// The gradients of [`ModelBackend::norm_backward`].
+/// The gradients of [`NormOps::norm_backward`].
 #[derive(Debug, Clone)]
 pub struct NormGradients<B: Backend> {
     /// `[rows, hidden]`, in `x`'s dtype.
@@ -67,8 +112,12 @@ pub fn statistics_dtype(dtype: DType) -> DType {
 }
 
 /// The normalisation of `x` (`[.., hidden]`) over its last dimension, `scale` and `shift`
-/// `[hidden]`; flattened to `[rows, hidden]` for [`ModelBackend::norm`], then reshaped back.
-pub fn norm<B: ModelBackend, const D: usize>(
+/// `[hidden]`; flattened to `[rows, hidden]` for [`NormOps::norm`], then reshaped back.
+///
+/// # Shapes
+/// - `x` and the output: `[..., hidden]`
+/// - `scale`, `shift`: `[hidden]`
+pub fn norm<B: NormOps, const D: usize>(
     x: Tensor<B, D>,
     scale: Tensor<B, 1>,
     shift: Option<Tensor<B, 1>>,
@@ -81,7 +130,7 @@ pub fn norm<B: ModelBackend, const D: usize>(
     B::norm(x.reshape([rows, hidden]), scale, shift, kind, epsilon).reshape(dims)
 }
 
-/// [`ModelBackend::norm_forward`] as Burn operations in the statistics' dtype.
+/// [`NormOps::norm_forward`] as Burn operations in the statistics' dtype.
 pub fn forward_composition<B: Backend>(
     x: Tensor<B, 2>,
     scale: Tensor<B, 1>,
@@ -117,7 +166,7 @@ pub fn forward_composition<B: Backend>(
     }
 }
 
-/// [`ModelBackend::norm_backward`] as Burn operations in the statistics' dtype.
+/// [`NormOps::norm_backward`] as Burn operations in the statistics' dtype.
 pub fn backward_composition<B: Backend>(
     x: Tensor<B, 2>,
     scale: Tensor<B, 1>,
@@ -146,55 +195,39 @@ pub fn backward_composition<B: Backend>(
     }
 }
 
-/// [`ModelBackend::norm`] on `Autodiff<B>`: the inner backend's forward, and one
-/// [`NormBackward`] node holding `x`, the scale and the statistics.
-pub(crate) fn autodiff_norm<B: ModelBackend, C: CheckpointStrategy>(
-    x: Tensor<Autodiff<B, C>, 2>,
-    scale: Tensor<Autodiff<B, C>, 1>,
-    shift: Option<Tensor<Autodiff<B, C>, 1>>,
-    kind: NormKind,
-    epsilon: f64,
-) -> Tensor<Autodiff<B, C>, 2> {
-    let x = x.into_primitive().tensor();
-    let scale = scale.into_primitive().tensor();
-    let shift = shift.map(|s| s.into_primitive().tensor());
-    let forward = B::norm_forward(
-        wrap::<B, 2>(x.primitive.clone()),
-        wrap::<B, 1>(scale.primitive.clone()),
-        shift.as_ref().map(|s| wrap::<B, 1>(s.primitive.clone())),
-        kind,
-        epsilon,
-    );
-    let output = forward.output.into_primitive().tensor();
-    let state = NormState::<B> {
-        x: x.primitive.clone(),
-        scale: scale.primitive.clone(),
-        mean: forward.mean.into_primitive().tensor(),
-        rstd: forward.rstd.into_primitive().tensor(),
-        kind,
-    };
-    let output = match &shift {
-        Some(shift) => match NormBackward
-            .prepare::<C>([x.node.clone(), scale.node.clone(), shift.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match NormBackward
-            .prepare::<C>([x.node.clone(), scale.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+/// The inner backend's forward, and one node holding `x`, the scale and the statistics.
+impl<B: NormOps, C: CheckpointStrategy> NormOps for Autodiff<B, C> {
+    fn norm(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> Tensor<Self, 2> {
+        let (x, scale, shift) = (raw(x), raw(scale), shift.map(raw));
+        let forward = B::norm_forward(
+            inner(&x),
+            inner(&scale),
+            shift.as_ref().map(inner),
+            kind,
+            epsilon,
+        );
+        let state = NormState::<B> {
+            x: x.primitive.clone(),
+            scale: scale.primitive.clone(),
+            mean: raw(forward.mean),
+            rstd: raw(forward.rstd),
+            kind,
+        };
+        let output = raw(forward.output);
+        wrap(match &shift {
+            Some(shift) => record::<B, C, _>(NormBackward, &[&x, &scale, shift], state, output),
+            None => record::<B, C, _>(NormBackward, &[&x, &scale], state, output),
+        })
+    }
 }
 
-/// The backward of `y = norm(x) · scale (+ shift)`, from [`ModelBackend::norm_backward`]. Its
+/// The backward of `y = norm(x) · scale (+ shift)`, from [`NormOps::norm_backward`]. Its
 /// parents are `[x, scale]` or `[x, scale, shift]`.
 #[derive(Debug)]
 struct NormBackward;
@@ -209,11 +242,14 @@ struct NormState<B: Backend> {
     kind: NormKind,
 }
 
-impl NormBackward {
-    fn run<B: ModelBackend>(
-        parents: &[Option<NodeId>],
+impl<B: NormOps> BackwardStep<B> for NormBackward {
+    type State = NormState<B>;
+
+    fn backward(
+        self,
         grad: FloatTensor<B>,
-        state: NormState<B>,
+        state: <Self as BackwardStep<B>>::State,
+        parents: &[Option<NodeId>],
         grads: &mut Gradients,
     ) {
         let with_shift = parents.len() == 3;
@@ -226,34 +262,96 @@ impl NormBackward {
             state.kind,
             with_shift,
         );
-        if let (Some(Some(id)), Some(dshift)) = (parents.get(2), gradients.shift) {
-            grads.register::<B>(*id, dshift.into_primitive().tensor());
+        if let Some(dshift) = gradients.shift {
+            register(grads, parent(parents, 2), || dshift);
         }
-        if let Some(id) = parents[1] {
-            grads.register::<B>(id, gradients.scale.into_primitive().tensor());
-        }
-        if let Some(id) = parents[0] {
-            grads.register::<B>(id, gradients.x.into_primitive().tensor());
-        }
+        register(grads, parent(parents, 1), || gradients.scale);
+        register(grads, parent(parents, 0), || gradients.x);
     }
 }
 
-impl<B: ModelBackend> Backward<B, 2> for NormBackward {
-    type State = NormState<B>;
+/// CubeCL backends: one kernel forward, one for `dx` and a two-stage column reduction
+/// backward (f64: the composition).
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::norm as kernels;
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, grad, ops.state, grads);
+    use super::{
+        NormForward, NormGradients, NormKind, NormOps, backward_composition, forward_composition,
+    };
+    use crate::ops::primitive::{raw, wrap};
+
+    fn kernel_kind(kind: NormKind) -> kernels::Kind {
+        match kind {
+            NormKind::LayerNorm => kernels::Kind::LayerNorm,
+            NormKind::RmsNorm => kernels::Kind::RmsNorm,
+        }
     }
-}
 
-impl<B: ModelBackend> Backward<B, 3> for NormBackward {
-    type State = NormState<B>;
+    impl<R, F, I, BT> NormOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn norm_forward(
+            x: Tensor<Self, 2>,
+            scale: Tensor<Self, 1>,
+            shift: Option<Tensor<Self, 1>>,
+            kind: NormKind,
+            epsilon: f64,
+        ) -> NormForward<Self> {
+            let dtype = x.dtype();
+            if dtype == DType::F64 {
+                return forward_composition(x, scale, shift, kind, epsilon);
+            }
+            let parameter = |t: Tensor<Self, 1>| raw(t.cast(dtype));
+            let out = kernels::forward(
+                raw(x),
+                parameter(scale),
+                shift.map(parameter),
+                kernel_kind(kind),
+                epsilon,
+            );
+            NormForward {
+                output: wrap(out.output),
+                mean: wrap(out.mean),
+                rstd: wrap(out.rstd),
+            }
+        }
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|p| p.map(|node| node.id));
-        Self::run::<B>(&parents, grad, ops.state, grads);
+        fn norm_backward(
+            x: Tensor<Self, 2>,
+            scale: Tensor<Self, 1>,
+            mean: Tensor<Self, 1>,
+            rstd: Tensor<Self, 1>,
+            grad: Tensor<Self, 2>,
+            kind: NormKind,
+            with_shift: bool,
+        ) -> NormGradients<Self> {
+            if x.dtype() == DType::F64 {
+                return backward_composition(x, scale, mean, rstd, grad, kind, with_shift);
+            }
+            let (dtype, scale_dtype) = (x.dtype(), scale.dtype());
+            let [mean, rstd] = [mean, rstd].map(|t| raw(t.cast(DType::F32)));
+            let out = kernels::backward(
+                raw(x),
+                raw(scale.cast(dtype)),
+                mean,
+                rstd,
+                raw(grad.cast(dtype)),
+                kernel_kind(kind),
+                with_shift,
+            );
+            let parameter = |t| wrap::<Self, 1>(t).cast(scale_dtype);
+            NormGradients {
+                x: wrap(out.x),
+                scale: parameter(out.scale),
+                shift: out.shift.map(parameter),
+            }
+        }
     }
 }

@@ -8,16 +8,16 @@
 //! the order in which merging the heads (`reshape([batch, seq, heads · head_dim])`) needs no
 //! copy.
 //!
-//! [`ModelBackend::packed_flash_attention`] returns the output and `lse` (`[batch, heads,
+//! [`PackedFlashAttentionOps::packed_flash_attention`] returns the output and `lse` (`[batch, heads,
 //! seq]`), and `Autodiff<B>` records one node whose parent is `qkv`, storing `qkv`, the output
-//! and `lse`; its backward, [`ModelBackend::packed_flash_attention_backward`], returns the
+//! and `lse`; its backward, [`PackedFlashAttentionOps::packed_flash_attention_backward`], returns the
 //! gradient of `qkv` as one `[batch, seq, groups, heads_per_group + 2, head_dim]` tensor.
 //! Splitting by Burn's `narrow` instead costs a copy per part forward (Burn makes a view only
 //! at offsets aligned to the runtime's memory alignment, 512 bytes on CUDA) and a zero-filled
 //! full-size gradient per part backward, summed.
 //!
 //! Every backend has the composition here: split `qkv` ([`split`]), call
-//! [`ModelBackend::flash_attention`] and its backward, assemble the gradients with one `cat`
+//! [`FlashAttentionOps::flash_attention`] and its backward, assemble the gradients with one `cat`
 //! ([`assemble`]). CubeCL backends read q, k and v as strided views of the `qkv` buffer and
 //! write the gradients straight into views of one `dqkv` buffer (see
 //! `burn_megatron_kernels::fused::flash_attention::packed`): our CUDA backend through cuDNN
@@ -26,15 +26,54 @@
 //! composition.
 
 use burn::backend::Autodiff;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::flash_attention::FlashAttentionOps;
+use super::primitive::{raw, wrap};
+
+/// Flash attention on the packed QKV projection.
+pub trait PackedFlashAttentionOps: FlashAttentionOps {
+    /// Flash attention on the fused QKV projection's output `qkv: [batch, seq, groups,
+    /// heads_per_group + 2, head_dim]` (see the [module docs](self)): the output `[batch, seq,
+    /// heads, head_dim]` (qkv's dtype) and `lse` `[batch, heads, seq]` (f32; f64 for f64
+    /// inputs). `Autodiff<B>` records one node whose parent is `qkv`, storing `qkv`, the
+    /// output and `lse` (its `lse` is not tracked), whose backward is
+    /// [`packed_flash_attention_backward`](Self::packed_flash_attention_backward). CubeCL
+    /// backends read q, k and v as views of `qkv` where one head stride exists (one head per
+    /// group, or one group); the default splits `qkv` and calls
+    /// [`flash_attention`](FlashAttentionOps::flash_attention).
+    fn packed_flash_attention(
+        qkv: Tensor<Self, 5>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        forward_composition(qkv, scale, causal)
+    }
+
+    /// The gradient of [`packed_flash_attention`](Self::packed_flash_attention)'s `qkv`, one
+    /// `[batch, seq, groups, heads_per_group + 2, head_dim]` tensor, given the output's
+    /// gradient `grad` (`[batch, seq, heads, head_dim]`), from `qkv`, the output and `lse`.
+    /// CubeCL backends write dq, dk and dv into views of one buffer where the forward could
+    /// read views; the default calls
+    /// [`flash_attention_backward`](FlashAttentionOps::flash_attention_backward) and assembles
+    /// the parts with one `cat`.
+    fn packed_flash_attention_backward(
+        qkv: Tensor<Self, 5>,
+        out: Tensor<Self, 4>,
+        lse: Tensor<Self, 3>,
+        grad: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> Tensor<Self, 5> {
+        backward_composition(qkv, out, lse, grad, scale, causal)
+    }
+}
 
 /// Causal attention of `qkv: [batch, seq, groups, heads_per_group + 2, head_dim]` (see the
 /// [module](self)) with `softmax(scale · q kᵀ + mask) v` per head: the output `[batch, seq,
@@ -43,7 +82,11 @@ use crate::backend::{ModelBackend, wrap};
 ///
 /// Differentiable under `Autodiff<B>` with one node and one gradient buffer. Panics, saying
 /// what is wrong, when there is no query head per group.
-pub fn attention<B: ModelBackend>(qkv: Tensor<B, 5>, scale: f64, causal: bool) -> Tensor<B, 4> {
+pub fn attention<B: PackedFlashAttentionOps>(
+    qkv: Tensor<B, 5>,
+    scale: f64,
+    causal: bool,
+) -> Tensor<B, 4> {
     check_shape(qkv.dims());
     B::packed_flash_attention(qkv, scale, causal).0
 }
@@ -91,10 +134,10 @@ pub fn assemble<B: Backend>(dq: Tensor<B, 4>, dk: Tensor<B, 4>, dv: Tensor<B, 4>
     Tensor::cat(vec![dq, dk, dv], 3)
 }
 
-/// [`ModelBackend::packed_flash_attention`] by [`split`] and
-/// [`ModelBackend::flash_attention`]: the output `[batch, seq, heads, head_dim]` (a view of
+/// [`PackedFlashAttentionOps::packed_flash_attention`] by [`split`] and
+/// [`FlashAttentionOps::flash_attention`]: the output `[batch, seq, heads, head_dim]` (a view of
 /// the `[batch, heads, seq, head_dim]` result) and `lse` `[batch, heads, seq]`.
-pub fn forward_composition<B: ModelBackend>(
+pub fn forward_composition<B: FlashAttentionOps>(
     qkv: Tensor<B, 5>,
     scale: f64,
     causal: bool,
@@ -104,9 +147,9 @@ pub fn forward_composition<B: ModelBackend>(
     (out.swap_dims(1, 2), lse)
 }
 
-/// [`ModelBackend::packed_flash_attention_backward`] by [`split`],
-/// [`ModelBackend::flash_attention_backward`] and [`assemble`].
-pub fn backward_composition<B: ModelBackend>(
+/// [`PackedFlashAttentionOps::packed_flash_attention_backward`] by [`split`],
+/// [`FlashAttentionOps::flash_attention_backward`] and [`assemble`].
+pub fn backward_composition<B: FlashAttentionOps>(
     qkv: Tensor<B, 5>,
     out: Tensor<B, 4>,
     lse: Tensor<B, 3>,
@@ -128,43 +171,30 @@ pub fn backward_composition<B: ModelBackend>(
     assemble(dq, dk, dv)
 }
 
-/// A tensor of `Autodiff<B, C>`.
-type Tracked<B, C, const D: usize> = Tensor<Autodiff<B, C>, D>;
-
-/// The `Autodiff<B>` operation: the forward on the inner backend, one node whose parent is
-/// `qkv`, storing `qkv`, the output and `lse`. The returned `lse` is not tracked.
-pub(crate) fn autodiff_packed_flash_attention<B: ModelBackend, C: CheckpointStrategy>(
-    qkv: Tracked<B, C, 5>,
-    scale: f64,
-    causal: bool,
-) -> (Tracked<B, C, 4>, Tracked<B, C, 3>) {
-    let qkv = qkv.into_primitive().tensor();
-    let (out, lse) = B::packed_flash_attention(wrap::<B, 5>(qkv.primitive.clone()), scale, causal);
-    let out = out.into_primitive().tensor();
-    let output = match PackedFlashAttentionBackward
-        .prepare::<C>([qkv.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish(
-            PackedFlashAttentionState {
-                qkv: qkv.primitive,
-                out: out.clone(),
-                lse: lse.clone().into_primitive().tensor(),
-                scale,
-                causal,
-            },
-            out,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
-    (
-        Tensor::from_primitive(TensorPrimitive::Float(output)),
-        Tensor::from_inner(lse),
-    )
+/// The forward on the inner backend, one node whose parent is `qkv`, storing `qkv`, the
+/// output and `lse`. The returned `lse` is not tracked.
+impl<B: PackedFlashAttentionOps, C: CheckpointStrategy> PackedFlashAttentionOps for Autodiff<B, C> {
+    fn packed_flash_attention(
+        qkv: Tensor<Self, 5>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        let qkv = raw(qkv);
+        let (out, lse) = B::packed_flash_attention(inner(&qkv), scale, causal);
+        let out = raw(out);
+        let state = PackedFlashAttentionState {
+            qkv: qkv.primitive.clone(),
+            out: out.clone(),
+            lse: raw(lse.clone()),
+            scale,
+            causal,
+        };
+        let out = record::<B, C, _>(PackedFlashAttentionBackward, &[&qkv], state, out);
+        (wrap(out), Tensor::from_inner(lse))
+    }
 }
 
-/// What the backward of [`autodiff_packed_flash_attention`] keeps from the forward.
+/// What the backward keeps from the forward.
 #[derive(Debug, Clone)]
 struct PackedFlashAttentionState<B: Backend> {
     qkv: FloatTensor<B>,
@@ -174,28 +204,138 @@ struct PackedFlashAttentionState<B: Backend> {
     causal: bool,
 }
 
+/// The backward, [`PackedFlashAttentionOps::packed_flash_attention_backward`]. Its parent is
+/// `qkv`.
 #[derive(Debug)]
 struct PackedFlashAttentionBackward;
 
-impl<B: ModelBackend> Backward<B, 1> for PackedFlashAttentionBackward {
+impl<B: PackedFlashAttentionOps> BackwardStep<B> for PackedFlashAttentionBackward {
     type State = PackedFlashAttentionState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [parent] = ops.parents;
-        let Some(parent) = parent else {
-            return;
-        };
-        let s = ops.state;
-        let dqkv = B::packed_flash_attention_backward(
-            wrap::<B, 5>(s.qkv),
-            wrap::<B, 4>(s.out),
-            wrap::<B, 3>(s.lse),
-            wrap::<B, 4>(grad),
-            s.scale,
-            s.causal,
-        );
-        grads.register::<B>(parent.id, dqkv.into_primitive().tensor());
+    fn backward(
+        self,
+        grad: FloatTensor<B>,
+        s: <Self as BackwardStep<B>>::State,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        register(grads, parent(parents, 0), || {
+            B::packed_flash_attention_backward(
+                wrap(s.qkv),
+                wrap(s.out),
+                wrap(s.lse),
+                wrap(grad),
+                s.scale,
+                s.causal,
+            )
+        });
+    }
+}
+
+/// CubeCL backends: views of `qkv` and of one `dqkv` buffer, through the runtime's vendor
+/// library first, then the CubeCL kernels, then the composition.
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Shape, Tensor};
+    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::flash_attention as flash_kernels;
+    use burn_megatron_kernels::fused::flash_attention::packed::views;
+
+    use super::{PackedFlashAttentionOps, backward_composition, forward_composition};
+    use crate::ops::flash_attention::kernels::{AttentionRuntime, kernels_take, options};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<R, F, I, BT> PackedFlashAttentionOps for CubeBackend<R, F, I, BT>
+    where
+        R: AttentionRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn packed_flash_attention(
+            qkv: Tensor<Self, 5>,
+            scale: f64,
+            causal: bool,
+        ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+            let [batch, seq, groups, slots, head_dim] = qkv.dims();
+            let heads = groups * (slots - 2);
+            let raw_qkv = raw(qkv.clone());
+            let Some([q, k, v]) = views(&raw_qkv, R::VIEW_OFFSETS) else {
+                return forward_composition(qkv, scale, causal);
+            };
+            if let Some((out, lse)) = R::vendor_forward(&q, &k, &v, scale, causal) {
+                // The vendor stores the output `[batch, seq, heads, head_dim]`.
+                return (wrap::<Self, 4>(out).swap_dims(1, 2), wrap(lse));
+            }
+            if !kernels_take(qkv.dtype(), head_dim) {
+                return forward_composition(qkv, scale, causal);
+            }
+            let out = empty_device_contiguous_dtype::<R>(
+                raw_qkv.client.clone(),
+                raw_qkv.device.clone(),
+                Shape::new([batch, seq, heads, head_dim]),
+                raw_qkv.dtype,
+            );
+            let lse = flash_kernels::forward_into(
+                q,
+                k,
+                v,
+                burn_cubecl::ops::permute(out.clone(), &[0, 2, 1, 3]),
+                options(scale, causal),
+            );
+            (wrap(out), wrap(lse))
+        }
+
+        fn packed_flash_attention_backward(
+            qkv: Tensor<Self, 5>,
+            out: Tensor<Self, 4>,
+            lse: Tensor<Self, 3>,
+            grad: Tensor<Self, 4>,
+            scale: f64,
+            causal: bool,
+        ) -> Tensor<Self, 5> {
+            let dtype = qkv.dtype();
+            let raw_qkv = raw(qkv.clone());
+            let dqkv = empty_device_contiguous_dtype::<R>(
+                raw_qkv.client.clone(),
+                raw_qkv.device.clone(),
+                raw_qkv.meta.shape().clone(),
+                dtype,
+            );
+            let views = views(&raw_qkv, R::VIEW_OFFSETS).zip(views(&dqkv, R::VIEW_OFFSETS));
+            let Some(([q, k, v], grads)) = views else {
+                return backward_composition(qkv, out, lse, grad, scale, causal);
+            };
+            let heads_major = |t: &Tensor<Self, 4>| raw(t.clone().cast(dtype).swap_dims(1, 2));
+            let lse_f32 = raw(lse.clone().cast(DType::F32));
+            let written = R::vendor_backward_into(
+                [&q, &k, &v],
+                &heads_major(&out),
+                &lse_f32,
+                &heads_major(&grad),
+                &grads,
+                scale,
+                causal,
+            );
+            if written {
+                return wrap(dqkv);
+            }
+            if !kernels_take(dtype, qkv.dims()[4]) {
+                return backward_composition(qkv, out, lse, grad, scale, causal);
+            }
+            flash_kernels::backward_into(
+                q,
+                k,
+                v,
+                heads_major(&out),
+                lse_f32,
+                heads_major(&grad),
+                grads,
+                options(scale, causal),
+            );
+            wrap(dqkv)
+        }
     }
 }
 
@@ -306,14 +446,14 @@ mod tests {
             );
 
             let qkv = normal::<NdArray>(shape, 1.5, seed);
-            let (_, lse) = <NdArray as crate::backend::ModelBackend>::packed_flash_attention(
+            let (_, lse) = <NdArray as super::PackedFlashAttentionOps>::packed_flash_attention(
                 qkv.clone(),
                 scale,
                 causal,
             );
             let [q, k, v] = reference_split(qkv);
             let (_, want_lse) =
-                <NdArray as crate::backend::ModelBackend>::flash_attention(q, k, v, scale, causal);
+                <NdArray as crate::ops::FlashAttentionOps>::flash_attention(q, k, v, scale, causal);
             assert_eq!(lse.dims(), [batch, heads, seq]);
             assert_close(
                 &format!("case {i} lse"),

@@ -17,13 +17,32 @@
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, parent, record, register};
+use super::primitive::{raw, wrap};
+
+/// Rotary position embeddings on the packed QKV.
+pub trait RopeOps: Backend {
+    /// Rotary position embeddings on the packed `qkv: [batch, seq, groups, heads_per_group + 2,
+    /// head_dim]` (see the [module docs](self)): query and key heads rotated, value heads
+    /// unchanged, in qkv's dtype with f32 angles. `Autodiff<B>` stores nothing; its backward is
+    /// [`packed_rope_backward`](Self::packed_rope_backward). CubeCL backends run one kernel
+    /// (`burn_megatron_kernels::fused::rope`).
+    fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+        packed_rope_composition(qkv, base, false)
+    }
+
+    /// The gradient of [`packed_rope`](Self::packed_rope)'s input from its output's gradient:
+    /// the rotation by `-angle`.
+    fn packed_rope_backward(grad: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+        packed_rope_composition(grad, base, true)
+    }
+}
 
 /// The cosines and sines of the angles `p · base^(-2i / head_dim)` for positions `p` in
 /// `0..seq` and pairs `i` in `0..head_dim / 2`, computed in f64 and rounded to f32: `[cos,
@@ -43,7 +62,7 @@ pub fn rotation_table(seq: usize, head_dim: usize, base: f64) -> [Vec<f32>; 2] {
 }
 
 /// Checks the packed shape and returns `head_dim / 2`.
-pub(crate) fn check_shape(dims: [usize; 5]) -> usize {
+fn check_shape(dims: [usize; 5]) -> usize {
     assert!(
         dims[4].is_multiple_of(2),
         "RoPE needs an even head dimension, got {dims:?}"
@@ -55,7 +74,7 @@ pub(crate) fn check_shape(dims: [usize; 5]) -> usize {
     dims[4] / 2
 }
 
-/// [`ModelBackend::packed_rope`] (and with `inverse`, its backward) as a Burn composition.
+/// [`RopeOps::packed_rope`] (and with `inverse`, its backward) as a Burn composition.
 pub fn packed_rope_composition<B: Backend>(
     qkv: Tensor<B, 5>,
     base: f64,
@@ -85,37 +104,135 @@ pub fn packed_rope_composition<B: Backend>(
     Tensor::cat(vec![heads * cos + rotated_half * sin, values], 3)
 }
 
-/// [`ModelBackend::packed_rope`] on `Autodiff<B>`: the inner backend's forward and a node that
-/// stores only `base`.
-pub(crate) fn autodiff_packed_rope<B: ModelBackend, C: CheckpointStrategy>(
-    qkv: Tensor<Autodiff<B, C>, 5>,
-    base: f64,
-) -> Tensor<Autodiff<B, C>, 5> {
-    let qkv = qkv.into_primitive().tensor();
-    // The backward needs nothing of the input: hand its buffer over, so that the kernel can
-    // rotate it in place when nothing else holds it.
-    let (input, node) = (qkv.primitive, qkv.node);
-    let output = B::packed_rope(wrap::<B, 5>(input), base)
-        .into_primitive()
-        .tensor();
-    let output = match RopeBackward.prepare::<C>([node]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(base, output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+/// The inner backend's forward and a node that stores only `base`.
+impl<B: RopeOps, C: CheckpointStrategy> RopeOps for Autodiff<B, C> {
+    fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+        let mut qkv = raw(qkv);
+        // The backward needs nothing of the input: hand its buffer over, so that the kernel
+        // can rotate it in place when nothing else holds it.
+        let output = raw(B::packed_rope(wrap(qkv.primitive), base));
+        qkv.primitive = output.clone();
+        wrap(record::<B, C, _>(RopeBackward, &[&qkv], base, output))
+    }
 }
 
 /// The backward of the rotation: the rotation by `-angle` of the gradient.
 #[derive(Debug)]
 struct RopeBackward;
 
-impl<B: ModelBackend> Backward<B, 1> for RopeBackward {
+impl<B: RopeOps> BackwardStep<B> for RopeBackward {
     type State = f64;
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [Some(parent)] = ops.parents else { return };
-        let grad = B::packed_rope_backward(wrap::<B, 5>(grad), ops.state);
-        grads.register::<B>(parent.id, grad.into_primitive().tensor());
+    fn backward(
+        self,
+        grad: FloatTensor<B>,
+        base: f64,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        register(grads, parent(parents, 0), || {
+            B::packed_rope_backward(wrap(grad), base)
+        });
+    }
+}
+
+/// CubeCL backends: one kernel each way on a table uploaded once per device and shape (f64:
+/// the composition).
+#[cfg(feature = "fused")]
+mod cube {
+    use std::any::{Any, TypeId};
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+
+    use burn::tensor::backend::{DeviceId, DeviceOps};
+    use burn::tensor::{DType, Tensor, TensorData};
+    use burn_cubecl::tensor::CubeTensor;
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::rope as kernels;
+
+    use super::{RopeOps, check_shape, packed_rope_composition, rotation_table};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<R, F, I, BT> RopeOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+            rotate(qkv, base, false)
+        }
+
+        fn packed_rope_backward(grad: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {
+            rotate(grad, base, true)
+        }
+    }
+
+    /// [`RopeOps::packed_rope`] (with `inverse`, its backward) in one kernel.
+    fn rotate<R, F, I, BT>(
+        qkv: Tensor<CubeBackend<R, F, I, BT>, 5>,
+        base: f64,
+        inverse: bool,
+    ) -> Tensor<CubeBackend<R, F, I, BT>, 5>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        if qkv.dtype() == DType::F64 {
+            return packed_rope_composition(qkv, base, inverse);
+        }
+        let dims = qkv.dims();
+        let [batch, seq, groups, slots, head_dim] = dims;
+        check_shape(dims);
+        let table = rope_table::<R, F, I, BT>(&qkv.device(), seq, head_dim, base);
+        let layout = kernels::PackedRows { seq, groups, slots };
+        let rows = raw(qkv.reshape([batch * seq * groups * slots, head_dim]));
+        wrap::<CubeBackend<R, F, I, BT>, 2>(kernels::rotate(rows, table, layout, inverse))
+            .reshape(dims)
+    }
+
+    /// The RoPE table `[cos, sin]` (`[seq, head_dim / 2]` f32 each) on `device`, computed
+    /// and uploaded once per runtime, device, shape and base, then kept for the process.
+    fn rope_table<R, F, I, BT>(
+        device: &R::Device,
+        seq: usize,
+        head_dim: usize,
+        base: f64,
+    ) -> [CubeTensor<R>; 2]
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        type Key = (TypeId, DeviceId, usize, usize, u64);
+        static TABLES: OnceLock<Mutex<HashMap<Key, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
+        let key = (
+            TypeId::of::<R>(),
+            DeviceOps::id(device),
+            seq,
+            head_dim,
+            base.to_bits(),
+        );
+        let mut tables = TABLES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let table = tables.entry(key).or_insert_with(|| {
+            let table = rotation_table(seq, head_dim, base).map(|values| {
+                raw(Tensor::<CubeBackend<R, F, I, BT>, 2>::from_data(
+                    TensorData::new(values, [seq, head_dim / 2]),
+                    (device, DType::F32),
+                ))
+            });
+            Box::new(table)
+        });
+        table
+            .downcast_ref::<[CubeTensor<R>; 2]>()
+            .expect("a RoPE table of this runtime")
+            .clone()
     }
 }

@@ -35,12 +35,12 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 
-use super::fused_adamw::{AdamWScalars, FlatAdamWBuffers};
 use super::{FoundInf, WeightDecayPolicy};
 use crate::ModelBackend;
 use crate::checkpointing::{OptimizerState, ParamState};
 use crate::distributed::{BufferConfig, ParamAndGradBuffer};
 use crate::error::ConfigError;
+use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
 use crate::tensor_parallel::DeclarePlacements;
 
 /// The optimizer state's name in checkpoints, with the master weights saved next to the
@@ -233,7 +233,7 @@ where
         };
         // The master weights are unique to the buffer unless an f32 model views them.
         let master_out = {
-            let out = <B::InnerBackend as ModelBackend>::flat_adamw(
+            let out = <B::InnerBackend as AdamWOps>::flat_adamw(
                 buffers,
                 &hyper,
                 (model_dtype != DType::F32).then_some(model_dtype),

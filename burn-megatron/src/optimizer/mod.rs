@@ -13,8 +13,8 @@
 //!
 //! - [`flat_adamw`]: [`FlatAdamW`], AdamW over the flat buffers of
 //!   [`crate::distributed::ParamAndGradBuffer`] with fp32 master weights and moments, one fused
-//!   kernel per step on CubeCL backends ([`fused_adamw`]: the step's math and its plain Burn
-//!   composition), with the clip coefficient, the loss scale and the overflow skip read on the
+//!   kernel per step on CubeCL backends ([`crate::ops::adamw`]: the step's math, its plain
+//!   Burn composition and the kernel's wiring), with the clip coefficient, the loss scale and the overflow skip read on the
 //!   device.
 //!
 //! Data parallelism (gradient reduction over DP) and the distributed optimizer (ZeRO-1) are
@@ -22,7 +22,6 @@
 
 pub mod clip;
 pub mod flat_adamw;
-pub mod fused_adamw;
 mod grads;
 pub mod loss_scaler;
 pub mod lr_schedule;

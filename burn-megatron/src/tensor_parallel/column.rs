@@ -6,7 +6,8 @@ use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
-use crate::backend::{ModelBackend, linear};
+use crate::backend::ModelBackend;
+use crate::ops::linear;
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use super::tp_context::TpContext;

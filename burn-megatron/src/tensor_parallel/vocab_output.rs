@@ -4,7 +4,8 @@ use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistResult};
 
-use crate::backend::{ModelBackend, linear_output_major};
+use crate::backend::ModelBackend;
+use crate::ops::linear_output_major;
 
 use super::placement::{DeclarePlacements, Placements};
 use super::tp_context::TpContext;

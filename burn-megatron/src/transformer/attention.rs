@@ -9,6 +9,7 @@ use super::config::{PositionEmbedding, Recompute, TransformerConfig};
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
+use crate::ops::RecomputedAttention;
 use crate::ops::{flash_attention, packed_flash_attention};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,

@@ -6,9 +6,7 @@
 
 use burn::tensor::Tensor;
 
-use crate::backend::ModelBackend;
-
-use crate::ops::DropoutMask;
+use crate::ops::{DropoutMask, DropoutOps, RecomputedAttention, SoftmaxOps};
 use crate::tensor_parallel::DropoutSite;
 
 /// One attention core call: its scale and how its dropout mask is placed.
@@ -46,12 +44,14 @@ impl AttentionCore {
     }
 
     /// `softmax(scale · q kᵀ + causal mask)`.
-    fn probabilities<B: ModelBackend>(&self, q: Tensor<B, 4>, k: Tensor<B, 4>) -> Tensor<B, 4> {
+    fn probabilities<B: SoftmaxOps>(&self, q: Tensor<B, 4>, k: Tensor<B, 4>) -> Tensor<B, 4> {
         B::causal_softmax(q.matmul(k.swap_dims(2, 3)), self.scale)
     }
+}
 
+impl RecomputedAttention for AttentionCore {
     /// `[batch, local_heads, seq, head_dim]` each → the same shape.
-    pub fn forward<B: ModelBackend>(
+    fn forward<B: SoftmaxOps + DropoutOps>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
@@ -69,7 +69,7 @@ impl AttentionCore {
     /// probabilities: with `P` the probabilities, `M` the dropout multiplier and `O = (P ∘ M) v`,
     /// `dv = (P ∘ M)ᵀ dO`, `dP = (dO vᵀ) ∘ M`, `dS = P ∘ (dP - rowsum(dP ∘ P))`,
     /// `dq = scale · dS k`, `dk = scale · dSᵀ q`.
-    pub fn backward<B: ModelBackend>(
+    fn backward<B: SoftmaxOps + DropoutOps>(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,

@@ -5,9 +5,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::{Tensor, TensorData};
 use burn_autodiff::grads::Gradients;
-use burn_megatron::ModelBackend;
-use burn_megatron::backend::BackwardHook;
 use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::ops::{BackwardHook, BackwardHookOps};
 use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::{AD, B, STEP, device};
@@ -36,7 +35,7 @@ fn the_gradient_through_a_backward_hook_matches_finite_differences() {
     let record = Arc::new(Record::default());
     let hook: Arc<dyn BackwardHook> = record.clone();
     let loss = |x: Tensor<AD, 2>| {
-        let y = <AD as ModelBackend>::backward_hook(x, &hook, 7).tanh();
+        let y = <AD as BackwardHookOps>::backward_hook(x, &hook, 7).tanh();
         (y * Tensor::from_inner(w.clone())).sum()
     };
     let tracked = Tensor::<AD, 2>::from_inner(x.clone()).require_grad();

@@ -2,9 +2,9 @@
 //! drawn element by element, and its gradients against central differences.
 
 use burn::tensor::Tensor;
-use burn_megatron::ModelBackend;
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::ops::DropoutMask;
+use burn_megatron::ops::DropoutOps;
 use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::{AD, B, STEP, device};

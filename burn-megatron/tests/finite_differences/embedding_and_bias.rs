@@ -5,9 +5,9 @@
 //! differences of the forward, one element at a time.
 
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::backend::{bias_add, linear_output_major};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::ops::embedding::{embedding, embedding_or_zero};
+use burn_megatron::ops::{bias_add, linear_output_major};
 use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::{AD, B, STEP, device};

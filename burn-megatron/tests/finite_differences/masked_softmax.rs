@@ -2,8 +2,8 @@
 //! gradient of the scores against central differences.
 
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::ModelBackend;
 use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::ops::SoftmaxOps;
 use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::{AD, B, STEP, device};

@@ -2,8 +2,8 @@
 //! out element by element, and the gradient against central differences.
 
 use burn::tensor::Tensor;
-use burn_megatron::ModelBackend;
 use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::ops::RopeOps;
 use burn_megatron::ops::rope::rotation_table;
 use burn_megatron_testing::{assert_close, tolerance, values};
 

@@ -456,7 +456,7 @@ fn state_round_trips_by_parameter() {
 /// Megatron's GPT setting.)
 #[test]
 fn bias_correction_is_exact() {
-    use burn_megatron::optimizer::fused_adamw::one_minus_power;
+    use burn_megatron::ops::adamw::one_minus_power;
     for beta in [0.9f64, 0.95, 0.999, 0.9999] {
         let steps: Vec<f32> = [1, 2, 3, 10, 100, 1000, 10_000, 100_000]
             .map(|t| t as f32)

@@ -15,7 +15,7 @@ use super::{
     GptStepLoader, LanguageModelMetric, LogRenderer, MegatronOptimizer, MegatronStrategy,
     MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
 };
-use crate::backend::ModelBackend;
+use crate::backend::{BackendInfo, ModelBackend};
 use crate::checkpointing::Checkpointer;
 use crate::error::{ConfigError, Result};
 use crate::optimizer::shared_copies;
@@ -145,7 +145,7 @@ where
     if config.fp16 {
         training = training.metric_train_numeric(LanguageModelMetric::loss_scale());
     }
-    if <B::InnerBackend as ModelBackend>::memory_in_use(device).is_some() {
+    if <B::InnerBackend as BackendInfo>::memory_in_use(device).is_some() {
         training = training.metric_train_numeric(LanguageModelMetric::memory());
     }
     if let Some(recorder) = &reporting.recorder {

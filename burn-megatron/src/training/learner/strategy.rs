@@ -42,7 +42,7 @@ use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 use super::output::LanguageModelOutput;
 use super::quiet::{QuietLogger, QuietRenderer};
 use super::{MegatronOptimizer, ParallelGpt, StepShape};
-use crate::backend::ModelBackend;
+use crate::backend::{BackendInfo, ModelBackend};
 use crate::checkpointing::{
     Checkpoint, Checkpointer, TrainingState, distributed_adamw_state, latest_checkpoint,
     load_distributed_adamw,
@@ -179,7 +179,7 @@ where
     let Some(device) = model.devices().into_iter().next() else {
         return Ok(None);
     };
-    <B::InnerBackend as ModelBackend>::memory_in_use(&device)
+    <B::InnerBackend as BackendInfo>::memory_in_use(&device)
         .map(|bytes| largest_over_ranks::<B::InnerBackend>(state, bytes, &device))
         .transpose()
 }

@@ -6,24 +6,64 @@
 //! `h / (heads / kv_heads)` (grouped-query and multi-query attention), and K/V are passed
 //! un-repeated. Causal attention lets query `i` see keys `0..=i` and needs `seq_q == seq_k`.
 //!
-//! [`ModelBackend::flash_attention`] returns the output and each query row's log-sum-exp
+//! [`FlashAttentionOps::flash_attention`] returns the output and each query row's log-sum-exp
 //! (`lse`); `Autodiff<B>` records one node that stores `q`, `k`, `v`, the output and `lse`
 //! (memory linear in the sequence) and whose backward is
-//! [`ModelBackend::flash_attention_backward`]. CubeCL backends run the kernels of
-//! `burn_megatron_kernels::fused::flash_attention`; every other backend runs the Burn
-//! compositions here, which materialise the `[batch, heads, seq_q, seq_k]` scores in f32 (f64
-//! for f64 inputs).
+//! [`FlashAttentionOps::flash_attention_backward`]. CubeCL backends run a vendor library where
+//! the runtime has one (cuDNN on our CUDA backend) and the kernels of
+//! `burn_megatron_kernels::fused::flash_attention` otherwise ([`kernels`]); every other backend
+//! runs the Burn compositions here, which materialise the `[batch, heads, seq_q, seq_k]` scores
+//! in f32 (f64 for f64 inputs).
+
+#[cfg(feature = "fused")]
+pub mod kernels;
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, DType, Tensor, TensorPrimitive};
-use burn_autodiff::checkpoint::base::Checkpointer;
+use burn::tensor::{Bool, DType, Tensor};
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
 
-use crate::backend::{ModelBackend, wrap};
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::primitive::{raw, wrap};
+
+/// Attention whose backward recomputes the probabilities.
+pub trait FlashAttentionOps: Backend {
+    /// `softmax(scale · q kᵀ + mask) v` for `q: [batch, heads, seq_q, head_dim]` and `k, v:
+    /// [batch, kv_heads, seq_k, head_dim]` (`heads` a multiple of `kv_heads`; query `i` sees
+    /// keys `0..=i` when `causal`). Returns the output (q's dtype) and each query row's
+    /// log-sum-exp `[batch, heads, seq_q]` (f32; f64 for f64 inputs). `Autodiff<B>` records
+    /// one node storing the inputs, the output and `lse` (its `lse` is not tracked), whose
+    /// backward is [`flash_attention_backward`](Self::flash_attention_backward).
+    fn flash_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        forward_composition(q, k, v, scale, causal)
+    }
+
+    /// The gradients `[dq, dk, dv]` of [`flash_attention`](Self::flash_attention)'s output
+    /// given its gradient `grad` (`[batch, heads, seq_q, head_dim]`), from the inputs, the
+    /// output and `lse`; `dk` and `dv` are summed over the query heads of each key/value head.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        out: Tensor<Self, 4>,
+        lse: Tensor<Self, 3>,
+        grad: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> [Tensor<Self, 4>; 3] {
+        backward_composition(q, k, v, out, lse, grad, scale, causal)
+    }
+}
 
 /// `softmax(scale · q kᵀ + mask) v` for `q: [batch, heads, seq_q, head_dim]` and `k, v:
 /// [batch, kv_heads, seq_k, head_dim]` (`heads` a multiple of `kv_heads`): the output
@@ -32,7 +72,7 @@ use crate::backend::{ModelBackend, wrap};
 ///
 /// Differentiable under `Autodiff<B>` with a backward that stores no `[seq_q, seq_k]`
 /// tensor (see the [module](self)). Panics, saying what is wrong, on shapes that do not fit.
-pub fn attention<B: ModelBackend>(
+pub fn attention<B: FlashAttentionOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -127,7 +167,7 @@ fn scores<B: Backend>(
     scores.mask_fill(future.unsqueeze::<4>(), f64::NEG_INFINITY)
 }
 
-/// [`ModelBackend::flash_attention`] as a Burn composition: the output (q's dtype) and the
+/// [`FlashAttentionOps::flash_attention`] as a Burn composition: the output (q's dtype) and the
 /// log-sum-exp `[batch, heads, seq_q]` (f32; f64 for f64 inputs).
 pub fn forward_composition<B: Backend>(
     q: Tensor<B, 4>,
@@ -148,7 +188,7 @@ pub fn forward_composition<B: Backend>(
     (out, lse)
 }
 
-/// [`ModelBackend::flash_attention_backward`] as a Burn composition: with
+/// [`FlashAttentionOps::flash_attention_backward`] as a Burn composition: with
 /// `P = exp(scale · q kᵀ - lse)` and `delta = rowsum(dO ∘ O)`, `dS = P ∘ (dO vᵀ - delta)`,
 /// `dq = scale · dS k`, `dk = scale · dSᵀ q`, `dv = Pᵀ dO`, the last two summed over each
 /// key/value head's query heads; in q's dtype.
@@ -183,53 +223,34 @@ pub fn backward_composition<B: Backend>(
     .map(|t| t.cast(dtype))
 }
 
-/// A tensor of `Autodiff<B, C>`.
-type Tracked<B, C, const D: usize> = Tensor<Autodiff<B, C>, D>;
-
-/// The `Autodiff<B>` operation: the forward on the inner backend, one node storing `q`, `k`,
-/// `v`, the output and `lse`. The returned `lse` is not tracked.
-pub(crate) fn autodiff_flash_attention<B: ModelBackend, C: CheckpointStrategy>(
-    q: Tracked<B, C, 4>,
-    k: Tracked<B, C, 4>,
-    v: Tracked<B, C, 4>,
-    scale: f64,
-    causal: bool,
-) -> (Tracked<B, C, 4>, Tracked<B, C, 3>) {
-    let [q, k, v] = [q, k, v].map(|t| t.into_primitive().tensor());
-    let (out, lse) = B::flash_attention(
-        wrap::<B, 4>(q.primitive.clone()),
-        wrap::<B, 4>(k.primitive.clone()),
-        wrap::<B, 4>(v.primitive.clone()),
-        scale,
-        causal,
-    );
-    let out = out.into_primitive().tensor();
-    let output = match FlashAttentionBackward
-        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish(
-            FlashAttentionState {
-                q: q.primitive,
-                k: k.primitive,
-                v: v.primitive,
-                out: out.clone(),
-                lse: lse.clone().into_primitive().tensor(),
-                scale,
-                causal,
-            },
-            out,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
-    (
-        Tensor::from_primitive(TensorPrimitive::Float(output)),
-        Tensor::from_inner(lse),
-    )
+/// The forward on the inner backend, one node storing `q`, `k`, `v`, the output and `lse`.
+/// The returned `lse` is not tracked.
+impl<B: FlashAttentionOps, C: CheckpointStrategy> FlashAttentionOps for Autodiff<B, C> {
+    fn flash_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        scale: f64,
+        causal: bool,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        let [q, k, v] = [q, k, v].map(raw);
+        let (out, lse) = B::flash_attention(inner(&q), inner(&k), inner(&v), scale, causal);
+        let out = raw(out);
+        let state = FlashAttentionState {
+            q: q.primitive.clone(),
+            k: k.primitive.clone(),
+            v: v.primitive.clone(),
+            out: out.clone(),
+            lse: raw(lse.clone()),
+            scale,
+            causal,
+        };
+        let out = record::<B, C, _>(FlashAttentionBackward, &[&q, &k, &v], state, out);
+        (wrap(out), Tensor::from_inner(lse))
+    }
 }
 
-/// What the backward of [`autodiff_flash_attention`] keeps from the forward.
+/// What the backward keeps from the forward.
 #[derive(Debug, Clone)]
 struct FlashAttentionState<B: Backend> {
     q: FloatTensor<B>,
@@ -241,29 +262,33 @@ struct FlashAttentionState<B: Backend> {
     causal: bool,
 }
 
+/// The backward of flash attention, [`FlashAttentionOps::flash_attention_backward`]. Its
+/// parents are `[q, k, v]`.
 #[derive(Debug)]
 struct FlashAttentionBackward;
 
-impl<B: ModelBackend> Backward<B, 3> for FlashAttentionBackward {
+impl<B: FlashAttentionOps> BackwardStep<B> for FlashAttentionBackward {
     type State = FlashAttentionState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let s = ops.state;
+    fn backward(
+        self,
+        grad: FloatTensor<B>,
+        s: <Self as BackwardStep<B>>::State,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
         let gradients = B::flash_attention_backward(
-            wrap::<B, 4>(s.q),
-            wrap::<B, 4>(s.k),
-            wrap::<B, 4>(s.v),
-            wrap::<B, 4>(s.out),
-            wrap::<B, 3>(s.lse),
-            wrap::<B, 4>(grad),
+            wrap(s.q),
+            wrap(s.k),
+            wrap(s.v),
+            wrap(s.out),
+            wrap(s.lse),
+            wrap(grad),
             s.scale,
             s.causal,
         );
-        for (parent, gradient) in ops.parents.into_iter().zip(gradients) {
-            if let Some(parent) = parent {
-                grads.register::<B>(parent.id, gradient.into_primitive().tensor());
-            }
+        for (index, gradient) in gradients.into_iter().enumerate() {
+            register(grads, parent(parents, index), || gradient);
         }
     }
 }

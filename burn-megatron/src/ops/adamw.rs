@@ -1,7 +1,6 @@
-//! One AdamW step over flat fp32 buffers: the inputs of
-//! [`ModelBackend::flat_adamw`](crate::ModelBackend::flat_adamw) and its plain Burn
-//! composition (the default on NdArray, and the reference the CubeCL kernel
-//! `burn_megatron_kernels::fused::adamw` is tested against).
+//! One AdamW step over flat fp32 buffers ([`AdamWOps::flat_adamw`]): its inputs, its plain
+//! Burn composition (the default on NdArray, and the reference the CubeCL kernel
+//! `burn_megatron_kernels::fused::adamw` is tested against), and the kernel's wiring.
 //!
 //! Per element, with `t = step + 1`:
 //!
@@ -18,8 +17,27 @@
 //! device-side step count: see [`one_minus_power`]. A non-zero `found_inf` leaves `p`, `m` and
 //! `v` as they were.
 
+use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+
+pub use burn_megatron_kernels::adamw_scalars::AdamWScalars;
+
+/// One AdamW step over flat buffers.
+pub trait AdamWOps: Backend {
+    /// One AdamW step over flat fp32 buffers (see the [module docs](self)): the updated
+    /// master weights and moments, and with `model_dtype` the master weights cast to it. The
+    /// step is skipped on the device when `found_inf` is set. CubeCL backends run one kernel
+    /// (`burn_megatron_kernels::fused::adamw`) for all of it.
+    fn flat_adamw(
+        buffers: FlatAdamWBuffers<Self>,
+        scalars: &AdamWScalars,
+        model_dtype: Option<DType>,
+    ) -> FlatAdamWOutput<Self> {
+        flat_adamw_composition(buffers, scalars, model_dtype)
+    }
+}
 
 /// The device tensors of one step: `master`, `grad`, `exp_avg`, `exp_avg_sq` are `[n]` f32,
 /// `decay` is `[n / block]` f32 (1: decayed block, 0: exempt), and `step`, `grad_factor`,
@@ -42,50 +60,6 @@ pub struct FlatAdamWBuffers<B: Backend> {
     pub grad_factor: Tensor<B, 1>,
     /// Non-zero skips the step (the loss scaler's overflow flag).
     pub found_inf: Tensor<B, 1>,
-}
-
-/// The step's host scalars, f32 as the kernel takes them.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWScalars {
-    /// The learning rate.
-    pub lr: f32,
-    /// `β₁`.
-    pub beta_1: f32,
-    /// `β₂`.
-    pub beta_2: f32,
-    /// `ln β₁`, computed in f64.
-    pub ln_beta_1: f32,
-    /// `ln β₂`, computed in f64.
-    pub ln_beta_2: f32,
-    /// `ε`.
-    pub epsilon: f32,
-    /// `1 - lr · weight_decay`, computed in f64: the factor of a decayed element.
-    pub decay_factor: f32,
-    /// Elements per weight-decay block.
-    pub block: usize,
-}
-
-impl AdamWScalars {
-    /// The scalars of a step at learning rate `lr`.
-    pub fn new(
-        lr: f64,
-        beta_1: f64,
-        beta_2: f64,
-        epsilon: f64,
-        weight_decay: f64,
-        block: usize,
-    ) -> Self {
-        Self {
-            lr: lr as f32,
-            beta_1: beta_1 as f32,
-            beta_2: beta_2 as f32,
-            ln_beta_1: beta_1.ln() as f32,
-            ln_beta_2: beta_2.ln() as f32,
-            epsilon: epsilon as f32,
-            decay_factor: (1.0 - lr * weight_decay) as f32,
-            block,
-        }
-    }
 }
 
 /// The step's results: `master`, `exp_avg`, `exp_avg_sq` (`[n]` f32) and, when asked for, the
@@ -166,5 +140,54 @@ pub fn flat_adamw_composition<B: Backend>(
         exp_avg,
         exp_avg_sq,
         model,
+    }
+}
+
+/// The optimizer steps outside the graph: the composition.
+impl<B: AdamWOps, C: CheckpointStrategy> AdamWOps for Autodiff<B, C> {}
+
+/// CubeCL backends: the whole step in one kernel.
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::DType;
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::adamw::{AdamWBuffers, adamw_step};
+
+    use super::{AdamWOps, AdamWScalars, FlatAdamWBuffers, FlatAdamWOutput};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<R, F, I, BT> AdamWOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn flat_adamw(
+            buffers: FlatAdamWBuffers<Self>,
+            scalars: &AdamWScalars,
+            model_dtype: Option<DType>,
+        ) -> FlatAdamWOutput<Self> {
+            let out = adamw_step(
+                AdamWBuffers {
+                    master: raw(buffers.master),
+                    grad: raw(buffers.grad),
+                    exp_avg: raw(buffers.exp_avg),
+                    exp_avg_sq: raw(buffers.exp_avg_sq),
+                    decay: raw(buffers.decay),
+                    step: raw(buffers.step),
+                    grad_factor: raw(buffers.grad_factor),
+                    found_inf: raw(buffers.found_inf),
+                },
+                *scalars,
+                model_dtype,
+            );
+            FlatAdamWOutput {
+                master: wrap(out.master),
+                exp_avg: wrap(out.exp_avg),
+                exp_avg_sq: wrap(out.exp_avg_sq),
+                model: out.model.map(wrap),
+            }
+        }
     }
 }

@@ -1,0 +1,77 @@
+//! Writing a gradient into its slot of the flat fp32 gradient buffer (Megatron's
+//! `ParamAndGradBuffer`): a cast and a copy, in place and in one kernel on CubeCL backends.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+
+/// Writing into a flat buffer.
+pub trait WriteSlotOps: Backend {
+    /// `buffer` (`[numel]` f32) with `values` (`[n]`, any float dtype) cast to f32 written at
+    /// `start..start + n`: how each gradient enters the flat fp32 gradient buffer. CubeCL
+    /// backends write in place, in one kernel, when nothing else holds `buffer`.
+    fn write_slot(
+        buffer: Tensor<Self, 1>,
+        start: usize,
+        values: Tensor<Self, 1>,
+    ) -> Tensor<Self, 1> {
+        write_slot_composition(buffer, start, values)
+    }
+}
+
+/// [`WriteSlotOps::write_slot`] as Burn operations: a cast (unless already f32), then a
+/// `slice_assign`.
+pub fn write_slot_composition<B: Backend>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    values: Tensor<B, 1>,
+) -> Tensor<B, 1> {
+    let n = values.dims()[0];
+    let values = match values.dtype() {
+        DType::F32 => values,
+        _ => values.cast(DType::F32),
+    };
+    buffer.slice_assign(start..start + n, values)
+}
+
+/// Buffers are written outside the graph: the composition.
+impl<B: WriteSlotOps, C: CheckpointStrategy> WriteSlotOps for Autodiff<B, C> {}
+
+/// CubeCL backends: one copy kernel, in place.
+#[cfg(feature = "fused")]
+mod cube {
+    use burn::tensor::{DType, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::flat_copy::copy_into;
+
+    use super::{WriteSlotOps, write_slot_composition};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<R, F, I, BT> WriteSlotOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        /// In place, in one kernel (the composition when `buffer` is shared, not contiguous
+        /// f32, or `values` are f64).
+        fn write_slot(
+            buffer: Tensor<Self, 1>,
+            start: usize,
+            values: Tensor<Self, 1>,
+        ) -> Tensor<Self, 1> {
+            let buffer = raw(buffer);
+            let direct = buffer.dtype == DType::F32
+                && buffer.is_contiguous()
+                && buffer.can_mut()
+                && matches!(values.dtype(), DType::F32 | DType::F16 | DType::BF16);
+            if !direct {
+                return write_slot_composition(wrap(buffer), start, values);
+            }
+            copy_into(raw(values), &buffer, start);
+            wrap(buffer)
+        }
+    }
+}
