@@ -30,6 +30,11 @@ pub struct LaunchConfig {
     /// pseudo-random time below this (zero, the default, sleeps never). Shakes out schedules
     /// that only work when ranks keep in step.
     pub max_injected_delay: Duration,
+    /// Process ranks only: how long a rank retries a refused connection to rank 0's
+    /// rendezvous (nothing listens at `MASTER_ADDR:MASTER_PORT` yet: rank 0's process may
+    /// start a little later). 5 s by default; a master that is down stays an error within
+    /// seconds, not minutes. An address that does not answer at all fails after the timeout.
+    pub master_start_wait: Duration,
 }
 
 impl LaunchConfig {
@@ -40,7 +45,15 @@ impl LaunchConfig {
             timeout: Duration::from_secs(300),
             check_collectives: true,
             max_injected_delay: Duration::ZERO,
+            master_start_wait: Duration::from_secs(5),
         }
+    }
+
+    /// Sets how long a process rank retries a refused connection to rank 0's rendezvous (see
+    /// [`master_start_wait`](Self::master_start_wait)).
+    pub fn with_master_start_wait(mut self, wait: Duration) -> Self {
+        self.master_start_wait = wait;
+        self
     }
 
     /// Injects random delays below `max` into every host-side communication of thread ranks

@@ -5,7 +5,6 @@ use std::error::Error;
 use std::net::TcpListener;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::error::{DistError, DistResult};
 use crate::launch::{LaunchConfig, LaunchError, RankContext, finish_rank, panic_message};
@@ -97,10 +96,12 @@ impl ProcessEnv {
 /// Runs `f` as this process's rank and reports how it ended to the others.
 ///
 /// Rank 0 serves the rendezvous, and after its own work waits for every other rank to end
-/// (the others need the rendezvous until then). As with [`launch`](crate::launch), a rank
-/// that fails or panics releases the others with an error naming it; a process that dies
-/// outright releases them too. `config` gives the timeout and checks; its world size must be
-/// the environment's.
+/// (the others need the rendezvous until then), failing if one neither ends nor calls it for
+/// the timeout. As with [`launch`](crate::launch), a rank that fails or panics releases the
+/// others with an error naming it; a process that dies outright releases them too. Rank 0's
+/// process itself dead, hung or unreachable is an error naming its address within the
+/// timeout (plus a few seconds), and within `config.master_start_wait` when nothing listens
+/// there. `config` gives the timeout and checks; its world size must be the environment's.
 pub fn run_rank<T, E, F>(env: &ProcessEnv, config: LaunchConfig, f: F) -> Result<T, LaunchError>
 where
     E: Into<Box<dyn Error + Send + Sync>>,
@@ -135,7 +136,7 @@ where
         env.rank,
         env.world_size,
         timeout,
-        timeout.max(Duration::from_secs(60)),
+        config.master_start_wait,
     )
     .map_err(|e| failed(e.to_string()))?;
     let transport: Arc<dyn Transport> = Arc::new(transport);
@@ -157,9 +158,12 @@ where
         .map_err(|e| e.into().to_string())
     }))
     .unwrap_or_else(|panic| Err(format!("panicked: {}", panic_message(&panic))));
-    let outcome = finish_rank(transport.as_ref(), &groups, env.rank, outcome);
-    if let Some(server) = server {
-        server.wait_all_ended();
+    let mut outcome = finish_rank(transport.as_ref(), &groups, env.rank, outcome);
+    if let Some(server) = server
+        && let Err(error) = server.wait_all_ended()
+    {
+        // The ranks that went silent fail the job; rank 0's own error, if any, comes first.
+        outcome = outcome.and(Err(error.to_string()));
     }
     outcome.map_err(|message| {
         // Report the root cause where the rendezvous still knows it.

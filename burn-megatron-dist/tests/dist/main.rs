@@ -6,6 +6,8 @@ mod failures;
 mod launcher;
 mod mappings;
 mod parallel_state;
+mod ranks;
+mod rendezvous;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Tensor, TensorData};
