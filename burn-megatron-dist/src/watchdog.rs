@@ -7,6 +7,11 @@
 //! the watchdog aborts the communicator (the stuck kernels exit), reports the error to the
 //! device (its next read or sync fails) and to the group (its next call fails), and prints
 //! this rank's last collectives so a user can see who is stuck where.
+//!
+//! The watchdog never waits on the transport with its state locked: over TCP the news of the
+//! peers comes from rank 0's process, and an answer may take until the call's deadline (a hung
+//! rendezvous), while the rank keeps starting and waiting for collectives. A rendezvous that is
+//! lost (rank 0's process dead or hung) is itself a reason to abort a pending collective.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -17,7 +22,7 @@ use burn::tensor::DType;
 use burn_megatron_kernels::cuda::{Alarms, Event, ForeignContext};
 
 use crate::error::{DistError, DistResult};
-use crate::transport::{GroupInfo, Transport};
+use crate::transport::{GroupInfo, Transport, WorldStatus};
 
 /// How many finished collectives each communicator remembers for the dump.
 const REMEMBERED: usize = 16;
@@ -87,8 +92,12 @@ impl std::fmt::Debug for Watchdog {
     }
 }
 
-/// Makes `context` current on the calling thread (event queries need it).
+/// Makes `context` current on the calling thread (event queries need it); 0 is no context
+/// (the watchdog's tests, which track collectives without GPU work).
 fn make_current(context: usize) {
+    if context == 0 {
+        return;
+    }
     // SAFETY: the retained primary context of the communicator's device.
     let _ = unsafe {
         cudarc::driver::result::ctx::set_current(context as cudarc::driver::sys::CUcontext)
@@ -231,7 +240,23 @@ impl Watchdog {
         let mut state = self.lock();
         while !state.stopped && state.error.is_none() {
             self.retire(&mut state);
-            if let Some(reason) = self.stuck(&mut state) {
+            let mut verdict = self.timed_out(&state);
+            if verdict.is_none() && self.peer_check_due(&mut state) {
+                // Ask the transport with the state unlocked: over TCP the answer may take up
+                // to its deadline (a hung rendezvous), and meanwhile the rank's collectives
+                // must still start and be waited for.
+                drop(state);
+                let status = self.transport.status();
+                state = self.lock();
+                if state.stopped || state.error.is_some() {
+                    break;
+                }
+                self.retire(&mut state);
+                verdict = self
+                    .timed_out(&state)
+                    .or_else(|| self.peers_stuck(&state, status));
+            }
+            if let Some(reason) = verdict {
                 self.abort(&mut state, reason);
                 break;
             }
@@ -249,29 +274,49 @@ impl Watchdog {
         }
     }
 
-    /// Why the oldest collective will never end, if it will not.
-    fn stuck(&self, state: &mut State) -> Option<DistError> {
-        let oldest = state.in_flight.front()?.clone();
-        let waited = oldest.started.elapsed();
+    /// The oldest collective, if it has run past the timeout.
+    fn timed_out(&self, state: &State) -> Option<DistError> {
+        let oldest = state.in_flight.front()?;
         let info = &self.info;
-        if waited >= self.timeout {
-            return Some(DistError::WatchdogTimeout {
-                rank: info.global_rank,
-                group: info.name.clone(),
-                op: oldest.op.clone(),
-                seq: oldest.seq,
-                timeout: self.timeout,
-                recent: String::new(),
-            });
-        }
+        (oldest.started.elapsed() >= self.timeout).then(|| DistError::WatchdogTimeout {
+            rank: info.global_rank,
+            group: info.name.clone(),
+            op: oldest.op.clone(),
+            seq: oldest.seq,
+            timeout: self.timeout,
+            recent: String::new(),
+        })
+    }
+
+    /// Whether to ask the transport about the peers now: the oldest collective has waited
+    /// [`PEER_GRACE`], and the last question is a quarter of a second old.
+    fn peer_check_due(&self, state: &mut State) -> bool {
+        let pending_long = state
+            .in_flight
+            .front()
+            .is_some_and(|oldest| oldest.started.elapsed() >= PEER_GRACE);
         let due = state
             .last_status_check
             .is_none_or(|t| t.elapsed() >= Duration::from_millis(250));
-        if waited < PEER_GRACE || !due {
+        if pending_long && due {
+            state.last_status_check = Some(Instant::now());
+        }
+        pending_long && due
+    }
+
+    /// Why the oldest collective (if still pending for [`PEER_GRACE`]) will never end, given
+    /// the world's `status`: a peer failed or exited, or the rendezvous itself is lost (rank
+    /// 0's process is dead or hung), so no peer's news can come any more.
+    fn peers_stuck(&self, state: &State, status: DistResult<WorldStatus>) -> Option<DistError> {
+        let oldest = state.in_flight.front()?;
+        if oldest.started.elapsed() < PEER_GRACE {
             return None;
         }
-        state.last_status_check = Some(Instant::now());
-        let status = self.transport.status().ok()?;
+        let info = &self.info;
+        let status = match status {
+            Ok(status) => status,
+            Err(lost) => return Some(lost),
+        };
         if let Some((failed_rank, reason)) = status.failure {
             return Some(DistError::PeerFailed {
                 rank: info.global_rank,
@@ -341,5 +386,152 @@ impl Watchdog {
         state.error = Some(error);
         state.in_flight.clear();
         self.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::transport::Contribution;
+
+    /// A transport whose `status` blocks until the test answers, as a hung rendezvous does.
+    #[derive(Debug)]
+    struct SlowRendezvous {
+        asked: mpsc::Sender<()>,
+        answers: Mutex<mpsc::Receiver<DistResult<WorldStatus>>>,
+    }
+
+    impl Transport for SlowRendezvous {
+        fn size(&self) -> usize {
+            2
+        }
+        fn timeout(&self) -> Duration {
+            Duration::from_secs(60)
+        }
+        fn fail(&self, _: usize, _: String) {}
+        fn exit(&self, _: usize) {}
+        fn status(&self) -> DistResult<WorldStatus> {
+            let _ = self.asked.send(());
+            let answers = self.answers.lock().unwrap_or_else(PoisonError::into_inner);
+            answers
+                .recv()
+                .unwrap_or_else(|_| Err(DistError::Rendezvous("test over".into())))
+        }
+        fn deposit(&self, _: &GroupInfo, _: u64, _: Contribution) -> DistResult<()> {
+            unreachable!("the watchdog only reads the status")
+        }
+        fn collect(&self, _: &GroupInfo, _: u64, _: &str) -> DistResult<Vec<Contribution>> {
+            unreachable!("the watchdog only reads the status")
+        }
+        fn send(&self, _: &GroupInfo, _: usize, _: Contribution) -> DistResult<()> {
+            unreachable!("the watchdog only reads the status")
+        }
+        fn recv(&self, _: &GroupInfo, _: usize, _: u64) -> DistResult<Contribution> {
+            unreachable!("the watchdog only reads the status")
+        }
+    }
+
+    struct Setup {
+        watchdog: Arc<Watchdog>,
+        asked: mpsc::Receiver<()>,
+        answer: mpsc::Sender<DistResult<WorldStatus>>,
+        aborted: Arc<AtomicBool>,
+    }
+
+    /// A watchdog of rank 0 of a world of 2 over a [`SlowRendezvous`], with no CUDA context:
+    /// its collectives never end by themselves (no event is ever recorded).
+    fn setup() -> Setup {
+        let (asked_tx, asked) = mpsc::channel();
+        let (answer, answers) = mpsc::channel();
+        let transport = Arc::new(SlowRendezvous {
+            asked: asked_tx,
+            answers: Mutex::new(answers),
+        });
+        let info = GroupInfo {
+            name: "world".into(),
+            key: "world:0,1".into(),
+            members: vec![0, 1],
+            group_rank: 0,
+            global_rank: 0,
+        };
+        let aborted = Arc::new(AtomicBool::new(false));
+        let flag = aborted.clone();
+        let abort = Box::new(move || flag.store(true, Ordering::SeqCst));
+        let watchdog = Watchdog::start(info, transport, Alarms::default(), 0, abort);
+        Setup {
+            watchdog,
+            asked,
+            answer,
+            aborted,
+        }
+    }
+
+    fn track(watchdog: &Watchdog, seq: u64) -> DistResult<Arc<Tracked>> {
+        watchdog.track(seq, "all_reduce(sum)".into(), vec![4], DType::F32)
+    }
+
+    /// The error the watchdog ends with, once it has aborted (bounded wait).
+    fn abort_error(setup: &Setup) -> DistError {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !setup.aborted.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the watchdog did not abort");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        track(&setup.watchdog, 99).expect_err("an aborted communicator refuses collectives")
+    }
+
+    #[test]
+    fn a_slow_status_call_never_blocks_the_rank() {
+        let setup = setup();
+        track(&setup.watchdog, 0).unwrap();
+        setup
+            .asked
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the watchdog asks about the peers of a collective pending for a second");
+        // The status call hangs; the rank starts another collective meanwhile.
+        let (tracked, started) = mpsc::channel();
+        let watchdog = setup.watchdog.clone();
+        std::thread::spawn(move || {
+            let _ = tracked.send(track(&watchdog, 1).is_ok());
+        });
+        assert_eq!(
+            started.recv_timeout(Duration::from_secs(2)),
+            Ok(true),
+            "starting a collective waited for the watchdog's status call"
+        );
+        // The answer: rank 1 failed. The watchdog aborts, naming it.
+        let failed = WorldStatus {
+            failure: Some((1, "out of memory".into())),
+            exited: vec![false, false],
+        };
+        setup.answer.send(Ok(failed)).unwrap();
+        match abort_error(&setup) {
+            DistError::PeerFailed {
+                failed_rank: 1, op, ..
+            } => assert_eq!(op, "all_reduce(sum) #0"),
+            other => panic!("{other:?}"),
+        }
+        setup.watchdog.stop();
+    }
+
+    #[test]
+    fn a_lost_rendezvous_aborts_a_pending_collective() {
+        let setup = setup();
+        track(&setup.watchdog, 0).unwrap();
+        setup.asked.recv_timeout(Duration::from_secs(10)).unwrap();
+        let lost =
+            DistError::Rendezvous("rank 0: lost rank 0's rendezvous at 10.0.0.1:29500".into());
+        setup.answer.send(Err(lost)).unwrap();
+        let error = abort_error(&setup);
+        assert!(
+            error
+                .to_string()
+                .contains("lost rank 0's rendezvous at 10.0.0.1:29500"),
+            "{error}"
+        );
+        setup.watchdog.stop();
     }
 }
