@@ -27,7 +27,7 @@ pub trait BackendInfo: Backend {
 
     /// The id of `tensor`'s autodiff node (for a parameter, its leaf), `None` on a backend
     /// without autodiff. Thread ranks compare them to refuse parameters shared between ranks
-    /// (see [`DistributedAdamWConfig::init`](crate::distributed::DistributedAdamWConfig::init)).
+    /// (see [`DistributedAdamWConfig::init`](crate::optimizer::DistributedAdamWConfig::init)).
     fn autodiff_node(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
         let _ = tensor;
         None

@@ -29,7 +29,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn::train::metric::LossMetric;
 use burn::train::{InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep};
-use burn_megatron::distributed::{DataParallelConfig, DistributedAdamWConfig};
+use burn_megatron::distributed::DataParallelConfig;
+use burn_megatron::optimizer::DistributedAdamWConfig;
 use burn_megatron::optimizer::LrScheduleConfig;
 use burn_megatron::tensor_parallel::{DeclarePlacements, Placements};
 use burn_megatron::training::learner::{

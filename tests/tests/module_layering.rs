@@ -38,8 +38,9 @@ use std::path::{Path, PathBuf};
 /// a lower one, never of a higher one. Every top-level module must be listed.
 ///
 /// - burn-megatron: issue 30 and `shared/STYLE.md` (ops → tensor_parallel → transformer →
-///   models → pipeline_parallel / distributed / optimizer → checkpointing / data → training),
-///   with `error.rs` and `init.rs` at the bottom and `backend.rs` beside `ops/`.
+///   models → pipeline_parallel / distributed / optimizer → checkpointing → training), with
+///   `error/` and `init.rs` at the bottom, `data/` beside them (Megatron's datasets and the
+///   microbatch they become know nothing of the model) and `backend.rs` beside `ops/`.
 /// - burn-megatron-dist: vocabulary, then transports (comm), then groups, then mapping and
 ///   launch; the folders of the `shared/STYLE.md` sketch (`comm/`, `group/`, `launch/`).
 /// - burn-megatron-kernels: the host-side pieces the fused kernels share (`counter_rng`,
@@ -48,7 +49,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "burn-megatron",
         &[
-            &["error", "init"],
+            &["error", "init", "data"],
             &["backend", "ops"],
             &["tensor_parallel"],
             &["transformer"],
@@ -57,7 +58,6 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
             &["distributed"],
             &["optimizer"],
             &["checkpointing"],
-            &["data"],
             &["training"],
         ],
     ),

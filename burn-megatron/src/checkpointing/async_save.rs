@@ -14,13 +14,13 @@ use std::thread::JoinHandle;
 
 use burn_megatron_dist::ParallelState;
 
-use super::error::CheckpointError;
 use super::metadata::TrainingState;
-use super::optimizer_state::OptimizerState;
 use super::save::Checkpointer;
 use crate::ModelBackend;
+use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::optimizer::state::OptimizerState;
 use crate::transformer::TransformerConfig;
 
 /// A [`Checkpointer`] whose saves write in the background; at most one save is in flight.

@@ -11,8 +11,8 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use super::error::CheckpointError;
 use super::metadata::METADATA_FILE;
+use crate::error::CheckpointError;
 
 /// The pointer file naming the newest complete checkpoint directory.
 pub const LATEST_FILE: &str = "latest";

@@ -17,14 +17,14 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 
-use super::error::CheckpointError;
 use super::load::Checkpoint;
-use super::optimizer_state::{OptimizerState, ParamState};
 use crate::ModelBackend;
-use crate::distributed::{DistributedAdamW, DistributedAdamWState};
+use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::optimizer::FLAT_ADAMW;
+use crate::optimizer::state::{OptimizerState, ParamState};
+use crate::optimizer::{DistributedAdamW, DistributedAdamWState};
 
 /// The state group of the fp32 master weights (`optimizer.main_param`).
 pub const MAIN_PARAM: &str = "main_param";

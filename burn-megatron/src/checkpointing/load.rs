@@ -14,19 +14,19 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::directory::latest_checkpoint;
-use super::error::CheckpointError;
 use super::metadata::{
     CheckpointMetadata, MODEL_GROUP, OptimizerLayout, TensorEntry, TrainingState,
 };
-use super::optimizer_state::{OptimizerState, ParamState};
 use super::region::{
     Region, copy_region, flat_range_boxes, flat_start, intersect, source_runs, volume,
 };
 use super::slices::{LocalSlice, dtype_from_name, local_slices};
 use super::tensor_file::MappedFile;
 use crate::ModelBackend;
+use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::optimizer::state::{OptimizerState, ParamState};
 use crate::transformer::TransformerConfig;
 
 /// A saved checkpoint opened for loading: its metadata, and the data files mapped so far

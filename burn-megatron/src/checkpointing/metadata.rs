@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::error::CheckpointError;
+use crate::error::CheckpointError;
 use crate::optimizer::LossScalerState;
 use crate::transformer::TransformerConfig;
 

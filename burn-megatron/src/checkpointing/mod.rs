@@ -33,17 +33,17 @@ mod async_save;
 mod convert;
 mod directory;
 mod distributed_optimizer;
-mod error;
 pub mod hugging_face;
 mod load;
 mod metadata;
-mod optimizer_state;
 mod region;
 mod save;
 mod slices;
 mod snapshot;
 mod tensor_file;
 
+pub use crate::error::CheckpointError;
+pub use crate::optimizer::state::{ADAMW, OptimizerState, ParamState, adamw_record, adamw_state};
 pub use async_save::AsyncCheckpointer;
 pub use convert::{TargetLayout, convert_layout, export_hugging_face, import_hugging_face};
 pub use directory::{
@@ -51,12 +51,10 @@ pub use directory::{
     remove_partial_saves,
 };
 pub use distributed_optimizer::{MAIN_PARAM, distributed_adamw_state, load_distributed_adamw};
-pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use metadata::{
     CheckpointMetadata, FORMAT_VERSION, FileEntry, METADATA_FILE, MODEL_GROUP, OptimizerInfo,
     OptimizerLayout, SavedLayout, ShardEntry, TensorEntry, TrainingState,
 };
-pub use optimizer_state::{ADAMW, OptimizerState, ParamState, adamw_record, adamw_state};
 pub use save::Checkpointer;
 pub use tensor_file::CHECKSUM_BLOCK_BYTES;

@@ -16,17 +16,17 @@ use super::directory::{
     LATEST_FILE, checkpoint_name, keep_last, remove_partial_saves, sync_dir, temp_dir,
     write_atomic, write_synced,
 };
-use super::error::CheckpointError;
 use super::metadata::{
     CheckpointMetadata, FORMAT_VERSION, METADATA_FILE, OptimizerInfo, OptimizerLayout, SavedLayout,
     TensorEntry, TrainingState,
 };
-use super::optimizer_state::OptimizerState;
 use super::snapshot::{RankManifest, RankSnapshot};
 use super::tensor_file::CHECKSUM_BLOCK_BYTES;
 use crate::ModelBackend;
+use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::optimizer::state::OptimizerState;
 use crate::transformer::TransformerConfig;
 
 /// Saves checkpoints under a root directory (`root/iter_0000100/`, `root/latest`), keeping

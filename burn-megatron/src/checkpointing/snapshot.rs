@@ -22,15 +22,15 @@ use burn_megatron_dist::ParallelState;
 use serde::{Deserialize, Serialize};
 
 use super::directory::write_synced;
-use super::error::CheckpointError;
 use super::metadata::{FileEntry, MODEL_GROUP, ShardEntry};
-use super::optimizer_state::OptimizerState;
 use super::region::{Region, copy_region, flat_range_boxes, flat_start, intersect, volume};
 use super::slices::{LocalSlice, dtype_from_name, dtype_name, local_slices};
 use super::tensor_file::{Blob, BlobBytes, write_tensor_file};
 use crate::ModelBackend;
+use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::optimizer::state::OptimizerState;
 
 /// What one rank wrote: its files and the slices in them. Rank 0 merges these into the
 /// metadata.

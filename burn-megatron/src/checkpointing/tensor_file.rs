@@ -17,8 +17,8 @@ use burn::tensor::TensorData;
 use memmap2::Mmap;
 use safetensors::tensor::{Metadata, TensorInfo};
 
-use super::error::CheckpointError;
 use super::metadata::FileEntry;
+use crate::error::CheckpointError;
 use crate::error::Result;
 
 /// The default block of [`FileEntry::block_crc32`]: small enough that a partial read checks

@@ -5,10 +5,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
-use super::{DataError, SampleDataset};
-use crate::error::{IdKind, Result};
-use crate::ops::ids::check_ids_on_host;
-use crate::pipeline_parallel::Microbatch;
+use super::{DataError, Microbatch, SampleDataset};
+use crate::error::{IdKind, Result, check_ids_on_host};
 
 /// `micro_batch_size` samples of `sequence_length + 1` tokens, on the host, row-major
 /// `[micro_batch_size, sequence_length + 1]`: the model's inputs are the first

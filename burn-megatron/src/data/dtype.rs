@@ -1,7 +1,5 @@
 //! The element types of Megatron's indexed datasets, by the codes its `.idx` files store.
 
-use super::DataError;
-
 /// The dtype of the tokens in a `.bin` file, stored as a one-byte code in the `.idx` header
 /// (Megatron-Core's `indexed_dataset.DType`, whose codes follow NumPy's names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -92,18 +90,20 @@ impl DType {
         })
     }
 
-    /// Appends `token` to `out` in little-endian bytes; an error if the dtype cannot hold it.
-    pub(crate) fn encode(self, token: i64, out: &mut Vec<u8>) -> Result<(), DataError> {
+    /// What to do about a token the dtype cannot hold.
+    pub(crate) fn widening_hint(self) -> &'static str {
+        if self.is_integer() {
+            "choose a wider dtype (DType::optimal(vocab_size) fits the vocabulary)"
+        } else {
+            "token ids need an integer dtype"
+        }
+    }
+
+    /// Appends `token` to `out` in little-endian bytes; `false` (nothing appended) if the
+    /// dtype cannot hold it.
+    pub(crate) fn encode(self, token: i64, out: &mut Vec<u8>) -> bool {
         if !self.token_range().is_some_and(|r| r.contains(&token)) {
-            return Err(DataError::TokenDType {
-                value: token,
-                dtype: self,
-                hint: if self.is_integer() {
-                    "choose a wider dtype (DType::optimal(vocab_size) fits the vocabulary)"
-                } else {
-                    "token ids need an integer dtype"
-                },
-            });
+            return false;
         }
         match self {
             DType::U8 => out.push(token as u8),
@@ -114,7 +114,7 @@ impl DType {
             DType::I64 => out.extend_from_slice(&token.to_le_bytes()),
             DType::F32 | DType::F64 => unreachable!("float dtypes have no token range"),
         }
-        Ok(())
+        true
     }
 
     /// Decodes little-endian `bytes` (a whole number of elements) into token ids, appended to

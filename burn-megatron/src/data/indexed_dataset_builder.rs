@@ -88,7 +88,13 @@ impl IndexedDatasetBuilder {
         })?;
         self.scratch.clear();
         for &token in tokens {
-            self.dtype.encode(token, &mut self.scratch)?;
+            if !self.dtype.encode(token, &mut self.scratch) {
+                return Err(DataError::TokenDType {
+                    value: token,
+                    dtype: self.dtype,
+                    hint: self.dtype.widening_hint(),
+                });
+            }
         }
         self.bin
             .write_all(&self.scratch)

@@ -15,16 +15,10 @@
 //! - [`overlap`]: the same reduction started inside the backward pass, bucket by bucket as
 //!   the layers' gradients become final ([`DistributedAdamW::overlap_hook`]).
 
-pub mod distrib_optimizer;
 pub mod grad_reduction;
 pub mod overlap;
 pub mod param_and_grad_buffer;
-mod shared_leaves;
 
-pub use distrib_optimizer::{
-    DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
-    OptimizerMemory,
-};
 pub use grad_reduction::{
     DataParallelConfig, all_reduce_grads, reduce_scatter_grads, shard_columns,
 };

@@ -45,8 +45,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 
 use crate::error::{ConfigError, InputError};
-use crate::optimizer::ParamKind;
-use crate::tensor_parallel::{DeclarePlacements, ParamInfo, ParamPlacement, Path, try_param_infos};
+use crate::tensor_parallel::{
+    DeclarePlacements, ParamInfo, ParamKind, ParamPlacement, Path, try_param_infos,
+};
 
 /// How a [`ParamAndGradBuffer`] lays out its parameters.
 #[derive(Config, Debug, Copy, PartialEq)]

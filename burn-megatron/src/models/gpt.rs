@@ -7,11 +7,12 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::ProcessGroup;
 
+use super::stage::Stage;
 use crate::backend::ModelBackend;
+use crate::error::PipelineError;
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::ops::BackwardHook;
-use crate::pipeline_parallel::{PipelineError, Stage};
 use crate::tensor_parallel::{
     DeclarePlacements, DropoutSite, ParamPlacement, Placements, TpContext, VocabParallelEmbedding,
     VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
@@ -164,6 +165,15 @@ impl<B: Backend> DeclarePlacements for GptModel<B> {
         self.block.declare_placements(out);
         self.output.declare_placements(out);
     }
+
+    /// The last stage's copy of a tied embedding table (`output.weight`).
+    fn shared_copies(&self) -> Vec<String> {
+        if self.context.tie_embeddings && !self.context.stage.is_first() && self.output.is_some() {
+            vec!["output.weight".to_string()]
+        } else {
+            Vec::new()
+        }
+    }
 }
 
 impl<B: ModelBackend> GptModel<B> {
@@ -203,7 +213,7 @@ impl<B: ModelBackend> GptModel<B> {
     /// [`pipeline_parallel`](crate::pipeline_parallel) (not under full recomputation), it
     /// runs with the layer's index in [`layers`](Self::layers) once that layer's gradients
     /// are all computed, last layer first. The distributed optimizer's
-    /// [`overlap hook`](crate::distributed::DistributedAdamW::overlap_hook) starts the
+    /// [`overlap hook`](crate::optimizer::DistributedAdamW::overlap_hook) starts the
     /// data-parallel gradient reduction there.
     pub fn set_backward_hook(&mut self, hook: Option<Arc<dyn BackwardHook>>) {
         self.context.backward_hook = hook;

@@ -7,10 +7,10 @@
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
-use crate::error::{IdKind, InputError};
+use crate::error::{IdKind, InputError, check_ids_on_host};
 
 /// Checking ids against a vocabulary.
 pub trait IdCheckOps: Backend {
@@ -26,28 +26,6 @@ pub trait IdCheckOps: Backend {
         vocab_size: usize,
     ) -> Result<(), InputError> {
         check_ids_on_host(&ids.into_data(), kind, vocab_size)
-    }
-}
-
-/// [`IdCheckOps::check_ids`] on ids read back to the host: the first invalid id, in
-/// row-major order, is the error.
-pub fn check_ids_on_host(
-    ids: &TensorData,
-    kind: IdKind,
-    vocab_size: usize,
-) -> Result<(), InputError> {
-    let ids = ids
-        .clone()
-        .convert::<i64>()
-        .to_vec::<i64>()
-        .expect("converted ids hold i64");
-    match ids.into_iter().find(|&id| !kind.accepts(id, vocab_size)) {
-        Some(id) => Err(InputError::IdOutOfRange {
-            kind,
-            id,
-            vocab_size,
-        }),
-        None => Ok(()),
     }
 }
 

@@ -27,9 +27,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_megatron_dist::{DistBackend, ParallelState, ProcessGroup, ReduceOp};
 
 use super::grads::{Counted, Reduction, reduce_grads, scale_grads};
-use crate::ModelBackend;
 use crate::error::ConfigError;
-use crate::models::GptModel;
 use crate::tensor_parallel::{DeclarePlacements, try_param_infos};
 
 /// Added to the norm before dividing, as Megatron does.
@@ -57,14 +55,11 @@ impl GradClipConfig {
     }
 }
 
-/// Paths of `model`'s parameters that copy a parameter counted on another rank: the last
-/// stage's copy of a tied embedding table (`output.weight`).
-pub fn shared_copies<B: ModelBackend>(model: &GptModel<B>) -> Vec<String> {
-    if model.ties_embeddings() && !model.stage().is_first() && model.output.is_some() {
-        vec!["output.weight".to_string()]
-    } else {
-        Vec::new()
-    }
+/// Paths of `model`'s parameters that copy a parameter counted on another rank (see
+/// [`DeclarePlacements::shared_copies`]): for a GPT, the last stage's copy of a tied embedding
+/// table (`output.weight`).
+pub fn shared_copies<M: DeclarePlacements>(model: &M) -> Vec<String> {
+    model.shared_copies()
 }
 
 /// This rank's share of the squared global norm: `Σ g²` over the parameters of `module` it
@@ -97,14 +92,15 @@ pub fn local_grad_sum_of_squares<B: AutodiffBackend, M: Module<B> + DeclarePlace
 /// this rank's model chunks (`chunks[i]` with gradients `grads[i]`; one chunk unless the
 /// schedule is interleaved), all-reduced over the model-parallel group of `state`. Every
 /// rank of the group must call it.
-pub fn global_grad_norm<B>(
-    chunks: &[GptModel<B>],
+pub fn global_grad_norm<B, M>(
+    chunks: &[M],
     grads: &[GradientsParams],
     state: &ParallelState,
 ) -> crate::Result<Tensor<B::InnerBackend, 1>>
 where
-    B: AutodiffBackend + ModelBackend,
+    B: AutodiffBackend,
     B::InnerBackend: DistBackend,
+    M: Module<B> + DeclarePlacements,
 {
     if chunks.len() != grads.len() {
         return Err(ConfigError::Invalid(format!(
@@ -164,15 +160,16 @@ pub fn clip_grads_by_norm<B: AutodiffBackend, M: Module<B>>(
 /// norm before clipping (a `[1]` f32 device tensor, read it at the log interval): Megatron's
 /// `clip_grad_norm_fp32`. `chunks` and `grads` as for [`global_grad_norm`]; every rank of
 /// the model-parallel group must call it.
-pub fn clip_grad_norm<B>(
-    chunks: &[GptModel<B>],
+pub fn clip_grad_norm<B, M>(
+    chunks: &[M],
     grads: &mut [GradientsParams],
     state: &ParallelState,
     config: &GradClipConfig,
 ) -> crate::Result<Tensor<B::InnerBackend, 1>>
 where
-    B: AutodiffBackend + ModelBackend,
+    B: AutodiffBackend,
     B::InnerBackend: DistBackend,
+    M: Module<B> + DeclarePlacements,
 {
     config.validate()?;
     let norm = global_grad_norm(chunks, grads, state)?;

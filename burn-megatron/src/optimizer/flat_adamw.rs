@@ -35,9 +35,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 
+use super::state::{OptimizerState, ParamState};
 use super::{FoundInf, WeightDecayPolicy};
 use crate::ModelBackend;
-use crate::checkpointing::{OptimizerState, ParamState};
 use crate::distributed::{BufferConfig, ParamAndGradBuffer};
 use crate::error::ConfigError;
 use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};

@@ -31,7 +31,7 @@
 //! Megatron) and do not call the optimizer when it is `true`. Our flat-buffer optimizers have
 //! no such difference: [`FlatAdamW::step_with`](super::FlatAdamW::step_with) takes the flag,
 //! and with data parallelism
-//! [`DistributedAdamW::step_scaled`](crate::distributed::DistributedAdamW::step_scaled) does
+//! [`DistributedAdamW::step_scaled`](crate::optimizer::DistributedAdamW::step_scaled) does
 //! the check itself on the reduced gradients, over every rank of the world.
 
 use burn::config::Config;

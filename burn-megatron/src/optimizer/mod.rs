@@ -21,15 +21,22 @@
 //! in [`crate::distributed`].
 
 pub mod clip;
+pub mod distrib_optimizer;
 pub mod flat_adamw;
 mod grads;
 pub mod loss_scaler;
 pub mod lr_schedule;
 pub mod param_groups;
+mod shared_leaves;
+pub mod state;
 
 pub use clip::{
     CLIP_EPSILON, GradClipConfig, clip_coefficient, clip_grad_norm, clip_grads_by_norm,
     global_grad_norm, local_grad_sum_of_squares, shared_copies,
+};
+pub use distrib_optimizer::{
+    DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
+    OptimizerMemory,
 };
 pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
 pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig, LossScalerState};

@@ -22,33 +22,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
+pub use crate::tensor_parallel::ParamKind;
 use crate::tensor_parallel::{DeclarePlacements, ParamInfo, param_infos};
-
-/// What a parameter is, for the weight-decay policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ParamKind {
-    /// A bias: the last name of its path is `bias` (linear layers' biases).
-    Bias,
-    /// Any other one-dimensional parameter: a norm's scale or shift.
-    Norm,
-    /// Everything else: weight matrices and embedding tables (position embeddings included,
-    /// as in Megatron).
-    Weight,
-}
-
-impl ParamKind {
-    /// The kind of a parameter from its path and this rank's shape of it.
-    pub fn of(path: &str, shape: &[usize]) -> Self {
-        let name = path.rsplit('.').next().unwrap_or(path);
-        if name.ends_with("bias") {
-            ParamKind::Bias
-        } else if shape.len() == 1 {
-            ParamKind::Norm
-        } else {
-            ParamKind::Weight
-        }
-    }
-}
 
 /// Which parameter kinds weight decay applies to: Megatron's default exempts biases and norms
 /// (its `no_weight_decay_cond` hook is the general form).

@@ -18,11 +18,11 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor};
 use burn_megatron_dist::{DistBackend, ProcessGroup, ReduceOp};
 
-use super::error::PipelineError;
 use super::exchange::Mailbox;
-use super::microbatch::Microbatch;
 use super::plan::{Compute, Payload, Plan, Step};
 use crate::backend::ModelBackend;
+use crate::data::Microbatch;
+use crate::error::PipelineError;
 use crate::error::{Error, Result};
 use crate::models::GptModel;
 use crate::transformer::Recompute;

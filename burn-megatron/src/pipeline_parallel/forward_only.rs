@@ -6,9 +6,9 @@ use burn::tensor::Tensor;
 
 use super::exchange::Mailbox;
 use super::executor::{Groups, internal};
-use super::microbatch::Microbatch;
 use super::plan::{Payload, Plan, Step};
 use crate::backend::ModelBackend;
+use crate::data::Microbatch;
 use crate::error::Result;
 use crate::models::GptModel;
 

@@ -19,26 +19,23 @@
 //! [`batch_isend_irecv`](burn_megatron_dist::p2p::batch_isend_irecv), one batched call per
 //! exchange step.
 
-mod error;
 mod exchange;
 mod executor;
 mod forward_only;
-mod microbatch;
 mod plan;
 pub mod schedules;
-mod stages;
 
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use burn_megatron_dist::{DistBackend, ParallelState};
 
-pub use error::PipelineError;
+pub use crate::data::Microbatch;
+pub use crate::error::PipelineError;
+pub use crate::models::{Stage, StageSplit};
 pub use executor::StepOutput;
-pub use microbatch::Microbatch;
 pub use plan::{Compute, Direction, Payload, Plan, Slot, Step, Timeline, Transfer};
 pub use schedules::Schedule;
-pub use stages::{Stage, StageSplit};
 
 use crate::backend::ModelBackend;
 use crate::error::Result;
@@ -72,7 +69,7 @@ where
 /// [`DynamicLossScaler`](crate::optimizer::DynamicLossScaler)'s `scale()`), so that small
 /// gradients do not underflow in half precision and come out multiplied by the scale. The
 /// reported loss is not scaled. The optimizer divides the scale out
-/// ([`DistributedAdamW::step_scaled`](crate::distributed::DistributedAdamW::step_scaled)).
+/// ([`DistributedAdamW::step_scaled`](crate::optimizer::DistributedAdamW::step_scaled)).
 pub fn forward_backward_scaled<B>(
     schedule: Schedule,
     state: &ParallelState,

@@ -3,8 +3,8 @@
 
 use core::fmt::{self, Write};
 
-use super::error::PipelineError;
-use super::schedules::Schedule;
+use super::schedules::schedule::Schedule;
+use crate::error::PipelineError;
 
 /// A forward or backward pass of one microbatch through one model chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -4,6 +4,7 @@
 mod column;
 mod cross_entropy;
 mod dropout;
+mod param_kind;
 mod placement;
 mod row;
 mod sequence_parallel_grads;
@@ -15,6 +16,7 @@ mod vocab_output;
 pub use column::{ColumnParallelLinear, ColumnParallelLinearConfig};
 pub use cross_entropy::{masked_mean, vocab_parallel_cross_entropy};
 pub use dropout::{DropoutSite, dropout};
+pub use param_kind::ParamKind;
 pub(crate) use placement::Path;
 pub use placement::{
     DeclarePlacements, ParamInfo, ParamPlacement, Placements, gather_full_grads,

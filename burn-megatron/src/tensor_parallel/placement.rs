@@ -174,6 +174,13 @@ impl Placements {
 pub trait DeclarePlacements {
     /// Adds the placement of every float parameter of `self` to `out`.
     fn declare_placements(&self, out: &mut Placements);
+
+    /// Paths of the parameters that copy a parameter counted on another rank (the last
+    /// pipeline stage's copy of a tied embedding table): global norms and the distributed
+    /// optimizer count each parameter once, so they leave these out.
+    fn shared_copies(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 impl<T: DeclarePlacements> DeclarePlacements for Option<T> {

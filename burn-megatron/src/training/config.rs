@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use burn::config::Config;
 
 use crate::data::{ByteTokenizer, parse_data_path, parse_split};
-use crate::distributed::{DataParallelConfig, DistributedAdamWConfig};
+use crate::distributed::DataParallelConfig;
 use crate::error::ConfigError;
+use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
     FlatAdamWConfig, GradClipConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
@@ -156,7 +157,7 @@ pub struct PretrainConfig {
     pub learner: bool,
     /// bf16 parameters and activations with fp32 master weights, gradients and AdamW state
     /// (`--bf16`, Megatron's mixed precision): the step is the flat-buffer
-    /// [`DistributedAdamW`](crate::distributed::DistributedAdamW)'s. The launcher sets the
+    /// [`DistributedAdamW`](crate::optimizer::DistributedAdamW)'s. The launcher sets the
     /// device's default float dtype to bf16 before the model is built.
     #[config(default = false)]
     pub bf16: bool,

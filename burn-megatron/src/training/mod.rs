@@ -15,7 +15,7 @@
 //!   `SupervisedTraining` per rank, [`learner::MegatronStrategy`]).
 //!
 //! The world is TP × PP × DP ranks; with DP > 1 or `--use-distributed-optimizer` the step is
-//! [`DistributedAdamW`](crate::distributed::DistributedAdamW)'s (gradients averaged over DP
+//! [`DistributedAdamW`](crate::optimizer::DistributedAdamW)'s (gradients averaged over DP
 //! after backward, the optimizer state optionally sharded).
 
 mod arguments;
@@ -26,11 +26,13 @@ pub mod learner;
 mod observer;
 mod pretrain;
 mod progress;
+pub(crate) mod step;
 
 pub use arguments::{PretrainArgs, parse_decay_style};
 pub use config::{PretrainConfig, RunLayout};
 pub use data::{PretrainData, read_microbatches};
 pub use launch::{CpuTraining, pretrain_on_threads};
 pub use observer::{EvalReport, IterationReport, RunStart, Silent, TrainingObserver};
-pub use pretrain::{PretrainSummary, SCHEDULE, pretrain};
+pub use pretrain::{PretrainSummary, pretrain};
 pub use progress::ConsoleProgress;
+pub use step::SCHEDULE;

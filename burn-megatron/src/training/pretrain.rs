@@ -25,25 +25,22 @@ use burn_megatron_dist::{DistBackend, ParallelSizes, ParallelState, RankContext,
 use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
+use super::step::{MIB, SCHEDULE, largest_over_ranks, loss_on_every_stage};
 use crate::backend::ModelBackend;
 use crate::checkpointing::{
     AsyncCheckpointer, Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record,
     adamw_state, distributed_adamw_state, latest_checkpoint, load_distributed_adamw,
 };
-use crate::distributed::DistributedAdamW;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::optimizer::DistributedAdamW;
 use crate::optimizer::{
     GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
 };
 use crate::pipeline_parallel::{
-    Schedule, StageSplit, forward_backward, forward_backward_scaled, forward_only,
+    StageSplit, forward_backward, forward_backward_scaled, forward_only,
 };
 use crate::tensor_parallel::param_infos;
-
-/// The schedule of every step: 1F1B, Megatron's default without virtual stages (with one
-/// pipeline stage it is plain gradient accumulation).
-pub const SCHEDULE: Schedule = Schedule::OneFOneB;
 
 /// What one rank's run did. Every rank holds the same values.
 #[derive(Debug, Clone, PartialEq)]
@@ -411,22 +408,8 @@ fn shared_loss<B: DistBackend>(
     loss: Option<Tensor<B, 1>>,
     device: &B::Device,
 ) -> Result<Tensor<B, 1>> {
-    let loss = super::learner::loss_on_every_stage(state, loss, device)?;
+    let loss = loss_on_every_stage(state, loss, device)?;
     Ok(state.dp().all_reduce(loss, ReduceOp::Avg)?)
-}
-
-pub(crate) const MIB: f64 = (1u64 << 20) as f64;
-
-/// The largest of every rank's `bytes`, in MiB (`[1]` f32, exact to the MiB below 16 TiB),
-/// on the device, for reading with the step's loss (and the Learner's memory metric).
-pub(crate) fn largest_over_ranks<B: DistBackend>(
-    state: &ParallelState,
-    bytes: u64,
-    device: &B::Device,
-) -> Result<Tensor<B, 1>> {
-    let mib = burn::tensor::TensorData::new(vec![(bytes as f64 / MIB).ceil() as f32], [1]);
-    let mib = Tensor::<B, 1>::from_data(mib, (device, DType::F32));
-    Ok(state.world().all_reduce(mib, ReduceOp::Max)?)
 }
 
 /// `[1]` f32 tensors read in one host transfer (NaN for a value that cannot be read).

@@ -11,8 +11,9 @@ use burn_megatron::checkpointing::{
     Checkpoint, Checkpointer, MAIN_PARAM, TrainingState, distributed_adamw_state,
     load_distributed_adamw,
 };
-use burn_megatron::distributed::{DataParallelConfig, DistributedAdamW, DistributedAdamWConfig};
+use burn_megatron::distributed::DataParallelConfig;
 use burn_megatron::optimizer::FlatAdamWConfig;
+use burn_megatron::optimizer::{DistributedAdamW, DistributedAdamWConfig};
 use burn_megatron::pipeline_parallel::forward_backward_no_pipelining;
 use burn_megatron::transformer::TransformerConfig;
 use burn_megatron_dist::{ParallelSizes, ReduceOp};

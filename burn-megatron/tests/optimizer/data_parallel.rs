@@ -6,10 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use burn_megatron::distributed::{
-    BufferConfig, DataParallelConfig, DistributedAdamWConfig, shard_columns,
-};
+use burn_megatron::distributed::{BufferConfig, DataParallelConfig, shard_columns};
 use burn_megatron::models::GptModel;
+use burn_megatron::optimizer::DistributedAdamWConfig;
 use burn_megatron::optimizer::{
     FlatAdamWConfig, StepScalars, clip_coefficient, global_grad_norm, shared_copies,
 };

@@ -9,8 +9,9 @@
 
 use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron::distributed::{DataParallelConfig, DistributedAdamWConfig};
+use burn_megatron::distributed::DataParallelConfig;
 use burn_megatron::models::GptModel;
+use burn_megatron::optimizer::DistributedAdamWConfig;
 use burn_megatron::optimizer::{LossScalerConfig, shared_copies};
 use burn_megatron::pipeline_parallel::{Schedule, forward_backward_scaled};
 use burn_megatron::tensor_parallel::param_infos;

@@ -7,7 +7,7 @@
 //! - [`LanguageModelOutput`]: what a step reports (loss, tokens, FLOPs, gradient norm), not
 //!   the logits; [`LanguageModelMetric`]: tokens/s, TFLOP/s per device, MFU, gradient norm
 //!   and perplexity for burn-train's dashboard.
-//! - [`MegatronOptimizer`]: [`DistributedAdamW`](crate::distributed::DistributedAdamW) as a
+//! - [`MegatronOptimizer`]: [`DistributedAdamW`](crate::optimizer::DistributedAdamW) as a
 //!   Burn optimizer (DP reduction, ZeRO-1, global-norm clipping, fp32 master weights).
 //! - [`MegatronStrategy`]: the loop, plugged in with [`MegatronTraining::with_megatron`];
 //!   step-interval sharded checkpoints and resume.
@@ -38,7 +38,6 @@ pub use metrics::{H100_BF16_PEAK_FLOPS, LanguageModelMetric};
 pub use optimizer::{LossScale, MegatronOptimizer};
 pub use output::{LanguageModelOutput, LanguageModelStats};
 pub use parallel_gpt::ParallelGpt;
-pub(crate) use parallel_gpt::loss_on_every_stage;
 pub use pretrain::{LearnerReporting, pretrain_with_learner};
 pub use quiet::{QuietLogger, QuietRenderer};
 pub use recorder::MetricRecorder;

@@ -14,7 +14,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::backend::ModelBackend;
-use crate::distributed::DistributedAdamW;
+use crate::optimizer::DistributedAdamW;
 use crate::optimizer::{DynamicLossScaler, LossScalerState};
 
 /// The current fp16 loss scale, for a model's step: a handle on the
@@ -83,7 +83,7 @@ where
     B::InnerBackend: ModelBackend,
 {
     /// A handle on `optim` (built for this rank's model by
-    /// [`DistributedAdamWConfig::init`](crate::distributed::DistributedAdamWConfig::init)).
+    /// [`DistributedAdamWConfig::init`](crate::optimizer::DistributedAdamWConfig::init)).
     pub fn new(optim: DistributedAdamW<B>) -> Self {
         Self {
             shared: Arc::new(Mutex::new(Shared {

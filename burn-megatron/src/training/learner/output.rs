@@ -96,7 +96,7 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
             flops: self.flops,
             grad_norm,
             devices: self.devices,
-            max_memory_bytes: memory_mib.map(|mib| mib * crate::training::pretrain::MIB),
+            max_memory_bytes: memory_mib.map(|mib| mib * crate::training::step::MIB),
             loss_scale,
         }
     }

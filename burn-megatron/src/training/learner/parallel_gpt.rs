@@ -4,9 +4,8 @@
 
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, Tensor};
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
-use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
+use burn_megatron_dist::{DistBackend, ParallelState};
 
 use super::optimizer::LossScale;
 use super::output::LanguageModelOutput;
@@ -16,7 +15,7 @@ use crate::models::GptModel;
 use crate::pipeline_parallel::{
     Microbatch, StageSplit, forward_backward, forward_backward_scaled, forward_only,
 };
-use crate::training::SCHEDULE;
+use crate::training::step::{SCHEDULE, loss_on_every_stage};
 use crate::transformer::TransformerConfig;
 
 /// What a [`ParallelGpt`] needs besides its parameters: the rank's groups and the model's
@@ -102,20 +101,6 @@ impl<B: ModelBackend> ParallelGpt<B> {
         let seq = microbatches.first().map_or(0, |m| m.tokens.dims()[1]);
         (samples * dp, seq)
     }
-}
-
-/// The step's loss on every stage: the last stage holds it, the others add zero over the
-/// pipeline group. `[1]` f32.
-pub(crate) fn loss_on_every_stage<B: DistBackend>(
-    state: &ParallelState,
-    loss: Option<Tensor<B, 1>>,
-    device: &B::Device,
-) -> Result<Tensor<B, 1>> {
-    let loss = match loss {
-        Some(l) => l.cast(DType::F32),
-        None => Tensor::zeros([1], (device, DType::F32)),
-    };
-    Ok(state.pp().all_reduce(loss, ReduceOp::Sum)?)
 }
 
 fn or_panic<T>(what: &str, state: &ParallelState, result: Result<T>) -> T {

@@ -48,7 +48,7 @@ use crate::checkpointing::{
     load_distributed_adamw,
 };
 use crate::error::Result;
-use crate::training::pretrain::largest_over_ranks;
+use crate::training::step::largest_over_ranks;
 
 /// Gives this rank's model autodiff leaves of its own.
 ///

@@ -2,7 +2,7 @@
 
 use core::ops::Range;
 
-use super::error::PipelineError;
+use crate::error::PipelineError;
 
 /// The division of a model's layers among the pipeline's virtual stages (`pp · v` of them;
 /// `pp` without interleaving). Megatron's `get_num_layers_to_build` and

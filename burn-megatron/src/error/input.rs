@@ -1,85 +1,6 @@
-//! burn-megatron's errors, and the policy they follow (book: "Errors").
-//!
-//! - A fallible function returns `Result` with the narrowest error type that describes its
-//!   failures: [`ConfigError`] for building a model or layer, [`InputError`] for data given to
-//!   a forward pass, [`DistError`] for communication (layers whose only failure is a
-//!   collective return [`DistResult`](burn_megatron_dist::DistResult)), [`DataError`] for
-//!   reading, writing and sampling datasets.
-//! - [`Error`] holds any of them, and `?` converts each into it: the model's entry points
-//!   (`try_forward`, `loss`, the schedules in `pipeline_parallel`) return [`Result`].
-//! - A panicking `forward` exists only where Burn's convention of an infallible
-//!   `forward(input) -> output` is expected of a module; its doc says so and points at
-//!   `try_forward`.
+//! Input a forward pass cannot take, and the ids it checks.
 
-pub use crate::data::DataError;
-pub use burn_megatron_dist::DistError;
-
-/// Any error of burn-megatron's models and layers.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum Error {
-    /// The configuration cannot be built.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The input of a forward pass is invalid.
-    #[error(transparent)]
-    Input(#[from] InputError),
-    /// A collective failed.
-    #[error(transparent)]
-    Dist(#[from] DistError),
-    /// A pipeline cannot be split, planned or run, or one of its stages failed.
-    #[error(transparent)]
-    Pipeline(#[from] crate::pipeline_parallel::PipelineError),
-    /// A dataset cannot be read, written, sampled or tokenized.
-    #[error(transparent)]
-    Data(#[from] crate::data::DataError),
-    /// A checkpoint cannot be saved or loaded.
-    #[error(transparent)]
-    Checkpoint(#[from] crate::checkpointing::CheckpointError),
-    /// A launch of ranks failed: the first failing rank and its message.
-    #[error(transparent)]
-    Launch(#[from] burn_megatron_dist::LaunchError),
-}
-
-/// `Result` with burn-megatron's [`Error`].
-pub type Result<T> = core::result::Result<T, Error>;
-
-/// A configuration that cannot be built, with what would be valid.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
-    /// A size must be divisible by the tensor-parallel size.
-    #[error(
-        "{what} ({size}) must be divisible by TP ({tp}): valid TP sizes are {}",
-        list(valid)
-    )]
-    NotDivisibleByTp {
-        /// What is split, e.g. "attention heads".
-        what: String,
-        /// Its size.
-        size: usize,
-        /// The tensor-parallel size.
-        tp: usize,
-        /// TP sizes that divide it.
-        valid: Vec<usize>,
-    },
-    /// Any other invalid setting.
-    #[error("{0}")]
-    Invalid(String),
-}
-
-impl ConfigError {
-    /// Checks that `size` splits evenly over `tp` ranks.
-    pub fn check_divisible(what: &str, size: usize, tp: usize) -> core::result::Result<(), Self> {
-        if tp == 0 || !size.is_multiple_of(tp) {
-            return Err(ConfigError::NotDivisibleByTp {
-                what: what.to_string(),
-                size,
-                tp,
-                valid: (1..=size).filter(|&d| size.is_multiple_of(d)).collect(),
-            });
-        }
-        Ok(())
-    }
-}
+use burn::tensor::TensorData;
 
 /// Input a forward pass cannot take.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -183,10 +104,24 @@ impl core::fmt::Display for IdKind {
     }
 }
 
-fn list(values: &[usize]) -> String {
-    values
-        .iter()
-        .map(|v| v.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
+/// Checks ids read back to the host: the first invalid id, in row-major order, is the error
+/// (what [`IdCheckOps::check_ids`](crate::ops::IdCheckOps::check_ids) does by default).
+pub fn check_ids_on_host(
+    ids: &TensorData,
+    kind: IdKind,
+    vocab_size: usize,
+) -> Result<(), InputError> {
+    let ids = ids
+        .clone()
+        .convert::<i64>()
+        .to_vec::<i64>()
+        .expect("converted ids hold i64");
+    match ids.into_iter().find(|&id| !kind.accepts(id, vocab_size)) {
+        Some(id) => Err(InputError::IdOutOfRange {
+            kind,
+            id,
+            vocab_size,
+        }),
+        None => Ok(()),
+    }
 }

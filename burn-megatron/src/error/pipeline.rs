@@ -1,6 +1,6 @@
 //! What can go wrong in splitting a model into stages, planning a schedule or running it.
 
-use crate::error::Error;
+use super::Error;
 
 /// A pipeline that cannot be built, planned or run, with what to change.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -92,7 +92,7 @@ where
 /// Burn's AdamW record for `module` from `state` (as [`Checkpoint::load_optimizer_state`]
 /// gives it), to pass to `optimizer.load_record(..)`. Tensors go to the parameters' devices.
 ///
-/// [`Checkpoint::load_optimizer_state`]: super::Checkpoint::load_optimizer_state
+/// [`Checkpoint::load_optimizer_state`]: crate::checkpointing::Checkpoint::load_optimizer_state
 pub fn adamw_record<B, M>(
     module: &M,
     state: &OptimizerState,

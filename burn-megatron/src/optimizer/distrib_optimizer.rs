@@ -55,13 +55,15 @@ use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
 
-use super::grad_reduction::{DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads};
-use super::overlap::AfterBackward;
-use super::{BufferLayout, GradReduceOverlap, ParamAndGradBuffer};
+use super::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
 use crate::ModelBackend;
+use crate::distributed::grad_reduction::{
+    DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads,
+};
+use crate::distributed::overlap::AfterBackward;
+use crate::distributed::{BufferLayout, GradReduceOverlap, ParamAndGradBuffer};
 use crate::ops::BackwardHook;
 use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
-use crate::optimizer::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
 use crate::tensor_parallel::{DeclarePlacements, Placements};
 
 /// AdamW over a data-parallel replica's flat buffers (see the [module docs](self)).
