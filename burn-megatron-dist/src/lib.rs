@@ -10,7 +10,6 @@
 //! - [`mapping`] holds Megatron's differentiable communication operators (*f*, *g*, and the
 //!   sequence-parallel and all-to-all ones), on any [`DistBackend`].
 //! - [`p2p`] holds the batched point-to-point exchange of pipeline stages.
-//! - [`DistTensor`] is a local tensor plus its placement over a group.
 //!
 //! ```
 //! use burn::backend::NdArray;
@@ -26,8 +25,6 @@
 //! assert_eq!(sums, vec![6.0; 4]);
 //! ```
 
-mod device_transport;
-mod dtensor;
 mod error;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod flat_collective;
@@ -50,8 +47,6 @@ mod transport;
 mod watchdog;
 mod work;
 
-pub use device_transport::{DeviceTransport, OnDevice};
-pub use dtensor::{DistTensor, Placement};
 pub use error::{DistError, DistResult};
 pub use launch::{LaunchConfig, LaunchError, RankContext, launch};
 pub use layout::{GroupKind, LayoutError, ParallelLayout, ParallelSizes, RankCoords};
@@ -59,6 +54,6 @@ pub use mapping::DistBackend;
 pub use op::{CollectiveOp, ReduceOp};
 pub use parallel_state::ParallelState;
 pub use process::{ProcessEnv, run_rank};
-pub use process_group::ProcessGroup;
+pub use process_group::{DeviceTransport, OnDevice, ProcessGroup};
 pub use spawn::{SpawnConfig, SpawnReport, spawn_ranks, spawn_ranks_until};
 pub use work::Work;

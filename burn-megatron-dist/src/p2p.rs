@@ -26,10 +26,10 @@
 
 use burn::tensor::Tensor;
 
-use crate::device_transport::{DeviceTransport, OnDevice};
 use crate::error::{DistError, DistResult};
 pub use crate::op::P2pOp;
 use crate::process_group::ProcessGroup;
+use crate::process_group::{DeviceTransport, OnDevice};
 
 /// Runs every op of `ops` as one exchange over `group` and returns the received tensors, in
 /// the order of the [`P2pOp::Recv`] ops. Messages between two ranks are matched in order: the

@@ -64,18 +64,17 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "burn-megatron-dist",
         &[
-            &["error", "op", "shard", "work"],
+            &["error", "layout", "op", "shard", "work"],
             &[
                 "transport",
                 "threads",
                 "tcp",
-                "device_transport",
                 "flat_collective",
                 "nccl",
                 "watchdog",
             ],
-            &["process_group", "layout", "parallel_state"],
-            &["mapping", "p2p", "dtensor", "launch", "process", "spawn"],
+            &["process_group", "parallel_state"],
+            &["mapping", "p2p", "launch", "process", "spawn"],
         ],
     ),
     (

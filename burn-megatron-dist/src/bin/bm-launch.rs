@@ -3,7 +3,13 @@
 //!
 //! ```text
 //! bm-launch --nproc-per-node 2 -- ./target/release/examples/train --steps 100
+//! bm-launch --nproc-per-node 8 --max-restarts 3 -- ./pretrain_gpt --save ck --load ck …
 //! ```
+//!
+//! With `--max-restarts N`, a failed rank stops every rank, and all start again, up to N
+//! times (torchrun's elastic agent, on one node's ranks); the program resumes from its last
+//! checkpoint, and reads the attempt in `BM_RESTART_COUNT` (or `TORCHELASTIC_RESTART_COUNT`).
+//! The ranks die with the launcher, even when it is killed with SIGKILL (Linux).
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,6 +40,9 @@ struct Args {
     /// Seconds the other ranks get to report after the first failure, before being killed.
     #[arg(long, default_value_t = 10)]
     grace_secs: u64,
+    /// Times every rank is restarted after one fails (each restart is logged with its cause).
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
     /// The program to run, and its arguments.
     #[arg(required = true, last = true)]
     command: Vec<String>,
@@ -68,6 +77,7 @@ fn main() -> ExitCode {
         master_addr: args.master_addr,
         master_port: args.master_port,
         grace: Duration::from_secs(args.grace_secs),
+        max_restarts: args.max_restarts,
     };
     let (program, rest) = args.command.split_first().expect("clap requires a command");
     match spawn_ranks_until(&config, program, rest, &STOP) {
@@ -79,7 +89,11 @@ fn main() -> ExitCode {
             None => ExitCode::SUCCESS,
             Some((rank, status)) => {
                 let how = status.map_or("was killed".to_string(), |s| format!("ended with {s}"));
-                eprintln!("bm-launch: rank {rank} failed first ({how})");
+                let restarts = match report.restarts.len() {
+                    0 => String::new(),
+                    n => format!(", after {n} restarts"),
+                };
+                eprintln!("bm-launch: rank {rank} failed first ({how}{restarts})");
                 for (local, status) in report.statuses.iter().enumerate() {
                     let rank = args.node_rank * args.nproc_per_node + local;
                     match status {

@@ -13,8 +13,8 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, unary};
 
 use super::{Comm, Mapping};
-use crate::device_transport::DeviceTransport;
 use crate::error::DistResult;
+use crate::process_group::DeviceTransport;
 use crate::process_group::ProcessGroup;
 
 /// A Burn backend that distributed code can run on: its collectives move tensors

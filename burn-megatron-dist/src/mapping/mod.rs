@@ -25,9 +25,9 @@ use burn::tensor::Tensor;
 
 pub use dist_backend::DistBackend;
 
-use crate::device_transport::DeviceTransport;
 use crate::error::DistResult;
 use crate::op::ReduceOp;
+use crate::process_group::DeviceTransport;
 use crate::process_group::ProcessGroup;
 use crate::shard::shard_range;
 

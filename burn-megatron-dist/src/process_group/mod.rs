@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::tensor::{Tensor, TensorData};
 
-use crate::device_transport::{DeviceTransport, OnDevice};
 use crate::error::{DistError, DistResult};
 use crate::op::{CollectiveOp, ReduceOp};
 use crate::shard::shard_range;
@@ -16,6 +15,9 @@ use crate::work::Work;
 
 #[cfg(feature = "cuda")]
 mod device_calls;
+mod device_transport;
+
+pub use device_transport::{DeviceTransport, OnDevice};
 
 /// A set of ranks that communicate: Megatron's TP, PP, DP, CP or EP group, or the world.
 ///

@@ -1,7 +1,6 @@
 //! Tests of burn-megatron-dist on CPU thread ranks.
 
 mod collectives;
-mod dtensor;
 mod failures;
 mod launcher;
 mod mappings;

@@ -11,9 +11,9 @@ use burn::backend::ndarray::{
 use burn::tensor::{DType, Tensor};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
+use super::ProcessGroup;
 use crate::error::DistResult;
 use crate::op::{CollectiveOp, P2pOp};
-use crate::process_group::ProcessGroup;
 
 /// What a backend did with a communication call: ran it on the device's own transport, or
 /// handed the input back for the host path.
@@ -99,12 +99,12 @@ mod cube {
     use burn_fusion::{Fusion, FusionBackend};
     use burn_megatron_kernels::cuda::{CudaGpu, MegatronCudaRuntime};
 
+    use super::ProcessGroup;
     use super::{DeviceTransport, OnDevice};
     use crate::error::DistResult;
     use crate::nccl::GpuP2p;
     use crate::op::CollectiveOp;
     use crate::op::P2pOp;
-    use crate::process_group::ProcessGroup;
 
     /// `value` as type `U` when it is one (the runtime is ours), or back as it was.
     fn cast<T: 'static, U: 'static>(value: T) -> Result<U, T> {
