@@ -36,6 +36,7 @@ pub mod nccl;
 mod op;
 pub mod p2p;
 mod parallel_state;
+mod placement;
 mod process;
 mod process_group;
 pub mod shard;
@@ -53,6 +54,7 @@ pub use layout::{GroupKind, LayoutError, ParallelLayout, ParallelSizes, RankCoor
 pub use mapping::DistBackend;
 pub use op::{CollectiveOp, ReduceOp};
 pub use parallel_state::ParallelState;
+pub use placement::Placement;
 pub use process::{ProcessEnv, run_rank};
 pub use process_group::{DeviceTransport, OnDevice, ProcessGroup};
 pub use spawn::{SpawnConfig, SpawnReport, spawn_ranks, spawn_ranks_until};

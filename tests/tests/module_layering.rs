@@ -64,7 +64,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "burn-megatron-dist",
         &[
-            &["error", "layout", "op", "shard", "work"],
+            &["error", "layout", "op", "placement", "shard", "work"],
             &[
                 "transport",
                 "threads",
