@@ -2,8 +2,10 @@
 //! with `BM_TEST_RANK_MODE` set, runs [`rank_program`] as one rank of a launch (the ignored
 //! test does nothing when the variable is unset).
 
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use burn::tensor::Tensor;
 use burn_megatron_dist::{DistError, LaunchConfig, ProcessEnv, ReduceOp, run_rank};
@@ -36,6 +38,31 @@ pub fn scratch_dir(test: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("creating a scratch directory");
     dir
+}
+
+/// A port nothing listens on (just released by the OS).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Runs `f` on a thread and returns its result and how long it took, failing the test if it
+/// has not ended within `limit`.
+pub fn within<T: Send + 'static>(
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> (T, Duration) {
+    let (done, result) = mpsc::channel();
+    let start = Instant::now();
+    std::thread::spawn(move || {
+        let _ = done.send(f());
+    });
+    match result.recv_timeout(limit) {
+        Ok(value) => (value, start.elapsed()),
+        Err(_) => panic!("did not end within {limit:?}"),
+    }
 }
 
 /// Milliseconds since the epoch: a clock all processes share.

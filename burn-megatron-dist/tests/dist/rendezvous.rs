@@ -9,20 +9,13 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn_megatron_dist::{
     DistError, LaunchConfig, LaunchError, ProcessEnv, SpawnConfig, run_rank, spawn_ranks,
 };
 
-use crate::ranks::{rank_command, scratch_dir};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
+use crate::ranks::{free_port, rank_command, scratch_dir, within};
 
 fn process_env(rank: usize, world_size: usize, port: u16) -> ProcessEnv {
     ProcessEnv {
@@ -31,23 +24,6 @@ fn process_env(rank: usize, world_size: usize, port: u16) -> ProcessEnv {
         local_rank: rank,
         master_addr: "127.0.0.1".into(),
         master_port: port,
-    }
-}
-
-/// Runs `f` on a thread and returns its result and how long it took, failing the test if it
-/// has not ended within `limit`.
-fn within<T: Send + 'static>(
-    limit: Duration,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> (T, Duration) {
-    let (done, result) = mpsc::channel();
-    let start = Instant::now();
-    std::thread::spawn(move || {
-        let _ = done.send(f());
-    });
-    match result.recv_timeout(limit) {
-        Ok(value) => (value, start.elapsed()),
-        Err(_) => panic!("did not end within {limit:?}"),
     }
 }
 
