@@ -11,85 +11,26 @@
 //!   enqueued so far (an event), and the compute stream waits for its end (another event)
 //!   before any later kernel, copy or foreign operation touching the same memory, or when
 //!   [`ForeignQueue::join`] asks. Its tensors' memory is kept out of reuse until it ends.
+//!
+//! This file holds the submitting side, [`ForeignQueue`]; what an operation is and is given
+//! ([`Lane`], [`ForeignContext`], [`Extensions`]) is defined below the server and re-exported
+//! here.
 
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn_cubecl::tensor::CubeTensor;
 use cubecl_common::device::Device;
 use cubecl_common::device_handle::DeviceHandle;
 use cubecl_core::server::Binding;
-use cudarc::driver::sys::CUstream;
 
 use super::device::CudaGpu;
+use super::device_check::record::DeviceCheck;
+use super::foreign_op::ForeignTask;
 use super::runtime::MegatronCudaRuntime;
-use super::server::CudaServer;
+use super::server::{Alarms, CudaServer};
 
-/// Where a foreign operation runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lane {
-    /// On the compute stream, in order with the kernels.
-    Compute,
-    /// On side stream `n`, overlapping with compute.
-    Side(u8),
-}
-
-/// What a foreign operation is given.
-pub struct ForeignContext<'a> {
-    /// The stream to enqueue the operation's work on.
-    pub stream: CUstream,
-    /// The compute stream (equal to `stream` on [`Lane::Compute`]).
-    pub compute_stream: CUstream,
-    /// Device pointers of the submitted tensors, in order (offsets applied).
-    pub pointers: &'a [u64],
-    /// Per-device state of foreign libraries (a cuBLASLt handle, NCCL communicators, …).
-    pub extensions: &'a mut Extensions,
-}
-
-impl ForeignContext<'_> {
-    /// An event after the work enqueued on this operation's stream so far: the host can
-    /// wait for it or ask whether it has passed (an NCCL watchdog does).
-    pub fn record_event(&self) -> Result<super::Event, String> {
-        super::Event::record(self.stream).map_err(|e| e.to_string())
-    }
-}
-
-/// Per-device state, one value per type.
-#[derive(Default)]
-pub struct Extensions {
-    values: HashMap<TypeId, Box<dyn Any + Send>>,
-}
-
-impl Extensions {
-    /// The value of type `T`, created by `init` on first use.
-    pub fn get_or_insert_with<T: Any + Send>(&mut self, init: impl FnOnce() -> T) -> &mut T {
-        self.values
-            .entry(TypeId::of::<T>())
-            .or_insert_with(|| Box::new(init()))
-            .downcast_mut()
-            .expect("values are stored under their own type id")
-    }
-
-    /// The value of type `T`, if there is one.
-    pub fn get_mut<T: Any + Send>(&mut self) -> Option<&mut T> {
-        self.values
-            .get_mut(&TypeId::of::<T>())
-            .and_then(|v| v.downcast_mut())
-    }
-}
-
-/// The body of a foreign operation. An error (or a panic) is reported by the device's next
-/// read, sync or flush, naming the operation.
-pub type ForeignOp = Box<dyn FnOnce(&mut ForeignContext<'_>) -> Result<(), String> + Send>;
-
-pub(crate) struct ForeignTask {
-    pub name: &'static str,
-    pub bindings: Vec<Binding>,
-    pub lane: Lane,
-    pub ticket: u64,
-    pub op: ForeignOp,
-}
+pub use super::extensions::Extensions;
+pub use super::foreign_op::{ForeignContext, ForeignOp, Lane};
 
 /// Identifies a submitted side-lane operation, for [`ForeignQueue::join`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,14 +95,14 @@ impl ForeignQueue {
 
     /// The device's alarms: what another thread raises there is returned by the device's
     /// next read, sync or flush.
-    pub fn alarms(&self) -> super::server::Alarms {
+    pub fn alarms(&self) -> Alarms {
         self.handle
             .submit_blocking(|server| server.alarms.clone())
             .expect("the device queue is alive")
     }
 
     /// Keeps `check` for the device's next read or sync (see [`super::device_check`]).
-    pub(crate) fn queue_check(&self, check: super::device_check::DeviceCheck) {
+    pub(crate) fn queue_check(&self, check: DeviceCheck) {
         self.handle.submit(move |server| server.checks.push(check));
     }
 

@@ -5,22 +5,20 @@
 //! operation touching the same memory, an explicit join, or a sync), the operation is pending:
 //! its memory ranges are checked against every later user and its bindings keep the memory
 //! from being reused.
+//!
+//! This file holds [`Lanes`], a device's side streams and pending operations, which the server
+//! owns and consults before each launch, copy and foreign operation.
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
-use cubecl_common::backtrace::BackTrace;
-use cubecl_core::server::{Binding, ServerError};
+use cubecl_core::server::Binding;
 use cudarc::driver::sys::{CUstream, CUstream_flags, cuStreamCreateWithPriority};
 
 use super::driver::{DriverFailure, check};
 use super::event::Event;
-use super::foreign::{Extensions, ForeignContext, ForeignTask, Lane};
-use super::profile::{self, Kind};
-use super::server::CudaServer;
+use super::foreign_op::Lane;
 use super::storage::GpuResource;
 
 /// A foreign operation running on a side lane.
-pub(super) struct PendingOp {
+struct PendingOp {
     ticket: u64,
     name: &'static str,
     end: Event,
@@ -34,27 +32,48 @@ fn overlaps(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
         .any(|&(s1, e1)| b.iter().any(|&(s2, e2)| s1 < e2 && s2 < e1))
 }
 
+/// The device memory range `[start, end)` of `resource`.
 pub(super) fn range(resource: &GpuResource) -> (u64, u64) {
     (resource.ptr, resource.ptr + resource.size)
 }
 
-impl CudaServer {
+/// A device's side lanes: their streams and the side-lane operations whose end the compute
+/// stream has not waited for yet.
+#[derive(Default)]
+pub(super) struct Lanes {
+    /// Side streams for foreign operations that overlap compute (created on first use).
+    streams: Vec<CUstream>,
+    /// Side-lane operations whose end the compute stream has not waited for yet.
+    pending: Vec<PendingOp>,
+}
+
+impl Lanes {
+    /// Side streams created so far.
+    pub(super) fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Side-lane operations pending.
+    pub(super) fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
     /// Drops side-lane operations that are known to be over: joined into the compute stream
     /// (later compute work is ordered after them) or complete.
     pub(super) fn retire(&mut self) {
         self.pending.retain(|op| !op.end.is_complete());
     }
 
-    /// Makes the compute stream wait for every pending side-lane operation touching `ranges`
+    /// Makes the `compute` stream wait for every pending side-lane operation touching `ranges`
     /// (or for all of them, with `None`).
     pub(super) fn join_pending(
         &mut self,
+        compute: CUstream,
         ranges: Option<&[(u64, u64)]>,
     ) -> Result<(), DriverFailure> {
         if self.pending.is_empty() {
             return Ok(());
         }
-        let compute = self.compute;
         let mut kept = Vec::with_capacity(self.pending.len());
         for op in self.pending.drain(..) {
             if ranges.is_none_or(|r| overlaps(r, &op.ranges)) {
@@ -68,7 +87,7 @@ impl CudaServer {
     }
 
     fn lane(&mut self, index: u8) -> Result<CUstream, DriverFailure> {
-        while self.lanes.len() <= index as usize {
+        while self.streams.len() <= index as usize {
             let mut stream = core::ptr::null_mut();
             // SAFETY: creates a stream in the current context. Side lanes get the highest
             // priority (the lowest number): communication should not wait behind compute.
@@ -84,101 +103,93 @@ impl CudaServer {
                     "cuStreamCreateWithPriority",
                 )?;
             }
-            self.lanes.push(stream);
+            self.streams.push(stream);
         }
-        Ok(self.lanes[index as usize])
+        Ok(self.streams[index as usize])
     }
 
-    /// Runs a foreign operation in queue order (see [`super::foreign`]).
-    pub(crate) fn run_foreign(&mut self, task: ForeignTask) {
-        let name = task.name;
-        if let Err(error) = self.try_run_foreign(task) {
-            self.errors.push(ServerError::Generic {
-                reason: format!("foreign operation '{name}' failed: {error}"),
-                backtrace: BackTrace::capture(),
-            });
-        }
-    }
-
-    fn try_run_foreign(&mut self, task: ForeignTask) -> Result<(), String> {
-        self.set_current().map_err(|e| e.to_string())?;
-        self.retire();
-        let resources = task
-            .bindings
-            .iter()
-            .map(|b| self.resolve(b))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
-        let ranges: Vec<_> = resources.iter().map(range).collect();
-        let pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
-        let stream = match task.lane {
+    /// The stream a foreign operation on `lane` touching `ranges` runs on, ordered after what
+    /// it must follow. On [`Lane::Compute`], the `compute` stream, made to wait for the pending
+    /// operations touching `ranges`; on [`Lane::Side`], the side stream, made to wait for the
+    /// compute work enqueued so far and for the pending operations touching `ranges`.
+    pub(super) fn stream_for(
+        &mut self,
+        lane: Lane,
+        compute: CUstream,
+        ranges: &[(u64, u64)],
+    ) -> Result<CUstream, String> {
+        Ok(match lane {
             Lane::Compute => {
-                self.join_pending(Some(&ranges))
+                self.join_pending(compute, Some(ranges))
                     .map_err(|e| e.to_string())?;
-                self.compute
+                compute
             }
             Lane::Side(index) => {
                 let side = self.lane(index).map_err(|e| e.to_string())?;
-                Event::record(self.compute)
+                Event::record(compute)
                     .and_then(|start| start.wait_on(side))
                     .map_err(|e| e.to_string())?;
                 for op in self
                     .pending
                     .iter()
-                    .filter(|op| overlaps(&ranges, &op.ranges))
+                    .filter(|op| overlaps(ranges, &op.ranges))
                 {
                     op.end.wait_on(side).map_err(|e| e.to_string())?;
                 }
                 side
             }
-        };
-        let kind = match task.lane {
-            Lane::Compute => Kind::Foreign,
-            Lane::Side(_) => Kind::SideLane,
-        };
-        let span = profile::begin(&mut self.extensions, stream, task.name, kind);
-        let mut context = ForeignContext {
-            stream,
-            compute_stream: self.compute,
-            pointers: &pointers,
-            extensions: &mut self.extensions,
-        };
-        let result = catch_unwind(AssertUnwindSafe(|| (task.op)(&mut context)))
-            .unwrap_or_else(|panic| Err(format!("panicked: {panic:?}")));
-        profile::end(&mut self.extensions, stream, span);
-        if let Lane::Side(_) = task.lane {
-            // Even a failed operation may have enqueued work: track it until it ends.
-            let end = Event::record(stream).map_err(|e| e.to_string())?;
-            self.pending.push(PendingOp {
-                ticket: task.ticket,
-                name: task.name,
-                end,
-                ranges,
-                _keep: task.bindings,
-            });
-        }
-        result
+        })
     }
 
-    /// Runs `f` with the context current and the per-device extensions.
-    pub(crate) fn with_extensions<R>(&mut self, f: impl FnOnce(&mut Extensions) -> R) -> R {
-        if let Err(error) = self.set_current() {
-            self.errors.push(error.into());
-        }
-        f(&mut self.extensions)
+    /// Tracks the side-lane operation `ticket`, just enqueued on `stream`, until it ends: its
+    /// end is an event recorded now, `ranges` its memory and `keep` the bindings that keep that
+    /// memory from reuse.
+    pub(super) fn track(
+        &mut self,
+        ticket: u64,
+        name: &'static str,
+        stream: CUstream,
+        ranges: Vec<(u64, u64)>,
+        keep: Vec<Binding>,
+    ) -> Result<(), String> {
+        let end = Event::record(stream).map_err(|e| e.to_string())?;
+        self.pending.push(PendingOp {
+            ticket,
+            name,
+            end,
+            ranges,
+            _keep: keep,
+        });
+        Ok(())
     }
 
-    /// Makes the compute stream wait for the side-lane operation `ticket` (no host sync).
-    pub(crate) fn join(&mut self, ticket: u64) {
+    /// Makes the `compute` stream wait for the side-lane operation `ticket` (no host sync), if
+    /// it is pending. An error names the operation.
+    pub(super) fn join(&mut self, compute: CUstream, ticket: u64) -> Result<(), String> {
         let Some(index) = self.pending.iter().position(|op| op.ticket == ticket) else {
-            return;
+            return Ok(());
         };
         let op = self.pending.remove(index);
-        if let Err(error) = op.end.wait_on(self.compute) {
-            self.errors.push(ServerError::Generic {
-                reason: format!("joining foreign operation '{}': {error}", op.name),
-                backtrace: BackTrace::capture(),
-            });
-        }
+        op.end
+            .wait_on(compute)
+            .map_err(|error| format!("joining foreign operation '{}': {error}", op.name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overlaps;
+
+    #[test]
+    fn ranges_overlap_when_they_share_a_byte() {
+        assert!(overlaps(&[(0, 10)], &[(5, 15)]));
+        assert!(overlaps(&[(5, 15)], &[(0, 10)]));
+        assert!(overlaps(&[(0, 100)], &[(40, 41)]));
+        assert!(overlaps(&[(0, 4), (50, 60)], &[(20, 30), (59, 70)]));
+        // Touching ends share no byte: [0, 10) and [10, 20).
+        assert!(!overlaps(&[(0, 10)], &[(10, 20)]));
+        assert!(!overlaps(&[(10, 20)], &[(0, 10)]));
+        assert!(!overlaps(&[(0, 4), (50, 60)], &[(20, 30)]));
+        assert!(!overlaps(&[], &[(0, 10)]));
     }
 }

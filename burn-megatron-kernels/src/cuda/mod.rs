@@ -4,6 +4,17 @@
 //! [`MegatronCuda`] is Burn's `CubeBackend` over [`MegatronCudaRuntime`]: every Burn op and
 //! CubeCL kernel runs on it as on burn-cuda (same compiler, same kernels, same autotune). What
 //! it adds is [`foreign`]: host operations in the device's queue, on its streams.
+//!
+//! Its files import one way, from the driver up to the entry points:
+//! - the driver and the device's resources: `driver`, [`event`], `copy`, `storage`,
+//!   `properties`, `modules`, `tensor_map`, `device`, `host_syncs`;
+//! - what the server keeps and runs: `extensions` (per-device state of foreign libraries),
+//!   `foreign_op` (a foreign operation and its lane), `lanes` (side streams and their pending
+//!   operations), `device_check::record` and `profile::{summary, recorder}`;
+//! - `server`, the compute server, which owns all of the above, then `runtime`, CubeCL's
+//!   runtime over it;
+//! - the entry points, which submit to the device's queue: [`foreign`] (`ForeignQueue`),
+//!   [`device_check`], [`profile`], [`gemm`] and [`cudnn`].
 
 mod copy;
 pub mod cudnn;
@@ -11,7 +22,9 @@ mod device;
 pub mod device_check;
 mod driver;
 pub mod event;
+mod extensions;
 pub mod foreign;
+mod foreign_op;
 pub mod gemm;
 mod host_syncs;
 mod lanes;

@@ -1,6 +1,7 @@
 //! The compute server: owns the device's streams, memory and kernels, and runs every task of
 //! the device queue (Burn's kernels and our foreign operations) in order.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use cubecl_common::backtrace::BackTrace;
@@ -29,13 +30,15 @@ use cudarc::driver::sys::{CUcontext, CUstream, CUstream_flags, cuStreamCreate};
 use super::CudaCompiler;
 use super::copy::{Direction, copy};
 use super::device::CudaGpu;
-use super::device_check::DeviceCheck;
+use super::device_check::record::DeviceCheck;
 use super::driver::{DriverFailure, check};
 use super::event::Event;
-use super::foreign::Extensions;
-use super::lanes::{PendingOp, range};
+use super::extensions::Extensions;
+use super::foreign_op::{ForeignContext, ForeignTask, Lane};
+use super::lanes::{Lanes, range};
 use super::modules::Modules;
-use super::profile::{self, Kind};
+use super::profile::recorder;
+use super::profile::summary::Kind;
 use super::properties::{MEMORY_ALIGNMENT, probe};
 use super::storage::{GpuResource, GpuStorage};
 use super::tensor_map;
@@ -45,8 +48,6 @@ pub struct CudaServer {
     pub(super) context: CUcontext,
     /// Where Burn's kernels, copies and compute-lane foreign operations run, in order.
     pub(super) compute: CUstream,
-    /// Side lanes for foreign operations that overlap compute (created on first use).
-    pub(super) lanes: Vec<CUstream>,
     pub(super) memory: MemoryManagement<GpuStorage>,
     pub(super) modules: Modules,
     pub(super) utilities: Arc<ServerUtilities<Self>>,
@@ -54,8 +55,8 @@ pub struct CudaServer {
     pub(super) errors: Vec<ServerError>,
     pub(super) timestamps: TimestampProfiler,
     pub(super) cursor: u64,
-    /// Side-lane operations whose end the compute stream has not waited for yet.
-    pub(super) pending: Vec<PendingOp>,
+    /// Side lanes for foreign operations that overlap compute, and their pending operations.
+    pub(super) lanes: Lanes,
     pub(super) extensions: Extensions,
     /// Failures reported from outside the device thread (an NCCL watchdog), taken with `errors`.
     pub(super) alarms: Alarms,
@@ -96,8 +97,8 @@ unsafe impl Send for CudaServer {}
 impl core::fmt::Debug for CudaServer {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("CudaServer")
-            .field("lanes", &self.lanes.len())
-            .field("pending", &self.pending.len())
+            .field("lanes", &self.lanes.streams())
+            .field("pending", &self.lanes.pending())
             .field("errors", &self.errors.len())
             .finish()
     }
@@ -141,14 +142,13 @@ impl CudaServer {
         Ok(Self {
             context,
             compute,
-            lanes: Vec::new(),
             memory,
             modules,
             utilities: Arc::new(utilities),
             errors: Vec::new(),
             timestamps: TimestampProfiler::default(),
             cursor: 0,
-            pending: Vec::new(),
+            lanes: Lanes::default(),
             extensions: Extensions::default(),
             alarms: Alarms::default(),
             checks: Vec::new(),
@@ -233,7 +233,7 @@ impl CudaServer {
             .map(|d| self.resolve(&d.handle))
             .collect::<Result<Vec<_>, _>>()?;
         let ranges: Vec<_> = resources.iter().map(range).collect();
-        self.join_pending(Some(&ranges))?;
+        self.lanes.join_pending(self.compute, Some(&ranges))?;
         let mut out = Vec::with_capacity(descriptors.len());
         for (descriptor, resource) in descriptors.iter().zip(&resources) {
             let len = descriptor.shape.iter().product::<usize>() * descriptor.elem_size;
@@ -297,7 +297,8 @@ impl CudaServer {
         self.set_current()?;
         for (descriptor, data) in descriptors {
             let resource = self.resolve(&descriptor.handle)?;
-            self.join_pending(Some(&[range(&resource)]))?;
+            self.lanes
+                .join_pending(self.compute, Some(&[range(&resource)]))?;
             // SAFETY: the tensor's memory and the host bytes match its shape; a pageable source
             // is staged before the call returns.
             unsafe {
@@ -372,7 +373,7 @@ impl CudaServer {
             resources.push(self.resolve(&buffer.clone().binding())?);
         }
         let ranges: Vec<_> = resources.iter().map(range).collect();
-        self.join_pending(Some(&ranges))?;
+        self.lanes.join_pending(self.compute, Some(&ranges))?;
 
         let mut pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
         let mut params: Vec<*mut core::ffi::c_void> =
@@ -384,7 +385,7 @@ impl CudaServer {
         );
         params.extend(constant);
         let dim = loaded.cube_dim;
-        let span = profile::begin(
+        let span = recorder::begin(
             &mut self.extensions,
             self.compute,
             kernel.name(),
@@ -406,7 +407,7 @@ impl CudaServer {
                 code: e.0,
             })?;
         }
-        profile::end(&mut self.extensions, self.compute, span);
+        recorder::end(&mut self.extensions, self.compute, span);
         // The metadata buffer may be reused now: later users are ordered after this launch.
         drop(info_buffer);
         Ok(())
@@ -415,8 +416,71 @@ impl CudaServer {
     fn sync_now(&mut self) -> Result<Event, ServerError> {
         self.set_current()?;
         self.take_errors()?;
-        self.join_pending(None)?;
+        self.lanes.join_pending(self.compute, None)?;
         Ok(Event::record(self.compute)?)
+    }
+
+    /// Runs a foreign operation in queue order (see [`super::foreign`]).
+    pub(crate) fn run_foreign(&mut self, task: ForeignTask) {
+        let name = task.name;
+        if let Err(error) = self.try_run_foreign(task) {
+            self.errors.push(ServerError::Generic {
+                reason: format!("foreign operation '{name}' failed: {error}"),
+                backtrace: BackTrace::capture(),
+            });
+        }
+    }
+
+    fn try_run_foreign(&mut self, task: ForeignTask) -> Result<(), String> {
+        self.set_current().map_err(|e| e.to_string())?;
+        self.lanes.retire();
+        let resources = task
+            .bindings
+            .iter()
+            .map(|b| self.resolve(b))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        let ranges: Vec<_> = resources.iter().map(range).collect();
+        let pointers: Vec<u64> = resources.iter().map(|r| r.ptr).collect();
+        let stream = self.lanes.stream_for(task.lane, self.compute, &ranges)?;
+        let kind = match task.lane {
+            Lane::Compute => Kind::Foreign,
+            Lane::Side(_) => Kind::SideLane,
+        };
+        let span = recorder::begin(&mut self.extensions, stream, task.name, kind);
+        let mut context = ForeignContext {
+            stream,
+            compute_stream: self.compute,
+            pointers: &pointers,
+            extensions: &mut self.extensions,
+        };
+        let result = catch_unwind(AssertUnwindSafe(|| (task.op)(&mut context)))
+            .unwrap_or_else(|panic| Err(format!("panicked: {panic:?}")));
+        recorder::end(&mut self.extensions, stream, span);
+        if let Lane::Side(_) = task.lane {
+            // Even a failed operation may have enqueued work: track it until it ends.
+            self.lanes
+                .track(task.ticket, task.name, stream, ranges, task.bindings)?;
+        }
+        result
+    }
+
+    /// Runs `f` with the context current and the per-device extensions.
+    pub(crate) fn with_extensions<R>(&mut self, f: impl FnOnce(&mut Extensions) -> R) -> R {
+        if let Err(error) = self.set_current() {
+            self.errors.push(error.into());
+        }
+        f(&mut self.extensions)
+    }
+
+    /// Makes the compute stream wait for the side-lane operation `ticket` (no host sync).
+    pub(crate) fn join(&mut self, ticket: u64) {
+        if let Err(reason) = self.lanes.join(self.compute, ticket) {
+            self.errors.push(ServerError::Generic {
+                reason,
+                backtrace: BackTrace::capture(),
+            });
+        }
     }
 }
 
@@ -538,7 +602,7 @@ impl ComputeServer for CudaServer {
     fn flush(&mut self, _: StreamId) -> Result<(), ServerError> {
         self.set_current()?;
         self.take_errors()?;
-        self.retire();
+        self.lanes.retire();
         self.memory.storage().flush();
         Ok(())
     }
@@ -549,7 +613,7 @@ impl ComputeServer for CudaServer {
 
     fn memory_cleanup(&mut self, _: StreamId) {
         // Pages are only freed once no pending side-lane operation can still use them.
-        if let Err(error) = self.join_pending(None) {
+        if let Err(error) = self.lanes.join_pending(self.compute, None) {
             self.errors.push(error.into());
         }
         self.memory.cleanup(true);
