@@ -25,13 +25,14 @@ use burn_megatron::training::{
 use burn_megatron_dist::{LaunchConfig, ProcessEnv, launch, run_rank};
 use clap::Parser;
 
-/// Where the default run saves its checkpoints (under the git-ignored `target/`).
+/// Where a run saves its checkpoints unless `--save` names a directory or `--no-save` is given
+/// (under the git-ignored `target/`).
 const DEFAULT_SAVE: &str = "target/pretrain_gpt";
 
 fn main() -> ExitCode {
     let config = match PretrainArgs::parse().into_config() {
         Ok(mut config) => {
-            if config.save.is_none() {
+            if config.save.is_none() && !config.no_save {
                 config.save = Some(DEFAULT_SAVE.into());
             }
             config

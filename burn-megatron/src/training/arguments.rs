@@ -10,6 +10,7 @@ use serde::Deserialize;
 use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
 use crate::optimizer::LrDecayStyle;
+use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
 /// Pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's `pretrain_gpt.py`).
 ///
@@ -58,6 +59,51 @@ pub struct PretrainArgs {
     /// Dropout on the attention probabilities. [default: 0]
     #[arg(long, help_heading = "Model")]
     pub attention_dropout: Option<f64>,
+    /// SwiGLU MLP (Llama): `silu(gate(x)) · up(x)`, three GEMMs. [default: GeLU]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
+    pub swiglu: Option<bool>,
+    /// The normalisation: LayerNorm or RMSNorm. [default: LayerNorm]
+    #[arg(long, help_heading = "Model")]
+    pub normalization: Option<String>,
+    /// Epsilon of the normalisation. [default: 1e-5]
+    #[arg(long, help_heading = "Model")]
+    pub norm_epsilon: Option<f64>,
+    /// Position embeddings: learned_absolute or rope. [default: learned_absolute]
+    #[arg(long, help_heading = "Model")]
+    pub position_embedding_type: Option<String>,
+    /// The base of the rotary embeddings' frequencies (500000 for Llama 3). [default: 10000]
+    #[arg(long, help_heading = "Model")]
+    pub rotary_base: Option<f64>,
+    /// Grouped-query attention: key/value heads shared by groups of query heads
+    /// (--num-query-groups of them). [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
+    pub group_query_attention: Option<bool>,
+    /// Key/value heads under --group-query-attention; divides the heads, and TP divides it.
+    /// [default: 1]
+    #[arg(long, help_heading = "Model")]
+    pub num_query_groups: Option<usize>,
+    /// An output layer of its own instead of the token embedding table (Llama). [default:
+    /// false, tied]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
+    pub untie_embeddings_and_output_weights: Option<bool>,
+    /// Linear layers without biases (Llama). [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
+    pub disable_bias_linear: Option<bool>,
+    /// Activation recomputation: selective (the attention core) or full (each layer rerun
+    /// from its input in the backward pass). [default: none]
+    #[arg(long, help_heading = "Model")]
+    pub recompute_granularity: Option<String>,
+    /// How full recomputation groups layers: uniform (every layer its own group, with
+    /// --recompute-num-layers 1, the only grouping today). [default: uniform]
+    #[arg(long, help_heading = "Model")]
+    pub recompute_method: Option<String>,
+    /// Layers a recomputed group holds (full recomputation); 1 today. [default: 1]
+    #[arg(long, help_heading = "Model")]
+    pub recompute_num_layers: Option<usize>,
+    /// Selective recomputation (Megatron's older name for --recompute-granularity
+    /// selective). [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
+    pub recompute_activations: Option<bool>,
 
     /// Tensor-parallel size (ranks that split each layer). [default: 2]
     #[arg(long, help_heading = "Parallelism")]
@@ -157,6 +203,10 @@ pub struct PretrainArgs {
     /// `--save d --load d` resumes a killed run with the same command.
     #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
     pub load: Option<PathBuf>,
+    /// Save no checkpoint at all, not even the default run's final one (long runs on small
+    /// disks, benchmarks). [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Checkpoints")]
+    pub no_save: Option<bool>,
     /// Write checkpoints in the background: the step waits only for the host copies.
     /// [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Checkpoints")]
@@ -235,6 +285,10 @@ impl PretrainArgs {
             init_method_std => init_std,
             hidden_dropout => hidden_dropout,
             attention_dropout => attention_dropout,
+            swiglu => swiglu,
+            norm_epsilon => norm_epsilon,
+            untie_embeddings_and_output_weights => untie_embeddings_and_output_weights,
+            no_save => no_save,
             tensor_model_parallel_size => tensor_model_parallel_size,
             pipeline_model_parallel_size => pipeline_model_parallel_size,
             sequence_parallel => sequence_parallel,
@@ -272,6 +326,30 @@ impl PretrainArgs {
         if let Some(style) = &a.lr_decay_style {
             c.lr_decay_style = parse_decay_style(style)?;
         }
+        if let Some(name) = &a.normalization {
+            c.normalization = parse_normalization(name)?;
+        }
+        c.position_embedding =
+            position_embedding(a.position_embedding_type.as_deref(), a.rotary_base)?;
+        match (a.group_query_attention.unwrap_or(false), a.num_query_groups) {
+            (true, groups) => c.num_query_groups = Some(groups.unwrap_or(1)),
+            (false, Some(groups)) => {
+                return Err(ConfigError::Invalid(format!(
+                    "--num-query-groups {groups} takes effect with --group-query-attention: add it"
+                ))
+                .into());
+            }
+            (false, None) => {}
+        }
+        if a.disable_bias_linear.unwrap_or(false) {
+            c.add_bias_linear = false;
+        }
+        c.recompute = recompute(
+            a.recompute_granularity.as_deref(),
+            a.recompute_activations.unwrap_or(false),
+            a.recompute_method.as_deref(),
+            a.recompute_num_layers,
+        )?;
         Ok(c)
     }
 
@@ -291,6 +369,19 @@ impl PretrainArgs {
             init_method_std,
             hidden_dropout,
             attention_dropout,
+            swiglu,
+            normalization,
+            norm_epsilon,
+            position_embedding_type,
+            rotary_base,
+            group_query_attention,
+            num_query_groups,
+            untie_embeddings_and_output_weights,
+            disable_bias_linear,
+            recompute_granularity,
+            recompute_method,
+            recompute_num_layers,
+            recompute_activations,
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
             sequence_parallel,
@@ -319,6 +410,7 @@ impl PretrainArgs {
             save,
             save_interval,
             load,
+            no_save,
             async_save,
             learner,
             bf16,
@@ -329,6 +421,107 @@ impl PretrainArgs {
             data_path,
             split,
         )
+    }
+}
+
+/// Megatron's `--normalization` names (case-insensitive).
+pub fn parse_normalization(name: &str) -> Result<Normalization> {
+    match name.to_ascii_lowercase().as_str() {
+        "layernorm" => Ok(Normalization::LayerNorm),
+        "rmsnorm" => Ok(Normalization::RmsNorm),
+        _ => Err(ConfigError::Invalid(format!(
+            "--normalization {name:?}: use LayerNorm or RMSNorm"
+        ))
+        .into()),
+    }
+}
+
+/// Megatron's `--position-embedding-type` (and `--rotary-base`, which only rope takes).
+fn position_embedding(kind: Option<&str>, base: Option<f64>) -> Result<PositionEmbedding> {
+    let invalid = |m: String| Err(ConfigError::Invalid(m).into());
+    match kind.unwrap_or("learned_absolute") {
+        "rope" => {
+            let base = base.unwrap_or(10_000.0);
+            if !(base.is_finite() && base > 1.0) {
+                return invalid(format!(
+                    "--rotary-base ({base}) must be a finite number above 1"
+                ));
+            }
+            Ok(PositionEmbedding::Rope { base })
+        }
+        "learned_absolute" if base.is_some() => {
+            invalid("--rotary-base takes effect with --position-embedding-type rope".into())
+        }
+        "learned_absolute" => Ok(PositionEmbedding::Learned),
+        other => invalid(format!(
+            "--position-embedding-type {other:?}: use learned_absolute or rope"
+        )),
+    }
+}
+
+/// Megatron's recomputation options: `--recompute-granularity selective|full` (or the older
+/// `--recompute-activations`), with `--recompute-method` and `--recompute-num-layers` for
+/// full recomputation. Full recomputation reruns every layer from its input (Megatron's
+/// `uniform` method with one layer a group); other groupings are an error saying so.
+fn recompute(
+    granularity: Option<&str>,
+    activations: bool,
+    method: Option<&str>,
+    num_layers: Option<usize>,
+) -> Result<Recompute> {
+    let invalid = |m: String| Err(ConfigError::Invalid(m).into());
+    let granularity = match (granularity, activations) {
+        (Some(g), true) if g != "selective" => {
+            return invalid(format!(
+                "--recompute-activations is --recompute-granularity selective, not {g:?}"
+            ));
+        }
+        (_, true) => Some("selective"),
+        (g, false) => g,
+    };
+    let full_only = |name: &str| {
+        ConfigError::Invalid(format!(
+            "{name} applies to --recompute-granularity full only"
+        ))
+    };
+    match granularity {
+        None | Some("selective") => {
+            if method.is_some() {
+                return Err(full_only("--recompute-method").into());
+            }
+            if num_layers.is_some() {
+                return Err(full_only("--recompute-num-layers").into());
+            }
+            Ok(match granularity {
+                None => Recompute::None,
+                _ => Recompute::Selective,
+            })
+        }
+        Some("full") => {
+            match method.unwrap_or("uniform") {
+                "uniform" => {}
+                "block" => {
+                    return invalid(
+                        "--recompute-method block (recomputing only some layers of each stage)                          is not supported yet: use uniform, which recomputes every layer"
+                            .into(),
+                    );
+                }
+                other => {
+                    return invalid(format!(
+                        "--recompute-method {other:?}: use uniform or block"
+                    ));
+                }
+            }
+            match num_layers.unwrap_or(1) {
+                1 => Ok(Recompute::Full),
+                n => invalid(format!(
+                    "--recompute-num-layers {n}: full recomputation reruns one layer at a time                      (1) today"
+                )),
+            }
+        }
+        Some(other) => invalid(format!(
+            "--recompute-granularity {other:?}: use selective or full"
+        )),
     }
 }
 

@@ -13,7 +13,9 @@ use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
     FlatAdamWConfig, GradClipConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
-use crate::transformer::TransformerConfig;
+use crate::transformer::{
+    Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
+};
 
 /// A pretraining run. The defaults are the embedded run of `pretrain_gpt` with no arguments:
 /// a tiny GPT on the generated default corpus at TP = 2 × PP = 2 (4 ranks), a minute or two
@@ -51,6 +53,32 @@ pub struct PretrainConfig {
     /// Dropout on the attention probabilities (`--attention-dropout`).
     #[config(default = 0.0)]
     pub attention_dropout: f64,
+    /// The MLP's activation is SwiGLU (Llama), `silu(gate(x)) · up(x)`, instead of GeLU.
+    #[config(default = false)]
+    pub swiglu: bool,
+    /// The normalisation layer: LayerNorm (GPT) or RMSNorm (Llama).
+    #[config(default = "Normalization::LayerNorm")]
+    pub normalization: Normalization,
+    /// Epsilon of the normalisation.
+    #[config(default = 1e-5)]
+    pub norm_epsilon: f64,
+    /// How positions enter the model: a learned table, or rotary embeddings with their base.
+    #[config(default = "PositionEmbedding::Learned")]
+    pub position_embedding: PositionEmbedding,
+    /// Key/value heads (grouped-query attention); `None` for one per query head.
+    pub num_query_groups: Option<usize>,
+    /// The output layer has its own weights instead of the token embedding table's.
+    #[config(default = false)]
+    pub untie_embeddings_and_output_weights: bool,
+    /// Whether the linear layers have biases.
+    #[config(default = true)]
+    pub add_bias_linear: bool,
+    /// Activation recomputation: none, the attention core (selective), or whole layers (full).
+    #[config(default = "Recompute::None")]
+    pub recompute: Recompute,
+    /// Train without saving any checkpoint, not even the example's default one at the end.
+    #[config(default = false)]
+    pub no_save: bool,
     /// Tensor-parallel size (`--tensor-model-parallel-size`).
     #[config(default = 2)]
     pub tensor_model_parallel_size: usize,
@@ -217,7 +245,12 @@ impl PretrainConfig {
             self.hidden_size,
             self.num_layers,
             self.num_attention_heads,
-            self.ffn_hidden_size.unwrap_or(4 * self.hidden_size),
+            self.ffn_hidden_size.unwrap_or(match self.swiglu {
+                // Megatron's default for SwiGLU: the GeLU MLP's 4h, times 2/3 for the third
+                // GEMM, rounded down to a multiple of 64.
+                true => 4 * self.hidden_size * 2 / 3 / 64 * 64,
+                false => 4 * self.hidden_size,
+            }),
             self.vocab_size,
             self.seq_length,
         )
@@ -227,6 +260,17 @@ impl PretrainConfig {
         .with_hidden_dropout(self.hidden_dropout)
         .with_attention_dropout(self.attention_dropout)
         .with_seed(self.seed)
+        .with_activation(match self.swiglu {
+            true => Activation::SwiGlu,
+            false => Activation::Gelu,
+        })
+        .with_normalization(self.normalization)
+        .with_norm_epsilon(self.norm_epsilon)
+        .with_position_embedding(self.position_embedding)
+        .with_num_query_groups(self.num_query_groups)
+        .with_tie_embeddings(!self.untie_embeddings_and_output_weights)
+        .with_add_bias_linear(self.add_bias_linear)
+        .with_recompute(self.recompute)
     }
 
     /// The learning-rate schedule, in iterations.
@@ -340,6 +384,9 @@ impl PretrainConfig {
         }
         if self.save_interval == Some(0) {
             return invalid("--save-interval must be at least 1".into());
+        }
+        if self.no_save && (self.save.is_some() || self.save_interval.is_some()) {
+            return invalid("--no-save excludes --save and --save-interval: pick one".into());
         }
         if self.save_interval.is_some() && self.save.is_none() {
             return invalid("--save-interval needs --save (the directory to save in)".into());

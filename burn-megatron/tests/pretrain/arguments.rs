@@ -150,6 +150,155 @@ fn toml_file_under_the_command_line() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The Llama options (Megatron's names) reach the model's configuration, and their mistakes
+/// are errors naming the option.
+#[test]
+fn llama_options_are_megatrons() {
+    use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding, Recompute};
+    let c = config(&[
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--norm-epsilon",
+        "1e-6",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        "500000",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+        "--no-save",
+    ]);
+    let m = c.model();
+    assert_eq!(m.activation, Activation::SwiGlu);
+    assert_eq!(m.normalization, Normalization::RmsNorm);
+    assert_eq!(m.norm_epsilon, 1e-6);
+    assert_eq!(
+        m.position_embedding,
+        PositionEmbedding::Rope { base: 500_000.0 }
+    );
+    assert_eq!(m.num_query_groups, Some(2));
+    assert!(!m.tie_embeddings && !m.add_bias_linear);
+    assert_eq!(m.recompute, Recompute::Full);
+    // Megatron's SwiGLU width: 4h · 2/3, down to a multiple of 64 (h = 64 here).
+    assert_eq!(m.ffn_hidden_size, 128);
+    assert!(c.no_save);
+    c.check(4).unwrap();
+    assert_eq!(
+        config(&["--recompute-activations"]).model().recompute,
+        Recompute::Selective
+    );
+    let m = config(&[]).model();
+    assert_eq!(
+        (
+            m.activation,
+            m.normalization,
+            m.position_embedding,
+            m.recompute
+        ),
+        (
+            Activation::Gelu,
+            Normalization::LayerNorm,
+            PositionEmbedding::Learned,
+            Recompute::None
+        )
+    );
+    assert!(m.tie_embeddings && m.add_bias_linear && m.num_query_groups.is_none());
+
+    let into_error = |args: &[&str]| parse(args).into_config().unwrap_err().to_string();
+    for (args, says) in [
+        (
+            &["--normalization", "batchnorm"][..],
+            "LayerNorm or RMSNorm",
+        ),
+        (
+            &["--position-embedding-type", "alibi"],
+            "learned_absolute or rope",
+        ),
+        (&["--rotary-base", "1000"], "--position-embedding-type rope"),
+        (
+            &["--position-embedding-type", "rope", "--rotary-base", "NaN"],
+            "--rotary-base",
+        ),
+        (&["--num-query-groups", "2"], "--group-query-attention"),
+        (&["--recompute-granularity", "most"], "selective or full"),
+        (&["--recompute-method", "uniform"], "full only"),
+        (
+            &[
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+            ],
+            "block",
+        ),
+        (
+            &[
+                "--recompute-granularity",
+                "full",
+                "--recompute-num-layers",
+                "2",
+            ],
+            "(1) today",
+        ),
+    ] {
+        let e = into_error(args);
+        assert!(e.contains(says), "{args:?}: {e}");
+    }
+    let e = error(&config(&[
+        "--group-query-attention",
+        "--num-query-groups",
+        "3",
+    ]));
+    assert!(e.contains("3"), "{e}");
+    let e = error(&config(&["--no-save", "--save", "x"]));
+    assert!(e.contains("--no-save"), "{e}");
+}
+
+/// The presets under examples/configs parse, and each is a valid run at its layout.
+#[test]
+fn preset_files_are_valid_runs() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs");
+    let mut presets = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let c = config(&["--config", path.to_str().unwrap()]);
+        let layout = c
+            .check(c.world_size())
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(
+            c.num_layers == 32 && c.hidden_size == 4096,
+            "{}",
+            path.display()
+        );
+        assert!(layout.num_microbatches >= 1);
+        presets += 1;
+    }
+    assert_eq!(presets, 2, "llama3_8b.toml and gpt3_6.7b.toml");
+    let llama = config(&["--config", dir.join("llama3_8b.toml").to_str().unwrap()]).model();
+    assert_eq!(
+        (
+            llama.query_groups(),
+            llama.ffn_hidden_size,
+            llama.vocab_size
+        ),
+        (8, 14_336, 128_256)
+    );
+    assert!(!llama.tie_embeddings);
+}
+
 #[test]
 fn bad_options_are_clear_errors() {
     assert!(PretrainArgs::try_parse_from(["pretrain_gpt", "--num-layers", "x"]).is_err());

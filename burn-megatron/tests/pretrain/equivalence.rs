@@ -138,6 +138,58 @@ fn layouts_equal_single_rank_training() {
     assert_equal_to_reference("TP=1 PP=4", &tiny_run(1, 4), &want);
 }
 
+/// A Llama (SwiGLU, RMSNorm, rope, two query groups for four heads, an untied output layer,
+/// no biases) through `pretrain_gpt`'s options at TP = 2 × PP = 2 (with sequence parallelism
+/// and full recomputation too) against one rank's plain training.
+#[test]
+fn llama_layouts_equal_single_rank_training() {
+    let llama = |tp, pp| {
+        let args = [
+            "--swiglu",
+            "--normalization",
+            "RMSNorm",
+            "--position-embedding-type",
+            "rope",
+            "--rotary-base",
+            "500000",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+        ];
+        let parsed = <burn_megatron::training::PretrainArgs as clap::Parser>::try_parse_from(
+            std::iter::once("pretrain_gpt").chain(args),
+        )
+        .unwrap()
+        .into_config()
+        .unwrap();
+        let tiny = tiny_run(tp, pp);
+        tiny.with_swiglu(parsed.swiglu)
+            .with_ffn_hidden_size(Some(48))
+            .with_normalization(parsed.normalization)
+            .with_position_embedding(parsed.position_embedding)
+            .with_num_query_groups(parsed.num_query_groups)
+            .with_untie_embeddings_and_output_weights(parsed.untie_embeddings_and_output_weights)
+            .with_add_bias_linear(parsed.add_bias_linear)
+    };
+    let single = llama(1, 1);
+    let want = reference(&single);
+    assert!(
+        want.0[3] < want.0[0] - 0.1,
+        "the reference does not learn: {:?}",
+        want.0
+    );
+    assert_equal_to_reference("Llama TP=2 PP=2", &llama(2, 2), &want);
+    assert_equal_to_reference(
+        "Llama TP=2 PP=2 SP, full recomputation",
+        &llama(2, 2)
+            .with_sequence_parallel(true)
+            .with_recompute(burn_megatron::transformer::Recompute::Full),
+        &want,
+    );
+}
+
 /// DP = 2 (each DP rank reading its half of every global batch), with and without the
 /// distributed optimizer, and TP = 2 × DP = 2 and PP = 2 × DP = 2 (1F1B) with it, against one
 /// rank's plain training: the same step and validation losses.
