@@ -42,6 +42,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if config.plan {
+        return plan(&config);
+    }
     let result =
         if std::env::var_os("RANK").is_some() || std::env::var_os("SLURM_PROCID").is_some() {
             process_rank(&config)
@@ -63,6 +66,15 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `--plan`: the memory planner's table for every layout of the run's world, and its advice.
+fn plan(config: &PretrainConfig) -> ExitCode {
+    use burn_megatron::training::planner;
+    let input = config.plan_input();
+    let estimates = planner::plan(&input, config.world_size());
+    print!("{}", planner::render(&input, &estimates));
+    ExitCode::SUCCESS
 }
 
 #[cfg(feature = "cuda")]

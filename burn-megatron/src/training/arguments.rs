@@ -203,6 +203,15 @@ pub struct PretrainArgs {
     /// `--save d --load d` resumes a killed run with the same command.
     #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
     pub load: Option<PathBuf>,
+    /// Print the memory planner's table (each rank's peak memory and an estimated step time
+    /// for every layout of the world: TP × PP × DP = --tensor-model-parallel-size ×
+    /// --pipeline-model-parallel-size × --data-parallel-size) and the fastest layout that
+    /// fits, then exit without training. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
+    pub plan: Option<bool>,
+    /// One GPU's memory in GiB, for --plan. [default: 80]
+    #[arg(long, help_heading = "Training")]
+    pub gpu_memory_gib: Option<f64>,
     /// Save no checkpoint at all, not even the default run's final one (long runs on small
     /// disks, benchmarks). [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Checkpoints")]
@@ -289,6 +298,8 @@ impl PretrainArgs {
             norm_epsilon => norm_epsilon,
             untie_embeddings_and_output_weights => untie_embeddings_and_output_weights,
             no_save => no_save,
+            plan => plan,
+            gpu_memory_gib => gpu_memory_gib,
             tensor_model_parallel_size => tensor_model_parallel_size,
             pipeline_model_parallel_size => pipeline_model_parallel_size,
             sequence_parallel => sequence_parallel,
@@ -411,6 +422,8 @@ impl PretrainArgs {
             save_interval,
             load,
             no_save,
+            plan,
+            gpu_memory_gib,
             async_save,
             learner,
             bf16,

@@ -79,6 +79,12 @@ pub struct PretrainConfig {
     /// Train without saving any checkpoint, not even the example's default one at the end.
     #[config(default = false)]
     pub no_save: bool,
+    /// Print the memory planner's table for this model, batch and world instead of training.
+    #[config(default = false)]
+    pub plan: bool,
+    /// One GPU's memory in GiB, for the planner.
+    #[config(default = 80.0)]
+    pub gpu_memory_gib: f64,
     /// Tensor-parallel size (`--tensor-model-parallel-size`).
     #[config(default = 2)]
     pub tensor_model_parallel_size: usize,
@@ -307,6 +313,20 @@ impl PretrainConfig {
             .with_initial_scale(self.initial_loss_scale)
             .with_growth_interval(self.loss_scale_window)
             .with_hysteresis(self.hysteresis)
+    }
+
+    /// What the memory planner plans for: this run's model, sequence, batch and precision on
+    /// GPUs of `gpu_memory_gib`.
+    pub fn plan_input(&self) -> crate::training::planner::PlanInput {
+        crate::training::planner::PlanInput {
+            model: self.model(),
+            seq: self.seq_length,
+            micro_batch: self.micro_batch_size,
+            global_batch: self.global_batch_size,
+            dtype_bytes: if self.bf16 || self.fp16 { 2 } else { 4 },
+            gpu_memory: (self.gpu_memory_gib * (1u64 << 30) as f64) as u64,
+            peak_tflops: self.peak_tflops,
+        }
     }
 
     /// Ranks the run needs: TP × PP × DP.

@@ -24,6 +24,7 @@ mod data;
 mod launch;
 pub mod learner;
 mod observer;
+pub mod planner;
 mod pretrain;
 mod progress;
 pub(crate) mod step;

@@ -6,6 +6,7 @@
 mod arguments;
 mod equivalence;
 mod learner;
+mod planner;
 mod resume;
 
 use std::path::PathBuf;

@@ -1,0 +1,471 @@
+//! The memory planner: for a model, a sequence length, a batch and a GPU's memory, each rank's
+//! peak memory in every layout of a world (TP × PP × DP, sequence parallelism, the
+//! distributed optimizer, activation recomputation), and an estimate of each layout's step
+//! time, so that `pretrain_gpt --plan` can suggest the fastest layout that fits.
+//!
+//! The memory is what this implementation holds, counted from its tensors (not Megatron's):
+//!
+//! - parameters in the model's dtype, and their gradients in the same dtype from the first
+//!   backward pass to the optimizer step;
+//! - the optimizer: Burn's AdamW (f32 runs on one data-parallel rank) keeps two moments per
+//!   parameter; the flat-buffer AdamW keeps fp32 master weights (none for an f32 model it can
+//!   view), two fp32 moments, each divided by DP under the distributed optimizer (ZeRO-1), and
+//!   an fp32 gradient buffer that lives for the optimizer step only;
+//! - activations, per layer and microbatch ([`layer_activation_bytes`]): what each operation
+//!   stores for its backward pass (flash attention stores no `[seq, seq]` tensor; dropout
+//!   masks are redrawn, never stored); under full recomputation only each layer's input, and
+//!   one layer's activations while it is recomputed;
+//! - the pipeline: 1F1B keeps the activations of up to `pp - stage` microbatches on a stage;
+//! - the output layer's logits `[tokens, vocab / tp]` and their gradient, on the last stage.
+//!
+//! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
+//! The step time is an estimate: the model's FLOPs at an assumed efficiency, plus the
+//! pipeline's bubble, recomputation's extra forward pass and the communication that is not
+//! hidden (see [`LayoutEstimate::step_seconds`]); rank layouts by it, but measure.
+
+use crate::error::ConfigError;
+use crate::tensor_parallel::VocabPartition;
+use crate::transformer::{
+    Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
+};
+
+/// One layout to plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlannedLayout {
+    /// Tensor-parallel size.
+    pub tp: usize,
+    /// Pipeline-parallel size.
+    pub pp: usize,
+    /// Data-parallel size.
+    pub dp: usize,
+    /// Sequence parallelism (with TP > 1).
+    pub sequence_parallel: bool,
+    /// The distributed optimizer (ZeRO-1).
+    pub distributed_optimizer: bool,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+}
+
+/// The run a layout is planned for.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    /// The model.
+    pub model: TransformerConfig,
+    /// Tokens per sample.
+    pub seq: usize,
+    /// Samples per microbatch.
+    pub micro_batch: usize,
+    /// Samples per optimizer step.
+    pub global_batch: usize,
+    /// Bytes of one parameter and activation element: 2 for bf16 and fp16, 4 for f32.
+    pub dtype_bytes: usize,
+    /// The GPU's memory, in bytes.
+    pub gpu_memory: u64,
+    /// The GPU's peak dense TFLOP/s in the model's dtype.
+    pub peak_tflops: f64,
+}
+
+/// One rank's memory in a layout, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RankMemory {
+    /// Parameters.
+    pub params: u64,
+    /// Parameter gradients in the model's dtype.
+    pub grads: u64,
+    /// Optimizer state (master weights and moments).
+    pub optimizer: u64,
+    /// The fp32 gradient buffer of the flat-buffer AdamW (during the optimizer step only).
+    pub step_buffer: u64,
+    /// Activations at the peak of the forward and backward passes.
+    pub activations: u64,
+    /// The output layer's logits and their gradient (last stage).
+    pub logits: u64,
+}
+
+impl RankMemory {
+    /// The peak: the larger of the backward pass's (activations held) and the optimizer
+    /// step's (activations freed, the fp32 gradient buffer allocated).
+    pub fn peak(&self) -> u64 {
+        let resident = self.params + self.grads + self.optimizer;
+        resident + (self.activations + self.logits).max(self.step_buffer)
+    }
+}
+
+/// A layout's memory and estimated speed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayoutEstimate {
+    /// The layout.
+    pub layout: PlannedLayout,
+    /// The rank with the largest peak (each pipeline stage's first rank is considered).
+    pub memory: RankMemory,
+    /// Its pipeline stage.
+    pub stage: usize,
+    /// Microbatches per step.
+    pub microbatches: usize,
+    /// Estimated seconds per step (see [`step_seconds`](Self::step_seconds)).
+    pub step_seconds: f64,
+    /// Whether the peak fits the GPU (with 5 % kept for the allocator and the CUDA context).
+    pub fits: bool,
+}
+
+/// Model FLOPs per second a GPU sustains in this estimate: the fraction of its peak our
+/// single-GPU step reaches at 1.3B (about 55 %, book "Benchmarks").
+const COMPUTE_EFFICIENCY: f64 = 0.55;
+/// Bytes per second a collective moves between GPUs of one host (NVLink, bus bandwidth).
+const LINK_BYTES_PER_SECOND: f64 = 300e9;
+/// The share of tensor-parallel communication not hidden behind compute.
+const TP_EXPOSED: f64 = 1.0;
+/// The share of the data-parallel gradient reduction not hidden (it overlaps the backward
+/// pass with `--overlap-grad-reduce`; counted whole here).
+const DP_EXPOSED: f64 = 1.0;
+
+/// The stored activations of one transformer layer for one microbatch on one TP rank, in
+/// bytes, as this implementation keeps them (see the [module docs](self)).
+pub fn layer_activation_bytes(
+    model: &TransformerConfig,
+    seq: usize,
+    micro_batch: usize,
+    tp: usize,
+    sequence_parallel: bool,
+    dtype_bytes: usize,
+) -> u64 {
+    let (h, f) = (model.hidden_size as u64, model.ffn_hidden_size as u64);
+    let kv = (model.query_groups() * model.head_dim()) as u64;
+    let heads = model.num_attention_heads as u64;
+    let (t, d) = (tp as u64, dtype_bytes as u64);
+    let tokens = (seq * micro_batch) as u64;
+    // Activations outside the tensor-parallel regions are split along the sequence under SP.
+    let outside = if sequence_parallel && tp > 1 { t } else { 1 };
+    let norm = |width: u64| d * tokens * width / outside + 2 * 4 * tokens / outside;
+    // A column-parallel layer keeps its whole (gathered) input.
+    let column_input = d * tokens * h;
+    let attention = d * tokens * (h + 2 * kv) / t + d * tokens * h / t + 4 * tokens * heads / t;
+    let unfused_scores = if model.flash_attention && model.attention_dropout == 0.0 {
+        0
+    } else {
+        // Probabilities, and the dropout output where dropout runs.
+        let per_head = (seq * seq * micro_batch) as u64 * heads / t;
+        d * per_head * if model.attention_dropout > 0.0 { 2 } else { 1 }
+    };
+    let mlp = match model.activation {
+        Activation::SwiGlu => 3 * d * tokens * f / t,
+        Activation::Gelu | Activation::GeluTanh => 2 * d * tokens * f / t,
+    };
+    norm(h) + column_input + attention + unfused_scores + norm(h) + column_input + mlp
+}
+
+/// Megatron's activation memory of one layer (the paper "Reducing Activation Recomputation
+/// in Large Transformer Models", 16-bit activations, dropout masks of one byte): `s·b·h·(34 +
+/// 5·a·s/h)` bytes without tensor parallelism; with TP `t` and sequence parallelism, all of it
+/// divided by `t`; with flash attention (or selective recomputation), the `5·a·s/h` term gone.
+pub fn megatron_layer_activation_bytes(
+    seq: usize,
+    micro_batch: usize,
+    hidden: usize,
+    heads: usize,
+    tp: usize,
+    flash: bool,
+) -> f64 {
+    let (s, b, h, a, t) = (
+        seq as f64,
+        micro_batch as f64,
+        hidden as f64,
+        heads as f64,
+        tp as f64,
+    );
+    let scores = if flash { 0.0 } else { 5.0 * a * s / h };
+    s * b * h * (34.0 + scores) / t
+}
+
+/// The parameters a pipeline stage's TP rank holds (an even split of the layers).
+pub fn stage_params(model: &TransformerConfig, tp: usize, pp: usize, stage: usize) -> u64 {
+    let (h, f) = (model.hidden_size as u64, model.ffn_hidden_size as u64);
+    let kv = (model.query_groups() * model.head_dim()) as u64;
+    let t = tp as u64;
+    let bias = |n: u64| if model.add_bias_linear { n } else { 0 };
+    let norm = match model.normalization {
+        Normalization::LayerNorm => 2 * h,
+        Normalization::RmsNorm => h,
+    };
+    let matrices = match model.activation {
+        Activation::SwiGlu => 3,
+        Activation::Gelu | Activation::GeluTanh => 2,
+    };
+    let attention = h * (h + 2 * kv) / t + bias((h + 2 * kv) / t) + h * h / t + bias(h);
+    let mlp = matrices * h * f / t + bias((matrices - 1) * f / t) + bias(h);
+    let layer = attention + mlp + 2 * norm;
+    let layers = (model.num_layers / pp) as u64;
+    let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)
+        .map(|v| v.padded_size as u64)
+        .unwrap_or(model.vocab_size as u64);
+    let table = vocab / t * h;
+    let (first, last) = (stage == 0, stage + 1 == pp);
+    let mut params = layers * layer;
+    if first {
+        params += table;
+        if model.position_embedding == PositionEmbedding::Learned {
+            params += model.max_sequence_length as u64 * h;
+        }
+    }
+    if last {
+        params += norm;
+        // An untied output layer; a tied one's copy on a later stage than the embedding's.
+        if !model.tie_embeddings || !first {
+            params += table;
+        }
+    }
+    params
+}
+
+/// Every rank's memory and the step time of `layout` for `input`.
+pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstimate, ConfigError> {
+    let PlannedLayout {
+        tp,
+        pp,
+        dp,
+        sequence_parallel,
+        distributed_optimizer,
+        recompute,
+    } = layout;
+    let model = &input.model;
+    if tp == 0 || pp == 0 || dp == 0 || !model.num_layers.is_multiple_of(pp) {
+        return Err(ConfigError::Invalid(format!(
+            "TP {tp} x PP {pp} x DP {dp} does not split {} layers",
+            model.num_layers
+        )));
+    }
+    model.validate(tp, 0)?;
+    let per_step = input.micro_batch * dp;
+    if input.global_batch == 0 || !input.global_batch.is_multiple_of(per_step) {
+        return Err(ConfigError::Invalid(format!(
+            "the global batch ({}) is not a multiple of the micro-batch ({}) x DP ({dp})",
+            input.global_batch, input.micro_batch
+        )));
+    }
+    let microbatches = input.global_batch / per_step;
+    let d = input.dtype_bytes as u64;
+    let flat_adamw = dp > 1 || distributed_optimizer || input.dtype_bytes < 4;
+    let shards = if distributed_optimizer { dp as u64 } else { 1 };
+    let layers = (model.num_layers / pp) as u64;
+    let layer_acts = layer_activation_bytes(
+        model,
+        input.seq,
+        input.micro_batch,
+        tp,
+        sequence_parallel,
+        input.dtype_bytes,
+    );
+    let tokens = (input.seq * input.micro_batch) as u64;
+    let outside = if sequence_parallel && tp > 1 {
+        tp as u64
+    } else {
+        1
+    };
+    let layer_input = d * tokens * model.hidden_size as u64 / outside;
+    let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)?;
+    let mut worst: Option<(usize, RankMemory)> = None;
+    for stage in 0..pp {
+        let params = stage_params(model, tp, pp, stage);
+        let optimizer = match flat_adamw {
+            // Master weights (viewed by an f32 model without ZeRO) and two moments.
+            true if d == 4 && !distributed_optimizer => 8 * params / shards,
+            true => 12 * params / shards,
+            false => 8 * params,
+        };
+        let per_microbatch = match recompute {
+            Recompute::Full => layers * layer_input,
+            Recompute::None | Recompute::Selective => layers * layer_acts,
+        };
+        // One layer recomputed at a time in the backward pass.
+        let recomputing = match recompute {
+            Recompute::Full => layer_acts,
+            _ => 0,
+        };
+        let in_flight = (pp - stage).min(microbatches) as u64;
+        let logits = match stage + 1 == pp {
+            // The logits in the model's dtype and their gradient, and the final norm's output
+            // gathered for the output layer.
+            true => {
+                2 * d * tokens * vocab.local_size() as u64 + d * tokens * model.hidden_size as u64
+            }
+            false => 0,
+        };
+        let memory = RankMemory {
+            params: d * params,
+            grads: d * params,
+            optimizer,
+            step_buffer: if flat_adamw { 4 * params } else { 0 },
+            activations: in_flight * per_microbatch + recomputing,
+            logits,
+        };
+        if worst.is_none_or(|(_, m)| memory.peak() > m.peak()) {
+            worst = Some((stage, memory));
+        }
+    }
+    let (stage, memory) = worst.expect("at least one stage");
+    let step_seconds = step_seconds(input, layout, microbatches);
+    let fits = (memory.peak() as f64) < 0.95 * input.gpu_memory as f64;
+    Ok(LayoutEstimate {
+        layout,
+        memory,
+        stage,
+        microbatches,
+        step_seconds,
+        fits,
+    })
+}
+
+/// The estimated step time: the model's FLOPs (and a forward pass more under full
+/// recomputation) over every GPU at [`COMPUTE_EFFICIENCY`] of the peak, stretched by 1F1B's
+/// bubble `(pp - 1) / m`, plus the tensor-parallel collectives (4 all-gathers or
+/// reduce-scatters of the layer's activations a layer and microbatch, forward and backward)
+/// and the data-parallel gradient reduction (and, with the distributed optimizer, the
+/// parameter all-gather) at [`LINK_BYTES_PER_SECOND`].
+fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -> f64 {
+    let model = &input.model;
+    let world = (layout.tp * layout.pp * layout.dp) as f64;
+    let flops = model
+        .training_flops(input.global_batch, input.seq)
+        .unwrap_or(0.0);
+    let recompute = match layout.recompute {
+        Recompute::Full => 4.0 / 3.0,
+        _ => 1.0,
+    };
+    let compute = flops * recompute / world / (input.peak_tflops * 1e12 * COMPUTE_EFFICIENCY);
+    let bubble = (layout.pp - 1) as f64 / microbatches as f64;
+    let d = input.dtype_bytes as f64;
+    let t = layout.tp as f64;
+    let tokens = (input.seq * input.micro_batch) as f64;
+    let tp_bytes = match layout.tp {
+        1 => 0.0,
+        _ => {
+            let per_collective = d * tokens * model.hidden_size as f64 * (t - 1.0) / t;
+            let layers = (model.num_layers / layout.pp) as f64;
+            8.0 * per_collective * layers * microbatches as f64
+        }
+    };
+    let params = (0..layout.pp)
+        .map(|s| stage_params(model, layout.tp, layout.pp, s))
+        .max()
+        .unwrap_or(0) as f64;
+    let p = layout.dp as f64;
+    let dp_bytes = match layout.dp {
+        1 => 0.0,
+        _ => {
+            let grads = 4.0 * params * 2.0 * (p - 1.0) / p;
+            let gather = if layout.distributed_optimizer {
+                d * params * (p - 1.0) / p
+            } else {
+                0.0
+            };
+            grads + gather
+        }
+    };
+    compute * (1.0 + bubble)
+        + (TP_EXPOSED * tp_bytes + DP_EXPOSED * dp_bytes) / LINK_BYTES_PER_SECOND
+}
+
+/// Every layout of `world` GPUs that the model splits into: TP and PP dividing the world,
+/// sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with no,
+/// selective (where the unfused attention runs) and full recomputation; fastest first.
+pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
+    let mut out = Vec::new();
+    for tp in (1..=world).filter(|t| world.is_multiple_of(*t)) {
+        for pp in (1..=world / tp).filter(|p| (world / tp).is_multiple_of(*p)) {
+            let dp = world / (tp * pp);
+            let recomputes =
+                match input.model.flash_attention && input.model.attention_dropout == 0.0 {
+                    true => vec![Recompute::None, Recompute::Full],
+                    false => vec![Recompute::None, Recompute::Selective, Recompute::Full],
+                };
+            for recompute in recomputes {
+                let layout = PlannedLayout {
+                    tp,
+                    pp,
+                    dp,
+                    sequence_parallel: tp > 1,
+                    distributed_optimizer: dp > 1,
+                    recompute,
+                };
+                if let Ok(estimate) = estimate(input, layout) {
+                    out.push(estimate);
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| {
+        (!a.fits)
+            .cmp(&!b.fits)
+            .then(a.step_seconds.total_cmp(&b.step_seconds))
+    });
+    out
+}
+
+/// The plan as a table, fastest first, layouts that do not fit last.
+pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let mut out = format!(
+        "memory plan: {} layers x {} wide, seq {}, micro-batch {}, global batch {}, {}-byte \
+         parameters, {:.0} GiB GPUs (peak per rank, GiB)\n",
+        input.model.num_layers,
+        input.model.hidden_size,
+        input.seq,
+        input.micro_batch,
+        input.global_batch,
+        input.dtype_bytes,
+        gib(input.gpu_memory)
+    );
+    out.push_str(
+        "  TP  PP  DP  SP  ZeRO  recompute   params   grads   optim  activ  logits    PEAK  \
+         fits  est. step\n",
+    );
+    for e in estimates {
+        let l = e.layout;
+        let m = e.memory;
+        out.push_str(&format!(
+            "  {:>2}  {:>2}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
+            l.tp,
+            l.pp,
+            l.dp,
+            if l.sequence_parallel { "y" } else { "-" },
+            if l.distributed_optimizer { "y" } else { "-" },
+            format!("{:?}", l.recompute).to_lowercase(),
+            gib(m.params),
+            gib(m.grads),
+            gib(m.optimizer),
+            gib(m.activations),
+            gib(m.logits),
+            gib(m.peak()),
+            if e.fits { "yes" } else { "no" },
+            e.step_seconds,
+        ));
+    }
+    if let Some(best) = estimates.iter().find(|e| e.fits) {
+        let l = best.layout;
+        out.push_str(&format!(
+            "suggested: --tensor-model-parallel-size {} --pipeline-model-parallel-size {} \
+             --data-parallel-size {}{}{}{}\n",
+            l.tp,
+            l.pp,
+            l.dp,
+            if l.sequence_parallel {
+                " --sequence-parallel"
+            } else {
+                ""
+            },
+            if l.distributed_optimizer {
+                " --use-distributed-optimizer"
+            } else {
+                ""
+            },
+            match l.recompute {
+                Recompute::None => "",
+                Recompute::Selective => " --recompute-granularity selective",
+                Recompute::Full => " --recompute-granularity full",
+            },
+        ));
+    } else {
+        out.push_str("no layout fits: lower the micro-batch or the sequence, or add GPUs\n");
+    }
+    out
+}

@@ -1,0 +1,181 @@
+//! The memory planner's formulas against hand-computed values and against the parameters our
+//! model actually allocates on CPU ranks.
+
+use burn::backend::NdArray;
+use burn_megatron::models::StageSplit;
+use burn_megatron::tensor_parallel::param_infos;
+use burn_megatron::training::planner::{
+    PlanInput, PlannedLayout, estimate, layer_activation_bytes, megatron_layer_activation_bytes,
+    plan, render, stage_params,
+};
+use burn_megatron::transformer::{Recompute, TransformerConfig};
+use burn_megatron_dist::ParallelSizes;
+
+use crate::run;
+
+const GIB: u64 = 1 << 30;
+
+/// Megatron's per-layer formula, `s·b·h·(34 + 5·a·s/h)` bytes, at GPT-3 6.7B's shape:
+/// 2048 · 4096 · (34 + 80) without flash attention, 2048 · 4096 · 34 with it, a TP 4 share
+/// a quarter of that.
+#[test]
+fn megatrons_activation_formula() {
+    assert_eq!(
+        megatron_layer_activation_bytes(2048, 1, 4096, 32, 1, false),
+        956_301_312.0
+    );
+    assert_eq!(
+        megatron_layer_activation_bytes(2048, 1, 4096, 32, 1, true),
+        285_212_672.0
+    );
+    assert_eq!(
+        megatron_layer_activation_bytes(2048, 2, 4096, 32, 4, true),
+        142_606_336.0
+    );
+}
+
+/// Our per-layer activations, hand-counted for a GPT layer (h 64, ffn 256, 4 heads, seq 16,
+/// micro-batch 2, bf16) at TP 2 with sequence parallelism: each norm keeps its input (a
+/// sequence half) and two f32 statistics a row; each column-parallel layer its gathered
+/// input; flash attention the packed QKV half, its output half and an f32 log-sum-exp a row
+/// and head; the GeLU MLP its two intermediate halves.
+#[test]
+fn our_activation_count() {
+    let gpt = TransformerConfig::new(64, 2, 4, 256, 1000, 16);
+    let (tokens, d) = (32u64, 2u64);
+    let norm = d * tokens * 64 / 2 + 8 * tokens / 2;
+    let column = d * tokens * 64;
+    let attention = d * tokens * 192 / 2 + d * tokens * 64 / 2 + 4 * tokens * 4 / 2;
+    let mlp = 2 * d * tokens * 256 / 2;
+    assert_eq!(
+        layer_activation_bytes(&gpt, 16, 2, 2, true, 2),
+        2 * norm + 2 * column + attention + mlp
+    );
+    // Without sequence parallelism the norms keep whole rows.
+    let whole = layer_activation_bytes(&gpt, 16, 2, 2, false, 2);
+    assert_eq!(
+        whole,
+        layer_activation_bytes(&gpt, 16, 2, 2, true, 2) + 2 * norm
+    );
+}
+
+/// Each pipeline stage's TP rank 0 holds as many parameters as the planner counts: a GPT
+/// (tied, biases, LayerNorm, learned positions) and a Llama (untied, no biases, RMSNorm,
+/// rope, GQA), at TP 1 and 2 and PP 1 and 2.
+#[test]
+fn parameter_counts_are_the_models() {
+    let gpt = TransformerConfig::new(32, 4, 4, 96, 300, 16).with_make_vocab_size_divisible_by(8);
+    let llama = TransformerConfig::llama_1b();
+    let llama = TransformerConfig::new(32, 4, 4, 80, 300, 16)
+        .with_make_vocab_size_divisible_by(8)
+        .with_num_query_groups(Some(2))
+        .with_normalization(llama.normalization)
+        .with_activation(llama.activation)
+        .with_position_embedding(llama.position_embedding)
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(false);
+    for model in [gpt, llama] {
+        for (tp, pp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
+            let counted = run(tp, |ctx| {
+                let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp))?;
+                let split = StageSplit::even(model.num_layers, pp)?;
+                let mut counts = Vec::new();
+                for s in 0..pp {
+                    let chunk = model.init_gpt_stage::<NdArray>(
+                        state.tp(),
+                        &split.stage(s),
+                        &Default::default(),
+                    )?;
+                    let numel: usize = param_infos(&chunk)
+                        .iter()
+                        .map(|p| p.shape.iter().product::<usize>())
+                        .sum();
+                    counts.push(numel as u64);
+                }
+                Ok(counts)
+            });
+            for (s, count) in counts_of(counted).into_iter().enumerate() {
+                assert_eq!(
+                    stage_params(&model, tp, pp, s),
+                    count,
+                    "{:?} TP {tp} PP {pp} stage {s}",
+                    model.activation
+                );
+            }
+        }
+    }
+}
+
+fn counts_of(per_rank: Vec<Vec<u64>>) -> Vec<u64> {
+    per_rank.into_iter().next().expect("rank 0")
+}
+
+fn llama_8b_input() -> PlanInput {
+    PlanInput {
+        model: TransformerConfig::llama_8b(),
+        seq: 4096,
+        micro_batch: 1,
+        global_batch: 16,
+        dtype_bytes: 2,
+        gpu_memory: 80 * GIB,
+        peak_tflops: 989.4,
+    }
+}
+
+/// Llama 3 8B on 4 GPUs of 80 GB: one GPU cannot hold its optimizer state (DP 4 without
+/// the distributed optimizer is not a layout offered); the peak is the sum of the parts
+/// (hand-checked for TP 4: parameters and gradients of 8.03B / 4 bf16 parameters, their
+/// fp32 master weights and moments); the plan puts the layouts that fit first and names one.
+#[test]
+fn the_plan_for_llama_8b_on_four_gpus() {
+    let input = llama_8b_input();
+    let tp4 = estimate(
+        &input,
+        PlannedLayout {
+            tp: 4,
+            pp: 1,
+            dp: 1,
+            sequence_parallel: true,
+            distributed_optimizer: false,
+            recompute: Recompute::None,
+        },
+    )
+    .unwrap();
+    let params = stage_params(&input.model, 4, 1, 0);
+    assert!((2.0e9..2.1e9).contains(&(params as f64)), "{params}");
+    let m = tp4.memory;
+    assert_eq!(
+        (m.params, m.grads, m.optimizer),
+        (2 * params, 2 * params, 12 * params)
+    );
+    assert_eq!(m.step_buffer, 4 * params);
+    assert_eq!(
+        m.peak(),
+        m.params + m.grads + m.optimizer + (m.activations + m.logits).max(m.step_buffer)
+    );
+    assert!(tp4.fits);
+    let layouts = plan(&input, 4);
+    assert!(layouts.len() >= 8, "{}", layouts.len());
+    let first_misfit = layouts
+        .iter()
+        .position(|e| !e.fits)
+        .unwrap_or(layouts.len());
+    assert!(layouts[first_misfit..].iter().all(|e| !e.fits));
+    assert!(
+        layouts[..first_misfit]
+            .windows(2)
+            .all(|w| w[0].step_seconds <= w[1].step_seconds)
+    );
+    // DP 4 holds all 8B parameters and their gradients on each GPU: 32 GB (29.9 GiB) before any
+    // optimizer state or activation; it fits only with ZeRO-1 and recomputation.
+    let dp4 = layouts
+        .iter()
+        .find(|e| e.layout.dp == 4 && e.layout.recompute == Recompute::None)
+        .unwrap();
+    assert!(dp4.memory.params + dp4.memory.grads > 29 * GIB);
+    let text = render(&input, &layouts);
+    assert!(
+        text.contains("suggested: --tensor-model-parallel-size"),
+        "{text}"
+    );
+}
