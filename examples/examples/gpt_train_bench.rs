@@ -38,6 +38,7 @@ use burn_cubecl::cubecl::Runtime;
 use burn_megatron::distributed::DataParallelConfig;
 use burn_megatron::models::GptModel;
 use burn_megatron::optimizer::{DistributedAdamW, DistributedAdamWConfig};
+use burn_megatron::tensor_parallel::SequenceParallelGrads;
 use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::{LaunchConfig, ParallelSizes, ProcessEnv, RankContext, launch, run_rank};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime, profile};
@@ -316,7 +317,11 @@ fn train(
     device: &CudaGpu,
 ) -> Result<Outcome, BoxError> {
     let state = ctx.parallel_state(ParallelSizes::default().with_tp(args.tensor_parallel))?;
-    let mut model = config.init_gpt::<Train>(state.tp(), device)?;
+    // As the schedules run it: sequence parallelism's partial gradients left partial by the
+    // backward pass and summed over TP in one all-reduce after it (`train_step`).
+    let mut model = config
+        .init_gpt::<Train>(state.tp(), device)?
+        .with_sequence_parallel_grads(SequenceParallelGrads::Deferred);
     let wanted = match args.dtype {
         Precision::F32 => DType::F32,
         Precision::Bf16 => DType::BF16,
@@ -443,9 +448,8 @@ fn train_step(
             (loss, grads)
         }
         _ => {
-            // As the schedules do: sequence parallelism's partial gradients summed over TP
-            // in one all-reduce after the backward pass.
-            let deferred = burn_megatron::tensor_parallel::DeferSequenceParallelGrads::new();
+            // As the schedules do: sequence parallelism's partial gradients (the model defers
+            // them, see `train`) summed over TP in one all-reduce after the backward pass.
             profile::phase(device, "forward");
             let loss = model.loss(model.try_forward(tokens)?, targets)?;
             times.forward = start.elapsed();
@@ -458,7 +462,6 @@ fn train_step(
                 std::slice::from_mut(&mut grads),
                 model.tp(),
             )?;
-            drop(deferred);
             times.backward = backward.elapsed();
             (loss.inner(), grads)
         }

@@ -14,8 +14,8 @@ use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::ops::BackwardHook;
 use crate::tensor_parallel::{
-    DeclarePlacements, DropoutSite, ParamPlacement, Placements, TpContext, VocabParallelEmbedding,
-    VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
+    DeclarePlacements, DropoutSite, ParamPlacement, Placements, SequenceParallelGrads, TpContext,
+    VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
     vocab_parallel_cross_entropy,
 };
 use crate::transformer::{
@@ -172,6 +172,31 @@ impl<B: Backend> DeclarePlacements for GptModel<B> {
             vec!["output.weight".to_string()]
         } else {
             Vec::new()
+        }
+    }
+}
+
+impl<B: Backend> GptModel<B> {
+    /// The same model (the same parameters, ids, dropout count and backward hook), summing
+    /// the gradients sequence parallelism leaves partial (norm weights, row-parallel biases)
+    /// where `grads` says. A model is built with [`SequenceParallelGrads::SumInBackward`]:
+    /// `loss.backward()` gives whole gradients. With [`SequenceParallelGrads::Deferred`] they
+    /// stay partial until
+    /// [`sum_sequence_parallel_grads`](crate::tensor_parallel::sum_sequence_parallel_grads)
+    /// sums them all in one all-reduce, as the schedules of
+    /// [`pipeline_parallel`](crate::pipeline_parallel) do with whatever model they are given.
+    /// Gradients keep their keys: the parameter ids are those of `self`.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        let mut context = self.context;
+        context.layer.tp = context.layer.tp.with_sequence_parallel_grads(grads);
+        Self {
+            embedding: self
+                .embedding
+                .map(|embedding| embedding.with_sequence_parallel_grads(grads)),
+            position_embedding: self.position_embedding,
+            block: self.block.with_sequence_parallel_grads(grads),
+            output: self.output,
+            context,
         }
     }
 }

@@ -317,7 +317,8 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     /// [`DistributedAdamWConfig::init`]).
     shared_copies: Vec<String>,
     /// Parameters whose gradients the schedule sums over TP after the backward pass
-    /// ([`Placements::declare_partial_gradient`]).
+    /// ([`Placements::partial_gradients`]: the schedules defer these sums whatever the
+    /// model's layers say).
     partial: Vec<ParamId>,
 }
 

@@ -9,8 +9,14 @@
 //! Every backward pass goes through [`Executor::backward_segment`], which first waits for the
 //! tensor-parallel group (see the book's "Pipeline parallelism" chapter: this makes the
 //! autodiff-lock deadlock of thread ranks impossible).
+//!
+//! The passes run on copies of the chunks that defer sequence parallelism's partial gradients
+//! ([`SequenceParallelGrads::Deferred`]); the copies keep the chunks' parameter ids, so the
+//! gradients are the chunks' own, and [`Executor::run`] sums the partial ones over TP in one
+//! all-reduce after the backward passes.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -25,6 +31,7 @@ use crate::data::Microbatch;
 use crate::error::PipelineError;
 use crate::error::{Error, Result};
 use crate::models::GptModel;
+use crate::tensor_parallel::{SequenceParallelGrads, sum_sequence_parallel_grads};
 use crate::transformer::Recompute;
 
 /// The groups a rank's part of a pipeline talks over.
@@ -86,7 +93,8 @@ pub(crate) struct Executor<'a, B: AutodiffBackend + ModelBackend>
 where
     B::InnerBackend: DistBackend,
 {
-    chunks: &'a [GptModel<B>],
+    /// The chunks, deferring sequence parallelism's partial gradients (same parameter ids).
+    chunks: Rc<[GptModel<B>]>,
     microbatches: &'a [Microbatch<B>],
     groups: &'a Groups,
     pp_size: usize,
@@ -107,13 +115,22 @@ where
     B::InnerBackend: DistBackend,
 {
     pub fn new(
-        chunks: &'a [GptModel<B>],
+        chunks: &[GptModel<B>],
         microbatches: &'a [Microbatch<B>],
         groups: &'a Groups,
         pp_size: usize,
     ) -> Self {
         let device = chunks[0].devices().into_iter().next().unwrap_or_default();
         let dtype = Tensor::<B::InnerBackend, 1>::zeros([1], &device).dtype();
+        let grads = chunks.iter().map(|_| GradientsParams::new()).collect();
+        let chunks = chunks
+            .iter()
+            .map(|chunk| {
+                chunk
+                    .clone()
+                    .with_sequence_parallel_grads(SequenceParallelGrads::Deferred)
+            })
+            .collect();
         Self {
             chunks,
             microbatches,
@@ -123,7 +140,7 @@ where
             dtype,
             live: HashMap::new(),
             mailbox: Mailbox::new(),
-            grads: chunks.iter().map(|_| GradientsParams::new()).collect(),
+            grads,
             losses: Vec::new(),
             max_live: 0,
             loss_scale: None,
@@ -153,8 +170,6 @@ where
     /// Runs every step of this rank in `plan`, then reduces the tied embeddings' gradients
     /// and sums the gradients sequence parallelism leaves partial over TP.
     pub fn run(mut self, plan: &Plan) -> Result<StepOutput<B>> {
-        // The forward passes leave sequence-parallel gradients partial; summed below.
-        let defer = crate::tensor_parallel::DeferSequenceParallelGrads::new();
         let single_stage = plan.pp * plan.virtual_size == 1;
         for step in plan.steps(self.groups.pp_rank) {
             self.step(step).map_err(|source| {
@@ -166,11 +181,10 @@ where
             })?;
         }
         self.reduce_tied_embeddings()?;
-        // Sequence parallelism's partial gradients (norms, row-parallel biases), summed over
-        // TP in one all-reduce.
+        // Sequence parallelism's partial gradients (norms, row-parallel biases), left partial
+        // by the deferring chunks' backward passes, summed over TP in one all-reduce.
         let tp = self.chunks[0].tp().clone();
-        crate::tensor_parallel::sum_sequence_parallel_grads(self.chunks, &mut self.grads, &tp)?;
-        drop(defer);
+        sum_sequence_parallel_grads(&self.chunks, &mut self.grads, &tp)?;
         let loss = (!self.losses.is_empty()).then(|| {
             let count = self.losses.len();
             Tensor::cat(std::mem::take(&mut self.losses), 0)
@@ -217,7 +231,7 @@ where
                 let pp = self.groups.pp.as_ref().ok_or_else(|| {
                     internal("a plan with exchanges needs a pipeline group".into())
                 })?;
-                let (chunks, microbatches) = (self.chunks, self.microbatches);
+                let (chunks, microbatches) = (Rc::clone(&self.chunks), self.microbatches);
                 let shape = |t: &super::plan::Transfer| {
                     let [batch, seq] = microbatches[t.microbatch].tokens.dims();
                     chunks[t.chunk].activation_shape(batch, seq)
@@ -230,7 +244,7 @@ where
     }
 
     fn forward(&mut self, c: Compute) -> Result<()> {
-        let chunks = self.chunks;
+        let chunks = Rc::clone(&self.chunks);
         let model = &chunks[c.chunk];
         let data = &self.microbatches[c.microbatch];
         let stage = model.stage().clone();
@@ -301,7 +315,7 @@ where
                 c.microbatch, c.chunk
             ))
         })?;
-        let chunks = self.chunks;
+        let chunks = Rc::clone(&self.chunks);
         let model = &chunks[c.chunk];
         let stage = model.stage().clone();
         let input_grad = match live {

@@ -10,7 +10,7 @@ use crate::backend::ModelBackend;
 use crate::ops::linear;
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
-use super::tp_context::TpContext;
+use super::tp_context::{SequenceParallelGrads, TpContext};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
 
@@ -91,6 +91,18 @@ impl<B: Backend> DeclarePlacements for ColumnParallelLinear<B> {
         out.declare(&self.weight, ParamPlacement::sharded(1, &self.tp.group));
         if let Some(bias) = &self.bias {
             out.declare(bias, ParamPlacement::sharded(0, &self.tp.group));
+        }
+    }
+}
+
+impl<B: Backend> ColumnParallelLinear<B> {
+    /// The same layer (same parameters and ids) in a context that sums sequence parallelism's
+    /// partial gradients where `grads` says. A column-parallel layer has none of its own; it
+    /// keeps its context like the layers beside it.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            tp: self.tp.with_sequence_parallel_grads(grads),
+            ..self
         }
     }
 }

@@ -23,8 +23,8 @@ pub use placement::{
     gather_full_params, param_infos, param_shards, try_param_infos,
 };
 pub use row::{RowParallelLinear, RowParallelLinearConfig};
-pub use sequence_parallel_grads::{DeferSequenceParallelGrads, sum_sequence_parallel_grads};
-pub use tp_context::{SEQ_DIM, TpContext};
+pub use sequence_parallel_grads::sum_sequence_parallel_grads;
+pub use tp_context::{SEQ_DIM, SequenceParallelGrads, TpContext};
 pub use vocab::VocabPartition;
 pub use vocab_embedding::VocabParallelEmbedding;
 pub use vocab_output::{VocabParallelOutput, parallel_lm_logits};

@@ -21,6 +21,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, DistResult, Placement, ProcessGroup};
 
+use super::tp_context::SequenceParallelGrads;
 use crate::error::{ConfigError, InputError, Result};
 
 /// How one parameter is laid out over the tensor-parallel group.
@@ -105,6 +106,9 @@ pub struct Placements {
     by_id: HashMap<ParamId, ParamPlacement>,
     /// Replicated parameters whose gradient on a rank covers only its part of the sequence.
     partial: Vec<ParamId>,
+    /// Those of `partial` whose layer leaves that gradient partial after the backward pass,
+    /// for [`sum_sequence_parallel_grads`](crate::tensor_parallel::sum_sequence_parallel_grads).
+    deferred: Vec<ParamId>,
 }
 
 impl Placements {
@@ -140,18 +144,38 @@ impl Placements {
 
     /// Declares that `param` (replicated, 1D: a norm's weight, a row-parallel bias) is applied
     /// to this rank's part of the sequence under sequence parallelism, so that each TP rank's
-    /// gradient of it is partial. The training schedules sum these gradients over the TP
-    /// group after the backward pass, all in one all-reduce (Megatron's
-    /// `finalize_model_grads`), where the layer defers its *f* to them
-    /// ([`TpContext::replicated`](crate::tensor_parallel::TpContext::replicated)).
-    pub fn declare_partial_gradient<B: Backend>(&mut self, param: &Param<Tensor<B, 1>>) {
+    /// gradient of it is partial (Megatron's "sequence-parallel parameters"), and where its
+    /// layer sums that gradient over the TP group (its context's
+    /// [`sequence_parallel_grads`](crate::tensor_parallel::TpContext::sequence_parallel_grads)):
+    /// by *f* inside the backward pass ([`SequenceParallelGrads::SumInBackward`]), or after
+    /// it ([`SequenceParallelGrads::Deferred`]), by
+    /// [`sum_sequence_parallel_grads`](crate::tensor_parallel::sum_sequence_parallel_grads),
+    /// all in one all-reduce (Megatron's `finalize_model_grads`).
+    pub fn declare_partial_gradient<B: Backend>(
+        &mut self,
+        param: &Param<Tensor<B, 1>>,
+        grads: SequenceParallelGrads,
+    ) {
         self.partial.push(param.id);
+        if grads == SequenceParallelGrads::Deferred {
+            self.deferred.push(param.id);
+        }
     }
 
     /// The parameters declared with [`declare_partial_gradient`](Self::declare_partial_gradient),
-    /// in declaration order.
+    /// in declaration order, wherever their gradients are summed. These are the ones a
+    /// schedule sums after the backward pass: the schedules run their passes deferred,
+    /// whatever the chunks they are given say.
     pub fn partial_gradients(&self) -> &[ParamId] {
         &self.partial
+    }
+
+    /// Those of [`partial_gradients`](Self::partial_gradients) whose layers defer the sum
+    /// ([`SequenceParallelGrads::Deferred`]): the gradients a backward pass of this module
+    /// leaves partial, in declaration order. Empty when the layers sum them in the backward
+    /// pass.
+    pub fn deferred_gradients(&self) -> &[ParamId] {
+        &self.deferred
     }
 
     /// The placement declared for the parameter `id`.

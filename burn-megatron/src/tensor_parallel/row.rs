@@ -10,7 +10,7 @@ use crate::backend::ModelBackend;
 use crate::ops::{bias_add, linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
-use super::tp_context::TpContext;
+use super::tp_context::{SequenceParallelGrads, TpContext};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
 
@@ -96,8 +96,19 @@ impl<B: Backend> DeclarePlacements for RowParallelLinear<B> {
         if let Some(bias) = &self.bias {
             out.declare(bias, ParamPlacement::replicated());
             if self.tp.sequence_parallel {
-                out.declare_partial_gradient(bias);
+                out.declare_partial_gradient(bias, self.tp.sequence_parallel_grads);
             }
+        }
+    }
+}
+
+impl<B: Backend> RowParallelLinear<B> {
+    /// The same layer (same parameters and ids), summing its bias's partial gradient under
+    /// sequence parallelism where `grads` says (see [`TpContext::replicated`]).
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            tp: self.tp.with_sequence_parallel_grads(grads),
+            ..self
         }
     }
 }

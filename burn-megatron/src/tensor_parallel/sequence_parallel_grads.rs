@@ -4,14 +4,20 @@
 //!
 //! Under sequence parallelism each TP rank applies the replicated norm weights and
 //! row-parallel biases to its own part of the sequence, so its gradient of them is partial.
-//! By default each enters through *f*, whose backward sums its gradient: a small all-reduce
-//! per parameter inside the backward pass, six a layer for a GPT, about half of a step's
-//! collectives. The training schedules instead defer them ([`DeferSequenceParallelGrads`],
-//! for the passes they run on their thread) and sum them all in one all-reduce afterwards
-//! ([`sum_sequence_parallel_grads`]). A forward pass outside a schedule (a loop of one's own
-//! with `loss.backward()`) keeps *f*, so its gradients are whole without another call.
-
-use std::cell::Cell;
+//! Where it is summed is a value of the layers' [`TpContext`](super::TpContext), a
+//! [`SequenceParallelGrads`](super::SequenceParallelGrads), set when the model is built and
+//! changed with `with_sequence_parallel_grads` (on [`GptModel`](crate::models::GptModel) and
+//! each layer), which keeps the parameter ids:
+//!
+//! - [`SumInBackward`](super::SequenceParallelGrads::SumInBackward), how a model is built:
+//!   each parameter enters through *f*, whose backward sums its gradient. A small all-reduce
+//!   per parameter inside the backward pass, six a layer for a GPT, about half of a step's
+//!   collectives; a loop of one's own with `loss.backward()` gets whole gradients without
+//!   another call.
+//! - [`Deferred`](super::SequenceParallelGrads::Deferred): no *f*; the backward pass leaves
+//!   the gradients partial, and [`sum_sequence_parallel_grads`] sums them all in one
+//!   all-reduce afterwards. The training schedules run their passes on deferring copies of
+//!   the chunks they are given (same parameter ids) and call it after their backward passes.
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -21,21 +27,25 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup, ReduceOp};
 
 use super::placement::{DeclarePlacements, Placements};
 
-/// Sums over `tp` the gradients in `grads[i]` of the parameters `chunks[i]` declares partial
-/// ([`Placements::declare_partial_gradient`]), in one all-reduce of their concatenation in
-/// f32; each sum is registered back in its gradient's dtype. A declared parameter without a
-/// gradient counts as zero, so every TP rank contributes the same elements in the same
-/// order. Only for gradients of passes run under [`DeferSequenceParallelGrads`] (the
-/// schedules call it after their backward passes); elsewhere *f* has summed them already.
+/// Sums over `tp` the gradients in `grads[i]` of the parameters whose gradients `chunks[i]`
+/// leaves partial ([`Placements::deferred_gradients`]: those its layers declare with
+/// [`Placements::declare_partial_gradient`] as
+/// [`Deferred`](super::SequenceParallelGrads::Deferred)), in one all-reduce of their
+/// concatenation in f32; each sum is registered back in its gradient's dtype. A declared
+/// parameter without a gradient counts as zero, so every TP rank contributes the same
+/// elements in the same order. `grads[i]` must come from passes of `chunks[i]` (or of a copy
+/// with the same parameter ids and the same
+/// [`SequenceParallelGrads`](super::SequenceParallelGrads)). On chunks that sum in the
+/// backward pass ([`SumInBackward`](super::SequenceParallelGrads::SumInBackward)) it does
+/// nothing: *f* has summed their gradients already.
 ///
 /// A loop of one's own that wants the deferred sum:
 ///
 /// ```ignore
-/// let deferred = DeferSequenceParallelGrads::new();
+/// let model = model.with_sequence_parallel_grads(SequenceParallelGrads::Deferred);
 /// let loss = model.loss(model.try_forward(tokens)?, targets)?;
 /// let mut grads = GradientsParams::from_grads(loss.backward(), &model);
 /// sum_sequence_parallel_grads(std::slice::from_ref(&model), std::slice::from_mut(&mut grads), model.tp())?;
-/// drop(deferred);
 /// ```
 pub fn sum_sequence_parallel_grads<B, M>(
     chunks: &[M],
@@ -54,7 +64,7 @@ where
     let mut partial = Vec::new();
     for (i, chunk) in chunks.iter().enumerate() {
         let placements = Placements::of(chunk);
-        let ids = placements.partial_gradients();
+        let ids = placements.deferred_gradients();
         if ids.is_empty() {
             continue;
         }
@@ -117,39 +127,4 @@ impl<BA: AutodiffBackend> ModuleVisitor<BA> for Values<'_, BA::InnerBackend> {
             self.found.push((param.id, value.reshape([numel])));
         }
     }
-}
-
-thread_local! {
-    /// Whether forward passes on this thread leave sequence-parallel gradients partial.
-    static DEFERRED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// While alive, forward passes on this thread leave the gradients of parameters declared
-/// with [`Placements::declare_partial_gradient`] partial (no *f*), for
-/// [`sum_sequence_parallel_grads`] after the backward pass. The schedules hold one over
-/// their forward and backward passes. Dropping it restores the previous setting.
-#[derive(Debug)]
-pub struct DeferSequenceParallelGrads {
-    previous: bool,
-}
-
-impl DeferSequenceParallelGrads {
-    /// Defers the sums on this thread until the value is dropped.
-    #[allow(clippy::new_without_default)]
-    pub fn new() -> Self {
-        Self {
-            previous: DEFERRED.with(|d| d.replace(true)),
-        }
-    }
-}
-
-impl Drop for DeferSequenceParallelGrads {
-    fn drop(&mut self) {
-        DEFERRED.with(|d| d.set(self.previous));
-    }
-}
-
-/// Whether this thread's forward passes defer sequence-parallel gradients.
-pub(crate) fn sequence_parallel_grads_deferred() -> bool {
-    DEFERRED.with(Cell::get)
 }

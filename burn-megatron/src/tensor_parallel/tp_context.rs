@@ -1,7 +1,7 @@
-//! The tensor-parallel context a layer works in: its group, and whether the activations
-//! outside the tensor-parallel regions are split along the sequence. The layers cross into
-//! and out of the regions through it, so which of Megatron's operators applies is decided
-//! in one place.
+//! The tensor-parallel context a layer works in: its group, whether the activations outside
+//! the tensor-parallel regions are split along the sequence, and where the gradients that
+//! sequence parallelism leaves partial are summed. The layers cross into and out of the
+//! regions through it, so which of Megatron's operators applies is decided in one place.
 
 use burn::tensor::Tensor;
 use burn_megatron_dist::mapping::{
@@ -11,12 +11,29 @@ use burn_megatron_dist::mapping::{
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
-use super::sequence_parallel_grads::sequence_parallel_grads_deferred;
-
 /// The sequence dimension of the model's `[batch, seq, hidden]` activations.
 pub const SEQ_DIM: usize = 1;
 
-/// A tensor-parallel group and its sequence parallelism.
+/// Where the gradients of the replicated parameters applied to a rank's part of the sequence
+/// (norm weights, row-parallel biases: partial on each rank under sequence parallelism) are
+/// summed over the tensor-parallel group. Without sequence parallelism there is nothing to
+/// sum and either value means the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SequenceParallelGrads {
+    /// Inside the backward pass: each parameter enters through *f*, whose backward
+    /// all-reduces its gradient, so `loss.backward()` gives whole gradients. A small
+    /// all-reduce per parameter, six a layer for a GPT.
+    #[default]
+    SumInBackward,
+    /// After it: the backward pass leaves these gradients partial, and
+    /// [`sum_sequence_parallel_grads`](super::sum_sequence_parallel_grads) sums all of them in
+    /// one all-reduce (Megatron's `finalize_model_grads`). The schedules of
+    /// [`pipeline_parallel`](crate::pipeline_parallel) run their passes so.
+    Deferred,
+}
+
+/// A tensor-parallel group, its sequence parallelism, and where the gradients that sequence
+/// parallelism leaves partial are summed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TpContext {
     /// The tensor-parallel group.
@@ -24,14 +41,27 @@ pub struct TpContext {
     /// Whether activations outside the tensor-parallel regions hold `seq / tp` of the
     /// sequence ([`SEQ_DIM`]).
     pub sequence_parallel: bool,
+    /// Where the gradients of [`replicated`](Self::replicated) parameters are summed under
+    /// sequence parallelism.
+    pub sequence_parallel_grads: SequenceParallelGrads,
 }
 
 impl TpContext {
-    /// The context of `group`, with or without sequence parallelism.
+    /// The context of `group`, with or without sequence parallelism; its partial gradients
+    /// are summed in the backward pass ([`SequenceParallelGrads::SumInBackward`]).
     pub fn new(group: &ProcessGroup, sequence_parallel: bool) -> Self {
         Self {
             group: group.clone(),
             sequence_parallel,
+            sequence_parallel_grads: SequenceParallelGrads::default(),
+        }
+    }
+
+    /// The same context, its partial gradients summed where `grads` says.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            sequence_parallel_grads: grads,
+            ..self
         }
     }
 
@@ -75,17 +105,20 @@ impl TpContext {
 
     /// A replicated parameter (a norm's weight, a row-parallel bias) applied to this rank's
     /// part of the sequence. Under sequence parallelism its gradient is partial: it enters
-    /// through *f*, whose backward sums the gradient over the group, unless a schedule
-    /// defers that sum to one all-reduce after the backward pass (see
+    /// through *f*, whose backward sums the gradient over the group, unless the context
+    /// defers that sum to one all-reduce after the backward pass
+    /// ([`SequenceParallelGrads::Deferred`], see
     /// [`sum_sequence_parallel_grads`](super::sum_sequence_parallel_grads)). Unchanged without
     /// sequence parallelism.
     pub fn replicated<B: DistBackend, const D: usize>(
         &self,
         param: Tensor<B, D>,
     ) -> DistResult<Tensor<B, D>> {
-        match self.sequence_parallel && !sequence_parallel_grads_deferred() {
-            true => copy_to_tensor_parallel_region(param, &self.group),
-            false => Ok(param),
+        match (self.sequence_parallel, self.sequence_parallel_grads) {
+            (true, SequenceParallelGrads::SumInBackward) => {
+                copy_to_tensor_parallel_region(param, &self.group)
+            }
+            (true, SequenceParallelGrads::Deferred) | (false, _) => Ok(param),
         }
     }
 }

@@ -5,7 +5,7 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::placement::{DeclarePlacements, Placements};
-use super::tp_context::TpContext;
+use super::tp_context::{SequenceParallelGrads, TpContext};
 use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
@@ -56,6 +56,18 @@ impl<B: DistBackend> VocabParallelEmbedding<B> {
     /// The vocabulary partition.
     pub fn vocab(&self) -> &VocabPartition {
         &self.vocab
+    }
+}
+
+impl<B: Backend> VocabParallelEmbedding<B> {
+    /// The same table (same parameter and id) in a context that sums sequence parallelism's
+    /// partial gradients where `grads` says. The table has none of its own; it keeps its
+    /// context like the layers after it.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            tp: self.tp.with_sequence_parallel_grads(grads),
+            ..self
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use crate::ops::RecomputedAttention;
 use crate::ops::{flash_attention, packed_flash_attention};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
-    RowParallelLinear, RowParallelLinearConfig,
+    RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads,
 };
 
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
@@ -60,6 +60,18 @@ impl<B: Backend> DeclarePlacements for ParallelAttention<B> {
     fn declare_placements(&self, out: &mut Placements) {
         self.qkv.declare_placements(out);
         self.output.declare_placements(out);
+    }
+}
+
+impl<B: Backend> ParallelAttention<B> {
+    /// The same attention (same parameters and ids), summing the output projection's partial
+    /// bias gradient under sequence parallelism where `grads` says.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            qkv: self.qkv.with_sequence_parallel_grads(grads),
+            output: self.output.with_sequence_parallel_grads(grads),
+            shape: self.shape,
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use super::layer::TransformerLayer;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
-use crate::tensor_parallel::{DeclarePlacements, Placements, TpContext};
+use crate::tensor_parallel::{DeclarePlacements, Placements, SequenceParallelGrads, TpContext};
 
 /// Megatron's `TransformerBlock`: pre-norm layers, then the final norm. A pipeline stage's
 /// block holds its own layers only, and the final norm only on the last stage (Megatron's
@@ -28,6 +28,23 @@ impl<B: Backend> DeclarePlacements for TransformerBlock<B> {
     fn declare_placements(&self, out: &mut Placements) {
         self.layers.declare_placements(out);
         self.final_norm.declare_placements(out);
+    }
+}
+
+impl<B: Backend> TransformerBlock<B> {
+    /// The same block (same parameters and ids), summing the gradients sequence parallelism
+    /// leaves partial where `grads` says.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            layers: self
+                .layers
+                .into_iter()
+                .map(|layer| layer.with_sequence_parallel_grads(grads))
+                .collect(),
+            final_norm: self
+                .final_norm
+                .map(|norm| norm.with_sequence_parallel_grads(grads)),
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use super::mlp::ParallelMlp;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
-use crate::tensor_parallel::{DeclarePlacements, Placements, TpContext};
+use crate::tensor_parallel::{DeclarePlacements, Placements, SequenceParallelGrads, TpContext};
 use crate::tensor_parallel::{DropoutSite, dropout};
 
 /// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`.
@@ -46,6 +46,25 @@ impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
         self.attention.declare_placements(out);
         self.post_attention_norm.declare_placements(out);
         self.mlp.declare_placements(out);
+    }
+}
+
+impl<B: Backend> TransformerLayer<B> {
+    /// The same layer (same parameters and ids), summing the gradients sequence parallelism
+    /// leaves partial (its norms', its row-parallel biases') where `grads` says: in the
+    /// backward pass, or after it
+    /// ([`sum_sequence_parallel_grads`](crate::tensor_parallel::sum_sequence_parallel_grads)).
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            input_norm: self.input_norm.with_sequence_parallel_grads(grads),
+            attention: self.attention.with_sequence_parallel_grads(grads),
+            post_attention_norm: self.post_attention_norm.with_sequence_parallel_grads(grads),
+            mlp: self.mlp.with_sequence_parallel_grads(grads),
+            context: LayerContext {
+                tp: self.context.tp.with_sequence_parallel_grads(grads),
+                ..self.context
+            },
+        }
     }
 }
 

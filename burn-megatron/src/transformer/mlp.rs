@@ -12,7 +12,7 @@ use crate::init::param_seed;
 use crate::ops::{GeluForm, bias_gelu, bias_swiglu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, Placements,
-    RowParallelLinear, RowParallelLinearConfig,
+    RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads,
 };
 
 /// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
@@ -42,6 +42,19 @@ impl<B: Backend> DeclarePlacements for ParallelMlp<B> {
         self.fc1.declare_placements(out);
         self.gate.declare_placements(out);
         self.fc2.declare_placements(out);
+    }
+}
+
+impl<B: Backend> ParallelMlp<B> {
+    /// The same MLP (same parameters and ids), summing `fc2`'s partial bias gradient under
+    /// sequence parallelism where `grads` says.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            fc1: self.fc1.with_sequence_parallel_grads(grads),
+            gate: self.gate.map(|g| g.with_sequence_parallel_grads(grads)),
+            fc2: self.fc2.with_sequence_parallel_grads(grads),
+            gelu: self.gelu,
+        }
     }
 }
 

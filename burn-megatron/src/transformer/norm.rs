@@ -7,16 +7,19 @@ use burn_megatron_dist::{DistBackend, DistResult};
 use super::config::Normalization;
 use crate::ModelBackend;
 use crate::ops::{NormKind, norm};
-use crate::tensor_parallel::{DeclarePlacements, ParamPlacement, Placements, TpContext};
+use crate::tensor_parallel::{
+    DeclarePlacements, ParamPlacement, Placements, SequenceParallelGrads, TpContext,
+};
 
 /// Normalisation of the last dimension: `(x - mean) / sqrt(var + eps) · scale + shift`
 /// (LayerNorm) or `x / sqrt(mean(x²) + eps) · scale` (RMSNorm).
 ///
 /// Its parameters are replicated on every TP rank. Under sequence parallelism each rank
 /// normalises its own part of the sequence, so each holds a partial gradient. They enter
-/// through *f* ([`TpContext::replicated`]), which sums it over the TP group; the training
-/// schedules defer that sum to one all-reduce of every such gradient after the backward pass
-/// (Megatron's "sequence-parallel parameters"), and the norm declares them for it
+/// through *f* ([`TpContext::replicated`]), which sums it over the TP group, unless the norm
+/// defers that sum ([`with_sequence_parallel_grads`](Self::with_sequence_parallel_grads), as
+/// the training schedules do) to one all-reduce of every such gradient after the backward
+/// pass (Megatron's "sequence-parallel parameters"). The norm declares them for it
 /// ([`Placements::declare_partial_gradient`]).
 #[derive(Module, Debug)]
 pub struct Norm<B: Backend> {
@@ -38,9 +41,10 @@ impl<B: Backend> DeclarePlacements for Norm<B> {
             out.declare(shift, ParamPlacement::replicated());
         }
         if self.tp.sequence_parallel {
-            out.declare_partial_gradient(&self.scale);
+            let grads = self.tp.sequence_parallel_grads;
+            out.declare_partial_gradient(&self.scale, grads);
             if let Some(shift) = &self.shift {
-                out.declare_partial_gradient(shift);
+                out.declare_partial_gradient(shift, grads);
             }
         }
     }
@@ -61,6 +65,17 @@ impl<B: DistBackend> Norm<B> {
                 .then(|| Param::from_tensor(Tensor::zeros([hidden], device))),
             epsilon,
             tp: tp.clone(),
+        }
+    }
+}
+
+impl<B: Backend> Norm<B> {
+    /// The same norm (same parameters and ids), summing its partial gradients under sequence
+    /// parallelism where `grads` says.
+    pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        Self {
+            tp: self.tp.with_sequence_parallel_grads(grads),
+            ..self
         }
     }
 }

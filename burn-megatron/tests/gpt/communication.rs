@@ -4,7 +4,7 @@
 use burn::optim::GradientsParams;
 use burn::tensor::{Distribution, Tensor};
 use burn_megatron::tensor_parallel::{
-    DeferSequenceParallelGrads, param_infos, sum_sequence_parallel_grads,
+    SequenceParallelGrads, param_infos, sum_sequence_parallel_grads,
 };
 use burn_megatron::transformer::{Activation, ParallelMlp};
 use burn_megatron_dist::ParallelSizes;
@@ -72,8 +72,9 @@ fn a_swiglu_mlp_communicates_as_much_as_a_gelu_mlp() {
 /// Collectives one rank of TP 2 with sequence parallelism starts for one training step of a
 /// small GPT (LayerNorm, biases) of `layers` layers: through the schedule
 /// (`forward_backward_no_pipelining`), through a loop of one's own (`loss.backward()`), and
-/// through that loop with the sums deferred (`DeferSequenceParallelGrads` and
-/// `sum_sequence_parallel_grads`), whose gradients must be the plain loop's, bit for bit.
+/// through that loop with the sums deferred (the model `with_sequence_parallel_grads(Deferred)`,
+/// same parameter ids, and `sum_sequence_parallel_grads`), whose gradients must be the plain
+/// loop's, bit for bit.
 fn step_collectives(layers: usize) -> (u64, u64, u64) {
     use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
     let config = burn_megatron::transformer::TransformerConfig::new(16, layers, 4, 32, 50, 8)
@@ -93,16 +94,17 @@ fn step_collectives(layers: usize) -> (u64, u64, u64) {
         let plain = GradientsParams::from_grads(loss.backward(), &model);
         let own_loop = tp.collectives_started() - before;
 
+        let deferring = model
+            .clone()
+            .with_sequence_parallel_grads(SequenceParallelGrads::Deferred);
         let before = tp.collectives_started();
-        let deferred = DeferSequenceParallelGrads::new();
-        let loss = model.loss(model.try_forward(input)?, targets)?;
-        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        let loss = deferring.loss(deferring.try_forward(input)?, targets)?;
+        let mut grads = GradientsParams::from_grads(loss.backward(), &deferring);
         sum_sequence_parallel_grads(
-            std::slice::from_ref(&model),
+            std::slice::from_ref(&deferring),
             std::slice::from_mut(&mut grads),
             tp,
         )?;
-        drop(deferred);
         let own_loop_deferred = tp.collectives_started() - before;
         for info in param_infos(&model) {
             let [a, b] = [&plain, &grads].map(|g| {
