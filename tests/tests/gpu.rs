@@ -162,7 +162,7 @@ fn ops_match_burn_cuda() {
 
 /// The fused vocabulary-parallel cross-entropy kernels on our CUDA backend against the Burn
 /// composition they replace, in f32, bf16 and f16, on a poisoned output buffer (the same
-/// comparison runs on lavapipe in CI: burn-megatron/tests/fused_kernels.rs).
+/// comparison runs on lavapipe in CI: burn-megatron/tests/fused_kernels/cross_entropy.rs).
 #[test]
 fn fused_cross_entropy_matches_the_composition() {
     use burn_megatron::ops::CrossEntropyOps;
@@ -941,7 +941,7 @@ fn a_training_step_never_waits_for_the_device() {
 /// against the Burn compositions in f32, in f32, bf16 and f16, LayerNorm with a shift and
 /// RMSNorm, for rows of 1 to 16k elements and a transformer-sized `[4096, 4096]`; the
 /// parameter gradients of the large case twice, bit-equal (the same comparisons run on
-/// lavapipe in CI: burn-megatron/tests/fused_kernels.rs).
+/// lavapipe in CI: burn-megatron/tests/fused_kernels/norm.rs).
 #[test]
 fn fused_norm_matches_the_composition() {
     use burn_megatron::ops::NormKind;

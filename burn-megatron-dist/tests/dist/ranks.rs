@@ -34,10 +34,7 @@ pub fn rank_command(mode: &str, out: &Path, timeout: Duration) -> (String, Vec<S
 
 /// A fresh directory for one test's files.
 pub fn scratch_dir(test: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bm-dist-{}-{test}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("creating a scratch directory");
-    dir
+    burn_megatron_testing::scratch_dir("bm-dist", test)
 }
 
 /// A port nothing listens on (just released by the OS).

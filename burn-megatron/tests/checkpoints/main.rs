@@ -18,66 +18,30 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::TensorData;
 use burn_megatron::models::GptModel;
 use burn_megatron::pipeline_parallel::{Microbatch, Schedule, StageSplit, forward_backward};
 use burn_megatron::tensor_parallel::gather_full_grads;
 use burn_megatron::transformer::TransformerConfig;
 use burn_megatron_dist::{ParallelSizes, ParallelState, RankContext};
+use burn_megatron_testing::models::microbatch;
+pub use burn_megatron_testing::models::{tiny_gpt, tiny_llama};
 pub use burn_megatron_testing::{assert_close, compare::data_values, run, tolerance};
 
 pub type B = NdArray<f32>;
 pub type AD = Autodiff<B>;
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A tiny GPT of 4 layers with tied embeddings; the vocabulary of 50 is padded differently
-/// for TP = 1, 2, 4 (52, 56, 64 rows).
-pub fn tiny_gpt() -> TransformerConfig {
-    TransformerConfig::new(16, 4, 4, 32, 50, 8)
-        .with_make_vocab_size_divisible_by(4)
-        .with_init_std(0.1)
-}
-
-/// A tiny Llama of 4 layers: RMSNorm, SwiGLU, RoPE, grouped queries, untied output.
-pub fn tiny_llama() -> TransformerConfig {
-    use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding};
-    TransformerConfig::new(16, 4, 4, 24, 50, 8)
-        .with_num_query_groups(Some(2))
-        .with_normalization(Normalization::RmsNorm)
-        .with_activation(Activation::SwiGlu)
-        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
-        .with_add_bias_linear(false)
-        .with_tie_embeddings(false)
-        .with_make_vocab_size_divisible_by(4)
-        .with_init_std(0.1)
-}
-
 /// A fresh directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bm-ckpt-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    burn_megatron_testing::scratch_dir("bm-ckpt", name)
 }
 
-/// Microbatch `i` of step `step`: `[2, 8]` tokens and next-token-like targets.
+/// The `count` microbatches of step `step` (microbatch `i` drawn with seed `step · 16 + i`):
+/// `[2, 8]` tokens and next-token-like targets.
 pub fn microbatches(step: usize, count: usize, vocab: usize) -> Vec<Microbatch<AD>> {
     (0..count)
-        .map(|i| {
-            let seed = (step * 16 + i) as u64;
-            let ids = |seed: u64| -> Vec<i64> {
-                (0..16u64)
-                    .map(|j| ((j * 2_654_435_761 + seed * 40_503 + 7) % vocab as u64) as i64)
-                    .collect()
-            };
-            let mut targets = ids(seed + 100);
-            targets[0] = -100;
-            targets[8] = -100;
-            let tensor = |v: Vec<i64>| {
-                Tensor::<AD, 2, Int>::from_data(TensorData::new(v, [2, 8]), &Default::default())
-            };
-            Microbatch::new(tensor(ids(seed)), tensor(targets))
-        })
+        .map(|i| microbatch(vocab, (step * 16 + i) as u64))
         .collect()
 }
 

@@ -16,10 +16,9 @@ use burn_megatron::init::{InitDistribution, init_full, param_seed};
 use burn_megatron::models::GptModel;
 use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
-use burn_megatron::transformer::{
-    Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
-};
+use burn_megatron::transformer::{Activation, Recompute, TransformerConfig};
 use burn_megatron_dist::{ParallelSizes, ProcessGroup};
+use burn_megatron_testing::models::llama;
 use burn_megatron_testing::{relative_difference, run, tolerance};
 
 use crate::{AD, B, STEP, device};
@@ -39,13 +38,7 @@ fn tiny_gpt(activation: Activation) -> TransformerConfig {
 /// A tiny Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention (4 heads in 2 groups), no
 /// biases, untied output layer; no vocabulary padding.
 fn tiny_llama() -> TransformerConfig {
-    TransformerConfig::new(16, 2, 4, 20, 13, 7)
-        .with_num_query_groups(Some(2))
-        .with_normalization(Normalization::RmsNorm)
-        .with_activation(Activation::SwiGlu)
-        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
-        .with_add_bias_linear(false)
-        .with_tie_embeddings(false)
+    llama(TransformerConfig::new(16, 2, 4, 20, 13, 7).with_num_query_groups(Some(2)))
         .with_make_vocab_size_divisible_by(1)
         .with_init_std(0.2)
 }

@@ -9,7 +9,8 @@ mod training;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_megatron::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
+use burn_megatron::transformer::TransformerConfig;
+use burn_megatron_testing::models::{llama, token_ids};
 pub use burn_megatron_testing::{assert_close, compare::data_values, run, tolerance};
 
 pub type B = NdArray<f32>;
@@ -26,21 +27,13 @@ pub fn small_gpt() -> TransformerConfig {
 /// A small Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention (8 heads in 4 groups), no
 /// biases, untied output layer.
 pub fn small_llama() -> TransformerConfig {
-    TransformerConfig::new(32, 2, 8, 24, 50, 8)
-        .with_num_query_groups(Some(4))
-        .with_normalization(Normalization::RmsNorm)
-        .with_activation(Activation::SwiGlu)
-        .with_position_embedding(PositionEmbedding::Rope { base: 10_000.0 })
-        .with_add_bias_linear(false)
-        .with_tie_embeddings(false)
+    llama(TransformerConfig::new(32, 2, 8, 24, 50, 8).with_num_query_groups(Some(4)))
         .with_make_vocab_size_divisible_by(4)
         .with_init_std(0.1)
 }
 
 /// Deterministic token ids in `[0, vocab)`, shaped `[batch, seq]`.
 pub fn tokens(batch: usize, seq: usize, vocab: usize, seed: u64) -> Tensor<AD, 2, Int> {
-    let ids: Vec<i64> = (0..batch * seq)
-        .map(|i| ((i as u64 * 2_654_435_761 + seed * 40_503 + 7) % vocab as u64) as i64)
-        .collect();
+    let ids = token_ids(batch * seq, vocab, seed);
     Tensor::from_data(TensorData::new(ids, [batch, seq]), &Default::default())
 }
