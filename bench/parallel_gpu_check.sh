@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Data and tensor parallelism on two GPUs (issue 14), with the kernels the TP path uses, in
 # one device call (kind nvidia-h100-x2 or nvidia-h200-x2); logs go to $OUT. Needs, packed
-# under .gpu/ (../shared/gpu/README.md), gzipped is fine:
-#   bin/{gpt_train_bench,kernel_bench,bm-launch}  ../shared/gpu/pack build --release --features cuda
+# under .gpu/ (bench/pack_gpu.sh), gzipped is fine:
+#   bin/{gpt_train_bench,kernel_bench,bm-launch}  bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example gpt_train_bench --example kernel_bench, and
 #       -p burn-megatron-dist --bin bm-launch
-#   bin/nccl                                       ../shared/gpu/pack test --release --features cuda
+#   bin/nccl                                       bench/pack_gpu.sh test --release --features cuda
 #       -p burn-megatron-tests --test nccl
 #   bin/gpu                                        ... --test gpu (the one-GPU kernel tests)
 #   PART=tests|kernels|norms|gputests|dp|tp|profiles|dp4 bash bench/parallel_gpu_check.sh   (default: all
@@ -76,7 +76,7 @@ if part norms; then
 fi
 if part gputests; then
   # The kernels against burn-cuda and the compositions on one GPU (needs bin/gpu:
-  # ../shared/gpu/pack test --release --features cuda -p burn-megatron-tests --test gpu).
+  # bench/pack_gpu.sh test --release --features cuda -p burn-megatron-tests --test gpu).
   # (gpt_step_on_three_backends alone takes over 150 s.)
   timeout 300 $B/gpu --test-threads=1 fused_causal_softmax fused_dropout_rope transformer_autodiff_matches_burn_cuda \
     fused_norm fused_bias_gelu a_training_step_never 2>&1 | tee $OUT/gpu_tests.log | grep -E "^test |test result"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of pretrain_gpt (issue 17) and the step benchmark with its PyTorch peer, in
-# one device call; logs go to $OUT. Needs, packed under .gpu/ (../shared/gpu/README.md):
+# one device call; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 # bin/{pretrain_gpt,gpt_train_bench,bm-launch} (gzipped is fine) and
 # data/realtext_text_document.{bin,idx} (bench/make_realtext.py, then preprocess_data).
 #   GPUS=2 bash bench/pretrain_gpu_check.sh            # 1 GPU, DP 2, TP 2, --learner DP 2

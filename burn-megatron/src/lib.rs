@@ -4,20 +4,32 @@
 //! under `Autodiff`) that hold their slice of the parameters and a
 //! [`ProcessGroup`](burn_megatron_dist::ProcessGroup) to communicate over.
 //!
+//! From the bottom up (a module imports only those above it in this list, see
+//! `tests/tests/module_layering.rs`):
+//!
+//! - [`error`]: every error type and the policy they follow; [`init`]: layout-independent
+//!   initialisation; [`data`]: Megatron's indexed datasets (`.bin`/`.idx`), GPT sampling,
+//!   blending, splits, tokenizers, the preprocessing behind `preprocess_data`, and the
+//!   [`Microbatch`](data::Microbatch) the model takes.
+//! - [`ops`]: the model's operations, one home each (backend trait, composition, autodiff
+//!   node, kernel wiring); [`backend`]: [`ModelBackend`], which gathers them.
 //! - [`tensor_parallel`]: column/row-parallel linear layers, vocabulary-parallel embedding,
-//!   output layer and cross-entropy, layout-independent dropout, parameter placements.
+//!   output layer and cross-entropy, layout-independent dropout, parameter placements and
+//!   kinds, sequence parallelism's partial gradients.
 //! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
-//! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style.
-//! - [`pipeline_parallel`]: stages, schedules (no pipelining, GPipe, 1F1B, interleaved) and
-//!   their plans and timelines.
+//! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style, and the pipeline
+//!   stage it is built for.
+//! - [`pipeline_parallel`]: schedules (no pipelining, GPipe, 1F1B, interleaved), their plans
+//!   and timelines, and the executor that runs them.
+//! - [`distributed`]: flat parameter and gradient buffers (Megatron's `ParamAndGradBuffer`)
+//!   and the data-parallel gradient reduction, overlapped with the backward pass.
 //! - [`optimizer`]: learning-rate schedules, the weight-decay policy, global-norm gradient
-//!   clipping, the dynamic loss scaler, and AdamW fused over flat buffers.
-//! - [`distributed`]: flat parameter and gradient buffers (Megatron's `ParamAndGradBuffer`).
-//! - [`data`]: Megatron's indexed datasets (`.bin`/`.idx`), GPT sampling, blending, splits,
-//!   tokenizers and the preprocessing behind `preprocess_data`.
-//! - [`checkpointing`]: sharded, reshardable, crash-safe checkpoints.
-//! - [`training`]: the pretraining loop (`pretrain_gpt`), its options, progress and resume.
-//! - [`ops`]: the MLP activations (GeLU, SwiGLU) with exact, written-out backwards.
+//!   clipping, the dynamic loss scaler, AdamW over flat buffers and the distributed
+//!   optimizer (ZeRO-1), and optimizer state by parameter.
+//! - [`checkpointing`]: sharded, reshardable, crash-safe checkpoints; Hugging Face import and
+//!   export.
+//! - [`training`]: the pretraining loop (`pretrain_gpt`), its options, progress and resume,
+//!   burn-train's Learner, and the memory planner.
 
 pub mod backend;
 pub mod checkpointing;

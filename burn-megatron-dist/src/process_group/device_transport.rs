@@ -49,7 +49,7 @@ pub trait DeviceTransport: burn::tensor::backend::Backend {
     /// the host only enqueues them and never waits for the other ranks (unless the group
     /// checks each call on the host first, [`ProcessGroup::checks_collectives`]). Such a
     /// collective may start inside a backward pass; one through the host may not (see
-    /// `shared/BURN-0.21.md`: a rank blocked there can deadlock with another's cleanup).
+    /// book: "Burn's autodiff and thread ranks": a rank blocked there can deadlock with another's cleanup).
     fn collectives_on_device(device: &Self::Device) -> bool {
         let _ = device;
         false

@@ -19,7 +19,7 @@
 //! On GPUs (NCCL, collective checks off) the collectives run on the DP group's side stream
 //! while the compute stream goes on with the earlier layers. Where collectives go through the
 //! host (CPU thread ranks, or checks on), a rank must not wait for the others inside the
-//! backward pass (`shared/BURN-0.21.md`), so the hook only copies and the collectives run after
+//! backward pass (book: "Burn's autodiff and thread ranks"), so the hook only copies and the collectives run after
 //! backward, in the same order. Either way the result is bit for bit the one of
 //! [`all_reduce_grads`](super::all_reduce_grads) or
 //! [`reduce_scatter_grads`](super::reduce_scatter_grads) after the backward pass: the same

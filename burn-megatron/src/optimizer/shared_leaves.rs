@@ -2,7 +2,7 @@
 //!
 //! Thread ranks that clone one model share its parameters' autodiff leaves. burn-autodiff
 //! then merges the ranks' graphs into one, and its locks deadlock when one rank's backward
-//! pass cleans up while another records its forward pass (`shared/BURN-0.21.md`): a hang
+//! pass cleans up while another records its forward pass (book: "Burn's autodiff and thread ranks"): a hang
 //! with no message, about once in fifteen steps. The optimizer's setup checks instead that
 //! no two ranks of one process hold the same leaf, and says what to do.
 

@@ -27,6 +27,9 @@ pub struct RunStart {
     pub resumed_from: Option<std::path::PathBuf>,
     /// Where the data comes from.
     pub data: String,
+    /// Seconds from the call to the first step: building the model stage, the optimizer and
+    /// loading a checkpoint.
+    pub startup_seconds: f64,
 }
 
 /// One optimizer step, as Megatron's `training_log` prints it.
@@ -91,6 +94,9 @@ impl EvalReport {
 
 /// Receives a run's reports on the logging rank. Every method has an empty default.
 pub trait TrainingObserver: Sync {
+    /// What start-up is doing now (building the model, the optimizer, loading), so that a
+    /// long start-up says what it waits for.
+    fn on_setup(&self, _step: &str) {}
     /// Before the first step.
     fn on_start(&self, _start: &RunStart) {}
     /// After every `--log-interval`-th step.

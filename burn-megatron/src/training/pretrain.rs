@@ -138,6 +138,7 @@ where
     B: AutodiffBackend<Gradients = burn_autodiff::grads::Gradients> + ModelBackend,
     B::InnerBackend: DistBackend + ModelBackend,
 {
+    let started = Instant::now();
     let layout = config.check(ctx.world_size())?;
     let RunLayout {
         tp,
@@ -150,7 +151,22 @@ where
     // DP takes what is left of the world: TP × PP × DP ranks were checked above.
     let state = ctx.parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?;
     let logging = state.world().rank() == 0;
+    let setup = |step: String| {
+        if logging {
+            observer.on_setup(&format!(
+                "{step} ({:.1} s)",
+                started.elapsed().as_secs_f64()
+            ));
+        }
+    };
     let stage = StageSplit::even(model_config.num_layers, *pp)?.stage(state.pp_rank());
+    setup(format!(
+        "building each rank's model stage (layers {:?} of {} on the first, TP = {tp}), its values \
+         drawn on {} cores",
+        stage.layers,
+        model_config.num_layers,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    ));
     let chunk = model_config.init_gpt_stage::<B>(state.tp(), &stage, device)?;
     let adamw = AdamWConfig::new()
         .with_beta_1(config.adam_beta1)
@@ -167,6 +183,7 @@ where
         distributed: None,
     };
     if *dp > 1 || config.use_distributed_optimizer || config.bf16 || config.fp16 {
+        setup("building the flat-buffer AdamW (fp32 master weights and moments)".into());
         let optim =
             config
                 .distributed_adamw()
@@ -186,6 +203,10 @@ where
     if let Some(root) = &config.load
         && latest_checkpoint(root)?.is_some()
     {
+        setup(format!(
+            "loading the latest checkpoint of {}",
+            root.display()
+        ));
         let checkpoint = Checkpoint::open_latest(root)?;
         checkpoint.check_config(model_config)?;
         rank = rank.load(&checkpoint)?;
@@ -225,6 +246,7 @@ where
             parameters,
             resumed_from: resumed_from.clone(),
             data: data.description.clone(),
+            startup_seconds: started.elapsed().as_secs_f64(),
         });
     }
 

@@ -56,6 +56,11 @@ impl ConsoleProgress {
 }
 
 impl TrainingObserver for ConsoleProgress {
+    fn on_setup(&self, step: &str) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        Self::line(&mut state, &format!("start-up: {step}"));
+    }
+
     fn on_start(&self, start: &RunStart) {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.started = Instant::now();
@@ -69,7 +74,7 @@ impl TrainingObserver for ConsoleProgress {
             &mut state,
             &format!(
                 "training a GPT of {:.2} M parameters on {} ranks (TP = {}, PP = {}), {} \
-                 microbatches per step, iterations {}..{}{resumed}\ndata: {}",
+                 microbatches per step, iterations {}..{}{resumed}, after {:.1} s of start-up\ndata: {}",
                 start.parameters / 1e6,
                 start.world_size,
                 start.tp,
@@ -77,6 +82,7 @@ impl TrainingObserver for ConsoleProgress {
                 start.num_microbatches,
                 start.first_iteration,
                 start.train_iters,
+                start.startup_seconds,
                 start.data
             ),
         );

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Model parallelism at 7-8B on 4 GPUs (issue 31) in one device call (kind nvidia-h100-x4 or
+# nvidia-h200-x4): pretrain_gpt's layouts of the Llama-3 8B and GPT-3 6.7B presets
+# (examples/configs) and the PyTorch FSDP2 peer (bench/torch_fsdp.py) on the same GPUs, plus the
+# memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
+#   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
+#       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
+#   PART=llama|gpt|torch|all ITERS=8 bash bench/scale_gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+source .gpu/env.sh
+for z in .gpu/bin/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
+chmod +x .gpu/bin/* 2>/dev/null
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
+B=.gpu/bin
+ITERS=${ITERS:-8}
+part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
+COMMON="--bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
+ours() { # name, preset, flags...
+  local name=$1 preset=$2; shift 2
+  echo "=== ours $name: $preset $*" | tee -a $OUT/scale.log
+  local s=$(date +%s)
+  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" > $OUT/$name.log 2>&1
+  echo "rc=$? seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
+  grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -${ITERS} | cut -c1-400 | tee -a $OUT/scale.log
+}
+torch() { # name, flags...
+  local name=$1; shift
+  echo "=== torch $name: $*" | tee -a $OUT/scale.log
+  timeout ${LIMIT:-240} torchrun --nproc-per-node 4 bench/torch_fsdp.py "$@" > $OUT/torch_$name.log 2>&1
+  echo "rc=$?" | tee -a $OUT/scale.log
+  grep -E "RESULT|step:|Error|error" $OUT/torch_$name.log | tail -4 | cut -c1-400 | tee -a $OUT/scale.log
+}
+if part plan; then
+  for preset in llama3_8b gpt3_6.7b; do
+    $B/pretrain_gpt --config examples/configs/$preset.toml --bf16 --plan \
+      --gpu-memory-gib $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print int($1/1024)}') \
+      --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 \
+      --use-distributed-optimizer | tee -a $OUT/plan.log
+  done
+fi
+if part llama; then
+  ours llama_tp2pp2 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+  ours llama_tp4 llama3_8b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel
+fi
+if part torch; then
+  torch llama_fsdp --preset llama3-8b --batch 1 --steps $ITERS
+  torch gpt_fsdp --preset gpt3-6.7b --batch 2 --steps $ITERS
+fi
+if part gpt; then
+  ours gpt_tp2pp2 gpt3_6.7b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+fi
