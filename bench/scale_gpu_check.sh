@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=llama|gpt|torch|all ITERS=8 bash bench/scale_gpu_check.sh
+#   PART=plan|llama|gpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -41,12 +41,10 @@ if part plan; then
 fi
 if part llama; then
   ours llama_tp2pp2 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
-  ours llama_tp4 llama3_8b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel
-fi
-if part torch; then
   torch llama_fsdp --preset llama3-8b --batch 1 --steps $ITERS
-  torch gpt_fsdp --preset gpt3-6.7b --batch 2 --steps $ITERS
+  ours llama_tp4 llama3_8b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel
 fi
 if part gpt; then
   ours gpt_tp2pp2 gpt3_6.7b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+  torch gpt_fsdp --preset gpt3-6.7b --batch 2 --steps $ITERS
 fi
