@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -47,4 +47,12 @@ fi
 if part gpt; then
   ours gpt_tp2pp2 gpt3_6.7b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
   torch gpt_fsdp --preset gpt3-6.7b --batch 2 --steps $ITERS
+  ours gpt_tp4 gpt3_6.7b --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel
+fi
+if part layouts; then
+  # The planner's first choice, micro-batch 2 at TP 2 x PP 2, and a learning rate that a
+  # run of a few steps trains at (the preset's 3e-4 wants its 100 warm-up steps).
+  ours llama_tp2dp2 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --data-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce
+  ours llama_tp2pp2_mb2 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --micro-batch-size 2
+  ours llama_tp2pp2_lr3e-5 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --lr 3e-5 --min-lr 3e-6
 fi
