@@ -193,9 +193,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             training = training.renderer(QuietRenderer);
         }
         // DP: the strategy that runs this rank of the job.
-        let training = training.with_megatron(MegatronStrategy::new(&state, &optim));
+        let strategy = MegatronStrategy::new(&state, &optim);
+        // burn-train's loop returns no `Result`: the strategy keeps the error that stopped it.
+        let failure = strategy.failure();
+        let training = training.with_megatron(strategy);
         training.launch(Learner::new(model, optim, schedule.init()?));
-        Ok::<_, burn_megatron::Error>(())
+        match failure.take() {
+            Some(error) => Err(error),
+            None => Ok::<_, burn_megatron::Error>(()),
+        }
     })?;
     let _ = std::fs::remove_dir_all(&dir);
     let learner_losses = recorder.values("Loss", true);

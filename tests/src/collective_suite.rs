@@ -107,19 +107,22 @@ impl<'a, Bk: DistBackend> Suite<'a, Bk> {
         let ranks_sum: f32 = (0..n).map(|q| 10.0 * q as f32).sum();
         for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
             let got = values(self.ctx.world().all_reduce(x(), op).map_err(dist(CASE))?);
-            let want = (0..6).map(|i| {
-                let base = i as f32;
-                match op {
-                    ReduceOp::Sum => n as f32 * base + ranks_sum,
-                    ReduceOp::Avg => base + ranks_sum / n as f32,
-                    ReduceOp::Max => base + 10.0 * (n - 1) as f32,
-                    ReduceOp::Min => base,
-                }
-            });
-            for (g, w) in got.iter().zip(want) {
-                if (g - w).abs() > 1e-5 * w.abs().max(1.0) {
-                    return Err(wrong(CASE, format!("{op}: got {got:?}")));
-                }
+            let want: Vec<f32> = (0..6)
+                .map(|i| {
+                    let base = i as f32;
+                    match op {
+                        ReduceOp::Sum => n as f32 * base + ranks_sum,
+                        ReduceOp::Avg => base + ranks_sum / n as f32,
+                        ReduceOp::Max => base + 10.0 * (n - 1) as f32,
+                        ReduceOp::Min => base,
+                    }
+                })
+                .collect();
+            // Every element, none missing, none NaN: `!(diff <= tol)` fails on NaN where
+            // `diff > tol` would pass it.
+            let close = |g: f32, w: f32| (g - w).abs() <= 1e-5 * w.abs().max(1.0);
+            if got.len() != want.len() || got.iter().zip(&want).any(|(&g, &w)| !close(g, w)) {
+                return Err(wrong(CASE, format!("{op}: got {got:?}, want {want:?}")));
             }
         }
         Ok(())

@@ -15,12 +15,14 @@ mod checkpoint;
 mod config;
 mod input;
 mod pipeline;
+mod training;
 
 pub use burn_megatron_dist::DistError;
 pub use checkpoint::CheckpointError;
 pub use config::ConfigError;
 pub use input::{IdKind, InputError, check_ids_on_host};
 pub use pipeline::PipelineError;
+pub use training::{NonFiniteValue, TrainingError};
 
 pub use crate::data::DataError;
 
@@ -45,6 +47,10 @@ pub enum Error {
     /// A checkpoint cannot be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// A training run stopped: a non-finite loss, gradient norm or parameter, a device
+    /// error found when reading a value, or a failure inside Burn's `Learner`.
+    #[error(transparent)]
+    Training(#[from] TrainingError),
     /// A launch of ranks failed: the first failing rank and its message.
     #[error(transparent)]
     Launch(#[from] burn_megatron_dist::LaunchError),

@@ -48,7 +48,7 @@ impl GradClipConfig {
             Ok(())
         } else {
             Err(ConfigError::Invalid(format!(
-                "the clipping norm max_norm ({}) must be positive and finite",
+                "the clipping norm max_norm (--clip-grad) is {}: it must be positive and finite",
                 self.max_norm
             )))
         }

@@ -14,7 +14,7 @@
 //!    counts (TP-replicated parameters on TP rank 0 only, a tied embedding's last-stage copy
 //!    not at all); with sharding the sums are added over DP (each shard once), and then over
 //!    the model-parallel (TP × PP) group. The clip coefficient stays on the device;
-//! 4. [`ModelBackend::flat_adamw`] updates the fp32 master weights and moments of the rank's
+//! 4. [`AdamWOps::flat_adamw`] updates the fp32 master weights and moments of the rank's
 //!    range (the shard, or the whole buffer), one kernel on CubeCL backends;
 //! 5. with sharding, the updated parameters (in the model's dtype) are all-gathered over DP;
 //!    every parameter of the model becomes a slice of the full buffer.
@@ -81,6 +81,21 @@ pub struct DistributedAdamWConfig {
 }
 
 impl DistributedAdamWConfig {
+    /// Checks AdamW's settings ([`FlatAdamWConfig::validate`]), the buckets and the clipping
+    /// norm; [`init`](Self::init) calls it, and so does
+    /// [`PretrainConfig::check`](crate::training::PretrainConfig::check) for every run,
+    /// whichever optimizer it steps.
+    pub fn validate(&self) -> core::result::Result<(), crate::error::ConfigError> {
+        self.adam.validate()?;
+        self.data_parallel.validate()?;
+        if let Some(max_norm) = self.clip_grad {
+            crate::optimizer::GradClipConfig::new()
+                .with_max_norm(max_norm)
+                .validate()?;
+        }
+        Ok(())
+    }
+
     /// The optimizer of this rank's `model` (one model chunk) in the layout `state`: buffers
     /// laid out from its parameters and cut into `state.dp()`-size shards, the master weights
     /// of the rank's range copied from the parameters, the moments zero. `shared_copies` are
@@ -100,13 +115,7 @@ impl DistributedAdamWConfig {
     {
         let mut adam = self.adam;
         adam.buffer.dp_size = state.dp().size();
-        adam.validate()?;
-        self.data_parallel.validate()?;
-        if let Some(max_norm) = self.clip_grad {
-            crate::optimizer::GradClipConfig::new()
-                .with_max_norm(max_norm)
-                .validate()?;
-        }
+        Self { adam, ..*self }.validate()?;
         super::shared_leaves::refuse_shared_leaves::<B, M>(model, state.world())?;
         let mut buffer = ParamAndGradBuffer::from_module(model, adam.buffer)?;
         let layout = buffer.layout().clone();
@@ -201,7 +210,7 @@ fn check_same_parameters<B: ModelBackend>(
 }
 
 /// `[Σ x]` added in an order fixed by the length alone, so that equal tensors give equal bits
-/// on every rank: [`ModelBackend::bias_gradient`]'s deterministic column sums over 1 024
+/// on every rank: [`BiasOps::bias_gradient`]'s deterministic column sums over 1 024
 /// columns, then over those columns, plus the tail that does not fill a row.
 fn fixed_order_sum<B: ModelBackend>(x: Tensor<B, 1>) -> Tensor<B, 1> {
     const COLUMNS: usize = 1024;
@@ -330,6 +339,11 @@ where
     /// The settings (`adam.buffer.dp_size` is the DP size).
     pub fn config(&self) -> &DistributedAdamWConfig {
         &self.config
+    }
+
+    /// This rank's number in the world (for errors).
+    pub fn global_rank(&self) -> usize {
+        self.dp.global_rank()
     }
 
     /// The flat buffers' layout.

@@ -6,7 +6,7 @@
 //!
 //! 1. the step's gradients are copied into the flat fp32 gradient buffer (per parameter: a cast
 //!    if it is not f32, and a `slice_assign`);
-//! 2. [`ModelBackend::flat_adamw`] updates master weights and moments: one kernel on CubeCL
+//! 2. [`AdamWOps::flat_adamw`] updates master weights and moments: one kernel on CubeCL
 //!    backends, which also writes the weights in the model's dtype (bf16, f16) when that is not
 //!    f32; the plain Burn composition elsewhere;
 //! 3. the step count (a device scalar) advances unless the step was skipped;
@@ -72,24 +72,31 @@ pub struct FlatAdamWConfig {
 }
 
 impl FlatAdamWConfig {
-    /// Checks the betas (in `[0, 1)`), epsilon and weight decay (finite, non-negative).
+    /// Checks the betas (in `[0, 1)`), epsilon (positive and finite) and weight decay (finite,
+    /// non-negative); NaN fails every check. Each error names the setting, its
+    /// `pretrain_gpt` option and the valid range.
     pub fn validate(&self) -> core::result::Result<(), ConfigError> {
-        for (name, beta) in [("beta_1", self.beta_1), ("beta_2", self.beta_2)] {
+        for (name, option, beta) in [
+            ("beta_1", "--adam-beta1", self.beta_1),
+            ("beta_2", "--adam-beta2", self.beta_2),
+        ] {
             if !(0.0..1.0).contains(&beta) {
                 return Err(ConfigError::Invalid(format!(
-                    "AdamW's {name} ({beta}) must be in [0, 1)"
+                    "AdamW's {name} ({option}) is {beta}: it must be in [0, 1)"
                 )));
             }
         }
-        for (name, v) in [
-            ("epsilon", self.epsilon),
-            ("weight_decay", self.weight_decay),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(ConfigError::Invalid(format!(
-                    "AdamW's {name} ({v}) must be finite and non-negative"
-                )));
-            }
+        if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "AdamW's epsilon (--adam-eps) is {}: it must be positive and finite",
+                self.epsilon
+            )));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "AdamW's weight_decay (--weight-decay) is {}: it must be finite and at least 0",
+                self.weight_decay
+            )));
         }
         self.buffer.validate()
     }

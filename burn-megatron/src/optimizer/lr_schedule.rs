@@ -97,13 +97,13 @@ impl LrScheduleConfig {
     pub fn init(&self) -> Result<LrSchedule, ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         for (name, value) in [
-            ("max_lr", self.max_lr),
-            ("min_lr", self.min_lr),
+            ("max_lr (--lr)", self.max_lr),
+            ("min_lr (--min-lr)", self.min_lr),
             ("warmup_init_lr", self.warmup_init_lr),
         ] {
             if !value.is_finite() || value < 0.0 {
                 return invalid(format!(
-                    "{name} ({value}) must be a finite, non-negative learning rate"
+                    "{name} is {value}: it must be a finite, non-negative learning rate"
                 ));
             }
         }

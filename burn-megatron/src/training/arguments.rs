@@ -170,6 +170,16 @@ pub struct PretrainArgs {
     /// scaled down to it. [default: 1.0]
     #[arg(long, help_heading = "Optimizer")]
     pub clip_grad: Option<f64>,
+    /// Stop at the first NaN or infinity, with an error naming the iteration and the rank,
+    /// before anything of that iteration is saved. Checked: the loss and the gradient norm
+    /// of every iteration, from the values the log reads anyway (no extra device sync; with
+    /// --fp16 the gradient norm is the loss scaler's to skip, so only the loss); every
+    /// parameter, once right before each checkpoint save and at the end of the run (one read
+    /// each). With --learner the loss and gradient norm are flagged on the device each step
+    /// and the flag is read before each save and at the end of the run. `false` turns every
+    /// check off. [default: true]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Optimizer")]
+    pub check_for_nan_in_loss_and_grad: Option<bool>,
 
     /// Optimizer steps in all, counting a loaded checkpoint's. [default: 100]
     #[arg(long, help_heading = "Training")]
@@ -317,6 +327,7 @@ impl PretrainArgs {
             adam_beta2 => adam_beta2,
             adam_eps => adam_eps,
             clip_grad => clip_grad,
+            check_for_nan_in_loss_and_grad => check_for_nan_in_loss_and_grad,
             train_iters => train_iters,
             log_interval => log_interval,
             eval_interval => eval_interval,
@@ -412,6 +423,7 @@ impl PretrainArgs {
             adam_beta2,
             adam_eps,
             clip_grad,
+            check_for_nan_in_loss_and_grad,
             train_iters,
             log_interval,
             eval_interval,

@@ -11,7 +11,7 @@ use crate::distributed::DataParallelConfig;
 use crate::error::ConfigError;
 use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
-    FlatAdamWConfig, GradClipConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
+    FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
@@ -155,6 +155,14 @@ pub struct PretrainConfig {
     /// Largest global gradient norm; larger gradients are scaled down to it (`--clip-grad`).
     #[config(default = 1.0)]
     pub clip_grad: f64,
+    /// Stop the run with [`TrainingError::NonFinite`](crate::error::TrainingError::NonFinite)
+    /// at the first NaN or infinite loss or gradient norm, or parameter before a save
+    /// (`--check-for-nan-in-loss-and-grad`, Megatron's name, on by default), so that no
+    /// checkpoint ever holds one. What is checked, and when, is in the option's help
+    /// ([`PretrainArgs`](crate::training::PretrainArgs)): the values the loop reads anyway,
+    /// plus one read of every parameter before each save and at the end of the run.
+    #[config(default = true)]
+    pub check_for_nan_in_loss_and_grad: bool,
     /// Optimizer steps to train for in all (`--train-iters`), counting those of a loaded
     /// checkpoint.
     #[config(default = 100)]
@@ -435,10 +443,19 @@ impl PretrainConfig {
                 self.lr_warmup_iters
             ));
         }
-        GradClipConfig::new()
-            .with_max_norm(self.clip_grad)
-            .validate()?;
+        // Every setting is checked here whatever the path (pretrain's loop with either
+        // optimizer, the Learner, the planner): AdamW's betas, epsilon and weight decay, the
+        // buckets and the clipping norm by the optimizer's own validation.
+        self.distributed_adamw().validate()?;
         self.lr_schedule()?;
+        for (name, value) in [
+            ("--peak-tflops", self.peak_tflops),
+            ("--gpu-memory-gib", self.gpu_memory_gib),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return invalid(format!("{name} is {value}: it must be positive and finite"));
+            }
+        }
         let model = self.model();
         model.validate(tp, 0)?;
         Ok(RunLayout {

@@ -10,6 +10,9 @@
 //!   AdamW in two weight-decay groups, Megatron's LR schedule, evaluation, sharded
 //!   checkpoints and resume); [`pretrain_on_threads`] runs every rank as a thread.
 //! - [`TrainingObserver`]: what the logging rank reports; [`ConsoleProgress`] prints it.
+//! - `--check-for-nan-in-loss-and-grad`: a non-finite loss, gradient norm or parameter stops
+//!   the run with [`TrainingError::NonFinite`](crate::error::TrainingError::NonFinite) before
+//!   anything of its iteration is saved; [`check_finite_parameters`] is the parameters' check.
 //!
 //! - [`learner`]: the same training through burn-train's `Learner` (one
 //!   `SupervisedTraining` per rank, [`learner::MegatronStrategy`]).
@@ -23,6 +26,7 @@ mod config;
 mod data;
 mod launch;
 pub mod learner;
+pub(crate) mod nan_check;
 mod observer;
 pub mod planner;
 mod pretrain;
@@ -33,6 +37,7 @@ pub use arguments::{PretrainArgs, parse_decay_style};
 pub use config::{PretrainConfig, RunLayout};
 pub use data::{PretrainData, read_microbatches};
 pub use launch::{CpuTraining, pretrain_on_threads};
+pub use nan_check::check_finite_parameters;
 pub use observer::{EvalReport, IterationReport, RunStart, Silent, TrainingObserver};
 pub use pretrain::{PretrainSummary, pretrain};
 pub use progress::ConsoleProgress;

@@ -2,7 +2,11 @@
 //! this rank's pipeline stage, resume from a checkpoint if there is one, then per iteration
 //! read the global batch, run the pipeline schedule's forward and backward passes, clip the
 //! global gradient norm, step AdamW in its two weight-decay groups at the schedule's learning
-//! rate, and evaluate and save at their intervals.
+//! rate, and evaluate and save at their intervals. With `--check-for-nan-in-loss-and-grad`
+//! (on by default) a non-finite loss or gradient norm (the values read for the log) or, right
+//! before a save and at the end, a non-finite parameter stops the run with
+//! [`TrainingError::NonFinite`](crate::error::TrainingError::NonFinite) before anything of
+//! that iteration is written.
 //!
 //! With data parallelism (DP > 1), `--use-distributed-optimizer`, `--bf16` or `--fp16`, the step is
 //! [`DistributedAdamW`]'s instead: each DP rank reads its own microbatches of the global batch,
@@ -24,6 +28,7 @@ use burn_megatron_dist::{DistBackend, ParallelSizes, ParallelState, RankContext,
 
 use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
+use super::nan_check::{check_finite_parameters, check_step_values, read_f32};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
 use super::step::{MIB, SCHEDULE, largest_over_ranks, loss_on_every_stage};
 use crate::backend::ModelBackend;
@@ -150,7 +155,8 @@ where
     } = &layout;
     // DP takes what is left of the world: TP × PP × DP ranks were checked above.
     let state = ctx.parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?;
-    let logging = state.world().rank() == 0;
+    let world_rank = state.world().rank();
+    let logging = world_rank == 0;
     let setup = |step: String| {
         if logging {
             observer.on_setup(&format!(
@@ -266,6 +272,7 @@ where
         (Some(c), true) => Some(AsyncCheckpointer::<B>::new(c.clone())),
         _ => None,
     };
+    let mut parameters_checked_at = None;
     while iteration < config.train_iters as u64 {
         let started = Instant::now();
         let lr = LrScheduler::step(&mut schedule);
@@ -317,7 +324,9 @@ where
                 .into_iter()
                 .chain(optional.iter().flatten().cloned())
                 .collect(),
-        )
+            world_rank,
+            "the step's loss and gradient norm",
+        )?
         .into_iter();
         let [loss, grad_norm] = [(); 2].map(|_| values.next().unwrap_or(f64::NAN));
         let [loss_scale, max_memory_bytes] =
@@ -349,6 +358,12 @@ where
         {
             observer.on_iteration(&report);
         }
+        if config.check_for_nan_in_loss_and_grad {
+            // The values just read for the log: no extra sync. Under fp16's loss scaler a
+            // non-finite gradient norm is an overflow, skipped by the optimizer, not an error.
+            let norm = scaler.is_none().then_some(grad_norm);
+            check_step_values(iteration, world_rank, loss, norm)?;
+        }
 
         let last = iteration == config.train_iters as u64;
         let interval = config.eval_interval as u64;
@@ -371,6 +386,11 @@ where
                     .save_interval
                     .is_some_and(|k| iteration.is_multiple_of(k as u64)))
         {
+            if config.check_for_nan_in_loss_and_grad {
+                // No checkpoint may hold a NaN: every rank's parameters, before any writes.
+                check_finite_parameters(&state, &rank.chunk, iteration)?;
+                parameters_checked_at = Some(iteration);
+            }
             let training = TrainingState {
                 iteration,
                 consumed_samples: consumed,
@@ -406,6 +426,10 @@ where
             }
         }
     }
+    if config.check_for_nan_in_loss_and_grad && parameters_checked_at != Some(iteration) {
+        // The end of the run: the last step's update, unless a save just checked it.
+        check_finite_parameters(&state, &rank.chunk, iteration)?;
+    }
     if let Some(saver) = in_background.as_mut() {
         let previous = saver.in_flight();
         if let Some((saved_at, dir)) = previous.zip(saver.finish(&state)?) {
@@ -434,17 +458,23 @@ fn shared_loss<B: DistBackend>(
     Ok(state.dp().all_reduce(loss, ReduceOp::Avg)?)
 }
 
-/// `[1]` f32 tensors read in one host transfer (NaN for a value that cannot be read).
-fn read_scalars<B: burn::tensor::backend::Backend>(tensors: Vec<Tensor<B, 1>>) -> Vec<f64> {
+/// `[1]` tensors read in one host transfer, as f32 (NaN for a value missing from what was
+/// read). A device error, such as a deferred one the read is the first to see, is a
+/// [`TrainingError::Device`](crate::error::TrainingError::Device) naming `what` and `rank`.
+fn read_scalars<B: burn::tensor::backend::Backend>(
+    tensors: Vec<Tensor<B, 1>>,
+    rank: usize,
+    what: &str,
+) -> Result<Vec<f64>> {
     let n = tensors.len();
-    let values = Tensor::cat(tensors.into_iter().map(|t| t.cast(DType::F32)).collect(), 0)
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .unwrap_or_default();
-    (0..n)
+    let values = read_f32(
+        Tensor::cat(tensors.into_iter().map(|t| t.cast(DType::F32)).collect(), 0),
+        rank,
+        what,
+    )?;
+    Ok((0..n)
         .map(|i| values.get(i).map_or(f64::NAN, |&v| v as f64))
-        .collect()
+        .collect())
 }
 
 /// Evaluation `index` (0 for the first): `eval_iters` global batches of the validation split,
@@ -480,7 +510,12 @@ where
             device,
         )?;
         let loss = forward_only(SCHEDULE, state, &model, &microbatches)?;
-        let loss = read_scalars(vec![shared_loss(state, loss, device)?])[0];
+        let rank = state.world().rank();
+        let loss = read_scalars(
+            vec![shared_loss(state, loss, device)?],
+            rank,
+            "the evaluation loss",
+        )?[0];
         total += loss;
     }
     chunk.set_next_call(call);
@@ -513,6 +548,10 @@ where
         burn::tensor::TensorData::new(vec![local as f32], [1]),
         (device, DType::F32),
     );
-    let total = read_scalars(vec![state.world().all_reduce(local, ReduceOp::Sum)?])[0];
+    let total = read_scalars(
+        vec![state.world().all_reduce(local, ReduceOp::Sum)?],
+        state.world().rank(),
+        "the parameter count",
+    )?[0];
     Ok(total)
 }

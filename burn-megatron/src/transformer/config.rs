@@ -214,7 +214,11 @@ impl TransformerConfig {
         self.hidden_size / self.num_attention_heads.max(1)
     }
 
-    /// Checks the configuration for a TP group of `tp` ranks (this one being `tp_rank`).
+    /// Checks the configuration for a TP group of `tp` ranks (this one being `tp_rank`):
+    /// every size, the divisibility by TP, the dropouts (in `[0, 1)`), the norm epsilon and
+    /// the initialisation's standard deviation (positive, finite), the RoPE base (finite,
+    /// above 1). A NaN fails every check. Building a model calls it, and so does
+    /// [`PretrainConfig::check`](crate::training::PretrainConfig::check).
     pub fn validate(&self, tp: usize, tp_rank: usize) -> Result<ValidatedConfig, ConfigError> {
         for (name, value) in [
             ("hidden_size", self.hidden_size),
@@ -252,13 +256,18 @@ impl TransformerConfig {
                 tp,
             )?;
         }
-        if let PositionEmbedding::Rope { base } = self.position_embedding
-            && (!self.head_dim().is_multiple_of(2) || base <= 1.0)
-        {
-            return Err(ConfigError::Invalid(format!(
-                "RoPE needs an even head dimension (got {}) and a base above 1 (got {base})",
-                self.head_dim()
-            )));
+        if let PositionEmbedding::Rope { base } = self.position_embedding {
+            if !self.head_dim().is_multiple_of(2) || base <= 1.0 {
+                return Err(ConfigError::Invalid(format!(
+                    "RoPE needs an even head dimension (got {}) and a base above 1 (got {base})",
+                    self.head_dim()
+                )));
+            }
+            if !base.is_finite() {
+                return Err(ConfigError::Invalid(format!(
+                    "the RoPE base (--rotary-base) is {base}: it must be a finite number above 1"
+                )));
+            }
         }
         for (name, p) in [
             ("hidden_dropout", self.hidden_dropout),
@@ -274,6 +283,19 @@ impl TransformerConfig {
             return Err(ConfigError::Invalid(format!(
                 "norm_epsilon must be positive, got {}",
                 self.norm_epsilon
+            )));
+        }
+        if !self.norm_epsilon.is_finite() {
+            return Err(ConfigError::Invalid(format!(
+                "norm_epsilon (--norm-epsilon) is {}: it must be positive and finite",
+                self.norm_epsilon
+            )));
+        }
+        if !(self.init_std.is_finite() && self.init_std > 0.0) {
+            return Err(ConfigError::Invalid(format!(
+                "init_std (--init-method-std) is {}: the initialisation's standard deviation \
+                 must be positive and finite",
+                self.init_std
             )));
         }
         let vocab = VocabPartition::new(

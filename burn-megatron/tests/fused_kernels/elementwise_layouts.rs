@@ -80,7 +80,9 @@ fn elementwise_layouts_give_the_flat_kernels_bits() {
                         || Tensor::<W, 2>::full([rows, cols], f32::NAN, &device).cast(dtype);
                     drop((0..flat.len()).map(|_| poison()).collect::<Vec<_>>());
                     let blocked = run(ElementwiseLayout::Rows(rows_per_thread));
+                    assert_eq!(blocked.len(), flat.len(), "{name}: outputs");
                     for (i, (got, want)) in blocked.iter().zip(&flat).enumerate() {
+                        assert_eq!(got.len(), want.len(), "output {i} {name}: sizes");
                         let first_bad = got.iter().zip(want).position(|(a, b)| a != b);
                         assert_eq!(first_bad, None, "output {i} {name}");
                         assert!(

@@ -91,6 +91,7 @@ fn embedding_backward_equals_the_sequential_sum() {
                 assert_eq!(out.dtype(), dtype);
                 let what = format!("case {case} {dtype:?} strided {strided}");
                 let (got, want) = (values(out), values(expected));
+                assert_eq!(got.len(), want.len(), "{what}: sizes");
                 assert!(got.iter().all(|v| v.is_finite()), "{what}: not finite");
                 let first_bad = got
                     .iter()

@@ -11,7 +11,7 @@ use crate::helpers::{W, matrix, raw, vector, wrap};
 /// of the block, and the widest rows (16k) the model takes.
 const NORM_SHAPES: [(usize, usize); 5] = [(3, 1), (37, 7), (70, 300), (5, 4099), (3, 16_384)];
 
-/// LayerNorm and RMSNorm (`ModelBackend::norm_forward` and `norm_backward` on a CubeCL
+/// LayerNorm and RMSNorm (`NormOps::norm_forward` and `norm_backward` on a CubeCL
 /// backend: one kernel forward, three backward) against the Burn compositions in f32, for f32
 /// and f16 storage, with and without a shift, on narrowed (strided) `x` and `dy` whose rows
 /// are not packed, for rows of 1 to 16k elements and row counts that are not multiples of the
@@ -511,7 +511,22 @@ fn norm_parameter_gradients_are_deterministic() {
         (bits(g.scale), bits(g.shift.expect("asked for")))
     };
     let (first, second) = (run(), run());
-    assert!(first.0.iter().all(|v| f32::from_bits(*v).is_finite()));
+    assert_eq!(
+        (first.0.len(), first.1.len()),
+        (hidden, hidden),
+        "dscale, dshift sizes"
+    );
+    assert_eq!(
+        (second.0.len(), second.1.len()),
+        (hidden, hidden),
+        "dscale, dshift sizes"
+    );
+    for bits in [&first.0, &first.1] {
+        assert!(
+            bits.iter().all(|v| f32::from_bits(*v).is_finite()),
+            "not finite"
+        );
+    }
     let differing = |a: &[u32], b: &[u32]| a.iter().zip(b).filter(|(a, b)| a != b).count();
     assert_eq!(
         (

@@ -3,7 +3,7 @@
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::ModelBackend;
-use burn_megatron_testing::{assert_close, tolerance, values};
+use burn_megatron_testing::{assert_close, paired, tolerance, values};
 
 use crate::helpers::W;
 
@@ -68,7 +68,8 @@ fn a_training_step_on_wgpu_equals_ndarray() {
             &[want_loss],
             tolerance::F32,
         );
-        for ((path, got), (_, want)) in grads.iter().zip(&want) {
+        assert!(!grads.is_empty(), "{name}: no gradients");
+        for (path, got, want) in paired(name, &grads, &want) {
             assert_close(
                 &format!("{name} {path}"),
                 got,

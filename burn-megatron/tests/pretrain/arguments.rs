@@ -363,3 +363,196 @@ fn bad_options_are_clear_errors() {
         .to_string();
     assert!(e.contains("/nonexistent/x"), "{e}");
 }
+
+/// Every out-of-range setting is an error naming its option and the valid range, NaN and
+/// infinity included, whichever optimizer the run steps (Burn's AdamW at the default layout,
+/// the flat one with `--use-distributed-optimizer`), before any rank starts.
+#[test]
+fn out_of_range_settings_name_the_option_and_the_range() {
+    for (args, option, range) in [
+        (&["--adam-beta1", "1"][..], "--adam-beta1", "[0, 1)"),
+        (&["--adam-beta1=-0.1"], "--adam-beta1", "[0, 1)"),
+        (&["--adam-beta1", "NaN"], "--adam-beta1", "[0, 1)"),
+        (&["--adam-beta2", "1.5"], "--adam-beta2", "[0, 1)"),
+        (&["--adam-beta2", "NaN"], "--adam-beta2", "[0, 1)"),
+        (&["--adam-eps", "0"], "--adam-eps", "positive and finite"),
+        (&["--adam-eps=-1e-8"], "--adam-eps", "positive and finite"),
+        (&["--adam-eps", "NaN"], "--adam-eps", "positive and finite"),
+        (&["--adam-eps", "inf"], "--adam-eps", "positive and finite"),
+        (
+            &["--weight-decay=-0.01"],
+            "--weight-decay",
+            "finite and at least 0",
+        ),
+        (
+            &["--weight-decay", "NaN"],
+            "--weight-decay",
+            "finite and at least 0",
+        ),
+        (
+            &["--weight-decay", "inf"],
+            "--weight-decay",
+            "finite and at least 0",
+        ),
+        (
+            &["--init-method-std", "0"],
+            "--init-method-std",
+            "positive and finite",
+        ),
+        (
+            &["--init-method-std=-0.02"],
+            "--init-method-std",
+            "positive and finite",
+        ),
+        (
+            &["--init-method-std", "NaN"],
+            "--init-method-std",
+            "positive and finite",
+        ),
+        (
+            &["--init-method-std", "inf"],
+            "--init-method-std",
+            "positive and finite",
+        ),
+        (&["--norm-epsilon", "0"], "norm_epsilon", "must be positive"),
+        (
+            &["--norm-epsilon", "NaN"],
+            "--norm-epsilon",
+            "positive and finite",
+        ),
+        (
+            &["--norm-epsilon", "inf"],
+            "--norm-epsilon",
+            "positive and finite",
+        ),
+        (&["--clip-grad", "0"], "--clip-grad", "positive and finite"),
+        (
+            &["--clip-grad", "NaN"],
+            "--clip-grad",
+            "positive and finite",
+        ),
+        (&["--lr", "NaN"], "--lr", "finite, non-negative"),
+        (&["--lr=-1"], "--lr", "finite, non-negative"),
+        (&["--min-lr", "NaN"], "--min-lr", "finite, non-negative"),
+        (&["--hidden-dropout", "NaN"], "hidden_dropout", "[0, 1)"),
+        (&["--attention-dropout", "1"], "attention_dropout", "[0, 1)"),
+        (
+            &["--peak-tflops", "0"],
+            "--peak-tflops",
+            "positive and finite",
+        ),
+        (
+            &["--peak-tflops", "NaN"],
+            "--peak-tflops",
+            "positive and finite",
+        ),
+        (
+            &["--gpu-memory-gib", "NaN"],
+            "--gpu-memory-gib",
+            "positive and finite",
+        ),
+    ] {
+        for distributed in [false, true] {
+            let mut all = args.to_vec();
+            if distributed {
+                all.push("--use-distributed-optimizer");
+            }
+            let e = error(&config(&all));
+            assert!(e.contains(option) && e.contains(range), "{all:?}: {e}");
+        }
+    }
+    // The launcher refuses before any rank starts, whatever the path.
+    let e = pretrain_on_threads(&config(&["--adam-eps", "NaN"]), &Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--adam-eps"), "{e}");
+    let e = pretrain_on_threads(&config(&["--learner", "--init-method-std", "0"]), &Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--init-method-std"), "{e}");
+}
+
+/// A NaN RoPE base, norm epsilon or initialisation, given to the model's configuration by a
+/// library user (no command line), fails the model's one validation; so does a NaN AdamW
+/// setting given to the optimizer's configuration: every path (the loops, the Learner, the
+/// benchmarks, a user's own loop) builds through these.
+#[test]
+fn library_configurations_refuse_nan_settings() {
+    use burn_megatron::optimizer::{DistributedAdamWConfig, FlatAdamWConfig};
+    use burn_megatron::transformer::{PositionEmbedding, TransformerConfig};
+
+    let model = || TransformerConfig::new(16, 2, 4, 64, 50, 8);
+    model().validate(1, 0).expect("the base model is valid");
+    for (name, bad, says) in [
+        (
+            "rope base",
+            model().with_position_embedding(PositionEmbedding::Rope { base: f64::NAN }),
+            "--rotary-base",
+        ),
+        (
+            "rope base inf",
+            model().with_position_embedding(PositionEmbedding::Rope {
+                base: f64::INFINITY,
+            }),
+            "--rotary-base",
+        ),
+        (
+            "norm epsilon",
+            model().with_norm_epsilon(f64::NAN),
+            "--norm-epsilon",
+        ),
+        (
+            "init std",
+            model().with_init_std(f64::NAN),
+            "--init-method-std",
+        ),
+    ] {
+        let e = model_error(&bad);
+        assert!(
+            e.contains(says) && (e.contains("NaN") || e.contains("inf")),
+            "{name}: {e}"
+        );
+    }
+    FlatAdamWConfig::new()
+        .validate()
+        .expect("the defaults are valid");
+    for (bad, says) in [
+        (FlatAdamWConfig::new().with_beta_1(f64::NAN), "--adam-beta1"),
+        (FlatAdamWConfig::new().with_beta_2(1.0), "--adam-beta2"),
+        (FlatAdamWConfig::new().with_epsilon(0.0), "--adam-eps"),
+        (
+            FlatAdamWConfig::new().with_weight_decay(f64::NAN),
+            "--weight-decay",
+        ),
+    ] {
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+        let e = DistributedAdamWConfig::new()
+            .with_adam(bad)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(says), "{e}");
+    }
+    let e = DistributedAdamWConfig::new()
+        .with_clip_grad(Some(f64::NAN))
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--clip-grad"), "{e}");
+}
+
+fn model_error(config: &burn_megatron::transformer::TransformerConfig) -> String {
+    config.validate(1, 0).unwrap_err().to_string()
+}
+
+/// `--check-for-nan-in-loss-and-grad` is on by default, `false` turns it off, on the
+/// command line and in a TOML file.
+#[test]
+fn the_nan_check_option_is_on_by_default() {
+    assert!(config(&[]).check_for_nan_in_loss_and_grad);
+    assert!(config(&["--check-for-nan-in-loss-and-grad"]).check_for_nan_in_loss_and_grad);
+    assert!(!config(&["--check-for-nan-in-loss-and-grad", "false"]).check_for_nan_in_loss_and_grad);
+    let file = PretrainArgs::from_toml("check-for-nan-in-loss-and-grad = false\n").unwrap();
+    assert_eq!(file.check_for_nan_in_loss_and_grad, Some(false));
+}

@@ -6,6 +6,7 @@
 mod arguments;
 mod equivalence;
 mod learner;
+mod nan_check;
 mod planner;
 mod resume;
 

@@ -73,6 +73,47 @@ pub fn assert_close(name: &str, got: &[f64], want: &[f64], tolerance: f64) -> f6
     diff
 }
 
+/// Fails unless every value of `got` is finite and at most `bound` in magnitude (a result that
+/// must be exactly zero, up to rounding): a NaN or an infinity fails, naming `name` and the
+/// index, where a fold with `f64::max` would drop it. Returns the largest magnitude.
+pub fn assert_near_zero(name: &str, got: &[f64], bound: f64) -> f64 {
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!(
+            "{name}: got[{i}] is {} (every compared value must be finite)",
+            got[i]
+        );
+    }
+    let largest = got.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    assert!(
+        largest <= bound,
+        "{name}: {largest:.3e} where 0 is exact (bound {bound:.1e})"
+    );
+    largest
+}
+
+/// `got` and `want`, lists of `(name, value)` (gradients by parameter path, results by op),
+/// paired by position after checking that both hold the same names in the same order: a
+/// missing, extra or reordered entry fails, naming `what`, where a bare `zip` would drop it.
+pub fn paired<'a, N, T>(
+    what: &str,
+    got: &'a [(N, T)],
+    want: &'a [(N, T)],
+) -> Vec<(&'a str, &'a T, &'a T)>
+where
+    N: AsRef<str>,
+{
+    let names = |list: &'a [(N, T)]| list.iter().map(|(n, _)| n.as_ref()).collect::<Vec<_>>();
+    assert_eq!(
+        names(got),
+        names(want),
+        "{what}: the compared lists differ in their entries"
+    );
+    got.iter()
+        .zip(want)
+        .map(|((name, a), (_, b))| (name.as_ref(), a, b))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +159,44 @@ mod tests {
     #[should_panic(expected = "exceeds")]
     fn a_difference_above_the_tolerance_fails() {
         assert_close("x", &[1.1], &[1.0], crate::tolerance::F32);
+    }
+
+    #[test]
+    #[should_panic(expected = "dq: got[1] is NaN")]
+    fn a_nan_where_zero_is_exact_fails() {
+        assert_near_zero("dq", &[0.0, f64::NAN], 1e-6);
+    }
+
+    #[test]
+    #[should_panic(expected = "where 0 is exact")]
+    fn a_value_above_the_zero_bound_fails() {
+        assert_near_zero("dk", &[0.0, -1e-3], 1e-6);
+    }
+
+    #[test]
+    fn values_near_zero_pass() {
+        assert_eq!(assert_near_zero("dk", &[0.0, -1e-7], 1e-6), 1e-7);
+    }
+
+    #[test]
+    #[should_panic(expected = "differ in their entries")]
+    fn a_missing_entry_fails() {
+        let got = [("a", 1.0), ("b", 2.0)];
+        let want = [("a", 1.0), ("b", 2.0), ("c", 3.0)];
+        paired("grads", &got, &want);
+    }
+
+    #[test]
+    #[should_panic(expected = "differ in their entries")]
+    fn a_renamed_entry_fails() {
+        paired("grads", &[("a", 1.0)], &[("b", 1.0)]);
+    }
+
+    #[test]
+    fn paired_entries_keep_their_order() {
+        let got = [("a".to_string(), 1), ("b".to_string(), 2)];
+        let want = [("a".to_string(), 3), ("b".to_string(), 4)];
+        assert_eq!(paired("x", &got, &want), [("a", &1, &3), ("b", &2, &4)]);
     }
 
     /// A NaN poisoned into one element of a real tensor (as a broken kernel would leave it)

@@ -1,7 +1,9 @@
 //! Test helpers shared by every burn-megatron test crate (a dev-dependency only).
 //!
 //! - [`compare`]: the relative difference of two tensors, which fails on any non-finite value
-//!   in either operand (naming the tensor and the index), so a NaN can never pass a test.
+//!   in either operand (naming the tensor and the index), so a NaN can never pass a test;
+//!   [`assert_near_zero`] for results that must be 0; [`paired`] for lists of named results
+//!   (gradients by path), which must hold the same names.
 //! - [`tolerance`]: the bounds a comparison uses, named per dtype.
 //! - [`run`]: a launch of thread ranks that fails the test with every rank's error.
 //! - [`scratch_dir`]: a fresh directory for one test's files.
@@ -18,7 +20,9 @@ use std::time::Duration;
 
 use burn_megatron_dist::{LaunchConfig, RankContext, launch};
 
-pub use compare::{assert_close, data_values, relative_difference, values, values_f32};
+pub use compare::{
+    assert_close, assert_near_zero, data_values, paired, relative_difference, values, values_f32,
+};
 
 /// Runs `f` on `n` thread ranks (60 s collective timeout) and returns every rank's result;
 /// a failed launch fails the test with each rank's error.

@@ -8,6 +8,7 @@ use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::tensor::backend::Backend;
 use burn_megatron_dist::{DistBackend, ParallelState};
 
+use super::failure::fail;
 use crate::data::SampleDataset;
 use crate::pipeline_parallel::Microbatch;
 use crate::training::read_microbatches;
@@ -29,8 +30,10 @@ pub struct StepShape {
 /// `dp · micro_batch_size` samples of the step; TP rank 0 reads and broadcasts to its group.
 /// Every rank of the world iterates its loader in step, since the broadcast is a collective.
 ///
-/// A read that fails (a malformed file, a token id outside the vocabulary) panics with the
-/// error: burn-train's loaders cannot fail.
+/// A read that fails (a malformed file, a token id outside the vocabulary) unwinds, since
+/// burn-train's loaders cannot fail: under [`MegatronStrategy`](super::MegatronStrategy) the
+/// typed error reaches [`pretrain_with_learner`](super::pretrain_with_learner)'s `Result`;
+/// elsewhere it is a panic with the error's message.
 pub struct GptStepLoader<B: Backend, D> {
     dataset: Arc<D>,
     state: ParallelState,
@@ -97,9 +100,10 @@ where
             &self.device,
         )
         .unwrap_or_else(|e| {
-            panic!(
-                "rank {}: reading step {step}'s batch failed: {e}",
-                self.state.world().rank()
+            fail(
+                self.state.world().rank(),
+                &format!("reading step {step}'s batch"),
+                e,
             )
         })
     }

@@ -10,7 +10,8 @@
 //! - [`MegatronOptimizer`]: [`DistributedAdamW`](crate::optimizer::DistributedAdamW) as a
 //!   Burn optimizer (DP reduction, ZeRO-1, global-norm clipping, fp32 master weights).
 //! - [`MegatronStrategy`]: the loop, plugged in with [`MegatronTraining::with_megatron`];
-//!   step-interval sharded checkpoints and resume.
+//!   step-interval sharded checkpoints and resume, the NaN check, and failures as errors
+//!   ([`FitFailure`]: Burn's traits cannot return one, so the loop is a panic boundary).
 //! - [`pretrain_with_learner`]: `pretrain_gpt --learner`, a [`PretrainConfig`](crate::training::PretrainConfig)
 //!   run through burn-train.
 //! - [`LogRenderer`]: metric values as log lines, where burn-train's dashboard has no terminal.
@@ -21,6 +22,7 @@
 //! Any Burn model whose step reports a [`LanguageModelOutput`] trains the same way with data
 //! parallelism and the distributed optimizer (book: "Pretraining", the Learner section).
 
+mod failure;
 mod loader;
 mod log_renderer;
 mod metrics;
@@ -32,6 +34,7 @@ mod quiet;
 mod recorder;
 mod strategy;
 
+pub use failure::FitFailure;
 pub use loader::{DataParallelShard, GptStepLoader, StepShape};
 pub use log_renderer::LogRenderer;
 pub use metrics::{H100_BF16_PEAK_FLOPS, LanguageModelMetric};

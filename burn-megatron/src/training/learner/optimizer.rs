@@ -13,6 +13,7 @@ use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
+use super::failure::fail;
 use crate::backend::ModelBackend;
 use crate::optimizer::DistributedAdamW;
 use crate::optimizer::{DynamicLossScaler, LossScalerState};
@@ -56,8 +57,10 @@ struct Shared<B: AutodiffBackend> {
 /// every rank, the fused AdamW step on fp32 master weights, and the parameters' all-gather.
 ///
 /// Burn's `Optimizer::step` cannot fail, so a failing step (a collective that timed out, a
-/// rank that died) panics with the error's message; thread and process launchers turn the
-/// panic into that rank's error and release the others.
+/// rank that died) unwinds: under [`MegatronStrategy`](super::MegatronStrategy) the typed
+/// error reaches [`pretrain_with_learner`](super::pretrain_with_learner)'s `Result`; under
+/// another strategy it is a panic with the error's message, which thread and process
+/// launchers turn into that rank's error, releasing the others.
 ///
 /// With [`with_loss_scaler`](Self::with_loss_scaler) it is fp16's step: the loss scale is
 /// divided out and an overflow skips the step, on the device.
@@ -175,7 +178,11 @@ where
                 shared.used_scale = used_scale;
                 step.model
             }
-            Err(e) => panic!("the distributed optimizer's step failed: {e}"),
+            Err(e) => {
+                let rank = shared.optim.global_rank();
+                drop(shared);
+                fail(rank, "the distributed optimizer's step", e)
+            }
         }
     }
 

@@ -80,7 +80,10 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
         for tensor in optional.iter().flatten() {
             transaction = transaction.register(tensor.clone().cast(DType::F32));
         }
-        let mut values = transaction.execute().into_iter().map(|data| {
+        // A failed read (a deferred device error) gives NaN here, on burn-train's metric
+        // thread, instead of a panic there; the rank's own next read reports the error.
+        let read = transaction.try_execute().unwrap_or_default();
+        let mut values = read.into_iter().map(|data| {
             data.convert::<f32>()
                 .to_vec::<f32>()
                 .ok()

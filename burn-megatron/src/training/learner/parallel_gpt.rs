@@ -7,6 +7,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::{InferenceStep, TrainOutput, TrainStep};
 use burn_megatron_dist::{DistBackend, ParallelState};
 
+use super::failure::or_fail;
 use super::optimizer::LossScale;
 use super::output::LanguageModelOutput;
 use crate::backend::ModelBackend;
@@ -37,7 +38,11 @@ struct StepLayout {
 /// last stage to every stage; averaging over data-parallel ranks is the strategy's.
 ///
 /// A step that fails (a stage failed, a collective timed out, a token id outside the
-/// vocabulary) panics with the error, since burn-train's steps cannot fail.
+/// vocabulary) unwinds, since burn-train's steps cannot fail: under
+/// [`MegatronStrategy`](super::MegatronStrategy) the typed error reaches
+/// [`pretrain_with_learner`](super::pretrain_with_learner)'s `Result` (the strategy's
+/// [`FitFailure`](super::FitFailure)); under another strategy it is a panic with the error's
+/// message.
 #[derive(Module, Debug)]
 pub struct ParallelGpt<B: Backend> {
     /// The rank's model chunk.
@@ -104,7 +109,7 @@ impl<B: ModelBackend> ParallelGpt<B> {
 }
 
 fn or_panic<T>(what: &str, state: &ParallelState, result: Result<T>) -> T {
-    result.unwrap_or_else(|e| panic!("rank {}: the {what} failed: {e}", state.world().rank()))
+    or_fail(state.world().rank(), &format!("the {what}"), result)
 }
 
 impl<B> TrainStep for ParallelGpt<B>

@@ -11,6 +11,7 @@ use burn::train::metric::{LearningRateMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
 use burn_megatron_dist::{DistBackend, ParallelSizes, RankContext};
 
+use super::failure::catch;
 use super::{
     GptStepLoader, LanguageModelMetric, LogRenderer, MegatronOptimizer, MegatronStrategy,
     MegatronTraining, MetricRecorder, ParallelGpt, QuietRenderer, StepShape,
@@ -44,6 +45,16 @@ pub struct LearnerReporting {
 ///
 /// Every rank of the world must call it with the same configuration and data. The losses
 /// equal `pretrain`'s with the distributed optimizer (tests/pretrain/learner.rs).
+///
+/// Failures are this function's errors, never panics: Burn's `Learner` API cannot return
+/// errors from a step, a data loader or an optimizer, so the strategy's loop and the whole
+/// burn-train run are panic boundaries ([`std::panic::catch_unwind`]). Our steps, loader and
+/// optimizer unwind with their typed error (a bad token id, a failed collective, a device
+/// error), which comes back as it was; a panic of anyone else's comes back as
+/// [`TrainingError::Learner`](crate::error::TrainingError::Learner) with its message. With
+/// `--check-for-nan-in-loss-and-grad` a non-finite loss, gradient norm or parameter is a
+/// [`TrainingError::NonFinite`](crate::error::TrainingError::NonFinite) before any
+/// checkpoint of that iteration is written.
 pub fn pretrain_with_learner<B>(
     ctx: &RankContext,
     config: &PretrainConfig,
@@ -123,7 +134,8 @@ where
         .slice(0, 0),
     };
 
-    let mut strategy = MegatronStrategy::new(&state, &optim);
+    let mut strategy =
+        MegatronStrategy::new(&state, &optim).with_nan_check(config.check_for_nan_in_loss_and_grad);
     if let Some(root) = &config.save {
         let checkpointer = Checkpointer::new(root).with_keep_last(config.keep_last_checkpoints);
         let interval = config.save_interval.unwrap_or(config.train_iters);
@@ -158,8 +170,16 @@ where
     } else if !std::io::stdout().is_terminal() {
         training = training.renderer(LogRenderer::new(config.log_interval));
     }
-    training
-        .with_megatron(strategy)
-        .launch(Learner::new(model, optim, config.lr_schedule()?));
-    Ok(())
+    let failure = strategy.failure();
+    let learner = Learner::new(model, optim, config.lr_schedule()?);
+    // The panic boundary around burn-train: a panic outside the strategy's own boundary
+    // (burn-train's event processing, its renderer) is an error too.
+    catch(state.world().rank(), "the Learner run", || {
+        training.with_megatron(strategy).launch(learner);
+        Ok(())
+    })?;
+    match failure.take() {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
 }

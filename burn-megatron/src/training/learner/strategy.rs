@@ -21,7 +21,16 @@
 //! and the optimizer's sharded state are saved every `interval` steps into our sharded
 //! checkpoints, and a run that finds one resumes from it (same data order, same losses).
 //!
-//! Not supported, and refused with a panic that says so: burn-train's per-epoch file
+//! Failures are errors, not panics: burn-train's `fit` returns no `Result`, so the loop runs
+//! inside a panic boundary ([`std::panic::catch_unwind`]); the typed errors of our steps,
+//! loader and optimizer (which Burn's traits make unwind) and any other panic's message stop
+//! the loop, burn-train ends the run as usual, and the error waits in
+//! [`MegatronStrategy::failure`] ([`pretrain_with_learner`](super::pretrain_with_learner)
+//! returns it). With `--check-for-nan-in-loss-and-grad` (on by default) a non-finite loss or
+//! gradient norm, flagged on the device each step, or a non-finite parameter stops the run
+//! before a checkpoint is saved ([`MegatronStrategy::with_nan_check`]).
+//!
+//! Not supported, and refused with an error that says so: burn-train's per-epoch file
 //! checkpointer and `checkpoint(epoch)` (they cannot hold sharded state), and its gradient
 //! accumulation (the schedule accumulates microbatches). burn-train's interrupter is not
 //! honoured: stopping one rank alone would leave the others waiting in a collective.
@@ -39,6 +48,7 @@ use burn::train::{
 };
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
+use super::failure::{FitFailure, catch};
 use super::output::LanguageModelOutput;
 use super::quiet::{QuietLogger, QuietRenderer};
 use super::{MegatronOptimizer, ParallelGpt, StepShape};
@@ -47,7 +57,9 @@ use crate::checkpointing::{
     Checkpoint, Checkpointer, TrainingState, distributed_adamw_state, latest_checkpoint,
     load_distributed_adamw,
 };
-use crate::error::Result;
+use crate::error::{ConfigError, Result};
+use crate::training::check_finite_parameters;
+use crate::training::nan_check::StepFlag;
 use crate::training::step::largest_over_ranks;
 
 /// Gives this rank's model autodiff leaves of its own.
@@ -83,6 +95,8 @@ pub struct MegatronStrategy<B: AutodiffBackend, M> {
     state: ParallelState,
     optim: MegatronOptimizer<B>,
     checkpoints: Option<StepCheckpoints<B, M>>,
+    check_for_nan: bool,
+    failure: FitFailure,
 }
 
 impl<B: AutodiffBackend, M> MegatronStrategy<B, M> {
@@ -93,7 +107,26 @@ impl<B: AutodiffBackend, M> MegatronStrategy<B, M> {
             state: state.clone(),
             optim: optim.clone(),
             checkpoints: None,
+            check_for_nan: true,
+            failure: FitFailure::default(),
         }
+    }
+
+    /// Whether a non-finite loss or gradient norm, or a non-finite parameter before a save
+    /// and at the end, stops the run (`--check-for-nan-in-loss-and-grad`; on by default).
+    /// The loss and norm are flagged on the device each step, with no host read; the flag is
+    /// read before each checkpoint save and at the end of the run, and every parameter is
+    /// checked there too (one all-reduce and one read each time).
+    pub fn with_nan_check(mut self, check: bool) -> Self {
+        self.check_for_nan = check;
+        self
+    }
+
+    /// Where the error that ends the loop is left, since burn-train's `fit` cannot return one:
+    /// take it after `launch` ([`FitFailure::take`]). A run whose loop failed returns the
+    /// model as it was when it stopped.
+    pub fn failure(&self) -> FitFailure {
+        self.failure.clone()
     }
 
     /// Whether this rank reports to burn-train's event processor (global rank 0).
@@ -184,8 +217,26 @@ where
         .transpose()
 }
 
-fn or_panic<T>(state: &ParallelState, what: &str, result: Result<T>) -> T {
-    result.unwrap_or_else(|e| panic!("rank {}: {what} failed: {e}", state.world().rank()))
+impl<B, M> MegatronStrategy<B, M>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: DistBackend,
+    M: Module<B>,
+{
+    /// `--check-for-nan-in-loss-and-grad` before a save and at the end of the run: the first
+    /// non-finite loss or gradient norm flagged on the device, then every parameter.
+    fn check_finite(
+        &self,
+        flag: &StepFlag<B::InnerBackend>,
+        model: &M,
+        iteration: usize,
+    ) -> Result<()> {
+        if self.check_for_nan {
+            flag.check(self.state.world().rank())?;
+            check_finite_parameters(&self.state, model, iteration as u64)?;
+        }
+        Ok(())
+    }
 }
 
 impl<LC, B> SupervisedLearningStrategy<LC> for MegatronStrategy<B, LC::TrainingModel>
@@ -196,6 +247,10 @@ where
     LC::TrainingModel: TrainStep<Output = LanguageModelOutput<B::InnerBackend>>,
     LC::InferenceModel: InferenceStep<Output = LanguageModelOutput<B::InnerBackend>>,
 {
+    /// The loop (see [`MegatronStrategy`]). It runs inside a panic boundary: whatever
+    /// fails, our typed errors from the steps, the loader and the optimizer, or another
+    /// panic's message, stops the loop and is left in [`failure`](MegatronStrategy::failure);
+    /// the model is returned as it was, and burn-train ends the run as usual.
     fn fit(
         &self,
         components: TrainingComponents<LC>,
@@ -204,141 +259,171 @@ where
         valid: ValidLoader<LC>,
         starting_epoch: usize,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
-        let state = &self.state;
-        assert!(
-            components.checkpointer.is_none() && starting_epoch == 1,
-            "MegatronStrategy keeps sharded state that burn-train's per-epoch checkpointer \
-             cannot hold: use MegatronStrategy::with_checkpoints instead of \
-             with_file_checkpointer/checkpoint"
-        );
-        assert!(
-            components.grad_accumulation.is_none(),
-            "MegatronStrategy: the model's step accumulates its microbatches (the global \
-             batch is micro batch × microbatches × DP); leave grads_accumulation unset"
-        );
-        own_autodiff_leaves(&mut learner);
-        let logging = self.is_logging_rank();
+        let rank = self.state.world().rank();
         let mut processor = components.event_processor;
-        let steps_per_epoch = train.num_items().max(1);
-        let num_epochs = components.num_epochs;
-
-        let mut iteration = 0;
-        if let Some(checkpoints) = &self.checkpoints {
-            let resumed = or_panic(
-                state,
-                "resuming from the checkpoint",
-                (checkpoints.resume)(learner.model(), &self.optim),
-            );
-            if let Some((model, training)) = resumed {
-                learner.load_model(model.into_record());
-                iteration = training.iteration as usize;
-                for _ in 0..iteration {
-                    learner.lr_step();
-                }
-            }
-        }
-
-        let first_epoch = iteration / steps_per_epoch + 1;
-        for epoch in first_epoch..=num_epochs {
-            let epoch_progress = Progress::new(epoch, num_epochs);
-            let skip = if epoch == first_epoch {
-                iteration % steps_per_epoch
-            } else {
-                0
-            };
-            let loader = if skip > 0 {
-                train.slice(skip, train.num_items())
-            } else {
-                train.clone()
-            };
-            let mut batches = loader.iter();
-            while let Some(batch) = batches.next() {
-                let progress =
-                    Progress::new(skip + batches.progress().items_processed, steps_per_epoch);
-                iteration += 1;
-                learner.lr_step();
-                let out = learner.train_step(batch);
-                learner.optimizer_step(out.grads);
-                let mut item = out.item;
-                item.loss = or_panic(
-                    state,
-                    "averaging the loss over data-parallel ranks",
-                    state
-                        .dp()
-                        .all_reduce(item.loss, ReduceOp::Avg)
-                        .map_err(Into::into),
-                );
-                item.grad_norm = self.optim.last_grad_norm();
-                item.loss_scale = self.optim.last_loss_scale();
-                item.max_memory_mib = or_panic(
-                    state,
-                    "gathering the ranks' memory",
-                    largest_memory::<B>(state, &learner.model()),
-                );
-                if logging {
-                    processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
-                        item,
-                        progress,
-                        epoch_progress.clone(),
-                        Some(iteration),
-                        Some(learner.lr_current()),
-                    )));
-                }
-                let last =
-                    epoch == num_epochs && batches.progress().items_processed == loader.num_items();
-                if let Some(checkpoints) = &self.checkpoints
-                    && (iteration.is_multiple_of(checkpoints.interval) || last)
-                {
-                    or_panic(
-                        state,
-                        "saving the checkpoint",
-                        (checkpoints.save)(&learner.model(), &self.optim, iteration as u64),
-                    );
-                }
-            }
-            processor.process_train(LearnerEvent::EndEpoch(epoch));
-
-            let model = learner.model().valid();
-            let mut evaluation: Option<(LanguageModelOutput<B::InnerBackend>, usize)> = None;
-            for batch in valid.iter() {
-                let item = model.step(batch);
-                evaluation = Some(match evaluation {
-                    None => (item, 1),
-                    Some((sum, n)) => (
-                        LanguageModelOutput {
-                            loss: sum.loss + item.loss,
-                            tokens: sum.tokens + item.tokens,
-                            ..sum
-                        },
-                        n + 1,
-                    ),
-                });
-            }
-            if let Some((mut item, batches)) = evaluation {
-                // The mean over the validation batches, and over DP ranks.
-                let loss = item.loss.div_scalar(batches as f64);
-                item.loss = or_panic(
-                    state,
-                    "averaging the validation loss over data-parallel ranks",
-                    state
-                        .dp()
-                        .all_reduce(loss, ReduceOp::Avg)
-                        .map_err(Into::into),
-                );
-                if logging {
-                    processor.process_valid(LearnerEvent::ProcessedItem(TrainingItem::new(
-                        item,
-                        Progress::new(1, 1),
-                        epoch_progress.clone(),
-                        Some(iteration),
-                        None,
-                    )));
-                }
-            }
-            processor.process_valid(LearnerEvent::EndEpoch(epoch));
+        let outcome = if components.checkpointer.is_some() || starting_epoch != 1 {
+            Err(ConfigError::Invalid(
+                "MegatronStrategy keeps sharded state that burn-train's per-epoch checkpointer \
+                 cannot hold: use MegatronStrategy::with_checkpoints instead of \
+                 with_file_checkpointer/checkpoint"
+                    .into(),
+            )
+            .into())
+        } else if components.grad_accumulation.is_some() {
+            Err(ConfigError::Invalid(
+                "MegatronStrategy: the model's step accumulates its microbatches (the global \
+                 batch is micro batch × microbatches × DP); leave grads_accumulation unset"
+                    .into(),
+            )
+            .into())
+        } else {
+            catch(rank, "the Learner's training loop", || {
+                run(
+                    self,
+                    &mut learner,
+                    &mut processor,
+                    &train,
+                    &valid,
+                    components.num_epochs,
+                )
+            })
+        };
+        if let Err(error) = outcome {
+            self.failure.set(error);
         }
         (learner.model(), processor)
     }
+}
+
+/// The epochs of [`fit`](SupervisedLearningStrategy::fit), as a `Result`.
+fn run<LC, B>(
+    strategy: &MegatronStrategy<B, LC::TrainingModel>,
+    learner: &mut Learner<LC>,
+    processor: &mut SupervisedTrainingEventProcessor<LC>,
+    train: &TrainLoader<LC>,
+    valid: &ValidLoader<LC>,
+    num_epochs: usize,
+) -> Result<()>
+where
+    LC: LearningComponentsTypes<Backend = B, Optimizer = MegatronOptimizer<B>>,
+    B: AutodiffBackend,
+    B::InnerBackend: DistBackend + ModelBackend,
+    LC::TrainingModel: TrainStep<Output = LanguageModelOutput<B::InnerBackend>>,
+    LC::InferenceModel: InferenceStep<Output = LanguageModelOutput<B::InnerBackend>>,
+{
+    let state = &strategy.state;
+    own_autodiff_leaves(learner);
+    let logging = strategy.is_logging_rank();
+    let steps_per_epoch = train.num_items().max(1);
+    let mut flag = StepFlag::<B::InnerBackend>::new();
+    let mut checked_at = None;
+
+    let mut iteration = 0;
+    if let Some(checkpoints) = &strategy.checkpoints
+        && let Some((model, training)) = (checkpoints.resume)(learner.model(), &strategy.optim)?
+    {
+        learner.load_model(model.into_record());
+        iteration = training.iteration as usize;
+        for _ in 0..iteration {
+            learner.lr_step();
+        }
+    }
+
+    let first_epoch = iteration / steps_per_epoch + 1;
+    for epoch in first_epoch..=num_epochs {
+        let epoch_progress = Progress::new(epoch, num_epochs);
+        let skip = if epoch == first_epoch {
+            iteration % steps_per_epoch
+        } else {
+            0
+        };
+        let loader = if skip > 0 {
+            train.slice(skip, train.num_items())
+        } else {
+            train.clone()
+        };
+        let mut batches = loader.iter();
+        while let Some(batch) = batches.next() {
+            let progress =
+                Progress::new(skip + batches.progress().items_processed, steps_per_epoch);
+            iteration += 1;
+            learner.lr_step();
+            let out = learner.train_step(batch);
+            learner.optimizer_step(out.grads);
+            let mut item = out.item;
+            item.loss = state.dp().all_reduce(item.loss, ReduceOp::Avg)?;
+            item.grad_norm = strategy.optim.last_grad_norm();
+            item.loss_scale = strategy.optim.last_loss_scale();
+            if strategy.check_for_nan {
+                // Under fp16's loss scaler a non-finite norm is an overflow the
+                // optimizer skipped, not an error.
+                let norm = item
+                    .grad_norm
+                    .as_ref()
+                    .filter(|_| item.loss_scale.is_none());
+                flag.observe(iteration as u64, &item.loss, norm);
+            }
+            item.max_memory_mib = largest_memory::<B>(state, &learner.model())?;
+            if logging {
+                processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
+                    item,
+                    progress,
+                    epoch_progress.clone(),
+                    Some(iteration),
+                    Some(learner.lr_current()),
+                )));
+            }
+            let last =
+                epoch == num_epochs && batches.progress().items_processed == loader.num_items();
+            if let Some(checkpoints) = &strategy.checkpoints
+                && (iteration.is_multiple_of(checkpoints.interval) || last)
+            {
+                let model = learner.model();
+                // No checkpoint may hold a NaN: checked on every rank before any writes.
+                strategy.check_finite(&flag, &model, iteration)?;
+                checked_at = Some(iteration);
+                (checkpoints.save)(&model, &strategy.optim, iteration as u64)?;
+            }
+        }
+        processor.process_train(LearnerEvent::EndEpoch(epoch));
+
+        let model = learner.model().valid();
+        let mut evaluation: Option<(LanguageModelOutput<B::InnerBackend>, usize)> = None;
+        for batch in valid.iter() {
+            let item = model.step(batch);
+            evaluation = Some(match evaluation {
+                None => (item, 1),
+                Some((sum, n)) => (
+                    LanguageModelOutput {
+                        loss: sum.loss + item.loss,
+                        tokens: sum.tokens + item.tokens,
+                        ..sum
+                    },
+                    n + 1,
+                ),
+            });
+        }
+        if let Some((mut item, batches)) = evaluation {
+            // The mean over the validation batches, and over DP ranks.
+            let loss = item.loss.div_scalar(batches as f64);
+            item.loss = state.dp().all_reduce(loss, ReduceOp::Avg)?;
+            if logging {
+                processor.process_valid(LearnerEvent::ProcessedItem(TrainingItem::new(
+                    item,
+                    Progress::new(1, 1),
+                    epoch_progress.clone(),
+                    Some(iteration),
+                    None,
+                )));
+            }
+        }
+        processor.process_valid(LearnerEvent::EndEpoch(epoch));
+    }
+    if checked_at != Some(iteration) {
+        // The end of the run: the steps since the last save, and the last update.
+        strategy.check_finite(&flag, &learner.model(), iteration)?;
+    }
+    Ok(())
 }
 
 /// `SupervisedTraining` set up for one rank of a parallel job.
