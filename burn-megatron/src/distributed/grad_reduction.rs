@@ -29,7 +29,7 @@
 //! # Overlap with backward
 //! These functions run after the backward pass. [`overlap`](super::overlap) starts the same
 //! collectives on the same ranges from inside it, as each bucket's gradients become final
-//! ([`DistributedAdamW::overlap_hook`](super::DistributedAdamW::overlap_hook)), with the same
+//! ([`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook)), with the same
 //! result bit for bit.
 
 use std::ops::Range;

@@ -8,12 +8,11 @@
 //!   ([`BufferLayout::shard`]) are ranges of them.
 //! - [`grad_reduction`]: the gradients averaged over the DP group after the backward pass,
 //!   bucket by bucket: all-reduced, or reduce-scattered for the distributed optimizer.
-//! - [`distrib_optimizer`]: [`DistributedAdamW`], AdamW over a DP replica's flat buffers with
-//!   the global-norm clip over DP × TP × PP, its state for the whole buffer or, with
-//!   `use_distributed_optimizer` (ZeRO-1), for the rank's shard only, the updated parameters
-//!   all-gathered.
+//!
+//! The distributed optimizer that steps on these buffers (ZeRO-1) is
+//! [`DistributedAdamW`](crate::optimizer::DistributedAdamW), in [`crate::optimizer`].
 //! - [`overlap`]: the same reduction started inside the backward pass, bucket by bucket as
-//!   the layers' gradients become final ([`DistributedAdamW::overlap_hook`]).
+//!   the layers' gradients become final ([`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook)).
 
 pub mod grad_reduction;
 pub mod overlap;

@@ -93,7 +93,7 @@ struct StepState<B: Backend, P> {
 
 /// The hook that overlaps the data-parallel reduction with the backward pass (see the
 /// [module docs](self)). Built by
-/// [`DistributedAdamW::overlap_hook`](super::DistributedAdamW::overlap_hook).
+/// [`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook).
 pub struct GradReduceOverlap<BA: AutodiffBackend> {
     layout: BufferLayout,
     /// Per slot: the layer index at whose input its gradient is final, if any.

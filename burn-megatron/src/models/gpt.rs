@@ -206,6 +206,10 @@ impl<B: ModelBackend> GptModel<B> {
     /// logits. Under sequence parallelism `seq` must be divisible by the TP size; every token
     /// id must be in `0..vocab_size` (an [`InputError`] otherwise).
     ///
+    /// # Shapes
+    /// - tokens: `[batch, seq]`
+    /// - output: `[batch, seq, padded_vocab / tp]`
+    ///
     /// Runs a whole model (a pipeline stage is a [`PipelineError::MissingPiece`]). A model
     /// built with [`Recompute::Full`] that tracks gradients is a
     /// [`PipelineError::RecomputeNeedsSchedule`]: train it with a schedule of

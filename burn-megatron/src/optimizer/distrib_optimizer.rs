@@ -7,7 +7,7 @@
 //!
 //! 1. this rank's gradients (accumulated over its microbatches) are copied into the flat fp32
 //!    gradient buffer;
-//! 2. they are averaged over DP ([`grad_reduction`](super::grad_reduction)): all-reduced, or,
+//! 2. they are averaged over DP ([`grad_reduction`](crate::distributed::grad_reduction)): all-reduced, or,
 //!    with the distributed optimizer, reduce-scattered so that the rank holds only the shard
 //!    `layout.shard(dp_rank)` it updates;
 //! 3. the global gradient norm: each rank sums the squares of the elements it holds and
@@ -412,7 +412,7 @@ where
 
     /// The hook that starts this optimizer's data-parallel gradient reduction inside the
     /// backward pass, bucket by bucket as the layers' gradients become final (Megatron's
-    /// `--overlap-grad-reduce`, see [`overlap`](super::overlap)). Install it in the model
+    /// `--overlap-grad-reduce`, see [`overlap`](crate::distributed::overlap)). Install it in the model
     /// (`GptModel::set_backward_hook`) whose backward pass comes next; `model` is that model.
     /// From then on [`step`](Self::step) takes the gradients the hook reduced and those of
     /// `grads` it did not take, and keeps the hook pointed at the parameters it returns. The

@@ -114,6 +114,12 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
     ///
     /// Burn's convention of an infallible `forward`, for code written against it.
     ///
+    /// # Shapes
+    /// - input: `[..., d_input]` (`seq / tp` along the sequence dimension under sequence
+    ///   parallelism, gathered here)
+    /// - output: `[..., d_output / tp]`, this rank's columns (all of them with
+    ///   `gather_output`)
+    ///
     /// # Panics
     /// If a collective fails (a peer died, a timeout); [`try_forward`](Self::try_forward)
     /// returns the error instead and is preferred.

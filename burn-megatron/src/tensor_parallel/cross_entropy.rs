@@ -17,7 +17,7 @@ use crate::ops::cross_entropy::VocabSlice;
 /// does not depend on the padding. A negative target (such as an ignore index of -100) gives
 /// a meaningless loss there: mask it with [`masked_mean`]. A target at or above the real
 /// vocabulary size is an [`InputError::IdOutOfRange`](crate::InputError::IdOutOfRange) (see
-/// [`ModelBackend::check_ids`]).
+/// [`IdCheckOps::check_ids`](crate::ops::IdCheckOps::check_ids)).
 ///
 /// The losses are f32 (f64 for f64 logits) whatever the logits' dtype. The gradient is
 /// `(softmax - one_hot) · dloss` on each rank's slice, computed without any collective

@@ -11,7 +11,7 @@
 //!   dropout trains exactly like the single-device model.
 //!
 //! The seed changes with every call (see [`DropoutSite`]), and recomputing a layer with the
-//! same seed redraws the same masks. The masks are drawn by [`ModelBackend::dropout`]: on the
+//! same seed redraws the same masks. The masks are drawn by [`DropoutOps::dropout`]: on the
 //! device, inside the kernel that applies them, where the backend has one.
 
 use burn::tensor::Tensor;

@@ -120,6 +120,12 @@ impl<B: ModelBackend> RowParallelLinear<B> {
     ///
     /// Burn's convention of an infallible `forward`, for code written against it.
     ///
+    /// # Shapes
+    /// - input: `[..., d_input / tp]` (this rank's slice; the whole `d_input` without
+    ///   `input_is_parallel`, split here)
+    /// - output: `[..., d_output]`, summed over the group (`seq / tp` along the sequence
+    ///   dimension under sequence parallelism)
+    ///
     /// # Panics
     /// If a collective fails (a peer died, a timeout); [`try_forward`](Self::try_forward)
     /// returns the error instead and is preferred.

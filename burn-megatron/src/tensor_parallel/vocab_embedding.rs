@@ -80,9 +80,16 @@ impl<B: Backend> DeclarePlacements for VocabParallelEmbedding<B> {
 
 impl<B: ModelBackend> VocabParallelEmbedding<B> {
     /// `[batch, seq]` token ids → `[batch, seq, d_model]`, or `[batch, seq / tp, d_model]`
-    /// under sequence parallelism. An id outside `0..vocab_size` is an
+    /// under sequence parallelism.
+    ///
+    /// # Shapes
+    /// - tokens: `[batch, seq]`
+    /// - output: `[batch, seq, d_model]` (`[batch, seq / tp, d_model]` under sequence
+    ///   parallelism)
+    ///
+    /// An id outside `0..vocab_size` is an
     /// [`InputError::IdOutOfRange`](crate::InputError::IdOutOfRange) (on our CUDA backend,
-    /// raised at the device's next read or sync: see [`ModelBackend::check_ids`]).
+    /// raised at the device's next read or sync: see [`IdCheckOps::check_ids`](crate::ops::IdCheckOps::check_ids)).
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
         B::check_ids(tokens.clone(), IdKind::Token, self.vocab.vocab_size)?;
         let partial = embedding_or_zero(self.weight.val(), self.vocab.localize(tokens));

@@ -24,7 +24,7 @@ use crate::tensor_parallel::{
 /// while training), which needs the probabilities: then the unfused [`AttentionCore`] runs,
 /// with selective recomputation if configured. With RoPE, the query and key heads of the QKV
 /// projection's output are rotated in place of the packed layout first
-/// ([`ModelBackend::packed_rope`](crate::ModelBackend::packed_rope)); flash attention then
+/// ([`RopeOps::packed_rope`](crate::ops::RopeOps::packed_rope)); flash attention then
 /// takes that output as it is ([`crate::ops::packed_flash_attention`]: no split copies, one
 /// gradient buffer).
 ///
@@ -123,8 +123,10 @@ impl<B: ModelBackend> ParallelAttention<B> {
         })
     }
 
-    /// `[batch, seq, hidden]` → `[batch, seq, hidden]` (`seq / tp` in and out under sequence
-    /// parallelism).
+    /// Self-attention of `x`, causal, with the residual stream's width in and out.
+    ///
+    /// # Shapes
+    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
     pub fn try_forward(&self, x: Tensor<B, 3>, site: DropoutSite) -> DistResult<Tensor<B, 3>> {
         let s = self.shape;
         let qkv = self.qkv.try_forward(x)?;

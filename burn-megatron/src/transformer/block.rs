@@ -86,9 +86,11 @@ impl<B: ModelBackend> TransformerBlock<B> {
         })
     }
 
-    /// `[batch, seq, hidden]` (`seq / tp` under sequence parallelism) through every layer and
-    /// the final norm (if the block has it), for the model's `call`-th forward pass (which
-    /// picks the dropout masks).
+    /// `x` through every layer and the final norm (if the block has it), for the model's
+    /// `call`-th forward pass (which picks the dropout masks).
+    ///
+    /// # Shapes
+    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
     pub fn try_forward(&self, mut x: Tensor<B, 3>, call: u64) -> DistResult<Tensor<B, 3>> {
         for layer in &self.layers {
             x = layer.try_forward(x, call)?;

@@ -101,6 +101,9 @@ impl<B: ModelBackend> TransformerLayer<B> {
     }
 
     /// Runs the layer for the model's `call`-th forward pass (which picks the dropout masks).
+    ///
+    /// # Shapes
+    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
     pub fn try_forward(&self, x: Tensor<B, 3>, call: u64) -> DistResult<Tensor<B, 3>> {
         let c = &self.context;
         let site =

@@ -98,6 +98,9 @@ impl<B: ModelBackend> ParallelMlp<B> {
     /// rank shards (rank-major token order), and the reduce-scatter hands each rank back its
     /// own tokens. On NCCL both are then flat calls without the copies that reorder tokens
     /// into `[batch, seq]` order and back.
+    ///
+    /// # Shapes
+    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
     pub fn try_forward(&self, x: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
         let [batch, seq, features] = x.dims();
         let x = x.reshape([1, batch * seq, features]);

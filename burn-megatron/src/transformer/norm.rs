@@ -81,8 +81,10 @@ impl<B: Backend> Norm<B> {
 }
 
 impl<B: ModelBackend> Norm<B> {
-    /// `[.., hidden]` → `[.., hidden]`, one [`ModelBackend::norm`] (a fused kernel on CubeCL
-    /// backends).
+    /// One [`NormOps::norm`](crate::ops::NormOps::norm) (a fused kernel on CubeCL backends).
+    ///
+    /// # Shapes
+    /// - x and the output: `[..., hidden]`
     pub fn try_forward<const D: usize>(&self, x: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
         let param = |p: &Param<Tensor<B, 1>>| self.tp.replicated(p.val());
         let (kind, shift) = match &self.shift {

@@ -7,7 +7,7 @@ use burn_megatron_testing::{assert_close, tolerance, values, values_f32};
 
 use crate::helpers::{W, matrix, raw, vector, wrap};
 
-/// `ModelBackend::bias_gradient` (the two-stage column sums) against exact f64 sums of the
+/// `BiasOps::bias_gradient` (the two-stage column sums) against exact f64 sums of the
 /// stored values, for f32 and f16 `dy`: no rows, one row, row counts that are not multiples
 /// of the 32-row blocks or that need more than 512 blocks, strided views read element by
 /// element and packed rows read as vectors. Every element of the output is first poisoned

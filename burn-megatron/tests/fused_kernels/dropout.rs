@@ -7,7 +7,7 @@ use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::helpers::{W, poisoned, random_4d, raw};
 
-/// The dropout kernel (`ModelBackend::dropout` on a CubeCL backend) draws the host's mask bit
+/// The dropout kernel (`DropoutOps::dropout` on a CubeCL backend) draws the host's mask bit
 /// for bit, at offsets in the global tensor and over shapes that are and are not whole
 /// vectors; applied to f32 and f16 strided views, with and without the residual add, it equals
 /// the composition, writes every element, and its `Autodiff` gradients are `dy ∘ m` and `dy`.

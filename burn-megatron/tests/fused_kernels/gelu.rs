@@ -7,7 +7,7 @@ use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::helpers::{W, matrix, random, raw, vector, wrap};
 
-/// `gelu(x + bias)` and its derivative as one kernel each (`ModelBackend::bias_gelu` and
+/// `gelu(x + bias)` and its derivative as one kernel each (`GeluOps::bias_gelu` and
 /// `bias_gelu_backward` on a CubeCL backend) against the Burn compositions, both forms, with
 /// and without a bias, on a narrowed (strided) `x`, with values out to ±12 (past the tanh
 /// form's clamp) and sizes that are not multiples of the 256-thread cube.
@@ -76,7 +76,7 @@ fn bias_gelu_equals_the_composition() {
 }
 
 /// The bias-GeLU backward with the bias gradient's first stage inside it
-/// (`bias_gelu::backward_and_bias_gradient`, `ModelBackend::bias_gelu_backward_and_bias_gradient`
+/// (`bias_gelu::backward_and_bias_gradient`, `GeluOps::bias_gelu_backward_and_bias_gradient`
 /// on a CubeCL backend) gives the bits of the backward kernel followed by the column sum of
 /// `dx`: both forms, f32 and f16 storage, one row, fewer rows than a block and several blocks
 /// with a partial last one, strided views (element by element) and packed rows (vectors), into

@@ -7,7 +7,7 @@ use burn_megatron_testing::{assert_close, tolerance, values};
 
 use crate::helpers::{W, random, raw, wrap};
 
-/// The RoPE kernel (`ModelBackend::packed_rope` and its backward on a CubeCL backend) against
+/// The RoPE kernel (`RopeOps::packed_rope` and its backward on a CubeCL backend) against
 /// the composition, in f32 and f16, for packed layouts with one and several query heads per
 /// group, odd sequence lengths and head dims whose halves are and are not whole vectors; every
 /// element of a poisoned output is written; value heads are copied bit for bit; a tensor

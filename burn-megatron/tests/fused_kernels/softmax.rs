@@ -112,7 +112,7 @@ fn causal_softmax_equals_the_composition_and_writes_every_element() {
     }
 }
 
-/// The padded softmax kernels (`ModelBackend::masked_softmax` and its backward on a CubeCL
+/// The padded softmax kernels (`SoftmaxOps::masked_softmax` and its backward on a CubeCL
 /// backend) against the composition, f32 and f16, with and without the causal mask, for key
 /// lengths of zero (a row with no visible key is zeros), within and beyond the row, rectangular
 /// scores and rows longer than a cube's threads; every element of a poisoned output written.

@@ -8,7 +8,7 @@ use burn_megatron_testing::{assert_close, tolerance, values};
 use crate::helpers::{W, matrix, raw, vector, wrap};
 
 /// The SwiGLU backward with both bias gradients' first stage inside it
-/// (`swiglu::backward_and_bias_gradients`, `ModelBackend::swiglu_backward_and_bias_gradients`
+/// (`swiglu::backward_and_bias_gradients`, `SwiGluOps::swiglu_backward_and_bias_gradients`
 /// on a CubeCL backend) gives the bits of the backward kernel followed by the column sums of
 /// `d_gate` and `d_up`: f32 and f16 storage, one row, fewer rows than a block and several
 /// blocks with a partial last one, strided views (element by element) and packed rows
@@ -105,7 +105,7 @@ fn swiglu_backward_with_the_bias_gradients_equals_the_kernel_and_column_sums() {
     }
 }
 
-/// SwiGLU (`ModelBackend::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
+/// SwiGLU (`SwiGluOps::swiglu` and `swiglu_backward` on a CubeCL backend: one kernel each
 /// way, with and without the projections' biases) against the Burn compositions in f32, for
 /// f32 and f16 storage, on strided views read element by element and packed rows read as
 /// vectors, with f32 gates far into both tails of the sigmoid. Under `Autodiff` the biases'

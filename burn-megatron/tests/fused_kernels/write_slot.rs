@@ -7,7 +7,7 @@ use burn_megatron_testing::values_f32;
 
 use crate::helpers::{W, matrix, random, vector};
 
-/// `ModelBackend::write_slot` (a gradient cast into its slot of the flat f32 buffer, one
+/// `WriteSlotOps::write_slot` (a gradient cast into its slot of the flat f32 buffer, one
 /// kernel, in place) equals the cast + `slice_assign` composition bit for bit, for f32 and f16
 /// values, packed and strided, at slot starts that are and are not whole vectors; elements
 /// outside the slot keep their values; and a buffer someone else still holds is not written

@@ -11,7 +11,7 @@
 //! (memory linear in the sequence) and whose backward is
 //! [`FlashAttentionOps::flash_attention_backward`]. CubeCL backends run a vendor library where
 //! the runtime has one (cuDNN on our CUDA backend) and the kernels of
-//! `burn_megatron_kernels::fused::flash_attention` otherwise ([`kernels`]); every other backend
+//! `burn_megatron_kernels::fused::flash_attention` otherwise (`kernels.rs`); every other backend
 //! runs the Burn compositions here, which materialise the `[batch, heads, seq_q, seq_k]` scores
 //! in f32 (f64 for f64 inputs).
 
