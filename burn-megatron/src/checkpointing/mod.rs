@@ -21,7 +21,10 @@
 //!   [`load_distributed_adamw`] the distributed optimizer's DP shards, at any DP size.
 //! - **Safety** ([`latest_checkpoint`], [`keep_last`], [`remove_partial_saves`]): saves go to
 //!   a temporary directory renamed into place after every rank finished and the metadata is
-//!   written; `latest` is replaced atomically; the last K are kept; files are checked against
+//!   written and synced (a re-save moves the old directory aside first); `latest` is then
+//!   replaced atomically, but it is only a hint: loaders take the complete checkpoint of the
+//!   highest iteration, so a process killed at any step leaves the previous checkpoint or the
+//!   new one; a failed sync is an error; the last K are kept; files are checked against
 //!   their size and checksums on load, and a wrong model configuration or missing shard is
 //!   refused, naming the file or tensor ([`CheckpointError`]).
 //! - **Conversion** ([`convert_layout`], [`import_hugging_face`], [`export_hugging_face`]):
@@ -50,6 +53,8 @@ pub use directory::{
     LATEST_FILE, checkpoint_name, keep_last, latest_checkpoint, list_checkpoints,
     remove_partial_saves,
 };
+#[doc(hidden)]
+pub use directory::{PublishStep, StepHook};
 pub use distributed_optimizer::{MAIN_PARAM, distributed_adamw_state, load_distributed_adamw};
 pub use load::Checkpoint;
 pub use metadata::{

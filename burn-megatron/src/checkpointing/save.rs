@@ -1,6 +1,7 @@
 //! Sharded save: every rank copies what it owns to the host and writes it, in parallel, into
-//! one temporary directory; rank 0 writes the metadata once all have finished, then the
-//! directory is renamed into place. The files each rank writes are described in `snapshot.rs`.
+//! one temporary directory; rank 0 writes the metadata once all have finished, then publishes
+//! the directory by the protocol described in `directory.rs`. The files each rank writes are
+//! described in `snapshot.rs`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -13,8 +14,9 @@ use burn::tensor::{Tensor, TensorData};
 use burn_megatron_dist::{ParallelState, ReduceOp};
 
 use super::directory::{
-    LATEST_FILE, checkpoint_name, keep_last, remove_partial_saves, sync_dir, temp_dir,
-    write_atomic, write_synced,
+    LATEST_FILE, PublishStep, StepHook, checkpoint_name, create_root, discard, exchange,
+    is_complete, keep_last_except, latest_checkpoint, old_dir, remove_partial_saves,
+    rename_into_place, run_hook, sync_dir, temp_dir, temp_file, write_synced,
 };
 use super::metadata::{
     CheckpointMetadata, FORMAT_VERSION, METADATA_FILE, OptimizerInfo, OptimizerLayout, SavedLayout,
@@ -37,6 +39,8 @@ pub struct Checkpointer {
     keep_last: usize,
     block_bytes: usize,
     fail_rank: Option<usize>,
+    step_hook: Option<StepHook>,
+    exchange: bool,
 }
 
 /// A save whose snapshot is taken and whose files are not yet published: what the write
@@ -56,6 +60,8 @@ impl Checkpointer {
             keep_last: 3,
             block_bytes: CHECKSUM_BLOCK_BYTES,
             fail_rank: None,
+            step_hook: None,
+            exchange: true,
         }
     }
 
@@ -81,6 +87,24 @@ impl Checkpointer {
         self
     }
 
+    /// Calls `hook` on the publishing rank (rank 0) as each step of the publish protocol
+    /// completes; an error it returns is handled as that step's failure: for tests that kill
+    /// the process, or fail, at each step.
+    #[doc(hidden)]
+    pub fn with_step_hook(mut self, hook: StepHook) -> Self {
+        self.step_hook = Some(hook);
+        self
+    }
+
+    /// Whether a re-save exchanges the old and the new directory atomically where the system
+    /// can (the default), or always moves the old one aside first (what happens where it
+    /// cannot): for tests of both.
+    #[doc(hidden)]
+    pub fn with_exchange(mut self, exchange: bool) -> Self {
+        self.exchange = exchange;
+        self
+    }
+
     /// The root directory.
     pub fn root(&self) -> &Path {
         &self.root
@@ -93,7 +117,10 @@ impl Checkpointer {
     /// Every rank of `state`'s world must call it. The checkpoint appears (renamed from its
     /// temporary directory, `latest` updated) only once every rank has written its files and
     /// rank 0 the metadata; if any rank fails, every rank returns an error and the previous
-    /// checkpoints are untouched.
+    /// checkpoints are untouched. A process killed at any point leaves the previous checkpoint
+    /// or the new one loadable ([`Checkpoint::open_latest`](super::Checkpoint::open_latest)),
+    /// re-saves of an existing iteration included. Removing checkpoints beyond keep-last
+    /// after publishing may fail: rank 0 prints a warning and the save succeeds.
     pub fn save<B: ModelBackend>(
         &self,
         state: &ParallelState,
@@ -136,8 +163,9 @@ impl Checkpointer {
         )
     }
 
-    /// The first part of a save, every rank together: rank 0 clears what a crashed save left
-    /// behind and makes the temporary directory, then each rank copies its part to the host.
+    /// The first part of a save, every rank together: rank 0 repairs what a killed save left
+    /// behind ([`remove_partial_saves`](super::remove_partial_saves)) and makes the temporary
+    /// directory, then each rank copies its part to the host.
     pub(crate) fn begin<B: ModelBackend>(
         &self,
         state: &ParallelState,
@@ -149,8 +177,7 @@ impl Checkpointer {
     ) -> Result<Started> {
         let tmp = temp_dir(&self.root, training.iteration);
         let prepared = if state.world().rank() == 0 {
-            fs::create_dir_all(&self.root)
-                .map_err(|e| CheckpointError::io(&self.root, "create it", e))
+            create_root(&self.root)
                 .and_then(|_| remove_partial_saves(&self.root))
                 .and_then(|_| {
                     fs::create_dir_all(&tmp).map_err(|e| CheckpointError::io(&tmp, "create it", e))
@@ -214,8 +241,12 @@ impl Checkpointer {
         Ok(final_dir)
     }
 
-    /// Rank 0: merges the ranks' manifests into the metadata, renames the directory into
-    /// place, points `latest` at it and removes old checkpoints.
+    /// Rank 0: merges the ranks' manifests into the metadata and publishes the directory (the
+    /// protocol of `directory.rs`): metadata synced, renamed into place (a re-save exchanging
+    /// it with the old one, or moving that aside first), `latest` updated, superseded
+    /// checkpoints removed. An error once
+    /// the directory is renamed (a failed sync, `latest` not updated) leaves the new
+    /// checkpoint complete in place; failures to remove old checkpoints are warnings.
     fn publish(
         &self,
         state: &ParallelState,
@@ -224,6 +255,7 @@ impl Checkpointer {
         tmp: &Path,
         final_dir: &Path,
     ) -> Result<()> {
+        self.step(PublishStep::FilesWritten, tmp)?;
         let mut metadata = CheckpointMetadata {
             format_version: FORMAT_VERSION,
             iteration: training.iteration,
@@ -299,21 +331,115 @@ impl Checkpointer {
         let json = serde_json::to_vec_pretty(&metadata)
             .map_err(|e| CheckpointError::file(&tmp.join(METADATA_FILE), e.to_string()))?;
         write_synced(&tmp.join(METADATA_FILE), &json)?;
-        sync_dir(tmp);
-        if final_dir.exists() {
+        sync_dir(tmp)?;
+        self.step(PublishStep::MetadataWritten, tmp)?;
+        let aside = self.rename_into_place(tmp, final_dir, training.iteration)?;
+        self.step(PublishStep::Renamed, final_dir)?;
+
+        // `latest` names the newest complete checkpoint: this one, unless a newer iteration
+        // was saved here before.
+        let newest = latest_checkpoint(&self.root)?.unwrap_or_else(|| final_dir.to_path_buf());
+        if newest != final_dir {
+            eprintln!(
+                "warning: the checkpoint of iteration {} was saved to {}, but {} is of a later \
+                 iteration: loading the latest checkpoint of {} picks that one",
+                training.iteration,
+                final_dir.display(),
+                newest.display(),
+                self.root.display()
+            );
+        }
+        let name = newest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let latest = self.root.join(LATEST_FILE);
+        let latest_tmp = temp_file(&latest);
+        write_synced(&latest_tmp, name.as_bytes())?;
+        self.step(PublishStep::LatestWritten, &latest_tmp)?;
+        rename_into_place(&latest_tmp, &latest)?;
+        self.step(PublishStep::LatestUpdated, &latest)?;
+
+        // Published: what is left is clean-up, whose failures are warnings (this rank only).
+        let mut problems = Vec::new();
+        if let Some(old) = aside
+            && let Err(e) = discard(&self.root, &old, self.step_hook)
+        {
+            problems.push(e);
+        }
+        match keep_last_except(&self.root, self.keep_last, Some(final_dir), self.step_hook) {
+            Ok(errors) => problems.extend(errors),
+            Err(e) => problems.push(e),
+        }
+        if !problems.is_empty() {
+            let problems: Vec<String> = problems.iter().map(ToString::to_string).collect();
+            eprintln!(
+                "warning: the checkpoint of iteration {} was saved to {}, but removing the \
+                 checkpoints it supersedes failed (the next save tries again): {}",
+                training.iteration,
+                final_dir.display(),
+                problems.join("; ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Renames the finished temporary directory `tmp` to `final_dir`, the root synced, and
+    /// returns where the checkpoint it replaces now is (a re-save), to be discarded. A complete
+    /// checkpoint already in `final_dir` is exchanged with `tmp` atomically where the system
+    /// can; elsewhere it is first renamed aside, to `.old.iter_N` (readers take it for
+    /// checkpoint N until the new one is in place), and put back if the rename fails.
+    fn rename_into_place(
+        &self,
+        tmp: &Path,
+        final_dir: &Path,
+        iteration: u64,
+    ) -> Result<Option<PathBuf>> {
+        if self.exchange && is_complete(final_dir) && exchange(tmp, final_dir)? {
+            sync_dir(&self.root)?;
+            return Ok(Some(tmp.to_path_buf()));
+        }
+        let mut aside = None;
+        if is_complete(final_dir) {
+            let old = old_dir(&self.root, iteration);
+            if old.exists() {
+                // Left by an earlier re-save; `final_dir` is complete, so it is not needed.
+                fs::remove_dir_all(&old).map_err(|e| CheckpointError::io(&old, "remove it", e))?;
+            }
+            fs::rename(final_dir, &old)
+                .map_err(|e| CheckpointError::io(final_dir, "move it aside to replace it", e))?;
+            aside = Some(old);
+        } else if final_dir.exists() {
+            // A directory without metadata is no checkpoint (what an interrupted removal by an
+            // earlier version left behind).
             fs::remove_dir_all(final_dir)
                 .map_err(|e| CheckpointError::io(final_dir, "replace it", e))?;
         }
-        fs::rename(tmp, final_dir)
-            .map_err(|e| CheckpointError::io(final_dir, "rename the finished save to it", e))?;
-        sync_dir(&self.root);
-        write_atomic(
-            &self.root.join(LATEST_FILE),
-            checkpoint_name(training.iteration).as_bytes(),
-        )?;
-        sync_dir(&self.root);
-        keep_last(&self.root, self.keep_last)?;
-        Ok(())
+        let renamed = (|| -> Result<()> {
+            if let Some(old) = &aside {
+                sync_dir(&self.root)?;
+                self.step(PublishStep::OldMovedAside, old)?;
+            }
+            fs::rename(tmp, final_dir)
+                .map_err(|e| CheckpointError::io(final_dir, "rename the finished save to it", e))?;
+            Ok(())
+        })();
+        if let Err(e) = renamed {
+            if let Some(old) = &aside
+                && !final_dir.exists()
+                && fs::rename(old, final_dir).is_ok()
+            {
+                let _ = sync_dir(&self.root);
+            }
+            return Err(e);
+        }
+        sync_dir(&self.root)?;
+        Ok(aside)
+    }
+
+    /// Runs the step hook, if any, for `step` (an error naming `path`).
+    fn step(&self, step: PublishStep, path: &Path) -> Result<()> {
+        Ok(run_hook(self.step_hook, step, path)?)
     }
 }
 

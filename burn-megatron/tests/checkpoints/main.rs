@@ -1,6 +1,7 @@
 //! Sharded checkpoints on CPU thread ranks: saved in one layout, loaded in another, the model
 //! equals the single-device model; training resumed in a new layout continues as if never
-//! stopped; broken checkpoints are refused with their errors.
+//! stopped; broken checkpoints are refused with their errors; a save killed at any step of
+//! its publish protocol leaves the previous checkpoint or the new one.
 
 mod async_save;
 mod convert;
@@ -10,6 +11,7 @@ mod hugging_face;
 mod loss_scaler;
 mod partial_reads;
 mod placements;
+mod publish;
 mod resharding;
 mod resume;
 mod safety;

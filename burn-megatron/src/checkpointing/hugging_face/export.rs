@@ -11,7 +11,7 @@ use super::config::HfConfig;
 use super::layout::{Dense, QkvSource, Recipe, qkv_order, recipe};
 use crate::ModelBackend;
 use crate::checkpointing::CheckpointError;
-use crate::checkpointing::directory::{publish_file, sync_dir, temp_file, write_atomic};
+use crate::checkpointing::directory::{publish_file, temp_file, write_atomic};
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::tensor_parallel::gather_full_params;
@@ -121,6 +121,5 @@ pub fn export_tensors(
     safetensors::serialize_to_file(views, metadata, &tmp)
         .map_err(|e| CheckpointError::file(&weights, format!("cannot write it: {e}")))?;
     publish_file(&tmp, &weights)?;
-    sync_dir(dir);
     Ok(())
 }
