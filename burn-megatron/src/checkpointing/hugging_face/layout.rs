@@ -22,7 +22,7 @@
 //! are `[all q | all k | all v]`, and Llama's three projections concatenate to the same
 //! order: the columns are permuted ([`qkv_order`]).
 //!
-//! **RoPE.** Our [`packed_rope`](crate::ModelBackend::packed_rope) rotates the pairs
+//! **RoPE.** Our [`packed_rope`](crate::ops::RopeOps::packed_rope) rotates the pairs
 //! `(i, i + head_dim / 2)` ("rotate half"), as transformers' Llama does. Meta's original
 //! checkpoints rotate interleaved pairs `(2i, 2i + 1)`, and transformers'
 //! `convert_llama_weights_to_hf.py` permutes the q/k rows of each head to rotate-half when it
