@@ -1,5 +1,5 @@
-//! The README's main job until `pretrain_gpt` lands: a tiny tensor-parallel MLP trained with
-//! Adam on CPU thread ranks. It prints the falling loss, then trains the same model on one
+//! A tiny tensor-parallel MLP trained with Adam on CPU thread ranks (the book's tutorial
+//! "Add tensor parallelism to a Burn model" includes it). It prints the falling loss, then trains the same model on one
 //! rank and shows that the two loss curves agree.
 //!
 //!     cargo run --release --example tp_mlp -- --tp 4 --steps 40
@@ -25,6 +25,7 @@ const D_MODEL: usize = 16;
 const D_FFN: usize = 64;
 const BATCH: usize = 32;
 
+// ANCHOR: model
 /// Megatron's MLP block: a column-parallel up-projection, GeLU on the rank's own features,
 /// and a row-parallel down-projection whose partial products are summed over TP.
 #[derive(Module, Debug)]
@@ -38,6 +39,7 @@ impl<B: ModelBackend> TpMlp<B> {
         self.down.forward(gelu(self.up.forward(x), GeluForm::Erf))
     }
 }
+// ANCHOR_END: model
 
 /// A batch of the regression task `y = sin(2x)`, identical on every rank.
 fn batch<B: Backend>(step: usize, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
@@ -58,6 +60,7 @@ fn train(
     lr: f64,
     verbose: bool,
 ) -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+    // ANCHOR: train
     let losses = launch(
         LaunchConfig::new(tp),
         |ctx| -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
@@ -87,6 +90,7 @@ fn train(
             Ok(losses)
         },
     )?;
+    // ANCHOR_END: train
     Ok(losses.into_iter().next().unwrap())
 }
 

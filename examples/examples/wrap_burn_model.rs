@@ -84,13 +84,16 @@ impl<B: Backend> TinyLm<B> {
     }
 }
 
+// ANCHOR: placements
 // DP: the model declares its parameters replicated (it has no tensor parallelism).
 impl<B: Backend> DeclarePlacements for TinyLm<B> {
     fn declare_placements(&self, out: &mut Placements) {
         out.declare_replicated(self);
     }
 }
+// ANCHOR_END: placements
 
+// ANCHOR: steps
 impl<B: AutodiffBackend> TrainStep for TinyLm<B> {
     type Input = Tensor<B, 2, Int>;
     type Output = LanguageModelOutput<B::InnerBackend>;
@@ -112,6 +115,7 @@ impl<B: Backend> InferenceStep for TinyLm<B> {
         LanguageModelOutput::new(self.loss(&batch), batch.dims()[0] * SEQ, 0.0, 1)
     }
 }
+// ANCHOR_END: steps
 
 /// Token windows of a repeating, learnable sequence.
 fn dataset(samples: usize) -> InMemDataset<Vec<i64>> {
@@ -163,9 +167,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let schedule = LrScheduleConfig::new(3e-3)
         .with_warmup_steps(2)
         .with_decay_steps(args.steps);
+    // ANCHOR: optimizer
     let optimizer = DistributedAdamWConfig::new()
         .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(true))
         .with_clip_grad(Some(1.0));
+    // ANCHOR_END: optimizer
     // One initial model for every rank. Burn initialises parameters lazily, and each clone of
     // an uninitialised module on its own: materialise the values once, before cloning.
     <Train as Backend>::seed(&device, 42);
@@ -174,6 +180,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let recorder = MetricRecorder::new();
     let dir = std::env::temp_dir().join(format!("wrap_burn_model-{}", std::process::id()));
+    // ANCHOR: launch
     launch(LaunchConfig::new(args.dp), |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default())?;
         // Each thread rank gets autodiff leaves of its own (a plain clone would share them,
@@ -203,6 +210,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             None => Ok::<_, burn_megatron::Error>(()),
         }
     })?;
+    // ANCHOR_END: launch
     let _ = std::fs::remove_dir_all(&dir);
     let learner_losses = recorder.values("Loss", true);
 
