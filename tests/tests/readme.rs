@@ -1,4 +1,5 @@
-//! The README's examples, run as they are written there.
+//! Two small API examples, once the README's listings (the README now shows
+//! `examples/examples/quickstart.rs`, which `.ci/check_docs.py` keeps in step), run as written.
 
 use burn::backend::NdArray;
 use burn::tensor::Tensor;
