@@ -29,14 +29,15 @@ use crate::optimizer::{DistributedAdamW, DistributedAdamWState};
 /// The state group of the fp32 master weights (`optimizer.main_param`).
 pub const MAIN_PARAM: &str = "main_param";
 
-/// The state of `optim` over `chunk` (the model chunk it steps), by parameter: each
-/// parameter's part in this rank's range, as a flat range of it. Give it to
+/// The state of `optim` over `chunks` (this rank's model chunks, which it steps as one
+/// module), by parameter and cut by chunk (`out[i]` for `chunks[i]`): each parameter's part in
+/// this rank's range, as a flat range of it. Give it to
 /// [`Checkpointer::save`](super::Checkpointer::save); with the distributed optimizer, every DP
 /// rank writes its part.
 pub fn distributed_adamw_state<B>(
-    chunk: &GptModel<B>,
+    chunks: &[GptModel<B>],
     optim: &DistributedAdamW<B>,
-) -> Result<OptimizerState>
+) -> Result<Vec<OptimizerState>>
 where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
@@ -46,7 +47,7 @@ where
         t.into_data()
             .convert::<f32>()
             .into_vec::<f32>()
-            .map_err(|e| state_error(chunk, format!("cannot read the optimizer state: {e:?}")))
+            .map_err(|e| state_error(chunks, format!("cannot read the optimizer state: {e:?}")))
     };
     let buffers = [
         ("exp_avg", host(state.exp_avg)?),
@@ -71,20 +72,21 @@ where
         };
         params.insert(id, param);
     }
-    Ok(OptimizerState {
+    let state = OptimizerState {
         kind: FLAT_ADAMW.to_string(),
         params,
         dp_sharded: optim.config().data_parallel.use_distributed_optimizer,
-    })
+    };
+    Ok(state.split_by_chunk(chunks))
 }
 
-/// Loads the optimizer state of `chunk`'s parameters from `checkpoint` into `optim` (built for
-/// `chunk` in this run's layout, at any DP size): each rank reads its own range. Load the
-/// model from the same checkpoint first: without saved master weights (a checkpoint of Burn's
-/// AdamW) the master weights are the loaded parameters' values.
+/// Loads the optimizer state of the parameters of `chunks` (this rank's model chunks) from
+/// `checkpoint` into `optim` (built for them in this run's layout, at any DP size): each rank
+/// reads its own range. Load the model from the same checkpoint first: without saved master
+/// weights (a checkpoint of Burn's AdamW) the master weights are the loaded parameters' values.
 pub fn load_distributed_adamw<B>(
     checkpoint: &Checkpoint,
-    chunk: &GptModel<B>,
+    chunks: &[GptModel<B>],
     optim: &mut DistributedAdamW<B>,
 ) -> Result<()>
 where
@@ -97,7 +99,11 @@ where
         .iter()
         .map(|(id, local, _)| (*id, local.clone()))
         .collect();
-    let saved = checkpoint.load_optimizer_shard(chunk, &ranges)?;
+    let saved = chunks
+        .iter()
+        .map(|chunk| checkpoint.load_optimizer_shard(chunk, &ranges))
+        .collect::<Result<Vec<_>>>()?;
+    let saved = OptimizerState::merge(saved).unwrap_or_default();
     let device = optim.state().main_params.device();
     let mut main_params = vec![0.0f32; range.len()];
     let mut from_params = None;
@@ -110,10 +116,10 @@ where
             .get(&id)
             .is_none_or(|p| !p.tensors.contains_key(MAIN_PARAM))
         {
-            let values = from_params.get_or_insert_with(|| param_values(chunk));
+            let values = from_params.get_or_insert_with(|| param_values(chunks));
             let value = values.get(&id).ok_or_else(|| {
                 state_error(
-                    chunk,
+                    chunks,
                     "a parameter of the optimizer is not in the model".into(),
                 )
             })?;
@@ -153,7 +159,7 @@ where
                 .clone()
                 .convert::<f32>()
                 .into_vec::<f32>()
-                .map_err(|e| state_error(chunk, format!("optimizer {name}: {e:?}")))?;
+                .map_err(|e| state_error(chunks, format!("optimizer {name}: {e:?}")))?;
             out[in_range.clone()].copy_from_slice(&values);
         }
     }
@@ -172,7 +178,7 @@ where
 
 /// Every float parameter's value (its local tensor, row-major) as f32, by id.
 fn param_values<B: AutodiffBackend + ModelBackend>(
-    chunk: &GptModel<B>,
+    chunks: &[GptModel<B>],
 ) -> HashMap<ParamId, Vec<f32>> {
     struct Collect(HashMap<ParamId, Vec<f32>>);
     impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collect {
@@ -184,7 +190,9 @@ fn param_values<B: AutodiffBackend + ModelBackend>(
         }
     }
     let mut collect = Collect(HashMap::new());
-    chunk.visit(&mut collect);
+    for chunk in chunks {
+        chunk.visit(&mut collect);
+    }
     collect.0
 }
 
@@ -213,11 +221,17 @@ where
         .collect()
 }
 
-fn state_error<B: ModelBackend>(chunk: &GptModel<B>, problem: String) -> crate::Error {
-    let stage = chunk.stage();
+fn state_error<B: ModelBackend>(chunks: &[GptModel<B>], problem: String) -> crate::Error {
+    let stages: Vec<String> = chunks
+        .iter()
+        .map(|chunk| {
+            let stage = chunk.stage();
+            format!("stage {} (layers {:?})", stage.index, stage.layers)
+        })
+        .collect();
     crate::error::ConfigError::Invalid(format!(
-        "the distributed optimizer of stage {} (layers {:?}): {problem}",
-        stage.index, stage.layers
+        "the distributed optimizer of {}: {problem}",
+        stages.join(", ")
     ))
     .into()
 }

@@ -135,9 +135,15 @@ pub(crate) struct AfterBackward<'a> {
     pub partial: &'a [ParamId],
 }
 
+/// A parameter's path in its model chunk: without the `0.` of a rank's chunks stepped as one
+/// module (a `Vec` of one chunk; the hook follows one chunk).
+fn in_chunk(path: &str) -> &str {
+    path.strip_prefix("0.").unwrap_or(path)
+}
+
 /// The layer index in a path such as `block.layers.3.mlp.fc1.weight`.
 fn layer_of(path: &str) -> Option<usize> {
-    let rest = path.strip_prefix("block.layers.")?;
+    let rest = in_chunk(path).strip_prefix("block.layers.")?;
     rest.split('.').next()?.parse().ok()
 }
 
@@ -213,13 +219,17 @@ where
                 // (`sum_sequence_parallel_grads`), then taken from `GradientsParams`.
                 _ if partial.contains(&s.id) => None,
                 Some(layer) => Some(layer),
-                None if s.path.starts_with("block.final_norm.") => last,
+                None if in_chunk(&s.path).starts_with("block.final_norm.") => last,
                 // The output layer's gradient is final before the last layer's (its product
                 // records the weight's own gradient: `linear_output_major`), as in
                 // Megatron's first bucket. A tied copy on the last of several stages is left
                 // for after the backward pass, where the schedule adds the first stage's
                 // gradient to it.
-                None if s.path.starts_with("output.") && !shared_copies.contains(&s.path) => last,
+                None if in_chunk(&s.path).starts_with("output.")
+                    && !shared_copies.contains(&s.path) =>
+                {
+                    last
+                }
                 None => None,
             })
             .collect();

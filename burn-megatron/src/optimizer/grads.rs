@@ -135,3 +135,34 @@ pub(crate) fn scale_grads<B: AutodiffBackend, M: Module<B>>(
     }
     module.visit(&mut Scale::<B> { grads, factor });
 }
+
+/// One gradient container for a rank's model chunks, from the one per chunk a pipeline
+/// schedule returns: what an optimizer that steps the chunks as one module (a `Vec` of them,
+/// under the interleaved schedule) takes. Moves the tensors; copies nothing.
+pub fn merge_chunk_grads<B: AutodiffBackend, M: Module<B>>(
+    chunks: &[M],
+    mut grads: Vec<GradientsParams>,
+) -> GradientsParams {
+    if grads.len() == 1 {
+        return grads.pop().expect("one container");
+    }
+    struct Move<'a> {
+        from: &'a mut GradientsParams,
+        to: &'a mut GradientsParams,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Move<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(grad) = self.from.remove::<B::InnerBackend, D>(param.id) {
+                self.to.register(param.id, grad);
+            }
+        }
+    }
+    let mut out = GradientsParams::new();
+    for (chunk, mut from) in chunks.iter().zip(grads) {
+        chunk.visit(&mut Move {
+            from: &mut from,
+            to: &mut out,
+        });
+    }
+    out
+}

@@ -39,6 +39,7 @@ pub use distrib_optimizer::{
     OptimizerMemory,
 };
 pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
+pub use grads::merge_chunk_grads;
 pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig, LossScalerState};
 pub use lr_schedule::{LrDecayStyle, LrSchedule, LrScheduleConfig, WsdDecayStyle};
 pub use param_groups::{ParamGroups, ParamKind, WeightDecayPolicy};

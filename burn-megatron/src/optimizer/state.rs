@@ -9,11 +9,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
-use burn::module::{ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param, ParamId, list_param_ids};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
 /// The optimizer name AdamW's state is saved under.
@@ -44,6 +44,40 @@ pub struct OptimizerState {
     /// Whether each data-parallel rank holds a different part of the state (the distributed
     /// optimizer): then every DP rank writes its part, else DP rank 0 writes for all.
     pub dp_sharded: bool,
+}
+
+impl OptimizerState {
+    /// This state cut by model chunk: `out[i]` holds the states of `chunks[i]`'s parameters,
+    /// as [`Checkpointer::save`](crate::checkpointing::Checkpointer::save) takes them. How
+    /// an optimizer that steps a rank's chunks as one module (a `Vec` of them, under the
+    /// interleaved schedule) saves its state.
+    pub fn split_by_chunk<B: Backend, M: Module<B>>(mut self, chunks: &[M]) -> Vec<Self> {
+        chunks
+            .iter()
+            .map(|chunk| {
+                let params = list_param_ids(chunk)
+                    .into_iter()
+                    .filter_map(|id| self.params.remove(&id).map(|state| (id, state)))
+                    .collect();
+                Self {
+                    kind: self.kind.clone(),
+                    params,
+                    dp_sharded: self.dp_sharded,
+                }
+            })
+            .collect()
+    }
+
+    /// The union of the states of several chunks (parameter ids are unique), the inverse of
+    /// [`split_by_chunk`](Self::split_by_chunk); `None` for no states.
+    pub fn merge(states: Vec<Self>) -> Option<Self> {
+        let mut states = states.into_iter();
+        let mut out = states.next()?;
+        for state in states {
+            out.params.extend(state.params);
+        }
+        Some(out)
+    }
 }
 
 /// The state of a Burn [`AdamW`] optimizer over `module` (one model chunk), by parameter.

@@ -213,13 +213,30 @@ impl<T: DeclarePlacements> DeclarePlacements for Option<T> {
             inner.declare_placements(out);
         }
     }
+
+    fn shared_copies(&self) -> Vec<String> {
+        self.as_ref().map_or_else(Vec::new, T::shared_copies)
+    }
 }
 
+/// A list of modules (a rank's model chunks): Burn visits item `i` under the path `i`, so
+/// each item's shared copies are named `i.<path>`.
 impl<T: DeclarePlacements> DeclarePlacements for Vec<T> {
     fn declare_placements(&self, out: &mut Placements) {
         for item in self {
             item.declare_placements(out);
         }
+    }
+
+    fn shared_copies(&self) -> Vec<String> {
+        self.iter()
+            .enumerate()
+            .flat_map(|(i, item)| {
+                item.shared_copies()
+                    .into_iter()
+                    .map(move |p| format!("{i}.{p}"))
+            })
+            .collect()
     }
 }
 

@@ -111,6 +111,12 @@ pub struct PretrainArgs {
     /// Pipeline-parallel size (stages the layers are split into, run with 1F1B). [default: 2]
     #[arg(long, help_heading = "Parallelism")]
     pub pipeline_model_parallel_size: Option<usize>,
+    /// Layers per virtual pipeline stage: each rank holds several model chunks and runs the
+    /// interleaved 1F1B schedule, whose bubble shrinks by the number of chunks. Must divide the
+    /// layers of each pipeline rank; the microbatches per step must be a multiple of the
+    /// pipeline-parallel size. [default: one chunk per rank, 1F1B]
+    #[arg(long, help_heading = "Parallelism")]
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
     /// Split activations outside the tensor-parallel regions along the sequence over TP
     /// (the sequence length must be divisible by TP). [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
@@ -344,7 +350,14 @@ impl PretrainArgs {
             data_path => data_path,
             split => split,
         );
-        set_some!(ffn_hidden_size, lr_decay_iters, save, save_interval, load);
+        set_some!(
+            ffn_hidden_size,
+            num_layers_per_virtual_pipeline_stage,
+            lr_decay_iters,
+            save,
+            save_interval,
+            load
+        );
         if let Some(style) = &a.lr_decay_style {
             c.lr_decay_style = parse_decay_style(style)?;
         }
@@ -406,6 +419,7 @@ impl PretrainArgs {
             recompute_activations,
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
+            num_layers_per_virtual_pipeline_stage,
             sequence_parallel,
             data_parallel_size,
             use_distributed_optimizer,
@@ -527,7 +541,8 @@ fn recompute(
                 "uniform" => {}
                 "block" => {
                     return invalid(
-                        "--recompute-method block (recomputing only some layers of each stage)                          is not supported yet: use uniform, which recomputes every layer"
+                        "--recompute-method block (recomputing only some layers of each stage) \
+                         is not supported yet: use uniform, which recomputes every layer"
                             .into(),
                     );
                 }
@@ -540,7 +555,8 @@ fn recompute(
             match num_layers.unwrap_or(1) {
                 1 => Ok(Recompute::Full),
                 n => invalid(format!(
-                    "--recompute-num-layers {n}: full recomputation reruns one layer at a time                      (1) today"
+                    "--recompute-num-layers {n}: full recomputation reruns one layer at a time \
+                     (1) today"
                 )),
             }
         }

@@ -13,6 +13,7 @@ use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
     FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
+use crate::pipeline_parallel::Schedule;
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
 };
@@ -91,6 +92,11 @@ pub struct PretrainConfig {
     /// Pipeline-parallel size (`--pipeline-model-parallel-size`).
     #[config(default = 2)]
     pub pipeline_model_parallel_size: usize,
+    /// Layers per virtual pipeline stage (`--num-layers-per-virtual-pipeline-stage`): each
+    /// rank then holds `num_layers / (pp · this)` model chunks and runs the interleaved 1F1B
+    /// schedule, whose bubble is that many times smaller. `None`: one chunk per rank, 1F1B.
+    #[config(default = "None")]
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
     /// Sequence parallelism over the TP group (`--sequence-parallel`); the sequence length
     /// must be divisible by TP.
     #[config(default = false)]
@@ -244,12 +250,26 @@ pub struct RunLayout {
     pub tp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
+    /// Model chunks (virtual pipeline stages) per rank: 1 unless
+    /// `--num-layers-per-virtual-pipeline-stage` is set.
+    pub virtual_pipeline_size: usize,
     /// Data-parallel size.
     pub dp: usize,
     /// Microbatches per optimizer step per data-parallel rank: `global / (micro × dp)`.
     pub num_microbatches: usize,
     /// The model.
     pub model: TransformerConfig,
+}
+
+impl RunLayout {
+    /// The schedule of every step: interleaved 1F1B with several model chunks per rank,
+    /// else 1F1B, Megatron's default (with one pipeline stage, plain gradient accumulation).
+    pub fn schedule(&self) -> Schedule {
+        match self.virtual_pipeline_size {
+            1 => Schedule::OneFOneB,
+            _ => Schedule::Interleaved,
+        }
+    }
 }
 
 impl PretrainConfig {
@@ -407,6 +427,46 @@ impl PretrainConfig {
                 self.num_layers
             ));
         }
+        let num_microbatches = self.global_batch_size / (self.micro_batch_size * dp);
+        let virtual_pipeline_size = match self.num_layers_per_virtual_pipeline_stage {
+            None => 1,
+            Some(per_stage) => {
+                let per_rank = self.num_layers / pp;
+                if pp < 2 || per_stage == 0 || !per_rank.is_multiple_of(per_stage) {
+                    return invalid(format!(
+                        "--num-layers-per-virtual-pipeline-stage ({per_stage}) needs \
+                         --pipeline-model-parallel-size of at least 2 (got {pp}) and must divide \
+                         the layers of each pipeline rank ({} / {pp} = {per_rank})",
+                        self.num_layers
+                    ));
+                }
+                let v = per_rank / per_stage;
+                if v > 1 && !num_microbatches.is_multiple_of(pp) {
+                    return invalid(format!(
+                        "the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs \
+                         the microbatches per step ({num_microbatches} = --global-batch-size / \
+                         (--micro-batch-size × DP)) to be a multiple of \
+                         --pipeline-model-parallel-size ({pp})"
+                    ));
+                }
+                if v > 1 && self.learner {
+                    return invalid(
+                        "--learner runs 1F1B with one model chunk per rank: \
+                         --num-layers-per-virtual-pipeline-stage is pretrain_gpt's own loop only \
+                         (leave --learner out)"
+                            .into(),
+                    );
+                }
+                if v > 1 && self.overlap_grad_reduce {
+                    return invalid(
+                        "--overlap-grad-reduce with --num-layers-per-virtual-pipeline-stage is not \
+                         supported yet: the reduction hook follows one model chunk; drop one of them"
+                            .into(),
+                    );
+                }
+                v
+            }
+        };
         if self.eval_interval > 0 && self.eval_iters == 0 {
             return invalid("--eval-iters must be at least 1 when --eval-interval is set".into());
         }
@@ -461,8 +521,9 @@ impl PretrainConfig {
         Ok(RunLayout {
             tp,
             pp,
+            virtual_pipeline_size,
             dp,
-            num_microbatches: self.global_batch_size / (self.micro_batch_size * dp),
+            num_microbatches,
             model,
         })
     }

@@ -18,6 +18,8 @@ pub struct RunStart {
     pub tp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
+    /// Model chunks per pipeline rank (virtual stages, interleaved 1F1B); 1 for 1F1B.
+    pub virtual_pipeline_size: usize,
     /// Microbatches per step.
     pub num_microbatches: usize,
     /// Parameters of the whole model, each counted once (padding left out); summed in f32,

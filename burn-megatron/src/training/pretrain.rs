@@ -30,7 +30,7 @@ use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
 use super::nan_check::{check_finite_parameters, check_step_values, read_f32};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
-use super::step::{MIB, SCHEDULE, largest_over_ranks, loss_on_every_stage};
+use super::step::{MIB, largest_over_ranks, loss_on_every_stage};
 use crate::backend::ModelBackend;
 use crate::checkpointing::{
     AsyncCheckpointer, Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record,
@@ -40,7 +40,8 @@ use crate::error::Result;
 use crate::models::GptModel;
 use crate::optimizer::DistributedAdamW;
 use crate::optimizer::{
-    GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, shared_copies,
+    GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, merge_chunk_grads,
+    shared_copies,
 };
 use crate::pipeline_parallel::{
     StageSplit, forward_backward, forward_backward_scaled, forward_only,
@@ -70,12 +71,13 @@ impl PretrainSummary {
     }
 }
 
-type Adam<B> = OptimizerAdaptor<AdamW, GptModel<B>, B>;
+type Adam<B> = OptimizerAdaptor<AdamW, Vec<GptModel<B>>, B>;
 
-/// This rank's model stage and its optimizer: AdamW twice, with and without weight decay,
-/// over the two [`ParamGroups`].
+/// This rank's model chunks (one pipeline stage, or several virtual stages under the
+/// interleaved schedule) and their optimizer, which steps the chunks as one module: AdamW
+/// twice, with and without weight decay, over the two [`ParamGroups`].
 struct RankModel<B: AutodiffBackend + ModelBackend> {
-    chunk: GptModel<B>,
+    chunks: Vec<GptModel<B>>,
     groups: ParamGroups,
     decay: Adam<B>,
     no_decay: Adam<B>,
@@ -89,33 +91,42 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend + ModelBackend,
 {
-    fn optimizer_state(&self) -> Result<OptimizerState> {
+    /// The optimizer state by chunk (`out[i]` for `chunks[i]`), as checkpoints take it.
+    fn optimizer_state(&self) -> Result<Vec<OptimizerState>> {
         if let Some(optim) = &self.distributed {
-            return distributed_adamw_state(&self.chunk, optim);
+            return distributed_adamw_state(&self.chunks, optim);
         }
-        let mut state = adamw_state(&self.chunk, &self.decay);
+        let mut state = adamw_state(&self.chunks, &self.decay);
         state
             .params
-            .extend(adamw_state(&self.chunk, &self.no_decay).params);
-        Ok(state)
+            .extend(adamw_state(&self.chunks, &self.no_decay).params);
+        Ok(state.split_by_chunk(&self.chunks))
     }
 
     /// Loads the model and the optimizer state of `checkpoint` (saved at any layout, by
     /// either optimizer); each AdamW gets its group's parameters, the distributed optimizer
     /// its range.
     fn load(mut self, checkpoint: &Checkpoint) -> Result<Self> {
-        let chunk = checkpoint.load_model(self.chunk)?;
+        let chunks = self
+            .chunks
+            .into_iter()
+            .map(|chunk| checkpoint.load_model(chunk))
+            .collect::<Result<Vec<_>>>()?;
         if let Some(optim) = self.distributed.as_mut() {
-            load_distributed_adamw(checkpoint, &chunk, optim)?;
-            return Ok(Self { chunk, ..self });
+            load_distributed_adamw(checkpoint, &chunks, optim)?;
+            return Ok(Self { chunks, ..self });
         }
-        let saved = checkpoint.load_optimizer_state(&chunk)?;
+        let saved = chunks
+            .iter()
+            .map(|chunk| checkpoint.load_optimizer_state(chunk))
+            .collect::<Result<Vec<_>>>()?;
+        let saved = OptimizerState::merge(saved).unwrap_or_default();
         let exempt: HashSet<ParamId> = self.groups.no_decay.iter().map(|p| p.id).collect();
-        let (no_decay, decay): (Vec<_>, Vec<_>) = adamw_record(&chunk, &saved)
+        let (no_decay, decay): (Vec<_>, Vec<_>) = adamw_record(&chunks, &saved)
             .into_iter()
             .partition(|(id, _)| exempt.contains(id));
         Ok(Self {
-            chunk,
+            chunks,
             distributed: self.distributed,
             groups: self.groups,
             decay: self.decay.load_record(decay.into_iter().collect()),
@@ -148,13 +159,17 @@ where
     let RunLayout {
         tp,
         pp,
+        virtual_pipeline_size,
         dp,
         num_microbatches,
         model: model_config,
         ..
     } = &layout;
+    let schedule_kind = layout.schedule();
     // DP takes what is left of the world: TP × PP × DP ranks were checked above.
-    let state = ctx.parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?;
+    let state = ctx
+        .parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?
+        .with_virtual_pipeline_size(*virtual_pipeline_size)?;
     let world_rank = state.world().rank();
     let logging = world_rank == 0;
     let setup = |step: String| {
@@ -165,22 +180,34 @@ where
             ));
         }
     };
-    let stage = StageSplit::even(model_config.num_layers, *pp)?.stage(state.pp_rank());
+    let split = StageSplit::even(model_config.num_layers, *pp * *virtual_pipeline_size)?;
+    let stages: Vec<_> = (0..*virtual_pipeline_size)
+        .map(|c| split.stage(state.virtual_stage(c)))
+        .collect();
     setup(format!(
-        "building each rank's model stage (layers {:?} of {} on the first, TP = {tp}), its values \
+        "building each rank's model {} (layers {} of {} on the first, TP = {tp}), {} values \
          drawn on {} cores",
-        stage.layers,
+        if stages.len() == 1 { "stage" } else { "chunks" },
+        stages
+            .iter()
+            .map(|s| format!("{:?}", s.layers))
+            .collect::<Vec<_>>()
+            .join(" and "),
         model_config.num_layers,
+        if stages.len() == 1 { "its" } else { "their" },
         std::thread::available_parallelism().map_or(1, |n| n.get())
     ));
-    let chunk = model_config.init_gpt_stage::<B>(state.tp(), &stage, device)?;
+    let chunks = stages
+        .iter()
+        .map(|stage| model_config.init_gpt_stage::<B>(state.tp(), stage, device))
+        .collect::<core::result::Result<Vec<_>, _>>()?;
     let adamw = AdamWConfig::new()
         .with_beta_1(config.adam_beta1)
         .with_beta_2(config.adam_beta2)
         .with_epsilon(config.adam_eps);
     let mut rank = RankModel {
-        groups: WeightDecayPolicy::default().groups(&chunk),
-        chunk,
+        groups: WeightDecayPolicy::default().groups(&chunks),
+        chunks,
         decay: adamw
             .clone()
             .with_weight_decay(config.weight_decay as f32)
@@ -193,7 +220,7 @@ where
         let optim =
             config
                 .distributed_adamw()
-                .init(&rank.chunk, &state, &shared_copies(&rank.chunk))?;
+                .init(&rank.chunks, &state, &shared_copies(&rank.chunks))?;
         rank.distributed = Some(optim);
     }
 
@@ -225,22 +252,26 @@ where
         consumed = checkpoint.training_state().consumed_samples;
         resumed_from = Some(checkpoint.dir().to_path_buf());
     }
+    // One chunk per rank here: the check refuses the hook with virtual stages.
     if config.overlap_grad_reduce
         && let Some(optim) = rank.distributed.as_mut()
+        && let [chunk] = rank.chunks.as_mut_slice()
     {
-        let hook = optim.overlap_hook(&rank.chunk, *num_microbatches);
-        rank.chunk.set_backward_hook(Some(hook));
+        let hook = optim.overlap_hook(&*chunk, *num_microbatches);
+        chunk.set_backward_hook(Some(hook));
     }
-    // Dropout masks are keyed by the forward pass's number: continue the count.
-    rank.chunk
-        .set_next_call(iteration * *num_microbatches as u64);
+    // Dropout masks are keyed by the forward pass's number: continue the count (each chunk
+    // runs once per microbatch).
+    for chunk in &rank.chunks {
+        chunk.set_next_call(iteration * *num_microbatches as u64);
+    }
     let mut schedule = config.lr_schedule()?.resumed_at(iteration as usize);
     let clip = GradClipConfig::new().with_max_norm(config.clip_grad);
     let tokens_per_step = (config.global_batch_size * config.seq_length) as u64;
     let flops_per_step =
         model_config.training_flops(config.global_batch_size, config.seq_length)?;
 
-    let parameters = count_parameters(&state, &rank.chunk, device)?;
+    let parameters = count_parameters(&state, &rank.chunks, device)?;
     if logging {
         observer.on_start(&RunStart {
             first_iteration: iteration,
@@ -248,6 +279,7 @@ where
             world_size: state.world().size(),
             tp: *tp,
             pp: *pp,
+            virtual_pipeline_size: *virtual_pipeline_size,
             num_microbatches: *num_microbatches,
             parameters,
             resumed_from: resumed_from.clone(),
@@ -263,7 +295,6 @@ where
         resumed_from,
         reduced_in_backward: 0,
     };
-    let chunks = |rank: &RankModel<B>| core::slice::from_ref(&rank.chunk).to_vec();
     let checkpointer = config
         .save
         .as_ref()
@@ -285,31 +316,33 @@ where
             config.vocab_size,
             device,
         )?;
-        let model = chunks(&rank);
         let loss_scale = scaler.as_ref().map(|s| s.scale());
         let out = match &loss_scale {
-            Some(scale) => {
-                forward_backward_scaled(SCHEDULE, &state, &model, &microbatches, scale.clone())?
-            }
-            None => forward_backward(SCHEDULE, &state, &model, &microbatches)?,
+            Some(scale) => forward_backward_scaled(
+                schedule_kind,
+                &state,
+                &rank.chunks,
+                &microbatches,
+                scale.clone(),
+            )?,
+            None => forward_backward(schedule_kind, &state, &rank.chunks, &microbatches)?,
         };
         let mut grads = out.grads;
         let loss = shared_loss(&state, out.loss, device)?;
         let norm = if let Some(optim) = rank.distributed.as_mut() {
-            let grads = grads.pop().expect("one chunk's gradients");
+            let grads = merge_chunk_grads(&rank.chunks, grads);
             let step = match scaler.as_mut() {
-                Some(scaler) => optim.step_scaled(lr, rank.chunk, &grads, scaler)?,
-                None => optim.step(lr, rank.chunk, &grads)?,
+                Some(scaler) => optim.step_scaled(lr, rank.chunks, &grads, scaler)?,
+                None => optim.step(lr, rank.chunks, &grads)?,
             };
-            rank.chunk = step.model;
+            rank.chunks = step.model;
             step.grad_norm
         } else {
-            let norm = clip_grad_norm(&model, &mut grads, &state, &clip)?;
-            let (decay, no_decay) = rank
-                .groups
-                .split(&rank.chunk, grads.pop().expect("one chunk's gradients"));
-            let chunk = rank.decay.step(lr, rank.chunk, decay);
-            rank.chunk = rank.no_decay.step(lr, chunk, no_decay);
+            let norm = clip_grad_norm(&rank.chunks, &mut grads, &state, &clip)?;
+            let grads = merge_chunk_grads(&rank.chunks, grads);
+            let (decay, no_decay) = rank.groups.split(&rank.chunks, grads);
+            let chunks = rank.decay.step(lr, rank.chunks, decay);
+            rank.chunks = rank.no_decay.step(lr, chunks, no_decay);
             norm
         };
         let logged = (iteration + 1).is_multiple_of(config.log_interval as u64)
@@ -372,7 +405,7 @@ where
             && (iteration.is_multiple_of(interval) || last)
         {
             let index = iteration.div_ceil(interval) as usize - 1;
-            let loss = evaluate(&state, config, &layout, &rank.chunk, valid, index, device)?;
+            let loss = evaluate(&state, config, &layout, &rank.chunks, valid, index, device)?;
             let report = EvalReport { iteration, loss };
             summary.evaluations.push(report);
             if logging {
@@ -388,7 +421,7 @@ where
         {
             if config.check_for_nan_in_loss_and_grad {
                 // No checkpoint may hold a NaN: every rank's parameters, before any writes.
-                check_finite_parameters(&state, &rank.chunk, iteration)?;
+                check_finite_chunks(&state, &rank.chunks, iteration)?;
                 parameters_checked_at = Some(iteration);
             }
             let training = TrainingState {
@@ -398,13 +431,18 @@ where
                 lr_scheduler: Some(serde_json::json!({ "next_step": schedule.next_step() })),
                 loss_scaler: scaler.as_ref().map(|s| s.state()),
             };
-            let chunks = core::slice::from_ref(&rank.chunk);
-            let optimizer = [rank.optimizer_state()?];
+            let chunks = rank.chunks.as_slice();
+            let optimizer = rank.optimizer_state()?;
             let published = match in_background.as_mut() {
                 Some(saver) => {
                     let previous = saver.in_flight();
-                    let dir =
-                        saver.save(&state, model_config, chunks, Some(&optimizer), &training)?;
+                    let dir = saver.save(
+                        &state,
+                        model_config,
+                        chunks,
+                        Some(optimizer.as_slice()),
+                        &training,
+                    )?;
                     previous.zip(dir)
                 }
                 None => {
@@ -412,7 +450,7 @@ where
                         &state,
                         model_config,
                         chunks,
-                        Some(&optimizer),
+                        Some(optimizer.as_slice()),
                         &training,
                     )?;
                     Some((iteration, dir))
@@ -428,7 +466,7 @@ where
     }
     if config.check_for_nan_in_loss_and_grad && parameters_checked_at != Some(iteration) {
         // The end of the run: the last step's update, unless a save just checked it.
-        check_finite_parameters(&state, &rank.chunk, iteration)?;
+        check_finite_chunks(&state, &rank.chunks, iteration)?;
     }
     if let Some(saver) = in_background.as_mut() {
         let previous = saver.in_flight();
@@ -477,6 +515,22 @@ fn read_scalars<B: burn::tensor::backend::Backend>(
         .collect())
 }
 
+/// [`check_finite_parameters`] of each chunk in turn (every rank holds as many), so that an
+/// error names the parameter by its path in its chunk.
+fn check_finite_chunks<B>(
+    state: &ParallelState,
+    chunks: &[GptModel<B>],
+    iteration: u64,
+) -> Result<()>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: DistBackend,
+{
+    chunks
+        .iter()
+        .try_for_each(|chunk| check_finite_parameters(state, chunk, iteration))
+}
+
 /// Evaluation `index` (0 for the first): `eval_iters` global batches of the validation split,
 /// from sample `index · eval_iters · global_batch`, through the schedule's forward passes
 /// only. The training model's forward-pass count is left as it was, so evaluating does not
@@ -485,7 +539,7 @@ fn evaluate<B>(
     state: &ParallelState,
     config: &PretrainConfig,
     layout: &RunLayout,
-    chunk: &GptModel<B>,
+    chunks: &[GptModel<B>],
     valid: &impl crate::data::SampleDataset,
     index: usize,
     device: &B::Device,
@@ -494,9 +548,8 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend + ModelBackend,
 {
-    let call = chunk.next_call();
-    chunk.set_next_call(call);
-    let model = vec![chunk.valid()];
+    let calls: Vec<u64> = chunks.iter().map(GptModel::next_call).collect();
+    let model: Vec<_> = chunks.iter().map(|c| c.valid()).collect();
     let mut total = 0.0;
     for j in 0..config.eval_iters {
         let first = (index * config.eval_iters + j) * config.global_batch_size;
@@ -509,7 +562,7 @@ where
             config.vocab_size,
             device,
         )?;
-        let loss = forward_only(SCHEDULE, state, &model, &microbatches)?;
+        let loss = forward_only(layout.schedule(), state, &model, &microbatches)?;
         let rank = state.world().rank();
         let loss = read_scalars(
             vec![shared_loss(state, loss, device)?],
@@ -518,7 +571,9 @@ where
         )?[0];
         total += loss;
     }
-    chunk.set_next_call(call);
+    for (chunk, call) in chunks.iter().zip(calls) {
+        chunk.set_next_call(call);
+    }
     Ok(total / config.eval_iters as f64)
 }
 
@@ -527,20 +582,23 @@ where
 /// the world in f32: exact to about 7 digits, enough for a log.
 fn count_parameters<B>(
     state: &ParallelState,
-    chunk: &GptModel<B>,
+    chunks: &[GptModel<B>],
     device: &B::Device,
 ) -> Result<f64>
 where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend,
 {
-    let copies = shared_copies(chunk);
     let local: usize = if state.tp().rank() == 0 && state.dp().rank() == 0 {
-        param_infos(chunk)
-            .iter()
-            .filter(|p| !copies.contains(&p.path))
-            .map(|p| p.global_shape().iter().product::<usize>())
-            .sum()
+        let count = |chunk: &GptModel<B>| -> usize {
+            let copies = shared_copies(chunk);
+            param_infos(chunk)
+                .iter()
+                .filter(|p| !copies.contains(&p.path))
+                .map(|p| p.global_shape().iter().product::<usize>())
+                .sum()
+        };
+        chunks.iter().map(count).sum()
     } else {
         0
     };

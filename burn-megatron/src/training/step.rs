@@ -7,7 +7,8 @@ use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 use crate::error::Result;
 use crate::pipeline_parallel::Schedule;
 
-/// The schedule of every step: 1F1B, Megatron's default without virtual stages (with one
+/// The schedule of the Learner's steps, and of pretrain's without virtual pipeline stages
+/// ([`RunLayout::schedule`](super::RunLayout::schedule)): 1F1B, Megatron's default (with one
 /// pipeline stage it is plain gradient accumulation).
 pub const SCHEDULE: Schedule = Schedule::OneFOneB;
 

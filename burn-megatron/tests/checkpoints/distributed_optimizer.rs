@@ -122,7 +122,7 @@ fn train(
         }
         let mut optim = optimizer(zero).init::<AD, _>(&model, &state, &[])?;
         if let (Some(checkpoint), Some((_, false))) = (&checkpoint, load) {
-            load_distributed_adamw(checkpoint, &model, &mut optim)?;
+            load_distributed_adamw(checkpoint, core::slice::from_ref(&model), &mut optim)?;
         }
         let mut losses = Vec::new();
         for s in steps.clone() {
@@ -137,12 +137,12 @@ fn train(
             model = optim.step(1e-2, model, &grads)?.model;
         }
         if let Some(root) = save {
-            let saved = distributed_adamw_state(&model, &optim)?;
+            let saved = distributed_adamw_state(core::slice::from_ref(&model), &optim)?;
             let training = TrainingState {
                 iteration: steps.end as u64,
                 ..Default::default()
             };
-            Checkpointer::new(root).save(&state, config, &[model], Some(&[saved]), &training)?;
+            Checkpointer::new(root).save(&state, config, &[model], Some(&saved), &training)?;
         }
         Ok((losses, parts(&optim)))
     });

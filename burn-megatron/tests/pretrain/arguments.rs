@@ -2,6 +2,7 @@
 //! the option and what would be valid, before any rank starts.
 
 use burn_megatron::optimizer::LrDecayStyle;
+use burn_megatron::pipeline_parallel::Schedule;
 use burn_megatron::training::{PretrainArgs, PretrainConfig, Silent, pretrain_on_threads};
 use clap::Parser;
 
@@ -555,4 +556,73 @@ fn the_nan_check_option_is_on_by_default() {
     assert!(!config(&["--check-for-nan-in-loss-and-grad", "false"]).check_for_nan_in_loss_and_grad);
     let file = PretrainArgs::from_toml("check-for-nan-in-loss-and-grad = false\n").unwrap();
     assert_eq!(file.check_for_nan_in_loss_and_grad, Some(false));
+}
+
+/// `--num-layers-per-virtual-pipeline-stage`: `num_layers / (PP × it)` chunks a rank and the
+/// interleaved schedule (one chunk: 1F1B); what it needs is checked before any rank starts.
+#[test]
+fn virtual_pipeline_stages_are_megatrons_option() {
+    // 8 layers at TP = 2 × PP = 2, 4 microbatches a step.
+    let base = ["--num-layers", "8", "--global-batch-size", "16"];
+    let with = |extra: &[&str]| config(&[&base[..], extra].concat());
+    let c = with(&["--num-layers-per-virtual-pipeline-stage", "2"]);
+    assert_eq!(c.num_layers_per_virtual_pipeline_stage, Some(2));
+    let layout = c.check(4).unwrap();
+    assert_eq!(layout.virtual_pipeline_size, 2);
+    assert_eq!(layout.schedule(), Schedule::Interleaved);
+    let one_chunk = with(&["--num-layers-per-virtual-pipeline-stage", "4"])
+        .check(4)
+        .unwrap();
+    assert_eq!(
+        (one_chunk.virtual_pipeline_size, one_chunk.schedule()),
+        (1, Schedule::OneFOneB)
+    );
+    assert_eq!(config(&[]).check(4).unwrap().schedule(), Schedule::OneFOneB);
+
+    for (extra, want) in [
+        (
+            &["--num-layers-per-virtual-pipeline-stage", "3"][..],
+            "must divide the layers of each pipeline rank (8 / 2 = 4)",
+        ),
+        (
+            &["--num-layers-per-virtual-pipeline-stage", "0"][..],
+            "must divide",
+        ),
+        (
+            &[
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--pipeline-model-parallel-size",
+                "1",
+            ][..],
+            "at least 2 (got 1)",
+        ),
+        (
+            &[
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--micro-batch-size",
+                "16",
+            ][..],
+            "microbatches per step (1 =",
+        ),
+        (
+            &[
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--overlap-grad-reduce",
+            ][..],
+            "--overlap-grad-reduce with --num-layers-per-virtual-pipeline-stage is not supported",
+        ),
+    ] {
+        let e = error(&with(extra));
+        assert!(e.contains(want), "{extra:?}: {e}");
+    }
+    // Burn's Learner runs 1F1B.
+    let e = error(&with(&[
+        "--num-layers-per-virtual-pipeline-stage",
+        "2",
+        "--learner",
+    ]));
+    assert!(e.contains("--learner runs 1F1B"), "{e}");
 }

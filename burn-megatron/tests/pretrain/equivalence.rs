@@ -190,6 +190,29 @@ fn llama_layouts_equal_single_rank_training() {
     );
 }
 
+/// The interleaved schedule from `--num-layers-per-virtual-pipeline-stage 1` (two chunks a
+/// rank at PP = 2; the tied embedding's copy on rank 1's second chunk): alone, at TP = 2 × PP
+/// = 2 with sequence parallelism, and at PP = 2 × DP = 2 with the distributed optimizer
+/// stepping both chunks as one, against one rank's plain training.
+#[test]
+fn interleaved_pipeline_equals_single_rank_training() {
+    let want = reference(&tiny_run(1, 1));
+    let interleaved = |tp, pp| tiny_run(tp, pp).with_num_layers_per_virtual_pipeline_stage(Some(1));
+    assert_equal_to_reference("PP=2 interleaved", &interleaved(1, 2), &want);
+    assert_equal_to_reference(
+        "TP=2 PP=2 SP interleaved",
+        &interleaved(2, 2).with_sequence_parallel(true),
+        &want,
+    );
+    assert_equal_to_reference(
+        "PP=2 DP=2 interleaved, distributed optimizer",
+        &interleaved(1, 2)
+            .with_data_parallel_size(2)
+            .with_use_distributed_optimizer(true),
+        &want,
+    );
+}
+
 /// DP = 2 (each DP rank reading its half of every global batch), with and without the
 /// distributed optimizer, and TP = 2 × DP = 2 and PP = 2 × DP = 2 (1F1B) with it, against one
 /// rank's plain training: the same step and validation losses.

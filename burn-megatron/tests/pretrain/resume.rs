@@ -149,3 +149,26 @@ fn burn_adamw_checkpoint_resumes_with_the_distributed_optimizer() {
     let what = "saved by Burn's AdamW at DP = 1, resumed with ZeRO-1 at DP = 2";
     resume_runs(what, "resume-adamw-zero", plain, zero);
 }
+
+/// Checkpoints of the interleaved schedule (two chunks a rank) resume in another layout and
+/// from another one, with Burn's AdamW and with the distributed optimizer (its state saved
+/// and loaded across both chunks).
+#[test]
+fn interleaved_runs_resume_equal_to_uninterrupted() {
+    let interleaved = |iters| run(1, 2, iters).with_num_layers_per_virtual_pipeline_stage(Some(1));
+    let plain = |iters| run(2, 2, iters);
+    let what = "saved interleaved at (TP, PP) = (1, 2), resumed at (2, 2)";
+    resume_runs(what, "resume-interleaved-22", interleaved, plain);
+    let what = "saved at (TP, PP) = (2, 2), resumed interleaved at (1, 2)";
+    resume_runs(what, "resume-22-interleaved", plain, interleaved);
+    let zero = |iters| {
+        run(1, 2, iters)
+            .with_num_layers_per_virtual_pipeline_stage(Some(1))
+            .with_hidden_dropout(0.0)
+            .with_attention_dropout(0.0)
+            .with_data_parallel_size(2)
+            .with_use_distributed_optimizer(true)
+    };
+    let what = "saved and resumed interleaved with ZeRO-1 at PP = 2 × DP = 2";
+    resume_runs(what, "resume-interleaved-zero", zero, zero);
+}

@@ -159,7 +159,8 @@ where
         let root = checkpointer.root().to_path_buf();
         let global_batch = shape.global_batch_size as u64;
         let save: SaveFn<B, ParallelGpt<B>> = Box::new(move |model, optim, iteration| {
-            let optimizer = optim.with(|o| distributed_adamw_state(&model.model, o))?;
+            let chunks = core::slice::from_ref(&model.model);
+            let optimizer = optim.with(|o| distributed_adamw_state(chunks, o))?;
             let training = TrainingState {
                 iteration,
                 consumed_samples: iteration * global_batch,
@@ -170,8 +171,8 @@ where
             checkpointer.save(
                 model.state(),
                 model.config(),
-                core::slice::from_ref(&model.model),
-                Some(&[optimizer]),
+                chunks,
+                Some(&optimizer),
                 &training,
             )
         });
@@ -182,7 +183,8 @@ where
             let checkpoint = Checkpoint::open_latest(&root)?;
             checkpoint.check_config(model.config())?;
             let chunk = checkpoint.load_model(model.model.clone())?;
-            optim.with(|o| load_distributed_adamw(&checkpoint, &chunk, o))?;
+            optim
+                .with(|o| load_distributed_adamw(&checkpoint, core::slice::from_ref(&chunk), o))?;
             let training = checkpoint.training_state().clone();
             if let Some(saved) = &training.loss_scaler {
                 optim.load_loss_scaler_state(saved)?;
