@@ -62,6 +62,7 @@ def main():
     parser.add_argument("--preset", choices=PRESETS, default="llama3-8b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--layers", type=int, help="the preset's shape with fewer layers")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
@@ -70,6 +71,7 @@ def main():
 
     hidden, layers, heads, groups, ffn, vocab, default_seq, kind, tied = PRESETS[args.preset]
     seq = args.seq or default_seq
+    layers = args.layers or layers
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Pipeline schedules through pretrain_gpt on 2 GPUs (issue 31), in one device call (kind
+# nvidia-h100-x2 or nvidia-h200-x2): the Llama-3 8B preset cut to LAYERS layers (16: 4.5 B
+# parameters) at PP 2 with 1F1B and with the interleaved schedule (2 and 4 chunks a rank),
+# TP 2 + SP for comparison, and the PyTorch FSDP2 peer (bench/torch_fsdp.py) on the same GPUs
+# and shape; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
+#   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
+#       -p burn-megatron-examples --example pretrain_gpt -p burn-megatron-dist --bin bm-launch
+#   LAYERS=16 ITERS=6 bash bench/pipeline_gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+source .gpu/env.sh
+for z in .gpu/bin/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
+chmod +x .gpu/bin/* 2>/dev/null
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
+B=.gpu/bin
+ITERS=${ITERS:-6}
+LAYERS=${LAYERS:-16}
+COMMON="--config examples/configs/llama3_8b.toml --num-layers $LAYERS --bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
+ours() { # name, flags...
+  local name=$1; shift
+  echo "=== ours $name: $*" | tee -a $OUT/pipeline.log
+  local s=$(date +%s)
+  timeout ${LIMIT:-150} $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $COMMON "$@" > $OUT/$name.log 2>&1
+  echo "rc=$? seconds=$(( $(date +%s) - s ))" | tee -a $OUT/pipeline.log
+  grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -$((ITERS + 1)) | cut -c1-400 | tee -a $OUT/pipeline.log
+}
+torch() { # name, flags...
+  local name=$1; shift
+  echo "=== torch $name: $*" | tee -a $OUT/pipeline.log
+  timeout ${LIMIT:-150} torchrun --nproc-per-node 2 bench/torch_fsdp.py --preset llama3-8b --layers $LAYERS --steps $ITERS "$@" > $OUT/torch_$name.log 2>&1
+  echo "rc=$?" | tee -a $OUT/pipeline.log
+  grep -E "RESULT|step:|Error|error" $OUT/torch_$name.log | tail -4 | cut -c1-400 | tee -a $OUT/pipeline.log
+}
+PP2="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2"
+ours pp2_1f1b $PP2
+ours pp2_interleaved_v2 $PP2 --num-layers-per-virtual-pipeline-stage $((LAYERS / 4))
+torch fsdp_b1 --batch 1
+ours pp2_interleaved_v4 $PP2 --num-layers-per-virtual-pipeline-stage $((LAYERS / 8))
+ours tp2_sp --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel
+torch fsdp_b2 --batch 2
