@@ -1,4 +1,4 @@
-//! The transformer: configuration, norms, attention, MLP and layers.
+//! The transformer: configuration, norms, attention, MLP, mixture of experts and layers.
 
 mod attention;
 mod attention_core;
@@ -7,6 +7,7 @@ mod config;
 mod flops;
 mod layer;
 mod mlp;
+pub mod moe;
 mod norm;
 
 pub use attention::ParallelAttention;

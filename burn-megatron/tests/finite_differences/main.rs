@@ -16,6 +16,7 @@ mod flash_attention;
 mod gelu;
 mod masked_softmax;
 mod models;
+mod moe;
 mod norm;
 mod packed_flash_attention;
 mod rope;

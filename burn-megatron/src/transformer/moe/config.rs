@@ -1,0 +1,127 @@
+//! [`MoeConfig`]: one configuration for the whole layer, with Megatron's option names in the
+//! field docs.
+
+use burn::config::Config;
+use burn_megatron_dist::ProcessGroup;
+
+use super::dispatcher::TokenDispatcher;
+use super::experts::GroupedExpertsConfig;
+use super::layer::MoeLayer;
+use super::router::{Router, RouterScoreFunction, RouterSettings};
+use crate::error::ConfigError;
+use crate::init::{InitDistribution, init_full, param_seed};
+use crate::transformer::Activation;
+
+/// Configuration of an [`MoeLayer`].
+#[derive(Config, Debug)]
+pub struct MoeConfig {
+    /// Width of the tokens.
+    pub hidden_size: usize,
+    /// Routed experts over all expert-parallel ranks (`--num-experts`).
+    pub num_experts: usize,
+    /// Hidden width of each routed expert (`--moe-ffn-hidden-size`).
+    pub ffn_hidden_size: usize,
+    /// Experts per token, from 1 to `num_experts` (`--moe-router-topk`).
+    #[config(default = 2)]
+    pub top_k: usize,
+    /// Softmax or sigmoid scores (`--moe-router-score-function`).
+    #[config(default = "RouterScoreFunction::Softmax")]
+    pub score_function: RouterScoreFunction,
+    /// Whether each token's top-k weights are divided by their sum (Hugging Face's
+    /// `norm_topk_prob`; Megatron does it for sigmoid scores with `top_k > 1`).
+    #[config(default = false)]
+    pub normalize_top_k: bool,
+    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
+    #[config(default = 0.0)]
+    pub aux_loss_coeff: f64,
+    /// Coefficient of the z-loss (`--moe-z-loss-coeff`).
+    #[config(default = 0.0)]
+    pub z_loss_coeff: f64,
+    /// The experts' activation: SwiGLU or GeLU (Megatron's `--swiglu`).
+    #[config(default = "Activation::SwiGlu")]
+    pub activation: Activation,
+    /// Hidden width of the shared expert, applied to every token, or `None` for no shared
+    /// expert (`--moe-shared-expert-intermediate-size`: the width of all shared experts
+    /// together).
+    #[config(default = "None")]
+    pub shared_expert_ffn_hidden_size: Option<usize>,
+    /// Standard deviation of the normal initialisation of every weight.
+    #[config(default = 0.02)]
+    pub init_std: f64,
+}
+
+impl MoeConfig {
+    /// This rank's layer: the router and shared expert whole, and experts
+    /// `[ep_rank · num_experts / ep, (ep_rank + 1) · num_experts / ep)`. Parameter values
+    /// depend on `seed` only, not on the expert-parallel size.
+    pub fn init<B: burn::tensor::backend::Backend>(
+        &self,
+        ep: &ProcessGroup,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<MoeLayer<B>, ConfigError> {
+        self.validate(ep.size())?;
+        let dispatcher = TokenDispatcher::new(ep, self.num_experts);
+        let router = Router::new(
+            init_full(
+                [self.hidden_size, self.num_experts],
+                InitDistribution::Normal { std: self.init_std },
+                param_seed(seed, "router.weight"),
+                device,
+            ),
+            RouterSettings {
+                score_function: self.score_function,
+                top_k: self.top_k,
+                normalize_top_k: self.normalize_top_k,
+                aux_loss_coeff: self.aux_loss_coeff,
+                z_loss_coeff: self.z_loss_coeff,
+            },
+        );
+        let experts =
+            GroupedExpertsConfig::new(self.hidden_size, self.ffn_hidden_size, self.num_experts)
+                .with_activation(self.activation)
+                .with_init_std(self.init_std)
+                .init(dispatcher.local_experts(), seed, "experts", device);
+        let shared_expert = self.shared_expert_ffn_hidden_size.map(|width| {
+            GroupedExpertsConfig::new(self.hidden_size, width, 1)
+                .with_activation(self.activation)
+                .with_init_std(self.init_std)
+                .init(0..1, seed, "shared_expert", device)
+        });
+        Ok(MoeLayer::new(router, experts, shared_expert, dispatcher))
+    }
+
+    /// Checks the sizes against each other and against an expert-parallel size `ep`.
+    pub fn validate(&self, ep: usize) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if self.num_experts == 0 || self.hidden_size == 0 || self.ffn_hidden_size == 0 {
+            return invalid(format!(
+                "MoE sizes must be at least 1: num_experts {}, hidden_size {}, \
+                 ffn_hidden_size {}",
+                self.num_experts, self.hidden_size, self.ffn_hidden_size
+            ));
+        }
+        if self.top_k == 0 || self.top_k > self.num_experts {
+            return invalid(format!(
+                "MoE top_k ({}) must be between 1 and num_experts ({})",
+                self.top_k, self.num_experts
+            ));
+        }
+        if self.shared_expert_ffn_hidden_size == Some(0) {
+            return invalid("the shared expert's ffn_hidden_size must be at least 1".into());
+        }
+        if !self.num_experts.is_multiple_of(ep) {
+            let valid: Vec<String> = (1..=self.num_experts)
+                .filter(|d| self.num_experts.is_multiple_of(*d))
+                .map(|d| d.to_string())
+                .collect();
+            return invalid(format!(
+                "num_experts ({}) must be divisible by the expert-parallel size ({ep}): valid \
+                 EP sizes are {}",
+                self.num_experts,
+                valid.join(", ")
+            ));
+        }
+        Ok(())
+    }
+}

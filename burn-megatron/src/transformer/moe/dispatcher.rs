@@ -1,0 +1,235 @@
+//! The token dispatcher: tokens sorted by expert, sent to the ranks that hold their experts,
+//! and the experts' outputs brought back in the original order (Megatron's
+//! `MoEAlltoAllTokenDispatcher`, dropless).
+//!
+//! Sizes vary from batch to batch and from rank to rank, while the group's all-to-all
+//! ([`all_to_all`]) splits a tensor into equal shards. So the exchange goes in two steps:
+//!
+//! 1. the ranks all-gather how many tokens each of them routes to each expert (a host-side
+//!    `[ep · num_experts]` exchange, the only synchronisation with the host);
+//! 2. every rank pads its block for each destination to the largest block any rank sends
+//!    (`max_rows`, at least 1) and runs one equal-split, differentiable all-to-all; the
+//!    receiver drops the padding.
+//!
+//! Padding costs bandwidth when the load is uneven; a variable-split all-to-all in the
+//! process group would remove it without changing this file's interface.
+//!
+//! Every rank runs the same collectives in the same order whatever its tokens (one
+//! all-gather forward, one all-to-all each way forward and backward), so a rank or an expert
+//! that gets no tokens cannot leave another waiting. No tensor here is ever empty: each
+//! buffer carries one zero row that padding indices point at.
+
+use std::ops::Range;
+
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn_megatron_dist::mapping::all_to_all;
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+/// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
+#[derive(Debug, Clone)]
+pub struct TokenDispatcher {
+    ep: ProcessGroup,
+    num_experts: usize,
+}
+
+/// The host-side plan of one dispatch: row indices for every gather of the exchange.
+///
+/// Built by [`TokenDispatcher::plan`] from the routing; the same plan serves
+/// [`dispatch`](TokenDispatcher::dispatch) and [`combine`](TokenDispatcher::combine).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchPlan {
+    /// Tokens of this rank.
+    pub num_tokens: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Rows of each rank's block in the padded all-to-all buffers (at least 1).
+    pub max_rows: usize,
+    /// Tokens each local expert receives, over all ranks (the expert-major blocks).
+    pub local_counts: Vec<usize>,
+    /// `[ep · max_rows]`: the input row (or `num_tokens`, the zero row) of each send row.
+    send_rows: Vec<usize>,
+    /// `[received + 1]`: the received row (or `ep · max_rows`, the zero row) of each
+    /// expert-major row, the last being the zero row.
+    expert_rows: Vec<usize>,
+    /// `[ep · max_rows]`: the expert-major row (or `received`, the zero row) whose output goes
+    /// back in each row of the return buffer.
+    return_rows: Vec<usize>,
+    /// `[num_tokens · top_k]`: for each assignment (token-major), its row in the buffer that
+    /// comes back.
+    combine_rows: Vec<usize>,
+}
+
+impl DispatchPlan {
+    /// Tokens this rank's experts receive, over all ranks.
+    pub fn received(&self) -> usize {
+        self.local_counts.iter().sum()
+    }
+}
+
+impl TokenDispatcher {
+    /// A dispatcher for `num_experts` experts over `ep`, which must divide them (checked by
+    /// [`MoeConfig::init`](super::MoeConfig::init)).
+    pub fn new(ep: &ProcessGroup, num_experts: usize) -> Self {
+        Self {
+            ep: ep.clone(),
+            num_experts,
+        }
+    }
+
+    /// The expert-parallel group.
+    pub fn ep(&self) -> &ProcessGroup {
+        &self.ep
+    }
+
+    /// Experts per rank.
+    pub fn num_local_experts(&self) -> usize {
+        self.num_experts / self.ep.size()
+    }
+
+    /// The global indices of this rank's experts.
+    pub fn local_experts(&self) -> Range<usize> {
+        let n = self.num_local_experts();
+        self.ep.rank() * n..(self.ep.rank() + 1) * n
+    }
+
+    /// Plans the exchange of `experts` (`num_tokens · top_k` expert indices, token-major) and
+    /// all-gathers every rank's counts per expert. Every rank of the group must call it.
+    pub fn plan<B: DistBackend>(
+        &self,
+        experts: &[usize],
+        top_k: usize,
+        device: &B::Device,
+    ) -> DistResult<DispatchPlan> {
+        let (ep, rank) = (self.ep.size(), self.ep.rank());
+        let (e_all, e_local) = (self.num_experts, self.num_local_experts());
+        let num_tokens = experts.len() / top_k;
+        let mut counts = vec![0usize; e_all];
+        for &e in experts {
+            counts[e] += 1;
+        }
+        // counts_of[r][e]: assignments rank r routes to expert e.
+        let counts_of: Vec<Vec<usize>> = if ep == 1 {
+            vec![counts.clone()]
+        } else {
+            let local: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+            let local =
+                Tensor::<B, 1>::from_data(TensorData::new(local, [e_all]), (device, DType::F32));
+            let all = self.ep.all_gather(local, 0)?.into_data().convert::<f32>();
+            let all = all.to_vec::<f32>().expect("f32 counts");
+            all.chunks(e_all)
+                .map(|c| c.iter().map(|&v| v as usize).collect())
+                .collect()
+        };
+        let to_rank = |c: &[usize], q: usize| c[q * e_local..(q + 1) * e_local].iter().sum();
+        let max_rows = counts_of
+            .iter()
+            .flat_map(|c| (0..ep).map(move |q| to_rank(c, q)))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+
+        // The send side: assignments sorted by expert (so by destination, then by its local
+        // expert), stable so that tokens keep their order within an expert.
+        let mut order: Vec<usize> = (0..experts.len()).collect();
+        order.sort_by_key(|&a| experts[a]);
+        let mut send_offset = vec![0; ep + 1];
+        for q in 0..ep {
+            send_offset[q + 1] = send_offset[q] + to_rank(&counts, q);
+        }
+        let mut send_rows = vec![num_tokens; ep * max_rows];
+        let mut combine_rows = vec![0; experts.len()];
+        for q in 0..ep {
+            for (i, &a) in order[send_offset[q]..send_offset[q + 1]].iter().enumerate() {
+                send_rows[q * max_rows + i] = a / top_k;
+                combine_rows[a] = q * max_rows + i;
+            }
+        }
+
+        // The receive side: block r holds rank r's tokens for this rank's experts, by local
+        // expert; the experts want them by expert, then by source rank.
+        let mine = |r: usize, j: usize| counts_of[r][rank * e_local + j];
+        let local_counts: Vec<usize> = (0..e_local)
+            .map(|j| (0..ep).map(|r| mine(r, j)).sum())
+            .collect();
+        let received: usize = local_counts.iter().sum();
+        let mut expert_rows = Vec::with_capacity(received + 1);
+        let mut return_rows = vec![received; ep * max_rows];
+        for j in 0..e_local {
+            for r in 0..ep {
+                let start = r * max_rows + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
+                let rows = start..start + mine(r, j);
+                for (row, back) in rows.clone().zip(&mut return_rows[rows]) {
+                    *back = expert_rows.len();
+                    expert_rows.push(row);
+                }
+            }
+        }
+        expert_rows.push(ep * max_rows);
+        Ok(DispatchPlan {
+            num_tokens,
+            top_k,
+            max_rows,
+            local_counts,
+            send_rows,
+            expert_rows,
+            return_rows,
+            combine_rows,
+        })
+    }
+
+    /// The tokens for this rank's experts, in expert-major blocks (`plan.local_counts`), and a
+    /// last row of zeros.
+    ///
+    /// # Shapes
+    /// - tokens: `[num_tokens, hidden]`
+    /// - output: `[plan.received() + 1, hidden]`
+    pub fn dispatch<B: DistBackend>(
+        &self,
+        plan: &DispatchPlan,
+        tokens: Tensor<B, 2>,
+    ) -> DistResult<Tensor<B, 2>> {
+        let device = tokens.device();
+        let send = with_zero_row(tokens).select(0, int_tensor(&plan.send_rows, &device));
+        let received = all_to_all(send, &self.ep, 0, 0)?;
+        Ok(with_zero_row(received).select(0, int_tensor(&plan.expert_rows, &device)))
+    }
+
+    /// The experts' outputs brought back to the ranks their tokens came from, restored to the
+    /// tokens' order, weighted by the router and summed over each token's experts.
+    ///
+    /// # Shapes
+    /// - expert_output: `[plan.received() + 1, hidden]`, expert-major as
+    ///   [`dispatch`](Self::dispatch) gave the tokens; the last row is never read
+    /// - weights: `[num_tokens, top_k]`
+    /// - output: `[num_tokens, hidden]`
+    pub fn combine<B: DistBackend>(
+        &self,
+        plan: &DispatchPlan,
+        expert_output: Tensor<B, 2>,
+        weights: Tensor<B, 2>,
+    ) -> DistResult<Tensor<B, 2>> {
+        let device = expert_output.device();
+        let hidden = expert_output.dims()[1];
+        let back = expert_output.select(0, int_tensor(&plan.return_rows, &device));
+        let back = all_to_all(back, &self.ep, 0, 0)?;
+        let per_assignment = back
+            .select(0, int_tensor(&plan.combine_rows, &device))
+            .reshape([plan.num_tokens, plan.top_k, hidden]);
+        let weighted = per_assignment * weights.unsqueeze_dim::<3>(2);
+        Ok(weighted.sum_dim(1).reshape([plan.num_tokens, hidden]))
+    }
+}
+
+/// `x` with a row of zeros appended.
+fn with_zero_row<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [_, hidden] = x.dims();
+    let zeros = Tensor::zeros([1, hidden], &x.device());
+    Tensor::cat(vec![x, zeros], 0)
+}
+
+/// `values` as a 1-D integer tensor on `device`.
+fn int_tensor<B: Backend>(values: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
+    let values: Vec<i64> = values.iter().map(|&v| v as i64).collect();
+    let len = values.len();
+    Tensor::from_data(TensorData::new(values, [len]), device)
+}

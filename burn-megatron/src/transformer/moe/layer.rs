@@ -1,0 +1,116 @@
+//! The mixture-of-experts layer: router, dispatch, experts, combine, and the shared expert.
+
+use burn::module::Module;
+use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::DistResult;
+
+use super::dispatcher::TokenDispatcher;
+use super::experts::GroupedExperts;
+use super::router::Router;
+use crate::backend::ModelBackend;
+
+/// A mixture of experts in place of a transformer layer's MLP (Megatron's `MoELayer`),
+/// dropless: every token reaches each of its `top_k` experts.
+///
+/// The router and the shared expert are replicated on every rank; the routed experts are
+/// split over the expert-parallel group, `num_experts / ep` each, and tokens travel to them
+/// by all-to-all ([`TokenDispatcher`]). Each rank routes its own tokens: its losses are its
+/// batch's, and the gradients of the replicated parameters are its batch's contribution (sum
+/// them over data parallelism, as for any dense parameter); an expert's gradient covers the
+/// tokens of every rank that routed to it.
+#[derive(Module, Debug)]
+pub struct MoeLayer<B: Backend> {
+    /// Scores and top-k.
+    pub router: Router<B>,
+    /// This rank's routed experts.
+    pub experts: GroupedExperts<B>,
+    /// DeepSeek's shared expert(s), applied to every token (one MLP of the shared experts'
+    /// total width), if any.
+    pub shared_expert: Option<GroupedExperts<B>>,
+    #[module(skip)]
+    dispatcher: TokenDispatcher,
+}
+
+/// What an MoE layer returns: its output, and the losses to add to the model's loss.
+#[derive(Debug, Clone)]
+pub struct MoeOutput<B: Backend> {
+    /// `[batch, seq, hidden_size]`.
+    pub output: Tensor<B, 3>,
+    /// `[1]`: the load-balancing loss, coefficient included.
+    pub load_balancing_loss: Tensor<B, 1>,
+    /// `[1]`: the z-loss, coefficient included.
+    pub z_loss: Tensor<B, 1>,
+    /// How many of this rank's token assignments each expert got (for logging the load).
+    pub tokens_per_expert: Vec<usize>,
+}
+
+impl<B: Backend> MoeOutput<B> {
+    /// `[1]`: the auxiliary losses together, the term to add to the model's loss.
+    pub fn aux_loss(&self) -> Tensor<B, 1> {
+        self.load_balancing_loss.clone() + self.z_loss.clone()
+    }
+}
+
+impl<B: Backend> MoeLayer<B> {
+    /// A layer from its parts.
+    pub fn new(
+        router: Router<B>,
+        experts: GroupedExperts<B>,
+        shared_expert: Option<GroupedExperts<B>>,
+        dispatcher: TokenDispatcher,
+    ) -> Self {
+        Self {
+            router,
+            experts,
+            shared_expert,
+            dispatcher,
+        }
+    }
+
+    /// The dispatcher (and through it the expert-parallel group).
+    pub fn dispatcher(&self) -> &TokenDispatcher {
+        &self.dispatcher
+    }
+}
+
+impl<B: ModelBackend> MoeLayer<B> {
+    /// Routes every token to its experts and back, adding the shared expert's output.
+    ///
+    /// Every rank of the expert-parallel group must call it, each with its own tokens (the
+    /// batch sizes may differ).
+    ///
+    /// # Shapes
+    /// - input: `[batch, seq, hidden_size]`
+    /// - output: `[batch, seq, hidden_size]`; losses `[1]`
+    ///
+    /// # Panics
+    /// If a collective fails; [`try_forward`](Self::try_forward) returns the error instead.
+    pub fn forward(&self, input: Tensor<B, 3>) -> MoeOutput<B> {
+        self.try_forward(input).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward`](Self::forward), returning communication errors.
+    pub fn try_forward(&self, input: Tensor<B, 3>) -> DistResult<MoeOutput<B>> {
+        let [batch, seq, hidden] = input.dims();
+        let tokens = input.reshape([batch * seq, hidden]);
+        let routing = self.router.route(tokens.clone());
+        let top_k = self.router.settings().top_k;
+        let plan = self
+            .dispatcher
+            .plan::<B>(&routing.experts, top_k, &tokens.device())?;
+        let expert_input = self.dispatcher.dispatch(&plan, tokens.clone())?;
+        let expert_output = self.experts.forward(expert_input, &plan.local_counts);
+        let mut output = self
+            .dispatcher
+            .combine(&plan, expert_output, routing.weights)?;
+        if let Some(shared) = &self.shared_expert {
+            output = output + shared.forward_expert(0, tokens);
+        }
+        Ok(MoeOutput {
+            output: output.reshape([batch, seq, hidden]),
+            load_balancing_loss: routing.load_balancing_loss,
+            z_loss: routing.z_loss,
+            tokens_per_expert: routing.tokens_per_expert,
+        })
+    }
+}

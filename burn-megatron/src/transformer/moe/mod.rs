@@ -1,0 +1,29 @@
+//! Mixture of experts with expert parallelism (issue 34, its first part): a dropless MoE
+//! layer, CPU-tested against the single-device layer.
+//!
+//! - [`router`]: linear scores, softmax or sigmoid, top-k, optional normalisation; the
+//!   Switch-style load-balancing loss and the z-loss.
+//! - [`dispatcher`]: tokens sorted by expert and exchanged over the expert-parallel group by
+//!   an all-to-all (variable sizes padded to the largest), then brought back in order.
+//! - [`experts`]: a rank's experts, weights stacked `[local_experts, ..]`, each run once on
+//!   its contiguous block of tokens; SwiGLU or GeLU.
+//! - [`layer`]: [`MoeLayer`], router → dispatch → experts → combine, plus the shared expert,
+//!   returning [`MoeOutput`] (output and losses); [`config`]: [`MoeConfig`].
+//!
+//! Not yet: capacity and token dropping, grouped-GEMM kernels, the all-gather dispatcher,
+//! expert tensor parallelism, the MoE layer inside `TransformerConfig` and `pretrain_gpt`,
+//! checkpoints of experts.
+
+pub mod config;
+pub mod dispatcher;
+pub mod experts;
+pub mod layer;
+pub mod router;
+
+pub use config::MoeConfig;
+pub use dispatcher::{DispatchPlan, TokenDispatcher};
+pub use experts::{GroupedExperts, GroupedExpertsConfig};
+pub use layer::{MoeLayer, MoeOutput};
+pub use router::{
+    Router, RouterScoreFunction, RouterSettings, Routing, load_balancing_loss, z_loss,
+};

@@ -1,0 +1,186 @@
+//! The router: which experts each token goes to, with which weight, and the losses that keep
+//! the experts' load balanced (Megatron's `TopKRouter` and `moe_utils` loss functions).
+
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Tensor, TensorData, backend::Backend};
+
+use crate::backend::ModelBackend;
+use crate::ops::{linear, sigmoid};
+
+/// How the router turns its logits into scores (Megatron's `--moe-router-score-function`).
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum RouterScoreFunction {
+    /// `softmax` over the experts (Mixtral, Qwen3-MoE, Switch).
+    Softmax,
+    /// `sigmoid` of each logit on its own (DeepSeek-V3); the load-balancing loss normalises
+    /// each token's scores to sum to one first.
+    Sigmoid,
+}
+
+/// The router's settings, fixed at init.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterSettings {
+    /// Scores from logits.
+    pub score_function: RouterScoreFunction,
+    /// Experts per token, at least 1.
+    pub top_k: usize,
+    /// Whether each token's `top_k` weights are divided by their sum.
+    pub normalize_top_k: bool,
+    /// Coefficient of the load-balancing loss.
+    pub aux_loss_coeff: f64,
+    /// Coefficient of the z-loss.
+    pub z_loss_coeff: f64,
+}
+
+/// A linear layer from the hidden state to one logit per expert, then top-k.
+///
+/// The weight is replicated on every rank (expert parallelism splits the experts, not the
+/// router); its gradient is the rank's own tokens' contribution, summed over data parallelism
+/// like any dense parameter's.
+#[derive(Module, Debug)]
+pub struct Router<B: Backend> {
+    /// `[hidden_size, num_experts]`, drawn from `N(0, init_std²)`.
+    pub weight: Param<Tensor<B, 2>>,
+    #[module(skip)]
+    settings: RouterSettings,
+}
+
+/// Where the router sends a batch of tokens.
+#[derive(Debug, Clone)]
+pub struct Routing<B: Backend> {
+    /// `[tokens, top_k]`: the weight of each token's chosen experts, differentiable with
+    /// respect to the router's weight and the input.
+    pub weights: Tensor<B, 2>,
+    /// `tokens · top_k` expert indices, token-major (`experts[t · top_k + j]` is token `t`'s
+    /// `j`-th choice), on the host: the dispatch is planned from them.
+    pub experts: Vec<usize>,
+    /// How many of the batch's `tokens · top_k` assignments each expert got.
+    pub tokens_per_expert: Vec<usize>,
+    /// `[1]`: the Switch-style load-balancing loss, coefficient included (0 when the
+    /// coefficient is 0).
+    pub load_balancing_loss: Tensor<B, 1>,
+    /// `[1]`: the z-loss, coefficient included (0 when the coefficient is 0).
+    pub z_loss: Tensor<B, 1>,
+}
+
+impl<B: Backend> Router<B> {
+    /// A router with the given weight (`[hidden_size, num_experts]`).
+    pub fn new(weight: Tensor<B, 2>, settings: RouterSettings) -> Self {
+        Self {
+            weight: Param::from_tensor(weight),
+            settings,
+        }
+    }
+
+    /// The router's settings.
+    pub fn settings(&self) -> RouterSettings {
+        self.settings
+    }
+
+    /// Number of experts.
+    pub fn num_experts(&self) -> usize {
+        self.weight.dims()[1]
+    }
+}
+
+impl<B: ModelBackend> Router<B> {
+    /// Routes `tokens`: scores, the top-k experts of each token (ties broken by the sort of
+    /// the backend, the same on every layout) and their weights, and the losses.
+    ///
+    /// # Shapes
+    /// - tokens: `[tokens, hidden_size]`
+    /// - weights in the result: `[tokens, top_k]`; losses: `[1]`
+    pub fn route(&self, tokens: Tensor<B, 2>) -> Routing<B> {
+        let s = self.settings;
+        let num_experts = self.num_experts();
+        let [num_tokens, _] = tokens.dims();
+        let device = tokens.device();
+        let logits = linear(tokens, self.weight.val(), None);
+        let scores = match s.score_function {
+            RouterScoreFunction::Softmax => softmax(logits.clone(), 1),
+            RouterScoreFunction::Sigmoid => sigmoid(logits.clone()),
+        };
+        let (_, chosen) = scores.clone().detach().topk_with_indices(s.top_k, 1);
+        let experts: Vec<usize> = chosen
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .expect("integer indices")
+            .into_iter()
+            .map(|e| e as usize)
+            .collect();
+        let mut tokens_per_expert = vec![0; num_experts];
+        for &e in &experts {
+            tokens_per_expert[e] += 1;
+        }
+        let mut weights = scores.clone().gather(1, chosen);
+        if s.normalize_top_k {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        let load_balancing_loss = if s.aux_loss_coeff == 0.0 {
+            Tensor::zeros([1], &device)
+        } else {
+            let probs = match s.score_function {
+                RouterScoreFunction::Softmax => scores,
+                RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
+            };
+            load_balancing_loss(
+                probs,
+                &tokens_per_expert,
+                s.top_k,
+                s.aux_loss_coeff,
+                &device,
+            )
+        };
+        let z_loss = if s.z_loss_coeff == 0.0 {
+            Tensor::zeros([1], &device)
+        } else {
+            z_loss(logits, s.z_loss_coeff)
+        };
+        debug_assert_eq!(experts.len(), num_tokens * s.top_k);
+        Routing {
+            weights,
+            experts,
+            tokens_per_expert,
+            load_balancing_loss,
+            z_loss,
+        }
+    }
+}
+
+/// The Switch Transformer's load-balancing loss as Megatron computes it:
+/// `coeff · E · Σ_e f_e · P_e`, with `f_e` the fraction of the `T · k` assignments that went
+/// to expert `e` (a constant) and `P_e` the mean probability of `e` over the `T` tokens. It is
+/// `coeff` when the load is uniform and rises as it concentrates.
+///
+/// # Shapes
+/// - probs: `[tokens, num_experts]`, each row summing to 1
+/// - output: `[1]`
+pub fn load_balancing_loss<B: Backend>(
+    probs: Tensor<B, 2>,
+    tokens_per_expert: &[usize],
+    top_k: usize,
+    coeff: f64,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let [num_tokens, num_experts] = probs.dims();
+    let counts: Vec<f64> = tokens_per_expert.iter().map(|&c| c as f64).collect();
+    let counts = Tensor::<B, 2>::from_data(TensorData::new(counts, [1, num_experts]), device);
+    let scale = coeff * num_experts as f64 / (num_tokens as f64 * (num_tokens * top_k) as f64);
+    (probs.sum_dim(0) * counts).sum().mul_scalar(scale)
+}
+
+/// The z-loss of ST-MoE: `coeff · mean_t (log Σ_e exp(logit_te))²`, which keeps the logits
+/// small. The log-sum-exp subtracts each row's maximum (held constant) first.
+///
+/// # Shapes
+/// - logits: `[tokens, num_experts]`
+/// - output: `[1]`
+pub fn z_loss<B: Backend>(logits: Tensor<B, 2>, coeff: f64) -> Tensor<B, 1> {
+    let max = logits.clone().detach().max_dim(1);
+    let log_sum_exp = (logits - max.clone()).exp().sum_dim(1).log() + max;
+    log_sum_exp.powi_scalar(2).mean().mul_scalar(coeff)
+}

@@ -1,0 +1,188 @@
+//! The mixture-of-experts layer (EP = 1, dropless): the gradient of `Σ probe ∘ y + aux_loss`
+//! with respect to the input and every element of every parameter (router, routed experts,
+//! shared expert), against central differences, for softmax and sigmoid routing, SwiGLU and
+//! GeLU experts, top-1 and top-2.
+//!
+//! Top-k is piecewise constant: a difference is exact only if no step changes a token's
+//! choice. The layer is small and its scores well apart, so none does; a change would show as
+//! a wildly wrong estimate, not a subtle one.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::{Tensor, TensorData};
+use burn_megatron::init::{InitDistribution, init_full};
+use burn_megatron::transformer::Activation;
+use burn_megatron::transformer::moe::{MoeConfig, MoeLayer, RouterScoreFunction};
+use burn_megatron_dist::ProcessGroup;
+use burn_megatron_testing::{relative_difference, run, tolerance, values};
+
+use crate::{AD, B, STEP, device};
+
+const SHAPE: [usize; 3] = [2, 3, 4];
+
+fn inputs() -> (Tensor<B, 3>, Tensor<B, 3>) {
+    let normal = |seed| {
+        init_full::<B, 3>(
+            SHAPE,
+            InitDistribution::Normal { std: 1.0 },
+            seed,
+            &device(),
+        )
+    };
+    (normal(31), normal(32))
+}
+
+/// `Σ probe ∘ y + aux_loss` of `layer` on `x`.
+fn loss(layer: &MoeLayer<B>, x: Tensor<B, 3>, probe: Tensor<B, 3>) -> f64 {
+    let out = layer.forward(x);
+    ((out.output.clone() * probe).sum() + out.aux_loss()).into_scalar()
+}
+
+/// Every float parameter's id and values.
+fn parameters(layer: &MoeLayer<B>) -> Vec<(ParamId, Vec<f64>)> {
+    struct Collect(Vec<(ParamId, Vec<f64>)>);
+    impl ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push((param.id, values(param.val())));
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    layer.visit(&mut collect);
+    collect.0
+}
+
+/// Every float parameter's path and gradient.
+fn gradients(
+    layer: &MoeLayer<AD>,
+    grads: &burn_autodiff::grads::Gradients,
+) -> Vec<(String, Vec<f64>)> {
+    struct Collect<'a>(
+        Vec<String>,
+        &'a burn_autodiff::grads::Gradients,
+        Vec<(String, Vec<f64>)>,
+    );
+    impl ModuleVisitor<AD> for Collect<'_> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AD, D>>) {
+            let path = self.0.join(".");
+            let grad = param
+                .grad(self.1)
+                .unwrap_or_else(|| panic!("{path} has no gradient"));
+            self.2.push((path, values(grad)));
+        }
+    }
+    let mut collect = Collect(Vec::new(), grads, Vec::new());
+    layer.visit(&mut collect);
+    collect.2
+}
+
+/// Adds `delta` to element `index` of parameter `id`.
+struct Perturb {
+    id: ParamId,
+    index: usize,
+    delta: f64,
+}
+
+impl ModuleMapper<B> for Perturb {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if param.id != self.id {
+            return param;
+        }
+        param.map(|value| {
+            let shape = value.dims();
+            let mut v = values(value);
+            v[self.index] += self.delta;
+            Tensor::from_data(TensorData::new(v, shape), &device())
+        })
+    }
+}
+
+fn check(name: &str, config: MoeConfig) {
+    run(1, |ctx| {
+        check_on(name, &config, ctx.world());
+        Ok(())
+    });
+}
+
+fn check_on(name: &str, config: &MoeConfig, group: &ProcessGroup) {
+    let (x, probe) = inputs();
+    let tracked: MoeLayer<AD> = config
+        .init(group, 5, &device())
+        .expect("valid configuration");
+    let x_tracked = Tensor::<AD, 3>::from_inner(x.clone()).require_grad();
+    let out = tracked.forward(x_tracked.clone());
+    let grads = ((out.output.clone() * Tensor::from_inner(probe.clone())).sum() + out.aux_loss())
+        .backward();
+    let analytic = gradients(&tracked, &grads);
+    let plain: MoeLayer<B> = config
+        .init(group, 5, &device())
+        .expect("valid configuration");
+    // The input.
+    let mut xs = values(x.clone());
+    let estimate: Vec<f64> = (0..xs.len())
+        .map(|i| {
+            let mut shifted = |delta: f64| {
+                xs[i] += delta;
+                let x = Tensor::from_data(TensorData::new(xs.clone(), SHAPE), &device());
+                xs[i] -= delta;
+                loss(&plain, x, probe.clone())
+            };
+            (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+        })
+        .collect();
+    let got = values(x_tracked.grad(&grads).expect("the input's gradient"));
+    let diff = relative_difference(&format!("{name}: input"), &got, &estimate);
+    assert!(
+        diff < tolerance::FINITE_DIFFERENCE_F64,
+        "{name}: input gradient off by {diff:.2e}"
+    );
+    // Every parameter, every element.
+    for ((id, params), (path, got)) in parameters(&plain).into_iter().zip(analytic) {
+        let estimate: Vec<f64> = (0..params.len())
+            .map(|index| {
+                let shifted = |delta| {
+                    let layer = plain.clone().map(&mut Perturb { id, index, delta });
+                    loss(&layer, x.clone(), probe.clone())
+                };
+                (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+            })
+            .collect();
+        let diff = relative_difference(&format!("{name}: {path}"), &got, &estimate);
+        assert!(
+            diff < tolerance::FINITE_DIFFERENCE_F64,
+            "{name}: gradient of {path} off by {diff:.2e}"
+        );
+    }
+}
+
+fn config(top_k: usize, activation: Activation) -> MoeConfig {
+    MoeConfig::new(SHAPE[2], 4, 3)
+        .with_top_k(top_k)
+        .with_activation(activation)
+        .with_shared_expert_ffn_hidden_size(Some(2))
+        .with_aux_loss_coeff(0.1)
+        .with_z_loss_coeff(0.05)
+        .with_init_std(0.7)
+}
+
+#[test]
+fn moe_softmax_top2_swiglu() {
+    check("softmax top-2 SwiGLU", config(2, Activation::SwiGlu));
+}
+
+#[test]
+fn moe_softmax_top1_gelu() {
+    check("softmax top-1 GeLU", config(1, Activation::Gelu));
+}
+
+#[test]
+fn moe_sigmoid_top2_normalized_swiglu() {
+    let config = config(2, Activation::SwiGlu)
+        .with_score_function(RouterScoreFunction::Sigmoid)
+        .with_normalize_top_k(true);
+    check("sigmoid top-2 normalised SwiGLU", config);
+}

@@ -1,0 +1,13 @@
+//! The mixture-of-experts layer (issue 34) on CPU thread ranks: the router's losses against
+//! hand-computed values, and expert parallelism (EP = 1, 2, 4) against the single-device
+//! layer. The f64 finite differences of the layer's gradients are in the
+//! `finite_differences` target.
+
+mod expert_parallel;
+mod router_losses;
+
+use burn::backend::{Autodiff, NdArray};
+pub use burn_megatron_testing::{assert_close, run, tolerance, values};
+
+pub type B = NdArray<f32>;
+pub type AD = Autodiff<B>;
