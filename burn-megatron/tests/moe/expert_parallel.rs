@@ -23,6 +23,7 @@ const HIDDEN: usize = 8;
 const EXPERTS: usize = 4;
 const SEED: u64 = 7;
 
+// ANCHOR: config
 fn config(top_k: usize, activation: Activation, shared: bool) -> MoeConfig {
     MoeConfig::new(HIDDEN, EXPERTS, 6)
         .with_top_k(top_k)
@@ -32,6 +33,7 @@ fn config(top_k: usize, activation: Activation, shared: bool) -> MoeConfig {
         .with_z_loss_coeff(0.001)
         .with_init_std(0.3)
 }
+// ANCHOR_END: config
 
 /// Whether experts 2 and 3 are kept from every token.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -170,6 +172,7 @@ fn reference(config: &MoeConfig, ranks: usize, routing: Routing) -> (Vec<Outcome
 /// The layer on `ep` thread ranks: each rank's outcome and gradients.
 fn expert_parallel(config: &MoeConfig, ep: usize, routing: Routing) -> Vec<(Outcome, Grads)> {
     run(ep, |ctx| {
+        // ANCHOR: ep_rank
         let state = ctx.parallel_state(ParallelSizes::default().with_ep(ep))?;
         let layer = layer(config, state.ep(), routing);
         let (x, probe) = batch(state.ep().rank(), routing);
@@ -177,6 +180,7 @@ fn expert_parallel(config: &MoeConfig, ep: usize, routing: Routing) -> Vec<(Outc
         let out = layer.try_forward(x.clone())?;
         let loss = (out.output.clone() * Tensor::from_inner(probe)).sum() + out.aux_loss();
         let g = loss.backward();
+        // ANCHOR_END: ep_rank
         let outcome = Outcome {
             output: values(out.output),
             load_balancing_loss: values(out.load_balancing_loss)[0],
