@@ -292,6 +292,17 @@ fn top2_with_starved_experts() {
     );
 }
 
+/// Eight experts: two a rank at EP 4, four at EP 2, so each rank's block from every source
+/// holds several experts' tokens, which the receiver regroups by expert.
+#[test]
+fn top2_eight_experts() {
+    let config = MoeConfig {
+        num_experts: 8,
+        ..config(2, Activation::SwiGlu, true)
+    };
+    assert_equivalent("top-2 eight experts", &config, Routing::Free);
+}
+
 /// Experts that get no tokens still have gradients (zeros), on every rank.
 #[test]
 fn starved_experts_have_zero_gradients() {

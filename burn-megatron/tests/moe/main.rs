@@ -1,8 +1,9 @@
 //! The mixture-of-experts layer (issue 34) on CPU thread ranks: the router's losses against
-//! hand-computed values, and expert parallelism (EP = 1, 2, 4) against the single-device
+//! hand-computed values, configuration errors, and expert parallelism (EP = 1, 2, 4) against the single-device
 //! layer. The f64 finite differences of the layer's gradients are in the
 //! `finite_differences` target.
 
+mod config_errors;
 mod expert_parallel;
 mod router_losses;
 
