@@ -15,7 +15,9 @@
 //!   stores for its backward pass (flash attention stores no `[seq, seq]` tensor; dropout
 //!   masks are redrawn, never stored); under full recomputation only each layer's input, and
 //!   one layer's activations while it is recomputed;
-//! - the pipeline: 1F1B keeps the activations of up to `pp - stage` microbatches on a stage;
+//! - the pipeline: the most microbatches whose activations a stage keeps at once under the
+//!   schedule the run uses ([`Plan::max_in_flight`](crate::pipeline_parallel::Plan::max_in_flight)): `pp - stage` under 1F1B, more (each
+//!   a chunk's share of the layers) under the interleaved schedule;
 //! - the output layer's logits `[tokens, vocab / tp]` and their gradient, on the last stage.
 //!
 //! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
@@ -24,6 +26,7 @@
 //! hidden (see [`LayoutEstimate::step_seconds`]); rank layouts by it, but measure.
 
 use crate::error::ConfigError;
+use crate::pipeline_parallel::Schedule;
 use crate::tensor_parallel::VocabPartition;
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
@@ -36,6 +39,9 @@ pub struct PlannedLayout {
     pub tp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
+    /// Model chunks (virtual pipeline stages) per pipeline rank: 1 for 1F1B, more for the
+    /// interleaved schedule.
+    pub virtual_stages: usize,
     /// Data-parallel size.
     pub dp: usize,
     /// Sequence parallelism (with TP > 1).
@@ -222,15 +228,16 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     let PlannedLayout {
         tp,
         pp,
+        virtual_stages: v,
         dp,
         sequence_parallel,
         distributed_optimizer,
         recompute,
     } = layout;
     let model = &input.model;
-    if tp == 0 || pp == 0 || dp == 0 || !model.num_layers.is_multiple_of(pp) {
+    if tp == 0 || pp == 0 || v == 0 || dp == 0 || !model.num_layers.is_multiple_of(pp * v) {
         return Err(ConfigError::Invalid(format!(
-            "TP {tp} x PP {pp} x DP {dp} does not split {} layers",
+            "TP {tp} x PP {pp} (x {v} virtual stages) x DP {dp} does not split {} layers",
             model.num_layers
         )));
     }
@@ -243,10 +250,19 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         )));
     }
     let microbatches = input.global_batch / per_step;
+    let schedule = match v {
+        1 => Schedule::OneFOneB,
+        _ => Schedule::Interleaved,
+    };
+    let in_flight = schedule
+        .plan(pp, v, microbatches)
+        .map_err(|e| ConfigError::Invalid(e.to_string()))?
+        .max_in_flight();
     let d = input.dtype_bytes as u64;
     let flat_adamw = dp > 1 || distributed_optimizer || input.dtype_bytes < 4;
     let shards = if distributed_optimizer { dp as u64 } else { 1 };
-    let layers = (model.num_layers / pp) as u64;
+    // The layers of one chunk: a forward pass in flight holds their activations.
+    let layers = (model.num_layers / (pp * v)) as u64;
     let layer_acts = layer_activation_bytes(
         model,
         input.seq,
@@ -281,7 +297,7 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             Recompute::Full => layer_acts,
             _ => 0,
         };
-        let in_flight = (pp - stage).min(microbatches) as u64;
+        let in_flight = in_flight[stage] as u64;
         let logits = match stage + 1 == pp {
             // The logits in the model's dtype and their gradient, and the final norm's output
             // gathered for the output layer.
@@ -316,8 +332,9 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
 }
 
 /// The estimated step time: the model's FLOPs (and a forward pass more under full
-/// recomputation) over every GPU at [`COMPUTE_EFFICIENCY`] of the peak, stretched by 1F1B's
-/// bubble `(pp - 1) / m`, plus the tensor-parallel collectives (4 all-gathers or
+/// recomputation) over every GPU at [`COMPUTE_EFFICIENCY`] of the peak, stretched by the
+/// pipeline's bubble `(pp - 1) / (v · m)` (1F1B's with one chunk a rank, `v` chunks
+/// interleaved), plus the tensor-parallel collectives (4 all-gathers or
 /// reduce-scatters of the layer's activations a layer and microbatch, forward and backward)
 /// and the data-parallel gradient reduction (and, with the distributed optimizer, the
 /// parameter all-gather) at [`LINK_BYTES_PER_SECOND`].
@@ -332,7 +349,7 @@ fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -
         _ => 1.0,
     };
     let compute = flops * recompute / world / (input.peak_tflops * 1e12 * COMPUTE_EFFICIENCY);
-    let bubble = (layout.pp - 1) as f64 / microbatches as f64;
+    let bubble = (layout.pp - 1) as f64 / (layout.virtual_stages * microbatches) as f64;
     let d = input.dtype_bytes as f64;
     let t = layout.tp as f64;
     let tokens = (input.seq * input.micro_batch) as f64;
@@ -366,8 +383,9 @@ fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -
 }
 
 /// Every layout of `world` GPUs that the model splits into: TP and PP dividing the world,
-/// sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with no,
-/// selective (where the unfused attention runs) and full recomputation; fastest first.
+/// with PP > 1 also 2 and 4 chunks a rank (interleaved) where the layers and microbatches
+/// allow, sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with
+/// no, selective (where the unfused attention runs) and full recomputation; fastest first.
 pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
     let mut out = Vec::new();
     for tp in (1..=world).filter(|t| world.is_multiple_of(*t)) {
@@ -378,17 +396,21 @@ pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
                     true => vec![Recompute::None, Recompute::Full],
                     false => vec![Recompute::None, Recompute::Selective, Recompute::Full],
                 };
-            for recompute in recomputes {
-                let layout = PlannedLayout {
-                    tp,
-                    pp,
-                    dp,
-                    sequence_parallel: tp > 1,
-                    distributed_optimizer: dp > 1,
-                    recompute,
-                };
-                if let Ok(estimate) = estimate(input, layout) {
-                    out.push(estimate);
+            let virtual_stages: &[usize] = if pp > 1 { &[1, 2, 4] } else { &[1] };
+            for &virtual_stages in virtual_stages {
+                for &recompute in &recomputes {
+                    let layout = PlannedLayout {
+                        tp,
+                        pp,
+                        virtual_stages,
+                        dp,
+                        sequence_parallel: tp > 1,
+                        distributed_optimizer: dp > 1,
+                        recompute,
+                    };
+                    if let Ok(estimate) = estimate(input, layout) {
+                        out.push(estimate);
+                    }
                 }
             }
         }
@@ -416,16 +438,17 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
         gib(input.gpu_memory)
     );
     out.push_str(
-        "  TP  PP  DP  SP  ZeRO  recompute   params   grads   optim  activ  logits    PEAK  \
+        "  TP  PP  VP  DP  SP  ZeRO  recompute   params   grads   optim  activ  logits    PEAK  \
          fits  est. step\n",
     );
     for e in estimates {
         let l = e.layout;
         let m = e.memory;
         out.push_str(&format!(
-            "  {:>2}  {:>2}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
+            "  {:>2}  {:>2}  {:>2}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
             l.tp,
             l.pp,
+            l.virtual_stages,
             l.dp,
             if l.sequence_parallel { "y" } else { "-" },
             if l.distributed_optimizer { "y" } else { "-" },
@@ -444,10 +467,17 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
         let l = best.layout;
         out.push_str(&format!(
             "suggested: --tensor-model-parallel-size {} --pipeline-model-parallel-size {} \
-             --data-parallel-size {}{}{}{}\n",
+             --data-parallel-size {}{}{}{}{}\n",
             l.tp,
             l.pp,
             l.dp,
+            match l.virtual_stages {
+                1 => String::new(),
+                v => format!(
+                    " --num-layers-per-virtual-pipeline-stage {}",
+                    input.model.num_layers / (l.pp * v)
+                ),
+            },
             if l.sequence_parallel {
                 " --sequence-parallel"
             } else {

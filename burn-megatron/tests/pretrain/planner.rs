@@ -134,6 +134,7 @@ fn the_plan_for_llama_8b_on_four_gpus() {
         PlannedLayout {
             tp: 4,
             pp: 1,
+            virtual_stages: 1,
             dp: 1,
             sequence_parallel: true,
             distributed_optimizer: false,
@@ -177,5 +178,40 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     assert!(
         text.contains("suggested: --tensor-model-parallel-size"),
         "{text}"
+    );
+}
+
+/// The interleaved schedule in the plan: Llama 3 8B at TP 2 x PP 2 with 16 microbatches. The
+/// first stage keeps the activations of 2 microbatches of 16 layers under 1F1B, and under
+/// the interleaved schedule with 2 chunks of 8 layers, 5 chunk passes: Megatron's factor
+/// `1 + (pp - 1) / (pp · v)` = 1.25 of 1F1B's 32 layers. The bubble halves, so the estimate
+/// is faster; a chunk count that does not split the layers is refused.
+#[test]
+fn the_plan_counts_the_interleaved_schedule() {
+    let input = llama_8b_input();
+    let layout = |virtual_stages| PlannedLayout {
+        tp: 2,
+        pp: 2,
+        virtual_stages,
+        dp: 1,
+        sequence_parallel: true,
+        distributed_optimizer: false,
+        recompute: Recompute::None,
+    };
+    let layer = layer_activation_bytes(&input.model, 4096, 1, 2, true, 2);
+    let one_f_one_b = estimate(&input, layout(1)).unwrap();
+    let interleaved = estimate(&input, layout(2)).unwrap();
+    // The first stage is the fuller one (the last holds one microbatch and the logits).
+    assert_eq!((one_f_one_b.stage, interleaved.stage), (0, 0));
+    assert_eq!(one_f_one_b.memory.activations, 32 * layer);
+    assert_eq!(interleaved.memory.activations, 40 * layer);
+    assert!(interleaved.step_seconds < one_f_one_b.step_seconds);
+    assert!(estimate(&input, layout(3)).is_err());
+    let layouts = plan(&input, 4);
+    assert!(layouts.iter().any(|e| e.layout.virtual_stages == 2));
+    assert!(
+        layouts
+            .iter()
+            .all(|e| e.layout.pp > 1 || e.layout.virtual_stages == 1)
     );
 }
