@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -55,4 +55,12 @@ if part layouts; then
   ours llama_tp2dp2 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --data-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce
   ours llama_tp2pp2_mb2 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --micro-batch-size 2
   ours llama_tp2pp2_lr3e-5 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --lr 3e-5 --min-lr 3e-6
+fi
+if part interleaved; then
+  # 1F1B against the interleaved schedule (2 and 4 chunks a rank) at TP 2 x PP 2, and the peer.
+  L="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel"
+  ours llama_tp2pp2_1f1b llama3_8b $L
+  ours llama_tp2pp2_vp2 llama3_8b $L --num-layers-per-virtual-pipeline-stage 8
+  torch llama_fsdp --preset llama3-8b --batch 1 --steps $ITERS
+  ours llama_tp2pp2_vp4 llama3_8b $L --num-layers-per-virtual-pipeline-stage 4
 fi
