@@ -117,6 +117,7 @@ fn process_rank(config: &PretrainConfig) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
+// ANCHOR: half_precision
 /// `--bf16` (or `--fp16`): every float tensor made on `device` from here on is bf16 (f16)
 /// (parameters, activations, masks); the optimizer keeps its own fp32 buffers.
 #[cfg(feature = "cuda")]
@@ -134,6 +135,7 @@ fn half_precision_by_default(
         burn_megatron::ConfigError::Invalid(format!("cannot set the device's dtype: {e}")).into()
     })
 }
+// ANCHOR_END: half_precision
 #[cfg(not(feature = "cuda"))]
 fn half_precision_by_default(
     _: &burn::backend::ndarray::NdArrayDevice,

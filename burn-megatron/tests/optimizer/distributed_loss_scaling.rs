@@ -54,6 +54,7 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
     run(world, |ctx| {
         let state = layout.state(&ctx);
         let mut model = layout.stage(&config, &state);
+        // ANCHOR: scaled_step
         let mut optim = DistributedAdamWConfig::new()
             .with_adam(adam())
             .with_data_parallel(
@@ -97,6 +98,7 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
             }
             scales.push(values(scaler.scale())[0]);
         }
+        // ANCHOR_END: scaled_step
         // Three clean steps grow the scale, the overflow halves it, three more grow it.
         let want_scales = [
             1024.0, 1024.0, 2048.0, 1024.0, 1024.0, 1024.0, 2048.0, 2048.0,

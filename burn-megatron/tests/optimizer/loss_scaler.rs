@@ -155,6 +155,7 @@ fn an_injected_inf_skips_exactly_that_step() {
 
 /// Megatron's hysteresis: with 2, the first overflow only uses it up, the second backs off;
 /// the scale never backs off below `min_scale`; growth restores the hysteresis.
+// ANCHOR: hysteresis
 #[test]
 fn hysteresis_delays_the_back_off_and_min_scale_bounds_it() {
     let device = Default::default();
@@ -175,6 +176,7 @@ fn hysteresis_delays_the_back_off_and_min_scale_bounds_it() {
     assert_eq!(scales, [4.0, 2.0, 2.0, 2.0, 2.0, 4.0, 4.0, 2.0]);
     assert_eq!(values(scaler.skipped_steps())[0], 5.0);
 }
+// ANCHOR_END: hysteresis
 
 #[test]
 fn invalid_settings_are_errors() {

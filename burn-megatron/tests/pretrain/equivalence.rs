@@ -279,6 +279,7 @@ fn learning_rate_steps_once_per_iteration() {
 /// the log shows grows after each window of clean steps; and a run resumed from a
 /// checkpoint continues with the uninterrupted losses and scales (the scaler's state is in
 /// the checkpoint).
+// ANCHOR: fp16_in_the_loop
 #[test]
 fn loss_scaling_in_the_loop_is_exact_and_resumes() {
     let base = tiny_run(2, 1)
@@ -313,3 +314,4 @@ fn loss_scaling_in_the_loop_is_exact_and_resumes() {
     assert_eq!(resumed_scales, scales[2..], "resumed scales");
     let _ = std::fs::remove_dir_all(&root);
 }
+// ANCHOR_END: fp16_in_the_loop
