@@ -15,7 +15,9 @@
 //!   node, kernel wiring); [`backend`]: [`ModelBackend`], which gathers them.
 //! - [`tensor_parallel`]: column/row-parallel linear layers, vocabulary-parallel embedding,
 //!   output layer and cross-entropy, layout-independent dropout, parameter placements and
-//!   kinds, sequence parallelism's partial gradients.
+//!   kinds, sequence parallelism's partial gradients. [`context_parallel`] beside it: the
+//!   load-balanced sequence split over CP and causal attention across it (ring and
+//!   all-gather).
 //! - [`transformer`]: [`TransformerConfig`](transformer::TransformerConfig) and the layers.
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style, and the pipeline
 //!   stage it is built for.
@@ -33,6 +35,7 @@
 
 pub mod backend;
 pub mod checkpointing;
+pub mod context_parallel;
 pub mod data;
 pub mod distributed;
 pub mod error;

@@ -51,7 +51,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
         &[
             &["error", "init", "data"],
             &["backend", "ops"],
-            &["tensor_parallel"],
+            &["tensor_parallel", "context_parallel"],
             &["transformer"],
             &["models"],
             &["pipeline_parallel"],

@@ -11,6 +11,7 @@
 //! | [`gather_from_sequence_parallel_region`] | all-gather sequence | reduce-scatter (or keep own shard) |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter sequence | all-gather sequence |
 //! | [`all_to_all`] | all-to-all (split a, concat b) | all-to-all (split b, concat a) |
+//! | [`ring_exchange`] | send to the next rank, receive from the previous | send to the previous, receive from the next |
 //!
 //! Megatron keeps activations as `[seq, batch, hidden]`; Burn models usually use
 //! `[batch, seq, hidden]`, so the sequence functions take the sequence dimension. On a group of
@@ -26,7 +27,8 @@ use burn::tensor::Tensor;
 pub use dist_backend::DistBackend;
 
 use crate::error::DistResult;
-use crate::op::ReduceOp;
+use crate::op::{P2pOp, ReduceOp};
+use crate::p2p::batch_isend_irecv;
 use crate::process_group::DeviceTransport;
 use crate::process_group::ProcessGroup;
 use crate::shard::shard_range;
@@ -60,6 +62,12 @@ pub enum Comm {
         /// Dimension received shards are concatenated along.
         concat_dim: usize,
     },
+    /// Send to the next rank of the ring (group rank `rank + 1 mod size`), receive from the
+    /// previous one (`rank - 1 mod size`): the step of ring attention's K/V rotation.
+    RingToNext,
+    /// Send to the previous rank of the ring, receive from the next one: the inverse of
+    /// [`RingToNext`](Comm::RingToNext), which its gradient goes through.
+    RingToPrevious,
 }
 
 /// A differentiable communication.
@@ -91,8 +99,43 @@ impl Comm {
                 split_dim,
                 concat_dim,
             } => group.all_to_all(x, split_dim, concat_dim),
+            Comm::RingToNext => ring_shift(group, x, 1),
+            Comm::RingToPrevious => ring_shift(group, x, group.size() - 1),
         }
     }
+}
+
+/// Sends `x` to group rank `rank + offset` and returns what rank `rank - offset` (mod the
+/// size) sent, as one batched exchange ([`batch_isend_irecv`]), so that no order of the ring's
+/// sends and receives can deadlock on a device transport. Every rank sends a tensor of one
+/// shape and dtype.
+fn ring_shift<B: DeviceTransport, const D: usize>(
+    group: &ProcessGroup,
+    x: Tensor<B, D>,
+    offset: usize,
+) -> DistResult<Tensor<B, D>> {
+    let size = group.size();
+    let (to, from) = (
+        (group.rank() + offset) % size,
+        (group.rank() + size - offset) % size,
+    );
+    if to == group.rank() {
+        return Ok(x);
+    }
+    let (shape, dtype, device) = (x.dims(), x.dtype(), x.device());
+    let ops = vec![
+        P2pOp::Send {
+            tensor: x,
+            peer: to,
+        },
+        P2pOp::Recv {
+            peer: from,
+            shape,
+            dtype,
+        },
+    ];
+    let mut received = batch_isend_irecv(group, ops, &device)?;
+    Ok(received.pop().expect("one receive was posted"))
 }
 
 fn map<B: DistBackend, const D: usize>(
@@ -211,4 +254,16 @@ pub fn all_to_all<B: DistBackend, const D: usize>(
             concat_dim: split_dim,
         },
     )
+}
+
+/// Passes `x` one step around the ring of `group` (to group rank `rank + 1`, wrapping) and
+/// returns the tensor of the previous rank (`rank - 1`, wrapping); the gradient travels the
+/// other way (to `rank - 1`, from `rank + 1`). Every rank passes a tensor of one shape and
+/// dtype. Ring attention rotates the K/V blocks with it, so that under `Autodiff` their
+/// gradients travel back around the ring. On a group of one rank it returns its input.
+pub fn ring_exchange<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, D>> {
+    map(x, group, Comm::RingToNext, Comm::RingToPrevious)
 }

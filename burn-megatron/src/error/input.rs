@@ -34,6 +34,17 @@ pub enum InputError {
         /// The tensor-parallel size.
         tp: usize,
     },
+    /// Context parallelism's load-balanced split cuts the sequence into `2 · cp` equal chunks.
+    #[error(
+        "context parallelism cuts the sequence into 2 x CP = {chunks} chunks: {len} tokens do \
+         not divide; use a multiple of {chunks}"
+    )]
+    SequenceNotDivisibleByChunks {
+        /// Tokens per sequence given.
+        len: usize,
+        /// The number of chunks, `2 · cp`.
+        chunks: usize,
+    },
     /// The gradients given lack a parameter's gradient.
     #[error("parameter {path} has no gradient: pass the gradients of this model's backward pass")]
     MissingGradient {

@@ -1,6 +1,7 @@
 //! Gradients against central finite differences, in f64 on the CPU: the dropout, RoPE, masked
 //! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding, bias-add and
-//! output-major linear ops, and every parameter of a tiny GPT and a tiny Llama.
+//! output-major linear ops, ring attention over CP thread ranks, and every parameter of a tiny
+//! GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -10,6 +11,7 @@
 //! fixes it. [`device`] checks that this process got f64.
 
 mod backward_hook;
+mod context_parallel;
 mod dropout;
 mod embedding_and_bias;
 mod flash_attention;
