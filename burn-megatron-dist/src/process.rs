@@ -38,6 +38,7 @@ impl ProcessEnv {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
+    // ANCHOR: from_vars
     /// Reads variables through `var` (the environment, or a map in tests).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> DistResult<Self> {
         let number = |name: &str| -> DistResult<Option<usize>> {
@@ -87,6 +88,7 @@ impl ProcessEnv {
             master_port,
         })
     }
+    // ANCHOR_END: from_vars
 
     fn address(&self) -> String {
         format!("{}:{}", self.master_addr, self.master_port)
@@ -189,6 +191,7 @@ mod tests {
         })
     }
 
+    // ANCHOR: reads_variables
     #[test]
     fn reads_torchrun_then_slurm_variables() {
         let torchrun = env(&[
@@ -219,6 +222,7 @@ mod tests {
             ("127.0.0.1", 29500)
         );
     }
+    // ANCHOR_END: reads_variables
 
     #[test]
     fn bad_launch_variables_are_named() {

@@ -18,6 +18,7 @@ use std::time::Duration;
 use burn_megatron_dist::{SpawnConfig, spawn_ranks_until};
 use clap::Parser;
 
+// ANCHOR: args
 /// Starts one process per rank on this node and waits for all of them.
 #[derive(Debug, Parser)]
 #[command(name = "bm-launch", version)]
@@ -47,6 +48,7 @@ struct Args {
     #[arg(required = true, last = true)]
     command: Vec<String>,
 }
+// ANCHOR_END: args
 
 /// Set by Ctrl-C or SIGTERM: the ranks run in their own process groups, so the launcher
 /// passes the news on by killing them.

@@ -14,6 +14,7 @@ fn bm_launch(args: &[&str]) -> std::process::Output {
         .expect("running bm-launch")
 }
 
+// ANCHOR: launch_variables
 #[test]
 fn sets_the_launch_variables_of_each_rank() {
     let script = r#"test "$WORLD_SIZE" = 6 && test "$LOCAL_WORLD_SIZE" = 3 \
@@ -35,6 +36,7 @@ fn sets_the_launch_variables_of_each_rank() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+// ANCHOR_END: launch_variables
 
 /// Rank 1 fails at once; rank 0 would run for 60 s and is killed after the 1 s grace.
 #[test]
