@@ -94,6 +94,7 @@ fn reference(case: Case, seq: usize) -> Results {
 /// Context-parallel attention on `cp` thread ranks: each rank's results, on its tokens.
 fn context_parallel(case: Case, seq: usize, cp: usize, comm: CpCommType) -> Vec<Results> {
     run(cp, |ctx| {
+        // ANCHOR: cp_rank
         let split = LoadBalancedSplit::of_group(ctx.world());
         let [q, k, v, probe] = inputs(case, seq).map(|t| split.split(t, 2).expect("seq splits"));
         let [q, k, v] = [q, k, v].map(|t| Tensor::<AD, 4>::from_inner(t).require_grad());
@@ -106,6 +107,7 @@ fn context_parallel(case: Case, seq: usize, cp: usize, comm: CpCommType) -> Vec<
             comm,
         )?;
         let grads = (out.clone() * Tensor::from_inner(probe)).sum().backward();
+        // ANCHOR_END: cp_rank
         ctx.world().backward_failure()?;
         let grad = |t: &Tensor<AD, 4>| t.grad(&grads).expect("a gradient").into_data();
         Ok([out.inner().into_data(), grad(&q), grad(&k), grad(&v)])
