@@ -38,6 +38,7 @@ pub enum Form {
     Tanh,
 }
 
+// ANCHOR: gelu_fn
 #[cube]
 fn gelu(v: f32, #[comptime] tanh: bool) -> f32 {
     if tanh {
@@ -47,6 +48,7 @@ fn gelu(v: f32, #[comptime] tanh: bool) -> f32 {
         0.5 * v * (1.0 + Erf::erf(v * FRAC_1_SQRT_2))
     }
 }
+// ANCHOR_END: gelu_fn
 
 #[cube]
 fn gelu_derivative(v: f32, #[comptime] tanh: bool) -> f32 {
@@ -95,6 +97,7 @@ fn column_bias<F: Float, N: Size>(
     b
 }
 
+// ANCHOR: forward_kernel
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn forward_kernel<F: Float, N: Size>(
@@ -132,6 +135,7 @@ fn forward_kernel<F: Float, N: Size>(
         }
     }
 }
+// ANCHOR_END: forward_kernel
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -238,6 +242,7 @@ pub fn forward<R: CubeRuntime>(
     forward_with(FORWARD_LAYOUT, x, bias, form)
 }
 
+// ANCHOR: launch
 /// [`forward`] in a given layout.
 pub fn forward_with<R: CubeRuntime>(
     layout: ElementwiseLayout,
@@ -271,6 +276,7 @@ pub fn forward_with<R: CubeRuntime>(
     );
     output
 }
+// ANCHOR_END: launch
 
 /// `grad · gelu'(x + bias)`, the gradient of [`forward`]'s `x` (and, summed over the tokens,
 /// of its bias); `grad` has `x`'s shape and dtype, any strides.

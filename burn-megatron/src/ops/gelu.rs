@@ -28,6 +28,7 @@ const FRAC_1_SQRT_2PI: f64 = FRAC_2_SQRT_PI * FRAC_1_SQRT_2 * 0.5;
 /// The cubic coefficient of the tanh approximation.
 const TANH_CUBIC: f64 = 0.044715;
 
+// ANCHOR: trait
 /// GeLU after an optional bias add.
 pub trait GeluOps: BiasOps {
     /// `gelu(x + bias)` for `x: [tokens, features]`, `bias: [features]` (Megatron's
@@ -68,6 +69,7 @@ pub trait GeluOps: BiasOps {
         (dx, db)
     }
 }
+// ANCHOR_END: trait
 
 /// Which GeLU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +170,7 @@ fn add_bias<B: Backend>(x: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Tensor<B
     }
 }
 
+// ANCHOR: autodiff
 /// The inner backend's forward, and one node holding `x` and the bias.
 impl<B: GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
     fn bias_gelu(
@@ -188,7 +191,9 @@ impl<B: GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
         })
     }
 }
+// ANCHOR_END: autodiff
 
+// ANCHOR: backward_step
 /// The backward of `y = gelu(x + b)`: `dx = dy · gelu'(x + b)` (from
 /// [`GeluOps::bias_gelu_backward`]) and `db = Σ_tokens dx`. Its parents are `[x]` or `[x, b]`.
 #[derive(Debug)]
@@ -217,6 +222,7 @@ impl<B: GeluOps> BackwardStep<B> for BiasGeluBackward {
         register(grads, parent(parents, 0), || dx);
     }
 }
+// ANCHOR_END: backward_step
 
 /// CubeCL backends: one kernel each way, the bias gradient's first stage inside the backward
 /// (f64: the composition).
@@ -237,6 +243,7 @@ mod cube {
         }
     }
 
+    // ANCHOR: cube_forward
     impl<R, F, I, BT> GeluOps for CubeBackend<R, F, I, BT>
     where
         R: CubeRuntime,
@@ -256,6 +263,7 @@ mod cube {
             let bias = bias.map(|b| raw(b.cast(dtype)));
             wrap(kernels::forward(raw(x), bias, kernel_form(form)))
         }
+        // ANCHOR_END: cube_forward
 
         fn bias_gelu_backward(
             x: Tensor<Self, 2>,

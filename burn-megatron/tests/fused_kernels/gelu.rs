@@ -11,6 +11,7 @@ use crate::helpers::{W, matrix, random, raw, vector, wrap};
 /// `bias_gelu_backward` on a CubeCL backend) against the Burn compositions, both forms, with
 /// and without a bias, on a narrowed (strided) `x`, with values out to ±12 (past the tanh
 /// form's clamp) and sizes that are not multiples of the 256-thread cube.
+// ANCHOR: test
 #[test]
 fn bias_gelu_equals_the_composition() {
     use burn_megatron::ops::GeluForm;
@@ -74,6 +75,7 @@ fn bias_gelu_equals_the_composition() {
         }
     }
 }
+// ANCHOR_END: test
 
 /// The bias-GeLU backward with the bias gradient's first stage inside it
 /// (`bias_gelu::backward_and_bias_gradient`, `GeluOps::bias_gelu_backward_and_bias_gradient`
