@@ -435,7 +435,7 @@ fn train_step(
     let start = Instant::now();
     let (loss, grads) = match model.recompute() {
         // Full recomputation interleaves the layers' forward and backward passes.
-        Recompute::Full => {
+        recompute if recompute.reruns_layers() => {
             profile::phase(device, "fwd+bwd");
             let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
                 &model,

@@ -211,12 +211,12 @@ impl<B: ModelBackend> GptModel<B> {
     /// - output: `[batch, seq, padded_vocab / tp]`
     ///
     /// Runs a whole model (a pipeline stage is a [`PipelineError::MissingPiece`]). A model
-    /// built with [`Recompute::Full`] that tracks gradients is a
+    /// built with [`Recompute::Full`] (or a variant) that tracks gradients is a
     /// [`PipelineError::RecomputeNeedsSchedule`]: train it with a schedule of
     /// [`pipeline_parallel`](crate::pipeline_parallel), which reruns the layers in the
     /// backward pass.
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
-        if self.context.recompute == Recompute::Full && self.tracks_gradients() {
+        if self.context.recompute.reruns_layers() && self.tracks_gradients() {
             return Err(PipelineError::RecomputeNeedsSchedule.into());
         }
         let call = self.next_call();

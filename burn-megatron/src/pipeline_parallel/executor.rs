@@ -2,8 +2,10 @@
 //!
 //! A forward pass keeps what its backward pass needs: with the autodiff graph, the stage's
 //! input (a leaf that requires grad when it came from the previous stage) and its output;
-//! under [`Recompute::Full`], no graph, only each layer's input, and the backward pass reruns
-//! the head, each layer and the embedding in turn, backpropagating through one at a time. The
+//! under [`Recompute::Full`](crate::transformer::Recompute::Full) (and its uniform and block variants), no graph for the recomputed
+//! layers, only each group's input, and the backward pass reruns the head, each group and the
+//! embedding in turn, backpropagating through one at a time (the block method's stored layers
+//! keep their graph, backpropagated first). The
 //! gradient sent back to the previous stage is the input leaf's gradient.
 //!
 //! Every backward pass goes through [`Executor::backward_segment`], which first waits for the
@@ -16,6 +18,7 @@
 //! all-reduce after the backward passes.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::rc::Rc;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -32,7 +35,6 @@ use crate::error::PipelineError;
 use crate::error::{Error, Result};
 use crate::models::GptModel;
 use crate::tensor_parallel::{SequenceParallelGrads, sum_sequence_parallel_grads};
-use crate::transformer::Recompute;
 
 /// The groups a rank's part of a pipeline talks over.
 pub(crate) struct Groups {
@@ -66,15 +68,19 @@ enum Live<B: AutodiffBackend> {
         /// The stage's output, or the loss (over `microbatches`) on the last stage.
         end: End<B>,
     },
-    /// Full recomputation: no graph at all, only what reruns the stage piece by piece (the
-    /// embedding from the tokens, each layer from its input, the head from the last layer's
-    /// output). Keeping no graph between passes also keeps one microbatch's backward pass
-    /// from meeting another microbatch's graph.
+    /// Full recomputation: no graph for the recomputed layers, only what reruns the stage
+    /// piece by piece (the embedding from the tokens, each group of layers from its input,
+    /// the head from the last layer's output); under the block method, the graph of the
+    /// stored layers after them (and the head). Keeping no graph between passes also keeps
+    /// one microbatch's backward pass from meeting another microbatch's graph.
     Recompute {
         call: u64,
-        /// Each layer's input.
-        layer_inputs: Vec<Tensor<B::InnerBackend, 3>>,
-        /// The last layer's output (last stage).
+        /// Each recomputed group's layers and input, in order.
+        groups: Vec<(Range<usize>, Tensor<B::InnerBackend, 3>)>,
+        /// The stored layers' graph (block method): their input (a leaf that requires grad)
+        /// and the stage's output or loss.
+        stored: Option<(Tensor<B, 3>, End<B>)>,
+        /// The last layer's output (last stage, no stored layers).
         output: Tensor<B::InnerBackend, 3>,
     },
 }
@@ -249,33 +255,61 @@ where
         let data = &self.microbatches[c.microbatch];
         let stage = model.stage().clone();
         let call = model.next_call();
-        let live = if model.recompute() == Recompute::Full {
+        let recompute = model.recompute();
+        let live = if recompute.reruns_layers() {
             let mut x = if stage.is_first() {
                 model.embed(data.tokens.clone(), call)?.inner()
             } else {
                 self.take(Payload::Activation, c)?
             };
-            let mut layer_inputs = Vec::with_capacity(model.layers().len());
-            for layer in model.layers() {
-                layer_inputs.push(x.clone());
-                x = layer
-                    .clone()
-                    .no_grad()
-                    .try_forward(Tensor::from_inner(x), call)?
-                    .inner();
+            let mut groups = Vec::new();
+            let mut stored = None;
+            for (range, rerun) in recompute.segments(model.layers().len()) {
+                if rerun {
+                    groups.push((range.clone(), x.clone()));
+                    for layer in &model.layers()[range] {
+                        x = layer
+                            .clone()
+                            .no_grad()
+                            .try_forward(Tensor::from_inner(x), call)?
+                            .inner();
+                    }
+                } else {
+                    // The block method's stored layers, the last segment: a graph from here.
+                    let input = Tensor::<B, 3>::from_inner(x.clone()).require_grad();
+                    let mut y = input.clone();
+                    for layer in &model.layers()[range] {
+                        y = layer.try_forward(y, call)?;
+                    }
+                    x = y.clone().inner();
+                    stored = Some((input, y));
+                }
             }
-            if stage.is_last() {
-                let logits = model.head(Tensor::from_inner(x.clone()))?;
-                let loss = model.loss(logits, data.targets.clone())?;
-                self.losses.push(loss.inner());
-            } else {
+            let stored = match stored {
+                Some((input, y)) if stage.is_last() => {
+                    let loss = model.loss(model.head(y)?, data.targets.clone())?;
+                    self.losses.push(loss.clone().inner());
+                    Some((input, End::Loss(self.backward_root(loss))))
+                }
+                Some((input, y)) => Some((input, End::Hidden(y))),
+                None => {
+                    if stage.is_last() {
+                        let logits = model.head(Tensor::from_inner(x.clone()))?;
+                        let loss = model.loss(logits, data.targets.clone())?;
+                        self.losses.push(loss.inner());
+                    }
+                    None
+                }
+            };
+            if !stage.is_last() {
                 self.mailbox
                     .outgoing
                     .insert((Payload::Activation, c), x.clone());
             }
             Live::Recompute {
                 call,
-                layer_inputs,
+                groups,
+                stored,
                 output: x,
             }
         } else {
@@ -332,23 +366,36 @@ where
             }
             Live::Recompute {
                 call,
-                layer_inputs,
+                groups,
+                stored,
                 output,
             } => {
-                let mut upstream = if stage.is_last() {
-                    let last = Tensor::<B, 3>::from_inner(output).require_grad();
-                    let targets = self.microbatches[c.microbatch].targets.clone();
-                    let loss = model.loss(model.head(last.clone())?, targets)?;
-                    let root = self.backward_root(loss);
-                    let grads = self.backward_segment(model, root, c.chunk)?;
-                    grad_of(&last, &grads)
-                } else {
-                    self.take(Payload::Gradient, c)?
+                let mut upstream = match stored {
+                    Some((input, end)) => {
+                        let root = match end {
+                            End::Loss(root) => root,
+                            End::Hidden(y) => dot(y, self.take(Payload::Gradient, c)?),
+                        };
+                        let grads = self.backward_segment(model, root, c.chunk)?;
+                        grad_of(&input, &grads)
+                    }
+                    None if stage.is_last() => {
+                        let last = Tensor::<B, 3>::from_inner(output).require_grad();
+                        let targets = self.microbatches[c.microbatch].targets.clone();
+                        let loss = model.loss(model.head(last.clone())?, targets)?;
+                        let root = self.backward_root(loss);
+                        let grads = self.backward_segment(model, root, c.chunk)?;
+                        grad_of(&last, &grads)
+                    }
+                    None => self.take(Payload::Gradient, c)?,
                 };
-                for (layer, input) in model.layers().iter().zip(layer_inputs).rev() {
+                for (range, input) in groups.into_iter().rev() {
                     let input = Tensor::<B, 3>::from_inner(input).require_grad();
-                    let output = layer.try_forward(input.clone(), call)?;
-                    let grads = self.backward_segment(model, dot(output, upstream), c.chunk)?;
+                    let mut y = input.clone();
+                    for layer in &model.layers()[range] {
+                        y = layer.try_forward(y, call)?;
+                    }
+                    let grads = self.backward_segment(model, dot(y, upstream), c.chunk)?;
                     upstream = grad_of(&input, &grads);
                 }
                 if stage.is_first() {

@@ -93,11 +93,13 @@ pub struct PretrainArgs {
     /// from its input in the backward pass). [default: none]
     #[arg(long, help_heading = "Model")]
     pub recompute_granularity: Option<String>,
-    /// How full recomputation groups layers: uniform (every layer its own group, with
-    /// --recompute-num-layers 1, the only grouping today). [default: uniform]
+    /// How full recomputation picks layers: uniform (each model chunk's layers in groups of
+    /// --recompute-num-layers, each rerun from its input) or block (the first
+    /// --recompute-num-layers layers of each chunk rerun, the rest stored). [default: uniform]
     #[arg(long, help_heading = "Model")]
     pub recompute_method: Option<String>,
-    /// Layers a recomputed group holds (full recomputation); 1 today. [default: 1]
+    /// Full recomputation: layers a group holds (uniform) or layers rerun at the start of each
+    /// model chunk (block). [default: 1]
     #[arg(long, help_heading = "Model")]
     pub recompute_num_layers: Option<usize>,
     /// Selective recomputation (Megatron's older name for --recompute-granularity
@@ -500,8 +502,8 @@ fn position_embedding(kind: Option<&str>, base: Option<f64>) -> Result<PositionE
 
 /// Megatron's recomputation options: `--recompute-granularity selective|full` (or the older
 /// `--recompute-activations`), with `--recompute-method` and `--recompute-num-layers` for
-/// full recomputation. Full recomputation reruns every layer from its input (Megatron's
-/// `uniform` method with one layer a group); other groupings are an error saying so.
+/// full recomputation: `uniform` reruns each chunk's layers in groups of N (1 by default),
+/// `block` reruns the first N layers of each chunk and stores the rest.
 fn recompute(
     granularity: Option<&str>,
     activations: bool,
@@ -537,26 +539,13 @@ fn recompute(
             })
         }
         Some("full") => {
-            match method.unwrap_or("uniform") {
-                "uniform" => {}
-                "block" => {
-                    return invalid(
-                        "--recompute-method block (recomputing only some layers of each stage) \
-                         is not supported yet: use uniform, which recomputes every layer"
-                            .into(),
-                    );
-                }
-                other => {
-                    return invalid(format!(
-                        "--recompute-method {other:?}: use uniform or block"
-                    ));
-                }
-            }
-            match num_layers.unwrap_or(1) {
-                1 => Ok(Recompute::Full),
-                n => invalid(format!(
-                    "--recompute-num-layers {n}: full recomputation reruns one layer at a time \
-                     (1) today"
+            let layers = num_layers.unwrap_or(1);
+            match (method.unwrap_or("uniform"), layers) {
+                ("uniform", 1) => Ok(Recompute::Full),
+                ("uniform", layers) => Ok(Recompute::FullUniform { layers }),
+                ("block", layers) => Ok(Recompute::FullBlock { layers }),
+                (other, _) => invalid(format!(
+                    "--recompute-method {other:?}: use uniform or block"
                 )),
             }
         }

@@ -288,15 +288,22 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             true => 12 * params / shards,
             false => 8 * params,
         };
-        let per_microbatch = match recompute {
-            Recompute::Full => layers * layer_input,
-            Recompute::None | Recompute::Selective => layers * layer_acts,
-        };
-        // One layer recomputed at a time in the backward pass.
-        let recomputing = match recompute {
-            Recompute::Full => layer_acts,
-            _ => 0,
-        };
+        // A recomputed group stores its input; stored layers their activations.
+        let segments = recompute.segments(layers as usize);
+        let per_microbatch: u64 = segments
+            .iter()
+            .map(|(range, rerun)| match rerun {
+                true => layer_input,
+                false => range.len() as u64 * layer_acts,
+            })
+            .sum();
+        // One group recomputed at a time in the backward pass.
+        let recomputing = segments
+            .iter()
+            .filter(|(_, rerun)| *rerun)
+            .map(|(range, _)| range.len() as u64 * layer_acts)
+            .max()
+            .unwrap_or(0);
         let in_flight = in_flight[stage] as u64;
         let logits = match stage + 1 == pp {
             // The logits in the model's dtype and their gradient, and the final norm's output
@@ -344,10 +351,16 @@ fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -
     let flops = model
         .training_flops(input.global_batch, input.seq)
         .unwrap_or(0.0);
-    let recompute = match layout.recompute {
-        Recompute::Full => 4.0 / 3.0,
-        _ => 1.0,
-    };
+    // A recomputed layer's forward pass runs twice: a third more than its forward + backward.
+    let chunk_layers = model.num_layers / (layout.pp * layout.virtual_stages);
+    let rerun: usize = layout
+        .recompute
+        .segments(chunk_layers)
+        .iter()
+        .filter(|(_, rerun)| *rerun)
+        .map(|(range, _)| range.len())
+        .sum();
+    let recompute = 1.0 + rerun as f64 / chunk_layers.max(1) as f64 / 3.0;
     let compute = flops * recompute / world / (input.peak_tflops * 1e12 * COMPUTE_EFFICIENCY);
     let bubble = (layout.pp - 1) as f64 / (layout.virtual_stages * microbatches) as f64;
     let d = input.dtype_bytes as f64;
@@ -452,7 +465,11 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
             l.dp,
             if l.sequence_parallel { "y" } else { "-" },
             if l.distributed_optimizer { "y" } else { "-" },
-            format!("{:?}", l.recompute).to_lowercase(),
+            match l.recompute {
+                Recompute::FullUniform { layers } => format!("uniform {layers}"),
+                Recompute::FullBlock { layers } => format!("block {layers}"),
+                other => format!("{other:?}").to_lowercase(),
+            },
             gib(m.params),
             gib(m.grads),
             gib(m.optimizer),
@@ -489,9 +506,17 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
                 ""
             },
             match l.recompute {
-                Recompute::None => "",
-                Recompute::Selective => " --recompute-granularity selective",
-                Recompute::Full => " --recompute-granularity full",
+                Recompute::None => String::new(),
+                Recompute::Selective => " --recompute-granularity selective".into(),
+                Recompute::Full => " --recompute-granularity full".into(),
+                Recompute::FullUniform { layers } => format!(
+                    " --recompute-granularity full --recompute-method uniform \
+                     --recompute-num-layers {layers}"
+                ),
+                Recompute::FullBlock { layers } => format!(
+                    " --recompute-granularity full --recompute-method block \
+                     --recompute-num-layers {layers}"
+                ),
             },
         ));
     } else {

@@ -183,7 +183,10 @@ impl<B: ModelBackend> ParallelAttention<B> {
         let (k, v) = (repeat(k), repeat(v));
         match s.recompute {
             Recompute::Selective => B::recomputed_attention_core(q, k, v, core),
-            Recompute::None | Recompute::Full => core.forward(q, k, v),
+            Recompute::None
+            | Recompute::Full
+            | Recompute::FullUniform { .. }
+            | Recompute::FullBlock { .. } => core.forward(q, k, v),
         }
     }
 }

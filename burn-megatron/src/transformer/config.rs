@@ -61,8 +61,59 @@ pub enum Recompute {
     /// seq]` activations dominate memory at long sequences. Only the unfused attention (with
     /// attention dropout) has them: flash attention stores no such tensor and is unchanged.
     Selective,
-    /// Recompute each transformer layer from its input.
+    /// Recompute each transformer layer from its input (Megatron's `--recompute-granularity
+    /// full --recompute-method uniform --recompute-num-layers 1`).
     Full,
+    /// Recompute the layers of each model chunk in groups of `layers`, each group from its
+    /// input: fewer stored inputs, a larger group's activations live while it reruns
+    /// (`--recompute-method uniform --recompute-num-layers N`).
+    FullUniform {
+        /// Layers a group.
+        layers: usize,
+    },
+    /// Recompute only the first `layers` layers of each model chunk, each from its input, and
+    /// store the rest's activations: trades memory for less rerun compute
+    /// (`--recompute-method block --recompute-num-layers N`).
+    FullBlock {
+        /// Layers recomputed at the start of each chunk.
+        layers: usize,
+    },
+}
+
+impl Recompute {
+    /// Whether whole layers are rerun in the backward pass (`Full` and its variants): such a
+    /// model trains only through the schedules of
+    /// [`pipeline_parallel`](crate::pipeline_parallel).
+    pub fn reruns_layers(self) -> bool {
+        matches!(
+            self,
+            Recompute::Full | Recompute::FullUniform { .. } | Recompute::FullBlock { .. }
+        )
+    }
+
+    /// A chunk of `num_layers` layers cut into consecutive ranges, each with whether it is
+    /// recomputed from its input (`true`) or stored (`false`; at most one, the last).
+    pub fn segments(self, num_layers: usize) -> Vec<(core::ops::Range<usize>, bool)> {
+        let groups = |size: usize| {
+            (0..num_layers)
+                .step_by(size.max(1))
+                .map(|start| (start..(start + size.max(1)).min(num_layers), true))
+                .collect::<Vec<_>>()
+        };
+        match self {
+            Recompute::None | Recompute::Selective => vec![(0..num_layers, false)],
+            Recompute::Full => groups(1),
+            Recompute::FullUniform { layers } => groups(layers),
+            Recompute::FullBlock { layers } => {
+                let rerun = layers.min(num_layers);
+                let mut out: Vec<_> = (0..rerun).map(|i| (i..i + 1, true)).collect();
+                if rerun < num_layers {
+                    out.push((rerun..num_layers, false));
+                }
+                out
+            }
+        }
+    }
 }
 
 /// Shape, layers, initialisation and parallelism of a GPT- or Llama-style transformer.
@@ -232,6 +283,15 @@ impl TransformerConfig {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!("{name} must be at least 1")));
             }
+        }
+        if let Recompute::FullUniform { layers: 0 } | Recompute::FullBlock { layers: 0 } =
+            self.recompute
+        {
+            return Err(ConfigError::Invalid(
+                "recomputation of 0 layers (--recompute-num-layers 0): give at least 1, or \
+                 leave --recompute-granularity out"
+                    .into(),
+            ));
         }
         if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(ConfigError::Invalid(format!(

@@ -216,7 +216,12 @@ fn pp2_with_tp2_matches_gradient_accumulation() {
         .with_hidden_dropout(0.1)
         .with_attention_dropout(0.1);
     let want = reference(&dropout, 4);
-    for recompute in [Recompute::None, Recompute::Full] {
+    for recompute in [
+        Recompute::None,
+        Recompute::Full,
+        Recompute::FullUniform { layers: 2 },
+        Recompute::FullBlock { layers: 1 },
+    ] {
         let c = dropout
             .clone()
             .with_recompute(recompute)

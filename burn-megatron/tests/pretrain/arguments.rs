@@ -238,19 +238,11 @@ fn llama_options_are_megatrons() {
                 "--recompute-granularity",
                 "full",
                 "--recompute-method",
-                "block",
+                "some",
             ],
-            "block",
+            "use uniform or block",
         ),
-        (
-            &[
-                "--recompute-granularity",
-                "full",
-                "--recompute-num-layers",
-                "2",
-            ],
-            "(1) today",
-        ),
+        (&["--recompute-num-layers", "2"], "full only"),
     ] {
         let e = into_error(args);
         assert!(e.contains(says), "{args:?}: {e}");
@@ -625,4 +617,36 @@ fn virtual_pipeline_stages_are_megatrons_option() {
         "--learner",
     ]));
     assert!(e.contains("--learner runs 1F1B"), "{e}");
+}
+
+/// `--recompute-method uniform|block --recompute-num-layers N` reach the model; 0 layers is an
+/// error naming the option.
+#[test]
+fn recompute_methods_are_megatrons() {
+    use burn_megatron::transformer::Recompute;
+    let full = |method: &str, n: &str| {
+        config(&[
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            method,
+            "--recompute-num-layers",
+            n,
+        ])
+        .model()
+        .recompute
+    };
+    assert_eq!(full("uniform", "1"), Recompute::Full);
+    assert_eq!(full("uniform", "2"), Recompute::FullUniform { layers: 2 });
+    assert_eq!(full("block", "1"), Recompute::FullBlock { layers: 1 });
+    let zero = config(&[
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "0",
+    ]);
+    let e = error(&zero);
+    assert!(e.contains("--recompute-num-layers 0"), "{e}");
 }

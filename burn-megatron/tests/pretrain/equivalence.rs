@@ -140,7 +140,8 @@ fn layouts_equal_single_rank_training() {
 
 /// A Llama (SwiGLU, RMSNorm, rope, two query groups for four heads, an untied output layer,
 /// no biases) through `pretrain_gpt`'s options at TP = 2 × PP = 2 (with sequence parallelism
-/// and full recomputation too) against one rank's plain training.
+/// and full recomputation too, and the uniform and block methods) against one rank's plain
+/// training.
 #[test]
 fn llama_layouts_equal_single_rank_training() {
     let llama = |tp, pp| {
@@ -188,6 +189,26 @@ fn llama_layouts_equal_single_rank_training() {
             .with_recompute(burn_megatron::transformer::Recompute::Full),
         &want,
     );
+    // Megatron's two methods: groups of 2 layers, and the first layer of each stage rerun with
+    // the rest stored (at PP 1 the stored layers end in the loss; at PP 2 the first stage's
+    // send their output on).
+    use burn_megatron::transformer::Recompute;
+    for (what, tp, pp, recompute) in [
+        (
+            "uniform, groups of 2",
+            2,
+            2,
+            Recompute::FullUniform { layers: 2 },
+        ),
+        ("block, 1 layer", 2, 2, Recompute::FullBlock { layers: 1 }),
+        ("block, 1 layer", 1, 1, Recompute::FullBlock { layers: 1 }),
+    ] {
+        assert_equal_to_reference(
+            &format!("Llama TP={tp} PP={pp}, {what}"),
+            &llama(tp, pp).with_recompute(recompute),
+            &want,
+        );
+    }
 }
 
 /// The interleaved schedule from `--num-layers-per-virtual-pipeline-stage 1` (two chunks a
