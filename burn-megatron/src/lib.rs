@@ -22,7 +22,8 @@
 //! - [`models`]: [`GptModel`](models::GptModel), GPT- and Llama-style, and the pipeline
 //!   stage it is built for.
 //! - [`pipeline_parallel`]: schedules (no pipelining, GPipe, 1F1B, interleaved), their plans
-//!   and timelines, and the executor that runs them.
+//!   and timelines, and the executor that runs them. [`inference`] beside it: text
+//!   generation with a KV cache.
 //! - [`distributed`]: flat parameter and gradient buffers (Megatron's `ParamAndGradBuffer`)
 //!   and the data-parallel gradient reduction, overlapped with the backward pass.
 //! - [`optimizer`]: learning-rate schedules, the weight-decay policy, global-norm gradient
@@ -39,6 +40,7 @@ pub mod context_parallel;
 pub mod data;
 pub mod distributed;
 pub mod error;
+pub mod inference;
 pub mod init;
 pub mod models;
 pub mod ops;

@@ -54,7 +54,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
             &["tensor_parallel", "context_parallel"],
             &["transformer"],
             &["models"],
-            &["pipeline_parallel"],
+            &["pipeline_parallel", "inference"],
             &["distributed"],
             &["optimizer"],
             &["checkpointing"],

@@ -23,6 +23,12 @@ pub enum InputError {
         /// The model's `max_sequence_length`.
         max: usize,
     },
+    /// A prompt without tokens: generation needs at least one token to condition on.
+    #[error("prompt {index} is empty: give every prompt at least one token (a BOS token, say)")]
+    EmptyPrompt {
+        /// The prompt's index in the batch.
+        index: usize,
+    },
     /// Sequence parallelism needs a sequence that splits evenly over TP.
     #[error(
         "sequence parallelism splits the sequence over TP = {tp}: {len} tokens do not divide; \

@@ -278,6 +278,17 @@ impl<B: ModelBackend> GptModel<B> {
         &self.context.vocab
     }
 
+    /// The most tokens a sequence may hold (the learned position table's rows; RoPE models
+    /// keep the configured limit too).
+    pub fn max_sequence_length(&self) -> usize {
+        self.context.max_sequence_length
+    }
+
+    /// Whether the model was built with sequence parallelism.
+    pub fn sequence_parallel(&self) -> bool {
+        self.context.layer.tp.sequence_parallel
+    }
+
     /// Notes from building the model, such as vocabulary padding.
     pub fn notes(&self) -> &[String] {
         &self.context.notes

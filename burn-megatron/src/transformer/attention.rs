@@ -75,6 +75,16 @@ impl<B: Backend> ParallelAttention<B> {
     }
 }
 
+impl<B: Backend> ParallelAttention<B> {
+    /// This rank's head layout for an incremental (KV-cached) forward pass:
+    /// `(local_groups, heads_per_group, head_dim, rope_base)`; the QKV projection's output
+    /// reshapes to `[batch, seq, local_groups, heads_per_group + 2, head_dim]`.
+    pub(crate) fn decode_layout(&self) -> (usize, usize, usize, Option<f64>) {
+        let s = self.shape;
+        (s.local_groups, s.heads_per_group, s.head_dim, s.rope_base)
+    }
+}
+
 impl<B: ModelBackend> ParallelAttention<B> {
     /// This rank's part of layer `layer`'s attention.
     pub fn new(

@@ -1,0 +1,295 @@
+//! Generation: prompts in, new tokens out, with the KV cache ([`generate`]) or by re-running
+//! the whole forward pass for every token ([`generate_without_cache`], the reference).
+
+use burn::module::Module;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
+
+use super::decode::forward_cached;
+use super::kv_cache::KvCache;
+use super::sampling::Sampling;
+use crate::backend::ModelBackend;
+use crate::error::{ConfigError, IdKind, InputError, Result};
+use crate::models::GptModel;
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationConfig {
+    /// The most tokens generated per prompt.
+    pub max_new_tokens: usize,
+    /// Tokens that end a prompt's generation (the stop token is kept in the output).
+    pub stop_tokens: Vec<i64>,
+    /// How each token is picked.
+    pub sampling: Sampling,
+}
+
+impl GenerationConfig {
+    /// Greedy generation of at most `max_new_tokens` tokens, without stop tokens.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            stop_tokens: Vec::new(),
+            sampling: Sampling::Greedy,
+        }
+    }
+
+    /// The same, stopping at any of `stop_tokens`.
+    pub fn with_stop_tokens(self, stop_tokens: Vec<i64>) -> Self {
+        Self {
+            stop_tokens,
+            ..self
+        }
+    }
+
+    /// The same, picking tokens with `sampling`.
+    pub fn with_sampling(self, sampling: Sampling) -> Self {
+        Self { sampling, ..self }
+    }
+}
+
+/// Why a prompt's generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced a stop token.
+    Stop,
+    /// It produced `max_new_tokens` tokens.
+    MaxNewTokens,
+    /// Prompt and new tokens filled the model's maximum sequence length.
+    MaxSequenceLength,
+}
+
+/// One prompt's generated tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generated {
+    /// The new tokens (not the prompt), the stop token included.
+    pub tokens: Vec<i64>,
+    /// Why generation ended.
+    pub finish: FinishReason,
+}
+
+/// Generates a continuation of every prompt with `model` (a whole model, this rank's part
+/// over its TP group: every rank of the group calls this with the same prompts and gets the
+/// same tokens).
+///
+/// The prompts form one batch, padded on the left (see [`KvCache`]): a prefill pass over
+/// all prompt tokens, then one pass per new token, each attending to the cache. A prompt
+/// whose generation ended keeps riding along (its tokens are ignored) until all have ended.
+/// The model runs without dropout; pass a backend without autodiff (the inner backend).
+///
+/// Errors: an empty prompt ([`InputError::EmptyPrompt`]), a prompt longer than the model's
+/// maximum sequence ([`InputError::SequenceTooLong`]), a token outside the vocabulary
+/// ([`InputError::IdOutOfRange`]), invalid sampling parameters or a model built with
+/// sequence parallelism or as a pipeline stage ([`ConfigError`]).
+///
+/// # Shapes
+/// - prompts: `batch` token lists of lengths `1..=max_sequence_length`
+/// - output: `batch` lists of `0..=max_new_tokens` tokens
+pub fn generate<B: ModelBackend>(
+    model: &GptModel<B>,
+    prompts: &[Vec<i64>],
+    config: &GenerationConfig,
+) -> Result<Vec<Generated>> {
+    check(model, prompts, config)?;
+    let mut rows: Vec<Row> = prompts.iter().map(|p| Row::new(p.len())).collect();
+    if prompts.is_empty() || !finish_all(model, &mut rows, config) {
+        return Ok(rows.into_iter().map(Row::into_generated).collect());
+    }
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
+    let mut cache = KvCache::new(model.layers().len(), pads.clone());
+    let padded: Vec<i64> = prompts
+        .iter()
+        .zip(&pads)
+        .flat_map(|(p, &pad)| std::iter::repeat_n(0, pad).chain(p.iter().copied()))
+        .collect();
+    let mut tokens =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(padded, [prompts.len(), longest]), &device);
+    loop {
+        let logits = full_logits(model, forward_cached(model, tokens, &mut cache)?)?;
+        let mut next = Vec::with_capacity(rows.len());
+        for (i, (row, logits)) in rows.iter_mut().zip(&logits).enumerate() {
+            if row.finish.is_none() {
+                let token = config.sampling.pick(logits, i, row.tokens.len());
+                row.push(token, model, config);
+            }
+            next.push(*row.tokens.last().unwrap_or(&0));
+        }
+        if rows.iter().all(|row| row.finish.is_some()) {
+            break;
+        }
+        tokens = Tensor::from_data(TensorData::new(next, [rows.len(), 1]), &device);
+    }
+    Ok(rows.into_iter().map(Row::into_generated).collect())
+}
+
+/// [`generate`] without a cache: each prompt alone, the whole forward pass
+/// ([`GptModel::try_forward`]) rerun over prompt and tokens so far for every new token. The
+/// reference the cached path is tested against; quadratic in the length.
+pub fn generate_without_cache<B: ModelBackend>(
+    model: &GptModel<B>,
+    prompts: &[Vec<i64>],
+    config: &GenerationConfig,
+) -> Result<Vec<Generated>> {
+    check(model, prompts, config)?;
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let mut out = Vec::with_capacity(prompts.len());
+    for (i, prompt) in prompts.iter().enumerate() {
+        let mut row = vec![Row::new(prompt.len())];
+        let mut sequence = prompt.clone();
+        while finish_all(model, &mut row, config) {
+            let len = sequence.len();
+            let tokens = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(sequence.clone(), [1, len]),
+                &device,
+            );
+            let logits = model.try_forward(tokens)?.narrow(1, len - 1, 1);
+            let logits = full_logits(model, logits)?;
+            let token = config.sampling.pick(&logits[0], i, row[0].tokens.len());
+            row[0].push(token, model, config);
+            sequence.push(token);
+        }
+        out.push(row.remove(0).into_generated());
+    }
+    Ok(out)
+}
+
+/// The errors [`generate`] documents, before any work.
+fn check<B: ModelBackend>(
+    model: &GptModel<B>,
+    prompts: &[Vec<i64>],
+    config: &GenerationConfig,
+) -> Result<()> {
+    config.sampling.validate()?;
+    if model.sequence_parallel() {
+        return Err(ConfigError::Invalid(
+            "generation runs a model built without sequence parallelism: build it with \
+             sequence_parallel = false (the parameters are the same)"
+                .into(),
+        )
+        .into());
+    }
+    let stage = model.stage();
+    if stage.num_stages != 1 {
+        return Err(ConfigError::Invalid(format!(
+            "generation runs a whole model, not pipeline stage {} of {}: load it with PP = 1",
+            stage.index, stage.num_stages
+        ))
+        .into());
+    }
+    let (max, vocab_size) = (model.max_sequence_length(), model.vocab().vocab_size);
+    for (index, prompt) in prompts.iter().enumerate() {
+        if prompt.is_empty() {
+            return Err(InputError::EmptyPrompt { index }.into());
+        }
+        if prompt.len() > max {
+            return Err(InputError::SequenceTooLong {
+                len: prompt.len(),
+                max,
+            }
+            .into());
+        }
+        if let Some(&id) = prompt
+            .iter()
+            .find(|&&id| !IdKind::Token.accepts(id, vocab_size))
+        {
+            return Err(InputError::IdOutOfRange {
+                kind: IdKind::Token,
+                id,
+                vocab_size,
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// Marks the rows that cannot take another token as finished (`max_new_tokens` 0, or a full
+/// sequence); whether any row is still going.
+fn finish_all<B: ModelBackend>(
+    model: &GptModel<B>,
+    rows: &mut [Row],
+    config: &GenerationConfig,
+) -> bool {
+    for row in rows.iter_mut() {
+        if row.finish.is_none() {
+            row.finish = row.limit(model, config);
+        }
+    }
+    rows.iter().any(|row| row.finish.is_none())
+}
+
+/// One prompt's progress.
+struct Row {
+    prompt_len: usize,
+    tokens: Vec<i64>,
+    finish: Option<FinishReason>,
+}
+
+impl Row {
+    fn new(prompt_len: usize) -> Self {
+        Self {
+            prompt_len,
+            tokens: Vec::new(),
+            finish: None,
+        }
+    }
+
+    /// Why the row can take no more tokens, if it cannot.
+    fn limit<B: ModelBackend>(
+        &self,
+        model: &GptModel<B>,
+        config: &GenerationConfig,
+    ) -> Option<FinishReason> {
+        if self.tokens.len() >= config.max_new_tokens {
+            Some(FinishReason::MaxNewTokens)
+        } else if self.prompt_len + self.tokens.len() >= model.max_sequence_length() {
+            Some(FinishReason::MaxSequenceLength)
+        } else {
+            None
+        }
+    }
+
+    fn push<B: ModelBackend>(
+        &mut self,
+        token: i64,
+        model: &GptModel<B>,
+        config: &GenerationConfig,
+    ) {
+        self.tokens.push(token);
+        self.finish = if config.stop_tokens.contains(&token) {
+            Some(FinishReason::Stop)
+        } else {
+            self.limit(model, config)
+        };
+    }
+
+    fn into_generated(self) -> Generated {
+        Generated {
+            tokens: self.tokens,
+            finish: self.finish.unwrap_or(FinishReason::MaxNewTokens),
+        }
+    }
+}
+
+/// Rank-local logits `[batch, 1, padded_vocab / tp]` → every row's logits over the real
+/// vocabulary (`vocab_size`, padding dropped), gathered over TP: the same on every rank.
+fn full_logits<B: ModelBackend>(
+    model: &GptModel<B>,
+    logits: Tensor<B, 3>,
+) -> Result<Vec<Vec<f32>>> {
+    let [batch, _, _] = logits.dims();
+    let vocab_size = model.vocab().vocab_size;
+    let full = gather_from_tensor_parallel_region(logits, model.tp())?;
+    let values = full
+        .narrow(2, 0, vocab_size)
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("converted logits hold f32");
+    Ok(values
+        .chunks(vocab_size)
+        .take(batch)
+        .map(<[f32]>::to_vec)
+        .collect())
+}
