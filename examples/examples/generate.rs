@@ -1,0 +1,125 @@
+//! Text generation from one of our checkpoints with the byte tokenizer: the model's
+//! configuration read from the checkpoint, its parameters loaded (resharded) at TP = `--tp`
+//! on CPU thread ranks, then greedy or seeded sampling with the KV cache
+//! (`burn_megatron::inference`), stopping at the end-of-document token.
+//!
+//!     cargo run --example pretrain_gpt -- --train-iters 40
+//!     cargo run --example generate -- --prompt "The " --max-new-tokens 40
+//!     cargo run --example generate -- --prompt "The " --tp 2 --temperature 0.8 --top-p 0.9
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn::backend::NdArray;
+use burn_megatron::checkpointing::Checkpoint;
+use burn_megatron::data::{ByteTokenizer, Tokenizer};
+use burn_megatron::inference::{GenerationConfig, Sampling, generate};
+use burn_megatron_dist::{LaunchConfig, ParallelSizes, launch};
+use clap::Parser;
+
+type B = NdArray<f32>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Generates text from a checkpoint saved by `pretrain_gpt` (any TP/PP layout).
+#[derive(Parser, Debug)]
+struct Args {
+    /// A checkpoint directory (`iter_*`) or the root holding them (the latest is loaded).
+    #[arg(long, default_value = "target/pretrain_gpt")]
+    load: PathBuf,
+    /// A prompt; repeat for a batch of prompts (of any lengths).
+    #[arg(long, default_value = "The ")]
+    prompt: Vec<String>,
+    /// Tensor-parallel ranks (threads) to generate on.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// The most tokens (bytes) generated per prompt.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sample at this temperature (greedy without it).
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Sample from the k most likely tokens only.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample from the most likely tokens up to this probability only.
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// The seed of the draws.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), BoxError> {
+    let checkpoint = if args.load.join("metadata.json").exists() {
+        Checkpoint::open(&args.load)?
+    } else {
+        Checkpoint::open_latest(&args.load)?
+    };
+    let meta = checkpoint.metadata();
+    println!(
+        "{}: iteration {}, saved at TP {} x PP {}; generating at TP {}",
+        checkpoint.dir().display(),
+        meta.iteration,
+        meta.layout.tp,
+        meta.layout.pp,
+        args.tp
+    );
+    let dir = checkpoint.dir().to_path_buf();
+    let mut config = meta.model_config.clone();
+    // The same parameters; generation runs the layers without sequence parallelism.
+    config.sequence_parallel = false;
+    let tokenizer = ByteTokenizer;
+    if config.vocab_size != tokenizer.vocab_size() {
+        return Err(format!(
+            "the checkpoint's vocabulary ({}) is not the byte tokenizer's ({})",
+            config.vocab_size,
+            tokenizer.vocab_size()
+        )
+        .into());
+    }
+    let prompts = args
+        .prompt
+        .iter()
+        .map(|p| tokenizer.encode(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sampling = match args.temperature {
+        None if args.top_k.is_none() && args.top_p.is_none() => Sampling::Greedy,
+        temperature => Sampling::Random {
+            temperature: temperature.unwrap_or(1.0),
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+    };
+    let generation = GenerationConfig::greedy(args.max_new_tokens)
+        .with_stop_tokens(vec![tokenizer.eod()])
+        .with_sampling(sampling);
+    let mut outputs = launch(LaunchConfig::new(args.tp), |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default().with_tp(args.tp))?;
+        let model = config.init_gpt::<B>(state.tp(), &Default::default())?;
+        // Each rank opens the checkpoint and reads its slices (a checkpoint is not shared).
+        let model = Checkpoint::open(&dir)?.load_model(model)?;
+        Ok::<_, BoxError>(generate(&model, &prompts, &generation)?)
+    })?;
+    // Every rank of the TP group generated the same tokens; print rank 0's.
+    for (prompt, generated) in args.prompt.iter().zip(outputs.swap_remove(0)) {
+        let text = tokenizer.decode(&generated.tokens)?;
+        println!(
+            "--- {prompt:?} ({:?}, {} tokens)",
+            generated.finish,
+            generated.tokens.len()
+        );
+        println!("{prompt}{text}");
+    }
+    Ok(())
+}
