@@ -18,8 +18,9 @@ use crate::ops::packed_flash_attention;
 use crate::ops::rope::rotation_table;
 use crate::transformer::ParallelAttention;
 
-/// Runs `tokens` (the next columns of every row) through `model`, appending their keys and
-/// values to `cache`, and returns this rank's slice of the logits of the last column.
+/// Runs `tokens` (the next columns of every row) through a whole `model`, appending their
+/// keys and values to `cache`, and returns this rank's slice of the logits of the last column:
+/// [`embed_cached`], [`layers_cached`], then the final norm and the output layer.
 ///
 /// # Shapes
 /// - tokens: `[batch, new]`
@@ -29,22 +30,56 @@ pub fn forward_cached<B: ModelBackend>(
     tokens: Tensor<B, 2, Int>,
     cache: &mut KvCache<B>,
 ) -> Result<Tensor<B, 3>> {
+    let new = tokens.dims()[1];
+    let x = layers_cached(model, embed_cached(model, tokens, cache)?, cache)?;
+    model.head(x.narrow(1, new - 1, 1))
+}
+
+/// The token embeddings of the next columns, plus the learned positions at their absolute
+/// positions (see [`KvCache::positions`]); no dropout. First stage only.
+///
+/// # Shapes
+/// - tokens: `[batch, new]`
+/// - output: `[batch, new, hidden]`
+pub fn embed_cached<B: ModelBackend>(
+    model: &GptModel<B>,
+    tokens: Tensor<B, 2, Int>,
+    cache: &KvCache<B>,
+) -> Result<Tensor<B, 3>> {
     let embedding = model.embedding.as_ref().ok_or_else(|| {
-        ConfigError::Invalid("generation needs a whole model: this stage has no embedding".into())
+        ConfigError::Invalid(format!(
+            "pipeline stage {} of {} has no embedding: the first stage embeds the tokens",
+            model.stage().index,
+            model.stage().num_stages
+        ))
     })?;
     let [batch, new] = tokens.dims();
     let device = tokens.device();
-    let max_position = model.max_sequence_length().saturating_sub(1);
-    let positions = cache.positions(new, max_position);
     let mut x = embedding.try_forward(tokens)?;
-    let hidden = x.dims()[2];
     if let Some(table) = &model.position_embedding {
-        let ids = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(positions.clone(), [batch * new]),
-            &device,
-        );
+        let hidden = x.dims()[2];
+        let positions = cache.positions(new, max_position(model));
+        let ids =
+            Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [batch * new]), &device);
         x = x + table.val().select(0, ids).reshape([batch, new, hidden]);
     }
+    Ok(x)
+}
+
+/// The next columns' residual stream through this stage's layers, attending to `cache` and
+/// appending to it (the cache then holds `new` more columns); no dropout. The final norm is
+/// not applied ([`GptModel::head`] does it).
+///
+/// # Shapes
+/// - x and the output: `[batch, new, hidden]`
+pub fn layers_cached<B: ModelBackend>(
+    model: &GptModel<B>,
+    mut x: Tensor<B, 3>,
+    cache: &mut KvCache<B>,
+) -> Result<Tensor<B, 3>> {
+    let [batch, new, _] = x.dims();
+    let device = x.device();
+    let positions = cache.positions(new, max_position(model));
     let mask = cache.mask(new, &device);
     let rotation = model.layers().first().and_then(|layer| {
         let (_, _, head_dim, base) = layer.attention.decode_layout();
@@ -66,7 +101,13 @@ pub fn forward_cached<B: ModelBackend>(
         x = x_mid + mlp;
     }
     cache.advance(new);
-    model.head(x.narrow(1, new - 1, 1))
+    Ok(x)
+}
+
+/// The last position the model has (positions past it, of prompts that have finished, are
+/// clamped to it).
+fn max_position<B: ModelBackend>(model: &GptModel<B>) -> usize {
+    model.max_sequence_length().saturating_sub(1)
 }
 
 /// The cosines and sines of the new columns' positions, `[batch, new, 1, 1, head_dim]` each

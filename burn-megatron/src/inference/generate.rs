@@ -3,9 +3,10 @@
 
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 
-use super::decode::forward_cached;
+use super::decode::{embed_cached, layers_cached};
 use super::kv_cache::KvCache;
 use super::sampling::Sampling;
 use crate::backend::ModelBackend;
@@ -79,7 +80,8 @@ pub struct Generated {
 /// Errors: an empty prompt ([`InputError::EmptyPrompt`]), a prompt longer than the model's
 /// maximum sequence ([`InputError::SequenceTooLong`]), a token outside the vocabulary
 /// ([`InputError::IdOutOfRange`]), invalid sampling parameters or a model built with
-/// sequence parallelism or as a pipeline stage ([`ConfigError`]).
+/// sequence parallelism or as a pipeline stage ([`ConfigError`]: see
+/// [`generate_pipelined`]).
 ///
 /// # Shapes
 /// - prompts: `batch` token lists of lengths `1..=max_sequence_length`
@@ -89,7 +91,32 @@ pub fn generate<B: ModelBackend>(
     prompts: &[Vec<i64>],
     config: &GenerationConfig,
 ) -> Result<Vec<Generated>> {
-    check(model, prompts, config)?;
+    run_generation(model, None, prompts, config)
+}
+
+/// [`generate`] over a pipeline: `model` is this rank's stage (and TP part), `pp` the
+/// pipeline group, whose rank `i` holds stage `i`. Every step, the first stage embeds the new
+/// tokens, each stage runs its layers against its own layers' cache and sends the activations
+/// on, the last stage picks the tokens, and a broadcast over `pp` gives them to every stage:
+/// every rank of the pipeline and TP groups returns the same tokens.
+///
+/// The tokens travel as f32: exact for vocabularies below 2²⁴.
+pub fn generate_pipelined<B: ModelBackend>(
+    model: &GptModel<B>,
+    pp: &ProcessGroup,
+    prompts: &[Vec<i64>],
+    config: &GenerationConfig,
+) -> Result<Vec<Generated>> {
+    run_generation(model, Some(pp), prompts, config)
+}
+
+fn run_generation<B: ModelBackend>(
+    model: &GptModel<B>,
+    pp: Option<&ProcessGroup>,
+    prompts: &[Vec<i64>],
+    config: &GenerationConfig,
+) -> Result<Vec<Generated>> {
+    check(model, pp, prompts, config)?;
     let mut rows: Vec<Row> = prompts.iter().map(|p| Row::new(p.len())).collect();
     if prompts.is_empty() || !finish_all(model, &mut rows, config) {
         return Ok(rows.into_iter().map(Row::into_generated).collect());
@@ -106,11 +133,10 @@ pub fn generate<B: ModelBackend>(
     let mut tokens =
         Tensor::<B, 2, Int>::from_data(TensorData::new(padded, [prompts.len(), longest]), &device);
     loop {
-        let logits = full_logits(model, forward_cached(model, tokens, &mut cache)?)?;
+        let picks = step(model, pp, tokens, &mut cache, &rows, config)?;
         let mut next = Vec::with_capacity(rows.len());
-        for (i, (row, logits)) in rows.iter_mut().zip(&logits).enumerate() {
+        for (row, &token) in rows.iter_mut().zip(&picks) {
             if row.finish.is_none() {
-                let token = config.sampling.pick(logits, i, row.tokens.len());
                 row.push(token, model, config);
             }
             next.push(*row.tokens.last().unwrap_or(&0));
@@ -123,6 +149,58 @@ pub fn generate<B: ModelBackend>(
     Ok(rows.into_iter().map(Row::into_generated).collect())
 }
 
+/// One pass of the next columns `tokens` (`[batch, new]`, read by the first stage only)
+/// through the model or pipeline: the token picked for every row (0 for finished rows), the
+/// same on every rank.
+fn step<B: ModelBackend>(
+    model: &GptModel<B>,
+    pp: Option<&ProcessGroup>,
+    tokens: Tensor<B, 2, Int>,
+    cache: &mut KvCache<B>,
+    rows: &[Row],
+    config: &GenerationConfig,
+) -> Result<Vec<i64>> {
+    let stage = model.stage().clone();
+    let device = tokens.device();
+    let x = match pp {
+        Some(pp) if !stage.is_first() => pp.recv::<B, 3>(stage.index - 1, &device)?,
+        _ => embed_cached(model, tokens, cache)?,
+    };
+    let new = x.dims()[1];
+    let x = layers_cached(model, x, cache)?;
+    let mut picks = vec![0; rows.len()];
+    if stage.is_last() {
+        let logits = full_logits(model, model.head(x.narrow(1, new - 1, 1))?)?;
+        for (i, (row, logits)) in rows.iter().zip(&logits).enumerate() {
+            if row.finish.is_none() {
+                picks[i] = config.sampling.pick(logits, i, row.tokens.len());
+            }
+        }
+    } else if let Some(pp) = pp {
+        pp.send(x, stage.index + 1)?;
+    }
+    match pp {
+        Some(pp) if pp.size() > 1 => {
+            let values: Vec<f32> = picks.iter().map(|&t| t as f32).collect();
+            let n = values.len();
+            let picked = Tensor::<B, 1>::from_data(
+                TensorData::new(values, [n]),
+                (&device, burn::tensor::DType::F32),
+            );
+            let picked = pp.broadcast(picked, pp.size() - 1)?;
+            Ok(picked
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("converted tokens hold f32")
+                .into_iter()
+                .map(|t| t as i64)
+                .collect())
+        }
+        _ => Ok(picks),
+    }
+}
+
 /// [`generate`] without a cache: each prompt alone, the whole forward pass
 /// ([`GptModel::try_forward`]) rerun over prompt and tokens so far for every new token. The
 /// reference the cached path is tested against; quadratic in the length.
@@ -131,7 +209,7 @@ pub fn generate_without_cache<B: ModelBackend>(
     prompts: &[Vec<i64>],
     config: &GenerationConfig,
 ) -> Result<Vec<Generated>> {
-    check(model, prompts, config)?;
+    check(model, None, prompts, config)?;
     let device = model.devices().into_iter().next().unwrap_or_default();
     let mut out = Vec::with_capacity(prompts.len());
     for (i, prompt) in prompts.iter().enumerate() {
@@ -157,6 +235,7 @@ pub fn generate_without_cache<B: ModelBackend>(
 /// The errors [`generate`] documents, before any work.
 fn check<B: ModelBackend>(
     model: &GptModel<B>,
+    pp: Option<&ProcessGroup>,
     prompts: &[Vec<i64>],
     config: &GenerationConfig,
 ) -> Result<()> {
@@ -170,9 +249,12 @@ fn check<B: ModelBackend>(
         .into());
     }
     let stage = model.stage();
-    if stage.num_stages != 1 {
+    let (pp_size, pp_rank) = pp.map_or((1, 0), |pp| (pp.size(), pp.rank()));
+    if stage.num_stages != pp_size || stage.index != pp_rank {
         return Err(ConfigError::Invalid(format!(
-            "generation runs a whole model, not pipeline stage {} of {}: load it with PP = 1",
+            "the model is pipeline stage {} of {}, the rank is {pp_rank} of a pipeline of \
+             {pp_size}: run a whole model with generate, a stage with generate_pipelined over \
+             the pipeline group whose rank i holds stage i",
             stage.index, stage.num_stages
         ))
         .into());

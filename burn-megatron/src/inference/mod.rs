@@ -8,9 +8,10 @@
 //!   tokens' absolute positions (RoPE or learned positions).
 //! - [`Sampling`]: greedy, or temperature, top-k and top-p with a seed.
 //! - [`generate`]: the loop, with stop tokens and a maximum of new tokens;
-//!   [`generate_without_cache`] reruns the whole forward pass per token (the reference).
+//!   [`generate_pipelined`] the same over pipeline stages; [`generate_without_cache`] reruns
+//!   the whole forward pass per token (the reference).
 //!
-//! Not here yet: pipeline parallelism, sequence parallelism, a GPU decode path (the flash or
+//! Not here yet: sequence parallelism, a GPU decode path (the flash or
 //! cuDNN kernels, no host syncs but the sampled token), a preallocated cache.
 
 mod decode;
@@ -18,7 +19,9 @@ mod generate;
 mod kv_cache;
 mod sampling;
 
-pub use decode::forward_cached;
-pub use generate::{FinishReason, Generated, GenerationConfig, generate, generate_without_cache};
+pub use decode::{embed_cached, forward_cached, layers_cached};
+pub use generate::{
+    FinishReason, Generated, GenerationConfig, generate, generate_pipelined, generate_without_cache,
+};
 pub use kv_cache::{KvCache, LayerKv};
 pub use sampling::Sampling;

@@ -3,6 +3,7 @@
 
 mod errors;
 mod kv_cache;
+mod pipeline;
 mod sampling;
 
 use burn::backend::NdArray;
