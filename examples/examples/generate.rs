@@ -1,11 +1,11 @@
 //! Text generation from one of our checkpoints with the byte tokenizer: the model's
 //! configuration read from the checkpoint, its parameters loaded (resharded) at TP = `--tp`
-//! on CPU thread ranks, then greedy or seeded sampling with the KV cache
+//! x PP = `--pp` on CPU thread ranks, then greedy or seeded sampling with the KV cache
 //! (`burn_megatron::inference`), stopping at the end-of-document token.
 //!
 //!     cargo run --example pretrain_gpt -- --train-iters 40
 //!     cargo run --example generate -- --prompt "The " --max-new-tokens 40
-//!     cargo run --example generate -- --prompt "The " --tp 2 --temperature 0.8 --top-p 0.9
+//!     cargo run --example generate -- --prompt "The " --tp 2 --pp 2 --temperature 0.8 --top-p 0.9
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,7 +13,8 @@ use std::process::ExitCode;
 use burn::backend::NdArray;
 use burn_megatron::checkpointing::Checkpoint;
 use burn_megatron::data::{ByteTokenizer, Tokenizer};
-use burn_megatron::inference::{GenerationConfig, Sampling, generate};
+use burn_megatron::inference::{GenerationConfig, Sampling, generate_pipelined};
+use burn_megatron::pipeline_parallel::StageSplit;
 use burn_megatron_dist::{LaunchConfig, ParallelSizes, launch};
 use clap::Parser;
 
@@ -32,6 +33,9 @@ struct Args {
     /// Tensor-parallel ranks (threads) to generate on.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// Pipeline stages (each of `--tp` threads) to generate on.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
     /// The most tokens (bytes) generated per prompt.
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
@@ -67,12 +71,13 @@ fn run(args: Args) -> Result<(), BoxError> {
     };
     let meta = checkpoint.metadata();
     println!(
-        "{}: iteration {}, saved at TP {} x PP {}; generating at TP {}",
+        "{}: iteration {}, saved at TP {} x PP {}; generating at TP {} x PP {}",
         checkpoint.dir().display(),
         meta.iteration,
         meta.layout.tp,
         meta.layout.pp,
-        args.tp
+        args.tp,
+        args.pp
     );
     let dir = checkpoint.dir().to_path_buf();
     let mut config = meta.model_config.clone();
@@ -104,14 +109,21 @@ fn run(args: Args) -> Result<(), BoxError> {
     let generation = GenerationConfig::greedy(args.max_new_tokens)
         .with_stop_tokens(vec![tokenizer.eod()])
         .with_sampling(sampling);
-    let mut outputs = launch(LaunchConfig::new(args.tp), |ctx| {
-        let state = ctx.parallel_state(ParallelSizes::default().with_tp(args.tp))?;
-        let model = config.init_gpt::<B>(state.tp(), &Default::default())?;
+    let mut outputs = launch(LaunchConfig::new(args.tp * args.pp), |ctx| {
+        let sizes = ParallelSizes::default().with_tp(args.tp).with_pp(args.pp);
+        let state = ctx.parallel_state(sizes)?;
+        let stage = StageSplit::even(config.num_layers, args.pp)?.stage(state.pp_rank());
+        let model = config.init_gpt_stage::<B>(state.tp(), &stage, &Default::default())?;
         // Each rank opens the checkpoint and reads its slices (a checkpoint is not shared).
         let model = Checkpoint::open(&dir)?.load_model(model)?;
-        Ok::<_, BoxError>(generate(&model, &prompts, &generation)?)
+        Ok::<_, BoxError>(generate_pipelined(
+            &model,
+            state.pp(),
+            &prompts,
+            &generation,
+        )?)
     })?;
-    // Every rank of the TP group generated the same tokens; print rank 0's.
+    // Every rank generated the same tokens; print rank 0's.
     for (prompt, generated) in args.prompt.iter().zip(outputs.swap_remove(0)) {
         let text = tokenizer.decode(&generated.tokens)?;
         println!(
