@@ -1,4 +1,5 @@
-//! Text generation from one of our checkpoints with the byte tokenizer: the model's
+//! Text generation from one of our checkpoints (or a Hugging Face export of one, `--hf`) with
+//! the byte tokenizer: the model's
 //! configuration read from the checkpoint, its parameters loaded (resharded) at TP = `--tp`
 //! x PP = `--pp` on CPU thread ranks, then greedy or seeded sampling with the KV cache
 //! (`burn_megatron::inference`), stopping at the end-of-document token.
@@ -6,14 +7,18 @@
 //!     cargo run --example pretrain_gpt -- --train-iters 40
 //!     cargo run --example generate -- --prompt "The " --max-new-tokens 40
 //!     cargo run --example generate -- --prompt "The " --tp 2 --pp 2 --temperature 0.8 --top-p 0.9
+//!     cargo run --example checkpoint_tool -- convert target/pretrain_gpt /tmp/hf --to-hf
+//!     cargo run --example generate -- --hf /tmp/hf --prompt "The "
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn::backend::NdArray;
 use burn_megatron::checkpointing::Checkpoint;
+use burn_megatron::checkpointing::hugging_face::HfCheckpoint;
 use burn_megatron::data::{ByteTokenizer, Tokenizer};
 use burn_megatron::inference::{GenerationConfig, Sampling, generate_pipelined};
+use burn_megatron::models::GptModel;
 use burn_megatron::pipeline_parallel::StageSplit;
 use burn_megatron_dist::{LaunchConfig, ParallelSizes, launch};
 use clap::Parser;
@@ -27,6 +32,12 @@ struct Args {
     /// A checkpoint directory (`iter_*`) or the root holding them (the latest is loaded).
     #[arg(long, default_value = "target/pretrain_gpt")]
     load: PathBuf,
+    /// A Hugging Face GPT-2 or Llama checkpoint directory (`config.json`, safetensors) to load
+    /// instead of `--load`. Its vocabulary must be the byte tokenizer's (257): an export of one
+    /// of ours (`checkpoint_tool convert SRC DST --to-hf`), not a pretrained model with its
+    /// own tokenizer.
+    #[arg(long)]
+    hf: Option<PathBuf>,
     /// A prompt; repeat for a batch of prompts (of any lengths).
     #[arg(long, default_value = "The ")]
     prompt: Vec<String>,
@@ -63,24 +74,51 @@ fn main() -> ExitCode {
     }
 }
 
+/// Where the parameters come from.
+enum Source {
+    /// One of our checkpoints (`iter_*`).
+    Ours(PathBuf),
+    /// A Hugging Face checkpoint directory.
+    HuggingFace(PathBuf),
+}
+
+impl Source {
+    /// This rank's part of `model` with the parameters loaded. Each rank opens the checkpoint
+    /// and reads its slices (a checkpoint is not shared between threads).
+    fn load(&self, model: GptModel<B>) -> Result<GptModel<B>, burn_megatron::Error> {
+        match self {
+            Source::Ours(dir) => Checkpoint::open(dir)?.load_model(model),
+            Source::HuggingFace(dir) => HfCheckpoint::open(dir)?.load_model(model),
+        }
+    }
+}
+
 fn run(args: Args) -> Result<(), BoxError> {
-    let checkpoint = if args.load.join("metadata.json").exists() {
-        Checkpoint::open(&args.load)?
-    } else {
-        Checkpoint::open_latest(&args.load)?
+    let (source, mut config) = match &args.hf {
+        Some(dir) => {
+            let hf = HfCheckpoint::open(dir)?;
+            println!("{}: Hugging Face {:?}", dir.display(), hf.family());
+            (Source::HuggingFace(dir.clone()), hf.config().clone())
+        }
+        None => {
+            let checkpoint = if args.load.join("metadata.json").exists() {
+                Checkpoint::open(&args.load)?
+            } else {
+                Checkpoint::open_latest(&args.load)?
+            };
+            let meta = checkpoint.metadata();
+            println!(
+                "{}: iteration {}, saved at TP {} x PP {}",
+                checkpoint.dir().display(),
+                meta.iteration,
+                meta.layout.tp,
+                meta.layout.pp,
+            );
+            let config = meta.model_config.clone();
+            (Source::Ours(checkpoint.dir().to_path_buf()), config)
+        }
     };
-    let meta = checkpoint.metadata();
-    println!(
-        "{}: iteration {}, saved at TP {} x PP {}; generating at TP {} x PP {}",
-        checkpoint.dir().display(),
-        meta.iteration,
-        meta.layout.tp,
-        meta.layout.pp,
-        args.tp,
-        args.pp
-    );
-    let dir = checkpoint.dir().to_path_buf();
-    let mut config = meta.model_config.clone();
+    println!("generating at TP {} x PP {}", args.tp, args.pp);
     // The same parameters; generation runs the layers without sequence parallelism.
     config.sequence_parallel = false;
     let tokenizer = ByteTokenizer;
@@ -114,8 +152,7 @@ fn run(args: Args) -> Result<(), BoxError> {
         let state = ctx.parallel_state(sizes)?;
         let stage = StageSplit::even(config.num_layers, args.pp)?.stage(state.pp_rank());
         let model = config.init_gpt_stage::<B>(state.tp(), &stage, &Default::default())?;
-        // Each rank opens the checkpoint and reads its slices (a checkpoint is not shared).
-        let model = Checkpoint::open(&dir)?.load_model(model)?;
+        let model = source.load(model)?;
         Ok::<_, BoxError>(generate_pipelined(
             &model,
             state.pp(),
