@@ -1,5 +1,5 @@
-//! Text generation from one of our checkpoints (or a Hugging Face export of one, `--hf`) with
-//! the byte tokenizer: the model's
+//! Text generation from one of our checkpoints (or a Hugging Face one, `--hf`) with the byte
+//! tokenizer or a Hugging Face `tokenizer.json` (`--tokenizer-model`, feature `tokenizers`): the model's
 //! configuration read from the checkpoint, its parameters loaded (resharded) at TP = `--tp`
 //! x PP = `--pp` on CPU thread ranks, then greedy or seeded sampling with the KV cache
 //! (`burn_megatron::inference`), stopping at the end-of-document token.
@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use burn::backend::NdArray;
 use burn_megatron::checkpointing::Checkpoint;
 use burn_megatron::checkpointing::hugging_face::HfCheckpoint;
-use burn_megatron::data::{ByteTokenizer, Tokenizer};
+use burn_megatron::data::{ByteTokenizer, DataError, Tokenizer};
 use burn_megatron::inference::{GenerationConfig, Sampling, generate_pipelined};
 use burn_megatron::models::GptModel;
 use burn_megatron::pipeline_parallel::StageSplit;
@@ -33,11 +33,17 @@ struct Args {
     #[arg(long, default_value = "target/pretrain_gpt")]
     load: PathBuf,
     /// A Hugging Face GPT-2 or Llama checkpoint directory (`config.json`, safetensors) to load
-    /// instead of `--load`. Its vocabulary must be the byte tokenizer's (257): an export of one
-    /// of ours (`checkpoint_tool convert SRC DST --to-hf`), not a pretrained model with its
-    /// own tokenizer.
+    /// instead of `--load`.
     #[arg(long)]
     hf: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json` (build with `--features tokenizers`); without it, the
+    /// byte tokenizer (ids 0-255 are bytes, 256 ends a document).
+    #[arg(long)]
+    tokenizer_model: Option<PathBuf>,
+    /// The end-of-document (stop) token of the Hugging Face tokenizer (default: the first of
+    /// `<|endoftext|>`, `</s>`, `<|end_of_text|>`, `<eos>` it has).
+    #[arg(long)]
+    eod_token: Option<String>,
     /// A prompt; repeat for a batch of prompts (of any lengths).
     #[arg(long, default_value = "The ")]
     prompt: Vec<String>,
@@ -93,6 +99,22 @@ impl Source {
     }
 }
 
+fn tokenizer(args: &Args) -> Result<Box<dyn Tokenizer>, DataError> {
+    match &args.tokenizer_model {
+        None => Ok(Box::new(ByteTokenizer)),
+        #[cfg(feature = "tokenizers")]
+        Some(path) => Ok(Box::new(burn_megatron::data::HfTokenizer::from_file(
+            path,
+            args.eod_token.as_deref(),
+        )?)),
+        #[cfg(not(feature = "tokenizers"))]
+        Some(path) => Err(DataError::Tokenizer(format!(
+            "{}: Hugging Face tokenizers need a build with `--features tokenizers`",
+            path.display()
+        ))),
+    }
+}
+
 fn run(args: Args) -> Result<(), BoxError> {
     let (source, mut config) = match &args.hf {
         Some(dir) => {
@@ -121,12 +143,13 @@ fn run(args: Args) -> Result<(), BoxError> {
     println!("generating at TP {} x PP {}", args.tp, args.pp);
     // The same parameters; generation runs the layers without sequence parallelism.
     config.sequence_parallel = false;
-    let tokenizer = ByteTokenizer;
-    if config.vocab_size != tokenizer.vocab_size() {
+    let tokenizer = tokenizer(&args)?;
+    if tokenizer.vocab_size() > config.vocab_size {
         return Err(format!(
-            "the checkpoint's vocabulary ({}) is not the byte tokenizer's ({})",
-            config.vocab_size,
-            tokenizer.vocab_size()
+            "the tokenizer has {} tokens, the model's vocabulary only {}: use the model's \
+             tokenizer (--tokenizer-model)",
+            tokenizer.vocab_size(),
+            config.vocab_size
         )
         .into());
     }
@@ -169,6 +192,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             generated.tokens.len()
         );
         println!("{prompt}{text}");
+        println!("(ids {:?})", generated.tokens);
     }
     Ok(())
 }
