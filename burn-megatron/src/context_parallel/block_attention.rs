@@ -17,6 +17,8 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, Tensor, TensorData};
 
+use crate::ops::flash_attention::repeat_heads;
+
 /// A partial attention result: `[batch, heads, seq_q, head_dim]` output and its `[batch, heads,
 /// seq_q]` log-sum-exp of the scaled scores, both in the working dtype (f32, or f64).
 #[derive(Debug, Clone)]
@@ -123,17 +125,4 @@ fn future_mask<B: Backend>(
             device,
         )
     })
-}
-
-/// `[batch, kv_heads, seq, head_dim]` → `[batch, heads, seq, head_dim]`, each key/value head
-/// repeated for the query heads of its group; under `Autodiff` the gradient is summed back over
-/// each group.
-fn repeat_heads<B: Backend>(t: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
-    let [batch, kv_heads, seq, head_dim] = t.dims();
-    if kv_heads == heads {
-        return t;
-    }
-    t.unsqueeze_dim::<5>(2)
-        .expand([batch, kv_heads, heads / kv_heads, seq, head_dim])
-        .reshape([batch, heads, seq, head_dim])
 }

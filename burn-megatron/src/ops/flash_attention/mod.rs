@@ -125,8 +125,9 @@ fn wide(dtype: DType) -> DType {
 }
 
 /// `[batch, kv_heads, seq, head_dim]` → `[batch, heads, seq, head_dim]`, each key/value head
-/// repeated for the query heads of its group (a broadcast view).
-fn repeat_heads<B: Backend>(t: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
+/// repeated for the query heads of its group (a broadcast view; under `Autodiff` the gradient
+/// is summed back over each group).
+pub(crate) fn repeat_heads<B: Backend>(t: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
     let [batch, kv_heads, seq, head_dim] = t.dims();
     if kv_heads == heads {
         return t;
