@@ -1,5 +1,11 @@
-"""torch.matmul (cuBLAS) on the shapes of examples/gemm_bench.rs, for the same device call."""
+"""torch.matmul (cuBLAS) on the shapes of examples/gemm_bench.rs, for the same device call.
+
+A benchmark peer, not part of burn-megatron. `--fp8`: torch._scaled_mm (E4M3 operands, per-tensor
+scales, bf16 output) against bf16 torch.matmul on the same a[m,k] . b[n,k]^T shapes as
+`gemm_bench fp8`, with and without fast accumulation.
+"""
 import statistics
+import sys
 import time
 
 import torch
@@ -18,7 +24,43 @@ def shapes():
     return out
 
 
+def timed(op):
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(7):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = [op() for _ in range(5)]
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / 5)
+        del outs
+    return statistics.median(samples)
+
+
+def fp8():
+    print("== torch._scaled_mm", torch.__version__, torch.cuda.get_device_name(), "==")
+    print(f"{'GEMM a[m,k] . b[n,k]^T':<36} {'bf16':>9} {'fp8':>9} {'fp8 fast':>9} {'ratio':>7}")
+    e4m3 = torch.float8_e4m3fn
+    for label, m, n, k, _, _ in shapes():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        sa = (448.0 / a.abs().max().float()).reshape(())
+        sb = (448.0 / b.abs().max().float()).reshape(())
+        qa = (a.float() * sa).clamp(-448, 448).to(e4m3)
+        qb = (b.float() * sb).clamp(-448, 448).to(e4m3)
+        ia, ib = sa.reciprocal(), sb.reciprocal()
+        flops = 2 * m * n * k
+        bf16 = flops / timed(lambda: a @ b.t()) / 1e12
+        slow = flops / timed(lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=torch.bfloat16)) / 1e12
+        fast = flops / timed(lambda: torch._scaled_mm(qa, qb.t(), ia, ib, out_dtype=torch.bfloat16, use_fast_accum=True)) / 1e12
+        print(f"{label:<36} {bf16:9.1f} {slow:9.1f} {fast:9.1f} {fast / bf16:7.2f}")
+
+
 def main():
+    if "--fp8" in sys.argv:
+        return fp8()
     print("== torch.matmul", torch.__version__, torch.cuda.get_device_name(), "==")
     for label, m, n, k, ta, tb in shapes():
         a = torch.rand(*( (k, m) if ta else (m, k) ), device="cuda", dtype=torch.bfloat16)

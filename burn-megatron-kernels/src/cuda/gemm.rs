@@ -21,6 +21,7 @@ use cudarc::driver::sys::{CUdeviceptr, cuMemAlloc_v2};
 
 use super::foreign::{ForeignQueue, Lane, binding};
 use super::runtime::MegatronCudaRuntime;
+use crate::fused::fp8::Fp8Kind;
 
 type Tensor = CubeTensor<MegatronCudaRuntime>;
 
@@ -76,8 +77,80 @@ pub fn gemm(
         output: out_dtype,
         bias: bias.is_some(),
         accumulate: false,
+        fp8: None,
     };
-    submit(key, a, b, &out, bias);
+    submit(key, a, b, &out, bias, None);
+    Ok(out)
+}
+
+/// The FP8 GEMM `(a · bᵀ) · a_scale_inv · b_scale_inv`, accumulated in f32, of output dtype
+/// `out_dtype` (bf16, f16 or f32): `a: [m, k]` and `b: [n, k]` hold FP8 bits (`U8`, from
+/// [`quantize`](crate::fused::fp8::quantize)), both K-contiguous as cuBLASLt's FP8 kernels
+/// require; `a_scale_inv` and `b_scale_inv` are f32 `[1]` tensors on the device, read by the
+/// GEMM (no host synchronisation). Not both operands E5M2, `k` a multiple of 16.
+/// `fast_accumulation` lets the tensor cores' partial sums stay in their lower precision
+/// longer (Transformer Engine's choice for the forward GEMM, not for the gradients').
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_fp8(
+    a: &Tensor,
+    a_kind: Fp8Kind,
+    a_scale_inv: &Tensor,
+    b: &Tensor,
+    b_kind: Fp8Kind,
+    b_scale_inv: &Tensor,
+    out_dtype: DType,
+    fast_accumulation: bool,
+) -> Result<Tensor, GemmUnsupported> {
+    if a.dtype != DType::U8 || b.dtype != DType::U8 {
+        return Err(GemmUnsupported::DType(a.dtype, b.dtype));
+    }
+    if (a_kind, b_kind) == (Fp8Kind::E5M2, Fp8Kind::E5M2)
+        || !matches!(out_dtype, DType::F32 | DType::BF16 | DType::F16)
+    {
+        return Err(GemmUnsupported::DType(a.dtype, out_dtype));
+    }
+    for scale in [a_scale_inv, b_scale_inv] {
+        if scale.dtype != DType::F32 || scale.meta.shape().num_elements() != 1 {
+            return Err(GemmUnsupported::DType(scale.dtype, DType::F32));
+        }
+    }
+    let (a_view, b_view) = (Operand::of(a)?, Operand::of(b)?);
+    if a_view.transposed || b_view.transposed {
+        return Err(GemmUnsupported::Layout);
+    }
+    let (m, k, n) = (a_view.rows, a_view.cols, b_view.rows);
+    if b_view.cols != k || !k.is_multiple_of(16) || a_view.ld % 16 != 0 || b_view.ld % 16 != 0 {
+        return Err(GemmUnsupported::Shape(
+            a.meta.shape().to_vec(),
+            b.meta.shape().to_vec(),
+        ));
+    }
+    let out = empty_device_contiguous_dtype(
+        a.client.clone(),
+        a.device.clone(),
+        Shape::from(vec![m, n]),
+        out_dtype,
+    );
+    let key = GemmKey {
+        m,
+        n,
+        k,
+        lda: a_view.ld,
+        ldb: b_view.ld,
+        ldc: n,
+        transpose_a: false,
+        transpose_b: true,
+        input: DType::U8,
+        output: out_dtype,
+        bias: false,
+        accumulate: false,
+        fp8: Some(Fp8Gemm {
+            a: a_kind,
+            b: b_kind,
+            fast_accumulation,
+        }),
+    };
+    submit(key, a, b, &out, None, Some((a_scale_inv, b_scale_inv)));
     Ok(out)
 }
 
@@ -119,15 +192,29 @@ pub fn gemm_accumulate(
         output: DType::F32,
         bias: false,
         accumulate: true,
+        fp8: None,
     };
-    submit(key, a, b, acc, None);
+    submit(key, a, b, acc, None, None);
     Ok(())
 }
 
-/// Enqueues `out = op(a) · op(b) (+ bias | + out)` on the compute stream.
-fn submit(key: GemmKey, a: &Tensor, b: &Tensor, out: &Tensor, bias: Option<&Tensor>) {
+/// Enqueues `out = op(a) · op(b) (+ bias | + out)` on the compute stream; FP8 operands are
+/// scaled by `scales_inv` (`a`'s, `b`'s).
+fn submit(
+    key: GemmKey,
+    a: &Tensor,
+    b: &Tensor,
+    out: &Tensor,
+    bias: Option<&Tensor>,
+    scales_inv: Option<(&Tensor, &Tensor)>,
+) {
     let mut bindings = vec![binding(a), binding(b), binding(out)];
     bindings.extend(bias.map(binding));
+    let scale_at = bindings.len();
+    if let Some((a_scale, b_scale)) = scales_inv {
+        bindings.extend([binding(a_scale), binding(b_scale)]);
+    }
+    let scaled = scales_inv.is_some();
     ForeignQueue::new(&a.device).submit("cuBLASLt GEMM", bindings, Lane::Compute, move |ctx| {
         let state = match ctx.extensions.get_mut::<LtState>() {
             Some(state) => state,
@@ -142,14 +229,30 @@ fn submit(key: GemmKey, a: &Tensor, b: &Tensor, out: &Tensor, bias: Option<&Tens
         // SAFETY: the pointers address the tensors the plan's layouts describe; the workspace
         // is used only on the compute stream, one GEMM after another.
         unsafe {
-            if let Some(&bias) = p.get(3) {
+            if key.bias {
                 lt::set_matmul_desc_attribute(
                     plan.desc,
                     sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &bias as *const u64 as *const _,
+                    &p[3] as *const u64 as *const _,
                     8,
                 )
                 .map_err(|e| e.to_string())?;
+            }
+            if scaled {
+                // cuBLASLt's A is our `b` and its B our `a` (see the module docs).
+                use sys::cublasLtMatmulDescAttributes_t::*;
+                for (attribute, pointer) in [
+                    (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p[scale_at + 1]),
+                    (CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p[scale_at]),
+                ] {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        attribute,
+                        pointer as *const u64 as *const _,
+                        8,
+                    )
+                    .map_err(|e| e.to_string())?;
+                }
             }
             lt::matmul(
                 state.handle,
@@ -278,6 +381,23 @@ struct GemmKey {
     output: DType,
     bias: bool,
     accumulate: bool,
+    /// FP8 operands (`input` is then `U8`, the bytes holding them).
+    fp8: Option<Fp8Gemm>,
+}
+
+/// The FP8 formats of a GEMM's operands and its accumulation mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Fp8Gemm {
+    a: Fp8Kind,
+    b: Fp8Kind,
+    fast_accumulation: bool,
+}
+
+fn fp8_type(kind: Fp8Kind) -> sys::cudaDataType {
+    match kind {
+        Fp8Kind::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+        Fp8Kind::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+    }
 }
 
 /// Descriptors, layouts and the heuristic's algorithm for one key (kept for the process).
@@ -351,6 +471,15 @@ impl LtState {
                 &trans_second as *const i32 as *const _,
                 4,
             )?;
+            if let Some(fp8) = key.fp8 {
+                let fast = fp8.fast_accumulation as i8;
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                    &fast as *const i8 as *const _,
+                    1,
+                )?;
+            }
             if key.bias {
                 let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
                 lt::set_matmul_desc_attribute(
@@ -362,8 +491,12 @@ impl LtState {
             }
         }
         // A row-major [r, c] matrix with row stride s is column-major [c, r] with ld s.
-        let layout = |dtype, rows: usize, cols: usize, ld: usize| {
-            lt::create_matrix_layout(data_type(dtype), cols as u64, rows as u64, ld as i64)
+        let layout = |dtype: sys::cudaDataType, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(dtype, cols as u64, rows as u64, ld as i64)
+        };
+        let (a_type, b_type) = match key.fp8 {
+            Some(fp8) => (fp8_type(fp8.a), fp8_type(fp8.b)),
+            None => (data_type(key.input), data_type(key.input)),
         };
         // The stored (row-major) shapes of the operands.
         let (b_rows, b_cols) = if key.transpose_b {
@@ -376,9 +509,9 @@ impl LtState {
         } else {
             (key.m, key.k)
         };
-        let first = layout(key.input, b_rows, b_cols, key.ldb)?;
-        let second = layout(key.input, a_rows, a_cols, key.lda)?;
-        let out = layout(key.output, key.m, key.n, key.ldc)?;
+        let first = layout(b_type, b_rows, b_cols, key.ldb)?;
+        let second = layout(a_type, a_rows, a_cols, key.lda)?;
+        let out = layout(data_type(key.output), key.m, key.n, key.ldc)?;
         let pref = lt::create_matmul_pref()?;
         // SAFETY: as above.
         let heuristic = unsafe {

@@ -34,6 +34,7 @@ pub mod dropout;
 pub mod embedding;
 pub mod flash_attention;
 pub mod flat_copy;
+pub mod fp8;
 pub mod norm;
 pub mod rope;
 pub mod rows;

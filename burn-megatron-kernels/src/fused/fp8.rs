@@ -1,0 +1,293 @@
+//! The FP8 linear layers' casts: the largest magnitude of a tensor (its *amax*, from which the
+//! scale is computed on the device) and the scaled, saturating cast to E4M3 or E5M2, row-major
+//! or transposed (cuBLASLt's FP8 GEMM takes both operands K-contiguous, so the weight gradient's
+//! operands are the transposed casts of `x` and `dy`).
+//!
+//! The FP8 values are stored as bytes: Burn 0.21 has no FP8 dtype, so a quantised tensor is a
+//! `U8` tensor that only the FP8 GEMM (`cuda::gemm::gemm_fp8`) reads. The casts need a runtime
+//! with FP8 conversions (CUDA on compute capability 8.9 and newer).
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::ir::{ElemType, FloatKind};
+use cubecl::prelude::*;
+
+use super::vectors::{THREADS, launch_shape, vector_width};
+
+/// An FP8 format (OCP 8-bit floating point).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fp8Kind {
+    /// 4 exponent bits, 3 mantissa bits, largest finite value 448: activations and weights.
+    E4M3,
+    /// 5 exponent bits, 2 mantissa bits, largest finite value 57 344: gradients.
+    E5M2,
+}
+
+impl Fp8Kind {
+    /// The largest finite value.
+    pub const fn max(self) -> f32 {
+        match self {
+            Fp8Kind::E4M3 => 448.0,
+            Fp8Kind::E5M2 => 57344.0,
+        }
+    }
+
+    /// The value of the FP8 bits `bits` (NaN for a NaN encoding): for host-side checks.
+    pub fn decode(self, bits: u8) -> f64 {
+        match self {
+            Fp8Kind::E4M3 => cubecl::e4m3::from_bits(bits).to_f64(),
+            Fp8Kind::E5M2 => cubecl::e5m2::from_bits(bits).to_f64(),
+        }
+    }
+
+    /// The bits of `x` saturated to `±max` and rounded to the nearest value (ties to even), as
+    /// [`quantize`] computes them: the host-side reference.
+    pub fn encode(self, x: f64) -> u8 {
+        let max = self.max() as f64;
+        let x = if x > max {
+            max
+        } else if x < -max {
+            -max
+        } else {
+            x
+        };
+        match self {
+            Fp8Kind::E4M3 => cubecl::e4m3::from_f64(x).to_bits(),
+            Fp8Kind::E5M2 => cubecl::e5m2::from_f64(x).to_bits(),
+        }
+    }
+
+    fn storage(self) -> StorageType {
+        let kind = match self {
+            Fp8Kind::E4M3 => FloatKind::E4M3,
+            Fp8Kind::E5M2 => FloatKind::E5M2,
+        };
+        StorageType::Scalar(ElemType::Float(kind))
+    }
+}
+
+/// Cubes of the amax kernel at most: each thread walks the tensor with a grid-wide stride, so
+/// that few cubes add their maximum to the result atomically.
+const AMAX_CUBES: usize = 1024;
+
+/// `max |x|` over this cube's share of `x`, added to `amax` (the bits of a non-negative f32,
+/// which order as integers) by one atomic max per cube. A NaN's magnitude has larger bits than
+/// infinity's, so a tensor holding a NaN has a NaN amax.
+#[cube(launch)]
+fn amax_kernel<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    amax: &mut Tensor<Atomic<u32>>,
+    vectors: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tid = UNIT_POS_X as usize;
+    let stride = CUBE_COUNT_X * CUBE_DIM_X;
+    let mut i = CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X;
+    let mut best = 0u32;
+    while i < vectors {
+        let v = x[i as usize];
+        #[unroll]
+        for k in 0..N::value() {
+            let bits = u32::reinterpret(f32::abs(f32::cast_from(v[k])));
+            if bits > best {
+                best = bits;
+            }
+        }
+        i += stride;
+    }
+    let mut shared = SharedMemory::<u32>::new(THREADS as usize);
+    shared[tid] = best;
+    sync_cube();
+    let mut step = THREADS as usize / 2;
+    while step > 0 {
+        if tid < step && shared[tid + step] > shared[tid] {
+            shared[tid] = shared[tid + step];
+        }
+        sync_cube();
+        step /= 2;
+    }
+    if tid == 0 {
+        amax[0].fetch_max(shared[0]);
+    }
+}
+
+/// `max |x|` of a float tensor as a `[1]` f32 tensor on its device (NaN if `x` holds a NaN),
+/// with no host synchronisation.
+pub fn amax<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let numel = x.meta.shape().num_elements();
+    let mut out = zeros_client::<R>(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::from(vec![1]),
+        DType::U32,
+    );
+    if numel > 0 {
+        let width = vector_width(&[&x]);
+        let vectors = numel / width;
+        let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
+        let dtype = x.dtype.into();
+        amax_kernel::launch::<R>(
+            &x.client.clone(),
+            CubeCount::Static(cubes as u32, 1, 1),
+            CubeDim::new_1d(THREADS),
+            width,
+            x.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            vectors as u32,
+            dtype,
+        );
+    }
+    // The same four bytes, read as the f32 they are the bits of.
+    out.dtype = DType::F32;
+    out
+}
+
+/// `x · scale` saturated to `±max`; a NaN stays a NaN (a clamp would turn it into `-max`).
+#[cube]
+fn scaled(x: f32, scale: f32, max: f32) -> f32 {
+    let y = x * scale;
+    let mut out = y;
+    if y > max {
+        out = max;
+    }
+    if y < -max {
+        out = -max;
+    }
+    out
+}
+
+#[cube(launch)]
+fn quantize_kernel<F: Float, Q: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    scale: &Tensor<f32>,
+    out: &mut Tensor<Vector<Q, N>>,
+    vectors: u32,
+    max: f32,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let i = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X;
+    if i >= vectors {
+        terminate!();
+    }
+    let s = scale[0];
+    let v = x[i as usize];
+    let mut y = Vector::<f32, N>::empty();
+    #[unroll]
+    for k in 0..N::value() {
+        y[k] = scaled(f32::cast_from(v[k]), s, max);
+    }
+    out[i as usize] = Vector::<Q, N>::cast_from(y);
+}
+
+/// Side of the square tiles the transposed cast moves through shared memory.
+const TILE: usize = 32;
+/// Rows of a tile each thread handles (the cube is `TILE × TILE / ROWS_PER_THREAD`).
+const ROWS_PER_THREAD: usize = 4;
+
+/// `out[c, r] = cast(x[r, c] · scale)` for `x: [rows, cols]`, one `TILE × TILE` tile a cube:
+/// read along `x`'s rows, written along `out`'s rows, through shared memory (a padded row
+/// keeps the column reads free of bank conflicts).
+#[cube(launch)]
+fn quantize_transposed_kernel<F: Float, Q: Float>(
+    x: &Tensor<F>,
+    scale: &Tensor<f32>,
+    out: &mut Tensor<Q>,
+    rows: u32,
+    cols: u32,
+    max: f32,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let mut tile = SharedMemory::<f32>::new(TILE * (TILE + 1));
+    let s = scale[0];
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let row0 = CUBE_POS_Y as usize * TILE;
+    let col0 = CUBE_POS_X as usize * TILE;
+    let (rows, cols) = (rows as usize, cols as usize);
+    let step = TILE / ROWS_PER_THREAD;
+    #[unroll]
+    for j in 0..ROWS_PER_THREAD {
+        let r = row0 + ty + j * step;
+        let c = col0 + tx;
+        if r < rows && c < cols {
+            tile[(ty + j * step) * (TILE + 1) + tx] =
+                scaled(f32::cast_from(x[r * cols + c]), s, max);
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for j in 0..ROWS_PER_THREAD {
+        // Row `c` of `out`, its column `r`.
+        let c = col0 + ty + j * step;
+        let r = row0 + tx;
+        if r < rows && c < cols {
+            out[c * rows + r] = Q::cast_from(tile[tx * (TILE + 1) + ty + j * step]);
+        }
+    }
+}
+
+/// `x · scale` cast to `kind` with saturation to `±kind.max()` (round to nearest even; a NaN
+/// stays NaN), as a `U8` tensor of FP8 bits: `[r, c]`, or its transpose `[c, r]` with
+/// `transpose`, contiguous. `x` is a 2D f32, f16 or bf16 tensor, `scale` an f32 `[1]` tensor on
+/// the device.
+pub fn quantize<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    scale: &CubeTensor<R>,
+    kind: Fp8Kind,
+    transpose: bool,
+) -> CubeTensor<R> {
+    let x = into_contiguous(x);
+    let dims = x.meta.shape().to_vec();
+    assert_eq!(dims.len(), 2, "the FP8 cast takes a matrix");
+    let (rows, cols) = (dims[0], dims[1]);
+    let out_shape = if transpose {
+        vec![cols, rows]
+    } else {
+        vec![rows, cols]
+    };
+    let out = empty_device_contiguous_dtype::<R>(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::from(out_shape),
+        DType::U8,
+    );
+    if rows * cols == 0 {
+        return out;
+    }
+    let dtypes = [x.dtype.into(), kind.storage()];
+    let client = x.client.clone();
+    if transpose {
+        quantize_transposed_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cols.div_ceil(TILE) as u32, rows.div_ceil(TILE) as u32, 1),
+            CubeDim::new_2d(TILE as u32, (TILE / ROWS_PER_THREAD) as u32),
+            x.into_tensor_arg(),
+            scale.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            rows as u32,
+            cols as u32,
+            kind.max(),
+            dtypes,
+        );
+    } else {
+        let width = vector_width(&[&x]);
+        let vectors = rows * cols / width;
+        quantize_kernel::launch::<R>(
+            &client,
+            launch_shape(vectors),
+            CubeDim::new_1d(THREADS),
+            width,
+            x.into_tensor_arg(),
+            scale.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            vectors as u32,
+            kind.max(),
+            dtypes,
+        );
+    }
+    out
+}
