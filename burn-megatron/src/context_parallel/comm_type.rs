@@ -8,6 +8,7 @@ use burn::tensor::Tensor;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::all_gather::all_gather_attention;
+use super::all_to_all::all_to_all_attention;
 use super::ring::ring_attention;
 use crate::error::{ConfigError, Result};
 
@@ -19,14 +20,18 @@ pub enum CpCommType {
     P2p,
     /// `all_gather`: K/V all-gathered ([`all_gather_attention`]).
     AllGather,
+    /// `a2a`: the sequence split traded for a head split by all-to-all, DeepSpeed-Ulysses
+    /// ([`all_to_all_attention`]).
+    A2a,
 }
 
 impl CpCommType {
-    /// Megatron's name: `p2p` or `all_gather`.
+    /// Megatron's name: `p2p`, `all_gather` or `a2a`.
     pub fn name(self) -> &'static str {
         match self {
             CpCommType::P2p => "p2p",
             CpCommType::AllGather => "all_gather",
+            CpCommType::A2a => "a2a",
         }
     }
 }
@@ -44,16 +49,18 @@ impl FromStr for CpCommType {
         match s {
             "p2p" => Ok(CpCommType::P2p),
             "all_gather" => Ok(CpCommType::AllGather),
+            "a2a" => Ok(CpCommType::A2a),
             other => Err(ConfigError::Invalid(format!(
-                "--cp-comm-type {other} is not supported: use p2p or all_gather (a2a is not \
-                 implemented yet)"
+                "--cp-comm-type {other} is not supported: use p2p, all_gather or a2a \
+                 (Megatron's a2a+p2p, hierarchical, is not implemented)"
             ))),
         }
     }
 }
 
 /// Causal attention over the sequence split across `cp_group`, by `comm`: see
-/// [`ring_attention`] and [`all_gather_attention`], which compute the same.
+/// [`ring_attention`], [`all_gather_attention`] and [`all_to_all_attention`], which compute
+/// the same.
 ///
 /// # Shapes
 /// - `q`: `[batch, heads, seq / cp, head_dim]`, this rank's tokens in the
@@ -71,5 +78,6 @@ pub fn context_parallel_attention<B: DistBackend>(
     match comm {
         CpCommType::P2p => ring_attention(q, k, v, cp_group, scale),
         CpCommType::AllGather => all_gather_attention(q, k, v, cp_group, scale),
+        CpCommType::A2a => all_to_all_attention(q, k, v, cp_group, scale),
     }
 }

@@ -30,12 +30,16 @@
 //! loss and data loader on the split (see the book's "Context parallelism" page).
 
 pub mod all_gather;
+pub mod all_to_all;
 pub mod block_attention;
 pub mod comm_type;
+pub mod context;
 pub mod ring;
 pub mod split;
 
 pub use all_gather::all_gather_attention;
+pub use all_to_all::all_to_all_attention;
 pub use comm_type::{CpCommType, context_parallel_attention};
+pub use context::CpContext;
 pub use ring::ring_attention;
 pub use split::LoadBalancedSplit;

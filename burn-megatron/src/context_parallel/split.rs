@@ -10,7 +10,7 @@
 //! holds `2 3 4 5`.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{BasicOps, Int, Tensor, TensorData};
 use burn_megatron_dist::ProcessGroup;
 
 use crate::error::InputError;
@@ -79,12 +79,12 @@ impl LoadBalancedSplit {
 
     /// This rank's part of `x`, whose dimension `dim` is the whole sequence: its two chunks,
     /// early one first. `[.., seq, ..]` → `[.., seq / cp, ..]` (`dim` sized `seq / cp`).
-    /// Differentiable (a narrow and a concatenation).
-    pub fn split<B: Backend, const D: usize>(
+    /// Differentiable (a narrow and a concatenation); token ids and targets split alike.
+    pub fn split<B: Backend, const D: usize, K: BasicOps<B>>(
         &self,
-        x: Tensor<B, D>,
+        x: Tensor<B, D, K>,
         dim: usize,
-    ) -> Result<Tensor<B, D>, InputError> {
+    ) -> Result<Tensor<B, D, K>, InputError> {
         let len = self.chunk_len(x.dims()[dim])?;
         if self.cp == 1 {
             return Ok(x);
@@ -99,10 +99,10 @@ impl LoadBalancedSplit {
     /// `0..parts.len()`, in rank order): `parts.len()` tensors `[.., seq / cp, ..]` →
     /// `[.., seq, ..]`, chunks in their natural order. The inverse of [`split`](Self::split),
     /// differentiable.
-    pub fn restore<B: Backend, const D: usize>(
-        parts: Vec<Tensor<B, D>>,
+    pub fn restore<B: Backend, const D: usize, K: BasicOps<B>>(
+        parts: Vec<Tensor<B, D, K>>,
         dim: usize,
-    ) -> Result<Tensor<B, D>, InputError> {
+    ) -> Result<Tensor<B, D, K>, InputError> {
         let cp = parts.len();
         assert!(
             cp > 0,
@@ -110,7 +110,7 @@ impl LoadBalancedSplit {
         );
         let local = parts[0].dims()[dim];
         let len = Self::new(cp, 0).chunk_len(local * cp)?;
-        let mut chunks: Vec<Option<Tensor<B, D>>> = vec![None; 2 * cp];
+        let mut chunks: Vec<Option<Tensor<B, D, K>>> = vec![None; 2 * cp];
         for (rank, part) in parts.into_iter().enumerate() {
             assert_eq!(
                 part.dims()[dim],

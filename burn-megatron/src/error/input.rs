@@ -51,6 +51,18 @@ pub enum InputError {
         /// The number of chunks, `2 · cp`.
         chunks: usize,
     },
+    /// The all-to-all of context parallelism (`a2a`) splits the query heads over CP.
+    #[error(
+        "context parallelism by all-to-all (--cp-comm-type a2a) splits the {heads} attention \
+         heads (of this TP rank) over CP = {cp}: use a CP size that divides them, or \
+         --cp-comm-type p2p or all_gather"
+    )]
+    HeadsNotDivisibleByCp {
+        /// Query heads on this rank.
+        heads: usize,
+        /// The context-parallel size.
+        cp: usize,
+    },
     /// The gradients given lack a parameter's gradient.
     #[error("parameter {path} has no gradient: pass the gradients of this model's backward pass")]
     MissingGradient {

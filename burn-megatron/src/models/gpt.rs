@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::ProcessGroup;
+use burn_megatron_dist::mapping::reduce_from_tensor_parallel_region;
 
 use super::stage::Stage;
 use crate::backend::ModelBackend;
+use crate::context_parallel::CpContext;
 use crate::error::PipelineError;
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
@@ -64,6 +66,8 @@ struct ModelContext {
     tie_embeddings: bool,
     /// Run at each layer's input in the backward pass ([`GptModel::set_backward_hook`]).
     backward_hook: Option<Arc<dyn BackwardHook>>,
+    /// The context-parallel group, when CP > 1 ([`GptModel::with_context_parallel`]).
+    cp: Option<CpContext>,
 }
 
 impl TransformerConfig {
@@ -141,6 +145,7 @@ impl TransformerConfig {
                     seed: self.seed,
                     hidden_dropout: self.hidden_dropout,
                     tp: TpContext::new(tp, self.sequence_parallel),
+                    cp: None,
                 },
                 calls: Arc::new(AtomicU64::new(0)),
                 recompute: self.recompute,
@@ -149,6 +154,7 @@ impl TransformerConfig {
                 hidden_size: hidden,
                 tie_embeddings: self.tie_embeddings,
                 backward_hook: None,
+                cp: None,
             },
         })
     }
@@ -201,10 +207,45 @@ impl<B: Backend> GptModel<B> {
     }
 }
 
+impl<B: Backend> GptModel<B> {
+    /// The same model (the same parameters, ids, dropout count and backward hook) run by
+    /// context parallelism over `cp.group` (Megatron's `--context-parallel-size`): each rank
+    /// takes its two chunks of every sequence ([`LoadBalancedSplit`]), tokens and targets,
+    /// and every layer works on them; attention crosses the group by `cp.comm`
+    /// ([`context_parallel_attention`]), RoPE and the learned positions take the tokens'
+    /// global positions, and [`loss`](Self::loss) is the mean over the whole sequences of the
+    /// group. The gradients of one rank's backward pass are its tokens' share: the model's
+    /// gradient is their sum over the CP group (reduced over DP × CP in training, see
+    /// [`DistributedAdamW`](crate::optimizer::DistributedAdamW)). A group of one rank gives
+    /// the model back unchanged. Attention dropout has no context-parallel form: a
+    /// [`ConfigError`].
+    ///
+    /// [`LoadBalancedSplit`]: crate::context_parallel::LoadBalancedSplit
+    /// [`context_parallel_attention`]: crate::context_parallel::context_parallel_attention
+    pub fn with_context_parallel(self, cp: CpContext) -> core::result::Result<Self, ConfigError> {
+        let cp = Some(cp).filter(|cp| cp.size() > 1);
+        let mut context = self.context;
+        context.layer.cp = cp.clone();
+        context.cp = cp.clone();
+        Ok(Self {
+            block: self.block.with_context_parallel(cp)?,
+            context,
+            ..self
+        })
+    }
+
+    /// The context-parallel group the model runs over, when CP > 1.
+    pub fn context_parallel(&self) -> Option<&CpContext> {
+        self.context.cp.as_ref()
+    }
+}
+
 impl<B: ModelBackend> GptModel<B> {
     /// `[batch, seq]` tokens → `[batch, seq, padded_vocab / tp]`: this rank's slice of the
     /// logits. Under sequence parallelism `seq` must be divisible by the TP size; every token
-    /// id must be in `0..vocab_size` (an [`InputError`] otherwise).
+    /// id must be in `0..vocab_size` (an [`InputError`] otherwise). Under context parallelism
+    /// ([`with_context_parallel`](Self::with_context_parallel)) `seq` is this rank's two
+    /// chunks of the sequence, in split order, and the logits are those of its tokens.
     ///
     /// # Shapes
     /// - tokens: `[batch, seq]`
@@ -268,9 +309,23 @@ impl<B: ModelBackend> GptModel<B> {
 
     /// The mean cross-entropy over the targets that are not negative (a negative target,
     /// such as -100, is ignored).
+    ///
+    /// Under context parallelism `logits` and `targets` are this rank's tokens, and the loss
+    /// is the mean over every rank's tokens of the CP group, token-count weighted (the sums
+    /// and the counts are added over the group, not the ranks' means averaged): the loss of
+    /// the whole sequences, the same on every rank. Its backward gives each rank its own
+    /// tokens' share of the gradient (the sum over the group is an all-reduce forward,
+    /// identity backward): sum the gradients over CP.
     pub fn loss(&self, logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Result<Tensor<B, 1>> {
         let keep = targets.clone().greater_equal_elem(0);
-        Ok(masked_mean(self.token_losses(logits, targets)?, keep))
+        let losses = self.token_losses(logits, targets)?;
+        let Some(cp) = &self.context.cp else {
+            return Ok(masked_mean(losses, keep));
+        };
+        let mask = keep.float().cast(losses.dtype());
+        let count = reduce_from_tensor_parallel_region(mask.clone().sum().detach(), &cp.group)?;
+        let local = (losses * mask).sum() / count.clamp_min(1.0);
+        Ok(reduce_from_tensor_parallel_region(local, &cp.group)?)
     }
 
     /// The vocabulary as split over TP.
@@ -384,7 +439,9 @@ impl<B: ModelBackend> GptModel<B> {
 
     /// Token and position embeddings with dropout for forward pass `call` (see
     /// [`next_call`](Self::next_call)): the residual stream's start, `[batch, seq, hidden]`
-    /// (`seq / tp` under sequence parallelism). First stage only.
+    /// (`seq / tp` under sequence parallelism). First stage only. Under context parallelism
+    /// `tokens` are this rank's two chunks (`seq` even, `seq · cp` at most the maximum
+    /// sequence length) and the learned positions are those of their global positions.
     pub fn embed(&self, tokens: Tensor<B, 2, Int>, call: u64) -> Result<Tensor<B, 3>> {
         let embedding = self
             .embedding
@@ -393,13 +450,15 @@ impl<B: ModelBackend> GptModel<B> {
         let c = &self.context;
         let [_, seq] = tokens.dims();
         let tp = &c.layer.tp.group;
-        if seq > c.max_sequence_length {
+        let cp = c.cp.as_ref().map_or(1, CpContext::size);
+        if seq * cp > c.max_sequence_length {
             return Err(InputError::SequenceTooLong {
-                len: seq,
+                len: seq * cp,
                 max: c.max_sequence_length,
             }
             .into());
         }
+        let positions = c.cp.as_ref().map(|cp| cp.positions(seq)).transpose()?;
         if c.layer.tp.sequence_parallel && !seq.is_multiple_of(tp.size()) {
             return Err(InputError::SequenceNotDivisible {
                 len: seq,
@@ -409,7 +468,18 @@ impl<B: ModelBackend> GptModel<B> {
         }
         let mut x = embedding.try_forward(tokens)?;
         if let Some(table) = &self.position_embedding {
-            let positions = table.val().narrow(0, 0, seq).unsqueeze::<3>();
+            let positions = match &positions {
+                Some(positions) => {
+                    let ids: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+                    let ids = Tensor::<B, 1, Int>::from_data(
+                        burn::tensor::TensorData::new(ids, [seq]),
+                        &table.device(),
+                    );
+                    table.val().select(0, ids)
+                }
+                None => table.val().narrow(0, 0, seq),
+            }
+            .unsqueeze::<3>();
             let positions = c.layer.tp.split_sequence(positions)?;
             x = x + positions;
         }

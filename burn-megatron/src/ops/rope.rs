@@ -104,6 +104,54 @@ pub fn packed_rope_composition<B: Backend>(
     Tensor::cat(vec![heads * cos + rotated_half * sin, values], 3)
 }
 
+/// [`RopeOps::packed_rope`] at the given positions instead of `0..seq`: token `t` of `qkv`
+/// is rotated by the angles of position `positions[t]`. Context parallelism needs it: a rank
+/// holds two chunks of the sequence, not its start, and its tokens must be rotated as they
+/// are in the whole sequence. A Burn composition (differentiable under `Autodiff<B>`, where
+/// it stores the two `[seq, head_dim]` tables), from the same f64 table as `packed_rope`, so
+/// equal to it at positions `0..seq`.
+///
+/// # Shapes
+/// - `qkv`: `[batch, seq, groups, heads_per_group + 2, head_dim]`, returned alike;
+/// - `positions`: `seq` values.
+pub fn packed_rope_at<B: Backend>(
+    qkv: Tensor<B, 5>,
+    positions: &[usize],
+    base: f64,
+) -> Tensor<B, 5> {
+    let dims = qkv.dims();
+    let [_, seq, _, slots, head_dim] = dims;
+    let half = check_shape(dims);
+    assert_eq!(
+        positions.len(),
+        seq,
+        "one position per token of qkv {dims:?}"
+    );
+    let (device, dtype) = (qkv.device(), qkv.dtype());
+    let rows = positions.iter().copied().max().map_or(0, |p| p + 1);
+    let [cos, sin] = rotation_table(rows, head_dim, base).map(|table| {
+        let values: Vec<f32> = positions
+            .iter()
+            .flat_map(|&p| table[p * half..(p + 1) * half].iter().copied())
+            .collect();
+        let table =
+            Tensor::<B, 2>::from_data(TensorData::new(values, [seq, half]), (&device, DType::F32));
+        Tensor::cat(vec![table.clone(), table], 1)
+            .reshape([1, seq, 1, 1, head_dim])
+            .cast(dtype)
+    });
+    let heads = qkv.clone().narrow(3, 0, slots - 1);
+    let values = qkv.narrow(3, slots - 1, 1);
+    let rotated_half = Tensor::cat(
+        vec![
+            heads.clone().narrow(4, half, half).neg(),
+            heads.clone().narrow(4, 0, half),
+        ],
+        4,
+    );
+    Tensor::cat(vec![heads * cos + rotated_half * sin, values], 3)
+}
+
 /// The inner backend's forward and a node that stores only `base`.
 impl<B: RopeOps, C: CheckpointStrategy> RopeOps for Autodiff<B, C> {
     fn packed_rope(qkv: Tensor<Self, 5>, base: f64) -> Tensor<Self, 5> {

@@ -2,14 +2,16 @@
 
 use burn::module::Module;
 use burn::tensor::{Tensor, backend::Backend};
-use burn_megatron_dist::{DistResult, ProcessGroup};
+use burn_megatron_dist::{DistError, DistResult, ProcessGroup};
 
 use super::attention_core::AttentionCore;
 use super::config::{PositionEmbedding, Recompute, TransformerConfig};
 use crate::backend::ModelBackend;
+use crate::context_parallel::{CpContext, context_parallel_attention};
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::ops::RecomputedAttention;
+use crate::ops::rope::packed_rope_at;
 use crate::ops::{flash_attention, packed_flash_attention};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
@@ -32,6 +34,10 @@ use crate::tensor_parallel::{
 /// key/value head they share (GQA; plain multi-head attention is one head per group). The QKV
 /// weight's columns are ordered group by group, `[q heads of the group, k, v] × head_dim`, so
 /// that a contiguous column slice is a set of whole groups.
+///
+/// Under context parallelism ([`with_context_parallel`](Self::with_context_parallel)) the
+/// rank's tokens are its two chunks of the sequence: RoPE rotates them at their global
+/// positions and the attention is [`context_parallel_attention`] over the CP group.
 #[derive(Module, Debug)]
 pub struct ParallelAttention<B: Backend> {
     /// `hidden → groups · (heads_per_group + 2) · head_dim`, split by groups.
@@ -40,6 +46,9 @@ pub struct ParallelAttention<B: Backend> {
     pub output: RowParallelLinear<B>,
     #[module(skip)]
     shape: AttentionShape,
+    /// The context-parallel group, when CP > 1.
+    #[module(skip)]
+    cp: Option<CpContext>,
 }
 
 /// The head layout on this rank.
@@ -70,8 +79,23 @@ impl<B: Backend> ParallelAttention<B> {
         Self {
             qkv: self.qkv.with_sequence_parallel_grads(grads),
             output: self.output.with_sequence_parallel_grads(grads),
-            shape: self.shape,
+            ..self
         }
+    }
+
+    /// The same attention (same parameters and ids) over the context-parallel group of `cp`
+    /// (`None`, or a group of one rank: the whole sequence on every rank). Attention dropout
+    /// has no context-parallel form: a [`ConfigError`] if it is configured.
+    pub fn with_context_parallel(self, cp: Option<CpContext>) -> Result<Self, ConfigError> {
+        let cp = cp.filter(|cp| cp.size() > 1);
+        if cp.is_some() && self.shape.dropout > 0.0 {
+            return Err(ConfigError::Invalid(format!(
+                "attention dropout ({}) is not supported with context parallelism: set \
+                 --attention-dropout 0",
+                self.shape.dropout
+            )));
+        }
+        Ok(Self { cp, ..self })
     }
 }
 
@@ -130,13 +154,16 @@ impl<B: ModelBackend> ParallelAttention<B> {
                 recompute: config.recompute,
                 flash: config.flash_attention,
             },
+            cp: None,
         })
     }
 
     /// Self-attention of `x`, causal, with the residual stream's width in and out.
     ///
     /// # Shapes
-    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
+    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism;
+    ///   under context parallelism `seq` is this rank's two chunks, `seq / cp` of the
+    ///   sequence, in split order)
     pub fn try_forward(&self, x: Tensor<B, 3>, site: DropoutSite) -> DistResult<Tensor<B, 3>> {
         let s = self.shape;
         let qkv = self.qkv.try_forward(x)?;
@@ -157,6 +184,11 @@ impl<B: ModelBackend> ParallelAttention<B> {
             heads: s.heads,
             first_head: s.first_head,
         };
+        if let Some(cp) = &self.cp {
+            let context = self.context_parallel(qkv, core.scale, cp)?;
+            let context = context.reshape([batch, seq, local_heads * s.head_dim]);
+            return self.output.try_forward(context);
+        }
         let flash = s.flash && !core.dropout_active();
         let qkv = match s.rope_base {
             Some(base) => B::packed_rope(qkv, base),
@@ -170,6 +202,35 @@ impl<B: ModelBackend> ParallelAttention<B> {
         };
         let context = context.reshape([batch, seq, local_heads * s.head_dim]);
         self.output.try_forward(context)
+    }
+
+    /// The attention of the packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2,
+    /// head_dim]`, this rank's chunks) over the context-parallel group, RoPE at the tokens'
+    /// global positions: `[batch, seq, local_heads, head_dim]`. Always the block attention of
+    /// [`crate::context_parallel`] (a composition), on every backend.
+    fn context_parallel(
+        &self,
+        qkv: Tensor<B, 5>,
+        scale: f64,
+        cp: &CpContext,
+    ) -> DistResult<Tensor<B, 4>> {
+        // The model checks the sequence before the layers run: an error here is a
+        // collective's, or a shape only a direct caller of the layer can get wrong.
+        let to_dist = |e: crate::Error| match e {
+            crate::Error::Dist(e) => e,
+            other => DistError::InvalidArgument(other.to_string()),
+        };
+        let qkv = match self.shape.rope_base {
+            Some(base) => {
+                let positions = cp.positions(qkv.dims()[1]).map_err(|e| to_dist(e.into()))?;
+                packed_rope_at(qkv, &positions, base)
+            }
+            None => qkv,
+        };
+        let [q, k, v] = packed_flash_attention::split(qkv);
+        let out =
+            context_parallel_attention(q, k, v, &cp.group, scale, cp.comm).map_err(to_dist)?;
+        Ok(out.swap_dims(1, 2))
     }
 
     /// The attention of the packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2,

@@ -10,6 +10,7 @@ use super::config::TransformerConfig;
 use super::layer::TransformerLayer;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
+use crate::context_parallel::CpContext;
 use crate::error::ConfigError;
 use crate::tensor_parallel::{DeclarePlacements, Placements, SequenceParallelGrads, TpContext};
 
@@ -45,6 +46,21 @@ impl<B: Backend> TransformerBlock<B> {
                 .final_norm
                 .map(|norm| norm.with_sequence_parallel_grads(grads)),
         }
+    }
+}
+
+impl<B: Backend> TransformerBlock<B> {
+    /// The same block (same parameters and ids) over the context-parallel group of `cp`
+    /// ([`TransformerLayer::with_context_parallel`]).
+    pub fn with_context_parallel(self, cp: Option<CpContext>) -> Result<Self, ConfigError> {
+        Ok(Self {
+            layers: self
+                .layers
+                .into_iter()
+                .map(|layer| layer.with_context_parallel(cp.clone()))
+                .collect::<Result<Vec<_>, _>>()?,
+            final_norm: self.final_norm,
+        })
     }
 }
 

@@ -9,6 +9,7 @@ use super::config::TransformerConfig;
 use super::mlp::ParallelMlp;
 use super::norm::Norm;
 use crate::backend::ModelBackend;
+use crate::context_parallel::CpContext;
 use crate::error::ConfigError;
 use crate::tensor_parallel::{DeclarePlacements, Placements, SequenceParallelGrads, TpContext};
 use crate::tensor_parallel::{DropoutSite, dropout};
@@ -38,6 +39,9 @@ pub(crate) struct LayerContext {
     pub seed: u64,
     pub hidden_dropout: f64,
     pub tp: TpContext,
+    /// The context-parallel group, when CP > 1: the rank's tokens are two chunks of the
+    /// sequence, which places the dropout masks.
+    pub cp: Option<CpContext>,
 }
 
 impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
@@ -65,6 +69,19 @@ impl<B: Backend> TransformerLayer<B> {
                 ..self.context
             },
         }
+    }
+}
+
+impl<B: Backend> TransformerLayer<B> {
+    /// The same layer (same parameters and ids) over the context-parallel group of `cp`: see
+    /// [`ParallelAttention::with_context_parallel`], whose errors it returns.
+    pub fn with_context_parallel(self, cp: Option<CpContext>) -> Result<Self, ConfigError> {
+        let cp = cp.filter(|cp| cp.size() > 1);
+        Ok(Self {
+            attention: self.attention.with_context_parallel(cp.clone())?,
+            context: LayerContext { cp, ..self.context },
+            ..self
+        })
     }
 }
 
@@ -96,6 +113,7 @@ impl<B: ModelBackend> TransformerLayer<B> {
                 seed: config.seed,
                 hidden_dropout: config.hidden_dropout,
                 tp: context.clone(),
+                cp: None,
             },
         })
     }
@@ -121,6 +139,10 @@ impl<B: ModelBackend> TransformerLayer<B> {
 
 /// `residual + dropout(x)` (or `dropout(x)`) on the residual stream, the mask placed in the
 /// global `[batch, seq, hidden]` tensor.
+///
+/// Under context parallelism the rank's tokens are not one run of the sequence: each run of
+/// consecutive global positions gets the mask of its place, so that the masks are those of
+/// the whole sequence on one rank.
 pub(crate) fn hidden_dropout<B: ModelBackend>(
     x: Tensor<B, 3>,
     residual: Option<Tensor<B, 3>>,
@@ -133,5 +155,37 @@ pub(crate) fn hidden_dropout<B: ModelBackend>(
     } else {
         0
     };
-    dropout(x, residual, c.hidden_dropout, site, [0, offset, 0])
+    let positions = match &c.cp {
+        Some(cp) if c.hidden_dropout > 0.0 => {
+            let local = if c.tp.sequence_parallel {
+                seq * c.tp.group.size()
+            } else {
+                seq
+            };
+            cp.positions(local).ok()
+        }
+        _ => None,
+    };
+    let Some(positions) = positions else {
+        return dropout(x, residual, c.hidden_dropout, site, [0, offset, 0]);
+    };
+    let positions = &positions[offset..offset + seq];
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < seq {
+        let mut end = start + 1;
+        while end < seq && positions[end] == positions[end - 1] + 1 {
+            end += 1;
+        }
+        let part = |t: &Tensor<B, 3>| t.clone().narrow(1, start, end - start);
+        parts.push(dropout(
+            part(&x),
+            residual.as_ref().map(part),
+            c.hidden_dropout,
+            site,
+            [0, positions[start], 0],
+        ));
+        start = end;
+    }
+    Tensor::cat(parts, 1)
 }
