@@ -17,6 +17,7 @@ use crate::models::GptModel;
 use crate::ops::packed_flash_attention;
 use crate::ops::rope::rotation_table;
 use crate::transformer::ParallelAttention;
+use crate::transformer::moe::MoeLosses;
 
 /// Runs `tokens` (the next columns of every row) through a whole `model`, appending their
 /// keys and values to `cache`, and returns this rank's slice of the logits of the last column:
@@ -95,9 +96,10 @@ pub fn layers_cached<B: ModelBackend>(
             mask.clone(),
         )?;
         let x_mid = x + attention;
-        let mlp = layer
-            .mlp
-            .try_forward(layer.post_attention_norm.try_forward(x_mid.clone())?)?;
+        let mlp = layer.try_forward_mlp(
+            layer.post_attention_norm.try_forward(x_mid.clone())?,
+            &mut MoeLosses::default(),
+        )?;
         x = x_mid + mlp;
     }
     cache.advance(new);

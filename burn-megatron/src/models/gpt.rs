@@ -20,6 +20,7 @@ use crate::tensor_parallel::{
     VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
     vocab_parallel_cross_entropy,
 };
+use crate::transformer::moe::MoeLosses;
 use crate::transformer::{
     LayerContext, PositionEmbedding, Recompute, TransformerBlock, TransformerConfig,
     TransformerLayer, hidden_dropout,
@@ -92,6 +93,23 @@ impl TransformerConfig {
         stage: &Stage,
         device: &B::Device,
     ) -> core::result::Result<GptModel<B>, ConfigError> {
+        let ep = tp
+            .new_group("expert_parallel_self", &[tp.global_rank()])
+            .map_err(|e| ConfigError::Invalid(format!("a single-rank expert group: {e}")))?;
+        self.init_gpt_stage_with_ep(tp, &ep, stage, device)
+    }
+
+    /// [`init_gpt_stage`](Self::init_gpt_stage) with the MoE layers' routed experts split
+    /// over the expert-parallel group `ep` (`state.ep()` of a
+    /// [`ParallelState`](burn_megatron_dist::ParallelState)): `num_experts / ep` a rank.
+    /// Parameter values do not depend on `ep` either.
+    pub fn init_gpt_stage_with_ep<B: ModelBackend>(
+        &self,
+        tp: &ProcessGroup,
+        ep: &ProcessGroup,
+        stage: &Stage,
+        device: &B::Device,
+    ) -> core::result::Result<GptModel<B>, ConfigError> {
         if stage.layers.end > self.num_layers || stage.index >= stage.num_stages {
             return Err(ConfigError::Invalid(format!(
                 "stage {} of {} with layers {:?} does not fit a model of {} layers",
@@ -135,7 +153,14 @@ impl TransformerConfig {
         Ok(GptModel {
             embedding,
             position_embedding,
-            block: TransformerBlock::new_stage(self, stage.layers.clone(), last, tp, device)?,
+            block: TransformerBlock::new_stage_with_ep(
+                self,
+                stage.layers.clone(),
+                last,
+                tp,
+                ep,
+                device,
+            )?,
             output,
             context: ModelContext {
                 vocab,
@@ -256,17 +281,31 @@ impl<B: ModelBackend> GptModel<B> {
     /// [`PipelineError::RecomputeNeedsSchedule`]: train it with a schedule of
     /// [`pipeline_parallel`](crate::pipeline_parallel), which reruns the layers in the
     /// backward pass.
+    ///
+    /// The auxiliary losses of MoE layers are dropped (for evaluation);
+    /// [`try_forward_with_losses`](Self::try_forward_with_losses) returns them.
     pub fn try_forward(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>> {
+        Ok(self.try_forward_with_losses(tokens)?.0)
+    }
+
+    /// [`try_forward`](Self::try_forward) and the MoE layers' auxiliary losses: add
+    /// [`MoeLosses::total`] (or use [`MoeLosses::add_to`]) to the loss before the backward
+    /// pass. Empty for a dense model.
+    pub fn try_forward_with_losses(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+    ) -> Result<(Tensor<B, 3>, MoeLosses<B>)> {
         if self.context.recompute.reruns_layers() && self.tracks_gradients() {
             return Err(PipelineError::RecomputeNeedsSchedule.into());
         }
         let call = self.next_call();
         let x = self.embed(tokens, call)?;
         let mut x = x;
+        let mut losses = MoeLosses::default();
         for (i, layer) in self.block.layers.iter().enumerate() {
-            x = layer.try_forward(self.mark_layer_input(x, i), call)?;
+            x = layer.try_forward_with_losses(self.mark_layer_input(x, i), call, &mut losses)?;
         }
-        self.head(x)
+        Ok((self.head(x)?, losses))
     }
 
     /// `x`, the input of this stage's layer `i`, marked for the
@@ -410,6 +449,16 @@ impl<B: ModelBackend> GptModel<B> {
     /// The tensor-parallel group the model is split over.
     pub fn tp(&self) -> &ProcessGroup {
         &self.context.layer.tp.group
+    }
+
+    /// The expert-parallel group this stage's MoE layers split their experts over; `None`
+    /// when the stage has no MoE layer.
+    pub fn expert_parallel_group(&self) -> Option<&ProcessGroup> {
+        self.block
+            .layers
+            .iter()
+            .find_map(|layer| layer.moe.as_ref())
+            .map(|moe| moe.dispatcher().ep())
     }
 
     /// Whether a forward pass would record a graph for the parameters' gradients.

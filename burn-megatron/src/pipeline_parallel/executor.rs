@@ -35,6 +35,7 @@ use crate::error::PipelineError;
 use crate::error::{Error, Result};
 use crate::models::GptModel;
 use crate::tensor_parallel::{SequenceParallelGrads, sum_sequence_parallel_grads};
+use crate::transformer::moe::MoeLosses;
 
 /// The groups a rank's part of a pipeline talks over.
 pub(crate) struct Groups {
@@ -57,6 +58,66 @@ pub struct StepOutput<B: AutodiffBackend> {
     pub grads: Vec<GradientsParams>,
     /// The most microbatches whose activations this rank held at once.
     pub max_live_activations: usize,
+    /// The auxiliary losses and expert load of this rank's MoE layers; `None` for a dense
+    /// model.
+    pub moe: Option<MoeStepStats<B::InnerBackend>>,
+}
+
+/// What this rank's MoE layers did in one step, for the log.
+#[derive(Debug, Clone)]
+pub struct MoeStepStats<B: burn::tensor::backend::Backend> {
+    /// `[1]`: the load-balancing losses of this rank's MoE layers, summed over the layers,
+    /// averaged over the microbatches, coefficients included (what the step backpropagated).
+    pub load_balancing_loss: Tensor<B, 1>,
+    /// `[1]`: the z-losses, as `load_balancing_loss`.
+    pub z_loss: Tensor<B, 1>,
+    /// Per MoE layer of this rank (global index, in order): how many of this rank's token
+    /// assignments each expert got over the step's microbatches.
+    pub tokens_per_expert: Vec<(usize, Vec<usize>)>,
+}
+
+/// Sums of [`MoeLosses`] over a step's microbatches.
+#[derive(Default)]
+struct MoeTally<B: burn::tensor::backend::Backend> {
+    load_balancing: Vec<Tensor<B, 1>>,
+    z: Vec<Tensor<B, 1>>,
+    tokens: std::collections::BTreeMap<usize, Vec<usize>>,
+}
+
+impl<B: burn::tensor::backend::Backend> MoeTally<B> {
+    fn add<BA: AutodiffBackend<InnerBackend = B>>(&mut self, losses: &MoeLosses<BA>) {
+        if let Some(l) = losses.load_balancing_loss() {
+            self.load_balancing.push(l.inner());
+        }
+        if let Some(z) = losses.z_loss() {
+            self.z.push(z.inner());
+        }
+        for (layer, counts) in &losses.tokens_per_expert {
+            let total = self
+                .tokens
+                .entry(*layer)
+                .or_insert_with(|| vec![0; counts.len()]);
+            for (t, c) in total.iter_mut().zip(counts) {
+                *t += c;
+            }
+        }
+    }
+
+    fn finish(self, microbatches: usize) -> Option<MoeStepStats<B>> {
+        if self.tokens.is_empty() {
+            return None;
+        }
+        let mean = |v: Vec<Tensor<B, 1>>| {
+            Tensor::cat(v, 0)
+                .sum()
+                .div_scalar(microbatches.max(1) as f64)
+        };
+        Some(MoeStepStats {
+            load_balancing_loss: mean(self.load_balancing),
+            z_loss: mean(self.z),
+            tokens_per_expert: self.tokens.into_iter().collect(),
+        })
+    }
 }
 
 /// What a forward pass kept for its backward pass.
@@ -67,6 +128,9 @@ enum Live<B: AutodiffBackend> {
         start: Start<B>,
         /// The stage's output, or the loss (over `microbatches`) on the last stage.
         end: End<B>,
+        /// The stage's MoE losses, scaled as the backward root (added to a last stage's
+        /// loss already).
+        aux: Option<Tensor<B, 1>>,
     },
     /// Full recomputation: no graph for the recomputed layers, only what reruns the stage
     /// piece by piece (the embedding from the tokens, each group of layers from its input,
@@ -77,9 +141,9 @@ enum Live<B: AutodiffBackend> {
         call: u64,
         /// Each recomputed group's layers and input, in order.
         groups: Vec<(Range<usize>, Tensor<B::InnerBackend, 3>)>,
-        /// The stored layers' graph (block method): their input (a leaf that requires grad)
-        /// and the stage's output or loss.
-        stored: Option<(Tensor<B, 3>, End<B>)>,
+        /// The stored layers' graph (block method): their input (a leaf that requires grad),
+        /// the stage's output or loss, and the stored layers' scaled MoE losses.
+        stored: Option<(Tensor<B, 3>, End<B>, Option<Tensor<B, 1>>)>,
         /// The last layer's output (last stage, no stored layers).
         output: Tensor<B::InnerBackend, 3>,
     },
@@ -113,6 +177,8 @@ where
     max_live: usize,
     /// `[1]` f32: the loss scale every backward pass starts from (fp16 loss scaling).
     loss_scale: Option<Tensor<B::InnerBackend, 1>>,
+    /// The MoE layers' losses and load for the log.
+    moe: MoeTally<B::InnerBackend>,
 }
 
 impl<'a, B> Executor<'a, B>
@@ -150,6 +216,7 @@ where
             losses: Vec::new(),
             max_live: 0,
             loss_scale: None,
+            moe: MoeTally::default(),
         }
     }
 
@@ -197,10 +264,12 @@ where
                 .sum()
                 .div_scalar(count as f64)
         });
+        let microbatches = self.microbatches.len();
         Ok(StepOutput {
             loss,
             grads: self.grads,
             max_live_activations: self.max_live,
+            moe: std::mem::take(&mut self.moe).finish(microbatches),
         })
     }
 
@@ -264,6 +333,8 @@ where
             };
             let mut groups = Vec::new();
             let mut stored = None;
+            // The recomputed layers' losses, for the log only: the backward pass reruns them.
+            let mut logged = MoeLosses::default();
             for (range, rerun) in recompute.segments(model.layers().len()) {
                 if rerun {
                     groups.push((range.clone(), x.clone()));
@@ -271,27 +342,39 @@ where
                         x = layer
                             .clone()
                             .no_grad()
-                            .try_forward(Tensor::from_inner(x), call)?
+                            .try_forward_with_losses(Tensor::from_inner(x), call, &mut logged)?
                             .inner();
                     }
                 } else {
                     // The block method's stored layers, the last segment: a graph from here.
                     let input = Tensor::<B, 3>::from_inner(x.clone()).require_grad();
                     let mut y = input.clone();
+                    let mut losses = MoeLosses::default();
                     for layer in &model.layers()[range] {
-                        y = layer.try_forward(y, call)?;
+                        y = layer.try_forward_with_losses(y, call, &mut losses)?;
                     }
                     x = y.clone().inner();
-                    stored = Some((input, y));
+                    stored = Some((input, y, losses));
                 }
             }
+            self.moe.add(&logged);
+            if let Some((_, _, losses)) = &stored {
+                self.moe.add(losses);
+            }
             let stored = match stored {
-                Some((input, y)) if stage.is_last() => {
+                Some((input, y, losses)) if stage.is_last() => {
                     let loss = model.loss(model.head(y)?, data.targets.clone())?;
                     self.losses.push(loss.clone().inner());
-                    Some((input, End::Loss(self.backward_root(loss))))
+                    Some((
+                        input,
+                        End::Loss(self.backward_root(losses.add_to(loss))),
+                        None,
+                    ))
                 }
-                Some((input, y)) => Some((input, End::Hidden(y))),
+                Some((input, y, losses)) => {
+                    let aux = losses.total().map(|aux| self.backward_root(aux));
+                    Some((input, End::Hidden(y), aux))
+                }
                 None => {
                     if stage.is_last() {
                         let logits = model.head(Tensor::from_inner(x.clone()))?;
@@ -322,20 +405,27 @@ where
             let mut x = match &start {
                 Start::Embedded(x) | Start::Received(x) => x.clone(),
             };
+            let mut losses = MoeLosses::default();
             for (i, layer) in model.layers().iter().enumerate() {
-                x = layer.try_forward(model.mark_layer_input(x, i), call)?;
+                x = layer.try_forward_with_losses(
+                    model.mark_layer_input(x, i),
+                    call,
+                    &mut losses,
+                )?;
             }
-            let end = if stage.is_last() {
+            self.moe.add(&losses);
+            let (end, aux) = if stage.is_last() {
                 let loss = model.loss(model.head(x)?, data.targets.clone())?;
                 self.losses.push(loss.clone().inner());
-                End::Loss(self.backward_root(loss))
+                (End::Loss(self.backward_root(losses.add_to(loss))), None)
             } else {
                 self.mailbox
                     .outgoing
                     .insert((Payload::Activation, c), x.clone().inner());
-                End::Hidden(x)
+                let aux = losses.total().map(|aux| self.backward_root(aux));
+                (End::Hidden(x), aux)
             };
-            Live::Graph { start, end }
+            Live::Graph { start, end, aux }
         };
         self.live.insert(c, live);
         self.max_live = self.max_live.max(self.live.len());
@@ -353,10 +443,12 @@ where
         let model = &chunks[c.chunk];
         let stage = model.stage().clone();
         let input_grad = match live {
-            Live::Graph { start, end } => {
+            Live::Graph { start, end, aux } => {
                 let root = match end {
                     End::Loss(root) => root,
-                    End::Hidden(output) => dot(output, self.take(Payload::Gradient, c)?),
+                    End::Hidden(output) => {
+                        with_aux(dot(output, self.take(Payload::Gradient, c)?), aux)
+                    }
                 };
                 let grads = self.backward_segment(model, root, c.chunk)?;
                 match &start {
@@ -371,10 +463,12 @@ where
                 output,
             } => {
                 let mut upstream = match stored {
-                    Some((input, end)) => {
+                    Some((input, end, aux)) => {
                         let root = match end {
                             End::Loss(root) => root,
-                            End::Hidden(y) => dot(y, self.take(Payload::Gradient, c)?),
+                            End::Hidden(y) => {
+                                with_aux(dot(y, self.take(Payload::Gradient, c)?), aux)
+                            }
                         };
                         let grads = self.backward_segment(model, root, c.chunk)?;
                         grad_of(&input, &grads)
@@ -392,10 +486,13 @@ where
                 for (range, input) in groups.into_iter().rev() {
                     let input = Tensor::<B, 3>::from_inner(input).require_grad();
                     let mut y = input.clone();
+                    let mut losses = MoeLosses::default();
                     for layer in &model.layers()[range] {
-                        y = layer.try_forward(y, call)?;
+                        y = layer.try_forward_with_losses(y, call, &mut losses)?;
                     }
-                    let grads = self.backward_segment(model, dot(y, upstream), c.chunk)?;
+                    let aux = losses.total().map(|aux| self.backward_root(aux));
+                    let root = with_aux(dot(y, upstream), aux);
+                    let grads = self.backward_segment(model, root, c.chunk)?;
                     upstream = grad_of(&input, &grads);
                 }
                 if stage.is_first() {
@@ -416,7 +513,8 @@ where
 
     /// Backpropagates from `root` and adds the parameter gradients to chunk `chunk`'s.
     ///
-    /// Waits for the tensor-parallel group first. Burn's autodiff holds a graph's lock for a
+    /// Waits for the tensor-parallel group (and the expert-parallel group of a model with MoE
+    /// layers) first. Burn's autodiff holds a graph's lock for a
     /// whole backward pass and, after it, locks every graph of the process in turn. A
     /// backward pass here can block only in a collective of the TP group; once every TP rank
     /// has reached this barrier, none of them is still inside its previous backward pass (or
@@ -431,8 +529,17 @@ where
     ) -> Result<B::Gradients> {
         let tp = model.tp();
         tp.barrier()?;
+        // MoE layers' all-to-alls run inside the backward pass too: the same argument for
+        // the expert-parallel group.
+        let ep = model.expert_parallel_group().filter(|ep| ep.size() > 1);
+        if let Some(ep) = ep {
+            ep.barrier()?;
+        }
         let grads = root.backward();
         tp.backward_failure()?;
+        if let Some(ep) = ep {
+            ep.backward_failure()?;
+        }
         accumulate(&mut self.grads[chunk], model, &grads);
         Ok(grads)
     }
@@ -488,6 +595,15 @@ fn dot<B: AutodiffBackend>(
     upstream: Tensor<B::InnerBackend, 3>,
 ) -> Tensor<B, 1> {
     (output * Tensor::from_inner(upstream)).sum()
+}
+
+/// `root` plus a stage's scaled MoE losses, if it has any: they backpropagate with the
+/// gradient that came from the next stage (Megatron's `MoEAuxLossAutoScaler`).
+fn with_aux<B: AutodiffBackend>(root: Tensor<B, 1>, aux: Option<Tensor<B, 1>>) -> Tensor<B, 1> {
+    match aux {
+        Some(aux) => root + aux,
+        None => root,
+    }
 }
 
 /// The gradient of `leaf`; zero where nothing that was backpropagated depends on it.

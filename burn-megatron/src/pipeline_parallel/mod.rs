@@ -33,7 +33,7 @@ use burn_megatron_dist::{DistBackend, ParallelState};
 pub use crate::data::Microbatch;
 pub use crate::error::PipelineError;
 pub use crate::models::{Stage, StageSplit};
-pub use executor::StepOutput;
+pub use executor::{MoeStepStats, StepOutput};
 pub use plan::{Compute, Direction, Payload, Plan, Slot, Step, Timeline, Transfer};
 pub use schedules::Schedule;
 

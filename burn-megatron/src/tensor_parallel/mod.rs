@@ -19,7 +19,7 @@ pub use dropout::{DropoutSite, dropout};
 pub use param_kind::ParamKind;
 pub(crate) use placement::Path;
 pub use placement::{
-    DeclarePlacements, ParamInfo, ParamPlacement, Placements, gather_full_grads,
+    DeclarePlacements, ExpertShard, ParamInfo, ParamPlacement, Placements, gather_full_grads,
     gather_full_params, param_infos, param_shards, try_param_infos,
 };
 pub use row::{RowParallelLinear, RowParallelLinearConfig};

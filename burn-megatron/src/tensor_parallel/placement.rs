@@ -42,6 +42,20 @@ pub struct ParamPlacement {
     pub parts: usize,
     /// Padding entries at the end of the sharded dimension of the full tensor.
     pub padding: usize,
+    /// For a routed expert's weight (`[local_experts, ..]`): the rank's slice of the experts
+    /// over the expert-parallel group. Its gradient is reduced over the expert-data-parallel
+    /// group, not the data-parallel one, and the global norm sums it over EP.
+    pub expert: Option<ExpertShard>,
+}
+
+/// Which experts of an MoE layer a rank holds: `[rank · n, (rank + 1) · n)` of the
+/// `parts · n` experts, along dimension 0 of the expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertShard {
+    /// The rank in the expert-parallel group.
+    pub rank: usize,
+    /// The expert-parallel size.
+    pub parts: usize,
 }
 
 impl ParamPlacement {
@@ -52,7 +66,25 @@ impl ParamPlacement {
             rank: 0,
             parts: 1,
             padding: 0,
+            expert: None,
         }
+    }
+
+    /// A routed expert's weight: replicated over TP (no expert tensor parallelism), this
+    /// rank's experts of the `ep` group's along dimension 0.
+    pub fn expert(ep: &ProcessGroup) -> Self {
+        Self {
+            expert: Some(ExpertShard {
+                rank: ep.rank(),
+                parts: ep.size(),
+            }),
+            ..Self::replicated()
+        }
+    }
+
+    /// Whether it is a routed expert's weight ([`ParamPlacement::expert`]).
+    pub fn is_expert(&self) -> bool {
+        self.expert.is_some()
     }
 
     /// Each rank of `tp` holds an even slice along `dim`.
@@ -62,6 +94,7 @@ impl ParamPlacement {
             rank: tp.rank(),
             parts: tp.size(),
             padding: 0,
+            expert: None,
         }
     }
 
@@ -84,11 +117,15 @@ impl ParamPlacement {
         }
     }
 
-    /// The full shape of the parameter (padding left out) from this rank's `local` shape.
+    /// The full shape of the parameter (padding left out) from this rank's `local` shape:
+    /// every expert of an expert weight.
     pub fn global_shape(&self, local: &[usize]) -> Vec<usize> {
         let mut shape = local.to_vec();
         if let Some(dim) = self.dim() {
             shape[dim] = local[dim] * self.parts - self.padding;
+        }
+        if let Some(expert) = self.expert {
+            shape[0] = local[0] * expert.parts;
         }
         shape
     }

@@ -57,6 +57,7 @@ impl VocabPartition {
             rank: self.rank,
             parts: self.tp,
             padding: self.padded_size - self.vocab_size,
+            expert: None,
         }
     }
 

@@ -7,7 +7,7 @@ use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::config::TransformerConfig;
-use super::layer::TransformerLayer;
+use super::layer::{TransformerLayer, single_rank_group};
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::context_parallel::CpContext;
@@ -84,8 +84,22 @@ impl<B: ModelBackend> TransformerBlock<B> {
         tp: &ProcessGroup,
         device: &B::Device,
     ) -> Result<Self, ConfigError> {
+        let ep = single_rank_group(tp)?;
+        Self::new_stage_with_ep(config, layers, final_norm, tp, &ep, device)
+    }
+
+    /// [`new_stage`](Self::new_stage) with the MoE layers' experts split over the
+    /// expert-parallel group `ep`.
+    pub fn new_stage_with_ep(
+        config: &TransformerConfig,
+        layers: Range<usize>,
+        final_norm: bool,
+        tp: &ProcessGroup,
+        ep: &ProcessGroup,
+        device: &B::Device,
+    ) -> Result<Self, ConfigError> {
         let layers = layers
-            .map(|i| TransformerLayer::new(config, i, tp, device))
+            .map(|i| TransformerLayer::new_with_ep(config, i, tp, ep, device))
             .collect::<Result<Vec<_>, _>>()?;
         let context = TpContext::new(tp, config.sequence_parallel);
         Ok(Self {

@@ -3,6 +3,7 @@
 
 use burn::config::Config;
 
+use super::moe::MoeSettings;
 use crate::error::ConfigError;
 use crate::ops::GeluForm;
 use crate::tensor_parallel::VocabPartition;
@@ -185,6 +186,10 @@ pub struct TransformerConfig {
     /// Seed of the initialisation and of the dropout masks.
     #[config(default = 1234)]
     pub seed: u64,
+    /// Mixture of experts in place of the MLP of every layer or some (`--num-experts`,
+    /// `--moe-*`); `None`: dense MLPs only.
+    #[config(default = "None")]
+    pub moe: Option<MoeSettings>,
 }
 
 /// A configuration checked against a TP size, with notes for the user (e.g. vocab padding).
@@ -357,6 +362,17 @@ impl TransformerConfig {
                  must be positive and finite",
                 self.init_std
             )));
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.hidden_size, self.ffn_hidden_size, self.num_layers, 1)?;
+            if self.sequence_parallel && tp > 1 {
+                return Err(ConfigError::Invalid(
+                    "mixture of experts with sequence parallelism is not supported yet: the \
+                     experts are replicated over TP and would see only a rank's part of the \
+                     sequence; leave --sequence-parallel out"
+                        .into(),
+                ));
+            }
         }
         let vocab = VocabPartition::new(
             self.vocab_size,

@@ -7,14 +7,18 @@ use burn_megatron_dist::{DistResult, ProcessGroup};
 use super::attention::ParallelAttention;
 use super::config::TransformerConfig;
 use super::mlp::ParallelMlp;
+use super::moe::{MoeLayer, MoeLosses};
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::context_parallel::CpContext;
 use crate::error::ConfigError;
+use crate::init::param_seed;
 use crate::tensor_parallel::{DeclarePlacements, Placements, SequenceParallelGrads, TpContext};
-use crate::tensor_parallel::{DropoutSite, dropout};
+use crate::tensor_parallel::{DropoutSite, ParamPlacement, dropout};
 
-/// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`.
+/// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`, the MLP being a
+/// mixture of experts ([`MoeLayer`]) in the layers the configuration's
+/// [`moe`](TransformerConfig::moe) picks.
 ///
 /// The residual stream is `[batch, seq, hidden]`, replicated over the TP group, or
 /// `[batch, seq / tp, hidden]` (this rank's part of the sequence) under sequence parallelism.
@@ -26,8 +30,10 @@ pub struct TransformerLayer<B: Backend> {
     pub attention: ParallelAttention<B>,
     /// Norm before the MLP.
     pub post_attention_norm: Norm<B>,
-    /// MLP.
-    pub mlp: ParallelMlp<B>,
+    /// The dense MLP; `None` in an MoE layer.
+    pub mlp: Option<ParallelMlp<B>>,
+    /// The mixture of experts in place of the MLP; `None` in a dense layer.
+    pub moe: Option<MoeLayer<B>>,
     #[module(skip)]
     context: LayerContext,
 }
@@ -50,6 +56,25 @@ impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
         self.attention.declare_placements(out);
         self.post_attention_norm.declare_placements(out);
         self.mlp.declare_placements(out);
+        self.moe.declare_placements(out);
+    }
+}
+
+/// The router and shared expert replicated, the routed experts split over EP
+/// ([`ParamPlacement::expert`]).
+impl<B: Backend> DeclarePlacements for MoeLayer<B> {
+    fn declare_placements(&self, out: &mut Placements) {
+        out.declare(&self.router.weight, ParamPlacement::replicated());
+        let expert = ParamPlacement::expert(self.dispatcher().ep());
+        let experts = &self.experts;
+        out.declare(&experts.fc1, expert);
+        out.declare(&experts.fc2, expert);
+        if let Some(gate) = &experts.gate {
+            out.declare(gate, expert);
+        }
+        if let Some(shared) = &self.shared_expert {
+            out.declare_replicated(shared);
+        }
     }
 }
 
@@ -63,7 +88,8 @@ impl<B: Backend> TransformerLayer<B> {
             input_norm: self.input_norm.with_sequence_parallel_grads(grads),
             attention: self.attention.with_sequence_parallel_grads(grads),
             post_attention_norm: self.post_attention_norm.with_sequence_parallel_grads(grads),
-            mlp: self.mlp.with_sequence_parallel_grads(grads),
+            mlp: self.mlp.map(|mlp| mlp.with_sequence_parallel_grads(grads)),
+            moe: self.moe,
             context: LayerContext {
                 tp: self.context.tp.with_sequence_parallel_grads(grads),
                 ..self.context
@@ -86,13 +112,49 @@ impl<B: Backend> TransformerLayer<B> {
 }
 
 impl<B: ModelBackend> TransformerLayer<B> {
-    /// This rank's part of layer `index`.
+    /// This rank's part of layer `index`. An MoE layer's experts are all on this rank; see
+    /// [`new_with_ep`](Self::new_with_ep).
     pub fn new(
         config: &TransformerConfig,
         index: usize,
         tp: &ProcessGroup,
         device: &B::Device,
     ) -> Result<Self, ConfigError> {
+        let ep = single_rank_group(tp)?;
+        Self::new_with_ep(config, index, tp, &ep, device)
+    }
+
+    /// This rank's part of layer `index`, an MoE layer's experts split over the
+    /// expert-parallel group `ep` (its parameter values do not depend on `ep`).
+    pub fn new_with_ep(
+        config: &TransformerConfig,
+        index: usize,
+        tp: &ProcessGroup,
+        ep: &ProcessGroup,
+        device: &B::Device,
+    ) -> Result<Self, ConfigError> {
+        let moe_settings = config.moe.as_ref().filter(|moe| moe.is_moe_layer(index));
+        let moe = match moe_settings {
+            Some(settings) => Some(
+                settings
+                    .layer_config(
+                        config.hidden_size,
+                        config.ffn_hidden_size,
+                        config.activation,
+                        config.init_std,
+                    )
+                    .init(
+                        ep,
+                        param_seed(config.seed, &format!("layers.{index}.moe")),
+                        device,
+                    )?,
+            ),
+            None => None,
+        };
+        let mlp = match moe {
+            Some(_) => None,
+            None => Some(ParallelMlp::new(config, index, tp, device)?),
+        };
         let context = TpContext::new(tp, config.sequence_parallel);
         let norm = || {
             Norm::new(
@@ -107,7 +169,8 @@ impl<B: ModelBackend> TransformerLayer<B> {
             input_norm: norm(),
             attention: ParallelAttention::new(config, index, tp, device)?,
             post_attention_norm: norm(),
-            mlp: ParallelMlp::new(config, index, tp, device)?,
+            mlp,
+            moe,
             context: LayerContext {
                 index,
                 seed: config.seed,
@@ -119,10 +182,23 @@ impl<B: ModelBackend> TransformerLayer<B> {
     }
 
     /// Runs the layer for the model's `call`-th forward pass (which picks the dropout masks).
+    /// An MoE layer's auxiliary losses are dropped: for evaluation and inference; training
+    /// takes them with [`try_forward_with_losses`](Self::try_forward_with_losses).
     ///
     /// # Shapes
     /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
     pub fn try_forward(&self, x: Tensor<B, 3>, call: u64) -> DistResult<Tensor<B, 3>> {
+        self.try_forward_with_losses(x, call, &mut MoeLosses::default())
+    }
+
+    /// [`try_forward`](Self::try_forward), adding an MoE layer's auxiliary losses and load to
+    /// `losses`. Every rank of the expert-parallel group must run its MoE layers together.
+    pub fn try_forward_with_losses(
+        &self,
+        x: Tensor<B, 3>,
+        call: u64,
+        losses: &mut MoeLosses<B>,
+    ) -> DistResult<Tensor<B, 3>> {
         let c = &self.context;
         let site =
             |name: &str| DropoutSite::new(c.seed, call, &format!("layers.{}.{name}", c.index));
@@ -130,11 +206,42 @@ impl<B: ModelBackend> TransformerLayer<B> {
             .attention
             .try_forward(self.input_norm.try_forward(x.clone())?, site("attention"))?;
         let x = hidden_dropout(attention, Some(x), c, site("attention_output"));
-        let mlp = self
-            .mlp
-            .try_forward(self.post_attention_norm.try_forward(x.clone())?)?;
+        let normed = self.post_attention_norm.try_forward(x.clone())?;
+        let mlp = self.try_forward_mlp(normed, losses)?;
         Ok(hidden_dropout(mlp, Some(x), c, site("mlp_output")))
     }
+
+    /// The dense MLP or the mixture of experts on the normed residual stream, an MoE layer's
+    /// losses and load added to `losses`.
+    ///
+    /// # Shapes
+    /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
+    pub fn try_forward_mlp(
+        &self,
+        x: Tensor<B, 3>,
+        losses: &mut MoeLosses<B>,
+    ) -> DistResult<Tensor<B, 3>> {
+        match (&self.mlp, &self.moe) {
+            (_, Some(moe)) => {
+                let out = moe.try_forward(x)?;
+                losses.push(self.context.index, &out);
+                Ok(out.output)
+            }
+            (Some(mlp), None) => mlp.try_forward(x),
+            (None, None) => unreachable!("`new` gives a layer an MLP or an MoE layer"),
+        }
+    }
+
+    /// Whether the layer's MLP is a mixture of experts.
+    pub fn is_moe(&self) -> bool {
+        self.moe.is_some()
+    }
+}
+
+/// A group of this rank alone, for experts that are not split.
+pub(crate) fn single_rank_group(tp: &ProcessGroup) -> Result<ProcessGroup, ConfigError> {
+    tp.new_group("expert_parallel_self", &[tp.global_rank()])
+        .map_err(|e| ConfigError::Invalid(format!("a single-rank expert group: {e}")))
 }
 
 /// `residual + dropout(x)` (or `dropout(x)`) on the residual stream, the mask placed in the

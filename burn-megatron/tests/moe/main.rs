@@ -5,6 +5,7 @@
 
 mod config_errors;
 mod expert_parallel;
+mod gpt_model;
 mod router_losses;
 
 use burn::backend::{Autodiff, NdArray};

@@ -10,20 +10,24 @@
 //! - [`layer`]: [`MoeLayer`], router → dispatch → experts → combine, plus the shared expert,
 //!   returning [`MoeOutput`] (output and losses); [`config`]: [`MoeConfig`].
 //!
+//! - [`losses`]: [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers;
+//!   [`MoeSettings`]: the MoE part of a `TransformerConfig` (which layers, which settings).
+//!
 //! Not yet: capacity and token dropping, grouped-GEMM kernels, the all-gather dispatcher,
-//! expert tensor parallelism, the MoE layer inside `TransformerConfig` and `pretrain_gpt`,
-//! checkpoints of experts.
+//! expert tensor parallelism.
 
 pub mod config;
 pub mod dispatcher;
 pub mod experts;
 pub mod layer;
+pub mod losses;
 pub mod router;
 
-pub use config::MoeConfig;
+pub use config::{MoeConfig, MoeLayerFreq, MoeSettings};
 pub use dispatcher::{DispatchPlan, TokenDispatcher};
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
+pub use losses::MoeLosses;
 pub use router::{
     Router, RouterScoreFunction, RouterSettings, Routing, load_balancing_loss, z_loss,
 };
