@@ -12,8 +12,8 @@ use burn_megatron_dist::DistBackend;
 
 use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps,
-    FlashAttentionOps, GeluOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps,
-    RecomputeOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
+    FlashAttentionOps, Fp8LinearOps, Fp8Ops, GeluOps, IdCheckOps, LinearOps, NormOps,
+    PackedFlashAttentionOps, RecomputeOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -40,6 +40,8 @@ pub trait ModelBackend:
     DistBackend
     + BackendInfo
     + LinearOps
+    + Fp8Ops
+    + Fp8LinearOps
     + BiasOps
     + GeluOps
     + SwiGluOps
@@ -63,6 +65,8 @@ impl<B> ModelBackend for B where
     B: DistBackend
         + BackendInfo
         + LinearOps
+        + Fp8Ops
+        + Fp8LinearOps
         + BiasOps
         + GeluOps
         + SwiGluOps
@@ -114,7 +118,7 @@ mod ndarray {
     compositions!(
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
-        BackendInfo, LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );
@@ -129,7 +133,7 @@ mod fusion {
 
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
-        BackendInfo, LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );

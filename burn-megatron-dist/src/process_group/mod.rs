@@ -439,8 +439,10 @@ impl ProcessGroup {
     }
 
     /// Records `error` as the failure of a collective inside a backward pass (the first one
-    /// recorded is kept).
-    pub(crate) fn fail_in_backward(&self, error: DistError) {
+    /// recorded is kept). Backward steps have no error channel: an operation whose backward
+    /// runs a collective (a mapping, an FP8 layer's amax reduction) records its failure here
+    /// and goes on, and the step reports it through [`backward_failure`](Self::backward_failure).
+    pub fn fail_in_backward(&self, error: DistError) {
         self.shared_failure().get_or_insert(error);
     }
 

@@ -1,0 +1,272 @@
+//! FP8 GEMMs (issue 33): a tensor's largest magnitude, its cast to an FP8 grid under a scale,
+//! and the product of two cast tensors with f32 accumulation.
+//!
+//! [`Fp8Ops`] is the backend's part: three operations whose defaults are plain Burn
+//! compositions that *emulate* FP8 in a float tensor (every E4M3 and E5M2 value is exact in
+//! bf16, f16 and f32, so the cast's result is held without loss and the GEMM of those values
+//! in f32 is what an FP8 tensor core computes, up to the f32 sums' order). Our CUDA backend
+//! replaces them with a cast kernel whose output is opaque 1-byte storage and cuBLASLt's FP8
+//! GEMM; code above the backend therefore never applies a Burn operation to a cast tensor: it
+//! only hands it to [`Fp8Ops::fp8_gemm`].
+//!
+//! The layer above the backend lives in this op's folder:
+//! - `fp8/scaling.rs`: Megatron's `--fp8-format`, `--fp8-recipe` and the scale computations
+//!   ([`Fp8Config`], [`DelayedScaling`], [`scale_from_amax`]).
+//! - `fp8/linear.rs`: the FP8 linear layer as one autodiff operation ([`fp8_linear`]): three
+//!   FP8 GEMMs (forward, input gradient, weight gradient), each operand K-contiguous, amaxes
+//!   reduced over the tensor-parallel group where the operand is split.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+
+use super::linear::LinearOps;
+
+mod linear;
+mod scaling;
+
+pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear};
+pub use scaling::{
+    AmaxComputeAlgo, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe, scale_from_amax,
+    tensorwise_scale,
+};
+
+/// An FP8 storage format (OCP): E4M3 (max 448, Megatron's activations/weights) and E5M2 (max
+/// 57344, gradients in the `hybrid` format).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Dtype {
+    /// 4 exponent bits (bias 7), 3 mantissa bits, no infinities (OCP's `E4M3FN`): normal
+    /// numbers from 2⁻⁶ to 448, subnormals down to 2⁻⁹.
+    E4M3,
+    /// 5 exponent bits (bias 15), 2 mantissa bits, IEEE-like: normal numbers from 2⁻¹⁴ to
+    /// 57344, subnormals down to 2⁻¹⁶.
+    E5M2,
+}
+
+impl Fp8Dtype {
+    /// The largest finite value, which the cast saturates to.
+    pub const fn max(self) -> f32 {
+        match self {
+            Self::E4M3 => 448.0,
+            Self::E5M2 => 57344.0,
+        }
+    }
+
+    /// Explicit mantissa bits.
+    pub const fn mantissa_bits(self) -> i32 {
+        match self {
+            Self::E4M3 => 3,
+            Self::E5M2 => 2,
+        }
+    }
+
+    /// The exponent of the smallest normal number; below it the grid's spacing stays
+    /// `2^(min_normal_exponent - mantissa_bits)` (the subnormals).
+    pub const fn min_normal_exponent(self) -> i32 {
+        match self {
+            Self::E4M3 => -6,
+            Self::E5M2 => -14,
+        }
+    }
+
+    /// The exponent of the largest binade (`max` lies in `[2^e, 2^(e + 1))`).
+    pub const fn max_exponent(self) -> i32 {
+        match self {
+            Self::E4M3 => 8,
+            Self::E5M2 => 15,
+        }
+    }
+
+    /// Megatron's name (`e4m3`, `e5m2`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::E4M3 => "e4m3",
+            Self::E5M2 => "e5m2",
+        }
+    }
+}
+
+/// The backend's FP8 operations. The defaults emulate them with Burn operations on float
+/// tensors ([`amax_composition`], [`quantize_composition`], [`gemm_composition`]); our CUDA
+/// backend runs kernels and cuBLASLt.
+pub trait Fp8Ops: LinearOps {
+    /// Largest |x| of `x` as a `[1]` f32 tensor on x's device (NaN if x holds a NaN). No host
+    /// read.
+    fn fp8_amax(x: Tensor<Self, 2>) -> Tensor<Self, 1> {
+        amax_composition(x)
+    }
+
+    /// `x · scale` rounded to nearest (ties to even) on `dtype`'s grid, saturated to ±max, in
+    /// the backend's FP8 storage: `[r, c]` -> `[r, c]`, or `[c, r]` (contiguous, row-major)
+    /// with `transpose`. `scale: [1]` f32.
+    /// Composition: a float tensor (x's float dtype; bf16/f16/f32 hold every E4M3/E5M2 value
+    /// exactly) holding the grid values.
+    fn fp8_quantize(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+        transpose: bool,
+    ) -> Tensor<Self, 2> {
+        quantize_composition(x, scale, dtype, transpose)
+    }
+
+    /// `(a · bᵀ) · a_scale_inv · b_scale_inv` for quantised `a: [m, k]` and `b: [n, k]` (both
+    /// K-contiguous, as cuBLASLt's FP8 GEMM requires), accumulated in f32, output `[m, n]` of
+    /// dtype `out`. Never both operands E5M2.
+    fn fp8_gemm(
+        a: Tensor<Self, 2>,
+        a_dtype: Fp8Dtype,
+        a_scale_inv: Tensor<Self, 1>,
+        b: Tensor<Self, 2>,
+        b_dtype: Fp8Dtype,
+        b_scale_inv: Tensor<Self, 1>,
+        out: DType,
+    ) -> Tensor<Self, 2> {
+        debug_assert!(
+            !(a_dtype == Fp8Dtype::E5M2 && b_dtype == Fp8Dtype::E5M2),
+            "an FP8 GEMM of two E5M2 operands (cuBLASLt has none)"
+        );
+        gemm_composition(a, a_scale_inv, b, b_scale_inv, out)
+    }
+}
+
+/// The dtype the compositions compute in: f64 for f64 tensors (so that an f64 model's
+/// emulation rounds once), f32 for every narrower float.
+fn work_dtype(dtype: DType) -> DType {
+    match dtype {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
+/// [`Fp8Ops::fp8_amax`] as Burn operations: `max |x|` in f32, set to NaN where `x` holds a
+/// NaN (a maximum drops NaN on some backends; the scaling must see it to skip its update).
+pub fn amax_composition<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 1> {
+    let has_nan = x.clone().is_nan().any();
+    x.abs().max().cast(DType::F32).mask_fill(has_nan, f32::NAN)
+}
+
+/// [`Fp8Ops::fp8_quantize`] as Burn operations: the grid values in `x`'s float dtype.
+///
+/// `v = x · scale` is formed in f32 (f64 for f64 `x`); `|v|` is clamped to the format's max
+/// (so ±∞ and anything beyond saturate, as the cast kernels' `satfinite` does), its binade
+/// `2^e` (`e` at least the smallest normal exponent) found by five exact comparisons against
+/// powers of two, and `|v| / 2^(e - mantissa_bits)` rounded half to even: exact arithmetic
+/// only (powers of two), so the result does not depend on a backend's `log2` or fused
+/// multiply-adds. NaN stays NaN.
+///
+/// # Shapes
+/// - `x`: `[r, c]`; `scale`: `[1]`
+/// - output: `[r, c]`, or `[c, r]` with `transpose`
+pub fn quantize_composition<B: Backend>(
+    x: Tensor<B, 2>,
+    scale: Tensor<B, 1>,
+    dtype: Fp8Dtype,
+    transpose: bool,
+) -> Tensor<B, 2> {
+    let out_dtype = x.dtype();
+    let work = work_dtype(out_dtype);
+    let v = x.cast(work) * scale.cast(work).unsqueeze::<2>();
+    let a = v.clone().abs().clamp_max(dtype.max());
+    // The binade: the largest 2^e <= a with e in [min_normal, min_normal + 31].
+    let mut binade = a
+        .zeros_like()
+        .add_scalar(2f64.powi(dtype.min_normal_exponent()));
+    for step in [16, 8, 4, 2, 1] {
+        let higher = binade.clone().mul_scalar(2f64.powi(step));
+        binade = binade.mask_where(a.clone().greater_equal(higher.clone()), higher);
+    }
+    let ulp = binade.mul_scalar(2f64.powi(-dtype.mantissa_bits()));
+    let magnitude = (a / ulp.clone()).round() * ulp;
+    let q = magnitude * v.clone().sign();
+    let q = q.mask_where(v.clone().is_nan(), v).cast(out_dtype);
+    if transpose { q.transpose() } else { q }
+}
+
+/// [`Fp8Ops::fp8_gemm`] as Burn operations: `a · bᵀ` in f32 (f64 for f64 operands), times
+/// `a_scale_inv · b_scale_inv` (one f32 product), cast to `out`.
+///
+/// # Shapes
+/// - `a`: `[m, k]`, `b`: `[n, k]`, the scales `[1]`
+/// - output: `[m, n]`
+pub fn gemm_composition<B: Backend>(
+    a: Tensor<B, 2>,
+    a_scale_inv: Tensor<B, 1>,
+    b: Tensor<B, 2>,
+    b_scale_inv: Tensor<B, 1>,
+    out: DType,
+) -> Tensor<B, 2> {
+    let work = work_dtype(a.dtype());
+    let product = a.cast(work).matmul(b.cast(work).transpose());
+    let scale = (a_scale_inv.cast(DType::F32) * b_scale_inv.cast(DType::F32)).cast(work);
+    (product * scale.unsqueeze::<2>()).cast(out)
+}
+
+/// On `Autodiff<B>` the FP8 operations are not differentiable: they run on the inner tensors
+/// and return untracked ones. The differentiable FP8 layer is [`fp8_linear`], one node.
+impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
+    fn fp8_amax(x: Tensor<Self, 2>) -> Tensor<Self, 1> {
+        Tensor::from_inner(B::fp8_amax(x.inner()))
+    }
+
+    fn fp8_quantize(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+        transpose: bool,
+    ) -> Tensor<Self, 2> {
+        Tensor::from_inner(B::fp8_quantize(x.inner(), scale.inner(), dtype, transpose))
+    }
+
+    fn fp8_gemm(
+        a: Tensor<Self, 2>,
+        a_dtype: Fp8Dtype,
+        a_scale_inv: Tensor<Self, 1>,
+        b: Tensor<Self, 2>,
+        b_dtype: Fp8Dtype,
+        b_scale_inv: Tensor<Self, 1>,
+        out: DType,
+    ) -> Tensor<Self, 2> {
+        Tensor::from_inner(B::fp8_gemm(
+            a.inner(),
+            a_dtype,
+            a_scale_inv.inner(),
+            b.inner(),
+            b_dtype,
+            b_scale_inv.inner(),
+            out,
+        ))
+    }
+}
+
+/// Our CUDA backend: the compositions for now (cuBLASLt's FP8 GEMM and the cast kernels come
+/// here); burn-cuda keeps the compositions.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use burn_cubecl::cubecl::cuda::CudaRuntime;
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+    use burn_megatron_kernels::cuda::MegatronCudaRuntime;
+
+    use super::Fp8Ops;
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8Ops
+        for CubeBackend<MegatronCudaRuntime, F, I, BT>
+    {
+    }
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8Ops
+        for CubeBackend<CudaRuntime, F, I, BT>
+    {
+    }
+}
+
+/// wgpu: the compositions.
+#[cfg(feature = "wgpu")]
+impl<F, I, BT> Fp8Ops for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
+where
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}

@@ -1,0 +1,452 @@
+//! The FP8 linear layer, `x · w + bias` through FP8 GEMMs, as one autodiff operation.
+//!
+//! Forward: `y = fp8_gemm(q(x), q(w)ᵀ) + bias`. Backward: `dx = fp8_gemm(q(dy), q(w))`,
+//! `dw = fp8_gemm(q(x)ᵀ, q(dy)ᵀ)`, `db = Σ_tokens dy` in the model's dtype. Every GEMM gets
+//! its operands K-contiguous (cuBLASLt's FP8 GEMM takes only the "TN" layout): with `x:
+//! [tokens, d_in]` and `w: [d_in, d_out]` (Burn's layout), the forward casts `w` transposed
+//! (`[d_out, d_in]`), `dx` takes `w` as it is (`[d_in, d_out]`, K = d_out), and `dw` takes
+//! `x` and `dy` transposed (K = tokens). Activations and weights are E4M3; output gradients
+//! E5M2 (`hybrid`) or E4M3 (`e4m3`).
+//!
+//! The node keeps the transposed cast of `x` (one byte an element on a GPU, against two for
+//! bf16) and its scale, and the weight (a parameter, alive anyway) with its forward scale, so
+//! that `dx` sees the same quantised weight as the forward.
+//!
+//! Each scale comes from an amax ([`Fp8Config::recipe`]): the tensor's own
+//! ([`Fp8Recipe::Tensorwise`]) or a history of earlier ones ([`Fp8Recipe::Delayed`]). Where a
+//! rank holds only part of a tensor ([`Fp8Split`]: a column-parallel weight and output
+//! gradient, a row-parallel weight and input), its amax is the maximum over the
+//! tensor-parallel group (one `[n]` all-reduce for the forward's operands, one `[1]` for the
+//! gradient), so that every rank casts with the scale one device would use and TP = k equals
+//! TP = 1. A NaN amax is sent as +∞ (a maximum over ranks then keeps it whatever the
+//! transport's NaN rule), and a non-finite amax never becomes a scale.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor};
+use burn_autodiff::NodeId;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_megatron_dist::{DeviceTransport, DistResult, ProcessGroup, ReduceOp};
+
+use super::scaling::{DelayedScaling, Fp8Config, Fp8Recipe, tensorwise_scale};
+use super::{Fp8Dtype, Fp8Ops};
+use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
+use crate::ops::primitive::{raw, wrap};
+
+/// Which operands of an FP8 linear layer each rank holds only a part of, so that their amax
+/// is reduced (maximum) over the layer's tensor-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fp8Split {
+    /// The input `x` is split by features (a row-parallel layer's).
+    pub input: bool,
+    /// The weight is split (always, in a tensor-parallel layer).
+    pub weight: bool,
+    /// The output gradient `dy` is split by features (a column-parallel layer's).
+    pub grad_output: bool,
+}
+
+impl Fp8Split {
+    /// Nothing split: a layer on one rank.
+    pub const NONE: Self = Self {
+        input: false,
+        weight: false,
+        grad_output: false,
+    };
+    /// A column-parallel layer: the weight's columns and so the output (and its gradient)
+    /// split; the input is whole (copied or gathered into the region).
+    pub const COLUMN_PARALLEL: Self = Self {
+        input: false,
+        weight: true,
+        grad_output: true,
+    };
+    /// A row-parallel layer: the weight's rows and the input's features split; the output's
+    /// gradient is whole (the backward of the reduction is a copy or an all-gather).
+    pub const ROW_PARALLEL: Self = Self {
+        input: true,
+        weight: true,
+        grad_output: false,
+    };
+}
+
+/// The operands that get a scale, in the order of a state's array.
+#[derive(Debug, Clone, Copy)]
+enum Operand {
+    Input = 0,
+    Weight = 1,
+    GradOutput = 2,
+}
+
+/// The delayed-scaling states of one layer, `[input, weight, grad_output]`, keyed by the
+/// backend they were made on (see [`Fp8Linear`]).
+type DelayedStates = HashMap<TypeId, Box<dyn Any + Send>>;
+
+/// One linear layer's FP8 settings and state: the [`Fp8Config`], the tensor-parallel group
+/// and which operands are split over it, and (delayed scaling) the amax histories and scales
+/// of its input, weight and output gradient.
+///
+/// Cloning shares the state: a module's clone (Burn's optimizers return the model they step,
+/// `valid()` gives the inference copy) goes on with the same histories.
+///
+/// The state sits behind a mutex rather than in the module's parameters because it changes in
+/// places where the module cannot be borrowed mutably: in the forward pass (`&self`, and a
+/// pipeline schedule may run it on a shared model) and in the backward pass, inside Burn's
+/// graph, where the output gradient's amax is recorded. It is keyed by the backend type the
+/// tensors are on (the inner backend under `Autodiff`, so that the training model and its
+/// `valid()` copy share one history) and made on first use on the input's device.
+#[derive(Clone)]
+pub struct Fp8Linear {
+    config: Fp8Config,
+    group: Option<ProcessGroup>,
+    split: Fp8Split,
+    delayed: Arc<Mutex<DelayedStates>>,
+}
+
+impl fmt::Debug for Fp8Linear {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fp8Linear")
+            .field("config", &self.config)
+            .field("group", &self.group.as_ref().map(|g| g.ranks().to_vec()))
+            .field("split", &self.split)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Fp8Linear {
+    /// A layer's FP8 state: `config`, and the `group` over which the amaxes of the operands
+    /// that `split` names are reduced (`None`: nothing is reduced).
+    pub fn new(config: Fp8Config, group: Option<&ProcessGroup>, split: Fp8Split) -> Self {
+        Self {
+            config,
+            group: group.cloned(),
+            split,
+            delayed: Arc::default(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &Fp8Config {
+        &self.config
+    }
+
+    /// The delayed-scaling states `[input, weight, grad_output]` as kept for backend `B` (the
+    /// inner backend of an `Autodiff` model); `None` before the layer's first use on `B` and
+    /// under tensorwise scaling.
+    pub fn delayed_states<B: Backend>(&self) -> Option<[DelayedScaling<B>; 3]> {
+        let states = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
+        states
+            .get(&TypeId::of::<B>())
+            .and_then(|s| s.downcast_ref::<[DelayedScaling<B>; 3]>())
+            .cloned()
+    }
+
+    /// Runs `f` on the delayed-scaling state of `operand`, made on `device` if there is none.
+    fn with_state<B: Backend, T>(
+        &self,
+        operand: Operand,
+        device: &B::Device,
+        f: impl FnOnce(&mut DelayedScaling<B>) -> T,
+    ) -> T {
+        let mut states = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = states.entry(TypeId::of::<B>()).or_insert_with(|| {
+            let len = self.config.amax_history_len;
+            Box::new([0, 1, 2].map(|_| DelayedScaling::<B>::new(len, device)))
+        });
+        let state = entry
+            .downcast_mut::<[DelayedScaling<B>; 3]>()
+            .expect("the states under a backend's type id are that backend's");
+        f(&mut state[operand as usize])
+    }
+
+    /// The scale of `operand`'s cast to `dtype`: from its (reduced) `amax` under tensorwise
+    /// scaling, from its history under delayed scaling.
+    fn scale<B: Backend>(
+        &self,
+        operand: Operand,
+        amax: Tensor<B, 1>,
+        dtype: Fp8Dtype,
+    ) -> Tensor<B, 1> {
+        match self.config.recipe {
+            Fp8Recipe::Tensorwise => tensorwise_scale(amax, dtype, self.config.margin),
+            Fp8Recipe::Delayed => self.with_state(operand, &amax.device(), |s| s.scale()),
+        }
+    }
+
+    /// Records `operand`'s (reduced) `amax` after its cast: delayed scaling's history update.
+    fn record<B: Backend>(&self, operand: Operand, amax: Tensor<B, 1>, dtype: Fp8Dtype) {
+        if self.config.recipe == Fp8Recipe::Delayed {
+            let (margin, algo) = (self.config.margin, self.config.amax_compute_algo);
+            self.with_state(operand, &amax.device(), |s| {
+                s.record(amax, dtype, margin, algo)
+            });
+        }
+    }
+
+    /// The amaxes, NaN sent as +∞, those marked split reduced (maximum) over the group in
+    /// one all-reduce.
+    fn reduce_amaxes<B: DeviceTransport, const N: usize>(
+        &self,
+        amaxes: [(Tensor<B, 1>, bool); N],
+    ) -> DistResult<[Tensor<B, 1>; N]> {
+        let amaxes = amaxes.map(|(amax, split)| {
+            let nan = amax.clone().is_nan();
+            (amax.mask_fill(nan, f32::INFINITY), split)
+        });
+        let group = match &self.group {
+            Some(group) if group.size() > 1 && amaxes.iter().any(|(_, split)| *split) => group,
+            _ => return Ok(amaxes.map(|(amax, _)| amax)),
+        };
+        let local: Vec<_> = amaxes
+            .iter()
+            .filter(|(_, split)| *split)
+            .map(|(amax, _)| amax.clone())
+            .collect();
+        let reduced = group.all_reduce(Tensor::cat(local, 0), ReduceOp::Max)?;
+        let mut next = 0;
+        Ok(amaxes.map(|(amax, split)| match split {
+            true => {
+                next += 1;
+                reduced.clone().narrow(0, next - 1, 1)
+            }
+            false => amax,
+        }))
+    }
+}
+
+/// The FP8 linear layer as a backend operation: the forward alone on plain backends,
+/// one autodiff node on `Autodiff<B>`.
+pub trait Fp8LinearOps: Fp8Ops + DeviceTransport {
+    /// `x · w + bias` through FP8 GEMMs (see the [module docs](self)), for `x: [tokens,
+    /// d_in]`, `w: [d_in, d_out]`, `bias: [d_out]`; the output has `x`'s dtype. Fails only
+    /// if the amax reduction over the tensor-parallel group fails.
+    fn fp8_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        fp8: &Fp8Linear,
+    ) -> DistResult<Tensor<Self, 2>> {
+        Ok(forward(x, w, bias, fp8)?.output)
+    }
+}
+
+/// `x · w + bias` through FP8 GEMMs over the last dimension of an `x` of any rank (see the
+/// [module docs](self)): flattened to `[tokens, d_in]` for [`Fp8LinearOps::fp8_linear`],
+/// then reshaped back. Fails only if the amax reduction over the tensor-parallel group fails.
+///
+/// # Shapes
+/// - `x`: `[..., d_in]`
+/// - `w`: `[d_in, d_out]`
+/// - `bias`: `[d_out]`
+/// - output: `[..., d_out]`
+pub fn fp8_linear<B: Fp8LinearOps, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    fp8: &Fp8Linear,
+) -> DistResult<Tensor<B, D>> {
+    let dims = x.dims();
+    let d_out = w.dims()[1];
+    let tokens: usize = dims[..D - 1].iter().product();
+    let y = B::fp8_linear(x.reshape([tokens, dims[D - 1]]), w, bias, fp8)?;
+    let mut out = dims;
+    out[D - 1] = d_out;
+    Ok(y.reshape(out))
+}
+
+/// The forward pass on a plain backend: the output and the scales the backward needs.
+struct Forward<B: Backend> {
+    output: Tensor<B, 2>,
+    x_scale: Tensor<B, 1>,
+    w_scale: Tensor<B, 1>,
+}
+
+fn forward<B: Fp8Ops + DeviceTransport>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    fp8: &Fp8Linear,
+) -> DistResult<Forward<B>> {
+    let dtype = fp8.config.format.forward_dtype();
+    let out_dtype = x.dtype();
+    let [x_amax, w_amax] = fp8.reduce_amaxes([
+        (B::fp8_amax(x.clone()), fp8.split.input),
+        (B::fp8_amax(w.clone()), fp8.split.weight),
+    ])?;
+    let x_scale = fp8.scale(Operand::Input, x_amax.clone(), dtype);
+    let w_scale = fp8.scale(Operand::Weight, w_amax.clone(), dtype);
+    let output = B::fp8_gemm(
+        B::fp8_quantize(x, x_scale.clone(), dtype, false),
+        dtype,
+        x_scale.clone().recip(),
+        B::fp8_quantize(w, w_scale.clone(), dtype, true),
+        dtype,
+        w_scale.clone().recip(),
+        out_dtype,
+    );
+    let output = match bias {
+        Some(bias) => B::bias_add(output, bias),
+        None => output,
+    };
+    fp8.record(Operand::Input, x_amax, dtype);
+    fp8.record(Operand::Weight, w_amax, dtype);
+    Ok(Forward {
+        output,
+        x_scale,
+        w_scale,
+    })
+}
+
+impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
+    /// The inner backend's forward and one node keeping `q(x)ᵀ`, `w` and their scales.
+    fn fp8_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        fp8: &Fp8Linear,
+    ) -> DistResult<Tensor<Self, 2>> {
+        let (x, w, bias) = (raw(x), raw(w), bias.map(raw));
+        let (x_inner, w_inner) = (inner::<B, 2>(&x), inner::<B, 2>(&w));
+        let (x_dtype, w_dtype) = (x_inner.dtype(), w_inner.dtype());
+        let f = forward(
+            x_inner.clone(),
+            w_inner.clone(),
+            bias.as_ref().map(inner),
+            fp8,
+        )?;
+        let tracked =
+            x.is_tracked() || w.is_tracked() || bias.as_ref().is_some_and(|b| b.is_tracked());
+        let dtype = fp8.config.format.forward_dtype();
+        // Only the weight gradient reads the input, as its transposed cast.
+        let x_t = match tracked && w.is_tracked() {
+            true => B::fp8_quantize(x_inner, f.x_scale.clone(), dtype, true),
+            false => Tensor::<B, 2>::empty([0, 0], &x_inner.device()),
+        };
+        let state = (
+            raw(x_t),
+            raw(f.x_scale.recip()),
+            raw(w_inner),
+            raw(f.w_scale),
+        );
+        let step = Fp8LinearBackward {
+            fp8: fp8.clone(),
+            x_dtype,
+            w_dtype,
+        };
+        let output = raw(f.output);
+        Ok(wrap(match &bias {
+            Some(bias) => record::<B, C, _>(step, &[&x, &w, bias], state, output),
+            None => record::<B, C, _>(step, &[&x, &w], state, output),
+        }))
+    }
+}
+
+/// The backward of the FP8 linear layer: the output gradient's amax (reduced where split),
+/// its scale and cast (twice: as it is for `dx`, transposed for `dw`), the two FP8 GEMMs and
+/// the bias gradient; then, under delayed scaling, the gradient's amax recorded. Its parents
+/// are `[x, w]` or `[x, w, bias]`.
+#[derive(Debug)]
+struct Fp8LinearBackward {
+    fp8: Fp8Linear,
+    x_dtype: DType,
+    w_dtype: DType,
+}
+
+impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
+    /// `q(x)ᵀ` (empty when the weight needs no gradient), `1 / x_scale`, `w`, `w_scale`.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    );
+
+    fn backward(
+        self,
+        dy: FloatTensor<B>,
+        (x_t, x_scale_inv, w, w_scale): <Self as BackwardStep<B>>::State,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        let dy = wrap::<B, 2>(dy);
+        let fp8 = &self.fp8;
+        let (forward_dtype, grad_dtype) = (
+            fp8.config.format.forward_dtype(),
+            fp8.config.format.gradient_dtype(),
+        );
+        let local = B::fp8_amax(dy.clone());
+        // Backward has no error channel: a failed reduction is recorded on the group (its
+        // every later call, and `backward_failure`, returns it) and the local amax used.
+        let [amax] = match fp8.reduce_amaxes([(local.clone(), fp8.split.grad_output)]) {
+            Ok(amax) => amax,
+            Err(error) => {
+                if let Some(group) = &fp8.group {
+                    group.fail_in_backward(error);
+                }
+                [local]
+            }
+        };
+        let scale = fp8.scale(Operand::GradOutput, amax.clone(), grad_dtype);
+        let scale_inv = scale.clone().recip();
+        register(grads, parent(parents, 0), || {
+            let w_scale = wrap::<B, 1>(w_scale);
+            B::fp8_gemm(
+                B::fp8_quantize(dy.clone(), scale.clone(), grad_dtype, false),
+                grad_dtype,
+                scale_inv.clone(),
+                B::fp8_quantize(wrap(w), w_scale.clone(), forward_dtype, false),
+                forward_dtype,
+                w_scale.recip(),
+                self.x_dtype,
+            )
+        });
+        register(grads, parent(parents, 1), || {
+            B::fp8_gemm(
+                wrap(x_t),
+                forward_dtype,
+                wrap(x_scale_inv),
+                B::fp8_quantize(dy.clone(), scale.clone(), grad_dtype, true),
+                grad_dtype,
+                scale_inv.clone(),
+                self.w_dtype,
+            )
+        });
+        register(grads, parent(parents, 2), || B::bias_gradient(dy));
+        fp8.record(Operand::GradOutput, amax, grad_dtype);
+    }
+}
+
+/// Our CUDA backend and burn-cuda: the forward above on their [`Fp8Ops`].
+#[cfg(feature = "cuda")]
+mod cuda {
+    use burn_cubecl::cubecl::cuda::CudaRuntime;
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+    use burn_megatron_kernels::cuda::MegatronCudaRuntime;
+
+    use super::Fp8LinearOps;
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8LinearOps
+        for CubeBackend<MegatronCudaRuntime, F, I, BT>
+    {
+    }
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8LinearOps
+        for CubeBackend<CudaRuntime, F, I, BT>
+    {
+    }
+}
+
+/// wgpu: the forward above on the compositions.
+#[cfg(feature = "wgpu")]
+impl<F, I, BT> Fp8LinearOps for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
+where
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}

@@ -1,0 +1,254 @@
+//! Megatron's FP8 settings (`--fp8-format`, `--fp8-recipe`, `--fp8-margin`,
+//! `--fp8-amax-history-len`, `--fp8-amax-compute-algo`) and the scales they give.
+//!
+//! A tensor is cast as `q = round(x · scale)` and the GEMM multiplies its result by
+//! `1 / scale`; the scale maps the tensor's largest magnitude (its *amax*) onto the format's
+//! largest value, `scale = max / amax / 2^margin`. Everything here stays on the device: the
+//! amax is a `[1]` tensor, the scale is computed from it with tensor operations, and a
+//! non-finite or zero amax keeps the previous scale through a mask, never a host read.
+
+use burn::config::Config;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+
+use super::Fp8Dtype;
+use crate::error::ConfigError;
+
+/// Which FP8 formats the GEMMs use (Megatron's `--fp8-format`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Fp8Format {
+    /// E4M3 for activations and weights, E5M2 (more range, less precision) for the
+    /// gradients: Transformer Engine's recommendation.
+    Hybrid,
+    /// E4M3 everywhere.
+    E4M3,
+}
+
+impl Fp8Format {
+    /// The format of the forward pass's operands (activations and weights): E4M3.
+    pub fn forward_dtype(self) -> Fp8Dtype {
+        Fp8Dtype::E4M3
+    }
+
+    /// The format of the output gradients in the backward pass: E5M2 for `hybrid`, E4M3 for
+    /// `e4m3`.
+    pub fn gradient_dtype(self) -> Fp8Dtype {
+        match self {
+            Self::Hybrid => Fp8Dtype::E5M2,
+            Self::E4M3 => Fp8Dtype::E4M3,
+        }
+    }
+
+    /// Megatron's names, `hybrid` and `e4m3` (case-insensitive).
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        match name.to_ascii_lowercase().as_str() {
+            "hybrid" => Ok(Self::Hybrid),
+            "e4m3" => Ok(Self::E4M3),
+            _ => Err(ConfigError::Invalid(format!(
+                "--fp8-format {name:?}: use hybrid (E4M3 forward, E5M2 gradients) or e4m3"
+            ))),
+        }
+    }
+}
+
+/// How the scales are chosen (Megatron's `--fp8-recipe`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Fp8Recipe {
+    /// Current scaling: each tensor's scale comes from its own amax, computed on the device
+    /// right before the cast. Stateless, so a recomputed forward casts exactly as the first.
+    Tensorwise,
+    /// Delayed scaling: each tensor's scale comes from a history of the amaxes of its earlier
+    /// uses; the current amax is recorded after the cast. Saves the amax pass before the cast
+    /// (on a GPU, where the amax can come from the cast kernel itself).
+    Delayed,
+}
+
+impl Fp8Recipe {
+    /// Megatron's names, `tensorwise` and `delayed` (case-insensitive).
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        match name.to_ascii_lowercase().as_str() {
+            "tensorwise" => Ok(Self::Tensorwise),
+            "delayed" => Ok(Self::Delayed),
+            "mxfp8" | "blockwise" => Err(ConfigError::Invalid(format!(
+                "--fp8-recipe {name}: not implemented yet; use tensorwise or delayed"
+            ))),
+            _ => Err(ConfigError::Invalid(format!(
+                "--fp8-recipe {name:?}: use tensorwise or delayed"
+            ))),
+        }
+    }
+}
+
+/// How delayed scaling reads its amax history (Megatron's `--fp8-amax-compute-algo`).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum AmaxComputeAlgo {
+    /// The largest amax of the history.
+    Max,
+    /// The latest amax.
+    MostRecent,
+}
+
+impl AmaxComputeAlgo {
+    /// Megatron's names, `max` and `most_recent`.
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        match name.to_ascii_lowercase().as_str() {
+            "max" => Ok(Self::Max),
+            "most_recent" => Ok(Self::MostRecent),
+            _ => Err(ConfigError::Invalid(format!(
+                "--fp8-amax-compute-algo {name:?}: use max or most_recent"
+            ))),
+        }
+    }
+}
+
+/// FP8 training of the transformer layers' GEMMs (QKV, attention output, the MLP's): which
+/// formats, which scaling recipe, and its settings. The embedding, the output layer, the norms,
+/// the softmax and the loss stay in the model's dtype, as Megatron does.
+#[derive(Config, Debug, PartialEq)]
+pub struct Fp8Config {
+    /// The formats (`--fp8-format`).
+    #[config(default = "Fp8Format::Hybrid")]
+    pub format: Fp8Format,
+    /// The scaling recipe (`--fp8-recipe`).
+    #[config(default = "Fp8Recipe::Tensorwise")]
+    pub recipe: Fp8Recipe,
+    /// The scale is divided by `2^margin` (`--fp8-margin`): headroom for an amax that grows
+    /// before the scale follows (delayed scaling), or none (0, the default).
+    #[config(default = 0)]
+    pub margin: i32,
+    /// Amaxes remembered per tensor by delayed scaling (`--fp8-amax-history-len`). 1024 is
+    /// Transformer Engine's default; Megatron's command line defaults to 1.
+    #[config(default = 1024)]
+    pub amax_history_len: usize,
+    /// How delayed scaling reads the history (`--fp8-amax-compute-algo`). `max` is
+    /// Transformer Engine's default; Megatron's command line defaults to `most_recent`.
+    #[config(default = "AmaxComputeAlgo::Max")]
+    pub amax_compute_algo: AmaxComputeAlgo,
+}
+
+impl Fp8Config {
+    /// Checks the settings: a history of at least one amax, a margin that keeps the scale's
+    /// factor `2^-margin` a normal f32 (|margin| ≤ 100).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.amax_history_len == 0 {
+            return Err(ConfigError::Invalid(
+                "--fp8-amax-history-len must be at least 1".into(),
+            ));
+        }
+        if self.margin.abs() > 100 {
+            return Err(ConfigError::Invalid(format!(
+                "--fp8-margin ({}) must be within ±100: the scale is divided by 2^margin",
+                self.margin
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// `dtype.max() / amax / 2^margin` where `amax` is positive and finite, else `fallback` (the
+/// previous scale; Transformer Engine's rule, so that a NaN or infinite amax, from an
+/// overflowing step, leaves the scale as it was, and an all-zero tensor keeps it too). A
+/// scale that would overflow f32 (an amax below `max / f32::MAX`) is capped at `f32::MAX`.
+///
+/// # Shapes
+/// `amax`, `fallback` and the output: `[1]` f32.
+pub fn scale_from_amax<B: Backend>(
+    amax: Tensor<B, 1>,
+    fallback: Tensor<B, 1>,
+    dtype: Fp8Dtype,
+    margin: i32,
+) -> Tensor<B, 1> {
+    let amax = amax.cast(DType::F32);
+    let max = Tensor::<B, 1>::full([1], dtype.max(), (&amax.device(), DType::F32));
+    let scale = (max / amax.clone())
+        .mul_scalar(2f64.powi(-margin))
+        .clamp_max(f32::MAX);
+    // NaN fails both comparisons.
+    let usable = amax
+        .clone()
+        .greater_elem(0.0)
+        .bool_and(amax.lower_elem(f32::INFINITY));
+    fallback.cast(DType::F32).mask_where(usable, scale)
+}
+
+/// The tensorwise (current) scale of a tensor whose amax is `amax`: `max / amax / 2^margin`,
+/// or 1 where the amax is zero, NaN or infinite (there is no previous scale to keep; a NaN in
+/// the tensor stays NaN through the cast and reaches the loss).
+///
+/// # Shapes
+/// `amax` and the output: `[1]` f32.
+pub fn tensorwise_scale<B: Backend>(
+    amax: Tensor<B, 1>,
+    dtype: Fp8Dtype,
+    margin: i32,
+) -> Tensor<B, 1> {
+    let ones = Tensor::<B, 1>::ones([1], (&amax.device(), DType::F32));
+    scale_from_amax(amax, ones, dtype, margin)
+}
+
+/// One tensor's delayed-scaling state, on the device: the amaxes of its last uses, newest
+/// first (zeros before there are any), and the scale the next cast uses (1 at first).
+#[derive(Debug, Clone)]
+pub struct DelayedScaling<B: Backend> {
+    history: Tensor<B, 1>,
+    scale: Tensor<B, 1>,
+}
+
+impl<B: Backend> DelayedScaling<B> {
+    /// A fresh state of `history_len` amaxes on `device`.
+    pub fn new(history_len: usize, device: &B::Device) -> Self {
+        Self {
+            history: Tensor::zeros([history_len.max(1)], (device, DType::F32)),
+            scale: Tensor::ones([1], (device, DType::F32)),
+        }
+    }
+
+    /// The scale of the next cast, `[1]` f32.
+    pub fn scale(&self) -> Tensor<B, 1> {
+        self.scale.clone()
+    }
+
+    /// The amax history, newest first, `[history_len]` f32.
+    pub fn history(&self) -> Tensor<B, 1> {
+        self.history.clone()
+    }
+
+    /// Records `amax` (`[1]`, the amax of the tensor just cast with [`scale`](Self::scale)):
+    /// it enters the history at the front, the oldest entry drops out, and the next scale is
+    /// computed from the history's largest (`max`) or newest (`most_recent`) amax by
+    /// [`scale_from_amax`], the current scale its fallback.
+    ///
+    /// A NaN or infinite `amax` is not recorded at all: history and scale stay as they were.
+    /// Transformer Engine skips the scale update too but writes the amax into its history,
+    /// where (with `max`) it freezes the scale until it rolls out; leaving it out lets the
+    /// next finite step update the scale again. Mask operations only: no host read.
+    pub fn record(
+        &mut self,
+        amax: Tensor<B, 1>,
+        dtype: Fp8Dtype,
+        margin: i32,
+        algo: AmaxComputeAlgo,
+    ) {
+        let amax = amax.cast(DType::F32);
+        let len = self.history.dims()[0];
+        let rolled = match len {
+            1 => amax.clone(),
+            _ => Tensor::cat(
+                vec![amax.clone(), self.history.clone().narrow(0, 0, len - 1)],
+                0,
+            ),
+        };
+        let finite = amax.clone().lower_elem(f32::INFINITY);
+        let history = self
+            .history
+            .clone()
+            .mask_where(finite.clone().expand([len]), rolled);
+        let chosen = match algo {
+            AmaxComputeAlgo::Max => history.clone().max(),
+            AmaxComputeAlgo::MostRecent => history.clone().narrow(0, 0, 1),
+        };
+        let scale = scale_from_amax(chosen, self.scale.clone(), dtype, margin);
+        self.scale = self.scale.clone().mask_where(finite, scale);
+        self.history = history;
+    }
+}
