@@ -7,6 +7,7 @@ use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
+use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
 use crate::ops::linear;
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
@@ -34,6 +35,8 @@ pub struct ColumnParallelLinearConfig {
     /// Standard deviation of the normal initialisation of the weight.
     #[config(default = 0.02)]
     pub init_std: f64,
+    /// FP8 GEMMs (forward and backward) with these settings; `None` for the model's dtype.
+    pub fp8: Option<Fp8Config>,
 }
 
 /// `y = x A + b` with `A` split by columns: rank `r` holds columns
@@ -52,6 +55,9 @@ pub struct ColumnParallelLinear<B: Backend> {
     tp: TpContext,
     #[module(skip)]
     gather_output: bool,
+    /// The FP8 settings and scaling state, when the GEMMs run in FP8.
+    #[module(skip)]
+    fp8: Option<Fp8Linear>,
 }
 
 impl ColumnParallelLinearConfig {
@@ -81,6 +87,10 @@ impl ColumnParallelLinearConfig {
             bias,
             tp: TpContext::new(tp, self.sequence_parallel),
             gather_output: self.gather_output,
+            fp8: self
+                .fp8
+                .clone()
+                .map(|c| Fp8Linear::new(c, Some(tp), Fp8Split::COLUMN_PARALLEL)),
         })
     }
 }
@@ -130,7 +140,7 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
     /// [`forward`](Self::forward), returning communication errors.
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
         let bias = self.bias.as_ref().map(|b| b.val());
-        let output = linear(self.input(input)?, self.weight.val(), bias);
+        let output = self.product(self.input(input)?, bias)?;
         self.output(output)
     }
 
@@ -153,12 +163,30 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
         &self,
         entered: Tensor<B, D>,
     ) -> DistResult<(Tensor<B, D>, Option<Tensor<B, 1>>)> {
-        let output = self.output(linear(entered, self.weight.val(), None))?;
+        let output = self.output(self.product(entered, None)?)?;
         let bias = match &self.bias {
             Some(bias) => Some(self.output(bias.val())?),
             None => None,
         };
         Ok((output, bias))
+    }
+
+    /// `x A + b` on this rank's columns: [`linear`], or [`fp8_linear`] when the layer runs in
+    /// FP8 (its amaxes of the weight and the output gradient reduced over the group).
+    fn product<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        bias: Option<Tensor<B, 1>>,
+    ) -> DistResult<Tensor<B, D>> {
+        match &self.fp8 {
+            Some(fp8) => fp8_linear(x, self.weight.val(), bias, fp8),
+            None => Ok(linear(x, self.weight.val(), bias)),
+        }
+    }
+
+    /// The FP8 settings and scaling state, when the layer's GEMMs run in FP8.
+    pub fn fp8(&self) -> Option<&Fp8Linear> {
+        self.fp8.as_ref()
     }
 
     /// Whether `other` enters its input into the same region the same way, so that one

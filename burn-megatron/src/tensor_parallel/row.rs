@@ -7,6 +7,7 @@ use burn_megatron_dist::mapping::scatter_to_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
+use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
 use crate::ops::{bias_add, linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
@@ -37,6 +38,8 @@ pub struct RowParallelLinearConfig {
     /// `1 / sqrt(2 · layers)` for the output layers of a transformer).
     #[config(default = 0.02)]
     pub init_std: f64,
+    /// FP8 GEMMs (forward and backward) with these settings; `None` for the model's dtype.
+    pub fp8: Option<Fp8Config>,
 }
 
 /// `y = x A + b` with `A` split by rows: rank `r` holds rows
@@ -55,6 +58,9 @@ pub struct RowParallelLinear<B: Backend> {
     tp: TpContext,
     #[module(skip)]
     input_is_parallel: bool,
+    /// The FP8 settings and scaling state, when the GEMMs run in FP8.
+    #[module(skip)]
+    fp8: Option<Fp8Linear>,
 }
 
 impl RowParallelLinearConfig {
@@ -84,6 +90,10 @@ impl RowParallelLinearConfig {
             bias,
             tp: TpContext::new(tp, self.sequence_parallel),
             input_is_parallel: self.input_is_parallel,
+            fp8: self
+                .fp8
+                .clone()
+                .map(|c| Fp8Linear::new(c, Some(tp), Fp8Split::ROW_PARALLEL)),
         })
     }
 }
@@ -144,15 +154,33 @@ impl<B: ModelBackend> RowParallelLinear<B> {
             // Nothing to reduce between the GEMM and the bias: the bias goes into the GEMM
             // (cuBLASLt's epilogue on our CUDA backend), with no separate add.
             let bias = self.bias.as_ref().map(|b| b.val());
-            return Ok(linear(input, self.weight.val(), bias));
+            return self.product(input, bias);
         }
-        let output = self.tp.leave(linear(input, self.weight.val(), None))?;
+        let output = self.tp.leave(self.product(input, None)?)?;
         let Some(bias) = &self.bias else {
             return Ok(output);
         };
         // Under sequence parallelism each rank adds the bias to its own part of the sequence:
         // its gradient is partial (see `TpContext::replicated`).
         Ok(bias_add(output, self.tp.replicated(bias.val())?))
+    }
+
+    /// `x A + b` on this rank's rows: [`linear`], or [`fp8_linear`] when the layer runs in
+    /// FP8 (its amaxes of the input and the weight reduced over the group).
+    fn product<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        bias: Option<Tensor<B, 1>>,
+    ) -> DistResult<Tensor<B, D>> {
+        match &self.fp8 {
+            Some(fp8) => fp8_linear(x, self.weight.val(), bias, fp8),
+            None => Ok(linear(x, self.weight.val(), bias)),
+        }
+    }
+
+    /// The FP8 settings and scaling state, when the layer's GEMMs run in FP8.
+    pub fn fp8(&self) -> Option<&Fp8Linear> {
+        self.fp8.as_ref()
     }
 
     /// The tensor-parallel group.

@@ -131,11 +131,13 @@ impl<B: ModelBackend> ParallelAttention<B> {
         .with_bias(config.add_bias_linear)
         .with_sequence_parallel(config.sequence_parallel)
         .with_init_std(config.init_std)
+        .with_fp8(config.fp8.clone())
         .init(tp, seed("qkv"), device)?;
         let output = RowParallelLinearConfig::new(heads * head_dim, config.hidden_size)
             .with_bias(config.add_bias_linear)
             .with_sequence_parallel(config.sequence_parallel)
             .with_init_std(output_init_std(config))
+            .with_fp8(config.fp8.clone())
             .init(tp, seed("output"), device)?;
         Ok(Self {
             qkv,

@@ -6,6 +6,7 @@ use burn::config::Config;
 use super::moe::MoeSettings;
 use crate::error::ConfigError;
 use crate::ops::GeluForm;
+use crate::ops::fp8::{Fp8Config, Fp8Recipe};
 use crate::tensor_parallel::VocabPartition;
 
 /// Normalisation layer.
@@ -190,6 +191,12 @@ pub struct TransformerConfig {
     /// `--moe-*`); `None`: dense MLPs only.
     #[config(default = "None")]
     pub moe: Option<MoeSettings>,
+    /// FP8 GEMMs in every transformer layer's linear layers (QKV, attention output, the
+    /// MLP's; `--fp8-format`, `--fp8-recipe`, ...); `None`: the model's dtype throughout. The
+    /// embedding, the output layer, norms, softmax, the loss and the experts of MoE layers
+    /// stay in the model's dtype.
+    #[config(default = "None")]
+    pub fp8: Option<Fp8Config>,
 }
 
 /// A configuration checked against a TP size, with notes for the user (e.g. vocab padding).
@@ -362,6 +369,18 @@ impl TransformerConfig {
                  must be positive and finite",
                 self.init_std
             )));
+        }
+        if let Some(fp8) = &self.fp8 {
+            fp8.validate()?;
+            if fp8.recipe == Fp8Recipe::Delayed && self.recompute.reruns_layers() {
+                return Err(ConfigError::Invalid(
+                    "--fp8-recipe delayed with full recomputation is not supported yet: the \
+                     rerun forward pass would cast with a scale its first run has already \
+                     moved on; use --fp8-recipe tensorwise (stateless) or leave \
+                     --recompute-granularity full out"
+                        .into(),
+                ));
+            }
         }
         if let Some(moe) = &self.moe {
             moe.validate(self.hidden_size, self.ffn_hidden_size, self.num_layers, 1)?;

@@ -72,6 +72,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
                 .with_bias(config.add_bias_linear)
                 .with_sequence_parallel(config.sequence_parallel)
                 .with_init_std(config.init_std)
+                .with_fp8(config.fp8.clone())
         };
         let gate = match config.activation {
             Activation::SwiGlu => Some(up().init(tp, seed("gate"), device)?),
@@ -84,6 +85,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
                 .with_bias(config.add_bias_linear)
                 .with_sequence_parallel(config.sequence_parallel)
                 .with_init_std(output_init_std(config))
+                .with_fp8(config.fp8.clone())
                 .init(tp, seed("fc2"), device)?,
             gelu: config.activation.gelu_form(),
         })
