@@ -111,6 +111,9 @@ pub struct BufferLayout {
     /// Elements in each buffer, padding included.
     numel: usize,
     config: BufferConfig,
+    /// Parameters of the module deliberately left to another buffer (the routed experts,
+    /// reduced over another group): gathering gradients skips them.
+    excluded: std::collections::HashSet<ParamId>,
 }
 
 impl BufferLayout {
@@ -120,11 +123,26 @@ impl BufferLayout {
         infos: &[ParamInfo],
         config: BufferConfig,
     ) -> core::result::Result<Self, ConfigError> {
+        Self::new_where(infos, config, |_| true)
+    }
+
+    /// The layout of those of `infos` that `keep` accepts; the others belong to another
+    /// buffer (as the routed experts, reduced over the expert-data-parallel group, do).
+    pub fn new_where(
+        infos: &[ParamInfo],
+        config: BufferConfig,
+        keep: impl Fn(&ParamInfo) -> bool,
+    ) -> core::result::Result<Self, ConfigError> {
         config.validate()?;
         let align = config.param_alignment;
         let mut offset = 0;
         let mut slots = Vec::with_capacity(infos.len());
-        for info in infos.iter().rev() {
+        let excluded = infos
+            .iter()
+            .filter(|info| !keep(info))
+            .map(|info| info.id)
+            .collect();
+        for info in infos.iter().rev().filter(|info| keep(info)) {
             let numel = info.shape.iter().product::<usize>();
             slots.push(ParamSlot {
                 id: info.id,
@@ -145,7 +163,13 @@ impl BufferLayout {
             by_id,
             numel,
             config,
+            excluded,
         })
+    }
+
+    /// Whether parameter `id` of the module belongs to another buffer.
+    pub fn excludes(&self, id: ParamId) -> bool {
+        self.excluded.contains(&id)
     }
 
     /// The parameters in buffer order (the reverse of the module's visiting order).
@@ -241,8 +265,22 @@ impl<B: Backend> ParamAndGradBuffer<B> {
         BA: AutodiffBackend<InnerBackend = B>,
         M: Module<BA> + DeclarePlacements,
     {
+        Self::from_module_where(module, config, |_| true)
+    }
+
+    /// [`from_module`](Self::from_module) for the parameters `keep` accepts
+    /// ([`BufferLayout::new_where`]).
+    pub fn from_module_where<BA, M>(
+        module: &M,
+        config: BufferConfig,
+        keep: impl Fn(&ParamInfo) -> bool,
+    ) -> crate::Result<Self>
+    where
+        BA: AutodiffBackend<InnerBackend = B>,
+        M: Module<BA> + DeclarePlacements,
+    {
         let infos = try_param_infos(module)?;
-        let layout = BufferLayout::new(&infos, config)?;
+        let layout = BufferLayout::new_where(&infos, config, keep)?;
         struct Copy<'a, B: Backend> {
             layout: &'a BufferLayout,
             buffer: Option<Tensor<B, 1>>,
@@ -451,6 +489,9 @@ where
                 return;
             }
             let path = self.path.current();
+            if self.layout.excludes(param.id) {
+                return;
+            }
             let Some(slot) = self.layout.slot(param.id) else {
                 self.error = Some(InputError::UnknownParameter { path });
                 return;

@@ -9,7 +9,11 @@
 //!    gradient buffer;
 //! 2. they are averaged over DP ([`grad_reduction`](crate::distributed::grad_reduction)): all-reduced, or,
 //!    with the distributed optimizer, reduce-scattered so that the rank holds only the shard
-//!    `layout.shard(dp_rank)` it updates;
+//!    `layout.shard(dp_rank)` it updates; under context parallelism (CP > 1) the result is
+//!    then summed over the CP group (each CP rank's gradients are its tokens' share, see
+//!    [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)):
+//!    the reduction over DP × CP, the shard's only (the CP ranks of one DP rank hold the
+//!    same shard), so the optimizer state stays sharded over DP and CP ranks hold copies;
 //! 3. the global gradient norm: each rank sums the squares of the elements it holds and
 //!    counts (TP-replicated parameters on TP rank 0 only, a tied embedding's last-stage copy
 //!    not at all); with sharding the sums are added over DP (each shard once), and then over
@@ -117,7 +121,12 @@ impl DistributedAdamWConfig {
         adam.buffer.dp_size = state.dp().size();
         Self { adam, ..*self }.validate()?;
         super::shared_leaves::refuse_shared_leaves::<B, M>(model, state.world())?;
-        let mut buffer = ParamAndGradBuffer::from_module(model, adam.buffer)?;
+        let has_experts = crate::tensor_parallel::try_param_infos(model)?
+            .iter()
+            .any(|info| info.placement.is_expert());
+        let mut buffer = ParamAndGradBuffer::from_module_where(model, adam.buffer, |info| {
+            !info.placement.is_expert()
+        })?;
         let layout = buffer.layout().clone();
         check_dp(&layout, state.dp())?;
         let dp_rank = state.dp().rank();
@@ -149,9 +158,21 @@ impl DistributedAdamWConfig {
             Tensor::from_data(TensorData::new(values, [len]), (&device, DType::F32))
         };
         let zeros = || Tensor::zeros([range.len()], (&device, DType::F32));
+        let experts = match has_experts {
+            true => Some(ExpertPart::init(
+                model,
+                state,
+                adam,
+                self.data_parallel.use_distributed_optimizer,
+                shared_copies,
+            )?),
+            false => None,
+        };
         Ok(DistributedAdamW {
+            experts,
             config: DistributedAdamWConfig { adam, ..*self },
             dp: state.dp().clone(),
+            cp: (state.cp().size() > 1).then(|| state.cp().clone()),
             model_parallel: state.model_parallel().clone(),
             range_start: range.start,
             exp_avg: zeros(),
@@ -168,6 +189,176 @@ impl DistributedAdamWConfig {
             partial: Placements::of(model).partial_gradients().to_vec(),
             overlap: None,
         })
+    }
+}
+
+/// The routed experts' part of a [`DistributedAdamW`]: their own flat buffers, averaged over
+/// the expert-data-parallel group (the ranks that hold the same experts) instead of DP, and
+/// sharded over it with the distributed optimizer (Megatron's expert buffers and
+/// `expert_data_parallel_group`).
+#[derive(Debug, Clone)]
+struct ExpertPart<B: AutodiffBackend> {
+    expert_dp: ProcessGroup,
+    ep: ProcessGroup,
+    /// Expert gradients are averaged over expert-DP; times this (`expert_dp / dp = 1 / ep`)
+    /// they are the DP average of the loss's gradient, as the dense ones.
+    grad_scale: f64,
+    layout: BufferLayout,
+    buffer: ParamAndGradBuffer<B::InnerBackend>,
+    range_start: usize,
+    master: Tensor<B::InnerBackend, 1>,
+    exp_avg: Tensor<B::InnerBackend, 1>,
+    exp_avg_sq: Tensor<B::InnerBackend, 1>,
+    decay: Tensor<B::InnerBackend, 1>,
+    counted: Tensor<B::InnerBackend, 1>,
+    step: Tensor<B::InnerBackend, 1>,
+}
+
+impl<B> ExpertPart<B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: ModelBackend,
+{
+    fn init<M>(
+        model: &M,
+        state: &ParallelState,
+        adam: FlatAdamWConfig,
+        sharded: bool,
+        shared_copies: &[String],
+    ) -> crate::Result<Self>
+    where
+        B: ModelBackend,
+        M: AutodiffModule<B> + DeclarePlacements,
+    {
+        let expert_dp = state.expert_dp().clone();
+        let mut config = adam.buffer;
+        config.dp_size = expert_dp.size();
+        let mut buffer = ParamAndGradBuffer::from_module_where(model, config, |info| {
+            info.placement.is_expert()
+        })?;
+        let layout = buffer.layout().clone();
+        let range = if sharded {
+            layout.shard(expert_dp.rank())
+        } else {
+            0..layout.numel()
+        };
+        let full = buffer.take_main_params();
+        check_same_parameters(&full, &expert_dp)?;
+        let device = full.device();
+        let master = if range.len() == layout.numel() {
+            full
+        } else {
+            Tensor::zeros([range.len()], (&device, DType::F32)).add(full.slice(range.clone()))
+        };
+        let align = config.param_alignment;
+        let blocks = range.start / align..range.end / align;
+        let policy = adam.decay_policy;
+        let decay = layout.block_flags(|slot| policy.decays(slot.kind))[blocks.clone()].to_vec();
+        // Replicated over TP (no expert tensor parallelism): counted on TP rank 0.
+        let tp_rank = state.tp().rank();
+        let counted = layout
+            .block_flags(|_| tp_rank == 0)
+            .into_iter()
+            .zip(layout.block_flags(|slot| !shared_copies.contains(&slot.path)))
+            .map(|(a, b)| a * b)
+            .collect::<Vec<_>>()[blocks]
+            .to_vec();
+        let f32_tensor = |values: Vec<f32>| {
+            let len = values.len();
+            Tensor::from_data(TensorData::new(values, [len]), (&device, DType::F32))
+        };
+        let zeros = || Tensor::zeros([range.len()], (&device, DType::F32));
+        Ok(Self {
+            grad_scale: expert_dp.size() as f64 / state.dp().size() as f64,
+            expert_dp,
+            ep: state.ep().clone(),
+            layout,
+            buffer,
+            range_start: range.start,
+            master,
+            exp_avg: zeros(),
+            exp_avg_sq: zeros(),
+            decay: f32_tensor(decay),
+            counted: f32_tensor(counted),
+            step: f32_tensor(vec![0.0]),
+        })
+    }
+
+    /// The experts' gradients averaged over DP (this rank's shard with the distributed
+    /// optimizer), and their sum of squares over every expert of the model: added over the
+    /// expert-DP shards, then over EP (each rank of an EP group holds other experts).
+    fn reduce<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: &GradientsParams,
+        bucket: usize,
+        sharded: bool,
+        align: usize,
+    ) -> crate::Result<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)> {
+        self.buffer.gather_grads(model, grads)?;
+        let full = self.buffer.grads();
+        self.buffer.release_grads();
+        let reduced = if sharded {
+            reduce_scatter_grads(full, &self.layout, &self.expert_dp, bucket)?
+        } else {
+            all_reduce_grads(full, &self.layout, &self.expert_dp, bucket)?
+        };
+        let reduced = reduced.mul_scalar(self.grad_scale);
+        let blocks = self.decay.dims()[0];
+        let mut sum_of_squares = (reduced.clone().reshape([blocks, align]).square().sum_dim(1)
+            * self.counted.clone().reshape([blocks, 1]))
+        .sum();
+        if sharded {
+            sum_of_squares = self.expert_dp.all_reduce(sum_of_squares, ReduceOp::Sum)?;
+        }
+        let sum_of_squares = self.ep.all_reduce(sum_of_squares, ReduceOp::Sum)?;
+        Ok((reduced, sum_of_squares))
+    }
+
+    /// The AdamW update of the experts' range, and the model with the new expert weights.
+    fn update<M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+        grads: Tensor<B::InnerBackend, 1>,
+        hyper: &AdamWScalars,
+        grad_factor: Tensor<B::InnerBackend, 1>,
+        found_inf: Tensor<B::InnerBackend, 1>,
+        flag: Option<Tensor<B::InnerBackend, 1>>,
+        sharded: bool,
+        model_dtype: DType,
+    ) -> crate::Result<M> {
+        let take = |t: &mut Tensor<B::InnerBackend, 1>| {
+            let device = t.device();
+            std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
+        };
+        let out = <B::InnerBackend as AdamWOps>::flat_adamw(
+            FlatAdamWBuffers {
+                master: take(&mut self.master),
+                grad: grads,
+                exp_avg: take(&mut self.exp_avg),
+                exp_avg_sq: take(&mut self.exp_avg_sq),
+                decay: self.decay.clone(),
+                step: self.step.clone(),
+                grad_factor,
+                found_inf,
+            },
+            hyper,
+            (model_dtype != DType::F32).then_some(model_dtype),
+        );
+        self.exp_avg = out.exp_avg;
+        self.exp_avg_sq = out.exp_avg_sq;
+        self.master = out.master.clone();
+        self.step = match flag {
+            Some(flag) => self.step.clone() + flag.neg().add_scalar(1.0),
+            None => self.step.clone().add_scalar(1.0),
+        };
+        let updated = out.model.unwrap_or(out.master);
+        let params = if sharded {
+            self.expert_dp.all_gather(updated, 0)?
+        } else {
+            updated
+        };
+        Ok(self.buffer.write_params(model, params))
     }
 }
 
@@ -299,6 +490,8 @@ pub struct DistributedStep<M, B: burn::tensor::backend::Backend> {
 pub struct DistributedAdamW<B: AutodiffBackend> {
     config: DistributedAdamWConfig,
     dp: ProcessGroup,
+    /// The context-parallel group, when CP > 1: the DP-reduced gradients are summed over it.
+    cp: Option<ProcessGroup>,
     model_parallel: ProcessGroup,
     layout: BufferLayout,
     /// The gradient buffer (`[numel]` f32); its master weights are moved to `master`.
@@ -329,6 +522,9 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     /// ([`Placements::partial_gradients`]: the schedules defer these sums whatever the
     /// model's layers say).
     partial: Vec<ParamId>,
+    /// The routed experts' buffers and state, if the model has MoE layers: reduced over the
+    /// expert-data-parallel group (the dense buffer leaves them out).
+    experts: Option<ExpertPart<B>>,
 }
 
 impl<B> DistributedAdamW<B>
@@ -499,15 +695,15 @@ where
         &mut self,
         lr: f64,
         model: M,
-        grads: &GradientsParams,
+        grads_in: &GradientsParams,
         loss_scale: Option<Tensor<B::InnerBackend, 1>>,
     ) -> crate::Result<DistributedStep<M, B::InnerBackend>> {
         let bucket = self.config.data_parallel.bucket_numel;
         let sharded = self.config.data_parallel.use_distributed_optimizer;
         let grads = match &self.overlap {
-            Some(overlap) => overlap.finish(&model, grads)?,
+            Some(overlap) => overlap.finish(&model, grads_in)?,
             None => {
-                self.buffer.gather_grads(&model, grads)?;
+                self.buffer.gather_grads(&model, grads_in)?;
                 let full = self.buffer.grads();
                 self.buffer.release_grads();
                 if sharded {
@@ -516,6 +712,12 @@ where
                     all_reduce_grads(full, &self.layout, &self.dp, bucket)?
                 }
             }
+        };
+        // The reduction is linear: averaging over DP, then summing the CP ranks' shares, is
+        // the reduction over DP × CP, and the CP sum moves only the rank's shard.
+        let grads = match &self.cp {
+            Some(cp) => cp.all_reduce(grads, ReduceOp::Sum)?,
+            None => grads,
         };
 
         let align = self.config.adam.buffer.param_alignment;
@@ -526,6 +728,14 @@ where
         if sharded {
             sum_of_squares = self.dp.all_reduce(sum_of_squares, ReduceOp::Sum)?;
         }
+        let expert_grads = match self.experts.as_mut() {
+            Some(experts) => {
+                let (grads, squares) = experts.reduce(&model, grads_in, bucket, sharded, align)?;
+                sum_of_squares = sum_of_squares + squares;
+                Some(grads)
+            }
+            None => None,
+        };
         let norm = self
             .model_parallel
             .all_reduce(sum_of_squares, ReduceOp::Sum)?
@@ -551,6 +761,7 @@ where
             (None, None) => self.one.clone(),
         };
         let flag = found_inf.as_ref().map(FoundInf::flag);
+        let (grad_factor_experts, flag_experts) = (grad_factor.clone(), flag.clone());
 
         let a = &self.config.adam;
         let hyper = AdamWScalars::new(lr, a.beta_1, a.beta_2, a.epsilon, a.weight_decay, align);
@@ -586,7 +797,19 @@ where
         } else {
             updated
         };
-        let model = self.buffer.write_params(model, params);
+        let mut model = self.buffer.write_params(model, params);
+        if let (Some(experts), Some(expert_grads)) = (self.experts.as_mut(), expert_grads) {
+            model = experts.update(
+                model,
+                expert_grads,
+                &hyper,
+                grad_factor_experts,
+                flag_experts.clone().unwrap_or_else(|| self.zero.clone()),
+                flag_experts,
+                sharded,
+                model_dtype,
+            )?;
+        }
         if let Some(overlap) = &self.overlap {
             overlap.arm(&model);
         }
