@@ -101,7 +101,8 @@ fn amax_kernel<F: Float, N: Size>(
     let mut shared = SharedMemory::<u32>::new(THREADS as usize);
     shared[tid] = best;
     sync_cube();
-    let mut step = THREADS as usize / 2;
+    // From the cube's size, not the `THREADS` constant: a loop may only change a runtime value.
+    let mut step = CUBE_DIM_X as usize / 2;
     while step > 0 {
         if tid < step && shared[tid + step] > shared[tid] {
             shared[tid] = shared[tid + step];

@@ -16,6 +16,7 @@ mod dropout;
 mod elementwise_layouts;
 mod embedding;
 mod flash_attention;
+mod fp8;
 mod gelu;
 mod norm;
 mod packed_flash_attention;
