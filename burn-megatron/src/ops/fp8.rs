@@ -240,19 +240,73 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
     }
 }
 
-/// Our CUDA backend: the compositions for now (cuBLASLt's FP8 GEMM and the cast kernels come
-/// here); burn-cuda keeps the compositions.
+/// Our CUDA backend: the CubeCL amax and cast kernels, whose FP8 bits are `U8` tensors that
+/// only the FP8 GEMM reads, and cuBLASLt's FP8 GEMM (`burn_megatron_kernels::fused::fp8`,
+/// `burn_megatron_kernels::cuda::gemm::gemm_fp8`); burn-cuda keeps the compositions.
 #[cfg(feature = "cuda")]
 mod cuda {
+    use burn::tensor::{DType, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-    use burn_megatron_kernels::cuda::MegatronCudaRuntime;
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
+    use burn_megatron_kernels::fused::fp8::{self, Fp8Kind};
 
-    use super::Fp8Ops;
+    use super::{Fp8Dtype, Fp8Ops};
+    use crate::ops::primitive::{raw, wrap};
+
+    fn kind(dtype: Fp8Dtype) -> Fp8Kind {
+        match dtype {
+            Fp8Dtype::E4M3 => Fp8Kind::E4M3,
+            Fp8Dtype::E5M2 => Fp8Kind::E5M2,
+        }
+    }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8Ops
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
+        fn fp8_amax(x: Tensor<Self, 2>) -> Tensor<Self, 1> {
+            wrap(fp8::amax(raw(x)))
+        }
+
+        fn fp8_quantize(
+            x: Tensor<Self, 2>,
+            scale: Tensor<Self, 1>,
+            dtype: Fp8Dtype,
+            transpose: bool,
+        ) -> Tensor<Self, 2> {
+            let scale = raw(scale.cast(DType::F32));
+            wrap(fp8::quantize(raw(x), &scale, kind(dtype), transpose))
+        }
+
+        fn fp8_gemm(
+            a: Tensor<Self, 2>,
+            a_dtype: Fp8Dtype,
+            a_scale_inv: Tensor<Self, 1>,
+            b: Tensor<Self, 2>,
+            b_dtype: Fp8Dtype,
+            b_scale_inv: Tensor<Self, 1>,
+            out: DType,
+        ) -> Tensor<Self, 2> {
+            let (a, b) = (raw(a), raw(b));
+            let (a_shape, b_shape) = (a.meta.shape().to_vec(), b.meta.shape().to_vec());
+            let a_scale_inv = raw(a_scale_inv.cast(DType::F32));
+            let b_scale_inv = raw(b_scale_inv.cast(DType::F32));
+            let product = gemm::gemm_fp8(
+                &a,
+                kind(a_dtype),
+                &a_scale_inv,
+                &b,
+                kind(b_dtype),
+                &b_scale_inv,
+                out,
+                false,
+            );
+            // cuBLASLt's FP8 GEMMs need each reduced dimension (d_in, d_out and the tokens of
+            // a microbatch) a multiple of 16: the main job checks its layout before it starts.
+            wrap(product.unwrap_or_else(|e| {
+                panic!("FP8 GEMM [{a_shape:?}] x [{b_shape:?}]^T: cuBLASLt cannot take it: {e:?}")
+            }))
+        }
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8Ops
