@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
+use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
@@ -260,6 +261,29 @@ pub struct PretrainArgs {
     #[arg(long, help_heading = "Training")]
     pub hysteresis: Option<usize>,
 
+    /// FP8 GEMMs in every transformer layer (QKV, attention output, the MLP's): hybrid (E4M3
+    /// activations and weights, E5M2 gradients) or e4m3 (E4M3 everywhere). The embedding,
+    /// output layer, norms and loss stay in the run's dtype. Megatron needs --bf16 or --fp16
+    /// with it; here it also runs in fp32, so that the CPU build runs it (emulated in f32).
+    /// [default: off]
+    #[arg(long, help_heading = "FP8")]
+    pub fp8_format: Option<String>,
+    /// How FP8 scales are chosen: tensorwise (each tensor's current amax) or delayed (a
+    /// history of earlier amaxes). [default: tensorwise]
+    #[arg(long, help_heading = "FP8")]
+    pub fp8_recipe: Option<String>,
+    /// FP8 scales are divided by 2^margin. [default: 0]
+    #[arg(long, allow_hyphen_values = true, help_heading = "FP8")]
+    pub fp8_margin: Option<i32>,
+    /// Amaxes remembered per tensor by --fp8-recipe delayed (Transformer Engine's default;
+    /// Megatron's is 1). [default: 1024]
+    #[arg(long, help_heading = "FP8")]
+    pub fp8_amax_history_len: Option<usize>,
+    /// How --fp8-recipe delayed reads its history: max or most_recent (Transformer Engine's
+    /// default is max, Megatron's most_recent). [default: max]
+    #[arg(long, help_heading = "FP8")]
+    pub fp8_amax_compute_algo: Option<String>,
+
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
     #[arg(long, num_args = 1.., value_name = "WEIGHT PREFIX", help_heading = "Data")]
@@ -387,6 +411,7 @@ impl PretrainArgs {
             a.recompute_method.as_deref(),
             a.recompute_num_layers,
         )?;
+        c.fp8 = fp8(&a)?;
         Ok(c)
     }
 
@@ -459,6 +484,11 @@ impl PretrainArgs {
             initial_loss_scale,
             loss_scale_window,
             hysteresis,
+            fp8_format,
+            fp8_recipe,
+            fp8_margin,
+            fp8_amax_history_len,
+            fp8_amax_compute_algo,
             data_path,
             split,
         )
@@ -553,6 +583,52 @@ fn recompute(
             "--recompute-granularity {other:?}: use selective or full"
         )),
     }
+}
+
+/// Megatron's FP8 options: `--fp8-format` turns FP8 on, and the others are refused without
+/// it; `--fp8-amax-history-len` and `--fp8-amax-compute-algo` belong to `--fp8-recipe
+/// delayed`, and are refused with tensorwise scaling, where they would do nothing.
+fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
+    let invalid = |m: String| Err(ConfigError::Invalid(m).into());
+    let Some(format) = &a.fp8_format else {
+        for (name, given) in [
+            ("--fp8-recipe", a.fp8_recipe.is_some()),
+            ("--fp8-margin", a.fp8_margin.is_some()),
+            ("--fp8-amax-history-len", a.fp8_amax_history_len.is_some()),
+            ("--fp8-amax-compute-algo", a.fp8_amax_compute_algo.is_some()),
+        ] {
+            if given {
+                return invalid(format!(
+                    "{name} takes effect with --fp8-format (hybrid or e4m3): add it"
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    let mut config = Fp8Config::new().with_format(Fp8Format::parse(format)?);
+    if let Some(recipe) = &a.fp8_recipe {
+        config.recipe = Fp8Recipe::parse(recipe)?;
+    }
+    if let Some(margin) = a.fp8_margin {
+        config.margin = margin;
+    }
+    let history_options = a.fp8_amax_history_len.is_some() || a.fp8_amax_compute_algo.is_some();
+    if config.recipe == Fp8Recipe::Tensorwise && history_options {
+        return invalid(
+            "--fp8-amax-history-len and --fp8-amax-compute-algo apply to --fp8-recipe delayed \
+             only (tensorwise scaling uses each tensor's current amax): add --fp8-recipe \
+             delayed or leave them out"
+                .into(),
+        );
+    }
+    if let Some(len) = a.fp8_amax_history_len {
+        config.amax_history_len = len;
+    }
+    if let Some(algo) = &a.fp8_amax_compute_algo {
+        config.amax_compute_algo = AmaxComputeAlgo::parse(algo)?;
+    }
+    config.validate()?;
+    Ok(Some(config))
 }
 
 /// Megatron's `--lr-decay-style` names.

@@ -9,6 +9,7 @@ use burn::config::Config;
 use crate::data::{ByteTokenizer, parse_data_path, parse_split};
 use crate::distributed::DataParallelConfig;
 use crate::error::ConfigError;
+use crate::ops::fp8::Fp8Config;
 use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
     FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
@@ -241,6 +242,12 @@ pub struct PretrainConfig {
     /// (`--peak-tflops`; 989.4 is an H100/H200 SXM's bf16 peak, 494.7 its TF32 one).
     #[config(default = 989.4)]
     pub peak_tflops: f64,
+    /// FP8 GEMMs in the transformer layers (`--fp8-format`, `--fp8-recipe`, `--fp8-margin`,
+    /// `--fp8-amax-history-len`, `--fp8-amax-compute-algo`); `None`: the run's dtype
+    /// throughout. Megatron requires `--bf16` or `--fp16` with FP8; here an fp32 run may use it
+    /// too, so that the CPU build (no bf16) runs the FP8 path, emulated in f32.
+    #[config(default = "None")]
+    pub fp8: Option<Fp8Config>,
 }
 
 /// The facts every rank derives from a checked [`PretrainConfig`].
@@ -305,6 +312,7 @@ impl PretrainConfig {
         .with_tie_embeddings(!self.untie_embeddings_and_output_weights)
         .with_add_bias_linear(self.add_bias_linear)
         .with_recompute(self.recompute)
+        .with_fp8(self.fp8.clone())
     }
 
     /// The learning-rate schedule, in iterations.
