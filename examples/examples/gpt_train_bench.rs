@@ -37,6 +37,7 @@ use burn::tensor::{DType, FloatDType, Int, IntDType, Tensor, TensorData, set_def
 use burn_cubecl::cubecl::Runtime;
 use burn_megatron::distributed::DataParallelConfig;
 use burn_megatron::models::GptModel;
+use burn_megatron::ops::fp8::{Fp8Config, Fp8Format, Fp8Recipe};
 use burn_megatron::optimizer::{DistributedAdamW, DistributedAdamWConfig};
 use burn_megatron::tensor_parallel::SequenceParallelGrads;
 use burn_megatron::transformer::{Recompute, TransformerConfig};
@@ -205,6 +206,13 @@ struct Args {
     /// layers' gradients are final (Megatron's option of the same name).
     #[arg(long)]
     overlap_grad_reduce: bool,
+    /// FP8 GEMMs in the transformer layers (Megatron's `--fp8-format`): hybrid (E4M3
+    /// forward, E5M2 gradients) or e4m3. Off by default.
+    #[arg(long)]
+    fp8_format: Option<String>,
+    /// How FP8 scales are chosen (Megatron's `--fp8-recipe`): tensorwise or delayed.
+    #[arg(long, default_value = "tensorwise")]
+    fp8_recipe: String,
 }
 
 impl Args {
@@ -257,6 +265,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .with_flash_attention(!args.unfused_attention);
     config.max_sequence_length = max_sequence_length;
     config.sequence_parallel = args.sequence_parallel;
+    config.fp8 = match &args.fp8_format {
+        Some(format) => Some(
+            Fp8Config::new()
+                .with_format(Fp8Format::parse(format)?)
+                .with_recipe(Fp8Recipe::parse(&args.fp8_recipe)?),
+        ),
+        None => None,
+    };
     let world = args.world_size();
     if world == 0 {
         return Err("--data-parallel and --tensor-parallel must be at least 1".into());
@@ -615,6 +631,10 @@ fn report(
         .map(|v| v.get_name().to_string());
     let name = name.unwrap_or_default();
     let dtype = format!("{:?}", args.dtype).to_lowercase();
+    let fp8 = match &config.fp8 {
+        Some(fp8) => format!("{:?}-{:?}", fp8.format, fp8.recipe).to_lowercase(),
+        None => "off".to_string(),
+    };
     let recompute = format!("{:?}", args.recompute).to_lowercase();
     let steps = &outcome.steps;
     let of = |f: fn(&StepTimes) -> Duration| median(steps.iter().map(|s| ms(f(s))).collect());
@@ -724,7 +744,7 @@ fn report(
     }
     println!(
         "RESULT impl=burn-megatron preset={name} batch={} seq={seq} dtype={dtype} \
-         recompute={recompute} hidden_dropout={} dp={} tp={} sp={} zero={} overlap={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
+         fp8={fp8} recompute={recompute} hidden_dropout={} dp={} tp={} sp={} zero={} overlap={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
          mfu={:.4} mem_alloc_gib={:.2} mem_reserved_gib={:.2} loss={last_loss:.4}",
         args.batch,
         args.hidden_dropout,
