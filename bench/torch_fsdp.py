@@ -67,6 +67,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float)
+    parser.add_argument("--fp8", action="store_true",
+                        help="float8 GEMMs in the blocks (bench/torch_float8.py: torchao's recipe)")
     args = parser.parse_args()
 
     hidden, layers, heads, groups, ffn, vocab, default_seq, kind, tied = PRESETS[args.preset]
@@ -86,6 +88,11 @@ def main():
     with torch.device("meta"):
         model = Gpt(hidden, layers, heads, groups, ffn, vocab, seq, seq, kind, tied)
     params = sum(p.numel() for p in model.parameters())
+    fp8 = ""
+    if args.fp8:
+        import torch_float8
+
+        fp8 = "-" + torch_float8.convert(model, model.layers)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -143,7 +150,7 @@ def main():
     tflops = flops / (step_ms / 1e3) / 1e12 / world
     gpu = torch.cuda.get_device_name(device)
     mfu = flops / (step_ms / 1e3) / peak_flops(gpu, "bf16", args.peak_tflops) / world
-    impl = "torch-fsdp2" + ("" if args.no_compile else "-compile")
+    impl = "torch-fsdp2" + ("" if args.no_compile else "-compile") + fp8
     print(
         f"torch_fsdp: {args.preset} ({params / 1e9:.2f}B params, padded vocabulary "
         f"{padded(vocab)}), {samples} samples x seq {seq} a step, {impl} on {world} x {gpu}, "

@@ -172,6 +172,8 @@ def main():
     parser.add_argument("--peak-tflops", type=float)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--device", default="cuda", help="cpu only checks the script runs")
+    parser.add_argument("--fp8", action="store_true",
+                        help="float8 GEMMs in the blocks (bench/torch_float8.py: torchao's recipe)")
     args = parser.parse_args()
     global DROPOUT
     DROPOUT = args.hidden_dropout
@@ -192,6 +194,11 @@ def main():
     positions = max(seq, default_seq)
     model = Gpt(hidden, layers, heads, groups, ffn, vocab, seq, positions, kind, tied).to(device)
     params = sum(p.numel() for p in model.parameters())
+    fp8 = ""
+    if args.fp8:
+        import torch_float8
+
+        fp8 = "-" + torch_float8.convert(model, model.layers)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4, fused=cuda)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
@@ -243,7 +250,7 @@ def main():
     mfu = flops / (step_ms / 1e3) / peak_flops(gpu, args.dtype, args.peak_tflops) / world
     alloc = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan")
-    impl = f"torch-{args.mode}" + ("-ddp" if world > 1 else "")
+    impl = f"torch-{args.mode}" + ("-ddp" if world > 1 else "") + fp8
     print(
         f"torch_train: {args.preset} ({params / 1e6:.1f}M params, f32 master weights, "
         f"{args.dtype} autocast), batch {args.batch} x seq {seq}, {impl}, torch "
