@@ -90,8 +90,11 @@ impl RankSnapshot {
             ..Default::default()
         };
         let (mut model, mut optim) = (Vec::new(), Vec::new());
-        let writes_model = d == 0;
-        let writes_optimizer = optimizer.is_some() && (d == 0 || dp_sharded);
+        // The ranks of a CP group hold the same parameters and optimizer state (the gradients
+        // are summed over CP): CP rank 0 writes them.
+        let cp_first = state.coords().cp == 0;
+        let writes_model = d == 0 && cp_first;
+        let writes_optimizer = optimizer.is_some() && (d == 0 || dp_sharded) && cp_first;
         let mut given = values.map(Vec::into_iter);
         for (i, chunk) in chunks.iter().enumerate() {
             let chunk_state = optimizer.and_then(|o| o.get(i));

@@ -13,6 +13,10 @@
 //!    then summed over the CP group (each CP rank's gradients are its tokens' share, see
 //!    [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)):
 //!    the reduction over DP × CP, the shard's only (the CP ranks of one DP rank hold the
+//!    same shard), so the optimizer state stays sharded over DP and CP ranks hold copies; under context parallelism (CP > 1) the result is
+//!    then summed over the CP group (each CP rank's gradients are its tokens' share, see
+//!    [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)):
+//!    the reduction over DP × CP, the shard's only (the CP ranks of one DP rank hold the
 //!    same shard), so the optimizer state stays sharded over DP and CP ranks hold copies;
 //! 3. the global gradient norm: each rank sums the squares of the elements it holds and
 //!    counts (TP-replicated parameters on TP rank 0 only, a tied embedding's last-stage copy
@@ -172,6 +176,7 @@ impl DistributedAdamWConfig {
             experts,
             config: DistributedAdamWConfig { adam, ..*self },
             dp: state.dp().clone(),
+            cp: (state.cp().size() > 1).then(|| state.cp().clone()),
             cp: (state.cp().size() > 1).then(|| state.cp().clone()),
             model_parallel: state.model_parallel().clone(),
             range_start: range.start,
@@ -492,6 +497,8 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     dp: ProcessGroup,
     /// The context-parallel group, when CP > 1: the DP-reduced gradients are summed over it.
     cp: Option<ProcessGroup>,
+    /// The context-parallel group, when CP > 1: the DP-reduced gradients are summed over it.
+    cp: Option<ProcessGroup>,
     model_parallel: ProcessGroup,
     layout: BufferLayout,
     /// The gradient buffer (`[numel]` f32); its master weights are moved to `master`.
@@ -712,6 +719,12 @@ where
                     all_reduce_grads(full, &self.layout, &self.dp, bucket)?
                 }
             }
+        };
+        // The reduction is linear: averaging over DP, then summing the CP ranks' shares, is
+        // the reduction over DP × CP, and the CP sum moves only the rank's shard.
+        let grads = match &self.cp {
+            Some(cp) => cp.all_reduce(grads, ReduceOp::Sum)?,
+            None => grads,
         };
         // The reduction is linear: averaging over DP, then summing the CP ranks' shares, is
         // the reduction over DP × CP, and the CP sum moves only the rank's shard.

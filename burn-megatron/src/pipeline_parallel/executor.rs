@@ -535,8 +535,17 @@ where
         if let Some(ep) = ep {
             ep.barrier()?;
         }
+        // And for the context-parallel group: its attention exchanges K/V (and their
+        // gradients) inside the backward pass.
+        let cp = model.context_parallel().map(|cp| &cp.group);
+        if let Some(cp) = cp {
+            cp.barrier()?;
+        }
         let grads = root.backward();
         tp.backward_failure()?;
+        if let Some(cp) = cp {
+            cp.backward_failure()?;
+        }
         if let Some(ep) = ep {
             ep.backward_failure()?;
         }

@@ -127,6 +127,16 @@ pub struct PretrainArgs {
     /// Data-parallel size (model replicas, each reading its own microbatches). [default: 1]
     #[arg(long, help_heading = "Parallelism")]
     pub data_parallel_size: Option<usize>,
+    /// Context-parallel size: ranks that split every sequence (each holds 2 of 2 × CP
+    /// chunks, load-balanced for the causal mask) through the whole model; the sequence
+    /// length must be divisible by 2 × CP (× TP with --sequence-parallel). [default: 1]
+    #[arg(long, help_heading = "Parallelism")]
+    pub context_parallel_size: Option<usize>,
+    /// How context-parallel attention communicates: p2p (K/V ring), all_gather (K/V
+    /// gathered) or a2a (all-to-all, heads for sequence; CP must divide the heads of a TP
+    /// rank). [default: p2p]
+    #[arg(long, help_heading = "Parallelism")]
+    pub cp_comm_type: Option<String>,
     /// Shard the optimizer state over DP (ZeRO-1). [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
     pub use_distributed_optimizer: Option<bool>,
@@ -346,6 +356,8 @@ impl PretrainArgs {
             pipeline_model_parallel_size => pipeline_model_parallel_size,
             sequence_parallel => sequence_parallel,
             data_parallel_size => data_parallel_size,
+            context_parallel_size => context_parallel_size,
+            cp_comm_type => cp_comm_type,
             use_distributed_optimizer => use_distributed_optimizer,
             overlap_grad_reduce => overlap_grad_reduce,
             collective_checks => collective_checks,
@@ -449,6 +461,8 @@ impl PretrainArgs {
             num_layers_per_virtual_pipeline_stage,
             sequence_parallel,
             data_parallel_size,
+            context_parallel_size,
+            cp_comm_type,
             use_distributed_optimizer,
             overlap_grad_reduce,
             collective_checks,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use burn::config::Config;
 
+use crate::context_parallel::CpCommType;
 use crate::data::{ByteTokenizer, parse_data_path, parse_split};
 use crate::distributed::DataParallelConfig;
 use crate::error::ConfigError;
@@ -107,6 +108,16 @@ pub struct PretrainConfig {
     /// DP).
     #[config(default = 1)]
     pub data_parallel_size: usize,
+    /// Context-parallel size (`--context-parallel-size`): ranks that split every sequence
+    /// through the whole model, each holding two of `2 · cp` chunks (see
+    /// [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)).
+    /// The world is TP × PP × CP × DP.
+    #[config(default = 1)]
+    pub context_parallel_size: usize,
+    /// How context-parallel attention communicates (`--cp-comm-type`, Megatron's names):
+    /// `p2p`, `all_gather` or `a2a` ([`CpCommType`]).
+    #[config(default = "String::from(\"p2p\")")]
+    pub cp_comm_type: String,
     /// Shard the fp32 master weights and AdamW moments over DP (ZeRO-1,
     /// `--use-distributed-optimizer`): gradients reduce-scattered, parameters all-gathered.
     #[config(default = false)]
@@ -257,6 +268,10 @@ pub struct RunLayout {
     pub tp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
+    /// Context-parallel size.
+    pub cp: usize,
+    /// How context-parallel attention communicates.
+    pub cp_comm: CpCommType,
     /// Model chunks (virtual pipeline stages) per rank: 1 unless
     /// `--num-layers-per-virtual-pipeline-stage` is set.
     pub virtual_pipeline_size: usize,
@@ -365,11 +380,61 @@ impl PretrainConfig {
         }
     }
 
-    /// Ranks the run needs: TP × PP × DP.
+    /// Ranks the run needs: TP × PP × CP × DP.
     pub fn world_size(&self) -> usize {
         self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
+            * self.context_parallel_size
             * self.data_parallel_size
+    }
+
+    /// `--cp-comm-type` parsed.
+    pub fn cp_comm(&self) -> crate::Result<CpCommType> {
+        Ok(self.cp_comm_type.parse::<CpCommType>()?)
+    }
+
+    /// The settings context parallelism (`cp > 1`) constrains: the sequence cuts into
+    /// `2 · cp` chunks (each split again over TP under sequence parallelism), no attention
+    /// dropout, the heads of a TP rank split over CP for `a2a`, and pretrain_gpt's own loop.
+    fn check_context_parallel(&self, tp: usize, cp: usize, comm: CpCommType) -> crate::Result<()> {
+        let invalid = |m: String| -> crate::Result<()> { Err(ConfigError::Invalid(m).into()) };
+        let (seq, sp) = (self.seq_length, self.sequence_parallel && tp > 1);
+        let multiple = if sp { 2 * cp * tp } else { 2 * cp };
+        if !seq.is_multiple_of(multiple) {
+            return invalid(format!(
+                "--seq-length ({seq}) must be divisible by 2 × --context-parallel-size{} = \
+                 {multiple}: each CP rank holds 2 of 2 × CP equal chunks{}",
+                if sp { " × TP" } else { "" },
+                if sp {
+                    ", split again over TP by --sequence-parallel"
+                } else {
+                    ""
+                },
+            ));
+        }
+        if self.attention_dropout > 0.0 {
+            return invalid(format!(
+                "--attention-dropout ({}) is not supported with --context-parallel-size {cp}: \
+                 set --attention-dropout 0",
+                self.attention_dropout
+            ));
+        }
+        if comm == CpCommType::A2a && !(self.num_attention_heads / tp.max(1)).is_multiple_of(cp) {
+            return invalid(format!(
+                "--cp-comm-type a2a splits each TP rank's {} attention heads over \
+                 --context-parallel-size {cp}: use a CP size that divides them, or \
+                 --cp-comm-type p2p or all_gather",
+                self.num_attention_heads / tp.max(1)
+            ));
+        }
+        if self.learner {
+            return invalid(
+                "--learner does not run context parallelism: leave --learner out with \
+                 --context-parallel-size above 1"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// Checks every setting for a world of `world_size` ranks, before any rank starts, and
@@ -387,25 +452,31 @@ impl PretrainConfig {
         if self.fp16 {
             self.loss_scaler().validate()?;
         }
-        if tp == 0 || pp == 0 {
+        let cp = self.context_parallel_size;
+        if tp == 0 || pp == 0 || cp == 0 {
             return invalid(format!(
-                "--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) \
-                 must be at least 1"
+                "--tensor-model-parallel-size ({tp}), --pipeline-model-parallel-size ({pp}) and \
+                 --context-parallel-size ({cp}) must be at least 1"
             ));
         }
-        if !world_size.is_multiple_of(tp * pp) {
+        if !world_size.is_multiple_of(tp * pp * cp) {
             return invalid(format!(
-                "the world of {world_size} ranks is not a multiple of TP ({tp}) × PP ({pp})"
+                "the world of {world_size} ranks is not a multiple of TP ({tp}) × PP ({pp}) × \
+                 CP ({cp})"
             ));
         }
-        let dp = world_size / (tp * pp);
+        let dp = world_size / (tp * pp * cp);
         if dp != self.data_parallel_size {
             return invalid(format!(
-                "the world of {world_size} ranks is TP ({tp}) × PP ({pp}) × DP ({dp}), but \
-                 --data-parallel-size is {}: launch {} ranks or set it to {dp}",
+                "the world of {world_size} ranks is TP ({tp}) × PP ({pp}) × CP ({cp}) × DP \
+                 ({dp}), but --data-parallel-size is {}: launch {} ranks or set it to {dp}",
                 self.data_parallel_size,
-                tp * pp * self.data_parallel_size
+                tp * pp * cp * self.data_parallel_size
             ));
+        }
+        let cp_comm = self.cp_comm()?;
+        if cp > 1 {
+            self.check_context_parallel(tp, cp, cp_comm)?;
         }
         for (name, value) in [
             ("--micro-batch-size", self.micro_batch_size),
@@ -529,6 +600,8 @@ impl PretrainConfig {
         Ok(RunLayout {
             tp,
             pp,
+            cp,
+            cp_comm,
             virtual_pipeline_size,
             dp,
             num_microbatches,

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use burn_megatron_dist::{DistBackend, ParallelState};
 
 use super::config::PretrainConfig;
+use crate::context_parallel::LoadBalancedSplit;
 use crate::data::{
     BlendedDataset, GptBatch, GptDataset, GptDatasetConfig, IndexedDataset, SampleDataset, Split,
     broadcast_batch, normalize_weights, parse_data_path, parse_split, samples_per_dataset,
@@ -122,7 +123,9 @@ impl PretrainData {
 /// `first + (m · dp + r) · micro_batch_size`: the `m`-th slice of `dp · micro_batch_size`
 /// samples, cut among the DP ranks. Rank 0 of `state`'s tensor-parallel group reads them and
 /// broadcasts them to the others (Megatron's `get_batch`); the ids are checked against
-/// `vocab_size`.
+/// `vocab_size`. Under context parallelism every rank of a CP group reads the same samples and
+/// keeps its two chunks of each sequence, tokens and targets
+/// ([`LoadBalancedSplit`], Megatron's `get_batch_on_this_cp_rank`): `[micro_batch, seq / cp]`.
 pub fn read_microbatches<B: DistBackend, D: SampleDataset>(
     dataset: &D,
     state: &ParallelState,
@@ -150,7 +153,15 @@ pub fn read_microbatches<B: DistBackend, D: SampleDataset>(
             } else {
                 broadcast_batch::<B>(tp, 0, read.as_ref(), micro_batch_size, seq, device)?
             };
-            batch.to_microbatch(vocab_size, device)
+            let microbatch = batch.to_microbatch(vocab_size, device)?;
+            if state.cp().size() == 1 {
+                return Ok(microbatch);
+            }
+            let split = LoadBalancedSplit::of_group(state.cp());
+            Ok(Microbatch::new(
+                split.split(microbatch.tokens, 1)?,
+                split.split(microbatch.targets, 1)?,
+            ))
         })
         .collect()
 }

@@ -15,7 +15,7 @@ use crate::error::Result;
 /// The CPU backend of thread-rank runs.
 pub type CpuTraining = Autodiff<NdArray<f32>>;
 
-/// Runs `config` on TP × PP thread ranks of this process (Burn's NdArray backend), reporting
+/// Runs `config` on TP × PP × CP × DP thread ranks of this process (Burn's NdArray backend), reporting
 /// to `observer` from rank 0, and returns rank 0's summary. The configuration is checked
 /// before any rank starts; a failing rank releases the others and its error is returned.
 pub fn pretrain_on_threads(

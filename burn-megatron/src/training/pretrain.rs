@@ -36,6 +36,7 @@ use crate::checkpointing::{
     AsyncCheckpointer, Checkpoint, Checkpointer, OptimizerState, TrainingState, adamw_record,
     adamw_state, distributed_adamw_state, latest_checkpoint, load_distributed_adamw,
 };
+use crate::context_parallel::CpContext;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::optimizer::DistributedAdamW;
@@ -139,10 +140,11 @@ where
 /// call it with the same configuration and data. The logging rank (global rank 0) reports to
 /// `observer`. Returns the run's losses, evaluations and checkpoints.
 ///
-/// The world must be TP × PP × DP ranks. Each rank builds only its pipeline stage, a TP slice
-/// of it; with `config.load` set and a checkpoint there,
-/// the model, the AdamW moments and step counts, the iteration, the consumed samples and the
-/// learning-rate schedule are restored, so the next losses equal the uninterrupted run's.
+/// The world must be TP × PP × CP × DP ranks (CP > 1: every sequence split over the CP
+/// group, see [`GptModel::with_context_parallel`]). Each rank builds only its pipeline stage, a
+/// TP slice of it; with `config.load` set and a checkpoint there, the model, the AdamW moments
+/// and step counts, the iteration, the consumed samples and the learning-rate schedule are
+/// restored, so the next losses equal the uninterrupted run's.
 pub fn pretrain<B>(
     ctx: &RankContext,
     config: &PretrainConfig,
@@ -159,6 +161,8 @@ where
     let RunLayout {
         tp,
         pp,
+        cp,
+        cp_comm,
         virtual_pipeline_size,
         dp,
         num_microbatches,
@@ -166,9 +170,13 @@ where
         ..
     } = &layout;
     let schedule_kind = layout.schedule();
-    // DP takes what is left of the world: TP × PP × DP ranks were checked above.
+    // DP takes what is left of the world: TP × PP × CP × DP ranks were checked above.
+    let sizes = ParallelSizes::default()
+        .with_tp(*tp)
+        .with_pp(*pp)
+        .with_cp(*cp);
     let state = ctx
-        .parallel_state(ParallelSizes::default().with_tp(*tp).with_pp(*pp))?
+        .parallel_state(sizes)?
         .with_virtual_pipeline_size(*virtual_pipeline_size)?;
     let world_rank = state.world().rank();
     let logging = world_rank == 0;
@@ -199,7 +207,11 @@ where
     ));
     let chunks = stages
         .iter()
-        .map(|stage| model_config.init_gpt_stage::<B>(state.tp(), stage, device))
+        .map(|stage| {
+            model_config
+                .init_gpt_stage::<B>(state.tp(), stage, device)?
+                .with_context_parallel(CpContext::new(state.cp(), *cp_comm))
+        })
         .collect::<core::result::Result<Vec<_>, _>>()?;
     let adamw = AdamWConfig::new()
         .with_beta_1(config.adam_beta1)
@@ -215,7 +227,8 @@ where
         no_decay: adamw.with_weight_decay(0.0).init(),
         distributed: None,
     };
-    if *dp > 1 || config.use_distributed_optimizer || config.bf16 || config.fp16 {
+    // Context parallelism needs the gradients summed over CP: the flat-buffer AdamW does it.
+    if *dp > 1 || *cp > 1 || config.use_distributed_optimizer || config.bf16 || config.fp16 {
         setup("building the flat-buffer AdamW (fp32 master weights and moments)".into());
         let optim =
             config
@@ -589,7 +602,8 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: DistBackend,
 {
-    let local: usize = if state.tp().rank() == 0 && state.dp().rank() == 0 {
+    let local: usize = if state.tp().rank() == 0 && state.dp().rank() == 0 && state.coords().cp == 0
+    {
         let count = |chunk: &GptModel<B>| -> usize {
             let copies = shared_copies(chunk);
             param_infos(chunk)

@@ -89,7 +89,7 @@ pub fn reference(config: &PretrainConfig) -> (Vec<f64>, Vec<f64>) {
     .remove(0)
 }
 
-fn assert_equal_to_reference(what: &str, config: &PretrainConfig, want: &(Vec<f64>, Vec<f64>)) {
+pub fn assert_equal_to_reference(what: &str, config: &PretrainConfig, want: &(Vec<f64>, Vec<f64>)) {
     let got = train(config);
     let losses = got.losses();
     let evals: Vec<f64> = got.evaluations.iter().map(|e| e.loss).collect();

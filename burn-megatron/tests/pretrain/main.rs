@@ -4,6 +4,7 @@
 //! TOML, and the errors of bad ones.
 
 mod arguments;
+mod context_parallel;
 mod equivalence;
 mod learner;
 mod nan_check;
