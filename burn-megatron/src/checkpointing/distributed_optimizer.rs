@@ -19,6 +19,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use super::load::Checkpoint;
 use crate::ModelBackend;
+use crate::distributed::BufferLayout;
 use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
@@ -42,7 +43,30 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
 {
-    let state = optim.state();
+    let mut params = part_state(chunks, optim.layout(), optim.range(), optim.state())?;
+    if let Some((layout, range, state)) = optim.expert_state() {
+        params.extend(part_state(chunks, layout, range, state)?);
+    }
+    let state = OptimizerState {
+        kind: FLAT_ADAMW.to_string(),
+        params,
+        dp_sharded: optim.config().data_parallel.use_distributed_optimizer,
+    };
+    Ok(state.split_by_chunk(chunks))
+}
+
+/// The state of one part of the flat buffers (`layout`, of which this rank holds `range`):
+/// each parameter's elements in the range, as a flat range of it.
+fn part_state<B>(
+    chunks: &[GptModel<B>],
+    layout: &BufferLayout,
+    range: Range<usize>,
+    state: DistributedAdamWState<B::InnerBackend>,
+) -> Result<HashMap<ParamId, ParamState>>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: ModelBackend,
+{
     let host = |t: Tensor<B::InnerBackend, 1>| -> Result<Vec<f32>> {
         t.into_data()
             .convert::<f32>()
@@ -54,9 +78,8 @@ where
         ("exp_avg_sq", host(state.exp_avg_sq)?),
         (MAIN_PARAM, host(state.main_params)?),
     ];
-    let range = optim.range();
     let mut params = HashMap::new();
-    for (id, local, in_range) in owned(optim, &range) {
+    for (id, local, in_range) in owned(layout, &range) {
         let tensors: BTreeMap<String, TensorData> = buffers
             .iter()
             .map(|(name, values)| {
@@ -72,12 +95,7 @@ where
         };
         params.insert(id, param);
     }
-    let state = OptimizerState {
-        kind: FLAT_ADAMW.to_string(),
-        params,
-        dp_sharded: optim.config().data_parallel.use_distributed_optimizer,
-    };
-    Ok(state.split_by_chunk(chunks))
+    Ok(params)
 }
 
 /// Loads the optimizer state of the parameters of `chunks` (this rank's model chunks) from
@@ -93,8 +111,31 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
 {
-    let range = optim.range();
-    let owned = owned(optim, &range);
+    let device = optim.state().main_params.device();
+    let state = load_part(checkpoint, chunks, optim.layout(), optim.range(), &device)?;
+    optim.load_state(state)?;
+    if let Some((layout, range, _)) = optim.expert_state() {
+        let layout = layout.clone();
+        let state = load_part(checkpoint, chunks, &layout, range, &device)?;
+        optim.load_expert_state(state)?;
+    }
+    Ok(())
+}
+
+/// The saved state of one part of the flat buffers (`layout`, of which this rank holds
+/// `range`); master weights missing from the checkpoint are the loaded parameters' values.
+fn load_part<B>(
+    checkpoint: &Checkpoint,
+    chunks: &[GptModel<B>],
+    layout: &BufferLayout,
+    range: Range<usize>,
+    device: &B::Device,
+) -> Result<DistributedAdamWState<B::InnerBackend>>
+where
+    B: AutodiffBackend + ModelBackend,
+    B::InnerBackend: ModelBackend,
+{
+    let owned = owned(layout, &range);
     let ranges = owned
         .iter()
         .map(|(id, local, _)| (*id, local.clone()))
@@ -104,7 +145,6 @@ where
         .map(|chunk| checkpoint.load_optimizer_shard(chunk, &ranges))
         .collect::<Result<Vec<_>>>()?;
     let saved = OptimizerState::merge(saved).unwrap_or_default();
-    let device = optim.state().main_params.device();
     let mut main_params = vec![0.0f32; range.len()];
     let mut from_params = None;
     let mut exp_avg = vec![0.0f32; range.len()];
@@ -165,15 +205,14 @@ where
     }
     let tensor = |values: Vec<f32>| {
         let len = values.len();
-        Tensor::from_data(TensorData::new(values, [len]), &device)
+        Tensor::from_data(TensorData::new(values, [len]), device)
     };
-    optim.load_state(DistributedAdamWState {
+    Ok(DistributedAdamWState {
         main_params: tensor(main_params),
         exp_avg: tensor(exp_avg),
         exp_avg_sq: tensor(exp_avg_sq),
         step: step.unwrap_or(0),
-    })?;
-    Ok(())
+    })
 }
 
 /// Every float parameter's value (its local tensor, row-major) as f32, by id.
@@ -198,16 +237,11 @@ fn param_values<B: AutodiffBackend + ModelBackend>(
 
 /// The parameters with elements in `range` (of the flat buffers): id, the flat range of the
 /// parameter's local tensor they cover, and where those elements sit in `range`.
-fn owned<B>(
-    optim: &DistributedAdamW<B>,
+fn owned(
+    layout: &BufferLayout,
     range: &Range<usize>,
-) -> Vec<(ParamId, Range<usize>, Range<usize>)>
-where
-    B: AutodiffBackend,
-    B::InnerBackend: ModelBackend,
-{
-    optim
-        .layout()
+) -> Vec<(ParamId, Range<usize>, Range<usize>)> {
+    layout
         .params()
         .iter()
         .filter_map(|slot| {

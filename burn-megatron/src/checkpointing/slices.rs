@@ -29,6 +29,9 @@ pub(crate) struct LocalSlice {
     /// Whether this rank writes the slice on save: TP rank 0 for replicated parameters, and
     /// never the last stage's copy of a tied embedding table (the first stage writes it).
     pub writes: bool,
+    /// Whether it is a routed expert's weight, this rank's experts along dimension 0: written
+    /// by expert-DP rank 0 of each EP rank instead of DP rank 0.
+    pub expert: bool,
 }
 
 impl LocalSlice {
@@ -55,21 +58,20 @@ pub(crate) fn local_slices<B: ModelBackend>(chunk: &GptModel<B>) -> Result<Vec<L
                 .shape
                 .iter()
                 .enumerate()
-                .map(|(d, &n)| {
-                    if placement.dim() == Some(d) {
-                        placement.local_range(n)
-                    } else {
-                        0..n
-                    }
+                .map(|(d, &n)| match placement.expert {
+                    Some(e) if d == 0 => e.rank * n..(e.rank + 1) * n,
+                    _ if placement.dim() == Some(d) => placement.local_range(n),
+                    _ => 0..n,
                 })
                 .collect();
             LocalSlice {
                 id: info.id,
                 global_shape: info.global_shape(),
-                partition_dim: placement.dim(),
+                partition_dim: placement.dim().or(placement.expert.map(|_| 0)),
                 local_shape: info.shape,
                 held,
                 writes: !copy && (placement.dim().is_some() || tp_rank == 0),
+                expert: placement.is_expert(),
                 path,
             }
         })

@@ -10,7 +10,11 @@
 //! data-parallel replicas are equal), and `optimizer_tp{t}_pp{p}.safetensors` with the
 //! optimizer state sliced the same way; a distributed optimizer's state is written by every
 //! DP rank (`optimizer_tp{t}_pp{p}_dp{d}.safetensors`), each holding its shard. A replicated
-//! parameter is written by TP rank 0; vocabulary padding is never written.
+//! parameter is written by TP rank 0; vocabulary padding is never written. Routed experts go
+//! to files of their EP rank (`model_tp{t}_pp{p}_ep{e}.safetensors`, the optimizer's
+//! `optimizer_tp{t}_pp{p}_ep{e}[_edp{x}].safetensors`), written by expert-DP rank 0 (or, for
+//! a sharded optimizer, every expert-DP rank), each tensor keyed by its full shape over all
+//! experts, so that a checkpoint loads at any EP size.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -95,6 +99,12 @@ impl RankSnapshot {
         let cp_first = state.coords().cp == 0;
         let writes_model = d == 0 && cp_first;
         let writes_optimizer = optimizer.is_some() && (d == 0 || dp_sharded) && cp_first;
+        // Routed experts differ between the ranks of an EP group: expert-DP rank 0 of each
+        // writes its experts (every expert-DP rank its shard of their optimizer state).
+        let (e, edp) = (state.coords().ep, state.coords().expert_dp);
+        let writes_experts = edp == 0;
+        let writes_expert_optimizer = optimizer.is_some() && (edp == 0 || dp_sharded);
+        let (mut expert_model, mut expert_optim) = (Vec::new(), Vec::new());
         let mut given = values.map(Vec::into_iter);
         for (i, chunk) in chunks.iter().enumerate() {
             let chunk_state = optimizer.and_then(|o| o.get(i));
@@ -103,10 +113,19 @@ impl RankSnapshot {
             }
             let mut values = match given.as_mut().and_then(Iterator::next) {
                 Some(values) => values,
-                None if writes_model => param_values(chunk),
+                None if writes_model || writes_experts => param_values(chunk),
                 None => Default::default(),
             };
             for slice in local_slices(chunk)?.into_iter().filter(|s| s.writes) {
+                let (writes_model, writes_optimizer, model, optim) = match slice.expert {
+                    true => (
+                        writes_experts,
+                        writes_expert_optimizer,
+                        &mut expert_model,
+                        &mut expert_optim,
+                    ),
+                    false => (writes_model, writes_optimizer, &mut model, &mut optim),
+                };
                 if let Some(value) = values.remove(&slice.id).filter(|_| writes_model) {
                     model.extend(whole(MODEL_GROUP, &slice, value));
                 }
@@ -136,6 +155,16 @@ impl RankSnapshot {
                 false => format!("optimizer_tp{t}_pp{p}.safetensors"),
             };
             files.push((name, optim));
+        }
+        if !expert_model.is_empty() {
+            files.push((format!("model_tp{t}_pp{p}_ep{e}.safetensors"), expert_model));
+        }
+        if !expert_optim.is_empty() {
+            let name = match dp_sharded {
+                true => format!("optimizer_tp{t}_pp{p}_ep{e}_edp{edp}.safetensors"),
+                false => format!("optimizer_tp{t}_pp{p}_ep{e}.safetensors"),
+            };
+            files.push((name, expert_optim));
         }
         let mut blobs = Vec::new();
         for (name, pieces) in files {

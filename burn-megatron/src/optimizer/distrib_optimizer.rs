@@ -13,10 +13,6 @@
 //!    then summed over the CP group (each CP rank's gradients are its tokens' share, see
 //!    [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)):
 //!    the reduction over DP × CP, the shard's only (the CP ranks of one DP rank hold the
-//!    same shard), so the optimizer state stays sharded over DP and CP ranks hold copies; under context parallelism (CP > 1) the result is
-//!    then summed over the CP group (each CP rank's gradients are its tokens' share, see
-//!    [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)):
-//!    the reduction over DP × CP, the shard's only (the CP ranks of one DP rank hold the
 //!    same shard), so the optimizer state stays sharded over DP and CP ranks hold copies;
 //! 3. the global gradient norm: each rank sums the squares of the elements it holds and
 //!    counts (TP-replicated parameters on TP rank 0 only, a tied embedding's last-stage copy
@@ -176,7 +172,6 @@ impl DistributedAdamWConfig {
             experts,
             config: DistributedAdamWConfig { adam, ..*self },
             dp: state.dp().clone(),
-            cp: (state.cp().size() > 1).then(|| state.cp().clone()),
             cp: (state.cp().size() > 1).then(|| state.cp().clone()),
             model_parallel: state.model_parallel().clone(),
             range_start: range.start,
@@ -497,8 +492,6 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     dp: ProcessGroup,
     /// The context-parallel group, when CP > 1: the DP-reduced gradients are summed over it.
     cp: Option<ProcessGroup>,
-    /// The context-parallel group, when CP > 1: the DP-reduced gradients are summed over it.
-    cp: Option<ProcessGroup>,
     model_parallel: ProcessGroup,
     layout: BufferLayout,
     /// The gradient buffer (`[numel]` f32); its master weights are moved to `master`.
@@ -613,6 +606,63 @@ where
         Ok(())
     }
 
+    /// The routed experts' part, if the model has MoE layers: its layout, the range of it
+    /// this rank holds, and the state of that range (reads the step count to the host).
+    pub fn expert_state(
+        &self,
+    ) -> Option<(
+        &BufferLayout,
+        std::ops::Range<usize>,
+        DistributedAdamWState<B::InnerBackend>,
+    )> {
+        let experts = self.experts.as_ref()?;
+        let step: f32 = burn::tensor::ElementConversion::elem(experts.step.clone().into_scalar());
+        let range = experts.range_start..experts.range_start + experts.master.dims()[0];
+        Some((
+            &experts.layout,
+            range,
+            DistributedAdamWState {
+                main_params: experts.master.clone(),
+                exp_avg: experts.exp_avg.clone(),
+                exp_avg_sq: experts.exp_avg_sq.clone(),
+                step: step as u64,
+            },
+        ))
+    }
+
+    /// [`load_state`](Self::load_state) for the routed experts' part (a no-op without one).
+    pub fn load_expert_state(
+        &mut self,
+        state: DistributedAdamWState<B::InnerBackend>,
+    ) -> core::result::Result<(), crate::error::ConfigError> {
+        let Some(experts) = self.experts.as_mut() else {
+            return Ok(());
+        };
+        let len = experts.master.dims()[0];
+        for (name, t) in [
+            ("main_params", &state.main_params),
+            ("exp_avg", &state.exp_avg),
+            ("exp_avg_sq", &state.exp_avg_sq),
+        ] {
+            if t.dims()[0] != len {
+                return Err(crate::error::ConfigError::Invalid(format!(
+                    "the loaded experts' {name} has {} elements, this rank's range has {len}",
+                    t.dims()[0]
+                )));
+            }
+        }
+        let device = experts.master.device();
+        let f32_on_device = |t: Tensor<B::InnerBackend, 1>| t.cast(DType::F32).to_device(&device);
+        experts.master = f32_on_device(state.main_params);
+        experts.exp_avg = f32_on_device(state.exp_avg);
+        experts.exp_avg_sq = f32_on_device(state.exp_avg_sq);
+        experts.step = Tensor::from_data(
+            TensorData::new(vec![state.step as f32], [1]),
+            (&device, DType::F32),
+        );
+        Ok(())
+    }
+
     /// The hook that starts this optimizer's data-parallel gradient reduction inside the
     /// backward pass, bucket by bucket as the layers' gradients become final (Megatron's
     /// `--overlap-grad-reduce`, see [`overlap`](crate::distributed::overlap)). Install it in the model
@@ -719,12 +769,6 @@ where
                     all_reduce_grads(full, &self.layout, &self.dp, bucket)?
                 }
             }
-        };
-        // The reduction is linear: averaging over DP, then summing the CP ranks' shares, is
-        // the reduction over DP × CP, and the CP sum moves only the rank's shard.
-        let grads = match &self.cp {
-            Some(cp) => cp.all_reduce(grads, ReduceOp::Sum)?,
-            None => grads,
         };
         // The reduction is linear: averaging over DP, then summing the CP ranks' shares, is
         // the reduction over DP × CP, and the CP sum moves only the rank's shard.

@@ -11,6 +11,7 @@ use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
 use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
+use crate::transformer::moe::{MoeLayerFreq, RouterScoreFunction};
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
 /// Pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's `pretrain_gpt.py`).
@@ -301,6 +302,41 @@ pub struct PretrainArgs {
     /// Train, validation and test weights of each dataset's documents. [default: 969,30,1]
     #[arg(long, help_heading = "Data")]
     pub split: Option<String>,
+
+    /// Routed experts of each MoE layer: the MLP of every layer (or every
+    /// --moe-layer-freq-th) becomes a dropless mixture of experts. [default: none, dense]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub num_experts: Option<usize>,
+    /// Expert-parallel size: ranks of DP × CP that split each MoE layer's experts (it must
+    /// divide DP × CP and --num-experts; expert gradients are averaged over the other
+    /// DP × CP / EP ranks). [default: 1]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub expert_model_parallel_size: Option<usize>,
+    /// Hidden width of each routed expert. [default: --ffn-hidden-size]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_ffn_hidden_size: Option<usize>,
+    /// Experts per token. [default: 2]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_topk: Option<usize>,
+    /// Router scores: softmax or sigmoid. [default: softmax]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_score_function: Option<String>,
+    /// Divide each token's top-k weights by their sum. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Mixture of experts")]
+    pub moe_router_topk_normalize: Option<bool>,
+    /// Coefficient of the load-balancing (auxiliary) loss. [default: 0]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_aux_loss_coeff: Option<f64>,
+    /// Coefficient of the router's z-loss. [default: 0]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_z_loss_coeff: Option<f64>,
+    /// Width of the shared expert applied to every token (DeepSeek). [default: none]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_shared_expert_intermediate_size: Option<usize>,
+    /// Which layers are MoE layers: an integer k (every k-th from layer 0) or a list such as
+    /// "([0]*1+[1]*3)" with a 1 a MoE layer. [default: 1, every layer]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_layer_freq: Option<String>,
 }
 
 impl PretrainArgs {
@@ -414,6 +450,27 @@ impl PretrainArgs {
             }
             (false, None) => {}
         }
+        set!(
+            expert_model_parallel_size => expert_model_parallel_size,
+            moe_router_topk => moe_router_topk,
+            moe_router_topk_normalize => moe_router_topk_normalize,
+            moe_aux_loss_coeff => moe_aux_loss_coeff,
+            moe_z_loss_coeff => moe_z_loss_coeff,
+        );
+        set_some!(
+            num_experts,
+            moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size
+        );
+        if let Some(name) = &a.moe_router_score_function {
+            c.moe_router_score_function = parse_score_function(name)?;
+        }
+        if let Some(freq) = &a.moe_layer_freq {
+            match MoeLayerFreq::parse(freq)? {
+                MoeLayerFreq::Every(k) => c.moe_layer_freq = k,
+                MoeLayerFreq::Pattern(flags) => c.moe_layer_pattern = Some(flags),
+            }
+        }
         if a.disable_bias_linear.unwrap_or(false) {
             c.add_bias_linear = false;
         }
@@ -505,7 +562,29 @@ impl PretrainArgs {
             fp8_amax_compute_algo,
             data_path,
             split,
+            num_experts,
+            expert_model_parallel_size,
+            moe_ffn_hidden_size,
+            moe_router_topk,
+            moe_router_score_function,
+            moe_router_topk_normalize,
+            moe_aux_loss_coeff,
+            moe_z_loss_coeff,
+            moe_shared_expert_intermediate_size,
+            moe_layer_freq,
         )
+    }
+}
+
+/// Megatron's `--moe-router-score-function` names.
+pub fn parse_score_function(name: &str) -> Result<RouterScoreFunction> {
+    match name.to_ascii_lowercase().as_str() {
+        "softmax" => Ok(RouterScoreFunction::Softmax),
+        "sigmoid" => Ok(RouterScoreFunction::Sigmoid),
+        other => Err(ConfigError::Invalid(format!(
+            "--moe-router-score-function {other:?}: use softmax or sigmoid"
+        ))
+        .into()),
     }
 }
 

@@ -16,6 +16,7 @@ use crate::optimizer::{
     FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
 use crate::pipeline_parallel::Schedule;
+use crate::transformer::moe::{MoeSettings, RouterScoreFunction};
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
 };
@@ -259,6 +260,42 @@ pub struct PretrainConfig {
     /// too, so that the CPU build (no bf16) runs the FP8 path, emulated in f32.
     #[config(default = "None")]
     pub fp8: Option<Fp8Config>,
+    /// Routed experts of each MoE layer (`--num-experts`); `None`: a dense model.
+    #[config(default = "None")]
+    pub num_experts: Option<usize>,
+    /// Expert-parallel size (`--expert-model-parallel-size`): ranks of a DP group (Megatron
+    /// carves EP out of DP × CP) that split each MoE layer's experts; the other factor,
+    /// `DP × CP / EP`, is the expert-data-parallel size over which expert gradients are
+    /// averaged.
+    #[config(default = 1)]
+    pub expert_model_parallel_size: usize,
+    /// Hidden width of each routed expert (`--moe-ffn-hidden-size`); `None`: the MLP's.
+    #[config(default = "None")]
+    pub moe_ffn_hidden_size: Option<usize>,
+    /// Experts per token (`--moe-router-topk`).
+    #[config(default = 2)]
+    pub moe_router_topk: usize,
+    /// Softmax or sigmoid router scores (`--moe-router-score-function`).
+    #[config(default = "RouterScoreFunction::Softmax")]
+    pub moe_router_score_function: RouterScoreFunction,
+    /// Each token's top-k weights divided by their sum (`--moe-router-topk-normalize`).
+    #[config(default = false)]
+    pub moe_router_topk_normalize: bool,
+    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
+    #[config(default = 0.0)]
+    pub moe_aux_loss_coeff: f64,
+    /// Coefficient of the z-loss (`--moe-z-loss-coeff`).
+    #[config(default = 0.0)]
+    pub moe_z_loss_coeff: f64,
+    /// Width of the shared expert (`--moe-shared-expert-intermediate-size`); `None`: none.
+    #[config(default = "None")]
+    pub moe_shared_expert_intermediate_size: Option<usize>,
+    /// Every k-th layer from layer 0 is an MoE layer (`--moe-layer-freq k`).
+    #[config(default = 1)]
+    pub moe_layer_freq: usize,
+    /// One flag a layer instead (`--moe-layer-freq "([0]*1+[1]*3)"`).
+    #[config(default = "None")]
+    pub moe_layer_pattern: Option<Vec<bool>>,
 }
 
 /// The facts every rank derives from a checked [`PretrainConfig`].
@@ -279,6 +316,8 @@ pub struct RunLayout {
     pub dp: usize,
     /// Microbatches per optimizer step per data-parallel rank: `global / (micro × dp)`.
     pub num_microbatches: usize,
+    /// Expert-parallel size (1 for a dense model).
+    pub ep: usize,
     /// The model.
     pub model: TransformerConfig,
 }
@@ -328,6 +367,75 @@ impl PretrainConfig {
         .with_add_bias_linear(self.add_bias_linear)
         .with_recompute(self.recompute)
         .with_fp8(self.fp8.clone())
+        .with_moe(self.moe())
+    }
+
+    /// The model's mixture of experts, with `--num-experts`.
+    pub fn moe(&self) -> Option<MoeSettings> {
+        self.num_experts.map(|experts| {
+            MoeSettings::new(experts)
+                .with_ffn_hidden_size(self.moe_ffn_hidden_size)
+                .with_top_k(self.moe_router_topk)
+                .with_score_function(self.moe_router_score_function)
+                .with_normalize_top_k(self.moe_router_topk_normalize)
+                .with_aux_loss_coeff(self.moe_aux_loss_coeff)
+                .with_z_loss_coeff(self.moe_z_loss_coeff)
+                .with_shared_expert_ffn_hidden_size(self.moe_shared_expert_intermediate_size)
+                .with_layer_freq(self.moe_layer_freq)
+                .with_layer_pattern(self.moe_layer_pattern.clone())
+        })
+    }
+
+    /// The expert-parallel settings: `--num-experts` for any `--moe-*` option, EP at least 1
+    /// and dividing DP × CP (expert-DP = DP × CP / EP) and the experts, and the paths MoE
+    /// does not run yet refused. Returns EP.
+    fn check_moe(&self, dp: usize, cp: usize) -> crate::Result<usize> {
+        let invalid = |m: String| -> crate::Result<usize> { Err(ConfigError::Invalid(m).into()) };
+        let ep = self.expert_model_parallel_size;
+        let Some(experts) = self.num_experts else {
+            let defaults = Self::new();
+            if ep != 1
+                || self.moe_ffn_hidden_size.is_some()
+                || self.moe_shared_expert_intermediate_size.is_some()
+                || self.moe_layer_pattern.is_some()
+                || self.moe_layer_freq != defaults.moe_layer_freq
+                || self.moe_router_topk != defaults.moe_router_topk
+                || self.moe_aux_loss_coeff != 0.0
+                || self.moe_z_loss_coeff != 0.0
+            {
+                return invalid(
+                    "--expert-model-parallel-size and the --moe-* options need --num-experts                      (the routed experts of each MoE layer)"
+                        .into(),
+                );
+            }
+            return Ok(1);
+        };
+        if ep == 0 {
+            return invalid("--expert-model-parallel-size must be at least 1".into());
+        }
+        if !(dp * cp).is_multiple_of(ep) {
+            let valid: Vec<String> = (1..=dp * cp)
+                .filter(|e| (dp * cp).is_multiple_of(*e) && experts.is_multiple_of(*e))
+                .map(|e| e.to_string())
+                .collect();
+            return invalid(format!(
+                "--expert-model-parallel-size ({ep}) must divide DP × CP ({dp} × {cp}): expert                  parallelism splits the data-parallel ranks into EP × expert-DP; valid sizes                  here are {}",
+                valid.join(", ")
+            ));
+        }
+        if ep > 1 && self.overlap_grad_reduce {
+            return invalid(
+                "--overlap-grad-reduce with --expert-model-parallel-size above 1 is not                  supported yet: the expert gradients are reduced over expert-DP after the                  backward pass; drop --overlap-grad-reduce"
+                    .into(),
+            );
+        }
+        if self.learner {
+            return invalid(
+                "--learner does not train MoE models yet: leave --learner out with                  --num-experts"
+                    .into(),
+            );
+        }
+        Ok(ep)
     }
 
     /// The learning-rate schedule, in iterations.
@@ -596,6 +704,15 @@ impl PretrainConfig {
             }
         }
         let model = self.model();
+        let ep = self.check_moe(dp, cp)?;
+        if let Some(moe) = &model.moe {
+            moe.validate(
+                model.hidden_size,
+                model.ffn_hidden_size,
+                model.num_layers,
+                ep,
+            )?;
+        }
         model.validate(tp, 0)?;
         Ok(RunLayout {
             tp,
@@ -605,6 +722,7 @@ impl PretrainConfig {
             virtual_pipeline_size,
             dp,
             num_microbatches,
+            ep,
             model,
         })
     }

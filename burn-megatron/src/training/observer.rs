@@ -64,6 +64,8 @@ pub struct IterationReport {
     pub max_memory_bytes: Option<f64>,
     /// With `--fp16`: the loss scale this step's backward pass used.
     pub loss_scale: Option<f64>,
+    /// With `--num-experts`, on logged iterations: the MoE losses and the experts' load.
+    pub moe: Option<super::MoeReport>,
 }
 
 impl IterationReport {

@@ -28,6 +28,7 @@ use burn_megatron_dist::{DistBackend, ParallelSizes, ParallelState, RankContext,
 
 use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
+use super::moe_log::{MoeReport, moe_report};
 use super::nan_check::{check_finite_parameters, check_step_values, read_f32};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
 use super::step::{MIB, largest_over_ranks, loss_on_every_stage};
@@ -174,7 +175,8 @@ where
     let sizes = ParallelSizes::default()
         .with_tp(*tp)
         .with_pp(*pp)
-        .with_cp(*cp);
+        .with_cp(*cp)
+        .with_ep(layout.ep);
     let state = ctx
         .parallel_state(sizes)?
         .with_virtual_pipeline_size(*virtual_pipeline_size)?;
@@ -209,7 +211,7 @@ where
         .iter()
         .map(|stage| {
             model_config
-                .init_gpt_stage::<B>(state.tp(), stage, device)?
+                .init_gpt_stage_with_ep::<B>(state.tp(), state.ep(), stage, device)?
                 .with_context_parallel(CpContext::new(state.cp(), *cp_comm))
         })
         .collect::<core::result::Result<Vec<_>, _>>()?;
@@ -228,7 +230,14 @@ where
         distributed: None,
     };
     // Context parallelism needs the gradients summed over CP: the flat-buffer AdamW does it.
-    if *dp > 1 || *cp > 1 || config.use_distributed_optimizer || config.bf16 || config.fp16 {
+    // Expert parallelism needs the flat-buffer AdamW: it reduces the experts over expert-DP.
+    if *dp > 1
+        || *cp > 1
+        || layout.ep > 1
+        || config.use_distributed_optimizer
+        || config.bf16
+        || config.fp16
+    {
         setup("building the flat-buffer AdamW (fp32 master weights and moments)".into());
         let optim =
             config
@@ -341,6 +350,7 @@ where
             None => forward_backward(schedule_kind, &state, &rank.chunks, &microbatches)?,
         };
         let mut grads = out.grads;
+        let moe_stats = out.moe;
         let loss = shared_loss(&state, out.loss, device)?;
         let norm = if let Some(optim) = rank.distributed.as_mut() {
             let grads = merge_chunk_grads(&rank.chunks, grads);
@@ -363,6 +373,20 @@ where
         let memory = match B::memory_in_use(device) {
             Some(bytes) if logged => Some(largest_over_ranks(&state, bytes, device)?),
             _ => None,
+        };
+        let moe = match model_config.moe.is_some() && logged {
+            true => {
+                let values = moe_report(&state, moe_stats, device)?;
+                let values = read_f32(values, world_rank, "the MoE losses and load")?;
+                let value = |i: usize| values.get(i).map_or(f64::NAN, |&v| v as f64);
+                Some(MoeReport {
+                    load_balancing_loss: value(0),
+                    z_loss: value(1),
+                    expert_load_min: value(2),
+                    expert_load_max: value(3),
+                })
+            }
+            false => None,
         };
         let optional = [loss_scale, memory];
         let mut values = read_scalars(
@@ -396,6 +420,7 @@ where
             mfu: flops_per_second / devices as f64 / (config.peak_tflops * 1e12),
             max_memory_bytes,
             loss_scale,
+            moe,
         };
         summary.iterations.push(report);
         if logging

@@ -102,7 +102,7 @@ impl TrainingObserver for ConsoleProgress {
                 &mut state,
                 &format!(
                     " iteration {:>6}/{:<6} | consumed samples {:>8} | lr {:.3e} | loss {:.4} | \
-                     grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}{}",
+                     grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}{}{}",
                     r.iteration,
                     total,
                     r.consumed_samples,
@@ -119,6 +119,13 @@ impl TrainingObserver for ConsoleProgress {
                         .map(|b| format!(
                             " | memory {:.2} GiB (largest rank)",
                             b / (1u64 << 30) as f64
+                        ))
+                        .unwrap_or_default(),
+                    r.moe
+                        .map(|m| format!(
+                            " | load_balancing_loss {:.4e} | z_loss {:.4e} | expert load \
+                             min/max {:.2}/{:.2}",
+                            m.load_balancing_loss, m.z_loss, m.expert_load_min, m.expert_load_max
                         ))
                         .unwrap_or_default()
                 ),

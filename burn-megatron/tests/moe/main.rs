@@ -7,6 +7,7 @@ mod config_errors;
 mod expert_parallel;
 mod gpt_model;
 mod optimizer;
+mod pretrain;
 mod router_losses;
 
 use burn::backend::{Autodiff, NdArray};

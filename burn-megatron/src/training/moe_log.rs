@@ -1,0 +1,83 @@
+//! The MoE part of the iteration log: the auxiliary losses and how evenly the experts were
+//! loaded, reduced over the ranks at the logged iterations only.
+
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
+
+use crate::error::Result;
+use crate::pipeline_parallel::MoeStepStats;
+
+/// What the MoE layers did in one step, over the whole model and every rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeReport {
+    /// The load-balancing losses of every MoE layer, summed over the layers, coefficient
+    /// included (the term added to the loss), averaged over DP × CP and the microbatches.
+    pub load_balancing_loss: f64,
+    /// The z-losses, as `load_balancing_loss`.
+    pub z_loss: f64,
+    /// The least-loaded expert of any MoE layer: its tokens (over every DP × CP rank and
+    /// microbatch of the step) over the layer's mean per expert; 1 is a perfect balance, 0 an
+    /// expert that got no token.
+    pub expert_load_min: f64,
+    /// The most-loaded expert of any MoE layer, as `expert_load_min`.
+    pub expert_load_max: f64,
+}
+
+/// `[4]` f32 on every rank: the report's values in field order. Every rank of the world must
+/// call it at the same iterations; `stats` is `None` on a pipeline stage without MoE layers.
+pub(crate) fn moe_report<B: DistBackend>(
+    state: &ParallelState,
+    stats: Option<MoeStepStats<B>>,
+    device: &B::Device,
+) -> Result<Tensor<B, 1>> {
+    let scalar =
+        |v: f32| Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (device, DType::F32));
+    let (losses, min, max) = match stats {
+        Some(stats) => {
+            let losses = Tensor::cat(
+                vec![
+                    stats.load_balancing_loss.cast(DType::F32),
+                    stats.z_loss.cast(DType::F32),
+                ],
+                0,
+            );
+            let losses = state.dp_cp().all_reduce(losses, ReduceOp::Avg)?;
+            let layers = stats.tokens_per_expert.len();
+            let experts = stats.tokens_per_expert.first().map_or(1, |(_, c)| c.len());
+            let counts: Vec<f32> = stats
+                .tokens_per_expert
+                .iter()
+                .flat_map(|(_, c)| c.iter().map(|&n| n as f32))
+                .collect();
+            let counts = Tensor::<B, 1>::from_data(
+                TensorData::new(counts, [layers * experts]),
+                (device, DType::F32),
+            );
+            let counts = state
+                .dp_cp()
+                .all_reduce(counts, ReduceOp::Sum)?
+                .reshape([layers, experts]);
+            let mean = counts.clone().mean_dim(1).clamp_min(f32::MIN_POSITIVE);
+            let load = counts / mean;
+            (
+                losses,
+                load.clone().min().reshape([1]),
+                load.max().reshape([1]),
+            )
+        }
+        None => (
+            Tensor::zeros([2], (device, DType::F32)),
+            scalar(f32::MAX),
+            scalar(f32::MIN),
+        ),
+    };
+    let pp = state.pp();
+    Ok(Tensor::cat(
+        vec![
+            pp.all_reduce(losses, ReduceOp::Sum)?,
+            pp.all_reduce(min, ReduceOp::Min)?,
+            pp.all_reduce(max, ReduceOp::Max)?,
+        ],
+        0,
+    ))
+}

@@ -1,0 +1,218 @@
+//! `pretrain_gpt` with MoE layers on CPU thread ranks: Megatron's options reach the model,
+//! the loss falls at EP 2, the log carries the MoE losses and load, the layout errors, and
+//! checkpoints: saved at EP 2 and resumed at EP 2 (with and without ZeRO-1), EP 1 and EP 4,
+//! the next losses equal the uninterrupted run's.
+
+use burn_megatron::training::{PretrainArgs, PretrainConfig, Silent, pretrain_on_threads};
+use burn_megatron_testing::scratch_dir;
+use clap::Parser;
+
+use crate::{assert_close, tolerance};
+
+/// `pretrain_gpt` with `extra` after a tiny model's options: 2 layers of width 16,
+/// sequences of 16, 4 microbatches of 2 a step, 6 steps, no evaluation or checkpoint.
+fn config(extra: &[&str]) -> PretrainConfig {
+    let base = [
+        "pretrain_gpt",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "16",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "6",
+        "--lr",
+        "1e-2",
+        "--min-lr",
+        "1e-3",
+        "--lr-warmup-iters",
+        "1",
+        "--eval-interval",
+        "0",
+        "--split",
+        "90,10,0",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "1",
+    ];
+    let args = PretrainArgs::parse_from(base.iter().chain(extra));
+    args.into_config()
+        .expect("valid options")
+        .with_default_corpus_documents(200)
+}
+
+#[test]
+fn pretrain_gpt_with_experts_at_ep_2_trains() {
+    let config = config(&[
+        "--data-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--moe-router-topk",
+        "2",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-ffn-hidden-size",
+        "24",
+        "--moe-shared-expert-intermediate-size",
+        "16",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--moe-z-loss-coeff",
+        "0.001",
+        "--moe-layer-freq",
+        "([1]*1+[0]*1)",
+    ]);
+    let moe = config.model().moe.expect("MoE layers");
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.ffn_hidden_size),
+        (4, 2, Some(24))
+    );
+    assert_eq!(moe.moe_layers(2), vec![0]);
+    let summary = pretrain_on_threads(&config, &Silent).expect("pretraining");
+    let losses = summary.losses();
+    assert!(
+        losses.iter().all(|l| l.is_finite()) && losses[5] < losses[0] - 0.3,
+        "the loss must fall: {losses:?}"
+    );
+    let report = summary.iterations[5]
+        .moe
+        .expect("the MoE report of a logged step");
+    assert!(report.load_balancing_loss > 0.005 && report.load_balancing_loss < 0.05);
+    assert!(report.z_loss > 0.0);
+    assert!(report.expert_load_min <= 1.0 && report.expert_load_max >= 1.0);
+}
+
+#[test]
+fn expert_layout_errors_name_the_options() {
+    let err = |extra: &[&str]| {
+        let config = config(extra);
+        config
+            .check(config.world_size())
+            .expect_err("an invalid layout")
+            .to_string()
+    };
+    let e = err(&[
+        "--data-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        "4",
+    ]);
+    assert!(
+        e.contains("--expert-model-parallel-size (4) must divide DP × CP"),
+        "{e}"
+    );
+    let three = config(&[
+        "--data-parallel-size",
+        "3",
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        "3",
+    ])
+    .with_global_batch_size(6);
+    let e = three.check(3).expect_err("3 does not divide 4").to_string();
+    assert!(
+        e.contains("divisible by the expert-parallel size (3)"),
+        "{e}"
+    );
+    let e = err(&["--num-experts", "4", "--moe-router-topk", "5"]);
+    assert!(e.contains("top_k (5)"), "{e}");
+    let e = err(&[
+        "--expert-model-parallel-size",
+        "2",
+        "--data-parallel-size",
+        "2",
+    ]);
+    assert!(e.contains("need --num-experts"), "{e}");
+    let e = err(&["--num-experts", "4", "--moe-layer-freq", "([1]*3)"]);
+    assert!(e.contains("gives 3 layers, the model has 2"), "{e}");
+    let bad = PretrainArgs::parse_from(["pretrain_gpt", "--moe-layer-freq", "[2,x]"]).into_config();
+    assert!(
+        bad.expect_err("a bad list")
+            .to_string()
+            .contains("--moe-layer-freq")
+    );
+}
+
+/// A run with experts at DP `dp` × EP `ep` (4 experts, top 2, both losses, a shared expert,
+/// layer 0 MoE) for `iters` of 4 steps.
+fn moe_run(dp: usize, ep: usize, zero1: bool, iters: usize) -> PretrainConfig {
+    let (dp, ep) = (dp.to_string(), ep.to_string());
+    let mut args = vec![
+        "--data-parallel-size",
+        &dp,
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        &ep,
+        "--moe-ffn-hidden-size",
+        "24",
+        "--moe-shared-expert-intermediate-size",
+        "16",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--moe-z-loss-coeff",
+        "0.001",
+        "--moe-layer-freq",
+        "2",
+        "--lr-decay-iters",
+        "4",
+    ];
+    if zero1 {
+        args.push("--use-distributed-optimizer");
+    }
+    config(&args).with_train_iters(iters)
+}
+
+/// Saves after 2 of 4 steps at `from`, resumes at `to`: the last two losses equal `to`'s
+/// uninterrupted run's.
+fn resume(name: &str, from: (usize, usize, bool), to: (usize, usize, bool)) {
+    let dir = scratch_dir("bm-moe", name);
+    let run = |(dp, ep, zero1): (usize, usize, bool), iters| moe_run(dp, ep, zero1, iters);
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let uninterrupted = train(&run(to, 4));
+    let stopped = train(
+        &run(from, 2)
+            .with_save(Some(dir.clone()))
+            .with_save_interval(Some(2)),
+    );
+    assert_eq!(stopped.checkpoints.len(), 1, "{name}");
+    // Each EP rank's experts, and their optimizer state, in files of their own.
+    let saved = &stopped.checkpoints[0];
+    let optimizer = match from.2 {
+        true => "optimizer_tp0_pp0_ep1_edp0.safetensors",
+        false => "optimizer_tp0_pp0_ep1.safetensors",
+    };
+    for file in ["model_tp0_pp0_ep1.safetensors", optimizer] {
+        assert!(saved.join(file).exists(), "{name}: {file}");
+    }
+    let resumed = train(&run(to, 4).with_load(Some(dir.clone())));
+    assert!(resumed.resumed_from.is_some(), "{name}");
+    let got = resumed.losses();
+    let want = &uninterrupted.losses()[2..];
+    assert_close(name, &got, want, tolerance::F32_TRAINING);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn checkpoint_with_experts_resumes_at_the_same_layout() {
+    resume("ep2", (2, 2, false), (2, 2, false));
+    resume("ep2-zero1", (2, 2, true), (2, 2, true));
+}
+
+#[test]
+fn checkpoint_with_experts_reshards_to_ep_1_and_4() {
+    resume("ep2-to-ep1", (2, 2, true), (2, 1, true));
+    resume("ep2-to-ep4", (2, 2, false), (4, 4, true));
+}
