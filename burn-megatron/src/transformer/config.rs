@@ -3,7 +3,7 @@
 
 use burn::config::Config;
 
-use super::moe::MoeSettings;
+use super::moe::settings::MoeSettings;
 use crate::error::ConfigError;
 use crate::ops::GeluForm;
 use crate::ops::fp8::{Fp8Config, Fp8Recipe};

@@ -22,8 +22,9 @@ pub mod experts;
 pub mod layer;
 pub mod losses;
 pub mod router;
+pub mod settings;
 
-pub use config::{MoeConfig, MoeLayerFreq, MoeSettings};
+pub use config::MoeConfig;
 pub use dispatcher::{DispatchPlan, TokenDispatcher};
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
@@ -31,3 +32,4 @@ pub use losses::MoeLosses;
 pub use router::{
     Router, RouterScoreFunction, RouterSettings, Routing, load_balancing_loss, z_loss,
 };
+pub use settings::{MoeLayerFreq, MoeSettings};

@@ -1,0 +1,206 @@
+//! [`MoeSettings`]: the mixture-of-experts part of a
+//! [`TransformerConfig`](crate::transformer::TransformerConfig), and `--moe-layer-freq`.
+//! Kept apart from the layer's [`MoeConfig`](super::MoeConfig), which needs the
+//! transformer's activation, so that the transformer's configuration can hold it.
+
+use burn::config::Config;
+
+use super::router::RouterScoreFunction;
+use crate::error::ConfigError;
+
+/// Mixture of experts in a [`TransformerConfig`](crate::transformer::TransformerConfig):
+/// which layers have one in place of their MLP, and the layer's settings (Megatron's
+/// `--num-experts` and `--moe-*` options). The hidden size, activation, initialisation and
+/// seed come from the transformer's configuration.
+#[derive(Config, Debug)]
+pub struct MoeSettings {
+    /// Routed experts over all expert-parallel ranks (`--num-experts`).
+    pub num_experts: usize,
+    /// Hidden width of each routed expert (`--moe-ffn-hidden-size`); `None`: the dense MLP's
+    /// `ffn_hidden_size`.
+    #[config(default = "None")]
+    pub ffn_hidden_size: Option<usize>,
+    /// Experts per token (`--moe-router-topk`).
+    #[config(default = 2)]
+    pub top_k: usize,
+    /// Softmax or sigmoid scores (`--moe-router-score-function`).
+    #[config(default = "RouterScoreFunction::Softmax")]
+    pub score_function: RouterScoreFunction,
+    /// Whether each token's top-k weights are divided by their sum
+    /// (`--moe-router-topk-normalize`, Hugging Face's `norm_topk_prob`).
+    #[config(default = false)]
+    pub normalize_top_k: bool,
+    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
+    #[config(default = 0.0)]
+    pub aux_loss_coeff: f64,
+    /// Coefficient of the z-loss (`--moe-z-loss-coeff`).
+    #[config(default = 0.0)]
+    pub z_loss_coeff: f64,
+    /// Width of the shared expert (`--moe-shared-expert-intermediate-size`), or `None`.
+    #[config(default = "None")]
+    pub shared_expert_ffn_hidden_size: Option<usize>,
+    /// Every `layer_freq`-th layer, from layer 0, is an MoE layer (`--moe-layer-freq k`).
+    #[config(default = 1)]
+    pub layer_freq: usize,
+    /// One flag a layer, overriding `layer_freq` (`--moe-layer-freq "([0]*1+[1]*3)"`).
+    #[config(default = "None")]
+    pub layer_pattern: Option<Vec<bool>>,
+}
+
+impl MoeSettings {
+    /// Whether global layer `layer` has an MoE layer in place of its MLP (Megatron's
+    /// `moe_layer_pattern`: `layer % layer_freq == 0`, or the pattern's flag).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        match &self.layer_pattern {
+            Some(pattern) => pattern.get(layer).copied().unwrap_or(false),
+            None => self.layer_freq > 0 && layer.is_multiple_of(self.layer_freq),
+        }
+    }
+
+    /// The MoE layers among `num_layers`.
+    pub fn moe_layers(&self, num_layers: usize) -> Vec<usize> {
+        (0..num_layers).filter(|&l| self.is_moe_layer(l)).collect()
+    }
+
+    /// Checks the settings for a model of `num_layers` layers at expert-parallel size `ep`
+    /// (1 to check without a layout): the layer sizes ([`MoeConfig::validate`]), the layer
+    /// frequency or pattern, and the coefficients (finite, not negative).
+    pub fn validate(
+        &self,
+        hidden_size: usize,
+        ffn_hidden_size: usize,
+        num_layers: usize,
+        ep: usize,
+    ) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        if hidden_size == 0 {
+            return invalid("MoE hidden_size must be at least 1".into());
+        }
+        check_expert_sizes(
+            self.num_experts,
+            self.ffn_hidden_size.unwrap_or(ffn_hidden_size),
+            self.top_k,
+            self.shared_expert_ffn_hidden_size,
+            ep,
+        )?;
+        match &self.layer_pattern {
+            Some(pattern) if pattern.len() != num_layers => {
+                return invalid(format!(
+                    "--moe-layer-freq gives {} layers, the model has {num_layers}",
+                    pattern.len()
+                ));
+            }
+            Some(pattern) if !pattern.contains(&true) => {
+                return invalid("--moe-layer-freq's pattern has no MoE layer".into());
+            }
+            None if self.layer_freq == 0 => {
+                return invalid("--moe-layer-freq must be at least 1".into());
+            }
+            _ => {}
+        }
+        for (name, value) in [
+            ("--moe-aux-loss-coeff", self.aux_loss_coeff),
+            ("--moe-z-loss-coeff", self.z_loss_coeff),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return invalid(format!(
+                    "{name} is {value}: it must be finite and not negative"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The sizes every MoE layer needs: at least one expert of a positive width, `top_k` in
+/// `1..=num_experts`, a shared expert of a positive width if any, and `num_experts`
+/// divisible by the expert-parallel size `ep` (the message lists the valid sizes).
+pub fn check_expert_sizes(
+    num_experts: usize,
+    ffn_hidden_size: usize,
+    top_k: usize,
+    shared_expert_ffn_hidden_size: Option<usize>,
+    ep: usize,
+) -> Result<(), ConfigError> {
+    let invalid = |message: String| Err(ConfigError::Invalid(message));
+    if num_experts == 0 || ffn_hidden_size == 0 {
+        return invalid(format!(
+            "MoE sizes must be at least 1: num_experts {num_experts}, ffn_hidden_size \
+             {ffn_hidden_size}"
+        ));
+    }
+    if top_k == 0 || top_k > num_experts {
+        return invalid(format!(
+            "MoE top_k ({top_k}) must be between 1 and num_experts ({num_experts})"
+        ));
+    }
+    if shared_expert_ffn_hidden_size == Some(0) {
+        return invalid("the shared expert's ffn_hidden_size must be at least 1".into());
+    }
+    if ep == 0 || !num_experts.is_multiple_of(ep) {
+        let valid: Vec<String> = (1..=num_experts)
+            .filter(|d| num_experts.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        return invalid(format!(
+            "num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep}): \
+             valid EP sizes are {}",
+            valid.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+/// What `--moe-layer-freq` gives: every k-th layer, or a flag a layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MoeLayerFreq {
+    /// Every k-th layer from layer 0.
+    Every(usize),
+    /// One flag a layer.
+    Pattern(Vec<bool>),
+}
+
+impl MoeLayerFreq {
+    /// Parses Megatron's forms: an integer `k`, or a Python list expression of repeated
+    /// lists such as `([0]*1+[1]*3)` or `[1,0,1,0]` (`1` for an MoE layer).
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let bad = || {
+            ConfigError::Invalid(format!(
+                "--moe-layer-freq {text:?}: give an integer k (every k-th layer) or a list \
+                 such as \"([0]*1+[1]*3)\" or \"[1,0,1,0]\""
+            ))
+        };
+        let text = text.trim();
+        if let Ok(k) = text.parse::<usize>() {
+            return Ok(Self::Every(k));
+        }
+        let inner = text
+            .strip_prefix('(')
+            .and_then(|t| t.strip_suffix(')'))
+            .unwrap_or(text);
+        let mut pattern = Vec::new();
+        for term in inner.split('+') {
+            let term = term.trim();
+            let (list, times) = match term.split_once('*') {
+                Some((list, times)) => (list.trim(), times.trim().parse().map_err(|_| bad())?),
+                None => (term, 1usize),
+            };
+            let list = list
+                .strip_prefix('[')
+                .and_then(|l| l.strip_suffix(']'))
+                .ok_or_else(bad)?;
+            let flags = list
+                .split(',')
+                .map(|v| match v.trim() {
+                    "0" => Ok(false),
+                    "1" => Ok(true),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            for _ in 0..times {
+                pattern.extend_from_slice(&flags);
+            }
+        }
+        Ok(Self::Pattern(pattern))
+    }
+}
