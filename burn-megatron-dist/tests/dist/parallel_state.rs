@@ -76,3 +76,48 @@ fn an_invalid_layout_is_an_error_on_every_rank() {
         );
     }
 }
+
+/// Context parallelism's groups at TP 2 × CP 2 × DP 2: each rank's CP, DP and DP × CP groups
+/// are the layout's (rank = tp + 2 · (cp + 2 · dp)), and a sum over DP × CP (where dense
+/// gradients are reduced) adds the 4 ranks of one TP index.
+#[test]
+fn context_parallel_and_dp_cp_groups() {
+    let sizes = ParallelSizes::default().with_tp(2).with_cp(2);
+    let layout = ParallelLayout::new(8, sizes).unwrap();
+    assert_eq!(layout.dp(), 2);
+    assert_eq!(layout.groups(GroupKind::Cp)[0], vec![0, 2]);
+    assert_eq!(layout.groups(GroupKind::DpCp)[0], vec![0, 2, 4, 6]);
+    let results = run(8, |ctx| {
+        let state = ctx.parallel_state(sizes)?;
+        let rank = ctx.rank() as f32;
+        let summed = state.dp_cp().all_reduce(
+            crate::tensor::<crate::B, 1>(vec![rank], [1]),
+            burn_megatron_dist::ReduceOp::Sum,
+        )?;
+        Ok((
+            state.cp().ranks().to_vec(),
+            state.dp_cp().ranks().to_vec(),
+            (state.coords().cp, state.cp().rank()),
+            crate::values(summed)[0],
+        ))
+    });
+    for (rank, (cp, dp_cp, (coord, cp_rank), sum)) in results.into_iter().enumerate() {
+        assert_eq!(
+            Some(cp),
+            layout.group_of(GroupKind::Cp, rank),
+            "rank {rank}"
+        );
+        assert_eq!(
+            Some(dp_cp),
+            layout.group_of(GroupKind::DpCp, rank),
+            "rank {rank}"
+        );
+        assert_eq!(
+            (coord, cp_rank),
+            ((rank / 2) % 2, (rank / 2) % 2),
+            "rank {rank}"
+        );
+        // The even ranks sum to 0 + 2 + 4 + 6, the odd ones to 1 + 3 + 5 + 7.
+        assert_eq!(sum, if rank % 2 == 0 { 12.0 } else { 16.0 }, "rank {rank}");
+    }
+}
