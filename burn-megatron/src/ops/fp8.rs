@@ -23,8 +23,8 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
 use super::linear::LinearOps;
 
-mod linear;
-mod scaling;
+pub mod linear;
+pub mod scaling;
 
 pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear};
 pub use scaling::{
