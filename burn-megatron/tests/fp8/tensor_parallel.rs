@@ -2,14 +2,15 @@
 //! group, so TP = 2 (with and without sequence parallelism) casts with TP = 1's scales and
 //! gives its logits, loss and every gradient (relative 1e-5), for a GPT (GeLU, biases) and a
 //! Llama (SwiGLU: the gate, up and down projections; GQA; no biases), under tensorwise and
-//! delayed scaling (two batches: the second casts with the histories of the first).
+//! delayed scaling (two batches: the second casts with the histories of the first). Full
+//! recomputation reruns the FP8 forward exactly under tensorwise scaling.
 
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::ops::fp8::{Fp8Config, Fp8Format, Fp8Recipe};
 use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
-use burn_megatron::transformer::TransformerConfig;
+use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
 use burn_megatron_testing::compare::data_values;
 use burn_megatron_testing::models::{llama, token_ids};
@@ -134,4 +135,22 @@ fn delayed_scaling_at_tp_2_equals_tp_1() {
         small_gpt().with_fp8(Some(fp8.clone())),
     );
     assert_tp_equivalent("Llama hybrid delayed", small_llama().with_fp8(Some(fp8)));
+}
+
+/// Tensorwise scaling keeps no state, so a layer rerun from its input in the backward pass
+/// casts exactly as its first run: TP 2 with sequence parallelism and full recomputation
+/// equals TP 1 without.
+#[test]
+fn full_recomputation_reruns_fp8_layers_exactly() {
+    let fp8 = Fp8Config::new();
+    let reference = outcomes(&small_gpt().with_fp8(Some(fp8.clone())), 1);
+    let config = small_gpt()
+        .with_fp8(Some(fp8))
+        .with_sequence_parallel(true)
+        .with_recompute(Recompute::Full);
+    assert_same(
+        "GPT hybrid tensorwise, TP=2 SP, full recompute",
+        &outcomes(&config, 2),
+        &reference,
+    );
 }
