@@ -44,8 +44,13 @@ where
     B::InnerBackend: ModelBackend,
 {
     let mut params = part_state(chunks, optim.layout(), optim.range(), optim.state())?;
-    if let Some((layout, range, state)) = optim.expert_state() {
-        params.extend(part_state(chunks, layout, range, state)?);
+    if let Some(experts) = optim.expert_state() {
+        params.extend(part_state(
+            chunks,
+            experts.layout,
+            experts.range,
+            experts.state,
+        )?);
     }
     let state = OptimizerState {
         kind: FLAT_ADAMW.to_string(),
@@ -114,8 +119,8 @@ where
     let device = optim.state().main_params.device();
     let state = load_part(checkpoint, chunks, optim.layout(), optim.range(), &device)?;
     optim.load_state(state)?;
-    if let Some((layout, range, _)) = optim.expert_state() {
-        let layout = layout.clone();
+    if let Some(experts) = optim.expert_state() {
+        let (layout, range) = (experts.layout.clone(), experts.range);
         let state = load_part(checkpoint, chunks, &layout, range, &device)?;
         optim.load_expert_state(state)?;
     }

@@ -192,6 +192,31 @@ impl DistributedAdamWConfig {
     }
 }
 
+/// A flat f32 buffer of the inner backend.
+type InnerFlat<B> = Tensor<<B as AutodiffBackend>::InnerBackend, 1>;
+
+/// What the experts' update shares with the dense one.
+struct ExpertStep<B: AutodiffBackend> {
+    /// `[1]`: the clip coefficient times the loss scale's inverse.
+    grad_factor: InnerFlat<B>,
+    /// `[1]`: the overflow flag of a loss-scaled step.
+    flag: Option<InnerFlat<B>>,
+    sharded: bool,
+    model_dtype: DType,
+}
+
+/// The routed experts' part of a [`DistributedAdamW`] in a checkpoint: its layout, the range
+/// of it this rank holds, and the state of that range.
+#[derive(Debug, Clone)]
+pub struct ExpertOptimizerState<'a, B: burn::tensor::backend::Backend> {
+    /// The experts' flat-buffer layout.
+    pub layout: &'a BufferLayout,
+    /// The range of it this rank holds.
+    pub range: std::ops::Range<usize>,
+    /// The state of that range.
+    pub state: DistributedAdamWState<B>,
+}
+
 /// The routed experts' part of a [`DistributedAdamW`]: their own flat buffers, averaged over
 /// the expert-data-parallel group (the ranks that hold the same experts) instead of DP, and
 /// sharded over it with the distributed optimizer (Megatron's expert buffers and
@@ -294,7 +319,7 @@ where
         bucket: usize,
         sharded: bool,
         align: usize,
-    ) -> crate::Result<(Tensor<B::InnerBackend, 1>, Tensor<B::InnerBackend, 1>)> {
+    ) -> crate::Result<(InnerFlat<B>, InnerFlat<B>)> {
         self.buffer.gather_grads(model, grads)?;
         let full = self.buffer.grads();
         self.buffer.release_grads();
@@ -319,14 +344,17 @@ where
     fn update<M: AutodiffModule<B>>(
         &mut self,
         model: M,
-        grads: Tensor<B::InnerBackend, 1>,
+        grads: InnerFlat<B>,
         hyper: &AdamWScalars,
-        grad_factor: Tensor<B::InnerBackend, 1>,
-        found_inf: Tensor<B::InnerBackend, 1>,
-        flag: Option<Tensor<B::InnerBackend, 1>>,
-        sharded: bool,
-        model_dtype: DType,
+        step: ExpertStep<B>,
     ) -> crate::Result<M> {
+        let ExpertStep {
+            grad_factor,
+            flag,
+            sharded,
+            model_dtype,
+        } = step;
+        let found_inf = flag.clone().unwrap_or_else(|| self.step.zeros_like());
         let take = |t: &mut Tensor<B::InnerBackend, 1>| {
             let device = t.device();
             std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
@@ -608,26 +636,20 @@ where
 
     /// The routed experts' part, if the model has MoE layers: its layout, the range of it
     /// this rank holds, and the state of that range (reads the step count to the host).
-    pub fn expert_state(
-        &self,
-    ) -> Option<(
-        &BufferLayout,
-        std::ops::Range<usize>,
-        DistributedAdamWState<B::InnerBackend>,
-    )> {
+    pub fn expert_state(&self) -> Option<ExpertOptimizerState<'_, B::InnerBackend>> {
         let experts = self.experts.as_ref()?;
         let step: f32 = burn::tensor::ElementConversion::elem(experts.step.clone().into_scalar());
         let range = experts.range_start..experts.range_start + experts.master.dims()[0];
-        Some((
-            &experts.layout,
+        Some(ExpertOptimizerState {
+            layout: &experts.layout,
             range,
-            DistributedAdamWState {
+            state: DistributedAdamWState {
                 main_params: experts.master.clone(),
                 exp_avg: experts.exp_avg.clone(),
                 exp_avg_sq: experts.exp_avg_sq.clone(),
                 step: step as u64,
             },
-        ))
+        })
     }
 
     /// [`load_state`](Self::load_state) for the routed experts' part (a no-op without one).
@@ -856,16 +878,13 @@ where
         };
         let mut model = self.buffer.write_params(model, params);
         if let (Some(experts), Some(expert_grads)) = (self.experts.as_mut(), expert_grads) {
-            model = experts.update(
-                model,
-                expert_grads,
-                &hyper,
-                grad_factor_experts,
-                flag_experts.clone().unwrap_or_else(|| self.zero.clone()),
-                flag_experts,
+            let step = ExpertStep {
+                grad_factor: grad_factor_experts,
+                flag: flag_experts,
                 sharded,
                 model_dtype,
-            )?;
+            };
+            model = experts.update(model, expert_grads, &hyper, step)?;
         }
         if let Some(overlap) = &self.overlap {
             overlap.arm(&model);

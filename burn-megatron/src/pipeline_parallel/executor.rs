@@ -143,11 +143,15 @@ enum Live<B: AutodiffBackend> {
         groups: Vec<(Range<usize>, Tensor<B::InnerBackend, 3>)>,
         /// The stored layers' graph (block method): their input (a leaf that requires grad),
         /// the stage's output or loss, and the stored layers' scaled MoE losses.
-        stored: Option<(Tensor<B, 3>, End<B>, Option<Tensor<B, 1>>)>,
+        stored: Option<StoredLayers<B>>,
         /// The last layer's output (last stage, no stored layers).
         output: Tensor<B::InnerBackend, 3>,
     },
 }
+
+/// The block method's stored layers: their input (a leaf that requires grad), the stage's
+/// output or loss, and their scaled MoE losses.
+type StoredLayers<B> = (Tensor<B, 3>, End<B>, Option<Tensor<B, 1>>);
 
 enum Start<B: AutodiffBackend> {
     Embedded(Tensor<B, 3>),
