@@ -25,6 +25,9 @@
 //! tokens/s counts the whole world's tokens. Ranks are threads of this process, or processes
 //! when started by `bm-launch --nproc-per-node N` (or torchrun). Compare with `torchrun
 //! --nproc-per-node N bench/torch_train.py` (DDP) in the same call.
+//!
+//! `--fp8-format hybrid|e4m3` (with `--fp8-recipe tensorwise|delayed`) runs the transformer
+//! layers' GEMMs in FP8 (issue 33, `burn_megatron::ops::fp8`); the RESULT line names it.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
