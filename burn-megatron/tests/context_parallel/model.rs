@@ -88,6 +88,7 @@ fn outcome(config: &TransformerConfig, layout: Layout, rows: usize, seq: usize) 
     let config = config.clone().with_sequence_parallel(sp);
     let (all_tokens, all_targets) = batch(rows * dp, seq, vocab);
     let ranks = run(tp * cp * dp, |ctx| {
+        // ANCHOR: cp_model
         let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp).with_cp(cp))?;
         let model = config
             .init_gpt::<AD>(state.tp(), &Default::default())?
@@ -99,6 +100,7 @@ fn outcome(config: &TransformerConfig, layout: Layout, rows: usize, seq: usize) 
             split.split(t, 1)
         };
         let (tokens, targets) = (rows_of(&all_tokens)?, rows_of(&all_targets)?);
+        // ANCHOR_END: cp_model
         let eval = Tensor::from_data(tokens.to_data(), &Default::default());
         let logits = model.valid().try_forward(eval)?;
         let logits = state.tp().all_gather(logits, 2)?.narrow(2, 0, vocab);

@@ -8,7 +8,7 @@ use burn_megatron::training::{PretrainArgs, PretrainConfig};
 use clap::Parser;
 
 use crate::equivalence::{assert_equal_to_reference, reference};
-use crate::tiny_run;
+use crate::{assert_close, scratch, tiny_run, tolerance, train};
 
 fn cp(tp: usize, pp: usize, cp: usize, comm: &str) -> PretrainConfig {
     tiny_run(tp, pp)
@@ -35,6 +35,45 @@ fn context_parallel_equals_single_rank_training() {
     let tp = cp(2, 1, 2, "all_gather").with_sequence_parallel(true);
     assert_equal_to_reference("TP=2 SP CP=2 all_gather", &tp, &want);
     assert_equal_to_reference("PP=2 CP=2 p2p", &cp(1, 2, 2, "p2p"), &want);
+}
+
+/// With hidden dropout (masks placed by global position), CP 2 trains as CP 1 does, and a
+/// checkpoint saved at CP 2 (CP rank 0 writes it) resumes at CP 1 with the uninterrupted
+/// run's losses.
+#[test]
+fn a_cp_2_run_with_dropout_resumes_at_cp_1() {
+    let run = |cp_size: usize, iters: usize| {
+        cp(1, 1, cp_size, "all_gather")
+            .with_use_distributed_optimizer(true)
+            .with_hidden_dropout(0.1)
+            .with_train_iters(iters)
+            .with_lr_decay_iters(Some(4))
+            .with_eval_interval(0)
+    };
+    let uninterrupted = train(&run(1, 4)).losses();
+    let at_cp_2 = train(&run(2, 4)).losses();
+    assert_close(
+        "CP 2 with dropout",
+        &at_cp_2,
+        &uninterrupted,
+        tolerance::F32_TRAINING,
+    );
+    let dir = scratch("cp-2-resumed-at-cp-1");
+    let stopped = train(
+        &run(2, 2)
+            .with_save(Some(dir.clone()))
+            .with_save_interval(Some(2)),
+    );
+    assert_eq!(stopped.checkpoints, [dir.join("iter_0000002")]);
+    let resumed = train(&run(1, 4).with_load(Some(dir.clone())));
+    assert_eq!(resumed.resumed_from, Some(dir.join("iter_0000002")));
+    assert_close(
+        "saved at CP 2, resumed at CP 1",
+        &resumed.losses(),
+        &uninterrupted[2..],
+        tolerance::F32_TRAINING,
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]
