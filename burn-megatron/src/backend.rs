@@ -13,7 +13,8 @@ use burn_megatron_dist::DistBackend;
 use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps,
     FlashAttentionOps, Fp8LinearOps, Fp8Ops, GeluOps, IdCheckOps, LinearOps, NormOps,
-    PackedFlashAttentionOps, RecomputeOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
+    PackedFlashAttentionOps, RecomputeOps, RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps,
+    WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -50,6 +51,7 @@ pub trait ModelBackend:
     + RopeOps
     + SoftmaxOps
     + FlashAttentionOps
+    + RingFlashAttentionOps
     + PackedFlashAttentionOps
     + RecomputeOps
     + EmbeddingOps
@@ -75,6 +77,7 @@ impl<B> ModelBackend for B where
         + RopeOps
         + SoftmaxOps
         + FlashAttentionOps
+        + RingFlashAttentionOps
         + PackedFlashAttentionOps
         + RecomputeOps
         + EmbeddingOps
@@ -119,7 +122,7 @@ mod ndarray {
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
-        SoftmaxOps, FlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
+        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );
 }
@@ -134,7 +137,7 @@ mod fusion {
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
-        SoftmaxOps, FlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
+        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );
 }

@@ -9,7 +9,8 @@ use burn_megatron_dist::{DistBackend, ProcessGroup};
 use super::block_attention::block_attention;
 use super::split::LoadBalancedSplit;
 use crate::error::{InputError, Result};
-use crate::ops::flash_attention::{check_shapes, repeat_heads};
+use crate::ops::FlashAttentionOps;
+use crate::ops::flash_attention::{attention, check_shapes, repeat_heads};
 
 /// Causal attention of this rank's tokens over the whole sequence, the sequence split over
 /// `cp_group` traded for a split of the heads: every tensor in the
@@ -37,6 +38,55 @@ pub fn all_to_all_attention<B: DistBackend>(
     v: Tensor<B, 4>,
     cp_group: &ProcessGroup,
     scale: f64,
+) -> Result<Tensor<B, 4>> {
+    ulysses(q, k, v, cp_group, |q, k, v, positions| {
+        block_attention(q, k, v, positions, positions, scale).out
+    })
+}
+
+/// [`all_to_all_attention`] with the fused flash attention (cuDNN on our CUDA backend): the
+/// gathered sequence is put in its natural order (a copy), attended causally, and put back in
+/// the ranks' order. No `[seq, seq]` tensor is kept for the backward. The model's `a2a`
+/// attention.
+///
+/// # Shapes
+/// As [`all_to_all_attention`].
+pub fn all_to_all_flash_attention<B: DistBackend + FlashAttentionOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    cp_group: &ProcessGroup,
+    scale: f64,
+) -> Result<Tensor<B, 4>> {
+    let cp = cp_group.size();
+    ulysses(q, k, v, cp_group, |q, k, v, _| {
+        // The ranks' parts in rank order, each its two chunks: the natural order is what
+        // `restore` builds from them, and each rank's `split` of it gives them back.
+        let natural = |t: Tensor<B, 4>| {
+            let part = t.dims()[2] / cp;
+            let parts = (0..cp)
+                .map(|r| t.clone().narrow(2, r * part, part))
+                .collect();
+            LoadBalancedSplit::restore(parts, 2).expect("the gathered sequence cuts into chunks")
+        };
+        let out = attention(natural(q), natural(k), natural(v), scale, true);
+        let parts = (0..cp)
+            .map(|r| LoadBalancedSplit::new(cp, r).split(out.clone(), 2))
+            .collect::<core::result::Result<Vec<_>, _>>()
+            .expect("the sequence cuts into chunks");
+        Tensor::cat(parts, 2)
+    })
+}
+
+/// The all-to-alls around `attend(q, k, v, positions)`, which attends every token of a share
+/// of the heads causally, the tokens in the ranks' split order (`positions` their global
+/// positions).
+fn ulysses<B: DistBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    cp_group: &ProcessGroup,
+    attend: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, &[usize]) -> Tensor<B, 4>,
 ) -> Result<Tensor<B, 4>> {
     check_shapes(q.dims(), k.dims(), v.dims(), true);
     let split = LoadBalancedSplit::of_group(cp_group);
@@ -70,6 +120,6 @@ pub fn all_to_all_attention<B: DistBackend>(
     let kv = all_to_all(kv, cp_group, 1, 2)?;
     let k = kv.clone().narrow(1, 0, local_kv);
     let v = kv.narrow(1, local_kv, local_kv);
-    let partial = block_attention(q, k, v, &positions, &positions, scale);
-    Ok(all_to_all(partial.out.cast(dtype), cp_group, 2, 1)?)
+    let out = attend(q, k, v, &positions);
+    Ok(all_to_all(out.cast(dtype), cp_group, 2, 1)?)
 }

@@ -8,9 +8,10 @@ use burn::tensor::Tensor;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::all_gather::all_gather_attention;
-use super::all_to_all::all_to_all_attention;
-use super::ring::ring_attention;
+use super::all_to_all::{all_to_all_attention, all_to_all_flash_attention};
+use super::ring::{ring_attention, ring_flash_attention};
 use crate::error::{ConfigError, Result};
+use crate::ops::RingFlashAttentionOps;
 
 /// The communication of context-parallel attention, by Megatron's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -79,5 +80,28 @@ pub fn context_parallel_attention<B: DistBackend>(
         CpCommType::P2p => ring_attention(q, k, v, cp_group, scale),
         CpCommType::AllGather => all_gather_attention(q, k, v, cp_group, scale),
         CpCommType::A2a => all_to_all_attention(q, k, v, cp_group, scale),
+    }
+}
+
+/// [`context_parallel_attention`] on the fused flash attention where the communication
+/// allows it: `p2p` by [`ring_flash_attention`], `a2a` by [`all_to_all_flash_attention`]
+/// (neither keeps a `[seq, seq]` tensor for the backward); `all_gather` stays the composition
+/// [`all_gather_attention`] (a query chunk against the keys up to its own is neither aligned
+/// causal nor full attention). The model's attention under context parallelism.
+///
+/// # Shapes
+/// As [`context_parallel_attention`].
+pub fn context_parallel_flash_attention<B: RingFlashAttentionOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    cp_group: &ProcessGroup,
+    scale: f64,
+    comm: CpCommType,
+) -> Result<Tensor<B, 4>> {
+    match comm {
+        CpCommType::P2p => ring_flash_attention(q, k, v, cp_group, scale),
+        CpCommType::AllGather => all_gather_attention(q, k, v, cp_group, scale),
+        CpCommType::A2a => all_to_all_flash_attention(q, k, v, cp_group, scale),
     }
 }

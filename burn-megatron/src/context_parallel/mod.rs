@@ -38,8 +38,8 @@ pub mod ring;
 pub mod split;
 
 pub use all_gather::all_gather_attention;
-pub use all_to_all::all_to_all_attention;
-pub use comm_type::{CpCommType, context_parallel_attention};
+pub use all_to_all::{all_to_all_attention, all_to_all_flash_attention};
+pub use comm_type::{CpCommType, context_parallel_attention, context_parallel_flash_attention};
 pub use context::CpContext;
-pub use ring::ring_attention;
+pub use ring::{ring_attention, ring_flash_attention, ring_plan};
 pub use split::LoadBalancedSplit;

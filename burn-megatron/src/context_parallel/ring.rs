@@ -9,7 +9,9 @@ use burn_megatron_dist::{DistBackend, ProcessGroup};
 use super::block_attention::{PartialAttention, block_attention, merge};
 use super::split::LoadBalancedSplit;
 use crate::error::Result;
+use crate::ops::RingFlashAttentionOps;
 use crate::ops::flash_attention::check_shapes;
+use crate::ops::ring_flash_attention::{RingBlock, RingPlan};
 
 /// Causal attention of this rank's queries against the whole sequence's keys and values, the
 /// K/V blocks passed around `cp_group`; every tensor in the
@@ -92,4 +94,56 @@ pub fn ring_attention<B: DistBackend>(
             .out
     });
     Ok(Tensor::cat(vec![early, late], 2).cast(dtype))
+}
+
+/// This rank's ring: at step `s` it holds the K/V block of rank `rank - s` (mod `cp`), and
+/// each of its two query chunks attends to each key chunk of the block not entirely in its
+/// future: an earlier chunk in full, the same chunk causally (aligned blocks), a later one not
+/// at all. The plan of [`ring_attention`], for [`RingFlashAttentionOps`].
+pub fn ring_plan(split: LoadBalancedSplit) -> RingPlan {
+    let cp = split.cp;
+    let steps = (0..cp)
+        .map(|step| {
+            let source = LoadBalancedSplit::new(cp, (split.rank + cp - step) % cp);
+            let mut blocks = Vec::new();
+            for (query, q_chunk) in split.chunks().into_iter().enumerate() {
+                for (key, k_chunk) in source.chunks().into_iter().enumerate() {
+                    if k_chunk <= q_chunk {
+                        blocks.push(RingBlock {
+                            query,
+                            key,
+                            causal: k_chunk == q_chunk,
+                        });
+                    }
+                }
+            }
+            blocks
+        })
+        .collect();
+    RingPlan { steps }
+}
+
+/// [`ring_attention`] on the fused flash attention: the same result, as one operation
+/// ([`RingFlashAttentionOps::ring_flash_attention`]) whose every block pair is a flash
+/// attention call (cuDNN on our CUDA backend) and whose backward recomputes each block from
+/// the merged output and log-sum-exp, with dK/dV passed back around the ring. No
+/// `[seq, seq]` tensor is kept for the backward. The model's `p2p` attention.
+///
+/// # Shapes
+/// - `q`: `[batch, heads, seq / cp, head_dim]`, this rank's tokens in split order;
+/// - `k`, `v`: `[batch, kv_heads, seq / cp, head_dim]`, `heads` a multiple of `kv_heads`;
+/// - returns `[batch, heads, seq / cp, head_dim]` in q's dtype.
+///
+/// Fails if an exchange fails, or if `seq / cp` is odd.
+pub fn ring_flash_attention<B: RingFlashAttentionOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    cp_group: &ProcessGroup,
+    scale: f64,
+) -> Result<Tensor<B, 4>> {
+    let split = LoadBalancedSplit::of_group(cp_group);
+    split.chunk_len(q.dims()[2] * split.cp)?;
+    let plan = ring_plan(split);
+    Ok(B::ring_flash_attention(q, k, v, cp_group, scale, &plan)?)
 }

@@ -20,6 +20,9 @@
 //! - [`mod@causal_softmax`]: the attention's scaled, causally (or padding-) masked softmax.
 //! - [`mod@flash_attention`]: attention as one operation (output and log-sum-exp forward,
 //!   probabilities recomputed backward), grouped-query attention without copying K/V.
+//! - [`mod@ring_flash_attention`]: context parallelism's ring of K/V blocks on the flash
+//!   attention, one node whose backward recomputes each block from the merged output and
+//!   log-sum-exp and passes the K/V gradients back around the ring.
 //! - [`mod@packed_flash_attention`]: flash attention on the fused QKV projection's output
 //!   `[batch, seq, groups, heads_per_group + 2, head_dim]`: no split copies forward, one
 //!   gradient buffer backward.
@@ -54,6 +57,7 @@ pub mod norm;
 pub mod packed_flash_attention;
 mod primitive;
 pub mod recompute;
+pub mod ring_flash_attention;
 pub mod rope;
 pub mod swiglu;
 pub mod write_slot;
@@ -73,6 +77,7 @@ pub use linear::{LinearOps, linear, linear_output_major};
 pub use norm::{NormKind, NormOps, norm};
 pub use packed_flash_attention::PackedFlashAttentionOps;
 pub use recompute::{RecomputeOps, RecomputedAttention};
+pub use ring_flash_attention::RingFlashAttentionOps;
 pub use rope::RopeOps;
 pub use swiglu::{SwiGluOps, bias_swiglu, sigmoid, swiglu};
 pub use write_slot::WriteSlotOps;

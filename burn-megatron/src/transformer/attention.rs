@@ -7,7 +7,7 @@ use burn_megatron_dist::{DistError, DistResult, ProcessGroup};
 use super::attention_core::AttentionCore;
 use super::config::{PositionEmbedding, Recompute, TransformerConfig};
 use crate::backend::ModelBackend;
-use crate::context_parallel::{CpContext, context_parallel_attention};
+use crate::context_parallel::{CpContext, context_parallel_flash_attention};
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::ops::RecomputedAttention;
@@ -37,7 +37,7 @@ use crate::tensor_parallel::{
 ///
 /// Under context parallelism ([`with_context_parallel`](Self::with_context_parallel)) the
 /// rank's tokens are its two chunks of the sequence: RoPE rotates them at their global
-/// positions and the attention is [`context_parallel_attention`] over the CP group.
+/// positions and the attention is [`context_parallel_flash_attention`] over the CP group.
 #[derive(Module, Debug)]
 pub struct ParallelAttention<B: Backend> {
     /// `hidden → groups · (heads_per_group + 2) · head_dim`, split by groups.
@@ -208,8 +208,8 @@ impl<B: ModelBackend> ParallelAttention<B> {
 
     /// The attention of the packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2,
     /// head_dim]`, this rank's chunks) over the context-parallel group, RoPE at the tokens'
-    /// global positions: `[batch, seq, local_heads, head_dim]`. Always the block attention of
-    /// [`crate::context_parallel`] (a composition), on every backend.
+    /// global positions: `[batch, seq, local_heads, head_dim]`. The fused flash attention
+    /// for `p2p` and `a2a` ([`context_parallel_flash_attention`]), on every backend.
     fn context_parallel(
         &self,
         qkv: Tensor<B, 5>,
@@ -230,8 +230,8 @@ impl<B: ModelBackend> ParallelAttention<B> {
             None => qkv,
         };
         let [q, k, v] = packed_flash_attention::split(qkv);
-        let out =
-            context_parallel_attention(q, k, v, &cp.group, scale, cp.comm).map_err(to_dist)?;
+        let out = context_parallel_flash_attention(q, k, v, &cp.group, scale, cp.comm)
+            .map_err(to_dist)?;
         Ok(out.swap_dims(1, 2))
     }
 

@@ -8,7 +8,9 @@
 //! (4 query heads on 2 K/V heads); one K/V head for 4 query heads (fewer K/V heads than CP).
 
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron::context_parallel::{CpCommType, LoadBalancedSplit, context_parallel_attention};
+use burn_megatron::context_parallel::{
+    CpCommType, LoadBalancedSplit, context_parallel_attention, context_parallel_flash_attention,
+};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::ops::flash_attention::attention;
 
@@ -92,13 +94,23 @@ fn reference(case: Case, seq: usize) -> Results {
 }
 
 /// Context-parallel attention on `cp` thread ranks: each rank's results, on its tokens.
-fn context_parallel(case: Case, seq: usize, cp: usize, comm: CpCommType) -> Vec<Results> {
+fn context_parallel(
+    case: Case,
+    seq: usize,
+    cp: usize,
+    comm: CpCommType,
+    fused: bool,
+) -> Vec<Results> {
     run(cp, |ctx| {
         // ANCHOR: cp_rank
         let split = LoadBalancedSplit::of_group(ctx.world());
         let [q, k, v, probe] = inputs(case, seq).map(|t| split.split(t, 2).expect("seq splits"));
         let [q, k, v] = [q, k, v].map(|t| Tensor::<AD, 4>::from_inner(t).require_grad());
-        let out = context_parallel_attention(
+        let attend = match fused {
+            true => context_parallel_flash_attention,
+            false => context_parallel_attention,
+        };
+        let out = attend(
             q.clone(),
             k.clone(),
             v.clone(),
@@ -115,10 +127,15 @@ fn context_parallel(case: Case, seq: usize, cp: usize, comm: CpCommType) -> Vec<
 }
 
 fn check(case: Case, comm: CpCommType) {
+    check_variant(case, comm, false);
+}
+
+/// `check` for the fused path the model runs ([`context_parallel_flash_attention`]).
+fn check_variant(case: Case, comm: CpCommType, fused: bool) {
     for cp in [1, 2, 4] {
         let seq = case.seq.unwrap_or(2 * cp);
         let want = reference(case, seq);
-        let ranks = context_parallel(case, seq, cp, comm);
+        let ranks = context_parallel(case, seq, cp, comm, fused);
         for (n, name) in ["output", "dq", "dk", "dv"].into_iter().enumerate() {
             let parts = ranks
                 .iter()
@@ -127,7 +144,10 @@ fn check(case: Case, comm: CpCommType) {
             let got = LoadBalancedSplit::restore(parts, 2).expect("the parts restore");
             let want = Tensor::<B, 4>::from_data(want[n].clone(), &Default::default());
             assert_close(
-                &format!("{} {comm} CP={cp} seq={seq}: {name}", case.name),
+                &format!(
+                    "{} {comm} fused={fused} CP={cp} seq={seq}: {name}",
+                    case.name
+                ),
                 &values(got),
                 &values(want),
                 tolerance::F32,
@@ -156,6 +176,18 @@ fn all_to_all_attention_equals_single_device_attention() {
     // fewer K/V heads than CP.
     for case in CASES.into_iter().filter(|c| c.heads.is_multiple_of(4)) {
         check(case, CpCommType::A2a);
+    }
+}
+
+/// The fused ring (one node, flash attention per block pair, its backward from the merged
+/// output and log-sum-exp) and the fused all-to-all, as the model runs them.
+#[test]
+fn fused_ring_and_all_to_all_equal_single_device_attention() {
+    for case in CASES {
+        check_variant(case, CpCommType::P2p, true);
+        if case.heads.is_multiple_of(4) {
+            check_variant(case, CpCommType::A2a, true);
+        }
     }
 }
 
