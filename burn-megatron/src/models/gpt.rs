@@ -451,6 +451,26 @@ impl<B: ModelBackend> GptModel<B> {
         &self.context.layer.tp.group
     }
 
+    /// The model after DeepSeek-V3's expert-bias update of a step: each MoE layer of this
+    /// stage whose router has an expert bias moves it by
+    /// [`expert_bias_update`](crate::transformer::moe::expert_bias_update) of its counts in
+    /// `tokens_per_expert` (global layer index and the step's tokens per expert over every
+    /// DP × CP rank). Layers not listed are left as they are.
+    pub fn with_updated_expert_bias(
+        mut self,
+        tokens_per_expert: &[(usize, Vec<f64>)],
+        rate: f64,
+    ) -> Self {
+        let first = self.stage().layers.start;
+        for (i, layer) in self.block.layers.iter_mut().enumerate() {
+            let counts = tokens_per_expert.iter().find(|(l, _)| *l == first + i);
+            if let (Some(moe), Some((_, counts))) = (layer.moe.as_mut(), counts) {
+                moe.update_expert_bias(counts, rate);
+            }
+        }
+        self
+    }
+
     /// The expert-parallel group this stage's MoE layers split their experts over; `None`
     /// when the stage has no MoE layer.
     pub fn expert_parallel_group(&self) -> Option<&ProcessGroup> {

@@ -76,7 +76,7 @@ pub fn local_grad_sum_of_squares<B: AutodiffBackend, M: Module<B> + DeclarePlace
     let counted: HashSet<ParamId> = try_param_infos(module)?
         .into_iter()
         .filter(|info| info.placement.dim().is_some() || tp_rank == 0)
-        .filter(|info| !excluded.contains(&info.path))
+        .filter(|info| !excluded.contains(&info.path) && !info.placement.frozen)
         .map(|info| info.id)
         .collect();
     reduce_grads(

@@ -125,7 +125,7 @@ impl DistributedAdamWConfig {
             .iter()
             .any(|info| info.placement.is_expert());
         let mut buffer = ParamAndGradBuffer::from_module_where(model, adam.buffer, |info| {
-            !info.placement.is_expert()
+            !info.placement.is_expert() && !info.placement.frozen
         })?;
         let layout = buffer.layout().clone();
         check_dp(&layout, state.dp())?;

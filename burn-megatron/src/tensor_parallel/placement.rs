@@ -46,6 +46,10 @@ pub struct ParamPlacement {
     /// over the expert-parallel group. Its gradient is reduced over the expert-data-parallel
     /// group, not the data-parallel one, and the global norm sums it over EP.
     pub expert: Option<ExpertShard>,
+    /// A buffer the optimizer does not train (DeepSeek-V3's expert bias, updated from the
+    /// load instead): no gradient, left out of the flat buffers and the gradient norm, saved
+    /// in checkpoints like any parameter.
+    pub frozen: bool,
 }
 
 /// Which experts of an MoE layer a rank holds: `[rank · n, (rank + 1) · n)` of the
@@ -67,6 +71,15 @@ impl ParamPlacement {
             parts: 1,
             padding: 0,
             expert: None,
+            frozen: false,
+        }
+    }
+
+    /// A replicated buffer that the optimizer leaves alone (`frozen` set).
+    pub fn frozen_buffer() -> Self {
+        Self {
+            frozen: true,
+            ..Self::replicated()
         }
     }
 
@@ -95,6 +108,7 @@ impl ParamPlacement {
             parts: tp.size(),
             padding: 0,
             expert: None,
+            frozen: false,
         }
     }
 

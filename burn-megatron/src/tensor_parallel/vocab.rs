@@ -58,6 +58,7 @@ impl VocabPartition {
             parts: self.tp,
             padding: self.padded_size - self.vocab_size,
             expert: None,
+            frozen: false,
         }
     }
 

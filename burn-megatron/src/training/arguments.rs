@@ -337,6 +337,19 @@ pub struct PretrainArgs {
     /// "([0]*1+[1]*3)" with a 1 a MoE layer. [default: 1, every layer]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_layer_freq: Option<String>,
+    /// DeepSeek-V3's auxiliary-loss-free load balancing: a per-expert bias added to the
+    /// router's scores for the choice only, moved after each step toward a balanced load.
+    /// [default: false]
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        help_heading = "Mixture of experts"
+    )]
+    pub moe_router_enable_expert_bias: Option<bool>,
+    /// How far the expert bias moves per step. [default: 1e-3]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_bias_update_rate: Option<f64>,
 }
 
 impl PretrainArgs {
@@ -456,6 +469,8 @@ impl PretrainArgs {
             moe_router_topk_normalize => moe_router_topk_normalize,
             moe_aux_loss_coeff => moe_aux_loss_coeff,
             moe_z_loss_coeff => moe_z_loss_coeff,
+            moe_router_enable_expert_bias => moe_router_enable_expert_bias,
+            moe_router_bias_update_rate => moe_router_bias_update_rate,
         );
         set_some!(
             num_experts,
@@ -572,6 +587,8 @@ impl PretrainArgs {
             moe_z_loss_coeff,
             moe_shared_expert_intermediate_size,
             moe_layer_freq,
+            moe_router_enable_expert_bias,
+            moe_router_bias_update_rate,
         )
     }
 }

@@ -296,6 +296,13 @@ pub struct PretrainConfig {
     /// One flag a layer instead (`--moe-layer-freq "([0]*1+[1]*3)"`).
     #[config(default = "None")]
     pub moe_layer_pattern: Option<Vec<bool>>,
+    /// DeepSeek-V3's auxiliary-loss-free expert bias (`--moe-router-enable-expert-bias`):
+    /// after each step every router's bias moves toward a balanced load.
+    #[config(default = false)]
+    pub moe_router_enable_expert_bias: bool,
+    /// How far the expert bias moves per step (`--moe-router-bias-update-rate`).
+    #[config(default = 1e-3)]
+    pub moe_router_bias_update_rate: f64,
 }
 
 /// The facts every rank derives from a checked [`PretrainConfig`].
@@ -383,6 +390,8 @@ impl PretrainConfig {
                 .with_shared_expert_ffn_hidden_size(self.moe_shared_expert_intermediate_size)
                 .with_layer_freq(self.moe_layer_freq)
                 .with_layer_pattern(self.moe_layer_pattern.clone())
+                .with_expert_bias(self.moe_router_enable_expert_bias)
+                .with_bias_update_rate(self.moe_router_bias_update_rate)
         })
     }
 
@@ -402,6 +411,7 @@ impl PretrainConfig {
                 || self.moe_router_topk != defaults.moe_router_topk
                 || self.moe_aux_loss_coeff != 0.0
                 || self.moe_z_loss_coeff != 0.0
+                || self.moe_router_enable_expert_bias
             {
                 return invalid(
                     "--expert-model-parallel-size and the --moe-* options need --num-experts                      (the routed experts of each MoE layer)"

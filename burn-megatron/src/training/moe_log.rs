@@ -4,6 +4,7 @@
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
+use super::nan_check::read_f32;
 use crate::error::Result;
 use crate::pipeline_parallel::MoeStepStats;
 
@@ -80,4 +81,33 @@ pub(crate) fn moe_report<B: DistBackend>(
         ],
         0,
     ))
+}
+
+/// Each MoE layer's tokens per expert over the step's microbatches and every DP × CP rank
+/// (global layer index, counts), read to the host: what the expert-bias update needs. Every
+/// rank of this stage's DP × CP group must call it.
+pub(crate) fn global_expert_load<B: DistBackend>(
+    state: &ParallelState,
+    stats: &MoeStepStats<B>,
+    device: &B::Device,
+) -> Result<Vec<(usize, Vec<f64>)>> {
+    let counts: Vec<f32> = stats
+        .tokens_per_expert
+        .iter()
+        .flat_map(|(_, c)| c.iter().map(|&n| n as f32))
+        .collect();
+    let len = counts.len();
+    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [len]), (device, DType::F32));
+    let counts = state.dp_cp().all_reduce(counts, ReduceOp::Sum)?;
+    let counts = read_f32(counts, state.world().rank(), "the experts' load")?;
+    let mut at = 0;
+    Ok(stats
+        .tokens_per_expert
+        .iter()
+        .map(|(layer, c)| {
+            let layer_counts = counts[at..at + c.len()].iter().map(|&v| v as f64).collect();
+            at += c.len();
+            (*layer, layer_counts)
+        })
+        .collect())
 }

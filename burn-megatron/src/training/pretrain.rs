@@ -28,7 +28,7 @@ use burn_megatron_dist::{DistBackend, ParallelSizes, ParallelState, RankContext,
 
 use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
-use super::moe_log::{MoeReport, moe_report};
+use super::moe_log::{MoeReport, global_expert_load, moe_report};
 use super::nan_check::{check_finite_parameters, check_step_values, read_f32};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
 use super::step::{MIB, largest_over_ranks, loss_on_every_stage};
@@ -351,6 +351,12 @@ where
         };
         let mut grads = out.grads;
         let moe_stats = out.moe;
+        let bias_rate = model_config
+            .moe
+            .as_ref()
+            .filter(|moe| moe.expert_bias)
+            .map(|moe| moe.bias_update_rate);
+        let bias_stats = moe_stats.clone().filter(|_| bias_rate.is_some());
         let loss = shared_loss(&state, out.loss, device)?;
         let norm = if let Some(optim) = rank.distributed.as_mut() {
             let grads = merge_chunk_grads(&rank.chunks, grads);
@@ -368,6 +374,14 @@ where
             rank.chunks = rank.no_decay.step(lr, chunks, no_decay);
             norm
         };
+        // DeepSeek-V3's expert bias follows the step's load over every DP × CP rank.
+        if let (Some(rate), Some(stats)) = (bias_rate, &bias_stats) {
+            let load = global_expert_load(&state, stats, device)?;
+            rank.chunks = std::mem::take(&mut rank.chunks)
+                .into_iter()
+                .map(|chunk| chunk.with_updated_expert_bias(&load, rate))
+                .collect();
+        }
         let logged = (iteration + 1).is_multiple_of(config.log_interval as u64)
             || iteration + 1 == config.train_iters as u64;
         let memory = match B::memory_in_use(device) {

@@ -65,6 +65,9 @@ impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
 impl<B: Backend> DeclarePlacements for MoeLayer<B> {
     fn declare_placements(&self, out: &mut Placements) {
         out.declare(&self.router.weight, ParamPlacement::replicated());
+        if let Some(bias) = &self.router.expert_bias {
+            out.declare(bias, ParamPlacement::frozen_buffer());
+        }
         let expert = ParamPlacement::expert(self.dispatcher().ep());
         let experts = &self.experts;
         out.declare(&experts.fc1, expert);

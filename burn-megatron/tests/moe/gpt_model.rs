@@ -194,9 +194,10 @@ fn starve_experts_23(mut model: GptModel<AD>) -> GptModel<AD> {
         return model;
     }
     let set = |t: Tensor<AD, 1>, value: f32| {
-        let t = t
-            .inner()
-            .slice_assign([0..1usize; 1], Tensor::full([1], value, &Default::default()));
+        let t = t.inner().slice_assign(
+            [0..1usize; 1],
+            Tensor::full([1], value, &Default::default()),
+        );
         Tensor::from_inner(t).require_grad()
     };
     let norm = &mut layer.post_attention_norm;

@@ -148,6 +148,11 @@ fn expert_layout_errors_name_the_options() {
 /// A run with experts at DP `dp` × EP `ep` (4 experts, top 2, both losses, a shared expert,
 /// layer 0 MoE) for `iters` of 4 steps.
 fn moe_run(dp: usize, ep: usize, zero1: bool, iters: usize) -> PretrainConfig {
+    moe_run_with(dp, ep, zero1, iters, &[])
+}
+
+/// [`moe_run`] with `extra` options.
+fn moe_run_with(dp: usize, ep: usize, zero1: bool, iters: usize, extra: &[&str]) -> PretrainConfig {
     let (dp, ep) = (dp.to_string(), ep.to_string());
     let mut args = vec![
         "--data-parallel-size",
@@ -172,6 +177,7 @@ fn moe_run(dp: usize, ep: usize, zero1: bool, iters: usize) -> PretrainConfig {
     if zero1 {
         args.push("--use-distributed-optimizer");
     }
+    args.extend_from_slice(extra);
     config(&args).with_train_iters(iters)
 }
 
@@ -215,4 +221,62 @@ fn checkpoint_with_experts_resumes_at_the_same_layout() {
 fn checkpoint_with_experts_reshards_to_ep_1_and_4() {
     resume("ep2-to-ep1", (2, 2, true), (2, 1, true));
     resume("ep2-to-ep4", (2, 2, false), (4, 4, true));
+}
+
+/// DeepSeek-V3's expert bias in pretrain_gpt: the bias moves by multiples of the rate, is
+/// saved, and a run resumed after step 3 continues it (the saved bias steers the next
+/// choices: a lost one changes the loss).
+#[test]
+fn expert_bias_moves_with_the_load_and_resumes() {
+    let bias = [
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "0.05",
+    ];
+    let dir = scratch_dir("bm-moe", "bias");
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let uninterrupted = train(&moe_run_with(2, 2, true, 4, &bias));
+    train(
+        &moe_run_with(2, 2, true, 3, &bias)
+            .with_save(Some(dir.clone()))
+            .with_save_interval(Some(3)),
+    );
+    let resumed = train(&moe_run_with(2, 2, true, 4, &bias).with_load(Some(dir.clone())));
+    assert_close(
+        "resumed with the expert bias",
+        &resumed.losses(),
+        &uninterrupted.losses()[3..],
+        tolerance::F32_TRAINING,
+    );
+    // Dense DP 1 (Burn's AdamW) also trains with a bias that has no gradient.
+    let single = train(&moe_run_with(1, 1, false, 4, &bias));
+    assert!(single.losses().iter().all(|l| l.is_finite()));
+    let config = moe_run_with(2, 2, true, 4, &bias).model();
+    let values = burn_megatron_testing::run(1, |ctx| {
+        let model = config.init_gpt::<crate::AD>(ctx.world(), &Default::default())?;
+        let checkpoint = burn_megatron::checkpointing::Checkpoint::open_latest(&dir)?;
+        let model = checkpoint.load_model(model)?;
+        let moe = model.block.layers[0]
+            .moe
+            .as_ref()
+            .expect("layer 0 is an MoE layer");
+        let bias = moe.router.expert_bias.as_ref().expect("an expert bias");
+        Ok(crate::values(bias.val()))
+    })
+    .remove(0);
+    // Three updates of ±0.05 (or 0): each value is a multiple of 0.05 within 0.15. (At this
+    // rate the bias outweighs the router's scores and the load swings between experts 0, 1
+    // and 2, 3 from step to step, so after two steps it can be back at zero.)
+    assert!(
+        values.iter().any(|&v| v != 0.0),
+        "the bias moved: {values:?}"
+    );
+    for v in &values {
+        let steps = v / 0.05;
+        assert!(
+            (steps - steps.round()).abs() < 1e-4 && v.abs() <= 0.1 + 1e-6,
+            "{values:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }

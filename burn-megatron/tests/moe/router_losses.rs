@@ -2,7 +2,9 @@
 //! score, weight and loss is a fraction worked out by hand in the comments.
 
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron::transformer::moe::{Router, RouterScoreFunction, RouterSettings, Routing};
+use burn_megatron::transformer::moe::{
+    Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
+};
 
 use crate::{B, assert_close, tolerance, values};
 
@@ -121,4 +123,50 @@ fn sigmoid_top1() {
     // The z-loss reads the logits, whatever the score function.
     let z = 0.01 * (4.5f64.ln().powi(2) + 6f64.ln().powi(2)) / 2.0;
     close("z-loss", r.z_loss, z);
+}
+
+/// DeepSeek-V3's expert bias changes the choice, not the weight: a bias of `[0.3, 0, 0]`
+/// lifts expert 0 (2/9 + 0.3 > 4/9) for token 0, whose weight is still its score 2/9; token 1
+/// keeps expert 0 (3/6).
+#[test]
+fn expert_bias_picks_the_experts_but_not_their_weights() {
+    let device = Default::default();
+    let (ln2, ln3, ln15) = (2f32.ln(), 3f32.ln(), 1.5f32.ln());
+    let weight = Tensor::from_data(
+        TensorData::new(vec![0.0, ln2, ln15, ln3, 0.0, ln2], [2, 3]),
+        &device,
+    );
+    let settings = RouterSettings {
+        score_function: RouterScoreFunction::Softmax,
+        top_k: 1,
+        normalize_top_k: false,
+        aux_loss_coeff: 0.0,
+        z_loss_coeff: 0.0,
+    };
+    let bias = Tensor::from_data(TensorData::new(vec![0.3f32, 0.0, 0.0], [3]), &device);
+    let router = Router::<B>::new(weight, settings).with_expert_bias(bias);
+    let tokens = Tensor::from_data(TensorData::new(vec![1f32, 0.0, 0.0, 1.0], [2, 2]), &device);
+    let r = router.route(tokens);
+    assert_eq!(r.experts, vec![0, 0]);
+    assert_eq!(r.tokens_per_expert, vec![2, 0, 0]);
+    assert_close(
+        "weights",
+        &values(r.weights),
+        &[2.0 / 9.0, 0.5],
+        tolerance::F32,
+    );
+}
+
+/// Megatron's update: counts `[6, 2, 2, 2]` (mean 3) move the bias by `rate · sign(mean −
+/// count)`: down for the busy expert, up for the others; a count at the mean stays.
+#[test]
+fn expert_bias_update_follows_the_load() {
+    assert_eq!(
+        expert_bias_update(&[6.0, 2.0, 2.0, 2.0], 0.01),
+        vec![-0.01, 0.01, 0.01, 0.01]
+    );
+    assert_eq!(
+        expert_bias_update(&[3.0, 1.0, 2.0], 0.5),
+        vec![-0.5, 0.5, 0.0]
+    );
 }

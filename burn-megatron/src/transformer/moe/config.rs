@@ -2,6 +2,7 @@
 //! field docs.
 
 use burn::config::Config;
+use burn::tensor::Tensor;
 use burn_megatron_dist::ProcessGroup;
 
 use super::dispatcher::TokenDispatcher;
@@ -49,6 +50,11 @@ pub struct MoeConfig {
     /// Standard deviation of the normal initialisation of every weight.
     #[config(default = 0.02)]
     pub init_std: f64,
+    /// DeepSeek-V3's auxiliary-loss-free expert bias (`--moe-router-enable-expert-bias`):
+    /// the router chooses by the scores plus a per-expert bias that the training loop
+    /// updates from the load ([`expert_bias_update`](super::expert_bias_update)).
+    #[config(default = false)]
+    pub expert_bias: bool,
 }
 
 impl MoeConfig {
@@ -78,6 +84,10 @@ impl MoeConfig {
                 z_loss_coeff: self.z_loss_coeff,
             },
         );
+        let router = match self.expert_bias {
+            true => router.with_expert_bias(Tensor::zeros([self.num_experts], device)),
+            false => router,
+        };
         let experts =
             GroupedExpertsConfig::new(self.hidden_size, self.ffn_hidden_size, self.num_experts)
                 .with_activation(self.activation)
@@ -132,5 +142,6 @@ impl MoeSettings {
         .with_activation(activation)
         .with_shared_expert_ffn_hidden_size(self.shared_expert_ffn_hidden_size)
         .with_init_std(init_std)
+        .with_expert_bias(self.expert_bias)
     }
 }

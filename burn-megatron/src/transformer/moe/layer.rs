@@ -1,12 +1,12 @@
 //! The mixture-of-experts layer: router, dispatch, experts, combine, and the shared expert.
 
 use burn::module::Module;
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::{Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::DistResult;
 
 use super::dispatcher::TokenDispatcher;
 use super::experts::GroupedExperts;
-use super::router::Router;
+use super::router::{Router, expert_bias_update};
 use crate::backend::ModelBackend;
 
 /// A mixture of experts in place of a transformer layer's MLP (Megatron's `MoELayer`),
@@ -70,6 +70,22 @@ impl<B: Backend> MoeLayer<B> {
     /// The dispatcher (and through it the expert-parallel group).
     pub fn dispatcher(&self) -> &TokenDispatcher {
         &self.dispatcher
+    }
+
+    /// Moves the router's expert bias, if it has one, by [`expert_bias_update`] of
+    /// `tokens_per_expert` (one step's counts over every data-parallel rank, the same on
+    /// every rank, so that the bias stays the same everywhere).
+    pub fn update_expert_bias(&mut self, tokens_per_expert: &[f64], rate: f64) {
+        let Some(bias) = self.router.expert_bias.take() else {
+            return;
+        };
+        let delta = expert_bias_update(tokens_per_expert, rate);
+        let len = delta.len();
+        self.router.expert_bias = Some(bias.map(|b| {
+            let delta = Tensor::<B, 1>::from_data(TensorData::new(delta, [len]), &b.device())
+                .cast(b.dtype());
+            (b.detach() + delta).set_require_grad(false)
+        }));
     }
 }
 

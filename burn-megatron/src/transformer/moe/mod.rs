@@ -30,6 +30,7 @@ pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
 pub use losses::MoeLosses;
 pub use router::{
-    Router, RouterScoreFunction, RouterSettings, Routing, load_balancing_loss, z_loss,
+    Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update, load_balancing_loss,
+    z_loss,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};

@@ -43,6 +43,10 @@ pub struct RouterSettings {
 pub struct Router<B: Backend> {
     /// `[hidden_size, num_experts]`, drawn from `N(0, init_std²)`.
     pub weight: Param<Tensor<B, 2>>,
+    /// `[num_experts]`, zeros at init: DeepSeek-V3's auxiliary-loss-free expert bias, added to
+    /// the scores to choose the top-k experts only (the weights stay the unbiased scores),
+    /// and updated from the load ([`expert_bias_update`]) rather than trained: no gradient.
+    pub expert_bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     settings: RouterSettings,
 }
@@ -70,7 +74,16 @@ impl<B: Backend> Router<B> {
     pub fn new(weight: Tensor<B, 2>, settings: RouterSettings) -> Self {
         Self {
             weight: Param::from_tensor(weight),
+            expert_bias: None,
             settings,
+        }
+    }
+
+    /// The same router choosing its experts by the scores plus `bias` (`[num_experts]`).
+    pub fn with_expert_bias(self, bias: Tensor<B, 1>) -> Self {
+        Self {
+            expert_bias: Some(Param::from_tensor(bias).set_require_grad(false)),
+            ..self
         }
     }
 
@@ -102,7 +115,11 @@ impl<B: ModelBackend> Router<B> {
             RouterScoreFunction::Softmax => softmax(logits.clone(), 1),
             RouterScoreFunction::Sigmoid => sigmoid(logits.clone()),
         };
-        let (_, chosen) = scores.clone().detach().topk_with_indices(s.top_k, 1);
+        let for_choice = match &self.expert_bias {
+            Some(bias) => scores.clone().detach() + bias.val().detach().unsqueeze::<2>(),
+            None => scores.clone().detach(),
+        };
+        let (_, chosen) = for_choice.topk_with_indices(s.top_k, 1);
         let experts: Vec<usize> = chosen
             .clone()
             .into_data()
@@ -149,6 +166,19 @@ impl<B: ModelBackend> Router<B> {
             z_loss,
         }
     }
+}
+
+/// DeepSeek-V3's update of the expert bias from one step's load (Megatron's
+/// `get_updated_expert_bias`): `rate · sign(mean − count_e)` for each expert, so that the
+/// bias rises for experts below the mean load and falls for those above it (0 at the mean).
+/// `tokens_per_expert` are the step's counts over every data-parallel rank.
+pub fn expert_bias_update(tokens_per_expert: &[f64], rate: f64) -> Vec<f32> {
+    let n = tokens_per_expert.len().max(1) as f64;
+    let mean = tokens_per_expert.iter().sum::<f64>() / n;
+    tokens_per_expert
+        .iter()
+        .map(|&c| (rate * (mean - c).signum() * f64::from(u8::from(mean != c))) as f32)
+        .collect()
 }
 
 /// The Switch Transformer's load-balancing loss as Megatron computes it:

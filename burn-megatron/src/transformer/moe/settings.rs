@@ -45,6 +45,13 @@ pub struct MoeSettings {
     /// One flag a layer, overriding `layer_freq` (`--moe-layer-freq "([0]*1+[1]*3)"`).
     #[config(default = "None")]
     pub layer_pattern: Option<Vec<bool>>,
+    /// DeepSeek-V3's auxiliary-loss-free expert bias (`--moe-router-enable-expert-bias`).
+    #[config(default = false)]
+    pub expert_bias: bool,
+    /// How far the bias moves after each step (`--moe-router-bias-update-rate`, Megatron's
+    /// 1e-3).
+    #[config(default = 1e-3)]
+    pub bias_update_rate: f64,
 }
 
 impl MoeSettings {
@@ -101,6 +108,7 @@ impl MoeSettings {
         for (name, value) in [
             ("--moe-aux-loss-coeff", self.aux_loss_coeff),
             ("--moe-z-loss-coeff", self.z_loss_coeff),
+            ("--moe-router-bias-update-rate", self.bias_update_rate),
         ] {
             if !(value.is_finite() && value >= 0.0) {
                 return invalid(format!(
