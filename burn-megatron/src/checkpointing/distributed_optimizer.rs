@@ -13,15 +13,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::ParamId;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 
 use super::load::Checkpoint;
 use crate::ModelBackend;
 use crate::distributed::BufferLayout;
-use crate::error::CheckpointError;
 use crate::error::Result;
+use crate::error::{CheckpointError, read_data, read_params};
 use crate::models::GptModel;
 use crate::optimizer::FLAT_ADAMW;
 use crate::optimizer::state::{OptimizerState, ParamState};
@@ -43,13 +43,16 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
 {
-    let mut params = part_state(chunks, optim.layout(), optim.range(), optim.state())?;
-    if let Some(experts) = optim.expert_state() {
+    let rank = optim.global_rank();
+    let state = optim.state().map_err(|e| e.on_rank(rank))?;
+    let mut params = part_state(chunks, optim.layout(), optim.range(), state, rank)?;
+    if let Some(experts) = optim.expert_state().map_err(|e| e.on_rank(rank))? {
         params.extend(part_state(
             chunks,
             experts.layout,
             experts.range,
             experts.state,
+            rank,
         )?);
     }
     let state = OptimizerState {
@@ -61,27 +64,32 @@ where
 }
 
 /// The state of one part of the flat buffers (`layout`, of which this rank holds `range`):
-/// each parameter's elements in the range, as a flat range of it.
+/// each parameter's elements in the range, as a flat range of it. A buffer that cannot be read
+/// (a device error) is a [`DeviceError`](crate::error::DeviceError) naming it and `rank`.
 fn part_state<B>(
     chunks: &[GptModel<B>],
     layout: &BufferLayout,
     range: Range<usize>,
     state: DistributedAdamWState<B::InnerBackend>,
+    rank: usize,
 ) -> Result<HashMap<ParamId, ParamState>>
 where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
 {
-    let host = |t: Tensor<B::InnerBackend, 1>| -> Result<Vec<f32>> {
-        t.into_data()
+    let host = |t: Tensor<B::InnerBackend, 1>, name: &str| -> Result<Vec<f32>> {
+        let what =
+            || format!("the distributed optimizer's {name} (range {range:?}) for a checkpoint");
+        read_data(t, what)
+            .map_err(|e| e.on_rank(rank))?
             .convert::<f32>()
             .into_vec::<f32>()
             .map_err(|e| state_error(chunks, format!("cannot read the optimizer state: {e:?}")))
     };
     let buffers = [
-        ("exp_avg", host(state.exp_avg)?),
-        ("exp_avg_sq", host(state.exp_avg_sq)?),
-        (MAIN_PARAM, host(state.main_params)?),
+        ("exp_avg", host(state.exp_avg, "exp_avg")?),
+        ("exp_avg_sq", host(state.exp_avg_sq, "exp_avg_sq")?),
+        (MAIN_PARAM, host(state.main_params, MAIN_PARAM)?),
     ];
     let mut params = HashMap::new();
     for (id, local, in_range) in owned(layout, &range) {
@@ -116,10 +124,11 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
 {
-    let device = optim.state().main_params.device();
+    let device = optim.main_params().device();
     let state = load_part(checkpoint, chunks, optim.layout(), optim.range(), &device)?;
     optim.load_state(state)?;
-    if let Some(experts) = optim.expert_state() {
+    let rank = optim.global_rank();
+    if let Some(experts) = optim.expert_state().map_err(|e| e.on_rank(rank))? {
         let (layout, range) = (experts.layout.clone(), experts.range);
         let state = load_part(checkpoint, chunks, &layout, range, &device)?;
         optim.load_expert_state(state)?;
@@ -161,7 +170,10 @@ where
             .get(&id)
             .is_none_or(|p| !p.tensors.contains_key(MAIN_PARAM))
         {
-            let values = from_params.get_or_insert_with(|| param_values(chunks));
+            if from_params.is_none() {
+                from_params = Some(param_values(chunks, checkpoint)?);
+            }
+            let values = from_params.as_ref().expect("filled above");
             let value = values.get(&id).ok_or_else(|| {
                 state_error(
                     chunks,
@@ -220,24 +232,27 @@ where
     })
 }
 
-/// Every float parameter's value (its local tensor, row-major) as f32, by id.
+/// Every float parameter's value (its local tensor, row-major) as f32, by id: the master
+/// weights that `checkpoint` lacks. A device error names the parameter.
 fn param_values<B: AutodiffBackend + ModelBackend>(
     chunks: &[GptModel<B>],
-) -> HashMap<ParamId, Vec<f32>> {
-    struct Collect(HashMap<ParamId, Vec<f32>>);
-    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            if let Ok(values) = data.into_vec::<f32>() {
-                self.0.insert(param.id, values);
+    checkpoint: &Checkpoint,
+) -> Result<HashMap<ParamId, Vec<f32>>> {
+    let purpose = format!(
+        "for the master weights that checkpoint {} lacks",
+        checkpoint.dir().display()
+    );
+    let mut out = HashMap::new();
+    for chunk in chunks {
+        let values = read_params(chunk, |path| chunk.global_path(path), &purpose)
+            .map_err(|e| e.on_rank(chunk.tp().global_rank()))?;
+        for (id, data) in values {
+            if let Ok(values) = data.convert::<f32>().into_vec::<f32>() {
+                out.insert(id, values);
             }
         }
     }
-    let mut collect = Collect(HashMap::new());
-    for chunk in chunks {
-        chunk.visit(&mut collect);
-    }
-    collect.0
+    Ok(out)
 }
 
 /// The parameters with elements in `range` (of the flat buffers): id, the flat range of the

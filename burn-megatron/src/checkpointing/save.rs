@@ -187,7 +187,7 @@ impl Checkpointer {
         };
         agree(state, prepared.is_ok(), &tmp)?;
         prepared?;
-        let snapshot = RankSnapshot::take(state, chunks, values, optimizer);
+        let snapshot = RankSnapshot::take(state, chunks, values, optimizer, training.iteration);
         agree(state, snapshot.is_ok(), &tmp)?;
         Ok(Started {
             snapshot: snapshot?,

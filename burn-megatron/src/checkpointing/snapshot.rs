@@ -19,9 +19,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::module::ParamId;
+use burn::tensor::TensorData;
 use burn_megatron_dist::ParallelState;
 use serde::{Deserialize, Serialize};
 
@@ -31,8 +30,8 @@ use super::region::{Region, copy_region, flat_range_boxes, flat_start, intersect
 use super::slices::{LocalSlice, dtype_from_name, dtype_name, local_slices};
 use super::tensor_file::{Blob, BlobBytes, write_tensor_file};
 use crate::ModelBackend;
-use crate::error::CheckpointError;
 use crate::error::Result;
+use crate::error::{CheckpointError, DeviceError, read_params};
 use crate::models::GptModel;
 use crate::optimizer::state::OptimizerState;
 
@@ -80,12 +79,15 @@ impl RankSnapshot {
     /// Copies what this rank writes to the host: its slices of `chunks`' parameters (DP rank
     /// 0) and of their optimizer state (`optimizer[i]` for `chunks[i]`). `values[i]`, when
     /// given, replaces `chunks[i]`'s parameter values (a conversion writes a checkpoint's
-    /// values, in their dtype, in the layout of `chunks`).
+    /// values, in their dtype, in the layout of `chunks`). A parameter that cannot be read
+    /// (a device error) is a [`DeviceError`](crate::error::DeviceError) naming it and
+    /// `iteration`, the checkpoint's.
     pub fn take<B: ModelBackend>(
         state: &ParallelState,
         chunks: &[GptModel<B>],
         values: Option<Vec<HashMap<ParamId, TensorData>>>,
         optimizer: Option<&[OptimizerState]>,
+        iteration: u64,
     ) -> Result<Self> {
         let (t, p, d) = (state.tp().rank(), state.pp_rank(), state.dp().rank());
         let dp_sharded = optimizer.is_some_and(|o| o.iter().any(|s| s.dp_sharded));
@@ -113,7 +115,9 @@ impl RankSnapshot {
             }
             let mut values = match given.as_mut().and_then(Iterator::next) {
                 Some(values) => values,
-                None if writes_model || writes_experts => param_values(chunk),
+                None if writes_model || writes_experts => {
+                    param_values(chunk, iteration).map_err(|e| e.on_rank(state.world().rank()))?
+                }
                 None => Default::default(),
             };
             for slice in local_slices(chunk)?.into_iter().filter(|s| s.writes) {
@@ -311,15 +315,13 @@ fn cut(src: &[u8], (shape, origin): (&[usize], &[usize]), region: &Region, elem:
     out
 }
 
-/// Every float parameter's local value, by id (the host copy).
-fn param_values<B: Backend>(chunk: &GptModel<B>) -> HashMap<ParamId, TensorData> {
-    struct Collect(HashMap<ParamId, TensorData>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.insert(param.id, param.val().into_data());
-        }
-    }
-    let mut collect = Collect(Default::default());
-    chunk.visit(&mut collect);
-    collect.0
+/// Every float parameter's local value, by id (the host copy); a device error names the
+/// parameter by its path in the whole model.
+pub(crate) fn param_values<B: ModelBackend>(
+    chunk: &GptModel<B>,
+    iteration: u64,
+) -> core::result::Result<HashMap<ParamId, TensorData>, DeviceError> {
+    let purpose = format!("for the checkpoint at iteration {iteration}");
+    let values = read_params(chunk, |path| chunk.global_path(path), &purpose)?;
+    Ok(values.into_iter().collect())
 }

@@ -4,7 +4,8 @@
 //!   failures: [`ConfigError`] for building a model or layer, [`InputError`] for data given to
 //!   a forward pass, [`DistError`] for communication (layers whose only failure is a
 //!   collective return [`DistResult`](burn_megatron_dist::DistResult)), [`DataError`] for
-//!   reading, writing and sampling datasets.
+//!   reading, writing and sampling datasets, [`DeviceError`] for a value the host could not
+//!   read from the device (a deferred device error: Burn's `into_data` would panic there).
 //! - [`Error`] holds any of them, and `?` converts each into it: the model's entry points
 //!   (`try_forward`, `loss`, the schedules in `pipeline_parallel`) return [`Result`].
 //! - A panicking `forward` exists only where Burn's convention of an infallible
@@ -13,6 +14,7 @@
 
 mod checkpoint;
 mod config;
+mod device;
 mod input;
 mod pipeline;
 mod training;
@@ -20,6 +22,8 @@ mod training;
 pub use burn_megatron_dist::DistError;
 pub use checkpoint::CheckpointError;
 pub use config::ConfigError;
+pub use device::DeviceError;
+pub(crate) use device::{read_data, read_params, read_scalar};
 pub use input::{IdKind, InputError, check_ids_on_host};
 pub use pipeline::PipelineError;
 pub use training::{NonFiniteValue, TrainingError};
@@ -47,10 +51,14 @@ pub enum Error {
     /// A checkpoint cannot be saved or loaded.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    /// A training run stopped: a non-finite loss, gradient norm or parameter, a device
-    /// error found when reading a value, or a failure inside Burn's `Learner`.
+    /// A training run stopped: a non-finite loss, gradient norm or parameter, or a failure
+    /// inside Burn's `Learner`.
     #[error(transparent)]
     Training(#[from] TrainingError),
+    /// A value could not be read from the device (a checkpoint's parameter, the step's loss,
+    /// generated tokens, …): the device reported an error, often a deferred one.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     /// A launch of ranks failed: the first failing rank and its message.
     #[error(transparent)]
     Launch(#[from] burn_megatron_dist::LaunchError),

@@ -1,6 +1,6 @@
-//! What stops a training run: a non-finite value (`--check-for-nan-in-loss-and-grad`), a
-//! device error found when the loop read a value, and a failure inside Burn's `Learner` that
-//! Burn's API could only report as a panic.
+//! What stops a training run: a non-finite value (`--check-for-nan-in-loss-and-grad`) and a
+//! failure inside Burn's `Learner` that Burn's API could only report as a panic. (A device
+//! error found when the loop reads a value is a [`DeviceError`](super::DeviceError).)
 
 /// The value found non-finite.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,17 +59,6 @@ pub enum TrainingError {
         rank: usize,
         /// What was not finite.
         value: NonFiniteValue,
-    },
-    /// The device failed an operation that the loop only learnt of when it read a value
-    /// (a deferred error: a bad token id on the GPU, a collective the watchdog aborted).
-    #[error("rank {rank}: reading {what} from the device failed: {message}")]
-    Device {
-        /// The rank.
-        rank: usize,
-        /// What the loop was reading (e.g. "the step's loss and gradient norm").
-        what: String,
-        /// The backend's error.
-        message: String,
     },
     /// Burn's `Learner` reported a failure as a panic (its steps, loaders and optimizer
     /// cannot return errors) and the panic carried no error of ours: its message, caught at

@@ -411,7 +411,12 @@ fn check_same_parameters<B: ModelBackend>(
     );
     let highest = dp.all_reduce(sums.clone(), ReduceOp::Max)?;
     let lowest = dp.all_reduce(sums, ReduceOp::Min)?;
-    let spread: f64 = (highest - lowest).abs().max().into_scalar().elem();
+    let spread = (highest - lowest).abs().max();
+    let spread: f64 = crate::error::read_scalar(spread, || {
+        "the spread of the data-parallel replicas' parameter sums".to_string()
+    })
+    .map_err(|e| e.on_rank(dp.global_rank()))?
+    .elem();
     if spread == 0.0 {
         return Ok(());
     }
@@ -590,15 +595,19 @@ where
         self.step.clone()
     }
 
-    /// The state of the rank's range (reads the step count to the host).
-    pub fn state(&self) -> DistributedAdamWState<B::InnerBackend> {
-        let step: f32 = burn::tensor::ElementConversion::elem(self.step.clone().into_scalar());
-        DistributedAdamWState {
+    /// The state of the rank's range (reads the step count to the host: a device error is a
+    /// [`DeviceError`](crate::error::DeviceError)).
+    pub fn state(
+        &self,
+    ) -> core::result::Result<DistributedAdamWState<B::InnerBackend>, crate::error::DeviceError>
+    {
+        let step = read_step(&self.step, "the distributed optimizer's step count")?;
+        Ok(DistributedAdamWState {
             main_params: self.master.clone(),
             exp_avg: self.exp_avg.clone(),
             exp_avg_sq: self.exp_avg_sq.clone(),
-            step: step as u64,
-        }
+            step,
+        })
     }
 
     /// Continues from `state` (a checkpoint's, for this rank's range): each tensor must be
@@ -635,21 +644,30 @@ where
     }
 
     /// The routed experts' part, if the model has MoE layers: its layout, the range of it
-    /// this rank holds, and the state of that range (reads the step count to the host).
-    pub fn expert_state(&self) -> Option<ExpertOptimizerState<'_, B::InnerBackend>> {
-        let experts = self.experts.as_ref()?;
-        let step: f32 = burn::tensor::ElementConversion::elem(experts.step.clone().into_scalar());
+    /// this rank holds, and the state of that range (reads the step count to the host: a
+    /// device error is a [`DeviceError`](crate::error::DeviceError)).
+    #[allow(clippy::type_complexity)]
+    pub fn expert_state(
+        &self,
+    ) -> core::result::Result<
+        Option<ExpertOptimizerState<'_, B::InnerBackend>>,
+        crate::error::DeviceError,
+    > {
+        let Some(experts) = self.experts.as_ref() else {
+            return Ok(None);
+        };
+        let step = read_step(&experts.step, "the distributed optimizer's expert step count")?;
         let range = experts.range_start..experts.range_start + experts.master.dims()[0];
-        Some(ExpertOptimizerState {
+        Ok(Some(ExpertOptimizerState {
             layout: &experts.layout,
             range,
             state: DistributedAdamWState {
                 main_params: experts.master.clone(),
                 exp_avg: experts.exp_avg.clone(),
                 exp_avg_sq: experts.exp_avg_sq.clone(),
-                step: step as u64,
+                step,
             },
-        })
+        }))
     }
 
     /// [`load_state`](Self::load_state) for the routed experts' part (a no-op without one).
@@ -921,6 +939,16 @@ where
             exp_avg_sq: bytes(&self.exp_avg_sq),
         }
     }
+}
+
+/// A `[1]` f32 step count on the host, as an integer; a device error names `what`.
+fn read_step<B: burn::tensor::backend::Backend>(
+    step: &Tensor<B, 1>,
+    what: &str,
+) -> core::result::Result<u64, crate::error::DeviceError> {
+    let step: f32 = crate::error::read_scalar(step.clone().cast(DType::F32), || what.to_string())?
+        .elem();
+    Ok(step as u64)
 }
 
 #[cfg(test)]

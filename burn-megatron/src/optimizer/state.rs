@@ -16,6 +16,8 @@ use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
+use crate::error::{DeviceError, read_data};
+
 /// The optimizer name AdamW's state is saved under.
 pub const ADAMW: &str = "adamw";
 
@@ -80,28 +82,53 @@ impl OptimizerState {
     }
 }
 
-/// The state of a Burn [`AdamW`] optimizer over `module` (one model chunk), by parameter.
-pub fn adamw_state<B, M>(module: &M, optimizer: &OptimizerAdaptor<AdamW, M, B>) -> OptimizerState
+/// The state of a Burn [`AdamW`] optimizer over `module` (one model chunk), by parameter,
+/// read to the host. A moment that cannot be read (a device error) is a [`DeviceError`]
+/// naming its parameter's path in `module`.
+pub fn adamw_state<B, M>(
+    module: &M,
+    optimizer: &OptimizerAdaptor<AdamW, M, B>,
+) -> Result<OptimizerState, DeviceError>
 where
     B: AutodiffBackend,
     M: burn::module::AutodiffModule<B>,
 {
     struct Collect<B: AutodiffBackend> {
         record: HashMap<ParamId, AdaptorRecord<AdamW, B>>,
-        out: HashMap<ParamId, ParamState>,
+        path: Vec<String>,
+        out: Result<HashMap<ParamId, ParamState>, DeviceError>,
     }
     impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<B> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Ok(out) = &mut self.out else { return };
             let Some(record) = self.record.remove(&param.id) else {
                 return;
             };
             let state: AdamWState<B::InnerBackend, D> = record.into_state();
             let momentum = state.momentum;
+            let path = self.path.join(".");
+            let what =
+                |name: &str| format!("AdamW's {name} of parameter `{path}` for a checkpoint");
+            let read = read_data(momentum.moment_1, || what("exp_avg"))
+                .and_then(|m1| Ok((m1, read_data(momentum.moment_2, || what("exp_avg_sq"))?)));
+            let (moment_1, moment_2) = match read {
+                Ok(moments) => moments,
+                Err(e) => {
+                    self.out = Err(e);
+                    return;
+                }
+            };
             let tensors = BTreeMap::from([
-                ("exp_avg".to_string(), momentum.moment_1.into_data()),
-                ("exp_avg_sq".to_string(), momentum.moment_2.into_data()),
+                ("exp_avg".to_string(), moment_1),
+                ("exp_avg_sq".to_string(), moment_2),
             ]);
-            self.out.insert(
+            out.insert(
                 param.id,
                 ParamState {
                     step: momentum.time as u64,
@@ -113,14 +140,15 @@ where
     }
     let mut collect = Collect::<B> {
         record: optimizer.to_record().into_iter().collect(),
-        out: HashMap::new(),
+        path: Vec::new(),
+        out: Ok(HashMap::new()),
     };
     module.visit(&mut collect);
-    OptimizerState {
+    Ok(OptimizerState {
         kind: ADAMW.to_string(),
-        params: collect.out,
+        params: collect.out?,
         dp_sharded: false,
-    }
+    })
 }
 
 /// Burn's AdamW record for `module` from `state` (as [`Checkpoint::load_optimizer_state`]

@@ -14,7 +14,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
-use crate::error::{NonFiniteValue, Result, TrainingError};
+use crate::error::{DeviceError, NonFiniteValue, Result, TrainingError, read_data};
 
 /// Errors unless `loss` and `grad_norm` (when given; `None` where an overflow is expected,
 /// as under fp16's loss scaler) are finite: iteration `iteration` (1 for the first step), as
@@ -107,23 +107,17 @@ impl<B: Backend> StepFlag<B> {
 }
 
 /// A `[n]` tensor's values as f32, one host read; a device error is a
-/// [`TrainingError::Device`] naming `what`.
+/// [`DeviceError`](crate::error::DeviceError) naming `what` and `rank`.
 pub(crate) fn read_f32<B: Backend>(
     tensor: Tensor<B, 1>,
     rank: usize,
     what: &str,
 ) -> Result<Vec<f32>> {
-    let data = tensor
-        .cast(DType::F32)
-        .try_into_data()
-        .map_err(|e| TrainingError::Device {
-            rank,
-            what: what.to_string(),
-            message: e.to_string(),
-        })?;
+    let data =
+        read_data(tensor.cast(DType::F32), || what.to_string()).map_err(|e| e.on_rank(rank))?;
     data.convert::<f32>().to_vec::<f32>().map_err(|e| {
-        TrainingError::Device {
-            rank,
+        DeviceError {
+            rank: Some(rank),
             what: what.to_string(),
             message: format!("{e:?}"),
         }

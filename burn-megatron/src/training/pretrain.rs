@@ -98,10 +98,13 @@ where
         if let Some(optim) = &self.distributed {
             return distributed_adamw_state(&self.chunks, optim);
         }
-        let mut state = adamw_state(&self.chunks, &self.decay);
-        state
-            .params
-            .extend(adamw_state(&self.chunks, &self.no_decay).params);
+        let rank = self.chunks.first().map_or(0, |c| c.tp().global_rank());
+        let mut state = adamw_state(&self.chunks, &self.decay).map_err(|e| e.on_rank(rank))?;
+        state.params.extend(
+            adamw_state(&self.chunks, &self.no_decay)
+                .map_err(|e| e.on_rank(rank))?
+                .params,
+        );
         Ok(state.split_by_chunk(&self.chunks))
     }
 
@@ -550,7 +553,7 @@ fn shared_loss<B: DistBackend>(
 
 /// `[1]` tensors read in one host transfer, as f32 (NaN for a value missing from what was
 /// read). A device error, such as a deferred one the read is the first to see, is a
-/// [`TrainingError::Device`](crate::error::TrainingError::Device) naming `what` and `rank`.
+/// [`DeviceError`](crate::error::DeviceError) naming `what` and `rank`.
 fn read_scalars<B: burn::tensor::backend::Backend>(
     tensors: Vec<Tensor<B, 1>>,
     rank: usize,

@@ -32,7 +32,7 @@ fn saved_with_adamw(root: &Path) -> std::path::PathBuf {
             rng_seed: 1234,
             ..Default::default()
         };
-        let optimizer = [adamw_state(&chunk, &optim)];
+        let optimizer = [adamw_state(&chunk, &optim).unwrap()];
         Ok(Checkpointer::new(root).save(&state, &config, &[chunk], Some(&optimizer), &training)?)
     })
     .remove(0)

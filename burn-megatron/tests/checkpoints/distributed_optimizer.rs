@@ -42,7 +42,7 @@ fn optimizer(zero: bool) -> DistributedAdamWConfig {
 type Parts = Vec<(String, Range<usize>, [Vec<f32>; 3])>;
 
 fn parts(optim: &DistributedAdamW<AD>) -> (Parts, u64) {
-    let state = optim.state();
+    let state = optim.state().unwrap();
     let host = |t: Tensor<B, 1>| t.into_data().into_vec::<f32>().unwrap();
     let buffers = [
         host(state.main_params),

@@ -61,7 +61,7 @@ fn train(
             let optimizer: Vec<_> = chunks
                 .iter()
                 .zip(&optims)
-                .map(|(chunk, optim)| adamw_state(chunk, optim))
+                .map(|(chunk, optim)| adamw_state(chunk, optim).unwrap())
                 .collect();
             let training = TrainingState {
                 iteration: steps.end as u64,

@@ -1,0 +1,173 @@
+//! A value the host could not read from the device.
+//!
+//! Burn's `into_data`, `to_data` and `into_scalar` panic when the device reports an error; the
+//! library reads through [`read_data`] and [`read_scalar`] instead, which return a
+//! [`DeviceError`] naming what was read and why.
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::{Backend, ExecutionError};
+use burn::tensor::{BasicOps, Element, Tensor, TensorData};
+
+/// Reading a tensor to the host failed: the device reported an error, often one deferred from
+/// an earlier operation that this read is the first to wait for (on a GPU: a token id outside
+/// the vocabulary, a collective that the NCCL watchdog aborted because a peer died).
+///
+/// The message names the rank, when the reader knows it, and the value: "rank 3: reading
+/// parameter `block.layers.3.mlp.fc1.weight` for the checkpoint at iteration 40: device error:
+/// …".
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}reading {what}: device error: {message}", rank_prefix(*.rank))]
+pub struct DeviceError {
+    /// The global rank that read, where the reader knows it.
+    pub rank: Option<usize>,
+    /// What was read, and for what (e.g. "the step's loss and gradient norm").
+    pub what: String,
+    /// The backend's error.
+    pub message: String,
+}
+
+fn rank_prefix(rank: Option<usize>) -> String {
+    rank.map(|r| format!("rank {r}: ")).unwrap_or_default()
+}
+
+impl DeviceError {
+    /// The error of reading `what`, from the backend's `error`.
+    pub fn new(what: impl Into<String>, error: &ExecutionError) -> Self {
+        let message = match error {
+            ExecutionError::WithContext { reason } | ExecutionError::Generic { reason, .. } => {
+                reason.trim().to_string()
+            }
+        };
+        Self {
+            rank: None,
+            what: what.into(),
+            message,
+        }
+    }
+
+    /// The same error, read by global rank `rank`.
+    pub fn on_rank(mut self, rank: usize) -> Self {
+        self.rank = Some(rank);
+        self
+    }
+}
+
+/// `tensor`'s values on the host. A device error is a [`DeviceError`] naming `what()` (called
+/// only then, so that building the name costs nothing on success).
+pub(crate) fn read_data<B, const D: usize, K>(
+    tensor: Tensor<B, D, K>,
+    what: impl FnOnce() -> String,
+) -> Result<TensorData, DeviceError>
+where
+    B: Backend,
+    K: BasicOps<B>,
+    K::Elem: Element,
+{
+    tensor
+        .try_into_data()
+        .map_err(|e| DeviceError::new(what(), &e))
+}
+
+/// The value of the one-element `tensor` on the host. A device error is a [`DeviceError`]
+/// naming `what()`.
+pub(crate) fn read_scalar<B, const D: usize, K>(
+    tensor: Tensor<B, D, K>,
+    what: impl FnOnce() -> String,
+) -> Result<K::Elem, DeviceError>
+where
+    B: Backend,
+    K: BasicOps<B>,
+    K::Elem: Element,
+{
+    tensor
+        .try_into_scalar()
+        .map_err(|e| DeviceError::new(what(), &e))
+}
+
+/// Every float parameter of `module` on the host, by id, in visiting order. A device error
+/// names the first parameter that failed, as `` parameter `{name(path)}` {purpose} ``: `name`
+/// turns its path in `module` (`layers.3.mlp.fc1.weight`) into the one to show (a model
+/// chunk's path in the whole model, say). The parameters after a failure are not read.
+pub(crate) fn read_params<B: Backend, M: Module<B>>(
+    module: &M,
+    name: impl Fn(&str) -> String,
+    purpose: &str,
+) -> Result<Vec<(ParamId, TensorData)>, DeviceError> {
+    struct Read<F> {
+        path: Vec<String>,
+        name: F,
+        out: Result<Vec<(ParamId, TensorData)>, DeviceError>,
+        purpose: String,
+    }
+    impl<B: Backend, F: Fn(&str) -> String> ModuleVisitor<B> for Read<F> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Ok(out) = &mut self.out else { return };
+            match param.val().try_into_data() {
+                Ok(data) => out.push((param.id, data)),
+                Err(e) => {
+                    let name = (self.name)(&self.path.join("."));
+                    let what = format!("parameter `{name}` {}", self.purpose);
+                    self.out = Err(DeviceError::new(what, &e));
+                }
+            }
+        }
+    }
+    let mut read = Read {
+        path: Vec::new(),
+        name,
+        out: Ok(Vec::new()),
+        purpose: purpose.to_string(),
+    };
+    module.visit(&mut read);
+    read.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    #[test]
+    fn names_the_rank_the_value_and_the_backend_reason() {
+        let backend = ExecutionError::WithContext {
+            reason: "CUDA_ERROR_ILLEGAL_ADDRESS\n".into(),
+        };
+        let error = DeviceError::new(
+            "parameter `block.layers.3.mlp.fc1.weight` for the checkpoint at iteration 40",
+            &backend,
+        );
+        assert_eq!(
+            error.to_string(),
+            "reading parameter `block.layers.3.mlp.fc1.weight` for the checkpoint at iteration \
+             40: device error: CUDA_ERROR_ILLEGAL_ADDRESS"
+        );
+        assert_eq!(
+            error.on_rank(3).to_string(),
+            "rank 3: reading parameter `block.layers.3.mlp.fc1.weight` for the checkpoint at \
+             iteration 40: device error: CUDA_ERROR_ILLEGAL_ADDRESS"
+        );
+        let generic = ExecutionError::Generic {
+            reason: "watchdog abort".into(),
+            backtrace: Default::default(),
+        };
+        assert_eq!(
+            DeviceError::new("the loss", &generic).message,
+            "watchdog abort"
+        );
+    }
+
+    #[test]
+    fn reads_without_naming_on_success() {
+        let t = Tensor::<NdArray, 1>::from_floats([1.5, 2.5], &Default::default());
+        let data = read_data(t.clone(), || unreachable!("named only on failure")).unwrap();
+        assert_eq!(data.to_vec::<f32>().unwrap(), vec![1.5, 2.5]);
+        let sum: f32 = read_scalar(t.sum(), || unreachable!()).unwrap();
+        assert_eq!(sum, 4.0);
+    }
+}
