@@ -6,7 +6,7 @@ use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::{DataError, Microbatch, SampleDataset};
-use crate::error::{IdKind, Result, check_ids_on_host};
+use crate::error::{IdKind, Result, check_ids_on_host, read_data};
 
 /// `micro_batch_size` samples of `sequence_length + 1` tokens, on the host, row-major
 /// `[micro_batch_size, sequence_length + 1]`: the model's inputs are the first
@@ -149,8 +149,14 @@ pub fn broadcast_batch<B: DistBackend>(
         Tensor::<B, 1>::zeros([len], (device, DType::F32))
     };
     let received = group.broadcast(message, root)?;
-    let values = received
-        .into_data()
+    let what = || {
+        format!(
+            "the batch broadcast from rank {root} of group '{}'",
+            group.name()
+        )
+    };
+    let values = read_data(received, what)
+        .map_err(|e| e.on_rank(group.global_rank()))?
         .convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| DataError::Invalid(format!("broadcast_batch: {e:?}")))?;

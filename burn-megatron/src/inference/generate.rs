@@ -10,7 +10,7 @@ use super::decode::{embed_cached, layers_cached};
 use super::kv_cache::KvCache;
 use super::sampling::Sampling;
 use crate::backend::ModelBackend;
-use crate::error::{ConfigError, IdKind, InputError, Result};
+use crate::error::{ConfigError, DeviceError, IdKind, InputError, Result, read_data};
 use crate::models::GptModel;
 
 /// What to generate.
@@ -188,11 +188,11 @@ fn step<B: ModelBackend>(
                 (&device, burn::tensor::DType::F32),
             );
             let picked = pp.broadcast(picked, pp.size() - 1)?;
-            Ok(picked
-                .into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .expect("converted tokens hold f32")
+            let picked = read_data(picked, || {
+                "the tokens the last pipeline stage picked".to_string()
+            })
+            .map_err(|e| e.on_rank(pp.global_rank()))?;
+            Ok(f32_values(picked, "the picked tokens")?
                 .into_iter()
                 .map(|t| t as i64)
                 .collect())
@@ -363,15 +363,26 @@ fn full_logits<B: ModelBackend>(
     let [batch, _, _] = logits.dims();
     let vocab_size = model.vocab().vocab_size;
     let full = gather_from_tensor_parallel_region(logits, model.tp())?;
-    let values = full
-        .narrow(2, 0, vocab_size)
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .expect("converted logits hold f32");
-    Ok(values
+    let values = read_data(full.narrow(2, 0, vocab_size), || {
+        "the next token's logits".to_string()
+    })
+    .map_err(|e| e.on_rank(model.tp().global_rank()))?;
+    Ok(f32_values(values, "the next token's logits")?
         .chunks(vocab_size)
         .take(batch)
         .map(<[f32]>::to_vec)
         .collect())
+}
+
+/// `data` as f32 values (`what` names it in the error, which a dtype without an f32
+/// conversion would be).
+fn f32_values(data: TensorData, what: &str) -> Result<Vec<f32>> {
+    data.convert::<f32>().to_vec::<f32>().map_err(|e| {
+        DeviceError {
+            rank: None,
+            what: what.to_string(),
+            message: format!("{e:?}"),
+        }
+        .into()
+    })
 }

@@ -10,22 +10,25 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
-use crate::error::{IdKind, InputError, check_ids_on_host};
+use crate::error::{IdKind, Result, check_ids_on_host, read_data};
 
 /// Checking ids against a vocabulary.
 pub trait IdCheckOps: Backend {
     /// Checks that every id of `ids` is a valid `kind` id for a vocabulary of `vocab_size`
     /// tokens.
     ///
-    /// By default the ids are read back to the host (free on the CPU). Our CUDA backend
-    /// checks them on the device instead and returns `Ok` at once: an invalid id fails the
-    /// device's next read or sync with the same message, so a training step never waits.
+    /// By default the ids are read back to the host (free on the CPU): a bad id is an
+    /// [`InputError`](crate::InputError), a failed read a
+    /// [`DeviceError`](crate::error::DeviceError). Our CUDA backend checks them on the device
+    /// instead and returns `Ok` at once: an invalid id fails the device's next read or sync
+    /// with the same message, so a training step never waits.
     fn check_ids<const D: usize>(
         ids: Tensor<Self, D, Int>,
         kind: IdKind,
         vocab_size: usize,
-    ) -> Result<(), InputError> {
-        check_ids_on_host(&ids.into_data(), kind, vocab_size)
+    ) -> Result<()> {
+        let ids = read_data(ids, || format!("the {kind} ids to check them"))?;
+        Ok(check_ids_on_host(&ids, kind, vocab_size)?)
     }
 }
 
@@ -35,7 +38,7 @@ impl<B: IdCheckOps, C: CheckpointStrategy> IdCheckOps for Autodiff<B, C> {
         ids: Tensor<Self, D, Int>,
         kind: IdKind,
         vocab_size: usize,
-    ) -> Result<(), InputError> {
+    ) -> Result<()> {
         B::check_ids::<D>(
             Tensor::from_primitive(ids.into_primitive()),
             kind,
@@ -64,7 +67,7 @@ mod cuda {
             ids: Tensor<Self, D, Int>,
             kind: IdKind,
             vocab_size: usize,
-        ) -> Result<(), InputError> {
+        ) -> crate::error::Result<()> {
             if ids.shape().num_elements() == 0 {
                 return Ok(());
             }

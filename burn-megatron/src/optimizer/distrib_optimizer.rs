@@ -656,7 +656,10 @@ where
         let Some(experts) = self.experts.as_ref() else {
             return Ok(None);
         };
-        let step = read_step(&experts.step, "the distributed optimizer's expert step count")?;
+        let step = read_step(
+            &experts.step,
+            "the distributed optimizer's expert step count",
+        )?;
         let range = experts.range_start..experts.range_start + experts.master.dims()[0];
         Ok(Some(ExpertOptimizerState {
             layout: &experts.layout,
@@ -946,8 +949,8 @@ fn read_step<B: burn::tensor::backend::Backend>(
     step: &Tensor<B, 1>,
     what: &str,
 ) -> core::result::Result<u64, crate::error::DeviceError> {
-    let step: f32 = crate::error::read_scalar(step.clone().cast(DType::F32), || what.to_string())?
-        .elem();
+    let step: f32 =
+        crate::error::read_scalar(step.clone().cast(DType::F32), || what.to_string())?.elem();
     Ok(step as u64)
 }
 

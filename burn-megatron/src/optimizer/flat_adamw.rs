@@ -39,7 +39,7 @@ use super::state::{OptimizerState, ParamState};
 use super::{FoundInf, WeightDecayPolicy};
 use crate::ModelBackend;
 use crate::distributed::{BufferConfig, ParamAndGradBuffer};
-use crate::error::ConfigError;
+use crate::error::{ConfigError, DeviceError, read_data};
 use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
 use crate::tensor_parallel::DeclarePlacements;
 
@@ -261,26 +261,23 @@ where
     /// The state of every parameter, keyed by id as the checkpoint code takes it
     /// (`checkpointing::OptimizerState`, kind `"adamw"`): `exp_avg`, `exp_avg_sq` and the fp32
     /// master weights `main_param`, each of the parameter's local shape, f32. Reads the
-    /// buffers back to the host.
-    pub fn state(&self) -> OptimizerState {
-        let step = self
-            .step
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>();
-        let step = step.ok().and_then(|s| s.first().copied()).unwrap_or(0.0) as u64;
-        let host = |t: &Tensor<B::InnerBackend, 1>| {
-            t.clone()
-                .into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .expect("f32 buffer")
+    /// buffers back to the host: a device error is a [`DeviceError`] naming the buffer.
+    pub fn state(&self) -> core::result::Result<OptimizerState, DeviceError> {
+        let step = read_buffer(&self.step, "the optimizer's step count")?;
+        let step = step.first().copied().unwrap_or(0.0) as u64;
+        let host = |t: &Tensor<B::InnerBackend, 1>, name: &str| {
+            read_buffer(
+                t,
+                &format!("the optimizer's {name} buffer for a checkpoint"),
+            )
         };
         let buffers = [
-            ("main_param", host(&self.buffer.main_params())),
-            ("exp_avg", host(&self.exp_avg)),
-            ("exp_avg_sq", host(&self.exp_avg_sq)),
+            (
+                "main_param",
+                host(&self.buffer.main_params(), "main_param")?,
+            ),
+            ("exp_avg", host(&self.exp_avg, "exp_avg")?),
+            ("exp_avg_sq", host(&self.exp_avg_sq, "exp_avg_sq")?),
         ];
         let params = self
             .buffer
@@ -306,11 +303,11 @@ where
                 )
             })
             .collect::<HashMap<ParamId, ParamState>>();
-        OptimizerState {
+        Ok(OptimizerState {
             kind: FLAT_ADAMW.to_string(),
             params,
             dp_sharded: false,
-        }
+        })
     }
 
     /// Loads `state` (as [`state`](Self::state) gives it, keyed by this model's parameter ids)
@@ -320,17 +317,19 @@ where
     /// from the same checkpoint: they are not written here.
     pub fn load_state(&mut self, state: &OptimizerState) -> crate::Result<()> {
         let device = self.step.device();
-        let host = |t: &Tensor<B::InnerBackend, 1>| {
-            t.clone()
-                .into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .expect("f32 buffer")
+        let host = |t: &Tensor<B::InnerBackend, 1>, name: &str| {
+            read_buffer(
+                t,
+                &format!("the optimizer's {name} buffer to load a checkpoint into"),
+            )
         };
         let mut buffers = [
-            ("main_param", host(&self.buffer.main_params())),
-            ("exp_avg", host(&self.exp_avg)),
-            ("exp_avg_sq", host(&self.exp_avg_sq)),
+            (
+                "main_param",
+                host(&self.buffer.main_params(), "main_param")?,
+            ),
+            ("exp_avg", host(&self.exp_avg, "exp_avg")?),
+            ("exp_avg_sq", host(&self.exp_avg_sq, "exp_avg_sq")?),
         ];
         let mut step = 0;
         for slot in self.buffer.layout().params() {
@@ -368,4 +367,18 @@ where
         self.step = tensor(vec![step as f32]);
         Ok(())
     }
+}
+/// A flat buffer's values on the host, as f32; a device error names `what`.
+fn read_buffer<B: burn::tensor::backend::Backend>(
+    buffer: &Tensor<B, 1>,
+    what: &str,
+) -> core::result::Result<Vec<f32>, DeviceError> {
+    let data = read_data(buffer.clone().cast(DType::F32), || what.to_string())?;
+    data.convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| DeviceError {
+            rank: None,
+            what: what.to_string(),
+            message: format!("{e:?}"),
+        })
 }

@@ -42,7 +42,7 @@ use burn::tensor::{Bool, DType, ElementConversion, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ProcessGroup, ReduceOp};
 
 use super::grads::{Counted, Reduction, reduce_grads, scale_grads};
-use crate::error::ConfigError;
+use crate::error::{ConfigError, DeviceError, read_scalar};
 
 /// The dynamic loss scaler's settings; the defaults are Megatron's.
 #[derive(Config, Debug, Copy, PartialEq)]
@@ -185,9 +185,11 @@ impl<B: Backend> FoundInf<B> {
     }
 
     /// Reads the flag on the host: a sync with the device. For logging, or for an exact
-    /// Megatron skip (do not call the optimizer when `true`).
-    pub fn read(&self) -> bool {
-        self.flag.clone().into_scalar().elem::<f32>() > 0.0
+    /// Megatron skip (do not call the optimizer when `true`). A device error is a
+    /// [`DeviceError`].
+    pub fn read(&self) -> core::result::Result<bool, DeviceError> {
+        let flag = read_scalar(self.flag.clone(), || "the found-inf flag".to_string())?;
+        Ok(flag.elem::<f32>() > 0.0)
     }
 
     fn mask<const D: usize>(&self, shape: [usize; D]) -> Tensor<B, D, Bool> {
@@ -264,15 +266,19 @@ impl<B: DistBackend> DynamicLossScaler<B> {
         self.skipped.clone()
     }
 
-    /// The state, read to the host (one sync with the device): for a checkpoint.
-    pub fn state(&self) -> LossScalerState {
-        let read = |t: &Tensor<B, 1>| t.clone().into_scalar().elem::<f32>();
-        LossScalerState {
-            scale: read(&self.scale),
-            growth_tracker: read(&self.growth_tracker),
-            hysteresis_tracker: read(&self.hysteresis_tracker),
-            skipped_steps: read(&self.skipped),
-        }
+    /// The state, read to the host (one sync with the device): for a checkpoint. A device
+    /// error is a [`DeviceError`] naming the value.
+    pub fn state(&self) -> core::result::Result<LossScalerState, DeviceError> {
+        let read = |t: &Tensor<B, 1>, name: &str| {
+            let what = || format!("the loss scaler's {name}");
+            Ok::<_, DeviceError>(read_scalar(t.clone(), what)?.elem::<f32>())
+        };
+        Ok(LossScalerState {
+            scale: read(&self.scale, "scale")?,
+            growth_tracker: read(&self.growth_tracker, "growth tracker")?,
+            hysteresis_tracker: read(&self.hysteresis_tracker, "hysteresis tracker")?,
+            skipped_steps: read(&self.skipped, "skipped-step count")?,
+        })
     }
 
     /// Continues from `state` (a checkpoint's): the settings stay this scaler's. A scale that

@@ -19,10 +19,10 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron_dist::{DistBackend, DistResult, Placement, ProcessGroup};
+use burn_megatron_dist::{DistBackend, Placement, ProcessGroup};
 
 use super::tp_context::SequenceParallelGrads;
-use crate::error::{ConfigError, InputError, Result};
+use crate::error::{ConfigError, InputError, Result, read_data};
 
 /// How one parameter is laid out over the tensor-parallel group.
 ///
@@ -394,20 +394,22 @@ pub fn param_shards<B: Backend, M: Module<B> + DeclarePlacements>(
         .collect()
 }
 
-/// The full tensor of `local` (padding dropped), gathered over `tp`.
+/// The full tensor of `local` (padding dropped), gathered over `tp`, on the host; a device
+/// error names `what`.
 fn gather<B: DistBackend, const D: usize>(
     local: Tensor<B, D>,
     placement: ParamPlacement,
     tp: &ProcessGroup,
-) -> DistResult<TensorData> {
-    let Some(dim) = placement.dim() else {
-        return Ok(local.into_data());
+    what: impl FnOnce() -> String,
+) -> Result<TensorData> {
+    let full = match placement.dim() {
+        None => local,
+        Some(dim) => {
+            let global = placement.global_shape(&local.dims())[dim];
+            tp.all_gather(local, dim)?.narrow(dim, 0, global)
+        }
     };
-    let global = placement.global_shape(&local.dims())[dim];
-    Ok(tp
-        .all_gather(local, dim)?
-        .narrow(dim, 0, global)
-        .into_data())
+    Ok(read_data(full, what).map_err(|e| e.on_rank(tp.global_rank()))?)
 }
 
 /// The full value of every float parameter (padding dropped), gathered over the TP group,
@@ -432,8 +434,10 @@ pub fn gather_full_params<B: DistBackend, M: Module<B> + DeclarePlacements>(
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let path = self.path.current();
             let Ok(out) = &mut self.out else { return };
-            let result = declared(&self.placements, param.id, &path)
-                .and_then(|placement| Ok(gather(param.val(), placement, self.tp)?));
+            let result = declared(&self.placements, param.id, &path).and_then(|placement| {
+                let what = || format!("parameter `{path}` gathered over TP");
+                gather(param.val(), placement, self.tp, what)
+            });
             match result {
                 Ok(data) => out.push((path, data)),
                 Err(e) => self.out = Err(e),
@@ -498,7 +502,8 @@ where
                     .grads
                     .get::<B::InnerBackend, D>(param.id)
                     .ok_or_else(|| InputError::MissingGradient { path: path.clone() })?;
-                Ok(gather(grad, placement, self.tp)?)
+                let what = || format!("the gradient of `{path}` gathered over TP");
+                gather(grad, placement, self.tp, what)
             });
             match result {
                 Ok(data) => out.push((path, data)),

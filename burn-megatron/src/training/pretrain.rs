@@ -484,7 +484,10 @@ where
                 consumed_samples: consumed,
                 rng_seed: config.seed,
                 lr_scheduler: Some(serde_json::json!({ "next_step": schedule.next_step() })),
-                loss_scaler: scaler.as_ref().map(|s| s.state()),
+                loss_scaler: scaler
+                    .as_ref()
+                    .map(|s| s.state().map_err(|e| e.on_rank(world_rank)))
+                    .transpose()?,
             };
             let chunks = rank.chunks.as_slice();
             let optimizer = rank.optimizer_state()?;

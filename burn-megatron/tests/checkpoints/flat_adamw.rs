@@ -52,7 +52,7 @@ fn train(
                 iteration: steps.end as u64,
                 ..Default::default()
             };
-            let saved = optim.state();
+            let saved = optim.state()?;
             Checkpointer::new(root).save(&state, config, &[model], Some(&[saved]), &training)?;
         }
         Ok(losses)

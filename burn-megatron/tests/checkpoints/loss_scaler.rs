@@ -31,7 +31,7 @@ fn scales(scaler: &mut DynamicLossScaler<B>, flags: &[f32]) -> Vec<f32> {
             let flag =
                 Tensor::<B, 1>::from_data(TensorData::new(vec![f], [1]), &Default::default());
             scaler.update(&FoundInf::new(flag));
-            scaler.state().scale
+            scaler.state().unwrap().scale
         })
         .collect()
 }
@@ -45,7 +45,7 @@ fn the_loss_scale_resumes_exactly_from_a_checkpoint() {
     let mut first = config().init::<B>(&device).unwrap();
     let before = scales(&mut first, &FLAGS[..SAVED_AFTER]);
     assert_eq!(before, want[..SAVED_AFTER]);
-    let saved = first.state();
+    let saved = first.state().unwrap();
     assert_eq!(
         (
             saved.growth_tracker,

@@ -87,7 +87,7 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
             let stepped = optim.step_scaled(lr(step), model, &grads, &mut scaler)?;
             model = stepped.model;
             let found = stepped.found_inf.expect("a scaled step reports its flag");
-            assert_eq!(found.read(), step == OVERFLOW, "step {step}: the flag");
+            assert_eq!(found.read()?, step == OVERFLOW, "step {step}: the flag");
             if step == OVERFLOW {
                 // Bit for bit: f64 holds every f32 exactly.
                 assert_eq!(before, full_params(&model, &state), "a skipped step moved");

@@ -127,9 +127,12 @@ where
         self.lock().used_scale.clone()
     }
 
-    /// The loss scaler's state, for a checkpoint (one read from the device).
-    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
-        self.lock().scaler.as_ref().map(|s| s.state())
+    /// The loss scaler's state, for a checkpoint (one read from the device; a device error is
+    /// a [`DeviceError`](crate::error::DeviceError)).
+    pub fn loss_scaler_state(
+        &self,
+    ) -> core::result::Result<Option<LossScalerState>, crate::error::DeviceError> {
+        self.lock().scaler.as_ref().map(|s| s.state()).transpose()
     }
 
     /// Continues the loss scaler from a checkpoint's `state`.

@@ -166,7 +166,7 @@ where
                 consumed_samples: iteration * global_batch,
                 rng_seed: model.config().seed,
                 lr_scheduler: Some(serde_json::json!({ "next_step": iteration })),
-                loss_scaler: optim.loss_scaler_state(),
+                loss_scaler: optim.loss_scaler_state()?,
             };
             checkpointer.save(
                 model.state(),
