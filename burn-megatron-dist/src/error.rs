@@ -117,6 +117,19 @@ pub enum DistError {
     /// NCCL failed, or its watchdog aborted a communicator.
     #[error("{0}")]
     Nccl(String),
+    /// A tensor could not be read from the device: the device reported an error, often one
+    /// deferred from an earlier operation (a collective the watchdog aborted, a bad index).
+    #[error("rank {rank}: reading {what} on group '{group}' from the device failed: {message}")]
+    Device {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// What was read (e.g. `the input of all_reduce(sum)`).
+        what: String,
+        /// The backend's error.
+        message: String,
+    },
     /// The parallel layout is invalid.
     #[error(transparent)]
     #[serde(skip)]

@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use burn::tensor::backend::{Backend, ExecutionError};
 use burn::tensor::{Tensor, TensorData};
 
 use crate::error::{DistError, DistResult};
@@ -479,7 +480,7 @@ impl ProcessGroup {
             op,
             shape: x.dims().to_vec(),
             dtype: x.dtype(),
-            data: Some(x.into_data()),
+            data: Some(self.read(x, op)?),
         };
         self.inner.transport.send(&self.inner.info, dst, message)
     }
@@ -567,11 +568,31 @@ impl ProcessGroup {
     ) -> DistResult<Pending> {
         let shape = x.dims().to_vec();
         let dtype = x.dtype();
+        let data = self.read(x, op)?;
         self.deposit(Contribution {
             op,
             shape,
             dtype,
-            data: Some(x.into_data()),
+            data: Some(data),
+        })
+    }
+
+    /// `x`, the input of `op` through the host, read from the device: a device error is a
+    /// [`DistError::Device`] (Burn's `into_data` would panic).
+    fn read<B: Backend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        op: CollectiveOp,
+    ) -> DistResult<TensorData> {
+        x.try_into_data().map_err(|e| DistError::Device {
+            rank: self.global_rank(),
+            group: self.name().to_string(),
+            what: format!("the input of {op}"),
+            message: match e {
+                ExecutionError::WithContext { reason } | ExecutionError::Generic { reason, .. } => {
+                    reason.trim().to_string()
+                }
+            },
         })
     }
 

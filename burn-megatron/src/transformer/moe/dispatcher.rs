@@ -23,7 +23,7 @@ use std::ops::Range;
 
 use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::mapping::all_to_all;
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
 #[derive(Debug, Clone)]
@@ -114,8 +114,14 @@ impl TokenDispatcher {
             let local: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
             let local =
                 Tensor::<B, 1>::from_data(TensorData::new(local, [e_all]), (device, DType::F32));
-            let all = self.ep.all_gather(local, 0)?.into_data().convert::<f32>();
-            let all = all.to_vec::<f32>().expect("f32 counts");
+            let all = self.ep.all_gather(local, 0)?.try_into_data();
+            let all = all.map_err(|e| DistError::Device {
+                rank: self.ep.global_rank(),
+                group: self.ep.name().to_string(),
+                what: "the expert token counts all-gathered over EP".to_string(),
+                message: e.to_string(),
+            })?;
+            let all = all.convert::<f32>().to_vec::<f32>().expect("f32 counts");
             all.chunks(e_all)
                 .map(|c| c.iter().map(|&v| v as usize).collect())
                 .collect()
