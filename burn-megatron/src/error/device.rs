@@ -163,6 +163,18 @@ mod tests {
     }
 
     #[test]
+    fn reaches_the_crate_error_as_it_is() {
+        let backend = ExecutionError::WithContext {
+            reason: "an id check failed: token id 70000 is outside the vocabulary".into(),
+        };
+        let error = DeviceError::new("the step's loss and gradient norm", &backend).on_rank(1);
+        let message = error.to_string();
+        let error: crate::Error = error.into();
+        assert!(matches!(&error, crate::Error::Device(e) if e.rank == Some(1)));
+        assert_eq!(error.to_string(), message);
+    }
+
+    #[test]
     fn reads_without_naming_on_success() {
         let t = Tensor::<NdArray, 1>::from_floats([1.5, 2.5], &Default::default());
         let data = read_data(t.clone(), || unreachable!("named only on failure")).unwrap();

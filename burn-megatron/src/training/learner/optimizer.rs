@@ -190,10 +190,13 @@ where
     }
 
     fn step_multi(&mut self, _: LearningRate, _: M, _: MultiGradientsParams) -> M {
-        panic!(
+        let rank = self.lock().optim.global_rank();
+        let error = crate::error::ConfigError::Invalid(
             "MegatronOptimizer steps one device's gradients per rank: run one rank per device \
              (MegatronStrategy), not burn-train's multi-device strategy"
-        )
+                .to_string(),
+        );
+        fail(rank, "the distributed optimizer's step", error.into())
     }
 
     fn to_record(&self) {}
