@@ -12,12 +12,14 @@ pub struct RunStart {
     pub first_iteration: u64,
     /// The iteration the run ends at.
     pub train_iters: u64,
-    /// Ranks: TP × PP × DP.
+    /// Ranks: TP × PP × CP × DP.
     pub world_size: usize,
     /// Tensor-parallel size.
     pub tp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
+    /// Context-parallel size.
+    pub cp: usize,
     /// Model chunks per pipeline rank (virtual stages, interleaved 1F1B); 1 for 1F1B.
     pub virtual_pipeline_size: usize,
     /// Microbatches per step.

@@ -304,6 +304,7 @@ where
             world_size: state.world().size(),
             tp: *tp,
             pp: *pp,
+            cp: *cp,
             virtual_pipeline_size: *virtual_pipeline_size,
             num_microbatches: *num_microbatches,
             parameters,

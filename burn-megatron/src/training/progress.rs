@@ -73,12 +73,16 @@ impl TrainingObserver for ConsoleProgress {
         Self::line(
             &mut state,
             &format!(
-                "training a GPT of {:.2} M parameters on {} ranks (TP = {}, PP = {}{}), {} \
+                "training a GPT of {:.2} M parameters on {} ranks (TP = {}, PP = {}{}{}), {} \
                  microbatches per step, iterations {}..{}{resumed}, after {:.1} s of start-up\ndata: {}",
                 start.parameters / 1e6,
                 start.world_size,
                 start.tp,
                 start.pp,
+                match start.cp {
+                    1 => String::new(),
+                    cp => format!(", CP = {cp}"),
+                },
                 match start.virtual_pipeline_size {
                     1 => String::new(),
                     v => format!(" with {v} chunks a rank, interleaved 1F1B"),
