@@ -280,3 +280,20 @@ fn expert_bias_moves_with_the_load_and_resumes() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// At EP 1 the experts are still their own buffers (expert-DP = DP): `--overlap-grad-reduce`
+/// reduces the dense ones inside the backward pass and the experts after it, and the losses
+/// are those of the reduction after the backward pass.
+#[test]
+fn overlapped_reduction_at_ep_1_equals_the_plain_one() {
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let plain = train(&moe_run(2, 1, true, 3));
+    let overlapped = train(&moe_run_with(2, 1, true, 3, &["--overlap-grad-reduce"]));
+    assert!(overlapped.reduced_in_backward > 0);
+    assert_close(
+        "overlapped at EP 1",
+        &overlapped.losses(),
+        &plain.losses(),
+        tolerance::F32,
+    );
+}
