@@ -2,13 +2,13 @@
 //! gradients of `q`, `k` and `v` that its backward gives (through the log-sum-exp merge of
 //! the blocks and the ring exchange's reverse pass) against central differences of the
 //! forward, element by element of the whole sequence, with grouped-query attention (2 query
-//! heads on 1 K/V head).
+//! heads on 1 K/V head); and the same for the fused ring (`ring_flash_attention`).
 //!
 //! Every rank perturbs the same element of the full inputs, runs its part of the forward and
 //! sums `Σ probe ∘ out` over its tokens; an all-reduce gives the whole loss on every rank.
 
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron::context_parallel::{LoadBalancedSplit, ring_attention};
+use burn_megatron::context_parallel::{LoadBalancedSplit, ring_attention, ring_flash_attention};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron_dist::ReduceOp;
 use burn_megatron_testing::{assert_close, run, tolerance, values};
@@ -52,6 +52,17 @@ fn tensor(data: &[f64], shape: [usize; 4]) -> Tensor<B, 4> {
 
 #[test]
 fn ring_attention_gradients_match_finite_differences() {
+    check(false);
+}
+
+/// The same for the fused ring the model runs (`ring_flash_attention`: one node whose
+/// backward recomputes each block from the merged output and log-sum-exp).
+#[test]
+fn fused_ring_attention_gradients_match_finite_differences() {
+    check(true);
+}
+
+fn check(fused: bool) {
     let shapes = shapes();
     let scale = 1.0 / (HEAD_DIM as f64).sqrt();
     for cp in [2, 4] {
@@ -66,7 +77,10 @@ fn ring_attention_gradients_match_finite_differences() {
                 Tensor::<AD, 4>::from_inner(local(&full[n], n).expect("splits")).require_grad()
             });
             let [q, k, v] = tracked.clone();
-            let out = ring_attention(q, k, v, group, scale)?;
+            let out = match fused {
+                true => ring_flash_attention(q, k, v, group, scale)?,
+                false => ring_attention(q, k, v, group, scale)?,
+            };
             let grads = (out * Tensor::from_inner(probe.clone())).sum().backward();
             group.backward_failure()?;
             let analytic = tracked.map(|t| t.grad(&grads).expect("a gradient"));
@@ -76,7 +90,10 @@ fn ring_attention_gradients_match_finite_differences() {
                 let mut moved = full.clone();
                 moved[n][e] += delta;
                 let [q, k, v] = [0, 1, 2].map(|i| local(&moved[i], i).expect("splits"));
-                let out = ring_attention(q, k, v, group, scale)?;
+                let out = match fused {
+                    true => ring_flash_attention(q, k, v, group, scale)?,
+                    false => ring_attention(q, k, v, group, scale)?,
+                };
                 let part = (out * probe.clone()).sum();
                 Ok(group.all_reduce(part, ReduceOp::Sum)?.into_scalar())
             };
@@ -97,7 +114,7 @@ fn ring_attention_gradients_match_finite_differences() {
                 .collect();
             let got = LoadBalancedSplit::restore(parts, 2).expect("the parts restore");
             assert_close(
-                &format!("ring CP={cp}: {name}"),
+                &format!("ring fused={fused} CP={cp}: {name}"),
                 &values(got),
                 &ranks[0].1[n],
                 tolerance::FINITE_DIFFERENCE_F64,
