@@ -414,7 +414,8 @@ impl PretrainConfig {
                 || self.moe_router_enable_expert_bias
             {
                 return invalid(
-                    "--expert-model-parallel-size and the --moe-* options need --num-experts                      (the routed experts of each MoE layer)"
+                    "--expert-model-parallel-size and the --moe-* options need --num-experts \
+                     (the routed experts of each MoE layer)"
                         .into(),
                 );
             }
@@ -429,19 +430,16 @@ impl PretrainConfig {
                 .map(|e| e.to_string())
                 .collect();
             return invalid(format!(
-                "--expert-model-parallel-size ({ep}) must divide DP × CP ({dp} × {cp}): expert                  parallelism splits the data-parallel ranks into EP × expert-DP; valid sizes                  here are {}",
+                "--expert-model-parallel-size ({ep}) must divide DP × CP ({dp} × {cp}): expert \
+                 parallelism splits the data-parallel ranks into EP × expert-DP; valid sizes \
+                 here are {}",
                 valid.join(", ")
             ));
         }
-        if ep > 1 && self.overlap_grad_reduce {
-            return invalid(
-                "--overlap-grad-reduce with --expert-model-parallel-size above 1 is not                  supported yet: the expert gradients are reduced over expert-DP after the                  backward pass; drop --overlap-grad-reduce"
-                    .into(),
-            );
-        }
         if self.learner {
             return invalid(
-                "--learner does not train MoE models yet: leave --learner out with                  --num-experts"
+                "--learner does not train MoE models yet: leave --learner out with \
+                 --num-experts"
                     .into(),
             );
         }
