@@ -25,6 +25,10 @@ impl TransformerConfig {
     /// core (`QKᵀ` and `PV`, `2·s·h` per token each counted as `s·h` multiply-adds) and the
     /// MLP; the last is the output layer. For GPT (`g·d = h`, `f = 4h`, `m = 2`) this is
     /// `72·T·l·h²·(1 + s/(6h) + V/(12·l·h))`.
+    ///
+    /// An MoE layer counts its active FLOPs, as Megatron does for MoE models: in place of the
+    /// MLP's `m·h·f`, the router's `h·E` and `k` experts' `m·h·f_e` per token, plus the shared
+    /// expert's `m·h·f_s` (`E` experts, `k` a token, widths `f_e` and `f_s`).
     pub fn training_flops(&self, batch: usize, seq: usize) -> Result<f64, ConfigError> {
         let vocab = VocabPartition::new(self.vocab_size, self.make_vocab_size_divisible_by, 1, 0)?;
         let h = self.hidden_size as f64;
@@ -35,9 +39,21 @@ impl TransformerConfig {
             Activation::Gelu | Activation::GeluTanh => 2.0,
             Activation::SwiGlu => 3.0,
         };
-        let layer = h * (h + 2.0 * kv) + h * h + 2.0 * s * h + mlp_gemms * h * f;
+        let attention = h * (h + 2.0 * kv) + h * h + 2.0 * s * h;
+        let dense_mlp = mlp_gemms * h * f;
+        let moe_mlp = self.moe.as_ref().map(|moe| {
+            let expert = moe.ffn_hidden_size.map_or(f, |w| w as f64);
+            let shared = moe.shared_expert_ffn_hidden_size.unwrap_or(0) as f64;
+            h * moe.num_experts as f64 + mlp_gemms * h * (moe.top_k as f64 * expert + shared)
+        });
+        let layers: f64 = (0..self.num_layers)
+            .map(|i| match (&self.moe, moe_mlp) {
+                (Some(moe), Some(mlp)) if moe.is_moe_layer(i) => attention + mlp,
+                _ => attention + dense_mlp,
+            })
+            .sum();
         let tokens = (batch * seq) as f64;
-        Ok(6.0 * tokens * (self.num_layers as f64 * layer + h * vocab.padded_size as f64))
+        Ok(6.0 * tokens * (layers + h * vocab.padded_size as f64))
     }
 }
 
@@ -66,6 +82,27 @@ mod tests {
                 "{flops} vs {expected}"
             );
         }
+    }
+
+    /// An MoE layer (every second one here) counts the router, top-k experts and the shared
+    /// expert instead of the MLP.
+    #[test]
+    fn moe_layers_count_their_active_experts() {
+        use crate::transformer::moe::MoeSettings;
+        let dense =
+            TransformerConfig::new(64, 4, 4, 256, 1000, 32).with_activation(Activation::SwiGlu);
+        let moe = dense.clone().with_moe(Some(
+            MoeSettings::new(8)
+                .with_top_k(2)
+                .with_ffn_hidden_size(Some(96))
+                .with_shared_expert_ffn_hidden_size(Some(32))
+                .with_layer_freq(2),
+        ));
+        let (h, tokens) = (64.0, 2.0 * 32.0);
+        let per_layer_difference = h * 8.0 + 3.0 * h * (2.0 * 96.0 + 32.0) - 3.0 * h * 256.0;
+        let want = dense.training_flops(2, 32).unwrap() + 6.0 * tokens * 2.0 * per_layer_difference;
+        let got = moe.training_flops(2, 32).unwrap();
+        assert!((got / want - 1.0).abs() < 1e-12, "{got} vs {want}");
     }
 
     #[test]
