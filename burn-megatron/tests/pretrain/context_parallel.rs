@@ -5,6 +5,7 @@
 
 use burn_megatron::context_parallel::CpCommType;
 use burn_megatron::training::{PretrainArgs, PretrainConfig};
+use burn_megatron::transformer::Recompute;
 use clap::Parser;
 
 use crate::equivalence::{assert_equal_to_reference, reference};
@@ -17,8 +18,9 @@ fn cp(tp: usize, pp: usize, cp: usize, comm: &str) -> PretrainConfig {
 }
 
 /// CP = 2 by each communication, with DP = 2 and the distributed optimizer, with TP = 2 and
-/// sequence parallelism, and under PP = 2 (1F1B): the step and validation losses of one
-/// rank's plain training.
+/// sequence parallelism, and under PP = 2 (1F1B, also with full recomputation, whose rerun
+/// forward passes exchange K/V inside the backward pass): the step and validation losses of
+/// one rank's plain training.
 #[test]
 fn context_parallel_equals_single_rank_training() {
     let want = reference(&tiny_run(1, 1));
@@ -35,6 +37,8 @@ fn context_parallel_equals_single_rank_training() {
     let tp = cp(2, 1, 2, "all_gather").with_sequence_parallel(true);
     assert_equal_to_reference("TP=2 SP CP=2 all_gather", &tp, &want);
     assert_equal_to_reference("PP=2 CP=2 p2p", &cp(1, 2, 2, "p2p"), &want);
+    let recompute = cp(1, 2, 2, "p2p").with_recompute(Recompute::Full);
+    assert_equal_to_reference("PP=2 CP=2 p2p, full recomputation", &recompute, &want);
 }
 
 /// With hidden dropout (masks placed by global position), CP 2 trains as CP 1 does, and a
