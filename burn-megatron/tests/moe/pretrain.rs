@@ -297,3 +297,36 @@ fn overlapped_reduction_at_ep_1_equals_the_plain_one() {
         tolerance::F32,
     );
 }
+
+/// TP 2 × PP 2 × DP 2 with EP 2 and the MoE layer on the last stage only (`[0,1]`): the loss
+/// falls, and the logging rank (stage 0, no MoE layer) reports the MoE losses and load that
+/// the pipeline group brings it.
+#[test]
+fn pretrain_gpt_with_experts_at_tp_2_pp_2_ep_2() {
+    let config = config(&[
+        "--data-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        "2",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "--moe-layer-freq",
+        "[0,1]",
+    ])
+    .with_tensor_model_parallel_size(2)
+    .with_pipeline_model_parallel_size(2);
+    let summary = pretrain_on_threads(&config, &Silent).expect("pretraining");
+    let losses = summary.losses();
+    assert!(
+        losses[5] < losses[0] - 0.3,
+        "the loss must fall: {losses:?}"
+    );
+    let report = summary.iterations[5].moe.expect("the MoE report");
+    assert!(report.load_balancing_loss > 0.005, "{report:?}");
+    assert!(
+        report.expert_load_min <= 1.0 && report.expert_load_max >= 1.0,
+        "{report:?}"
+    );
+}
