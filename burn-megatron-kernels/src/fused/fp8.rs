@@ -69,21 +69,39 @@ impl Fp8Kind {
     }
 }
 
-/// Cubes of the amax kernel at most: each thread walks the tensor with a grid-wide stride, so
-/// that few cubes add their maximum to the result atomically.
+/// Cubes of the amax's first stage at most: each thread walks the tensor with a grid-wide
+/// stride, so that the second stage has few partial maxima to reduce.
 const AMAX_CUBES: usize = 1024;
 
-/// `max |x|` over this cube's share of `x`, added to `amax` (the bits of a non-negative f32,
-/// which order as integers) by one atomic max per cube. A NaN's magnitude has larger bits than
-/// infinity's, so a tensor holding a NaN has a NaN amax.
+/// The largest of the cube's `best` values (bits of non-negative f32s, which order as
+/// integers), by a tree in shared memory; valid in thread 0.
+#[cube]
+fn cube_max(best: u32) -> u32 {
+    let tid = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<u32>::new(THREADS as usize);
+    shared[tid] = best;
+    sync_cube();
+    // From the cube's size, not the `THREADS` constant: a loop may only change a runtime value.
+    let mut step = CUBE_DIM_X as usize / 2;
+    while step > 0 {
+        if tid < step && shared[tid + step] > shared[tid] {
+            shared[tid] = shared[tid + step];
+        }
+        sync_cube();
+        step /= 2;
+    }
+    shared[0]
+}
+
+/// Stage one: `max |x|` over each cube's share of `x`, as f32 bits, into `partials[cube]`. A
+/// NaN's magnitude has larger bits than infinity's, so a tensor holding a NaN has a NaN amax.
 #[cube(launch)]
-fn amax_kernel<F: Float, N: Size>(
+fn amax_partials_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
-    amax: &mut Tensor<Atomic<u32>>,
+    partials: &mut Tensor<u32>,
     vectors: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let tid = UNIT_POS_X as usize;
     let stride = CUBE_COUNT_X * CUBE_DIM_X;
     let mut i = CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X;
     let mut best = 0u32;
@@ -98,50 +116,71 @@ fn amax_kernel<F: Float, N: Size>(
         }
         i += stride;
     }
-    let mut shared = SharedMemory::<u32>::new(THREADS as usize);
-    shared[tid] = best;
-    sync_cube();
-    // From the cube's size, not the `THREADS` constant: a loop may only change a runtime value.
-    let mut step = CUBE_DIM_X as usize / 2;
-    while step > 0 {
-        if tid < step && shared[tid + step] > shared[tid] {
-            shared[tid] = shared[tid + step];
-        }
-        sync_cube();
-        step /= 2;
+    let total = cube_max(best);
+    if UNIT_POS_X == 0 {
+        partials[CUBE_POS_X as usize] = total;
     }
-    if tid == 0 {
-        amax[0].fetch_max(shared[0]);
+}
+
+/// Stage two: the largest of the `count` partial maxima, by one cube, into `out[0]`.
+#[cube(launch)]
+fn amax_total_kernel(partials: &Tensor<u32>, out: &mut Tensor<u32>, count: u32) {
+    let mut i = UNIT_POS_X;
+    let mut best = 0u32;
+    while i < count {
+        let bits = partials[i as usize];
+        if bits > best {
+            best = bits;
+        }
+        i += CUBE_DIM_X;
+    }
+    let total = cube_max(best);
+    if UNIT_POS_X == 0 {
+        out[0] = total;
     }
 }
 
 /// `max |x|` of a float tensor as a `[1]` f32 tensor on its device (NaN if `x` holds a NaN),
-/// with no host synchronisation.
+/// with no host synchronisation, and the same bits on every run (no atomics).
 pub fn amax<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     let x = into_contiguous(x);
     let numel = x.meta.shape().num_elements();
-    let mut out = zeros_client::<R>(
-        x.client.clone(),
-        x.device.clone(),
-        Shape::from(vec![1]),
-        DType::U32,
-    );
-    if numel > 0 {
-        let width = vector_width(&[&x]);
-        let vectors = numel / width;
-        let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
-        let dtype = x.dtype.into();
-        amax_kernel::launch::<R>(
-            &x.client.clone(),
-            CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(THREADS),
-            width,
-            x.into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            vectors as u32,
-            dtype,
-        );
+    let client = x.client.clone();
+    let u32_tensor = |len: usize| {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            x.device.clone(),
+            Shape::from(vec![len]),
+            DType::U32,
+        )
+    };
+    if numel == 0 {
+        return zeros_client::<R>(client, x.device.clone(), Shape::from(vec![1]), DType::F32);
     }
+    let width = vector_width(&[&x]);
+    let vectors = numel / width;
+    let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
+    let partials = u32_tensor(cubes);
+    let mut out = u32_tensor(1);
+    let dtype = x.dtype.into();
+    amax_partials_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(THREADS),
+        width,
+        x.into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        vectors as u32,
+        dtype,
+    );
+    amax_total_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(THREADS),
+        partials.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        cubes as u32,
+    );
     // The same four bytes, read as the f32 they are the bits of.
     out.dtype = DType::F32;
     out
