@@ -436,10 +436,10 @@ impl PretrainConfig {
                 valid.join(", ")
             ));
         }
-        if self.learner {
+        if self.learner && self.moe_router_enable_expert_bias {
             return invalid(
-                "--learner does not train MoE models yet: leave --learner out with \
-                 --num-experts"
+                "--moe-router-enable-expert-bias is updated by pretrain_gpt's own loop only: \
+                 leave --learner out"
                     .into(),
             );
         }

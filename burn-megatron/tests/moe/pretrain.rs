@@ -137,6 +137,13 @@ fn expert_layout_errors_name_the_options() {
     assert!(e.contains("need --num-experts"), "{e}");
     let e = err(&["--num-experts", "4", "--moe-layer-freq", "([1]*3)"]);
     assert!(e.contains("gives 3 layers, the model has 2"), "{e}");
+    let e = err(&[
+        "--num-experts",
+        "4",
+        "--moe-router-enable-expert-bias",
+        "--learner",
+    ]);
+    assert!(e.contains("pretrain_gpt's own loop only"), "{e}");
     let bad = PretrainArgs::parse_from(["pretrain_gpt", "--moe-layer-freq", "[2,x]"]).into_config();
     assert!(
         bad.expect_err("a bad list")
@@ -329,4 +336,31 @@ fn pretrain_gpt_with_experts_at_tp_2_pp_2_ep_2() {
         report.expert_load_min <= 1.0 && report.expert_load_max >= 1.0,
         "{report:?}"
     );
+}
+
+/// Through burn-train's `Learner` (`--learner`) at EP 2 × DP 2 with ZeRO-1: the losses of
+/// `pretrain`'s own loop, exactly (the same schedule, MoE losses and optimizer).
+#[test]
+fn learner_with_experts_equals_the_pretrain_loop() {
+    use burn_megatron::training::PretrainData;
+    use burn_megatron::training::learner::{
+        LearnerReporting, MetricRecorder, pretrain_with_learner,
+    };
+    let config = moe_run(2, 2, true, 3).with_eval_interval(0);
+    let loop_run = pretrain_on_threads(&config, &Silent).expect("pretraining");
+    let learner = config.clone().with_learner(true);
+    let data = PretrainData::build(&learner).expect("data");
+    let reporting = LearnerReporting {
+        directory: scratch_dir("bm-moe", "learner"),
+        recorder: Some(MetricRecorder::new()),
+        quiet: true,
+        peak_flops_per_device: None,
+    };
+    burn_megatron_testing::run(learner.world_size(), |ctx| {
+        pretrain_with_learner::<crate::AD>(&ctx, &learner, &data, &Default::default(), &reporting)?;
+        Ok(())
+    });
+    let _ = std::fs::remove_dir_all(&reporting.directory);
+    let losses = reporting.recorder.expect("a recorder").values("Loss", true);
+    assert_eq!(losses, loop_run.losses());
 }

@@ -53,7 +53,7 @@ pub struct ParallelGpt<B: Backend> {
 
 impl<B: ModelBackend> ParallelGpt<B> {
     /// This rank's chunk of `config` in the layout `state`: the even pipeline stage of its PP
-    /// rank, sliced for its TP rank. Parameters depend only on the seed, so every layout
+    /// rank, sliced for its TP rank, its MoE layers' experts split over `state.ep()`. Parameters depend only on the seed, so every layout
     /// holds slices of the same model.
     pub fn init(
         config: &TransformerConfig,
@@ -61,7 +61,7 @@ impl<B: ModelBackend> ParallelGpt<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let stage = StageSplit::even(config.num_layers, state.pp().size())?.stage(state.pp_rank());
-        let model = config.init_gpt_stage::<B>(state.tp(), &stage, device)?;
+        let model = config.init_gpt_stage_with_ep::<B>(state.tp(), state.ep(), &stage, device)?;
         Ok(Self::new(model, config, state))
     }
 

@@ -77,7 +77,8 @@ where
     }
     let sizes = ParallelSizes::default()
         .with_tp(layout.tp)
-        .with_pp(layout.pp);
+        .with_pp(layout.pp)
+        .with_ep(layout.ep);
     let state = ctx.parallel_state(sizes)?;
     let model_config = config.model();
     let model = ParallelGpt::<B>::init(&model_config, &state, device)?;
