@@ -364,3 +364,34 @@ fn learner_with_experts_equals_the_pretrain_loop() {
     let losses = reporting.recorder.expect("a recorder").values("Loss", true);
     assert_eq!(losses, loop_run.losses());
 }
+
+/// `checkpoint_tool convert`'s library call on a checkpoint saved at EP 2 × DP 2 (ZeRO-1):
+/// the converted checkpoint (one rank, every expert in one file) resumes at EP 2 with the
+/// uninterrupted run's losses.
+#[test]
+fn converted_checkpoint_with_experts_resumes() {
+    use burn_megatron::checkpointing::{TargetLayout, convert_layout};
+    let (saved, converted) = (
+        scratch_dir("bm-moe", "convert-src"),
+        scratch_dir("bm-moe", "convert-dst"),
+    );
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let uninterrupted = train(&moe_run(2, 2, true, 4));
+    let stopped = train(
+        &moe_run(2, 2, true, 2)
+            .with_save(Some(saved.clone()))
+            .with_save_interval(Some(2)),
+    );
+    let dir = convert_layout(&stopped.checkpoints[0], &converted, TargetLayout::new(1, 1))
+        .expect("converted");
+    assert!(dir.join("model_tp0_pp0_ep0.safetensors").exists());
+    let resumed = train(&moe_run(2, 2, true, 4).with_load(Some(converted.clone())));
+    assert_close(
+        "resumed from the converted checkpoint",
+        &resumed.losses(),
+        &uninterrupted.losses()[2..],
+        tolerance::F32_TRAINING,
+    );
+    let _ = std::fs::remove_dir_all(saved);
+    let _ = std::fs::remove_dir_all(converted);
+}
