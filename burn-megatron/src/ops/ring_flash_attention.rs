@@ -85,8 +85,9 @@ pub trait RingFlashAttentionOps: FlashAttentionOps + DistBackend {
     }
 }
 
-/// The forward on any backend: the output (q's dtype) and the merged log-sum-exp
-/// `[batch, heads, 2 · len]` (f32, f64 for f64).
+/// The forward on any backend: the output (q's dtype) and the merged log-sum-exp of each
+/// query chunk, `[2, batch, heads, len]` (f32, f64 for f64): chunk-major, so that one chunk's
+/// is a packed tensor, as cuDNN's backward takes it.
 fn ring_forward<B: FlashAttentionOps + DistBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -94,7 +95,7 @@ fn ring_forward<B: FlashAttentionOps + DistBackend>(
     group: &ProcessGroup,
     scale: f64,
     plan: &RingPlan,
-) -> DistResult<(Tensor<B, 4>, Tensor<B, 3>)> {
+) -> DistResult<(Tensor<B, 4>, Tensor<B, 4>)> {
     check_shapes(q.dims(), k.dims(), v.dims(), true);
     let seq = q.dims()[2];
     assert!(
@@ -138,7 +139,7 @@ fn ring_forward<B: FlashAttentionOps + DistBackend>(
     }
     let [early, late] = running.map(|r| r.expect("the plan gives each query chunk a block"));
     let out = Tensor::cat(vec![early.0, late.0], 2).cast(dtype);
-    let lse = Tensor::cat(vec![early.1, late.1], 2);
+    let lse = Tensor::stack(vec![early.1, late.1], 0);
     Ok((out, lse))
 }
 
@@ -263,7 +264,7 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    (out, lse, grad): (Tensor<B, 4>, Tensor<B, 3>, Tensor<B, 4>),
+    (out, lse, grad): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
     group: &ProcessGroup,
     scale: f64,
     plan: &RingPlan,
@@ -272,7 +273,8 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
     let (q_dtype, kv_dtype) = (q.dtype(), k.dtype());
     let wide = wide(q_dtype);
     let chunk4 = |t: &Tensor<B, 4>, i: usize| t.clone().narrow(2, i * len, len);
-    let chunk3 = |t: &Tensor<B, 3>, i: usize| t.clone().narrow(2, i * len, len);
+    let [_, batch, heads, _] = lse.dims();
+    let chunk_lse = |i: usize| lse.clone().narrow(0, i, 1).reshape([batch, heads, len]);
     let mut dq: [Option<Tensor<B, 4>>; 2] = [None, None];
     let mut kv = Tensor::cat(vec![k, v], 1);
     let zeros = |kv: &Tensor<B, 4>| Tensor::<B, 4>::zeros(kv.shape(), (&kv.device(), wide));
@@ -291,7 +293,7 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
                 keys.clone().narrow(1, 0, kv_heads),
                 keys.narrow(1, kv_heads, kv_heads),
                 chunk4(&out, i),
-                chunk3(&lse, i),
+                chunk_lse(i),
                 chunk4(&grad, i),
                 scale,
                 block.causal,
