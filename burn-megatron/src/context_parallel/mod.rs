@@ -12,22 +12,29 @@
 //!   step's partial attention merged by log-sum-exp.
 //! - [`all_gather_attention`] (`all_gather`): K/V all-gathered, one attention against the
 //!   whole sequence.
-//! - [`context_parallel_attention`] dispatches on [`CpCommType`].
+//! - [`all_to_all_attention`] (`a2a`, DeepSpeed-Ulysses): the sequence split traded for a head
+//!   split by all-to-all, and back.
+//! - [`context_parallel_attention`] dispatches on [`CpCommType`] to these compositions, the
+//!   reference on every backend.
+//! - [`ring_flash_attention`] and [`all_to_all_flash_attention`]: `p2p` and `a2a` on the fused
+//!   flash attention (the ring as one operation with its own backward node,
+//!   [`crate::ops::ring_flash_attention`]); [`context_parallel_flash_attention`] dispatches to
+//!   them, and is what the model runs.
+//! - [`CpContext`]: the group and communication a model's layers run over
+//!   ([`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)).
 //! - [`block_attention`](block_attention::block_attention) and
 //!   [`merge`](block_attention::merge): the partial attention with its log-sum-exp, and the
 //!   online-softmax merge, both Burn compositions.
 //!
-//! Both variants take grouped-query attention (fewer K/V heads than query heads, any number
-//! of K/V heads, whatever CP is) and run under `Autodiff<B>` on every
-//! [`DistBackend`](burn_megatron_dist::DistBackend): their backward is Burn's autodiff through the
-//! compositions and through differentiable communication (the all-gather's gradient is
-//! reduce-scattered; the ring exchange's gradient goes back round the ring).
+//! Every variant takes grouped-query attention (fewer K/V heads than query heads, any number
+//! of K/V heads, whatever CP is; `a2a` repeats the K/V heads when CP does not divide them)
+//! and runs under `Autodiff<B>` on every [`DistBackend`](burn_megatron_dist::DistBackend):
+//! the compositions' backward is Burn's autodiff through them and through differentiable
+//! communication (the all-gather's gradient is reduce-scattered; the ring exchange's gradient
+//! goes back round the ring).
 //!
-//! Not here yet: the Ulysses all-to-all (`a2a`); a ring whose attention is the fused flash
-//! kernel with its own backward node (the fused op's log-sum-exp is not tracked under
-//! `Autodiff`, so the compositions here materialise each block pair's scores and keep them
-//! for the backward); overlap of the ring's exchange with the attention; and the model,
-//! loss and data loader on the split (see the book's "Context parallelism" page).
+//! Not here yet: overlap of the ring's exchange with the attention, attention dropout, and
+//! runs on GPUs (see the book's "Context parallelism" page).
 
 pub mod all_gather;
 pub mod all_to_all;
