@@ -384,14 +384,6 @@ impl TransformerConfig {
         }
         if let Some(moe) = &self.moe {
             moe.validate(self.hidden_size, self.ffn_hidden_size, self.num_layers, 1)?;
-            if self.sequence_parallel && tp > 1 {
-                return Err(ConfigError::Invalid(
-                    "mixture of experts with sequence parallelism is not supported yet: the \
-                     experts are replicated over TP and would see only a rank's part of the \
-                     sequence; leave --sequence-parallel out"
-                        .into(),
-                ));
-            }
         }
         let vocab = VocabPartition::new(
             self.vocab_size,

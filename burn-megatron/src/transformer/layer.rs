@@ -2,6 +2,9 @@
 
 use burn::module::Module;
 use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::mapping::{
+    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
+};
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::attention::ParallelAttention;
@@ -14,7 +17,7 @@ use crate::context_parallel::CpContext;
 use crate::error::ConfigError;
 use crate::init::param_seed;
 use crate::tensor_parallel::{DeclarePlacements, Placements, SequenceParallelGrads, TpContext};
-use crate::tensor_parallel::{DropoutSite, ParamPlacement, dropout};
+use crate::tensor_parallel::{DropoutSite, ParamPlacement, SEQ_DIM, dropout};
 
 /// `x + dropout(attention(norm(x)))`, then `x + dropout(mlp(norm(x)))`, the MLP being a
 /// mixture of experts ([`MoeLayer`]) in the layers the configuration's
@@ -226,9 +229,22 @@ impl<B: ModelBackend> TransformerLayer<B> {
     ) -> DistResult<Tensor<B, 3>> {
         match (&self.mlp, &self.moe) {
             (_, Some(moe)) => {
+                // Under sequence parallelism the experts, replicated over TP, take the whole
+                // sequence: gathered in (its gradient complete on every rank: keep the
+                // shard), split out (its gradient gathered). Every TP rank then routes the
+                // same tokens, and the MoE parameters' gradients are whole, as without SP.
+                let tp = &self.context.tp;
+                let sp = tp.sequence_parallel && tp.group.size() > 1;
+                let x = match sp {
+                    true => gather_from_sequence_parallel_region(x, &tp.group, SEQ_DIM, false)?,
+                    false => x,
+                };
                 let out = moe.try_forward(x)?;
                 losses.push(self.context.index, &out);
-                Ok(out.output)
+                match sp {
+                    true => scatter_to_sequence_parallel_region(out.output, &tp.group, SEQ_DIM),
+                    false => Ok(out.output),
+                }
             }
             (Some(mlp), None) => mlp.try_forward(x),
             (None, None) => unreachable!("`new` gives a layer an MLP or an MoE layer"),

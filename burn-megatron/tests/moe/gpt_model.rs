@@ -1,6 +1,6 @@
 //! A GPT whose layers 0 and 2 are MoE layers, trained through the pipeline executor, against
 //! the same model at EP 1 on one rank: EP 2 (DP 2), EP 2 × expert-DP 2 (DP 4), EP 2 with
-//! TP 2, and EP 2 with PP 2 (whose first stage's MoE losses travel with the gradient from the
+//! TP 2 (with and without sequence parallelism), and EP 2 with PP 2 (whose first stage's MoE losses travel with the gradient from the
 //! next stage). Losses, the MoE losses and every gradient (f32, 1e-5 relative).
 //!
 //! Each DP rank runs two microbatches of its own; the reference runs every rank's
@@ -283,6 +283,9 @@ fn gpt_with_moe_layers_equals_one_device_with_tp_2_and_pp_2() {
     let config = moe_gpt();
     let want = reference(&config, 2, keep);
     assert_same("TP 2 x EP 2", &train(&config, [2, 1, 2, 2], keep), &want);
+    // Sequence parallelism: the MoE layer gathers the sequence over TP and splits it after.
+    let sp = moe_gpt().with_sequence_parallel(true);
+    assert_same("TP 2 + SP x EP 2", &train(&sp, [2, 1, 2, 2], keep), &want);
     // With PP 2 the MoE losses are those of each stage's layer; compare the gradients and
     // the loss, which carry both stages' MoE losses.
     let mut got = train(&config, [1, 2, 2, 2], keep);

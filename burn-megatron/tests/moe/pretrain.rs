@@ -144,6 +144,12 @@ fn expert_layout_errors_name_the_options() {
         "--learner",
     ]);
     assert!(e.contains("pretrain_gpt's own loop only"), "{e}");
+    let cp = config(&["--num-experts", "4", "--context-parallel-size", "2"]);
+    let e = cp.check(2).expect_err("MoE with CP").to_string();
+    assert!(
+        e.contains("--context-parallel-size 2 is not supported yet"),
+        "{e}"
+    );
     let bad = PretrainArgs::parse_from(["pretrain_gpt", "--moe-layer-freq", "[2,x]"]).into_config();
     assert!(
         bad.expect_err("a bad list")
