@@ -294,21 +294,23 @@ fn expert_bias_moves_with_the_load_and_resumes() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// At EP 1 the experts are still their own buffers (expert-DP = DP): `--overlap-grad-reduce`
+/// The experts are buffers of their own (expert-DP = DP at EP 1): `--overlap-grad-reduce`
 /// reduces the dense ones inside the backward pass and the experts after it, and the losses
-/// are those of the reduction after the backward pass.
+/// are those of the reduction after the backward pass, at EP 1 and 2.
 #[test]
-fn overlapped_reduction_at_ep_1_equals_the_plain_one() {
+fn overlapped_reduction_equals_the_plain_one() {
     let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
-    let plain = train(&moe_run(2, 1, true, 3));
-    let overlapped = train(&moe_run_with(2, 1, true, 3, &["--overlap-grad-reduce"]));
-    assert!(overlapped.reduced_in_backward > 0);
-    assert_close(
-        "overlapped at EP 1",
-        &overlapped.losses(),
-        &plain.losses(),
-        tolerance::F32,
-    );
+    for ep in [1, 2] {
+        let plain = train(&moe_run(2, ep, true, 3));
+        let overlapped = train(&moe_run_with(2, ep, true, 3, &["--overlap-grad-reduce"]));
+        assert!(overlapped.reduced_in_backward > 0);
+        assert_close(
+            &format!("overlapped at EP {ep}"),
+            &overlapped.losses(),
+            &plain.losses(),
+            tolerance::F32,
+        );
+    }
 }
 
 /// TP 2 × PP 2 × DP 2 with EP 2 and the MoE layer on the last stage only (`[0,1]`): the loss
