@@ -1,20 +1,21 @@
-//! Mixture of experts with expert parallelism (issue 34, its first part): a dropless MoE
-//! layer, CPU-tested against the single-device layer.
+//! Mixture of experts with expert parallelism (issue 34): a dropless MoE layer, in the GPT
+//! model and `pretrain_gpt`, CPU-tested against one device.
 //!
-//! - [`router`]: linear scores, softmax or sigmoid, top-k, optional normalisation; the
-//!   Switch-style load-balancing loss and the z-loss.
+//! - [`router`]: linear scores, softmax or sigmoid, top-k, optional normalisation, DeepSeek-V3's
+//!   expert bias; the Switch-style load-balancing loss and the z-loss.
 //! - [`dispatcher`]: tokens sorted by expert and exchanged over the expert-parallel group by
 //!   an all-to-all (variable sizes padded to the largest), then brought back in order.
 //! - [`experts`]: a rank's experts, weights stacked `[local_experts, ..]`, each run once on
 //!   its contiguous block of tokens; SwiGLU or GeLU.
 //! - [`layer`]: [`MoeLayer`], router → dispatch → experts → combine, plus the shared expert,
 //!   returning [`MoeOutput`] (output and losses); [`config`]: [`MoeConfig`].
-//!
-//! - [`losses`]: [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers;
-//!   [`MoeSettings`]: the MoE part of a `TransformerConfig` (which layers, which settings).
+//! - [`losses`]: [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers, which the
+//!   pipeline schedules add to each stage's backward root.
+//! - [`settings`]: [`MoeSettings`], the MoE part of a `TransformerConfig` (which layers, which
+//!   settings), and `--moe-layer-freq`'s forms.
 //!
 //! Not yet: capacity and token dropping, grouped-GEMM kernels, the all-gather dispatcher,
-//! expert tensor parallelism.
+//! expert tensor parallelism, a routing that stays on the device.
 
 pub mod config;
 pub mod dispatcher;
