@@ -21,7 +21,7 @@ use super::load::Checkpoint;
 use crate::ModelBackend;
 use crate::distributed::BufferLayout;
 use crate::error::Result;
-use crate::error::{CheckpointError, read_data, read_params};
+use crate::error::{CheckpointError, read_data, read_params, unshared};
 use crate::models::GptModel;
 use crate::optimizer::FLAT_ADAMW;
 use crate::optimizer::state::{OptimizerState, ParamState};
@@ -80,7 +80,7 @@ where
     let host = |t: Tensor<B::InnerBackend, 1>, name: &str| -> Result<Vec<f32>> {
         let what =
             || format!("the distributed optimizer's {name} (range {range:?}) for a checkpoint");
-        read_data(t, what)
+        read_data(unshared(t), what)
             .map_err(|e| e.on_rank(rank))?
             .convert::<f32>()
             .into_vec::<f32>()

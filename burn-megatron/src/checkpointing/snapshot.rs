@@ -244,6 +244,11 @@ fn whole(group: &str, slice: &LocalSlice, data: TensorData) -> Option<Piece> {
     let dtype = data.dtype;
     let bytes = if real == slice.held {
         BlobBytes::Data(data)
+    } else if real[1..] == slice.held[1..] {
+        // Padding rows only (the vocabulary's): the real rows are a prefix of the bytes.
+        let row = slice.local_shape[1..].iter().product::<usize>() * dtype.size();
+        let start = (real[0].start - slice.held[0].start) * row;
+        BlobBytes::Range(data, start..start + real[0].len() * row)
     } else {
         let origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
         BlobBytes::Owned(cut(

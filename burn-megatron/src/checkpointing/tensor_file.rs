@@ -33,9 +33,11 @@ pub(crate) struct Blob {
     pub bytes: BlobBytes,
 }
 
-/// A blob's bytes: a whole host tensor (no copy), or bytes cut out of one.
+/// A blob's bytes: a whole host tensor or a contiguous range of its bytes (no copy), or bytes
+/// cut out of one.
 pub(crate) enum BlobBytes {
     Data(TensorData),
+    Range(TensorData, Range<usize>),
     Owned(Vec<u8>),
 }
 
@@ -43,6 +45,7 @@ impl Blob {
     fn bytes(&self) -> &[u8] {
         match &self.bytes {
             BlobBytes::Data(data) => data.as_bytes(),
+            BlobBytes::Range(data, range) => &data.as_bytes()[range.clone()],
             BlobBytes::Owned(bytes) => bytes,
         }
     }

@@ -23,7 +23,7 @@ pub use burn_megatron_dist::DistError;
 pub use checkpoint::CheckpointError;
 pub use config::ConfigError;
 pub use device::DeviceError;
-pub(crate) use device::{read_data, read_params, read_scalar};
+pub(crate) use device::{read_data, read_params, read_scalar, unshared};
 pub use input::{IdKind, InputError, check_ids_on_host};
 pub use pipeline::PipelineError;
 pub use training::{NonFiniteValue, TrainingError};

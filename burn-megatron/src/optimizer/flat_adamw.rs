@@ -39,7 +39,7 @@ use super::state::{OptimizerState, ParamState};
 use super::{FoundInf, WeightDecayPolicy};
 use crate::ModelBackend;
 use crate::distributed::{BufferConfig, ParamAndGradBuffer};
-use crate::error::{ConfigError, DeviceError, read_data};
+use crate::error::{ConfigError, DeviceError, read_data, unshared};
 use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
 use crate::tensor_parallel::DeclarePlacements;
 
@@ -373,7 +373,9 @@ fn read_buffer<B: burn::tensor::backend::Backend>(
     buffer: &Tensor<B, 1>,
     what: &str,
 ) -> core::result::Result<Vec<f32>, DeviceError> {
-    let data = read_data(buffer.clone().cast(DType::F32), || what.to_string())?;
+    let data = read_data(unshared(buffer.clone().cast(DType::F32)), || {
+        what.to_string()
+    })?;
     data.convert::<f32>()
         .to_vec::<f32>()
         .map_err(|e| DeviceError {
