@@ -424,13 +424,6 @@ impl PretrainConfig {
         if ep == 0 {
             return invalid("--expert-model-parallel-size must be at least 1".into());
         }
-        if cp > 1 {
-            return invalid(format!(
-                "--num-experts with --context-parallel-size {cp} is not supported yet: each \
-                 CP rank's MoE losses would enter the gradient summed over CP (CP times their \
-                 weight); leave one of them out"
-            ));
-        }
         if !(dp * cp).is_multiple_of(ep) {
             let valid: Vec<String> = (1..=dp * cp)
                 .filter(|e| (dp * cp).is_multiple_of(*e) && experts.is_multiple_of(*e))

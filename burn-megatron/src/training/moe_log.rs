@@ -12,7 +12,8 @@ use crate::pipeline_parallel::MoeStepStats;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeReport {
     /// The load-balancing losses of every MoE layer, summed over the layers, coefficient
-    /// included (the term added to the loss), averaged over DP × CP and the microbatches.
+    /// included (the term added to the loss), averaged over DP and the microbatches (under
+    /// CP, each CP rank's share summed).
     pub load_balancing_loss: f64,
     /// The z-losses, as `load_balancing_loss`.
     pub z_loss: f64,
@@ -42,7 +43,12 @@ pub(crate) fn moe_report<B: DistBackend>(
                 ],
                 0,
             );
-            let losses = state.dp_cp().all_reduce(losses, ReduceOp::Avg)?;
+            // Each CP rank holds its share of its DP rank's losses: summed over CP, averaged
+            // over DP.
+            let losses = state
+                .dp_cp()
+                .all_reduce(losses, ReduceOp::Avg)?
+                .mul_scalar(state.cp().size() as f64);
             let layers = stats.tokens_per_expert.len();
             let experts = stats.tokens_per_expert.first().map_or(1, |(_, c)| c.len());
             let counts: Vec<f32> = stats

@@ -239,7 +239,10 @@ impl<B: ModelBackend> TransformerLayer<B> {
                     true => gather_from_sequence_parallel_region(x, &tp.group, SEQ_DIM, false)?,
                     false => x,
                 };
-                let out = moe.try_forward(x)?;
+                // Under context parallelism the losses are this rank's share of the batch's
+                // (summed over CP with the gradients).
+                let cp = self.context.cp.as_ref().map(|cp| &cp.group);
+                let out = moe.try_forward_over(x, cp)?;
                 losses.push(self.context.index, &out);
                 match sp {
                     true => scatter_to_sequence_parallel_region(out.output, &tp.group, SEQ_DIM),

@@ -144,12 +144,6 @@ fn expert_layout_errors_name_the_options() {
         "--learner",
     ]);
     assert!(e.contains("pretrain_gpt's own loop only"), "{e}");
-    let cp = config(&["--num-experts", "4", "--context-parallel-size", "2"]);
-    let e = cp.check(2).expect_err("MoE with CP").to_string();
-    assert!(
-        e.contains("--context-parallel-size 2 is not supported yet"),
-        "{e}"
-    );
     let bad = PretrainArgs::parse_from(["pretrain_gpt", "--moe-layer-freq", "[2,x]"]).into_config();
     assert!(
         bad.expect_err("a bad list")
@@ -402,4 +396,36 @@ fn converted_checkpoint_with_experts_resumes() {
     );
     let _ = std::fs::remove_dir_all(saved);
     let _ = std::fs::remove_dir_all(converted);
+}
+
+/// Context parallelism: CP 2 with the experts split over the two CP ranks (EP 2, DP 1)
+/// against one rank. Each CP rank's MoE losses are its share of the sequence batch's (the
+/// load from both ranks' counts), so the losses, the logged MoE losses and the training
+/// equal one rank's.
+#[test]
+fn context_parallel_with_experts_equals_one_rank() {
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let one = train(&moe_run(1, 1, true, 4));
+    let cp = train(&moe_run_with(
+        1,
+        2,
+        true,
+        4,
+        &["--context-parallel-size", "2"],
+    ));
+    assert_close(
+        "CP 2 x EP 2",
+        &cp.losses(),
+        &one.losses(),
+        tolerance::F32_TRAINING,
+    );
+    for (got, want) in cp.iterations.iter().zip(&one.iterations) {
+        let (got, want) = (got.moe.expect("a report"), want.moe.expect("a report"));
+        assert_close(
+            "MoE losses",
+            &[got.load_balancing_loss, got.z_loss],
+            &[want.load_balancing_loss, want.z_loss],
+            tolerance::F32_TRAINING,
+        );
+    }
 }

@@ -2,7 +2,7 @@
 
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
-use burn_megatron_dist::DistResult;
+use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::dispatcher::TokenDispatcher;
 use super::experts::GroupedExperts;
@@ -107,9 +107,20 @@ impl<B: ModelBackend> MoeLayer<B> {
 
     /// [`forward`](Self::forward), returning communication errors.
     pub fn try_forward(&self, input: Tensor<B, 3>) -> DistResult<MoeOutput<B>> {
+        self.try_forward_over(input, None)
+    }
+
+    /// [`try_forward`](Self::try_forward) for this rank's part of a batch spread over
+    /// `sequence` (the context-parallel group): the losses are this rank's share of the
+    /// batch's ([`Router::route_over`]), so that summed over the group they are the batch's.
+    pub fn try_forward_over(
+        &self,
+        input: Tensor<B, 3>,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<MoeOutput<B>> {
         let [batch, seq, hidden] = input.dims();
         let tokens = input.reshape([batch * seq, hidden]);
-        let routing = self.router.route(tokens.clone());
+        let routing = self.router.route_over(tokens.clone(), sequence)?;
         let top_k = self.router.settings().top_k;
         let plan = self
             .dispatcher

@@ -4,7 +4,8 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
 use crate::ops::{linear, sigmoid};
@@ -106,6 +107,25 @@ impl<B: ModelBackend> Router<B> {
     /// - tokens: `[tokens, hidden_size]`
     /// - weights in the result: `[tokens, top_k]`; losses: `[1]`
     pub fn route(&self, tokens: Tensor<B, 2>) -> Routing<B> {
+        self.route_over(tokens, None)
+            .unwrap_or_else(|_| unreachable!("routing without a group communicates nothing"))
+    }
+
+    /// [`route`](Self::route) for tokens that are this rank's part of a batch spread over
+    /// `sequence` (the context-parallel group): the losses are this rank's share of the
+    /// batch's, `n / N` of them with `n` its tokens and `N` the group's, the load-balancing
+    /// loss from the load over the whole group (its token counts all-gathered, a host-side
+    /// exchange). Summed over the group, they are the losses of the batch on one rank.
+    /// Every rank of `sequence` must call it.
+    ///
+    /// # Shapes
+    /// - tokens: `[tokens, hidden_size]`
+    /// - weights in the result: `[tokens, top_k]`; losses: `[1]`
+    pub fn route_over(
+        &self,
+        tokens: Tensor<B, 2>,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<Routing<B>> {
         let s = self.settings;
         let num_experts = self.num_experts();
         let [num_tokens, _] = tokens.dims();
@@ -137,6 +157,10 @@ impl<B: ModelBackend> Router<B> {
         if s.normalize_top_k {
             weights = weights.clone() / weights.sum_dim(1);
         }
+        let (counts, total) = match sequence.filter(|g| g.size() > 1) {
+            Some(group) => group_load::<B>(group, &tokens_per_expert, num_tokens, &device)?,
+            None => (tokens_per_expert.clone(), num_tokens),
+        };
         let load_balancing_loss = if s.aux_loss_coeff == 0.0 {
             Tensor::zeros([1], &device)
         } else {
@@ -144,27 +168,21 @@ impl<B: ModelBackend> Router<B> {
                 RouterScoreFunction::Softmax => scores,
                 RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
             };
-            load_balancing_loss(
-                probs,
-                &tokens_per_expert,
-                s.top_k,
-                s.aux_loss_coeff,
-                &device,
-            )
+            load_balancing_share(probs, &counts, total, s.top_k, s.aux_loss_coeff, &device)
         };
         let z_loss = if s.z_loss_coeff == 0.0 {
             Tensor::zeros([1], &device)
         } else {
-            z_loss(logits, s.z_loss_coeff)
+            z_loss(logits, s.z_loss_coeff).mul_scalar(num_tokens as f64 / total as f64)
         };
         debug_assert_eq!(experts.len(), num_tokens * s.top_k);
-        Routing {
+        Ok(Routing {
             weights,
             experts,
             tokens_per_expert,
             load_balancing_loss,
             z_loss,
-        }
+        })
     }
 }
 
@@ -196,11 +214,51 @@ pub fn load_balancing_loss<B: Backend>(
     coeff: f64,
     device: &B::Device,
 ) -> Tensor<B, 1> {
-    let [num_tokens, num_experts] = probs.dims();
+    let [num_tokens, _] = probs.dims();
+    load_balancing_share(probs, tokens_per_expert, num_tokens, top_k, coeff, device)
+}
+
+/// A rank's share of the load-balancing loss of a batch of `total` tokens spread over
+/// several ranks: `coeff · E / (N² k) · Σ_e (Σ_t p_te) · c_e`, with the batch's counts
+/// `c_e` and this rank's probabilities `p_te`; with `N` this rank's tokens and `c` its
+/// counts it is [`load_balancing_loss`].
+fn load_balancing_share<B: Backend>(
+    probs: Tensor<B, 2>,
+    tokens_per_expert: &[usize],
+    total: usize,
+    top_k: usize,
+    coeff: f64,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let [_, num_experts] = probs.dims();
     let counts: Vec<f64> = tokens_per_expert.iter().map(|&c| c as f64).collect();
     let counts = Tensor::<B, 2>::from_data(TensorData::new(counts, [1, num_experts]), device);
-    let scale = coeff * num_experts as f64 / (num_tokens as f64 * (num_tokens * top_k) as f64);
+    let scale = coeff * num_experts as f64 / (total as f64 * (total * top_k) as f64);
     (probs.sum_dim(0) * counts).sum().mul_scalar(scale)
+}
+
+/// The counts per expert and the tokens of every rank of `group` added up: one host-side
+/// all-gather of `[experts + 1]` values.
+fn group_load<B: DistBackend>(
+    group: &ProcessGroup,
+    tokens_per_expert: &[usize],
+    num_tokens: usize,
+    device: &B::Device,
+) -> DistResult<(Vec<usize>, usize)> {
+    let mut local: Vec<f32> = tokens_per_expert.iter().map(|&c| c as f32).collect();
+    local.push(num_tokens as f32);
+    let len = local.len();
+    let local = Tensor::<B, 1>::from_data(TensorData::new(local, [len]), (device, DType::F32));
+    let all = group.all_gather(local, 0)?.into_data().convert::<f32>();
+    let all = all.to_vec::<f32>().expect("f32 counts");
+    let mut sum = vec![0usize; len];
+    for chunk in all.chunks(len) {
+        for (s, &v) in sum.iter_mut().zip(chunk) {
+            *s += v as usize;
+        }
+    }
+    let total = sum.pop().unwrap_or(num_tokens);
+    Ok((sum, total))
 }
 
 /// The z-loss of ST-MoE: `coeff · mean_t (log Σ_e exp(logit_te))²`, which keeps the logits
