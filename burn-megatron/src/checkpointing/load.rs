@@ -3,11 +3,10 @@
 //! assembles its own shard. Files are memory-mapped and checked block by block as they are
 //! read (`tensor_file.rs`): a rank reads only the parts of the files that hold its slices.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
@@ -35,7 +34,7 @@ use crate::transformer::TransformerConfig;
 pub struct Checkpoint {
     dir: PathBuf,
     metadata: CheckpointMetadata,
-    files: RefCell<HashMap<String, Rc<MappedFile>>>,
+    files: Mutex<HashMap<String, Arc<MappedFile>>>,
 }
 
 impl Checkpoint {
@@ -46,7 +45,7 @@ impl Checkpoint {
         Ok(Self {
             dir,
             metadata,
-            files: RefCell::new(HashMap::new()),
+            files: Mutex::new(HashMap::new()),
         })
     }
 
@@ -173,10 +172,14 @@ impl Checkpoint {
         let tensors = self.metadata.model_tensors().ok_or_else(|| {
             CheckpointError::mismatch(&self.dir, "the checkpoint holds no model tensors")
         })?;
+        let slices = local_slices(model)?;
+        let entries = slices
+            .iter()
+            .map(|slice| self.entry(tensors, MODEL_GROUP, slice))
+            .collect::<Result<Vec<_>>>()?;
         let mut values = HashMap::new();
-        for slice in local_slices(model)? {
-            let entry = self.entry(tensors, MODEL_GROUP, &slice)?;
-            values.insert(slice.id, self.assemble(MODEL_GROUP, entry, &slice)?);
+        for (slice, entry) in slices.iter().zip(entries) {
+            values.insert(slice.id, self.assemble(MODEL_GROUP, entry, slice)?);
         }
         Ok(values)
     }
@@ -274,11 +277,8 @@ impl Checkpoint {
     /// Bytes of data files checked against their checksums so far, which is what was read of
     /// them: a rank that needs only some slices reads only the blocks holding them.
     pub fn bytes_checked(&self) -> u64 {
-        self.files
-            .borrow()
-            .values()
-            .map(|f| f.checked_bytes())
-            .sum()
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        files.values().map(|f| f.checked_bytes()).sum()
     }
 
     /// The entry of `slice`'s tensor in `group`, checked against the model's full shape.
@@ -306,13 +306,53 @@ impl Checkpoint {
 
     /// This rank's local tensor of `slice` (padding zero), from the saved shards that
     /// overlap it.
+    ///
+    /// A large tensor is read by several threads, each a band of its rows: the band's bytes
+    /// are contiguous in the local tensor, so the threads write disjoint parts of it.
     fn assemble(&self, group: &str, entry: &TensorEntry, slice: &LocalSlice) -> Result<TensorData> {
         let (dtype, _) = self.dtype(group, &slice.path, entry)?;
         let mut out = vec![0u8; slice.local_shape.iter().product::<usize>() * dtype.size()];
-        if let Some(need) = slice.real() {
-            let origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
+        let Some(need) = slice.real() else {
+            return Ok(TensorData::from_bytes_vec(
+                out,
+                slice.local_shape.clone(),
+                dtype,
+            ));
+        };
+        let origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
+        let threads = read_threads(out.len());
+        if threads == 1 || need.is_empty() || need[1..] != slice.held[1..] {
             let dst = (&mut out[..], &slice.local_shape[..], &origin[..]);
             self.read_region(group, &slice.path, entry, &need, dst)?;
+        } else {
+            let row = slice.local_shape[1..].iter().product::<usize>() * dtype.size();
+            let rows = need[0].clone();
+            let per = rows.len().div_ceil(threads);
+            let first = (rows.start - origin[0]) * row;
+            let body = &mut out[first..first + rows.len() * row];
+            std::thread::scope(|scope| {
+                let bands: Vec<_> = body
+                    .chunks_mut(per * row)
+                    .enumerate()
+                    .map(|(i, dst)| {
+                        let start = rows.start + i * per;
+                        let mut band = need.clone();
+                        band[0] = start..start + dst.len() / row;
+                        let mut shape = slice.local_shape.clone();
+                        shape[0] = band[0].len();
+                        let mut band_origin = origin.clone();
+                        band_origin[0] = start;
+                        scope.spawn(move || {
+                            let dst = (dst, &shape[..], &band_origin[..]);
+                            self.read_region(group, &slice.path, entry, &band, dst)
+                        })
+                    })
+                    .collect();
+                bands
+                    .into_iter()
+                    .map(|band| band.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect::<Result<Vec<()>>>()
+            })?;
         }
         Ok(TensorData::from_bytes_vec(
             out,
@@ -441,20 +481,27 @@ impl Checkpoint {
     }
 
     /// Data file `name`, mapped once, its size checked against the metadata.
-    fn file(&self, name: &str) -> Result<Rc<MappedFile>> {
-        if let Some(file) = self.files.borrow().get(name) {
+    fn file(&self, name: &str) -> Result<Arc<MappedFile>> {
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(file) = files.get(name) {
             return Ok(file.clone());
         }
         let path = self.dir.join(name);
         let expected = self.metadata.files.get(name).ok_or_else(|| {
             CheckpointError::file(&path, "not listed in the metadata (no checksum to check)")
         })?;
-        let file = Rc::new(MappedFile::open(&path, expected)?);
-        self.files
-            .borrow_mut()
-            .insert(name.to_string(), file.clone());
+        let file = Arc::new(MappedFile::open(&path, expected)?);
+        files.insert(name.to_string(), file.clone());
         Ok(file)
     }
+}
+
+/// Threads to read `bytes` with: one per 4 MiB, at most one per core and 16. Reading a
+/// checkpoint is checksums, page faults and copies, which one thread does at a fraction of the
+/// memory's speed.
+fn read_threads(bytes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.min(16).min(bytes / (4 << 20)).max(1)
 }
 
 /// Replaces parameters by id with new values (in each parameter's dtype and device, keeping

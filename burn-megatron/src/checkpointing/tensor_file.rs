@@ -7,11 +7,12 @@
 //! per file it would have to read the whole file to trust any of it; with one per block it
 //! reads, and checks, only the blocks that hold its slices.
 
-use std::cell::{Cell, RefCell};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::TensorData;
 use memmap2::Mmap;
@@ -165,7 +166,7 @@ impl<W: Write> Write for ChecksumWriter<W> {
 }
 
 /// A data file mapped for reading: its safetensors header (checked and parsed at open), and
-/// which blocks have been checked so far.
+/// which blocks have been checked so far. Threads may read and check it at once.
 #[derive(Debug)]
 pub(crate) struct MappedFile {
     path: PathBuf,
@@ -173,8 +174,8 @@ pub(crate) struct MappedFile {
     entry: FileEntry,
     data_start: usize,
     metadata: Metadata,
-    checked: RefCell<Vec<bool>>,
-    checked_bytes: Cell<u64>,
+    checked: Mutex<Vec<bool>>,
+    checked_bytes: AtomicU64,
 }
 
 impl MappedFile {
@@ -226,8 +227,8 @@ impl MappedFile {
             entry: entry.clone(),
             data_start: 0,
             metadata: Metadata::new(None, Vec::new()).expect("an empty header is valid"),
-            checked: RefCell::new(vec![false; blocks]),
-            checked_bytes: Cell::new(0),
+            checked: Mutex::new(vec![false; blocks]),
+            checked_bytes: AtomicU64::new(0),
         };
         if blocks == 0 {
             mapped.check_whole()?;
@@ -270,21 +271,29 @@ impl MappedFile {
     }
 
     /// Checks every not yet checked block overlapping `range` (file offsets) against its
-    /// checksum; a mismatch names the file and the bytes.
+    /// checksum; a mismatch names the file and the bytes. A thread claims the blocks it
+    /// checks, so that two threads never check one block twice; a block another thread is
+    /// still checking counts as checked (if it fails, that thread's error fails the read).
     pub fn check(&self, range: Range<usize>) -> Result<()> {
         let block = self.entry.block_bytes as usize;
         if block == 0 || range.is_empty() {
             return Ok(());
         }
-        let mut checked = self.checked.borrow_mut();
-        for b in range.start / block..range.end.div_ceil(block) {
-            if checked[b] {
-                continue;
-            }
+        let claimed: Vec<usize> = {
+            let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+            (range.start / block..range.end.div_ceil(block))
+                .filter(|&b| !std::mem::replace(&mut checked[b], true))
+                .collect()
+        };
+        for (i, &b) in claimed.iter().enumerate() {
             let bytes = &self.map[b * block..((b + 1) * block).min(self.map.len())];
             let crc = crc32fast::hash(bytes);
             let expected = self.entry.block_crc32[b];
             if crc != expected {
+                let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+                for &b in &claimed[i..] {
+                    checked[b] = false;
+                }
                 return Err(CheckpointError::file(
                     &self.path,
                     format!(
@@ -296,16 +305,15 @@ impl MappedFile {
                 )
                 .into());
             }
-            checked[b] = true;
             self.checked_bytes
-                .set(self.checked_bytes.get() + bytes.len() as u64);
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
         Ok(())
     }
 
     /// Bytes of the file checked (and so read) so far.
     pub fn checked_bytes(&self) -> u64 {
-        self.checked_bytes.get()
+        self.checked_bytes.load(Ordering::Relaxed)
     }
 
     fn check_whole(&self) -> Result<()> {
@@ -320,7 +328,8 @@ impl MappedFile {
             )
             .into());
         }
-        self.checked_bytes.set(self.map.len() as u64);
+        self.checked_bytes
+            .store(self.map.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 }
