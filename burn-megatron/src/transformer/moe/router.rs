@@ -5,7 +5,7 @@ use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
 use crate::ops::{linear, sigmoid};
@@ -249,8 +249,17 @@ fn group_load<B: DistBackend>(
     local.push(num_tokens as f32);
     let len = local.len();
     let local = Tensor::<B, 1>::from_data(TensorData::new(local, [len]), (device, DType::F32));
-    let all = group.all_gather(local, 0)?.into_data().convert::<f32>();
-    let all = all.to_vec::<f32>().expect("f32 counts");
+    let all = group
+        .all_gather(local, 0)?
+        .try_into_data()
+        .map_err(|e| DistError::Device {
+            rank: group.global_rank(),
+            group: group.name().to_string(),
+            what: "the router's token counts all-gathered over the context-parallel group"
+                .to_string(),
+            message: e.to_string(),
+        })?;
+    let all = all.convert::<f32>().to_vec::<f32>().expect("f32 counts");
     let mut sum = vec![0usize; len];
     for chunk in all.chunks(len) {
         for (s, &v) in sum.iter_mut().zip(chunk) {
