@@ -152,7 +152,9 @@ if part a; then
       [ "$r" = "$VICTIM" ] && continue
       log="$OUT/a/rank$r.attempt0.log"
       status=$(grep -E "^bm-launch: +rank $r: " "$OUT/a/launch.log" | sed 's/^bm-launch: *//')
-      named=$(grep -vE "^ iteration |^ saved checkpoint" "$log" | grep -E "rank $VICTIM([^0-9]|$)" | head -1 | cut -c1-300)
+      # "rank 3 failed", "because rank 3 failed", or a list: "ranks [1, 3] finished ...".
+      named=$(grep -vE "^ iteration |^ saved checkpoint" "$log" |
+        grep -E "rank $VICTIM([^0-9]|$)|ranks \[([0-9]+, )*$VICTIM[],]" | head -1 | cut -c1-300)
       if [ -n "$named" ] && echo "$status" | grep -q "exit status"; then
         report PASS "a-rank$r" "$status; its error: $named"
       else
@@ -202,6 +204,8 @@ if part b; then
         printf "%s|%d|%g|%s|%s\n", (bad == "" && n == iters) ? "ok" : "bad", n, max, exact, bad
       }' "$OUT/b/compare")
     IFS='|' read -r ok n max exact bad <<< "$verdict"
+    # GPU kernels with atomics (attention's backward) may differ in the last bits: say how far.
+    echo "INFO b-losses: largest difference $max; within 1e-3: $(echo "$max <= 0.001" | bc | sed 's/1/yes/;s/0/no/')" | tee -a "$OUT/fault.log"
     if [ "$ok" = ok ]; then
       report PASS b-losses "$n of $ITERS iterations logged, largest difference $max (TOL $TOL); not bit-equal at 4 decimals:${exact:- none}"
     else
