@@ -88,19 +88,24 @@ losses() {
 # (one word list), pretrain_gpt's options beyond $ARGS and --save.
 start() {
   local name=$1 port=$2 opts=$3 extra=$4
+  launch_port=$port
   mkdir -p "$OUT/$name"
   echo "=== $name: bm-launch --nproc-per-node 4 --master-port $port $opts -- pretrain_gpt $(echo $ARGS) --save $CK/$name $extra" | tee -a "$OUT/fault.log"
   LOGDIR="$OUT/$name" timeout "$LIMIT" "$LAUNCH" --nproc-per-node 4 --master-port "$port" $opts -- \
     "$WRAP" "$PRETRAIN" $ARGS --save "$CK/$name" $extra > "$OUT/$name/launch.log" 2>&1 &
   launcher=$!
 }
-# The pid of the rank VICTIM among the launcher's children (read from their RANK variable).
-# `timeout` runs bm-launch as its child, so the ranks are grandchildren of $launcher.
+# The pid of rank VICTIM of the running launch: the process whose environment has
+# RANK=VICTIM and this launch's MASTER_PORT (read from /proc; no procps needed).
 victim_pid() {
-  local p r
-  for p in $(pgrep -P "$(pgrep -P "$launcher" | head -1)"); do
-    r=$(tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | sed -n 's/^RANK=//p')
-    [ "$r" = "$VICTIM" ] && { echo "$p"; return 0; }
+  local p env
+  for p in /proc/[0-9]*; do
+    env=$(tr '\0' '\n' < "$p/environ" 2>/dev/null) || continue
+    if grep -qx "RANK=$VICTIM" <<< "$env" && grep -qx "MASTER_PORT=$launch_port" <<< "$env" &&
+       grep -q pretrain_gpt "$p/cmdline" 2>/dev/null; then
+      echo "${p#/proc/}"
+      return 0
+    fi
   done
   return 1
 }
@@ -141,9 +146,9 @@ if part a; then
   start a $((PORT + 1)) "--grace-secs 60" ""
   if wait_for "$KILL_A" 0 a && kill_victim; then
     wait "$launcher"; rc=$?
-    took=$(echo "$(now) - $killed_at" | bc)
+    took=$(awk -v a="$killed_at" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }')
     echo "bm-launch rc=$rc, $took s after the kill" | tee -a "$OUT/fault.log"
-    if [ "$(echo "$took <= 30" | bc)" = 1 ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; then
+    if awk -v t="$took" 'BEGIN { exit !(t <= 30) }' && [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; then
       report PASS a-ended "every rank ended $took s after rank $VICTIM was killed"
     else
       report FAIL a-ended "the ranks ended $took s after the kill (rc=$rc; 124: timeout)"
@@ -205,7 +210,7 @@ if part b; then
       }' "$OUT/b/compare")
     IFS='|' read -r ok n max exact bad <<< "$verdict"
     # GPU kernels with atomics (attention's backward) may differ in the last bits: say how far.
-    echo "INFO b-losses: largest difference $max; within 1e-3: $(echo "$max <= 0.001" | bc | sed 's/1/yes/;s/0/no/')" | tee -a "$OUT/fault.log"
+    echo "INFO b-losses: largest difference $max; within 1e-3: $(awk -v m="$max" 'BEGIN { print (m <= 0.001) ? "yes" : "no" }')" | tee -a "$OUT/fault.log"
     if [ "$ok" = ok ]; then
       report PASS b-losses "$n of $ITERS iterations logged, largest difference $max (TOL $TOL); not bit-equal at 4 decimals:${exact:- none}"
     else
