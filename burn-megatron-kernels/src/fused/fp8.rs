@@ -84,8 +84,13 @@ fn cube_max(best: u32) -> u32 {
     // From the cube's size, not the `THREADS` constant: a loop may only change a runtime value.
     let mut step = CUBE_DIM_X as usize / 2;
     while step > 0 {
-        if tid < step && shared[tid + step] > shared[tid] {
-            shared[tid] = shared[tid + step];
+        // Nested, not `&&`: a kernel evaluates both sides, and the right one would read past
+        // the shared memory for `tid >= step`.
+        #[allow(clippy::collapsible_if)]
+        if tid < step {
+            if shared[tid + step] > shared[tid] {
+                shared[tid] = shared[tid + step];
+            }
         }
         sync_cube();
         step /= 2;
