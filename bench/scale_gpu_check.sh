@@ -64,3 +64,12 @@ if part interleaved; then
   torch llama_fsdp --preset llama3-8b --batch 1 --steps $ITERS
   ours llama_tp2pp2_vp4 llama3_8b $L --num-layers-per-virtual-pipeline-stage 4
 fi
+if part fp8; then
+  # FP8 (issue 33): Llama-3 8B at TP 2 x PP 2 interleaved (4 chunks a rank, global batch 32),
+  # bf16 against FP8 (hybrid, tensorwise), and the FSDP2 peer in bf16 and float8.
+  L="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --num-layers-per-virtual-pipeline-stage 4 --global-batch-size 32"
+  ours llama_vp4_gb32_bf16 llama3_8b $L
+  ours llama_vp4_gb32_fp8 llama3_8b $L --fp8-format hybrid --fp8-recipe tensorwise
+  torch llama_fsdp_bf16 --preset llama3-8b --batch 1 --steps $ITERS
+  torch llama_fsdp_fp8 --preset llama3-8b --batch 1 --steps $ITERS --fp8
+fi
