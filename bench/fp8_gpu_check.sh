@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# FP8 on one GPU (issue 33) in one device call: the casts and FP8 GEMMs against their references
+# and against bf16 (`gemm_bench fp8`; peer `torch_gemm.py --fp8`), the GPT 1.3B training step in
+# bf16 and FP8 (`gpt_train_bench`; peer `torch_train.py --fp8`), and the loss curves of a 350M GPT
+# on real text in bf16 and FP8 (`pretrain_gpt`, 1000 steps). Needs, packed under .gpu/
+# (bench/pack_gpu.sh): bin/{gemm_bench,gpt_train_bench,pretrain_gpt,bm-launch} and the corpus
+# data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
+#   PART=gemm|step|curve|all bash bench/fp8_gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+chmod +x .gpu/bin/*
+source .gpu/env.sh
+B=.gpu/bin
+part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
+nvidia-smi --query-gpu=name --format=csv,noheader
+if part gemm; then
+  timeout 150 $B/gemm_bench fp8 > $OUT/gemm_ours.log 2>&1; echo "rc=$?"
+  grep -v "^$" $OUT/gemm_ours.log | grep -v "^note\|backtrace" | head -70
+fi
+if part step; then
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
+    n=step$(echo "$f" | tr -d ' -' | cut -c1-30)
+    timeout 120 $B/gpt_train_bench --preset gpt-1.3b --batch 8 --steps 6 --warmup 2 --dtype bf16 $f > $OUT/$n.log 2>&1
+    echo "rc=$?"; grep -hE "RESULT|rror|panick" $OUT/$n.log | cut -c1-700 | head -3
+  done
+  timeout 150 python3 bench/torch_train.py --preset gpt-1.3b --batch 8 --steps 6 --warmup 2 --mode compile --fp8 > $OUT/torch_fp8.log 2>&1
+  grep -E "RESULT|Error" $OUT/torch_fp8.log | tail -2
+fi
+if part curve; then
+  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
+     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
+     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 0
+     --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document --bf16 --no-save
+     --collective-checks false"
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise"; do
+    n=curve$(echo "$f" | tr -d ' -' | cut -c1-30)
+    timeout ${LIMIT:-170} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C $f > $OUT/$n.log 2>&1
+    echo "rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | awk 'NR % 4 == 0' | cut -c1-220
+  done
+fi
