@@ -257,7 +257,8 @@ fn llama_options_are_megatrons() {
     assert!(e.contains("--no-save"), "{e}");
 }
 
-/// The presets under examples/configs parse, and each is a valid run at its layout.
+/// The presets under examples/configs parse, and each is a valid run at its layout: the 7-8B
+/// ones of issue 31 and the long-sequence 1B Llama of issue 35.
 #[test]
 fn preset_files_are_valid_runs() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs");
@@ -271,15 +272,23 @@ fn preset_files_are_valid_runs() {
         let layout = c
             .check(c.world_size())
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let name = path.file_name().unwrap().to_str().unwrap();
+        let (layers, hidden) = match name {
+            "llama_1b_long.toml" => (16, 2048),
+            _ => (32, 4096),
+        };
         assert!(
-            c.num_layers == 32 && c.hidden_size == 4096,
+            c.num_layers == layers && c.hidden_size == hidden,
             "{}",
             path.display()
         );
         assert!(layout.num_microbatches >= 1);
         presets += 1;
     }
-    assert_eq!(presets, 2, "llama3_8b.toml and gpt3_6.7b.toml");
+    assert_eq!(
+        presets, 3,
+        "llama3_8b.toml, gpt3_6.7b.toml and llama_1b_long.toml"
+    );
     let llama = config(&["--config", dir.join("llama3_8b.toml").to_str().unwrap()]).model();
     assert_eq!(
         (
