@@ -334,7 +334,7 @@ pub struct PretrainArgs {
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_shared_expert_intermediate_size: Option<usize>,
     /// Which layers are MoE layers: an integer k (every k-th from layer 0) or a list such as
-    /// "([0]*1+[1]*3)" with a 1 a MoE layer. [default: 1, every layer]
+    /// `([0]*1+[1]*3)` with a 1 a MoE layer. [default: 1, every layer]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_layer_freq: Option<String>,
     /// DeepSeek-V3's auxiliary-loss-free load balancing: a per-expert bias added to the

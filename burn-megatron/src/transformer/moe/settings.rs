@@ -70,8 +70,9 @@ impl MoeSettings {
     }
 
     /// Checks the settings for a model of `num_layers` layers at expert-parallel size `ep`
-    /// (1 to check without a layout): the layer sizes ([`MoeConfig::validate`]), the layer
-    /// frequency or pattern, and the coefficients (finite, not negative).
+    /// (1 to check without a layout): the layer sizes
+    /// ([`MoeConfig::validate`](super::MoeConfig::validate)), the layer frequency or pattern,
+    /// and the coefficients (finite, not negative).
     pub fn validate(
         &self,
         hidden_size: usize,
