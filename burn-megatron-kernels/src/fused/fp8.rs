@@ -69,20 +69,65 @@ impl Fp8Kind {
     }
 }
 
+/// What a cast writes: FP8 bits, or (on a runtime without FP8 conversions) the values the
+/// rounding would start from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CastTarget {
+    /// The FP8 bits of `kind` in a `U8` tensor: what the FP8 GEMM reads.
+    Fp8(Fp8Kind),
+    /// `x · scale` saturated to `±max`, unrounded, in an f32 tensor: the same kernels, tiles
+    /// and layouts on a runtime that has no FP8 conversions (Vulkan, lavapipe in CI), where the
+    /// tests check them; only the final conversion differs.
+    F32 {
+        /// The saturation bound (an FP8 format's [`Fp8Kind::max`] in the tests).
+        max: f32,
+    },
+}
+
+impl From<Fp8Kind> for CastTarget {
+    fn from(kind: Fp8Kind) -> Self {
+        CastTarget::Fp8(kind)
+    }
+}
+
+impl CastTarget {
+    fn max(self) -> f32 {
+        match self {
+            CastTarget::Fp8(kind) => kind.max(),
+            CastTarget::F32 { max } => max,
+        }
+    }
+
+    fn storage(self) -> StorageType {
+        match self {
+            CastTarget::Fp8(kind) => kind.storage(),
+            CastTarget::F32 { .. } => StorageType::Scalar(ElemType::Float(FloatKind::F32)),
+        }
+    }
+
+    fn dtype(self) -> DType {
+        match self {
+            CastTarget::Fp8(_) => DType::U8,
+            CastTarget::F32 { .. } => DType::F32,
+        }
+    }
+}
+
 /// Cubes of the amax's first stage at most: each thread walks the tensor with a grid-wide
 /// stride, so that the second stage has few partial maxima to reduce.
 const AMAX_CUBES: usize = 1024;
 
 /// The largest of the cube's `best` values (bits of non-negative f32s, which order as
-/// integers), by a tree in shared memory; valid in thread 0.
+/// integers), by a tree in shared memory; valid in the cube's first thread. The cube has
+/// [`THREADS`] threads (a power of two), in one dimension or two.
 #[cube]
 fn cube_max(best: u32) -> u32 {
-    let tid = UNIT_POS_X as usize;
+    let tid = UNIT_POS as usize;
     let mut shared = SharedMemory::<u32>::new(THREADS as usize);
     shared[tid] = best;
     sync_cube();
     // From the cube's size, not the `THREADS` constant: a loop may only change a runtime value.
-    let mut step = CUBE_DIM_X as usize / 2;
+    let mut step = CUBE_DIM as usize / 2;
     while step > 0 {
         // Nested, not `&&`: a kernel evaluates both sides, and the right one would read past
         // the shared memory for `tid >= step`.
@@ -232,6 +277,7 @@ fn quantize_kernel<F: Float, Q: Float, N: Size>(
 const TILE: usize = 32;
 /// Rows of a tile each thread handles (the cube is `TILE × TILE / ROWS_PER_THREAD`).
 const ROWS_PER_THREAD: usize = 4;
+const _: () = assert!(TILE * TILE / ROWS_PER_THREAD == THREADS as usize);
 
 /// `out[c, r] = cast(x[r, c] · scale)` for `x: [rows, cols]`, one `TILE × TILE` tile a cube:
 /// read along `x`'s rows, written along `out`'s rows, through shared memory (a padded row
@@ -278,13 +324,14 @@ fn quantize_transposed_kernel<F: Float, Q: Float>(
 /// `x · scale` cast to `kind` with saturation to `±kind.max()` (round to nearest even; a NaN
 /// stays NaN), as a `U8` tensor of FP8 bits: `[r, c]`, or its transpose `[c, r]` with
 /// `transpose`, contiguous. `x` is a 2D f32, f16 or bf16 tensor, `scale` an f32 `[1]` tensor on
-/// the device.
+/// the device. `kind` may also be a [`CastTarget::F32`] (the same kernels, unrounded).
 pub fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
     scale: &CubeTensor<R>,
-    kind: Fp8Kind,
+    kind: impl Into<CastTarget>,
     transpose: bool,
 ) -> CubeTensor<R> {
+    let kind = kind.into();
     let x = into_contiguous(x);
     let dims = x.meta.shape().to_vec();
     assert_eq!(dims.len(), 2, "the FP8 cast takes a matrix");
@@ -298,7 +345,7 @@ pub fn quantize<R: CubeRuntime>(
         x.client.clone(),
         x.device.clone(),
         Shape::from(out_shape),
-        DType::U8,
+        kind.dtype(),
     );
     if rows * cols == 0 {
         return out;
@@ -335,4 +382,168 @@ pub fn quantize<R: CubeRuntime>(
         );
     }
     out
+}
+
+/// Cubes of the fused cast at most: each walks tiles with a grid-wide stride, so that its
+/// amax leaves few partial maxima (a few waves of cubes on an H100 or H200).
+const BOTH_CUBES: usize = 4096;
+
+/// Both casts of `x: [rows, cols]` from one read of it: `row[r, c]` and `transposed[c, r]`
+/// are `cast(x[r, c] · scale)`, the bits [`quantize_kernel`] and
+/// [`quantize_transposed_kernel`] write. Each cube walks `TILE × TILE` tiles with a grid-wide
+/// stride: it reads a tile along `x`'s rows, writes the row-major bytes at once and the
+/// transposed ones through shared memory. With `with_amax`, `max |x|` over the cube's tiles
+/// (f32 bits, as [`amax_partials_kernel`] computes it) goes to `partials[cube]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn quantize_both_kernel<F: Float, Q: Float>(
+    x: &Tensor<F>,
+    scale: &Tensor<f32>,
+    row: &mut Tensor<Q>,
+    transposed: &mut Tensor<Q>,
+    partials: &mut Tensor<u32>,
+    rows: u32,
+    cols: u32,
+    max: f32,
+    #[comptime] with_amax: bool,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let mut tile = SharedMemory::<f32>::new(TILE * (TILE + 1));
+    let s = scale[0];
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let col_tiles = cols.div_ceil(TILE as u32);
+    let tiles = col_tiles * rows.div_ceil(TILE as u32);
+    let (rows, cols) = (rows as usize, cols as usize);
+    let step = TILE / ROWS_PER_THREAD;
+    let mut best = 0u32;
+    // The same tile count for every thread of a cube: the `sync_cube`s below are uniform.
+    let mut t = CUBE_POS_X;
+    while t < tiles {
+        let row0 = (t / col_tiles) as usize * TILE;
+        let col0 = (t % col_tiles) as usize * TILE;
+        #[unroll]
+        for j in 0..ROWS_PER_THREAD {
+            let r = row0 + ty + j * step;
+            let c = col0 + tx;
+            if r < rows && c < cols {
+                let v = f32::cast_from(x[r * cols + c]);
+                if with_amax {
+                    let bits = u32::reinterpret(f32::abs(v));
+                    if bits > best {
+                        best = bits;
+                    }
+                }
+                let y = scaled(v, s, max);
+                row[r * cols + c] = Q::cast_from(y);
+                tile[(ty + j * step) * (TILE + 1) + tx] = y;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for j in 0..ROWS_PER_THREAD {
+            // Row `c` of `transposed`, its column `r`.
+            let c = col0 + ty + j * step;
+            let r = row0 + tx;
+            if r < rows && c < cols {
+                transposed[c * rows + r] = Q::cast_from(tile[tx * (TILE + 1) + ty + j * step]);
+            }
+        }
+        // The next tile overwrites the shared memory this one's columns were read from.
+        sync_cube();
+        t += CUBE_COUNT_X;
+    }
+    if with_amax {
+        let total = cube_max(best);
+        if UNIT_POS == 0 {
+            partials[CUBE_POS_X as usize] = total;
+        }
+    }
+}
+
+/// The casts [`quantize_both`] returns.
+#[derive(Debug, Clone)]
+pub struct BothCasts<R: CubeRuntime> {
+    /// `[r, c]`: [`quantize`]'s row-major output.
+    pub row: CubeTensor<R>,
+    /// `[c, r]`: [`quantize`]'s transposed output.
+    pub transposed: CubeTensor<R>,
+    /// [`amax`] of the input, `[1]` f32, where asked for.
+    pub amax: Option<CubeTensor<R>>,
+}
+
+/// [`quantize`] in both layouts from one read of `x` (one kernel writing both, the same bits
+/// as two [`quantize`] calls), and with `with_amax` the input's [`amax`] from the same pass
+/// (partial maxima per cube, then [`amax`]'s second stage; no atomics, the same bits): for
+/// delayed scaling, whose scale comes from a history and whose amax is only recorded.
+pub fn quantize_both<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    scale: &CubeTensor<R>,
+    kind: impl Into<CastTarget>,
+    with_amax: bool,
+) -> BothCasts<R> {
+    let kind = kind.into();
+    let x = into_contiguous(x);
+    let dims = x.meta.shape().to_vec();
+    assert_eq!(dims.len(), 2, "the FP8 cast takes a matrix");
+    let (rows, cols) = (dims[0], dims[1]);
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let tensor = |dims: Vec<usize>, dtype: DType| {
+        empty_device_contiguous_dtype::<R>(client.clone(), device.clone(), Shape::from(dims), dtype)
+    };
+    let row = tensor(vec![rows, cols], kind.dtype());
+    let transposed = tensor(vec![cols, rows], kind.dtype());
+    if rows * cols == 0 {
+        let amax = with_amax.then(|| {
+            zeros_client::<R>(
+                client.clone(),
+                device.clone(),
+                Shape::from(vec![1]),
+                DType::F32,
+            )
+        });
+        return BothCasts {
+            row,
+            transposed,
+            amax,
+        };
+    }
+    let tiles = rows.div_ceil(TILE) * cols.div_ceil(TILE);
+    let cubes = tiles.min(BOTH_CUBES);
+    // Unread without the amax: a placeholder for the kernel's argument.
+    let partials = tensor(vec![if with_amax { cubes } else { 1 }], DType::U32);
+    let dtypes = [x.dtype.into(), kind.storage()];
+    quantize_both_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_2d(TILE as u32, (TILE / ROWS_PER_THREAD) as u32),
+        x.into_tensor_arg(),
+        scale.clone().into_tensor_arg(),
+        row.clone().into_tensor_arg(),
+        transposed.clone().into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        kind.max(),
+        with_amax,
+        dtypes,
+    );
+    let amax = with_amax.then(|| {
+        let mut out = tensor(vec![1], DType::U32);
+        amax_total_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(THREADS),
+            partials.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            cubes as u32,
+        );
+        out.dtype = DType::F32;
+        out
+    });
+    BothCasts {
+        row,
+        transposed,
+        amax,
+    }
 }

@@ -1,9 +1,12 @@
-//! The FP8 layers' amax kernel (the casts need FP8 conversions, which Vulkan lacks: they are
-//! checked bit for bit on the GPU by `gemm_bench fp8`).
+//! The FP8 layers' amax kernel, and the cast kernels' tiles, layouts and fused amax. The FP8
+//! conversion itself needs a runtime that has it, which Vulkan lacks: here the casts write
+//! their unrounded f32 values ([`CastTarget::F32`]), and the FP8 bits are checked bit for bit
+//! on the GPU by `gemm_bench fp8`.
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_megatron_kernels::fused::fp8::amax;
+use burn_megatron_kernels::fused::fp8::{CastTarget, Fp8Kind, amax, quantize, quantize_both};
+use burn_megatron_testing::{assert_close, values, values_f32};
 
 use crate::helpers::{W, random, raw, wrap};
 
@@ -51,4 +54,116 @@ fn amax_is_the_largest_magnitude() {
     }
     let zeros = Tensor::<W, 2>::zeros([5, 8], &device);
     assert_eq!(device_amax(zeros), 0.0);
+}
+
+/// `got` and `want` bit for bit, a NaN matching only a NaN: a NaN where a number is expected
+/// (or the reverse) fails, naming the index.
+fn assert_same_bits(name: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{name}: sizes differ");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let same = match (g.is_nan(), w.is_nan()) {
+            (true, true) => true,
+            (false, false) => g.to_bits() == w.to_bits(),
+            _ => false,
+        };
+        assert!(same, "{name}[{i}]: got {g} want {w}");
+    }
+}
+
+/// `quantize_both`'s two layouts against `quantize`'s row-major and transposed kernels and a
+/// host reference (`x · scale` saturated to ±448), and its amax against `amax`'s: shapes that
+/// are not multiples of the 32 × 32 tile, one past the cubes' limit (cubes walking two tiles),
+/// f32 and f16 inputs, with saturating values, zeros, and a NaN (which must stay a NaN in both
+/// layouts and make the amax NaN).
+#[test]
+fn quantize_both_matches_the_two_casts_and_the_amax() {
+    let device = WgpuDevice::default();
+    let max = Fp8Kind::E4M3.max();
+    let target = CastTarget::F32 { max };
+    let scale_value = 1.75f32;
+    let scale = raw(Tensor::<W, 1>::from_floats([scale_value], &device));
+    for dtype in [DType::F32, DType::F16] {
+        for (rows, cols, seed) in [
+            (1, 1, 1),
+            (7, 300, 2),
+            (33, 129, 3),
+            (100, 45, 4),
+            (1000, 4200, 5),
+        ] {
+            for nan in [false, true] {
+                let name = format!(
+                    "{dtype:?} [{rows}, {cols}]{}",
+                    if nan { " NaN" } else { "" }
+                );
+                let n = rows * cols;
+                let mut v = random(n, seed, 300.0);
+                v[n / 2] = 0.0;
+                v[n / 3] = -350.0;
+                if nan {
+                    v[n - 1] = f32::NAN;
+                }
+                let x = Tensor::<W, 2>::from_data(TensorData::new(v, [rows, cols]), &device)
+                    .cast(dtype);
+                let host = values_f32(x.clone());
+                let row_ref: Vec<f32> = host
+                    .iter()
+                    .map(|v| (v * scale_value).clamp(-max, max))
+                    .collect();
+                let mut transposed_ref = vec![0f32; n];
+                for r in 0..rows {
+                    for c in 0..cols {
+                        transposed_ref[c * rows + r] = row_ref[r * cols + c];
+                    }
+                }
+                let cast = |t| values_f32(wrap::<2>(quantize(raw(x.clone()), &scale, target, t)));
+                let (row_kernel, transposed_kernel) = (cast(false), cast(true));
+                let both = quantize_both(raw(x.clone()), &scale, target, true);
+                let both_amax = values_f32(wrap::<1>(both.amax.expect("asked for")))[0];
+                let (row, transposed) = (
+                    values_f32(wrap::<2>(both.row)),
+                    values_f32(wrap::<2>(both.transposed)),
+                );
+                assert_same_bits(&format!("{name} row vs quantize"), &row, &row_kernel);
+                assert_same_bits(
+                    &format!("{name} transposed vs quantize"),
+                    &transposed,
+                    &transposed_kernel,
+                );
+                assert_same_bits(&format!("{name} row vs host"), &row, &row_ref);
+                assert_same_bits(
+                    &format!("{name} transposed vs host"),
+                    &transposed,
+                    &transposed_ref,
+                );
+                let amax_kernel = values_f32(wrap::<1>(amax(raw(x.clone()))))[0];
+                if nan {
+                    assert!(both_amax.is_nan(), "{name}: amax {both_amax} for a NaN");
+                    assert!(amax_kernel.is_nan(), "{name}: amax kernel {amax_kernel}");
+                } else {
+                    // Exact, and a NaN on either side fails.
+                    assert_close(
+                        &format!("{name} the fused amax"),
+                        &[both_amax as f64],
+                        &[amax_kernel as f64],
+                        0.0,
+                    );
+                    assert_close(
+                        &format!("{name} row"),
+                        &values(wrap::<2>(quantize_both(raw(x), &scale, target, false).row)),
+                        &row_ref.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+                        0.0,
+                    );
+                    assert_eq!(both_amax, 350.0, "{name}");
+                }
+            }
+        }
+    }
+    // Without the amax there is none; an empty matrix gives empty casts and a zero amax.
+    let x = Tensor::<W, 2>::zeros([0, 5], &device);
+    let both = quantize_both(raw(x), &scale, target, true);
+    assert_eq!(both.row.meta.shape().to_vec(), [0, 5]);
+    assert_eq!(both.transposed.meta.shape().to_vec(), [5, 0]);
+    assert_eq!(values_f32(wrap::<1>(both.amax.unwrap())), [0.0]);
+    let x = Tensor::<W, 2>::ones([3, 4], &device);
+    assert!(quantize_both(raw(x), &scale, target, false).amax.is_none());
 }
