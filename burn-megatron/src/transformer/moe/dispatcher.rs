@@ -5,8 +5,9 @@
 //! Sizes vary from batch to batch and from rank to rank, while the group's all-to-all
 //! ([`all_to_all`]) splits a tensor into equal shards. So the exchange goes in two steps:
 //!
-//! 1. the ranks all-gather how many tokens each of them routes to each expert (a host-side
-//!    `[ep · num_experts]` exchange, the only synchronisation with the host);
+//! 1. the ranks all-gather how many tokens each of them routes to each expert (a
+//!    `[ep · num_experts]` exchange read to the host, the only synchronisation with it: the
+//!    tokens are sorted by expert on the device, as in Megatron's all-to-all dispatcher);
 //! 2. every rank pads its block for each destination to the largest block any rank sends
 //!    (`max_rows`, at least 1) and runs one equal-split, differentiable all-to-all; the
 //!    receiver drops the padding.
@@ -21,9 +22,11 @@
 
 use std::ops::Range;
 
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::mapping::all_to_all;
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
+
+use super::router::assignment_map;
 
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
 #[derive(Debug, Clone)]
@@ -32,34 +35,38 @@ pub struct TokenDispatcher {
     num_experts: usize,
 }
 
-/// The host-side plan of one dispatch: row indices for every gather of the exchange.
+/// The plan of one dispatch: row indices for every gather of the exchange, those that depend
+/// on each token's experts computed on the device, the rest on the host from the counts.
 ///
 /// Built by [`TokenDispatcher::plan`] from the routing; the same plan serves
 /// [`dispatch`](TokenDispatcher::dispatch) and [`combine`](TokenDispatcher::combine).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DispatchPlan {
+#[derive(Debug, Clone)]
+pub struct DispatchPlan<B: Backend> {
     /// Tokens of this rank.
     pub num_tokens: usize,
     /// Experts per token.
     pub top_k: usize,
     /// Rows of each rank's block in the padded all-to-all buffers (at least 1).
     pub max_rows: usize,
+    /// How many of this rank's assignments each expert (of all `num_experts`) got.
+    pub tokens_per_expert: Vec<usize>,
     /// Tokens each local expert receives, over all ranks (the expert-major blocks).
     pub local_counts: Vec<usize>,
-    /// `[ep · max_rows]`: the input row (or `num_tokens`, the zero row) of each send row.
-    send_rows: Vec<usize>,
+    /// `[ep · max_rows]`, device: the input row (or `num_tokens`, the zero row) of each send
+    /// row.
+    send_rows: Tensor<B, 1, Int>,
     /// `[received + 1]`: the received row (or `ep · max_rows`, the zero row) of each
     /// expert-major row, the last being the zero row.
     expert_rows: Vec<usize>,
     /// `[ep · max_rows]`: the expert-major row (or `received`, the zero row) whose output goes
     /// back in each row of the return buffer.
     return_rows: Vec<usize>,
-    /// `[num_tokens · top_k]`: for each assignment (token-major), its row in the buffer that
-    /// comes back.
-    combine_rows: Vec<usize>,
+    /// `[num_tokens · top_k]`, device: for each assignment (token-major), its row in the
+    /// send buffer and in the buffer that comes back.
+    combine_rows: Tensor<B, 1, Int>,
 }
 
-impl DispatchPlan {
+impl<B: Backend> DispatchPlan<B> {
     /// Tokens this rank's experts receive, over all ranks.
     pub fn received(&self) -> usize {
         self.local_counts.iter().sum()
@@ -92,40 +99,48 @@ impl TokenDispatcher {
         self.ep.rank() * n..(self.ep.rank() + 1) * n
     }
 
-    /// Plans the exchange of `experts` (`num_tokens · top_k` expert indices, token-major) and
-    /// all-gathers every rank's counts per expert. Every rank of the group must call it.
+    /// Plans the exchange of `experts` (`[num_tokens, top_k]`, [`Routing::experts`]) whose
+    /// counts per expert are `tokens_per_expert` (`[num_experts]`), all-gathering every
+    /// rank's counts: the one read to the host (`ep · num_experts` integers). Every rank of
+    /// the group must call it.
+    ///
+    /// The assignments are sorted by expert (so by destination, then by its local expert) on
+    /// the device, stably, so that tokens keep their order within an expert: a counting sort,
+    /// an assignment's place being the tokens before it with the same expert (a cumulative
+    /// sum of the routing map) after those of the experts before its own (from the counts).
+    ///
+    /// [`Routing::experts`]: super::Routing::experts
     pub fn plan<B: DistBackend>(
         &self,
-        experts: &[usize],
-        top_k: usize,
-        device: &B::Device,
-    ) -> DistResult<DispatchPlan> {
+        experts: Tensor<B, 2, Int>,
+        tokens_per_expert: Tensor<B, 1, Int>,
+    ) -> DistResult<DispatchPlan<B>> {
         let (ep, rank) = (self.ep.size(), self.ep.rank());
         let (e_all, e_local) = (self.num_experts, self.num_local_experts());
-        let num_tokens = experts.len() / top_k;
-        let mut counts = vec![0usize; e_all];
-        for &e in experts {
-            counts[e] += 1;
-        }
+        let [num_tokens, top_k] = experts.dims();
+        let device = experts.device();
         // counts_of[r][e]: assignments rank r routes to expert e.
-        let counts_of: Vec<Vec<usize>> = if ep == 1 {
-            vec![counts.clone()]
-        } else {
-            let local: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-            let local =
-                Tensor::<B, 1>::from_data(TensorData::new(local, [e_all]), (device, DType::F32));
-            let all = self.ep.all_gather(local, 0)?.try_into_data();
-            let all = all.map_err(|e| DistError::Device {
-                rank: self.ep.global_rank(),
-                group: self.ep.name().to_string(),
-                what: "the expert token counts all-gathered over EP".to_string(),
-                message: e.to_string(),
-            })?;
-            let all = all.convert::<f32>().to_vec::<f32>().expect("f32 counts");
-            all.chunks(e_all)
-                .map(|c| c.iter().map(|&v| v as usize).collect())
-                .collect()
+        let local = tokens_per_expert.float().cast(DType::F32);
+        let all = match ep {
+            1 => local,
+            _ => self.ep.all_gather(local, 0)?,
         };
+        let error = |message: String| DistError::Device {
+            rank: self.ep.global_rank(),
+            group: self.ep.name().to_string(),
+            what: "the expert token counts all-gathered over EP".to_string(),
+            message,
+        };
+        let all = all.try_into_data().map_err(|e| error(e.to_string()))?;
+        let all = all
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|e| error(format!("{e:?}")))?;
+        let counts_of: Vec<Vec<usize>> = all
+            .chunks(e_all)
+            .map(|c| c.iter().map(|&v| v as usize).collect())
+            .collect();
+        let counts = &counts_of[rank];
         let to_rank = |c: &[usize], q: usize| c[q * e_local..(q + 1) * e_local].iter().sum();
         let max_rows = counts_of
             .iter()
@@ -134,22 +149,26 @@ impl TokenDispatcher {
             .unwrap_or(0)
             .max(1);
 
-        // The send side: assignments sorted by expert (so by destination, then by its local
-        // expert), stable so that tokens keep their order within an expert.
-        let mut order: Vec<usize> = (0..experts.len()).collect();
-        order.sort_by_key(|&a| experts[a]);
-        let mut send_offset = vec![0; ep + 1];
-        for q in 0..ep {
-            send_offset[q + 1] = send_offset[q] + to_rank(&counts, q);
-        }
-        let mut send_rows = vec![num_tokens; ep * max_rows];
-        let mut combine_rows = vec![0; experts.len()];
-        for q in 0..ep {
-            for (i, &a) in order[send_offset[q]..send_offset[q + 1]].iter().enumerate() {
-                send_rows[q * max_rows + i] = a / top_k;
-                combine_rows[a] = q * max_rows + i;
-            }
-        }
+        // The send side, on the device. Assignment a to expert e, the i-th of this rank's
+        // assignments to e, goes in row `first[e] + i` of the send buffer: its destination's
+        // block, after the assignments to that rank's experts before e.
+        let first: Vec<usize> = (0..e_all)
+            .map(|e| {
+                let q = e / e_local;
+                q * max_rows + counts[q * e_local..e].iter().sum::<usize>()
+            })
+            .collect();
+        let map = assignment_map(experts.clone(), e_all);
+        let before = map.clone().cumsum(0) - map.clone();
+        let assignments = num_tokens * top_k;
+        let index = (before * map).sum_dim(1).reshape([assignments]);
+        let flat = experts.reshape([assignments]);
+        let combine_rows = index + int_tensor(&first, &device).select(0, flat);
+        let token_of = Tensor::<B, 1, Int>::arange(0..assignments as i64, &device)
+            .div_scalar(top_k as i64)
+            .sub_scalar(num_tokens as i64);
+        let send_rows = Tensor::<B, 1, Int>::full([ep * max_rows], num_tokens as i64, &device)
+            .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add);
 
         // The receive side: block r holds rank r's tokens for this rank's experts, by local
         // expert; the experts want them by expert, then by source rank.
@@ -175,6 +194,7 @@ impl TokenDispatcher {
             num_tokens,
             top_k,
             max_rows,
+            tokens_per_expert: counts.clone(),
             local_counts,
             send_rows,
             expert_rows,
@@ -191,11 +211,11 @@ impl TokenDispatcher {
     /// - output: `[plan.received() + 1, hidden]`
     pub fn dispatch<B: DistBackend>(
         &self,
-        plan: &DispatchPlan,
+        plan: &DispatchPlan<B>,
         tokens: Tensor<B, 2>,
     ) -> DistResult<Tensor<B, 2>> {
         let device = tokens.device();
-        let send = with_zero_row(tokens).select(0, int_tensor(&plan.send_rows, &device));
+        let send = with_zero_row(tokens).select(0, plan.send_rows.clone());
         let received = all_to_all(send, &self.ep, 0, 0)?;
         Ok(with_zero_row(received).select(0, int_tensor(&plan.expert_rows, &device)))
     }
@@ -210,7 +230,7 @@ impl TokenDispatcher {
     /// - output: `[num_tokens, hidden]`
     pub fn combine<B: DistBackend>(
         &self,
-        plan: &DispatchPlan,
+        plan: &DispatchPlan<B>,
         expert_output: Tensor<B, 2>,
         weights: Tensor<B, 2>,
     ) -> DistResult<Tensor<B, 2>> {
@@ -218,9 +238,11 @@ impl TokenDispatcher {
         let hidden = expert_output.dims()[1];
         let back = expert_output.select(0, int_tensor(&plan.return_rows, &device));
         let back = all_to_all(back, &self.ep, 0, 0)?;
-        let per_assignment = back
-            .select(0, int_tensor(&plan.combine_rows, &device))
-            .reshape([plan.num_tokens, plan.top_k, hidden]);
+        let per_assignment = back.select(0, plan.combine_rows.clone()).reshape([
+            plan.num_tokens,
+            plan.top_k,
+            hidden,
+        ]);
         let weighted = per_assignment * weights.unsqueeze_dim::<3>(2);
         Ok(weighted.sum_dim(1).reshape([plan.num_tokens, hidden]))
     }

@@ -121,10 +121,9 @@ impl<B: ModelBackend> MoeLayer<B> {
         let [batch, seq, hidden] = input.dims();
         let tokens = input.reshape([batch * seq, hidden]);
         let routing = self.router.route_over(tokens.clone(), sequence)?;
-        let top_k = self.router.settings().top_k;
         let plan = self
             .dispatcher
-            .plan::<B>(&routing.experts, top_k, &tokens.device())?;
+            .plan(routing.experts, routing.tokens_per_expert)?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens.clone())?;
         let expert_output = self.experts.forward(expert_input, &plan.local_counts);
         let mut output = self
@@ -137,7 +136,7 @@ impl<B: ModelBackend> MoeLayer<B> {
             output: output.reshape([batch, seq, hidden]),
             load_balancing_loss: routing.load_balancing_loss,
             z_loss: routing.z_loss,
-            tokens_per_expert: routing.tokens_per_expert,
+            tokens_per_expert: plan.tokens_per_expert,
         })
     }
 }

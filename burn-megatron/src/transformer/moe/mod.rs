@@ -15,7 +15,8 @@
 //!   settings), and `--moe-layer-freq`'s forms.
 //!
 //! Not yet: capacity and token dropping, grouped-GEMM kernels, the all-gather dispatcher,
-//! expert tensor parallelism, a routing that stays on the device.
+//! expert tensor parallelism, a variable-split all-to-all (the only host read of a forward
+//! pass is the `ep · num_experts` token counts that size it).
 
 pub mod config;
 pub mod dispatcher;

@@ -4,10 +4,11 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
-use burn::tensor::{DType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
+use crate::error::{DeviceError, read_data};
 use crate::ops::{linear, sigmoid};
 
 /// How the router turns its logits into scores (Megatron's `--moe-router-score-function`).
@@ -58,16 +59,47 @@ pub struct Routing<B: Backend> {
     /// `[tokens, top_k]`: the weight of each token's chosen experts, differentiable with
     /// respect to the router's weight and the input.
     pub weights: Tensor<B, 2>,
-    /// `tokens · top_k` expert indices, token-major (`experts[t · top_k + j]` is token `t`'s
-    /// `j`-th choice), on the host: the dispatch is planned from them.
-    pub experts: Vec<usize>,
-    /// How many of the batch's `tokens · top_k` assignments each expert got.
-    pub tokens_per_expert: Vec<usize>,
+    /// `[tokens, top_k]`: each token's chosen experts, best first, on the device (the
+    /// dispatcher sorts the tokens by expert there; only the counts come to the host).
+    pub experts: Tensor<B, 2, Int>,
+    /// `[num_experts]`: how many of the batch's `tokens · top_k` assignments each expert got,
+    /// on the device.
+    pub tokens_per_expert: Tensor<B, 1, Int>,
     /// `[1]`: the Switch-style load-balancing loss, coefficient included (0 when the
     /// coefficient is 0).
     pub load_balancing_loss: Tensor<B, 1>,
     /// `[1]`: the z-loss, coefficient included (0 when the coefficient is 0).
     pub z_loss: Tensor<B, 1>,
+}
+
+impl<B: Backend> Routing<B> {
+    /// [`experts`](Self::experts) read to the host, token-major (`t · top_k + j` is token
+    /// `t`'s `j`-th choice): for tests and inspection, the layer never reads them.
+    pub fn read_experts(&self) -> Result<Vec<usize>, DeviceError> {
+        read_indices(self.experts.clone(), || "the router's chosen experts")
+    }
+
+    /// [`tokens_per_expert`](Self::tokens_per_expert) read to the host.
+    pub fn read_tokens_per_expert(&self) -> Result<Vec<usize>, DeviceError> {
+        read_indices(
+            self.tokens_per_expert.clone(),
+            || "the router's tokens per expert",
+        )
+    }
+}
+
+/// Non-negative integers read to the host.
+fn read_indices<B: Backend, const D: usize>(
+    tensor: Tensor<B, D, Int>,
+    what: fn() -> &'static str,
+) -> Result<Vec<usize>, DeviceError> {
+    let data = read_data(tensor, || what().to_string())?.convert::<i64>();
+    let values = data.to_vec::<i64>().map_err(|e| DeviceError {
+        rank: None,
+        what: what().to_string(),
+        message: format!("{e:?}"),
+    })?;
+    Ok(values.into_iter().map(|v| v as usize).collect())
 }
 
 impl<B: Backend> Router<B> {
@@ -100,8 +132,8 @@ impl<B: Backend> Router<B> {
 }
 
 impl<B: ModelBackend> Router<B> {
-    /// Routes `tokens`: scores, the top-k experts of each token (ties broken by the sort of
-    /// the backend, the same on every layout) and their weights, and the losses.
+    /// Routes `tokens`: scores, the top-k experts of each token (ties go to the lower
+    /// expert index) and their weights, and the losses. Nothing is read to the host.
     ///
     /// # Shapes
     /// - tokens: `[tokens, hidden_size]`
@@ -115,8 +147,8 @@ impl<B: ModelBackend> Router<B> {
     /// `sequence` (the context-parallel group): the losses are this rank's share of the
     /// batch's, `n / N` of them with `n` its tokens and `N` the group's, the load-balancing
     /// loss from the load over the whole group (its token counts all-gathered, a host-side
-    /// exchange). Summed over the group, they are the losses of the batch on one rank.
-    /// Every rank of `sequence` must call it.
+    /// exchange, the router's only read to the host). Summed over the group, they are the
+    /// losses of the batch on one rank. Every rank of `sequence` must call it.
     ///
     /// # Shapes
     /// - tokens: `[tokens, hidden_size]`
@@ -139,27 +171,26 @@ impl<B: ModelBackend> Router<B> {
             Some(bias) => scores.clone().detach() + bias.val().detach().unsqueeze::<2>(),
             None => scores.clone().detach(),
         };
-        let (_, chosen) = for_choice.topk_with_indices(s.top_k, 1);
-        let experts: Vec<usize> = chosen
-            .clone()
-            .into_data()
-            .convert::<i64>()
-            .to_vec::<i64>()
-            .expect("integer indices")
-            .into_iter()
-            .map(|e| e as usize)
-            .collect();
-        let mut tokens_per_expert = vec![0; num_experts];
-        for &e in &experts {
-            tokens_per_expert[e] += 1;
-        }
-        let mut weights = scores.clone().gather(1, chosen);
+        let chosen = top_k_indices(for_choice, s.top_k);
+        let tokens_per_expert = assignment_map(chosen.clone(), num_experts)
+            .sum_dim(0)
+            .reshape([num_experts]);
+        let mut weights = scores.clone().gather(1, chosen.clone());
         if s.normalize_top_k {
             weights = weights.clone() / weights.sum_dim(1);
         }
         let (counts, total) = match sequence.filter(|g| g.size() > 1) {
-            Some(group) => group_load::<B>(group, &tokens_per_expert, num_tokens, &device)?,
-            None => (tokens_per_expert.clone(), num_tokens),
+            Some(group) => {
+                let (counts, total) =
+                    group_load::<B>(group, tokens_per_expert.clone(), num_tokens, &device)?;
+                let counts: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+                let counts = TensorData::new(counts, [1, num_experts]);
+                (Tensor::<B, 2>::from_data(counts, &device), total)
+            }
+            None => (
+                tokens_per_expert.clone().float().reshape([1, num_experts]),
+                num_tokens,
+            ),
         };
         let load_balancing_loss = if s.aux_loss_coeff == 0.0 {
             Tensor::zeros([1], &device)
@@ -168,17 +199,17 @@ impl<B: ModelBackend> Router<B> {
                 RouterScoreFunction::Softmax => scores,
                 RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
             };
-            load_balancing_share(probs, &counts, total, s.top_k, s.aux_loss_coeff, &device)
+            let counts = counts.cast(probs.dtype());
+            load_balancing_share(probs, counts, total, s.top_k, s.aux_loss_coeff)
         };
         let z_loss = if s.z_loss_coeff == 0.0 {
             Tensor::zeros([1], &device)
         } else {
             z_loss(logits, s.z_loss_coeff).mul_scalar(num_tokens as f64 / total as f64)
         };
-        debug_assert_eq!(experts.len(), num_tokens * s.top_k);
         Ok(Routing {
             weights,
-            experts,
+            experts: chosen,
             tokens_per_expert,
             load_balancing_loss,
             z_loss,
@@ -214,52 +245,54 @@ pub fn load_balancing_loss<B: Backend>(
     coeff: f64,
     device: &B::Device,
 ) -> Tensor<B, 1> {
-    let [num_tokens, _] = probs.dims();
-    load_balancing_share(probs, tokens_per_expert, num_tokens, top_k, coeff, device)
+    let [num_tokens, num_experts] = probs.dims();
+    let counts: Vec<f64> = tokens_per_expert.iter().map(|&c| c as f64).collect();
+    let counts = Tensor::<B, 2>::from_data(TensorData::new(counts, [1, num_experts]), device);
+    load_balancing_share(probs, counts, num_tokens, top_k, coeff)
 }
 
 /// A rank's share of the load-balancing loss of a batch of `total` tokens spread over
 /// several ranks: `coeff · E / (N² k) · Σ_e (Σ_t p_te) · c_e`, with the batch's counts
-/// `c_e` and this rank's probabilities `p_te`; with `N` this rank's tokens and `c` its
-/// counts it is [`load_balancing_loss`].
+/// `c_e` (`[1, num_experts]`, `probs`' dtype) and this rank's probabilities `p_te`; with `N`
+/// this rank's tokens and `c` its counts it is [`load_balancing_loss`].
 fn load_balancing_share<B: Backend>(
     probs: Tensor<B, 2>,
-    tokens_per_expert: &[usize],
+    counts: Tensor<B, 2>,
     total: usize,
     top_k: usize,
     coeff: f64,
-    device: &B::Device,
 ) -> Tensor<B, 1> {
     let [_, num_experts] = probs.dims();
-    let counts: Vec<f64> = tokens_per_expert.iter().map(|&c| c as f64).collect();
-    let counts = Tensor::<B, 2>::from_data(TensorData::new(counts, [1, num_experts]), device);
     let scale = coeff * num_experts as f64 / (total as f64 * (total * top_k) as f64);
     (probs.sum_dim(0) * counts).sum().mul_scalar(scale)
 }
 
-/// The counts per expert and the tokens of every rank of `group` added up: one host-side
-/// all-gather of `[experts + 1]` values.
+/// The counts per expert and the tokens of every rank of `group` added up: one all-gather of
+/// `[experts + 1]` values, read to the host.
 fn group_load<B: DistBackend>(
     group: &ProcessGroup,
-    tokens_per_expert: &[usize],
+    tokens_per_expert: Tensor<B, 1, Int>,
     num_tokens: usize,
     device: &B::Device,
 ) -> DistResult<(Vec<usize>, usize)> {
-    let mut local: Vec<f32> = tokens_per_expert.iter().map(|&c| c as f32).collect();
-    local.push(num_tokens as f32);
-    let len = local.len();
-    let local = Tensor::<B, 1>::from_data(TensorData::new(local, [len]), (device, DType::F32));
-    let all = group
-        .all_gather(local, 0)?
-        .try_into_data()
-        .map_err(|e| DistError::Device {
-            rank: group.global_rank(),
-            group: group.name().to_string(),
-            what: "the router's token counts all-gathered over the context-parallel group"
-                .to_string(),
-            message: e.to_string(),
-        })?;
-    let all = all.convert::<f32>().to_vec::<f32>().expect("f32 counts");
+    let error = |message: String| DistError::Device {
+        rank: group.global_rank(),
+        group: group.name().to_string(),
+        what: "the router's token counts all-gathered over the context-parallel group".to_string(),
+        message,
+    };
+    let own = Tensor::<B, 1>::from_data(
+        TensorData::new(vec![num_tokens as f32], [1]),
+        (device, DType::F32),
+    );
+    let local = Tensor::cat(vec![tokens_per_expert.float().cast(DType::F32), own], 0);
+    let len = local.dims()[0];
+    let all = group.all_gather(local, 0)?;
+    let all = all.try_into_data().map_err(|e| error(e.to_string()))?;
+    let all = all
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| error(format!("{e:?}")))?;
     let mut sum = vec![0usize; len];
     for chunk in all.chunks(len) {
         for (s, &v) in sum.iter_mut().zip(chunk) {
@@ -268,6 +301,54 @@ fn group_load<B: DistBackend>(
     }
     let total = sum.pop().unwrap_or(num_tokens);
     Ok((sum, total))
+}
+
+/// The indices of the `k` largest values of each row, largest first, ties to the lower index:
+/// `k` arg-max reductions, each masking the one before, so that it runs on the device on
+/// every backend (Burn's `topk_with_indices` sorts, which CubeCL does on the host).
+///
+/// # Shapes
+/// - scores: `[tokens, num_experts]`
+/// - output: `[tokens, k]`
+fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2, Int> {
+    let [tokens, experts] = scores.dims();
+    let columns = Tensor::<B, 1, Int>::arange(0..experts as i64, &scores.device())
+        .reshape([1, experts])
+        .expand([tokens, experts]);
+    let mut chosen = Vec::with_capacity(k);
+    for j in 0..k {
+        let best = scores.clone().argmax(1);
+        if j + 1 < k {
+            let taken = columns
+                .clone()
+                .equal(best.clone().expand([tokens, experts]));
+            scores = scores.mask_fill(taken, f32::NEG_INFINITY);
+        }
+        chosen.push(best);
+    }
+    Tensor::cat(chosen, 1)
+}
+
+/// Megatron's routing map: `[assignments, num_experts]`, 1 where assignment `a` (token-major,
+/// `t · top_k + j`) goes to expert `e`, else 0.
+///
+/// # Shapes
+/// - experts: `[tokens, top_k]`
+/// - output: `[tokens · top_k, num_experts]`
+pub(crate) fn assignment_map<B: Backend>(
+    experts: Tensor<B, 2, Int>,
+    num_experts: usize,
+) -> Tensor<B, 2, Int> {
+    let [tokens, top_k] = experts.dims();
+    let shape = [tokens * top_k, num_experts];
+    let columns = Tensor::<B, 1, Int>::arange(0..num_experts as i64, &experts.device())
+        .reshape([1, num_experts])
+        .expand(shape);
+    experts
+        .reshape([tokens * top_k, 1])
+        .expand(shape)
+        .equal(columns)
+        .int()
 }
 
 /// The z-loss of ST-MoE: `coeff · mean_t (log Σ_e exp(logit_te))²`, which keeps the logits
