@@ -12,9 +12,9 @@ use burn_megatron_dist::DistBackend;
 
 use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps,
-    FlashAttentionOps, Fp8LinearOps, Fp8Ops, GeluOps, IdCheckOps, LinearOps, NormOps,
-    PackedFlashAttentionOps, RecomputeOps, RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps,
-    WriteSlotOps,
+    FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps, IdCheckOps, LinearOps,
+    NormOps, PackedFlashAttentionOps, RecomputeOps, RingFlashAttentionOps, RopeOps, SoftmaxOps,
+    SwiGluOps, WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -43,6 +43,7 @@ pub trait ModelBackend:
     + LinearOps
     + Fp8Ops
     + Fp8LinearOps
+    + GatheredLinearOps
     + BiasOps
     + GeluOps
     + SwiGluOps
@@ -69,6 +70,7 @@ impl<B> ModelBackend for B where
         + LinearOps
         + Fp8Ops
         + Fp8LinearOps
+        + GatheredLinearOps
         + BiasOps
         + GeluOps
         + SwiGluOps
@@ -121,7 +123,7 @@ mod ndarray {
     compositions!(
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );
@@ -136,7 +138,7 @@ mod fusion {
 
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );

@@ -196,6 +196,11 @@ struct Args {
     /// Sequence parallelism in the tensor-parallel group.
     #[arg(long)]
     sequence_parallel: bool,
+    /// With --sequence-parallel: the column-parallel projections with their input's
+    /// all-gather as one operation, the input gradient's reduce-scatter overlapped with the
+    /// weight gradients' GEMMs (pretrain_gpt's --tp-comm-overlap).
+    #[arg(long)]
+    tp_comm_overlap: bool,
     /// Shard the master weights and moments over the data-parallel group (ZeRO-1).
     #[arg(long)]
     use_distributed_optimizer: bool,
@@ -268,6 +273,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
         .with_flash_attention(!args.unfused_attention);
     config.max_sequence_length = max_sequence_length;
     config.sequence_parallel = args.sequence_parallel;
+    config.tp_comm_overlap = args.tp_comm_overlap;
     config.fp8 = match &args.fp8_format {
         Some(format) => Some(
             Fp8Config::new()

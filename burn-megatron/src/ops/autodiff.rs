@@ -50,7 +50,7 @@ impl<B: Backend, S: BackwardStep<B>, const N: usize> Backward<B, N> for Node<S> 
     }
 }
 
-/// The autodiff tensor of `output`, computed on the inner backend from `inputs` (one to four),
+/// The autodiff tensor of `output`, computed on the inner backend from `inputs` (one to five),
 /// with `step` as its backward; `state` is kept only where some input needs a gradient.
 pub(crate) fn record<B: Backend, C: CheckpointStrategy, S: BackwardStep<B>>(
     step: S,
@@ -74,7 +74,8 @@ pub(crate) fn record<B: Backend, C: CheckpointStrategy, S: BackwardStep<B>>(
         2 => finish!(2; 0, 1),
         3 => finish!(3; 0, 1, 2),
         4 => finish!(4; 0, 1, 2, 3),
-        n => unreachable!("a recorded operation has one to four inputs, not {n}"),
+        5 => finish!(5; 0, 1, 2, 3, 4),
+        n => unreachable!("a recorded operation has one to five inputs, not {n}"),
     }
 }
 

@@ -7,6 +7,9 @@
 //! - [`mod@linear`]: the dense layers' GEMMs, transposes folded in, cuBLASLt on our CUDA backend.
 //! - [`mod@fp8`]: FP8 casts and GEMMs (emulated in float tensors by the compositions), the
 //!   scaling recipes, and the FP8 linear layer as one autodiff operation.
+//! - [`mod@gathered_linear`]: a column-parallel projection of a sequence-parallel input whose
+//!   backward reduce-scatters the input's gradient while it computes the weights' gradients
+//!   (`--tp-comm-overlap`).
 //! - [`mod@bias`]: a bias added to every token, its gradient as deterministic column sums.
 //! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
 //! - [`mod@swiglu`]: `silu(gate + b_g) · (up + b_u)` (bias-SwiGLU), with a sigmoid that keeps
@@ -50,6 +53,7 @@ pub mod dropout;
 pub mod embedding;
 pub mod flash_attention;
 pub mod fp8;
+pub mod gathered_linear;
 pub mod gelu;
 pub mod ids;
 pub mod linear;
@@ -71,6 +75,7 @@ pub use dropout::{DropoutMask, DropoutOps};
 pub use embedding::EmbeddingOps;
 pub use flash_attention::FlashAttentionOps;
 pub use fp8::{Fp8LinearOps, Fp8Ops};
+pub use gathered_linear::{GatheredLinearOps, GatheredProjection};
 pub use gelu::{GeluForm, GeluOps, bias_gelu, gelu};
 pub use ids::IdCheckOps;
 pub use linear::{LinearOps, linear, linear_output_major};

@@ -7,8 +7,10 @@ use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
+use crate::ops::GatheredProjection;
 use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
 use crate::ops::linear;
+use crate::ops::swiglu::bias_swiglu;
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use super::tp_context::{SequenceParallelGrads, TpContext};
@@ -32,6 +34,12 @@ pub struct ColumnParallelLinearConfig {
     /// all-gathered before the product.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Under sequence parallelism, the input's all-gather and the product run as one
+    /// operation whose backward reduce-scatters the input's gradient while it computes the
+    /// weight's gradient ([`crate::ops::gathered_linear`], Megatron's `--tp-comm-overlap`).
+    /// Same results. Ignored without sequence parallelism and in FP8.
+    #[config(default = false)]
+    pub comm_overlap: bool,
     /// Standard deviation of the normal initialisation of the weight.
     #[config(default = 0.02)]
     pub init_std: f64,
@@ -55,6 +63,8 @@ pub struct ColumnParallelLinear<B: Backend> {
     tp: TpContext,
     #[module(skip)]
     gather_output: bool,
+    #[module(skip)]
+    comm_overlap: bool,
     /// The FP8 settings and scaling state, when the GEMMs run in FP8.
     #[module(skip)]
     fp8: Option<Fp8Linear>,
@@ -87,6 +97,7 @@ impl ColumnParallelLinearConfig {
             bias,
             tp: TpContext::new(tp, self.sequence_parallel),
             gather_output: self.gather_output,
+            comm_overlap: self.comm_overlap,
             fp8: self
                 .fp8
                 .clone()
@@ -140,8 +151,84 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
     /// [`forward`](Self::forward), returning communication errors.
     pub fn try_forward<const D: usize>(&self, input: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
         let bias = self.bias.as_ref().map(|b| b.val());
-        let output = self.product(self.input(input)?, bias)?;
+        let output = match D == 3 && self.overlaps() {
+            true => {
+                let weight = self.weight.val();
+                self.gathered(input, GatheredProjection::Linear { weight, bias })?
+            }
+            false => self.product(self.input(input)?, bias)?,
+        };
         self.output(output)
+    }
+
+    /// SwiGLU's `silu(x · gate + b_g) · (x · up + b_u)` with this layer as the up projection
+    /// and `gate` as the gate, both entered from one input: `[.., d_output / tp]`, this rank's
+    /// features. With [`comm_overlap`](ColumnParallelLinearConfig::comm_overlap) under
+    /// sequence parallelism one operation with the input's all-gather
+    /// ([`crate::ops::gathered_linear`]); otherwise the input enters once and the two products
+    /// feed [`bias_swiglu`].
+    ///
+    /// # Shapes
+    /// - input: `[batch, seq, d_input]` (`seq / tp` under sequence parallelism)
+    /// - output: `[batch, seq, d_output / tp]` (the whole sequence)
+    pub fn try_forward_swiglu(&self, gate: &Self, input: Tensor<B, 3>) -> DistResult<Tensor<B, 3>> {
+        debug_assert!(gate.shares_input_with(self) && !self.gather_output);
+        let bias = match (&gate.bias, &self.bias) {
+            (Some(gate_bias), Some(up_bias)) => Some([gate_bias.val(), up_bias.val()]),
+            (None, None) => None,
+            _ => unreachable!("the gate and up projections of an MLP share the bias setting"),
+        };
+        if self.overlaps() && gate.overlaps() {
+            let projection = GatheredProjection::SwiGlu {
+                gate: gate.weight.val(),
+                up: self.weight.val(),
+                bias,
+            };
+            return self.gathered(input, projection);
+        }
+        let x = self.input(input)?;
+        let (g, _) = gate.try_forward_entered_skip_bias(x.clone())?;
+        let (u, _) = self.try_forward_entered_skip_bias(x)?;
+        Ok(bias_swiglu(g, u, bias))
+    }
+
+    /// Whether the input's all-gather and the product run as one overlapped operation:
+    /// `comm_overlap`, sequence parallelism over more than one rank, and no FP8.
+    fn overlaps(&self) -> bool {
+        self.comm_overlap
+            && self.tp.sequence_parallel
+            && self.tp.group.size() > 1
+            && self.fp8.is_none()
+    }
+
+    /// `projection(all_gather(input))` along the sequence as one operation
+    /// ([`gathered_linear`](crate::ops::GatheredLinearOps::gathered_linear)) for a `[batch, seq / tp, d_input]` input. The
+    /// operation gathers whole rank shards (rank-major tokens); for a batch of more than one
+    /// sequence the output's tokens are put back in `[batch, seq]` order.
+    fn gathered<const D: usize>(
+        &self,
+        input: Tensor<B, D>,
+        projection: GatheredProjection<B>,
+    ) -> DistResult<Tensor<B, D>> {
+        let dims = input.dims();
+        assert_eq!(
+            D, 3,
+            "a sequence-parallel input is [batch, seq / tp, features]"
+        );
+        let (batch, local, size) = (dims[0], dims[1], self.tp.group.size());
+        let rows = input.reshape([batch * local, dims[2]]);
+        let y = B::gathered_linear(rows, projection, &self.tp.group)?;
+        let d_out = y.dims()[1];
+        let mut out = dims;
+        out[1] = size * local;
+        out[D - 1] = d_out;
+        Ok(match batch {
+            1 => y.reshape(out),
+            _ => y
+                .reshape([size, batch, local, d_out])
+                .swap_dims(0, 1)
+                .reshape(out),
+        })
     }
 
     /// `x A` and the bias, not yet added (Megatron's `skip_bias_add`), for a next operation

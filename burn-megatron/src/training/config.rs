@@ -104,6 +104,11 @@ pub struct PretrainConfig {
     /// must be divisible by TP.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Tensor-parallel communication overlapped with the GEMMs (`--tp-comm-overlap`): see
+    /// [`TransformerConfig::tp_comm_overlap`](crate::transformer::TransformerConfig::tp_comm_overlap).
+    /// Needs sequence parallelism; not with FP8 yet.
+    #[config(default = false)]
+    pub tp_comm_overlap: bool,
     /// Data-parallel size: replicas of the TP × PP model, each reading its own microbatches of
     /// the global batch (Megatron derives it from the world size; here the world is TP × PP ×
     /// DP).
@@ -359,6 +364,7 @@ impl PretrainConfig {
         .with_make_vocab_size_divisible_by(self.make_vocab_size_divisible_by)
         .with_init_std(self.init_std)
         .with_sequence_parallel(self.sequence_parallel)
+        .with_tp_comm_overlap(self.tp_comm_overlap)
         .with_hidden_dropout(self.hidden_dropout)
         .with_attention_dropout(self.attention_dropout)
         .with_seed(self.seed)
@@ -577,6 +583,20 @@ impl PretrainConfig {
         }
         if self.fp16 {
             self.loss_scaler().validate()?;
+        }
+        if self.tp_comm_overlap && !self.sequence_parallel {
+            return invalid(
+                "--tp-comm-overlap overlaps sequence parallelism's all-gathers and \
+                 reduce-scatters: add --sequence-parallel"
+                    .into(),
+            );
+        }
+        if self.tp_comm_overlap && self.fp8.is_some() {
+            return invalid(
+                "--tp-comm-overlap does not run the FP8 layers yet: drop --tp-comm-overlap or \
+                 --fp8-format"
+                    .into(),
+            );
         }
         let cp = self.context_parallel_size;
         if tp == 0 || pp == 0 || cp == 0 {

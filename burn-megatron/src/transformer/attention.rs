@@ -130,6 +130,7 @@ impl<B: ModelBackend> ParallelAttention<B> {
         )
         .with_bias(config.add_bias_linear)
         .with_sequence_parallel(config.sequence_parallel)
+        .with_comm_overlap(config.tp_comm_overlap)
         .with_init_std(config.init_std)
         .with_fp8(config.fp8.clone())
         .init(tp, seed("qkv"), device)?;

@@ -177,6 +177,13 @@ pub struct TransformerConfig {
     /// along the sequence over the TP group, cutting their memory by TP.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Under sequence parallelism, the column-parallel projections (QKV, fc1 or SwiGLU's gate
+    /// and up) run with their input's all-gather as one operation whose backward
+    /// reduce-scatters the input's gradient while it computes the weights' gradients
+    /// (Megatron's `--tp-comm-overlap`; [`crate::ops::gathered_linear`]). Same results; no
+    /// effect without sequence parallelism or in FP8.
+    #[config(default = false)]
+    pub tp_comm_overlap: bool,
     /// Activation recomputation.
     #[config(default = "Recompute::None")]
     pub recompute: Recompute,

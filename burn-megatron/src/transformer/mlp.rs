@@ -9,7 +9,7 @@ use super::config::{Activation, TransformerConfig};
 use crate::backend::ModelBackend;
 use crate::error::ConfigError;
 use crate::init::param_seed;
-use crate::ops::{GeluForm, bias_gelu, bias_swiglu};
+use crate::ops::{GeluForm, bias_gelu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, Placements,
     RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads,
@@ -71,6 +71,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
             ColumnParallelLinearConfig::new(config.hidden_size, config.ffn_hidden_size)
                 .with_bias(config.add_bias_linear)
                 .with_sequence_parallel(config.sequence_parallel)
+                .with_comm_overlap(config.tp_comm_overlap)
                 .with_init_std(config.init_std)
                 .with_fp8(config.fp8.clone())
         };
@@ -107,19 +108,8 @@ impl<B: ModelBackend> ParallelMlp<B> {
         let [batch, seq, features] = x.dims();
         let x = x.reshape([1, batch * seq, features]);
         let hidden = match (&self.gate, self.gelu) {
-            (Some(gate), _) => {
-                // One entry into the tensor-parallel region for both projections.
-                let x = self.fc1.input(x)?;
-                debug_assert!(gate.shares_input_with(&self.fc1));
-                let (g, gate_bias) = gate.try_forward_entered_skip_bias(x.clone())?;
-                let (u, up_bias) = self.fc1.try_forward_entered_skip_bias(x)?;
-                let bias = match (gate_bias, up_bias) {
-                    (Some(gate_bias), Some(up_bias)) => Some([gate_bias, up_bias]),
-                    (None, None) => None,
-                    _ => unreachable!("`new` gives the gate and fc1 the same bias setting"),
-                };
-                bias_swiglu(g, u, bias)
-            }
+            // One entry into the tensor-parallel region for both projections.
+            (Some(gate), _) => self.fc1.try_forward_swiglu(gate, x)?,
             (None, Some(form)) => {
                 let (h, bias) = self.fc1.try_forward_skip_bias(x)?;
                 bias_gelu(h, bias, form)

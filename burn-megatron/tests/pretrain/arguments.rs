@@ -258,7 +258,7 @@ fn llama_options_are_megatrons() {
 }
 
 /// The presets under examples/configs parse, and each is a valid run at its layout: the 7-8B
-/// ones of issue 31 and the long-sequence 1B Llama of issue 35.
+/// ones of issue 31, the long-sequence 1B Llama of issue 35 and the MoE models of issue 34.
 #[test]
 fn preset_files_are_valid_runs() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs");
@@ -274,7 +274,7 @@ fn preset_files_are_valid_runs() {
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let name = path.file_name().unwrap().to_str().unwrap();
         let (layers, hidden) = match name {
-            "llama_1b_long.toml" => (16, 2048),
+            "llama_1b_long.toml" | "mixtral_1b_moe.toml" | "deepseek_moe_1b.toml" => (16, 2048),
             _ => (32, 4096),
         };
         assert!(
@@ -286,8 +286,9 @@ fn preset_files_are_valid_runs() {
         presets += 1;
     }
     assert_eq!(
-        presets, 3,
-        "llama3_8b.toml, gpt3_6.7b.toml and llama_1b_long.toml"
+        presets, 5,
+        "llama3_8b.toml, gpt3_6.7b.toml, llama_1b_long.toml, mixtral_1b_moe.toml and \
+         deepseek_moe_1b.toml"
     );
     let llama = config(&["--config", dir.join("llama3_8b.toml").to_str().unwrap()]).model();
     assert_eq!(
@@ -321,6 +322,21 @@ fn bad_options_are_clear_errors() {
     assert!(e.contains("--num-layers (3)") && e.contains("(2)"), "{e}");
     let e = error(&config(&["--seq-length", "15", "--sequence-parallel"]));
     assert!(e.contains("divisible by TP (2)"), "{e}");
+    let e = error(&config(&["--tp-comm-overlap"]));
+    assert!(
+        e.contains("--tp-comm-overlap") && e.contains("add --sequence-parallel"),
+        "{e}"
+    );
+    let e = error(&config(&[
+        "--tp-comm-overlap",
+        "--sequence-parallel",
+        "--fp8-format",
+        "hybrid",
+    ]));
+    assert!(
+        e.contains("--tp-comm-overlap does not run the FP8 layers"),
+        "{e}"
+    );
     let e = error(&config(&["--lr-warmup-iters", "100"]));
     assert!(
         e.contains("--lr-decay-iters (100") && e.contains("--lr-warmup-iters (100)"),

@@ -189,6 +189,13 @@ fn llama_layouts_equal_single_rank_training() {
             .with_recompute(burn_megatron::transformer::Recompute::Full),
         &want,
     );
+    assert_equal_to_reference(
+        "Llama TP=2 PP=2 SP, --tp-comm-overlap",
+        &llama(2, 2)
+            .with_sequence_parallel(true)
+            .with_tp_comm_overlap(true),
+        &want,
+    );
     // Megatron's two methods: groups of 2 layers, and the first layer of each stage rerun with
     // the rest stored (at PP 1 the stored layers end in the loss; at PP 2 the first stage's
     // send their output on).
