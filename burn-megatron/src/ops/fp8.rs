@@ -4,10 +4,11 @@
 //! [`Fp8Ops`] is the backend's part: three operations whose defaults are plain Burn
 //! compositions that *emulate* FP8 in a float tensor (every E4M3 and E5M2 value is exact in
 //! bf16, f16 and f32, so the cast's result is held without loss and the GEMM of those values
-//! in f32 is what an FP8 tensor core computes, up to the f32 sums' order). Our CUDA backend
-//! replaces them with a cast kernel whose output is opaque 1-byte storage and cuBLASLt's FP8
-//! GEMM; code above the backend therefore never applies a Burn operation to a cast tensor: it
-//! only hands it to [`Fp8Ops::fp8_gemm`].
+//! in f32 is what an FP8 tensor core computes, up to the f32 sums' order), and the cast in both
+//! layouts (with or without the amax), which defaults to those three. Our CUDA backend
+//! replaces them with cast kernels whose output is opaque 1-byte storage (one pass for both
+//! layouts and the amax) and cuBLASLt's FP8 GEMM; code above the backend therefore never
+//! applies a Burn operation to a cast tensor: it only hands it to [`Fp8Ops::fp8_gemm`].
 //!
 //! The layer above the backend lives in this op's folder:
 //! - `fp8/scaling.rs`: Megatron's `--fp8-format`, `--fp8-recipe` and the scale computations
@@ -109,6 +110,35 @@ pub trait Fp8Ops: LinearOps {
         transpose: bool,
     ) -> Tensor<Self, 2> {
         quantize_composition(x, scale, dtype, transpose)
+    }
+
+    /// [`fp8_quantize`](Self::fp8_quantize) in both layouts, `(row, transposed)`: `[r, c]`
+    /// and `[c, r]`, the values of the two calls it defaults to. Our CUDA backend reads `x`
+    /// once for both (the FP8 linear layer casts its input, weight and output gradient in both
+    /// layouts).
+    fn fp8_quantize_both(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        (
+            Self::fp8_quantize(x.clone(), scale.clone(), dtype, false),
+            Self::fp8_quantize(x, scale, dtype, true),
+        )
+    }
+
+    /// [`fp8_quantize_both`](Self::fp8_quantize_both) and `x`'s
+    /// [`fp8_amax`](Self::fp8_amax), `(row, transposed, amax)`: for delayed scaling, whose
+    /// scale comes from a history and whose amax is only recorded. Our CUDA backend takes the
+    /// amax from the casts' pass (the same bits as the amax kernel).
+    fn fp8_quantize_both_amax(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Tensor<Self, 1>) {
+        let amax = Self::fp8_amax(x.clone());
+        let (row, transposed) = Self::fp8_quantize_both(x, scale, dtype);
+        (row, transposed, amax)
     }
 
     /// `(a · bᵀ) · a_scale_inv · b_scale_inv` for quantised `a: [m, k]` and `b: [n, k]` (both
@@ -219,6 +249,28 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
         Tensor::from_inner(B::fp8_quantize(x.inner(), scale.inner(), dtype, transpose))
     }
 
+    fn fp8_quantize_both(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        let (row, transposed) = B::fp8_quantize_both(x.inner(), scale.inner(), dtype);
+        (Tensor::from_inner(row), Tensor::from_inner(transposed))
+    }
+
+    fn fp8_quantize_both_amax(
+        x: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Tensor<Self, 1>) {
+        let (row, transposed, amax) = B::fp8_quantize_both_amax(x.inner(), scale.inner(), dtype);
+        (
+            Tensor::from_inner(row),
+            Tensor::from_inner(transposed),
+            Tensor::from_inner(amax),
+        )
+    }
+
     fn fp8_gemm(
         a: Tensor<Self, 2>,
         a_dtype: Fp8Dtype,
@@ -240,7 +292,8 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
     }
 }
 
-/// Our CUDA backend: the CubeCL amax and cast kernels, whose FP8 bits are `U8` tensors that
+/// Our CUDA backend: the CubeCL amax and cast kernels (one pass for both layouts and the
+/// amax where asked together), whose FP8 bits are `U8` tensors that
 /// only the FP8 GEMM reads, and cuBLASLt's FP8 GEMM (`burn_megatron_kernels::fused::fp8`,
 /// `burn_megatron_kernels::cuda::gemm::gemm_fp8`); burn-cuda keeps the compositions.
 #[cfg(feature = "cuda")]
@@ -276,6 +329,29 @@ mod cuda {
         ) -> Tensor<Self, 2> {
             let scale = raw(scale.cast(DType::F32));
             wrap(fp8::quantize(raw(x), &scale, kind(dtype), transpose))
+        }
+
+        fn fp8_quantize_both(
+            x: Tensor<Self, 2>,
+            scale: Tensor<Self, 1>,
+            dtype: Fp8Dtype,
+        ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+            let scale = raw(scale.cast(DType::F32));
+            let casts = fp8::quantize_both(raw(x), &scale, kind(dtype), false);
+            (wrap(casts.row), wrap(casts.transposed))
+        }
+
+        fn fp8_quantize_both_amax(
+            x: Tensor<Self, 2>,
+            scale: Tensor<Self, 1>,
+            dtype: Fp8Dtype,
+        ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Tensor<Self, 1>) {
+            let scale = raw(scale.cast(DType::F32));
+            let casts = fp8::quantize_both(raw(x), &scale, kind(dtype), true);
+            let amax = casts
+                .amax
+                .expect("quantize_both returns the amax it is asked for");
+            (wrap(casts.row), wrap(casts.transposed), wrap(amax))
         }
 
         fn fp8_gemm(

@@ -8,12 +8,17 @@
 //! `x` and `dy` transposed (K = tokens). Activations and weights are E4M3; output gradients
 //! E5M2 (`hybrid`) or E4M3 (`e4m3`).
 //!
-//! The node keeps the transposed cast of `x` (one byte an element on a GPU, against two for
-//! bf16) and its scale, and the weight (a parameter, alive anyway) with its forward scale, so
-//! that `dx` sees the same quantised weight as the forward.
+//! Where an operand is cast in both layouts (`x` when the weight needs a gradient, `w` when
+//! the input does, `dy` when both do), both come from one cast ([`Fp8Ops::fp8_quantize_both`],
+//! one read of the operand on our CUDA backend). The node keeps the transposed cast of `x` (one
+//! byte an element on a GPU, against two for bf16) and the row-major cast of `w` (one byte a
+//! weight, made with the forward's transposed cast, so `dx` sees the forward's quantised
+//! weight), with their scales.
 //!
 //! Each scale comes from an amax ([`Fp8Config::recipe`]): the tensor's own
-//! ([`Fp8Recipe::Tensorwise`]) or a history of earlier ones ([`Fp8Recipe::Delayed`]). Where a
+//! ([`Fp8Recipe::Tensorwise`], an amax pass before the casts) or a history of earlier ones
+//! ([`Fp8Recipe::Delayed`], where this use's amax, only recorded, comes from the casts'
+//! pass: [`Fp8Ops::fp8_quantize_both_amax`]). Where a
 //! rank holds only part of a tensor ([`Fp8Split`]: a column-parallel weight and output
 //! gradient, a row-parallel weight and input), its amax is the maximum over the
 //! tensor-parallel group (one `[n]` all-reduce for the forward's operands, one `[1]` for the
@@ -164,18 +169,22 @@ impl Fp8Linear {
         f(&mut state[operand as usize])
     }
 
-    /// The scale of `operand`'s cast to `dtype`: from its (reduced) `amax` under tensorwise
-    /// scaling, from its history under delayed scaling.
-    fn scale<B: Backend>(
-        &self,
-        operand: Operand,
-        amax: Tensor<B, 1>,
-        dtype: Fp8Dtype,
-    ) -> Tensor<B, 1> {
-        match self.config.recipe {
-            Fp8Recipe::Tensorwise => tensorwise_scale(amax, dtype, self.config.margin),
-            Fp8Recipe::Delayed => self.with_state(operand, &amax.device(), |s| s.scale()),
-        }
+    /// Whether the scales come from histories (delayed scaling), so that the amaxes are only
+    /// recorded, after the casts that can compute them.
+    fn delayed(&self) -> bool {
+        self.config.recipe == Fp8Recipe::Delayed
+    }
+
+    /// The scale of `operand`'s cast to `dtype` under tensorwise scaling, from its (reduced)
+    /// `amax`.
+    fn tensorwise_scale<B: Backend>(&self, amax: Tensor<B, 1>, dtype: Fp8Dtype) -> Tensor<B, 1> {
+        tensorwise_scale(amax, dtype, self.config.margin)
+    }
+
+    /// The scale of `operand`'s next cast under delayed scaling, from its history (made on
+    /// `device` at first use).
+    fn delayed_scale<B: Backend>(&self, operand: Operand, device: &B::Device) -> Tensor<B, 1> {
+        self.with_state(operand, device, |s| s.scale())
     }
 
     /// Records `operand`'s (reduced) `amax` after its cast: delayed scaling's history update.
@@ -231,7 +240,7 @@ pub trait Fp8LinearOps: Fp8Ops + DeviceTransport {
         bias: Option<Tensor<Self, 1>>,
         fp8: &Fp8Linear,
     ) -> DistResult<Tensor<Self, 2>> {
-        Ok(forward(x, w, bias, fp8)?.output)
+        Ok(forward(x, w, bias, fp8, Keep::default())?.output)
     }
 }
 
@@ -259,11 +268,65 @@ pub fn fp8_linear<B: Fp8LinearOps, const D: usize>(
     Ok(y.reshape(out))
 }
 
-/// The forward pass on a plain backend: the output and the scales the backward needs.
+/// The casts of one operand under one scale that the GEMMs need, and its amax where asked.
+struct Casts<B: Backend> {
+    row: Option<Tensor<B, 2>>,
+    transposed: Option<Tensor<B, 2>>,
+    amax: Option<Tensor<B, 1>>,
+}
+
+/// `x` cast under `scale` to `dtype`: row-major with `row`, transposed with `transposed`
+/// (both: one [`Fp8Ops::fp8_quantize_both`] pass), and with `amax` its amax (from that pass
+/// where both layouts are cast).
+fn cast<B: Fp8Ops>(
+    x: Tensor<B, 2>,
+    scale: Tensor<B, 1>,
+    dtype: Fp8Dtype,
+    [row, transposed]: [bool; 2],
+    amax: bool,
+) -> Casts<B> {
+    match (row && transposed, amax) {
+        (true, true) => {
+            let (row, transposed, amax) = B::fp8_quantize_both_amax(x, scale, dtype);
+            Casts {
+                row: Some(row),
+                transposed: Some(transposed),
+                amax: Some(amax),
+            }
+        }
+        (true, false) => {
+            let (row, transposed) = B::fp8_quantize_both(x, scale, dtype);
+            Casts {
+                row: Some(row),
+                transposed: Some(transposed),
+                amax: None,
+            }
+        }
+        (false, _) => Casts {
+            amax: amax.then(|| B::fp8_amax(x.clone())),
+            row: row.then(|| B::fp8_quantize(x.clone(), scale.clone(), dtype, false)),
+            transposed: transposed.then(|| B::fp8_quantize(x, scale, dtype, true)),
+        },
+    }
+}
+
+/// What the forward pass casts for the backward pass besides what its GEMM needs.
+#[derive(Debug, Clone, Copy, Default)]
+struct Keep {
+    /// The transposed cast of `x` (the weight needs a gradient).
+    x_transposed: bool,
+    /// The row-major cast of `w` (the input needs a gradient).
+    w_row: bool,
+}
+
+/// The forward pass on a plain backend: the output, and the scales and casts the backward
+/// needs ([`Keep`]).
 struct Forward<B: Backend> {
     output: Tensor<B, 2>,
     x_scale: Tensor<B, 1>,
     w_scale: Tensor<B, 1>,
+    x_transposed: Option<Tensor<B, 2>>,
+    w_row: Option<Tensor<B, 2>>,
 }
 
 fn forward<B: Fp8Ops + DeviceTransport>(
@@ -271,20 +334,40 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     w: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
     fp8: &Fp8Linear,
+    keep: Keep,
 ) -> DistResult<Forward<B>> {
     let dtype = fp8.config.format.forward_dtype();
     let out_dtype = x.dtype();
-    let [x_amax, w_amax] = fp8.reduce_amaxes([
-        (B::fp8_amax(x.clone()), fp8.split.input),
-        (B::fp8_amax(w.clone()), fp8.split.weight),
-    ])?;
-    let x_scale = fp8.scale(Operand::Input, x_amax.clone(), dtype);
-    let w_scale = fp8.scale(Operand::Weight, w_amax.clone(), dtype);
+    let (x_layouts, w_layouts) = ([true, keep.x_transposed], [keep.w_row, true]);
+    let (x_cast, w_cast, x_amax, w_amax, x_scale, w_scale);
+    if fp8.delayed() {
+        let device = x.device();
+        x_scale = fp8.delayed_scale(Operand::Input, &device);
+        w_scale = fp8.delayed_scale(Operand::Weight, &device);
+        let (mut x_c, mut w_c) = (
+            cast(x, x_scale.clone(), dtype, x_layouts, true),
+            cast(w, w_scale.clone(), dtype, w_layouts, true),
+        );
+        [x_amax, w_amax] = fp8.reduce_amaxes([
+            (x_c.amax.take().expect("asked for"), fp8.split.input),
+            (w_c.amax.take().expect("asked for"), fp8.split.weight),
+        ])?;
+        (x_cast, w_cast) = (x_c, w_c);
+    } else {
+        [x_amax, w_amax] = fp8.reduce_amaxes([
+            (B::fp8_amax(x.clone()), fp8.split.input),
+            (B::fp8_amax(w.clone()), fp8.split.weight),
+        ])?;
+        x_scale = fp8.tensorwise_scale(x_amax.clone(), dtype);
+        w_scale = fp8.tensorwise_scale(w_amax.clone(), dtype);
+        x_cast = cast(x, x_scale.clone(), dtype, x_layouts, false);
+        w_cast = cast(w, w_scale.clone(), dtype, w_layouts, false);
+    }
     let output = B::fp8_gemm(
-        B::fp8_quantize(x, x_scale.clone(), dtype, false),
+        x_cast.row.expect("cast row-major"),
         dtype,
         x_scale.clone().recip(),
-        B::fp8_quantize(w, w_scale.clone(), dtype, true),
+        w_cast.transposed.expect("cast transposed"),
         dtype,
         w_scale.clone().recip(),
         out_dtype,
@@ -299,11 +382,13 @@ fn forward<B: Fp8Ops + DeviceTransport>(
         output,
         x_scale,
         w_scale,
+        x_transposed: x_cast.transposed,
+        w_row: w_cast.row,
     })
 }
 
 impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
-    /// The inner backend's forward and one node keeping `q(x)ᵀ`, `w` and their scales.
+    /// The inner backend's forward and one node keeping `q(x)ᵀ`, `q(w)` and their scales.
     fn fp8_linear(
         x: Tensor<Self, 2>,
         w: Tensor<Self, 2>,
@@ -313,25 +398,20 @@ impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
         let (x, w, bias) = (raw(x), raw(w), bias.map(raw));
         let (x_inner, w_inner) = (inner::<B, 2>(&x), inner::<B, 2>(&w));
         let (x_dtype, w_dtype) = (x_inner.dtype(), w_inner.dtype());
-        let f = forward(
-            x_inner.clone(),
-            w_inner.clone(),
-            bias.as_ref().map(inner),
-            fp8,
-        )?;
-        let tracked =
-            x.is_tracked() || w.is_tracked() || bias.as_ref().is_some_and(|b| b.is_tracked());
-        let dtype = fp8.config.format.forward_dtype();
-        // Only the weight gradient reads the input, as its transposed cast.
-        let x_t = match tracked && w.is_tracked() {
-            true => B::fp8_quantize(x_inner, f.x_scale.clone(), dtype, true),
-            false => Tensor::<B, 2>::empty([0, 0], &x_inner.device()),
+        let device = x_inner.device();
+        // The weight gradient reads the input's transposed cast, the input gradient the
+        // weight's row-major one.
+        let keep = Keep {
+            x_transposed: w.is_tracked(),
+            w_row: x.is_tracked(),
         };
+        let f = forward(x_inner, w_inner, bias.as_ref().map(inner), fp8, keep)?;
+        let empty = || Tensor::<B, 2>::empty([0, 0], &device);
         let state = (
-            raw(x_t),
+            raw(f.x_transposed.unwrap_or_else(empty)),
             raw(f.x_scale.recip()),
-            raw(w_inner),
-            raw(f.w_scale),
+            raw(f.w_row.unwrap_or_else(empty)),
+            raw(f.w_scale.recip()),
         );
         let step = Fp8LinearBackward {
             fp8: fp8.clone(),
@@ -346,10 +426,10 @@ impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
     }
 }
 
-/// The backward of the FP8 linear layer: the output gradient's amax (reduced where split),
-/// its scale and cast (twice: as it is for `dx`, transposed for `dw`), the two FP8 GEMMs and
-/// the bias gradient; then, under delayed scaling, the gradient's amax recorded. Its parents
-/// are `[x, w]` or `[x, w, bias]`.
+/// The backward of the FP8 linear layer: the output gradient's amax (reduced where split), its
+/// scale and cast (as it is for `dx`, transposed for `dw`: one pass for both, which under
+/// delayed scaling also gives the amax), the two FP8 GEMMs and the bias gradient; then, under
+/// delayed scaling, the gradient's amax recorded. Its parents are `[x, w]` or `[x, w, bias]`.
 #[derive(Debug)]
 struct Fp8LinearBackward {
     fp8: Fp8Linear,
@@ -358,7 +438,8 @@ struct Fp8LinearBackward {
 }
 
 impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
-    /// `q(x)ᵀ` (empty when the weight needs no gradient), `1 / x_scale`, `w`, `w_scale`.
+    /// `q(x)ᵀ` (empty when the weight needs no gradient), `1 / x_scale`, `q(w)` (empty when
+    /// the input needs no gradient), `1 / w_scale`.
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
@@ -369,7 +450,7 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
     fn backward(
         self,
         dy: FloatTensor<B>,
-        (x_t, x_scale_inv, w, w_scale): <Self as BackwardStep<B>>::State,
+        (x_t, x_scale_inv, w_q, w_scale_inv): <Self as BackwardStep<B>>::State,
         parents: &[Option<NodeId>],
         grads: &mut Gradients,
     ) {
@@ -379,38 +460,51 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
             fp8.config.format.forward_dtype(),
             fp8.config.format.gradient_dtype(),
         );
-        let local = B::fp8_amax(dy.clone());
         // Backward has no error channel: a failed reduction is recorded on the group (its
         // every later call, and `backward_failure`, returns it) and the local amax used.
-        let [amax] = match fp8.reduce_amaxes([(local.clone(), fp8.split.grad_output)]) {
-            Ok(amax) => amax,
+        let reduce = |local: Tensor<B, 1>| match fp8
+            .reduce_amaxes([(local.clone(), fp8.split.grad_output)])
+        {
+            Ok([amax]) => amax,
             Err(error) => {
                 if let Some(group) = &fp8.group {
                     group.fail_in_backward(error);
                 }
-                [local]
+                local
             }
         };
-        let scale = fp8.scale(Operand::GradOutput, amax.clone(), grad_dtype);
-        let scale_inv = scale.clone().recip();
-        register(grads, parent(parents, 0), || {
-            let w_scale = wrap::<B, 1>(w_scale);
+        let (dx, dw) = (parent(parents, 0), parent(parents, 1));
+        let layouts = [dx.is_some(), dw.is_some()];
+        let (casts, amax, scale) = if fp8.delayed() {
+            let scale = fp8.delayed_scale(Operand::GradOutput, &dy.device());
+            let mut casts = cast(dy.clone(), scale.clone(), grad_dtype, layouts, true);
+            let amax = reduce(casts.amax.take().expect("asked for"));
+            (casts, amax, scale)
+        } else {
+            let amax = reduce(B::fp8_amax(dy.clone()));
+            let scale = fp8.tensorwise_scale(amax.clone(), grad_dtype);
+            let casts = cast(dy.clone(), scale.clone(), grad_dtype, layouts, false);
+            (casts, amax, scale)
+        };
+        let scale_inv = scale.recip();
+        let (dy_row, dy_transposed) = (casts.row, casts.transposed);
+        register(grads, dx, || {
             B::fp8_gemm(
-                B::fp8_quantize(dy.clone(), scale.clone(), grad_dtype, false),
+                dy_row.expect("cast for dx"),
                 grad_dtype,
                 scale_inv.clone(),
-                B::fp8_quantize(wrap(w), w_scale.clone(), forward_dtype, false),
+                wrap(w_q),
                 forward_dtype,
-                w_scale.recip(),
+                wrap(w_scale_inv),
                 self.x_dtype,
             )
         });
-        register(grads, parent(parents, 1), || {
+        register(grads, dw, || {
             B::fp8_gemm(
                 wrap(x_t),
                 forward_dtype,
                 wrap(x_scale_inv),
-                B::fp8_quantize(dy.clone(), scale.clone(), grad_dtype, true),
+                dy_transposed.expect("cast for dw"),
                 grad_dtype,
                 scale_inv.clone(),
                 self.w_dtype,
