@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# Mixture of experts with expert parallelism (issue 34) on 4 GPUs in one device call (kind
+# nvidia-h100-x4 or nvidia-h200-x4, <= 9 minutes): pretrain_gpt --num-experts in bf16 on
+#   mixtral   examples/configs/mixtral_1b_moe.toml: 8 SwiGLU experts of 5632, top-2 softmax,
+#             16 layers, hidden 2048, GQA 16/4, RMSNorm, rope; ~1.41 B active, 4.7 B in all
+#   deepseek  examples/configs/deepseek_moe_1b.toml: 64 experts of 1408, top-6 sigmoid with
+#             normalised weights and the expert bias, a shared expert of 2816; ~1.42 B active
+# at EP 4 (mixtral, deepseek) and EP 2 x expert-DP 2 (mixtral), DP 4 for the dense parameters,
+# the distributed optimizer, sequences of 2048, micro-batch 1, global batch 8 (two
+# micro-batches a rank); and the PyTorch peer (bench/torch_moe.py: torch._grouped_mm,
+# all_to_all_single over the EP group, DDP, torch.compile on attention) at the same settings.
+# Logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh): bin/{pretrain_gpt,bm-launch}
+# (bench/pack_gpu.sh build --release --features cuda -p burn-megatron-examples --example
+# pretrain_gpt, and -p burn-megatron-dist --bin bm-launch), and torch with torchrun.
+#
+#   bash bench/moe_gpu_check.sh                 # all runs, in this order, within BUDGET
+#   PART=ours bash bench/moe_gpu_check.sh       # ours only (PART=ours,torch is all)
+#
+# Runs: ours mixtral_ep4, torch mixtral_ep4, ours deepseek_ep4, torch deepseek_ep4, ours
+# mixtral_ep2, torch mixtral_ep2; each started only while MIN_START of the BUDGET seconds is
+# left, and cut at its limit or at what is left.
+# Each run prints its iteration lines and one RUN line (median tokens/s, TFLOP/s per GPU and
+# MFU over the iterations after the first, the log's memory of the largest rank, nvidia-smi's
+# peak memory of any GPU, rc, status); every RUN line also goes to $OUT/summary.tsv, printed
+# again at the end. MFU, ours and torch's alike, counts active FLOPs as Megatron does for MoE
+# (burn-megatron/src/transformer/flops.rs): per token 6 x (attention's QKV, output and
+# QK^T/PV GEMMs + the router's h x E + top-k experts' 3 h f_e + the shared expert's 3 h f_s)
+# a layer, plus the output layer; routing, permutation and the all-to-all are not counted,
+# nor recomputation. The denominator is the H100/H200 dense bf16 peak (989 TFLOP/s).
+#
+# Settings: ITERS=5 (ours; iteration 1 compiles and tunes the kernels and is left out of the
+# medians), TORCH_STEPS=3 after 2 warm-up steps, BUDGET=520 s, LIMIT_OURS=150 and
+# LIMIT_TORCH=150 s a run, MIN_START=40 s, TORCH_FALLBACK=1 (a torch run that fails with
+# torch.compile, for another reason than memory, is rerun with --no-compile, and later torch
+# runs skip compile). CPU_CHECK=1 runs every pretrain_gpt command line of the script on CPU
+# thread ranks with a tiny model (target/debug binaries, fp32, seq 128) to check that
+# pretrain_gpt accepts them, and prints the torch command lines without running them (run
+# `torchrun --nproc-per-node 2 bench/torch_moe.py --device cpu --tiny --ep 2` for the peer).
+set -u
+cd "$(dirname "$0")/.."
+CPU_CHECK=${CPU_CHECK:-0}
+NPROC=4
+ITERS=${ITERS:-5}
+TORCH_STEPS=${TORCH_STEPS:-3}
+BUDGET=${BUDGET:-520}
+MIN_START=${MIN_START:-40}
+LIMIT_OURS=${LIMIT_OURS:-150}
+LIMIT_TORCH=${LIMIT_TORCH:-150}
+TORCH_FALLBACK=${TORCH_FALLBACK:-1}
+PART=${PART:-all}
+SEQ=2048
+if [ "$CPU_CHECK" = 1 ]; then
+  OUT=${OUT:-/tmp/moe_cpu_check}
+  LAUNCH=target/debug/bm-launch
+  PRETRAIN=target/debug/examples/pretrain_gpt
+  PRECISION=()
+  SEQ=128
+  TINY=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2
+        --ffn-hidden-size 128 --vocab-size 512)
+  TINY_DEEPSEEK=(--moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 64)
+else
+  source .gpu/env.sh
+  for z in .gpu/bin/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
+  chmod +x .gpu/bin/* 2>/dev/null
+  LAUNCH=.gpu/bin/bm-launch
+  PRETRAIN=.gpu/bin/pretrain_gpt
+  PRECISION=(--bf16)
+  TINY=()
+  TINY_DEEPSEEK=()
+fi
+: "${OUT:?OUT must name the folder for the logs}"
+mkdir -p "$OUT"
+LOG=$OUT/moe.log
+SUMMARY=$OUT/summary.tsv
+T0=$(date +%s)
+PORT=${PORT_BASE:-29710}
+TORCH_NO_COMPILE=0
+SMI_PID=
+say() { echo "$*" | tee -a "$LOG"; }
+part() { [ "$PART" = all ] && return 0; case ",${PART// /,}," in *",$1,"*) return 0 ;; esac; return 1; }
+run_limit() { # the run's own limit, or what is left of the budget; fails when too little is
+  local left=$(( BUDGET - ($(date +%s) - T0) )) lim=$1
+  (( left < lim )) && lim=$left
+  (( lim < MIN_START )) && return 1
+  echo "$lim"
+}
+smi_start() { # name: sample every GPU's memory in use until smi_stop
+  [ "$CPU_CHECK" = 1 ] && return
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/$1.smi" 2>/dev/null &
+  SMI_PID=$!
+}
+smi_stop() {
+  [ -n "$SMI_PID" ] && { kill "$SMI_PID" 2>/dev/null; wait "$SMI_PID" 2>/dev/null; }
+  SMI_PID=
+}
+gpus_idle() { # wait (20 s at most) until no GPU holds more than 2 GiB: a run's ranks are gone
+  [ "$CPU_CHECK" = 1 ] && return
+  local used=0
+  for _ in $(seq 1 20); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | sort -n | tail -1)
+    [ "${used:-0}" -lt 2048 ] && return
+    sleep 1
+  done
+  say "warning: a GPU still holds ${used} MiB 20 s after the run ended"
+}
+# One RUN line from a log: kind (ours|torch), name, rc, seconds, what.
+summarise() {
+  python3 - "$@" "$OUT" <<'EOF' | tee -a "$LOG"
+import re, statistics, sys
+kind, name, rc, secs, what, out = sys.argv[1:7]
+rc = int(rc)
+log = f"{out}/{name}.log" if kind == "ours" else f"{out}/torch_{name}.log"
+try:
+    text = open(log, errors="replace").read()
+except OSError:
+    text = ""
+fields = {}
+if kind == "ours":
+    its = re.findall(r"iteration\s+(\d+)/\s*\d+.*?\|\s*([\d.]+) tokens/s \|\s*([\d.]+) TFLOP/s per device"
+                     r" \| MFU ([\d.]+)%(?:.*?memory ([\d.]+) GiB)?", text)
+    rows = [(int(i), float(t), float(f), float(m), float(g) if g else None) for i, t, f, m, g in its]
+    timed = [r for r in rows if r[0] >= 2] or rows
+    if timed:
+        fields["iters"] = f"{len(rows)}"
+        fields["tok_s"] = f"{statistics.median(r[1] for r in timed):.0f}"
+        fields["tflops"] = f"{statistics.median(r[2] for r in timed):.1f}"
+        fields["mfu"] = f"{statistics.median(r[3] for r in timed):.1f}%"
+        mem = [r[4] for r in rows if r[4] is not None]
+        if mem:
+            fields["mem_gib"] = f"{max(mem):.1f}"
+else:
+    m = re.findall(r"^RESULT (.*)$", text, re.M)
+    if m:
+        kv = dict(p.split("=", 1) for p in m[-1].split())
+        fields["tok_s"] = kv.get("tok_s", "?")
+        fields["tflops"] = kv.get("tflops", "?")
+        fields["mfu"] = f"{100 * float(kv['mfu']):.1f}%" if "mfu" in kv else "?"
+        fields["mem_gib"] = f"{kv.get('mem_alloc_gib', '?')} alloc/{kv.get('mem_reserved_gib', '?')} resv"
+        fields["impl"] = kv.get("impl", "?")
+try:
+    peaks = {}
+    for line in open(f"{out}/{name if kind == 'ours' else 'torch_' + name}.smi"):
+        gpu, used = [x.strip() for x in line.split(",")]
+        peaks[gpu] = max(peaks.get(gpu, 0), int(used))
+    if peaks:
+        fields["smi_peak_gib"] = f"{max(peaks.values()) / 1024:.1f}"
+except (OSError, ValueError):
+    pass
+oom = re.search(r"(?i)out of memory|OutOfMemory|OUT_OF_MEMORY|BufferTooBig", text)
+if rc == 0 and ("tok_s" in fields):
+    status = "ok"
+elif oom:
+    status = "OOM"
+elif rc in (124, 137):
+    status = "TIMEOUT"
+else:
+    status = "FAILED"
+if status != "ok":
+    # The root cause: ours, the first panic or error line; torch, its own message or the
+    # first exception line of a traceback (not torchrun's ChildFailedError summary).
+    patterns = ([r"^.*panicked.*$", r"^.*(?:Error|error|OUT OF MEMORY).*$"] if kind == "ours" else
+                [r"^.*torch_moe: (?:ERROR|OUT OF MEMORY).*$",
+                 r"^(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception|Unsupported)\b(?!.*ChildFailedError).*$",
+                 r"^.*(?:Error|error).*$"])
+    for pattern in patterns:
+        err = re.search(pattern, text, re.M)
+        if err:
+            fields["error"] = err.group(0).strip()[:300]
+            break
+line = f"RUN {kind} {name} | {status} rc={rc} {secs} s | " + " | ".join(f"{k} {v}" for k, v in fields.items())
+print(line)
+with open(f"{out}/summary.tsv", "a") as f:
+    f.write("\t".join([kind, name, status, str(rc), secs, what] +
+                      [f"{k}={v}" for k, v in fields.items()]) + "\n")
+EOF
+}
+
+
+ours() { # name preset ep [pretrain_gpt flags...]
+  local name=$1 preset=$2 ep=$3; shift 3
+  local iters=$ITERS lim tiny=(${TINY[@]+"${TINY[@]}"})
+  [ "$preset" = deepseek_moe_1b ] && tiny+=(${TINY_DEEPSEEK[@]+"${TINY_DEEPSEEK[@]}"})
+  if ! lim=$(run_limit "$LIMIT_OURS"); then say "=== skip ours $name: less than ${MIN_START} s of the ${BUDGET} s budget left"; return; fi
+  local args=(--config examples/configs/$preset.toml ${tiny[@]+"${tiny[@]}"} ${PRECISION[@]+"${PRECISION[@]}"}
+    --no-save --eval-interval 0 --log-interval 1 --train-iters "$iters" --lr-warmup-iters 2
+    --collective-checks false --use-distributed-optimizer
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size $NPROC
+    --expert-model-parallel-size "$ep" --micro-batch-size 1 --global-batch-size 8 --seq-length "$SEQ" "$@")
+  PORT=$(( PORT + 1 ))
+  say "=== ours $name: $preset, EP $ep x expert-DP $(( NPROC / ep )), seq $SEQ, $iters iterations (limit $lim s)"
+  echo "$PRETRAIN ${args[*]}" >> "$LOG"
+  local s=$(date +%s)
+  smi_start "$name"
+  timeout -k 20 "$lim" $LAUNCH --nproc-per-node $NPROC --master-port $PORT -- $PRETRAIN "${args[@]}" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  smi_stop
+  grep -E "start-up|training a GPT|iteration +[0-9]+/|panicked|Error|error" "$OUT/$name.log" | grep -v "^start-up: building" | tail -$(( iters + 3 )) | cut -c1-500 | tee -a "$LOG"
+  summarise ours "$name" $rc $(( $(date +%s) - s )) "preset=$preset ep=$ep seq=$SEQ"
+  gpus_idle
+}
+
+torch() { # name [torch_moe.py flags...]
+  local name=$1; shift
+  local lim flags=("$@" --seq "$SEQ" --micro-batch 1 --grad-accum 2 --warmup 2 --steps "$TORCH_STEPS")
+  [ "$TORCH_NO_COMPILE" = 1 ] && [[ " $* " != *" --no-compile "* ]] && { flags+=(--no-compile); name=${name}_eager; }
+  if [ "$CPU_CHECK" = 1 ]; then
+    say "=== torch $name (not run on CPU): torchrun --nproc-per-node $NPROC bench/torch_moe.py ${flags[*]}"
+    return
+  fi
+  if ! lim=$(run_limit "$LIMIT_TORCH"); then say "=== skip torch $name: less than ${MIN_START} s of the ${BUDGET} s budget left"; return; fi
+  PORT=$(( PORT + 1 ))
+  say "=== torch $name: ${flags[*]} (limit $lim s)"
+  local s=$(date +%s)
+  smi_start "torch_$name"
+  timeout -k 30 "$lim" torchrun --nproc-per-node $NPROC --master-port $PORT bench/torch_moe.py "${flags[@]}" > "$OUT/torch_$name.log" 2>&1
+  local rc=$?
+  smi_stop
+  grep -E "torch_moe|RESULT|Error|error" "$OUT/torch_$name.log" | grep -v "^\[rank[1-9]" | tail -10 | cut -c1-400 | tee -a "$LOG"
+  summarise torch "$name" $rc $(( $(date +%s) - s )) "${flags[*]}"
+  gpus_idle
+  if [ $rc -ne 0 ] && [ "$TORCH_FALLBACK" = 1 ] && [[ " ${flags[*]} " != *" --no-compile "* ]] \
+      && ! grep -qE "OUT OF MEMORY|OutOfMemoryError|out of memory" "$OUT/torch_$name.log" && [ $rc -ne 124 ] && [ $rc -ne 137 ]; then
+    say "torch $name failed with torch.compile (rc $rc): again without it, and later torch runs without it"
+    TORCH_NO_COMPILE=1
+    torch "$name" "$@"
+  fi
+}
+
+# Preflight: the binary knows MoE; the GPUs; torch and its grouped GEMM.
+if ! $PRETRAIN --help 2>/dev/null | grep -q -- "--num-experts"; then
+  say "ERROR: $PRETRAIN has no --num-experts: repack it (bench/pack_gpu.sh) from a tree with issue 34"
+  exit 1
+fi
+if [ "$CPU_CHECK" != 1 ]; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
+  python3 -c "import torch; print('torch', torch.__version__, 'grouped_mm' if hasattr(torch, '_grouped_mm') else 'WITHOUT torch._grouped_mm (the peer loops over experts)')" 2>&1 | tail -1 | tee -a "$LOG"
+fi
+say "moe_gpu_check: PART=$PART ITERS=$ITERS BUDGET=${BUDGET}s $(date -u +%H:%M:%S)"
+
+part ours && ours mixtral_ep4 mixtral_1b_moe 4
+part torch && torch mixtral_ep4 --preset mixtral --ep 4
+part ours && ours deepseek_ep4 deepseek_moe_1b 4
+part torch && torch deepseek_ep4 --preset deepseek --ep 4
+part ours && ours mixtral_ep2 mixtral_1b_moe 2
+part torch && torch mixtral_ep2 --preset mixtral --ep 2
+say "=== summary ($(( $(date +%s) - T0 )) s; $SUMMARY)"
+[ -f "$SUMMARY" ] && tee -a "$LOG" < "$SUMMARY"
+true
