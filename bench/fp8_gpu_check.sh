@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# FP8 on one GPU (issue 33) in one device call: the casts and FP8 GEMMs against their references
-# and against bf16 (`gemm_bench fp8`; peer `torch_gemm.py --fp8`), the GPT 1.3B training step in
+# FP8 on one GPU (issue 33) in one device call: the casts (one layout a kernel, and both layouts
+# with the amax in one pass) and FP8 GEMMs against their references and their times, against
+# bf16 (`gemm_bench fp8`; peer `torch_gemm.py --fp8`), the GPT 1.3B training step in
 # bf16 and FP8 (`gpt_train_bench`; peer `torch_train.py --fp8`), and the loss curves of a 350M GPT
 # on real text in bf16 and FP8 (`pretrain_gpt`, 1000 steps). Needs, packed under .gpu/
 # (bench/pack_gpu.sh): bin/{gemm_bench,gpt_train_bench,pretrain_gpt,bm-launch} and the corpus
@@ -16,7 +17,7 @@ part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 if part gemm; then
   timeout 150 $B/gemm_bench fp8 > $OUT/gemm_ours.log 2>&1; echo "rc=$?"
-  grep -v "^$" $OUT/gemm_ours.log | grep -v "^note\|backtrace" | head -70
+  grep -v "^$" $OUT/gemm_ours.log | grep -v "^note\|backtrace" | head -90
 fi
 if part step; then
   for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do

@@ -7,7 +7,8 @@
 //!
 //! `gemm_bench fp8` times the FP8 GEMM (E4M3 operands, per-tensor scales, f32 accumulation)
 //! against the bf16 GEMM on the same shapes, checks each against an f64 product of the same
-//! quantised operands, and checks the FP8 casts bit for bit against a host reference; its peer
+//! quantised operands, and checks the FP8 casts bit for bit against a host reference (the fused
+//! cast of both layouts and its amax against the separate kernels too) and times them; its peer
 //! is `python3 bench/torch_gemm.py --fp8` (`torch._scaled_mm`).
 
 use std::time::{Duration, Instant};
@@ -17,7 +18,7 @@ use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_megatron_kernels::cuda::gemm::{gemm_fp8, matmul};
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime};
-use burn_megatron_kernels::fused::fp8::{Fp8Kind, amax, quantize};
+use burn_megatron_kernels::fused::fp8::{Fp8Kind, amax, quantize, quantize_both};
 
 /// `(label, m, n, k, transpose_a, transpose_b)`: `op(a) [m, k] · op(b) [k, n]`, bf16.
 fn shapes() -> Vec<(String, usize, usize, usize, bool, bool)> {
@@ -151,8 +152,18 @@ fn fp8_casts(device: &CudaGpu) {
                 [scale_value],
                 device,
             ));
+            let both = quantize_both(raw(&x), &scale, kind, true);
+            let both_amax = floats(wrap::<1>(both.amax.expect("asked for")))[0];
+            let both = [bytes(both.row), bytes(both.transposed)];
             for transpose in [false, true] {
                 let q = bytes(quantize(raw(&x), &scale, kind, transpose));
+                let fused = &both[transpose as usize];
+                println!(
+                    "fused cast {kind:?} from {dtype:?} transpose={transpose}: {} of {} differ from quantize",
+                    q.iter().zip(fused).filter(|(a, b)| a != b).count(),
+                    q.len()
+                );
+                let q = fused.clone();
                 let mut wrong = 0usize;
                 let mut first = None;
                 for r in 0..rows {
@@ -179,15 +190,27 @@ fn fp8_casts(device: &CudaGpu) {
             }
             let amax_gpu = floats(wrap::<1>(amax(raw(&x))))[0];
             let amax_host = host.iter().fold(0f32, |m, v| m.max(v.abs()));
-            println!("amax {dtype:?}: device {amax_gpu} host {amax_host}");
+            println!(
+                "amax {dtype:?}: device {amax_gpu} fused {both_amax} host {amax_host}{}",
+                if both_amax.to_bits() == amax_gpu.to_bits() {
+                    ""
+                } else {
+                    " MISMATCH"
+                }
+            );
         }
     }
     let mut nan = vec![1.0f32; 4096];
     nan[777] = f32::NAN;
     let nan = Tensor::<MegatronCuda, 1>::from_floats(nan.as_slice(), device).reshape([64, 64]);
+    let scale = raw(&Tensor::<MegatronCuda, 1>::from_floats([1.0], device));
+    let both = quantize_both(raw(&nan), &scale, Fp8Kind::E4M3, true);
     println!(
-        "amax of a tensor with a NaN: {}",
-        floats(wrap::<1>(amax(raw(&nan))))[0]
+        "amax of a tensor with a NaN: {}, fused {}; fused casts equal quantize's: {}",
+        floats(wrap::<1>(amax(raw(&nan))))[0],
+        floats(wrap::<1>(both.amax.expect("asked for")))[0],
+        bytes(both.row) == bytes(quantize(raw(&nan), &scale, Fp8Kind::E4M3, false))
+            && bytes(both.transposed) == bytes(quantize(raw(&nan), &scale, Fp8Kind::E4M3, true))
     );
 
     let x = Tensor::<MegatronCuda, 2>::random([16384, 4096], Distribution::Default, device)
@@ -204,6 +227,38 @@ fn fp8_casts(device: &CudaGpu) {
             bytes_moved / t.as_secs_f64() / 1e9
         );
     }
+    // Both layouts: one read, two writes. Tensorwise scaling's amax pass then the fused cast,
+    // against the two casts it replaces; and delayed scaling's fused cast with its amax.
+    let bytes_both = (16384 * 4096 * 4) as f64;
+    let (scale, _) = scales(&x, Fp8Kind::E4M3);
+    let report = |what: &str, t: Duration| {
+        println!(
+            "{what} bf16 [16384, 4096]: {:.1} us, {:.0} GB/s (both casts' bytes only)",
+            t.as_secs_f64() * 1e6,
+            bytes_both / t.as_secs_f64() / 1e9
+        )
+    };
+    let t = time(device, || {
+        let (scale, _) = scales(&x, Fp8Kind::E4M3);
+        let row = quantize(raw(&x), &scale, Fp8Kind::E4M3, false);
+        let transposed = quantize(raw(&x), &scale, Fp8Kind::E4M3, true);
+        drop(row);
+        wrap(transposed)
+    });
+    report("amax + two casts (unfused)", t);
+    let t = time(device, || {
+        let (scale, _) = scales(&x, Fp8Kind::E4M3);
+        wrap(quantize_both(raw(&x), &scale, Fp8Kind::E4M3, false).transposed)
+    });
+    report("amax + fused cast of both layouts (tensorwise)", t);
+    let t = time(device, || {
+        wrap(quantize_both(raw(&x), &scale, Fp8Kind::E4M3, false).transposed)
+    });
+    report("fused cast of both layouts", t);
+    let t = time(device, || {
+        wrap(quantize_both(raw(&x), &scale, Fp8Kind::E4M3, true).transposed)
+    });
+    report("fused cast of both layouts + amax (delayed)", t);
 }
 
 /// `2^e` for each element of `e` (floored), as a tensor.
