@@ -272,3 +272,50 @@ fn nan_input_propagates_and_is_not_recorded() {
         "the weight's amax is recorded"
     );
 }
+
+/// `[y, dx, dw]` of the layer with only the inputs `tracked` (`[x, w]`) needing a gradient
+/// (`None` for the other): the casts the node keeps and the backward makes are then one layout
+/// an operand.
+fn layer_tracking(inputs: &Inputs, fp8: &Fp8Linear, tracked: [bool; 2]) -> [Option<Vec<f64>>; 3] {
+    let track = |t: Tensor<AD, 2>, on: bool| if on { t.require_grad() } else { t };
+    let x = track(matrix::<AD>(&inputs.x, TOKENS, D_IN), tracked[0]);
+    let w = track(matrix::<AD>(&inputs.w, D_IN, D_OUT), tracked[1]);
+    let y = fp8_linear(x.clone(), w.clone(), None, fp8).unwrap();
+    let grads = (y.clone() * matrix::<AD>(&inputs.g, TOKENS, D_OUT))
+        .sum()
+        .backward();
+    [
+        Some(values(y.inner())),
+        x.grad(&grads).map(values),
+        w.grad(&grads).map(values),
+    ]
+}
+
+/// A frozen weight (only `dx`) or a frozen input (only `dw`) gives the gradient the layer
+/// gives with both tracked, bit for bit, under both recipes (two steps, so that delayed scaling
+/// uses a recorded history).
+#[test]
+fn one_tracked_operand_gives_the_same_gradient() {
+    for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
+        let config = || Fp8Config::new().with_recipe(recipe);
+        let [both, x_only, w_only] =
+            [0, 1, 2].map(|_| Fp8Linear::new(config(), None, Fp8Split::NONE));
+        for step in 0..2 {
+            let inputs = inputs(step);
+            let want = layer_tracking(&inputs, &both, [true, true]);
+            let dx = layer_tracking(&inputs, &x_only, [true, false]);
+            let dw = layer_tracking(&inputs, &w_only, [false, true]);
+            let what = |s: &str| format!("{recipe:?} step {step}: {s}");
+            assert!(dx[2].is_none() && dw[1].is_none());
+            for (name, got, want) in [
+                ("y (frozen w)", &dx[0], &want[0]),
+                ("y (frozen x)", &dw[0], &want[0]),
+                ("dx", &dx[1], &want[1]),
+                ("dw", &dw[2], &want[2]),
+            ] {
+                let (got, want) = (got.as_ref().unwrap(), want.as_ref().unwrap());
+                assert_close(&what(name), got, want, 0.0);
+            }
+        }
+    }
+}

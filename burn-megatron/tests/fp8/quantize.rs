@@ -190,6 +190,30 @@ fn transposed_cast_is_the_cast_transposed() {
     }
 }
 
+/// The cast in both layouts (with and without the amax) is the two casts and the amax, a
+/// NaN included.
+#[test]
+fn both_layouts_are_the_two_casts() {
+    let mut values = pseudo_random(35, 4, 600.0);
+    values[17] = f32::NAN;
+    let x = matrix::<B>(&values, 5, 7);
+    let bits = |t: Tensor<B, 2>| {
+        values_f32(t)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    for dtype in DTYPES {
+        let plain = bits(B::fp8_quantize(x.clone(), scale(0.7), dtype, false));
+        let transposed = bits(B::fp8_quantize(x.clone(), scale(0.7), dtype, true));
+        let (row, t) = B::fp8_quantize_both(x.clone(), scale(0.7), dtype);
+        assert_eq!((bits(row), bits(t)), (plain.clone(), transposed.clone()));
+        let (row, t, amax) = B::fp8_quantize_both_amax(x.clone(), scale(0.7), dtype);
+        assert_eq!((bits(row), bits(t)), (plain, transposed));
+        assert!(values_f32(amax)[0].is_nan());
+    }
+}
+
 /// An f64 tensor is cast in f64: a value just above a tie rounds up, where f32 would see
 /// the tie itself and round to even.
 #[test]
