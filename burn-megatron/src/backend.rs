@@ -13,8 +13,8 @@ use burn_megatron_dist::DistBackend;
 use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps,
     FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps, IdCheckOps, LinearOps,
-    NormOps, PackedFlashAttentionOps, RecomputeOps, RingFlashAttentionOps, RopeOps, SoftmaxOps,
-    SwiGluOps, WriteSlotOps,
+    NormOps, PackedFlashAttentionOps, RecomputeOps, ReduceScatteredLinearOps,
+    RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -44,6 +44,7 @@ pub trait ModelBackend:
     + Fp8Ops
     + Fp8LinearOps
     + GatheredLinearOps
+    + ReduceScatteredLinearOps
     + BiasOps
     + GeluOps
     + SwiGluOps
@@ -71,6 +72,7 @@ impl<B> ModelBackend for B where
         + Fp8Ops
         + Fp8LinearOps
         + GatheredLinearOps
+        + ReduceScatteredLinearOps
         + BiasOps
         + GeluOps
         + SwiGluOps
@@ -123,7 +125,7 @@ mod ndarray {
     compositions!(
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );
@@ -138,7 +140,7 @@ mod fusion {
 
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );

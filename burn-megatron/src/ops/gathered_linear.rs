@@ -6,7 +6,9 @@
 //! projection another: Burn runs the projection's backward (the data-gradient GEMM and the
 //! weight-gradient GEMM) before the gather's backward (the reduce-scatter of the data
 //! gradient), and the next layer's backward waits for that reduce-scatter with nothing left
-//! to run beside it. Here the gather and the projection are one node whose backward
+//! to run beside it. Here the gather and the projection are one node. Its forward starts a
+//! linear projection with this rank's own tokens, which need no communication, while the
+//! gather runs, then projects the other ranks' tokens. Its backward
 //! computes the data gradient, starts its reduce-scatter (on NCCL, on the group's own
 //! stream), and computes the weight gradients while it runs. The arithmetic is the
 //! composition's, operation for operation, on the tokens in rank-major order (the order the
@@ -54,17 +56,50 @@ pub enum GatheredProjection<B: Backend> {
 }
 
 impl<B: LinearOps + SwiGluOps> GatheredProjection<B> {
-    /// The projection of `x: [tokens, d_in]`, as separate operations.
-    fn apply(self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    /// The projection of `gathered: [size · tokens, d_in]`, as separate operations, where
+    /// `own: [tokens, d_in]` is this rank's part (rank `rank` of `size`): a linear projection
+    /// starts with `own`, which needs no communication, while the gather runs.
+    fn apply(
+        self,
+        own: Tensor<B, 2>,
+        gathered: Tensor<B, 2>,
+        rank: usize,
+        size: usize,
+    ) -> Tensor<B, 2> {
         match self {
-            Self::Linear { weight, bias } => <B as LinearOps>::linear(x, weight, bias),
+            Self::Linear { weight, bias } => local_first(own, gathered, rank, size, |x| {
+                <B as LinearOps>::linear(x, weight.clone(), bias.clone())
+            }),
             Self::SwiGlu { gate, up, bias } => {
-                let g = <B as LinearOps>::linear(x.clone(), gate, None);
-                let u = <B as LinearOps>::linear(x, up, None);
+                let g = <B as LinearOps>::linear(gathered.clone(), gate, None);
+                let u = <B as LinearOps>::linear(gathered, up, None);
                 B::swiglu(g, u, bias)
             }
         }
     }
+}
+
+/// `product(gathered)` for a product that works row by row, computed as `product(own)` (this
+/// rank's rows, ready before the gather ends) and the product of the other ranks' rows, then
+/// concatenated in rank order: the GEMM on `own` runs while the gather is in flight.
+///
+/// # Shapes
+/// - `own`: `[tokens, d_in]`, rank `rank`'s rows of `gathered: [size · tokens, d_in]`
+/// - output: `[size · tokens, d_out]`
+pub(crate) fn local_first<B: Backend>(
+    own: Tensor<B, 2>,
+    gathered: Tensor<B, 2>,
+    rank: usize,
+    size: usize,
+    product: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let tokens = own.dims()[0];
+    let own = product(own);
+    let before = (rank > 0).then(|| product(gathered.clone().narrow(0, 0, rank * tokens)));
+    let after_rows = (size - rank - 1) * tokens;
+    let after =
+        (after_rows > 0).then(|| product(gathered.narrow(0, (rank + 1) * tokens, after_rows)));
+    Tensor::cat(before.into_iter().chain([own]).chain(after).collect(), 0)
 }
 
 /// The projection of an input all-gathered over a tensor-parallel group.
@@ -81,7 +116,8 @@ pub trait GatheredLinearOps: LinearOps + SwiGluOps + DistBackend {
         projection: GatheredProjection<Self>,
         group: &ProcessGroup,
     ) -> DistResult<Tensor<Self, 2>> {
-        Ok(projection.apply(group.all_gather(x, 0)?))
+        let gathered = group.all_gather(x.clone(), 0)?;
+        Ok(projection.apply(x, gathered, group.rank(), group.size()))
     }
 }
 

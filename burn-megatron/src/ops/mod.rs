@@ -10,6 +10,9 @@
 //! - [`mod@gathered_linear`]: a column-parallel projection of a sequence-parallel input whose
 //!   backward reduce-scatters the input's gradient while it computes the weights' gradients
 //!   (`--tp-comm-overlap`).
+//! - [`mod@reduce_scattered_linear`]: a row-parallel projection and its sequence-parallel
+//!   reduce-scatter, whose backward computes this rank's input gradient while the output
+//!   gradient's all-gather runs (`--tp-comm-overlap`).
 //! - [`mod@bias`]: a bias added to every token, its gradient as deterministic column sums.
 //! - [`mod@gelu`]: GeLU (erf or tanh form) after an optional bias add, Megatron's bias-GeLU.
 //! - [`mod@swiglu`]: `silu(gate + b_g) · (up + b_u)` (bias-SwiGLU), with a sigmoid that keeps
@@ -61,6 +64,7 @@ pub mod norm;
 pub mod packed_flash_attention;
 mod primitive;
 pub mod recompute;
+pub mod reduce_scattered_linear;
 pub mod ring_flash_attention;
 pub mod rope;
 pub mod swiglu;
@@ -82,6 +86,7 @@ pub use linear::{LinearOps, linear, linear_output_major};
 pub use norm::{NormKind, NormOps, norm};
 pub use packed_flash_attention::PackedFlashAttentionOps;
 pub use recompute::{RecomputeOps, RecomputedAttention};
+pub use reduce_scattered_linear::ReduceScatteredLinearOps;
 pub use ring_flash_attention::RingFlashAttentionOps;
 pub use rope::RopeOps;
 pub use swiglu::{SwiGluOps, bias_swiglu, sigmoid, swiglu};

@@ -238,6 +238,12 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
         &self,
         input: Tensor<B, D>,
     ) -> DistResult<(Tensor<B, D>, Option<Tensor<B, 1>>)> {
+        if D == 3 && self.overlaps() {
+            let weight = self.weight.val();
+            let output = self.gathered(input, GatheredProjection::Linear { weight, bias: None })?;
+            let bias = self.bias.as_ref().map(|b| b.val());
+            return Ok((self.output(output)?, bias));
+        }
         self.try_forward_entered_skip_bias(self.input(input)?)
     }
 

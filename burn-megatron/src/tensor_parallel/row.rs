@@ -34,6 +34,13 @@ pub struct RowParallelLinearConfig {
     /// instead of all-reduced.
     #[config(default = false)]
     pub sequence_parallel: bool,
+    /// Under sequence parallelism, the product and the reduce-scatter run as one operation
+    /// whose backward computes this rank's tokens' input gradient while the output gradient's
+    /// all-gather runs ([`crate::ops::reduce_scattered_linear`], Megatron's
+    /// `--tp-comm-overlap`). For inputs of one sequence (`[1, seq, ..]`, as the MLP runs);
+    /// ignored otherwise, without sequence parallelism and in FP8.
+    #[config(default = false)]
+    pub comm_overlap: bool,
     /// Standard deviation of the normal initialisation of the weight (Megatron scales it by
     /// `1 / sqrt(2 · layers)` for the output layers of a transformer).
     #[config(default = 0.02)]
@@ -58,6 +65,8 @@ pub struct RowParallelLinear<B: Backend> {
     tp: TpContext,
     #[module(skip)]
     input_is_parallel: bool,
+    #[module(skip)]
+    comm_overlap: bool,
     /// The FP8 settings and scaling state, when the GEMMs run in FP8.
     #[module(skip)]
     fp8: Option<Fp8Linear>,
@@ -90,6 +99,7 @@ impl RowParallelLinearConfig {
             bias,
             tp: TpContext::new(tp, self.sequence_parallel),
             input_is_parallel: self.input_is_parallel,
+            comm_overlap: self.comm_overlap,
             fp8: self
                 .fp8
                 .clone()
@@ -156,13 +166,38 @@ impl<B: ModelBackend> RowParallelLinear<B> {
             let bias = self.bias.as_ref().map(|b| b.val());
             return self.product(input, bias);
         }
-        let output = self.tp.leave(self.product(input, None)?)?;
+        let dims = input.dims();
+        let output = match self.overlaps(&dims) {
+            true => {
+                // `[1, seq, d_input / tp]`: the sequence's rank shards are contiguous rows.
+                let rows = input.reshape([dims[1], dims[D - 1]]);
+                let group = &self.tp.group;
+                let y = B::reduce_scattered_linear(rows, self.weight.val(), group)?;
+                let mut out = dims;
+                out[1] /= group.size();
+                out[D - 1] = y.dims()[1];
+                y.reshape(out)
+            }
+            false => self.tp.leave(self.product(input, None)?)?,
+        };
         let Some(bias) = &self.bias else {
             return Ok(output);
         };
         // Under sequence parallelism each rank adds the bias to its own part of the sequence:
         // its gradient is partial (see `TpContext::replicated`).
         Ok(bias_add(output, self.tp.replicated(bias.val())?))
+    }
+
+    /// Whether the product and the reduce-scatter run as one overlapped operation for an input
+    /// of `dims`: `comm_overlap` under sequence parallelism, no FP8, and one sequence
+    /// `[1, seq, d_input / tp]`.
+    fn overlaps(&self, dims: &[usize]) -> bool {
+        self.comm_overlap
+            && self.tp.sequence_parallel
+            && self.fp8.is_none()
+            && self.input_is_parallel
+            && dims.len() == 3
+            && dims[0] == 1
     }
 
     /// `x A + b` on this rank's rows: [`linear`], or [`fp8_linear`] when the layer runs in

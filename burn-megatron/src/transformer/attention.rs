@@ -137,6 +137,7 @@ impl<B: ModelBackend> ParallelAttention<B> {
         let output = RowParallelLinearConfig::new(heads * head_dim, config.hidden_size)
             .with_bias(config.add_bias_linear)
             .with_sequence_parallel(config.sequence_parallel)
+            .with_comm_overlap(config.tp_comm_overlap)
             .with_init_std(output_init_std(config))
             .with_fp8(config.fp8.clone())
             .init(tp, seed("output"), device)?;

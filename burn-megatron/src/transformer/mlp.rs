@@ -85,6 +85,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
             fc2: RowParallelLinearConfig::new(config.ffn_hidden_size, config.hidden_size)
                 .with_bias(config.add_bias_linear)
                 .with_sequence_parallel(config.sequence_parallel)
+                .with_comm_overlap(config.tp_comm_overlap)
                 .with_init_std(output_init_std(config))
                 .with_fp8(config.fp8.clone())
                 .init(tp, seed("fc2"), device)?,

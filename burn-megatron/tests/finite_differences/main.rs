@@ -1,6 +1,7 @@
 //! Gradients against central finite differences, in f64 on the CPU: the dropout, RoPE, masked
 //! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding, bias-add and
-//! output-major linear ops, ring attention over CP thread ranks, and every parameter of a tiny
+//! output-major linear ops, ring attention over CP thread ranks, `--tp-comm-overlap`'s gathered
+//! and reduce-scattered projections over TP thread ranks, and every parameter of a tiny
 //! GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
@@ -23,6 +24,7 @@ mod norm;
 mod packed_flash_attention;
 mod rope;
 mod swiglu;
+mod tp_comm_overlap;
 
 use burn::backend::ndarray::NdArrayDevice;
 use burn::backend::{Autodiff, NdArray};
