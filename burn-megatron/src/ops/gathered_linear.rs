@@ -203,6 +203,9 @@ enum Product<B: Backend> {
     },
 }
 
+/// A projection's weight and the gradient of its product.
+type WeightAndGrad<B> = (Tensor<B, 2>, Tensor<B, 2>);
+
 /// The backward: the data gradient, its reduce-scatter started, then the weights' gradients.
 #[derive(Debug)]
 struct GatheredBackward;
@@ -225,34 +228,33 @@ impl<B: GatheredLinearOps> BackwardStep<B> for GatheredBackward {
         let input = wrap::<B, 2>(input);
         let dy = wrap::<B, 2>(grad);
         // `[(weight, gradient of its product)]`, and the biases' gradients.
-        let (products, bias_grads): (Vec<(Tensor<B, 2>, Tensor<B, 2>)>, Vec<Tensor<B, 1>>) =
-            match product {
-                Product::Linear { weight, bias } => {
-                    let bias_grads = match bias {
-                        true => vec![B::bias_gradient(dy.clone())],
-                        false => vec![],
-                    };
-                    (vec![(wrap(weight), dy)], bias_grads)
-                }
-                Product::SwiGlu {
-                    gate,
-                    up,
-                    g,
-                    u,
-                    bias,
-                } => {
-                    let (g, u) = (wrap(g), wrap(u));
-                    let bias = bias.map(|b| b.map(wrap));
-                    let ([dg, du], bias_grads) = match bias {
-                        Some(bias) => {
-                            let (d, b) = B::swiglu_backward_and_bias_gradients(g, u, bias, dy);
-                            (d, b.into())
-                        }
-                        None => (B::swiglu_backward(g, u, None, dy), vec![]),
-                    };
-                    (vec![(wrap(gate), dg), (wrap(up), du)], bias_grads)
-                }
-            };
+        let (products, bias_grads): (Vec<WeightAndGrad<B>>, Vec<Tensor<B, 1>>) = match product {
+            Product::Linear { weight, bias } => {
+                let bias_grads = match bias {
+                    true => vec![B::bias_gradient(dy.clone())],
+                    false => vec![],
+                };
+                (vec![(wrap(weight), dy)], bias_grads)
+            }
+            Product::SwiGlu {
+                gate,
+                up,
+                g,
+                u,
+                bias,
+            } => {
+                let (g, u) = (wrap(g), wrap(u));
+                let bias = bias.map(|b| b.map(wrap));
+                let ([dg, du], bias_grads) = match bias {
+                    Some(bias) => {
+                        let (d, b) = B::swiglu_backward_and_bias_gradients(g, u, bias, dy);
+                        (d, b.into())
+                    }
+                    None => (B::swiglu_backward(g, u, None, dy), vec![]),
+                };
+                (vec![(wrap(gate), dg), (wrap(up), du)], bias_grads)
+            }
+        };
         // The input's gradient first, so that its reduce-scatter runs beside the weight
         // gradients' GEMMs. Summed in the order Burn sums a parent's gradients.
         register(grads, parent(parents, 0), || {
