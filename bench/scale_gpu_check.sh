@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|fp8|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -20,8 +20,17 @@ ours() { # name, preset, flags...
   local name=$1 preset=$2; shift 2
   echo "=== ours $name: $preset $*" | tee -a $OUT/scale.log
   local s=$(date +%s)
+  # The peak memory of the GPUs, sampled every 0.5 s (nvidia-smi: the CUDA context and NCCL's
+  # buffers included), for the planner's predicted peak.
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > $OUT/$name.smi 2>/dev/null &
+  local smi=$!
   timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" > $OUT/$name.log 2>&1
   echo "rc=$? seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  echo "peak MiB per GPU (nvidia-smi): $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' $OUT/$name.smi)" | tee -a $OUT/scale.log
+  if [ -n "${PLAN:-}" ]; then
+    $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" --plan --gpu-memory-gib 140 2>&1 | grep -iE "peak|fits|predicted|^ *TP|layout" | head -12 | tee -a $OUT/scale.log
+  fi
   grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -${ITERS} | cut -c1-400 | tee -a $OUT/scale.log
 }
 torch() { # name, flags...
@@ -72,4 +81,20 @@ if part fp8; then
   ours llama_vp4_gb32_fp8 llama3_8b $L --fp8-format hybrid --fp8-recipe tensorwise
   torch llama_fsdp_bf16 --preset llama3-8b --batch 1 --steps $ITERS
   torch llama_fsdp_fp8 --preset llama3-8b --batch 1 --steps $ITERS --fp8
+fi
+if part overlap; then
+  # --tp-comm-overlap (issue 31): Llama-3 8B at TP 4 + SP and at the best layout (TP 2 x PP 2
+  # interleaved, 4 chunks a rank, global batch 32), each without and with it, and the peer.
+  T4="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel"
+  L="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --num-layers-per-virtual-pipeline-stage 4 --global-batch-size 32"
+  ours llama_tp4 llama3_8b $T4
+  ours llama_tp4_overlap llama3_8b $T4 --tp-comm-overlap
+  ours llama_vp4_gb32 llama3_8b $L
+  ours llama_vp4_gb32_overlap llama3_8b $L --tp-comm-overlap
+  torch llama_fsdp --preset llama3-8b --batch 1 --steps $ITERS
+fi
+if part pp4; then
+  # The planner's first choice for Llama-3 8B on 4 GPUs: no tensor parallelism, PP 4
+  # interleaved (4 chunks of 2 layers a rank), global batch 32.
+  ours llama_pp4_vp4_gb32 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 32
 fi

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Several GPU checks in one device call, each cut at its own time limit, their logs packed into
+# one file (a device call returns at most 8 files), packed again after each step. Every check writes under /tmp/gpu_batch/STEP;
+# at the end $OUT holds logs.tgz (all of them) and each check's summary file.
+#
+#   bash bench/gpu_batch.sh overlap fault          # 4 GPUs
+#   bash bench/gpu_batch.sh cp moe                 # 4 GPUs
+#   bash bench/gpu_batch.sh fp8 ckpt               # 1 GPU
+#
+# Steps (the scripts they run say what each measures):
+#   overlap  PART=overlap bench/scale_gpu_check.sh: Llama-3 8B with and without --tp-comm-overlap
+#   pp4      PART=pp4 bench/scale_gpu_check.sh: Llama-3 8B at PP 4 interleaved
+#   fault    bench/fault_gpu_check.sh: kill -9 of a rank, the restart and resume
+#   cp       PART=key bench/context_parallel_gpu_check.sh (BUDGET=CP_BUDGET, default 300 s)
+#   moe      bench/moe_gpu_check.sh (BUDGET=MOE_BUDGET, default 240 s)
+#   fp8      PART=gemm and PART=step of bench/fp8_gpu_check.sh
+#   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
+# Settings: STEP_LIMIT (seconds a step may take, default 560).
+set -u
+cd "$(dirname "$0")/.."
+: "${OUT:?OUT must name the folder the call returns}"
+ROOT=/tmp/gpu_batch
+mkdir -p "$ROOT"
+for z in .gpu/bin/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
+chmod +x .gpu/bin/* 2>/dev/null
+step() { # name, then the command (run with OUT=$ROOT/name)
+  local name=$1; shift
+  mkdir -p "$ROOT/$name"
+  echo "##### $name $(date -u +%H:%M:%S): $*"
+  local s=$(date +%s)
+  OUT="$ROOT/$name" timeout "${STEP_LIMIT:-560}" "$@" 2>&1 | tee "$ROOT/$name/stdout.log" | tail -${TAIL:-60}
+  echo "##### $name rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - s ))"
+  pack
+}
+# The logs so far into $OUT (after every step: a call cut at its limit still returns them).
+pack() {
+  tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
+  for f in overlap/scale.log pp4/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv; do
+    [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
+  done
+}
+for s in "$@"; do
+  case "$s" in
+    overlap) step overlap env PART=overlap ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
+    pp4) step pp4 env PART=pp4 ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
+    fault) step fault bash bench/fault_gpu_check.sh ;;
+    cp) step cp env PART=key BUDGET="${CP_BUDGET:-300}" bash bench/context_parallel_gpu_check.sh ;;
+    moe) step moe env BUDGET="${MOE_BUDGET:-240}" bash bench/moe_gpu_check.sh ;;
+    fp8)
+      step fp8_gemm env PART=gemm bash bench/fp8_gpu_check.sh
+      step fp8_step env PART=step bash bench/fp8_gpu_check.sh
+      ;;
+    ckpt)
+      step ckpt bash -c 'source .gpu/env.sh
+        timeout 200 .gpu/bin/checkpoint_bench --preset gpt-1b --device cuda --dtype bf16 --repeats 3 --dir /tmp/bm_ckpt
+        echo "rc=$?"
+        timeout 150 python3 bench/torch_checkpoint.py --preset gpt-1b --device cuda --dtype bf16 --repeats 3 --dir /tmp/torch_ckpt
+        echo "rc=$?"'
+      ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+ls -la "$OUT"
