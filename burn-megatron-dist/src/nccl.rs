@@ -190,6 +190,11 @@ impl NcclGroup {
         &self.gpu
     }
 
+    /// The error the watchdog ended a collective with, if any, without waiting.
+    pub fn failure(&self) -> DistResult<()> {
+        self.watchdog.failure()
+    }
+
     /// Waits for every collective started so far to end on the GPU.
     pub fn synchronize(&self) -> DistResult<()> {
         self.watchdog.synchronize()

@@ -101,6 +101,27 @@ impl ParallelState {
         })
     }
 
+    /// The first error that has ended a collective of any of this rank's groups
+    /// ([`ProcessGroup::failure`]), without waiting.
+    pub fn failure(&self) -> DistResult<()> {
+        let groups = [
+            &self.world,
+            &self.tp,
+            &self.pp,
+            &self.dp,
+            &self.cp,
+            &self.dp_cp,
+            &self.tp_cp,
+            &self.model_parallel,
+            &self.ep,
+            &self.expert_dp,
+        ];
+        for group in groups.into_iter().chain(self.embedding.as_ref()) {
+            group.failure()?;
+        }
+        Ok(())
+    }
+
     /// Tensor-parallel group.
     pub fn tp(&self) -> &ProcessGroup {
         &self.tp

@@ -166,6 +166,19 @@ impl Watchdog {
         Ok(tracked)
     }
 
+    /// The error that ended a collective (a failed peer, a timeout), if the watchdog has seen
+    /// one, without waiting for the collectives in flight.
+    pub fn failure(&self) -> DistResult<()> {
+        let mut state = self.lock();
+        match state.error.clone() {
+            Some(error) => {
+                state.error_seen = true;
+                Err(error)
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Waits until every tracked collective has ended, or returns the error that ended one.
     pub fn synchronize(&self) -> DistResult<()> {
         self.wait(true)

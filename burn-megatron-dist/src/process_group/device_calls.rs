@@ -351,6 +351,18 @@ impl ProcessGroup {
             .collect())
     }
 
+    /// The error the group's NCCL watchdog ended a collective with, if any, without waiting.
+    pub(crate) fn nccl_failure(&self) -> DistResult<()> {
+        let nccl = self
+            .inner
+            .shared
+            .nccl
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        nccl.map_or(Ok(()), |nccl| nccl.failure())
+    }
+
     /// Waits until every GPU collective this rank started on the group has ended, or returns
     /// the error that ended one (the watchdog's timeout, a peer that failed).
     pub(crate) fn nccl_synchronize(&self) -> DistResult<()> {

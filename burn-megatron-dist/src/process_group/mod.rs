@@ -406,6 +406,19 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// The error that has ended a collective of this group, if one has, without waiting: a
+    /// collective that failed inside a backward pass, or one the NCCL watchdog aborted (a
+    /// peer died, a timeout). Calls over NCCL return once enqueued, so a step whose
+    /// collectives were aborted under it ends with wrong values and no error: a training loop
+    /// checks this after reading the step's values, before it logs or saves them.
+    pub fn failure(&self) -> DistResult<()> {
+        self.backward_failure()?;
+        #[cfg(feature = "cuda")]
+        return self.nccl_failure();
+        #[cfg(not(feature = "cuda"))]
+        Ok(())
+    }
+
     /// The next collective's sequence number on this rank.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn next_seq(&self) -> u64 {

@@ -416,6 +416,10 @@ where
             "the step's loss and gradient norm",
         )?
         .into_iter();
+        // Collectives over NCCL return once enqueued: if the watchdog aborted one of this step
+        // (a peer died), the values just read are wrong and nothing has said so. End with the
+        // watchdog's error (naming the dead rank) before logging or saving them.
+        state.failure()?;
         let [loss, grad_norm] = [(); 2].map(|_| values.next().unwrap_or(f64::NAN));
         let [loss_scale, max_memory_bytes] =
             optional.map(|t| t.map(|_| values.next().unwrap_or(f64::NAN)));
