@@ -16,6 +16,7 @@
 #   moe      bench/moe_gpu_check.sh (BUDGET=MOE_BUDGET, default 240 s)
 #   fp8      PART=gemm and PART=step of bench/fp8_gpu_check.sh
 #   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
+#   single   ckpt on GPU 0 and fp8's PART=step on GPU 1 at the same time
 # Settings: STEP_LIMIT (seconds a step may take, default 560).
 set -u
 cd "$(dirname "$0")/.."
@@ -40,6 +41,12 @@ pack() {
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
+# The checkpoint benchmark, ours then PyTorch's.
+CKPT='source .gpu/env.sh
+  timeout 200 .gpu/bin/checkpoint_bench --preset gpt-1b --device cuda --dtype bf16 --repeats 3 --dir /tmp/bm_ckpt
+  echo "rc=$?"
+  timeout 150 python3 bench/torch_checkpoint.py --preset gpt-1b --device cuda --dtype bf16 --repeats 3 --dir /tmp/torch_ckpt
+  echo "rc=$?"'
 for s in "$@"; do
   case "$s" in
     overlap) step overlap env PART=overlap ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
@@ -65,12 +72,16 @@ for s in "$@"; do
       step fp8_gemm env PART=gemm bash bench/fp8_gpu_check.sh
       step fp8_step env PART=step bash bench/fp8_gpu_check.sh
       ;;
-    ckpt)
-      step ckpt bash -c 'source .gpu/env.sh
-        timeout 200 .gpu/bin/checkpoint_bench --preset gpt-1b --device cuda --dtype bf16 --repeats 3 --dir /tmp/bm_ckpt
-        echo "rc=$?"
-        timeout 150 python3 bench/torch_checkpoint.py --preset gpt-1b --device cuda --dtype bf16 --repeats 3 --dir /tmp/torch_ckpt
-        echo "rc=$?"'
+    ckpt) step ckpt bash -c "$CKPT" ;;
+    # The one-GPU checks side by side on a machine of several GPUs: the checkpoint benchmark on
+    # GPU 0, FP8's step on GPU 1 (separate GPUs: neither disturbs the other's timings much).
+    single)
+      mkdir -p "$ROOT/ckpt" "$ROOT/fp8_step"
+      ( CUDA_VISIBLE_DEVICES=0 timeout 300 bash -c "$CKPT" > "$ROOT/ckpt/stdout.log" 2>&1 ) &
+      ( CUDA_VISIBLE_DEVICES=1 OUT="$ROOT/fp8_step" timeout 400 env PART=step bash bench/fp8_gpu_check.sh > "$ROOT/fp8_step/stdout.log" 2>&1 ) &
+      wait
+      cat "$ROOT/ckpt/stdout.log" "$ROOT/fp8_step/stdout.log" | grep -vE "^\s*$" | tail -40
+      pack
       ;;
     *) echo "unknown step $s" ;;
   esac
