@@ -33,8 +33,9 @@
 //! communication (the all-gather's gradient is reduce-scattered; the ring exchange's gradient
 //! goes back round the ring).
 //!
-//! Not here yet: overlap of the ring's exchange with the attention, attention dropout, and
-//! runs on GPUs (see the book's "Context parallelism" page).
+//! The fused ring starts each step's K/V exchange before the step's attention and sends a copy,
+//! so that the two overlap on our CUDA backend (the compositions run one after the other). Not
+//! here yet: attention dropout (see the book's "Context parallelism" page).
 
 pub mod all_gather;
 pub mod all_to_all;

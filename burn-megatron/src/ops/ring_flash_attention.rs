@@ -3,12 +3,13 @@
 //! passes the K/V gradients back around the ring.
 //!
 //! A rank holds two chunks of queries and, at ring step `s`, the K/V block of the rank `s`
-//! before it (passed on to the next rank between steps). Each block pair it computes is one
-//! call of [`FlashAttentionOps::flash_attention`]: a chunk against itself is causal attention
-//! on aligned blocks, a chunk against an earlier one is full attention, so the fused kernels
-//! (cuDNN on our CUDA backend) take every pair as it is. Which pairs a step computes is the
-//! caller's [`RingPlan`] (the load-balanced split of
-//! [`crate::context_parallel`]). The pairs' results are merged by log-sum-exp
+//! before it, whose passing on to the next rank starts before the step's attention reads it
+//! (a copy is sent, so that the two overlap on our CUDA backend). Each block pair it computes
+//! is one call of [`FlashAttentionOps::flash_attention`]: a chunk against itself is causal
+//! attention on aligned blocks, a chunk against an earlier one is full attention, so the fused
+//! kernels (cuDNN on our CUDA backend) take every pair as it is. Which pairs a step computes is
+//! the caller's [`RingPlan`] (the load-balanced split of [`crate::context_parallel`]). The
+//! pairs' results are merged by log-sum-exp
 //! (`lse = log Σ exp(lse_j)`, `out = Σ exp(lse_j - lse) out_j`) in f32.
 //!
 //! The backward of the merged attention needs no gradient through the merge: with the merged
@@ -111,19 +112,18 @@ fn ring_forward<B: FlashAttentionOps + DistBackend>(
     let wide = wide(dtype);
     let queries = [0, 1].map(|i| q.clone().narrow(2, i * len, len));
     let mut running: [Option<(Tensor<B, 4>, Tensor<B, 3>)>; 2] = [None, None];
-    // K and V travel as one tensor: one exchange a step.
-    let mut kv = Tensor::cat(vec![k, v], 1);
+    let mut held = [k, v];
     for (step, blocks) in plan.steps.iter().enumerate() {
         let next = match step + 1 < plan.steps.len() {
-            true => Some(Comm::RingToNext.apply(group, kv.clone())?),
+            true => Some(pass_on(&held, group)?),
             false => None,
         };
         for block in blocks {
-            let keys = kv.clone().narrow(2, block.key * len, len);
+            let [keys, values] = held.clone().map(|t| t.narrow(2, block.key * len, len));
             let (out, lse) = B::flash_attention(
                 queries[block.query].clone(),
-                keys.clone().narrow(1, 0, kv_heads),
-                keys.narrow(1, kv_heads, kv_heads),
+                keys,
+                values,
                 scale,
                 block.causal,
             );
@@ -134,13 +134,32 @@ fn ring_forward<B: FlashAttentionOps + DistBackend>(
             });
         }
         if let Some(next) = next {
-            kv = next;
+            held = split_kv(next, kv_heads);
         }
     }
     let [early, late] = running.map(|r| r.expect("the plan gives each query chunk a block"));
     let out = Tensor::cat(vec![early.0, late.0], 2).cast(dtype);
     let lse = Tensor::stack(vec![early.1, late.1], 0);
     Ok((out, lse))
+}
+
+/// Starts passing the K/V block `held` (`[k, v]`) to the next rank of the ring; returns the
+/// block of the previous rank, `[batch, 2 · kv_heads, seq, head_dim]` (K's heads, then V's).
+///
+/// K and V travel as one tensor, a new one: one exchange a step, and no memory shared with
+/// `held`. On our CUDA backend the exchange runs on a side stream, and a later kernel touching
+/// its memory, even only reading it, waits for its end; so the step's attention, which reads
+/// `held`, runs while the exchange is under way instead of after it.
+fn pass_on<B: DistBackend>(
+    held: &[Tensor<B, 4>; 2],
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, 4>> {
+    Comm::RingToNext.apply(group, Tensor::cat(held.to_vec(), 1))
+}
+
+/// `[k, v]` of a block received from [`pass_on`].
+fn split_kv<B: Backend>(kv: Tensor<B, 4>, kv_heads: usize) -> [Tensor<B, 4>; 2] {
+    [0, 1].map(|i| kv.clone().narrow(1, i * kv_heads, kv_heads))
 }
 
 /// The dtype the merge and the gradient sums run in: f32, or f64 for f64.
@@ -276,22 +295,30 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
     let [_, batch, heads, _] = lse.dims();
     let chunk_lse = |i: usize| lse.clone().narrow(0, i, 1).reshape([batch, heads, len]);
     let mut dq: [Option<Tensor<B, 4>>; 2] = [None, None];
-    let mut kv = Tensor::cat(vec![k, v], 1);
-    let zeros = |kv: &Tensor<B, 4>| Tensor::<B, 4>::zeros(kv.shape(), (&kv.device(), wide));
-    let mut dkv = zeros(&kv);
+    let [_, _, seq, head_dim] = k.dims();
+    let device = k.device();
+    let zeros = |shape: [usize; 4]| Tensor::<B, 4>::zeros(shape, (&device, wide));
+    let mut dkv = zeros([batch, 2 * kv_heads, seq, head_dim]);
     let add = |sum: Option<Tensor<B, 4>>, t: Tensor<B, 4>| match sum {
         Some(sum) => sum + t,
         None => t,
     };
+    let mut held = [k, v];
     for (step, blocks) in plan.steps.iter().enumerate() {
+        // The block is passed on before this step's gradients are computed from it, so that
+        // the exchange runs under them (see `pass_on`).
+        let next = match step + 1 < plan.steps.len() {
+            true => Some(pass_on(&held, group)?),
+            false => None,
+        };
         let mut dkv_chunks: [Option<Tensor<B, 4>>; 2] = [None, None];
         for block in blocks {
             let (i, j) = (block.query, block.key);
-            let keys = chunk4(&kv, j);
+            let [keys, values] = held.clone().map(|t| chunk4(&t, j));
             let [dq_block, dk_block, dv_block] = B::flash_attention_backward(
                 chunk4(&q, i),
-                keys.clone().narrow(1, 0, kv_heads),
-                keys.narrow(1, kv_heads, kv_heads),
+                keys,
+                values,
                 chunk4(&out, i),
                 chunk_lse(i),
                 chunk4(&grad, i),
@@ -304,18 +331,18 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
         }
         let [early, late] = dkv_chunks;
         if early.is_some() || late.is_some() {
-            let own = zeros(&chunk4(&kv, 0));
+            let own = zeros([batch, 2 * kv_heads, len, head_dim]);
             let [early, late] = [early, late].map(|c| c.unwrap_or_else(|| own.clone()));
             dkv = dkv + Tensor::cat(vec![early, late], 2);
         }
-        // Pass the block on with what this rank added; after the last step, the gradient
-        // alone goes to the rank whose K/V it is.
-        if step + 1 < plan.steps.len() {
-            kv = Comm::RingToNext.apply(group, kv)?;
-        }
+        // Pass the gradient on with what this rank added; after the last step, it goes to
+        // the rank whose K/V it is.
         dkv = Comm::RingToNext.apply(group, dkv)?;
+        if let Some(next) = next {
+            held = split_kv(next, kv_heads);
+        }
     }
-    let [early, late] = dq.map(|d| d.unwrap_or_else(|| zeros(&chunk4(&q, 0))));
+    let [early, late] = dq.map(|d| d.unwrap_or_else(|| zeros([batch, heads, len, head_dim])));
     let dq = Tensor::cat(vec![early, late], 2).cast(q_dtype);
     let dk = dkv.clone().narrow(1, 0, kv_heads).cast(kv_dtype);
     let dv = dkv.narrow(1, kv_heads, kv_heads).cast(kv_dtype);

@@ -123,3 +123,38 @@ fn rope_equals_the_composition_and_its_backward_undoes_it() {
         }
     }
 }
+
+/// The kernel at given positions (`RopeOps::packed_rope_at`, context parallelism's two
+/// chunks of the sequence) against the composition at them, in f32 and f16, forward and
+/// backward, at the first call (which builds the table of these positions) and at a later one.
+#[test]
+fn rope_at_positions_equals_the_composition() {
+    use burn_megatron::ops::rope::packed_rope_at_composition;
+    let device = WgpuDevice::default();
+    // [batch, seq, groups, heads_per_group + 2, head_dim], and rank 1 of CP 2's positions.
+    let dims = [2, 6, 2, 4, 16];
+    let positions = [3, 4, 5, 6, 7, 8];
+    let n = dims.iter().product();
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        let qkv = Tensor::<W, 5>::from_data(TensorData::new(random(n, 7, 2.0), dims), &device)
+            .cast(dtype);
+        let f32_of = |t: Tensor<W, 5>| t.cast(DType::F32);
+        for inverse in [false, true] {
+            let want =
+                packed_rope_at_composition(f32_of(qkv.clone()), &positions, 500_000.0, inverse);
+            for call in 0..2 {
+                let got = match inverse {
+                    true => W::packed_rope_at_backward(qkv.clone(), &positions, 500_000.0),
+                    false => W::packed_rope_at(qkv.clone(), &positions, 500_000.0),
+                };
+                assert_eq!(got.dtype(), dtype);
+                assert_close(
+                    &format!("{dtype:?} inverse={inverse} call {call}"),
+                    &values(f32_of(got)),
+                    &values(want.clone()),
+                    bound,
+                );
+            }
+        }
+    }
+}
