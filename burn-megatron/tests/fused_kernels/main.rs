@@ -18,6 +18,7 @@ mod embedding;
 mod flash_attention;
 mod fp8;
 mod gelu;
+mod moe;
 mod norm;
 mod packed_flash_attention;
 mod rope;

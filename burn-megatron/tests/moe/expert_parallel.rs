@@ -10,11 +10,11 @@
 //!   (what data parallelism does), equal the reference's.
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::transformer::Activation;
-use burn_megatron::transformer::moe::{MoeConfig, MoeLayer, RouterScoreFunction};
+use burn_megatron::transformer::moe::{MoeConfig, MoeLayer, RouterScoreFunction, TokenDispatcher};
 use burn_megatron_dist::ParallelSizes;
 
 use crate::{AD, B, assert_close, run, tolerance, values};
@@ -319,5 +319,42 @@ fn starved_experts_have_zero_gradients() {
                 assert!(largest > 0.0, "rank {rank} {path} should be trained");
             }
         }
+    }
+}
+
+/// Counts per expert that disagree with the routing (as the BF16-rounded counts of the first
+/// GPU run did) fail the plan on every rank alike, before any row index is built from them.
+#[test]
+fn counts_that_disagree_with_the_routing_fail_every_rank() {
+    let errors = run(2, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default().with_ep(2))?;
+        let dispatcher = TokenDispatcher::new(state.ep(), EXPERTS);
+        let device = Default::default();
+        // Three tokens, top-2: experts [0, 1], [1, 3], [2, 1], so counts [1, 3, 1, 1].
+        let experts = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(vec![0i64, 1, 1, 3, 2, 1], [3, 2]),
+            &device,
+        );
+        let counts = |c: [i64; EXPERTS]| {
+            Tensor::<B, 1, Int>::from_data(TensorData::new(c.to_vec(), [EXPERTS]), &device)
+        };
+        let plan = dispatcher.plan(experts.clone(), counts([1, 3, 1, 1]))?;
+        assert_eq!(plan.tokens_per_expert, [1, 3, 1, 1]);
+        // Rank 1's count of expert 1 one short, as BF16 rounds 257 to 256.
+        let wrong = match state.ep().rank() {
+            0 => [1, 3, 1, 1],
+            _ => [1, 2, 1, 1],
+        };
+        Ok(dispatcher
+            .plan(experts, counts(wrong))
+            .err()
+            .map(|e| e.to_string()))
+    });
+    for (rank, error) in errors.into_iter().enumerate() {
+        let error = error.unwrap_or_else(|| panic!("rank {rank}: the plan took wrong counts"));
+        assert!(
+            error.contains("EP rank 1's counts per expert add up to 5, not to its 6"),
+            "rank {rank}: {error}"
+        );
     }
 }

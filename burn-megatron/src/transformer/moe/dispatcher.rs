@@ -5,9 +5,10 @@
 //! Sizes vary from batch to batch and from rank to rank, while the group's all-to-all
 //! ([`all_to_all`]) splits a tensor into equal shards. So the exchange goes in two steps:
 //!
-//! 1. the ranks all-gather how many tokens each of them routes to each expert (a
-//!    `[ep · num_experts]` exchange read to the host, the only synchronisation with it: the
-//!    tokens are sorted by expert on the device, as in Megatron's all-to-all dispatcher);
+//! 1. the ranks all-gather how many tokens each of them routes to each expert, and their
+//!    total (a `[ep · (num_experts + 1)]` exchange read to the host, the only synchronisation
+//!    with it: the tokens are sorted by expert on the device, as in Megatron's all-to-all
+//!    dispatcher);
 //! 2. every rank pads its block for each destination to the largest block any rank sends
 //!    (`max_rows`, at least 1) and runs one equal-split, differentiable all-to-all; the
 //!    receiver drops the padding.
@@ -22,7 +23,9 @@
 
 use std::ops::Range;
 
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{
+    DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend,
+};
 use burn_megatron_dist::mapping::all_to_all;
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
@@ -101,8 +104,11 @@ impl TokenDispatcher {
 
     /// Plans the exchange of `experts` (`[num_tokens, top_k]`, [`Routing::experts`]) whose
     /// counts per expert are `tokens_per_expert` (`[num_experts]`), all-gathering every
-    /// rank's counts: the one read to the host (`ep · num_experts` integers). Every rank of
-    /// the group must call it.
+    /// rank's counts and its `num_tokens · top_k`: the one read to the host
+    /// (`ep · (num_experts + 1)` integers). Every rank of the group must call it. Counts that
+    /// do not add up to their rank's total fail every rank's plan alike
+    /// ([`DistError::InvalidArgument`]): row indices built from them would point past the
+    /// buffers.
     ///
     /// The assignments are sorted by expert (so by destination, then by its local expert) on
     /// the device, stably, so that tokens keep their order within an expert: a counting sort,
@@ -119,8 +125,19 @@ impl TokenDispatcher {
         let (e_all, e_local) = (self.num_experts, self.num_local_experts());
         let [num_tokens, top_k] = experts.dims();
         let device = experts.device();
-        // counts_of[r][e]: assignments rank r routes to expert e.
-        let local = tokens_per_expert.float().cast(DType::F32);
+        // counts_of[r][e]: assignments rank r routes to expert e. Cast to F32 directly, not
+        // through the default float dtype: BF16 holds integers exactly only up to 256, and a
+        // rounded count puts assignments in the wrong rows of the buffers (on a GPU, reads and
+        // writes past their ends). F32 is exact up to 2^24 assignments a rank.
+        let assignments = num_tokens * top_k;
+        let total = TensorData::new(vec![assignments as f32], [1]);
+        let local = Tensor::cat(
+            vec![
+                tokens_per_expert.cast(FloatDType::F32),
+                Tensor::from_data(total, (&device, DType::F32)),
+            ],
+            0,
+        );
         let all = match ep {
             1 => local,
             _ => self.ep.all_gather(local, 0)?,
@@ -136,9 +153,16 @@ impl TokenDispatcher {
             .convert::<f32>()
             .to_vec::<f32>()
             .map_err(|e| error(format!("{e:?}")))?;
+        check_counts(&all, ep, e_all).map_err(|detail| {
+            DistError::InvalidArgument(format!(
+                "rank {}: the expert token counts all-gathered over EP on group '{}': {detail}",
+                self.ep.global_rank(),
+                self.ep.name()
+            ))
+        })?;
         let counts_of: Vec<Vec<usize>> = all
-            .chunks(e_all)
-            .map(|c| c.iter().map(|&v| v as usize).collect())
+            .chunks(e_all + 1)
+            .map(|c| c[..e_all].iter().map(|&v| v as usize).collect())
             .collect();
         let counts = &counts_of[rank];
         let to_rank = |c: &[usize], q: usize| c[q * e_local..(q + 1) * e_local].iter().sum();
@@ -160,7 +184,6 @@ impl TokenDispatcher {
             .collect();
         let map = assignment_map(experts.clone(), e_all);
         let before = map.clone().cumsum(0) - map.clone();
-        let assignments = num_tokens * top_k;
         let index = (before * map).sum_dim(1).reshape([assignments]);
         let flat = experts.reshape([assignments]);
         let combine_rows = index + int_tensor(&first, &device).select(0, flat);
@@ -246,6 +269,33 @@ impl TokenDispatcher {
         let weighted = per_assignment * weights.unsqueeze_dim::<3>(2);
         Ok(weighted.sum_dim(1).reshape([plan.num_tokens, hidden]))
     }
+}
+
+/// Checks the all-gathered counts (`[ep · (num_experts + 1)]`: each rank's counts per
+/// expert, then its number of assignments) before they size the exchange: whole non-negative
+/// numbers, each rank's counts adding up to its total. Every rank checks every rank's, so all
+/// of them fail together.
+fn check_counts(all: &[f32], ep: usize, num_experts: usize) -> Result<(), String> {
+    if all.len() != ep * (num_experts + 1) {
+        return Err(format!(
+            "{} values, not {ep} ranks × ({num_experts} experts + 1)",
+            all.len()
+        ));
+    }
+    if let Some(v) = all.iter().find(|v| !(v.fract() == 0.0 && **v >= 0.0)) {
+        return Err(format!("a count of {v}, not a whole number of tokens"));
+    }
+    for (rank, chunk) in all.chunks(num_experts + 1).enumerate() {
+        let sum: f64 = chunk[..num_experts].iter().map(|&v| f64::from(v)).sum();
+        let total = chunk[num_experts];
+        if sum != f64::from(total) {
+            return Err(format!(
+                "EP rank {rank}'s counts per expert add up to {sum}, not to its {total} token \
+                 assignments (tokens × top-k): they disagree with its routing"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `x` with a row of zeros appended.

@@ -16,7 +16,7 @@
 //!
 //! Not yet: capacity and token dropping, grouped-GEMM kernels, the all-gather dispatcher,
 //! expert tensor parallelism, a variable-split all-to-all (the only host read of a forward
-//! pass is the `ep · num_experts` token counts that size it).
+//! pass is the `ep · (num_experts + 1)` token counts that size it).
 
 pub mod config;
 pub mod dispatcher;

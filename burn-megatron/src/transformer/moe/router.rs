@@ -4,11 +4,12 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
 use crate::error::{DeviceError, read_data};
+use crate::ops::norm::statistics_dtype;
 use crate::ops::{linear, sigmoid};
 
 /// How the router turns its logits into scores (Megatron's `--moe-router-score-function`).
@@ -185,10 +186,16 @@ impl<B: ModelBackend> Router<B> {
                     group_load::<B>(group, tokens_per_expert.clone(), num_tokens, &device)?;
                 let counts: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
                 let counts = TensorData::new(counts, [1, num_experts]);
-                (Tensor::<B, 2>::from_data(counts, &device), total)
+                (
+                    Tensor::<B, 2>::from_data(counts, (&device, DType::F32)),
+                    total,
+                )
             }
             None => (
-                tokens_per_expert.clone().float().reshape([1, num_experts]),
+                tokens_per_expert
+                    .clone()
+                    .cast(FloatDType::F32)
+                    .reshape([1, num_experts]),
                 num_tokens,
             ),
         };
@@ -199,7 +206,6 @@ impl<B: ModelBackend> Router<B> {
                 RouterScoreFunction::Softmax => scores,
                 RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
             };
-            let counts = counts.cast(probs.dtype());
             load_balancing_share(probs, counts, total, s.top_k, s.aux_loss_coeff)
         };
         let z_loss = if s.z_loss_coeff == 0.0 {
@@ -247,14 +253,19 @@ pub fn load_balancing_loss<B: Backend>(
 ) -> Tensor<B, 1> {
     let [num_tokens, num_experts] = probs.dims();
     let counts: Vec<f64> = tokens_per_expert.iter().map(|&c| c as f64).collect();
-    let counts = Tensor::<B, 2>::from_data(TensorData::new(counts, [1, num_experts]), device);
+    let counts = TensorData::new(counts, [1, num_experts]);
+    let counts = Tensor::<B, 2>::from_data(counts, (device, DType::F32));
     load_balancing_share(probs, counts, num_tokens, top_k, coeff)
 }
 
 /// A rank's share of the load-balancing loss of a batch of `total` tokens spread over
 /// several ranks: `coeff · E / (N² k) · Σ_e (Σ_t p_te) · c_e`, with the batch's counts
-/// `c_e` (`[1, num_experts]`, `probs`' dtype) and this rank's probabilities `p_te`; with `N`
-/// this rank's tokens and `c` its counts it is [`load_balancing_loss`].
+/// `c_e` (`[1, num_experts]`, F32) and this rank's probabilities `p_te`; with `N` this rank's
+/// tokens and `c` its counts it is [`load_balancing_loss`].
+///
+/// Computed in F32 (F64 for F64 `probs`) and returned in `probs`' dtype: in F16,
+/// `Σ_t p_te · c_e` overflows past a few hundred tokens (and the scale underflows), which made
+/// the loss NaN.
 fn load_balancing_share<B: Backend>(
     probs: Tensor<B, 2>,
     counts: Tensor<B, 2>,
@@ -263,8 +274,14 @@ fn load_balancing_share<B: Backend>(
     coeff: f64,
 ) -> Tensor<B, 1> {
     let [_, num_experts] = probs.dims();
+    let dtype = probs.dtype();
+    let stat = statistics_dtype(dtype);
     let scale = coeff * num_experts as f64 / (total as f64 * (total * top_k) as f64);
-    (probs.sum_dim(0) * counts).sum().mul_scalar(scale)
+    let per_expert = probs.cast(stat).sum_dim(0);
+    (per_expert * counts.cast(stat))
+        .sum()
+        .mul_scalar(scale)
+        .cast(dtype)
 }
 
 /// The counts per expert and the tokens of every rank of `group` added up: one all-gather of
@@ -285,7 +302,8 @@ fn group_load<B: DistBackend>(
         TensorData::new(vec![num_tokens as f32], [1]),
         (device, DType::F32),
     );
-    let local = Tensor::cat(vec![tokens_per_expert.float().cast(DType::F32), own], 0);
+    // Straight to F32: through the default float dtype (BF16), counts above 256 would round.
+    let local = Tensor::cat(vec![tokens_per_expert.cast(FloatDType::F32), own], 0);
     let len = local.dims()[0];
     let all = group.all_gather(local, 0)?;
     let all = all.try_into_data().map_err(|e| error(e.to_string()))?;
@@ -305,7 +323,9 @@ fn group_load<B: DistBackend>(
 
 /// The indices of the `k` largest values of each row, largest first, ties to the lower index:
 /// `k` arg-max reductions, each masking the one before, so that it runs on the device on
-/// every backend (Burn's `topk_with_indices` sorts, which CubeCL does on the host).
+/// every backend (Burn's `topk_with_indices` sorts, which CubeCL does on the host). Each
+/// index is clamped to `[0, num_experts)`: CubeCL's arg-max returns `u32::MAX` (`-1` as i32)
+/// for a row without a largest value (NaN scores), and the indices address buffers.
 ///
 /// # Shapes
 /// - scores: `[tokens, num_experts]`
@@ -317,7 +337,7 @@ fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2,
         .expand([tokens, experts]);
     let mut chosen = Vec::with_capacity(k);
     for j in 0..k {
-        let best = scores.clone().argmax(1);
+        let best = scores.clone().argmax(1).clamp(0, experts as i64 - 1);
         if j + 1 < k {
             let taken = columns
                 .clone()

@@ -1,0 +1,193 @@
+//! The MoE layer on wgpu against NdArray: the routing on the device (top-k by arg-max
+//! reductions, the routing map's cumulative sum, the scatter that builds the send rows, the
+//! gathers and selects with integer indices), dispatch, experts and combine, forward and
+//! backward, with experts that get no tokens; and the token counts in half precision, which
+//! sized the exchange wrong on the first GPU run (BF16 counts above 256 rounded).
+
+use std::ops::Range;
+
+use burn::backend::wgpu::WgpuDevice;
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{FloatDType, IntDType, Tensor, TensorData, set_default_dtypes};
+use burn_megatron::ModelBackend;
+use burn_megatron::transformer::Activation;
+use burn_megatron::transformer::moe::{MoeConfig, MoeLayer};
+use burn_megatron_testing::{assert_close, paired, tolerance, values};
+
+use crate::helpers::{W, random};
+
+const HIDDEN: usize = 8;
+const EXPERTS: usize = 4;
+const SEED: u64 = 7;
+
+/// Results of one forward and backward pass, by name; and the counts per expert.
+struct Outcome {
+    results: Vec<(String, Vec<f64>)>,
+    grads: Vec<(String, Vec<f64>)>,
+    tokens_per_expert: Vec<usize>,
+}
+
+/// Every float parameter's path and gradient; a parameter without one fails the test.
+fn param_grads<A: AutodiffBackend>(
+    layer: &MoeLayer<A>,
+    grads: &A::Gradients,
+) -> Vec<(String, Vec<f64>)> {
+    struct Collect<'a, A: AutodiffBackend> {
+        path: Vec<String>,
+        grads: &'a A::Gradients,
+        out: Vec<(String, Vec<f64>)>,
+    }
+    impl<A: AutodiffBackend> ModuleVisitor<A> for Collect<'_, A> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<A, D>>) {
+            let path = self.path.join(".");
+            let grad = param
+                .grad(self.grads)
+                .unwrap_or_else(|| panic!("{path} has no gradient"));
+            self.out.push((path, values(grad)));
+        }
+    }
+    let mut collect = Collect::<A> {
+        path: Vec::new(),
+        grads,
+        out: Vec::new(),
+    };
+    layer.visit(&mut collect);
+    collect.out
+}
+
+/// The layer at EP 1 on `tokens` tokens, its loss `Σ probe ∘ y` plus the auxiliary losses.
+/// Feature 0 of every token is 4, and `feature_0` sets the router's weight of it for ranges of
+/// experts: -3 for some puts their logits ~12 below the others', so they get no token.
+fn forward_backward<A>(
+    config: &MoeConfig,
+    tokens: usize,
+    feature_0: &[(Range<usize>, f32)],
+    device: A::Device,
+) -> Outcome
+where
+    A: AutodiffBackend + ModelBackend,
+{
+    burn_megatron_testing::run(1, |ctx| {
+        let mut layer = config.init::<A>(ctx.world(), SEED, &device)?;
+        for (cols, weight) in feature_0.iter().cloned() {
+            let weight_device = device.clone();
+            layer.router.weight = layer.router.weight.map(move |w| {
+                let fill = Tensor::full([1, cols.len()], weight, &weight_device);
+                Tensor::from_inner(w.inner().slice_assign([0..1, cols], fill)).require_grad()
+            });
+        }
+        let shape = [1, tokens, HIDDEN];
+        let normal = |seed| {
+            let data = TensorData::new(random(tokens * HIDDEN, seed, 1.0), shape);
+            Tensor::<A, 3>::from_data(data, &device)
+        };
+        let x = normal(11).slice_assign(
+            [0..1, 0..tokens, 0..1],
+            Tensor::full([1, tokens, 1], 4.0, &device),
+        );
+        let x = x.require_grad();
+        let out = layer.try_forward(x.clone())?;
+        let loss = (out.output.clone() * normal(12)).sum() + out.aux_loss();
+        let g = loss.backward();
+        let results = vec![
+            ("output".to_string(), values(out.output)),
+            (
+                "load-balancing loss".to_string(),
+                values(out.load_balancing_loss),
+            ),
+            ("z-loss".to_string(), values(out.z_loss)),
+            (
+                "input gradient".to_string(),
+                values(x.grad(&g).expect("the input's gradient")),
+            ),
+        ];
+        Ok(Outcome {
+            results,
+            grads: param_grads(&layer, &g),
+            tokens_per_expert: out.tokens_per_expert,
+        })
+    })
+    .remove(0)
+}
+
+fn assert_equal(name: &str, got: &Outcome, want: &Outcome, results: f64, grads: f64) {
+    assert_eq!(
+        got.tokens_per_expert, want.tokens_per_expert,
+        "{name}: tokens per expert"
+    );
+    for (what, got, want) in paired(name, &got.results, &want.results) {
+        assert_close(&format!("{name} {what}"), got, want, results);
+    }
+    for (path, got, want) in paired(name, &got.grads, &want.grads) {
+        assert_close(&format!("{name} {path}"), got, want, grads);
+    }
+}
+
+/// The MoE layer (top-1 and top-2, SwiGLU with a shared expert and GeLU, experts 2 and 3
+/// without tokens) on wgpu equals NdArray: output, losses, the input's and every parameter's
+/// gradient, and the counts per expert.
+#[test]
+fn the_moe_layer_on_wgpu_equals_ndarray() {
+    let config = |top_k: usize, activation: Activation, shared: bool| {
+        MoeConfig::new(HIDDEN, EXPERTS, 6)
+            .with_top_k(top_k)
+            .with_activation(activation)
+            .with_shared_expert_ffn_hidden_size(shared.then_some(5))
+            .with_aux_loss_coeff(0.01)
+            .with_z_loss_coeff(0.001)
+            .with_init_std(0.3)
+    };
+    for (name, config, starved) in [
+        ("top-1 SwiGLU", config(1, Activation::SwiGlu, true), 2..4),
+        ("top-2 GeLU", config(2, Activation::Gelu, false), 2..4),
+        (
+            "top-2 SwiGLU, every expert",
+            config(2, Activation::SwiGlu, false),
+            0..0,
+        ),
+    ] {
+        let feature_0 = [(starved.clone(), -3.0)];
+        let got = forward_backward::<Autodiff<W>>(&config, 37, &feature_0, Default::default());
+        let want =
+            forward_backward::<Autodiff<NdArray>>(&config, 37, &feature_0, Default::default());
+        for e in starved {
+            assert_eq!(got.tokens_per_expert[e], 0, "{name}: expert {e} is starved");
+        }
+        assert_equal(name, &got, &want, tolerance::F32, tolerance::F32_LONG_SUM);
+    }
+}
+
+/// With F16 the device's default float dtype, 2501 tokens all routed to expert 0 (2501 is not
+/// an F16 number): the counts that size the exchange stay exact, and the layer equals
+/// NdArray's in F32 to F16's tolerance (its weights' gradients to BF16's). With the counts converted through the default float dtype, they
+/// were rounded and rows landed outside the buffers (the illegal address of the first BF16 run
+/// on GPUs).
+///
+/// The F16 device is lavapipe again, as `WgpuDevice::Cpu`: a device of its own whose default
+/// dtype the other tests do not share.
+#[test]
+fn moe_token_counts_stay_exact_in_half_precision() {
+    let device = WgpuDevice::Cpu;
+    set_default_dtypes::<Autodiff<W>>(&device, FloatDType::F16, IntDType::I32)
+        .expect("F16 as lavapipe's default float dtype");
+    let config = MoeConfig::new(HIDDEN, EXPERTS, 6)
+        .with_top_k(1)
+        .with_aux_loss_coeff(0.01)
+        .with_init_std(0.3);
+    // Expert 0's logit ~4 above the others': every token's, without saturating the softmax
+    // (at p = 1 - 1e-5, F16's p rounds to 1 and the router's gradient vanishes).
+    let feature_0 = [(0..1, 0.5), (1..EXPERTS, -0.5)];
+    let got = forward_backward::<Autodiff<W>>(&config, 2501, &feature_0, device);
+    let want = forward_backward::<Autodiff<NdArray>>(&config, 2501, &feature_0, Default::default());
+    assert_eq!(want.tokens_per_expert, [2501, 0, 0, 0]);
+    // The weights' gradients are sums over the 2501 tokens, in F16: BF16's bound.
+    assert_equal("F16", &got, &want, tolerance::F16, tolerance::BF16);
+}
