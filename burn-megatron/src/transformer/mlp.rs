@@ -20,7 +20,7 @@ use crate::tensor_parallel::{
 ///
 /// GeLU takes `fc1`'s bias with it (Megatron's bias-GeLU: `fc1` skips the bias add), through
 /// [`bias_gelu`]; SwiGLU takes the gate's and `fc1`'s biases the same way, through
-/// [`bias_swiglu`]. Both have exact backwards.
+/// [`bias_swiglu`](crate::ops::bias_swiglu). Both have exact backwards.
 ///
 /// SwiGLU's gate and up projections are two layers rather than one fused weight, so that each
 /// has a layout-independent initialisation and a plain column split.
