@@ -205,6 +205,59 @@ struct ExpertStep<B: AutodiffBackend> {
     model_dtype: DType,
 }
 
+/// The AdamW state of one flat range (the dense parameters' or the routed experts'), borrowed
+/// for a step: both parts update theirs through [`FlatAdamW::step`].
+struct FlatAdamW<'a, B: ModelBackend> {
+    master: &'a mut Tensor<B, 1>,
+    exp_avg: &'a mut Tensor<B, 1>,
+    exp_avg_sq: &'a mut Tensor<B, 1>,
+    step: &'a mut Tensor<B, 1>,
+    decay: &'a Tensor<B, 1>,
+}
+
+impl<B: ModelBackend> FlatAdamW<'_, B> {
+    /// One AdamW step of the range ([`AdamWOps::flat_adamw`]): the moments and master weights
+    /// replaced by their updates, the step count advanced unless `flag` (a loss-scaled step's
+    /// overflow, `[1]`) is set. Returns the updated values in `model_dtype` (the master weights
+    /// themselves for f32 models), this rank's range of the parameters.
+    fn step(
+        self,
+        grads: Tensor<B, 1>,
+        hyper: &AdamWScalars,
+        grad_factor: Tensor<B, 1>,
+        flag: Option<Tensor<B, 1>>,
+        model_dtype: DType,
+    ) -> Tensor<B, 1> {
+        let take = |t: &mut Tensor<B, 1>| {
+            let device = t.device();
+            std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
+        };
+        let found_inf = flag.clone().unwrap_or_else(|| self.step.zeros_like());
+        let out = <B as AdamWOps>::flat_adamw(
+            FlatAdamWBuffers {
+                master: take(self.master),
+                grad: grads,
+                exp_avg: take(self.exp_avg),
+                exp_avg_sq: take(self.exp_avg_sq),
+                decay: self.decay.clone(),
+                step: self.step.clone(),
+                grad_factor,
+                found_inf,
+            },
+            hyper,
+            (model_dtype != DType::F32).then_some(model_dtype),
+        );
+        *self.exp_avg = out.exp_avg;
+        *self.exp_avg_sq = out.exp_avg_sq;
+        *self.master = out.master.clone();
+        *self.step = match flag {
+            Some(flag) => self.step.clone() + flag.neg().add_scalar(1.0),
+            None => self.step.clone().add_scalar(1.0),
+        };
+        out.model.unwrap_or(out.master)
+    }
+}
+
 /// The routed experts' part of a [`DistributedAdamW`] in a checkpoint: its layout, the range
 /// of it this rank holds, and the state of that range.
 #[derive(Debug, Clone)]
@@ -354,33 +407,14 @@ where
             sharded,
             model_dtype,
         } = step;
-        let found_inf = flag.clone().unwrap_or_else(|| self.step.zeros_like());
-        let take = |t: &mut Tensor<B::InnerBackend, 1>| {
-            let device = t.device();
-            std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
+        let flat = FlatAdamW {
+            master: &mut self.master,
+            exp_avg: &mut self.exp_avg,
+            exp_avg_sq: &mut self.exp_avg_sq,
+            step: &mut self.step,
+            decay: &self.decay,
         };
-        let out = <B::InnerBackend as AdamWOps>::flat_adamw(
-            FlatAdamWBuffers {
-                master: take(&mut self.master),
-                grad: grads,
-                exp_avg: take(&mut self.exp_avg),
-                exp_avg_sq: take(&mut self.exp_avg_sq),
-                decay: self.decay.clone(),
-                step: self.step.clone(),
-                grad_factor,
-                found_inf,
-            },
-            hyper,
-            (model_dtype != DType::F32).then_some(model_dtype),
-        );
-        self.exp_avg = out.exp_avg;
-        self.exp_avg_sq = out.exp_avg_sq;
-        self.master = out.master.clone();
-        self.step = match flag {
-            Some(flag) => self.step.clone() + flag.neg().add_scalar(1.0),
-            None => self.step.clone().add_scalar(1.0),
-        };
-        let updated = out.model.unwrap_or(out.master);
+        let updated = flat.step(grads, hyper, grad_factor, flag, model_dtype);
         let params = if sharded {
             self.expert_dp.all_gather(updated, 0)?
         } else {
@@ -866,32 +900,14 @@ where
         let a = &self.config.adam;
         let hyper = AdamWScalars::new(lr, a.beta_1, a.beta_2, a.epsilon, a.weight_decay, align);
         let model_dtype = self.buffer.model_dtype();
-        let take = |t: &mut Tensor<B::InnerBackend, 1>| {
-            let device = t.device();
-            std::mem::replace(t, Tensor::empty([0], (&device, DType::F32)))
+        let flat = FlatAdamW {
+            master: &mut self.master,
+            exp_avg: &mut self.exp_avg,
+            exp_avg_sq: &mut self.exp_avg_sq,
+            step: &mut self.step,
+            decay: &self.decay,
         };
-        let out = <B::InnerBackend as AdamWOps>::flat_adamw(
-            FlatAdamWBuffers {
-                master: take(&mut self.master),
-                grad: grads,
-                exp_avg: take(&mut self.exp_avg),
-                exp_avg_sq: take(&mut self.exp_avg_sq),
-                decay: self.decay.clone(),
-                step: self.step.clone(),
-                grad_factor,
-                found_inf: flag.clone().unwrap_or_else(|| self.zero.clone()),
-            },
-            &hyper,
-            (model_dtype != DType::F32).then_some(model_dtype),
-        );
-        self.exp_avg = out.exp_avg;
-        self.exp_avg_sq = out.exp_avg_sq;
-        self.master = out.master.clone();
-        self.step = match flag {
-            Some(flag) => self.step.clone() + flag.neg().add_scalar(1.0),
-            None => self.step.clone().add_scalar(1.0),
-        };
-        let updated = out.model.unwrap_or(out.master);
+        let updated = flat.step(grads, &hyper, grad_factor, flag, model_dtype);
         let params = if sharded {
             self.dp.all_gather(updated, 0)?
         } else {
