@@ -351,28 +351,25 @@ impl ProcessGroup {
             .collect())
     }
 
-    /// The error the group's NCCL watchdog ended a collective with, if any, without waiting.
-    pub(crate) fn nccl_failure(&self) -> DistResult<()> {
-        let nccl = self
-            .inner
+    /// The group's communicator, if a GPU collective has created it.
+    fn existing_nccl(&self) -> Option<Arc<NcclGroup>> {
+        self.inner
             .shared
             .nccl
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        nccl.map_or(Ok(()), |nccl| nccl.failure())
+            .clone()
+    }
+
+    /// The error the group's NCCL watchdog ended a collective with, if any, without waiting.
+    pub(crate) fn nccl_failure(&self) -> DistResult<()> {
+        self.existing_nccl().map_or(Ok(()), |nccl| nccl.failure())
     }
 
     /// Waits until every GPU collective this rank started on the group has ended, or returns
     /// the error that ended one (the watchdog's timeout, a peer that failed).
     pub(crate) fn nccl_synchronize(&self) -> DistResult<()> {
-        let nccl = self
-            .inner
-            .shared
-            .nccl
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        nccl.map_or(Ok(()), |nccl| nccl.synchronize())
+        self.existing_nccl()
+            .map_or(Ok(()), |nccl| nccl.synchronize())
     }
 }
