@@ -87,3 +87,39 @@ fn the_table_is_the_rounded_f64_rotation() {
         assert_eq!(sin[p * 2 + i], angle.sin() as f32);
     }
 }
+
+/// RoPE at given positions (a context-parallel rank's tokens: two chunks of the sequence, out
+/// of order): the gradient of `Σ w ∘ rope_at(qkv, positions)` from its backward against
+/// central differences, over a sample of elements.
+#[test]
+fn the_gradient_at_positions_matches_finite_differences() {
+    let positions: Vec<usize> = [0, 1, 2, 3, 14, 15, 16, 17, 30].to_vec();
+    assert_eq!(positions.len(), DIMS[1]);
+    let (x, w) = (qkv(4), qkv(5));
+    let tracked = Tensor::<AD, 5>::from_inner(x.clone()).require_grad();
+    let rotated = AD::packed_rope_at(tracked.clone(), &positions, BASE);
+    let grads = (rotated * Tensor::from_inner(w.clone())).sum().backward();
+    let got = values(tracked.grad(&grads).expect("qkv has a gradient"));
+
+    let loss = |x: Vec<f64>| {
+        let x = Tensor::<B, 5>::from_data(burn::tensor::TensorData::new(x, DIMS), &device());
+        values((B::packed_rope_at(x, &positions, BASE) * w.clone()).sum())[0]
+    };
+    let input = values(x);
+    let sample: Vec<usize> = (0..input.len()).step_by(7).collect();
+    let mut fd = Vec::with_capacity(sample.len());
+    for &i in &sample {
+        let mut plus = input.clone();
+        plus[i] += STEP;
+        let mut minus = input.clone();
+        minus[i] -= STEP;
+        fd.push((loss(plus) - loss(minus)) / (2.0 * STEP));
+    }
+    let got: Vec<f64> = sample.iter().map(|&i| got[i]).collect();
+    assert_close(
+        "d_qkv at positions",
+        &got,
+        &fd,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+}
