@@ -30,6 +30,24 @@ pub enum PipelineError {
         /// Transformer layers of the model.
         layers: usize,
     },
+    /// Megatron's first/last-stage layer counts that leave the middle stages an uneven or
+    /// impossible share.
+    #[error(
+        "{layers} layers over PP = {pp} with {first:?} on the first and {last:?} on the last \
+         pipeline rank: {problem}"
+    )]
+    UnevenStages {
+        /// Transformer layers of the model.
+        layers: usize,
+        /// Pipeline-parallel size.
+        pp: usize,
+        /// `--decoder-first-pipeline-num-layers`.
+        first: Option<usize>,
+        /// `--decoder-last-pipeline-num-layers`.
+        last: Option<usize>,
+        /// What is wrong, and what to change.
+        problem: String,
+    },
     /// A schedule needs at least one microbatch.
     #[error("a schedule needs at least one microbatch")]
     NoMicrobatches,

@@ -113,6 +113,11 @@ where
     let tp_rank = state.tp().rank();
     let mut total: Option<Tensor<B::InnerBackend, 1>> = None;
     for (chunk, chunk_grads) in chunks.iter().zip(grads) {
+        // A chunk of no parameters (an interleaved stage without layers) adds nothing, and
+        // has no device of its own to put its zero on.
+        if chunk.devices().is_empty() {
+            continue;
+        }
         let part = local_grad_sum_of_squares(chunk, chunk_grads, tp_rank, &shared_copies(chunk))?;
         total = Some(match total {
             Some(t) => t + part,

@@ -133,7 +133,28 @@ pub(crate) fn read_f32<B: Backend>(
 /// The error ([`TrainingError::NonFinite`] with [`NonFiniteValue::Parameter`]) is the same
 /// on every rank: it names the iteration and the lowest rank holding a non-finite parameter;
 /// that rank's error also names the parameter.
+///
+/// A model without parameters still joins the collective, on the backend's default device;
+/// [`check_finite_chunks`] takes the device for that case.
 pub fn check_finite_parameters<B, M>(state: &ParallelState, model: &M, iteration: u64) -> Result<()>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: DistBackend,
+    M: Module<B>,
+{
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    check_finite_chunks(state, core::slice::from_ref(model), &device, iteration)
+}
+
+/// [`check_finite_parameters`] of a rank's model chunks in one collective; a path names its
+/// chunk (`chunk 1: block.layers.0.…`) where there are several. A chunk may hold no
+/// parameters (an interleaved stage of no layers); the collective runs on `device` then.
+pub(crate) fn check_finite_chunks<B, M>(
+    state: &ParallelState,
+    chunks: &[M],
+    device: &B::Device,
+    iteration: u64,
+) -> Result<()>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistBackend,
@@ -143,12 +164,15 @@ where
         path: Vec::new(),
         flags: Vec::new(),
     };
-    model.visit(&mut flags);
+    for (index, chunk) in chunks.iter().enumerate() {
+        if chunks.len() > 1 {
+            flags.path = vec![format!("chunk {index}:")];
+        }
+        chunk.visit(&mut flags);
+    }
     let world = state.world();
     let rank = world.rank();
-    let Some(device) = model.devices().into_iter().next() else {
-        return Ok(());
-    };
+    let device = device.clone();
     let local: Vec<Tensor<B::InnerBackend, 1>> =
         flags.flags.iter().map(|(_, f)| f.clone()).collect();
     let local = match local.is_empty() {

@@ -26,6 +26,7 @@
 //! hidden (see [`LayoutEstimate::step_seconds`]); rank layouts by it, but measure.
 
 use crate::error::ConfigError;
+use crate::models::StageSplit;
 use crate::pipeline_parallel::Schedule;
 use crate::tensor_parallel::VocabPartition;
 use crate::transformer::{
@@ -50,6 +51,23 @@ pub struct PlannedLayout {
     pub distributed_optimizer: bool,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// Layers of the last pipeline rank (`--decoder-last-pipeline-num-layers`), the others
+    /// sharing the rest evenly; `None`: an even split.
+    pub last_stage_layers: Option<usize>,
+}
+
+impl PlannedLayout {
+    /// The layers of each virtual stage.
+    pub fn split(&self, num_layers: usize) -> Result<StageSplit, ConfigError> {
+        StageSplit::pipeline(
+            num_layers,
+            self.pp,
+            self.virtual_stages,
+            None,
+            self.last_stage_layers,
+        )
+        .map_err(|e| ConfigError::Invalid(e.to_string()))
+    }
 }
 
 /// The run a layout is planned for.
@@ -183,8 +201,14 @@ pub fn megatron_layer_activation_bytes(
     s * b * h * (34.0 + scores) / t
 }
 
-/// The parameters a pipeline stage's TP rank holds (an even split of the layers).
-pub fn stage_params(model: &TransformerConfig, tp: usize, pp: usize, stage: usize) -> u64 {
+/// The parameters a TP rank of pipeline stage `stage` holds with `layers` transformer layers.
+pub fn stage_params(
+    model: &TransformerConfig,
+    tp: usize,
+    pp: usize,
+    stage: usize,
+    layers: usize,
+) -> u64 {
     let (h, f) = (model.hidden_size as u64, model.ffn_hidden_size as u64);
     let kv = (model.query_groups() * model.head_dim()) as u64;
     let t = tp as u64;
@@ -200,7 +224,7 @@ pub fn stage_params(model: &TransformerConfig, tp: usize, pp: usize, stage: usiz
     let attention = h * (h + 2 * kv) / t + bias((h + 2 * kv) / t) + h * h / t + bias(h);
     let mlp = matrices * h * f / t + bias((matrices - 1) * f / t) + bias(h);
     let layer = attention + mlp + 2 * norm;
-    let layers = (model.num_layers / pp) as u64;
+    let layers = layers as u64;
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)
         .map(|v| v.padded_size as u64)
         .unwrap_or(model.vocab_size as u64);
@@ -233,14 +257,15 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         sequence_parallel,
         distributed_optimizer,
         recompute,
+        last_stage_layers: _,
     } = layout;
     let model = &input.model;
-    if tp == 0 || pp == 0 || v == 0 || dp == 0 || !model.num_layers.is_multiple_of(pp * v) {
+    if tp == 0 || dp == 0 {
         return Err(ConfigError::Invalid(format!(
-            "TP {tp} x PP {pp} (x {v} virtual stages) x DP {dp} does not split {} layers",
-            model.num_layers
+            "TP {tp} x PP {pp} x DP {dp}: every size must be at least 1"
         )));
     }
+    let split = layout.split(model.num_layers)?;
     model.validate(tp, 0)?;
     let per_step = input.micro_batch * dp;
     if input.global_batch == 0 || !input.global_batch.is_multiple_of(per_step) {
@@ -261,8 +286,6 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     let d = input.dtype_bytes as u64;
     let flat_adamw = dp > 1 || distributed_optimizer || input.dtype_bytes < 4;
     let shards = if distributed_optimizer { dp as u64 } else { 1 };
-    // The layers of one chunk: a forward pass in flight holds their activations.
-    let layers = (model.num_layers / (pp * v)) as u64;
     let layer_acts = layer_activation_bytes(
         model,
         input.seq,
@@ -281,7 +304,13 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)?;
     let mut worst: Option<(usize, RankMemory)> = None;
     for stage in 0..pp {
-        let params = stage_params(model, tp, pp, stage);
+        let params = stage_params(model, tp, pp, stage, split.rank_layers(stage, pp));
+        // The layers of this rank's largest chunk: a forward pass in flight holds their
+        // activations.
+        let layers = (0..v)
+            .map(|c| split.counts()[c * pp + stage])
+            .max()
+            .unwrap_or(0) as u64;
         let optimizer = match flat_adamw {
             // Master weights (viewed by an f32 model without ZeRO) and two moments.
             true if d == 4 && !distributed_optimizer => 8 * params / shards,
@@ -326,7 +355,7 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         }
     }
     let (stage, memory) = worst.expect("at least one stage");
-    let step_seconds = step_seconds(input, layout, microbatches);
+    let step_seconds = step_seconds(input, layout, &split, microbatches);
     let fits = (memory.peak() as f64) < 0.95 * input.gpu_memory as f64;
     Ok(LayoutEstimate {
         layout,
@@ -340,17 +369,24 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
 
 /// The estimated step time: the model's FLOPs (and a forward pass more under full
 /// recomputation) over every GPU at [`COMPUTE_EFFICIENCY`] of the peak, stretched by the
-/// pipeline's bubble `(pp - 1) / (v · m)` (1F1B's with one chunk a rank, `v` chunks
-/// interleaved), plus the tensor-parallel collectives (4 all-gathers or
+/// pipeline's imbalance (the busiest rank's layers and output layer against the average
+/// rank's: every rank waits for it) and by its bubble `(pp - 1) / (v · m)` (1F1B's with one
+/// chunk a rank, `v` chunks interleaved), plus the tensor-parallel collectives (4 all-gathers or
 /// reduce-scatters of the layer's activations a layer and microbatch, forward and backward)
 /// and the data-parallel gradient reduction (and, with the distributed optimizer, the
 /// parameter all-gather) at [`LINK_BYTES_PER_SECOND`].
-fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -> f64 {
+fn step_seconds(
+    input: &PlanInput,
+    layout: PlannedLayout,
+    split: &StageSplit,
+    microbatches: usize,
+) -> f64 {
     let model = &input.model;
     let world = (layout.tp * layout.pp * layout.dp) as f64;
     let flops = model
         .training_flops(input.global_batch, input.seq)
         .unwrap_or(0.0);
+    let imbalance = pipeline_imbalance(input, split, layout.pp);
     // A recomputed layer's forward pass runs twice: a third more than its forward + backward.
     let chunk_layers = model.num_layers / (layout.pp * layout.virtual_stages);
     let rerun: usize = layout
@@ -361,7 +397,8 @@ fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -
         .map(|(range, _)| range.len())
         .sum();
     let recompute = 1.0 + rerun as f64 / chunk_layers.max(1) as f64 / 3.0;
-    let compute = flops * recompute / world / (input.peak_tflops * 1e12 * COMPUTE_EFFICIENCY);
+    let compute =
+        flops * recompute * imbalance / world / (input.peak_tflops * 1e12 * COMPUTE_EFFICIENCY);
     let bubble = (layout.pp - 1) as f64 / (layout.virtual_stages * microbatches) as f64;
     let d = input.dtype_bytes as f64;
     let t = layout.tp as f64;
@@ -375,7 +412,15 @@ fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -
         }
     };
     let params = (0..layout.pp)
-        .map(|s| stage_params(model, layout.tp, layout.pp, s))
+        .map(|s| {
+            stage_params(
+                model,
+                layout.tp,
+                layout.pp,
+                s,
+                split.rank_layers(s, layout.pp),
+            )
+        })
         .max()
         .unwrap_or(0) as f64;
     let p = layout.dp as f64;
@@ -395,9 +440,52 @@ fn step_seconds(input: &PlanInput, layout: PlannedLayout, microbatches: usize) -
         + (TP_EXPOSED * tp_bytes + DP_EXPOSED * dp_bytes) / LINK_BYTES_PER_SECOND
 }
 
+/// The busiest pipeline rank's model FLOPs over the average rank's (1 without a pipeline): a
+/// rank's transformer layers, and the output layer on the last rank.
+pub fn pipeline_imbalance(input: &PlanInput, split: &StageSplit, pp: usize) -> f64 {
+    let model = &input.model;
+    let total = model.training_flops(1, input.seq).unwrap_or(0.0);
+    let output = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, 1, 0)
+        .map(|v| 6.0 * (input.seq * model.hidden_size * v.padded_size) as f64)
+        .unwrap_or(0.0);
+    let layer = (total - output) / model.num_layers.max(1) as f64;
+    let busiest = (0..pp)
+        .map(|r| {
+            let last = if r + 1 == pp { output } else { 0.0 };
+            split.rank_layers(r, pp) as f64 * layer + last
+        })
+        .fold(0.0, f64::max);
+    match total > 0.0 {
+        true => busiest * pp as f64 / total,
+        false => 1.0,
+    }
+}
+
+/// The last rank's layer count that balances the pipeline best (the others sharing the rest
+/// evenly), or `None` where the even split is as good.
+pub fn balanced_last_stage_layers(
+    input: &PlanInput,
+    pp: usize,
+    virtual_stages: usize,
+) -> Option<usize> {
+    let layers = input.model.num_layers;
+    let imbalance = |last: Option<usize>| {
+        StageSplit::pipeline(layers, pp, virtual_stages, None, last)
+            .map(|split| pipeline_imbalance(input, &split, pp))
+            .unwrap_or(f64::INFINITY)
+    };
+    let even = imbalance(None);
+    (0..=layers / pp)
+        .map(|last| (last, imbalance(Some(last))))
+        .filter(|(_, i)| *i < even - 1e-9)
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(last, _)| last)
+}
+
 /// Every layout of `world` GPUs that the model splits into: TP and PP dividing the world,
 /// with PP > 1 also 2 and 4 chunks a rank (interleaved) where the layers and microbatches
-/// allow, sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with
+/// allow, and the last rank's layer count that balances the output layer's work
+/// ([`balanced_last_stage_layers`]), sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with
 /// no, selective (where the unfused attention runs) and full recomputation; fastest first.
 pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
     let mut out = Vec::new();
@@ -411,18 +499,28 @@ pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
                 };
             let virtual_stages: &[usize] = if pp > 1 { &[1, 2, 4] } else { &[1] };
             for &virtual_stages in virtual_stages {
-                for &recompute in &recomputes {
-                    let layout = PlannedLayout {
-                        tp,
-                        pp,
-                        virtual_stages,
-                        dp,
-                        sequence_parallel: tp > 1,
-                        distributed_optimizer: dp > 1,
-                        recompute,
-                    };
-                    if let Ok(estimate) = estimate(input, layout) {
-                        out.push(estimate);
+                if !input.model.num_layers.is_multiple_of(pp * virtual_stages) {
+                    continue;
+                }
+                let mut splits = vec![None];
+                if pp > 1 {
+                    splits.extend(balanced_last_stage_layers(input, pp, virtual_stages).map(Some));
+                }
+                for &last_stage_layers in &splits {
+                    for &recompute in &recomputes {
+                        let layout = PlannedLayout {
+                            tp,
+                            pp,
+                            virtual_stages,
+                            dp,
+                            sequence_parallel: tp > 1,
+                            distributed_optimizer: dp > 1,
+                            recompute,
+                            last_stage_layers,
+                        };
+                        if let Ok(estimate) = estimate(input, layout) {
+                            out.push(estimate);
+                        }
                     }
                 }
             }
@@ -451,17 +549,19 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
         gib(input.gpu_memory)
     );
     out.push_str(
-        "  TP  PP  VP  DP  SP  ZeRO  recompute   params   grads   optim  activ  logits    PEAK  \
-         fits  est. step\n",
+        "  TP  PP  VP  last  DP  SP  ZeRO  recompute   params   grads   optim  activ  logits    \
+         PEAK  fits  est. step\n",
     );
     for e in estimates {
         let l = e.layout;
         let m = e.memory;
         out.push_str(&format!(
-            "  {:>2}  {:>2}  {:>2}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
+            "  {:>2}  {:>2}  {:>2}  {:>4}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
             l.tp,
             l.pp,
             l.virtual_stages,
+            l.last_stage_layers
+                .map_or_else(|| "-".to_string(), |n| n.to_string()),
             l.dp,
             if l.sequence_parallel { "y" } else { "-" },
             if l.distributed_optimizer { "y" } else { "-" },
@@ -484,17 +584,21 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
         let l = best.layout;
         out.push_str(&format!(
             "suggested: --tensor-model-parallel-size {} --pipeline-model-parallel-size {} \
-             --data-parallel-size {}{}{}{}{}\n",
+             --data-parallel-size {}{}{}{}{}{}\n",
             l.tp,
             l.pp,
             l.dp,
-            match l.virtual_stages {
-                1 => String::new(),
-                v => format!(
+            match (l.virtual_stages, l.last_stage_layers) {
+                (1, _) => String::new(),
+                (v, Some(_)) => format!(" --num-virtual-stages-per-pipeline-rank {v}"),
+                (v, None) => format!(
                     " --num-layers-per-virtual-pipeline-stage {}",
                     input.model.num_layers / (l.pp * v)
                 ),
             },
+            l.last_stage_layers.map_or_else(String::new, |n| format!(
+                " --decoder-last-pipeline-num-layers {n}"
+            )),
             if l.sequence_parallel {
                 " --sequence-parallel"
             } else {

@@ -29,7 +29,7 @@ use burn_megatron_dist::{DistBackend, ParallelSizes, ParallelState, RankContext,
 use super::config::{PretrainConfig, RunLayout};
 use super::data::{PretrainData, read_microbatches};
 use super::moe_log::{MoeReport, global_expert_load, moe_report};
-use super::nan_check::{check_finite_parameters, check_step_values, read_f32};
+use super::nan_check::{check_finite_chunks, check_step_values, read_f32};
 use super::observer::{EvalReport, IterationReport, RunStart, TrainingObserver};
 use super::step::{MIB, largest_over_ranks, loss_on_every_stage};
 use crate::backend::ModelBackend;
@@ -45,9 +45,7 @@ use crate::optimizer::{
     GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, merge_chunk_grads,
     shared_copies,
 };
-use crate::pipeline_parallel::{
-    StageSplit, forward_backward, forward_backward_scaled, forward_only,
-};
+use crate::pipeline_parallel::{forward_backward, forward_backward_scaled, forward_only};
 use crate::tensor_parallel::param_infos;
 
 /// What one rank's run did. Every rank holds the same values.
@@ -193,13 +191,13 @@ where
             ));
         }
     };
-    let split = StageSplit::even(model_config.num_layers, *pp * *virtual_pipeline_size)?;
+    let split = &layout.split;
     let stages: Vec<_> = (0..*virtual_pipeline_size)
         .map(|c| split.stage(state.virtual_stage(c)))
         .collect();
     setup(format!(
-        "building each rank's model {} (layers {} of {} on the first, TP = {tp}), {} values \
-         drawn on {} cores",
+        "building each rank's model {} (layers {} of {} on the first{}, TP = {tp}), {} \
+         values drawn on {} cores",
         if stages.len() == 1 { "stage" } else { "chunks" },
         stages
             .iter()
@@ -207,6 +205,16 @@ where
             .collect::<Vec<_>>()
             .join(" and "),
         model_config.num_layers,
+        match pp {
+            1 => String::new(),
+            _ => format!(
+                "; {} layers a pipeline rank",
+                (0..*pp)
+                    .map(|r| split.rank_layers(r, *pp).to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        },
         if stages.len() == 1 { "its" } else { "their" },
         std::thread::available_parallelism().map_or(1, |n| n.get())
     ));
@@ -481,7 +489,7 @@ where
         {
             if config.check_for_nan_in_loss_and_grad {
                 // No checkpoint may hold a NaN: every rank's parameters, before any writes.
-                check_finite_chunks(&state, &rank.chunks, iteration)?;
+                check_finite_chunks(&state, &rank.chunks, device, iteration)?;
                 parameters_checked_at = Some(iteration);
             }
             let training = TrainingState {
@@ -529,7 +537,7 @@ where
     }
     if config.check_for_nan_in_loss_and_grad && parameters_checked_at != Some(iteration) {
         // The end of the run: the last step's update, unless a save just checked it.
-        check_finite_chunks(&state, &rank.chunks, iteration)?;
+        check_finite_chunks(&state, &rank.chunks, device, iteration)?;
     }
     if let Some(saver) = in_background.as_mut() {
         let previous = saver.in_flight();
@@ -576,22 +584,6 @@ fn read_scalars<B: burn::tensor::backend::Backend>(
     Ok((0..n)
         .map(|i| values.get(i).map_or(f64::NAN, |&v| v as f64))
         .collect())
-}
-
-/// [`check_finite_parameters`] of each chunk in turn (every rank holds as many), so that an
-/// error names the parameter by its path in its chunk.
-fn check_finite_chunks<B>(
-    state: &ParallelState,
-    chunks: &[GptModel<B>],
-    iteration: u64,
-) -> Result<()>
-where
-    B: AutodiffBackend + ModelBackend,
-    B::InnerBackend: DistBackend,
-{
-    chunks
-        .iter()
-        .try_for_each(|chunk| check_finite_parameters(state, chunk, iteration))
 }
 
 /// Evaluation `index` (0 for the first): `eval_iters` global batches of the validation split,

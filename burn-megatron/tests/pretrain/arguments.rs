@@ -644,6 +644,87 @@ fn virtual_pipeline_stages_are_megatrons_option() {
     assert!(e.contains("--learner runs 1F1B"), "{e}");
 }
 
+/// `--decoder-first-pipeline-num-layers`, `--decoder-last-pipeline-num-layers` and
+/// `--num-virtual-stages-per-pipeline-rank` (Megatron's names) give the layout's split; what
+/// they cannot split is refused before any rank starts.
+#[test]
+fn uneven_pipeline_stages_are_megatrons_options() {
+    // 32 layers at TP = 2 × PP = 4 (8 ranks), 8 microbatches a step.
+    let base = ["--num-layers", "32", "--pipeline-model-parallel-size", "4"];
+    let with =
+        |extra: &[&str]| config(&[&base[..], &["--global-batch-size", "32"], extra].concat());
+    let c = with(&["--decoder-last-pipeline-num-layers", "5"]);
+    assert_eq!(c.decoder_last_pipeline_num_layers, Some(5));
+    let layout = c.check(8).unwrap();
+    assert_eq!(layout.split.counts(), [9, 9, 9, 5]);
+    assert_eq!(layout.schedule(), Schedule::OneFOneB);
+    let interleaved = with(&[
+        "--decoder-last-pipeline-num-layers",
+        "5",
+        "--num-virtual-stages-per-pipeline-rank",
+        "4",
+    ])
+    .check(8)
+    .unwrap();
+    assert_eq!(interleaved.virtual_pipeline_size, 4);
+    assert_eq!(interleaved.schedule(), Schedule::Interleaved);
+    assert_eq!(
+        (0..4)
+            .map(|r| interleaved.split.rank_layers(r, 4))
+            .collect::<Vec<_>>(),
+        [9, 9, 9, 5]
+    );
+    // Without the options: the even split, as before.
+    assert_eq!(with(&[]).check(8).unwrap().split.counts(), [8; 4]);
+    let file = PretrainArgs::from_toml("decoder-first-pipeline-num-layers = 6\n").unwrap();
+    assert_eq!(file.decoder_first_pipeline_num_layers, Some(6));
+
+    for (extra, want) in [
+        (
+            &["--decoder-last-pipeline-num-layers", "6"][..],
+            "the other 3 ranks would share 26 layers unevenly",
+        ),
+        (
+            &[
+                "--decoder-last-pipeline-num-layers",
+                "5",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+            ][..],
+            "give the chunks a rank holds with --num-virtual-stages-per-pipeline-rank",
+        ),
+        (
+            &[
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "4",
+            ][..],
+            "both set the chunks a rank holds",
+        ),
+        (
+            &["--decoder-first-pipeline-num-layers", "40"][..],
+            "more than the model has",
+        ),
+        (
+            &["--decoder-last-pipeline-num-layers", "5", "--learner"][..],
+            "--learner splits the layers evenly",
+        ),
+    ] {
+        let e = error(&with(extra));
+        assert!(e.contains(want), "{extra:?}: {e}");
+    }
+    let one_stage = config(&[
+        "--num-layers",
+        "4",
+        "--pipeline-model-parallel-size",
+        "1",
+        "--decoder-last-pipeline-num-layers",
+        "1",
+    ]);
+    assert!(error(&one_stage).contains("at least 2"));
+}
+
 /// `--recompute-method uniform|block --recompute-num-layers N` reach the model; 0 layers is an
 /// error naming the option.
 #[test]
@@ -674,4 +755,33 @@ fn recompute_methods_are_megatrons() {
     ]);
     let e = error(&zero);
     assert!(e.contains("--recompute-num-layers 0"), "{e}");
+}
+
+/// `--overlap-param-gather` (Megatron's name) turns on the distributed optimizer's bucketed
+/// parameter gather, and, as in Megatron, is refused without `--use-distributed-optimizer`.
+#[test]
+fn overlap_param_gather_needs_the_distributed_optimizer() {
+    let dp = ["--data-parallel-size", "2", "--use-distributed-optimizer"];
+    assert!(!config(&dp).overlap_param_gather, "off by default");
+    assert!(
+        !config(&dp)
+            .distributed_adamw()
+            .data_parallel
+            .overlap_param_gather
+    );
+    let on = config(&[&dp[..], &["--overlap-param-gather"]].concat());
+    assert!(on.overlap_param_gather);
+    assert!(on.distributed_adamw().data_parallel.overlap_param_gather);
+    assert_eq!(on.check(on.world_size()).unwrap().dp, 2);
+    let off = config(&["--overlap-param-gather", "false"]);
+    assert!(!off.overlap_param_gather);
+    let e = error(&config(&[
+        "--data-parallel-size",
+        "2",
+        "--overlap-param-gather",
+    ]));
+    assert!(
+        e.contains("--overlap-param-gather") && e.contains("add --use-distributed-optimizer"),
+        "{e}"
+    );
 }

@@ -241,6 +241,41 @@ fn interleaved_pipeline_equals_single_rank_training() {
     );
 }
 
+/// `--decoder-first/last-pipeline-num-layers` (Megatron's uneven first and last stages) and
+/// `--num-virtual-stages-per-pipeline-rank`: 3 + 1 layers at PP = 2 (alone, at TP = 2 × PP = 2
+/// with sequence parallelism, and at PP = 2 × DP = 2 with the distributed optimizer), layers
+/// 2, 1, 1 and 0 at PP = 4 (a last rank with only the output layer and the loss), and
+/// interleaved with 2 chunks a rank (rank 0's chunks 2 + 1 layers, rank 1's 1 + 0), against
+/// one rank's training.
+#[test]
+fn uneven_pipeline_stages_equal_single_rank_training() {
+    let want = reference(&tiny_run(1, 1));
+    let last = |tp, pp, n| tiny_run(tp, pp).with_decoder_last_pipeline_num_layers(Some(n));
+    assert_equal_to_reference("PP=2, 3 + 1 layers", &last(1, 2, 1), &want);
+    assert_equal_to_reference(
+        "TP=2 PP=2 SP, 3 + 1 layers",
+        &last(2, 2, 1).with_sequence_parallel(true),
+        &want,
+    );
+    assert_equal_to_reference(
+        "PP=2 DP=2 distributed optimizer, 3 + 1 layers",
+        &last(1, 2, 1)
+            .with_data_parallel_size(2)
+            .with_use_distributed_optimizer(true),
+        &want,
+    );
+    assert_equal_to_reference(
+        "PP=4, 2 + 1 + 1 + 0 layers",
+        &last(1, 4, 0).with_decoder_first_pipeline_num_layers(Some(2)),
+        &want,
+    );
+    assert_equal_to_reference(
+        "PP=2 interleaved, 2 chunks a rank, 3 + 1 layers",
+        &last(1, 2, 1).with_num_virtual_stages_per_pipeline_rank(Some(2)),
+        &want,
+    );
+}
+
 /// DP = 2 (each DP rank reading its half of every global batch), with and without the
 /// distributed optimizer, and TP = 2 × DP = 2 and PP = 2 × DP = 2 (1F1B) with it, against one
 /// rank's plain training: the same step and validation losses.

@@ -96,7 +96,7 @@ fn parameter_counts_are_the_models() {
             });
             for (s, count) in counts_of(counted).into_iter().enumerate() {
                 assert_eq!(
-                    stage_params(&model, tp, pp, s),
+                    stage_params(&model, tp, pp, s, model.num_layers / pp),
                     count,
                     "{:?} TP {tp} PP {pp} stage {s}",
                     model.activation
@@ -139,10 +139,11 @@ fn the_plan_for_llama_8b_on_four_gpus() {
             sequence_parallel: true,
             distributed_optimizer: false,
             recompute: Recompute::None,
+            last_stage_layers: None,
         },
     )
     .unwrap();
-    let params = stage_params(&input.model, 4, 1, 0);
+    let params = stage_params(&input.model, 4, 1, 0, 32);
     assert!((2.0e9..2.1e9).contains(&(params as f64)), "{params}");
     let m = tp4.memory;
     assert_eq!(
@@ -185,7 +186,8 @@ fn the_plan_for_llama_8b_on_four_gpus() {
 /// first stage keeps the activations of 2 microbatches of 16 layers under 1F1B, and under
 /// the interleaved schedule with 2 chunks of 8 layers, 5 chunk passes: Megatron's factor
 /// `1 + (pp - 1) / (pp · v)` = 1.25 of 1F1B's 32 layers. The bubble halves, so the estimate
-/// is faster; a chunk count that does not split the layers is refused.
+/// is faster. A chunk count that does not divide a rank's layers is planned as the run splits
+/// it (the earlier chunks one layer more); no chunks at all is refused.
 #[test]
 fn the_plan_counts_the_interleaved_schedule() {
     let input = llama_8b_input();
@@ -197,6 +199,7 @@ fn the_plan_counts_the_interleaved_schedule() {
         sequence_parallel: true,
         distributed_optimizer: false,
         recompute: Recompute::None,
+        last_stage_layers: None,
     };
     let layer = layer_activation_bytes(&input.model, 4096, 1, 2, true, 2);
     let one_f_one_b = estimate(&input, layout(1)).unwrap();
@@ -206,12 +209,58 @@ fn the_plan_counts_the_interleaved_schedule() {
     assert_eq!(one_f_one_b.memory.activations, 32 * layer);
     assert_eq!(interleaved.memory.activations, 40 * layer);
     assert!(interleaved.step_seconds < one_f_one_b.step_seconds);
-    assert!(estimate(&input, layout(3)).is_err());
+    assert!(estimate(&input, layout(3)).is_ok());
+    assert!(estimate(&input, layout(0)).is_err());
     let layouts = plan(&input, 4);
     assert!(layouts.iter().any(|e| e.layout.virtual_stages == 2));
     assert!(
         layouts
             .iter()
             .all(|e| e.layout.pp > 1 || e.layout.virtual_stages == 1)
+    );
+}
+
+/// Llama-3 8B's output layer (4096 × 128 256) costs 2.09 of its layers, so at PP = 4 with 8
+/// layers a rank the last rank does 18 % more than the average and every rank waits for it:
+/// the planner puts 5 layers there (9 + 9 + 9 + 5, 6 % over the average), with and without
+/// interleaving, ranks that layout first at PP = 4, and suggests Megatron's options for it.
+#[test]
+fn the_plan_balances_the_output_layer() {
+    use burn_megatron::training::planner::{balanced_last_stage_layers, pipeline_imbalance};
+    let input = llama_8b_input();
+    let split = |last| StageSplit::pipeline(32, 4, 1, None, last).unwrap();
+    let layer = 4096.0 * (4096.0 + 2.0 * 1024.0)
+        + 4096.0 * 4096.0
+        + 2.0 * 4096.0 * 4096.0
+        + 3.0 * 4096.0 * 14336.0;
+    let output = 4096.0 * 128_256.0;
+    let mean = (32.0 * layer + output) / 4.0;
+    let even = pipeline_imbalance(&input, &split(None), 4);
+    assert!(
+        (even - (8.0 * layer + output) / mean).abs() < 1e-9,
+        "{even}"
+    );
+    let balanced = pipeline_imbalance(&input, &split(Some(5)), 4);
+    assert!((balanced - 9.0 * layer / mean).abs() < 1e-9, "{balanced}");
+    assert!((1.18..1.19).contains(&even) && (1.05..1.06).contains(&balanced));
+    assert_eq!(balanced_last_stage_layers(&input, 4, 1), Some(5));
+    assert_eq!(balanced_last_stage_layers(&input, 4, 4), Some(5));
+    // Without a pipeline there is nothing to balance.
+    assert_eq!(pipeline_imbalance(&input, &split(None), 1), 1.0);
+
+    let layouts = plan(&input, 4);
+    let pp4 = layouts
+        .iter()
+        .find(|e| e.layout.pp == 4 && e.fits)
+        .expect("a PP 4 layout that fits");
+    assert_eq!(pp4.layout.last_stage_layers, Some(5));
+    // The suggestion (the first layout) carries its split: 15 of 32 on the last of PP = 2.
+    let text = render(&input, &layouts);
+    let best = layouts[0].layout;
+    assert_eq!((best.pp, best.last_stage_layers), (2, Some(15)), "{text}");
+    assert!(
+        text.contains("--decoder-last-pipeline-num-layers 15")
+            && text.contains("--num-virtual-stages-per-pipeline-rank"),
+        "{text}"
     );
 }

@@ -172,3 +172,20 @@ fn interleaved_runs_resume_equal_to_uninterrupted() {
     let what = "saved and resumed interleaved with ZeRO-1 at PP = 2 × DP = 2";
     resume_runs(what, "resume-interleaved-zero", zero, zero);
 }
+
+/// A checkpoint of uneven stages (3 + 1 layers at PP = 2) resumes in the even layout, and an
+/// even one in uneven interleaved stages: checkpoints name layers by their global index.
+#[test]
+fn uneven_stages_resume_equal_to_uninterrupted() {
+    let uneven = |iters| run(1, 2, iters).with_decoder_last_pipeline_num_layers(Some(1));
+    let even = |iters| run(2, 2, iters);
+    let what = "saved at PP = 2 with 3 + 1 layers, resumed at (TP, PP) = (2, 2)";
+    resume_runs(what, "resume-uneven-22", uneven, even);
+    let interleaved = |iters| {
+        run(1, 2, iters)
+            .with_decoder_first_pipeline_num_layers(Some(1))
+            .with_num_virtual_stages_per_pipeline_rank(Some(2))
+    };
+    let what = "saved at (TP, PP) = (2, 2), resumed interleaved with 1 + 3 layers";
+    resume_runs(what, "resume-22-uneven-interleaved", even, interleaved);
+}
