@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|fp8|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|fp8|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -97,4 +97,20 @@ if part pp4; then
   # The planner's first choice for Llama-3 8B on 4 GPUs: no tensor parallelism, PP 4
   # interleaved (4 chunks of 2 layers a rank), global batch 32.
   ours llama_pp4_vp4_gb32 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size 32
+fi
+if part uneven; then
+  # Uneven stages (issue 31): Llama-3 8B at PP 4 interleaved (4 chunks a rank, global batch
+  # 32), the even split (8 layers a rank: the last rank also runs the 128k-vocabulary output
+  # layer) against 9, 9, 9 and 5 layers, and the FSDP2 peer at 1 sample a GPU.
+  P4="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --global-batch-size 32"
+  ours llama_pp4_vp4_even llama3_8b $P4 --num-layers-per-virtual-pipeline-stage 2
+  ours llama_pp4_vp4_last5 llama3_8b $P4 --num-virtual-stages-per-pipeline-rank 4 --decoder-last-pipeline-num-layers 5
+  torch llama_fsdp_b1 --preset llama3-8b --batch 1 --steps $ITERS
+fi
+if part uneven2; then
+  # The same at TP 2 x PP 2 (17 and 15 layers), 1F1B at PP 4 with 9, 9, 9, 5, and the peer at
+  # 2 samples a GPU (its best configuration may not be 1).
+  ours llama_tp2pp2_vp4_last15 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --global-batch-size 32 --num-virtual-stages-per-pipeline-rank 4 --decoder-last-pipeline-num-layers 15
+  torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
+  ours llama_pp4_last5 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --global-batch-size 32 --decoder-last-pipeline-num-layers 5
 fi
