@@ -214,6 +214,10 @@ struct Args {
     /// layers' gradients are final (Megatron's option of the same name).
     #[arg(long)]
     overlap_grad_reduce: bool,
+    /// With --use-distributed-optimizer: all-gather the updated parameters in buckets, in the
+    /// next forward pass's order (Megatron's option of the same name).
+    #[arg(long)]
+    overlap_param_gather: bool,
     /// FP8 GEMMs in the transformer layers (Megatron's `--fp8-format`): hybrid (E4M3
     /// forward, E5M2 gradients) or e4m3. Off by default.
     #[arg(long)]
@@ -365,7 +369,8 @@ fn train(
             }
             let data_parallel = DataParallelConfig::new()
                 .with_bucket_numel(args.bucket_numel)
-                .with_use_distributed_optimizer(args.use_distributed_optimizer);
+                .with_use_distributed_optimizer(args.use_distributed_optimizer)
+                .with_overlap_param_gather(args.overlap_param_gather);
             let mut optim = DistributedAdamWConfig::new()
                 .with_data_parallel(data_parallel)
                 .init(&model, &state, &[])?;
@@ -691,7 +696,9 @@ fn report(
             args.sequence_parallel,
             args.world_size(),
             args.collective_checks,
-            if args.use_distributed_optimizer {
+            if args.overlap_param_gather {
+                "distributed (ZeRO-1, parameter gather in buckets)"
+            } else if args.use_distributed_optimizer {
                 "distributed (ZeRO-1)"
             } else {
                 "replicated"

@@ -54,14 +54,33 @@ pub struct DataParallelConfig {
     /// gradients are reduce-scattered and the updated parameters all-gathered.
     #[config(default = false)]
     pub use_distributed_optimizer: bool,
+    /// With the distributed optimizer, all-gather the updated parameters in buckets (the
+    /// reduce-scatter's columns, [`param_gather_columns`](super::param_gather_columns)), issued
+    /// in the order the next forward pass reads them (Megatron's `--overlap-param-gather`).
+    /// With one gather of the whole buffer every parameter is a view of one tensor, and the
+    /// forward's first kernel that reads a parameter waits for all of it; here a parameter
+    /// inside one bucket is a view of that bucket only (one that crosses a bucket's or a
+    /// shard's edge is a copy, made when the step writes it, which waits for its buckets).
+    /// The same parameters, bit for bit.
+    #[config(default = false)]
+    pub overlap_param_gather: bool,
 }
 
 impl DataParallelConfig {
-    /// Checks that buckets hold at least one element.
+    /// Checks that buckets hold at least one element and that the parameter gather is
+    /// overlapped only where there is one (with the distributed optimizer).
     pub fn validate(&self) -> core::result::Result<(), ConfigError> {
         if self.bucket_numel == 0 {
             return Err(ConfigError::Invalid(
                 "the data-parallel bucket size (bucket_numel) must be at least 1 element".into(),
+            ));
+        }
+        if self.overlap_param_gather && !self.use_distributed_optimizer {
+            return Err(ConfigError::Invalid(
+                "overlap_param_gather splits the distributed optimizer's parameter all-gather: \
+                 set use_distributed_optimizer too (without it every rank updates every \
+                 parameter and nothing is gathered)"
+                    .into(),
             ));
         }
         Ok(())

@@ -13,13 +13,17 @@
 //! [`DistributedAdamW`](crate::optimizer::DistributedAdamW), in [`crate::optimizer`].
 //! - [`overlap`]: the same reduction started inside the backward pass, bucket by bucket as
 //!   the layers' gradients become final ([`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook)).
+//! - [`param_gather`]: the distributed optimizer's parameter all-gather in buckets, in the
+//!   order the next forward pass needs them (`--overlap-param-gather`).
 
 pub mod grad_reduction;
 pub mod overlap;
 pub mod param_and_grad_buffer;
+pub mod param_gather;
 
 pub use grad_reduction::{
     DataParallelConfig, all_reduce_grads, reduce_scatter_grads, shard_columns,
 };
 pub use overlap::GradReduceOverlap;
 pub use param_and_grad_buffer::{BufferConfig, BufferLayout, ParamAndGradBuffer, ParamSlot};
+pub use param_gather::{GatheredParams, all_gather_params, param_gather_columns};

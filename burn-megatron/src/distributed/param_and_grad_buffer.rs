@@ -420,11 +420,30 @@ impl<B: Backend> ParamAndGradBuffer<B> {
         BA: AutodiffBackend<InnerBackend = B>,
         M: Module<BA>,
     {
-        struct Write<'a, B: Backend> {
+        self.write_params_with(module, |slot| values.clone().slice(slot.range()))
+    }
+
+    /// [`write_params`](Self::write_params) with each parameter's values (`[numel]`, the
+    /// model's dtype) given by `values` for its slot: e.g. a view of its bucket of a bucketed
+    /// gather ([`GatheredParams::param`](super::GatheredParams::param)).
+    pub fn write_params_with<BA, M>(
+        &self,
+        module: M,
+        values: impl FnMut(&ParamSlot) -> Tensor<B, 1>,
+    ) -> M
+    where
+        BA: AutodiffBackend<InnerBackend = B>,
+        M: Module<BA>,
+    {
+        struct Write<'a, F> {
             layout: &'a BufferLayout,
-            values: Tensor<B, 1>,
+            values: F,
         }
-        impl<BA: AutodiffBackend> ModuleMapper<BA> for Write<'_, BA::InnerBackend> {
+        impl<BA, F> ModuleMapper<BA> for Write<'_, F>
+        where
+            BA: AutodiffBackend,
+            F: FnMut(&ParamSlot) -> Tensor<BA::InnerBackend, 1>,
+        {
             fn map_float<const D: usize>(
                 &mut self,
                 param: Param<Tensor<BA, D>>,
@@ -432,13 +451,12 @@ impl<B: Backend> ParamAndGradBuffer<B> {
                 let Some(slot) = self.layout.slot(param.id) else {
                     return param;
                 };
-                let range = slot.range();
-                let values = &self.values;
+                let values = (self.values)(slot);
                 param.map(|old| {
                     let require_grad = old.is_require_grad();
                     let dims = old.dims();
                     drop(old);
-                    let new = Tensor::from_inner(values.clone().slice(range).reshape(dims));
+                    let new = Tensor::from_inner(values.reshape(dims));
                     if require_grad {
                         new.require_grad()
                     } else {

@@ -21,7 +21,10 @@
 //! 4. [`AdamWOps::flat_adamw`] updates the fp32 master weights and moments of the rank's
 //!    range (the shard, or the whole buffer), one kernel on CubeCL backends;
 //! 5. with sharding, the updated parameters (in the model's dtype) are all-gathered over DP;
-//!    every parameter of the model becomes a slice of the full buffer.
+//!    every parameter of the model becomes a slice of the full buffer. With
+//!    [`DataParallelConfig::overlap_param_gather`] the gather is cut into buckets issued in
+//!    the next forward pass's order, and each parameter is a slice of its bucket
+//!    ([`param_gather`](crate::distributed::param_gather)).
 //!
 //! # Memory per parameter
 //! With `d` DP ranks, parameters of `s` bytes and fp32 gradients, a rank holds `s` (the
@@ -65,6 +68,7 @@ use crate::distributed::grad_reduction::{
     DataParallelConfig, all_reduce_grads, check_dp, reduce_scatter_grads,
 };
 use crate::distributed::overlap::AfterBackward;
+use crate::distributed::param_gather::all_gather_params;
 use crate::distributed::{BufferLayout, GradReduceOverlap, ParamAndGradBuffer};
 use crate::ops::BackwardHook;
 use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
@@ -188,6 +192,7 @@ impl DistributedAdamWConfig {
             shared_copies: shared_copies.to_vec(),
             partial: Placements::of(model).partial_gradients().to_vec(),
             overlap: None,
+            param_gathers: 0,
         })
     }
 }
@@ -202,6 +207,8 @@ struct ExpertStep<B: AutodiffBackend> {
     /// `[1]`: the overflow flag of a loss-scaled step.
     flag: Option<InnerFlat<B>>,
     sharded: bool,
+    /// The parameter gather in buckets ([`DataParallelConfig::overlap_param_gather`]).
+    bucketed: Option<usize>,
     model_dtype: DType,
 }
 
@@ -405,6 +412,7 @@ where
             grad_factor,
             flag,
             sharded,
+            bucketed,
             model_dtype,
         } = step;
         let flat = FlatAdamW {
@@ -415,12 +423,53 @@ where
             decay: &self.decay,
         };
         let updated = flat.step(grads, hyper, grad_factor, flag, model_dtype);
-        let params = if sharded {
-            self.expert_dp.all_gather(updated, 0)?
-        } else {
-            updated
-        };
-        Ok(self.buffer.write_params(model, params))
+        write_gathered(
+            &self.buffer,
+            model,
+            updated,
+            &self.expert_dp,
+            sharded,
+            bucketed,
+        )
+        .map(|(model, _)| model)
+    }
+}
+
+/// `model` with the parameters of `buffer` replaced by the updated values: `updated` itself
+/// (this rank updated the whole buffer) or, when `sharded`, every rank's shard of them
+/// all-gathered over `dp`, in one gather or, with `bucketed` (the bucket size), in buckets in
+/// the next forward pass's order
+/// ([`all_gather_params`](crate::distributed::all_gather_params)). Also returns the number
+/// of all-gathers issued.
+fn write_gathered<B, M>(
+    buffer: &ParamAndGradBuffer<B::InnerBackend>,
+    model: M,
+    updated: InnerFlat<B>,
+    dp: &ProcessGroup,
+    sharded: bool,
+    bucketed: Option<usize>,
+) -> crate::Result<(M, usize)>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: ModelBackend,
+    M: AutodiffModule<B>,
+{
+    if !sharded || dp.size() == 1 {
+        return Ok((buffer.write_params(model, updated), 0));
+    }
+    match bucketed {
+        Some(bucket_numel) => {
+            let gathered = all_gather_params(updated, buffer.layout(), dp, bucket_numel)?;
+            let gathers = gathered.buckets();
+            Ok((
+                buffer.write_params_with(model, |slot| gathered.param(slot)),
+                gathers,
+            ))
+        }
+        None => {
+            let params = dp.all_gather(updated, 0)?;
+            Ok((buffer.write_params(model, params), 1))
+        }
     }
 }
 
@@ -592,6 +641,9 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     /// The routed experts' buffers and state, if the model has MoE layers: reduced over the
     /// expert-data-parallel group (the dense buffer leaves them out).
     experts: Option<ExpertPart<B>>,
+    /// All-gathers of the dense parameters in the last step (see
+    /// [`param_gathers`](Self::param_gathers)).
+    param_gathers: usize,
 }
 
 impl<B> DistributedAdamW<B>
@@ -789,6 +841,14 @@ where
         self.overlap.as_ref().map_or(0, |o| o.hooked_numel())
     }
 
+    /// All-gathers the last step issued for the dense parameters: with the distributed
+    /// optimizer over more than one DP rank, 1, or with
+    /// [`DataParallelConfig::overlap_param_gather`] one per bucket
+    /// ([`param_gather_columns`](crate::distributed::param_gather_columns)); else 0.
+    pub fn param_gathers(&self) -> usize {
+        self.param_gathers
+    }
+
     /// One step at learning rate `lr` with this rank's gradients `grads` of `model` (the
     /// gradient of the mean loss of its microbatches): reduce over DP, clip, update, gather.
     /// Every rank of the world must call it. Returns the updated model and the global norm.
@@ -908,17 +968,20 @@ where
             decay: &self.decay,
         };
         let updated = flat.step(grads, &hyper, grad_factor, flag, model_dtype);
-        let params = if sharded {
-            self.dp.all_gather(updated, 0)?
-        } else {
-            updated
-        };
-        let mut model = self.buffer.write_params(model, params);
+        let bucketed = self
+            .config
+            .data_parallel
+            .overlap_param_gather
+            .then_some(bucket);
+        let (mut model, gathers) =
+            write_gathered(&self.buffer, model, updated, &self.dp, sharded, bucketed)?;
+        self.param_gathers = gathers;
         if let (Some(experts), Some(expert_grads)) = (self.experts.as_mut(), expert_grads) {
             let step = ExpertStep {
                 grad_factor: grad_factor_experts,
                 flag: flag_experts,
                 sharded,
+                bucketed,
                 model_dtype,
             };
             model = experts.update(model, expert_grads, &hyper, step)?;

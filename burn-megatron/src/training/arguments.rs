@@ -149,6 +149,11 @@ pub struct PretrainArgs {
     /// Reduce gradients from inside the backward pass, overlapping it. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
     pub overlap_grad_reduce: Option<bool>,
+    /// All-gather the distributed optimizer's updated parameters in buckets, in the next
+    /// forward pass's order, each parameter a view of its bucket where it lies in one; needs
+    /// --use-distributed-optimizer. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
+    pub overlap_param_gather: Option<bool>,
     /// Match each GPU collective across ranks on the host first: a mismatch is an error
     /// naming each rank's call, for a host round trip per call. Turn off for speed on GPUs
     /// (a mismatch then ends in the watchdog's timeout); --overlap-grad-reduce overlaps the
@@ -415,6 +420,7 @@ impl PretrainArgs {
             cp_comm_type => cp_comm_type,
             use_distributed_optimizer => use_distributed_optimizer,
             overlap_grad_reduce => overlap_grad_reduce,
+            overlap_param_gather => overlap_param_gather,
             collective_checks => collective_checks,
             micro_batch_size => micro_batch_size,
             global_batch_size => global_batch_size,
@@ -544,6 +550,7 @@ impl PretrainArgs {
             cp_comm_type,
             use_distributed_optimizer,
             overlap_grad_reduce,
+            overlap_param_gather,
             collective_checks,
             micro_batch_size,
             global_batch_size,

@@ -134,6 +134,13 @@ pub struct PretrainConfig {
     /// distributed optimizer.
     #[config(default = false)]
     pub overlap_grad_reduce: bool,
+    /// All-gather the distributed optimizer's updated parameters in buckets, issued in the
+    /// order the next forward pass reads them (`--overlap-param-gather`,
+    /// [`DataParallelConfig::overlap_param_gather`]), each parameter a view of its bucket
+    /// where it lies in one, so that a kernel reading it need not wait for the whole gather.
+    /// The same results. Needs `use_distributed_optimizer`.
+    #[config(default = false)]
+    pub overlap_param_gather: bool,
     /// Match every GPU collective across ranks on the host before it runs
     /// (`--collective-checks`): a mismatch is an error naming each rank's call, at the cost of
     /// a host round trip per call. Off, calls go straight to NCCL: a mismatch then ends in the
@@ -475,7 +482,8 @@ impl PretrainConfig {
             .with_adam(adam)
             .with_data_parallel(
                 DataParallelConfig::new()
-                    .with_use_distributed_optimizer(self.use_distributed_optimizer),
+                    .with_use_distributed_optimizer(self.use_distributed_optimizer)
+                    .with_overlap_param_gather(self.overlap_param_gather),
             )
             .with_clip_grad(Some(self.clip_grad))
     }
@@ -583,6 +591,13 @@ impl PretrainConfig {
         }
         if self.fp16 {
             self.loss_scaler().validate()?;
+        }
+        if self.overlap_param_gather && !self.use_distributed_optimizer {
+            return invalid(
+                "--overlap-param-gather splits the distributed optimizer's parameter all-gather: \
+                 add --use-distributed-optimizer"
+                    .into(),
+            );
         }
         if self.tp_comm_overlap && !self.sequence_parallel {
             return invalid(

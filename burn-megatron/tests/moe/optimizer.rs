@@ -2,7 +2,9 @@
 //! the distributed optimizer (ZeRO-1), two steps give the parameters and the global gradient
 //! norms of EP 1 on one rank whose microbatches are every DP rank's. Clipping is on with a
 //! small threshold, so that a wrong norm (an expert counted twice, or once per EP rank too
-//! few) changes every parameter.
+//! few) changes every parameter. With the parameters all-gathered in buckets
+//! (`overlap_param_gather`), the dense and the experts' buffers alike, the same bits as one
+//! gather.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
@@ -65,8 +67,9 @@ type Params = Vec<(String, Vec<f64>)>;
 /// The relative tolerance of parameters after two AdamW steps (see `assert_same`).
 const PARAMS_AFTER_ADAM: f64 = 1e-3;
 
-/// Two steps at `(dp, ep)`: the parameters after them and the two gradient norms.
-fn two_steps(dp: usize, ep: usize, zero1: bool) -> (Params, Vec<f64>) {
+/// Two steps at `(dp, ep)`: the parameters after them and the two gradient norms. With
+/// `bucketed`, the parameters are all-gathered in buckets small enough to cut them.
+fn two_steps(dp: usize, ep: usize, zero1: bool, bucketed: bool) -> (Params, Vec<f64>) {
     let config = moe_gpt();
     run(dp, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default().with_ep(ep))?;
@@ -79,7 +82,12 @@ fn two_steps(dp: usize, ep: usize, zero1: bool) -> (Params, Vec<f64>) {
         )?;
         let mut optim = DistributedAdamWConfig::new()
             .with_clip_grad(Some(0.05))
-            .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(zero1))
+            .with_data_parallel(
+                DataParallelConfig::new()
+                    .with_use_distributed_optimizer(zero1)
+                    .with_overlap_param_gather(bucketed)
+                    .with_bucket_numel(if bucketed { 700 } else { 40_000_000 }),
+            )
             .init(&model, &state, &[])?;
         let mut norms = Vec::new();
         for step in 0..2u64 {
@@ -96,6 +104,9 @@ fn two_steps(dp: usize, ep: usize, zero1: bool) -> (Params, Vec<f64>) {
             )?;
             let step = optim.step(1e-2, model, &out.grads[0])?;
             model = step.model;
+            if bucketed {
+                assert!(optim.param_gathers() > 1, "{}", optim.param_gathers());
+            }
             norms.push(values(step.grad_norm)[0]);
         }
         Ok((full_params(&model, &state)?, norms))
@@ -122,12 +133,18 @@ fn assert_same(name: &str, got: &(Params, Vec<f64>), want: &(Params, Vec<f64>)) 
 
 #[test]
 fn experts_reduced_over_expert_dp_and_counted_once_in_the_norm() {
-    let want = two_steps(1, 1, false);
+    let want = two_steps(1, 1, false, false);
     assert!(
         want.1[0] > 0.05,
         "clipping must be active: norm {}",
         want.1[0]
     );
-    assert_same("EP 2 x DP 2", &two_steps(2, 2, false), &want);
-    assert_same("EP 2 x expert-DP 2, ZeRO-1", &two_steps(4, 2, true), &want);
+    assert_same("EP 2 x DP 2", &two_steps(2, 2, false, false), &want);
+    let zero1 = two_steps(4, 2, true, false);
+    assert_same("EP 2 x expert-DP 2, ZeRO-1", &zero1, &want);
+    let bucketed = two_steps(4, 2, true, true);
+    assert_close("bucketed gather: norms", &bucketed.1, &zero1.1, 0.0);
+    for (path, g, w) in paired("bucketed gather", &bucketed.0, &zero1.0) {
+        assert_close(&format!("bucketed gather: {path}"), g, w, 0.0);
+    }
 }

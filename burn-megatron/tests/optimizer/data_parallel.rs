@@ -6,7 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use burn_megatron::distributed::{BufferConfig, DataParallelConfig, shard_columns};
+use burn_megatron::distributed::{
+    BufferConfig, BufferLayout, DataParallelConfig, param_gather_columns, shard_columns,
+};
 use burn_megatron::models::GptModel;
 use burn_megatron::optimizer::DistributedAdamWConfig;
 use burn_megatron::optimizer::{
@@ -27,6 +29,8 @@ pub(crate) const STEPS: usize = 10;
 pub(crate) const GLOBAL: usize = 4;
 /// Small enough that every step clips.
 pub(crate) const MAX_NORM: f64 = 0.05;
+/// Elements per data-parallel bucket: several buckets for the tiny model.
+const BUCKET: usize = 700;
 
 pub(crate) fn adam() -> FlatAdamWConfig {
     FlatAdamWConfig::new()
@@ -211,15 +215,18 @@ pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
 /// `tp × pp × dp` ranks, 1F1B over the pipeline stages (gradient accumulation at PP = 1),
 /// each DP rank taking its share of each global batch, [`DistributedAdamW`] with the clip.
 fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &Run) -> Vec<Run> {
-    data_parallel_with(config, layout, zero, false, want)
+    data_parallel_with(config, layout, zero, false, false, want)
 }
 
-/// [`data_parallel`], with the reduction hooked into the backward pass when `overlap`.
+/// [`data_parallel`], with the reduction hooked into the backward pass when `overlap`, and
+/// the parameters all-gathered in buckets when `param_gather`
+/// ([`DataParallelConfig::overlap_param_gather`]).
 fn data_parallel_with(
     config: &TransformerConfig,
     layout: Layout,
     zero: bool,
     overlap: bool,
+    param_gather: bool,
     want: &Run,
 ) -> Vec<Run> {
     let ranks = run(layout.tp * layout.pp * layout.dp, |ctx| {
@@ -230,8 +237,9 @@ fn data_parallel_with(
             .with_data_parallel(
                 DataParallelConfig::new()
                     .with_use_distributed_optimizer(zero)
+                    .with_overlap_param_gather(param_gather)
                     // Several buckets for this tiny model.
-                    .with_bucket_numel(700),
+                    .with_bucket_numel(BUCKET),
             )
             .with_clip_grad(Some(MAX_NORM))
             .init::<AD, _>(&model, &state, &shared_copies(&model))?;
@@ -250,6 +258,17 @@ fn data_parallel_with(
             let stepped = optim.step(lr(step), model, &out.grads.remove(0))?;
             model = stepped.model;
             norms.push(values(stepped.grad_norm)[0]);
+            // The number of all-gathers shows which path gathered the parameters.
+            let gathers = match (zero && layout.dp > 1, param_gather) {
+                (false, _) => 0,
+                (true, false) => 1,
+                (true, true) => param_gather_columns(optim.layout(), BUCKET).len(),
+            };
+            assert_eq!(
+                optim.param_gathers(),
+                gathers,
+                "all-gathers of the parameters"
+            );
             if overlap {
                 // The layers' gradients went through the hook, but for those sequence
                 // parallelism leaves partial (summed over TP after the backward pass); and an
@@ -360,8 +379,8 @@ fn overlap_equals_reduction_after_backward(config: &TransformerConfig) {
     for (tp, pp, dp) in layouts {
         for zero in [false, true] {
             let layout = Layout { tp, pp, dp };
-            let after = data_parallel_with(&config, layout, zero, false, &want);
-            let hooked = data_parallel_with(&config, layout, zero, true, &want);
+            let after = data_parallel_with(&config, layout, zero, false, false, &want);
+            let hooked = data_parallel_with(&config, layout, zero, true, false, &want);
             let label = format!("{layout:?}, distributed optimizer {zero}, hooked");
             check(&label, &config, &hooked, &want, tolerance::F32);
             for (h, a) in hooked.iter().zip(&after) {
@@ -370,6 +389,91 @@ fn overlap_equals_reduction_after_backward(config: &TransformerConfig) {
             }
         }
     }
+}
+
+/// The distributed optimizer's parameter all-gather in buckets, issued in the next forward
+/// pass's order (`--overlap-param-gather`), gives the same bits (losses, norms, parameters) as
+/// one gather of the whole buffer, at DP 2 and 4, TP 2 × DP 2 and PP 2 × DP 2, with and
+/// without the reduction hooked into the backward pass. The buckets are small enough that
+/// parameters cross buckets' and shards' edges (checked on the layout), and the run counts
+/// the bucketed gathers, so a step that gathered in one piece fails it.
+#[test]
+fn parameters_gathered_in_buckets_equal_one_gather() {
+    let config = tiny_gpt();
+    let want = one_device(&config, STEPS, None);
+    let layouts = [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)];
+    for (tp, pp, dp) in layouts {
+        for overlap in [false, true] {
+            let layout = Layout { tp, pp, dp };
+            let once = data_parallel_with(&config, layout, true, overlap, false, &want);
+            let bucketed = data_parallel_with(&config, layout, true, overlap, true, &want);
+            let label = format!("{layout:?}, hooked reduction {overlap}, bucketed gather");
+            check(&label, &config, &bucketed, &want, tolerance::F32);
+            assert_eq!(bucketed.len(), once.len());
+            for (b, o) in bucketed.iter().zip(&once) {
+                assert_close(&format!("{label}: norms"), &b.norms, &o.norms, 0.0);
+                assert_same(&label, &config, &b.trajectory, &o.trajectory, 0.0);
+            }
+        }
+    }
+}
+
+/// At DP 2 and 4 the buckets cover each shard at aligned columns; they are issued in the
+/// forward pass's order: in the last shard (where the forward's first parameters are, the word
+/// embeddings last in the buffer) each parameter, taken in the forward's order, waits for no
+/// later bucket than the next one, and the embeddings not for the last bucket. The
+/// tiny GPT's layout has parameters that cross a bucket's edge inside a shard and parameters
+/// that cross from one shard to the next: the two cases where the bucketed gather
+/// concatenates pieces.
+#[test]
+fn parameter_gather_buckets_cut_parameters() {
+    let config = tiny_gpt();
+    run(1, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default())?;
+        let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+        for dp in [2, 4] {
+            let buffer = BufferConfig::new().with_dp_size(dp);
+            let layout = BufferLayout::new(&param_infos(&model), buffer)?;
+            let shard = layout.numel() / dp;
+            let columns = param_gather_columns(&layout, BUCKET);
+            assert!(columns.len() > 1, "dp {dp}: {columns:?}");
+            assert_eq!(
+                columns.first().map(|c| c.end),
+                Some(shard),
+                "the last columns first"
+            );
+            assert_eq!(columns.last().map(|c| c.start), Some(0));
+            assert!(columns.windows(2).all(|w| w[1].end == w[0].start));
+            let align = buffer.param_alignment;
+            assert!(columns.iter().all(|c| c.start % align == 0), "{columns:?}");
+            let bucket = |i: usize| columns.iter().position(|c| c.contains(&(i % shard)));
+            let slots = layout.params();
+            let first = slots.last().expect("parameters");
+            assert!(first.path.contains("embedding"), "{}", first.path);
+            // The last bucket a parameter of the last shard needs is its first column's.
+            let waits: Vec<_> = slots
+                .iter()
+                .rev()
+                .take_while(|s| s.offset >= (dp - 1) * shard)
+                .map(|s| bucket(s.offset).expect("a bucket"))
+                .collect();
+            assert!(waits.len() > 1 && waits.is_sorted(), "dp {dp}: {waits:?}");
+            assert!(waits[0] + 1 < columns.len(), "dp {dp}: {waits:?}");
+            let across_rows = slots
+                .iter()
+                .any(|s| s.offset / shard != (s.offset + s.numel - 1) / shard);
+            let across_buckets = slots.iter().any(|s| {
+                s.offset / shard == (s.offset + s.numel - 1) / shard
+                    && bucket(s.offset) != bucket(s.offset + s.numel - 1)
+            });
+            assert!(across_rows, "dp {dp}: no parameter crosses a shard's edge");
+            assert!(
+                across_buckets,
+                "dp {dp}: no parameter crosses a bucket's edge"
+            );
+        }
+        Ok(())
+    });
 }
 
 #[test]
