@@ -23,7 +23,9 @@
 //! the compute stream when the step writes the parameters, before the next forward pass, and
 //! each waits for the buckets it reads: where one reads the last bucket issued (a parameter
 //! cut at the edge of the first columns, or one crossing two shards), the forward still starts
-//! only after the whole gather. Not measured on GPUs yet.
+//! only after the whole gather. A parameter wider than a bucket's columns is always cut, so
+//! with large parameters most of them are copies (memory beside the gathered buckets). Not
+//! measured on GPUs yet.
 //!
 //! The values are the same bits as one gather's: the same elements moved in other pieces.
 
