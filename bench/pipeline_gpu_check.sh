@@ -7,6 +7,8 @@
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt -p burn-megatron-dist --bin bm-launch
 #   LAYERS=16 ITERS=6 bash bench/pipeline_gpu_check.sh
+#   PART=uneven LAYERS=16 ITERS=6 bash bench/pipeline_gpu_check.sh   (uneven stages: the last
+#       rank, which also runs the 128k-vocabulary output layer, holding fewer layers)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -33,6 +35,18 @@ torch() { # name, flags...
   grep -E "RESULT|step:|Error|error" $OUT/torch_$name.log | tail -4 | cut -c1-400 | tee -a $OUT/pipeline.log
 }
 PP2="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2"
+if [ "${PART:-schedules}" = uneven ]; then
+  # The planner's balancing count for the last rank: its layers plus the output layer (2.1
+  # layers' work) level with the first rank's (16 layers: 9 + 7).
+  LAST=${LAST:-7}
+  ours pp2_v4_even $PP2 --num-layers-per-virtual-pipeline-stage $((LAYERS / 8))
+  ours pp2_v4_last$LAST $PP2 --num-virtual-stages-per-pipeline-rank 4 --decoder-last-pipeline-num-layers $LAST
+  torch fsdp_b1 --batch 1
+  ours pp2_1f1b_last$LAST $PP2 --decoder-last-pipeline-num-layers $LAST
+  torch fsdp_b2 --batch 2
+  ours pp2_1f1b_even $PP2
+  exit 0
+fi
 ours pp2_1f1b $PP2
 ours pp2_interleaved_v2 $PP2 --num-layers-per-virtual-pipeline-stage $((LAYERS / 4))
 torch fsdp_b1 --batch 1

@@ -121,6 +121,19 @@ pub struct PretrainArgs {
     /// pipeline-parallel size. [default: one chunk per rank, 1F1B]
     #[arg(long, help_heading = "Parallelism")]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// Model chunks per pipeline rank for the interleaved schedule, in place of
+    /// --num-layers-per-virtual-pipeline-stage (needed with uneven first/last stages); each
+    /// rank's layers are split over its chunks as evenly as they go. [default: 1]
+    #[arg(long, help_heading = "Parallelism")]
+    pub num_virtual_stages_per_pipeline_rank: Option<usize>,
+    /// Layers of the first pipeline rank; the ranks without a count share the rest evenly.
+    /// [default: an even split]
+    #[arg(long, help_heading = "Parallelism")]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    /// Layers of the last pipeline rank, which also runs the output layer and the loss:
+    /// fewer there balance the pipeline when the vocabulary is large. [default: an even split]
+    #[arg(long, help_heading = "Parallelism")]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
     /// Split activations outside the tensor-parallel regions along the sequence over TP
     /// (the sequence length must be divisible by TP). [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
@@ -452,6 +465,9 @@ impl PretrainArgs {
         set_some!(
             ffn_hidden_size,
             num_layers_per_virtual_pipeline_stage,
+            num_virtual_stages_per_pipeline_rank,
+            decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers,
             lr_decay_iters,
             save,
             save_interval,
@@ -543,6 +559,9 @@ impl PretrainArgs {
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
             num_layers_per_virtual_pipeline_stage,
+            num_virtual_stages_per_pipeline_rank,
+            decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers,
             sequence_parallel,
             tp_comm_overlap,
             data_parallel_size,

@@ -10,6 +10,7 @@ use crate::context_parallel::CpCommType;
 use crate::data::{ByteTokenizer, parse_data_path, parse_split};
 use crate::distributed::DataParallelConfig;
 use crate::error::ConfigError;
+use crate::models::StageSplit;
 use crate::ops::fp8::Fp8Config;
 use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
@@ -100,6 +101,20 @@ pub struct PretrainConfig {
     /// schedule, whose bubble is that many times smaller. `None`: one chunk per rank, 1F1B.
     #[config(default = "None")]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    /// Model chunks per pipeline rank (`--num-virtual-stages-per-pipeline-rank`), Megatron's
+    /// way to ask for the interleaved schedule when the ranks hold different numbers of
+    /// layers; each rank's layers are split over its chunks as evenly as they go.
+    #[config(default = "None")]
+    pub num_virtual_stages_per_pipeline_rank: Option<usize>,
+    /// Layers of the first pipeline rank (`--decoder-first-pipeline-num-layers`); the ranks
+    /// without a count share the rest evenly.
+    #[config(default = "None")]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    /// Layers of the last pipeline rank (`--decoder-last-pipeline-num-layers`): fewer than
+    /// the others balance the pipeline when the output layer is heavy (see
+    /// [`StageSplit::pipeline`]).
+    #[config(default = "None")]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
     /// Sequence parallelism over the TP group (`--sequence-parallel`); the sequence length
     /// must be divisible by TP.
     #[config(default = false)]
@@ -329,8 +344,11 @@ pub struct RunLayout {
     /// How context-parallel attention communicates.
     pub cp_comm: CpCommType,
     /// Model chunks (virtual pipeline stages) per rank: 1 unless
-    /// `--num-layers-per-virtual-pipeline-stage` is set.
+    /// `--num-layers-per-virtual-pipeline-stage` or `--num-virtual-stages-per-pipeline-rank`
+    /// is set.
     pub virtual_pipeline_size: usize,
+    /// The layers of each virtual stage (`pp · virtual_pipeline_size` of them).
+    pub split: StageSplit,
     /// Data-parallel size.
     pub dp: usize,
     /// Microbatches per optimizer step per data-parallel rank: `global / (micro × dp)`.
@@ -660,17 +678,41 @@ impl PretrainConfig {
                 self.global_batch_size, self.micro_batch_size
             ));
         }
-        if !self.num_layers.is_multiple_of(pp) || self.num_layers == 0 {
+        let first = self.decoder_first_pipeline_num_layers;
+        let last = self.decoder_last_pipeline_num_layers;
+        let uneven = first.is_some() || last.is_some();
+        if self.num_layers == 0 || (!uneven && !self.num_layers.is_multiple_of(pp)) {
             return invalid(format!(
                 "--num-layers ({}) must be a positive multiple of \
-                 --pipeline-model-parallel-size ({pp})",
+                 --pipeline-model-parallel-size ({pp}) (or give \
+                 --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)",
                 self.num_layers
             ));
         }
         let num_microbatches = self.global_batch_size / (self.micro_batch_size * dp);
-        let virtual_pipeline_size = match self.num_layers_per_virtual_pipeline_stage {
-            None => 1,
-            Some(per_stage) => {
+        let virtual_pipeline_size = match (
+            self.num_layers_per_virtual_pipeline_stage,
+            self.num_virtual_stages_per_pipeline_rank,
+        ) {
+            (Some(_), Some(_)) => {
+                return invalid(
+                    "--num-layers-per-virtual-pipeline-stage and \
+                     --num-virtual-stages-per-pipeline-rank both set the chunks a rank holds: \
+                     give one"
+                        .into(),
+                );
+            }
+            (None, None) => 1,
+            (Some(_), None) if uneven => {
+                return invalid(
+                    "with --decoder-first/last-pipeline-num-layers the ranks hold different \
+                     numbers of layers: give the chunks a rank holds with \
+                     --num-virtual-stages-per-pipeline-rank instead of \
+                     --num-layers-per-virtual-pipeline-stage"
+                        .into(),
+                );
+            }
+            (Some(per_stage), None) => {
                 let per_rank = self.num_layers / pp;
                 if pp < 2 || per_stage == 0 || !per_rank.is_multiple_of(per_stage) {
                     return invalid(format!(
@@ -680,33 +722,53 @@ impl PretrainConfig {
                         self.num_layers
                     ));
                 }
-                let v = per_rank / per_stage;
-                if v > 1 && !num_microbatches.is_multiple_of(pp) {
+                per_rank / per_stage
+            }
+            (None, Some(v)) => {
+                if pp < 2 || v == 0 {
                     return invalid(format!(
-                        "the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs \
-                         the microbatches per step ({num_microbatches} = --global-batch-size / \
-                         (--micro-batch-size × DP)) to be a multiple of \
-                         --pipeline-model-parallel-size ({pp})"
+                        "--num-virtual-stages-per-pipeline-rank ({v}) needs \
+                         --pipeline-model-parallel-size of at least 2 (got {pp}) and at least \
+                         one chunk"
                     ));
-                }
-                if v > 1 && self.learner {
-                    return invalid(
-                        "--learner runs 1F1B with one model chunk per rank: \
-                         --num-layers-per-virtual-pipeline-stage is pretrain_gpt's own loop only \
-                         (leave --learner out)"
-                            .into(),
-                    );
-                }
-                if v > 1 && self.overlap_grad_reduce {
-                    return invalid(
-                        "--overlap-grad-reduce with --num-layers-per-virtual-pipeline-stage is not \
-                         supported yet: the reduction hook follows one model chunk; drop one of them"
-                            .into(),
-                    );
                 }
                 v
             }
         };
+        let v = virtual_pipeline_size;
+        if v > 1 && !num_microbatches.is_multiple_of(pp) {
+            return invalid(format!(
+                "the interleaved schedule (--num-layers-per-virtual-pipeline-stage) needs \
+                 the microbatches per step ({num_microbatches} = --global-batch-size / \
+                 (--micro-batch-size × DP)) to be a multiple of \
+                 --pipeline-model-parallel-size ({pp})"
+            ));
+        }
+        if v > 1 && self.learner {
+            return invalid(
+                "--learner runs 1F1B with one model chunk per rank: \
+                 --num-layers-per-virtual-pipeline-stage is pretrain_gpt's own loop only \
+                 (leave --learner out)"
+                    .into(),
+            );
+        }
+        if uneven && self.learner {
+            return invalid(
+                "--learner splits the layers evenly over the pipeline: \
+                 --decoder-first/last-pipeline-num-layers are pretrain_gpt's own loop only \
+                 (leave --learner out)"
+                    .into(),
+            );
+        }
+        if v > 1 && self.overlap_grad_reduce {
+            return invalid(
+                "--overlap-grad-reduce with --num-layers-per-virtual-pipeline-stage is not \
+                 supported yet: the reduction hook follows one model chunk; drop one of them"
+                    .into(),
+            );
+        }
+        let split = StageSplit::pipeline(self.num_layers, pp, v, first, last)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         if self.eval_interval > 0 && self.eval_iters == 0 {
             return invalid("--eval-iters must be at least 1 when --eval-interval is set".into());
         }
@@ -773,6 +835,7 @@ impl PretrainConfig {
             cp,
             cp_comm,
             virtual_pipeline_size,
+            split,
             dp,
             num_microbatches,
             ep,

@@ -134,8 +134,8 @@ pub(crate) fn read_f32<B: Backend>(
 /// on every rank: it names the iteration and the lowest rank holding a non-finite parameter;
 /// that rank's error also names the parameter.
 ///
-/// A model without parameters still joins the collective, on the backend's default device;
-/// [`check_finite_chunks`] takes the device for that case.
+/// A model without parameters still joins the collective, on the backend's default device
+/// (`pretrain_gpt`'s loop checks a rank's chunks together, on the rank's device).
 pub fn check_finite_parameters<B, M>(state: &ParallelState, model: &M, iteration: u64) -> Result<()>
 where
     B: AutodiffBackend,
