@@ -35,6 +35,27 @@ pub const fn element_bits(key: u32, coordinates: [u32; 4]) -> u32 {
     h
 }
 
+/// The second stream key of a normal draw: Box-Muller takes two uniforms per element, from
+/// the element's bits under two keys.
+pub const fn second_key(key: u32) -> u32 {
+    mix(key ^ 0x5bd1_e995)
+}
+
+/// A uniform number in (0, 1) from 32 random bits: the top 24 as an odd multiple of 2⁻²⁴,
+/// exact in f32 (never 0 or 1) so the host and every kernel read the same number.
+pub fn unit(bits: u32) -> f32 {
+    ((bits >> 8) | 1) as f32 * (1.0 / 16_777_216.0)
+}
+
+/// A standard normal number (Box-Muller, in f32) of the element at `coordinates` of the
+/// stream `key`: what a parameter is initialised from. A kernel computing it differs from
+/// this only by its `ln`, `sqrt` and `cos` (a few ulps); the uniforms are bit-equal.
+pub fn standard_normal(key: u32, coordinates: [u32; 4]) -> f32 {
+    let u1 = unit(element_bits(key, coordinates));
+    let u2 = unit(element_bits(second_key(key), coordinates));
+    (-2.0 * u1.ln()).sqrt() * (core::f32::consts::TAU * u2).cos()
+}
+
 /// Dropping an element with probability `prob` drops it when its bits are below this
 /// threshold: `round(prob · 2³²)`, kept within `u32`.
 pub fn drop_threshold(prob: f64) -> u32 {

@@ -11,9 +11,9 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_megatron_dist::DistBackend;
 
 use crate::ops::{
-    AdamWOps, BackwardHookOps, BiasOps, CrossEntropyOps, DropoutOps, EmbeddingOps,
-    FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps, IdCheckOps, LinearOps,
-    NormOps, PackedFlashAttentionOps, RecomputeOps, ReduceScatteredLinearOps,
+    AdamWOps, BackwardHookOps, BiasOps, CounterNormalOps, CrossEntropyOps, DropoutOps,
+    EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps, IdCheckOps,
+    LinearOps, NormOps, PackedFlashAttentionOps, RecomputeOps, ReduceScatteredLinearOps,
     RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
 };
 
@@ -50,6 +50,7 @@ pub trait ModelBackend:
     + SwiGluOps
     + NormOps
     + DropoutOps
+    + CounterNormalOps
     + RopeOps
     + SoftmaxOps
     + FlashAttentionOps
@@ -78,6 +79,7 @@ impl<B> ModelBackend for B where
         + SwiGluOps
         + NormOps
         + DropoutOps
+        + CounterNormalOps
         + RopeOps
         + SoftmaxOps
         + FlashAttentionOps
@@ -125,7 +127,7 @@ mod ndarray {
     compositions!(
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );
@@ -140,7 +142,7 @@ mod fusion {
 
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
     );

@@ -42,7 +42,7 @@ impl<B: ModelBackend> TpMlp<B> {
 // ANCHOR_END: model
 
 /// A batch of the regression task `y = sin(2x)`, identical on every rank.
-fn batch<B: Backend>(step: usize, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+fn batch<B: ModelBackend>(step: usize, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let x = init_full::<B, 2>(
         [BATCH, D_MODEL],
         InitDistribution::Normal { std: 1.0 },

@@ -29,6 +29,7 @@ pub mod adamw;
 pub mod bias_gelu;
 pub mod causal_softmax;
 pub mod column_sum;
+pub mod counter_normal;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;

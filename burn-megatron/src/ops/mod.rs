@@ -19,6 +19,8 @@
 //!   f64.
 //! - [`mod@norm`]: LayerNorm and RMSNorm, f32 statistics, one backward for input, scale and
 //!   shift.
+//! - [`mod@counter_normal`]: parameters' initial values from their global coordinates, drawn
+//!   on the device where a kernel exists.
 //! - [`mod@dropout`]: dropout with masks drawn from global coordinates (on the device where a
 //!   kernel exists), fused with the residual add after it.
 //! - [`mod@rope`]: rotary position embeddings on the packed QKV, f32 angles, one kernel each
@@ -51,6 +53,7 @@ mod autodiff;
 pub mod backward_hook;
 pub mod bias;
 pub mod causal_softmax;
+pub mod counter_normal;
 pub mod cross_entropy;
 pub mod dropout;
 pub mod embedding;
@@ -74,6 +77,7 @@ pub use adamw::AdamWOps;
 pub use backward_hook::{BackwardHook, BackwardHookOps};
 pub use bias::{BiasOps, bias_add};
 pub use causal_softmax::SoftmaxOps;
+pub use counter_normal::CounterNormalOps;
 pub use cross_entropy::CrossEntropyOps;
 pub use dropout::{DropoutMask, DropoutOps};
 pub use embedding::EmbeddingOps;

@@ -362,7 +362,11 @@ mod tests {
         (1, 6, 1, 3, 8, false),
     ];
 
-    fn normal<B: Backend>(shape: [usize; 5], std: f64, seed: u64) -> Tensor<B, 5> {
+    fn normal<B: crate::ops::CounterNormalOps>(
+        shape: [usize; 5],
+        std: f64,
+        seed: u64,
+    ) -> Tensor<B, 5> {
         init_full::<B, 5>(
             shape,
             InitDistribution::Normal { std },

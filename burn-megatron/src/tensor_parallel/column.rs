@@ -16,6 +16,7 @@ use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use super::tp_context::{SequenceParallelGrads, TpContext};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
+use crate::ops::CounterNormalOps;
 
 /// Configuration of a [`ColumnParallelLinear`].
 #[derive(Config, Debug)]
@@ -73,7 +74,7 @@ pub struct ColumnParallelLinear<B: Backend> {
 impl ColumnParallelLinearConfig {
     /// This rank's slice of the layer. Parameter values depend on `seed` only, not on the
     /// tensor-parallel size.
-    pub fn init<B: DistBackend>(
+    pub fn init<B: DistBackend + CounterNormalOps>(
         &self,
         tp: &ProcessGroup,
         seed: u64,

@@ -14,6 +14,7 @@ use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use super::tp_context::{SequenceParallelGrads, TpContext};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_slice, param_seed};
+use crate::ops::CounterNormalOps;
 
 /// Configuration of a [`RowParallelLinear`].
 #[derive(Config, Debug)]
@@ -75,7 +76,7 @@ pub struct RowParallelLinear<B: Backend> {
 impl RowParallelLinearConfig {
     /// This rank's slice of the layer. Parameter values depend on `seed` only, not on the
     /// tensor-parallel size.
-    pub fn init<B: DistBackend>(
+    pub fn init<B: DistBackend + CounterNormalOps>(
         &self,
         tp: &ProcessGroup,
         seed: u64,

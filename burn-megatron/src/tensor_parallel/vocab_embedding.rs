@@ -10,6 +10,7 @@ use super::vocab::VocabPartition;
 use crate::backend::ModelBackend;
 use crate::error::{IdKind, Result};
 use crate::init::{InitDistribution, init_slice};
+use crate::ops::CounterNormalOps;
 use crate::ops::embedding::embedding_or_zero;
 
 /// Token embeddings split by vocabulary: rank `r` holds the rows of its
@@ -27,7 +28,7 @@ pub struct VocabParallelEmbedding<B: Backend> {
     vocab: VocabPartition,
 }
 
-impl<B: DistBackend> VocabParallelEmbedding<B> {
+impl<B: DistBackend + CounterNormalOps> VocabParallelEmbedding<B> {
     /// This rank's rows of a `[vocab.padded_size, d_model]` table; values depend on `seed`
     /// only, not on the layout.
     pub fn new(

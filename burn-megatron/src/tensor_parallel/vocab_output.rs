@@ -11,6 +11,7 @@ use super::placement::{DeclarePlacements, Placements};
 use super::tp_context::TpContext;
 use super::vocab::VocabPartition;
 use crate::init::{InitDistribution, init_slice};
+use crate::ops::CounterNormalOps;
 
 /// An untied output layer: its own `[padded_vocab / tp, hidden]` table, laid out like the
 /// token embedding so that the two can be tied or not with the same code.
@@ -22,7 +23,7 @@ pub struct VocabParallelOutput<B: Backend> {
     vocab: VocabPartition,
 }
 
-impl<B: DistBackend> VocabParallelOutput<B> {
+impl<B: DistBackend + CounterNormalOps> VocabParallelOutput<B> {
     /// This rank's rows of the output table; values depend on `seed` only.
     pub fn new(
         vocab: &VocabPartition,

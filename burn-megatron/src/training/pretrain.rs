@@ -197,7 +197,7 @@ where
         .collect();
     setup(format!(
         "building each rank's model {} (layers {} of {} on the first{}, TP = {tp}), {} \
-         values drawn on {} cores",
+         values drawn where they live (a GPU draws its own; the CPU on {} cores)",
         if stages.len() == 1 { "stage" } else { "chunks" },
         stages
             .iter()

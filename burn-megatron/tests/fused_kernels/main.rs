@@ -11,6 +11,7 @@ mod helpers;
 
 mod adamw;
 mod column_sum;
+mod counter_normal;
 mod cross_entropy;
 mod dropout;
 mod elementwise_layouts;

@@ -316,7 +316,7 @@ mod tests {
         (1, 3, 1, 4, 4, 7, false),
     ];
 
-    fn normal<B: burn::tensor::backend::Backend>(
+    fn normal<B: crate::ops::CounterNormalOps>(
         shape: [usize; 4],
         std: f64,
         seed: u64,

@@ -12,6 +12,7 @@ use super::router::{Router, RouterScoreFunction, RouterSettings};
 use super::settings::{MoeSettings, check_expert_sizes};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_full, param_seed};
+use crate::ops::CounterNormalOps;
 use crate::transformer::Activation;
 
 /// Configuration of an [`MoeLayer`].
@@ -61,7 +62,7 @@ impl MoeConfig {
     /// This rank's layer: the router and shared expert whole, and experts
     /// `[ep_rank · num_experts / ep, (ep_rank + 1) · num_experts / ep)`. Parameter values
     /// depend on `seed` only, not on the expert-parallel size.
-    pub fn init<B: burn::tensor::backend::Backend>(
+    pub fn init<B: CounterNormalOps>(
         &self,
         ep: &ProcessGroup,
         seed: u64,

@@ -8,6 +8,7 @@ use burn::tensor::{Tensor, backend::Backend};
 
 use crate::backend::ModelBackend;
 use crate::init::{InitDistribution, init_slice, param_seed};
+use crate::ops::CounterNormalOps;
 use crate::ops::{gelu, linear, swiglu};
 use crate::transformer::Activation;
 
@@ -32,7 +33,7 @@ impl GroupedExpertsConfig {
     /// The experts `experts` (a range of the global indices) of the layer. Each weight is the
     /// slice of a full `[num_experts, ..]` tensor drawn from `seed` and the weight's `name`
     /// under `prefix`, so the values do not depend on how the experts are split.
-    pub fn init<B: Backend>(
+    pub fn init<B: CounterNormalOps>(
         &self,
         experts: std::ops::Range<usize>,
         seed: u64,
