@@ -11,6 +11,7 @@
 #   overlap  PART=overlap bench/scale_gpu_check.sh: Llama-3 8B with and without --tp-comm-overlap
 #   pp4      PART=pp4 bench/scale_gpu_check.sh: Llama-3 8B at PP 4 interleaved
 #   uneven   PART=uneven, then uneven2, of bench/scale_gpu_check.sh: uneven pipeline stages
+#   startup  PART=startup bench/scale_gpu_check.sh: start-up of DP 4, TP 2 x PP 2 and PP 4
 #   fault    bench/fault_gpu_check.sh: kill -9 of a rank, the restart and resume
 #   tpprof   gpt_train_bench Llama 1B at TP 4 + SP, without and with --tp-comm-overlap, profiled
 #   cp       PART=key bench/context_parallel_gpu_check.sh (BUDGET=CP_BUDGET, default 300 s)
@@ -38,7 +39,7 @@ step() { # name, then the command (run with OUT=$ROOT/name)
 # The logs so far into $OUT (after every step: a call cut at its limit still returns them).
 pack() {
   tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
-  for f in overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv; do
+  for f in overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv; do
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
@@ -53,6 +54,7 @@ for s in "$@"; do
     overlap) step overlap env PART=overlap ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     pp4) step pp4 env PART=pp4 ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     uneven) step uneven env PART=uneven ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
+    startup) step startup env PART=startup ITERS=3 LIMIT=150 bash bench/scale_gpu_check.sh ;;
     uneven2) step uneven2 env PART=uneven2 ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     # Two uninterrupted GPU runs of one binary differ in the 4th decimal within 10 steps (the
     # kernels' autotuning picks by timing) and the difference grows with the learning rate:

@@ -7,6 +7,7 @@
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt -p burn-megatron-dist --bin bm-launch
 #   LAYERS=16 ITERS=6 bash bench/pipeline_gpu_check.sh
+#   PART=startup LAYERS=16 ITERS=3 bash bench/pipeline_gpu_check.sh   (start-up, first losses)
 #   PART=uneven LAYERS=16 ITERS=6 bash bench/pipeline_gpu_check.sh   (uneven stages: the last
 #       rank, which also runs the 128k-vocabulary output layer, holding fewer layers)
 set -u
@@ -19,13 +20,16 @@ B=.gpu/bin
 ITERS=${ITERS:-6}
 LAYERS=${LAYERS:-16}
 COMMON="--config examples/configs/llama3_8b.toml --num-layers $LAYERS --bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
+# Each line of a run's log with the seconds since its launch ("[+12.3s]"): the first
+# iteration's line tells how long a user waits for it.
+stamp() { awk -v t0="$(date +%s.%N)" '{ "date +%s.%N" | getline now; close("date +%s.%N"); printf "%s [+%.1fs]\n", $0, now - t0; fflush() }'; }
 ours() { # name, flags...
   local name=$1; shift
   echo "=== ours $name: $*" | tee -a $OUT/pipeline.log
   local s=$(date +%s)
-  timeout ${LIMIT:-150} $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $COMMON "$@" > $OUT/$name.log 2>&1
-  echo "rc=$? seconds=$(( $(date +%s) - s ))" | tee -a $OUT/pipeline.log
-  grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -$((ITERS + 1)) | cut -c1-400 | tee -a $OUT/pipeline.log
+  timeout ${LIMIT:-150} $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $COMMON "$@" 2>&1 | stamp > $OUT/$name.log
+  echo "rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - s ))" | tee -a $OUT/pipeline.log
+  grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -$((ITERS + 3)) | cut -c1-400 | tee -a $OUT/pipeline.log
 }
 torch() { # name, flags...
   local name=$1; shift
@@ -35,6 +39,15 @@ torch() { # name, flags...
   grep -E "RESULT|step:|Error|error" $OUT/torch_$name.log | tail -4 | cut -c1-400 | tee -a $OUT/pipeline.log
 }
 PP2="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2"
+if [ "${PART:-schedules}" = startup ]; then
+  # Start-up with the initial values drawn on the GPU (issue 31): DP 2 with the distributed
+  # optimizer (each rank holds the whole model: 44-59 s of start-up with the host's draw),
+  # PP 2 with 9 + 7 layers and TP 2; the first loss (before any update) agrees across them.
+  ours dp2_zero --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce
+  ours pp2_last7 $PP2 --decoder-last-pipeline-num-layers 7
+  ours tp2_sp --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel
+  exit 0
+fi
 if [ "${PART:-schedules}" = uneven ]; then
   # The planner's balancing count for the last rank: its layers plus the output layer (2.1
   # layers' work) level with the first rank's (16 layers: 9 + 7).

@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|fp8|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -16,6 +16,9 @@ B=.gpu/bin
 ITERS=${ITERS:-8}
 part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
 COMMON="--bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
+# Each line of a run's log with the seconds since its launch ("[+12.3s]"): the first
+# iteration's line tells how long a user waits for it.
+stamp() { awk -v t0="$(date +%s.%N)" '{ "date +%s.%N" | getline now; close("date +%s.%N"); printf "%s [+%.1fs]\n", $0, now - t0; fflush() }'; }
 ours() { # name, preset, flags...
   local name=$1 preset=$2; shift 2
   echo "=== ours $name: $preset $*" | tee -a $OUT/scale.log
@@ -24,14 +27,14 @@ ours() { # name, preset, flags...
   # buffers included), for the planner's predicted peak.
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > $OUT/$name.smi 2>/dev/null &
   local smi=$!
-  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" > $OUT/$name.log 2>&1
-  echo "rc=$? seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
+  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" 2>&1 | stamp > $OUT/$name.log
+  echo "rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
   echo "peak MiB per GPU (nvidia-smi): $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' $OUT/$name.smi)" | tee -a $OUT/scale.log
   if [ -n "${PLAN:-}" ]; then
     $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" --plan --gpu-memory-gib 140 2>&1 | grep -iE "peak|fits|predicted|^ *TP|layout" | head -12 | tee -a $OUT/scale.log
   fi
-  grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -${ITERS} | cut -c1-400 | tee -a $OUT/scale.log
+  grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -$((ITERS + 3)) | cut -c1-400 | tee -a $OUT/scale.log
 }
 torch() { # name, flags...
   local name=$1; shift
@@ -113,4 +116,12 @@ if part uneven2; then
   ours llama_tp2pp2_vp4_last15 llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --global-batch-size 32 --num-virtual-stages-per-pipeline-rank 4 --decoder-last-pipeline-num-layers 15
   torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
   ours llama_pp4_last5 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --global-batch-size 32 --decoder-last-pipeline-num-layers 5
+fi
+if part startup; then
+  # Start-up with the initial values drawn on the GPU (issue 31: the first iteration within
+  # 30 s of launch on every layout): DP 4 with the distributed optimizer (each rank holds the
+  # whole 8B model), TP 2 x PP 2 and PP 4 with 9, 9, 9, 5 layers; 3 iterations each.
+  ours llama_dp4_zero llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --global-batch-size 16
+  ours llama_tp2pp2_start llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+  ours llama_pp4_last5_start llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 5
 fi
