@@ -22,7 +22,7 @@ LAYERS=${LAYERS:-16}
 COMMON="--config examples/configs/llama3_8b.toml --num-layers $LAYERS --bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
 # Each line of a run's log with the seconds since its launch ("[+12.3s]"): the first
 # iteration's line tells how long a user waits for it.
-stamp() { awk -v t0="$(date +%s.%N)" '{ "date +%s.%N" | getline now; close("date +%s.%N"); printf "%s [+%.1fs]\n", $0, now - t0; fflush() }'; }
+stamp() { local t0=${EPOCHREALTIME/./} line; while IFS= read -r line; do printf '%s [+%d.%ds]\n' "$line" $(( (${EPOCHREALTIME/./} - t0) / 1000000 )) $(( (${EPOCHREALTIME/./} - t0) / 100000 % 10 )); done; }
 ours() { # name, flags...
   local name=$1; shift
   echo "=== ours $name: $*" | tee -a $OUT/pipeline.log

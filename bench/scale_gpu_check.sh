@@ -18,7 +18,7 @@ part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
 COMMON="--bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
 # Each line of a run's log with the seconds since its launch ("[+12.3s]"): the first
 # iteration's line tells how long a user waits for it.
-stamp() { awk -v t0="$(date +%s.%N)" '{ "date +%s.%N" | getline now; close("date +%s.%N"); printf "%s [+%.1fs]\n", $0, now - t0; fflush() }'; }
+stamp() { local t0=${EPOCHREALTIME/./} line; while IFS= read -r line; do printf '%s [+%d.%ds]\n' "$line" $(( (${EPOCHREALTIME/./} - t0) / 1000000 )) $(( (${EPOCHREALTIME/./} - t0) / 100000 % 10 )); done; }
 ours() { # name, preset, flags...
   local name=$1 preset=$2; shift 2
   echo "=== ours $name: $preset $*" | tee -a $OUT/scale.log
