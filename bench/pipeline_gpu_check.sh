@@ -58,6 +58,8 @@ if [ "${PART:-schedules}" = uneven ]; then
   ours pp2_1f1b_last$LAST $PP2 --decoder-last-pipeline-num-layers $LAST
   torch fsdp_b2 --batch 2
   ours pp2_1f1b_even $PP2
+  # The planner's table for this world, to set its peaks beside the logged ones.
+  $B/pretrain_gpt $COMMON $PP2 --plan --gpu-memory-gib 140 > $OUT/plan.log 2>&1
   exit 0
 fi
 ours pp2_1f1b $PP2

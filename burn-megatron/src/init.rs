@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 
 use crate::ops::CounterNormalOps;
 
@@ -47,54 +47,6 @@ pub fn init_slice<B: CounterNormalOps, const D: usize>(
     }
 }
 
-/// The slice `ranges` of a full tensor of shape `full` whose element at row-major index `i`
-/// is `value(i)`.
-///
-/// A 7B model draws billions of values at start-up, so the rows of the slice (runs along its
-/// last dimension, contiguous in the full tensor too) are drawn on every core; each value
-/// depends on its index alone, so the threads change nothing but the time.
-pub(crate) fn counter_slice<const D: usize>(
-    full: [usize; D],
-    ranges: [Range<usize>; D],
-    value: impl Fn(u64) -> f32 + Sync,
-) -> TensorData {
-    let shape: [usize; D] = std::array::from_fn(|d| ranges[d].len());
-    let count: usize = shape.iter().product();
-    let mut values = vec![0f32; count];
-    if count > 0 {
-        let row_len = shape[D - 1];
-        // The full tensor's row-major index of the first element of the slice's `row`.
-        let row_start = |mut row: usize| -> u64 {
-            let mut stride = 1u64;
-            let mut linear = ranges[D - 1].start as u64;
-            for d in (0..D - 1).rev() {
-                stride *= full[d + 1] as u64;
-                linear += (ranges[d].start + row % shape[d]) as u64 * stride;
-                row /= shape[d];
-            }
-            linear
-        };
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // Enough rows a thread that spawning costs nothing next to the drawing.
-        let rows_per_chunk = (count / threads / row_len).max((1 << 16) / row_len).max(1);
-        std::thread::scope(|scope| {
-            for (chunk_index, chunk) in values.chunks_mut(rows_per_chunk * row_len).enumerate() {
-                let (value, row_start) = (&value, &row_start);
-                scope.spawn(move || {
-                    let first_row = chunk_index * rows_per_chunk;
-                    for (r, row) in chunk.chunks_mut(row_len).enumerate() {
-                        let start = row_start(first_row + r);
-                        for (j, out) in row.iter_mut().enumerate() {
-                            *out = value(start + j as u64);
-                        }
-                    }
-                });
-            }
-        });
-    }
-    TensorData::new(values, shape)
-}
-
 /// The whole tensor: [`init_slice`] over every index.
 pub fn init_full<B: CounterNormalOps, const D: usize>(
     full: [usize; D],
@@ -126,25 +78,6 @@ mod tests {
         let full = init_full::<NdArray, 2>([6, 8], dist, 7, &dev);
         let slice = init_slice::<NdArray, 2>([6, 8], [2..5, 4..8], dist, 7, &dev);
         assert_eq!(values(full.slice([2..5, 4..8])), values(slice));
-    }
-
-    /// The rows drawn on several threads hold the values of a one-by-one walk of the slice's
-    /// elements in row-major order (a 3D slice of ~200k elements: several threads' chunks).
-    #[test]
-    fn threads_draw_the_row_major_walk() {
-        let (full, ranges) = ([7, 300, 130], [1..6, 17..290, 3..128]);
-        let drawn = counter_slice(full, ranges.clone(), |i| i as f32 * 0.5 + 1.0);
-        let mut expected = Vec::new();
-        for a in ranges[0].clone() {
-            for b in ranges[1].clone() {
-                for c in ranges[2].clone() {
-                    let linear = (a * full[1] + b) * full[2] + c;
-                    expected.push(linear as f32 * 0.5 + 1.0);
-                }
-            }
-        }
-        assert_eq!(drawn.shape.to_vec(), vec![5, 273, 125]);
-        assert_eq!(drawn.to_vec::<f32>().unwrap(), expected);
     }
 
     #[test]

@@ -39,8 +39,9 @@ use std::path::{Path, PathBuf};
 ///
 /// - burn-megatron: issue 30 and `shared/STYLE.md` (ops → tensor_parallel → transformer →
 ///   models → pipeline_parallel / distributed / optimizer → checkpointing → training), with
-///   `error/` and `init.rs` at the bottom, `data/` beside them (Megatron's datasets and the
-///   microbatch they become know nothing of the model) and `backend.rs` beside `ops/`.
+///   `error/` at the bottom, `data/` beside it (Megatron's datasets and the
+///   microbatch they become know nothing of the model), `backend.rs` and `init.rs` (which draws
+///   the initial values through `ops::counter_normal`) beside `ops/`.
 /// - burn-megatron-dist: vocabulary, then transports (comm), then groups, then mapping and
 ///   launch; the folders of the `shared/STYLE.md` sketch (`comm/`, `group/`, `launch/`).
 /// - burn-megatron-kernels: the host-side pieces the fused kernels share (`counter_rng`,
@@ -49,8 +50,8 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "burn-megatron",
         &[
-            &["error", "init", "data"],
-            &["backend", "ops"],
+            &["error", "data"],
+            &["backend", "ops", "init"],
             &["tensor_parallel", "context_parallel"],
             &["transformer"],
             &["models"],

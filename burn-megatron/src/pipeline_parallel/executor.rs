@@ -58,6 +58,11 @@ pub struct StepOutput<B: AutodiffBackend> {
     pub grads: Vec<GradientsParams>,
     /// The most microbatches whose activations this rank held at once.
     pub max_live_activations: usize,
+    /// The most device memory this rank's tensors held between two steps of the schedule
+    /// (after each forward pass, backward pass and exchange), in bytes, where the backend
+    /// tracks it (`BackendInfo::memory_in_use`: the pool's live bytes in queue order, so
+    /// sampling it waits for nothing). A peak inside one pass is not seen.
+    pub peak_memory_bytes: Option<u64>,
     /// The auxiliary losses and expert load of this rank's MoE layers; `None` for a dense
     /// model.
     pub moe: Option<MoeStepStats<B::InnerBackend>>,
@@ -179,6 +184,8 @@ where
     grads: Vec<GradientsParams>,
     losses: Vec<Tensor<B::InnerBackend, 1>>,
     max_live: usize,
+    /// The most memory in use seen between steps.
+    peak_memory: Option<u64>,
     /// `[1]` f32: the loss scale every backward pass starts from (fp16 loss scaling).
     loss_scale: Option<Tensor<B::InnerBackend, 1>>,
     /// The MoE layers' losses and load for the log.
@@ -219,6 +226,7 @@ where
             grads,
             losses: Vec::new(),
             max_live: 0,
+            peak_memory: None,
             loss_scale: None,
             moe: MoeTally::default(),
         }
@@ -256,6 +264,9 @@ where
                     self.failed(step, source)
                 }
             })?;
+            if let Some(bytes) = B::memory_in_use(&self.device) {
+                self.peak_memory = Some(self.peak_memory.map_or(bytes, |p| p.max(bytes)));
+            }
         }
         self.reduce_tied_embeddings()?;
         // Sequence parallelism's partial gradients (norms, row-parallel biases), left partial
@@ -273,6 +284,7 @@ where
             loss,
             grads: self.grads,
             max_live_activations: self.max_live,
+            peak_memory_bytes: self.peak_memory,
             moe: std::mem::take(&mut self.moe).finish(microbatches),
         })
     }

@@ -64,6 +64,11 @@ pub struct IterationReport {
     /// Device memory in use at the end of the step, the largest over all ranks, in bytes;
     /// on logged iterations of backends that track it (GPUs), `None` otherwise.
     pub max_memory_bytes: Option<f64>,
+    /// The most device memory in use between the schedule's passes during the step (the
+    /// activations of the microbatches in flight included), the largest over all ranks, in
+    /// bytes; as `max_memory_bytes`, on logged iterations of backends that track it. The
+    /// planner's peak is comparable with it.
+    pub peak_memory_bytes: Option<f64>,
     /// With `--fp16`: the loss scale this step's backward pass used.
     pub loss_scale: Option<f64>,
     /// With `--num-experts`, on logged iterations: the MoE losses and the experts' load.

@@ -400,6 +400,10 @@ where
             Some(bytes) if logged => Some(largest_over_ranks(&state, bytes, device)?),
             _ => None,
         };
+        let peak = match out.peak_memory_bytes {
+            Some(bytes) if logged => Some(largest_over_ranks(&state, bytes, device)?),
+            _ => None,
+        };
         let moe = match model_config.moe.is_some() && logged {
             true => {
                 let values = moe_report(&state, moe_stats, device)?;
@@ -414,7 +418,7 @@ where
             }
             false => None,
         };
-        let optional = [loss_scale, memory];
+        let optional = [loss_scale, memory, peak];
         let mut values = read_scalars(
             [loss, norm]
                 .into_iter()
@@ -429,9 +433,10 @@ where
         // watchdog's error (naming the dead rank) before logging or saving them.
         state.failure()?;
         let [loss, grad_norm] = [(); 2].map(|_| values.next().unwrap_or(f64::NAN));
-        let [loss_scale, max_memory_bytes] =
+        let [loss_scale, max_memory_bytes, peak_memory_bytes] =
             optional.map(|t| t.map(|_| values.next().unwrap_or(f64::NAN)));
         let max_memory_bytes = max_memory_bytes.map(|mib| mib * MIB);
+        let peak_memory_bytes = peak_memory_bytes.map(|mib| mib * MIB);
         iteration += 1;
         consumed += config.global_batch_size as u64;
         let seconds = started.elapsed().as_secs_f64();
@@ -449,6 +454,7 @@ where
             devices,
             mfu: flops_per_second / devices as f64 / (config.peak_tflops * 1e12),
             max_memory_bytes,
+            peak_memory_bytes,
             loss_scale,
             moe,
         };

@@ -121,8 +121,11 @@ impl TrainingObserver for ConsoleProgress {
                         .unwrap_or_default(),
                     r.max_memory_bytes
                         .map(|b| format!(
-                            " | memory {:.2} GiB (largest rank)",
-                            b / (1u64 << 30) as f64
+                            " | memory {:.2} GiB{} (largest rank)",
+                            b / (1u64 << 30) as f64,
+                            r.peak_memory_bytes
+                                .map(|p| format!(", peak {:.2}", p / (1u64 << 30) as f64))
+                                .unwrap_or_default()
                         ))
                         .unwrap_or_default(),
                     r.moe
