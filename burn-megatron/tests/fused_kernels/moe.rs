@@ -167,7 +167,8 @@ fn the_moe_layer_on_wgpu_equals_ndarray() {
 
 /// With F16 the device's default float dtype, 2501 tokens all routed to expert 0 (2501 is not
 /// an F16 number): the counts that size the exchange stay exact, and the layer equals
-/// NdArray's in F32 to F16's tolerance (its weights' gradients to BF16's). With the counts converted through the default float dtype, they
+/// NdArray's in F32 to F16's tolerance (its weights' gradients, sums over every token in F16,
+/// to twice BF16's). With the counts converted through the default float dtype, they
 /// were rounded and rows landed outside the buffers (the illegal address of the first BF16 run
 /// on GPUs).
 ///
@@ -188,6 +189,8 @@ fn moe_token_counts_stay_exact_in_half_precision() {
     let got = forward_backward::<Autodiff<W>>(&config, 2501, &feature_0, device);
     let want = forward_backward::<Autodiff<NdArray>>(&config, 2501, &feature_0, Default::default());
     assert_eq!(want.tokens_per_expert, [2501, 0, 0, 0]);
-    // The weights' gradients are sums over the 2501 tokens, in F16: BF16's bound.
-    assert_equal("F16", &got, &want, tolerance::F16, tolerance::BF16);
+    // The weights' gradients are sums over the 2501 tokens, in F16: the rounding of such a sum
+    // grows about as sqrt(2501) · 2⁻¹¹ ≈ 2.4 %; twice BF16's bound (the router's gradient
+    // measured 1.1 % with the initial values drawn from the coordinates' hashes).
+    assert_equal("F16", &got, &want, tolerance::F16, 2.0 * tolerance::BF16);
 }
