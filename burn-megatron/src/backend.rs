@@ -33,6 +33,22 @@ pub trait BackendInfo: Backend {
         let _ = tensor;
         None
     }
+
+    /// Starts recording where `device`'s GPU time goes, per kernel, where the backend can
+    /// (our CUDA backend with `BM_PROFILE=1`: `burn_megatron_kernels::cuda::profile`); for
+    /// `--profile`. Returns whether it records.
+    fn profile_start(device: &Self::Device) -> bool {
+        let _ = device;
+        false
+    }
+
+    /// Waits for `device`, stops the recording [`profile_start`](Self::profile_start) began,
+    /// and gives its table (the `top` kernels, times per step over `steps` steps); `None`
+    /// where nothing was recorded.
+    fn profile_report(device: &Self::Device, top: usize, steps: usize) -> Option<String> {
+        let _ = (device, top, steps);
+        None
+    }
 }
 
 /// A [`DistBackend`] with every operation of the model (see [`crate::ops`]): implemented for
@@ -103,6 +119,14 @@ impl<B: BackendInfo, C: CheckpointStrategy> BackendInfo for Autodiff<B, C> {
     fn autodiff_node(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
         Some(tensor.node.id.value)
     }
+
+    fn profile_start(device: &Self::Device) -> bool {
+        B::profile_start(device)
+    }
+
+    fn profile_report(device: &Self::Device, top: usize, steps: usize) -> Option<String> {
+        B::profile_report(device, top, steps)
+    }
 }
 
 /// Implements each listed op trait for a backend with the traits' defaults: the compositions.
@@ -162,5 +186,34 @@ where
             .memory_usage()
             .ok()
             .map(|usage| usage.bytes_in_use)
+    }
+
+    /// Our CUDA runtime's built-in profile; other CubeCL runtimes have none.
+    fn profile_start(device: &Self::Device) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = (device as &dyn core::any::Any)
+            .downcast_ref::<burn_megatron_kernels::cuda::CudaGpu>()
+            .filter(|_| burn_megatron_kernels::cuda::profile::enabled())
+        {
+            burn_megatron_kernels::cuda::profile::start(gpu);
+            return true;
+        }
+        let _ = device;
+        false
+    }
+
+    fn profile_report(device: &Self::Device, top: usize, steps: usize) -> Option<String> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = (device as &dyn core::any::Any)
+            .downcast_ref::<burn_megatron_kernels::cuda::CudaGpu>()
+            .filter(|_| burn_megatron_kernels::cuda::profile::enabled())
+        {
+            return Some(match burn_megatron_kernels::cuda::profile::report(gpu) {
+                Ok(report) => report.table(top, steps),
+                Err(e) => format!("the profile could not be read: {e}"),
+            });
+        }
+        let _ = (device, top, steps);
+        None
     }
 }

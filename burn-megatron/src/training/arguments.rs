@@ -243,6 +243,21 @@ pub struct PretrainArgs {
     /// default; 494.7 for its TF32 one). [default: 989.4]
     #[arg(long, help_heading = "Training")]
     pub peak_tflops: Option<f64>,
+    /// Record where each GPU's time goes, per kernel (our CUDA backend's built-in profile; set
+    /// BM_PROFILE=1 in the environment too), over iterations --profile-step-start + 1 to
+    /// --profile-step-end on the ranks --profile-ranks, each printing its table at the end of
+    /// the window. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Training")]
+    pub profile: Option<bool>,
+    /// The iteration after which the profile starts. [default: 10]
+    #[arg(long, help_heading = "Training")]
+    pub profile_step_start: Option<u64>,
+    /// The iteration at which the profile ends. [default: 12]
+    #[arg(long, help_heading = "Training")]
+    pub profile_step_end: Option<u64>,
+    /// The global ranks profiled. [default: 0]
+    #[arg(long, num_args = 1.., help_heading = "Training")]
+    pub profile_ranks: Option<Vec<usize>>,
 
     /// Directory to save sharded checkpoints in. [default: target/pretrain_gpt]
     #[arg(long, value_name = "DIR", help_heading = "Checkpoints")]
@@ -452,6 +467,10 @@ impl PretrainArgs {
             eval_iters => eval_iters,
             seed => seed,
             peak_tflops => peak_tflops,
+            profile => profile,
+            profile_step_start => profile_step_start,
+            profile_step_end => profile_step_end,
+            profile_ranks => profile_ranks,
             async_save => async_save,
             learner => learner,
             bf16 => bf16,
@@ -590,6 +609,10 @@ impl PretrainArgs {
             eval_iters,
             seed,
             peak_tflops,
+            profile,
+            profile_step_start,
+            profile_step_end,
+            profile_ranks,
             save,
             save_interval,
             load,

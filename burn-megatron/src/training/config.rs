@@ -281,6 +281,21 @@ pub struct PretrainConfig {
     /// (`--peak-tflops`; 989.4 is an H100/H200 SXM's bf16 peak, 494.7 its TF32 one).
     #[config(default = 989.4)]
     pub peak_tflops: f64,
+    /// Record where each GPU's time goes, per kernel, over iterations `profile_step_start +
+    /// 1` to `profile_step_end` (`--profile`, Megatron's option; our CUDA backend's built-in
+    /// profile, which needs `BM_PROFILE=1` in the environment), on the ranks
+    /// `profile_ranks`; each prints its table when the window ends.
+    #[config(default = false)]
+    pub profile: bool,
+    /// The iteration after which the profile starts (`--profile-step-start`).
+    #[config(default = 10)]
+    pub profile_step_start: u64,
+    /// The iteration at which it ends (`--profile-step-end`).
+    #[config(default = 12)]
+    pub profile_step_end: u64,
+    /// The global ranks profiled (`--profile-ranks`).
+    #[config(default = "vec![0]")]
+    pub profile_ranks: Vec<usize>,
     /// FP8 GEMMs in the transformer layers (`--fp8-format`, `--fp8-recipe`, `--fp8-margin`,
     /// `--fp8-amax-history-len`, `--fp8-amax-compute-algo`); `None`: the run's dtype
     /// throughout. Megatron requires `--bf16` or `--fp16` with FP8; here an fp32 run may use it
@@ -769,6 +784,12 @@ impl PretrainConfig {
         }
         let split = StageSplit::pipeline(self.num_layers, pp, v, first, last)
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if self.profile && self.profile_step_end <= self.profile_step_start {
+            return invalid(format!(
+                "--profile-step-end ({}) must be after --profile-step-start ({})",
+                self.profile_step_end, self.profile_step_start
+            ));
+        }
         if self.eval_interval > 0 && self.eval_iters == 0 {
             return invalid("--eval-iters must be at least 1 when --eval-interval is set".into());
         }

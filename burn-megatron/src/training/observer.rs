@@ -118,6 +118,9 @@ pub trait TrainingObserver: Sync {
     fn on_checkpoint(&self, _iteration: u64, _dir: &Path) {}
     /// After the last step.
     fn on_finish(&self) {}
+    /// `--profile`: where GPU time went on global rank `rank` over the profiled steps (a
+    /// table per kernel). Called on every profiled rank, not only the logging one.
+    fn on_profile(&self, _rank: usize, _steps: std::ops::RangeInclusive<u64>, _table: &str) {}
 }
 
 /// An observer that ignores everything (tests that look only at the returned summary).

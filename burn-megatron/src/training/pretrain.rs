@@ -338,7 +338,12 @@ where
         _ => None,
     };
     let mut parameters_checked_at = None;
+    let profiled = config.profile && config.profile_ranks.contains(&world_rank);
+    let mut profiling = false;
     while iteration < config.train_iters as u64 {
+        if profiled && iteration == config.profile_step_start {
+            profiling = B::profile_start(device);
+        }
         let started = Instant::now();
         let lr = LrScheduler::step(&mut schedule);
         let microbatches = read_microbatches::<B, _>(
@@ -470,6 +475,15 @@ where
             // non-finite gradient norm is an overflow, skipped by the optimizer, not an error.
             let norm = scaler.is_none().then_some(grad_norm);
             check_step_values(iteration, world_rank, loss, norm)?;
+        }
+        // After the step's time was taken: reading the profile waits for the GPU.
+        if profiling && iteration == config.profile_step_end {
+            profiling = false;
+            let steps = config.profile_step_end - config.profile_step_start;
+            if let Some(table) = B::profile_report(device, 15, steps as usize) {
+                let window = config.profile_step_start + 1..=config.profile_step_end;
+                observer.on_profile(world_rank, window, &table);
+            }
         }
 
         let last = iteration == config.train_iters as u64;

@@ -199,4 +199,17 @@ impl TrainingObserver for ConsoleProgress {
             ),
         );
     }
+
+    fn on_profile(&self, rank: usize, steps: std::ops::RangeInclusive<u64>, table: &str) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut text = format!(
+            "profile of rank {rank}, iterations {} to {}:",
+            steps.start(),
+            steps.end()
+        );
+        for line in table.lines() {
+            text.push_str(&format!("\n  rank {rank} | {line}"));
+        }
+        Self::line(&mut state, &text);
+    }
 }
