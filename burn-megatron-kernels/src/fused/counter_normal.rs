@@ -10,19 +10,9 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::dropout::mix;
 use super::vectors::{THREADS, launch_shape};
 use crate::counter_rng::{second_key, stream_key};
-
-/// [`crate::counter_rng::mix`] in the kernel.
-#[cube]
-fn mix(x: u32) -> u32 {
-    let mut x = x;
-    x ^= x >> 16u32;
-    x *= 0x7feb_352du32;
-    x ^= x >> 15u32;
-    x *= 0x846c_a68bu32;
-    x ^ (x >> 16u32)
-}
 
 /// [`crate::counter_rng::unit`] in the kernel.
 #[cube]

@@ -31,9 +31,10 @@ pub struct MaskPlacement {
     pub offset: [usize; 4],
 }
 
-/// [`crate::counter_rng::mix`] in the kernel.
+/// [`crate::counter_rng::mix`] in the kernel (also the initial values' hash,
+/// [`super::counter_normal`]).
 #[cube]
-fn mix(x: u32) -> u32 {
+pub(crate) fn mix(x: u32) -> u32 {
     let mut x = x;
     x ^= x >> 16u32;
     x *= 0x7feb_352du32;
