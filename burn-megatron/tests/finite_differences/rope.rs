@@ -62,17 +62,7 @@ fn the_gradient_matches_finite_differences() {
         let x = Tensor::<B, 5>::from_data(burn::tensor::TensorData::new(x, DIMS), &device());
         values((B::packed_rope(x, BASE) * w.clone()).sum())[0]
     };
-    let input = values(x);
-    let sample: Vec<usize> = (0..input.len()).step_by(7).collect();
-    let mut fd = Vec::with_capacity(sample.len());
-    for &i in &sample {
-        let mut plus = input.clone();
-        plus[i] += STEP;
-        let mut minus = input.clone();
-        minus[i] -= STEP;
-        fd.push((loss(plus) - loss(minus)) / (2.0 * STEP));
-    }
-    let got: Vec<f64> = sample.iter().map(|&i| got[i]).collect();
+    let (got, fd) = sampled_central_differences(&got, values(x), loss);
     assert_close("d_qkv", &got, &fd, tolerance::FINITE_DIFFERENCE_F64);
 }
 
@@ -105,7 +95,21 @@ fn the_gradient_at_positions_matches_finite_differences() {
         let x = Tensor::<B, 5>::from_data(burn::tensor::TensorData::new(x, DIMS), &device());
         values((B::packed_rope_at(x, &positions, BASE) * w.clone()).sum())[0]
     };
-    let input = values(x);
+    let (got, fd) = sampled_central_differences(&got, values(x), loss);
+    assert_close(
+        "d_qkv at positions",
+        &got,
+        &fd,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+}
+
+/// Central differences of `loss` at every 7th element of `input`, and `grad`'s values there.
+fn sampled_central_differences(
+    grad: &[f64],
+    input: Vec<f64>,
+    loss: impl Fn(Vec<f64>) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
     let sample: Vec<usize> = (0..input.len()).step_by(7).collect();
     let mut fd = Vec::with_capacity(sample.len());
     for &i in &sample {
@@ -115,11 +119,5 @@ fn the_gradient_at_positions_matches_finite_differences() {
         minus[i] -= STEP;
         fd.push((loss(plus) - loss(minus)) / (2.0 * STEP));
     }
-    let got: Vec<f64> = sample.iter().map(|&i| got[i]).collect();
-    assert_close(
-        "d_qkv at positions",
-        &got,
-        &fd,
-        tolerance::FINITE_DIFFERENCE_F64,
-    );
+    (sample.iter().map(|&i| grad[i]).collect(), fd)
 }
