@@ -3,11 +3,12 @@
 //!
 //! The numerics are those of [`GptModel::try_forward`] for the same tokens (the same
 //! projections, norms, MLPs and output layer; RoPE or learned positions at the same
-//! positions), except that attention is the plain `softmax(q kᵀ / sqrt(d) + mask) v` over the
-//! cached keys (no flash kernel) and no dropout runs.
+//! positions), except that attention against cached keys is the plain
+//! `softmax(q kᵀ / sqrt(d) + mask) v` by query group (the flash kernel only for the prefill
+//! of prompts of one length) and no dropout runs.
 
 use burn::tensor::activation::softmax;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use burn_megatron_dist::DistResult;
 
 use super::kv_cache::{KvCache, LayerKv};
@@ -15,11 +16,10 @@ use crate::backend::ModelBackend;
 use crate::error::{ConfigError, Result};
 use crate::models::GptModel;
 use crate::ops::packed_flash_attention;
-use crate::ops::rope::rotation_table;
 use crate::transformer::ParallelAttention;
 use crate::transformer::moe::MoeLosses;
 
-/// Runs `tokens` (the next columns of every row) through a whole `model`, appending their
+/// Runs `tokens` (the next columns of every row) through a whole `model`, writing their
 /// keys and values to `cache`, and returns this rank's slice of the logits of the last column:
 /// [`embed_cached`], [`layers_cached`], then the final norm and the output layer.
 ///
@@ -68,8 +68,11 @@ pub fn embed_cached<B: ModelBackend>(
 }
 
 /// The next columns' residual stream through this stage's layers, attending to `cache` and
-/// appending to it (the cache then holds `new` more columns); no dropout. The final norm is
-/// not applied ([`GptModel::head`] does it).
+/// writing to it (the cache then holds `new` more columns); no dropout. The final norm is
+/// not applied ([`GptModel::head`] does it). An error if the columns do not fit the cache.
+///
+/// Per call it uploads the positions (and, unless this is the prefill of unpadded prompts,
+/// the mask) and reads nothing back.
 ///
 /// # Shapes
 /// - x and the output: `[batch, new, hidden]`
@@ -80,18 +83,35 @@ pub fn layers_cached<B: ModelBackend>(
 ) -> Result<Tensor<B, 3>> {
     let [batch, new, _] = x.dims();
     let device = x.device();
+    let max = model.max_sequence_length();
+    let capacity = cache.reserve(new, max)?;
     let positions = cache.positions(new, max_position(model));
-    let mask = cache.mask(new, &device);
-    let rotation = model.layers().first().and_then(|layer| {
-        let (_, _, head_dim, base) = layer.attention.decode_layout();
-        base.map(|base| Rotation::new(&positions, [batch, new], head_dim, base, &device))
-    });
+    // A prefill of prompts of one length is plain causal attention: the flash kernel's.
+    let mask = (!cache.is_empty() || cache.pads().iter().any(|&pad| pad > 0))
+        .then(|| cache.mask(new, &device));
+    let rotation = match model.layers().first() {
+        Some(layer) => match layer.attention.decode_layout() {
+            (_, _, head_dim, Some(base)) => {
+                let table = cache.rope_table(capacity.min(max), head_dim, base, &device);
+                Some(Rotation::new(
+                    table,
+                    positions,
+                    [batch, new],
+                    head_dim,
+                    &device,
+                ))
+            }
+            _ => None,
+        },
+        None => None,
+    };
     for (layer, kv) in model.layers().iter().zip(cache.layers_mut()) {
         let normed = layer.input_norm.try_forward(x.clone())?;
         let attention = attend(
             &layer.attention,
             normed,
             kv,
+            capacity,
             rotation.as_ref(),
             mask.clone(),
         )?;
@@ -113,32 +133,29 @@ fn max_position<B: ModelBackend>(model: &GptModel<B>) -> usize {
 }
 
 /// The cosines and sines of the new columns' positions, `[batch, new, 1, 1, head_dim]` each
-/// (the "rotate half" layout of [`crate::ops::rope`]), from the same f64 table.
+/// (the "rotate half" layout of [`crate::ops::rope`]), gathered on the device from the
+/// cache's table ([`KvCache::rope_table`]) by an uploaded tensor of positions.
 struct Rotation<B: ModelBackend> {
     cos: Tensor<B, 5>,
     sin: Tensor<B, 5>,
 }
 
 impl<B: ModelBackend> Rotation<B> {
+    /// # Shapes
+    /// - table: `[rows, head_dim]` each, rows past every position
+    /// - positions: `batch · new` values, row-major
     fn new(
-        positions: &[i64],
+        table: [Tensor<B, 2>; 2],
+        positions: Vec<i64>,
         [batch, new]: [usize; 2],
         head_dim: usize,
-        base: f64,
         device: &B::Device,
     ) -> Self {
-        let half = head_dim / 2;
-        let rows = positions.iter().copied().max().unwrap_or(0) as usize + 1;
-        let [cos, sin] = rotation_table(rows, head_dim, base).map(|table| {
-            let values: Vec<f32> = positions
-                .iter()
-                .flat_map(|&p| table[p as usize * half..(p as usize + 1) * half].to_vec())
-                .collect();
-            let t = Tensor::<B, 3>::from_data(
-                TensorData::new(values, [batch, new, half]),
-                (device, DType::F32),
-            );
-            Tensor::cat(vec![t.clone(), t], 2).reshape([batch, new, 1, 1, head_dim])
+        let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [batch * new]), device);
+        let [cos, sin] = table.map(|table| {
+            table
+                .select(0, ids.clone())
+                .reshape([batch, new, 1, 1, head_dim])
         });
         Self { cos, sin }
     }
@@ -166,7 +183,9 @@ impl<B: ModelBackend> Rotation<B> {
 }
 
 /// `attention`'s output for the new columns `x`, their queries attending to the cached keys
-/// and values (theirs appended to `kv`) under `mask`.
+/// and values (theirs written to `kv`, of `capacity` columns) under `mask`; without a mask
+/// (the prefill of unpadded prompts), causal attention by
+/// [`packed_flash_attention::attention`].
 ///
 /// # Shapes
 /// - x and the output: `[batch, new, hidden]`
@@ -175,8 +194,9 @@ fn attend<B: ModelBackend>(
     attention: &ParallelAttention<B>,
     x: Tensor<B, 3>,
     kv: &mut LayerKv<B>,
+    capacity: usize,
     rotation: Option<&Rotation<B>>,
-    mask: Tensor<B, 4, burn::tensor::Bool>,
+    mask: Option<Tensor<B, 4, Bool>>,
 ) -> DistResult<Tensor<B, 3>> {
     let (groups, per_group, head_dim, _) = attention.decode_layout();
     let qkv = attention.qkv.try_forward(x)?;
@@ -186,23 +206,62 @@ fn attend<B: ModelBackend>(
         Some(rotation) => rotation.apply(qkv),
         None => qkv,
     };
-    let [q, k, v] = packed_flash_attention::split(qkv);
-    let [k, v] = kv.append(k, v);
-    let total = k.dims()[2];
-    let heads = groups * per_group;
-    // Each key/value head serves its group's query heads.
-    let repeat = |t: Tensor<B, 4>| -> Tensor<B, 4> {
-        t.unsqueeze_dim::<5>(2)
-            .expand([batch, groups, per_group, total, head_dim])
-            .reshape([batch, heads, total, head_dim])
+    let [k, v] = [per_group, per_group + 1].map(|slot| {
+        qkv.clone()
+            .narrow(3, slot, 1)
+            .reshape([batch, new, groups, head_dim])
+            .swap_dims(1, 2)
+    });
+    let [keys, values] = kv.write(capacity, k, v);
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let context = match mask {
+        Some(mask) => grouped_attention(qkv, keys, values, mask, scale),
+        None => packed_flash_attention::attention(qkv, scale, true),
     };
-    let scores = q
-        .matmul(repeat(k).swap_dims(2, 3))
-        .mul_scalar(1.0 / (head_dim as f64).sqrt());
-    let scores = scores.mask_fill(mask.repeat_dim(1, heads), f32::NEG_INFINITY);
-    let context = softmax(scores, 3)
-        .matmul(repeat(v))
+    attention
+        .output
+        .try_forward(context.reshape([batch, new, groups * per_group * head_dim]))
+}
+
+/// `softmax(scale · q kᵀ + mask) v` of the new columns' query heads against their group's
+/// cached key/value head, without copying K and V per query head: a group's query heads are
+/// rows of one matrix (`[new · heads_per_group, head_dim]`) against the group's keys. The
+/// scores and the softmax are f32.
+///
+/// # Shapes
+/// - qkv: `[batch, new, groups, heads_per_group + 2, head_dim]` (rotated)
+/// - keys, values: `[batch, groups, total, head_dim]`
+/// - mask: `[batch, 1, new, total]` (`true`: masked)
+/// - output: `[batch, new, heads, head_dim]`, heads group by group
+fn grouped_attention<B: ModelBackend>(
+    qkv: Tensor<B, 5>,
+    keys: Tensor<B, 4>,
+    values: Tensor<B, 4>,
+    mask: Tensor<B, 4, Bool>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    let [batch, new, groups, slots, head_dim] = qkv.dims();
+    let per_group = slots - 2;
+    let total = keys.dims()[2];
+    let rows = new * per_group;
+    let q = qkv
+        .narrow(3, 0, per_group)
         .swap_dims(1, 2)
-        .reshape([batch, new, heads * head_dim]);
-    attention.output.try_forward(context)
+        .reshape([batch, groups, rows, head_dim]);
+    let mask = mask
+        .reshape([batch, 1, new, 1, total])
+        .expand([batch, groups, new, per_group, total])
+        .reshape([batch, groups, rows, total]);
+    let dtype = values.dtype();
+    let scores = q
+        .matmul(keys.swap_dims(2, 3))
+        .cast(DType::F32)
+        .mul_scalar(scale)
+        .mask_fill(mask, f32::NEG_INFINITY);
+    softmax(scores, 3)
+        .cast(dtype)
+        .matmul(values)
+        .reshape([batch, groups, new, per_group, head_dim])
+        .swap_dims(1, 2)
+        .reshape([batch, new, groups * per_group, head_dim])
 }

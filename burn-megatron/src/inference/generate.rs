@@ -2,7 +2,7 @@
 //! the whole forward pass for every token ([`generate_without_cache`], the reference).
 
 use burn::module::Module;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 
@@ -124,7 +124,13 @@ fn run_generation<B: ModelBackend>(
     let device = model.devices().into_iter().next().unwrap_or_default();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
-    let mut cache = KvCache::new(model.layers().len(), pads.clone());
+    // The last token a row picks is never fed back.
+    let fed = rows
+        .iter()
+        .map(|row| row.room(model, config).saturating_sub(1))
+        .max()
+        .unwrap_or(0);
+    let mut cache = KvCache::with_capacity(model.layers().len(), pads.clone(), longest + fed);
     let padded: Vec<i64> = prompts
         .iter()
         .zip(&pads)
@@ -132,8 +138,8 @@ fn run_generation<B: ModelBackend>(
         .collect();
     let mut tokens =
         Tensor::<B, 2, Int>::from_data(TensorData::new(padded, [prompts.len(), longest]), &device);
-    loop {
-        let picks = step(model, pp, tokens, &mut cache, &rows, config)?;
+    for step in 0.. {
+        let picks = self::step(model, pp, tokens, &mut cache, step, config)?;
         let mut next = Vec::with_capacity(rows.len());
         for (row, &token) in rows.iter_mut().zip(&picks) {
             if row.finish.is_none() {
@@ -150,43 +156,41 @@ fn run_generation<B: ModelBackend>(
 }
 
 /// One pass of the next columns `tokens` (`[batch, new]`, read by the first stage only)
-/// through the model or pipeline: the token picked for every row (0 for finished rows), the
-/// same on every rank.
+/// through the model or pipeline, the `step`-th of the generation: the token picked for every
+/// row (of finished rows, any), the same on every rank. The last stage picks on the device
+/// ([`Sampling::pick`]); the one read back to the host is the `[batch]` picked ids.
 fn step<B: ModelBackend>(
     model: &GptModel<B>,
     pp: Option<&ProcessGroup>,
     tokens: Tensor<B, 2, Int>,
     cache: &mut KvCache<B>,
-    rows: &[Row],
+    step: usize,
     config: &GenerationConfig,
 ) -> Result<Vec<i64>> {
     let stage = model.stage().clone();
     let device = tokens.device();
+    let batch = tokens.dims()[0];
     let x = match pp {
         Some(pp) if !stage.is_first() => pp.recv::<B, 3>(stage.index - 1, &device)?,
         _ => embed_cached(model, tokens, cache)?,
     };
     let new = x.dims()[1];
     let x = layers_cached(model, x, cache)?;
-    let mut picks = vec![0; rows.len()];
-    if stage.is_last() {
-        let logits = full_logits(model, model.head(x.narrow(1, new - 1, 1))?)?;
-        for (i, (row, logits)) in rows.iter().zip(&logits).enumerate() {
-            if row.finish.is_none() {
-                picks[i] = config.sampling.pick(logits, i, row.tokens.len());
-            }
+    let picks = if stage.is_last() {
+        let logits = gathered_logits(model, model.head(x.narrow(1, new - 1, 1))?)?;
+        Some(config.sampling.pick(logits, 0, step))
+    } else {
+        if let Some(pp) = pp {
+            pp.send(x, stage.index + 1)?;
         }
-    } else if let Some(pp) = pp {
-        pp.send(x, stage.index + 1)?;
-    }
-    match pp {
-        Some(pp) if pp.size() > 1 => {
-            let values: Vec<f32> = picks.iter().map(|&t| t as f32).collect();
-            let n = values.len();
-            let picked = Tensor::<B, 1>::from_data(
-                TensorData::new(values, [n]),
-                (&device, burn::tensor::DType::F32),
-            );
+        None
+    };
+    match (pp, picks) {
+        (Some(pp), picks) if pp.size() > 1 => {
+            let picked = match picks {
+                Some(picks) => picks.cast(FloatDType::F32),
+                None => Tensor::zeros([batch], (&device, DType::F32)),
+            };
             let picked = pp.broadcast(picked, pp.size() - 1)?;
             let picked = read_data(picked, || {
                 "the tokens the last pipeline stage picked".to_string()
@@ -197,7 +201,8 @@ fn step<B: ModelBackend>(
                 .map(|t| t as i64)
                 .collect())
         }
-        _ => Ok(picks),
+        (_, Some(picks)) => read_tokens(model, picks),
+        (_, None) => unreachable!("a model without pipeline is its last stage"),
     }
 }
 
@@ -222,8 +227,9 @@ pub fn generate_without_cache<B: ModelBackend>(
                 &device,
             );
             let logits = model.try_forward(tokens)?.narrow(1, len - 1, 1);
-            let logits = full_logits(model, logits)?;
-            let token = config.sampling.pick(&logits[0], i, row[0].tokens.len());
+            let logits = gathered_logits(model, logits)?;
+            let picked = config.sampling.pick(logits, i, row[0].tokens.len());
+            let token = read_tokens(model, picked)?[0];
             row[0].push(token, model, config);
             sequence.push(token);
         }
@@ -332,6 +338,15 @@ impl Row {
         }
     }
 
+    /// The most tokens the row can still take: `max_new_tokens` and the model's maximum
+    /// sequence length bound it.
+    fn room<B: ModelBackend>(&self, model: &GptModel<B>, config: &GenerationConfig) -> usize {
+        config
+            .max_new_tokens
+            .min(model.max_sequence_length().saturating_sub(self.prompt_len))
+            .saturating_sub(self.tokens.len())
+    }
+
     fn push<B: ModelBackend>(
         &mut self,
         token: i64,
@@ -355,23 +370,30 @@ impl Row {
 }
 
 /// Rank-local logits `[batch, 1, padded_vocab / tp]` → every row's logits over the real
-/// vocabulary (`vocab_size`, padding dropped), gathered over TP: the same on every rank.
-fn full_logits<B: ModelBackend>(
+/// vocabulary, `[batch, vocab_size]` (padding dropped), gathered over TP: the same on every
+/// rank, on the device.
+fn gathered_logits<B: ModelBackend>(
     model: &GptModel<B>,
     logits: Tensor<B, 3>,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Tensor<B, 2>> {
     let [batch, _, _] = logits.dims();
     let vocab_size = model.vocab().vocab_size;
     let full = gather_from_tensor_parallel_region(logits, model.tp())?;
-    let values = read_data(full.narrow(2, 0, vocab_size), || {
-        "the next token's logits".to_string()
+    Ok(full.narrow(2, 0, vocab_size).reshape([batch, vocab_size]))
+}
+
+/// The picked ids `[batch]` read back to the host: the one read of a decode step.
+fn read_tokens<B: ModelBackend>(model: &GptModel<B>, picks: Tensor<B, 1, Int>) -> Result<Vec<i64>> {
+    let data = read_data(picks, || "the picked tokens".to_string())
+        .map_err(|e| e.on_rank(model.tp().global_rank()))?;
+    data.convert::<i64>().to_vec::<i64>().map_err(|e| {
+        DeviceError {
+            rank: None,
+            what: "the picked tokens".to_string(),
+            message: format!("{e:?}"),
+        }
+        .into()
     })
-    .map_err(|e| e.on_rank(model.tp().global_rank()))?;
-    Ok(f32_values(values, "the next token's logits")?
-        .chunks(vocab_size)
-        .take(batch)
-        .map(<[f32]>::to_vec)
-        .collect())
 }
 
 /// `data` as f32 values (`what` names it in the error, which a dtype without an f32

@@ -8,6 +8,7 @@ use burn_megatron::inference::{
 };
 use burn_megatron::models::GptModel;
 use burn_megatron::transformer::TransformerConfig;
+use burn_megatron::{ConfigError, Error};
 
 use crate::{B, assert_close, greedy, on_ranks, prompts, tokens, tolerance};
 
@@ -27,10 +28,9 @@ fn gathered(model: &GptModel<B>, logits: Tensor<B, 3>) -> burn_megatron::Result<
     Ok(values.into_iter().map(f64::from).collect())
 }
 
-/// Prefill of the left-padded prompts, then three decode steps of fixed tokens: after each,
+/// Prefill of the left-padded `prompts`, then three decode steps of fixed tokens: after each,
 /// every row's last logits against `try_forward` over that row's unpadded sequence.
-fn cached_logits_match(config: &TransformerConfig, tp: usize) {
-    let prompts = prompts();
+fn cached_logits_match(config: &TransformerConfig, tp: usize, prompts: Vec<Vec<i64>>) {
     on_ranks(config, tp, |model| {
         let longest = prompts.iter().map(Vec::len).max().unwrap();
         let pads: Vec<usize> = prompts.iter().map(|p| longest - p.len()).collect();
@@ -72,14 +72,26 @@ fn cached_logits_match(config: &TransformerConfig, tp: usize) {
 #[test]
 fn cached_logits_match_the_full_forward_gpt() {
     for tp in [1, 2] {
-        cached_logits_match(&crate::gpt(), tp);
+        cached_logits_match(&crate::gpt(), tp, prompts());
     }
 }
 
 #[test]
 fn cached_logits_match_the_full_forward_llama_gqa() {
     for tp in [1, 2] {
-        cached_logits_match(&crate::llama(), tp);
+        cached_logits_match(&crate::llama(), tp, prompts());
+    }
+}
+
+/// Prompts of one length: the prefill runs the flash attention path (no mask), the decode
+/// steps the grouped one.
+#[test]
+fn cached_logits_match_the_full_forward_with_prompts_of_one_length() {
+    let prompts = vec![vec![3, 17, 42, 8], vec![25, 1, 0, 49]];
+    for config in [crate::gpt(), crate::llama()] {
+        for tp in [1, 2] {
+            cached_logits_match(&config, tp, prompts.clone());
+        }
     }
 }
 
@@ -139,4 +151,44 @@ fn the_cache_holds_this_ranks_key_value_groups() {
             }
         }
     }
+}
+
+/// The cache allocates its capacity once and holds no more: the buffers keep their columns
+/// while they fill, and a step past the capacity is an error that leaves the cache as it was.
+/// Without a capacity it is the model's maximum sequence length.
+#[test]
+fn the_cache_has_a_fixed_capacity() {
+    on_ranks(&crate::llama(), 2, |model| {
+        let layers = model.layers().len();
+        let allocated = |cache: &KvCache<B>| {
+            (0..layers)
+                .map(|i| cache.layer(i).allocated())
+                .collect::<Vec<_>>()
+        };
+        let mut cache = KvCache::<B>::with_capacity(layers, vec![0, 2], 5);
+        assert_eq!(allocated(&cache), vec![None; layers]);
+        forward_cached(model, ids(vec![1, 2, 3, 0, 0, 4], [2, 3]), &mut cache)?;
+        for step in 0..2 {
+            forward_cached(model, ids(vec![5, 6], [2, 1]), &mut cache)?;
+            assert_eq!(cache.len(), 4 + step);
+            assert_eq!(allocated(&cache), vec![Some(5); layers]);
+            assert_eq!(cache.layer(0).keys().unwrap().dims(), [2, 1, 4 + step, 4]);
+        }
+        let error = forward_cached(model, ids(vec![5, 6], [2, 1]), &mut cache)
+            .expect_err("a sixth column does not fit");
+        assert!(
+            matches!(&error, Error::Config(ConfigError::Invalid(m))
+                if m.contains("room for 5 columns") && m.contains("with_capacity")),
+            "{error}"
+        );
+        assert_eq!(cache.len(), 5);
+        assert_eq!(cache.capacity(), Some(5));
+
+        let mut cache = KvCache::<B>::new(layers, vec![0]);
+        assert_eq!(cache.capacity(), None);
+        forward_cached(model, ids(vec![1; 12], [1, 12]), &mut cache)?;
+        assert_eq!(cache.capacity(), Some(12));
+        assert!(forward_cached(model, ids(vec![1], [1, 1]), &mut cache).is_err());
+        Ok(())
+    });
 }
