@@ -86,24 +86,30 @@ pub fn layers_cached<B: ModelBackend>(
     let max = model.max_sequence_length();
     let capacity = cache.reserve(new, max)?;
     let positions = cache.positions(new, max_position(model));
+    let layout = model
+        .layers()
+        .first()
+        .map(|layer| layer.attention.decode_layout());
     // A prefill of prompts of one length is plain causal attention: the flash kernel's.
-    let mask = (!cache.is_empty() || cache.pads().iter().any(|&pad| pad > 0))
-        .then(|| cache.mask(new, &device));
-    let rotation = match model.layers().first() {
-        Some(layer) => match layer.attention.decode_layout() {
-            (_, _, head_dim, Some(base)) => {
-                let table = cache.rope_table(capacity.min(max), head_dim, base, &device);
-                Some(Rotation::new(
-                    table,
-                    positions,
-                    [batch, new],
-                    head_dim,
-                    &device,
-                ))
-            }
-            _ => None,
-        },
-        None => None,
+    let unpadded_prefill = cache.is_empty() && cache.pads().iter().all(|&pad| pad == 0);
+    let mask = match layout {
+        Some((groups, per_group, _, _)) if !unpadded_prefill => {
+            Some(grouped_mask(cache.mask(new, &device), groups, per_group))
+        }
+        _ => None,
+    };
+    let rotation = match layout {
+        Some((_, _, head_dim, Some(base))) => {
+            let table = cache.rope_table(capacity.min(max), head_dim, base, &device);
+            Some(Rotation::new(
+                table,
+                positions,
+                [batch, new],
+                head_dim,
+                &device,
+            ))
+        }
+        _ => None,
     };
     for (layer, kv) in model.layers().iter().zip(cache.layers_mut()) {
         let normed = layer.input_norm.try_forward(x.clone())?;
@@ -189,7 +195,7 @@ impl<B: ModelBackend> Rotation<B> {
 ///
 /// # Shapes
 /// - x and the output: `[batch, new, hidden]`
-/// - mask: `[batch, 1, new, len + new]` (`true`: masked)
+/// - mask: `[batch, groups, new · heads_per_group, len + new]` (see [`grouped_mask`])
 fn attend<B: ModelBackend>(
     attention: &ParallelAttention<B>,
     x: Tensor<B, 3>,
@@ -231,7 +237,7 @@ fn attend<B: ModelBackend>(
 /// # Shapes
 /// - qkv: `[batch, new, groups, heads_per_group + 2, head_dim]` (rotated)
 /// - keys, values: `[batch, groups, total, head_dim]`
-/// - mask: `[batch, 1, new, total]` (`true`: masked)
+/// - mask: `[batch, groups, new · heads_per_group, total]` (see [`grouped_mask`])
 /// - output: `[batch, new, heads, head_dim]`, heads group by group
 fn grouped_attention<B: ModelBackend>(
     qkv: Tensor<B, 5>,
@@ -242,16 +248,11 @@ fn grouped_attention<B: ModelBackend>(
 ) -> Tensor<B, 4> {
     let [batch, new, groups, slots, head_dim] = qkv.dims();
     let per_group = slots - 2;
-    let total = keys.dims()[2];
     let rows = new * per_group;
     let q = qkv
         .narrow(3, 0, per_group)
         .swap_dims(1, 2)
         .reshape([batch, groups, rows, head_dim]);
-    let mask = mask
-        .reshape([batch, 1, new, 1, total])
-        .expand([batch, groups, new, per_group, total])
-        .reshape([batch, groups, rows, total]);
     let dtype = values.dtype();
     let scores = q
         .matmul(keys.swap_dims(2, 3))
@@ -264,4 +265,21 @@ fn grouped_attention<B: ModelBackend>(
         .reshape([batch, groups, new, per_group, head_dim])
         .swap_dims(1, 2)
         .reshape([batch, new, groups * per_group, head_dim])
+}
+
+/// The mask of [`KvCache::mask`] laid out for [`grouped_attention`]'s rows (token-major, then
+/// the group's query heads), built once a step for every layer.
+///
+/// # Shapes
+/// - mask: `[batch, 1, new, total]` (`true`: masked)
+/// - output: `[batch, groups, new · heads_per_group, total]`
+fn grouped_mask<B: ModelBackend>(
+    mask: Tensor<B, 4, Bool>,
+    groups: usize,
+    per_group: usize,
+) -> Tensor<B, 4, Bool> {
+    let [batch, _, new, total] = mask.dims();
+    mask.reshape([batch, 1, new, 1, total])
+        .expand([batch, groups, new, per_group, total])
+        .reshape([batch, groups, new * per_group, total])
 }
