@@ -2,7 +2,7 @@
 //! the whole forward pass for every token ([`generate_without_cache`], the reference).
 
 use burn::module::Module;
-use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 
@@ -178,32 +178,26 @@ fn step<B: ModelBackend>(
     let x = layers_cached(model, x, cache)?;
     let picks = if stage.is_last() {
         let logits = gathered_logits(model, model.head(x.narrow(1, new - 1, 1))?)?;
-        Some(config.sampling.pick(logits, 0, step))
+        config.sampling.pick(logits, 0, step)
     } else {
         if let Some(pp) = pp {
             pp.send(x, stage.index + 1)?;
         }
-        None
+        // Replaced by the last stage's picks in the broadcast.
+        Tensor::zeros([batch], &device)
     };
-    match (pp, picks) {
-        (Some(pp), picks) if pp.size() > 1 => {
-            let picked = match picks {
-                Some(picks) => picks.cast(FloatDType::F32),
-                None => Tensor::zeros([batch], (&device, DType::F32)),
-            };
-            let picked = pp.broadcast(picked, pp.size() - 1)?;
-            let picked = read_data(picked, || {
-                "the tokens the last pipeline stage picked".to_string()
-            })
-            .map_err(|e| e.on_rank(pp.global_rank()))?;
-            Ok(f32_values(picked, "the picked tokens")?
-                .into_iter()
-                .map(|t| t as i64)
-                .collect())
-        }
-        (_, Some(picks)) => read_tokens(model, picks),
-        (_, None) => unreachable!("a model without pipeline is its last stage"),
-    }
+    let Some(pp) = pp.filter(|pp| pp.size() > 1) else {
+        return read_tokens(model, picks);
+    };
+    let picked = pp.broadcast(picks.cast(FloatDType::F32), pp.size() - 1)?;
+    let picked = read_data(picked, || {
+        "the tokens the last pipeline stage picked".to_string()
+    })
+    .map_err(|e| e.on_rank(pp.global_rank()))?;
+    Ok(f32_values(picked, "the picked tokens")?
+        .into_iter()
+        .map(|t| t as i64)
+        .collect())
 }
 
 /// [`generate`] without a cache: each prompt alone, the whole forward pass
