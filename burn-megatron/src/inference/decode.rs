@@ -1,5 +1,5 @@
 //! The incremental forward pass of a [`GptModel`]: new tokens through the model's own layers,
-//! attending to the [`KvCache`] and appending to it, at the tokens' absolute positions.
+//! attending to the [`KvCache`] and writing to it, at the tokens' absolute positions.
 //!
 //! The numerics are those of [`GptModel::try_forward`] for the same tokens (the same
 //! projections, norms, MLPs and output layer; RoPE or learned positions at the same
