@@ -12,9 +12,9 @@ use burn_megatron_dist::DistBackend;
 
 use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CounterNormalOps, CrossEntropyOps, DropoutOps,
-    EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps, IdCheckOps,
-    LinearOps, NormOps, PackedFlashAttentionOps, RecomputeOps, ReduceScatteredLinearOps,
-    RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
+    EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps,
+    HostTransferOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps, RecomputeOps,
+    ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -79,6 +79,7 @@ pub trait ModelBackend:
     + BackwardHookOps
     + WriteSlotOps
     + AdamWOps
+    + HostTransferOps
 {
 }
 
@@ -108,6 +109,7 @@ impl<B> ModelBackend for B where
         + BackwardHookOps
         + WriteSlotOps
         + AdamWOps
+        + HostTransferOps
 {
 }
 
@@ -153,7 +155,7 @@ mod ndarray {
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
-        CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
+        CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }
 
@@ -168,7 +170,7 @@ mod fusion {
         [B: FusionBackend] Fusion<B> where [];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
-        CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps,
+        CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }
 

@@ -14,18 +14,28 @@
 //! - `async save`: [`AsyncCheckpointer::save`], the time the step is blocked (host copies),
 //!   then until [`AsyncCheckpointer::finish`] has published it;
 //! - `load`: [`Checkpoint::open_latest`] and [`Checkpoint::load_model`] into a built model
-//!   (reads, checksums, host-to-device copies), then a device sync.
+//!   (reads, checksums, host-to-device copies), then a device sync; every loaded parameter
+//!   is then checked, untimed, to hold the bytes of the one saved.
 //!
 //! The files were just written, so loads read from the page cache, as the PyTorch peer's do.
 //! Model initialisation is not timed.
+//!
+//! Where the time goes, timed apart after each repetition: `to host` (every parameter's
+//! `into_data`, the device-to-host copies a save starts with), `read files` (every tensor's
+//! `Checkpoint::read_full`: reads and checksums) and `to device` (the upload a load makes of
+//! those, from its host buffers, then a device sync).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::Backend;
+use burn::tensor::{Tensor, TensorData};
 use burn_megatron::ModelBackend;
 use burn_megatron::checkpointing::{
     AsyncCheckpointer, Checkpoint, CheckpointMetadata, Checkpointer, TrainingState,
 };
+use burn_megatron::models::GptModel;
 use burn_megatron::transformer::TransformerConfig;
 use burn_megatron_dist::{LaunchConfig, ParallelSizes, launch};
 use clap::{Parser, ValueEnum};
@@ -106,6 +116,18 @@ struct Timings {
     async_blocked: Vec<Duration>,
     async_total: Vec<Duration>,
     load: Vec<Duration>,
+    to_host: Vec<Duration>,
+    read_files: Vec<Duration>,
+    to_device: Vec<Duration>,
+}
+
+/// Every float parameter's value on the host.
+struct ToHost(Vec<TensorData>);
+
+impl<B: Backend> ModuleVisitor<B> for ToHost {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push(param.val().into_data());
+    }
 }
 
 fn bench<B: ModelBackend>(
@@ -133,6 +155,9 @@ fn bench<B: ModelBackend>(
             async_blocked: Vec::new(),
             async_total: Vec::new(),
             load: Vec::new(),
+            to_host: Vec::new(),
+            read_files: Vec::new(),
+            to_device: Vec::new(),
         };
         for repeat in 0..args.repeats {
             let training = TrainingState {
@@ -155,7 +180,41 @@ fn bench<B: ModelBackend>(
             let loaded = checkpoint.load_model(template)?;
             B::sync(&device)?;
             t.load.push(start.elapsed());
+            check_loaded(&chunks[0], &loaded)?;
             drop(loaded);
+
+            let start = Instant::now();
+            let mut host = ToHost(Vec::new());
+            chunks[0].visit(&mut host);
+            t.to_host.push(start.elapsed());
+            drop(host);
+            let start = Instant::now();
+            let tensors: Vec<TensorData> = (checkpoint.metadata().model_tensors())
+                .into_iter()
+                .flat_map(|m| m.keys())
+                .map(|path| checkpoint.read_full("model", path))
+                .collect::<Result<_, _>>()?;
+            t.read_files.push(start.elapsed());
+            // In the host buffers a load reads into (page-locked on our CUDA backend).
+            let staged: Vec<TensorData> = tensors
+                .into_iter()
+                .map(|data| {
+                    let mut bytes = B::host_buffer(&device, data.bytes.len());
+                    bytes.copy_from_slice(&data.bytes);
+                    TensorData::from_bytes(bytes, [data.num_elements()], data.dtype)
+                })
+                .collect();
+            let start = Instant::now();
+            let uploaded: Vec<Tensor<B, 1>> = staged
+                .into_iter()
+                .map(|data| {
+                    let dtype = data.dtype;
+                    B::upload(data, &device, dtype)
+                })
+                .collect();
+            B::sync(&device)?;
+            t.to_device.push(start.elapsed());
+            drop(uploaded);
 
             let metadata = CheckpointMetadata::read(&dir)?;
             t.bytes = metadata.files.values().map(|f| f.bytes).sum();
@@ -167,6 +226,26 @@ fn bench<B: ModelBackend>(
         Ok(t)
     })?;
     Ok(out.remove(0))
+}
+
+/// Every parameter of `loaded` holds the bytes of `saved`'s (not timed): the benchmark's
+/// saves and loads are checked, page-locked buffers reused across repetitions included.
+fn check_loaded<B: ModelBackend>(
+    saved: &GptModel<B>,
+    loaded: &GptModel<B>,
+) -> Result<(), BoxError> {
+    let (mut a, mut b) = (ToHost(Vec::new()), ToHost(Vec::new()));
+    saved.visit(&mut a);
+    loaded.visit(&mut b);
+    if a.0.len() != b.0.len() {
+        return Err(format!("{} parameters loaded, {} saved", b.0.len(), a.0.len()).into());
+    }
+    for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
+        if x.dtype != y.dtype || x.shape != y.shape || x.as_bytes() != y.as_bytes() {
+            return Err(format!("parameter {i} loaded differs from the one saved").into());
+        }
+    }
+    Ok(())
 }
 
 fn median(times: &[Duration]) -> f64 {
@@ -204,15 +283,22 @@ fn report(args: &Args, t: &Timings) {
     line("async save (blocked)", &t.async_blocked);
     line("async save (total)", &t.async_total);
     line("load", &t.load);
+    println!("  where the time goes:");
+    line("  to host", &t.to_host);
+    line("  read files", &t.read_files);
+    line("  to device", &t.to_device);
     println!(
         "RESULT ours params={} bytes={} save_s={:.4} async_blocked_s={:.4} async_total_s={:.4} \
-         load_s={:.4}",
+         load_s={:.4} to_host_s={:.4} read_files_s={:.4} to_device_s={:.4}",
         t.params,
         t.bytes,
         median(&t.save),
         median(&t.async_blocked),
         median(&t.async_total),
-        median(&t.load)
+        median(&t.load),
+        median(&t.to_host),
+        median(&t.read_files),
+        median(&t.to_device)
     );
 }
 

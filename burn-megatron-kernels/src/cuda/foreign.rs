@@ -26,6 +26,7 @@ use cubecl_core::server::Binding;
 use super::device::CudaGpu;
 use super::device_check::record::DeviceCheck;
 use super::foreign_op::ForeignTask;
+use super::pinned::PinnedPool;
 use super::runtime::MegatronCudaRuntime;
 use super::server::{Alarms, CudaServer};
 
@@ -90,6 +91,13 @@ impl ForeignQueue {
     pub fn run_blocking<R: Send>(&self, f: impl FnOnce(&mut Extensions) -> R + Send) -> R {
         self.handle
             .submit_blocking(move |server| server.with_extensions(f))
+            .expect("the device queue is alive")
+    }
+
+    /// The device's pool of page-locked host buffers (see [`super::host`]).
+    pub(crate) fn pinned_pool(&self) -> PinnedPool {
+        self.handle
+            .submit_blocking(|server| server.pinned.clone())
             .expect("the device queue is alive")
     }
 

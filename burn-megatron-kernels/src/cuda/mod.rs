@@ -6,7 +6,7 @@
 //! it adds is [`foreign`]: host operations in the device's queue, on its streams.
 //!
 //! Its files import one way, from the driver up to the entry points:
-//! - the driver and the device's resources: `driver`, [`event`], `copy`, `storage`,
+//! - the driver and the device's resources: `driver`, [`event`], `copy`, `pinned`, `storage`,
 //!   `properties`, `modules`, `tensor_map`, `device`, `host_syncs`;
 //! - what the server keeps and runs: `extensions` (per-device state of foreign libraries),
 //!   `foreign_op` (a foreign operation and its lane), `lanes` (side streams and their pending
@@ -14,7 +14,7 @@
 //! - `server`, the compute server, which owns all of the above, then `runtime`, CubeCL's
 //!   runtime over it;
 //! - the entry points, which submit to the device's queue: [`foreign`] (`ForeignQueue`),
-//!   [`device_check`], [`profile`], [`gemm`] and [`cudnn`].
+//!   [`device_check`], [`profile`], [`gemm`], [`cudnn`] and [`host`].
 
 mod copy;
 pub mod cudnn;
@@ -26,9 +26,11 @@ mod extensions;
 pub mod foreign;
 mod foreign_op;
 pub mod gemm;
+pub mod host;
 mod host_syncs;
 mod lanes;
 mod modules;
+mod pinned;
 pub mod profile;
 mod properties;
 mod runtime;

@@ -37,6 +37,7 @@ use super::extensions::Extensions;
 use super::foreign_op::{ForeignContext, ForeignTask, Lane};
 use super::lanes::{Lanes, range};
 use super::modules::Modules;
+use super::pinned::{PinnedBytes, PinnedPool};
 use super::profile::recorder;
 use super::profile::summary::Kind;
 use super::properties::{MEMORY_ALIGNMENT, probe};
@@ -62,6 +63,8 @@ pub struct CudaServer {
     pub(super) alarms: Alarms,
     /// Checks of device-computed values, decided at the next read or sync.
     pub(super) checks: Vec<DeviceCheck>,
+    /// Page-locked host buffers that large reads land in.
+    pub(super) pinned: PinnedPool,
 }
 
 /// Failures that other threads report to a device (see [`ForeignQueue::alarms`]): the device's
@@ -152,6 +155,7 @@ impl CudaServer {
             extensions: Extensions::default(),
             alarms: Alarms::default(),
             checks: Vec::new(),
+            pinned: PinnedPool::new(context),
         })
     }
 
@@ -237,12 +241,16 @@ impl CudaServer {
         let mut out = Vec::with_capacity(descriptors.len());
         for (descriptor, resource) in descriptors.iter().zip(&resources) {
             let len = descriptor.shape.iter().product::<usize>() * descriptor.elem_size;
-            let mut bytes = vec![0u8; len];
-            // SAFETY: `bytes` holds the tensor; it lives until the synchronisation below.
+            // Large reads go to page-locked buffers (see `pinned`), small ones to a `Vec`.
+            let mut host = match self.pinned.take(len) {
+                Some(pinned) => HostBuffer::Pinned(pinned),
+                None => HostBuffer::Pageable(vec![0u8; len]),
+            };
+            // SAFETY: `host` holds the tensor; it lives until the synchronisation below.
             unsafe {
                 copy(
                     Direction::ToHost,
-                    bytes.as_mut_ptr(),
+                    host.as_mut_ptr(),
                     resource.ptr,
                     &descriptor.shape,
                     &descriptor.strides,
@@ -250,13 +258,20 @@ impl CudaServer {
                     self.compute,
                 )?
             };
-            out.push(bytes);
+            out.push((host, len));
         }
         Event::record(self.compute)?.synchronize()?;
         // A watchdog may have aborted a collective this read waited for.
         self.take_errors()?;
         self.decide_checks()?;
-        Ok(out.into_iter().map(Bytes::from_bytes_vec).collect())
+        Ok(out
+            .into_iter()
+            .map(|(host, len)| match host {
+                HostBuffer::Pageable(bytes) => Bytes::from_bytes_vec(bytes),
+                // SAFETY: the copy of `len` bytes into it has completed (the event above).
+                HostBuffer::Pinned(pinned) => unsafe { pinned.into_bytes(len) },
+            })
+            .collect())
     }
 
     /// Reads the values of the queued device checks (the device has passed them: this is
@@ -506,6 +521,21 @@ impl ServerCommunication for CudaServer {
 
 /// An event the caller's thread can wait on.
 struct Fence(Event);
+
+/// Where a read lands on the host.
+enum HostBuffer {
+    Pageable(Vec<u8>),
+    Pinned(PinnedBytes),
+}
+
+impl HostBuffer {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            HostBuffer::Pageable(bytes) => bytes.as_mut_ptr(),
+            HostBuffer::Pinned(pinned) => pinned.as_mut_ptr(),
+        }
+    }
+}
 
 impl ComputeServer for CudaServer {
     type Kernel = Box<dyn CubeTask<CudaCompiler>>;

@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Bytes, Tensor, TensorData};
 
 use super::directory::latest_checkpoint;
 use super::metadata::{
@@ -25,6 +24,7 @@ use crate::ModelBackend;
 use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::ops::HostTransferOps;
 use crate::optimizer::state::{OptimizerState, ParamState};
 use crate::transformer::TransformerConfig;
 
@@ -177,9 +177,14 @@ impl Checkpoint {
             .iter()
             .map(|slice| self.entry(tensors, MODEL_GROUP, slice))
             .collect::<Result<Vec<_>>>()?;
+        let device = model.devices().into_iter().next();
         let mut values = HashMap::new();
         for (slice, entry) in slices.iter().zip(entries) {
-            values.insert(slice.id, self.assemble(MODEL_GROUP, entry, slice)?);
+            let buffer = |len| match &device {
+                Some(device) => B::host_buffer(device, len),
+                None => Bytes::from_bytes_vec(vec![0; len]),
+            };
+            values.insert(slice.id, self.assemble(MODEL_GROUP, entry, slice, buffer)?);
         }
         Ok(values)
     }
@@ -234,7 +239,9 @@ impl Checkpoint {
                 };
                 let entry = self.entry(entries, group, &slice)?;
                 let data = match &range {
-                    None => self.assemble(group, entry, &slice)?,
+                    None => self.assemble(group, entry, &slice, |len| {
+                        Bytes::from_bytes_vec(vec![0; len])
+                    })?,
                     Some(range) => self.assemble_range(group, entry, &slice, range.clone())?,
                 };
                 tensors.insert(name.to_string(), data);
@@ -309,11 +316,24 @@ impl Checkpoint {
     ///
     /// A large tensor is read by several threads, each a band of its rows: the band's bytes
     /// are contiguous in the local tensor, so the threads write disjoint parts of it.
-    fn assemble(&self, group: &str, entry: &TensorEntry, slice: &LocalSlice) -> Result<TensorData> {
+    ///
+    /// `buffer(len)` gives the host buffer to read into (a page-locked one on our CUDA
+    /// backend, see [`HostTransferOps::host_buffer`]); what the saved shards do not cover (the
+    /// padding) is zeroed.
+    fn assemble(
+        &self,
+        group: &str,
+        entry: &TensorEntry,
+        slice: &LocalSlice,
+        buffer: impl FnOnce(usize) -> Bytes,
+    ) -> Result<TensorData> {
         let (dtype, _) = self.dtype(group, &slice.path, entry)?;
-        let mut out = vec![0u8; slice.local_shape.iter().product::<usize>() * dtype.size()];
+        let mut out = buffer(slice.local_shape.iter().product::<usize>() * dtype.size());
+        if slice.real().as_ref() != Some(&slice.held) {
+            out.fill(0);
+        }
         let Some(need) = slice.real() else {
-            return Ok(TensorData::from_bytes_vec(
+            return Ok(TensorData::from_bytes(
                 out,
                 slice.local_shape.clone(),
                 dtype,
@@ -354,7 +374,7 @@ impl Checkpoint {
                     .collect::<Result<Vec<()>>>()
             })?;
         }
-        Ok(TensorData::from_bytes_vec(
+        Ok(TensorData::from_bytes(
             out,
             slice.local_shape.clone(),
             dtype,
@@ -517,15 +537,14 @@ impl Replace {
     }
 }
 
-impl<B: Backend> ModuleMapper<B> for Replace {
+impl<B: HostTransferOps> ModuleMapper<B> for Replace {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let Some(data) = self.values.remove(&param.id) else {
             return param;
         };
         param.map(|old| {
             let require_grad = old.is_require_grad();
-            let data = data.convert_dtype(old.dtype());
-            let new = Tensor::from_data(data, &old.device());
+            let new = B::upload(data, &old.device(), old.dtype());
             if require_grad {
                 new.require_grad()
             } else {

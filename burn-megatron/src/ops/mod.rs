@@ -44,6 +44,8 @@
 //! - [`mod@backward_hook`]: code run inside the backward pass where a tensor was marked.
 //! - [`mod@write_slot`]: a gradient cast and copied into its slot of a flat fp32 buffer.
 //! - [`mod@adamw`]: one AdamW step over flat fp32 buffers.
+//! - [`mod@host_transfer`]: host buffers and uploads of whole tensors, for checkpoints
+//!   (page-locked and without CubeCL's extra copy on our CUDA backend).
 //!
 //! `autodiff` holds the backward shell the ops share, `primitive` the moves between tensors
 //! and primitives.
@@ -61,6 +63,7 @@ pub mod flash_attention;
 pub mod fp8;
 pub mod gathered_linear;
 pub mod gelu;
+pub mod host_transfer;
 pub mod ids;
 pub mod linear;
 pub mod norm;
@@ -85,6 +88,7 @@ pub use flash_attention::FlashAttentionOps;
 pub use fp8::{Fp8LinearOps, Fp8Ops};
 pub use gathered_linear::{GatheredLinearOps, GatheredProjection};
 pub use gelu::{GeluForm, GeluOps, bias_gelu, gelu};
+pub use host_transfer::HostTransferOps;
 pub use ids::IdCheckOps;
 pub use linear::{LinearOps, linear, linear_output_major};
 pub use norm::{NormKind, NormOps, norm};
