@@ -19,6 +19,8 @@
 #   fp8      PART=gemm and PART=step of bench/fp8_gpu_check.sh
 #   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
 #   single   ckpt on GPU 0 and fp8's PART=step on GPU 1 at the same time
+#   generate bench/generate_gpu_check.sh: greedy ids against transformers', decode tokens/s
+#            (2 GPUs; BUDGET=GEN_BUDGET, default 520 s)
 # Settings: STEP_LIMIT (seconds a step may take, default 560).
 set -u
 cd "$(dirname "$0")/.."
@@ -39,7 +41,7 @@ step() { # name, then the command (run with OUT=$ROOT/name)
 # The logs so far into $OUT (after every step: a call cut at its limit still returns them).
 pack() {
   tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
-  for f in overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv; do
+  for f in overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
@@ -78,6 +80,7 @@ for s in "$@"; do
       step fp8_step env PART=step bash bench/fp8_gpu_check.sh
       ;;
     ckpt) step ckpt bash -c "$CKPT" ;;
+    generate) step generate env BUDGET="${GEN_BUDGET:-520}" bash bench/generate_gpu_check.sh ;;
     # The one-GPU checks side by side on a machine of several GPUs: the checkpoint benchmark on
     # GPU 0, FP8's step on GPU 1 (separate GPUs: neither disturbs the other's timings much).
     single)
