@@ -22,14 +22,14 @@ use crate::{
 type Step = (f64, std::collections::BTreeMap<String, TensorData>);
 
 /// A tensor of a safetensors file: shape and f32 values.
-type Named = (Vec<usize>, Vec<f32>);
+pub(crate) type Named = (Vec<usize>, Vec<f32>);
 
 fn gpt2() -> TransformerConfig {
     tiny_gpt().with_activation(Activation::GeluTanh)
 }
 
 /// Fixed `[2, 8]` tokens.
-fn tokens<Bk: Backend>(vocab: usize) -> Tensor<Bk, 2, Int> {
+pub(crate) fn tokens<Bk: Backend>(vocab: usize) -> Tensor<Bk, 2, Int> {
     let ids: Vec<i64> = (0..16).map(|i| ((i * 7 + 3) % vocab) as i64).collect();
     Tensor::from_data(TensorData::new(ids, [2, 8]), &Default::default())
 }
@@ -160,7 +160,7 @@ fn tied_llama_exports_without_lm_head_and_imports_at_any_layout() {
 }
 
 /// The tensors of `dir/model.safetensors` by name.
-fn hf_tensors(dir: &Path) -> HashMap<String, Named> {
+pub(crate) fn hf_tensors(dir: &Path) -> HashMap<String, Named> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     file.tensors()
@@ -178,14 +178,14 @@ fn hf_tensors(dir: &Path) -> HashMap<String, Named> {
 }
 
 /// Reads HF-named tensors for the reference forward passes.
-struct Hf(HashMap<String, Named>, serde_json::Value);
+pub(crate) struct Hf(pub HashMap<String, Named>, pub serde_json::Value);
 
 impl Hf {
-    fn open(dir: &Path) -> Self {
+    pub fn open(dir: &Path) -> Self {
         let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
         Self(hf_tensors(dir), serde_json::from_str(&config).unwrap())
     }
-    fn get<const D: usize>(&self, name: &str) -> Tensor<B, D> {
+    pub fn get<const D: usize>(&self, name: &str) -> Tensor<B, D> {
         let (shape, values) = self
             .0
             .get(name)
@@ -195,7 +195,7 @@ impl Hf {
             &Default::default(),
         )
     }
-    fn n(&self, key: &str) -> usize {
+    pub fn n(&self, key: &str) -> usize {
         self.1[key].as_u64().unwrap() as usize
     }
     fn f(&self, key: &str) -> f64 {
@@ -273,6 +273,26 @@ fn gpt2_reference(dir: &Path) -> Vec<f64> {
 /// tensors: `nn.Linear` `x @ Wᵀ`, RMSNorm, rotate-half RoPE, key/value heads repeated for
 /// their query groups, SwiGLU, an untied `lm_head`. Logits `[2, 8, vocab]`.
 fn llama_reference(dir: &Path) -> Vec<f64> {
+    decoder_reference(dir, |hf, i, h| {
+        let l = |name: &str| format!("model.layers.{i}.mlp.{name}");
+        let gated = silu(hf_linear(hf, h.clone(), &l("gate_proj.weight")))
+            * hf_linear(hf, h, &l("up_proj.weight"));
+        hf_linear(hf, gated, &l("down_proj.weight"))
+    })
+}
+
+/// `x @ Wᵀ` with transformers' `nn.Linear` weight `name` (`[out, in]`).
+pub(crate) fn hf_linear<const D: usize>(hf: &Hf, x: Tensor<B, D>, name: &str) -> Tensor<B, D> {
+    x.matmul(hf.get::<2>(name).transpose().unsqueeze())
+}
+
+/// The forward pass of a Llama-shaped transformers model (Llama, Mixtral) from its HF-named
+/// tensors, with `mlp(hf, layer, normed)` the MLP of each layer (`[b, s, hidden]` in and out).
+/// Logits `[2, 8, vocab]`.
+pub(crate) fn decoder_reference(
+    dir: &Path,
+    mlp: impl Fn(&Hf, usize, Tensor<B, 3>) -> Tensor<B, 3>,
+) -> Vec<f64> {
     let hf = Hf::open(dir);
     let (hidden, heads, groups) = (
         hf.n("hidden_size"),
@@ -339,9 +359,7 @@ fn llama_reference(dir: &Path) -> Vec<f64> {
             .reshape([b, s, hidden]);
         x = x + linear(context, &l("self_attn.o_proj.weight"));
         let h = rms_norm(x.clone(), &l("post_attention_layernorm.weight"));
-        let gated = silu(linear(h.clone(), &l("mlp.gate_proj.weight")))
-            * linear(h, &l("mlp.up_proj.weight"));
-        x = x + linear(gated, &l("mlp.down_proj.weight"));
+        x = x + mlp(&hf, i, h);
     }
     // A tied Llama's file has no lm_head: transformers reuses the token embeddings.
     let head = match hf.0.contains_key("lm_head.weight") {
@@ -353,7 +371,7 @@ fn llama_reference(dir: &Path) -> Vec<f64> {
 }
 
 /// Rewrites `dir/model.safetensors` through `edit` (name → tensor, `None` drops it).
-fn rewrite(dir: &Path, edit: impl Fn(&str, Named) -> Option<Named>) {
+pub(crate) fn rewrite(dir: &Path, edit: impl Fn(&str, Named) -> Option<Named>) {
     let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = hf_tensors(dir)
         .into_iter()
         .filter_map(|(name, t)| {

@@ -8,6 +8,7 @@ mod convert;
 mod distributed_optimizer;
 mod flat_adamw;
 mod hugging_face;
+mod hugging_face_mixtral;
 mod loss_scaler;
 mod partial_reads;
 mod placements;

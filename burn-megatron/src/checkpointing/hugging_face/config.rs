@@ -1,4 +1,5 @@
-//! transformers' `config.json` for GPT-2 and Llama, to and from our [`TransformerConfig`].
+//! transformers' `config.json` for GPT-2, Llama and Mixtral, to and from our
+//! [`TransformerConfig`].
 
 use std::path::Path;
 
@@ -6,6 +7,7 @@ use serde_json::{Map, Value, json};
 
 use crate::checkpointing::CheckpointError;
 use crate::error::Result;
+use crate::transformer::moe::{MoeSettings, RouterScoreFunction};
 use crate::transformer::{Activation, Normalization, PositionEmbedding, TransformerConfig};
 
 /// The model families whose transformers checkpoints we read and write.
@@ -17,6 +19,10 @@ pub enum HfFamily {
     /// `LlamaForCausalLM` (`model_type: "llama"`): RMSNorm, SwiGLU, rotary positions
     /// (rotate-half), grouped queries, no biases, `nn.Linear` weights stored `[out, in]`.
     Llama,
+    /// `MixtralForCausalLM` (`model_type: "mixtral"`): a Llama whose every MLP is a
+    /// mixture of SwiGLU experts, routed by softmax over all experts, top-k, the k weights
+    /// renormalised to sum to one.
+    Mixtral,
 }
 
 impl HfFamily {
@@ -45,6 +51,8 @@ impl HfFamily {
             (Normalization::RmsNorm, Activation::SwiGlu, PositionEmbedding::Rope { .. }) => {
                 if c.add_bias_linear {
                     Err("a Llama has no biases (add_bias_linear = true)".into())
+                } else if let Some(moe) = &c.moe {
+                    mixtral_moe(moe, c.num_layers).map(|()| Self::Mixtral)
                 } else {
                     Ok(Self::Llama)
                 }
@@ -57,6 +65,46 @@ impl HfFamily {
         }
     }
 }
+
+/// Whether the MoE settings are Mixtral's: an MoE layer in every layer, softmax scores,
+/// top-k weights renormalised, no shared expert, no expert bias (the z-loss and the
+/// load-balancing loss are training settings, not part of the model).
+fn mixtral_moe(moe: &MoeSettings, num_layers: usize) -> core::result::Result<(), String> {
+    let problem = if moe.moe_layers(num_layers).len() != num_layers {
+        "an MoE layer in every layer (--moe-layer-freq leaves dense layers)"
+    } else if moe.score_function != RouterScoreFunction::Softmax {
+        "softmax router scores (the score function is sigmoid)"
+    } else if !moe.normalize_top_k {
+        "the top-k weights renormalised (normalize_top_k = false)"
+    } else if moe.shared_expert_ffn_hidden_size.is_some() {
+        "no shared expert"
+    } else if moe.expert_bias {
+        "no expert bias"
+    } else {
+        return Ok(());
+    };
+    Err(format!("a Mixtral has {problem}"))
+}
+
+/// transformers' defaults for keys a Llama or Mixtral `config.json` leaves out.
+#[derive(Debug, Clone, Copy)]
+struct RotaryDefaults {
+    rope_theta: f64,
+    rms_norm_eps: f64,
+    max_position_embeddings: usize,
+}
+
+const LLAMA_DEFAULTS: RotaryDefaults = RotaryDefaults {
+    rope_theta: 10_000.0,
+    rms_norm_eps: 1e-6,
+    max_position_embeddings: 2048,
+};
+
+const MIXTRAL_DEFAULTS: RotaryDefaults = RotaryDefaults {
+    rope_theta: 1e6,
+    rms_norm_eps: 1e-5,
+    max_position_embeddings: 4096 * 32,
+};
 
 /// A transformers `config.json` read as one of our configurations.
 #[derive(Debug, Clone)]
@@ -154,12 +202,36 @@ impl HfConfig {
             .as_object()
             .ok_or_else(|| invalid(file, "not a JSON object"))?;
         let keys = Keys { file, map };
+        let unsupported_moe = |name: &str, why: &str| {
+            Err(invalid(
+                file,
+                format!("unsupported model_type {name:?}: {why}, which our model lacks"),
+            ))
+        };
         match keys.str_or("model_type", "")? {
             "gpt2" => Self::gpt2(&keys),
             "llama" => Self::llama(&keys),
+            "mixtral" => Self::mixtral(&keys),
+            name @ "qwen3_moe" => unsupported_moe(
+                name,
+                "Qwen3-MoE's attention normalises each query and key head by RMSNorm (q_norm, \
+                 k_norm) and its head_dim is not hidden_size / num_attention_heads",
+            ),
+            name @ "olmoe" => unsupported_moe(
+                name,
+                "OLMoE's attention normalises the queries and keys by RMSNorm (q_norm, k_norm)",
+            ),
+            name @ "qwen2_moe" => unsupported_moe(
+                name,
+                "Qwen2-MoE has a shared expert scaled by a sigmoid gate (shared_expert_gate) \
+                 and query/key/value biases",
+            ),
             other => Err(invalid(
                 file,
-                format!("unsupported model_type {other:?} (supported: \"gpt2\", \"llama\")"),
+                format!(
+                    "unsupported model_type {other:?} (supported: \"gpt2\", \"llama\", \
+                     \"mixtral\")"
+                ),
             )),
         }
     }
@@ -209,9 +281,76 @@ impl HfConfig {
     }
 
     fn llama(k: &Keys) -> Result<Self> {
+        Ok(Self {
+            family: HfFamily::Llama,
+            config: Self::rotary_decoder(k, LLAMA_DEFAULTS)?,
+        })
+    }
+
+    fn mixtral(k: &Keys) -> Result<Self> {
+        let config = Self::rotary_decoder(k, MIXTRAL_DEFAULTS)?;
+        // A window as long as the longest sequence masks nothing.
+        if let Some(window) = k.opt_usize("sliding_window")?
+            && window < config.max_sequence_length
+        {
+            return Err(invalid(
+                k.file,
+                format!(
+                    "unsupported option sliding_window = {window}: our attention sees the whole \
+                     causal context (a window of at least max_position_embeddings = {} is \
+                     accepted, it masks nothing)",
+                    config.max_sequence_length
+                ),
+            ));
+        }
+        if k.f64_or("router_jitter_noise", 0.0)? != 0.0 {
+            return Err(invalid(
+                k.file,
+                format!(
+                    "unsupported option router_jitter_noise = {}: our router has no input \
+                     jitter (supported: 0 or absent)",
+                    k.f64_or("router_jitter_noise", 0.0)?
+                ),
+            ));
+        }
+        let num_experts = match k.opt_usize("num_local_experts")? {
+            Some(n) => n,
+            None => k.opt_usize("num_experts")?.unwrap_or(8),
+        };
+        // transformers adds the load-balancing loss only with `output_router_logits`.
+        let aux_loss_coeff = match k.bool_or("output_router_logits", false)? {
+            true => k.f64_or("router_aux_loss_coef", 0.001)?,
+            false => 0.0,
+        };
+        let moe = MoeSettings::new(num_experts)
+            .with_top_k(k.opt_usize("num_experts_per_tok")?.unwrap_or(2))
+            .with_score_function(RouterScoreFunction::Softmax)
+            .with_normalize_top_k(true)
+            .with_aux_loss_coeff(aux_loss_coeff);
+        moe.validate(
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.num_layers,
+            1,
+        )
+        .map_err(|e| {
+            invalid(
+                k.file,
+                format!("num_local_experts / num_experts_per_tok: {e}"),
+            )
+        })?;
+        Ok(Self {
+            family: HfFamily::Mixtral,
+            config: config.with_moe(Some(moe)),
+        })
+    }
+
+    /// The Llama-shaped part of a Llama or Mixtral config (attention, norms, RoPE; the MLP
+    /// width from `intermediate_size`), with the family's defaults for absent keys.
+    fn rotary_decoder(k: &Keys, defaults: RotaryDefaults) -> Result<TransformerConfig> {
         // transformers writes plain RoPE as no `rope_scaling` (older versions) or as a
         // `rope_type` of "default", with `rope_theta` inside `rope_parameters` (newer ones).
-        let mut rope_theta = k.f64_or("rope_theta", 10_000.0)?;
+        let mut rope_theta = k.f64_or("rope_theta", defaults.rope_theta)?;
         for key in ["rope_scaling", "rope_parameters"] {
             let Some(rope) = k.get(key) else { continue };
             let kind = rope.get("rope_type").or_else(|| rope.get("type"));
@@ -243,17 +382,18 @@ impl HfConfig {
                 ),
             ));
         }
-        let config = TransformerConfig::new(
+        Ok(TransformerConfig::new(
             hidden,
             k.usize("num_hidden_layers")?,
             heads,
             k.usize("intermediate_size")?,
             k.usize("vocab_size")?,
-            k.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            k.opt_usize("max_position_embeddings")?
+                .unwrap_or(defaults.max_position_embeddings),
         )
         .with_num_query_groups(Some(k.opt_usize("num_key_value_heads")?.unwrap_or(heads)))
         .with_normalization(Normalization::RmsNorm)
-        .with_norm_epsilon(k.f64_or("rms_norm_eps", 1e-6)?)
+        .with_norm_epsilon(k.f64_or("rms_norm_eps", defaults.rms_norm_eps)?)
         .with_activation(Activation::SwiGlu)
         .with_position_embedding(PositionEmbedding::Rope { base: rope_theta })
         .with_add_bias_linear(false)
@@ -261,11 +401,7 @@ impl HfConfig {
         .with_scaled_output_init(false)
         .with_hidden_dropout(0.0)
         .with_attention_dropout(k.f64_or("attention_dropout", 0.0)?)
-        .with_init_std(k.f64_or("initializer_range", 0.02)?);
-        Ok(Self {
-            family: HfFamily::Llama,
-            config,
-        })
+        .with_init_std(k.f64_or("initializer_range", 0.02)?))
     }
 
     /// The `config.json` transformers reads for a model of `config`: an error when no
@@ -320,6 +456,41 @@ impl HfConfig {
                     "mlp_bias": false,
                     "attention_dropout": c.attention_dropout,
                     "initializer_range": c.init_std,
+                    "torch_dtype": "float32",
+                })
+            }
+            HfFamily::Mixtral => {
+                let PositionEmbedding::Rope { base } = c.position_embedding else {
+                    unreachable!("HfFamily::of checks a Mixtral has RoPE")
+                };
+                let moe = c
+                    .moe
+                    .as_ref()
+                    .expect("HfFamily::of checks a Mixtral has MoE");
+                json!({
+                    "model_type": "mixtral",
+                    "architectures": ["MixtralForCausalLM"],
+                    "hidden_size": c.hidden_size,
+                    "intermediate_size": moe.ffn_hidden_size.unwrap_or(c.ffn_hidden_size),
+                    "num_hidden_layers": c.num_layers,
+                    "num_attention_heads": c.num_attention_heads,
+                    "num_key_value_heads": c.query_groups(),
+                    "head_dim": c.head_dim(),
+                    "rms_norm_eps": c.norm_epsilon,
+                    "rope_theta": base,
+                    "rope_scaling": null,
+                    "sliding_window": null,
+                    "vocab_size": c.vocab_size,
+                    "max_position_embeddings": c.max_sequence_length,
+                    "tie_word_embeddings": c.tie_embeddings,
+                    "hidden_act": "silu",
+                    "attention_dropout": c.attention_dropout,
+                    "initializer_range": c.init_std,
+                    "num_local_experts": moe.num_experts,
+                    "num_experts_per_tok": moe.top_k,
+                    "output_router_logits": moe.aux_loss_coeff > 0.0,
+                    "router_aux_loss_coef": moe.aux_loss_coeff,
+                    "router_jitter_noise": 0.0,
                     "torch_dtype": "float32",
                 })
             }

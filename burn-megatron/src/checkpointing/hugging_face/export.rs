@@ -1,10 +1,11 @@
 //! Exporting a model to a transformers checkpoint directory: `config.json` and
 //! `model.safetensors` with transformers' names and layouts, the vocabulary unpadded.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
-use burn::tensor::TensorData;
+use burn::module::Module;
+use burn::tensor::{Tensor, TensorData};
 
 use super::HF_WEIGHTS_FILE;
 use super::config::HfConfig;
@@ -12,15 +13,17 @@ use super::layout::{Dense, QkvSource, Recipe, qkv_order, recipe};
 use crate::ModelBackend;
 use crate::checkpointing::CheckpointError;
 use crate::checkpointing::directory::{publish_file, temp_file, write_atomic};
+use crate::checkpointing::slices::local_slices;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::tensor_parallel::gather_full_params;
 use crate::transformer::TransformerConfig;
 
-/// Writes `model` (a whole model of `config`, PP = 1, at any TP) to `dir` as a transformers
-/// checkpoint: `config.json` and `model.safetensors` (f32). Every TP rank must call it (the
-/// parameters are gathered over TP); TP rank 0 writes. An error when transformers has no
-/// class of this architecture (see [`HfFamily::of`](super::HfFamily::of)).
+/// Writes `model` (a whole model of `config`, PP = 1, at any TP and EP) to `dir` as a
+/// transformers checkpoint: `config.json` and `model.safetensors` (f32). Every rank of the TP
+/// group and of the expert-parallel group must call it (the parameters are gathered over TP,
+/// the routed experts over EP); TP rank 0 of EP rank 0 writes. An error when transformers has
+/// no class of this architecture (see [`HfFamily::of`](super::HfFamily::of)).
 pub fn export_model<B: ModelBackend>(
     model: &GptModel<B>,
     config: &TransformerConfig,
@@ -34,8 +37,25 @@ pub fn export_model<B: ModelBackend>(
         )
         .into());
     }
-    let params = gather_full_params(model, model.tp())?;
-    if model.tp().rank() == 0 {
+    let mut params = gather_full_params(model, model.tp())?;
+    let mut ep_rank = 0;
+    if let Some(ep) = model.expert_parallel_group().filter(|ep| ep.size() > 1) {
+        ep_rank = ep.rank();
+        let experts: HashSet<String> = local_slices(model)?
+            .into_iter()
+            .filter(|slice| slice.expert)
+            .map(|slice| slice.path)
+            .collect();
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        for (path, data) in params.iter_mut().filter(|(path, _)| experts.contains(path)) {
+            let local = Tensor::<B, 3>::from_data(data.clone(), &device);
+            *data = ep
+                .all_gather(local, 0)?
+                .try_into_data()
+                .map_err(|e| CheckpointError::mismatch(dir, format!("parameter {path}: {e}")))?;
+        }
+    }
+    if model.tp().rank() == 0 && ep_rank == 0 {
         export_tensors(config, params.into_iter().collect(), dir)?;
     }
     Ok(())
@@ -73,6 +93,17 @@ pub fn export_tensors(
             }
             Recipe::Transpose(name) => {
                 out.insert(name, dense.transpose());
+            }
+            Recipe::Experts { per_expert, .. } => {
+                let (rows, cols) = (dense.shape[1], dense.shape[2]);
+                let matrices = dense.values.chunks(rows * cols);
+                for (name, values) in per_expert.into_iter().zip(matrices) {
+                    let matrix = Dense {
+                        shape: vec![rows, cols],
+                        values: values.to_vec(),
+                    };
+                    out.insert(name, matrix.transpose());
+                }
             }
             Recipe::Qkv(source) => {
                 let order = qkv_order(config);

@@ -94,6 +94,17 @@ impl HfFiles {
 
     /// Tensor `name` as f32 (any float dtype is converted), checked to have `shape`.
     pub fn read(&self, name: &str, shape: &[usize]) -> Result<Dense> {
+        self.read_leading(name, shape, 0..shape.first().copied().unwrap_or(1))
+    }
+
+    /// Entries `leading` of dimension 0 of tensor `name` (checked to have `shape`), as f32:
+    /// `[leading.len(), shape[1..]]`, read from that part of the file only.
+    pub fn read_leading(
+        &self,
+        name: &str,
+        shape: &[usize],
+        leading: core::ops::Range<usize>,
+    ) -> Result<Dense> {
         let missing = || {
             let file = match self.files.as_slice() {
                 [one] => one.path.clone(),
@@ -127,14 +138,17 @@ impl HfFiles {
             }
         };
         let (start, end) = info.data_offsets;
+        let row = (end - start) / shape.first().copied().unwrap_or(1).max(1);
+        let (start, end) = (start + leading.start * row, start + leading.end * row);
         let bytes = file.map[file.data_start + start..file.data_start + end].to_vec();
-        let data = TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype).convert::<f32>();
+        let mut shape = shape.to_vec();
+        if let Some(first) = shape.first_mut() {
+            *first = leading.len();
+        }
+        let data = TensorData::from_bytes_vec(bytes, shape.clone(), dtype).convert::<f32>();
         let values = data
             .into_vec::<f32>()
             .map_err(|e| CheckpointError::file(&file.path, format!("tensor {name}: {e:?}")))?;
-        Ok(Dense {
-            shape: shape.to_vec(),
-            values,
-        })
+        Ok(Dense { shape, values })
     }
 }

@@ -8,7 +8,7 @@ use burn::tensor::{DType, TensorData};
 
 use super::config::{HfConfig, HfFamily};
 use super::files::HfFiles;
-use super::layout::{Dense, QkvSource, Recipe, qkv_order, recipe};
+use super::layout::{Dense, QkvSource, Recipe, alias, qkv_order, recipe};
 use crate::ModelBackend;
 use crate::checkpointing::CheckpointError;
 use crate::checkpointing::load::Replace;
@@ -69,14 +69,25 @@ impl HfCheckpoint {
     pub fn load_model<B: ModelBackend>(&self, model: GptModel<B>) -> Result<GptModel<B>> {
         let mut values = HashMap::new();
         for slice in local_slices(&model)? {
-            let full = self.full_tensor(&slice.path, &slice.global_shape)?;
-            values.insert(slice.id, cut(&full, &slice));
+            // A routed expert's weight: only this rank's experts are read.
+            let experts = match slice.expert {
+                true => slice.real().map_or(0..0, |real| real[0].clone()),
+                false => 0..slice.global_shape.first().copied().unwrap_or(1),
+            };
+            let part = self.full_tensor(&slice.path, &slice.global_shape, experts.clone())?;
+            values.insert(slice.id, cut(&part, experts.start, &slice));
         }
         Ok(model.map(&mut Replace::new(values)))
     }
 
-    /// Our full tensor `path` of `shape` (unpadded), made from the transformers tensors.
-    fn full_tensor(&self, path: &str, shape: &[usize]) -> Result<Dense> {
+    /// Our full tensor `path` of `shape` (unpadded), made from the transformers tensors; of a
+    /// routed expert's weight (`[experts, in, out]`), only the experts `experts`.
+    fn full_tensor(
+        &self,
+        path: &str,
+        shape: &[usize],
+        experts: core::ops::Range<usize>,
+    ) -> Result<Dense> {
         let config = &self.hf.config;
         let recipe = recipe(self.hf.family, path, config).ok_or_else(|| {
             CheckpointError::mismatch(
@@ -104,15 +115,42 @@ impl HfCheckpoint {
                 ];
                 Dense::concat_columns(&parts).columns(&qkv_order(config))
             }
+            Recipe::Experts {
+                per_expert,
+                fused,
+                rows,
+                total_rows,
+            } => {
+                let (rows_in, out) = (shape[1], shape[2]);
+                let mut values = Vec::with_capacity(experts.len() * rows_in * out);
+                if !self.files.contains(&per_expert[0]) && self.files.contains(&fused) {
+                    let all = [shape[0], total_rows, rows_in];
+                    let part = self.files.read_leading(&fused, &all, experts.clone())?;
+                    for matrix in part.values.chunks(total_rows * rows_in) {
+                        let dense = Dense {
+                            shape: vec![rows.len(), rows_in],
+                            values: matrix[rows.start * rows_in..rows.end * rows_in].to_vec(),
+                        };
+                        values.extend(dense.transpose().values);
+                    }
+                } else {
+                    for name in &per_expert[experts.clone()] {
+                        values.extend(self.read(name, &[out, rows_in])?.transpose().values);
+                    }
+                }
+                Dense {
+                    shape: vec![experts.len(), rows_in, out],
+                    values,
+                }
+            }
         })
     }
 
-    /// Tensor `name`; GPT-2 files saved without the `transformer.` prefix (the original
-    /// `gpt2` upload) are read too.
+    /// Tensor `name`, or its [`alias`] when only that is in the files.
     fn read(&self, name: &str, shape: &[usize]) -> Result<Dense> {
-        match name.strip_prefix("transformer.") {
-            Some(bare) if !self.files.contains(name) && self.files.contains(bare) => {
-                self.files.read(bare, shape)
+        match alias(name) {
+            Some(other) if !self.files.contains(name) && self.files.contains(&other) => {
+                self.files.read(&other, shape)
             }
             _ => self.files.read(name, shape),
         }
@@ -142,18 +180,22 @@ pub(crate) fn copy_tokenizer_files(from: &Path, to: &Path) -> Result<Vec<&'stati
     Ok(copied)
 }
 
-/// This rank's local tensor of `slice` (padding zero) out of the full tensor.
-fn cut(full: &Dense, slice: &LocalSlice) -> TensorData {
+/// This rank's local tensor of `slice` (padding zero) out of `part`, the full tensor or, for
+/// a routed expert's weight, the experts from `first_expert` on.
+fn cut(part: &Dense, first_expert: usize, slice: &LocalSlice) -> TensorData {
     const F32: usize = 4;
     let mut out = vec![0u8; slice.local_shape.iter().product::<usize>() * F32];
     if let Some(real) = slice.real() {
-        let src: Vec<u8> = full.values.iter().flat_map(|v| v.to_ne_bytes()).collect();
-        let origin = vec![0; full.shape.len()];
+        let src: Vec<u8> = part.values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        let mut origin = vec![0; part.shape.len()];
+        if let Some(first) = origin.first_mut() {
+            *first = first_expert;
+        }
         let dst_origin: Vec<usize> = slice.held.iter().map(|r| r.start).collect();
         copy_region(
             &real,
             F32,
-            (&src, &full.shape, &origin),
+            (&src, &part.shape, &origin),
             (&mut out, &slice.local_shape, &dst_origin),
         );
     }

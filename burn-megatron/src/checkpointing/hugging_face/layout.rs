@@ -17,6 +17,20 @@
 //! (`L` is `block.layers.i`.) Our linear weights are `[in, out]`: GPT-2's Conv1D weights are
 //! too, Llama's `nn.Linear` weights are `[out, in]` and are transposed (ᵀ).
 //!
+//! **Mixtral** is a Llama (same names for all but the MLP) whose MLP is a mixture of experts
+//! (`X` is `model.layers.i.block_sparse_moe`, `j` an expert):
+//!
+//! | ours (whole model)                      | Mixtral (transformers 4, and `save_pretrained`) | transformers 5's fused form |
+//! |-----------------------------------------|---------------------------|----------------------------------------|
+//! | `L.moe.router.weight` `[H, E]`          | `X.gate.weight`ᵀ          | `…mlp.gate.weight`ᵀ                    |
+//! | `L.moe.experts.gate` `[E, H, F]`        | `X.experts.j.w1.weight`ᵀ  | `…mlp.experts.gate_up_proj[j, :F]`ᵀ    |
+//! | `L.moe.experts.fc1` `[E, H, F]`         | `X.experts.j.w3.weight`ᵀ  | `…mlp.experts.gate_up_proj[j, F:]`ᵀ    |
+//! | `L.moe.experts.fc2` `[E, F, H]`         | `X.experts.j.w2.weight`ᵀ  | `…mlp.experts.down_proj[j]`ᵀ           |
+//!
+//! (each expert's matrix transposed). transformers 5 keeps the experts fused in memory and
+//! writes them back per expert on `save_pretrained` (unless `save_original_format=False`):
+//! we read both forms and write the per-expert one, which every version loads.
+//!
 //! **QKV.** Our fused QKV columns are ordered query group by query group, `[q heads of the
 //! group…, k, v] × head_dim` (so a TP column slice is whole groups). GPT-2's `c_attn` columns
 //! are `[all q | all k | all v]`, and Llama's three projections concatenate to the same
@@ -47,6 +61,19 @@ pub(crate) enum Recipe {
     /// 3·out]` or a bias), or three `[out, in]` tensors transposed and concatenated (Llama's),
     /// reordered into our grouped columns.
     Qkv(QkvSource),
+    /// Routed experts' weights, ours `[experts, in, out]`: each expert's `[out, in]` tensor
+    /// transposed (`per_expert[j]`), or, when those are absent, rows `rows` of each expert's
+    /// `[total_rows, in]` matrix of a fused `[experts, total_rows, in]` tensor, transposed.
+    Experts {
+        /// One tensor an expert.
+        per_expert: Vec<String>,
+        /// The fused tensor of transformers 5.
+        fused: String,
+        /// This weight's rows of each fused matrix.
+        rows: core::ops::Range<usize>,
+        /// Rows of each fused matrix.
+        total_rows: usize,
+    },
 }
 
 /// Where the query/key/value columns come from.
@@ -61,7 +88,7 @@ pub(crate) enum QkvSource {
 /// The recipe of our full tensor `path` (a path in the whole model), `None` when transformers
 /// has no such tensor (a tied output layer) or the path is not ours.
 pub(crate) fn recipe(family: HfFamily, path: &str, config: &TransformerConfig) -> Option<Recipe> {
-    use Recipe::{Copy, Qkv, Transpose};
+    use Recipe::{Copy, Experts, Qkv, Transpose};
     match family {
         HfFamily::Gpt2 => {
             let t = |name: &str| format!("transformer.{name}");
@@ -91,7 +118,7 @@ pub(crate) fn recipe(family: HfFamily, path: &str, config: &TransformerConfig) -
                 }
             })
         }
-        HfFamily::Llama => {
+        HfFamily::Llama | HfFamily::Mixtral => {
             let m = |name: &str| format!("model.{name}");
             Some(match path {
                 "embedding.weight" => Copy(m("embed_tokens.weight")),
@@ -112,12 +139,48 @@ pub(crate) fn recipe(family: HfFamily, path: &str, config: &TransformerConfig) -
                         "mlp.fc1.weight" => Transpose(l("mlp.up_proj.weight")),
                         "mlp.gate.weight" => Transpose(l("mlp.gate_proj.weight")),
                         "mlp.fc2.weight" => Transpose(l("mlp.down_proj.weight")),
-                        _ => return None,
+                        "moe.router.weight" => Transpose(l("block_sparse_moe.gate.weight")),
+                        _ => {
+                            let moe = config.moe.as_ref()?;
+                            let f = moe.ffn_hidden_size.unwrap_or(config.ffn_hidden_size);
+                            let experts = |w: &str, fused: &str, rows, total_rows| {
+                                let per_expert = (0..moe.num_experts)
+                                    .map(|j| l(&format!("block_sparse_moe.experts.{j}.{w}.weight")))
+                                    .collect();
+                                let fused = l(&format!("mlp.experts.{fused}"));
+                                Experts {
+                                    per_expert,
+                                    fused,
+                                    rows,
+                                    total_rows,
+                                }
+                            };
+                            match rest {
+                                "moe.experts.gate" => experts("w1", "gate_up_proj", 0..f, 2 * f),
+                                "moe.experts.fc1" => experts("w3", "gate_up_proj", f..2 * f, 2 * f),
+                                "moe.experts.fc2" => {
+                                    let h = config.hidden_size;
+                                    experts("w2", "down_proj", 0..h, h)
+                                }
+                                _ => return None,
+                            }
+                        }
                     }
                 }
             })
         }
     }
+}
+
+/// Another name transformers may have written tensor `name` under: GPT-2 files saved without
+/// the `transformer.` prefix (the original `gpt2` upload), and Mixtral's router as
+/// transformers 5 names it in memory (`mlp.gate`).
+pub(crate) fn alias(name: &str) -> Option<String> {
+    if let Some(bare) = name.strip_prefix("transformer.") {
+        return Some(bare.to_string());
+    }
+    name.contains(".block_sparse_moe.gate.")
+        .then(|| name.replace(".block_sparse_moe.gate.", ".mlp.gate."))
 }
 
 /// `block.layers.{i}.{rest}` → `(i, rest)`.

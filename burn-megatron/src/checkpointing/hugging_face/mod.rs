@@ -1,16 +1,18 @@
-//! Hugging Face interop: transformers' GPT-2 and Llama checkpoints (`config.json` +
-//! `model.safetensors`) imported into our models at any TP/PP layout, and exported back.
+//! Hugging Face interop: transformers' GPT-2, Llama and Mixtral checkpoints (`config.json` +
+//! `model.safetensors`) imported into our models at any TP/PP/EP layout, and exported back.
 //!
 //! - [`HfConfig`]: `config.json` ↔ [`TransformerConfig`](crate::transformer::TransformerConfig);
-//!   options we do not implement (`rope_scaling`, attention biases in Llama, …) are errors
-//!   naming the key.
+//!   options we do not implement (`rope_scaling`, attention biases in Llama, Mixtral's
+//!   `sliding_window` or `router_jitter_noise`, …) are errors naming the key; Qwen3-MoE, OLMoE
+//!   and Qwen2-MoE are refused naming what our model lacks (QK-norm, a gated shared expert).
 //! - [`HfCheckpoint::load_model`]: each rank converts the transformers tensors its chunk needs
-//!   (memory-mapped, any float dtype) to our layout and keeps its slice.
+//!   (memory-mapped, any float dtype) to our layout and keeps its slice (of the routed
+//!   experts, it reads only its own).
 //! - [`export_model`]: the model gathered over TP, written with transformers' names and
 //!   layouts, the vocabulary unpadded.
 //!
 //! The name and layout mapping (QKV column order, transposed `nn.Linear` weights, RoPE
-//! convention, vocabulary padding) is described in `layout.rs`.
+//! convention, vocabulary padding, Mixtral's experts) is described in `layout.rs`.
 
 mod config;
 mod export;
