@@ -3,7 +3,8 @@
 //! `config.json`; a transformers-style forward pass from plain Burn ops (softmax over all
 //! experts, top-k, the k weights renormalised, every expert run densely and combined) gives
 //! the reference logits. Imported at TP 1, EP 2, TP 2 and TP 2 × EP 2 on thread ranks, our
-//! logits equal it (f32, 1e-5 relative); the export (gathered over TP and EP) writes the same
+//! logits equal it (f32, 1e-5 relative), and at PP 2 (with EP 2 or TP 2) the loss is the
+//! one-rank loss; the export (gathered over TP and EP) writes the same
 //! tensors back; transformers 5's fused expert tensors import to the same logits; options we
 //! lack are errors naming them.
 
@@ -13,11 +14,11 @@ use std::path::Path;
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::checkpointing::hugging_face::{HfCheckpoint, HfConfig, HfFamily, export_model};
-use burn_megatron::pipeline_parallel::Stage;
+use burn_megatron::pipeline_parallel::{Schedule, Stage, StageSplit, forward_backward};
 use burn_megatron_dist::ParallelSizes;
 
 use super::hugging_face::{Hf, Named, decoder_reference, hf_linear, hf_tensors, tokens};
-use crate::{B, BoxError, assert_close, data_values, run, scratch, tolerance};
+use crate::{AD, B, BoxError, assert_close, data_values, microbatches, run, scratch, tolerance};
 
 const EXPERTS: usize = 4;
 const TOP_K: usize = 2;
@@ -269,6 +270,45 @@ fn mixtral_fused_experts_of_transformers_5_import() {
             &format!("fused experts imported at TP = {tp}, EP = {ep}: logits"),
             &imported_logits(&fused_dir, tp, ep, None),
             &want,
+            tolerance::F32,
+        );
+    }
+}
+
+/// The mean loss of 1F1B over 4 microbatches of `dir` imported at TP × PP × EP (DP = EP,
+/// every DP rank on the same microbatches), from the last stage.
+fn imported_loss(dir: &Path, tp: usize, pp: usize, ep: usize) -> f64 {
+    let out = run(tp * pp * ep, |ctx| {
+        let hf = HfCheckpoint::open(dir)?;
+        let config = hf.config().clone();
+        let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
+        let state = ctx.parallel_state(sizes)?;
+        let stage = StageSplit::even(config.num_layers, pp)?.stage(state.pp_rank());
+        let device = Default::default();
+        let chunk = config.init_gpt_stage_with_ep::<AD>(state.tp(), state.ep(), &stage, &device)?;
+        let chunk = hf.load_model(chunk)?;
+        let batches = microbatches(0, 4, config.vocab_size);
+        let step = forward_backward(Schedule::OneFOneB, &state, &[chunk], &batches)?;
+        Ok::<_, BoxError>(step.loss.map(|l| l.into_scalar() as f64))
+    });
+    out.into_iter()
+        .flatten()
+        .next()
+        .expect("the last stage reports the loss")
+}
+
+/// Pipeline stages import their own layers' experts: the loss at PP 2 (× EP 2, × TP 2) is the
+/// one-rank loss.
+#[test]
+fn mixtral_imports_across_pipeline_stages() {
+    let dir = scratch("hf-mixtral-pp");
+    write_checkpoint(&dir, &mixtral_tensors(), &config_json());
+    let want = imported_loss(&dir, 1, 1, 1);
+    for (tp, pp, ep) in [(1, 2, 1), (1, 2, 2), (2, 2, 1)] {
+        assert_close(
+            &format!("Mixtral imported at TP = {tp}, PP = {pp}, EP = {ep}: loss"),
+            &[imported_loss(&dir, tp, pp, ep)],
+            &[want],
             tolerance::F32,
         );
     }
