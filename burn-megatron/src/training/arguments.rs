@@ -11,7 +11,7 @@ use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
 use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
-use crate::transformer::moe::{MoeLayerFreq, RouterScoreFunction};
+use crate::transformer::moe::{MoeLayerFreq, RouterScoreFunction, TokenDropPolicy};
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
 /// Pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's `pretrain_gpt.py`).
@@ -388,6 +388,24 @@ pub struct PretrainArgs {
     /// How far the expert bias moves per step. [default: 1e-3]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_router_bias_update_rate: Option<f64>,
+    /// Capacity factor: each expert takes at most ceil(tokens × topk / experts × factor) of a
+    /// rank's token assignments, the others are dropped (the token's residual passes).
+    /// [default: none, dropless]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_expert_capacity_factor: Option<f64>,
+    /// Which assignments an over-full expert drops: probs (lowest router weight) or position
+    /// (latest token); needs --moe-expert-capacity-factor. [default: probs]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_token_drop_policy: Option<String>,
+    /// Pad each expert's input with zero rows to its capacity; needs
+    /// --moe-expert-capacity-factor. [default: false]
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        help_heading = "Mixture of experts"
+    )]
+    pub moe_pad_expert_input_to_capacity: Option<bool>,
 }
 
 impl PretrainArgs {
@@ -518,12 +536,17 @@ impl PretrainArgs {
             moe_z_loss_coeff => moe_z_loss_coeff,
             moe_router_enable_expert_bias => moe_router_enable_expert_bias,
             moe_router_bias_update_rate => moe_router_bias_update_rate,
+            moe_pad_expert_input_to_capacity => moe_pad_expert_input_to_capacity,
         );
         set_some!(
             num_experts,
             moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size
         );
+        c.moe_expert_capacity_factor = a.moe_expert_capacity_factor;
+        if let Some(name) = &a.moe_token_drop_policy {
+            c.moe_token_drop_policy = Some(TokenDropPolicy::parse(name)?);
+        }
         if let Some(name) = &a.moe_router_score_function {
             c.moe_router_score_function = parse_score_function(name)?;
         }
@@ -645,6 +668,9 @@ impl PretrainArgs {
             moe_layer_freq,
             moe_router_enable_expert_bias,
             moe_router_bias_update_rate,
+            moe_expert_capacity_factor,
+            moe_token_drop_policy,
+            moe_pad_expert_input_to_capacity,
         )
     }
 }

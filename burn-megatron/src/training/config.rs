@@ -17,7 +17,7 @@ use crate::optimizer::{
     FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
 use crate::pipeline_parallel::Schedule;
-use crate::transformer::moe::{MoeSettings, RouterScoreFunction};
+use crate::transformer::moe::{ExpertCapacity, MoeSettings, RouterScoreFunction, TokenDropPolicy};
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
 };
@@ -345,6 +345,17 @@ pub struct PretrainConfig {
     /// How far the expert bias moves per step (`--moe-router-bias-update-rate`).
     #[config(default = 1e-3)]
     pub moe_router_bias_update_rate: f64,
+    /// Capacity factor of each expert (`--moe-expert-capacity-factor`); `None`: dropless.
+    #[config(default = "None")]
+    pub moe_expert_capacity_factor: Option<f64>,
+    /// Which assignments an over-full expert drops (`--moe-token-drop-policy`); `None`: probs.
+    /// Needs a capacity factor.
+    #[config(default = "None")]
+    pub moe_token_drop_policy: Option<TokenDropPolicy>,
+    /// Each expert's input padded to its capacity (`--moe-pad-expert-input-to-capacity`).
+    /// Needs a capacity factor.
+    #[config(default = false)]
+    pub moe_pad_expert_input_to_capacity: bool,
 }
 
 /// The facts every rank derives from a checked [`PretrainConfig`].
@@ -438,6 +449,13 @@ impl PretrainConfig {
                 .with_layer_pattern(self.moe_layer_pattern.clone())
                 .with_expert_bias(self.moe_router_enable_expert_bias)
                 .with_bias_update_rate(self.moe_router_bias_update_rate)
+                .with_capacity(self.moe_expert_capacity_factor.map(|factor| {
+                    ExpertCapacity::new(factor)
+                        .with_drop_policy(
+                            self.moe_token_drop_policy.unwrap_or(TokenDropPolicy::Probs),
+                        )
+                        .with_pad_to_capacity(self.moe_pad_expert_input_to_capacity)
+                }))
         })
     }
 
@@ -458,6 +476,9 @@ impl PretrainConfig {
                 || self.moe_aux_loss_coeff != 0.0
                 || self.moe_z_loss_coeff != 0.0
                 || self.moe_router_enable_expert_bias
+                || self.moe_expert_capacity_factor.is_some()
+                || self.moe_token_drop_policy.is_some()
+                || self.moe_pad_expert_input_to_capacity
             {
                 return invalid(
                     "--expert-model-parallel-size and the --moe-* options need --num-experts \
@@ -481,6 +502,25 @@ impl PretrainConfig {
                  here are {}",
                 valid.join(", ")
             ));
+        }
+        if self.moe_expert_capacity_factor.is_none() {
+            for (name, given) in [
+                (
+                    "--moe-token-drop-policy",
+                    self.moe_token_drop_policy.is_some(),
+                ),
+                (
+                    "--moe-pad-expert-input-to-capacity",
+                    self.moe_pad_expert_input_to_capacity,
+                ),
+            ] {
+                if given {
+                    return invalid(format!(
+                        "{name} takes effect with --moe-expert-capacity-factor (without it the \
+                         layer is dropless): add a factor or leave {name} out"
+                    ));
+                }
+            }
         }
         if self.learner && self.moe_router_enable_expert_bias {
             return invalid(

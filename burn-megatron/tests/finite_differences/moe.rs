@@ -11,6 +11,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::transformer::Activation;
+use burn_megatron::transformer::moe::{ExpertCapacity, TokenDropPolicy};
 use burn_megatron::transformer::moe::{MoeConfig, MoeLayer, RouterScoreFunction};
 use burn_megatron_dist::ProcessGroup;
 use burn_megatron_testing::{relative_difference, run, tolerance, values};
@@ -185,4 +186,39 @@ fn moe_sigmoid_top2_normalized_swiglu() {
         .with_score_function(RouterScoreFunction::Sigmoid)
         .with_normalize_top_k(true);
     check("sigmoid top-2 normalised SwiGLU", config);
+}
+
+/// A capacity that drops: 6 tokens · top-2 over 4 experts at factor 0.5 is a capacity of 2,
+/// so at most 8 of the 12 assignments stay. Dropping is a mask, piecewise constant like
+/// top-k: the gradient through the kept assignments (and none through the dropped ones)
+/// must match the differences.
+fn check_dropping(name: &str, policy: TokenDropPolicy, pad: bool) {
+    let config = config(2, Activation::SwiGlu).with_capacity(Some(
+        ExpertCapacity::new(0.5)
+            .with_drop_policy(policy)
+            .with_pad_to_capacity(pad),
+    ));
+    run(1, |ctx| {
+        let layer: MoeLayer<B> = config
+            .init(ctx.world(), 5, &device())
+            .expect("valid configuration");
+        let kept: usize = layer.forward(inputs().0).tokens_per_expert.iter().sum();
+        assert!(kept <= 8, "{name}: {kept} of 12 assignments kept");
+        check_on(name, &config, ctx.world());
+        Ok(())
+    });
+}
+
+#[test]
+fn moe_capacity_drops_by_probs() {
+    check_dropping("capacity 0.5, probs", TokenDropPolicy::Probs, false);
+}
+
+#[test]
+fn moe_capacity_drops_by_position_padded() {
+    check_dropping(
+        "capacity 0.5, position, padded",
+        TokenDropPolicy::Position,
+        true,
+    );
 }

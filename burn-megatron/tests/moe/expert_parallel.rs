@@ -24,7 +24,7 @@ const EXPERTS: usize = 4;
 const SEED: u64 = 7;
 
 // ANCHOR: config
-fn config(top_k: usize, activation: Activation, shared: bool) -> MoeConfig {
+pub(crate) fn config(top_k: usize, activation: Activation, shared: bool) -> MoeConfig {
     MoeConfig::new(HIDDEN, EXPERTS, 6)
         .with_top_k(top_k)
         .with_activation(activation)
@@ -37,7 +37,7 @@ fn config(top_k: usize, activation: Activation, shared: bool) -> MoeConfig {
 
 /// Whether experts 2 and 3 are kept from every token.
 #[derive(Clone, Copy, PartialEq, Debug)]
-enum Routing {
+pub(crate) enum Routing {
     /// As the router draws it.
     Free,
     /// Feature 0 of every token is 4 and the router weights it by -3 for experts 2 and 3:
@@ -47,7 +47,7 @@ enum Routing {
 }
 
 /// Rank `rank`'s batch, `[2, 2 + rank, HIDDEN]`, and the weights of its loss `Σ probe ∘ y`.
-fn batch(rank: usize, routing: Routing) -> (Tensor<B, 3>, Tensor<B, 3>) {
+pub(crate) fn batch(rank: usize, routing: Routing) -> (Tensor<B, 3>, Tensor<B, 3>) {
     let shape = [2, 2 + rank, HIDDEN];
     let normal = |seed| {
         init_full::<B, 3>(
@@ -89,15 +89,15 @@ fn layer(
 }
 
 /// Each parameter's path and gradient.
-type Grads = Vec<(String, Vec<f64>)>;
+pub(crate) type Grads = Vec<(String, Vec<f64>)>;
 
 /// One batch's results on one rank.
-struct Outcome {
-    output: Vec<f64>,
-    load_balancing_loss: f64,
-    z_loss: f64,
-    input_grad: Vec<f64>,
-    tokens_per_expert: Vec<usize>,
+pub(crate) struct Outcome {
+    pub(crate) output: Vec<f64>,
+    pub(crate) load_balancing_loss: f64,
+    pub(crate) z_loss: f64,
+    pub(crate) input_grad: Vec<f64>,
+    pub(crate) tokens_per_expert: Vec<usize>,
 }
 
 /// Every float parameter's path and gradient; a parameter without one fails the test.
@@ -136,7 +136,11 @@ fn grads(
 
 /// The reference: the EP = 1 layer on each of `ranks` batches, one backward of their summed
 /// losses. Returns each batch's outcome and the parameters' gradients.
-fn reference(config: &MoeConfig, ranks: usize, routing: Routing) -> (Vec<Outcome>, Grads) {
+pub(crate) fn reference(
+    config: &MoeConfig,
+    ranks: usize,
+    routing: Routing,
+) -> (Vec<Outcome>, Grads) {
     run(1, |ctx| {
         let layer = layer(config, ctx.world(), routing);
         let mut total: Option<Tensor<AD, 1>> = None;
@@ -194,7 +198,7 @@ fn expert_parallel(config: &MoeConfig, ep: usize, routing: Routing) -> Vec<(Outc
 
 /// Every rank's results equal the reference's for its batch; the gradients as the module doc
 /// says.
-fn assert_equivalent(name: &str, config: &MoeConfig, routing: Routing) {
+pub(crate) fn assert_equivalent(name: &str, config: &MoeConfig, routing: Routing) {
     for ep in [1, 2, 4] {
         let at = |what: &str| format!("{name} EP={ep} {routing:?}: {what}");
         let (want, want_grads) = reference(config, ep, routing);

@@ -3,6 +3,7 @@
 //! layer. The f64 finite differences of the layer's gradients are in the
 //! `finite_differences` target.
 
+mod capacity;
 mod config_errors;
 mod expert_parallel;
 mod gpt_model;

@@ -11,7 +11,7 @@ use crate::{assert_close, tolerance};
 
 /// `pretrain_gpt` with `extra` after a tiny model's options: 2 layers of width 16,
 /// sequences of 16, 4 microbatches of 2 a step, 6 steps, no evaluation or checkpoint.
-fn config(extra: &[&str]) -> PretrainConfig {
+pub(crate) fn config(extra: &[&str]) -> PretrainConfig {
     let base = [
         "pretrain_gpt",
         "--num-layers",

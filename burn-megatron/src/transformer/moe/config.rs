@@ -5,6 +5,7 @@ use burn::config::Config;
 use burn::tensor::Tensor;
 use burn_megatron_dist::ProcessGroup;
 
+use super::capacity::ExpertCapacity;
 use super::dispatcher::TokenDispatcher;
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
@@ -56,6 +57,11 @@ pub struct MoeConfig {
     /// updates from the load ([`expert_bias_update`](super::expert_bias_update)).
     #[config(default = false)]
     pub expert_bias: bool,
+    /// Each expert's capacity and what an over-full expert drops
+    /// (`--moe-expert-capacity-factor`, `--moe-token-drop-policy`,
+    /// `--moe-pad-expert-input-to-capacity`); `None`: dropless.
+    #[config(default = "None")]
+    pub capacity: Option<ExpertCapacity>,
 }
 
 impl MoeConfig {
@@ -100,7 +106,7 @@ impl MoeConfig {
                 .with_init_std(self.init_std)
                 .init(0..1, seed, "shared_expert", device)
         });
-        Ok(MoeLayer::new(router, experts, shared_expert, dispatcher))
+        Ok(MoeLayer::new(router, experts, shared_expert, dispatcher).with_capacity(self.capacity))
     }
 
     /// Checks the sizes against each other and against an expert-parallel size `ep`.
@@ -116,7 +122,8 @@ impl MoeConfig {
             self.top_k,
             self.shared_expert_ffn_hidden_size,
             ep,
-        )
+        )?;
+        self.capacity.map_or(Ok(()), |c| c.validate())
     }
 }
 
@@ -144,5 +151,6 @@ impl MoeSettings {
         .with_shared_expert_ffn_hidden_size(self.shared_expert_ffn_hidden_size)
         .with_init_std(init_std)
         .with_expert_bias(self.expert_bias)
+        .with_capacity(self.capacity)
     }
 }

@@ -1,6 +1,7 @@
 //! The token dispatcher: tokens sorted by expert, sent to the ranks that hold their experts,
 //! and the experts' outputs brought back in the original order (Megatron's
-//! `MoEAlltoAllTokenDispatcher`, dropless).
+//! `MoEAlltoAllTokenDispatcher`), dropless or with a capacity per expert
+//! ([`super::capacity`]).
 //!
 //! Sizes vary from batch to batch and from rank to rank, while the group's all-to-all
 //! ([`all_to_all`]) splits a tensor into equal shards. So the exchange goes in two steps:
@@ -20,15 +21,20 @@
 //! all-gather forward, one all-to-all each way forward and backward), so a rank or an expert
 //! that gets no tokens cannot leave another waiting. No tensor here is ever empty: each
 //! buffer carries one zero row that padding indices point at.
+//!
+//! With a capacity, each rank's blocks hold the assignments its experts keep (or, padded, the
+//! capacity's rows): the sizes follow from the same all-gathered counts, so a capacity adds no
+//! exchange (the probs policy adds each assignment's expert and weight to the host read).
 
 use std::ops::Range;
 
 use burn::tensor::{
-    DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend,
+    Bool, DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend,
 };
 use burn_megatron_dist::mapping::all_to_all;
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
+use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
 use super::router::assignment_map;
 
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
@@ -51,8 +57,13 @@ pub struct DispatchPlan<B: Backend> {
     pub top_k: usize,
     /// Rows of each rank's block in the padded all-to-all buffers (at least 1).
     pub max_rows: usize,
-    /// How many of this rank's assignments each expert (of all `num_experts`) got.
+    /// How many of this rank's assignments each expert (of all `num_experts`) got and kept
+    /// (all of them without a capacity).
     pub tokens_per_expert: Vec<usize>,
+    /// Each expert's capacity on this rank, if the layer has one.
+    pub capacity: Option<usize>,
+    /// This rank's assignments dropped by over-full experts.
+    pub dropped: usize,
     /// Tokens each local expert receives, over all ranks (the expert-major blocks).
     pub local_counts: Vec<usize>,
     /// `[ep · max_rows]`, device: the input row (or `num_tokens`, the zero row) of each send
@@ -65,7 +76,8 @@ pub struct DispatchPlan<B: Backend> {
     /// back in each row of the return buffer.
     return_rows: Vec<usize>,
     /// `[num_tokens · top_k]`, device: for each assignment (token-major), its row in the
-    /// send buffer and in the buffer that comes back.
+    /// send buffer and in the buffer that comes back; `ep · max_rows` (the zero row appended
+    /// to the buffer that comes back) for a dropped one.
     combine_rows: Tensor<B, 1, Int>,
 }
 
@@ -102,8 +114,8 @@ impl TokenDispatcher {
         self.ep.rank() * n..(self.ep.rank() + 1) * n
     }
 
-    /// Plans the exchange of `experts` (`[num_tokens, top_k]`, [`Routing::experts`]) whose
-    /// counts per expert are `tokens_per_expert` (`[num_experts]`), all-gathering every
+    /// Plans the dropless exchange of `experts` (`[num_tokens, top_k]`, [`Routing::experts`])
+    /// whose counts per expert are `tokens_per_expert` (`[num_experts]`), all-gathering every
     /// rank's counts and its `num_tokens · top_k`: the one read to the host
     /// (`ep · (num_experts + 1)` integers). Every rank of the group must call it. Counts that
     /// do not add up to their rank's total fail every rank's plan alike
@@ -113,13 +125,42 @@ impl TokenDispatcher {
     /// The assignments are sorted by expert (so by destination, then by its local expert) on
     /// the device, stably, so that tokens keep their order within an expert: a counting sort,
     /// an assignment's place being the tokens before it with the same expert (a cumulative
-    /// sum of the routing map) after those of the experts before its own (from the counts).
+    /// sum of the routing map, [`exclusive_cumsum_rows`]) after those of the experts before
+    /// its own (from the counts).
     ///
     /// [`Routing::experts`]: super::Routing::experts
     pub fn plan<B: DistBackend>(
         &self,
         experts: Tensor<B, 2, Int>,
         tokens_per_expert: Tensor<B, 1, Int>,
+    ) -> DistResult<DispatchPlan<B>> {
+        self.plan_dropping(experts, tokens_per_expert, None)
+    }
+
+    /// [`plan`](Self::plan) with each expert limited to `capacity` (see [`super::capacity`]):
+    /// every rank's capacity comes from its own number of assignments (all-gathered with the
+    /// counts), the assignments kept from its counts (`min(count, capacity)` an expert), so
+    /// that every rank knows every block's size without another exchange. Which assignments an
+    /// over-full expert keeps is found on the device for the position policy (an assignment's
+    /// place among its expert's, below the capacity); for the probs policy each assignment's
+    /// expert and `weights` (`[num_tokens, top_k]`, ranked in F32) come to the host in the
+    /// same read as the counts. Dropped assignments are sent nowhere and read back as a zero
+    /// row.
+    pub fn plan_with_capacity<B: DistBackend>(
+        &self,
+        experts: Tensor<B, 2, Int>,
+        tokens_per_expert: Tensor<B, 1, Int>,
+        weights: Tensor<B, 2>,
+        capacity: &ExpertCapacity,
+    ) -> DistResult<DispatchPlan<B>> {
+        self.plan_dropping(experts, tokens_per_expert, Some((capacity, weights)))
+    }
+
+    fn plan_dropping<B: DistBackend>(
+        &self,
+        experts: Tensor<B, 2, Int>,
+        tokens_per_expert: Tensor<B, 1, Int>,
+        drop: Option<(&ExpertCapacity, Tensor<B, 2>)>,
     ) -> DistResult<DispatchPlan<B>> {
         let (ep, rank) = (self.ep.size(), self.ep.rank());
         let (e_all, e_local) = (self.num_experts, self.num_local_experts());
@@ -142,27 +183,75 @@ impl TokenDispatcher {
             1 => local,
             _ => self.ep.all_gather(local, 0)?,
         };
+        let capacity = drop.as_ref().map(|(c, _)| **c);
+        let by_weight = capacity.is_some_and(|c| c.drop_policy == TokenDropPolicy::Probs);
+        let read = match (&drop, by_weight) {
+            (Some((_, weights)), true) => Tensor::cat(
+                vec![
+                    all,
+                    experts.clone().reshape([assignments]).cast(FloatDType::F32),
+                    weights
+                        .clone()
+                        .detach()
+                        .reshape([assignments])
+                        .cast(FloatDType::F32),
+                ],
+                0,
+            ),
+            _ => all,
+        };
         let error = |message: String| DistError::Device {
             rank: self.ep.global_rank(),
             group: self.ep.name().to_string(),
             what: "the expert token counts all-gathered over EP".to_string(),
             message,
         };
-        let all = all.try_into_data().map_err(|e| error(e.to_string()))?;
-        let all = all
+        let read = read.try_into_data().map_err(|e| error(e.to_string()))?;
+        let read = read
             .convert::<f32>()
             .to_vec::<f32>()
             .map_err(|e| error(format!("{e:?}")))?;
-        check_counts(&all, ep, e_all).map_err(|detail| {
+        let (all, local_read) = read.split_at(ep * (e_all + 1));
+        check_counts(all, ep, e_all).map_err(|detail| {
             DistError::InvalidArgument(format!(
                 "rank {}: the expert token counts all-gathered over EP on group '{}': {detail}",
                 self.ep.global_rank(),
                 self.ep.name()
             ))
         })?;
-        let counts_of: Vec<Vec<usize>> = all
+        let routed_of: Vec<Vec<usize>> = all
             .chunks(e_all + 1)
             .map(|c| c[..e_all].iter().map(|&v| v as usize).collect())
+            .collect();
+        let totals: Vec<usize> = all.chunks(e_all + 1).map(|c| c[e_all] as usize).collect();
+        // Each rank's capacity, the assignments it keeps and the rows of its blocks (the kept
+        // ones, or the capacity's with padding), the same on every rank.
+        let capacity_of: Vec<Option<usize>> = totals
+            .iter()
+            .map(|&t| capacity.map(|c| c.capacity(t, e_all)))
+            .collect();
+        let kept_of: Vec<Vec<usize>> = routed_of
+            .iter()
+            .zip(&capacity_of)
+            .map(|(routed, cap)| {
+                routed
+                    .iter()
+                    .map(|&n| cap.map_or(n, |c| n.min(c)))
+                    .collect()
+            })
+            .collect();
+        let counts_of: Vec<Vec<usize>> = kept_of
+            .iter()
+            .enumerate()
+            .map(|(r, kept)| {
+                let padded = capacity
+                    .zip(capacity_of[r])
+                    .and_then(|(c, cap)| c.padded_rows(cap, totals[r] / top_k.max(1)));
+                match padded {
+                    Some(rows) => vec![rows; e_all],
+                    None => kept.clone(),
+                }
+            })
             .collect();
         let counts = &counts_of[rank];
         let to_rank = |c: &[usize], q: usize| c[q * e_local..(q + 1) * e_local].iter().sum();
@@ -174,24 +263,51 @@ impl TokenDispatcher {
             .max(1);
 
         // The send side, on the device. Assignment a to expert e, the i-th of this rank's
-        // assignments to e, goes in row `first[e] + i` of the send buffer: its destination's
-        // block, after the assignments to that rank's experts before e.
+        // assignments to e that it keeps, goes in row `first[e] + i` of the send buffer: its
+        // destination's block, after the rows of that rank's experts before e. A dropped one
+        // goes to row `ep · max_rows`, past the buffer: cut off before sending, the zero row
+        // coming back.
         let first: Vec<usize> = (0..e_all)
             .map(|e| {
                 let q = e / e_local;
                 q * max_rows + counts[q * e_local..e].iter().sum::<usize>()
             })
             .collect();
+        let dropped: usize =
+            routed_of[rank].iter().sum::<usize>() - kept_of[rank].iter().sum::<usize>();
         let map = assignment_map(experts.clone(), e_all);
-        let before = map.clone().cumsum(0) - map.clone();
-        let index = (before * map).sum_dim(1).reshape([assignments]);
+        let (index, kept) = match (capacity, capacity_of[rank]) {
+            (Some(c), Some(cap)) if dropped > 0 => match c.drop_policy {
+                TokenDropPolicy::Position => {
+                    let index = rank_in_expert(map);
+                    let kept = index.clone().lower_elem(cap as i64);
+                    (index, Some(kept))
+                }
+                TokenDropPolicy::Probs => {
+                    let (chosen, weights) = local_read.split_at(assignments);
+                    let chosen: Vec<usize> = chosen.iter().map(|&e| e as usize).collect();
+                    let keep = keep_by_weight(&chosen, weights, e_all, cap);
+                    let kept = Tensor::<B, 1, Bool>::from_data(
+                        TensorData::new(keep, [assignments]),
+                        &device,
+                    );
+                    let map = map * kept.clone().int().reshape([assignments, 1]);
+                    (rank_in_expert(map), Some(kept))
+                }
+            },
+            _ => (rank_in_expert(map), None),
+        };
         let flat = experts.reshape([assignments]);
-        let combine_rows = index + int_tensor(&first, &device).select(0, flat);
+        let mut combine_rows = index + int_tensor(&first, &device).select(0, flat);
+        if let Some(kept) = kept {
+            combine_rows = combine_rows.mask_fill(kept.bool_not(), (ep * max_rows) as i64);
+        }
         let token_of = Tensor::<B, 1, Int>::arange(0..assignments as i64, &device)
             .div_scalar(top_k as i64)
             .sub_scalar(num_tokens as i64);
-        let send_rows = Tensor::<B, 1, Int>::full([ep * max_rows], num_tokens as i64, &device)
-            .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add);
+        let send_rows = Tensor::<B, 1, Int>::full([ep * max_rows + 1], num_tokens as i64, &device)
+            .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add)
+            .narrow(0, 0, ep * max_rows);
 
         // The receive side: block r holds rank r's tokens for this rank's experts, by local
         // expert; the experts want them by expert, then by source rank.
@@ -217,7 +333,9 @@ impl TokenDispatcher {
             num_tokens,
             top_k,
             max_rows,
-            tokens_per_expert: counts.clone(),
+            tokens_per_expert: kept_of[rank].clone(),
+            capacity: capacity_of[rank],
+            dropped,
             local_counts,
             send_rows,
             expert_rows,
@@ -260,7 +378,10 @@ impl TokenDispatcher {
         let device = expert_output.device();
         let hidden = expert_output.dims()[1];
         let back = expert_output.select(0, int_tensor(&plan.return_rows, &device));
-        let back = all_to_all(back, &self.ep, 0, 0)?;
+        let mut back = all_to_all(back, &self.ep, 0, 0)?;
+        if plan.dropped > 0 {
+            back = with_zero_row(back);
+        }
         let per_assignment = back.select(0, plan.combine_rows.clone()).reshape([
             plan.num_tokens,
             plan.top_k,
@@ -296,6 +417,42 @@ fn check_counts(all: &[f32], ep: usize, num_experts: usize) -> Result<(), String
         }
     }
     Ok(())
+}
+
+/// Each assignment's place among those of its expert before it: `[assignments]`, from the
+/// routing map (`[assignments, num_experts]`, 0 or 1).
+fn rank_in_expert<B: Backend>(map: Tensor<B, 2, Int>) -> Tensor<B, 1, Int> {
+    let [assignments, _] = map.dims();
+    (exclusive_cumsum_rows(map.clone()) * map)
+        .sum_dim(1)
+        .reshape([assignments])
+}
+
+/// The sum of the rows before each row (`out[i] = Σ_{i' < i} x[i']`), in blocks of `√n` rows:
+/// a cumulative sum within each block, then one over the blocks' totals. CubeCL's `cumsum`
+/// has each output element add up every element before it (`n²/2` reads along `n`); in
+/// blocks each element reads at most `√n` (`n^1.5` in all), so that a GPU's sort by expert of
+/// `tokens · top_k` assignments stays affordable. Exact: integers.
+///
+/// # Shapes
+/// - x: `[n, columns]`, `n ≥ 1`
+/// - output: `[n, columns]`
+pub fn exclusive_cumsum_rows<B: Backend>(x: Tensor<B, 2, Int>) -> Tensor<B, 2, Int> {
+    let [n, columns] = x.dims();
+    let device = x.device();
+    let block = ((n as f64).sqrt().ceil() as usize).max(1);
+    let blocks = n.div_ceil(block);
+    let padded = match blocks * block - n {
+        0 => x,
+        extra => Tensor::cat(vec![x, Tensor::zeros([extra, columns], &device)], 0),
+    };
+    let x = padded.reshape([blocks, block, columns]);
+    let inclusive = x.clone().cumsum(1);
+    let totals = inclusive.clone().narrow(1, block - 1, 1);
+    let offsets = totals.clone().cumsum(0) - totals;
+    (inclusive - x + offsets)
+        .reshape([blocks * block, columns])
+        .narrow(0, 0, n)
 }
 
 /// `x` with a row of zeros appended.

@@ -4,13 +4,15 @@ use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
+use super::capacity::ExpertCapacity;
 use super::dispatcher::TokenDispatcher;
 use super::experts::GroupedExperts;
 use super::router::{Router, expert_bias_update};
 use crate::backend::ModelBackend;
 
-/// A mixture of experts in place of a transformer layer's MLP (Megatron's `MoELayer`),
-/// dropless: every token reaches each of its `top_k` experts.
+/// A mixture of experts in place of a transformer layer's MLP (Megatron's `MoELayer`):
+/// dropless, every token reaching each of its `top_k` experts, or with a capacity per expert
+/// beyond which a rank's assignments drop ([`ExpertCapacity`]).
 ///
 /// The router and the shared expert are replicated on every rank; the routed experts are
 /// split over the expert-parallel group, `num_experts / ep` each, and tokens travel to them
@@ -29,6 +31,8 @@ pub struct MoeLayer<B: Backend> {
     pub shared_expert: Option<GroupedExperts<B>>,
     #[module(skip)]
     dispatcher: TokenDispatcher,
+    #[module(skip)]
+    capacity: Option<ExpertCapacity>,
 }
 
 /// What an MoE layer returns: its output, and the losses to add to the model's loss.
@@ -40,7 +44,8 @@ pub struct MoeOutput<B: Backend> {
     pub load_balancing_loss: Tensor<B, 1>,
     /// `[1]`: the z-loss, coefficient included.
     pub z_loss: Tensor<B, 1>,
-    /// How many of this rank's token assignments each expert got (for logging the load).
+    /// How many of this rank's token assignments each expert got and kept (for logging the
+    /// load; with a capacity, the assignments kept).
     pub tokens_per_expert: Vec<usize>,
 }
 
@@ -64,7 +69,18 @@ impl<B: Backend> MoeLayer<B> {
             experts,
             shared_expert,
             dispatcher,
+            capacity: None,
         }
+    }
+
+    /// The same layer with each expert's capacity (`None`: dropless).
+    pub fn with_capacity(self, capacity: Option<ExpertCapacity>) -> Self {
+        Self { capacity, ..self }
+    }
+
+    /// Each expert's capacity, if any.
+    pub fn capacity(&self) -> Option<ExpertCapacity> {
+        self.capacity
     }
 
     /// The dispatcher (and through it the expert-parallel group).
@@ -121,9 +137,17 @@ impl<B: ModelBackend> MoeLayer<B> {
         let [batch, seq, hidden] = input.dims();
         let tokens = input.reshape([batch * seq, hidden]);
         let routing = self.router.route_over(tokens.clone(), sequence)?;
-        let plan = self
-            .dispatcher
-            .plan(routing.experts, routing.tokens_per_expert)?;
+        let plan = match &self.capacity {
+            None => self
+                .dispatcher
+                .plan(routing.experts, routing.tokens_per_expert)?,
+            Some(capacity) => self.dispatcher.plan_with_capacity(
+                routing.experts,
+                routing.tokens_per_expert,
+                routing.weights.clone(),
+                capacity,
+            )?,
+        };
         let expert_input = self.dispatcher.dispatch(&plan, tokens.clone())?;
         let expert_output = self.experts.forward(expert_input, &plan.local_counts);
         let mut output = self

@@ -1,10 +1,11 @@
-//! Mixture of experts with expert parallelism (issue 34): a dropless MoE layer, in the GPT
-//! model and `pretrain_gpt`, CPU-tested against one device.
+//! Mixture of experts with expert parallelism (issue 34): an MoE layer, dropless or with a
+//! capacity per expert, in the GPT model and `pretrain_gpt`, CPU-tested against one device.
 //!
 //! - [`router`]: linear scores, softmax or sigmoid, top-k, optional normalisation, DeepSeek-V3's
 //!   expert bias; the Switch-style load-balancing loss and the z-loss.
 //! - [`dispatcher`]: tokens sorted by expert and exchanged over the expert-parallel group by
 //!   an all-to-all (variable sizes padded to the largest), then brought back in order.
+//! - [`capacity`]: [`ExpertCapacity`], Megatron's capacity factor, drop policy and padding.
 //! - [`experts`]: a rank's experts, weights stacked `[local_experts, ..]`, each run once on
 //!   its contiguous block of tokens; SwiGLU or GeLU.
 //! - [`layer`]: [`MoeLayer`], router → dispatch → experts → combine, plus the shared expert,
@@ -14,10 +15,11 @@
 //! - [`settings`]: [`MoeSettings`], the MoE part of a `TransformerConfig` (which layers, which
 //!   settings), and `--moe-layer-freq`'s forms.
 //!
-//! Not yet: capacity and token dropping, grouped-GEMM kernels, the all-gather dispatcher,
+//! Not yet: grouped-GEMM kernels, the all-gather dispatcher,
 //! expert tensor parallelism, a variable-split all-to-all (the only host read of a forward
 //! pass is the `ep · (num_experts + 1)` token counts that size it).
 
+pub mod capacity;
 pub mod config;
 pub mod dispatcher;
 pub mod experts;
@@ -26,6 +28,7 @@ pub mod losses;
 pub mod router;
 pub mod settings;
 
+pub use capacity::{ExpertCapacity, TokenDropPolicy};
 pub use config::MoeConfig;
 pub use dispatcher::{DispatchPlan, TokenDispatcher};
 pub use experts::{GroupedExperts, GroupedExpertsConfig};

@@ -5,6 +5,7 @@
 
 use burn::config::Config;
 
+use super::capacity::ExpertCapacity;
 use super::router::RouterScoreFunction;
 use crate::error::ConfigError;
 
@@ -52,6 +53,10 @@ pub struct MoeSettings {
     /// 1e-3).
     #[config(default = 1e-3)]
     pub bias_update_rate: f64,
+    /// Each expert's capacity (`--moe-expert-capacity-factor`, `--moe-token-drop-policy`,
+    /// `--moe-pad-expert-input-to-capacity`); `None`: dropless.
+    #[config(default = "None")]
+    pub capacity: Option<ExpertCapacity>,
 }
 
 impl MoeSettings {
@@ -72,7 +77,7 @@ impl MoeSettings {
     /// Checks the settings for a model of `num_layers` layers at expert-parallel size `ep`
     /// (1 to check without a layout): the layer sizes
     /// ([`MoeConfig::validate`](super::MoeConfig::validate)), the layer frequency or pattern,
-    /// and the coefficients (finite, not negative).
+    /// the coefficients (finite, not negative) and the capacity factor (finite, above 0).
     pub fn validate(
         &self,
         hidden_size: usize,
@@ -117,7 +122,7 @@ impl MoeSettings {
                 ));
             }
         }
-        Ok(())
+        self.capacity.map_or(Ok(()), |c| c.validate())
     }
 }
 
