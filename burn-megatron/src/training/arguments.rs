@@ -11,6 +11,7 @@ use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
 use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
+use crate::transformer::moe::LoadBalancingType;
 use crate::transformer::moe::{MoeLayerFreq, RouterScoreFunction, TokenDropPolicy};
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
@@ -362,6 +363,26 @@ pub struct PretrainArgs {
     /// Divide each token's top-k weights by their sum. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Mixture of experts")]
     pub moe_router_topk_normalize: Option<bool>,
+    /// Softmax over all experts before the top-k, its values the weights, instead of a
+    /// softmax over the top-k logits (needed for softmax top-1; sigmoid ignores it).
+    /// [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Mixture of experts")]
+    pub moe_router_pre_softmax: Option<bool>,
+    /// Group-limited routing (DeepSeek-V2/V3): the experts split into this many groups; with
+    /// --moe-router-group-topk. [default: none]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_num_groups: Option<usize>,
+    /// Groups each token may take its experts from: those whose top topk/group-topk scores
+    /// sum highest. [default: none]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_group_topk: Option<usize>,
+    /// Factor of the top-k routing weights (DeepSeek-V3: 2.5). [default: none, 1]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_topk_scaling_factor: Option<f64>,
+    /// The load-balancing loss: aux_loss (Switch, over the batch), seq_aux_loss (DeepSeek,
+    /// per sequence) or none. [default: aux_loss]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_load_balancing_type: Option<String>,
     /// Coefficient of the load-balancing (auxiliary) loss. [default: 0]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_aux_loss_coeff: Option<f64>,
@@ -532,6 +553,7 @@ impl PretrainArgs {
             expert_model_parallel_size => expert_model_parallel_size,
             moe_router_topk => moe_router_topk,
             moe_router_topk_normalize => moe_router_topk_normalize,
+            moe_router_pre_softmax => moe_router_pre_softmax,
             moe_aux_loss_coeff => moe_aux_loss_coeff,
             moe_z_loss_coeff => moe_z_loss_coeff,
             moe_router_enable_expert_bias => moe_router_enable_expert_bias,
@@ -541,8 +563,14 @@ impl PretrainArgs {
         set_some!(
             num_experts,
             moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size
+            moe_shared_expert_intermediate_size,
+            moe_router_num_groups,
+            moe_router_group_topk,
+            moe_router_topk_scaling_factor
         );
+        if let Some(name) = &a.moe_router_load_balancing_type {
+            c.moe_router_load_balancing_type = parse_load_balancing_type(name)?;
+        }
         c.moe_expert_capacity_factor = a.moe_expert_capacity_factor;
         if let Some(name) = &a.moe_token_drop_policy {
             c.moe_token_drop_policy = Some(TokenDropPolicy::parse(name)?);
@@ -662,6 +690,11 @@ impl PretrainArgs {
             moe_router_topk,
             moe_router_score_function,
             moe_router_topk_normalize,
+            moe_router_pre_softmax,
+            moe_router_num_groups,
+            moe_router_group_topk,
+            moe_router_topk_scaling_factor,
+            moe_router_load_balancing_type,
             moe_aux_loss_coeff,
             moe_z_loss_coeff,
             moe_shared_expert_intermediate_size,
@@ -684,6 +717,24 @@ pub fn parse_score_function(name: &str) -> Result<RouterScoreFunction> {
             "--moe-router-score-function {other:?}: use softmax or sigmoid"
         ))
         .into()),
+    }
+}
+
+/// Megatron's `--moe-router-load-balancing-type` names; `sinkhorn` (and the newer
+/// `global_aux_loss`) are Megatron's but not implemented here.
+pub fn parse_load_balancing_type(name: &str) -> Result<LoadBalancingType> {
+    let invalid = |why: String| Err(ConfigError::Invalid(why).into());
+    match name.to_ascii_lowercase().as_str() {
+        "aux_loss" => Ok(LoadBalancingType::AuxLoss),
+        "seq_aux_loss" => Ok(LoadBalancingType::SeqAuxLoss),
+        "none" => Ok(LoadBalancingType::None),
+        other @ ("sinkhorn" | "global_aux_loss") => invalid(format!(
+            "--moe-router-load-balancing-type {other} is Megatron's but not implemented here: \
+             use aux_loss, seq_aux_loss or none"
+        )),
+        other => invalid(format!(
+            "--moe-router-load-balancing-type {other:?}: use aux_loss, seq_aux_loss or none"
+        )),
     }
 }
 

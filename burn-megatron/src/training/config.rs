@@ -17,7 +17,9 @@ use crate::optimizer::{
     FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
 };
 use crate::pipeline_parallel::Schedule;
-use crate::transformer::moe::{ExpertCapacity, MoeSettings, RouterScoreFunction, TokenDropPolicy};
+use crate::transformer::moe::{
+    ExpertCapacity, LoadBalancingType, MoeSettings, RouterScoreFunction, TokenDropPolicy,
+};
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
 };
@@ -323,6 +325,23 @@ pub struct PretrainConfig {
     /// Each token's top-k weights divided by their sum (`--moe-router-topk-normalize`).
     #[config(default = false)]
     pub moe_router_topk_normalize: bool,
+    /// Top-k of the softmax over all experts, not a softmax over the top-k logits
+    /// (`--moe-router-pre-softmax`).
+    #[config(default = false)]
+    pub moe_router_pre_softmax: bool,
+    /// Groups of experts for group-limited routing (`--moe-router-num-groups`).
+    #[config(default = "None")]
+    pub moe_router_num_groups: Option<usize>,
+    /// Groups a token may choose its experts from (`--moe-router-group-topk`).
+    #[config(default = "None")]
+    pub moe_router_group_topk: Option<usize>,
+    /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`).
+    #[config(default = "None")]
+    pub moe_router_topk_scaling_factor: Option<f64>,
+    /// Switch-style, sequence-level or no load-balancing loss
+    /// (`--moe-router-load-balancing-type`).
+    #[config(default = "LoadBalancingType::AuxLoss")]
+    pub moe_router_load_balancing_type: LoadBalancingType,
     /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
     #[config(default = 0.0)]
     pub moe_aux_loss_coeff: f64,
@@ -442,6 +461,11 @@ impl PretrainConfig {
                 .with_top_k(self.moe_router_topk)
                 .with_score_function(self.moe_router_score_function)
                 .with_normalize_top_k(self.moe_router_topk_normalize)
+                .with_pre_softmax(self.moe_router_pre_softmax)
+                .with_num_groups(self.moe_router_num_groups)
+                .with_group_top_k(self.moe_router_group_topk)
+                .with_top_k_scaling_factor(self.moe_router_topk_scaling_factor)
+                .with_load_balancing_type(self.moe_router_load_balancing_type)
                 .with_aux_loss_coeff(self.moe_aux_loss_coeff)
                 .with_z_loss_coeff(self.moe_z_loss_coeff)
                 .with_shared_expert_ffn_hidden_size(self.moe_shared_expert_intermediate_size)
@@ -479,6 +503,11 @@ impl PretrainConfig {
                 || self.moe_expert_capacity_factor.is_some()
                 || self.moe_token_drop_policy.is_some()
                 || self.moe_pad_expert_input_to_capacity
+                || self.moe_router_pre_softmax
+                || self.moe_router_num_groups.is_some()
+                || self.moe_router_group_topk.is_some()
+                || self.moe_router_topk_scaling_factor.is_some()
+                || self.moe_router_load_balancing_type != defaults.moe_router_load_balancing_type
             {
                 return invalid(
                     "--expert-model-parallel-size and the --moe-* options need --num-experts \

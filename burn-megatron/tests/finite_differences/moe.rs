@@ -1,7 +1,8 @@
 //! The mixture-of-experts layer (EP = 1, dropless): the gradient of `Σ probe ∘ y + aux_loss`
 //! with respect to the input and every element of every parameter (router, routed experts,
 //! shared expert), against central differences, for softmax and sigmoid routing, SwiGLU and
-//! GeLU experts, top-1 and top-2.
+//! GeLU experts, top-1 and top-2, pre-softmax, group-limited routing with scaled weights and
+//! the sequence-level load-balancing loss.
 //!
 //! Top-k is piecewise constant: a difference is exact only if no step changes a token's
 //! choice. The layer is small and its scores well apart, so none does; a change would show as
@@ -12,7 +13,9 @@ use burn::tensor::{Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::transformer::Activation;
 use burn_megatron::transformer::moe::{ExpertCapacity, TokenDropPolicy};
-use burn_megatron::transformer::moe::{MoeConfig, MoeLayer, RouterScoreFunction};
+use burn_megatron::transformer::moe::{
+    LoadBalancingType, MoeConfig, MoeLayer, RouterScoreFunction,
+};
 use burn_megatron_dist::ProcessGroup;
 use burn_megatron_testing::{relative_difference, run, tolerance, values};
 
@@ -177,7 +180,44 @@ fn moe_softmax_top2_swiglu() {
 
 #[test]
 fn moe_softmax_top1_gelu() {
-    check("softmax top-1 GeLU", config(1, Activation::Gelu));
+    check(
+        "softmax top-1 GeLU",
+        config(1, Activation::Gelu).with_pre_softmax(true),
+    );
+}
+
+/// `--moe-router-pre-softmax`: the weights are the softmax over all experts.
+#[test]
+fn moe_pre_softmax_top2_swiglu() {
+    check(
+        "pre-softmax top-2 SwiGLU",
+        config(2, Activation::SwiGlu).with_pre_softmax(true),
+    );
+}
+
+/// DeepSeek-V3's router: sigmoid scores, two groups of two experts, a token's two experts
+/// from its best group, weights normalised and scaled by 2.5.
+#[test]
+fn moe_group_limited_sigmoid_scaled_swiglu() {
+    let config = config(2, Activation::SwiGlu)
+        .with_score_function(RouterScoreFunction::Sigmoid)
+        .with_num_groups(Some(2))
+        .with_group_top_k(Some(1))
+        .with_top_k_scaling_factor(Some(2.5));
+    check("group-limited sigmoid ×2.5 SwiGLU", config);
+}
+
+/// The sequence-level load-balancing loss (two sequences of three tokens), softmax and
+/// sigmoid scores: its gradient reaches the router.
+#[test]
+fn moe_sequence_aux_loss() {
+    let config =
+        config(2, Activation::Gelu).with_load_balancing_type(LoadBalancingType::SeqAuxLoss);
+    check("seq_aux_loss softmax top-2 GeLU", config.clone());
+    check(
+        "seq_aux_loss sigmoid top-2 GeLU",
+        config.with_score_function(RouterScoreFunction::Sigmoid),
+    );
 }
 
 #[test]

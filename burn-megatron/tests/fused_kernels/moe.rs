@@ -139,6 +139,7 @@ fn the_moe_layer_on_wgpu_equals_ndarray() {
     let config = |top_k: usize, activation: Activation, shared: bool| {
         MoeConfig::new(HIDDEN, EXPERTS, 6)
             .with_top_k(top_k)
+            .with_pre_softmax(top_k == 1)
             .with_activation(activation)
             .with_shared_expert_ffn_hidden_size(shared.then_some(5))
             .with_aux_loss_coeff(0.01)
@@ -181,6 +182,7 @@ fn moe_token_counts_stay_exact_in_half_precision() {
         .expect("F16 as lavapipe's default float dtype");
     let config = MoeConfig::new(HIDDEN, EXPERTS, 6)
         .with_top_k(1)
+        .with_pre_softmax(true)
         .with_aux_loss_coeff(0.01)
         .with_init_std(0.3);
     // Expert 0's logit ~4 above the others': every token's, without saturating the softmax

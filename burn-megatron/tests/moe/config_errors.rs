@@ -1,6 +1,6 @@
 //! Invalid MoE settings are refused at init with a message that says what would be valid.
 
-use burn_megatron::transformer::moe::MoeConfig;
+use burn_megatron::transformer::moe::{MoeConfig, RouterScoreFunction};
 
 fn message(config: MoeConfig, ep: usize) -> String {
     config
@@ -36,4 +36,63 @@ fn sizes_must_be_positive() {
         1,
     );
     assert!(m.contains("shared expert"), "{m}");
+}
+
+/// Megatron refuses softmax top-1 without pre-softmax: a softmax over one logit is 1.
+#[test]
+fn softmax_top1_needs_pre_softmax() {
+    let m = message(MoeConfig::new(8, 4, 4).with_top_k(1), 1);
+    assert!(m.contains("--moe-router-pre-softmax"), "{m}");
+    let ok = |config: MoeConfig| assert!(config.validate(1).is_ok());
+    ok(MoeConfig::new(8, 4, 4).with_top_k(1).with_pre_softmax(true));
+    ok(MoeConfig::new(8, 4, 4)
+        .with_top_k(1)
+        .with_score_function(RouterScoreFunction::Sigmoid));
+}
+
+/// Group-limited routing: both options, groups that split the experts, `group_top_k` in
+/// `1..=num_groups` and not above `top_k`, and `top_k` within the eligible groups' experts.
+#[test]
+fn group_limited_routing_errors() {
+    let groups = |num_groups: Option<usize>, group_top_k: Option<usize>, top_k: usize| {
+        MoeConfig::new(8, 8, 4)
+            .with_top_k(top_k)
+            .with_num_groups(num_groups)
+            .with_group_top_k(group_top_k)
+    };
+    let m = message(groups(Some(3), Some(1), 2), 1);
+    assert!(m.contains("num_groups (3"), "{m}");
+    assert!(m.contains("valid group counts are 1, 2, 4, 8"), "{m}");
+    let m = message(groups(Some(4), Some(5), 2), 1);
+    assert!(m.contains("between 1 and num_groups (4)"), "{m}");
+    let m = message(groups(Some(4), Some(0), 2), 1);
+    assert!(m.contains("between 1 and num_groups (4)"), "{m}");
+    // 4 groups of 2: one group holds 2 experts, fewer than top_k 3.
+    let m = message(groups(Some(4), Some(1), 3), 1);
+    assert!(m.contains("top_k (3) is more than the 2 experts"), "{m}");
+    let m = message(groups(Some(4), Some(3), 2), 1);
+    assert!(m.contains("must not exceed top_k (2)"), "{m}");
+    let m = message(groups(None, Some(1), 2), 1);
+    assert!(m.contains("needs num_groups"), "{m}");
+    let m = message(groups(Some(4), None, 2), 1);
+    assert!(m.contains("set both or neither"), "{m}");
+    assert!(groups(Some(4), Some(2), 4).validate(1).is_ok());
+    assert!(groups(Some(4), Some(1), 2).validate(2).is_ok());
+}
+
+#[test]
+fn scaling_factor_must_be_finite_and_positive() {
+    for factor in [f64::NAN, f64::INFINITY, 0.0, -1.0] {
+        let m = message(
+            MoeConfig::new(8, 4, 4).with_top_k_scaling_factor(Some(factor)),
+            1,
+        );
+        assert!(m.contains("--moe-router-topk-scaling-factor"), "{m}");
+    }
+    assert!(
+        MoeConfig::new(8, 4, 4)
+            .with_top_k_scaling_factor(Some(2.5))
+            .validate(1)
+            .is_ok()
+    );
 }

@@ -27,6 +27,7 @@ const SEED: u64 = 7;
 pub(crate) fn config(top_k: usize, activation: Activation, shared: bool) -> MoeConfig {
     MoeConfig::new(HIDDEN, EXPERTS, 6)
         .with_top_k(top_k)
+        .with_pre_softmax(top_k == 1)
         .with_activation(activation)
         .with_shared_expert_ffn_hidden_size(shared.then_some(5))
         .with_aux_loss_coeff(0.01)
@@ -361,4 +362,32 @@ fn counts_that_disagree_with_the_routing_fail_every_rank() {
             "rank {rank}: {error}"
         );
     }
+}
+
+/// Megatron's routing options at EP 1, 2 and 4: pre-softmax top-2 with the sequence-level
+/// loss; DeepSeek-V3's router over eight experts (sigmoid, four groups of two, a token's
+/// experts from its best two groups, weights normalised and scaled by 2.5, the
+/// sequence-level loss) with and without starved experts.
+#[test]
+fn router_features() {
+    use burn_megatron::transformer::moe::LoadBalancingType;
+    let pre_softmax = config(2, Activation::SwiGlu, true)
+        .with_pre_softmax(true)
+        .with_load_balancing_type(LoadBalancingType::SeqAuxLoss);
+    assert_equivalent("pre-softmax seq_aux_loss", &pre_softmax, Routing::Free);
+    let deepseek = MoeConfig {
+        num_experts: 8,
+        ..config(2, Activation::SwiGlu, true)
+    }
+    .with_score_function(RouterScoreFunction::Sigmoid)
+    .with_num_groups(Some(4))
+    .with_group_top_k(Some(2))
+    .with_top_k_scaling_factor(Some(2.5))
+    .with_load_balancing_type(LoadBalancingType::SeqAuxLoss);
+    assert_equivalent("DeepSeek-V3 router", &deepseek, Routing::Free);
+    let deepseek_top4 = MoeConfig {
+        top_k: 4,
+        ..deepseek
+    };
+    assert_equivalent("DeepSeek-V3 router top-4", &deepseek_top4, Routing::Free);
 }

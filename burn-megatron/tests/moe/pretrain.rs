@@ -429,3 +429,135 @@ fn context_parallel_with_experts_equals_one_rank() {
         );
     }
 }
+
+/// DeepSeek-V3's router options through `pretrain_gpt`
+/// (`--moe-router-score-function sigmoid --moe-router-num-groups 2 --moe-router-group-topk 1
+/// --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss`)
+/// reach the model, and CP 2 with the experts split over the two CP ranks equals one rank:
+/// the sequence-level loss's counts per sequence are summed over CP.
+#[test]
+fn context_parallel_with_router_options_equals_one_rank() {
+    use burn_megatron::transformer::moe::{LoadBalancingType, RouterScoreFunction};
+    let options = [
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-num-groups",
+        "2",
+        "--moe-router-group-topk",
+        "1",
+        "--moe-router-topk-scaling-factor",
+        "2.5",
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+    ];
+    let one = moe_run_with(1, 1, true, 4, &options);
+    let moe = one.model().moe.expect("MoE layers");
+    assert_eq!(
+        (
+            moe.score_function,
+            moe.num_groups,
+            moe.group_top_k,
+            moe.top_k_scaling_factor,
+            moe.load_balancing_type
+        ),
+        (
+            RouterScoreFunction::Sigmoid,
+            Some(2),
+            Some(1),
+            Some(2.5),
+            LoadBalancingType::SeqAuxLoss
+        )
+    );
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let one = train(&one);
+    let mut cp_options = options.to_vec();
+    cp_options.extend(["--context-parallel-size", "2"]);
+    let cp = train(&moe_run_with(1, 2, true, 4, &cp_options));
+    assert_close(
+        "CP 2 x EP 2",
+        &cp.losses(),
+        &one.losses(),
+        tolerance::F32_TRAINING,
+    );
+    for (got, want) in cp.iterations.iter().zip(&one.iterations) {
+        let (got, want) = (got.moe.expect("a report"), want.moe.expect("a report"));
+        assert!(want.load_balancing_loss > 0.0);
+        assert_close(
+            "MoE losses",
+            &[got.load_balancing_loss, got.z_loss],
+            &[want.load_balancing_loss, want.z_loss],
+            tolerance::F32_TRAINING,
+        );
+    }
+}
+
+/// The router options' errors name the options: Megatron's `sinkhorn`, an unknown type, a
+/// NaN scaling factor, groups that do not split the experts, a group top-k above the groups,
+/// softmax top-1 without pre-softmax, and any of them without `--num-experts`.
+#[test]
+fn router_option_errors_name_the_options() {
+    let parse = |extra: &[&str]| {
+        let base = ["pretrain_gpt", "--num-experts", "4"];
+        PretrainArgs::parse_from(base.iter().chain(extra)).into_config()
+    };
+    let e = parse(&["--moe-router-load-balancing-type", "sinkhorn"])
+        .expect_err("sinkhorn")
+        .to_string();
+    assert!(
+        e.contains("sinkhorn is Megatron's but not implemented"),
+        "{e}"
+    );
+    let e = parse(&["--moe-router-load-balancing-type", "balanced"])
+        .expect_err("unknown")
+        .to_string();
+    assert!(e.contains("use aux_loss, seq_aux_loss or none"), "{e}");
+    let err = |extra: &[&str]| {
+        let config = config(extra);
+        config
+            .check(config.world_size())
+            .expect_err("invalid options")
+            .to_string()
+    };
+    let e = err(&[
+        "--num-experts",
+        "4",
+        "--moe-router-topk-scaling-factor",
+        "nan",
+    ]);
+    assert!(
+        e.contains("--moe-router-topk-scaling-factor) is NaN"),
+        "{e}"
+    );
+    let e = err(&[
+        "--num-experts",
+        "4",
+        "--moe-router-num-groups",
+        "3",
+        "--moe-router-group-topk",
+        "1",
+    ]);
+    assert!(
+        e.contains("--moe-router-num-groups) must divide num_experts (4)"),
+        "{e}"
+    );
+    let e = err(&[
+        "--num-experts",
+        "4",
+        "--moe-router-num-groups",
+        "2",
+        "--moe-router-group-topk",
+        "3",
+    ]);
+    assert!(e.contains("between 1 and num_groups (2)"), "{e}");
+    let e = err(&["--num-experts", "4", "--moe-router-topk", "1"]);
+    assert!(e.contains("--moe-router-pre-softmax"), "{e}");
+    for option in [
+        &["--moe-router-pre-softmax"][..],
+        &["--moe-router-num-groups", "2"],
+        &["--moe-router-topk-scaling-factor", "2.5"],
+        &["--moe-router-load-balancing-type", "seq_aux_loss"],
+    ] {
+        let e = err(option);
+        assert!(e.contains("need --num-experts"), "{option:?}: {e}");
+    }
+}

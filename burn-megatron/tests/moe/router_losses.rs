@@ -1,9 +1,11 @@
 //! The router on two tokens and three experts whose logits are logarithms, so that every
-//! score, weight and loss is a fraction worked out by hand in the comments.
+//! score, weight and loss is a fraction worked out by hand in the comments; Megatron's
+//! routing options (pre-softmax, group-limited routing, the scaling factor, the sequence-level
+//! loss) on cases of their own.
 
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::transformer::moe::{
-    Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
+    LoadBalancingType, Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
 };
 
 use crate::{B, assert_close, tolerance, values};
@@ -12,22 +14,26 @@ use crate::{B, assert_close, tolerance, values};
 /// `[0, ln 2, ln 1.5]` (softmax `[2, 4, 3] / 9`, log-sum-exp `ln 4.5`) and
 /// `[ln 3, 0, ln 2]` (softmax `[3, 1, 2] / 6`, log-sum-exp `ln 6`).
 fn route(score_function: RouterScoreFunction, top_k: usize, normalize_top_k: bool) -> Routing<B> {
+    route_with(RouterSettings {
+        score_function,
+        top_k,
+        pre_softmax: true,
+        normalize_top_k,
+        aux_loss_coeff: 0.1,
+        z_loss_coeff: 0.01,
+        ..Default::default()
+    })
+}
+
+/// The two tokens of [`route`] with any settings.
+fn route_with(settings: RouterSettings) -> Routing<B> {
     let device = Default::default();
     let (ln2, ln3, ln15) = (2f32.ln(), 3f32.ln(), 1.5f32.ln());
     let weight = Tensor::from_data(
         TensorData::new(vec![0.0, ln2, ln15, ln3, 0.0, ln2], [2, 3]),
         &device,
     );
-    let router = Router::<B>::new(
-        weight,
-        RouterSettings {
-            score_function,
-            top_k,
-            normalize_top_k,
-            aux_loss_coeff: 0.1,
-            z_loss_coeff: 0.01,
-        },
-    );
+    let router = Router::<B>::new(weight, settings);
     let tokens = Tensor::from_data(TensorData::new(vec![1f32, 0.0, 0.0, 1.0], [2, 2]), &device);
     router.route(tokens)
 }
@@ -36,6 +42,7 @@ fn close(name: &str, got: Tensor<B, 1>, want: f64) {
     assert_close(name, &values(got), &[want], tolerance::F32);
 }
 
+/// Pre-softmax top-1 (`--moe-router-pre-softmax`, which softmax top-1 requires).
 #[test]
 fn softmax_top1() {
     let r = route(RouterScoreFunction::Softmax, 1, false);
@@ -56,6 +63,7 @@ fn softmax_top1() {
     close("z-loss", r.z_loss, z);
 }
 
+/// Pre-softmax top-2 with `normalize_top_k`, which gives Megatron's default weights.
 #[test]
 fn softmax_top2_normalized() {
     let r = route(RouterScoreFunction::Softmax, 2, true);
@@ -85,11 +93,10 @@ fn unbalanced_load_costs_more() {
     let router = Router::<B>::new(
         weight,
         RouterSettings {
-            score_function: RouterScoreFunction::Softmax,
             top_k: 1,
-            normalize_top_k: false,
+            pre_softmax: true,
             aux_loss_coeff: 0.1,
-            z_loss_coeff: 0.0,
+            ..Default::default()
         },
     );
     let tokens = Tensor::from_data(TensorData::new(vec![1f32, 0.0, 0.0, 1.0], [2, 2]), &device);
@@ -137,11 +144,9 @@ fn expert_bias_picks_the_experts_but_not_their_weights() {
         &device,
     );
     let settings = RouterSettings {
-        score_function: RouterScoreFunction::Softmax,
         top_k: 1,
-        normalize_top_k: false,
-        aux_loss_coeff: 0.0,
-        z_loss_coeff: 0.0,
+        pre_softmax: true,
+        ..Default::default()
     };
     let bias = Tensor::from_data(TensorData::new(vec![0.3f32, 0.0, 0.0], [3]), &device);
     let router = Router::<B>::new(weight, settings).with_expert_bias(bias);
@@ -169,4 +174,211 @@ fn expert_bias_update_follows_the_load() {
         expert_bias_update(&[3.0, 1.0, 2.0], 0.5),
         vec![-0.5, 0.5, 0.0]
     );
+}
+
+/// A router whose logits for token `t` (the one-hot vector `t`) are `logits[t]`, and its
+/// routing of `batch` sequences made of those tokens in order.
+fn route_logits(logits: &[Vec<f64>], batch: usize, settings: RouterSettings) -> Routing<B> {
+    let device = Default::default();
+    let (tokens, experts) = (logits.len(), logits[0].len());
+    let weight: Vec<f32> = logits.iter().flatten().map(|&l| l as f32).collect();
+    let weight = Tensor::from_data(TensorData::new(weight, [tokens, experts]), &device);
+    let router = Router::<B>::new(weight, settings);
+    let mut identity = vec![0f32; tokens * tokens];
+    for t in 0..tokens {
+        identity[t * tokens + t] = 1.0;
+    }
+    let identity = Tensor::from_data(TensorData::new(identity, [tokens, tokens]), &device);
+    router
+        .route_sequences_over(identity, batch, None)
+        .expect("no group")
+}
+
+/// The logit whose sigmoid is `p`.
+fn logit(p: f64) -> f64 {
+    (p / (1.0 - p)).ln()
+}
+
+/// Megatron's default: the top-k of the logits, then a softmax over those k (the weights sum
+/// to 1); `--moe-router-pre-softmax`: the top-k of the softmax over all experts, not
+/// renormalised. The load-balancing loss reads the softmax over all experts either way.
+#[test]
+fn softmax_after_or_before_the_top_k() {
+    let settings = RouterSettings {
+        aux_loss_coeff: 0.1,
+        ..Default::default()
+    };
+    let r = route_with(settings);
+    // Token 0: experts 1 and 2, logits ln 2 and ln 1.5: softmax [2, 1.5] / 3.5 = [4/7, 3/7];
+    // token 1: experts 0 and 2, logits ln 3 and ln 2: [3/5, 2/5].
+    assert_eq!(r.read_experts().unwrap(), vec![1, 2, 0, 2]);
+    assert_close(
+        "weights",
+        &values(r.weights),
+        &[4.0 / 7.0, 3.0 / 7.0, 0.6, 0.4],
+        tolerance::F32,
+    );
+    close("load-balancing loss", r.load_balancing_loss, 0.1);
+    let pre = route_with(RouterSettings {
+        pre_softmax: true,
+        ..settings
+    });
+    assert_eq!(pre.read_experts().unwrap(), vec![1, 2, 0, 2]);
+    // The softmax over all three: [4/9, 3/9] and [3/6, 2/6].
+    assert_close(
+        "pre-softmax weights",
+        &values(pre.weights),
+        &[4.0 / 9.0, 3.0 / 9.0, 0.5, 2.0 / 6.0],
+        tolerance::F32,
+    );
+    close("load-balancing loss", pre.load_balancing_loss, 0.1);
+}
+
+/// Sigmoid scores (DeepSeek-V3): top-k weights divided by their sum whenever `k > 1`
+/// (Megatron's order: normalise, then scale), then multiplied by the scaling factor.
+#[test]
+fn sigmoid_top2_normalised_then_scaled() {
+    let r = route_with(RouterSettings {
+        score_function: RouterScoreFunction::Sigmoid,
+        scaling_factor: Some(2.5),
+        ..Default::default()
+    });
+    // σ: [1/2, 2/3, 3/5] → experts 1, 2: [2/3, 3/5] / (19/15) = [10/19, 9/19];
+    // [3/4, 1/2, 2/3] → experts 0, 2: [3/4, 2/3] / (17/12) = [9/17, 8/17].
+    assert_eq!(r.read_experts().unwrap(), vec![1, 2, 0, 2]);
+    let want: Vec<f64> = [10.0 / 19.0, 9.0 / 19.0, 9.0 / 17.0, 8.0 / 17.0]
+        .iter()
+        .map(|w| 2.5 * w)
+        .collect();
+    assert_close("weights", &values(r.weights), &want, tolerance::F32);
+    // Softmax (pre-softmax top-1) scaled: 2.5 · 4/9 and 2.5 · 1/2.
+    let r = route_with(RouterSettings {
+        top_k: 1,
+        pre_softmax: true,
+        scaling_factor: Some(2.5),
+        ..Default::default()
+    });
+    assert_close(
+        "softmax weights",
+        &values(r.weights),
+        &[2.5 * 4.0 / 9.0, 1.25],
+        tolerance::F32,
+    );
+}
+
+/// Group-limited routing over six experts in two groups of three, top-2 from one group: a
+/// group's score is the sum of its top `top_k / group_top_k` = 2 scores (not of all three,
+/// not its best one).
+///
+/// - Token 0, sigmoid scores `[0.9, 0.8, 0.01 | 0.7, 0.6, 0.65]`: group 0 scores 1.7,
+///   group 1 1.35 (its sum of all three, 1.95, would win; its best, 0.7, loses either
+///   way): experts 0 and 1, weights `[0.9, 0.8] / 1.7`.
+/// - Token 1, `[0.95, 0.1, 0.05 | 0.7, 0.6, 0.65]`: group 0 scores 1.05, group 1 1.35, so
+///   expert 0, the best of all, is out: experts 3 and 5, `[0.7, 0.65] / 1.35`.
+///
+/// The load-balancing loss counts the load by a plain top-2 of the normalised scores
+/// (Megatron): experts `[0, 1]` and `[0, 3]`.
+#[test]
+fn group_limited_top_k_takes_the_best_groups_by_their_top_scores() {
+    let scores = [
+        vec![0.9, 0.8, 0.01, 0.7, 0.6, 0.65],
+        vec![0.95, 0.1, 0.05, 0.7, 0.6, 0.65],
+    ];
+    let logits: Vec<Vec<f64>> = scores
+        .iter()
+        .map(|row| row.iter().map(|&p| logit(p)).collect())
+        .collect();
+    let settings = RouterSettings {
+        score_function: RouterScoreFunction::Sigmoid,
+        num_groups: Some(2),
+        group_top_k: Some(1),
+        scaling_factor: Some(2.5),
+        aux_loss_coeff: 0.1,
+        ..Default::default()
+    };
+    let r = route_logits(&logits, 1, settings);
+    assert_eq!(r.read_experts().unwrap(), vec![0, 1, 3, 5]);
+    assert_eq!(r.read_tokens_per_expert().unwrap(), vec![1, 1, 0, 1, 0, 1]);
+    let want: Vec<f64> = [0.9 / 1.7, 0.8 / 1.7, 0.7 / 1.35, 0.65 / 1.35]
+        .iter()
+        .map(|w| 2.5 * w)
+        .collect();
+    assert_close("weights", &values(r.weights), &want, tolerance::F32);
+    // coeff · E / (T² k) · Σ_e c_e Σ_t p_te, p each token's scores over their sum.
+    let counts = [2.0, 1.0, 0.0, 1.0, 0.0, 0.0];
+    let mut loss = 0.0;
+    for row in &scores {
+        let sum: f64 = row.iter().sum();
+        loss += row
+            .iter()
+            .zip(counts)
+            .map(|(p, c)| c * p / sum)
+            .sum::<f64>();
+    }
+    close(
+        "load-balancing loss",
+        r.load_balancing_loss,
+        0.1 * 6.0 / 8.0 * loss,
+    );
+    // Without the groups, token 1 takes experts 0 and 3.
+    let plain = route_logits(
+        &logits,
+        1,
+        RouterSettings {
+            num_groups: None,
+            group_top_k: None,
+            ..settings
+        },
+    );
+    assert_eq!(plain.read_experts().unwrap(), vec![0, 1, 0, 3]);
+}
+
+/// DeepSeek's sequence-level loss: tokens A (softmax `[2, 4, 3] / 9`) and B (`[3, 1, 2] / 6`)
+/// in two sequences `(A, A)` and `(B, B)`, pre-softmax top-1. Over the batch the load is
+/// balanced between experts 0 and 1: `0.1 · 3 · (2/4 · 13/36 + 2/4 · 11/36) = 0.1`. Each
+/// sequence alone sends both its tokens to one expert: `(A, A)` gives `3 · 1 · 4/9 = 4/3`,
+/// `(B, B)` `3 · 1 · 1/2 = 3/2`, so the loss is `0.1 · (4/3 + 3/2) / 2 = 0.1 · 17/12`.
+#[test]
+fn sequence_level_loss_balances_each_sequence() {
+    let (ln2, ln3, ln15) = (2f64.ln(), 3f64.ln(), 1.5f64.ln());
+    let a = vec![0.0, ln2, ln15];
+    let b = vec![ln3, 0.0, ln2];
+    let logits = [a.clone(), a, b.clone(), b];
+    let settings = RouterSettings {
+        top_k: 1,
+        pre_softmax: true,
+        aux_loss_coeff: 0.1,
+        ..Default::default()
+    };
+    let batch = route_logits(&logits, 2, settings);
+    assert_eq!(batch.read_experts().unwrap(), vec![1, 1, 0, 0]);
+    close("aux_loss", batch.load_balancing_loss, 0.1);
+    let seq = route_logits(
+        &logits,
+        2,
+        RouterSettings {
+            load_balancing: LoadBalancingType::SeqAuxLoss,
+            ..settings
+        },
+    );
+    close("seq_aux_loss", seq.load_balancing_loss, 0.1 * 17.0 / 12.0);
+    // One sequence of all four tokens: the batch's loss.
+    let one = route_logits(
+        &logits,
+        1,
+        RouterSettings {
+            load_balancing: LoadBalancingType::SeqAuxLoss,
+            ..settings
+        },
+    );
+    close("seq_aux_loss of one sequence", one.load_balancing_loss, 0.1);
+    let none = route_logits(
+        &logits,
+        2,
+        RouterSettings {
+            load_balancing: LoadBalancingType::None,
+            ..settings
+        },
+    );
+    close("no loss", none.load_balancing_loss, 0.0);
 }

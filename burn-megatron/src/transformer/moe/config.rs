@@ -9,7 +9,7 @@ use super::capacity::ExpertCapacity;
 use super::dispatcher::TokenDispatcher;
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
-use super::router::{Router, RouterScoreFunction, RouterSettings};
+use super::router::{LoadBalancingType, Router, RouterScoreFunction, RouterSettings};
 use super::settings::{MoeSettings, check_expert_sizes};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_full, param_seed};
@@ -31,10 +31,32 @@ pub struct MoeConfig {
     /// Softmax or sigmoid scores (`--moe-router-score-function`).
     #[config(default = "RouterScoreFunction::Softmax")]
     pub score_function: RouterScoreFunction,
+    /// Softmax scores: the top-k of the softmax over all experts, its values the weights,
+    /// instead of a softmax over the top-k logits (`--moe-router-pre-softmax`; required for
+    /// softmax with `top_k` 1; sigmoid scores ignore it).
+    #[config(default = false)]
+    pub pre_softmax: bool,
     /// Whether each token's top-k weights are divided by their sum (Hugging Face's
-    /// `norm_topk_prob`; Megatron does it for sigmoid scores with `top_k > 1`).
+    /// `norm_topk_prob`): Megatron's weights already sum to 1 except with pre-softmax (and
+    /// sigmoid top-1), where this makes them.
     #[config(default = false)]
     pub normalize_top_k: bool,
+    /// Group-limited routing (`--moe-router-num-groups`): the experts split into this many
+    /// groups of consecutive experts; with `group_top_k`.
+    #[config(default = "None")]
+    pub num_groups: Option<usize>,
+    /// Groups a token may take its experts from (`--moe-router-group-topk`): those whose
+    /// top `top_k / group_top_k` scores sum highest (DeepSeek-V3: 8 groups, 4 a token).
+    #[config(default = "None")]
+    pub group_top_k: Option<usize>,
+    /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`; DeepSeek-V3: 2.5),
+    /// applied last; `None` for 1.
+    #[config(default = "None")]
+    pub top_k_scaling_factor: Option<f64>,
+    /// Switch-style, sequence-level or no load-balancing loss
+    /// (`--moe-router-load-balancing-type aux_loss|seq_aux_loss|none`).
+    #[config(default = "LoadBalancingType::AuxLoss")]
+    pub load_balancing_type: LoadBalancingType,
     /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
     #[config(default = 0.0)]
     pub aux_loss_coeff: f64,
@@ -83,13 +105,7 @@ impl MoeConfig {
                 param_seed(seed, "router.weight"),
                 device,
             ),
-            RouterSettings {
-                score_function: self.score_function,
-                top_k: self.top_k,
-                normalize_top_k: self.normalize_top_k,
-                aux_loss_coeff: self.aux_loss_coeff,
-                z_loss_coeff: self.z_loss_coeff,
-            },
+            self.router_settings(),
         );
         let router = match self.expert_bias {
             true => router.with_expert_bias(Tensor::zeros([self.num_experts], device)),
@@ -109,7 +125,24 @@ impl MoeConfig {
         Ok(MoeLayer::new(router, experts, shared_expert, dispatcher).with_capacity(self.capacity))
     }
 
-    /// Checks the sizes against each other and against an expert-parallel size `ep`.
+    /// The router's part of the configuration.
+    pub fn router_settings(&self) -> RouterSettings {
+        RouterSettings {
+            score_function: self.score_function,
+            top_k: self.top_k,
+            pre_softmax: self.pre_softmax,
+            normalize_top_k: self.normalize_top_k,
+            num_groups: self.num_groups,
+            group_top_k: self.group_top_k,
+            scaling_factor: self.top_k_scaling_factor,
+            load_balancing: self.load_balancing_type,
+            aux_loss_coeff: self.aux_loss_coeff,
+            z_loss_coeff: self.z_loss_coeff,
+        }
+    }
+
+    /// Checks the sizes against each other and against an expert-parallel size `ep`, and the
+    /// routing options ([`RouterSettings::validate`]).
     pub fn validate(&self, ep: usize) -> Result<(), ConfigError> {
         if self.hidden_size == 0 {
             return Err(ConfigError::Invalid(
@@ -123,6 +156,7 @@ impl MoeConfig {
             self.shared_expert_ffn_hidden_size,
             ep,
         )?;
+        self.router_settings().validate(self.num_experts)?;
         self.capacity.map_or(Ok(()), |c| c.validate())
     }
 }
@@ -144,7 +178,12 @@ impl MoeSettings {
         )
         .with_top_k(self.top_k)
         .with_score_function(self.score_function)
+        .with_pre_softmax(self.pre_softmax)
         .with_normalize_top_k(self.normalize_top_k)
+        .with_num_groups(self.num_groups)
+        .with_group_top_k(self.group_top_k)
+        .with_top_k_scaling_factor(self.top_k_scaling_factor)
+        .with_load_balancing_type(self.load_balancing_type)
         .with_aux_loss_coeff(self.aux_loss_coeff)
         .with_z_loss_coeff(self.z_loss_coeff)
         .with_activation(activation)

@@ -136,7 +136,9 @@ impl<B: ModelBackend> MoeLayer<B> {
     ) -> DistResult<MoeOutput<B>> {
         let [batch, seq, hidden] = input.dims();
         let tokens = input.reshape([batch * seq, hidden]);
-        let routing = self.router.route_over(tokens.clone(), sequence)?;
+        let routing = self
+            .router
+            .route_sequences_over(tokens.clone(), batch, sequence)?;
         let plan = match &self.capacity {
             None => self
                 .dispatcher

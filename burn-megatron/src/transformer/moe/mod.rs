@@ -1,8 +1,8 @@
 //! Mixture of experts with expert parallelism (issue 34): an MoE layer, dropless or with a
 //! capacity per expert, in the GPT model and `pretrain_gpt`, CPU-tested against one device.
 //!
-//! - [`router`]: linear scores, softmax or sigmoid, top-k, optional normalisation, DeepSeek-V3's
-//!   expert bias; the Switch-style load-balancing loss and the z-loss.
+//! - [`router`]: linear scores, softmax or sigmoid, top-k (pre-softmax or not, group-limited or
+//!   not), normalisation and scaling of the weights, DeepSeek-V3's expert bias.
 //! - [`dispatcher`]: tokens sorted by expert and exchanged over the expert-parallel group by
 //!   an all-to-all (variable sizes padded to the largest), then brought back in order.
 //! - [`capacity`]: [`ExpertCapacity`], Megatron's capacity factor, drop policy and padding.
@@ -10,8 +10,9 @@
 //!   its contiguous block of tokens; SwiGLU or GeLU.
 //! - [`layer`]: [`MoeLayer`], router → dispatch → experts → combine, plus the shared expert,
 //!   returning [`MoeOutput`] (output and losses); [`config`]: [`MoeConfig`].
-//! - [`losses`]: [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers, which the
-//!   pipeline schedules add to each stage's backward root.
+//! - [`losses`]: the Switch-style and sequence-level load-balancing losses and the z-loss;
+//!   [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers, which the pipeline
+//!   schedules add to each stage's backward root.
 //! - [`settings`]: [`MoeSettings`], the MoE part of a `TransformerConfig` (which layers, which
 //!   settings), and `--moe-layer-freq`'s forms.
 //!
@@ -33,9 +34,8 @@ pub use config::MoeConfig;
 pub use dispatcher::{DispatchPlan, TokenDispatcher};
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
-pub use losses::MoeLosses;
+pub use losses::{MoeLosses, load_balancing_loss, sequence_load_balancing_loss, z_loss};
 pub use router::{
-    Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update, load_balancing_loss,
-    z_loss,
+    LoadBalancingType, Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};

@@ -1,5 +1,17 @@
 //! The router: which experts each token goes to, with which weight, and the losses that keep
-//! the experts' load balanced (Megatron's `TopKRouter` and `moe_utils` loss functions).
+//! the experts' load balanced (Megatron's `TopKRouter` and `topk_routing_with_score_function`;
+//! the loss functions are in [`losses`](super::losses)).
+//!
+//! Megatron's order, which this file follows:
+//!
+//! 1. logits `x W`; scores: softmax over all experts or the sigmoid of each logit;
+//! 2. the choice: the top-k of the logits (softmax, the default), of the softmax scores
+//!    (`--moe-router-pre-softmax`) or of the sigmoid scores, plus the expert bias if any;
+//!    with group-limited routing (`--moe-router-num-groups`, `--moe-router-group-topk`) only
+//!    among the experts of each token's best groups;
+//! 3. the weights: a softmax over the k chosen logits (so they sum to 1), the chosen softmax
+//!    scores as they are (pre-softmax), or the chosen sigmoid scores divided by their sum
+//!    (`k > 1`); then multiplied by `--moe-router-topk-scaling-factor`.
 
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -7,9 +19,9 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
+use super::losses::{load_balancing_share, z_loss};
 use crate::backend::ModelBackend;
-use crate::error::{DeviceError, read_data};
-use crate::ops::norm::statistics_dtype;
+use crate::error::{ConfigError, DeviceError, read_data};
 use crate::ops::{linear, sigmoid};
 
 /// How the router turns its logits into scores (Megatron's `--moe-router-score-function`).
@@ -22,19 +34,158 @@ pub enum RouterScoreFunction {
     Sigmoid,
 }
 
-/// The router's settings, fixed at init.
+/// Which load-balancing loss the router adds (Megatron's `--moe-router-load-balancing-type`;
+/// Megatron's `sinkhorn` is not implemented).
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum LoadBalancingType {
+    /// `aux_loss`: Switch Transformer's, over all of the rank's tokens (Megatron's default).
+    AuxLoss,
+    /// `seq_aux_loss`: DeepSeek-V2/V3's sequence-wise loss, Switch's loss of each sequence on
+    /// its own, averaged over the sequences.
+    SeqAuxLoss,
+    /// `none`: no load-balancing loss, whatever `--moe-aux-loss-coeff` says.
+    None,
+}
+
+impl LoadBalancingType {
+    /// Megatron's name of the type.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::AuxLoss => "aux_loss",
+            Self::SeqAuxLoss => "seq_aux_loss",
+            Self::None => "none",
+        }
+    }
+}
+
+/// The router's settings, fixed at init. The default is Megatron's: softmax, top-2, no
+/// groups, no scaling, the Switch-style loss with coefficients 0.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RouterSettings {
     /// Scores from logits.
     pub score_function: RouterScoreFunction,
     /// Experts per token, at least 1.
     pub top_k: usize,
-    /// Whether each token's `top_k` weights are divided by their sum.
+    /// Softmax scores: the top-k of the softmax over all experts, its values the weights
+    /// (`--moe-router-pre-softmax`), instead of a softmax over the top-k logits. Sigmoid
+    /// scores ignore it, as in Megatron.
+    pub pre_softmax: bool,
+    /// Whether each token's `top_k` weights are divided by their sum (Hugging Face's
+    /// `norm_topk_prob`): a no-op where Megatron's weights already sum to 1 (softmax without
+    /// pre-softmax, sigmoid with `top_k > 1`).
     pub normalize_top_k: bool,
+    /// Groups the experts are split into for group-limited routing
+    /// (`--moe-router-num-groups`), `None` for none.
+    pub num_groups: Option<usize>,
+    /// Groups each token may choose from (`--moe-router-group-topk`): the groups whose top
+    /// `top_k / group_top_k` scores sum highest.
+    pub group_top_k: Option<usize>,
+    /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`), `None` for 1.
+    pub scaling_factor: Option<f64>,
+    /// Which load-balancing loss.
+    pub load_balancing: LoadBalancingType,
     /// Coefficient of the load-balancing loss.
     pub aux_loss_coeff: f64,
     /// Coefficient of the z-loss.
     pub z_loss_coeff: f64,
+}
+
+impl Default for RouterSettings {
+    fn default() -> Self {
+        Self {
+            score_function: RouterScoreFunction::Softmax,
+            top_k: 2,
+            pre_softmax: false,
+            normalize_top_k: false,
+            num_groups: None,
+            group_top_k: None,
+            scaling_factor: None,
+            load_balancing: LoadBalancingType::AuxLoss,
+            aux_loss_coeff: 0.0,
+            z_loss_coeff: 0.0,
+        }
+    }
+}
+
+impl RouterSettings {
+    /// Checks the routing options against each other and `num_experts` (Megatron's checks of
+    /// `TransformerConfig`): softmax top-1 needs pre-softmax (a softmax over one logit is 1,
+    /// and the router would learn nothing from the output); group-limited routing needs both
+    /// group options, groups that split the experts evenly, `1 ≤ group_top_k ≤ num_groups`
+    /// and `group_top_k ≤ top_k ≤ group_top_k · experts per group`; the scaling factor
+    /// finite and above 0. `top_k` itself is checked with the sizes
+    /// ([`check_expert_sizes`](super::settings::check_expert_sizes)).
+    pub fn validate(&self, num_experts: usize) -> Result<(), ConfigError> {
+        let invalid = |message: String| Err(ConfigError::Invalid(message));
+        let top_k = self.top_k;
+        if top_k == 1 && self.score_function == RouterScoreFunction::Softmax && !self.pre_softmax {
+            return invalid(
+                "MoE top_k 1 with softmax scores needs pre_softmax (--moe-router-pre-softmax): \
+                 a softmax over the one chosen logit is always 1, so the router would get no \
+                 gradient from the output"
+                    .into(),
+            );
+        }
+        match (self.num_groups, self.group_top_k) {
+            (None, None) => {}
+            (Some(groups), None) => {
+                return invalid(format!(
+                    "num_groups ({groups}, --moe-router-num-groups) takes effect with \
+                     group_top_k (--moe-router-group-topk): set both or neither"
+                ));
+            }
+            (None, Some(group_top_k)) => {
+                return invalid(format!(
+                    "group_top_k ({group_top_k}, --moe-router-group-topk) needs num_groups \
+                     (--moe-router-num-groups): the groups the experts are split into"
+                ));
+            }
+            (Some(groups), Some(group_top_k)) => {
+                if groups == 0 || !num_experts.is_multiple_of(groups) {
+                    let valid: Vec<String> = (1..=num_experts)
+                        .filter(|d| num_experts.is_multiple_of(*d))
+                        .map(|d| d.to_string())
+                        .collect();
+                    return invalid(format!(
+                        "num_groups ({groups}, --moe-router-num-groups) must divide num_experts \
+                         ({num_experts}): valid group counts are {}",
+                        valid.join(", ")
+                    ));
+                }
+                if group_top_k == 0 || group_top_k > groups {
+                    return invalid(format!(
+                        "group_top_k ({group_top_k}, --moe-router-group-topk) must be between 1 \
+                         and num_groups ({groups})"
+                    ));
+                }
+                let eligible = group_top_k * (num_experts / groups);
+                if top_k > eligible {
+                    return invalid(format!(
+                        "top_k ({top_k}) is more than the {eligible} experts of the \
+                         {group_top_k} groups a token may choose ({} experts a group): raise \
+                         --moe-router-group-topk or lower --moe-router-topk",
+                        num_experts / groups
+                    ));
+                }
+                if group_top_k > top_k {
+                    return invalid(format!(
+                        "group_top_k ({group_top_k}, --moe-router-group-topk) must not exceed \
+                         top_k ({top_k}): a group's score sums its top top_k / group_top_k \
+                         experts' scores"
+                    ));
+                }
+            }
+        }
+        if let Some(factor) = self.scaling_factor
+            && !(factor.is_finite() && factor > 0.0)
+        {
+            return invalid(format!(
+                "the top-k scaling factor (--moe-router-topk-scaling-factor) is {factor}: it \
+                 must be finite and above 0"
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A linear layer from the hidden state to one logit per expert, then top-k.
@@ -134,7 +285,8 @@ impl<B: Backend> Router<B> {
 
 impl<B: ModelBackend> Router<B> {
     /// Routes `tokens`: scores, the top-k experts of each token (ties go to the lower
-    /// expert index) and their weights, and the losses. Nothing is read to the host.
+    /// expert index) and their weights, and the losses. Nothing is read to the host. The
+    /// tokens are one sequence for the sequence-level loss.
     ///
     /// # Shapes
     /// - tokens: `[tokens, hidden_size]`
@@ -145,73 +297,95 @@ impl<B: ModelBackend> Router<B> {
     }
 
     /// [`route`](Self::route) for tokens that are this rank's part of a batch spread over
-    /// `sequence` (the context-parallel group): the losses are this rank's share of the
-    /// batch's, `n / N` of them with `n` its tokens and `N` the group's, the load-balancing
-    /// loss from the load over the whole group (its token counts all-gathered, a host-side
-    /// exchange, the router's only read to the host). Summed over the group, they are the
-    /// losses of the batch on one rank. Every rank of `sequence` must call it.
-    ///
-    /// # Shapes
-    /// - tokens: `[tokens, hidden_size]`
-    /// - weights in the result: `[tokens, top_k]`; losses: `[1]`
+    /// `sequence` (the context-parallel group), the tokens one sequence:
+    /// [`route_sequences_over`](Self::route_sequences_over) with one sequence.
     pub fn route_over(
         &self,
         tokens: Tensor<B, 2>,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Routing<B>> {
+        self.route_sequences_over(tokens, 1, sequence)
+    }
+
+    /// [`route`](Self::route) for `batch` sequences of equal length, laid out batch-major
+    /// (`[batch, seq, hidden]` flattened), that are this rank's part of a batch spread over
+    /// `sequence` (the context-parallel group). The losses are this rank's share of the
+    /// batch's: the z-loss `n / N` of it with `n` its tokens and `N` the group's, the
+    /// load-balancing loss from the load over the whole group (its token counts, per sequence
+    /// for `seq_aux_loss`, all-gathered: a host-side exchange, the router's only read to the
+    /// host). Summed over the group, they are the losses of the batch on one rank. Every rank
+    /// of `sequence` must call it.
+    ///
+    /// # Shapes
+    /// - tokens: `[batch · seq, hidden_size]`
+    /// - weights in the result: `[batch · seq, top_k]`; losses: `[1]`
+    ///
+    /// # Panics
+    /// If `batch` is 0 or does not divide the tokens.
+    pub fn route_sequences_over(
+        &self,
+        tokens: Tensor<B, 2>,
+        batch: usize,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<Routing<B>> {
         let s = self.settings;
         let num_experts = self.num_experts();
         let [num_tokens, _] = tokens.dims();
+        assert!(
+            batch > 0 && num_tokens.is_multiple_of(batch),
+            "{num_tokens} tokens are not {batch} sequences of equal length"
+        );
         let device = tokens.device();
         let logits = linear(tokens, self.weight.val(), None);
         let scores = match s.score_function {
             RouterScoreFunction::Softmax => softmax(logits.clone(), 1),
             RouterScoreFunction::Sigmoid => sigmoid(logits.clone()),
         };
+        let softmax_after_top_k =
+            s.score_function == RouterScoreFunction::Softmax && !s.pre_softmax;
         let for_choice = match &self.expert_bias {
             Some(bias) => scores.clone().detach() + bias.val().detach().unsqueeze::<2>(),
+            None if softmax_after_top_k => logits.clone().detach(),
             None => scores.clone().detach(),
         };
-        let chosen = top_k_indices(for_choice, s.top_k);
+        let chosen = match (s.num_groups, s.group_top_k) {
+            (Some(groups), Some(group_top_k)) => {
+                group_limited_top_k(for_choice, s.top_k, groups, group_top_k)
+            }
+            _ => top_k_indices(for_choice, s.top_k),
+        };
         let tokens_per_expert = assignment_map(chosen.clone(), num_experts)
             .sum_dim(0)
             .reshape([num_experts]);
-        let mut weights = scores.clone().gather(1, chosen.clone());
-        if s.normalize_top_k {
+        let mut weights = if softmax_after_top_k {
+            softmax(logits.clone().gather(1, chosen.clone()), 1)
+        } else {
+            scores.clone().gather(1, chosen.clone())
+        };
+        let sigmoid_sum = s.score_function == RouterScoreFunction::Sigmoid && s.top_k > 1;
+        if sigmoid_sum {
+            weights = weights.clone() / weights.sum_dim(1).add_scalar(1e-20);
+        }
+        if s.normalize_top_k && !(softmax_after_top_k || sigmoid_sum) {
             weights = weights.clone() / weights.sum_dim(1);
         }
-        let (counts, total) = match sequence.filter(|g| g.size() > 1) {
-            Some(group) => {
-                let (counts, total) =
-                    group_load::<B>(group, tokens_per_expert.clone(), num_tokens, &device)?;
-                let counts: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
-                let counts = TensorData::new(counts, [1, num_experts]);
-                (
-                    Tensor::<B, 2>::from_data(counts, (&device, DType::F32)),
-                    total,
-                )
+        if let Some(factor) = s.scaling_factor {
+            weights = weights.mul_scalar(factor);
+        }
+        let load_balancing_loss = match s.load_balancing {
+            _ if s.aux_loss_coeff == 0.0 => Tensor::zeros([1], &device),
+            LoadBalancingType::None => Tensor::zeros([1], &device),
+            LoadBalancingType::AuxLoss => self.load_balancing_loss(scores, &chosen, 1, sequence)?,
+            LoadBalancingType::SeqAuxLoss => {
+                self.load_balancing_loss(scores, &chosen, batch, sequence)?
             }
-            None => (
-                tokens_per_expert
-                    .clone()
-                    .cast(FloatDType::F32)
-                    .reshape([1, num_experts]),
-                num_tokens,
-            ),
-        };
-        let load_balancing_loss = if s.aux_loss_coeff == 0.0 {
-            Tensor::zeros([1], &device)
-        } else {
-            let probs = match s.score_function {
-                RouterScoreFunction::Softmax => scores,
-                RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
-            };
-            load_balancing_share(probs, counts, total, s.top_k, s.aux_loss_coeff)
         };
         let z_loss = if s.z_loss_coeff == 0.0 {
             Tensor::zeros([1], &device)
         } else {
-            z_loss(logits, s.z_loss_coeff).mul_scalar(num_tokens as f64 / total as f64)
+            // This rank's `n / N` share: context parallelism splits every sequence evenly.
+            let ranks = sequence.map_or(1, ProcessGroup::size);
+            z_loss(logits, s.z_loss_coeff).div_scalar(ranks as f64)
         };
         Ok(Routing {
             weights,
@@ -220,6 +394,55 @@ impl<B: ModelBackend> Router<B> {
             load_balancing_loss,
             z_loss,
         })
+    }
+
+    /// This rank's share of the load-balancing loss of `batch` sequences (1: the Switch loss
+    /// over all the tokens), from the `scores` and the chosen experts `chosen`, the counts
+    /// summed over `sequence`.
+    fn load_balancing_loss(
+        &self,
+        scores: Tensor<B, 2>,
+        chosen: &Tensor<B, 2, Int>,
+        batch: usize,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<Tensor<B, 1>> {
+        let s = self.settings;
+        let [num_tokens, num_experts] = scores.dims();
+        let device = scores.device();
+        let probs = match s.score_function {
+            RouterScoreFunction::Softmax => scores,
+            RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
+        };
+        // Megatron counts the load of the loss by a plain top-k of these probabilities: the
+        // choice itself, unless the expert bias or the groups changed it.
+        let loss_choice = match (&self.expert_bias, s.group_top_k) {
+            (None, None) => chosen.clone(),
+            _ => top_k_indices(probs.clone().detach(), s.top_k),
+        };
+        let counts = assignment_map(loss_choice, num_experts)
+            .reshape([batch, num_tokens / batch * s.top_k, num_experts])
+            .sum_dim(1)
+            .reshape([batch * num_experts]);
+        let (counts, total) = match sequence.filter(|g| g.size() > 1) {
+            Some(group) => {
+                let (counts, total) = group_load::<B>(group, counts, num_tokens, &device)?;
+                let counts: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+                let counts = TensorData::new(counts, [batch, num_experts]);
+                let counts = Tensor::<B, 2>::from_data(counts, (&device, DType::F32));
+                (counts, total)
+            }
+            None => (
+                counts.cast(FloatDType::F32).reshape([batch, num_experts]),
+                num_tokens,
+            ),
+        };
+        Ok(load_balancing_share(
+            probs,
+            counts,
+            total / batch,
+            s.top_k,
+            s.aux_loss_coeff,
+        ))
     }
 }
 
@@ -234,54 +457,6 @@ pub fn expert_bias_update(tokens_per_expert: &[f64], rate: f64) -> Vec<f32> {
         .iter()
         .map(|&c| (rate * (mean - c).signum() * f64::from(u8::from(mean != c))) as f32)
         .collect()
-}
-
-/// The Switch Transformer's load-balancing loss as Megatron computes it:
-/// `coeff · E · Σ_e f_e · P_e`, with `f_e` the fraction of the `T · k` assignments that went
-/// to expert `e` (a constant) and `P_e` the mean probability of `e` over the `T` tokens. It is
-/// `coeff` when the load is uniform and rises as it concentrates.
-///
-/// # Shapes
-/// - probs: `[tokens, num_experts]`, each row summing to 1
-/// - output: `[1]`
-pub fn load_balancing_loss<B: Backend>(
-    probs: Tensor<B, 2>,
-    tokens_per_expert: &[usize],
-    top_k: usize,
-    coeff: f64,
-    device: &B::Device,
-) -> Tensor<B, 1> {
-    let [num_tokens, num_experts] = probs.dims();
-    let counts: Vec<f64> = tokens_per_expert.iter().map(|&c| c as f64).collect();
-    let counts = TensorData::new(counts, [1, num_experts]);
-    let counts = Tensor::<B, 2>::from_data(counts, (device, DType::F32));
-    load_balancing_share(probs, counts, num_tokens, top_k, coeff)
-}
-
-/// A rank's share of the load-balancing loss of a batch of `total` tokens spread over
-/// several ranks: `coeff · E / (N² k) · Σ_e (Σ_t p_te) · c_e`, with the batch's counts
-/// `c_e` (`[1, num_experts]`, F32) and this rank's probabilities `p_te`; with `N` this rank's
-/// tokens and `c` its counts it is [`load_balancing_loss`].
-///
-/// Computed in F32 (F64 for F64 `probs`) and returned in `probs`' dtype: in F16,
-/// `Σ_t p_te · c_e` overflows past a few hundred tokens (and the scale underflows), which made
-/// the loss NaN.
-fn load_balancing_share<B: Backend>(
-    probs: Tensor<B, 2>,
-    counts: Tensor<B, 2>,
-    total: usize,
-    top_k: usize,
-    coeff: f64,
-) -> Tensor<B, 1> {
-    let [_, num_experts] = probs.dims();
-    let dtype = probs.dtype();
-    let stat = statistics_dtype(dtype);
-    let scale = coeff * num_experts as f64 / (total as f64 * (total * top_k) as f64);
-    let per_expert = probs.cast(stat).sum_dim(0);
-    (per_expert * counts.cast(stat))
-        .sum()
-        .mul_scalar(scale)
-        .cast(dtype)
 }
 
 /// The counts per expert and the tokens of every rank of `group` added up: one all-gather of
@@ -349,6 +524,49 @@ fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2,
     Tensor::cat(chosen, 1)
 }
 
+/// Megatron's group-limited top-k (DeepSeek-V2's device-limited and DeepSeek-V3's
+/// node-limited routing): the experts split into `num_groups` groups of consecutive experts;
+/// each group scored by the sum of its `top_k / group_top_k` best scores; the `top_k`
+/// experts chosen only among those of each token's `group_top_k` best groups.
+///
+/// # Shapes
+/// - scores: `[tokens, num_experts]`
+/// - output: `[tokens, top_k]`
+fn group_limited_top_k<B: Backend>(
+    scores: Tensor<B, 2>,
+    top_k: usize,
+    num_groups: usize,
+    group_top_k: usize,
+) -> Tensor<B, 2, Int> {
+    let [tokens, experts] = scores.dims();
+    let per_group = experts / num_groups;
+    let device = scores.device();
+    let grouped = scores.clone().reshape([tokens * num_groups, per_group]);
+    let best = top_k_indices(grouped.clone(), top_k / group_top_k);
+    let group_scores = grouped
+        .gather(1, best)
+        .sum_dim(1)
+        .reshape([tokens, num_groups]);
+    let groups = top_k_indices(group_scores, group_top_k);
+    let columns = Tensor::<B, 1, Int>::arange(0..num_groups as i64, &device)
+        .reshape([1, 1, num_groups])
+        .expand([tokens, group_top_k, num_groups]);
+    let eligible = groups
+        .reshape([tokens, group_top_k, 1])
+        .expand([tokens, group_top_k, num_groups])
+        .equal(columns)
+        .int()
+        .sum_dim(1)
+        .reshape([tokens, num_groups, 1])
+        .expand([tokens, num_groups, per_group])
+        .reshape([tokens, experts])
+        .greater_elem(0);
+    top_k_indices(
+        scores.mask_fill(eligible.bool_not(), f32::NEG_INFINITY),
+        top_k,
+    )
+}
+
 /// Megatron's routing map: `[assignments, num_experts]`, 1 where assignment `a` (token-major,
 /// `t · top_k + j`) goes to expert `e`, else 0.
 ///
@@ -369,16 +587,4 @@ pub(crate) fn assignment_map<B: Backend>(
         .expand(shape)
         .equal(columns)
         .int()
-}
-
-/// The z-loss of ST-MoE: `coeff · mean_t (log Σ_e exp(logit_te))²`, which keeps the logits
-/// small. The log-sum-exp subtracts each row's maximum (held constant) first.
-///
-/// # Shapes
-/// - logits: `[tokens, num_experts]`
-/// - output: `[1]`
-pub fn z_loss<B: Backend>(logits: Tensor<B, 2>, coeff: f64) -> Tensor<B, 1> {
-    let max = logits.clone().detach().max_dim(1);
-    let log_sum_exp = (logits - max.clone()).exp().sum_dim(1).log() + max;
-    log_sum_exp.powi_scalar(2).mean().mul_scalar(coeff)
 }

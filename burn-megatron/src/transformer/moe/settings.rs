@@ -6,8 +6,9 @@
 use burn::config::Config;
 
 use super::capacity::ExpertCapacity;
-use super::router::RouterScoreFunction;
+use super::router::{LoadBalancingType, RouterScoreFunction};
 use crate::error::ConfigError;
+use crate::transformer::Activation;
 
 /// Mixture of experts in a [`TransformerConfig`](crate::transformer::TransformerConfig):
 /// which layers have one in place of their MLP, and the layer's settings (Megatron's
@@ -27,10 +28,26 @@ pub struct MoeSettings {
     /// Softmax or sigmoid scores (`--moe-router-score-function`).
     #[config(default = "RouterScoreFunction::Softmax")]
     pub score_function: RouterScoreFunction,
+    /// The top-k of the softmax over all experts instead of a softmax over the top-k logits
+    /// (`--moe-router-pre-softmax`).
+    #[config(default = false)]
+    pub pre_softmax: bool,
     /// Whether each token's top-k weights are divided by their sum
     /// (`--moe-router-topk-normalize`, Hugging Face's `norm_topk_prob`).
     #[config(default = false)]
     pub normalize_top_k: bool,
+    /// Groups of experts for group-limited routing (`--moe-router-num-groups`).
+    #[config(default = "None")]
+    pub num_groups: Option<usize>,
+    /// Groups a token may choose its experts from (`--moe-router-group-topk`).
+    #[config(default = "None")]
+    pub group_top_k: Option<usize>,
+    /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`).
+    #[config(default = "None")]
+    pub top_k_scaling_factor: Option<f64>,
+    /// Which load-balancing loss (`--moe-router-load-balancing-type`).
+    #[config(default = "LoadBalancingType::AuxLoss")]
+    pub load_balancing_type: LoadBalancingType,
     /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
     #[config(default = 0.0)]
     pub aux_loss_coeff: f64,
@@ -96,6 +113,9 @@ impl MoeSettings {
             self.shared_expert_ffn_hidden_size,
             ep,
         )?;
+        self.layer_config(hidden_size, ffn_hidden_size, Activation::SwiGlu, 0.02)
+            .router_settings()
+            .validate(self.num_experts)?;
         match &self.layer_pattern {
             Some(pattern) if pattern.len() != num_layers => {
                 return invalid(format!(
