@@ -196,3 +196,34 @@ fn moe_token_counts_stay_exact_in_half_precision() {
     // measured 1.1 % with the initial values drawn from the coordinates' hashes).
     assert_equal("F16", &got, &want, tolerance::F16, 2.0 * tolerance::BF16);
 }
+
+/// With a capacity that drops (factor 0.5: 37 tokens · top-2 over 4 experts keep at most 40 of
+/// 74 assignments), on wgpu as on NdArray: the position policy's kept set found on the device
+/// (the blocked cumulative sum and the comparison with the capacity), the probs policy's from
+/// the host, padding, experts without tokens.
+#[test]
+fn the_moe_layer_with_capacity_on_wgpu_equals_ndarray() {
+    use burn_megatron::transformer::moe::{ExpertCapacity, TokenDropPolicy};
+    for policy in [TokenDropPolicy::Position, TokenDropPolicy::Probs] {
+        for (pad, starved) in [(false, 0..0), (true, 2..4)] {
+            let name = format!("{policy:?} pad {pad} starved {starved:?}");
+            let config = MoeConfig::new(HIDDEN, EXPERTS, 6)
+                .with_top_k(2)
+                .with_shared_expert_ffn_hidden_size(Some(5))
+                .with_aux_loss_coeff(0.01)
+                .with_init_std(0.3)
+                .with_capacity(Some(
+                    ExpertCapacity::new(0.5)
+                        .with_drop_policy(policy)
+                        .with_pad_to_capacity(pad),
+                ));
+            let feature_0 = [(starved, -3.0)];
+            let got = forward_backward::<Autodiff<W>>(&config, 37, &feature_0, Default::default());
+            let want =
+                forward_backward::<Autodiff<NdArray>>(&config, 37, &feature_0, Default::default());
+            let kept: usize = want.tokens_per_expert.iter().sum();
+            assert!(kept <= 40, "{name}: {kept} assignments kept");
+            assert_equal(&name, &got, &want, tolerance::F32, tolerance::F32_LONG_SUM);
+        }
+    }
+}
