@@ -186,8 +186,8 @@ fn mixtral_imports_at_any_tp_and_ep_and_exports_back() {
     let moe = hf.config.moe.as_ref().expect("a Mixtral has MoE layers");
     assert_eq!((moe.num_experts, moe.top_k), (EXPERTS, TOP_K));
     assert!(
-        moe.normalize_top_k,
-        "Mixtral renormalises the top-k weights"
+        moe.pre_softmax && moe.normalize_top_k,
+        "Mixtral's softmax over all experts, top-k, renormalised"
     );
     assert_eq!(
         moe.aux_loss_coeff, 0.0,
@@ -352,6 +352,16 @@ fn mixtral_options_we_lack_are_errors_naming_them() {
     let e = error(&|j| j["model_type"] = "olmoe".into());
     assert!(e.contains("\"olmoe\"") && e.contains("k_norm"), "{e}");
 
+    // Top-1 (weight 1 after renormalisation) reads too: the router is pre-softmax.
+    assert_eq!(
+        parse(&|j| j["num_experts_per_tok"] = 1.into())
+            .unwrap()
+            .config
+            .moe
+            .unwrap()
+            .top_k,
+        1
+    );
     let with_router_loss = parse(&|j| j["output_router_logits"] = true.into()).unwrap();
     assert_eq!(with_router_loss.config.moe.unwrap().aux_loss_coeff, 0.02);
 
@@ -363,7 +373,24 @@ fn mixtral_options_we_lack_are_errors_naming_them() {
     ));
     let e = HfConfig::to_json(&dense_layer).unwrap_err();
     assert!(e.contains("an MoE layer in every layer"), "{e}");
-    let unnormalised = config.with_moe(Some(moe.with_normalize_top_k(false)));
+    let unnormalised = config
+        .clone()
+        .with_moe(Some(moe.clone().with_normalize_top_k(false)));
     let e = HfConfig::to_json(&unnormalised).unwrap_err();
     assert!(e.contains("renormalised"), "{e}");
+    let grouped = config.clone().with_moe(Some(
+        moe.clone()
+            .with_num_groups(Some(2))
+            .with_group_top_k(Some(1)),
+    ));
+    let e = HfConfig::to_json(&grouped).unwrap_err();
+    assert!(e.contains("group-limited"), "{e}");
+    // Megatron's default routing, the softmax over the k chosen logits, is Mixtral's too.
+    let megatron = config.with_moe(Some(
+        moe.with_pre_softmax(false).with_normalize_top_k(false),
+    ));
+    assert_eq!(
+        HfConfig::to_json(&megatron).unwrap()["model_type"],
+        "mixtral"
+    );
 }

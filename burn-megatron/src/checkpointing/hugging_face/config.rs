@@ -66,16 +66,22 @@ impl HfFamily {
     }
 }
 
-/// Whether the MoE settings are Mixtral's: an MoE layer in every layer, softmax scores,
-/// top-k weights renormalised, no shared expert, no expert bias (the z-loss and the
-/// load-balancing loss are training settings, not part of the model).
+/// Whether the MoE settings are Mixtral's: an MoE layer in every layer, no shared expert, no
+/// expert bias, and Mixtral's weights, the softmax over the k chosen logits (Megatron's
+/// default routing, or pre-softmax with the k weights renormalised, which equals it), without
+/// group-limited routing or a scaling factor. The coefficients of the losses and the capacity
+/// are training settings, not part of the model: a Mixtral is dropless.
 fn mixtral_moe(moe: &MoeSettings, num_layers: usize) -> core::result::Result<(), String> {
     let problem = if moe.moe_layers(num_layers).len() != num_layers {
         "an MoE layer in every layer (--moe-layer-freq leaves dense layers)"
     } else if moe.score_function != RouterScoreFunction::Softmax {
         "softmax router scores (the score function is sigmoid)"
-    } else if !moe.normalize_top_k {
-        "the top-k weights renormalised (normalize_top_k = false)"
+    } else if moe.pre_softmax && !moe.normalize_top_k {
+        "the top-k weights renormalised (pre_softmax without normalize_top_k)"
+    } else if moe.num_groups.is_some() || moe.group_top_k.is_some() {
+        "no group-limited routing (num_groups, group_top_k)"
+    } else if moe.top_k_scaling_factor.is_some_and(|f| f != 1.0) {
+        "no top-k scaling factor"
     } else if moe.shared_expert_ffn_hidden_size.is_some() {
         "no shared expert"
     } else if moe.expert_bias {
@@ -322,9 +328,12 @@ impl HfConfig {
             true => k.f64_or("router_aux_loss_coef", 0.001)?,
             false => 0.0,
         };
+        // Mixtral's routing as written: softmax over all experts, top-k, renormalised (which
+        // also holds for top-1, where Megatron's default softmax over one logit is refused).
         let moe = MoeSettings::new(num_experts)
             .with_top_k(k.opt_usize("num_experts_per_tok")?.unwrap_or(2))
             .with_score_function(RouterScoreFunction::Softmax)
+            .with_pre_softmax(true)
             .with_normalize_top_k(true)
             .with_aux_loss_coeff(aux_loss_coeff);
         moe.validate(
