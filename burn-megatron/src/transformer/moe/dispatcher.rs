@@ -166,7 +166,7 @@ impl TokenDispatcher {
         let (e_all, e_local) = (self.num_experts, self.num_local_experts());
         let [num_tokens, top_k] = experts.dims();
         let device = experts.device();
-        // counts_of[r][e]: assignments rank r routes to expert e. Cast to F32 directly, not
+        // routed_of[r][e]: assignments rank r routes to expert e. Cast to F32 directly, not
         // through the default float dtype: BF16 holds integers exactly only up to 256, and a
         // rounded count puts assignments in the wrong rows of the buffers (on a GPU, reads and
         // writes past their ends). F32 is exact up to 2^24 assignments a rank.
