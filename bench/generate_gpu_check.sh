@@ -82,14 +82,14 @@ wait $PREWARM
 B="$B --repeats $REPEATS"
 step ours_tp1 150 env CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark $B
 step torch_eager 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 $B
-step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
 step torch_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B
+step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
 
 say ""
 say "decode tokens/s (bf16, prompts of $PROMPT ids, $NEW new tokens; decode = the $((NEW - 1)) after the first):"
 row() { printf '%-22s %-9s %3s %6s %11s %9s %10s\n' "$@" | tee -a "$SUMMARY"; }
 row impl compile tp batch prefill_ms ms/step tok/s
-for log in ours_tp1 ours_tp2 torch_eager torch_compile; do
+for log in ours_tp1 ours_tp2 torch_eager torch_compile; do  # whatever ran
   [ -e "$LOGS/$log.log" ] || continue
   grep -h "^RESULT generate" "$LOGS/$log.log" | while read -r line; do
     f() { local v; v=$(echo "$line" | grep -oE "(^| )$1=[^ ]+" | cut -d= -f2); echo "${v:--}"; }

@@ -332,11 +332,12 @@ fn run_on<B: ModelBackend>(
         args.tp, args.pp, ranks.dtype
     );
     if args.benchmark {
-        let lines = ranks.run::<B, _, _>(|model, pp, world, device| {
-            let mut lines = Vec::new();
+        // Rank 0 prints each batch size's report as soon as it has it (a run cut at a time
+        // limit keeps what it measured); every rank times its own runs.
+        return ranks.run::<B, _, _>(|model, pp, world, device| {
             for &batch in &args.batch_size {
                 let prompts = random_prompts(args, config.vocab_size, batch);
-                lines.extend(benchmark(
+                let lines = benchmark(
                     args,
                     &config,
                     &device_name,
@@ -345,12 +346,13 @@ fn run_on<B: ModelBackend>(
                     world,
                     device,
                     &prompts,
-                )?);
+                )?;
+                if world.rank() == 0 {
+                    println!("{}", lines.join("\n"));
+                }
             }
-            Ok(lines)
-        })?;
-        println!("{}", lines.join("\n"));
-        return Ok(());
+            Ok(())
+        });
     }
     let tokenizer = tokenizer(args)?;
     let prompts = prompts(args, &config, tokenizer.as_ref())?;
