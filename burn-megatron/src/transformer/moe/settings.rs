@@ -93,8 +93,10 @@ impl MoeSettings {
 
     /// Checks the settings for a model of `num_layers` layers at expert-parallel size `ep`
     /// (1 to check without a layout): the layer sizes
-    /// ([`MoeConfig::validate`](super::MoeConfig::validate)), the layer frequency or pattern,
-    /// the coefficients (finite, not negative) and the capacity factor (finite, above 0).
+    /// ([`MoeConfig::validate`](super::MoeConfig::validate)), the routing options
+    /// ([`RouterSettings::validate`](super::RouterSettings::validate)), the layer frequency or
+    /// pattern, the coefficients (finite, not negative) and the capacity factor (finite, above
+    /// 0).
     pub fn validate(
         &self,
         hidden_size: usize,
