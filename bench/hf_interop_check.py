@@ -1,10 +1,11 @@
 # Check peer (transformers, not part of burn-megatron): the reference side of the Hugging Face
 # import/export check. Runs offline on the device machine (PyTorch + transformers, no network).
 #
-#   python bench/hf_interop_check.py make DIR     # random tiny GPT-2 and Llama, saved with
-#                                                 # save_pretrained, and their logits
+#   python bench/hf_interop_check.py make DIR     # random tiny GPT-2, Llama and Mixtral,
+#                                                 # saved with save_pretrained, and their logits
 #   cargo run --release -p burn-megatron-examples --example hf_import_check -- DIR
-#                                                 # imports them (TP = 1 and 2), compares
+#                                                 # imports them (TP = 1 and 2; the Mixtral
+#                                                 # also at EP = 2 and TP 2 x EP 2), compares
 #                                                 # logits, exports DIR/<model>/export
 #   python bench/hf_interop_check.py compare DIR  # transformers reloads our exports and
 #                                                 # compares their logits with the originals
@@ -14,7 +15,14 @@ import os
 import sys
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
 
 TOKENS = [[(7 * i + 3 * b + 1) % 1000 for i in range(16)] for b in range(2)]
 
@@ -30,7 +38,24 @@ def models():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
     )
-    return {"gpt2": (GPT2LMHeadModel, gpt2), "llama": (LlamaForCausalLM, llama)}
+    # 4 experts, top 2, renormalised (Mixtral's routing); rope_theta left at Mixtral's default
+    # (1e6), which transformers writes under whichever key its version uses.
+    mixtral = MixtralConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
+    )
+    return {
+        "gpt2": (GPT2LMHeadModel, gpt2),
+        "llama": (LlamaForCausalLM, llama),
+        "mixtral": (MixtralForCausalLM, mixtral),
+    }
+
+
+# Router weights are scaled by this after the perturbation: the routers' logits then differ by
+# far more than the rounding of two implementations, so both pick the same top-k experts.
+ROUTER_SCALE = 10.0
 
 
 def perturb(model, seed):
@@ -38,8 +63,11 @@ def perturb(model, seed):
     # swapped scale/shift or a misplaced bias shows.
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            # Mixtral's router: `block_sparse_moe.gate` (transformers 4) or `mlp.gate` (5).
+            if name.endswith(".gate.weight") and "experts" not in name:
+                p.mul_(ROUTER_SCALE)
 
 
 def logits_of(model):
