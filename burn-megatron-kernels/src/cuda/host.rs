@@ -25,19 +25,32 @@ use super::runtime::MegatronCudaRuntime;
 /// [`upload`]; `None` when the pool cannot lend one (small, or over its limit). Any thread
 /// may call it. Its bytes are whatever the buffer held: write them all.
 pub fn pinned_buffer(device: &CudaGpu, len: usize) -> Option<Bytes> {
-    static POOLS: OnceLock<Mutex<HashMap<usize, PinnedPool>>> = OnceLock::new();
-    let pool = {
-        let mut pools =
-            (POOLS.get_or_init(Default::default).lock()).unwrap_or_else(PoisonError::into_inner);
-        pools
-            .entry(device.index)
-            .or_insert_with(|| ForeignQueue::new(device).pinned_pool())
-            .clone()
-    };
-    let buffer = pool.take(len)?;
+    let buffer = pool(device).take(len)?;
     // SAFETY: the buffer is mapped host memory of at least `len` bytes (its bytes are defined,
     // if stale); the caller overwrites them.
     Some(unsafe { buffer.into_bytes(len) })
+}
+
+/// Locks buffers of `sizes` bytes in `device`'s pool on a background thread, so that the
+/// reads of a first save find them instead of locking pages while the step waits.
+pub fn prepare_pinned(device: &CudaGpu, sizes: Vec<usize>) {
+    let pool = pool(device);
+    let spawned = std::thread::Builder::new()
+        .name("pinned-buffers".into())
+        .spawn(move || pool.prepare(&sizes));
+    // Without the thread, the first save locks its pages itself, as it would anyway.
+    drop(spawned);
+}
+
+/// `device`'s pool, asked of its server once.
+fn pool(device: &CudaGpu) -> PinnedPool {
+    static POOLS: OnceLock<Mutex<HashMap<usize, PinnedPool>>> = OnceLock::new();
+    let mut pools =
+        (POOLS.get_or_init(Default::default).lock()).unwrap_or_else(PoisonError::into_inner);
+    pools
+        .entry(device.index)
+        .or_insert_with(|| ForeignQueue::new(device).pinned_pool())
+        .clone()
 }
 
 /// A new contiguous tensor on `device` of `shape` and `dtype` holding `bytes` (row-major),

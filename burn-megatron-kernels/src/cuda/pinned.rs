@@ -94,46 +94,65 @@ impl PinnedPool {
 
     /// A page-locked buffer of at least `len` bytes: the smallest free one that fits (and
     /// wastes at most as much as it holds), else a new one. `None` when `len` is small, when a
-    /// new one would pass the limit, or when the driver cannot lock the pages.
+    /// new one would pass the limit, or when the driver cannot lock the pages. Any thread may
+    /// call it; pages are locked outside the pool's lock.
     pub fn take(&self, len: usize) -> Option<PinnedBytes> {
         if len < PINNED_MIN_BYTES {
             return None;
         }
-        let mut state = self.state();
-        let fits = |b: &Block| b.capacity >= len && b.capacity <= 2 * len;
-        let best = (state.free.iter().enumerate())
-            .filter(|(_, b)| fits(b))
-            .min_by_key(|(_, b)| b.capacity)
-            .map(|(i, _)| i);
-        let block = match best {
-            Some(i) => state.free.swap_remove(i),
-            None => {
-                let capacity = len.next_multiple_of(GRANULE);
-                // Free buffers that did not fit go back to the driver before the limit is hit.
-                while state.allocated + capacity > self.0.limit && !state.free.is_empty() {
-                    let block = state.free.swap_remove(0);
-                    state.allocated -= block.capacity;
-                    self.0.free(block);
-                }
-                if state.allocated + capacity > self.0.limit {
-                    return None;
-                }
-                let mut ptr = core::ptr::null_mut();
-                // SAFETY: allocates host memory in the current context (the caller's contract).
-                let result =
-                    unsafe { cuMemHostAlloc(&mut ptr, capacity, CU_MEMHOSTALLOC_PORTABLE) };
-                check(result, "cuMemHostAlloc").ok()?;
-                state.allocated += capacity;
-                Block {
-                    ptr: ptr.cast(),
-                    capacity,
-                }
+        let capacity = {
+            let mut state = self.state();
+            let fits = |b: &Block| b.capacity >= len && b.capacity <= 2 * len;
+            let best = (state.free.iter().enumerate())
+                .filter(|(_, b)| fits(b))
+                .min_by_key(|(_, b)| b.capacity)
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                let block = state.free.swap_remove(i);
+                return Some(self.lend(block));
             }
+            let capacity = len.next_multiple_of(GRANULE);
+            // Free buffers that did not fit go back to the driver before the limit is hit.
+            while state.allocated + capacity > self.0.limit && !state.free.is_empty() {
+                let block = state.free.swap_remove(0);
+                state.allocated -= block.capacity;
+                self.0.free(block);
+            }
+            if state.allocated + capacity > self.0.limit {
+                return None;
+            }
+            state.allocated += capacity;
+            capacity
         };
-        Some(PinnedBytes {
+        let mut ptr = core::ptr::null_mut();
+        // SAFETY: allocates host memory in the pool's context, made current here (a reader
+        // thread of a checkpoint may have none current).
+        let result = unsafe {
+            let _ = cuCtxSetCurrent(self.0.context);
+            cuMemHostAlloc(&mut ptr, capacity, CU_MEMHOSTALLOC_PORTABLE)
+        };
+        if check(result, "cuMemHostAlloc").is_err() {
+            self.state().allocated -= capacity;
+            return None;
+        }
+        Some(self.lend(Block {
+            ptr: ptr.cast(),
+            capacity,
+        }))
+    }
+
+    /// Locks buffers of `sizes` bytes ahead of the reads that will need them (a save's), and
+    /// keeps them free in the pool; sizes it cannot lock are skipped.
+    pub fn prepare(&self, sizes: &[usize]) {
+        let lent: Vec<PinnedBytes> = sizes.iter().filter_map(|&len| self.take(len)).collect();
+        drop(lent);
+    }
+
+    fn lend(&self, block: Block) -> PinnedBytes {
+        PinnedBytes {
             block: Some(block),
             pool: self.clone(),
-        })
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, PoolState> {

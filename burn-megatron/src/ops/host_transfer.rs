@@ -20,6 +20,13 @@ pub trait HostTransferOps: Backend {
         Bytes::from_bytes_vec(vec![0; len])
     }
 
+    /// Prepares, in the background, host buffers of `sizes` bytes for reads from `device`
+    /// to come (a save's): on our CUDA backend, page-locked ones, locked before the first save
+    /// needs them. Nothing elsewhere.
+    fn prepare_host_buffers(device: &Self::Device, sizes: Vec<usize>) {
+        let _ = (device, sizes);
+    }
+
     /// `data` on `device` as a tensor of `dtype` (converted on the host when `data` has
     /// another).
     fn upload<const D: usize>(
@@ -34,6 +41,10 @@ pub trait HostTransferOps: Backend {
 impl<B: HostTransferOps, C: CheckpointStrategy> HostTransferOps for Autodiff<B, C> {
     fn host_buffer(device: &Self::Device, len: usize) -> Bytes {
         B::host_buffer(device, len)
+    }
+
+    fn prepare_host_buffers(device: &Self::Device, sizes: Vec<usize>) {
+        B::prepare_host_buffers(device, sizes)
     }
 
     fn upload<const D: usize>(
@@ -61,6 +72,10 @@ mod cuda {
     {
         fn host_buffer(device: &Self::Device, len: usize) -> Bytes {
             host::pinned_buffer(device, len).unwrap_or_else(|| Bytes::from_bytes_vec(vec![0; len]))
+        }
+
+        fn prepare_host_buffers(device: &Self::Device, sizes: Vec<usize>) {
+            host::prepare_pinned(device, sizes)
         }
 
         fn upload<const D: usize>(

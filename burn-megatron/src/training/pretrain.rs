@@ -337,6 +337,9 @@ where
         (Some(c), true) => Some(AsyncCheckpointer::<B>::new(c.clone())),
         _ => None,
     };
+    if let Some(saver) = &in_background {
+        saver.prepare(&state, &rank.chunks);
+    }
     let mut parameters_checked_at = None;
     let profiled = config.profile && config.profile_ranks.contains(&world_rank);
     let mut profiling = false;
