@@ -162,6 +162,12 @@ impl MoeConfig {
 }
 
 impl MoeSettings {
+    /// The routing options of every MoE layer these settings build.
+    pub fn router_settings(&self) -> RouterSettings {
+        self.layer_config(1, 1, Activation::SwiGlu, 0.02)
+            .router_settings()
+    }
+
     /// The layer configuration for a model of width `hidden_size` whose dense MLPs are
     /// `ffn_hidden_size` wide.
     pub fn layer_config(

@@ -10,9 +10,9 @@
 //!   its contiguous block of tokens; SwiGLU or GeLU.
 //! - [`layer`]: [`MoeLayer`], router → dispatch → experts → combine, plus the shared expert,
 //!   returning [`MoeOutput`] (output and losses); [`config`]: [`MoeConfig`].
-//! - [`losses`]: the Switch-style and sequence-level load-balancing losses and the z-loss;
-//!   [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers, which the pipeline
-//!   schedules add to each stage's backward root.
+//! - [`aux_losses`]: the Switch-style and sequence-level load-balancing losses and the z-loss;
+//!   [`losses`]: [`MoeLosses`], the auxiliary losses of a forward pass's MoE layers, which the
+//!   pipeline schedules add to each stage's backward root.
 //! - [`settings`]: [`MoeSettings`], the MoE part of a `TransformerConfig` (which layers, which
 //!   settings), and `--moe-layer-freq`'s forms.
 //!
@@ -20,6 +20,7 @@
 //! expert tensor parallelism, a variable-split all-to-all (the only host read of a forward
 //! pass is the `ep · (num_experts + 1)` token counts that size it).
 
+pub mod aux_losses;
 pub mod capacity;
 pub mod config;
 pub mod dispatcher;
@@ -29,12 +30,13 @@ pub mod losses;
 pub mod router;
 pub mod settings;
 
+pub use aux_losses::{load_balancing_loss, sequence_load_balancing_loss, z_loss};
 pub use capacity::{ExpertCapacity, TokenDropPolicy};
 pub use config::MoeConfig;
 pub use dispatcher::{DispatchPlan, TokenDispatcher};
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
-pub use losses::{MoeLosses, load_balancing_loss, sequence_load_balancing_loss, z_loss};
+pub use losses::MoeLosses;
 pub use router::{
     LoadBalancingType, Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
 };

@@ -19,7 +19,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
-use super::losses::{load_balancing_share, z_loss};
+use super::aux_losses::{load_balancing_share, z_loss};
 use crate::backend::ModelBackend;
 use crate::error::{ConfigError, DeviceError, read_data};
 use crate::ops::{linear, sigmoid};

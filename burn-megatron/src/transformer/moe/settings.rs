@@ -8,7 +8,6 @@ use burn::config::Config;
 use super::capacity::ExpertCapacity;
 use super::router::{LoadBalancingType, RouterScoreFunction};
 use crate::error::ConfigError;
-use crate::transformer::Activation;
 
 /// Mixture of experts in a [`TransformerConfig`](crate::transformer::TransformerConfig):
 /// which layers have one in place of their MLP, and the layer's settings (Megatron's
@@ -115,9 +114,7 @@ impl MoeSettings {
             self.shared_expert_ffn_hidden_size,
             ep,
         )?;
-        self.layer_config(hidden_size, ffn_hidden_size, Activation::SwiGlu, 0.02)
-            .router_settings()
-            .validate(self.num_experts)?;
+        self.router_settings().validate(self.num_experts)?;
         match &self.layer_pattern {
             Some(pattern) if pattern.len() != num_layers => {
                 return invalid(format!(
