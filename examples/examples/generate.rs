@@ -217,7 +217,7 @@ fn run(args: Args) -> Result<(), BoxError> {
             use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda};
             let gpus = args.tp * args.pp;
             for gpu in 0..gpus {
-                check_gpu(gpu)?;
+                CudaGpu::available(gpu)?;
                 if args.bf16 {
                     // Before any tensor exists on the GPU: parameters, activations and the
                     // tensors the model creates (masks, RoPE tables) are bf16 from here.
@@ -622,22 +622,6 @@ impl<B: Backend> ModuleMapper<B> for Cast {
             false => tensor.cast(dtype),
         })
     }
-}
-
-/// Fails with a message, rather than a panic inside the runtime, where there is no GPU.
-#[cfg(feature = "cuda")]
-fn check_gpu(index: usize) -> Result<(), BoxError> {
-    use cudarc::driver::{result, sys};
-    // SAFETY: only tries to open the driver library.
-    if !unsafe { sys::is_culib_present() } {
-        return Err("no CUDA driver (libcuda) here: run this on a GPU machine".into());
-    }
-    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
-    let count = result::device::get_count().map_err(|e| format!("no CUDA device: {e:?}"))?;
-    if index >= count as usize {
-        return Err(format!("GPU {index} asked for (rank {index}), {count} found").into());
-    }
-    Ok(())
 }
 
 #[cfg(feature = "cuda")]

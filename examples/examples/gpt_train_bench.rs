@@ -292,7 +292,7 @@ fn run(args: &Args) -> Result<(), BoxError> {
     }
     let launch_config = LaunchConfig::new(world).with_collective_checks(args.collective_checks);
     let dtypes = |gpu: usize| -> Result<(), BoxError> {
-        check_gpu(gpu)?;
+        CudaGpu::available(gpu)?;
         if args.dtype == Precision::Bf16 {
             // Before any tensor exists on the device: parameters, activations and the tensors
             // the model creates (masks, RoPE tables) are all bf16 from here.
@@ -544,21 +544,6 @@ fn random_tokens(
         })
         .collect();
     Tensor::from_data(TensorData::new(ids, [batch, seq]), device)
-}
-
-/// Fails with a message, rather than a panic inside the runtime, where there is no GPU.
-fn check_gpu(index: usize) -> Result<(), BoxError> {
-    use cudarc::driver::{result, sys};
-    // SAFETY: only tries to open the driver library.
-    if !unsafe { sys::is_culib_present() } {
-        return Err("no CUDA driver (libcuda) here: run this on a GPU machine".into());
-    }
-    result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
-    let count = result::device::get_count().map_err(|e| format!("no CUDA device: {e:?}"))?;
-    if index >= count as usize {
-        return Err(format!("GPU {index} asked for, {count} found").into());
-    }
-    Ok(())
 }
 
 fn gpu_name(index: usize) -> String {

@@ -15,6 +15,23 @@ impl CudaGpu {
     pub fn new(index: usize) -> Self {
         Self { index }
     }
+
+    /// The GPU with ordinal `index` if this machine has a CUDA driver and such a GPU; else
+    /// a message saying which is missing, instead of the panic inside the runtime that using
+    /// it would give.
+    pub fn available(index: usize) -> Result<Self, String> {
+        use cudarc::driver::{result, sys};
+        // SAFETY: only tries to open the driver library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("no CUDA driver (libcuda) here: run this on a GPU machine".into());
+        }
+        result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+        let count = result::device::get_count().map_err(|e| format!("no CUDA device: {e:?}"))?;
+        if index >= count as usize {
+            return Err(format!("GPU {index} asked for, {count} found"));
+        }
+        Ok(Self::new(index))
+    }
 }
 
 /// Our devices' type id. It differs from cubecl-cuda's (0), so that our server and burn-cuda's
