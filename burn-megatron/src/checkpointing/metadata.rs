@@ -5,11 +5,13 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
 
 use crate::error::CheckpointError;
 use crate::optimizer::LossScalerState;
 use crate::transformer::TransformerConfig;
+use crate::transformer::moe::MoeSettings;
 
 /// The format version written by this crate; loading refuses others.
 pub const FORMAT_VERSION: u32 = 1;
@@ -29,7 +31,9 @@ pub struct CheckpointMetadata {
     pub iteration: u64,
     /// The parallel layout the checkpoint was saved in (loading may use another).
     pub layout: SavedLayout,
-    /// The model's configuration.
+    /// The model's configuration. Fields added to it after a checkpoint was written read as
+    /// their defaults, so older checkpoints still load (see [`with_defaults`]).
+    #[serde(deserialize_with = "model_config_with_defaults")]
     pub model_config: TransformerConfig,
     /// Iteration, data position, seeds, schedules: filled by the caller.
     pub training: TrainingState,
@@ -166,5 +170,93 @@ impl CheckpointMetadata {
     /// The model's entries.
     pub fn model_tensors(&self) -> Option<&BTreeMap<String, TensorEntry>> {
         self.tensors.get(MODEL_GROUP)
+    }
+}
+
+/// [`CheckpointMetadata::model_config`] read with [`with_defaults`].
+fn model_config_with_defaults<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<TransformerConfig, D::Error> {
+    let value = with_defaults(Value::deserialize(deserializer)?);
+    serde_json::from_value(value).map_err(serde::de::Error::custom)
+}
+
+/// A saved `TransformerConfig` (JSON) with the fields it lacks, which a later version added,
+/// set to their defaults, and likewise its MoE settings. A new field's default keeps the
+/// behaviour the checkpoint was trained with, with one exception handled here: MoE settings
+/// saved before `pre_softmax` existed routed as `pre_softmax = true` does now.
+fn with_defaults(mut value: Value) -> Value {
+    let Some(config) = value.as_object_mut() else {
+        return value;
+    };
+    let size = |key: &str| config.get(key).and_then(Value::as_u64).map(|n| n as usize);
+    let required = [
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "vocab_size",
+        "max_sequence_length",
+    ]
+    .map(size);
+    if let [
+        Some(h),
+        Some(n),
+        Some(heads),
+        Some(ffn),
+        Some(vocab),
+        Some(seq),
+    ] = required
+    {
+        merge(config, TransformerConfig::new(h, n, heads, ffn, vocab, seq));
+    }
+    if let Some(moe) = config.get_mut("moe").and_then(Value::as_object_mut) {
+        moe.entry("pre_softmax").or_insert(Value::Bool(true));
+        if let Some(experts) = moe.get("num_experts").and_then(Value::as_u64) {
+            merge(moe, MoeSettings::new(experts as usize));
+        }
+    }
+    value
+}
+
+/// Adds to `into` the fields of `defaults` it lacks.
+fn merge(into: &mut Map<String, Value>, defaults: impl Serialize) {
+    if let Ok(Value::Object(defaults)) = serde_json::to_value(defaults) {
+        for (key, value) in defaults {
+            into.entry(key).or_insert(value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A configuration saved before some fields existed reads back as the one saved; a saved
+    /// MoE without `pre_softmax` keeps routing as it was trained to.
+    #[test]
+    fn fields_added_later_read_as_their_defaults() {
+        let config = TransformerConfig::llama_1b()
+            .with_tp_comm_overlap(false)
+            .with_moe(Some(
+                MoeSettings::new(8).with_top_k(2).with_pre_softmax(true),
+            ));
+        let mut saved = serde_json::to_value(&config).unwrap();
+        let object = saved.as_object_mut().unwrap();
+        object.remove("tp_comm_overlap").unwrap();
+        object.remove("recompute").unwrap();
+        let moe = object.get_mut("moe").unwrap().as_object_mut().unwrap();
+        moe.remove("pre_softmax").unwrap();
+        moe.remove("capacity").unwrap();
+        let strict = serde_json::from_value::<TransformerConfig>(saved.clone());
+        assert!(
+            strict.is_err(),
+            "the fields removed are required without defaults"
+        );
+        let read: TransformerConfig = serde_json::from_value(with_defaults(saved)).unwrap();
+        assert_eq!(
+            serde_json::to_value(&read).unwrap(),
+            serde_json::to_value(&config).unwrap()
+        );
     }
 }
