@@ -32,7 +32,8 @@ pub struct CheckpointMetadata {
     /// The parallel layout the checkpoint was saved in (loading may use another).
     pub layout: SavedLayout,
     /// The model's configuration. Fields added to it after a checkpoint was written read as
-    /// their defaults, so older checkpoints still load (see [`with_defaults`]).
+    /// their defaults, so older checkpoints still load (an MoE saved before `pre_softmax`
+    /// existed reads as pre-softmax, as it routed then).
     #[serde(deserialize_with = "model_config_with_defaults")]
     pub model_config: TransformerConfig,
     /// Iteration, data position, seeds, schedules: filled by the caller.
