@@ -442,67 +442,73 @@ impl HfConfig {
                 "torch_dtype": "float32",
             }),
             HfFamily::Llama => {
-                let PositionEmbedding::Rope { base } = c.position_embedding else {
-                    unreachable!("HfFamily::of checks a Llama has RoPE")
-                };
-                json!({
-                    "model_type": "llama",
-                    "architectures": ["LlamaForCausalLM"],
-                    "hidden_size": c.hidden_size,
-                    "intermediate_size": c.ffn_hidden_size,
-                    "num_hidden_layers": c.num_layers,
-                    "num_attention_heads": c.num_attention_heads,
-                    "num_key_value_heads": c.query_groups(),
-                    "head_dim": c.head_dim(),
-                    "rms_norm_eps": c.norm_epsilon,
-                    "rope_theta": base,
-                    "rope_scaling": null,
-                    "vocab_size": c.vocab_size,
-                    "max_position_embeddings": c.max_sequence_length,
-                    "tie_word_embeddings": c.tie_embeddings,
-                    "hidden_act": "silu",
-                    "attention_bias": false,
-                    "mlp_bias": false,
-                    "attention_dropout": c.attention_dropout,
-                    "initializer_range": c.init_std,
-                    "torch_dtype": "float32",
-                })
+                let mut config = llama_shape(c);
+                extend(
+                    &mut config,
+                    json!({
+                        "model_type": "llama",
+                        "architectures": ["LlamaForCausalLM"],
+                        "intermediate_size": c.ffn_hidden_size,
+                        "attention_bias": false,
+                        "mlp_bias": false,
+                    }),
+                );
+                config
             }
             HfFamily::Mixtral => {
-                let PositionEmbedding::Rope { base } = c.position_embedding else {
-                    unreachable!("HfFamily::of checks a Mixtral has RoPE")
-                };
                 let moe = c
                     .moe
                     .as_ref()
                     .expect("HfFamily::of checks a Mixtral has MoE");
-                json!({
-                    "model_type": "mixtral",
-                    "architectures": ["MixtralForCausalLM"],
-                    "hidden_size": c.hidden_size,
-                    "intermediate_size": moe.ffn_hidden_size.unwrap_or(c.ffn_hidden_size),
-                    "num_hidden_layers": c.num_layers,
-                    "num_attention_heads": c.num_attention_heads,
-                    "num_key_value_heads": c.query_groups(),
-                    "head_dim": c.head_dim(),
-                    "rms_norm_eps": c.norm_epsilon,
-                    "rope_theta": base,
-                    "rope_scaling": null,
-                    "sliding_window": null,
-                    "vocab_size": c.vocab_size,
-                    "max_position_embeddings": c.max_sequence_length,
-                    "tie_word_embeddings": c.tie_embeddings,
-                    "hidden_act": "silu",
-                    "attention_dropout": c.attention_dropout,
-                    "initializer_range": c.init_std,
-                    "num_local_experts": moe.num_experts,
-                    "num_experts_per_tok": moe.top_k,
-                    "output_router_logits": moe.aux_loss_coeff > 0.0,
-                    "router_aux_loss_coef": moe.aux_loss_coeff,
-                    "router_jitter_noise": 0.0,
-                    "torch_dtype": "float32",
-                })
+                let mut config = llama_shape(c);
+                extend(
+                    &mut config,
+                    json!({
+                        "model_type": "mixtral",
+                        "architectures": ["MixtralForCausalLM"],
+                        "intermediate_size": moe.ffn_hidden_size.unwrap_or(c.ffn_hidden_size),
+                        "sliding_window": null,
+                        "num_local_experts": moe.num_experts,
+                        "num_experts_per_tok": moe.top_k,
+                        "output_router_logits": moe.aux_loss_coeff > 0.0,
+                        "router_aux_loss_coef": moe.aux_loss_coeff,
+                        "router_jitter_noise": 0.0,
+                    }),
+                );
+                config
             }
         })
+    }
+}
+
+/// The `config.json` keys Llama and Mixtral share (a Mixtral is a Llama whose MLPs are
+/// experts).
+fn llama_shape(c: &TransformerConfig) -> Value {
+    let PositionEmbedding::Rope { base } = c.position_embedding else {
+        unreachable!("HfFamily::of checks a Llama or Mixtral has RoPE")
+    };
+    json!({
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.query_groups(),
+        "head_dim": c.head_dim(),
+        "rms_norm_eps": c.norm_epsilon,
+        "rope_theta": base,
+        "rope_scaling": null,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_sequence_length,
+        "tie_word_embeddings": c.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": c.attention_dropout,
+        "initializer_range": c.init_std,
+        "torch_dtype": "float32",
+    })
+}
+
+/// `config` with the keys of `more` added.
+fn extend(config: &mut Value, more: Value) {
+    if let (Value::Object(config), Value::Object(more)) = (config, more) {
+        config.extend(more);
     }
 }
