@@ -8,6 +8,7 @@ mod pretrain;
 mod quantize;
 mod scaling;
 mod tensor_parallel;
+mod weight_cache;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Tensor, TensorData};

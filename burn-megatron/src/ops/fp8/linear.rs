@@ -25,11 +25,19 @@
 //! gradient), so that every rank casts with the scale one device would use and TP = k equals
 //! TP = 1. A NaN amax is sent as +∞ (a maximum over ranks then keeps it whatever the
 //! transport's NaN rule), and a non-finite amax never becomes a scale.
+//!
+//! Under tensorwise scaling the weight's cast (amax, reduction, scale, both layouts) is kept
+//! in the layer until the weight tensor is replaced ([`Fp8Config::cache_weights`]): the
+//! microbatches of one optimizer step and a recomputed forward reuse it. The key is the
+//! weight's autodiff node, which an optimizer step, a checkpoint load or any other new value
+//! replaces, so no optimizer has to tell the layer; the cached copy is the one a fresh cast
+//! of the same tensor gives. Delayed scaling casts every use (its weight scale moves with
+//! each recorded amax).
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
@@ -92,6 +100,28 @@ enum Operand {
 /// backend they were made on (see [`Fp8Linear`]).
 type DelayedStates = HashMap<TypeId, Box<dyn Any + Send>>;
 
+/// A weight's cast as the forward pass and the input gradient use it: its scale, its
+/// row-major copy (`[d_in, d_out]`, for `dx`; `None` where nothing needs it) and its
+/// transposed one (`[d_out, d_in]`, for the forward GEMM).
+#[derive(Clone)]
+struct WeightCast<B: Backend> {
+    scale: Tensor<B, 1>,
+    row: Option<Tensor<B, 2>>,
+    transposed: Tensor<B, 2>,
+}
+
+/// One cached weight cast: the weight's autodiff node (held weakly: a dead node's id never
+/// comes back, so its entry is dropped) and the cast, a `WeightCast` of the inner backend.
+struct CachedWeight {
+    id: NodeId,
+    node: Weak<dyn Any + Send + Sync>,
+    cast: Box<dyn Any + Send>,
+}
+
+/// The weight casts of one layer, one per live weight tensor it has cast (one, unless clones
+/// of the module on several ranks share the layer).
+type WeightCache = Vec<CachedWeight>;
+
 /// One linear layer's FP8 settings and state: the [`Fp8Config`], the tensor-parallel group
 /// and which operands are split over it, and (delayed scaling) the amax histories and scales
 /// of its input, weight and output gradient.
@@ -111,6 +141,7 @@ pub struct Fp8Linear {
     group: Option<ProcessGroup>,
     split: Fp8Split,
     delayed: Arc<Mutex<DelayedStates>>,
+    weights: Arc<Mutex<WeightCache>>,
 }
 
 impl fmt::Debug for Fp8Linear {
@@ -132,6 +163,7 @@ impl Fp8Linear {
             group: group.cloned(),
             split,
             delayed: Arc::default(),
+            weights: Arc::default(),
         }
     }
 
@@ -167,6 +199,50 @@ impl Fp8Linear {
             .downcast_mut::<[DelayedScaling<B>; 3]>()
             .expect("the states under a backend's type id are that backend's");
         f(&mut state[operand as usize])
+    }
+
+    /// How many weight tensors' FP8 casts the layer keeps now (those of weights that still
+    /// exist): one while a model trains with [`Fp8Config::cache_weights`], none without.
+    pub fn cached_weights(&self) -> usize {
+        let cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        cache
+            .iter()
+            .filter(|entry| entry.node.strong_count() > 0)
+            .count()
+    }
+
+    /// Whether the weight's cast is kept until the weight is replaced (tensorwise scaling
+    /// with [`Fp8Config::cache_weights`]).
+    fn caches_weights(&self) -> bool {
+        self.config.cache_weights && !self.delayed()
+    }
+
+    /// The cast kept for the weight whose autodiff node is `id`, if any; drops the entries of
+    /// weights that no longer exist.
+    fn cached_weight<B: Backend>(&self, id: NodeId) -> Option<WeightCast<B>> {
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        cache.retain(|entry| entry.node.strong_count() > 0);
+        cache
+            .iter()
+            .find(|entry| entry.id == id)
+            .and_then(|entry| entry.cast.downcast_ref::<WeightCast<B>>())
+            .cloned()
+    }
+
+    /// Keeps `cast` for the weight whose autodiff node is `node` (`id`).
+    fn store_weight<B: Backend>(
+        &self,
+        id: NodeId,
+        node: Weak<dyn Any + Send + Sync>,
+        cast: WeightCast<B>,
+    ) {
+        let mut cache = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        cache.retain(|entry| entry.id != id && entry.node.strong_count() > 0);
+        cache.push(CachedWeight {
+            id,
+            node,
+            cast: Box::new(cast),
+        });
     }
 
     /// Whether the scales come from histories (delayed scaling), so that the amaxes are only
@@ -240,7 +316,7 @@ pub trait Fp8LinearOps: Fp8Ops + DeviceTransport {
         bias: Option<Tensor<Self, 1>>,
         fp8: &Fp8Linear,
     ) -> DistResult<Tensor<Self, 2>> {
-        Ok(forward(x, w, bias, fp8, Keep::default())?.output)
+        Ok(forward(x, Weight::Tensor(w), bias, fp8, Keep::default())?.output)
     }
 }
 
@@ -319,19 +395,25 @@ struct Keep {
     w_row: bool,
 }
 
+/// The weight as the forward pass gets it: the tensor, to be cast, or its cast kept from an
+/// earlier forward pass (tensorwise scaling only).
+enum Weight<B: Backend> {
+    Tensor(Tensor<B, 2>),
+    Cast(WeightCast<B>),
+}
+
 /// The forward pass on a plain backend: the output, and the scales and casts the backward
-/// needs ([`Keep`]).
+/// needs ([`Keep`]); `w` is the weight's cast, whole (for the cache).
 struct Forward<B: Backend> {
     output: Tensor<B, 2>,
     x_scale: Tensor<B, 1>,
-    w_scale: Tensor<B, 1>,
     x_transposed: Option<Tensor<B, 2>>,
-    w_row: Option<Tensor<B, 2>>,
+    w: WeightCast<B>,
 }
 
 fn forward<B: Fp8Ops + DeviceTransport>(
     x: Tensor<B, 2>,
-    w: Tensor<B, 2>,
+    w: Weight<B>,
     bias: Option<Tensor<B, 1>>,
     fp8: &Fp8Linear,
     keep: Keep,
@@ -339,37 +421,52 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     let dtype = fp8.config.format.forward_dtype();
     let out_dtype = x.dtype();
     let (x_layouts, w_layouts) = ([true, keep.x_transposed], [keep.w_row, true]);
-    let (x_cast, w_cast, x_amax, w_amax, x_scale, w_scale);
-    if fp8.delayed() {
-        let device = x.device();
-        x_scale = fp8.delayed_scale(Operand::Input, &device);
-        w_scale = fp8.delayed_scale(Operand::Weight, &device);
-        let (mut x_c, mut w_c) = (
-            cast(x, x_scale.clone(), dtype, x_layouts, true),
-            cast(w, w_scale.clone(), dtype, w_layouts, true),
-        );
-        [x_amax, w_amax] = fp8.reduce_amaxes([
-            (x_c.amax.take().expect("asked for"), fp8.split.input),
-            (w_c.amax.take().expect("asked for"), fp8.split.weight),
-        ])?;
-        (x_cast, w_cast) = (x_c, w_c);
-    } else {
-        [x_amax, w_amax] = fp8.reduce_amaxes([
-            (B::fp8_amax(x.clone()), fp8.split.input),
-            (B::fp8_amax(w.clone()), fp8.split.weight),
-        ])?;
-        x_scale = fp8.tensorwise_scale(x_amax.clone(), dtype);
-        w_scale = fp8.tensorwise_scale(w_amax.clone(), dtype);
-        x_cast = cast(x, x_scale.clone(), dtype, x_layouts, false);
-        w_cast = cast(w, w_scale.clone(), dtype, w_layouts, false);
+    let (x_cast, x_amax, x_scale, w_cast, w_amax);
+    match w {
+        Weight::Cast(cast_before) => {
+            debug_assert!(
+                !fp8.delayed(),
+                "delayed scaling casts the weight every time"
+            );
+            [x_amax] = fp8.reduce_amaxes([(B::fp8_amax(x.clone()), fp8.split.input)])?;
+            x_scale = fp8.tensorwise_scale(x_amax.clone(), dtype);
+            x_cast = cast(x, x_scale.clone(), dtype, x_layouts, false);
+            (w_cast, w_amax) = (cast_before, None);
+        }
+        Weight::Tensor(w) if fp8.delayed() => {
+            let device = x.device();
+            x_scale = fp8.delayed_scale(Operand::Input, &device);
+            let w_scale = fp8.delayed_scale(Operand::Weight, &device);
+            let (mut x_c, mut w_c) = (
+                cast(x, x_scale.clone(), dtype, x_layouts, true),
+                cast(w, w_scale.clone(), dtype, w_layouts, true),
+            );
+            let [x_a, w_a] = fp8.reduce_amaxes([
+                (x_c.amax.take().expect("asked for"), fp8.split.input),
+                (w_c.amax.take().expect("asked for"), fp8.split.weight),
+            ])?;
+            (x_cast, x_amax, w_amax) = (x_c, x_a, Some(w_a));
+            w_cast = WeightCast::new(w_c, w_scale);
+        }
+        Weight::Tensor(w) => {
+            let [x_a, w_a] = fp8.reduce_amaxes([
+                (B::fp8_amax(x.clone()), fp8.split.input),
+                (B::fp8_amax(w.clone()), fp8.split.weight),
+            ])?;
+            x_scale = fp8.tensorwise_scale(x_a.clone(), dtype);
+            let w_scale = fp8.tensorwise_scale(w_a.clone(), dtype);
+            x_cast = cast(x, x_scale.clone(), dtype, x_layouts, false);
+            w_cast = WeightCast::new(cast(w, w_scale.clone(), dtype, w_layouts, false), w_scale);
+            (x_amax, w_amax) = (x_a, Some(w_a));
+        }
     }
     let output = B::fp8_gemm(
         x_cast.row.expect("cast row-major"),
         dtype,
         x_scale.clone().recip(),
-        w_cast.transposed.expect("cast transposed"),
+        w_cast.transposed.clone(),
         dtype,
-        w_scale.clone().recip(),
+        w_cast.scale.clone().recip(),
         out_dtype,
     );
     let output = match bias {
@@ -377,14 +474,26 @@ fn forward<B: Fp8Ops + DeviceTransport>(
         None => output,
     };
     fp8.record(Operand::Input, x_amax, dtype);
-    fp8.record(Operand::Weight, w_amax, dtype);
+    if let Some(w_amax) = w_amax {
+        fp8.record(Operand::Weight, w_amax, dtype);
+    }
     Ok(Forward {
         output,
         x_scale,
-        w_scale,
         x_transposed: x_cast.transposed,
-        w_row: w_cast.row,
+        w: w_cast,
     })
+}
+
+impl<B: Backend> WeightCast<B> {
+    /// The weight's casts under `scale` (the transposed one always made).
+    fn new(casts: Casts<B>, scale: Tensor<B, 1>) -> Self {
+        Self {
+            scale,
+            row: casts.row,
+            transposed: casts.transposed.expect("the forward GEMM's layout"),
+        }
+    }
 }
 
 impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
@@ -399,19 +508,33 @@ impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
         let (x_inner, w_inner) = (inner::<B, 2>(&x), inner::<B, 2>(&w));
         let (x_dtype, w_dtype) = (x_inner.dtype(), w_inner.dtype());
         let device = x_inner.device();
+        let caches = fp8.caches_weights();
+        let cached = match caches {
+            true => fp8.cached_weight::<B>(w.node.id),
+            false => None,
+        };
+        let hit = cached.is_some();
+        let weight = match cached {
+            Some(cast) => Weight::Cast(cast),
+            None => Weight::Tensor(w_inner),
+        };
         // The weight gradient reads the input's transposed cast, the input gradient the
-        // weight's row-major one.
+        // weight's row-major one (cached with the rest, whatever this use needs).
         let keep = Keep {
             x_transposed: w.is_tracked(),
-            w_row: x.is_tracked(),
+            w_row: x.is_tracked() || caches,
         };
-        let f = forward(x_inner, w_inner, bias.as_ref().map(inner), fp8, keep)?;
+        let f = forward(x_inner, weight, bias.as_ref().map(inner), fp8, keep)?;
+        if caches && !hit {
+            let node: Arc<dyn Any + Send + Sync> = w.node.clone();
+            fp8.store_weight(w.node.id, Arc::downgrade(&node), f.w.clone());
+        }
         let empty = || Tensor::<B, 2>::empty([0, 0], &device);
         let state = (
             raw(f.x_transposed.unwrap_or_else(empty)),
             raw(f.x_scale.recip()),
-            raw(f.w_row.unwrap_or_else(empty)),
-            raw(f.w_scale.recip()),
+            raw(f.w.row.unwrap_or_else(empty)),
+            raw(f.w.scale.recip()),
         );
         let step = Fp8LinearBackward {
             fp8: fp8.clone(),

@@ -124,6 +124,12 @@ pub struct Fp8Config {
     /// Transformer Engine's default; Megatron's command line defaults to `most_recent`.
     #[config(default = "AmaxComputeAlgo::Max")]
     pub amax_compute_algo: AmaxComputeAlgo,
+    /// Under tensorwise scaling, keep each weight's FP8 copy (its scale and both layouts)
+    /// until the weight itself is replaced, so that the microbatches of one optimizer step
+    /// (and a recomputed forward) cast it once: Transformer Engine's cached FP8 weights. The
+    /// copy is what a fresh cast would give, bit for bit. Off: every forward casts the weight.
+    #[config(default = true)]
+    pub cache_weights: bool,
 }
 
 impl Fp8Config {
