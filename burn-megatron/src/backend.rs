@@ -13,8 +13,9 @@ use burn_megatron_dist::DistBackend;
 use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CounterNormalOps, CrossEntropyOps, DropoutOps,
     EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps,
-    HostTransferOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps, RecomputeOps,
-    ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps, WriteSlotOps,
+    GroupedLinearOps, HostTransferOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps,
+    RecomputeOps, ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps,
+    WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -60,6 +61,7 @@ pub trait ModelBackend:
     + Fp8Ops
     + Fp8LinearOps
     + GatheredLinearOps
+    + GroupedLinearOps
     + ReduceScatteredLinearOps
     + BiasOps
     + GeluOps
@@ -90,6 +92,7 @@ impl<B> ModelBackend for B where
         + Fp8Ops
         + Fp8LinearOps
         + GatheredLinearOps
+        + GroupedLinearOps
         + ReduceScatteredLinearOps
         + BiasOps
         + GeluOps
@@ -153,7 +156,7 @@ mod ndarray {
     compositions!(
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
@@ -168,7 +171,7 @@ mod fusion {
 
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
-        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
+        BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
         SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );

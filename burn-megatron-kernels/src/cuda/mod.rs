@@ -14,7 +14,7 @@
 //! - `server`, the compute server, which owns all of the above, then `runtime`, CubeCL's
 //!   runtime over it;
 //! - the entry points, which submit to the device's queue: [`foreign`] (`ForeignQueue`),
-//!   [`device_check`], [`profile`], [`gemm`], [`cudnn`] and [`host`].
+//!   [`device_check`], [`profile`], [`gemm`], [`grouped_gemm`], [`cudnn`] and [`host`].
 
 mod copy;
 pub mod cudnn;
@@ -26,6 +26,7 @@ mod extensions;
 pub mod foreign;
 mod foreign_op;
 pub mod gemm;
+pub mod grouped_gemm;
 pub mod host;
 mod host_syncs;
 mod lanes;

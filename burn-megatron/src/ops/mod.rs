@@ -10,6 +10,8 @@
 //! - [`mod@gathered_linear`]: a column-parallel projection of a sequence-parallel input whose
 //!   backward reduce-scatters the input's gradient while it computes the weights' gradients
 //!   (`--tp-comm-overlap`).
+//! - [`mod@grouped_linear`]: the experts' GEMMs, one grouped product for all of a rank's
+//!   experts (one cuBLAS grouped GEMM on our CUDA backend), one node under autodiff.
 //! - [`mod@reduce_scattered_linear`]: a row-parallel projection and its sequence-parallel
 //!   reduce-scatter, whose backward computes this rank's input gradient while the output
 //!   gradient's all-gather runs (`--tp-comm-overlap`).
@@ -63,6 +65,7 @@ pub mod flash_attention;
 pub mod fp8;
 pub mod gathered_linear;
 pub mod gelu;
+pub mod grouped_linear;
 pub mod host_transfer;
 pub mod ids;
 pub mod linear;
@@ -88,6 +91,7 @@ pub use flash_attention::FlashAttentionOps;
 pub use fp8::{Fp8LinearOps, Fp8Ops};
 pub use gathered_linear::{GatheredLinearOps, GatheredProjection};
 pub use gelu::{GeluForm, GeluOps, bias_gelu, gelu};
+pub use grouped_linear::{GroupedLinearOps, grouped_linear};
 pub use host_transfer::HostTransferOps;
 pub use ids::IdCheckOps;
 pub use linear::{LinearOps, linear, linear_output_major};

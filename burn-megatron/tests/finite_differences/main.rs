@@ -1,8 +1,8 @@
 //! Gradients against central finite differences, in f64 on the CPU: the dropout, RoPE, masked
-//! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding, bias-add and
-//! output-major linear ops, ring attention over CP thread ranks, `--tp-comm-overlap`'s gathered
-//! and reduce-scattered projections over TP thread ranks, and every parameter of a tiny
-//! GPT and a tiny Llama.
+//! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding, bias-add,
+//! output-major linear and grouped linear ops, ring attention over CP thread ranks,
+//! `--tp-comm-overlap`'s gathered and reduce-scattered projections over TP thread ranks, and
+//! every parameter of a tiny GPT and a tiny Llama.
 //!
 //! The layout-equivalence tests compare two computations that share every backward, so a
 //! wrong backward passes them; a finite difference of the forward cannot share the mistake.
@@ -17,6 +17,7 @@ mod dropout;
 mod embedding_and_bias;
 mod flash_attention;
 mod gelu;
+mod grouped_linear;
 mod masked_softmax;
 mod models;
 mod moe;

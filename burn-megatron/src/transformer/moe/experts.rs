@@ -1,6 +1,6 @@
-//! A rank's experts: MLPs whose weights are stacked along a leading expert dimension, each
-//! run once on its contiguous block of tokens (Megatron's `SequentialMLP`; the grouped GEMM
-//! of `GroupedMLP` is what this becomes on the GPU).
+//! A rank's experts: MLPs whose weights are stacked along a leading expert dimension, all run
+//! on their contiguous blocks of tokens by one grouped product per projection
+//! ([`grouped_linear`], Megatron's `GroupedMLP`).
 
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -9,7 +9,7 @@ use burn::tensor::{Tensor, backend::Backend};
 use crate::backend::ModelBackend;
 use crate::init::{InitDistribution, init_slice, param_seed};
 use crate::ops::CounterNormalOps;
-use crate::ops::{gelu, linear, swiglu};
+use crate::ops::{gelu, grouped_linear, linear, swiglu};
 use crate::transformer::Activation;
 
 /// Configuration of [`GroupedExperts`].
@@ -107,12 +107,12 @@ impl<B: ModelBackend> GroupedExperts<B> {
     }
 
     /// Every local expert on its block of `tokens`: expert `j` takes `counts[j]` rows, after
-    /// those of experts `0..j`, in one product per projection.
+    /// those of experts `0..j`, in one grouped product per projection.
     ///
-    /// The last row is padding (zeros in, zeros out). An expert with no tokens runs on it,
-    /// and its (zero) output is what the last output row holds: so every expert's weights are
-    /// in the graph and get a gradient, zero if it had no tokens, and an optimizer or a
-    /// gradient reduction finds the same parameters on every rank, whatever the routing.
+    /// The last row is padding (zeros in, zeros out: the experts have no biases). It rides in
+    /// the last expert's block, so no tensor is ever empty. Every expert's weights are in the
+    /// graph whatever the routing, and an expert without tokens gets a zero gradient: an
+    /// optimizer or a gradient reduction finds the same parameters on every rank.
     ///
     /// # Shapes
     /// - tokens: `[Σ counts + 1, hidden_size]`, the last row zero
@@ -125,24 +125,14 @@ impl<B: ModelBackend> GroupedExperts<B> {
         );
         let total: usize = counts.iter().sum();
         assert_eq!(tokens.dims()[0], total + 1, "tokens and counts disagree");
-        let padding = tokens.clone().narrow(0, total, 1);
-        let mut blocks = Vec::with_capacity(counts.len() + 1);
-        let mut idle: Option<Tensor<B, 2>> = None;
-        let mut start = 0;
-        for (j, &count) in counts.iter().enumerate() {
-            if count > 0 {
-                let block = tokens.clone().narrow(0, start, count);
-                blocks.push(self.forward_expert(j, block));
-                start += count;
-            } else {
-                let zero = self.forward_expert(j, padding.clone());
-                idle = Some(match idle {
-                    Some(sum) => sum + zero,
-                    None => zero,
-                });
-            }
-        }
-        blocks.push(idle.unwrap_or(padding));
-        Tensor::cat(blocks, 0)
+        let mut rows = counts.to_vec();
+        *rows.last_mut().expect("at least one expert") += 1;
+        let up = grouped_linear(tokens.clone(), self.fc1.val(), &rows);
+        let hidden = match (&self.gate, self.activation.gelu_form()) {
+            (Some(gate), _) => swiglu(grouped_linear(tokens, gate.val(), &rows), up),
+            (None, Some(form)) => gelu(up, form),
+            (None, None) => unreachable!("SwiGLU experts have a gate"),
+        };
+        grouped_linear(hidden, self.fc2.val(), &rows)
     }
 }

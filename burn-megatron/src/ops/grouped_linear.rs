@@ -1,0 +1,265 @@
+//! The experts' GEMMs: `y_e = x_e · w[e]` for every local expert `e` at once, where the
+//! tokens are in expert-major blocks whose sizes the dispatcher has read to the host
+//! (Megatron's `GroupedMLP`, PyTorch's `torch._grouped_mm`).
+//!
+//! One product per expert leaves the GPU idle between small GEMMs and, under autodiff, records
+//! one node per expert and a concatenation. Here `Autodiff<B>` records one node for all experts,
+//! whose backward is two grouped products: `dx = grouped(dy, wᵀ)` and `dw[e] = x_eᵀ · dy_e`
+//! (zero for an expert without rows). So every expert's weight gets a gradient, whatever the
+//! routing. Our CUDA backend runs each grouped product as one cuBLAS grouped GEMM in stream
+//! order (`burn_megatron_kernels::cuda::grouped_gemm`); other backends loop over the experts
+//! with [`LinearOps::gemm`].
+
+use burn::backend::Autodiff;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn_autodiff::NodeId;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+
+use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::linear::LinearOps;
+use super::primitive::{raw, wrap};
+
+/// The experts' grouped GEMMs. `counts[e]` rows of the tokens belong to expert `e`, after
+/// those of experts `0..e`; the counts add up to the tokens' rows.
+pub trait GroupedLinearOps: LinearOps {
+    /// `x_e · op(w[e])` for every expert, in the tokens' order; `op` transposes when asked
+    /// (the input gradient's product). Experts without rows are skipped.
+    ///
+    /// # Shapes
+    /// - `x`: `[n, k]`
+    /// - `w`: `[experts, k, m]` (`[experts, m, k]` with `transpose_w`)
+    /// - output: `[n, m]`
+    fn grouped_gemm(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 3>,
+        counts: &[usize],
+        transpose_w: bool,
+    ) -> Tensor<Self, 2> {
+        per_expert_gemm(x, w, counts, transpose_w)
+    }
+
+    /// `x_eᵀ · dy_e` for every expert: the weights' gradient, zero for an expert without rows.
+    ///
+    /// # Shapes
+    /// - `x`: `[n, k]`
+    /// - `dy`: `[n, m]`
+    /// - output: `[experts, k, m]`
+    fn grouped_weight_gradient(
+        x: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+        counts: &[usize],
+    ) -> Tensor<Self, 3> {
+        per_expert_weight_gradient(x, dy, counts)
+    }
+
+    /// `x_e · w[e]` for every expert; `Autodiff<B>` records one node whose backward is
+    /// [`grouped_gemm`](Self::grouped_gemm) with `wᵀ` and
+    /// [`grouped_weight_gradient`](Self::grouped_weight_gradient).
+    ///
+    /// # Shapes
+    /// - `x`: `[n, k]`
+    /// - `w`: `[experts, k, m]`
+    /// - output: `[n, m]`
+    fn grouped_linear(x: Tensor<Self, 2>, w: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
+        Self::grouped_gemm(x, w, counts, false)
+    }
+}
+
+/// `x_e · w[e]` for every local expert `e`, its `counts[e]` rows of `x` after those of experts
+/// `0..e`: [`GroupedLinearOps::grouped_linear`] after checking the shapes.
+///
+/// # Shapes
+/// - `x`: `[Σ counts, k]`
+/// - `w`: `[counts.len(), k, m]`
+/// - output: `[Σ counts, m]`
+///
+/// # Panics
+/// If the shapes and the counts disagree.
+pub fn grouped_linear<B: GroupedLinearOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 3>,
+    counts: &[usize],
+) -> Tensor<B, 2> {
+    let ([n, k], [experts, w_k, _]) = (x.dims(), w.dims());
+    assert_eq!(
+        counts.len(),
+        experts,
+        "grouped_linear: {} counts for {experts} experts",
+        counts.len()
+    );
+    let total: usize = counts.iter().sum();
+    assert_eq!(
+        total, n,
+        "grouped_linear: the counts add up to {total}, the tokens have {n} rows"
+    );
+    assert_eq!(
+        k, w_k,
+        "grouped_linear: tokens of width {k}, weights of input width {w_k}"
+    );
+    B::grouped_linear(x, w, counts)
+}
+
+/// Expert `e`'s matrix of stacked weights `[experts, rows, cols]`.
+fn matrix<B: Backend>(w: &Tensor<B, 3>, e: usize) -> Tensor<B, 2> {
+    let [_, rows, cols] = w.dims();
+    w.clone().narrow(0, e, 1).reshape([rows, cols])
+}
+
+/// `(expert, first row, rows)` of every expert with rows.
+fn blocks(counts: &[usize]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    counts
+        .iter()
+        .scan(0, |start, &count| {
+            let block = (*start, count);
+            *start += count;
+            Some(block)
+        })
+        .enumerate()
+        .filter(|(_, (_, count))| *count > 0)
+        .map(|(e, (start, count))| (e, start, count))
+}
+
+/// [`GroupedLinearOps::grouped_gemm`] as one [`LinearOps::gemm`] per expert with rows: the
+/// composition, and the fallback where a grouped GEMM cannot take the operands.
+pub fn per_expert_gemm<B: LinearOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 3>,
+    counts: &[usize],
+    transpose_w: bool,
+) -> Tensor<B, 2> {
+    let [_, rows, cols] = w.dims();
+    let products: Vec<_> = blocks(counts)
+        .map(|(e, start, count)| {
+            B::gemm(
+                x.clone().narrow(0, start, count),
+                matrix(&w, e),
+                false,
+                transpose_w,
+            )
+        })
+        .collect();
+    match products.is_empty() {
+        true => {
+            let width = if transpose_w { rows } else { cols };
+            Tensor::zeros([0, width], (&x.device(), x.dtype()))
+        }
+        false => Tensor::cat(products, 0),
+    }
+}
+
+/// [`GroupedLinearOps::grouped_weight_gradient`] as one [`LinearOps::gemm`] per expert with
+/// rows and zeros for the others: the composition, and the fallback.
+pub fn per_expert_weight_gradient<B: LinearOps>(
+    x: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    counts: &[usize],
+) -> Tensor<B, 3> {
+    let ([_, k], [_, m]) = (x.dims(), dy.dims());
+    let mut grads: Vec<Tensor<B, 2>> = (0..counts.len())
+        .map(|_| Tensor::zeros([k, m], (&x.device(), x.dtype())))
+        .collect();
+    for (e, start, count) in blocks(counts) {
+        let rows = |t: &Tensor<B, 2>| t.clone().narrow(0, start, count);
+        grads[e] = B::gemm(rows(&x), rows(&dy), true, false);
+    }
+    Tensor::stack(grads, 0)
+}
+
+impl<B: GroupedLinearOps, C: CheckpointStrategy> GroupedLinearOps for Autodiff<B, C> {
+    fn grouped_linear(x: Tensor<Self, 2>, w: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
+        let (x, w) = (raw(x), raw(w));
+        let output = B::grouped_linear(inner(&x), inner(&w), counts);
+        let state = (x.primitive.clone(), w.primitive.clone(), counts.to_vec());
+        wrap(record::<B, C, _>(
+            GroupedLinearBackward,
+            &[&x, &w],
+            state,
+            raw(output),
+        ))
+    }
+}
+
+/// The backward of `y_e = x_e · w[e]`: `dx = grouped(dy, wᵀ)`, `dw[e] = x_eᵀ · dy_e`. Its
+/// parents are `[x, w]`.
+#[derive(Debug)]
+struct GroupedLinearBackward;
+
+impl<B: GroupedLinearOps> BackwardStep<B> for GroupedLinearBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, Vec<usize>);
+
+    fn backward(
+        self,
+        dy: FloatTensor<B>,
+        (x, w, counts): <Self as BackwardStep<B>>::State,
+        parents: &[Option<NodeId>],
+        grads: &mut Gradients,
+    ) {
+        let dy = wrap::<B, 2>(dy);
+        register(grads, parent(parents, 0), || {
+            B::grouped_gemm(dy.clone(), wrap(w), &counts, true)
+        });
+        register(grads, parent(parents, 1), || {
+            B::grouped_weight_gradient(wrap(x), dy, &counts)
+        });
+    }
+}
+
+/// Our CUDA backend: one cuBLAS grouped GEMM per product, in stream order; the per-expert
+/// loop where cuBLAS cannot take the operands. burn-cuda keeps the loop.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use burn::tensor::Tensor;
+    use burn_cubecl::cubecl::cuda::CudaRuntime;
+    use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, grouped_gemm};
+
+    use super::{GroupedLinearOps, per_expert_gemm, per_expert_weight_gradient};
+    use crate::ops::primitive::{raw, wrap};
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
+        for CubeBackend<MegatronCudaRuntime, F, I, BT>
+    {
+        fn grouped_gemm(
+            x: Tensor<Self, 2>,
+            w: Tensor<Self, 3>,
+            counts: &[usize],
+            transpose_w: bool,
+        ) -> Tensor<Self, 2> {
+            match grouped_gemm::grouped_gemm(&raw(x.clone()), &raw(w.clone()), counts, transpose_w)
+            {
+                Ok(out) => wrap(out),
+                Err(_) => per_expert_gemm(x, w, counts, transpose_w),
+            }
+        }
+
+        fn grouped_weight_gradient(
+            x: Tensor<Self, 2>,
+            dy: Tensor<Self, 2>,
+            counts: &[usize],
+        ) -> Tensor<Self, 3> {
+            match grouped_gemm::grouped_weight_gradient(&raw(x.clone()), &raw(dy.clone()), counts) {
+                Ok(dw) => wrap(dw),
+                Err(_) => per_expert_weight_gradient(x, dy, counts),
+            }
+        }
+    }
+
+    impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
+        for CubeBackend<CudaRuntime, F, I, BT>
+    {
+    }
+}
+
+/// wgpu: the per-expert loop.
+#[cfg(feature = "wgpu")]
+impl<F, I, BT> GroupedLinearOps
+    for burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, F, I, BT>
+where
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
