@@ -167,3 +167,80 @@ fn quantize_both_matches_the_two_casts_and_the_amax() {
     let x = Tensor::<W, 2>::ones([3, 4], &device);
     assert!(quantize_both(raw(x), &scale, target, false).amax.is_none());
 }
+
+/// The vectorised casts (four elements a thread, four bytes written at once in each layout,
+/// 64 × 64 tiles) and their scalar fallback, for shapes whose sides are multiples of four
+/// (tiles cut at the edges, a single vector, one tile exactly, cubes walking several tiles)
+/// and shapes that are not (one side or both): `quantize_both`'s two layouts and amax, and
+/// `quantize`'s transposed and row-major casts, against the host reference bit for bit.
+#[test]
+fn vectorised_casts_match_the_host_for_any_shape() {
+    let device = WgpuDevice::default();
+    let max = Fp8Kind::E5M2.max();
+    let target = CastTarget::F32 { max };
+    let scale_value = 96.0f32;
+    let scale = raw(Tensor::<W, 1>::from_floats([scale_value], &device));
+    for dtype in [DType::F32, DType::F16] {
+        for (rows, cols, seed) in [
+            (4, 4, 11),
+            (64, 64, 12),
+            (68, 36, 13),
+            (8, 1000, 14),
+            (132, 200, 15),
+            (4, 6, 16),
+            (6, 4, 17),
+            (66, 130, 18),
+            (1030, 4100, 19),
+        ] {
+            let name = format!("{dtype:?} [{rows}, {cols}]");
+            let n = rows * cols;
+            let mut v = random(n, seed, 800.0);
+            v[n / 2] = -900.0;
+            let x =
+                Tensor::<W, 2>::from_data(TensorData::new(v, [rows, cols]), &device).cast(dtype);
+            let host = values_f32(x.clone());
+            let row_ref: Vec<f32> = host
+                .iter()
+                .map(|v| (v * scale_value).clamp(-max, max))
+                .collect();
+            let mut transposed_ref = vec![0f32; n];
+            for r in 0..rows {
+                for c in 0..cols {
+                    transposed_ref[c * rows + r] = row_ref[r * cols + c];
+                }
+            }
+            let both = quantize_both(raw(x.clone()), &scale, target, true);
+            let amax = values_f32(wrap::<1>(both.amax.expect("asked for")))[0];
+            assert_eq!(amax, 900.0, "{name}: amax");
+            assert_same_bits(
+                &format!("{name} both, row"),
+                &values_f32(wrap::<2>(both.row)),
+                &row_ref,
+            );
+            assert_same_bits(
+                &format!("{name} both, transposed"),
+                &values_f32(wrap::<2>(both.transposed)),
+                &transposed_ref,
+            );
+            let both = quantize_both(raw(x.clone()), &scale, target, false);
+            assert_same_bits(
+                &format!("{name} both without amax, transposed"),
+                &values_f32(wrap::<2>(both.transposed)),
+                &transposed_ref,
+            );
+            for (transpose, want) in [(true, &transposed_ref), (false, &row_ref)] {
+                let got = values_f32(wrap::<2>(quantize(
+                    raw(x.clone()),
+                    &scale,
+                    target,
+                    transpose,
+                )));
+                assert_same_bits(
+                    &format!("{name} quantize transpose={transpose}"),
+                    &got,
+                    want,
+                );
+            }
+        }
+    }
+}
