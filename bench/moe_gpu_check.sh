@@ -14,7 +14,16 @@
 # pretrain_gpt, and -p burn-megatron-dist --bin bm-launch), and torch with torchrun.
 #
 #   bash bench/moe_gpu_check.sh                 # all runs, in this order, within BUDGET
-#   PART=ours bash bench/moe_gpu_check.sh       # ours only (PART=ours,torch is all)
+#   PART=ours bash bench/moe_gpu_check.sh       # ours only (PART=gemm,ours,torch is all)
+#   PART=gemm bash bench/moe_gpu_check.sh       # the experts' grouped GEMM only (one GPU is enough)
+#
+# PART gemm runs first: `gemm_bench grouped` (bin/gemm_bench: bench/pack_gpu.sh build --release
+# --features cuda -p burn-megatron-examples --example gemm_bench) checks the cuBLAS grouped GEMM
+# against per-expert cuBLASLt GEMMs (forward, dX, dW, experts with zero rows, and through
+# grouped_linear's autodiff node; a GEMM line with MISMATCH and rc 1 on a mismatch) and prints
+# its TFLOP/s on Mixtral-like shapes next to the per-expert GEMMs and a dense GEMM of the same
+# FLOPs; then its peer `bench/torch_gemm.py --grouped` (torch._grouped_mm). Logs
+# $OUT/gemm_grouped.log and $OUT/torch_gemm_grouped.log; limit LIMIT_GEMM=120 s each.
 #
 # Runs: ours mixtral_ep4, torch mixtral_ep4, ours deepseek_ep4, torch deepseek_ep4, ours
 # mixtral_ep2, torch mixtral_ep2; each started only while MIN_START of the BUDGET seconds is
@@ -226,8 +235,28 @@ torch() { # name [torch_moe.py flags...]
   fi
 }
 
+grouped_gemm() { # the experts' grouped GEMM: checked, then timed, and torch._grouped_mm's times
+  if [ "$CPU_CHECK" = 1 ]; then
+    say "=== gemm (not run on CPU): .gpu/bin/gemm_bench grouped; python3 bench/torch_gemm.py --grouped"
+    return
+  fi
+  local lim
+  if ! lim=$(run_limit "${LIMIT_GEMM:-120}"); then say "=== skip gemm: less than ${MIN_START} s of the ${BUDGET} s budget left"; return; fi
+  say "=== gemm: gemm_bench grouped (limit $lim s)"
+  timeout -k 10 "$lim" .gpu/bin/gemm_bench grouped > "$OUT/gemm_grouped.log" 2>&1
+  local rc=$?
+  grep -vE "^$|^note|backtrace" "$OUT/gemm_grouped.log" | cut -c1-300 | head -60 | tee -a "$LOG"
+  say "RUN ours gemm_grouped | rc=$rc$( [ $rc -eq 0 ] || echo ' (1: a mismatch; else a failure)' )"
+  if ! lim=$(run_limit "${LIMIT_GEMM:-120}"); then return; fi
+  say "=== gemm: torch_gemm.py --grouped (limit $lim s)"
+  timeout -k 10 "$lim" python3 bench/torch_gemm.py --grouped > "$OUT/torch_gemm_grouped.log" 2>&1
+  rc=$?
+  grep -vE "^$" "$OUT/torch_gemm_grouped.log" | cut -c1-300 | tail -20 | tee -a "$LOG"
+  say "RUN torch gemm_grouped | rc=$rc"
+}
+
 # Preflight: the binary knows MoE; the GPUs; torch and its grouped GEMM.
-if ! $PRETRAIN --help 2>/dev/null | grep -q -- "--num-experts"; then
+if { part ours || part torch; } && ! $PRETRAIN --help 2>/dev/null | grep -q -- "--num-experts"; then
   say "ERROR: $PRETRAIN has no --num-experts: repack it (bench/pack_gpu.sh) from a tree with issue 34"
   exit 1
 fi
@@ -237,6 +266,7 @@ if [ "$CPU_CHECK" != 1 ]; then
 fi
 say "moe_gpu_check: PART=$PART ITERS=$ITERS BUDGET=${BUDGET}s $(date -u +%H:%M:%S)"
 
+part gemm && grouped_gemm
 part ours && ours mixtral_ep4 mixtral_1b_moe 4
 part torch && torch mixtral_ep4 --preset mixtral --ep 4
 part ours && ours deepseek_ep4 deepseek_moe_1b 4

@@ -2,7 +2,9 @@
 
 A benchmark peer, not part of burn-megatron. `--fp8`: torch._scaled_mm (E4M3 operands, per-tensor
 scales, bf16 output) against bf16 torch.matmul on the same a[m,k] . b[n,k]^T shapes as
-`gemm_bench fp8`, with and without fast accumulation.
+`gemm_bench fp8`, with and without fast accumulation. `--grouped`: torch._grouped_mm (the experts'
+grouped GEMM torch_moe.py uses) on the shapes of `gemm_bench grouped`, each product and the autograd
+forward + backward, next to a dense torch.matmul of the same FLOPs.
 """
 import statistics
 import sys
@@ -58,9 +60,66 @@ def fp8():
         print(f"{label:<36} {bf16:9.1f} {slow:9.1f} {fast:9.1f} {fast / bf16:7.2f}")
 
 
+UNEVEN = [0.20, 0.08, 0.15, 0.05, 0.18, 0.12, 0.10, 0.12]
+
+
+def split(tokens, fractions):
+    counts = [int(tokens * f) for f in fractions]
+    counts[-1] += tokens - sum(counts)
+    return counts
+
+
+def grouped():
+    print("== torch._grouped_mm", torch.__version__, torch.cuda.get_device_name(), "==")
+    tokens = 16384
+    counts = split(tokens, UNEVEN)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    print(f"{tokens} tokens over 8 experts {counts}")
+    print(f"{'product':<34} {'grouped':>9} {'dense':>9} {'grouped/dense':>14}")
+    for model, hidden, ffn in [("mixtral-1b", 2048, 5632), ("mixtral-8x7b", 4096, 14336)]:
+        for layer, k, m in [("fc1", hidden, ffn), ("fc2", ffn, hidden)]:
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
+            # [experts, k, m] as the transpose of [experts, m, k], as torch_moe.py keeps it.
+            w = torch.randn(len(counts), m, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
+            dense_w = torch.randn(k, m, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * tokens * k * m
+            products = [
+                ("Forward", lambda: torch._grouped_mm(x, w, offs=offs), lambda: x @ dense_w),
+                ("InputGrad", lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs),
+                 lambda: dy @ dense_w.t()),
+                ("WeightGrad", lambda: torch._grouped_mm(x.t(), dy, offs=offs), lambda: x.t() @ dy),
+            ]
+            for name, op, dense in products:
+                label = f"{model} {layer} {name} k={k} m={m}"
+                try:
+                    g = flops / timed(op) / 1e12
+                except (RuntimeError, TypeError) as e:
+                    print(f"{label:<34} torch._grouped_mm failed: {str(e).splitlines()[0][:200]}")
+                    continue
+                d = flops / timed(dense) / 1e12
+                print(f"{label:<34} {g:9.1f} {d:9.1f} {g / d:14.2f}")
+            # What autograd runs: the forward and both backward products.
+            xr = x.detach().requires_grad_()
+            wr = w.detach().requires_grad_()
+
+            def step():
+                xr.grad = wr.grad = None
+                y = torch._grouped_mm(xr, wr, offs=offs)
+                y.backward(dy)
+                return y
+            try:
+                t = timed(step)
+                print(f"{model + ' ' + layer + ' autograd fwd+bwd':<34} {3 * flops / t / 1e12:9.1f}")
+            except (RuntimeError, TypeError) as e:
+                print(f"{model} {layer} autograd: torch._grouped_mm failed: {str(e).splitlines()[0][:200]}")
+
+
 def main():
     if "--fp8" in sys.argv:
         return fp8()
+    if "--grouped" in sys.argv:
+        return grouped()
     print("== torch.matmul", torch.__version__, torch.cuda.get_device_name(), "==")
     for label, m, n, k, ta, tb in shapes():
         a = torch.rand(*( (k, m) if ta else (m, k) ), device="cuda", dtype=torch.bfloat16)

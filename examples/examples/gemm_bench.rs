@@ -10,6 +10,13 @@
 //! quantised operands, and checks the FP8 casts bit for bit against a host reference (the fused
 //! cast of both layouts and its amax against the separate kernels too) and times them; its peer
 //! is `python3 bench/torch_gemm.py --fp8` (`torch._scaled_mm`).
+//!
+//! `gemm_bench grouped` checks the experts' grouped GEMM (cuBLAS `cublasGemmGroupedBatchedEx`,
+//! `burn_megatron_kernels::cuda::grouped_gemm`) against one cuBLASLt GEMM per expert, forward
+//! and both backward products, with experts of zero rows, and through `grouped_linear`'s
+//! autodiff node; then times it on Mixtral-like shapes (8 experts, 16k tokens split unevenly)
+//! next to the per-expert GEMMs and a dense GEMM of the same FLOPs. It exits with 1 on a
+//! mismatch. Its peer is `python3 bench/torch_gemm.py --grouped` (`torch._grouped_mm`).
 
 use std::time::{Duration, Instant};
 
@@ -50,7 +57,12 @@ fn shapes() -> Vec<(String, usize, usize, usize, bool, bool)> {
     list
 }
 
-fn time(device: &CudaGpu, mut op: impl FnMut() -> Tensor<MegatronCuda, 2>) -> Duration {
+fn time(device: &CudaGpu, op: impl FnMut() -> Tensor<MegatronCuda, 2>) -> Duration {
+    time_of(device, op)
+}
+
+/// The median time of `op` (whatever it returns: the outputs are kept until the device syncs).
+fn time_of<T>(device: &CudaGpu, mut op: impl FnMut() -> T) -> Duration {
     let warm: Vec<_> = (0..3).map(|_| op()).collect();
     <MegatronCuda as Backend>::sync(device).unwrap();
     drop(warm);
@@ -70,6 +82,15 @@ fn time(device: &CudaGpu, mut op: impl FnMut() -> Tensor<MegatronCuda, 2>) -> Du
 
 fn main() {
     let device = CudaGpu::new(0);
+    if std::env::args().nth(1).as_deref() == Some("grouped") {
+        let ok = grouped_check(&device);
+        grouped_times(&device);
+        if !ok {
+            eprintln!("gemm_bench grouped: MISMATCH (see the check above)");
+            std::process::exit(1);
+        }
+        return;
+    }
     if std::env::args().nth(1).as_deref() == Some("fp8") {
         fp8_casts(&device);
         fp8_gemms(&device);
@@ -329,5 +350,293 @@ fn fp8_gemms(device: &CudaGpu) {
             "{label:<36} {bf16:9.1} {fp8:9.1} {fast:9.1} {:7.2} {worst:10.2e}",
             fast / bf16
         );
+    }
+}
+
+/// `counts` splitting `tokens` by `fractions` (the rest to the last expert).
+fn split(tokens: usize, fractions: &[f64]) -> Vec<usize> {
+    let mut counts: Vec<usize> = fractions
+        .iter()
+        .map(|f| (tokens as f64 * f) as usize)
+        .collect();
+    let rest = tokens - counts.iter().sum::<usize>();
+    *counts.last_mut().expect("an expert") += rest;
+    counts
+}
+
+/// A bf16 `N(0, 1)` tensor.
+fn normal_bf16<const D: usize>(shape: [usize; D], device: &CudaGpu) -> Tensor<MegatronCuda, D> {
+    Tensor::<MegatronCuda, D>::random(shape, Distribution::Normal(0.0, 1.0), device)
+        .cast(DType::BF16)
+}
+
+/// Expert `e`'s matrix of stacked weights.
+fn expert(w: &Tensor<MegatronCuda, 3>, e: usize) -> Tensor<MegatronCuda, 2> {
+    let [_, rows, cols] = w.dims();
+    w.clone().narrow(0, e, 1).reshape([rows, cols])
+}
+
+/// One of the three products of an expert layer: `x_e · w_e`, `dy_e · w_eᵀ`, `x_eᵀ · dy_e`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Pass {
+    Forward,
+    InputGrad,
+    WeightGrad,
+}
+
+/// The grouped GEMM of `pass` (`a` is `x` or `dy`, `b` the weights or `dy`).
+fn grouped(
+    pass: Pass,
+    a: &Tensor<MegatronCuda, 2>,
+    b: &GroupedOperand,
+    counts: &[usize],
+) -> Vec<f32> {
+    use burn_megatron_kernels::cuda::grouped_gemm::{grouped_gemm, grouped_weight_gradient};
+    match (pass, b) {
+        (Pass::WeightGrad, GroupedOperand::Rows(dy)) => floats(wrap::<3>(
+            grouped_weight_gradient(&raw(a), &raw(dy), counts).expect("cuBLAS takes the operands"),
+        )),
+        (_, GroupedOperand::Stacked(w)) => floats(wrap::<2>(
+            grouped_gemm(&raw(a), &raw(w), counts, pass == Pass::InputGrad)
+                .expect("cuBLAS takes the operands"),
+        )),
+        _ => unreachable!("the weight gradient takes dy, the others the weights"),
+    }
+}
+
+/// The second operand of a grouped product.
+enum GroupedOperand {
+    /// Stacked weights `[experts, k, m]`.
+    Stacked(Tensor<MegatronCuda, 3>),
+    /// `dy`, `[n, m]`.
+    Rows(Tensor<MegatronCuda, 2>),
+}
+
+/// The products of `pass`, one cuBLASLt GEMM per expert with rows (weight gradients of the
+/// others zero), in the grouped GEMM's layout.
+fn per_expert(
+    pass: Pass,
+    a: &Tensor<MegatronCuda, 2>,
+    b: &GroupedOperand,
+    counts: &[usize],
+) -> Vec<Tensor<MegatronCuda, 2>> {
+    let mut start = 0;
+    let mut out = Vec::new();
+    for (e, &count) in counts.iter().enumerate() {
+        let rows = |t: &Tensor<MegatronCuda, 2>| t.clone().narrow(0, start, count);
+        match (pass, b) {
+            (Pass::WeightGrad, GroupedOperand::Rows(dy)) => {
+                let [_, k] = a.dims();
+                let [_, m] = dy.dims();
+                out.push(match count {
+                    0 => Tensor::zeros([k, m], (&a.device(), DType::BF16)),
+                    _ => matmul(rows(a), rows(dy), true, false),
+                });
+            }
+            (_, GroupedOperand::Stacked(w)) if count > 0 => {
+                out.push(matmul(
+                    rows(a),
+                    expert(w, e),
+                    false,
+                    pass == Pass::InputGrad,
+                ));
+            }
+            _ => {}
+        }
+        start += count;
+    }
+    out
+}
+
+/// `max |got - want| / max |want|`, infinite where either holds a NaN or an infinity.
+fn max_relative_error(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() || got.iter().chain(want).any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let scale = want
+        .iter()
+        .fold(f64::MIN_POSITIVE, |m, v| m.max(v.abs() as f64));
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
+    diff / scale
+}
+
+/// Mixtral-like fractions of the tokens per expert, uneven, none empty.
+const UNEVEN: [f64; 8] = [0.20, 0.08, 0.15, 0.05, 0.18, 0.12, 0.10, 0.12];
+
+/// The grouped GEMM against one cuBLASLt GEMM per expert (bf16 in, f32 accumulation, bf16 out:
+/// the two differ by the accumulation order and the rounding of the outputs), every product,
+/// experts with zero rows included (their weight gradient must be exactly zero); then
+/// `grouped_linear`'s autodiff node on the same operands against the direct calls. Returns
+/// whether everything agreed.
+fn grouped_check(device: &CudaGpu) -> bool {
+    const TOLERANCE: f64 = 1e-2;
+    println!("== grouped GEMM (cuBLAS) against per-expert cuBLASLt GEMMs, bf16 ==");
+    let cases: Vec<(&str, usize, usize, Vec<usize>)> = vec![
+        (
+            "zeros first/middle/last",
+            256,
+            384,
+            vec![0, 37, 0, 300, 1, 0, 129, 0],
+        ),
+        ("one expert", 512, 256, vec![777]),
+        ("all rows in one of 4", 128, 192, vec![0, 0, 515, 0]),
+        (
+            "mixtral-1b fc1, an idle expert",
+            2048,
+            5632,
+            split(16384, &[0.22, 0.0, 0.15, 0.05, 0.25, 0.12, 0.11, 0.10]),
+        ),
+        ("mixtral-1b fc2", 5632, 2048, split(16384, &UNEVEN)),
+    ];
+    let mut ok = true;
+    for (label, k, m, counts) in cases {
+        let n: usize = counts.iter().sum();
+        let x = normal_bf16([n, k], device);
+        let dy = normal_bf16([n, m], device);
+        let w = GroupedOperand::Stacked(normal_bf16([counts.len(), k, m], device));
+        let dy_rows = GroupedOperand::Rows(dy.clone());
+        for (pass, a, b) in [
+            (Pass::Forward, &x, &w),
+            (Pass::InputGrad, &dy, &w),
+            (Pass::WeightGrad, &x, &dy_rows),
+        ] {
+            let got = grouped(pass, a, b, &counts);
+            let want: Vec<f32> = per_expert(pass, a, b, &counts)
+                .into_iter()
+                .flat_map(floats)
+                .collect();
+            let err = max_relative_error(&got, &want);
+            let mut fine = err <= TOLERANCE;
+            let mut note = String::new();
+            if pass == Pass::WeightGrad {
+                let block = k * m;
+                for (e, _) in counts.iter().enumerate().filter(|(_, c)| **c == 0) {
+                    if got[e * block..(e + 1) * block].iter().any(|v| *v != 0.0) {
+                        fine = false;
+                        note += &format!(" dw[{e}] (no rows) is not zero;");
+                    }
+                }
+            }
+            ok &= fine;
+            println!(
+                "{label:<32} {pass:<10?} k {k:5} m {m:5} counts {counts:?}: max rel err {err:.2e} {}{note}",
+                if fine { "ok" } else { "MISMATCH" }
+            );
+        }
+    }
+    ok &= autodiff_check(device);
+    ok
+}
+
+/// `grouped_linear` under `Autodiff<MegatronCuda>`: its output and gradients are the direct
+/// grouped calls' (bit for bit), so training runs the grouped GEMM and its backward is wired
+/// as checked above.
+fn autodiff_check(device: &CudaGpu) -> bool {
+    use burn::backend::Autodiff;
+    use burn_megatron::ops::grouped_linear;
+    type AD = Autodiff<MegatronCuda>;
+    let counts = vec![0, 300, 5, 0, 700, 1];
+    let (k, m, n) = (256, 512, counts.iter().sum::<usize>());
+    let x = normal_bf16([n, k], device);
+    let w = normal_bf16([counts.len(), k, m], device);
+    let dy = normal_bf16([n, m], device);
+    let tx = Tensor::<AD, 2>::from_inner(x.clone()).require_grad();
+    let tw = Tensor::<AD, 3>::from_inner(w.clone()).require_grad();
+    let y = grouped_linear(tx.clone(), tw.clone(), &counts);
+    // Σ y ∘ dy in f32, so that y's gradient is dy itself.
+    let loss = (y.clone().cast(DType::F32) * Tensor::from_inner(dy.clone().cast(DType::F32))).sum();
+    let grads = loss.backward();
+    let stacked = GroupedOperand::Stacked(w);
+    let rows = GroupedOperand::Rows(dy.clone());
+    let results = [
+        (
+            "y",
+            floats(y.inner()),
+            grouped(Pass::Forward, &x, &stacked, &counts),
+        ),
+        (
+            "dx",
+            floats(tx.grad(&grads).expect("x has a gradient")),
+            grouped(Pass::InputGrad, &dy, &stacked, &counts),
+        ),
+        (
+            "dw",
+            floats(tw.grad(&grads).expect("w has a gradient")),
+            grouped(Pass::WeightGrad, &x, &rows, &counts),
+        ),
+    ];
+    let mut ok = true;
+    for (name, got, want) in results {
+        let err = max_relative_error(&got, &want);
+        ok &= err == 0.0;
+        println!(
+            "grouped_linear (autodiff) {name}: max rel err {err:.2e} against the direct call {}",
+            if err == 0.0 { "ok" } else { "MISMATCH" }
+        );
+    }
+    ok
+}
+
+/// The grouped GEMM's TFLOP/s on Mixtral-like experts (8 experts, 16k tokens split unevenly),
+/// every product of fc1 (and gate) and fc2, next to one cuBLASLt GEMM per expert and a dense
+/// GEMM of the same FLOPs.
+fn grouped_times(device: &CudaGpu) {
+    let tokens = 16384;
+    let counts = split(tokens, &UNEVEN);
+    println!("== grouped GEMM TFLOP/s, bf16, {tokens} tokens over 8 experts {counts:?} ==");
+    println!(
+        "{:<34} {:>9} {:>11} {:>9} {:>14}",
+        "product", "grouped", "per-expert", "dense", "grouped/dense"
+    );
+    for (model, hidden, ffn) in [("mixtral-1b", 2048, 5632), ("mixtral-8x7b", 4096, 14336)] {
+        for (layer, k, m) in [("fc1", hidden, ffn), ("fc2", ffn, hidden)] {
+            let x = normal_bf16([tokens, k], device);
+            let dy = normal_bf16([tokens, m], device);
+            let w = normal_bf16([counts.len(), k, m], device);
+            let dense_w = normal_bf16([k, m], device);
+            let stacked = GroupedOperand::Stacked(w.clone());
+            let rows = GroupedOperand::Rows(dy.clone());
+            let flops = 2.0 * (tokens * k * m) as f64;
+            let tflops = |t: Duration| flops / t.as_secs_f64() / 1e12;
+            let mut total = Duration::ZERO;
+            for pass in [Pass::Forward, Pass::InputGrad, Pass::WeightGrad] {
+                use burn_megatron_kernels::cuda::grouped_gemm::{
+                    grouped_gemm, grouped_weight_gradient,
+                };
+                let (a, b) = match pass {
+                    Pass::Forward => (&x, &stacked),
+                    Pass::InputGrad => (&dy, &stacked),
+                    Pass::WeightGrad => (&x, &rows),
+                };
+                let grouped = time_of(device, || {
+                    match pass {
+                        Pass::WeightGrad => grouped_weight_gradient(&raw(&x), &raw(&dy), &counts),
+                        _ => grouped_gemm(&raw(a), &raw(&w), &counts, pass == Pass::InputGrad),
+                    }
+                    .expect("cuBLAS takes the operands")
+                });
+                let looped = time_of(device, || per_expert(pass, a, b, &counts));
+                let dense = time(device, || match pass {
+                    Pass::Forward => matmul(x.clone(), dense_w.clone(), false, false),
+                    Pass::InputGrad => matmul(dy.clone(), dense_w.clone(), false, true),
+                    Pass::WeightGrad => matmul(x.clone(), dy.clone(), true, false),
+                });
+                total += grouped;
+                let (grouped, looped, dense) = (tflops(grouped), tflops(looped), tflops(dense));
+                println!(
+                    "{:<34} {grouped:9.1} {looped:11.1} {dense:9.1} {:14.2}",
+                    format!("{model} {layer} {pass:?} k={k} m={m}"),
+                    grouped / dense
+                );
+            }
+            println!(
+                "{:<34} {:9.1}",
+                format!("{model} {layer} fwd+bwd (the three)"),
+                3.0 * flops / total.as_secs_f64() / 1e12
+            );
+        }
     }
 }
