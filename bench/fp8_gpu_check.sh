@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # FP8 on one GPU (issue 33) in one device call: the casts (one layout a kernel, and both layouts
-# with the amax in one pass) and FP8 GEMMs against their references and their times, against
-# bf16 (`gemm_bench fp8`; peer `torch_gemm.py --fp8`), the GPT 1.3B training step in
-# bf16 and FP8 (`gpt_train_bench`; peer `torch_train.py --fp8`), and the loss curves of a 350M GPT
+# with the amax in one pass; vectorised and scalar kernels) and FP8 GEMMs against their
+# references and their times, against bf16 (`gemm_bench fp8`; peer `torch_gemm.py --fp8`), the
+# GPT 1.3B training step in bf16 and FP8 (`gpt_train_bench`; peer `torch_train.py --fp8`), the
+# same step in 4 microbatches with the weights' FP8 casts kept for the step or made in every
+# microbatch (`--fp8-no-weight-cache`), and the loss curves of a 350M GPT
 # on real text in bf16 and FP8 (`pretrain_gpt`, 1000 steps). Needs, packed under .gpu/
 # (bench/pack_gpu.sh): bin/{gemm_bench,gpt_train_bench,pretrain_gpt,bm-launch} and the corpus
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
-#   PART=gemm|step|curve|all bash bench/fp8_gpu_check.sh
+#   PART=gemm|step|cache|curve|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
 chmod +x .gpu/bin/*
 source .gpu/env.sh
 B=.gpu/bin
-part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
+part() { [ "${PART:-all}" = all ] || [[ " ${PART} " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name --format=csv,noheader
 if part gemm; then
   timeout 150 $B/gemm_bench fp8 > $OUT/gemm_ours.log 2>&1; echo "rc=$?"
-  grep -v "^$" $OUT/gemm_ours.log | grep -v "^note\|backtrace" | head -90
+  grep -v "^$" $OUT/gemm_ours.log | grep -v "^note\|backtrace" | head -120
 fi
 if part step; then
   for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
@@ -27,6 +29,15 @@ if part step; then
   done
   timeout 150 python3 bench/torch_train.py --preset gpt-1.3b --batch 8 --steps 6 --warmup 2 --mode compile --fp8 > $OUT/torch_fp8.log 2>&1
   grep -E "RESULT|Error" $OUT/torch_fp8.log | tail -2
+fi
+if part cache; then
+  # The weight casts made once per optimizer step against once per microbatch: 4 microbatches
+  # of 2 x 2048 a step (the same tokens a step as above), bf16 for reference.
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe tensorwise --fp8-no-weight-cache"; do
+    n=mb4$(echo "$f" | tr -d ' -' | cut -c1-40)
+    timeout 120 $B/gpt_train_bench --preset gpt-1.3b --batch 2 --micro-batches 4 --steps 6 --warmup 2 --dtype bf16 $f > $OUT/$n.log 2>&1
+    echo "rc=$?"; grep -hE "RESULT|rror|panick" $OUT/$n.log | cut -c1-700 | head -3
+  done
 fi
 if part curve; then
   C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024

@@ -28,6 +28,9 @@
 //!
 //! `--fp8-format hybrid|e4m3` (with `--fp8-recipe tensorwise|delayed`) runs the transformer
 //! layers' GEMMs in FP8 (issue 33, `burn_megatron::ops::fp8`); the RESULT line names it.
+//! `--micro-batches N` accumulates the gradients of N batches per optimizer step (where FP8's
+//! weight casts, made once a step, are shared); `--fp8-no-weight-cache` casts the weights in
+//! every forward pass instead.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -225,6 +228,14 @@ struct Args {
     /// How FP8 scales are chosen (Megatron's `--fp8-recipe`): tensorwise or delayed.
     #[arg(long, default_value = "tensorwise")]
     fp8_recipe: String,
+    /// Cast each weight to FP8 in every forward pass instead of once per optimizer step
+    /// (`Fp8Config::cache_weights` off).
+    #[arg(long)]
+    fp8_no_weight_cache: bool,
+    /// Batches of `--batch` sequences per optimizer step, their gradients accumulated
+    /// (Megatron's microbatches; the tokens of all count).
+    #[arg(long, default_value_t = 1)]
+    micro_batches: usize,
 }
 
 impl Args {
@@ -282,10 +293,14 @@ fn run(args: &Args) -> Result<(), BoxError> {
         Some(format) => Some(
             Fp8Config::new()
                 .with_format(Fp8Format::parse(format)?)
-                .with_recipe(Fp8Recipe::parse(&args.fp8_recipe)?),
+                .with_recipe(Fp8Recipe::parse(&args.fp8_recipe)?)
+                .with_cache_weights(!args.fp8_no_weight_cache),
         ),
         None => None,
     };
+    if args.micro_batches == 0 {
+        return Err("--micro-batches must be at least 1".into());
+    }
     let world = args.world_size();
     if world == 0 {
         return Err("--data-parallel and --tensor-parallel must be at least 1".into());
@@ -399,8 +414,10 @@ fn train(
         .collect();
 
     let mut step = |model: GptModel<Train>, i: usize| {
-        let (tokens, targets) = batches[i % batches.len()].clone();
-        train_step(model, &mut optim, tokens, targets, args.lr, device)
+        let microbatches: Vec<_> = (0..args.micro_batches)
+            .map(|m| batches[(i * args.micro_batches + m) % batches.len()].clone())
+            .collect();
+        train_step(model, &mut optim, microbatches, args.lr, device)
     };
     let start = Instant::now();
     let mut first_loss = f32::NAN;
@@ -452,32 +469,38 @@ fn train(
     })
 }
 
-/// One step: forward and loss, backward, AdamW, then a device sync.
+/// One step: forward and loss, backward (of each microbatch `(tokens, targets)`), AdamW,
+/// then a device sync.
 fn train_step(
     model: GptModel<Train>,
     optim: &mut StepOptimizer,
-    tokens: Tensor<Train, 2, Int>,
-    targets: Tensor<Train, 2, Int>,
+    mut microbatches: Vec<(Tensor<Train, 2, Int>, Tensor<Train, 2, Int>)>,
     lr: f64,
     device: &CudaGpu,
 ) -> Result<(GptModel<Train>, StepTimes), BoxError> {
     let mut times = StepTimes::default();
     let start = Instant::now();
     let (loss, grads) = match model.recompute() {
-        // Full recomputation interleaves the layers' forward and backward passes.
-        recompute if recompute.reruns_layers() => {
+        // Full recomputation interleaves the layers' forward and backward passes; several
+        // microbatches run as the schedules run them.
+        recompute if recompute.reruns_layers() || microbatches.len() > 1 => {
             profile::phase(device, "fwd+bwd");
+            let microbatches: Vec<_> = microbatches
+                .into_iter()
+                .map(|(tokens, targets)| {
+                    burn_megatron::pipeline_parallel::Microbatch::new(tokens, targets)
+                })
+                .collect();
             let (loss, grads) = burn_megatron::pipeline_parallel::forward_backward_no_pipelining(
                 &model,
-                &[burn_megatron::pipeline_parallel::Microbatch::new(
-                    tokens, targets,
-                )],
+                &microbatches,
             )?;
             times.forward = start.elapsed();
             times.in_use = memory(device).0;
             (loss, grads)
         }
         _ => {
+            let (tokens, targets) = microbatches.pop().ok_or("no batch")?;
             // As the schedules do: sequence parallelism's partial gradients (the model defers
             // them, see `train`) summed over TP in one all-reduce after the backward pass.
             profile::phase(device, "forward");
@@ -631,7 +654,13 @@ fn report(
     let name = name.unwrap_or_default();
     let dtype = format!("{:?}", args.dtype).to_lowercase();
     let fp8 = match &config.fp8 {
-        Some(fp8) => format!("{:?}-{:?}", fp8.format, fp8.recipe).to_lowercase(),
+        Some(fp8) => format!(
+            "{:?}-{:?}{}",
+            fp8.format,
+            fp8.recipe,
+            if fp8.cache_weights { "" } else { "-nocache" }
+        )
+        .to_lowercase(),
         None => "off".to_string(),
     };
     let recompute = format!("{:?}", args.recompute).to_lowercase();
@@ -640,7 +669,7 @@ fn report(
     let step_ms = of(|s| s.total);
     // The world's tokens and FLOPs; TFLOP/s and MFU are per GPU.
     let world = args.world_size() as f64;
-    let global_batch = args.batch * args.data_parallel;
+    let global_batch = args.batch * args.micro_batches * args.data_parallel;
     let tokens = (global_batch * seq) as f64;
     let flops = config.training_flops(global_batch, seq)?;
     let tflops = flops / (step_ms / 1e3) / 1e12 / world;
@@ -654,11 +683,12 @@ fn report(
         (lo.min(ms(s.total)), hi.max(ms(s.total)))
     });
     println!(
-        "gpt_train_bench: {name} ({:.1}M params; parameter tensors by dtype {}), batch {} × seq {seq}, \
-         recompute {recompute}, attention {}, {} lr {}, on {}",
+        "gpt_train_bench: {name} ({:.1}M params; parameter tensors by dtype {}), batch {} × seq {seq} \
+         × {} microbatches a step, recompute {recompute}, attention {}, {} lr {}, on {}",
         outcome.params as f64 / 1e6,
         outcome.dtypes,
         args.batch,
+        args.micro_batches,
         if args.unfused_attention {
             "unfused"
         } else {
@@ -744,10 +774,11 @@ fn report(
         }
     }
     println!(
-        "RESULT impl=burn-megatron preset={name} batch={} seq={seq} dtype={dtype} \
+        "RESULT impl=burn-megatron preset={name} batch={} micro_batches={} seq={seq} dtype={dtype} \
          fp8={fp8} recompute={recompute} hidden_dropout={} dp={} tp={} sp={} zero={} overlap={} ranks={ranks} params={} step_ms={step_ms:.2} tok_s={:.0} tflops={tflops:.1} \
          mfu={:.4} mem_alloc_gib={:.2} mem_reserved_gib={:.2} loss={last_loss:.4}",
         args.batch,
+        args.micro_batches,
         args.hidden_dropout,
         args.data_parallel,
         args.tensor_parallel,
