@@ -148,11 +148,19 @@ fn floats<const D: usize>(t: Tensor<MegatronCuda, D>) -> Vec<f32> {
 }
 
 /// The casts against the host reference ([`Fp8Kind::encode`]), every element, both formats,
-/// both layouts, bf16 and f32 inputs spanning the formats' ranges (saturation, subnormals); then
-/// their speed on a Llama-8B activation.
+/// both layouts, bf16 and f32 inputs spanning the formats' ranges (saturation, subnormals), on
+/// a shape the vectorised kernels take (sides multiples of 4) and one the scalar kernels take;
+/// then their speed on a Llama-8B activation.
 fn fp8_casts(device: &CudaGpu) {
     println!("== FP8 casts against the host reference ==");
-    let (rows, cols) = (1000, 1040);
+    for (rows, cols) in [(1000, 1040), (998, 1042)] {
+        println!("-- [{rows}, {cols}] --");
+        fp8_casts_on(device, rows, cols);
+    }
+    fp8_cast_speeds(device);
+}
+
+fn fp8_casts_on(device: &CudaGpu, rows: usize, cols: usize) {
     for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
         for dtype in [DType::BF16, DType::F32] {
             // Normal values times 2^(-12..12): every binade of both formats, and beyond.
@@ -221,9 +229,12 @@ fn fp8_casts(device: &CudaGpu) {
             );
         }
     }
-    let mut nan = vec![1.0f32; 4096];
+    // A NaN in a tile of the kernel this shape takes.
+    let (nan_rows, nan_cols) = (64, 64 + cols % 4);
+    let mut nan = vec![1.0f32; nan_rows * nan_cols];
     nan[777] = f32::NAN;
-    let nan = Tensor::<MegatronCuda, 1>::from_floats(nan.as_slice(), device).reshape([64, 64]);
+    let nan = Tensor::<MegatronCuda, 1>::from_floats(nan.as_slice(), device)
+        .reshape([nan_rows, nan_cols]);
     let scale = raw(&Tensor::<MegatronCuda, 1>::from_floats([1.0], device));
     let both = quantize_both(raw(&nan), &scale, Fp8Kind::E4M3, true);
     println!(
@@ -233,7 +244,12 @@ fn fp8_casts(device: &CudaGpu) {
         bytes(both.row) == bytes(quantize(raw(&nan), &scale, Fp8Kind::E4M3, false))
             && bytes(both.transposed) == bytes(quantize(raw(&nan), &scale, Fp8Kind::E4M3, true))
     );
+}
 
+/// The casts' times and bandwidths on a bf16 [16384, 4096] activation (the vectorised
+/// kernels), and the fused cast on [16384, 4094] (a side not a multiple of 4: the scalar
+/// kernel, a byte a thread) for comparison.
+fn fp8_cast_speeds(device: &CudaGpu) {
     let x = Tensor::<MegatronCuda, 2>::random([16384, 4096], Distribution::Default, device)
         .cast(DType::BF16);
     let bytes_moved = (16384 * 4096 * 3) as f64;
@@ -280,6 +296,24 @@ fn fp8_casts(device: &CudaGpu) {
         wrap(quantize_both(raw(&x), &scale, Fp8Kind::E4M3, true).transposed)
     });
     report("fused cast of both layouts + amax (delayed)", t);
+    let odd = Tensor::<MegatronCuda, 2>::random([16384, 4094], Distribution::Default, device)
+        .cast(DType::BF16);
+    let t = time(device, || {
+        wrap(quantize_both(raw(&odd), &scale, Fp8Kind::E4M3, false).transposed)
+    });
+    println!(
+        "fused cast of both layouts, scalar kernel bf16 [16384, 4094]: {:.1} us, {:.0} GB/s (both casts' bytes only)",
+        t.as_secs_f64() * 1e6,
+        (16384 * 4094 * 4) as f64 / t.as_secs_f64() / 1e9
+    );
+    let t = time(device, || {
+        wrap(quantize(raw(&odd), &scale, Fp8Kind::E4M3, true))
+    });
+    println!(
+        "cast transposed, scalar kernel bf16 [16384, 4094]: {:.1} us, {:.0} GB/s (cast's bytes only)",
+        t.as_secs_f64() * 1e6,
+        (16384 * 4094 * 3) as f64 / t.as_secs_f64() / 1e9
+    );
 }
 
 /// `2^e` for each element of `e` (floored), as a tensor.
