@@ -1,6 +1,6 @@
 //! A rank's experts: MLPs whose weights are stacked along a leading expert dimension, all run
 //! on their contiguous blocks of tokens by one grouped product per projection
-//! ([`grouped_linear`], Megatron's `GroupedMLP`).
+//! ([`grouped_linear()`], Megatron's `GroupedMLP`).
 
 use burn::config::Config;
 use burn::module::{Module, Param};
