@@ -326,7 +326,7 @@ fn quantize_transposed_kernel<F: Float, Q: Float>(
 /// `transpose`, contiguous. `x` is a 2D f32, f16 or bf16 tensor, `scale` an f32 `[1]` tensor on
 /// the device. `kind` may also be a [`CastTarget::F32`] (the same kernels, unrounded). The
 /// row-major cast writes a vector of bytes a thread; the transposed one four bytes a thread
-/// where both sides are multiples of four ([`quantize_tiles_kernel`]), else one.
+/// where both sides are multiples of four (`quantize_tiles_kernel`), else one.
 pub fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
     scale: &CubeTensor<R>,
@@ -647,9 +647,10 @@ pub struct BothCasts<R: CubeRuntime> {
 
 /// [`quantize`] in both layouts from one read of `x` (one kernel writing both, the same bits
 /// as two [`quantize`] calls; four bytes at once where both sides are multiples of four,
-/// [`quantize_tiles_kernel`], else a byte a thread), and with `with_amax` the input's [`amax`] from the same pass
-/// (partial maxima per cube, then [`amax`]'s second stage; no atomics, the same bits): for
-/// delayed scaling, whose scale comes from a history and whose amax is only recorded.
+/// `quantize_tiles_kernel`, else a byte a thread), and with `with_amax` the input's [`amax`]
+/// from the same pass (partial maxima per cube, then [`amax`]'s second stage; no atomics, the
+/// same bits): for delayed scaling, whose scale comes from a history and whose amax is only
+/// recorded.
 pub fn quantize_both<R: CubeRuntime>(
     x: CubeTensor<R>,
     scale: &CubeTensor<R>,
