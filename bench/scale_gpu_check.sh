@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -124,4 +124,24 @@ if part startup; then
   ours llama_dp4_zero llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --global-batch-size 16
   ours llama_tp2pp2_start llama3_8b --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
   ours llama_pp4_last5_start llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 5
+fi
+if part best; then
+  # Issue 31's 1.15x: Llama-3 8B at micro-batch 2 with fewer pipeline stages, the bubble cut by
+  # a global batch of 128 (32 microbatches a pipeline at PP 2 x DP 2), against the peer at its
+  # best configuration (2 samples a GPU).
+  torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
+  ours llama_pp2dp2_last15_gb128 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --global-batch-size 128 --decoder-last-pipeline-num-layers 15
+  ours llama_pp4_last5_gb128 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --micro-batch-size 2 --global-batch-size 128 --decoder-last-pipeline-num-layers 5
+fi
+if part bestgpt; then
+  # The same for the GPT-3 6.7B shape (seq 2048, 4 samples a microbatch: 8192 tokens, as
+  # Llama's 2 x 4096), and the peer at 2 and 4 samples a GPU.
+  torch gpt_fsdp_b2 --preset gpt3-6.7b --batch 2 --steps $ITERS
+  torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+  ours gpt_pp2dp2_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256 ${GPT_LAST:+--decoder-last-pipeline-num-layers $GPT_LAST}
+fi
+if part dp4; then
+  # DP 4 with the distributed optimizer at 8B (each rank the whole model): the memory it
+  # needs, micro-batch 1.
+  ours llama_dp4_zero_mb1 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 1 --global-batch-size 64
 fi

@@ -3,6 +3,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cubecl_common::backtrace::BackTrace;
 use cubecl_common::bytes::Bytes;
@@ -191,6 +192,57 @@ impl CudaServer {
         })
     }
 
+    /// A slice of `size` bytes from the memory pool. When the device has no room, the pool's
+    /// cached pages that hold no live tensor are given back (after the side lanes' pending
+    /// work, which may still read them) and the reservation is tried once more, as PyTorch's
+    /// caching allocator does: memory a run freed in one size class (start-up's staging
+    /// buffers, an earlier step's gradient buffers) then serves another. A second failure is
+    /// an out-of-memory error that says what the pool holds.
+    fn reserve(&mut self, size: u64) -> Result<ManagedMemoryHandle, ServerError> {
+        match self.memory.reserve(size) {
+            Ok(reserved) => return Ok(reserved),
+            Err(IoError::BufferTooBig { .. }) => {}
+            Err(other) => return Err(other.into()),
+        }
+        let before = self.memory.memory_usage();
+        self.lanes.join_pending(self.compute, None)?;
+        self.memory.cleanup(true);
+        self.memory.storage().flush();
+        const GIB: f64 = (1u64 << 30) as f64;
+        let retried = self.memory.reserve(size);
+        let after = self.memory.memory_usage();
+        static NOTED: AtomicUsize = AtomicUsize::new(0);
+        if retried.is_ok() && NOTED.fetch_add(1, Ordering::Relaxed) < 3 {
+            eprintln!(
+                "GPU memory: {:.2} GiB of cached pages without live tensors given back to fit \
+                 {:.2} GiB ({:.2} GiB in live tensors)",
+                (before.bytes_reserved - after.bytes_reserved.min(before.bytes_reserved)) as f64
+                    / GIB,
+                size as f64 / GIB,
+                after.bytes_in_use as f64 / GIB,
+            );
+        }
+        retried.map_err(|error| ServerError::Generic {
+            reason: format!(
+                "out of GPU memory: {:.2} GiB requested, {:.2} GiB in live tensors, the pool \
+                     held {:.2} GiB before its free pages were given back and {:.2} GiB after \
+                     ({error})",
+                size as f64 / GIB,
+                after.bytes_in_use as f64 / GIB,
+                before.bytes_reserved as f64 / GIB,
+                after.bytes_reserved as f64 / GIB,
+            ),
+            backtrace: BackTrace::capture(),
+        })
+    }
+
+    /// Whether an earlier operation failed and its error is not reported yet. Launches,
+    /// copies and foreign operations are skipped until it is (at the next read, sync or
+    /// flush): a tensor whose memory could not be reserved has none, and must not be resolved.
+    fn failed(&self) -> bool {
+        !self.errors.is_empty()
+    }
+
     fn next_cursor(&mut self) -> u64 {
         self.cursor += 1;
         self.cursor
@@ -205,9 +257,9 @@ impl CudaServer {
     }
 
     /// Device memory filled with `bytes`, in stream order.
-    fn upload(&mut self, bytes: &[u8]) -> Result<Handle, IoError> {
+    fn upload(&mut self, bytes: &[u8]) -> Result<Handle, ServerError> {
         let handle = Handle::new(StreamId::current(), bytes.len() as u64);
-        let reserved = self.memory.reserve(bytes.len() as u64)?;
+        let reserved = self.reserve(bytes.len() as u64)?;
         let cursor = self.next_cursor();
         self.memory.bind(reserved, handle.memory.clone(), cursor)?;
         let target = self.resolve(&handle.clone().binding())?;
@@ -437,6 +489,9 @@ impl CudaServer {
 
     /// Runs a foreign operation in queue order (see [`super::foreign`]).
     pub(crate) fn run_foreign(&mut self, task: ForeignTask) {
+        if self.failed() {
+            return;
+        }
         let name = task.name;
         if let Err(error) = self.try_run_foreign(task) {
             self.errors.push(ServerError::Generic {
@@ -546,11 +601,10 @@ impl ComputeServer for CudaServer {
     fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, _: StreamId) {
         let cursor = self.next_cursor();
         let result = self
-            .memory
             .reserve(size)
-            .and_then(|reserved| self.memory.bind(reserved, memory, cursor));
+            .and_then(|reserved| Ok(self.memory.bind(reserved, memory, cursor)?));
         if let Err(error) = result {
-            self.errors.push(error.into());
+            self.errors.push(error);
         }
     }
 
@@ -573,6 +627,9 @@ impl ComputeServer for CudaServer {
     }
 
     fn write(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>, _: StreamId) {
+        if self.failed() {
+            return;
+        }
         if let Err(error) = self.write_now(descriptors) {
             self.errors.push(error);
         }
@@ -609,6 +666,7 @@ impl ComputeServer for CudaServer {
         _: StreamId,
     ) -> Result<ManagedResource<GpuResource>, ServerError> {
         self.set_current()?;
+        self.take_errors()?;
         let resource = self.resolve(&binding)?;
         Ok(ManagedResource::new(binding.memory, resource))
     }
@@ -621,6 +679,9 @@ impl ComputeServer for CudaServer {
         mode: ExecutionMode,
         _: StreamId,
     ) {
+        if self.failed() {
+            return;
+        }
         if let Err(error) = self.launch_checked(kernel, count, args, mode) {
             match self.timestamps.is_empty() {
                 true => self.errors.push(error),
