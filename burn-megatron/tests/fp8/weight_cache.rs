@@ -1,10 +1,12 @@
 //! The weight cast kept across microbatches (`Fp8Config::cache_weights`): several optimizer
 //! steps of several microbatches each, at TP 2 with sequence parallelism, give bit for bit the
 //! losses, gradients and parameters of the run that casts every weight in every forward pass,
-//! with and without full recomputation; each FP8 layer then keeps one weight's cast, and a
-//! layer without the cache none.
+//! with and without full recomputation, under our distributed AdamW and Burn's (each makes new
+//! parameter tensors, which is what renews the cache); each FP8 layer then keeps one weight's
+//! cast, and a layer without the cache none.
 
 use burn::module::Module;
+use burn::optim::{AdamWConfig, Optimizer};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::models::GptModel;
 use burn_megatron::ops::fp8::Fp8Config;
@@ -54,13 +56,15 @@ fn cached(model: &GptModel<AD>) -> Vec<usize> {
     out
 }
 
-/// `STEPS` steps of `MICROBATCHES` microbatches of `config` at TP 2: rank 0's outcome.
-fn train(config: &TransformerConfig) -> Outcome {
+/// `STEPS` steps of `MICROBATCHES` microbatches of `config` at TP 2, stepped by our
+/// distributed AdamW or (`burn_adamw`) Burn's: rank 0's outcome.
+fn train(config: &TransformerConfig, burn_adamw: bool) -> Outcome {
     let vocab = config.vocab_size;
     let per_rank = run(2, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default().with_tp(2))?;
         let mut model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
-        let mut optim = DistributedAdamWConfig::new().init(&model, &state, &[])?;
+        let mut ours = DistributedAdamWConfig::new().init(&model, &state, &[])?;
+        let mut burns = AdamWConfig::new().init::<AD, GptModel<AD>>();
         let (mut losses, mut grads_seen, mut kept) = (Vec::new(), Vec::new(), Vec::new());
         for step in 0..STEPS {
             let microbatches: Vec<_> = (0..MICROBATCHES)
@@ -75,7 +79,10 @@ fn train(config: &TransformerConfig) -> Outcome {
                 grads_seen.push((format!("step {step} {path}"), bits(data_values(&data))));
             }
             kept.extend(cached(&model));
-            model = optim.step(1e-2, model, &grads)?.model;
+            model = match burn_adamw {
+                true => burns.step(1e-2, model, grads),
+                false => ours.step(1e-2, model, &grads)?.model,
+            };
         }
         let mut values = Vec::new();
         struct Collect<'a>(&'a mut Vec<Vec<u64>>);
@@ -106,10 +113,14 @@ fn small_gpt(cache: bool, recompute: Recompute) -> TransformerConfig {
 
 #[test]
 fn cached_weight_casts_train_bit_for_bit_like_fresh_ones() {
-    for recompute in [Recompute::None, Recompute::Full] {
-        let fresh = train(&small_gpt(false, recompute));
-        let cached = train(&small_gpt(true, recompute));
-        let name = format!("{recompute:?}");
+    for (recompute, burn_adamw) in [
+        (Recompute::None, false),
+        (Recompute::Full, false),
+        (Recompute::None, true),
+    ] {
+        let fresh = train(&small_gpt(false, recompute), burn_adamw);
+        let cached = train(&small_gpt(true, recompute), burn_adamw);
+        let name = format!("{recompute:?}, Burn's AdamW {burn_adamw}");
         assert!(
             fresh.cached.iter().all(|&n| n == 0),
             "{name}: {:?}",
