@@ -149,11 +149,12 @@ fn floats<const D: usize>(t: Tensor<MegatronCuda, D>) -> Vec<f32> {
 
 /// The casts against the host reference ([`Fp8Kind::encode`]), every element, both formats,
 /// both layouts, bf16 and f32 inputs spanning the formats' ranges (saturation, subnormals), on
-/// a shape the vectorised kernels take (sides multiples of 4) and one the scalar kernels take;
-/// then their speed on a Llama-8B activation.
+/// shapes the vectorised kernels take (sides multiples of 8: 8 elements a thread from bf16, 4
+/// from f32; multiples of 4: 4) and one the scalar kernels take; then their speed on a
+/// Llama-8B activation.
 fn fp8_casts(device: &CudaGpu) {
     println!("== FP8 casts against the host reference ==");
-    for (rows, cols) in [(1000, 1040), (998, 1042)] {
+    for (rows, cols) in [(1000, 1040), (1000, 1044), (998, 1042)] {
         println!("-- [{rows}, {cols}] --");
         fp8_casts_on(device, rows, cols);
     }
@@ -247,8 +248,8 @@ fn fp8_casts_on(device: &CudaGpu, rows: usize, cols: usize) {
 }
 
 /// The casts' times and bandwidths on a bf16 [16384, 4096] activation (the vectorised
-/// kernels), and the fused cast on [16384, 4094] (a side not a multiple of 4: the scalar
-/// kernel, a byte a thread) for comparison.
+/// kernels, 8 elements a thread), and on [16384, 4092] (4 a thread) and [16384, 4094] (a side
+/// not a multiple of 4: the scalar kernels, a byte a thread) for comparison.
 fn fp8_cast_speeds(device: &CudaGpu) {
     let x = Tensor::<MegatronCuda, 2>::random([16384, 4096], Distribution::Default, device)
         .cast(DType::BF16);
@@ -296,24 +297,26 @@ fn fp8_cast_speeds(device: &CudaGpu) {
         wrap(quantize_both(raw(&x), &scale, Fp8Kind::E4M3, true).transposed)
     });
     report("fused cast of both layouts + amax (delayed)", t);
-    let odd = Tensor::<MegatronCuda, 2>::random([16384, 4094], Distribution::Default, device)
-        .cast(DType::BF16);
-    let t = time(device, || {
-        wrap(quantize_both(raw(&odd), &scale, Fp8Kind::E4M3, false).transposed)
-    });
-    println!(
-        "fused cast of both layouts, scalar kernel bf16 [16384, 4094]: {:.1} us, {:.0} GB/s (both casts' bytes only)",
-        t.as_secs_f64() * 1e6,
-        (16384 * 4094 * 4) as f64 / t.as_secs_f64() / 1e9
-    );
-    let t = time(device, || {
-        wrap(quantize(raw(&odd), &scale, Fp8Kind::E4M3, true))
-    });
-    println!(
-        "cast transposed, scalar kernel bf16 [16384, 4094]: {:.1} us, {:.0} GB/s (cast's bytes only)",
-        t.as_secs_f64() * 1e6,
-        (16384 * 4094 * 3) as f64 / t.as_secs_f64() / 1e9
-    );
+    for (cols, kernel) in [(4092, "vectorised by 4"), (4094, "scalar kernel")] {
+        let x = Tensor::<MegatronCuda, 2>::random([16384, cols], Distribution::Default, device)
+            .cast(DType::BF16);
+        let t = time(device, || {
+            wrap(quantize_both(raw(&x), &scale, Fp8Kind::E4M3, false).transposed)
+        });
+        println!(
+            "fused cast of both layouts, {kernel}, bf16 [16384, {cols}]: {:.1} us, {:.0} GB/s (both casts' bytes only)",
+            t.as_secs_f64() * 1e6,
+            (16384 * cols * 4) as f64 / t.as_secs_f64() / 1e9
+        );
+        let t = time(device, || {
+            wrap(quantize(raw(&x), &scale, Fp8Kind::E4M3, true))
+        });
+        println!(
+            "cast transposed, {kernel}, bf16 [16384, {cols}]: {:.1} us, {:.0} GB/s (cast's bytes only)",
+            t.as_secs_f64() * 1e6,
+            (16384 * cols * 3) as f64 / t.as_secs_f64() / 1e9
+        );
+    }
 }
 
 /// `2^e` for each element of `e` (floored), as a tensor.

@@ -325,8 +325,8 @@ fn quantize_transposed_kernel<F: Float, Q: Float>(
 /// stays NaN), as a `U8` tensor of FP8 bits: `[r, c]`, or its transpose `[c, r]` with
 /// `transpose`, contiguous. `x` is a 2D f32, f16 or bf16 tensor, `scale` an f32 `[1]` tensor on
 /// the device. `kind` may also be a [`CastTarget::F32`] (the same kernels, unrounded). The
-/// row-major cast writes a vector of bytes a thread; the transposed one four bytes a thread
-/// where both sides are multiples of four (`quantize_tiles_kernel`), else one.
+/// row-major cast writes a vector of bytes a thread; the transposed one 8 or 4 bytes a thread
+/// where both sides are multiples of that (`quantize_tiles_kernel`), else one.
 pub fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
     scale: &CubeTensor<R>,
@@ -354,12 +354,13 @@ pub fn quantize<R: CubeRuntime>(
     }
     let dtypes = [x.dtype.into(), kind.storage()];
     let client = x.client.clone();
-    if transpose && vectorisable(&x, rows, cols) {
+    let vector = tile_vector(&x, rows, cols).filter(|_| transpose);
+    if let Some(vector) = vector {
         // `row` and `partials` are not written: placeholders for the kernel's arguments.
         let unused = empty_device_contiguous_dtype::<R>(
             client.clone(),
             x.device.clone(),
-            Shape::from(vec![VECTOR]),
+            Shape::from(vec![vector]),
             kind.dtype(),
         );
         let partials = empty_device_contiguous_dtype::<R>(
@@ -368,7 +369,9 @@ pub fn quantize<R: CubeRuntime>(
             Shape::from(vec![1]),
             DType::U32,
         );
-        launch_tiles(x, scale, kind, &unused, &out, &partials, false, false);
+        launch_tiles(
+            x, vector, scale, kind, &unused, &out, &partials, false, false,
+        );
     } else if transpose {
         quantize_transposed_kernel::launch::<R>(
             &client,
@@ -480,15 +483,23 @@ fn quantize_both_kernel<F: Float, Q: Float>(
 
 /// Side of the square tiles the vectorised casts move through shared memory.
 const VECTOR_TILE: usize = 64;
-/// Elements a thread reads, and FP8 bytes it writes, at once in the vectorised casts.
-const VECTOR: usize = 4;
+/// Elements a thread reads, and FP8 bytes it writes, at once in the vectorised casts, widest
+/// first: 8 (16-byte bf16 reads) where the shape and the runtime allow, else 4.
+const VECTORS: [usize; 2] = [8, 4];
 /// Cubes of the vectorised casts at most (one wave on an H100 or H200: 8 cubes of 256 threads
 /// on each of 132 SMs); each walks tiles with a grid-wide stride.
 const VECTOR_CUBES: usize = 1024;
-const _: () = assert!(
-    (THREADS as usize).is_multiple_of(VECTOR_TILE / VECTOR)
-        && (VECTOR_TILE * VECTOR_TILE).is_multiple_of(THREADS as usize * VECTOR)
-);
+const _: () = {
+    let mut i = 0;
+    while i < VECTORS.len() {
+        let vector = VECTORS[i];
+        assert!(
+            (THREADS as usize).is_multiple_of(VECTOR_TILE / vector)
+                && (VECTOR_TILE * VECTOR_TILE).is_multiple_of(THREADS as usize * vector)
+        );
+        i += 1;
+    }
+};
 
 /// [`quantize_both_kernel`] (or, without `with_row`, [`quantize_transposed_kernel`]) with each
 /// thread reading `N` consecutive elements of a row and writing `N` bytes at once in each
@@ -588,18 +599,23 @@ fn quantize_tiles_kernel<F: Float, Q: Float, N: Size>(
     }
 }
 
-/// Whether [`quantize_tiles_kernel`] takes `x: [rows, cols]`: both sides multiples of
-/// [`VECTOR`] (the vectors of both layouts stay inside their rows) and `x` readable in vectors
-/// of that width.
-fn vectorisable<R: CubeRuntime>(x: &CubeTensor<R>, rows: usize, cols: usize) -> bool {
-    rows.is_multiple_of(VECTOR) && cols.is_multiple_of(VECTOR) && vector_width(&[x]) >= VECTOR
+/// The widest of [`VECTORS`] that [`quantize_tiles_kernel`] can take `x: [rows, cols]` in:
+/// both sides its multiples (the vectors of both layouts stay inside their rows) and `x`
+/// readable in vectors of that width; `None` for the scalar kernels.
+fn tile_vector<R: CubeRuntime>(x: &CubeTensor<R>, rows: usize, cols: usize) -> Option<usize> {
+    let readable = vector_width(&[x]);
+    VECTORS.into_iter().find(|&vector| {
+        rows.is_multiple_of(vector) && cols.is_multiple_of(vector) && readable >= vector
+    })
 }
 
-/// Launches [`quantize_tiles_kernel`] over `x: [rows, cols]` (see [`vectorisable`]); `row`
-/// is written with `with_row`, `partials` (one a cube) with `with_amax`. Returns the cubes.
+/// Launches [`quantize_tiles_kernel`] over `x: [rows, cols]` in vectors of `vector` (see
+/// [`tile_vector`]); `row` is written with `with_row`, `partials` (one a cube) with
+/// `with_amax`. Returns the cubes.
 #[allow(clippy::too_many_arguments)]
 fn launch_tiles<R: CubeRuntime>(
     x: CubeTensor<R>,
+    vector: usize,
     scale: &CubeTensor<R>,
     target: CastTarget,
     row: &CubeTensor<R>,
@@ -617,7 +633,7 @@ fn launch_tiles<R: CubeRuntime>(
         &client,
         CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_1d(THREADS),
-        VECTOR,
+        vector,
         x.into_tensor_arg(),
         scale.clone().into_tensor_arg(),
         row.clone().into_tensor_arg(),
@@ -628,7 +644,7 @@ fn launch_tiles<R: CubeRuntime>(
         target.max(),
         with_row,
         with_amax,
-        VECTOR_TILE * VECTOR_TILE / (THREADS as usize * VECTOR),
+        VECTOR_TILE * VECTOR_TILE / (THREADS as usize * vector),
         dtypes,
     );
     cubes
@@ -646,7 +662,7 @@ pub struct BothCasts<R: CubeRuntime> {
 }
 
 /// [`quantize`] in both layouts from one read of `x` (one kernel writing both, the same bits
-/// as two [`quantize`] calls; four bytes at once where both sides are multiples of four,
+/// as two [`quantize`] calls; 8 or 4 bytes at once where both sides are multiples of that,
 /// `quantize_tiles_kernel`, else a byte a thread), and with `with_amax` the input's [`amax`]
 /// from the same pass (partial maxima per cube, then [`amax`]'s second stage; no atomics, the
 /// same bits): for delayed scaling, whose scale comes from a history and whose amax is only
@@ -683,17 +699,17 @@ pub fn quantize_both<R: CubeRuntime>(
             amax,
         };
     }
-    let vectorised = vectorisable(&x, rows, cols);
-    let tiles = match vectorised {
-        true => rows.div_ceil(VECTOR_TILE) * cols.div_ceil(VECTOR_TILE),
-        false => rows.div_ceil(TILE) * cols.div_ceil(TILE),
+    let vector = tile_vector(&x, rows, cols);
+    let cubes = match vector {
+        Some(_) => (rows.div_ceil(VECTOR_TILE) * cols.div_ceil(VECTOR_TILE)).min(VECTOR_CUBES),
+        None => (rows.div_ceil(TILE) * cols.div_ceil(TILE)).min(BOTH_CUBES),
     };
-    let cubes = tiles.min(if vectorised { VECTOR_CUBES } else { BOTH_CUBES });
     // Unread without the amax: a placeholder for the kernel's argument.
     let partials = tensor(vec![if with_amax { cubes } else { 1 }], DType::U32);
-    if vectorised {
+    if let Some(vector) = vector {
         let launched = launch_tiles(
             x,
+            vector,
             scale,
             kind,
             &row,
