@@ -227,12 +227,14 @@ fn submit(dtype: DType, problems: Vec<Problem>, tensors: [&Tensor; 3]) {
     let bindings = tensors.iter().map(|t| binding(t)).collect();
     let device = tensors[0].device.clone();
     ForeignQueue::new(&device).submit("cuBLAS grouped GEMM", bindings, Lane::Compute, move |ctx| {
-        let state = match ctx.extensions.get_mut::<GroupedState>() {
-            Some(state) => state,
-            None => ctx
-                .extensions
-                .get_or_insert_with(|| GroupedState::new().expect("cuBLAS")),
-        };
+        if ctx.extensions.get_mut::<GroupedState>().is_none() {
+            let state = GroupedState::new()?;
+            ctx.extensions.get_or_insert_with(|| state);
+        }
+        let state = ctx
+            .extensions
+            .get_mut::<GroupedState>()
+            .expect("created above");
         state.run(ctx.stream, ctx.pointers, dtype, &problems)
     });
 }
