@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
 B=.gpu/bin
 ITERS=${ITERS:-8}
 part() { [ "${PART:-all}" = all ] || [ "${PART:-all}" = "$1" ]; }
-COMMON="--bf16 --no-save --eval-interval 0 --log-interval 1 --train-iters $ITERS --collective-checks false --lr-warmup-iters 2"
+COMMON="--bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2"
 # Each line of a run's log with the seconds since its launch ("[+12.3s]"): the first
 # iteration's line tells how long a user waits for it.
 stamp() { local t0=${EPOCHREALTIME/./} line; while IFS= read -r line; do printf '%s [+%d.%ds]\n' "$line" $(( (${EPOCHREALTIME/./} - t0) / 1000000 )) $(( (${EPOCHREALTIME/./} - t0) / 100000 % 10 )); done; }
@@ -27,7 +27,7 @@ ours() { # name, preset, flags...
   # buffers included), for the planner's predicted peak.
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > $OUT/$name.smi 2>/dev/null &
   local smi=$!
-  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" 2>&1 | stamp > $OUT/$name.log
+  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON --train-iters $ITERS "$@" 2>&1 | stamp > $OUT/$name.log
   echo "rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
   echo "peak MiB per GPU (nvidia-smi): $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' $OUT/$name.smi)" | tee -a $OUT/scale.log
@@ -131,12 +131,12 @@ if part best; then
   # best configuration (2 samples a GPU).
   torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
   ours llama_pp2dp2_last15_gb128 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --global-batch-size 128 --decoder-last-pipeline-num-layers 15
-  ours llama_pp4_last5_gb128 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --micro-batch-size 2 --global-batch-size 128 --decoder-last-pipeline-num-layers 5
+  [ -n "${PP4:-}" ] && ours llama_pp4_last5_gb128 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --micro-batch-size 2 --global-batch-size 128 --decoder-last-pipeline-num-layers 5
 fi
 if part bestgpt; then
   # The same for the GPT-3 6.7B shape (seq 2048, 4 samples a microbatch: 8192 tokens, as
   # Llama's 2 x 4096), and the peer at 2 and 4 samples a GPU.
-  torch gpt_fsdp_b2 --preset gpt3-6.7b --batch 2 --steps $ITERS
+  [ -n "${GPT_B2:-}" ] && torch gpt_fsdp_b2 --preset gpt3-6.7b --batch 2 --steps $ITERS
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
   ours gpt_pp2dp2_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256 ${GPT_LAST:+--decoder-last-pipeline-num-layers $GPT_LAST}
 fi
@@ -144,4 +144,16 @@ if part dp4; then
   # DP 4 with the distributed optimizer at 8B (each rank the whole model): the memory it
   # needs, micro-batch 1.
   ours llama_dp4_zero_mb1 llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 1 --global-batch-size 64
+fi
+if part best2; then
+  # After the fused gradient accumulation: Llama-3 8B at PP 2 x DP 2 (17 + 15 layers) with
+  # global batches of 128 and 256, GPT-3 6.7B at PP 2 x DP 2, each peer at its best
+  # configuration, and a profile of the Llama run (ranks 0 and 2, one iteration).
+  L="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --decoder-last-pipeline-num-layers 15"
+  torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
+  ours llama_pp2dp2_gb128 llama3_8b $L --global-batch-size 128
+  ITERS=4 ours llama_pp2dp2_gb256 llama3_8b $L --global-batch-size 256
+  torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+  ours gpt_pp2dp2_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
+  BM_PROFILE=1 ITERS=3 ours llama_pp2dp2_profile llama3_8b $L --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 2
 fi

@@ -328,9 +328,7 @@ where
                 .slice(range.start - slot.offset..range.end - slot.offset);
             state.inputs[*u] = Some(if accumulate {
                 // A later microbatch: added to the f32 sum (Megatron's main_grad).
-                let n = range.len();
-                let sum = input.clone().slice(*at..*at + n) + values.cast(DType::F32);
-                input.slice_assign(*at..*at + n, sum)
+                <BA::InnerBackend as WriteSlotOps>::add_slot(input, *at, values)
             } else {
                 <BA::InnerBackend as WriteSlotOps>::write_slot(input, *at, values)
             });

@@ -18,6 +18,13 @@ pub trait WriteSlotOps: Backend {
     ) -> Tensor<Self, 1> {
         write_slot_composition(buffer, start, values)
     }
+
+    /// `buffer` (`[numel]` f32) with `values` (`[n]`, any float dtype) cast to f32 added at
+    /// `start..start + n`: a later microbatch's gradient accumulated in the flat fp32 buffer.
+    /// CubeCL backends add in place, in one kernel, when nothing else holds `buffer`.
+    fn add_slot(buffer: Tensor<Self, 1>, start: usize, values: Tensor<Self, 1>) -> Tensor<Self, 1> {
+        add_slot_composition(buffer, start, values)
+    }
 }
 
 /// [`WriteSlotOps::write_slot`] as Burn operations: a cast (unless already f32), then a
@@ -35,6 +42,18 @@ pub fn write_slot_composition<B: Backend>(
     buffer.slice_assign(start..start + n, values)
 }
 
+/// [`WriteSlotOps::add_slot`] as Burn operations: a cast (unless already f32), a slice, the
+/// sum and a `slice_assign`.
+pub fn add_slot_composition<B: Backend>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    values: Tensor<B, 1>,
+) -> Tensor<B, 1> {
+    let n = values.dims()[0];
+    let sum = buffer.clone().slice(start..start + n) + values.cast(DType::F32);
+    buffer.slice_assign(start..start + n, sum)
+}
+
 /// Buffers are written outside the graph: the composition.
 impl<B: WriteSlotOps, C: CheckpointStrategy> WriteSlotOps for Autodiff<B, C> {}
 
@@ -43,10 +62,22 @@ impl<B: WriteSlotOps, C: CheckpointStrategy> WriteSlotOps for Autodiff<B, C> {}
 mod cube {
     use burn::tensor::{DType, Tensor};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-    use burn_megatron_kernels::fused::flat_copy::copy_into;
+    use burn_megatron_kernels::fused::flat_copy::{add_into, copy_into};
 
-    use super::{WriteSlotOps, write_slot_composition};
+    use super::{WriteSlotOps, add_slot_composition, write_slot_composition};
     use crate::ops::primitive::{raw, wrap};
+
+    /// Whether the kernel may write `buffer` in place: contiguous f32 that nothing else
+    /// holds, and values of a dtype it reads.
+    fn direct<R: CubeRuntime, B: burn::tensor::backend::Backend>(
+        buffer: &burn_cubecl::tensor::CubeTensor<R>,
+        values: &Tensor<B, 1>,
+    ) -> bool {
+        buffer.dtype == DType::F32
+            && buffer.is_contiguous()
+            && buffer.can_mut()
+            && matches!(values.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    }
 
     impl<R, F, I, BT> WriteSlotOps for CubeBackend<R, F, I, BT>
     where
@@ -63,14 +94,24 @@ mod cube {
             values: Tensor<Self, 1>,
         ) -> Tensor<Self, 1> {
             let buffer = raw(buffer);
-            let direct = buffer.dtype == DType::F32
-                && buffer.is_contiguous()
-                && buffer.can_mut()
-                && matches!(values.dtype(), DType::F32 | DType::F16 | DType::BF16);
-            if !direct {
+            if !direct(&buffer, &values) {
                 return write_slot_composition(wrap(buffer), start, values);
             }
             copy_into(raw(values), &buffer, start);
+            wrap(buffer)
+        }
+
+        /// In place, in one kernel (the composition as for `write_slot`).
+        fn add_slot(
+            buffer: Tensor<Self, 1>,
+            start: usize,
+            values: Tensor<Self, 1>,
+        ) -> Tensor<Self, 1> {
+            let buffer = raw(buffer);
+            if !direct(&buffer, &values) {
+                return add_slot_composition(wrap(buffer), start, values);
+            }
+            add_into(raw(values), &buffer, start);
             wrap(buffer)
         }
     }

@@ -1,4 +1,5 @@
-//! `write_slot`: a gradient cast into its slot of the flat f32 buffer.
+//! `write_slot` and `add_slot`: a gradient cast into (or added to) its slot of the flat f32
+//! buffer.
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{DType, Tensor, TensorData};
@@ -8,13 +9,13 @@ use burn_megatron_testing::values_f32;
 use crate::helpers::{W, matrix, random, vector};
 
 /// `WriteSlotOps::write_slot` (a gradient cast into its slot of the flat f32 buffer, one
-/// kernel, in place) equals the cast + `slice_assign` composition bit for bit, for f32 and f16
+/// kernel, in place) and `add_slot` (added to it) equal their compositions bit for bit, for f32 and f16
 /// values, packed and strided, at slot starts that are and are not whole vectors; elements
 /// outside the slot keep their values; and a buffer someone else still holds is not written
 /// through (the holder's copy is unchanged).
 #[test]
 fn write_slot_equals_the_composition_and_leaves_shared_buffers_alone() {
-    use burn_megatron::ops::write_slot::write_slot_composition;
+    use burn_megatron::ops::write_slot::{add_slot_composition, write_slot_composition};
     let device = WgpuDevice::default();
     let numel = 64;
     let fresh =
@@ -42,12 +43,32 @@ fn write_slot_equals_the_composition_and_leaves_shared_buffers_alone() {
             let buffer = fresh();
             let held = buffer.clone();
             let before = values_f32(held.clone());
-            let got = values_f32(W::write_slot(buffer, start, values));
+            let got = values_f32(W::write_slot(buffer, start, values.clone()));
             assert_eq!(got, want, "{name}: shared buffer");
             assert_eq!(
                 values_f32(held),
                 before,
                 "{name}: written through a shared buffer"
+            );
+
+            // Added to the slot: the sum in f32, elements outside the slot unchanged.
+            let want = values_f32(add_slot_composition(fresh(), start, values.clone()));
+            let got = values_f32(W::add_slot(fresh(), start, values.clone()));
+            assert_eq!(got, want, "{name}: add");
+            let outside = values_f32(fresh());
+            for (i, (g, o)) in got.iter().zip(&outside).enumerate() {
+                if !(start..start + n).contains(&i) {
+                    assert_eq!(g.to_bits(), o.to_bits(), "{name}: add wrote element {i}");
+                }
+            }
+            let buffer = fresh();
+            let held = buffer.clone();
+            let got = values_f32(W::add_slot(buffer, start, values));
+            assert_eq!(got, want, "{name}: add, shared buffer");
+            assert_eq!(
+                values_f32(held),
+                before,
+                "{name}: added through a shared buffer"
             );
         }
     }
