@@ -57,7 +57,7 @@ pub fn grouped_gemm(
 ) -> Result<Tensor, GemmUnsupported> {
     let dtype = same_dtype(x, w)?;
     let (n, k, ldx) = rows(x)?;
-    let [experts, p, q] = stacked(w)?;
+    let [experts, p, q, ldw, expert_stride] = stacked(w)?;
     let (w_k, m) = if transpose_w { (q, p) } else { (p, q) };
     check_counts(counts, experts, n, x, w)?;
     if w_k != k {
@@ -70,7 +70,7 @@ pub fn grouped_gemm(
         dtype,
     );
     let size = dtype.size() as u64;
-    // cuBLAS's A is w_e (column-major [q, p], ld q), B is x_e, C is y_e.
+    // cuBLAS's A is w_e (column-major [q, p], ld its row stride), B is x_e, C is y_e.
     let problems: Vec<Problem> = blocks(counts)
         .map(|(e, start, rows)| Problem {
             m: m as i32,
@@ -78,11 +78,11 @@ pub fn grouped_gemm(
             k: k as i32,
             transpose_a: transpose_w,
             transpose_b: false,
-            lda: q as i32,
+            lda: ldw as i32,
             ldb: ldx as i32,
             ldc: m as i32,
             offsets: [
-                (e * p * q) as u64 * size,
+                (e * expert_stride) as u64 * size,
                 (start * ldx) as u64 * size,
                 (start * m) as u64 * size,
             ],
@@ -189,11 +189,21 @@ fn rows(t: &Tensor) -> Result<(usize, usize, usize), GemmUnsupported> {
     }
 }
 
-/// The dims of a contiguous 3D tensor.
-fn stacked(t: &Tensor) -> Result<[usize; 3], GemmUnsupported> {
+/// The dims of a 3D tensor with contiguous rows (our runtime may pitch them), then its row
+/// stride and its expert stride.
+fn stacked(t: &Tensor) -> Result<[usize; 5], GemmUnsupported> {
     let (shape, strides) = (t.meta.shape(), t.meta.strides());
-    match shape.len() == 3 && strides[..] == [shape[1] * shape[2], shape[2], 1] {
-        true => Ok([shape[0], shape[1], shape[2]]),
+    if shape.len() != 3 {
+        return Err(GemmUnsupported::Layout);
+    }
+    let (rows, cols) = (shape[1], shape[2]);
+    let (expert_stride, row_stride) = (strides[0], strides[1]);
+    match strides[2] == 1
+        && row_stride >= cols.max(1)
+        && row_stride <= i32::MAX as usize
+        && expert_stride >= rows * row_stride
+    {
+        true => Ok([shape[0], rows, cols, row_stride, expert_stride]),
         false => Err(GemmUnsupported::Layout),
     }
 }
