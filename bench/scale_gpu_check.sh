@@ -151,9 +151,9 @@ if part best2; then
   # configuration, and a profile of the Llama run (ranks 0 and 2, one iteration).
   L="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --decoder-last-pipeline-num-layers 15"
   torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
-  ours llama_pp2dp2_gb128 llama3_8b $L --global-batch-size 128
+  ITERS=4 ours llama_pp2dp2_gb128 llama3_8b $L --global-batch-size 128
   ITERS=4 ours llama_pp2dp2_gb256 llama3_8b $L --global-batch-size 256
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
-  ours gpt_pp2dp2_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
+  ITERS=4 ours gpt_pp2dp2_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
   BM_PROFILE=1 ITERS=3 ours llama_pp2dp2_profile llama3_8b $L --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 2
 fi

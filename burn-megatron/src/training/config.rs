@@ -611,6 +611,7 @@ impl PretrainConfig {
             micro_batch: self.micro_batch_size,
             global_batch: self.global_batch_size,
             dtype_bytes: if self.bf16 || self.fp16 { 2 } else { 4 },
+            overlap_grad_reduce: self.overlap_grad_reduce,
             gpu_memory: (self.gpu_memory_gib * (1u64 << 30) as f64) as u64,
             peak_tflops: self.peak_tflops,
         }

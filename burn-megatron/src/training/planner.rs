@@ -83,6 +83,11 @@ pub struct PlanInput {
     pub global_batch: usize,
     /// Bytes of one parameter and activation element: 2 for bf16 and fp16, 4 for f32.
     pub dtype_bytes: usize,
+    /// Whether the gradients are taken into f32 reduction units during the backward pass
+    /// (`--overlap-grad-reduce`, with the flat-buffer AdamW): the units, 4 bytes a parameter,
+    /// then live through every microbatch, where otherwise the gradients are held in the
+    /// model's dtype and the f32 buffer exists during the optimizer step only.
+    pub overlap_grad_reduce: bool,
     /// The GPU's memory, in bytes.
     pub gpu_memory: u64,
     /// The GPU's peak dense TFLOP/s in the model's dtype.
@@ -94,7 +99,8 @@ pub struct PlanInput {
 pub struct RankMemory {
     /// Parameters.
     pub params: u64,
-    /// Parameter gradients in the model's dtype.
+    /// Parameter gradients: in the model's dtype, or the f32 reduction units
+    /// ([`PlanInput::overlap_grad_reduce`]).
     pub grads: u64,
     /// Optimizer state (master weights and moments).
     pub optimizer: u64,
@@ -344,7 +350,11 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         };
         let memory = RankMemory {
             params: d * params,
-            grads: d * params,
+            grads: if input.overlap_grad_reduce && flat_adamw {
+                4 * params
+            } else {
+                d * params
+            },
             optimizer,
             step_buffer: if flat_adamw { 4 * params } else { 0 },
             activations: in_flight * per_microbatch + recomputing,

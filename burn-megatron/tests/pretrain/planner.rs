@@ -117,6 +117,7 @@ fn llama_8b_input() -> PlanInput {
         micro_batch: 1,
         global_batch: 16,
         dtype_bytes: 2,
+        overlap_grad_reduce: false,
         gpu_memory: 80 * GIB,
         peak_tflops: 989.4,
     }
@@ -180,6 +181,28 @@ fn the_plan_for_llama_8b_on_four_gpus() {
         text.contains("suggested: --tensor-model-parallel-size"),
         "{text}"
     );
+
+    // With --overlap-grad-reduce the gradients live in f32 reduction units through the
+    // backward pass: 4 bytes a parameter instead of 2, and nothing else changes.
+    let pp2_dp2 = PlannedLayout {
+        tp: 1,
+        pp: 2,
+        virtual_stages: 1,
+        dp: 2,
+        sequence_parallel: false,
+        distributed_optimizer: true,
+        recompute: Recompute::None,
+        last_stage_layers: Some(15),
+    };
+    let plain = estimate(&input, pp2_dp2).unwrap().memory;
+    let overlapped = PlanInput {
+        overlap_grad_reduce: true,
+        ..llama_8b_input()
+    };
+    let hooked = estimate(&overlapped, pp2_dp2).unwrap().memory;
+    let params = stage_params(&input.model, 1, 2, 0, 17);
+    assert_eq!((plain.grads, hooked.grads), (2 * params, 4 * params));
+    assert_eq!(hooked.peak() - plain.peak(), 2 * params);
 }
 
 /// The interleaved schedule in the plan: Llama 3 8B at TP 2 x PP 2 with 16 microbatches. The
