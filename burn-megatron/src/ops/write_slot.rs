@@ -79,6 +79,30 @@ mod cube {
             && matches!(values.dtype(), DType::F32 | DType::F16 | DType::BF16)
     }
 
+    /// `values` written into (or, with `add`, added to) `buffer`'s slot at `start` by one
+    /// kernel where [`direct`] allows it, else by the composition.
+    fn in_place<R, F, I, BT>(
+        buffer: Tensor<CubeBackend<R, F, I, BT>, 1>,
+        start: usize,
+        values: Tensor<CubeBackend<R, F, I, BT>, 1>,
+        add: bool,
+    ) -> Tensor<CubeBackend<R, F, I, BT>, 1>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let buffer = raw(buffer);
+        match (direct(&buffer, &values), add) {
+            (true, false) => copy_into(raw(values), &buffer, start),
+            (true, true) => add_into(raw(values), &buffer, start),
+            (false, false) => return write_slot_composition(wrap(buffer), start, values),
+            (false, true) => return add_slot_composition(wrap(buffer), start, values),
+        }
+        wrap(buffer)
+    }
+
     impl<R, F, I, BT> WriteSlotOps for CubeBackend<R, F, I, BT>
     where
         R: CubeRuntime,
@@ -93,12 +117,7 @@ mod cube {
             start: usize,
             values: Tensor<Self, 1>,
         ) -> Tensor<Self, 1> {
-            let buffer = raw(buffer);
-            if !direct(&buffer, &values) {
-                return write_slot_composition(wrap(buffer), start, values);
-            }
-            copy_into(raw(values), &buffer, start);
-            wrap(buffer)
+            in_place(buffer, start, values, false)
         }
 
         /// In place, in one kernel (the composition as for `write_slot`).
@@ -107,12 +126,7 @@ mod cube {
             start: usize,
             values: Tensor<Self, 1>,
         ) -> Tensor<Self, 1> {
-            let buffer = raw(buffer);
-            if !direct(&buffer, &values) {
-                return add_slot_composition(wrap(buffer), start, values);
-            }
-            add_into(raw(values), &buffer, start);
-            wrap(buffer)
+            in_place(buffer, start, values, true)
         }
     }
 }
