@@ -216,8 +216,7 @@ impl CudaServer {
             eprintln!(
                 "GPU memory: {:.2} GiB of cached pages without live tensors given back to fit \
                  {:.2} GiB ({:.2} GiB in live tensors)",
-                (before.bytes_reserved - after.bytes_reserved.min(before.bytes_reserved)) as f64
-                    / GIB,
+                before.bytes_reserved.saturating_sub(after.bytes_reserved) as f64 / GIB,
                 size as f64 / GIB,
                 after.bytes_in_use as f64 / GIB,
             );
