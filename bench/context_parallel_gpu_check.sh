@@ -24,6 +24,8 @@
 #   comm   ours a2a at CP 2 and 4, all_gather at CP 4 and 2 (32k; all_gather is a composition
 #          that materialises [heads, seq/cp, seq] f32 scores a layer: 32-64 GiB at 32k, expect
 #          OOM); torch with the all-to-all rotation (CP 2) and CP 4, at 32k
+#   two    (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 32k, a profile of CP 2 p2p, CP 2 at
+#          128k; torch CP 2 at 32k with both rotations
 #   extra  ours CP 4 at 128k without recomputation; all_gather and p2p at 8k (CP 4); torch CP 4
 #          at 128k with the all-to-all rotation, and without activation checkpointing
 # Each run prints its iteration lines and one RUN line (median tokens/s, TFLOP/s per GPU and
@@ -42,7 +44,7 @@
 set -u
 cd "$(dirname "$0")/.."
 CPU_CHECK=${CPU_CHECK:-0}
-NPROC=4
+NPROC=${NPROC:-4}
 ITERS=${ITERS:-4}
 TORCH_STEPS=${TORCH_STEPS:-3}
 BUDGET=${BUDGET:-520}
@@ -252,6 +254,17 @@ if part key; then
   torch cp2_32k --cp 2 --seq 32768 "${TS[@]}"
   # Four 128k sequences a step on 4 GPUs without CP: out of memory, or ~20 s an iteration.
   IT=2 ours cp1_128k 131072 1 p2p
+fi
+if part two; then
+  # For 2 GPUs (NPROC=2): CP 2 against CP 1 (x DP 2) at 32k, each comm type, the peer, and a
+  # profile of CP 2 p2p (BM_PROFILE=1: the ring's exposed communication).
+  ours cp1_32k 32768 1 p2p
+  ours cp2_p2p_32k 32768 2 p2p
+  torch cp2_32k --cp 2 --seq 32768 "${TS[@]}"
+  ours cp2_a2a_32k 32768 2 a2a
+  BM_PROFILE=1 IT=3 ours cp2_p2p_32k_profile 32768 2 p2p --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 1
+  IT=3 ours cp2_p2p_128k 131072 2 p2p
+  torch cp2_32k_alltoall --cp 2 --seq 32768 --rotate alltoall "${TS[@]}"
 fi
 if part seq; then
   ours cp4_p2p_32k 32768 4 p2p

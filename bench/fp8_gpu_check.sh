@@ -8,7 +8,7 @@
 # on real text in bf16 and FP8 (`pretrain_gpt`, 1000 steps). Needs, packed under .gpu/
 # (bench/pack_gpu.sh): bin/{gemm_bench,gpt_train_bench,pretrain_gpt,bm-launch} and the corpus
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
-#   PART=gemm|step|cache|curve|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|step|profile|cache|curve|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -29,6 +29,15 @@ if part step; then
   done
   timeout 150 python3 bench/torch_train.py --preset gpt-1.3b --batch 8 --steps 6 --warmup 2 --mode compile --fp8 > $OUT/torch_fp8.log 2>&1
   grep -E "RESULT|Error" $OUT/torch_fp8.log | tail -2
+fi
+if part profile; then
+  # Where the FP8 step's time goes against bf16's (BM_PROFILE=1: per-kernel GPU time, the
+  # 14 largest), GPT 1.3B, batch 8 x 2048.
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise"; do
+    n=prof$(echo "$f" | tr -d ' -' | cut -c1-30)
+    BM_PROFILE=1 timeout 150 $B/gpt_train_bench --preset gpt-1.3b --batch 8 --steps 6 --warmup 2 --dtype bf16 --top 24 $f > $OUT/$n.log 2>&1
+    echo "=== profile ${f:-bf16}: rc=$?"; grep -vE "^\s*$|^note|backtrace" $OUT/$n.log | head -60 | cut -c1-170
+  done
 fi
 if part cache; then
   # The weight casts made once per optimizer step against once per microbatch: 4 microbatches

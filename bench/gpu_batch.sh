@@ -10,14 +10,16 @@
 # Steps (the scripts they run say what each measures):
 #   overlap  PART=overlap bench/scale_gpu_check.sh: Llama-3 8B with and without --tp-comm-overlap
 #   pp4      PART=pp4 bench/scale_gpu_check.sh: Llama-3 8B at PP 4 interleaved
-#   best, bestgpt, dp4, best2   the same script's parts: issue 31's best layouts against the peer
+#   best, bestgpt, dp4, best2, dpgpt   the same script's parts: issue 31's best layouts against the peer
 #   uneven   PART=uneven, then uneven2, of bench/scale_gpu_check.sh: uneven pipeline stages
 #   startup  PART=startup bench/scale_gpu_check.sh: start-up of DP 4, TP 2 x PP 2 and PP 4
 #   fault    bench/fault_gpu_check.sh: kill -9 of a rank, the restart and resume
 #   tpprof   gpt_train_bench Llama 1B at TP 4 + SP, without and with --tp-comm-overlap, profiled
-#   cp       PART=key bench/context_parallel_gpu_check.sh (BUDGET=CP_BUDGET, default 300 s)
-#   moe      bench/moe_gpu_check.sh (BUDGET=MOE_BUDGET, default 240 s)
+#   cp       bench/context_parallel_gpu_check.sh (PART=CP_PART, default key; NPROC=CP_NPROC, default 4;
+#            BUDGET=CP_BUDGET, default 300 s)
+#   moe      bench/moe_gpu_check.sh (PART=MOE_PART, default all; BUDGET=MOE_BUDGET, default 240 s)
 #   fp8      PART=gemm and PART=step of bench/fp8_gpu_check.sh
+#   fp8prof  PART=profile of bench/fp8_gpu_check.sh: the bf16 and FP8 steps profiled
 #   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
 #   single   ckpt on GPU 0 and fp8's PART=step on GPU 1 at the same time
 #   generate bench/generate_gpu_check.sh: greedy ids against transformers', decode tokens/s
@@ -42,7 +44,7 @@ step() { # name, then the command (run with OUT=$ROOT/name)
 # The logs so far into $OUT (after every step: a call cut at its limit still returns them).
 pack() {
   tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
-  for f in best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
+  for f in best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
@@ -59,6 +61,7 @@ for s in "$@"; do
     best) step best env PART=best ITERS=${ITERS:-5} LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     bestgpt) step bestgpt env PART=bestgpt ITERS=${ITERS:-5} LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     best2) step best2 env PART=best2 ITERS=${ITERS:-5} LIMIT=170 bash bench/scale_gpu_check.sh ;;
+    dpgpt) step dpgpt env PART=dpgpt ITERS=${ITERS:-5} LIMIT=150 bash bench/scale_gpu_check.sh ;;
     dp4) step dp4 env PART=dp4 ITERS=3 LIMIT=120 bash bench/scale_gpu_check.sh ;;
     uneven) step uneven env PART=uneven ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     startup) step startup env PART=startup ITERS=3 LIMIT=150 bash bench/scale_gpu_check.sh ;;
@@ -78,12 +81,13 @@ for s in "$@"; do
           echo "=== TP 4 + SP $f: rc=$?"; grep -vE "^\s*$|^note|backtrace" $log | head -45 | cut -c1-160
         done'
       ;;
-    cp) step cp env PART=key BUDGET="${CP_BUDGET:-300}" bash bench/context_parallel_gpu_check.sh ;;
-    moe) step moe env BUDGET="${MOE_BUDGET:-240}" bash bench/moe_gpu_check.sh ;;
+    cp) step cp env PART="${CP_PART:-key}" NPROC="${CP_NPROC:-4}" BUDGET="${CP_BUDGET:-300}" bash bench/context_parallel_gpu_check.sh ;;
+    moe) step moe env PART="${MOE_PART:-all}" NPROC="${MOE_NPROC:-4}" BUDGET="${MOE_BUDGET:-240}" bash bench/moe_gpu_check.sh ;;
     fp8)
       step fp8_gemm env PART=gemm bash bench/fp8_gpu_check.sh
       step fp8_step env PART=step bash bench/fp8_gpu_check.sh
       ;;
+    fp8prof) step fp8prof env PART=profile bash bench/fp8_gpu_check.sh ;;
     ckpt) step ckpt bash -c "$CKPT" ;;
     generate) step generate env BUDGET="${GEN_BUDGET:-520}" bash bench/generate_gpu_check.sh ;;
     # The one-GPU checks side by side on a machine of several GPUs: the checkpoint benchmark on

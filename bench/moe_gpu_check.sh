@@ -16,6 +16,7 @@
 #   bash bench/moe_gpu_check.sh                 # all runs, in this order, within BUDGET
 #   PART=ours bash bench/moe_gpu_check.sh       # ours only (PART=gemm,ours,torch is all)
 #   PART=gemm bash bench/moe_gpu_check.sh       # the experts' grouped GEMM only (one GPU is enough)
+#   NPROC=2 PART=gemm,two bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2, the peers, a profile
 #
 # PART gemm runs first: `gemm_bench grouped` (bin/gemm_bench: bench/pack_gpu.sh build --release
 # --features cuda -p burn-megatron-examples --example gemm_bench) checks the cuBLAS grouped GEMM
@@ -48,7 +49,7 @@
 set -u
 cd "$(dirname "$0")/.."
 CPU_CHECK=${CPU_CHECK:-0}
-NPROC=4
+NPROC=${NPROC:-4}
 ITERS=${ITERS:-5}
 TORCH_STEPS=${TORCH_STEPS:-3}
 BUDGET=${BUDGET:-520}
@@ -267,6 +268,14 @@ fi
 say "moe_gpu_check: PART=$PART ITERS=$ITERS BUDGET=${BUDGET}s $(date -u +%H:%M:%S)"
 
 part gemm && grouped_gemm
+if [ "$PART" != all ] && part two; then
+  # For 2 GPUs (NPROC=2): both presets at EP 2, each peer, and a profile of ours (Mixtral).
+  ours mixtral_ep2 mixtral_1b_moe 2
+  torch mixtral_ep2 --preset mixtral --ep 2
+  ours deepseek_ep2 deepseek_moe_1b 2
+  torch deepseek_ep2 --preset deepseek --ep 2
+  BM_PROFILE=1 ITERS=3 ours mixtral_ep2_profile mixtral_1b_moe 2 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
+fi
 part ours && ours mixtral_ep4 mixtral_1b_moe 4
 part torch && torch mixtral_ep4 --preset mixtral --ep 4
 part ours && ours deepseek_ep4 deepseek_moe_1b 4

@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -156,4 +156,12 @@ if part best2; then
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
   ITERS=4 ours gpt_pp2dp2_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
   BM_PROFILE=1 ITERS=3 ours llama_pp2dp2_profile llama3_8b $L --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 2
+fi
+if part dpgpt; then
+  # GPT-3 6.7B without a pipeline (the planner's first choice: DP 4 with the distributed
+  # optimizer, each rank the whole model, micro-batch 4), and PP 2 x DP 2 at global batch 512
+  # (64 microbatches a pipeline: the bubble 1/65), against the peer at 4 samples a GPU.
+  torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+  ITERS=4 ours gpt_dp4_mb4_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
+  ITERS=3 ours gpt_pp2dp2_gb512 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 512
 fi
