@@ -16,6 +16,7 @@
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
+use burn_cubecl::ops::reshape;
 use burn_cubecl::tensor::CubeTensor;
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys;
@@ -111,8 +112,18 @@ pub fn grouped_weight_gradient(
     check_counts(counts, counts.len(), n, x, dy)?;
     let shape = Shape::from(vec![counts.len(), k, m]);
     let (client, device) = (x.client.clone(), x.device.clone());
+    // The products write with `ldc = m`, so the output must be contiguous: zeros are filled
+    // flat (a tensor of several dimensions may get pitched rows), then viewed as the stack.
     let out = match counts.contains(&0) {
-        true => zeros_client(client, device, shape, dtype),
+        true => reshape(
+            zeros_client(
+                client,
+                device,
+                Shape::from(vec![shape.num_elements()]),
+                dtype,
+            ),
+            shape,
+        ),
         false => empty_device_contiguous_dtype(client, device, shape, dtype),
     };
     let size = dtype.size() as u64;

@@ -104,7 +104,8 @@ pub struct RankMemory {
     pub grads: u64,
     /// Optimizer state (master weights and moments).
     pub optimizer: u64,
-    /// The fp32 gradient buffer of the flat-buffer AdamW (during the optimizer step only).
+    /// The fp32 gradient buffer of the flat-buffer AdamW (during the optimizer step only;
+    /// none with [`PlanInput::overlap_grad_reduce`], whose units are that buffer).
     pub step_buffer: u64,
     /// Activations at the peak of the forward and backward passes.
     pub activations: u64,
@@ -356,7 +357,13 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
                 d * params
             },
             optimizer,
-            step_buffer: if flat_adamw { 4 * params } else { 0 },
+            // With the reduction units the step reads their reduced shard, which is no more
+            // than the units it replaces: no second f32 buffer.
+            step_buffer: if flat_adamw && !input.overlap_grad_reduce {
+                4 * params
+            } else {
+                0
+            },
             activations: in_flight * per_microbatch + recomputing,
             logits,
         };

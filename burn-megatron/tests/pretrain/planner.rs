@@ -203,6 +203,28 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     let params = stage_params(&input.model, 1, 2, 0, 17);
     assert_eq!((plain.grads, hooked.grads), (2 * params, 4 * params));
     assert_eq!(hooked.peak() - plain.peak(), 2 * params);
+
+    // At DP 4 (micro-batch 1) the optimizer step, not the backward pass, sets the plain peak: the bf16
+    // gradients and the f32 buffer they are gathered into. The units are that buffer, so the
+    // hooked peak is the backward pass's: every part once (measured on 4 H200s: 86.41 GiB of
+    // live tensors, book "Benchmarks").
+    let dp4 = PlannedLayout {
+        pp: 1,
+        dp: 4,
+        last_stage_layers: None,
+        ..pp2_dp2
+    };
+    let plain = estimate(&input, dp4).unwrap().memory;
+    let hooked = estimate(&overlapped, dp4).unwrap().memory;
+    let params = stage_params(&input.model, 1, 1, 0, 32);
+    assert_eq!(plain.step_buffer, 4 * params);
+    assert!(plain.step_buffer > plain.activations + plain.logits);
+    assert_eq!(hooked.step_buffer, 0);
+    assert_eq!(
+        hooked.peak(),
+        hooked.params + hooked.grads + hooked.optimizer + hooked.activations + hooked.logits
+    );
+    assert_eq!(hooked.grads, 4 * params);
 }
 
 /// The interleaved schedule in the plan: Llama 3 8B at TP 2 x PP 2 with 16 microbatches. The
