@@ -236,6 +236,67 @@ pub fn amax<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     out
 }
 
+#[cube(launch)]
+fn tensorwise_scale_kernel(
+    amax: &Tensor<f32>,
+    scale: &mut Tensor<f32>,
+    max: f32,
+    factor: f32,
+    largest: f32,
+    infinity: f32,
+) {
+    if ABSOLUTE_POS == 0 {
+        let a = amax[0];
+        let mut s = max / a * factor;
+        if s > largest {
+            s = largest;
+        }
+        // A NaN fails both comparisons.
+        let mut usable = false;
+        if a > 0.0 {
+            if a < infinity {
+                usable = true;
+            }
+        }
+        if !usable {
+            s = 1.0;
+        }
+        scale[0] = s;
+    }
+}
+
+/// The tensorwise scale of a cast to `max` (the format's largest value) from the tensor's
+/// `amax` (`[1]` f32): `max / amax · 2^-margin`, at most `f32::MAX`, or 1 where the amax is
+/// zero, NaN or infinite. One thread of one kernel, the same operations in the same order as
+/// the composition of Burn operations it replaces (about ten launches).
+pub fn tensorwise_scale<R: CubeRuntime>(
+    amax: CubeTensor<R>,
+    max: f32,
+    margin: i32,
+) -> CubeTensor<R> {
+    assert_eq!(amax.dtype, DType::F32, "the amax is f32");
+    assert_eq!(amax.meta.shape().num_elements(), 1, "one amax");
+    let (client, device) = (amax.client.clone(), amax.device.clone());
+    let scale = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        device,
+        Shape::from(vec![1]),
+        DType::F32,
+    );
+    tensorwise_scale_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        into_contiguous(amax).into_tensor_arg(),
+        scale.clone().into_tensor_arg(),
+        max,
+        2f32.powi(-margin),
+        f32::MAX,
+        f32::INFINITY,
+    );
+    scale
+}
+
 /// `x · scale` saturated to `±max`; a NaN stays a NaN (a clamp would turn it into `-max`).
 #[cube]
 fn scaled(x: f32, scale: f32, max: f32) -> f32 {

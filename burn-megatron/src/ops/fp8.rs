@@ -98,6 +98,17 @@ pub trait Fp8Ops: LinearOps {
         amax_composition(x)
     }
 
+    /// The tensorwise scale of a cast to `dtype` from the tensor's `amax` (`[1]` f32):
+    /// [`tensorwise_scale`]'s value, as a `[1]` f32 tensor. Our CUDA backend computes it in one
+    /// kernel; the composition launches about ten, once per cast.
+    fn fp8_tensorwise_scale(
+        amax: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+        margin: i32,
+    ) -> Tensor<Self, 1> {
+        tensorwise_scale(amax, dtype, margin)
+    }
+
     /// `x · scale` rounded to nearest (ties to even) on `dtype`'s grid, saturated to ±max, in
     /// the backend's FP8 storage: `[r, c]` -> `[r, c]`, or `[c, r]` (contiguous, row-major)
     /// with `transpose`. `scale: [1]` f32.
@@ -240,6 +251,14 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
         Tensor::from_inner(B::fp8_amax(x.inner()))
     }
 
+    fn fp8_tensorwise_scale(
+        amax: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+        margin: i32,
+    ) -> Tensor<Self, 1> {
+        Tensor::from_inner(B::fp8_tensorwise_scale(amax.inner(), dtype, margin))
+    }
+
     fn fp8_quantize(
         x: Tensor<Self, 2>,
         scale: Tensor<Self, 1>,
@@ -319,6 +338,18 @@ mod cuda {
     {
         fn fp8_amax(x: Tensor<Self, 2>) -> Tensor<Self, 1> {
             wrap(fp8::amax(raw(x)))
+        }
+
+        fn fp8_tensorwise_scale(
+            amax: Tensor<Self, 1>,
+            dtype: Fp8Dtype,
+            margin: i32,
+        ) -> Tensor<Self, 1> {
+            wrap(fp8::tensorwise_scale(
+                raw(amax.cast(DType::F32)),
+                dtype.max(),
+                margin,
+            ))
         }
 
         fn fp8_quantize(

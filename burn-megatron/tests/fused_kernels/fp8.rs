@@ -5,7 +5,8 @@
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_megatron_kernels::fused::fp8::{CastTarget, Fp8Kind, amax, quantize, quantize_both};
+use burn_megatron::ops::fp8::{Fp8Dtype, tensorwise_scale};
+use burn_megatron_kernels::fused::fp8::{self, CastTarget, Fp8Kind, amax, quantize, quantize_both};
 use burn_megatron_testing::{assert_close, values, values_f32};
 
 use crate::helpers::{W, random, raw, wrap};
@@ -54,6 +55,41 @@ fn amax_is_the_largest_magnitude() {
     }
     let zeros = Tensor::<W, 2>::zeros([5, 8], &device);
     assert_eq!(device_amax(zeros), 0.0);
+}
+
+/// The one-thread kernel of the tensorwise scale against the composition it replaces
+/// (`tensorwise_scale`), bit for bit: ordinary amaxes, the largest and smallest f32 (the
+/// quotient overflowing to the f32 ceiling), a subnormal, and the amaxes that fall back to 1
+/// (zero, NaN, infinity), for both formats and margins 0 and 2.
+#[test]
+fn the_tensorwise_scale_kernel_matches_the_composition() {
+    let device = WgpuDevice::default();
+    let amaxes = [
+        1.0,
+        0.37,
+        448.0,
+        3.3e4,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-40,
+        0.0,
+        f32::NAN,
+        f32::INFINITY,
+    ];
+    for dtype in [Fp8Dtype::E4M3, Fp8Dtype::E5M2] {
+        for margin in [0, 2] {
+            for a in amaxes {
+                let amax = Tensor::<W, 1>::from_data(TensorData::new(vec![a], [1]), &device);
+                let want = values_f32(tensorwise_scale(amax.clone(), dtype, margin));
+                let got: Tensor<W, 1> = wrap(fp8::tensorwise_scale(raw(amax), dtype.max(), margin));
+                assert_same_bits(
+                    &format!("{dtype:?} margin {margin} amax {a:e}"),
+                    &values_f32(got),
+                    &want,
+                );
+            }
+        }
+    }
 }
 
 /// `got` and `want` bit for bit, a NaN matching only a NaN: a NaN where a number is expected

@@ -48,7 +48,7 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{DeviceTransport, DistResult, ProcessGroup, ReduceOp};
 
-use super::scaling::{DelayedScaling, Fp8Config, Fp8Recipe, tensorwise_scale};
+use super::scaling::{DelayedScaling, Fp8Config, Fp8Recipe};
 use super::{Fp8Dtype, Fp8Ops};
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
 use crate::ops::primitive::{raw, wrap};
@@ -253,8 +253,8 @@ impl Fp8Linear {
 
     /// The scale of `operand`'s cast to `dtype` under tensorwise scaling, from its (reduced)
     /// `amax`.
-    fn tensorwise_scale<B: Backend>(&self, amax: Tensor<B, 1>, dtype: Fp8Dtype) -> Tensor<B, 1> {
-        tensorwise_scale(amax, dtype, self.config.margin)
+    fn tensorwise_scale<B: Fp8Ops>(&self, amax: Tensor<B, 1>, dtype: Fp8Dtype) -> Tensor<B, 1> {
+        B::fp8_tensorwise_scale(amax, dtype, self.config.margin)
     }
 
     /// The scale of `operand`'s next cast under delayed scaling, from its history (made on

@@ -36,6 +36,8 @@ use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
 use super::router::assignment_map;
+use crate::ops::EmbeddingOps;
+use crate::ops::embedding::gather_rows;
 
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
 #[derive(Debug, Clone)]
@@ -350,15 +352,18 @@ impl TokenDispatcher {
     /// # Shapes
     /// - tokens: `[num_tokens, hidden]`
     /// - output: `[plan.received() + 1, hidden]`
-    pub fn dispatch<B: DistBackend>(
+    pub fn dispatch<B: DistBackend + EmbeddingOps>(
         &self,
         plan: &DispatchPlan<B>,
         tokens: Tensor<B, 2>,
     ) -> DistResult<Tensor<B, 2>> {
         let device = tokens.device();
-        let send = with_zero_row(tokens).select(0, plan.send_rows.clone());
+        let send = gather_rows(with_zero_row(tokens), plan.send_rows.clone());
         let received = all_to_all(send, &self.ep, 0, 0)?;
-        Ok(with_zero_row(received).select(0, int_tensor(&plan.expert_rows, &device)))
+        Ok(gather_rows(
+            with_zero_row(received),
+            int_tensor(&plan.expert_rows, &device),
+        ))
     }
 
     /// The experts' outputs brought back to the ranks their tokens came from, restored to the
@@ -369,7 +374,7 @@ impl TokenDispatcher {
     ///   [`dispatch`](Self::dispatch) gave the tokens; the last row is never read
     /// - weights: `[num_tokens, top_k]`
     /// - output: `[num_tokens, hidden]`
-    pub fn combine<B: DistBackend>(
+    pub fn combine<B: DistBackend + EmbeddingOps>(
         &self,
         plan: &DispatchPlan<B>,
         expert_output: Tensor<B, 2>,
@@ -377,12 +382,12 @@ impl TokenDispatcher {
     ) -> DistResult<Tensor<B, 2>> {
         let device = expert_output.device();
         let hidden = expert_output.dims()[1];
-        let back = expert_output.select(0, int_tensor(&plan.return_rows, &device));
+        let back = gather_rows(expert_output, int_tensor(&plan.return_rows, &device));
         let mut back = all_to_all(back, &self.ep, 0, 0)?;
         if plan.dropped > 0 {
             back = with_zero_row(back);
         }
-        let per_assignment = back.select(0, plan.combine_rows.clone()).reshape([
+        let per_assignment = gather_rows(back, plan.combine_rows.clone()).reshape([
             plan.num_tokens,
             plan.top_k,
             hidden,
