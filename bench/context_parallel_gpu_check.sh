@@ -24,6 +24,7 @@
 #   comm   ours a2a at CP 2 and 4, all_gather at CP 4 and 2 (32k; all_gather is a composition
 #          that materialises [heads, seq/cp, seq] f32 scores a layer: 32-64 GiB at 32k, expect
 #          OOM); torch with the all-to-all rotation (CP 2) and CP 4, at 32k
+#   long   ours CP 4 and torch CP 4 at 128k, ours CP 1 at 128k (the key part's 128k runs)
 #   two    (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 32k, a profile of CP 2 p2p, CP 2 at
 #          128k; torch CP 2 at 32k with both rotations
 #   extra  ours CP 4 at 128k without recomputation; all_gather and p2p at 8k (CP 4); torch CP 4
@@ -253,6 +254,12 @@ if part key; then
   torch cp4_128k --cp 4 --seq 131072 "${TS[@]}"
   torch cp2_32k --cp 2 --seq 32768 "${TS[@]}"
   # Four 128k sequences a step on 4 GPUs without CP: out of memory, or ~20 s an iteration.
+  IT=2 ours cp1_128k 131072 1 p2p
+fi
+if part long; then
+  # The 128k targets only: ours CP 4 against PyTorch's CP 4, and CP 1 (does it fit?).
+  ours cp4_p2p_128k 131072 4 p2p
+  torch cp4_128k --cp 4 --seq 131072 "${TS[@]}"
   IT=2 ours cp1_128k 131072 1 p2p
 fi
 if part two; then
