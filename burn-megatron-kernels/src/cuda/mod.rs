@@ -30,6 +30,7 @@ pub mod grouped_gemm;
 pub mod host;
 mod host_syncs;
 mod lanes;
+mod memory_pools;
 mod modules;
 mod pinned;
 pub mod profile;

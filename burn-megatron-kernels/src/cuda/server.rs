@@ -10,13 +10,13 @@ use cubecl_common::bytes::Bytes;
 use cubecl_common::device::{Device, DeviceId, DeviceService, ServerUtilitiesHandle};
 use cubecl_common::profile::ProfileDuration;
 use cubecl_common::stream_id::StreamId;
+use cubecl_core::MemoryUsage;
 use cubecl_core::future::DynFut;
 use cubecl_core::prelude::{CubeCount, ExecutionMode};
 use cubecl_core::server::{
     Binding, CopyDescriptor, Handle, IoError, KernelArguments, ProfileError, ProfilingToken,
     ServerCommunication, ServerError, ServerUtilities,
 };
-use cubecl_core::{MemoryConfiguration, MemoryUsage};
 use cubecl_runtime::allocator::PitchedMemoryLayoutPolicy;
 use cubecl_runtime::compiler::CubeTask;
 use cubecl_runtime::logging::ServerLogger;
@@ -37,6 +37,7 @@ use super::event::Event;
 use super::extensions::Extensions;
 use super::foreign_op::{ForeignContext, ForeignTask, Lane};
 use super::lanes::{Lanes, range};
+use super::memory_pools::memory_configuration;
 use super::modules::Modules;
 use super::pinned::{PinnedBytes, PinnedPool};
 use super::profile::recorder;
@@ -136,7 +137,10 @@ impl CudaServer {
         let memory = MemoryManagement::from_configuration(
             GpuStorage::new(compute, MEMORY_ALIGNMENT),
             &probe.properties.memory,
-            MemoryConfiguration::default(),
+            memory_configuration(
+                probe.properties.memory.max_page_size,
+                MEMORY_ALIGNMENT as u64,
+            ),
             logger.clone(),
             MemoryManagementOptions::new("burn-megatron CUDA memory"),
         );

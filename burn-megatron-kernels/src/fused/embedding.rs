@@ -234,7 +234,10 @@ pub fn embedding_backward<R: CubeRuntime>(
         output.clone().into_tensor_arg(),
         vocab as u32,
         buckets as u32,
-        vocab.div_ceil(buckets),
+        // A compile-time bound, rounded up so that tables whose row count changes every call
+        // (the MoE dispatcher's gathers) share a few compiled kernels instead of compiling
+        // one each; rows past the table are skipped.
+        vocab.div_ceil(buckets).next_power_of_two(),
         dtypes,
     );
     output
