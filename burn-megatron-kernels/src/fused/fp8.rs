@@ -252,13 +252,7 @@ fn tensorwise_scale_kernel(
             s = largest;
         }
         // A NaN fails both comparisons.
-        let mut usable = false;
-        if a > 0.0 {
-            if a < infinity {
-                usable = true;
-            }
-        }
-        if !usable {
+        if !(a > 0.0 && a < infinity) {
             s = 1.0;
         }
         scale[0] = s;
