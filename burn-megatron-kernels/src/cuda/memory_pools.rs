@@ -2,9 +2,9 @@
 //!
 //! CubeCL's default (`MemoryConfiguration::SubSlices`) slices every allocation above an eighth
 //! of a quarter of the GPU's memory (4.4 GiB on an H200) out of pages of a quarter of the
-//! memory (35 GiB). A 6 GiB buffer then needs a free 35 GiB page: on a GPU whose live tensors
-//! leave 60 GiB free, a DP 4 run of GPT-3 6.7B failed to allocate one (2026-11-27, book
-//! "Benchmarks"). Here small allocations keep sliced pages (many tensors to a page, little
+//! memory (35 GiB). A 6 GiB buffer then needs a free 35 GiB page: a DP 4 run of GPT-3 6.7B on
+//! H200s failed to allocate one while the pool held 44 GiB (2026-11-27, book "Benchmarks").
+//! Here small allocations keep sliced pages (many tensors to a page, little
 //! waste), and from 512 MiB up each allocation has a page of its own, about its own size (a
 //! page is reused for any allocation it holds, and given back when the pool is cleaned).
 
