@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
@@ -164,4 +164,9 @@ if part dpgpt; then
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
   ITERS=4 ours gpt_dp4_mb4_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
   ITERS=3 ours gpt_pp2dp2_gb512 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 512
+fi
+if part dp4gpt; then
+  # GPT-3 6.7B at DP 4 only (after the memory pools' change), and the peer.
+  torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+  ITERS=4 ours gpt_dp4_mb4_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
 fi
