@@ -1,12 +1,13 @@
 //! The token-embedding lookup (also with ids past the table, as a vocabulary-parallel rank
-//! passes the other ranks' tokens), the bias add and the output-major linear, whose backwards are
+//! passes the other ranks' tokens, and as the MoE dispatcher's row gather), the bias add and the
+//! output-major linear, whose backwards are
 //! written out (a scatter of the output's gradient into the table's rows in token order; the
 //! bias's column sum; GEMMs with folded transposes): their gradients against central
 //! differences of the forward, one element at a time.
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
-use burn_megatron::ops::embedding::{embedding, embedding_or_zero};
+use burn_megatron::ops::embedding::{embedding, embedding_or_zero, gather_rows};
 use burn_megatron::ops::{bias_add, linear_output_major};
 use burn_megatron_testing::{assert_close, tolerance, values};
 
@@ -69,6 +70,42 @@ fn the_embedding_gradient_matches_finite_differences() {
             "row {row} has a gradient though no token uses it"
         );
     }
+}
+
+/// `gather_rows` (the MoE dispatcher's gathers): 9 rows of a 6-row table, one row three
+/// times, one never (its gradient exactly zero), against central differences; the values are
+/// Burn's `select`'s.
+#[test]
+fn the_row_gather_gradient_matches_finite_differences() {
+    let (n, hidden) = (6, 4);
+    let rows = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(vec![5i64, 0, 2, 5, 1, 3, 5, 0, 2], [9]),
+        &device(),
+    );
+    let table = normal([n, hidden], 3);
+    let w = normal([9, hidden], 4);
+    assert_close(
+        "gather_rows against select",
+        &values(gather_rows(table.clone(), rows.clone())),
+        &values(table.clone().select(0, rows.clone())),
+        0.0,
+    );
+    let loss = |table: Tensor<AD, 2>| {
+        let y = gather_rows(table, Tensor::<AD, 1, Int>::from_inner(rows.clone()));
+        (y * Tensor::from_inner(w.clone())).sum()
+    };
+    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
+    let grads = loss(tracked.clone()).backward();
+    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
+    let fd = finite_differences(&table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    assert_close(
+        "gather_rows d(table)",
+        &got,
+        &fd,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+    // Row 4 is never gathered.
+    assert!(got[4 * hidden..5 * hidden].iter().all(|g| *g == 0.0));
 }
 
 /// The lookup where ids of `vocab` or more (7, 9 here) give zero rows and no gradient: the
