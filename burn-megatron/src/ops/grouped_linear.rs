@@ -219,23 +219,16 @@ mod cuda {
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, grouped_gemm};
 
-    use super::{GroupedLinearOps, per_expert_gemm, per_expert_weight_gradient};
+    use super::{GroupedLinearOps, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        /// One cuBLASLt GEMM per expert: measured on an H200 (`gemm_bench grouped`, book
-        /// "Benchmarks"), cuBLAS's grouped GEMM ran the forward and input-gradient products
-        /// at 0.40-0.44 of a dense GEMM of the same FLOPs, the per-expert GEMMs at 0.93.
-        fn grouped_gemm(
-            x: Tensor<Self, 2>,
-            w: Tensor<Self, 3>,
-            counts: &[usize],
-            transpose_w: bool,
-        ) -> Tensor<Self, 2> {
-            per_expert_gemm(x, w, counts, transpose_w)
-        }
+        // `grouped_gemm` keeps the default, one cuBLASLt GEMM per expert: measured on an
+        // H200 (`gemm_bench grouped`, book "Benchmarks"), cuBLAS's grouped GEMM ran the
+        // forward and input-gradient products at 0.40-0.44 of a dense GEMM of the same FLOPs,
+        // the per-expert GEMMs at 0.93.
 
         fn grouped_weight_gradient(
             x: Tensor<Self, 2>,
