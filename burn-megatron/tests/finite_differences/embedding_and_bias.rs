@@ -41,6 +41,19 @@ fn finite_differences<const D: usize>(
         .collect()
 }
 
+/// The gradient of `loss` with respect to a table at `table`, by autodiff and by central
+/// differences.
+fn table_gradient(
+    table: &Tensor<B, 2>,
+    loss: impl Fn(Tensor<AD, 2>) -> Tensor<AD, 1>,
+) -> (Vec<f64>, Vec<f64>) {
+    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
+    let grads = loss(tracked.clone()).backward();
+    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
+    let fd = finite_differences(table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    (got, fd)
+}
+
 /// A 7-row table looked up by 2 × 5 ids with repeats (id 3 three times, id 0 twice) and rows
 /// no token uses (their gradient is exactly zero).
 #[test]
@@ -56,10 +69,7 @@ fn the_embedding_gradient_matches_finite_differences() {
         let y = embedding(table, Tensor::<AD, 2, Int>::from_inner(ids.clone()));
         (y * Tensor::from_inner(w.clone())).sum()
     };
-    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
-    let grads = loss(tracked.clone()).backward();
-    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
-    let fd = finite_differences(&table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    let (got, fd) = table_gradient(&table, loss);
     assert_close("embedding dW", &got, &fd, tolerance::FINITE_DIFFERENCE_F64);
     // Rows 4 and 5 are never looked up.
     for row in [4, 5] {
@@ -94,10 +104,7 @@ fn the_row_gather_gradient_matches_finite_differences() {
         let y = gather_rows(table, Tensor::<AD, 1, Int>::from_inner(rows.clone()));
         (y * Tensor::from_inner(w.clone())).sum()
     };
-    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
-    let grads = loss(tracked.clone()).backward();
-    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
-    let fd = finite_differences(&table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    let (got, fd) = table_gradient(&table, loss);
     assert_close(
         "gather_rows d(table)",
         &got,
@@ -123,10 +130,7 @@ fn the_embedding_or_zero_gradient_matches_finite_differences() {
         let y = embedding_or_zero(table, Tensor::<AD, 2, Int>::from_inner(ids.clone()));
         (y * Tensor::from_inner(w.clone())).sum()
     };
-    let tracked = Tensor::<AD, 2>::from_inner(table.clone()).require_grad();
-    let grads = loss(tracked.clone()).backward();
-    let got = values(tracked.grad(&grads).expect("the table has a gradient"));
-    let fd = finite_differences(&table, |t| values(loss(Tensor::from_inner(t)).inner())[0]);
+    let (got, fd) = table_gradient(&table, loss);
     assert_close(
         "embedding_or_zero dW",
         &got,
