@@ -27,6 +27,7 @@
 #   long   ours CP 4 and torch CP 4 at 128k, ours CP 1 at 128k (the key part's 128k runs)
 #   two    (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 32k, a profile of CP 2 p2p, CP 2 at
 #          128k; torch CP 2 at 32k with both rotations
+#   ratio  (NPROC=2) ours CP 1 (DP 2) and CP 2 p2p at 32k, and a profile of CP 2 p2p
 #   extra  ours CP 4 at 128k without recomputation; all_gather and p2p at 8k (CP 4); torch CP 4
 #          at 128k with the all-to-all rotation, and without activation checkpointing
 # Each run prints its iteration lines and one RUN line (median tokens/s, TFLOP/s per GPU and
@@ -261,6 +262,13 @@ if part long; then
   ours cp4_p2p_128k 131072 4 p2p
   torch cp4_128k --cp 4 --seq 131072 "${TS[@]}"
   IT=2 ours cp1_128k 131072 1 p2p
+fi
+if part ratio; then
+  # For 2 GPUs (NPROC=2): issue 35's 90 % target alone: CP 2 p2p against CP 1 (x DP 2) at
+  # 32k, then CP 2 p2p profiled.
+  ours cp1_32k 32768 1 p2p
+  ours cp2_p2p_32k 32768 2 p2p
+  BM_PROFILE=1 IT=3 ours cp2_p2p_32k_profile 32768 2 p2p --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 1
 fi
 if part two; then
   # For 2 GPUs (NPROC=2): CP 2 against CP 1 (x DP 2) at 32k, each comm type, the peer, and a

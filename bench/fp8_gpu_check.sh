@@ -8,7 +8,9 @@
 # on real text in bf16 and FP8 (`pretrain_gpt`, 1000 steps). Needs, packed under .gpu/
 # (bench/pack_gpu.sh): bin/{gemm_bench,gpt_train_bench,pretrain_gpt,bm-launch} and the corpus
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
-#   PART=gemm|step|profile|cache|curve|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+# PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
+# tile kernels' registers (`ptxas -v` on the dumped PTX).
+#   PART=gemm|casts|step|profile|cache|curve|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -37,6 +39,16 @@ if part profile; then
     n=prof$(echo "$f" | tr -d ' -' | cut -c1-30)
     BM_PROFILE=1 timeout 150 $B/gpt_train_bench --preset gpt-1.3b --batch 8 --steps 6 --warmup 2 --dtype bf16 --top 24 $f > $OUT/$n.log 2>&1
     echo "=== profile ${f:-bf16}: rc=$?"; grep -vE "^\s*$|^note|backtrace" $OUT/$n.log | head -60 | cut -c1-170
+  done
+fi
+if part casts; then
+  # The casts alone: their checks and speeds, and the tile kernels' registers (`ptxas -v` on
+  # the PTX our runtime dumps).
+  BM_DUMP_KERNELS=$OUT/kernels timeout 90 $B/gemm_bench fp8-casts > $OUT/casts.log 2>&1
+  echo "=== casts: rc=$? bytes differing in $(grep -cE ": [1-9][0-9]* of" $OUT/casts.log) checks of $(grep -c " of " $OUT/casts.log)"
+  grep -E "us,|rror|panick" $OUT/casts.log | cut -c1-160
+  for f in $(ls $OUT/kernels/*.ptx 2>/dev/null | grep -i "quantize_*tiles"); do
+    echo "$(basename $f): $(/usr/local/cuda/bin/ptxas -v --gpu-name sm_90a "$f" -o /dev/null 2>&1 | grep -oE "Used [0-9]+ registers")"
   done
 fi
 if part cache; then

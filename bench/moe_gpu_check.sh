@@ -17,6 +17,7 @@
 #   PART=ours bash bench/moe_gpu_check.sh       # ours only (PART=gemm,ours,torch is all)
 #   PART=gemm bash bench/moe_gpu_check.sh       # the experts' grouped GEMM only (one GPU is enough)
 #   NPROC=2 PART=gemm,two bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2, the peers, a profile
+#   NPROC=2 PART=late bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like EP 2 for 20 iterations, a late step profiled, the peer
 #
 # PART gemm runs first: `gemm_bench grouped` (bin/gemm_bench: bench/pack_gpu.sh build --release
 # --features cuda -p burn-megatron-examples --example gemm_bench) checks the cuBLAS grouped GEMM
@@ -275,6 +276,12 @@ if [ "$PART" != all ] && part two; then
   ours deepseek_ep2 deepseek_moe_1b 2
   torch deepseek_ep2 --preset deepseek --ep 2
   BM_PROFILE=1 ITERS=3 ours mixtral_ep2_profile mixtral_1b_moe 2 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
+fi
+if [ "$PART" != all ] && part late; then
+  # For 2 GPUs (NPROC=2): is the step steady once warm? Mixtral-like at EP 2 for 20
+  # iterations, its steps 15-16 profiled on rank 0, then the peer.
+  BM_PROFILE=1 ITERS=20 ours mixtral_ep2_late mixtral_1b_moe 2 --profile --profile-step-start 15 --profile-step-end 16 --profile-ranks 0
+  torch mixtral_ep2 --preset mixtral --ep 2
 fi
 part ours && ours mixtral_ep4 mixtral_1b_moe 4
 part torch && torch mixtral_ep4 --preset mixtral --ep 4

@@ -9,7 +9,8 @@
 //! against the bf16 GEMM on the same shapes, checks each against an f64 product of the same
 //! quantised operands, and checks the FP8 casts bit for bit against a host reference (the fused
 //! cast of both layouts and its amax against the separate kernels too) and times them; its peer
-//! is `python3 bench/torch_gemm.py --fp8` (`torch._scaled_mm`).
+//! is `python3 bench/torch_gemm.py --fp8` (`torch._scaled_mm`). `gemm_bench fp8-casts` runs
+//! the casts' part alone.
 //!
 //! `gemm_bench grouped` checks the experts' grouped GEMM (cuBLAS `cublasGemmGroupedBatchedEx`,
 //! `burn_megatron_kernels::cuda::grouped_gemm`) against one cuBLASLt GEMM per expert, forward
@@ -94,6 +95,10 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("fp8") {
         fp8_casts(&device);
         fp8_gemms(&device);
+        return;
+    }
+    if std::env::args().nth(1).as_deref() == Some("fp8-casts") {
+        fp8_casts(&device);
         return;
     }
     println!(
@@ -254,6 +259,25 @@ fn fp8_cast_speeds(device: &CudaGpu) {
     let x = Tensor::<MegatronCuda, 2>::random([16384, 4096], Distribution::Default, device)
         .cast(DType::BF16);
     let bytes_moved = (16384 * 4096 * 3) as f64;
+    // What the memory moves for a bf16 element read and written (4 bytes, as the fused cast
+    // of both layouts): Burn's element-wise product, and its copy of a transposed view.
+    let t = time(device, || x.clone() * 2.0);
+    let bytes_copy = (16384 * 4096 * 4) as f64;
+    println!(
+        "reference: bf16 [16384, 4096] times 2 (Burn): {:.1} us, {:.0} GB/s",
+        t.as_secs_f64() * 1e6,
+        bytes_copy / t.as_secs_f64() / 1e9
+    );
+    let t = time(device, || {
+        wrap(burn_cubecl::kernel::into_contiguous(raw(&x
+            .clone()
+            .transpose())))
+    });
+    println!(
+        "reference: bf16 [16384, 4096] transposed copy (Burn): {:.1} us, {:.0} GB/s",
+        t.as_secs_f64() * 1e6,
+        bytes_copy / t.as_secs_f64() / 1e9
+    );
     for transpose in [false, true] {
         let t = time(device, || {
             let (scale, _) = scales(&x, Fp8Kind::E4M3);

@@ -36,6 +36,7 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod flat_copy;
 pub mod fp8;
+pub mod lse_merge;
 pub mod norm;
 pub mod rope;
 pub mod rows;

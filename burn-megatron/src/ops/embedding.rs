@@ -89,6 +89,22 @@ pub fn gather_rows<B: EmbeddingOps>(table: Tensor<B, 2>, rows: Tensor<B, 1, Int>
     B::embedding_lookup(table, rows.reshape([1, m])).reshape([m, hidden])
 }
 
+/// [`gather_rows`] where an index of `n` (the table's row count) or more gives a zero row
+/// and adds nothing to the table's gradient ([`EmbeddingOps::embedding_lookup_or_zero`]): the
+/// MoE dispatcher's padding rows. Pointing them at a zero row appended to the table would
+/// cost a copy of the table, and the gradient kernel would sum every padding row into that
+/// one row, one after the other (the longest chain of the step).
+///
+/// # Shapes
+/// As [`gather_rows`].
+pub fn gather_rows_or_zero<B: EmbeddingOps>(
+    table: Tensor<B, 2>,
+    rows: Tensor<B, 1, Int>,
+) -> Tensor<B, 2> {
+    let (m, hidden) = (rows.dims()[0], table.dims()[1]);
+    B::embedding_lookup_or_zero(table, rows.reshape([1, m])).reshape([m, hidden])
+}
+
 /// `dW` (`[vocab, hidden]`, `grad`'s dtype) from the output's gradient `grad` (`[tokens,
 /// hidden]`) and the ids (`[tokens]`) as Burn computes it: a zero table and a `select_add`.
 /// Tokens whose id is `vocab` or more add nothing (their rows of `grad` are zeroed and their

@@ -10,7 +10,8 @@
 //! kernels (cuDNN on our CUDA backend) take every pair as it is. Which pairs a step computes is
 //! the caller's [`RingPlan`] (the load-balanced split of [`crate::context_parallel`]). The
 //! pairs' results are merged by log-sum-exp
-//! (`lse = log Σ exp(lse_j)`, `out = Σ exp(lse_j - lse) out_j`) in f32.
+//! (`lse = log Σ exp(lse_j)`, `out = Σ exp(lse_j - lse) out_j`) in f32
+//! ([`RingFlashAttentionOps::lse_merge`]: one kernel on CubeCL backends).
 //!
 //! The backward of the merged attention needs no gradient through the merge: with the merged
 //! output `O` and log-sum-exp `L`, `exp(scale · q kᵀ - L)` over one block is exactly that
@@ -21,7 +22,8 @@
 //! ring: at step `s` the rank holds the K/V of rank `rank - s` and the gradient accumulated
 //! for it by the ranks before, adds its own queries' share, and passes both on; one last
 //! exchange brings each rank the complete gradient of its own K/V (`cp` exchanges of the
-//! gradient, `cp - 1` of K/V). A failed exchange in the backward is recorded on the group
+//! gradient, `cp - 1` of K/V). The gradients are summed in flat f32 buffers, each block's
+//! added in place to its slot ([`WriteSlotOps::add_slot`]). A failed exchange in the backward is recorded on the group
 //! ([`ProcessGroup::fail_in_backward`]) and the gradients go on as zeros.
 //!
 //! Every backend runs this file's code; only `flash_attention` and its backward differ (the
@@ -40,6 +42,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 use super::autodiff::{BackwardStep, inner, parent, record, register};
 use super::flash_attention::{FlashAttentionOps, check_shapes};
 use super::primitive::{raw, wrap};
+use super::write_slot::WriteSlotOps;
 
 /// One block pair of a ring step: the rank's query chunk `query` (0 or 1) against chunk `key`
 /// (0 or 1) of the K/V block held at that step, causal (aligned blocks) or full.
@@ -63,7 +66,7 @@ pub struct RingPlan {
 }
 
 /// Ring attention on the fused flash attention (see the [module docs](self)).
-pub trait RingFlashAttentionOps: FlashAttentionOps + DistBackend {
+pub trait RingFlashAttentionOps: FlashAttentionOps + DistBackend + WriteSlotOps {
     /// Attention of this rank's two query chunks against the K/V blocks of every rank of
     /// `group`, as `plan` pairs them, merged by log-sum-exp.
     ///
@@ -84,12 +87,27 @@ pub trait RingFlashAttentionOps: FlashAttentionOps + DistBackend {
     ) -> DistResult<Tensor<Self, 4>> {
         Ok(ring_forward(q, k, v, group, scale, plan)?.0)
     }
+
+    /// Two partial results over disjoint keys merged by log-sum-exp: `(out, lse)` of the
+    /// union, both in `wide` (see [`lse_merge_composition`], the default and the reference).
+    ///
+    /// # Shapes
+    /// - `out_a`, `out_b`: `[batch, heads, len, head_dim]`, any float dtypes;
+    /// - `lse_a`, `lse_b`: `[batch, heads, len]` in `wide`;
+    /// - returns `[batch, heads, len, head_dim]` and `[batch, heads, len]`, in `wide`.
+    fn lse_merge(
+        a: (Tensor<Self, 4>, Tensor<Self, 3>),
+        b: (Tensor<Self, 4>, Tensor<Self, 3>),
+        wide: DType,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+        lse_merge_composition(a, b, wide)
+    }
 }
 
 /// The forward on any backend: the output (q's dtype) and the merged log-sum-exp of each
 /// query chunk, `[2, batch, heads, len]` (f32, f64 for f64): chunk-major, so that one chunk's
 /// is a packed tensor, as cuDNN's backward takes it.
-fn ring_forward<B: FlashAttentionOps + DistBackend>(
+fn ring_forward<B: RingFlashAttentionOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -127,9 +145,10 @@ fn ring_forward<B: FlashAttentionOps + DistBackend>(
                 scale,
                 block.causal,
             );
-            let partial = (out.cast(wide), lse.cast(wide));
+            // The first pair's output stays in q's dtype: the merge reads either.
+            let partial = (out, lse.cast(wide));
             running[block.query] = Some(match running[block.query].take() {
-                Some(so_far) => merge(so_far, partial),
+                Some(so_far) => B::lse_merge(so_far, partial, wide),
                 None => partial,
             });
         }
@@ -138,7 +157,10 @@ fn ring_forward<B: FlashAttentionOps + DistBackend>(
         }
     }
     let [early, late] = running.map(|r| r.expect("the plan gives each query chunk a block"));
-    let out = Tensor::cat(vec![early.0, late.0], 2).cast(dtype);
+    // Sequence-major (`[batch, seq, heads, head_dim]` in memory), as the model reads it
+    // next: its heads then merge without a copy.
+    let sequence_major = |t: Tensor<B, 4>| t.cast(dtype).swap_dims(1, 2);
+    let out = Tensor::cat(vec![sequence_major(early.0), sequence_major(late.0)], 1).swap_dims(1, 2);
     let lse = Tensor::stack(vec![early.1, late.1], 0);
     Ok((out, lse))
 }
@@ -171,11 +193,14 @@ fn wide(dtype: DType) -> DType {
 }
 
 /// Two partial results over disjoint keys merged by log-sum-exp (the larger one subtracted,
-/// so that both exponentials are at most 1).
-fn merge<B: Backend>(
+/// so that both exponentials are at most 1), in Burn operations: `lse = log(exp(lse_a) +
+/// exp(lse_b))`, `out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b`, in `wide`.
+pub fn lse_merge_composition<B: Backend>(
     (out_a, lse_a): (Tensor<B, 4>, Tensor<B, 3>),
     (out_b, lse_b): (Tensor<B, 4>, Tensor<B, 3>),
+    wide: DType,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    let (out_a, out_b) = (out_a.cast(wide), out_b.cast(wide));
     let max = lse_a.clone().max_pair(lse_b.clone());
     let weight_a = (lse_a - max.clone()).exp();
     let weight_b = (lse_b - max.clone()).exp();
@@ -279,7 +304,14 @@ impl<B: RingFlashAttentionOps> BackwardStep<B> for RingBackward {
 
 /// `[dq, dk, dv]` of the ring from the merged output `out`, its log-sum-exp `lse` and the
 /// output's gradient `grad`, each in its input's dtype.
-fn ring_backward<B: FlashAttentionOps + DistBackend>(
+///
+/// The gradients are summed in flat buffers in `wide` dtype, one slot per (chunk, tensor),
+/// each slot sequence-major as the fused backward writes its gradients: `dq` as
+/// `[chunk][batch, len, heads, head_dim]`, the K/V gradient that travels the ring as
+/// `[k or v][chunk][batch, len, kv_heads, head_dim]`. Each block's gradient is added to its
+/// slot where it lies ([`WriteSlotOps::add_slot`]: in place, cast included, one kernel on
+/// CubeCL backends), and the results come out sequence-major.
+fn ring_backward<B: RingFlashAttentionOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -288,21 +320,21 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
     scale: f64,
     plan: &RingPlan,
 ) -> DistResult<[Tensor<B, 4>; 3]> {
-    let (len, kv_heads) = (q.dims()[2] / 2, k.dims()[1]);
+    let [batch, heads, seq, head_dim] = q.dims();
+    let (len, kv_heads) = (seq / 2, k.dims()[1]);
     let (q_dtype, kv_dtype) = (q.dtype(), k.dtype());
     let wide = wide(q_dtype);
     let chunk4 = |t: &Tensor<B, 4>, i: usize| t.clone().narrow(2, i * len, len);
-    let [_, batch, heads, _] = lse.dims();
     let chunk_lse = |i: usize| lse.clone().narrow(0, i, 1).reshape([batch, heads, len]);
-    let mut dq: [Option<Tensor<B, 4>>; 2] = [None, None];
-    let [_, _, seq, head_dim] = k.dims();
     let device = k.device();
-    let zeros = |shape: [usize; 4]| Tensor::<B, 4>::zeros(shape, (&device, wide));
-    let mut dkv = zeros([batch, 2 * kv_heads, seq, head_dim]);
-    let add = |sum: Option<Tensor<B, 4>>, t: Tensor<B, 4>| match sum {
-        Some(sum) => sum + t,
-        None => t,
-    };
+    // Elements of one slot: a chunk of dq, or of dk or dv.
+    let (q_slot, kv_slot) = (
+        batch * heads * len * head_dim,
+        batch * kv_heads * len * head_dim,
+    );
+    let zeros = |n: usize| Tensor::<B, 1>::zeros([n], (&device, wide));
+    let mut dq = zeros(2 * q_slot);
+    let mut dkv = zeros(4 * kv_slot);
     let mut held = [k, v];
     for (step, blocks) in plan.steps.iter().enumerate() {
         // The block is passed on before this step's gradients are computed from it, so that
@@ -311,7 +343,6 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
             true => Some(pass_on(&held, group)?),
             false => None,
         };
-        let mut dkv_chunks: [Option<Tensor<B, 4>>; 2] = [None, None];
         for block in blocks {
             let (i, j) = (block.query, block.key);
             let [keys, values] = held.clone().map(|t| chunk4(&t, j));
@@ -325,15 +356,9 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
                 scale,
                 block.causal,
             );
-            dq[i] = Some(add(dq[i].take(), dq_block.cast(wide)));
-            let dkv_block = Tensor::cat(vec![dk_block, dv_block], 1).cast(wide);
-            dkv_chunks[j] = Some(add(dkv_chunks[j].take(), dkv_block));
-        }
-        let [early, late] = dkv_chunks;
-        if early.is_some() || late.is_some() {
-            let own = zeros([batch, 2 * kv_heads, len, head_dim]);
-            let [early, late] = [early, late].map(|c| c.unwrap_or_else(|| own.clone()));
-            dkv = dkv + Tensor::cat(vec![early, late], 2);
+            dq = accumulate(dq, i * q_slot, dq_block, wide);
+            dkv = accumulate(dkv, j * kv_slot, dk_block, wide);
+            dkv = accumulate(dkv, (2 + j) * kv_slot, dv_block, wide);
         }
         // Pass the gradient on with what this rank added; after the last step, it goes to
         // the rank whose K/V it is.
@@ -342,21 +367,94 @@ fn ring_backward<B: FlashAttentionOps + DistBackend>(
             held = split_kv(next, kv_heads);
         }
     }
-    let [early, late] = dq.map(|d| d.unwrap_or_else(|| zeros([batch, heads, len, head_dim])));
-    let dq = Tensor::cat(vec![early, late], 2).cast(q_dtype);
-    let dk = dkv.clone().narrow(1, 0, kv_heads).cast(kv_dtype);
-    let dv = dkv.narrow(1, kv_heads, kv_heads).cast(kv_dtype);
-    Ok([dq, dk, dv])
+    // Two chunks' slots, `[chunk][batch, len, heads, head_dim]`, as `[batch, heads, 2 · len,
+    // head_dim]` (sequence-major in memory; no copy for one sequence).
+    let unchunk = |flat: Tensor<B, 1>, heads: usize, dtype: DType| {
+        let t = flat.cast(dtype);
+        let t = match batch {
+            1 => t.reshape([1, seq, heads, head_dim]),
+            _ => t
+                .reshape([2, batch, len, heads, head_dim])
+                .swap_dims(0, 1)
+                .reshape([batch, seq, heads, head_dim]),
+        };
+        t.swap_dims(1, 2)
+    };
+    let [dk, dv] = [0, 1].map(|t| {
+        let flat = dkv.clone().narrow(0, 2 * t * kv_slot, 2 * kv_slot);
+        unchunk(flat, kv_heads, kv_dtype)
+    });
+    Ok([unchunk(dq, heads, q_dtype), dk, dv])
 }
 
-/// CubeCL backends: the default, on their fused flash attention.
+/// `sum` (flat, `wide`) with `block` (`[batch, heads, len, head_dim]`) added sequence-major at
+/// `start..`, cast to `wide`: in place where the backend can ([`WriteSlotOps::add_slot`],
+/// whose buffers are f32), else as a slice's sum. A block the fused backward wrote
+/// sequence-major is read where it lies.
+fn accumulate<B: RingFlashAttentionOps>(
+    sum: Tensor<B, 1>,
+    start: usize,
+    block: Tensor<B, 4>,
+    wide: DType,
+) -> Tensor<B, 1> {
+    let n = block.shape().num_elements();
+    let block = block.swap_dims(1, 2).reshape([n]);
+    match wide {
+        DType::F32 => B::add_slot(sum, start, block),
+        _ => {
+            let total = sum.clone().slice(start..start + n) + block.cast(wide);
+            sum.slice_assign(start..start + n, total)
+        }
+    }
+}
+
+/// CubeCL backends: the default, on their fused flash attention, and the merge in one kernel.
 #[cfg(feature = "fused")]
-impl<R, F, I, BT> RingFlashAttentionOps for burn_cubecl::CubeBackend<R, F, I, BT>
-where
-    R: burn_cubecl::CubeRuntime,
-    F: burn_cubecl::FloatElement,
-    I: burn_cubecl::IntElement,
-    BT: burn_cubecl::BoolElement,
-    Self: FlashAttentionOps + DistBackend,
-{
+mod cube {
+    use burn::tensor::{DType, Tensor};
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_dist::DistBackend;
+    use burn_megatron_kernels::fused::lse_merge::lse_merge;
+
+    use super::{FlashAttentionOps, RingFlashAttentionOps};
+    use crate::ops::primitive::{raw, wrap};
+
+    /// A partial result: `[batch, heads, len, head_dim]` and `[batch, heads, len]`.
+    type Partial<R, F, I, BT> = (
+        Tensor<CubeBackend<R, F, I, BT>, 4>,
+        Tensor<CubeBackend<R, F, I, BT>, 3>,
+    );
+
+    /// [`RingFlashAttentionOps::lse_merge`] in one kernel.
+    fn merged<R, F, I, BT>(
+        (out_a, lse_a): Partial<R, F, I, BT>,
+        (out_b, lse_b): Partial<R, F, I, BT>,
+        wide: DType,
+    ) -> Partial<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let (out, lse) = lse_merge((raw(out_a), raw(lse_a)), (raw(out_b), raw(lse_b)), wide);
+        (wrap(out), wrap(lse))
+    }
+
+    impl<R, F, I, BT> RingFlashAttentionOps for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+        Self: FlashAttentionOps + DistBackend,
+    {
+        fn lse_merge(
+            a: (Tensor<Self, 4>, Tensor<Self, 3>),
+            b: (Tensor<Self, 4>, Tensor<Self, 3>),
+            wide: DType,
+        ) -> (Tensor<Self, 4>, Tensor<Self, 3>) {
+            merged(a, b, wide)
+        }
+    }
 }

@@ -7,7 +7,9 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
-use burn_megatron::ops::embedding::{embedding, embedding_or_zero, gather_rows};
+use burn_megatron::ops::embedding::{
+    embedding, embedding_or_zero, gather_rows, gather_rows_or_zero,
+};
 use burn_megatron::ops::{bias_add, linear_output_major};
 use burn_megatron_testing::{assert_close, tolerance, values};
 
@@ -137,6 +139,47 @@ fn the_embedding_or_zero_gradient_matches_finite_differences() {
         &fd,
         tolerance::FINITE_DIFFERENCE_F64,
     );
+}
+
+/// The MoE dispatcher's gather with padding: indices of `n` or more (6, 9 here) give zero
+/// rows (the rest equal `select`'s) and no gradient; the table's gradient against central
+/// differences.
+#[test]
+fn the_row_gather_or_zero_gradient_matches_finite_differences() {
+    let (n, hidden) = (6, 4);
+    let list = vec![5i64, 6, 2, 5, 9, 3, 6, 0];
+    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(list.clone(), [8]), &device());
+    let table = normal([n, hidden], 8);
+    let w = normal([8, hidden], 9);
+    let got = values(gather_rows_or_zero(table.clone(), rows.clone()));
+    let rows_of_table = values(table.clone());
+    let want: Vec<f64> = list
+        .iter()
+        .flat_map(|&r| (0..hidden).map(move |c| (r as usize, c)))
+        .map(|(r, c)| {
+            if r < n {
+                rows_of_table[r * hidden + c]
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    assert_close("gather_rows_or_zero against select", &got, &want, 0.0);
+    let loss = |table: Tensor<AD, 2>| {
+        let y = gather_rows_or_zero(table, Tensor::<AD, 1, Int>::from_inner(rows.clone()));
+        (y * Tensor::from_inner(w.clone())).sum()
+    };
+    let (got, fd) = table_gradient(&table, loss);
+    assert_close(
+        "gather_rows_or_zero d(table)",
+        &got,
+        &fd,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+    // Rows 1 and 4 are never gathered.
+    for r in [1, 4] {
+        assert!(got[r * hidden..(r + 1) * hidden].iter().all(|g| *g == 0.0));
+    }
 }
 
 #[test]

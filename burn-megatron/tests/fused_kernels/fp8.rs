@@ -206,7 +206,8 @@ fn quantize_both_matches_the_two_casts_and_the_amax() {
 
 /// The vectorised casts (four elements a thread, four bytes written at once in each layout,
 /// 64 × 64 tiles) and their scalar fallback, for shapes whose sides are multiples of four
-/// (tiles cut at the edges, a single vector, one tile exactly, cubes walking several tiles)
+/// (tiles cut at the edges, a single vector, one tile exactly; a cube a tile, and 7 cubes
+/// walking several tiles each)
 /// and shapes that are not (one side or both): `quantize_both`'s two layouts and amax, and
 /// `quantize`'s transposed and row-major casts, against the host reference bit for bit.
 #[test]
@@ -262,6 +263,20 @@ fn vectorised_casts_match_the_host_for_any_shape() {
             assert_same_bits(
                 &format!("{name} both without amax, transposed"),
                 &values_f32(wrap::<2>(both.transposed)),
+                &transposed_ref,
+            );
+            // Few cubes, each walking several tiles (a tile a cube by default).
+            let walked = fp8::quantize_both_in_cubes(raw(x.clone()), &scale, target, true, 7);
+            let amax = values_f32(wrap::<1>(walked.amax.expect("asked for")))[0];
+            assert_eq!(amax, 900.0, "{name}: amax, 7 cubes");
+            assert_same_bits(
+                &format!("{name} both in 7 cubes, row"),
+                &values_f32(wrap::<2>(walked.row)),
+                &row_ref,
+            );
+            assert_same_bits(
+                &format!("{name} both in 7 cubes, transposed"),
+                &values_f32(wrap::<2>(walked.transposed)),
                 &transposed_ref,
             );
             for (transpose, want) in [(true, &transposed_ref), (false, &row_ref)] {

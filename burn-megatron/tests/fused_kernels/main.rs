@@ -19,6 +19,7 @@ mod embedding;
 mod flash_attention;
 mod fp8;
 mod gelu;
+mod lse_merge;
 mod moe;
 mod norm;
 mod packed_flash_attention;

@@ -37,7 +37,7 @@ use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
 use super::router::assignment_map;
 use crate::ops::EmbeddingOps;
-use crate::ops::embedding::gather_rows;
+use crate::ops::embedding::gather_rows_or_zero;
 
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
 #[derive(Debug, Clone)]
@@ -68,18 +68,18 @@ pub struct DispatchPlan<B: Backend> {
     pub dropped: usize,
     /// Tokens each local expert receives, over all ranks (the expert-major blocks).
     pub local_counts: Vec<usize>,
-    /// `[ep · max_rows]`, device: the input row (or `num_tokens`, the zero row) of each send
-    /// row.
+    /// `[ep · max_rows]`, device: the input row (or `num_tokens`, past the input: a zero row)
+    /// of each send row.
     send_rows: Tensor<B, 1, Int>,
-    /// `[received + 1]`: the received row (or `ep · max_rows`, the zero row) of each
-    /// expert-major row, the last being the zero row.
+    /// `[received + 1]`: the received row (or `ep · max_rows`, past the received buffer: a
+    /// zero row) of each expert-major row, the last being a zero row.
     expert_rows: Vec<usize>,
-    /// `[ep · max_rows]`: the expert-major row (or `received`, the zero row) whose output goes
-    /// back in each row of the return buffer.
+    /// `[ep · max_rows]`: the expert-major row whose output goes back in each row of the
+    /// return buffer, or `received + 1` (past the experts' output: a zero row) for padding.
     return_rows: Vec<usize>,
     /// `[num_tokens · top_k]`, device: for each assignment (token-major), its row in the
-    /// send buffer and in the buffer that comes back; `ep · max_rows` (the zero row appended
-    /// to the buffer that comes back) for a dropped one.
+    /// send buffer and in the buffer that comes back; `ep · max_rows` (past the buffer that
+    /// comes back: a zero row) for a dropped one.
     combine_rows: Tensor<B, 1, Int>,
 }
 
@@ -319,7 +319,7 @@ impl TokenDispatcher {
             .collect();
         let received: usize = local_counts.iter().sum();
         let mut expert_rows = Vec::with_capacity(received + 1);
-        let mut return_rows = vec![received; ep * max_rows];
+        let mut return_rows = vec![received + 1; ep * max_rows];
         for j in 0..e_local {
             for r in 0..ep {
                 let start = r * max_rows + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
@@ -358,10 +358,10 @@ impl TokenDispatcher {
         tokens: Tensor<B, 2>,
     ) -> DistResult<Tensor<B, 2>> {
         let device = tokens.device();
-        let send = gather_rows(with_zero_row(tokens), plan.send_rows.clone());
+        let send = gather_rows_or_zero(tokens, plan.send_rows.clone());
         let received = all_to_all(send, &self.ep, 0, 0)?;
-        Ok(gather_rows(
-            with_zero_row(received),
+        Ok(gather_rows_or_zero(
+            received,
             int_tensor(&plan.expert_rows, &device),
         ))
     }
@@ -382,12 +382,9 @@ impl TokenDispatcher {
     ) -> DistResult<Tensor<B, 2>> {
         let device = expert_output.device();
         let hidden = expert_output.dims()[1];
-        let back = gather_rows(expert_output, int_tensor(&plan.return_rows, &device));
-        let mut back = all_to_all(back, &self.ep, 0, 0)?;
-        if plan.dropped > 0 {
-            back = with_zero_row(back);
-        }
-        let per_assignment = gather_rows(back, plan.combine_rows.clone()).reshape([
+        let back = gather_rows_or_zero(expert_output, int_tensor(&plan.return_rows, &device));
+        let back = all_to_all(back, &self.ep, 0, 0)?;
+        let per_assignment = gather_rows_or_zero(back, plan.combine_rows.clone()).reshape([
             plan.num_tokens,
             plan.top_k,
             hidden,
@@ -458,13 +455,6 @@ pub fn exclusive_cumsum_rows<B: Backend>(x: Tensor<B, 2, Int>) -> Tensor<B, 2, I
     (inclusive - x + offsets)
         .reshape([blocks * block, columns])
         .narrow(0, 0, n)
-}
-
-/// `x` with a row of zeros appended.
-fn with_zero_row<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
-    let [_, hidden] = x.dims();
-    let zeros = Tensor::zeros([1, hidden], &x.device());
-    Tensor::cat(vec![x, zeros], 0)
 }
 
 /// `values` as a 1-D integer tensor on `device`.
