@@ -28,6 +28,7 @@
 #   two    (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 32k, a profile of CP 2 p2p, CP 2 at
 #          128k; torch CP 2 at 32k with both rotations
 #   ratio  (NPROC=2) ours CP 1 (DP 2) and CP 2 p2p at 32k, and a profile of CP 2 p2p
+#   room   ours CP 4 and CP 1 (x DP 4) at 128k without recomputation (does CP 1 fit?)
 #   extra  ours CP 4 at 128k without recomputation; all_gather and p2p at 8k (CP 4); torch CP 4
 #          at 128k with the all-to-all rotation, and without activation checkpointing
 # Each run prints its iteration lines and one RUN line (median tokens/s, TFLOP/s per GPU and
@@ -269,6 +270,12 @@ if part ratio; then
   ours cp1_32k 32768 1 p2p
   ours cp2_p2p_32k 32768 2 p2p
   BM_PROFILE=1 IT=3 ours cp2_p2p_32k_profile 32768 2 p2p --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 1
+fi
+if part room; then
+  # For 4 GPUs: without recomputation, CP 4 at 128k against CP 1 (x DP 4), which should not
+  # fit: the memory CP makes.
+  RC=none ours cp4_p2p_128k_norecompute 131072 4 p2p
+  RC=none IT=2 ours cp1_128k_norecompute 131072 1 p2p
 fi
 if part two; then
   # For 2 GPUs (NPROC=2): CP 2 against CP 1 (x DP 2) at 32k, each comm type, the peer, and a

@@ -20,6 +20,7 @@
 #   moe      bench/moe_gpu_check.sh (PART=MOE_PART, default all; BUDGET=MOE_BUDGET, default 240 s)
 #   fp8      PART=gemm and PART=step of bench/fp8_gpu_check.sh
 #   fp8prof  PART=profile of bench/fp8_gpu_check.sh: the bf16 and FP8 steps profiled
+#   fp8step  PART=step of bench/fp8_gpu_check.sh: the GPT 1.3B step, bf16 and FP8, and the peer
 #   fp8casts PART=casts of bench/fp8_gpu_check.sh: the casts' checks, speeds and registers
 #   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
 #   single   ckpt on GPU 0 and fp8's PART=step on GPU 1 at the same time
@@ -91,6 +92,7 @@ for s in "$@"; do
       ;;
     fp8prof) step fp8prof env PART=profile bash bench/fp8_gpu_check.sh ;;
     fp8casts) step fp8casts env PART=casts bash bench/fp8_gpu_check.sh ;;
+    fp8step) step fp8step env PART=step bash bench/fp8_gpu_check.sh ;;
     ckpt) step ckpt bash -c "$CKPT" ;;
     generate) step generate env BUDGET="${GEN_BUDGET:-520}" bash bench/generate_gpu_check.sh ;;
     # The one-GPU checks side by side on a machine of several GPUs: the checkpoint benchmark on

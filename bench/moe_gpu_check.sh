@@ -18,6 +18,7 @@
 #   PART=gemm bash bench/moe_gpu_check.sh       # the experts' grouped GEMM only (one GPU is enough)
 #   NPROC=2 PART=gemm,two bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2, the peers, a profile
 #   NPROC=2 PART=late bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like EP 2 for 20 iterations, a late step profiled, the peer
+#   PART=late4 bash bench/moe_gpu_check.sh          # 4 GPUs: the same at EP 4
 #
 # PART gemm runs first: `gemm_bench grouped` (bin/gemm_bench: bench/pack_gpu.sh build --release
 # --features cuda -p burn-megatron-examples --example gemm_bench) checks the cuBLAS grouped GEMM
@@ -282,6 +283,11 @@ if [ "$PART" != all ] && part late; then
   # iterations, its steps 15-16 profiled on rank 0, then the peer.
   BM_PROFILE=1 ITERS=20 ours mixtral_ep2_late mixtral_1b_moe 2 --profile --profile-step-start 15 --profile-step-end 16 --profile-ranks 0
   torch mixtral_ep2 --preset mixtral --ep 2
+fi
+if [ "$PART" != all ] && part late4; then
+  # For 4 GPUs: the same at EP 4.
+  BM_PROFILE=1 ITERS=20 ours mixtral_ep4_late mixtral_1b_moe 4 --profile --profile-step-start 15 --profile-step-end 16 --profile-ranks 0
+  torch mixtral_ep4 --preset mixtral --ep 4
 fi
 part ours && ours mixtral_ep4 mixtral_1b_moe 4
 part torch && torch mixtral_ep4 --preset mixtral --ep 4
