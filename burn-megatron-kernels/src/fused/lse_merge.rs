@@ -43,7 +43,8 @@ fn merge_kernel<A: Float, B: Float, W: Float, N: Size>(
     let a = Vector::<W, N>::cast_from(out_a[i as usize]);
     let b = Vector::<W, N>::cast_from(out_b[i as usize]);
     out[i as usize] = a * Vector::new(wa) + b * Vector::new(wb);
-    if i % vectors_per_row == 0 {
+    let vector_in_row = i % vectors_per_row;
+    if vector_in_row == 0 {
         lse[row] = max + W::ln(sum);
     }
 }

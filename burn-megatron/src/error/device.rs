@@ -26,6 +26,47 @@ pub struct DeviceError {
     pub message: String,
 }
 
+/// A backend message that lists the errors of a failed step (CubeCL's "The server is in an
+/// invalid state", with the `Debug` form of every failed operation: a hundred out-of-memory
+/// errors after the first, tens of kilobytes) cut to its header, the first error's reason and
+/// how many followed. Any other message is kept whole.
+fn first_of_many(message: &str) -> String {
+    const REASON: &str = "reason: \"";
+    let Some((header, list)) = message.split_once("Caused by:") else {
+        return message.to_string();
+    };
+    let mut reasons = list.match_indices(REASON).map(|(at, _)| {
+        // The reason's `Debug` text, up to its closing quote (escaped quotes skipped).
+        let text = &list[at + REASON.len()..];
+        let mut end = text.len();
+        let mut escaped = false;
+        for (i, c) in text.char_indices() {
+            match (escaped, c) {
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    end = i;
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        let reason = text[..end].replace("\\n", "\n");
+        reason
+            .replace("\nNo backtrace available", "")
+            .trim()
+            .to_string()
+    });
+    let Some(first) = reasons.next() else {
+        return message.to_string();
+    };
+    let more = reasons.count();
+    let header = header.trim().trim_end_matches(':');
+    match more {
+        0 => format!("{header}: {first}"),
+        n => format!("{header}: {first} (and {n} more errors of the same step)"),
+    }
+}
+
 fn rank_prefix(rank: Option<usize>) -> String {
     rank.map(|r| format!("rank {r}: ")).unwrap_or_default()
 }
@@ -35,7 +76,7 @@ impl DeviceError {
     pub fn new(what: impl Into<String>, error: &ExecutionError) -> Self {
         let message = match error {
             ExecutionError::WithContext { reason } | ExecutionError::Generic { reason, .. } => {
-                reason.trim().to_string()
+                first_of_many(reason.trim())
             }
         };
         Self {
@@ -173,6 +214,39 @@ mod tests {
             DeviceError::new("the loss", &generic).message,
             "watchdog abort"
         );
+    }
+
+    /// CubeCL's list of a failed step's errors: the header, the first reason, the count.
+    #[test]
+    fn a_list_of_errors_is_cut_to_the_first() {
+        let one = |size: &str| {
+            format!(
+                "Generic {{ reason: \"out of GPU memory: {size} GiB requested, 68.06 GiB in live \
+                 tensors (can't allocate buffer of size: 2147483648\\nNo backtrace available)\", \
+                 backtrace: No backtrace available }}"
+            )
+        };
+        let reason = format!(
+            "The server is in an invalid state\nCaused by:\n  [{}, {}, {}]",
+            one("2.00"),
+            one("0.50"),
+            one("0.75")
+        );
+        let error = DeviceError::new("the loss", &ExecutionError::WithContext { reason });
+        assert_eq!(
+            error.message,
+            "The server is in an invalid state: out of GPU memory: 2.00 GiB requested, 68.06 GiB \
+             in live tensors (can't allocate buffer of size: 2147483648) (and 2 more errors of \
+             the same step)"
+        );
+        let plain = "Caused by: nothing listed";
+        let error = DeviceError::new(
+            "the loss",
+            &ExecutionError::WithContext {
+                reason: plain.into(),
+            },
+        );
+        assert_eq!(error.message, plain);
     }
 
     #[test]
