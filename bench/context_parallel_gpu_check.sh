@@ -28,6 +28,7 @@
 #   two    (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 32k, a profile of CP 2 p2p, CP 2 at
 #          128k; torch CP 2 at 32k with both rotations
 #   ratio  (NPROC=2) ours CP 1 (DP 2) and CP 2 p2p at 32k, and a profile of CP 2 p2p
+#   two64  (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 64k; a2a at 32k
 #   room   ours CP 4 and CP 1 (x DP 4) at 128k without recomputation (does CP 1 fit?)
 #   extra  ours CP 4 at 128k without recomputation; all_gather and p2p at 8k (CP 4); torch CP 4
 #          at 128k with the all-to-all rotation, and without activation checkpointing
@@ -270,6 +271,13 @@ if part ratio; then
   ours cp1_32k 32768 1 p2p
   ours cp2_p2p_32k 32768 2 p2p
   BM_PROFILE=1 IT=3 ours cp2_p2p_32k_profile 32768 2 p2p --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0 1
+fi
+if part two64; then
+  # For 2 GPUs (NPROC=2): 64k, each fused variant against CP 1 (x DP 2), and a2a at 32k.
+  IT=3 ours cp1_64k 65536 1 p2p
+  IT=3 ours cp2_p2p_64k 65536 2 p2p
+  IT=3 ours cp2_a2a_64k 65536 2 a2a
+  ours cp2_a2a_32k 32768 2 a2a
 fi
 if part room; then
   # For 4 GPUs: without recomputation, CP 4 at 128k against CP 1 (x DP 4), which should not
