@@ -23,8 +23,9 @@
 //! for it by the ranks before, adds its own queries' share, and passes both on; one last
 //! exchange brings each rank the complete gradient of its own K/V (`cp` exchanges of the
 //! gradient, `cp - 1` of K/V). The gradients are summed in flat f32 buffers, each block's
-//! added in place to its slot ([`WriteSlotOps::add_slot`]). A failed exchange in the backward is recorded on the group
-//! ([`ProcessGroup::fail_in_backward`]) and the gradients go on as zeros.
+//! added in place to its slot ([`WriteSlotOps::add_slot`]). A failed exchange in the backward
+//! is recorded on the group ([`ProcessGroup::fail_in_backward`]) and the gradients go on as
+//! zeros.
 //!
 //! Every backend runs this file's code; only `flash_attention` and its backward differ (the
 //! Burn compositions on NdArray, which materialise one block pair's scores at a time).
