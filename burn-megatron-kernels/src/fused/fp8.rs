@@ -291,6 +291,119 @@ pub fn tensorwise_scale<R: CubeRuntime>(
     scale
 }
 
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn delayed_update_kernel(
+    amax: &Tensor<f32>,
+    history: &Tensor<f32>,
+    scale: &Tensor<f32>,
+    new_history: &mut Tensor<f32>,
+    new_scale: &mut Tensor<f32>,
+    len: u32,
+    max: f32,
+    factor: f32,
+    largest: f32,
+    infinity: f32,
+    #[comptime] most_recent: bool,
+) {
+    let a = amax[0];
+    // A NaN fails the comparison: neither it nor an infinity is recorded.
+    let finite = a < infinity;
+    let mut best = 0u32;
+    let mut i = UNIT_POS_X;
+    while i < len {
+        let index = i as usize;
+        let mut value = history[index];
+        if finite {
+            if i == 0 {
+                value = a;
+            } else {
+                value = history[index - 1];
+            }
+        }
+        new_history[index] = value;
+        // Amaxes are non-negative: their bits order as their values.
+        let bits = u32::reinterpret(value);
+        if bits > best {
+            best = bits;
+        }
+        i += CUBE_DIM_X;
+    }
+    let total = cube_max(best);
+    if UNIT_POS_X == 0 {
+        let mut chosen = f32::reinterpret(total);
+        if most_recent {
+            chosen = new_history[0];
+        }
+        let previous = scale[0];
+        let mut s = max / chosen * factor;
+        if s > largest {
+            s = largest;
+        }
+        if !(chosen > 0.0 && chosen < infinity) {
+            s = previous;
+        }
+        if !finite {
+            s = previous;
+        }
+        new_scale[0] = s;
+    }
+}
+
+/// Delayed scaling's update after a cast, in one kernel of one cube: `amax` (`[1]` f32) enters
+/// the `history` (`[len]` f32, newest first) at the front and the oldest entry drops out, and
+/// the next scale is `max / chosen · 2^-margin` (at most `f32::MAX`) from the new history's
+/// largest amax (or, with `most_recent`, its newest), or `scale` (`[1]` f32) where that amax is
+/// zero; a NaN or infinite `amax` changes neither. Returns `(history, scale)`, new tensors: the
+/// same operations in the same order as the composition of Burn operations it replaces (about
+/// fifteen launches).
+pub fn delayed_update<R: CubeRuntime>(
+    history: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    amax: CubeTensor<R>,
+    max: f32,
+    margin: i32,
+    most_recent: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    for (t, what) in [(&history, "history"), (&scale, "scale"), (&amax, "amax")] {
+        assert_eq!(t.dtype, DType::F32, "the {what} is f32");
+    }
+    assert_eq!(amax.meta.shape().num_elements(), 1, "one amax");
+    assert_eq!(scale.meta.shape().num_elements(), 1, "one scale");
+    let len = history.meta.shape().num_elements();
+    assert!(len > 0, "a history of at least one amax");
+    let (client, device) = (history.client.clone(), history.device.clone());
+    let new_history = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        device.clone(),
+        Shape::from(vec![len]),
+        DType::F32,
+    );
+    let new_scale = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        device,
+        Shape::from(vec![1]),
+        DType::F32,
+    );
+    delayed_update_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(THREADS),
+        into_contiguous(amax).into_tensor_arg(),
+        into_contiguous(history).into_tensor_arg(),
+        into_contiguous(scale).into_tensor_arg(),
+        new_history.clone().into_tensor_arg(),
+        new_scale.clone().into_tensor_arg(),
+        len as u32,
+        max,
+        2f32.powi(-margin),
+        f32::MAX,
+        f32::INFINITY,
+        most_recent,
+    );
+    (new_history, new_scale)
+}
+
 /// `x · scale` saturated to `±max`; a NaN stays a NaN (a clamp would turn it into `-max`).
 #[cube]
 fn scaled(x: f32, scale: f32, max: f32) -> f32 {

@@ -29,8 +29,8 @@ pub mod scaling;
 
 pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear};
 pub use scaling::{
-    AmaxComputeAlgo, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe, scale_from_amax,
-    tensorwise_scale,
+    AmaxComputeAlgo, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe, delayed_update_composition,
+    scale_from_amax, tensorwise_scale,
 };
 
 /// An FP8 storage format (OCP): E4M3 (max 448, Megatron's activations/weights) and E5M2 (max
@@ -107,6 +107,21 @@ pub trait Fp8Ops: LinearOps {
         margin: i32,
     ) -> Tensor<Self, 1> {
         tensorwise_scale(amax, dtype, margin)
+    }
+
+    /// Delayed scaling's update after a cast: `(history, scale)` with `amax` (`[1]` f32)
+    /// recorded, [`delayed_update_composition`]'s values (`history`: `[len]` f32, newest
+    /// first; `scale`: `[1]` f32). Our CUDA backend runs one kernel; the composition launches
+    /// about fifteen, once per cast.
+    fn fp8_delayed_update(
+        history: Tensor<Self, 1>,
+        scale: Tensor<Self, 1>,
+        amax: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+        margin: i32,
+        algo: AmaxComputeAlgo,
+    ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+        delayed_update_composition(history, scale, amax, dtype, margin, algo)
     }
 
     /// `x · scale` rounded to nearest (ties to even) on `dtype`'s grid, saturated to ±max, in
@@ -259,6 +274,25 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
         Tensor::from_inner(B::fp8_tensorwise_scale(amax.inner(), dtype, margin))
     }
 
+    fn fp8_delayed_update(
+        history: Tensor<Self, 1>,
+        scale: Tensor<Self, 1>,
+        amax: Tensor<Self, 1>,
+        dtype: Fp8Dtype,
+        margin: i32,
+        algo: AmaxComputeAlgo,
+    ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+        let (history, scale) = B::fp8_delayed_update(
+            history.inner(),
+            scale.inner(),
+            amax.inner(),
+            dtype,
+            margin,
+            algo,
+        );
+        (Tensor::from_inner(history), Tensor::from_inner(scale))
+    }
+
     fn fp8_quantize(
         x: Tensor<Self, 2>,
         scale: Tensor<Self, 1>,
@@ -323,7 +357,7 @@ mod cuda {
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
     use burn_megatron_kernels::fused::fp8::{self, Fp8Kind};
 
-    use super::{Fp8Dtype, Fp8Ops};
+    use super::{AmaxComputeAlgo, Fp8Dtype, Fp8Ops};
     use crate::ops::primitive::{raw, wrap};
 
     fn kind(dtype: Fp8Dtype) -> Fp8Kind {
@@ -350,6 +384,25 @@ mod cuda {
                 dtype.max(),
                 margin,
             ))
+        }
+
+        fn fp8_delayed_update(
+            history: Tensor<Self, 1>,
+            scale: Tensor<Self, 1>,
+            amax: Tensor<Self, 1>,
+            dtype: Fp8Dtype,
+            margin: i32,
+            algo: AmaxComputeAlgo,
+        ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+            let (history, scale) = fp8::delayed_update(
+                raw(history.cast(DType::F32)),
+                raw(scale.cast(DType::F32)),
+                raw(amax.cast(DType::F32)),
+                dtype.max(),
+                margin,
+                algo == AmaxComputeAlgo::MostRecent,
+            );
+            (wrap(history), wrap(scale))
         }
 
         fn fp8_quantize(

@@ -5,7 +5,9 @@
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_megatron::ops::fp8::{Fp8Dtype, tensorwise_scale};
+use burn_megatron::ops::fp8::{
+    AmaxComputeAlgo, Fp8Dtype, delayed_update_composition, tensorwise_scale,
+};
 use burn_megatron_kernels::fused::fp8::{self, CastTarget, Fp8Kind, amax, quantize, quantize_both};
 use burn_megatron_testing::{assert_close, values, values_f32};
 
@@ -87,6 +89,67 @@ fn the_tensorwise_scale_kernel_matches_the_composition() {
                     &values_f32(got),
                     &want,
                 );
+            }
+        }
+    }
+}
+
+/// Delayed scaling's update in one kernel (`fp8::delayed_update`) against the composition, bit
+/// for bit: histories of 1, 3 and 300 amaxes (more than the cube's threads), fresh (zeros)
+/// and filled, both algorithms, margins 0 and 2, and amaxes that are ordinary, the
+/// history's new largest, zero, tiny, NaN and infinite (those two change nothing).
+#[test]
+fn the_delayed_update_kernel_matches_the_composition() {
+    let device = WgpuDevice::default();
+    let amaxes = [3.5, 1.0e4, 0.0, 1e-40, f32::NAN, f32::INFINITY];
+    for len in [1, 3, 300] {
+        for filled in [false, true] {
+            let history: Vec<f32> = match filled {
+                false => vec![0.0; len],
+                true => random(len, 21 + len as u64, 50.0)
+                    .iter()
+                    .map(|v| v.abs())
+                    .collect(),
+            };
+            let history = Tensor::<W, 1>::from_data(TensorData::new(history, [len]), &device);
+            let scale = Tensor::<W, 1>::from_data(TensorData::new(vec![0.75f32], [1]), &device);
+            for algo in [AmaxComputeAlgo::Max, AmaxComputeAlgo::MostRecent] {
+                for margin in [0, 2] {
+                    for a in amaxes {
+                        let name = format!(
+                            "len {len} filled {filled} {algo:?} margin {margin} amax {a:e}"
+                        );
+                        let amax =
+                            Tensor::<W, 1>::from_data(TensorData::new(vec![a], [1]), &device);
+                        let dtype = Fp8Dtype::E4M3;
+                        let (want_history, want_scale) = delayed_update_composition(
+                            history.clone(),
+                            scale.clone(),
+                            amax.clone(),
+                            dtype,
+                            margin,
+                            algo,
+                        );
+                        let (got_history, got_scale) = fp8::delayed_update(
+                            raw(history.clone()),
+                            raw(scale.clone()),
+                            raw(amax),
+                            dtype.max(),
+                            margin,
+                            algo == AmaxComputeAlgo::MostRecent,
+                        );
+                        assert_same_bits(
+                            &format!("{name}: history"),
+                            &values_f32(wrap::<1>(got_history)),
+                            &values_f32(want_history),
+                        );
+                        assert_same_bits(
+                            &format!("{name}: scale"),
+                            &values_f32(wrap::<1>(got_scale)),
+                            &values_f32(want_scale),
+                        );
+                    }
+                }
             }
         }
     }

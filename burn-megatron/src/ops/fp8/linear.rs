@@ -264,7 +264,7 @@ impl Fp8Linear {
     }
 
     /// Records `operand`'s (reduced) `amax` after its cast: delayed scaling's history update.
-    fn record<B: Backend>(&self, operand: Operand, amax: Tensor<B, 1>, dtype: Fp8Dtype) {
+    fn record<B: Fp8Ops>(&self, operand: Operand, amax: Tensor<B, 1>, dtype: Fp8Dtype) {
         if self.config.recipe == Fp8Recipe::Delayed {
             let (margin, algo) = (self.config.margin, self.config.amax_compute_algo);
             self.with_state(operand, &amax.device(), |s| {
@@ -273,20 +273,23 @@ impl Fp8Linear {
         }
     }
 
-    /// The amaxes, NaN sent as +∞, those marked split reduced (maximum) over the group in
-    /// one all-reduce.
+    /// The amaxes, those marked split reduced (maximum) over the group in one all-reduce, a
+    /// NaN sent as +∞ there (the maximum of a NaN is undefined); with nothing to reduce, as
+    /// they are.
     fn reduce_amaxes<B: DeviceTransport, const N: usize>(
         &self,
         amaxes: [(Tensor<B, 1>, bool); N],
     ) -> DistResult<[Tensor<B, 1>; N]> {
+        let group = match &self.group {
+            Some(group) if group.size() > 1 && amaxes.iter().any(|(_, split)| *split) => group,
+            // Nothing to reduce: a NaN amax stays NaN, which every use treats as +∞ does
+            // (no scale from it, nothing recorded), without two launches an amax.
+            _ => return Ok(amaxes.map(|(amax, _)| amax)),
+        };
         let amaxes = amaxes.map(|(amax, split)| {
             let nan = amax.clone().is_nan();
             (amax.mask_fill(nan, f32::INFINITY), split)
         });
-        let group = match &self.group {
-            Some(group) if group.size() > 1 && amaxes.iter().any(|(_, split)| *split) => group,
-            _ => return Ok(amaxes.map(|(amax, _)| amax)),
-        };
         let local: Vec<_> = amaxes
             .iter()
             .filter(|(_, split)| *split)

@@ -11,7 +11,7 @@ use burn::config::Config;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
-use super::Fp8Dtype;
+use super::{Fp8Dtype, Fp8Ops};
 use crate::error::ConfigError;
 
 /// Which FP8 formats the GEMMs use (Megatron's `--fp8-format`).
@@ -222,39 +222,60 @@ impl<B: Backend> DelayedScaling<B> {
     /// Records `amax` (`[1]`, the amax of the tensor just cast with [`scale`](Self::scale)):
     /// it enters the history at the front, the oldest entry drops out, and the next scale is
     /// computed from the history's largest (`max`) or newest (`most_recent`) amax by
-    /// [`scale_from_amax`], the current scale its fallback.
+    /// [`scale_from_amax`], the current scale its fallback ([`delayed_update_composition`];
+    /// one kernel on our CUDA backend, [`Fp8Ops::fp8_delayed_update`]).
     ///
     /// A NaN or infinite `amax` is not recorded at all: history and scale stay as they were.
     /// Transformer Engine skips the scale update too but writes the amax into its history,
     /// where (with `max`) it freezes the scale until it rolls out; leaving it out lets the
-    /// next finite step update the scale again. Mask operations only: no host read.
+    /// next finite step update the scale again. No host read.
     pub fn record(
         &mut self,
         amax: Tensor<B, 1>,
         dtype: Fp8Dtype,
         margin: i32,
         algo: AmaxComputeAlgo,
-    ) {
-        let amax = amax.cast(DType::F32);
-        let len = self.history.dims()[0];
-        let rolled = match len {
-            1 => amax.clone(),
-            _ => Tensor::cat(
-                vec![amax.clone(), self.history.clone().narrow(0, 0, len - 1)],
-                0,
-            ),
-        };
-        let finite = amax.clone().lower_elem(f32::INFINITY);
-        let history = self
-            .history
-            .clone()
-            .mask_where(finite.clone().expand([len]), rolled);
-        let chosen = match algo {
-            AmaxComputeAlgo::Max => history.clone().max(),
-            AmaxComputeAlgo::MostRecent => history.clone().narrow(0, 0, 1),
-        };
-        let scale = scale_from_amax(chosen, self.scale.clone(), dtype, margin);
-        self.scale = self.scale.clone().mask_where(finite, scale);
+    ) where
+        B: Fp8Ops,
+    {
+        let (history, scale) = B::fp8_delayed_update(
+            self.history.clone(),
+            self.scale.clone(),
+            amax,
+            dtype,
+            margin,
+            algo,
+        );
         self.history = history;
+        self.scale = scale;
     }
+}
+
+/// Delayed scaling's update as Burn operations (mask operations only): `amax` (`[1]`) enters
+/// `history` (`[len]` f32, newest first) at the front, the oldest entry drops out, and the
+/// next scale comes from the new history's largest (`max`) or newest (`most_recent`) amax by
+/// [`scale_from_amax`], `scale` its fallback; a NaN or infinite `amax` changes neither.
+/// Returns `(history, scale)`.
+pub fn delayed_update_composition<B: Backend>(
+    history: Tensor<B, 1>,
+    scale: Tensor<B, 1>,
+    amax: Tensor<B, 1>,
+    dtype: Fp8Dtype,
+    margin: i32,
+    algo: AmaxComputeAlgo,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let amax = amax.cast(DType::F32);
+    let len = history.dims()[0];
+    let rolled = match len {
+        1 => amax.clone(),
+        _ => Tensor::cat(vec![amax.clone(), history.clone().narrow(0, 0, len - 1)], 0),
+    };
+    let finite = amax.clone().lower_elem(f32::INFINITY);
+    let history = history.mask_where(finite.clone().expand([len]), rolled);
+    let chosen = match algo {
+        AmaxComputeAlgo::Max => history.clone().max(),
+        AmaxComputeAlgo::MostRecent => history.clone().narrow(0, 0, 1),
+    };
+    let next = scale_from_amax(chosen, scale.clone(), dtype, margin);
+    (history, scale.mask_where(finite, next))
 }
