@@ -246,17 +246,23 @@ fn tensorwise_scale_kernel(
     infinity: f32,
 ) {
     if ABSOLUTE_POS == 0 {
-        let a = amax[0];
-        let mut s = max / a * factor;
-        if s > largest {
-            s = largest;
-        }
-        // A NaN fails both comparisons.
-        if !(a > 0.0 && a < infinity) {
-            s = 1.0;
-        }
-        scale[0] = s;
+        scale[0] = scale_or(amax[0], 1.0, max, factor, largest, infinity);
     }
+}
+
+/// `max / amax · factor`, at most `largest`, or `fallback` where `amax` is zero, NaN or
+/// infinite: the scale both recipes compute, in the compositions' order of operations.
+#[cube]
+fn scale_or(amax: f32, fallback: f32, max: f32, factor: f32, largest: f32, infinity: f32) -> f32 {
+    let mut s = max / amax * factor;
+    if s > largest {
+        s = largest;
+    }
+    // A NaN fails both comparisons.
+    if !(amax > 0.0 && amax < infinity) {
+        s = fallback;
+    }
+    s
 }
 
 /// The tensorwise scale of a cast to `max` (the format's largest value) from the tensor's
@@ -336,13 +342,7 @@ fn delayed_update_kernel(
             chosen = new_history[0];
         }
         let previous = scale[0];
-        let mut s = max / chosen * factor;
-        if s > largest {
-            s = largest;
-        }
-        if !(chosen > 0.0 && chosen < infinity) {
-            s = previous;
-        }
+        let mut s = scale_or(chosen, previous, max, factor, largest, infinity);
         if !finite {
             s = previous;
         }
