@@ -61,3 +61,42 @@ fn lse_merge_equals_the_composition() {
         );
     }
 }
+
+/// Partial outputs stored sequence-major (`[batch, len, heads, head_dim]` in memory, as the
+/// fused attention writes them) are read where they lie: the same merge as the composition.
+#[test]
+fn lse_merge_reads_sequence_major_outputs() {
+    let device = WgpuDevice::default();
+    let [batch, heads, len, head_dim] = [2, 3, 5, 8];
+    let sequence_major = |seed| {
+        random_4d(
+            [batch, len, heads, head_dim],
+            seed,
+            2.0,
+            DType::F32,
+            &device,
+        )
+        .swap_dims(1, 2)
+    };
+    let (out_a, out_b) = (sequence_major(5), sequence_major(6));
+    let lse_a = lse([batch, heads, len], 7, 0.0, &device);
+    let lse_b = lse([batch, heads, len], 8, 0.5, &device);
+    let (want_out, want_lse) = lse_merge_composition(
+        (out_a.clone(), lse_a.clone()),
+        (out_b.clone(), lse_b.clone()),
+        DType::F32,
+    );
+    let (out, merged) = lse_merge(
+        (raw(out_a), raw(lse_a)),
+        (raw(out_b), raw(lse_b)),
+        DType::F32,
+    );
+    let (out, merged): (Tensor<W, 4>, Tensor<W, 3>) = (wrap(out), wrap(merged));
+    assert_close("sequence-major: out", &values(out), &values(want_out), 1e-6);
+    assert_close(
+        "sequence-major: lse",
+        &values(merged),
+        &values(want_lse),
+        1e-6,
+    );
+}
