@@ -6,9 +6,12 @@ use burn_megatron_dist::mapping::gather_from_sequence_parallel_region;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::block_attention::block_attention;
+use super::ring::ring_plan;
 use super::split::LoadBalancedSplit;
 use crate::error::Result;
+use crate::ops::RingFlashAttentionOps;
 use crate::ops::flash_attention::check_shapes;
+use crate::ops::ring_flash_attention::{KvExchange, RingPlan};
 
 /// Causal attention of this rank's queries against the whole sequence's keys and values,
 /// every tensor in the [load-balanced split](LoadBalancedSplit) over `cp_group`.
@@ -48,4 +51,32 @@ pub fn all_gather_attention<B: DistBackend>(
     let v = kv.narrow(1, kv_heads, kv_heads);
     let partial = block_attention(q, k, v, &q_positions, &k_positions, scale);
     Ok(partial.out.cast(dtype))
+}
+
+/// [`all_gather_attention`] on the fused flash attention: the same result, as one operation
+/// ([`RingFlashAttentionOps::ring_flash_attention`] with [`KvExchange::AllGather`]). K/V are
+/// gathered once, and each query chunk attends to the gathered blocks as the ring's steps
+/// would pair them (a flash call per block pair: full attention against an earlier chunk,
+/// causal against its own), merged by log-sum-exp; the backward gathers K/V again and
+/// reduce-scatters their gradients. No `[seq, seq]` tensor is formed. The model's
+/// `all_gather` attention.
+///
+/// # Shapes
+/// As [`all_gather_attention`].
+///
+/// Fails if a collective fails, or if `seq / cp` is odd.
+pub fn all_gather_flash_attention<B: RingFlashAttentionOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    cp_group: &ProcessGroup,
+    scale: f64,
+) -> Result<Tensor<B, 4>> {
+    let split = LoadBalancedSplit::of_group(cp_group);
+    split.chunk_len(q.dims()[2] * split.cp)?;
+    let plan = RingPlan {
+        exchange: KvExchange::AllGather,
+        ..ring_plan(split)
+    };
+    Ok(B::ring_flash_attention(q, k, v, cp_group, scale, &plan)?)
 }

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use burn::tensor::Tensor;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
-use super::all_gather::all_gather_attention;
+use super::all_gather::{all_gather_attention, all_gather_flash_attention};
 use super::all_to_all::{all_to_all_attention, all_to_all_flash_attention};
 use super::ring::{ring_attention, ring_flash_attention};
 use crate::error::{ConfigError, Result};
@@ -83,11 +83,10 @@ pub fn context_parallel_attention<B: DistBackend>(
     }
 }
 
-/// [`context_parallel_attention`] on the fused flash attention where the communication
-/// allows it: `p2p` by [`ring_flash_attention`], `a2a` by [`all_to_all_flash_attention`]
-/// (neither keeps a `[seq, seq]` tensor for the backward); `all_gather` stays the composition
-/// [`all_gather_attention`] (a query chunk against the keys up to its own is neither aligned
-/// causal nor full attention). The model's attention under context parallelism.
+/// [`context_parallel_attention`] on the fused flash attention: `p2p` by
+/// [`ring_flash_attention`], `all_gather` by [`all_gather_flash_attention`], `a2a` by
+/// [`all_to_all_flash_attention`] (none keeps a `[seq, seq]` tensor for the backward). The
+/// model's attention under context parallelism.
 ///
 /// # Shapes
 /// As [`context_parallel_attention`].
@@ -101,7 +100,7 @@ pub fn context_parallel_flash_attention<B: RingFlashAttentionOps>(
 ) -> Result<Tensor<B, 4>> {
     match comm {
         CpCommType::P2p => ring_flash_attention(q, k, v, cp_group, scale),
-        CpCommType::AllGather => all_gather_attention(q, k, v, cp_group, scale),
+        CpCommType::AllGather => all_gather_flash_attention(q, k, v, cp_group, scale),
         CpCommType::A2a => all_to_all_flash_attention(q, k, v, cp_group, scale),
     }
 }

@@ -16,10 +16,11 @@
 //!   split by all-to-all, and back.
 //! - [`context_parallel_attention`] dispatches on [`CpCommType`] to these compositions, the
 //!   reference on every backend.
-//! - [`ring_flash_attention`] and [`all_to_all_flash_attention`]: `p2p` and `a2a` on the fused
-//!   flash attention (the ring as one operation with its own backward node,
-//!   [`crate::ops::ring_flash_attention`]); [`context_parallel_flash_attention`] dispatches to
-//!   them, and is what the model runs.
+//! - [`ring_flash_attention`], [`all_gather_flash_attention`] and
+//!   [`all_to_all_flash_attention`]: `p2p`, `all_gather` and `a2a` on the fused flash
+//!   attention (the ring, and the gathered blocks taken in the ring's order, as one operation
+//!   with its own backward node, [`crate::ops::ring_flash_attention`]);
+//!   [`context_parallel_flash_attention`] dispatches to them, and is what the model runs.
 //! - [`CpContext`]: the group and communication a model's layers run over
 //!   ([`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)).
 //! - [`block_attention`](block_attention::block_attention) and
@@ -45,7 +46,7 @@ pub mod context;
 pub mod ring;
 pub mod split;
 
-pub use all_gather::all_gather_attention;
+pub use all_gather::{all_gather_attention, all_gather_flash_attention};
 pub use all_to_all::{all_to_all_attention, all_to_all_flash_attention};
 pub use comm_type::{CpCommType, context_parallel_attention, context_parallel_flash_attention};
 pub use context::CpContext;

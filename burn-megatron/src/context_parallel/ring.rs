@@ -11,7 +11,7 @@ use super::split::LoadBalancedSplit;
 use crate::error::Result;
 use crate::ops::RingFlashAttentionOps;
 use crate::ops::flash_attention::check_shapes;
-use crate::ops::ring_flash_attention::{RingBlock, RingPlan};
+use crate::ops::ring_flash_attention::{KvExchange, RingBlock, RingPlan};
 
 /// Causal attention of this rank's queries against the whole sequence's keys and values, the
 /// K/V blocks passed around `cp_group`; every tensor in the
@@ -99,7 +99,8 @@ pub fn ring_attention<B: DistBackend>(
 /// This rank's ring: at step `s` it holds the K/V block of rank `rank - s` (mod `cp`), and
 /// each of its two query chunks attends to each key chunk of the block not entirely in its
 /// future: an earlier chunk in full, the same chunk causally (aligned blocks), a later one not
-/// at all. The plan of [`ring_attention`], for [`RingFlashAttentionOps`].
+/// at all. The plan of [`ring_attention`], for [`RingFlashAttentionOps`], the blocks passed
+/// around the ring ([`KvExchange::Ring`]).
 pub fn ring_plan(split: LoadBalancedSplit) -> RingPlan {
     let cp = split.cp;
     let steps = (0..cp)
@@ -120,7 +121,10 @@ pub fn ring_plan(split: LoadBalancedSplit) -> RingPlan {
             blocks
         })
         .collect();
-    RingPlan { steps }
+    RingPlan {
+        steps,
+        exchange: KvExchange::Ring,
+    }
 }
 
 /// [`ring_attention`] on the fused flash attention: the same result, as one operation

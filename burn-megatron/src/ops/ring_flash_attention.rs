@@ -27,6 +27,12 @@
 //! is recorded on the group ([`ProcessGroup::fail_in_backward`]) and the gradients go on as
 //! zeros.
 //!
+//! The same operation serves `--cp-comm-type all_gather` ([`KvExchange::AllGather`]): every
+//! rank's K/V block is gathered once, the steps take their blocks from it in the ring's order
+//! (the same block pairs, the same flash calls and merges), and the backward sums each block's
+//! gradient on the rank that computed it and reduce-scatters them to their owners. It holds the
+//! whole sequence's K/V during the attention, which the ring never does.
+//!
 //! Every backend runs this file's code; only `flash_attention` and its backward differ (the
 //! Burn compositions on NdArray, which materialise one block pair's scores at a time).
 
@@ -38,7 +44,7 @@ use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::mapping::Comm;
-use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup, ReduceOp};
 
 use super::autodiff::{BackwardStep, inner, parent, record, register};
 use super::flash_attention::{FlashAttentionOps, check_shapes};
@@ -57,6 +63,19 @@ pub struct RingBlock {
     pub causal: bool,
 }
 
+/// How the K/V block of each step reaches the rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvExchange {
+    /// Passed around the ring, one block a step, the next exchange under the step's
+    /// attention (`--cp-comm-type p2p`); the K/V gradients travel back around it.
+    #[default]
+    Ring,
+    /// Every rank's block all-gathered before the first step (`--cp-comm-type all_gather`);
+    /// the K/V gradients of every block are summed on the rank that computed them, then
+    /// reduce-scattered to the blocks' ranks. The forward and the backward each gather once.
+    AllGather,
+}
+
 /// What each ring step computes: `steps[s]` are the block pairs of step `s`, at which the
 /// rank holds the K/V block of the rank `s` before it in the group. `steps.len()` is the
 /// group's size; every query chunk must appear in some pair.
@@ -64,6 +83,15 @@ pub struct RingBlock {
 pub struct RingPlan {
     /// The block pairs of each step.
     pub steps: Vec<Vec<RingBlock>>,
+    /// How each step's block arrives.
+    pub exchange: KvExchange,
+}
+
+impl RingPlan {
+    /// The rank whose K/V block rank `rank` of a group of `size` holds at step `step`.
+    fn source(rank: usize, size: usize, step: usize) -> usize {
+        (rank + size - step) % size
+    }
 }
 
 /// Ring attention on the fused flash attention (see the [module docs](self)).
@@ -131,12 +159,19 @@ fn ring_forward<B: RingFlashAttentionOps>(
     let wide = wide(dtype);
     let queries = [0, 1].map(|i| q.clone().narrow(2, i * len, len));
     let mut running: [Option<(Tensor<B, 4>, Tensor<B, 3>)>; 2] = [None, None];
+    let gathered = match plan.exchange {
+        KvExchange::Ring => None,
+        KvExchange::AllGather => Some(gather_kv(&k, &v, group)?),
+    };
     let mut held = [k, v];
     for (step, blocks) in plan.steps.iter().enumerate() {
-        let next = match step + 1 < plan.steps.len() {
-            true => Some(pass_on(&held, group)?),
-            false => None,
+        let next = match (&gathered, step + 1 < plan.steps.len()) {
+            (None, true) => Some(pass_on(&held, group)?),
+            _ => None,
         };
+        if let Some(all) = &gathered {
+            held = gathered_block(all, group, step, kv_heads);
+        }
         for block in blocks {
             let [keys, values] = held.clone().map(|t| t.narrow(2, block.key * len, len));
             let (out, lse) = B::flash_attention(
@@ -178,6 +213,31 @@ fn pass_on<B: DistBackend>(
     group: &ProcessGroup,
 ) -> DistResult<Tensor<B, 4>> {
     Comm::RingToNext.apply(group, Tensor::cat(held.to_vec(), 1))
+}
+
+/// Every rank's K/V block, `[size, batch, 2 · kv_heads, seq, head_dim]` (K's heads, then
+/// V's), in one all-gather over `group`.
+fn gather_kv<B: DistBackend>(
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    group: &ProcessGroup,
+) -> DistResult<Tensor<B, 5>> {
+    let kv = Tensor::cat(vec![k.clone(), v.clone()], 1).unsqueeze_dim::<5>(0);
+    group.all_gather(kv, 0)
+}
+
+/// `[k, v]` of the block this rank holds at `step`, out of [`gather_kv`]'s result.
+fn gathered_block<B: Backend>(
+    all: &Tensor<B, 5>,
+    group: &ProcessGroup,
+    step: usize,
+    kv_heads: usize,
+) -> [Tensor<B, 4>; 2] {
+    let source = RingPlan::source(group.rank(), group.size(), step);
+    split_kv(
+        all.clone().narrow(0, source, 1).squeeze_dim::<4>(0),
+        kv_heads,
+    )
 }
 
 /// `[k, v]` of a block received from [`pass_on`].
@@ -335,14 +395,28 @@ fn ring_backward<B: RingFlashAttentionOps>(
     );
     let zeros = |n: usize| Tensor::<B, 1>::zeros([n], (&device, wide));
     let mut dq = zeros(2 * q_slot);
-    let mut dkv = zeros(4 * kv_slot);
+    let gathered = match plan.exchange {
+        KvExchange::Ring => None,
+        KvExchange::AllGather => Some(gather_kv(&k, &v, group)?),
+    };
+    // The ring's travelling gradient holds one block's slots; gathered, every block's (the
+    // slots of the rank whose block it is at `4 · kv_slot · rank`).
+    let blocks_held = if gathered.is_some() { group.size() } else { 1 };
+    let mut dkv = zeros(4 * kv_slot * blocks_held);
     let mut held = [k, v];
     for (step, blocks) in plan.steps.iter().enumerate() {
         // The block is passed on before this step's gradients are computed from it, so that
         // the exchange runs under them (see `pass_on`).
-        let next = match step + 1 < plan.steps.len() {
-            true => Some(pass_on(&held, group)?),
-            false => None,
+        let next = match (&gathered, step + 1 < plan.steps.len()) {
+            (None, true) => Some(pass_on(&held, group)?),
+            _ => None,
+        };
+        let at = match &gathered {
+            Some(all) => {
+                held = gathered_block(all, group, step, kv_heads);
+                4 * kv_slot * RingPlan::source(group.rank(), group.size(), step)
+            }
+            None => 0,
         };
         for block in blocks {
             let (i, j) = (block.query, block.key);
@@ -358,15 +432,24 @@ fn ring_backward<B: RingFlashAttentionOps>(
                 block.causal,
             );
             dq = accumulate(dq, i * q_slot, dq_block, wide);
-            dkv = accumulate(dkv, j * kv_slot, dk_block, wide);
-            dkv = accumulate(dkv, (2 + j) * kv_slot, dv_block, wide);
+            dkv = accumulate(dkv, at + j * kv_slot, dk_block, wide);
+            dkv = accumulate(dkv, at + (2 + j) * kv_slot, dv_block, wide);
         }
-        // Pass the gradient on with what this rank added; after the last step, it goes to
-        // the rank whose K/V it is.
-        dkv = Comm::RingToNext.apply(group, dkv)?;
+        if gathered.is_none() {
+            // Pass the gradient on with what this rank added; after the last step, it goes
+            // to the rank whose K/V it is.
+            dkv = Comm::RingToNext.apply(group, dkv)?;
+        }
         if let Some(next) = next {
             held = split_kv(next, kv_heads);
         }
+    }
+    if gathered.is_some() {
+        // Each block's gradient summed over the ranks that computed one, on its own rank.
+        let size = group.size();
+        dkv = group
+            .reduce_scatter(dkv.reshape([size, 4 * kv_slot]), 0, ReduceOp::Sum)?
+            .reshape([4 * kv_slot]);
     }
     // Two chunks' slots, `[chunk][batch, len, heads, head_dim]`, as `[batch, heads, 2 · len,
     // head_dim]` (sequence-major in memory; no copy for one sequence).

@@ -180,11 +180,13 @@ fn all_to_all_attention_equals_single_device_attention() {
 }
 
 /// The fused ring (one node, flash attention per block pair, its backward from the merged
-/// output and log-sum-exp) and the fused all-to-all, as the model runs them.
+/// output and log-sum-exp), the same over all-gathered blocks, and the fused all-to-all, as
+/// the model runs them.
 #[test]
-fn fused_ring_and_all_to_all_equal_single_device_attention() {
+fn fused_ring_all_gather_and_all_to_all_equal_single_device_attention() {
     for case in CASES {
         check_variant(case, CpCommType::P2p, true);
+        check_variant(case, CpCommType::AllGather, true);
         if case.heads.is_multiple_of(4) {
             check_variant(case, CpCommType::A2a, true);
         }

@@ -2,15 +2,19 @@
 //! gradients of `q`, `k` and `v` that its backward gives (through the log-sum-exp merge of
 //! the blocks and the ring exchange's reverse pass) against central differences of the
 //! forward, element by element of the whole sequence, with grouped-query attention (2 query
-//! heads on 1 K/V head); and the same for the fused ring (`ring_flash_attention`).
+//! heads on 1 K/V head); and the same for the fused ring (`ring_flash_attention`) and the
+//! fused attention over all-gathered K/V (`all_gather_flash_attention`).
 //!
 //! Every rank perturbs the same element of the full inputs, runs its part of the forward and
 //! sums `Σ probe ∘ out` over its tokens; an all-reduce gives the whole loss on every rank.
 
 use burn::tensor::{Tensor, TensorData};
-use burn_megatron::context_parallel::{LoadBalancedSplit, ring_attention, ring_flash_attention};
+use burn_megatron::context_parallel::{
+    LoadBalancedSplit, all_gather_flash_attention, ring_attention, ring_flash_attention,
+};
 use burn_megatron::init::{InitDistribution, init_full};
-use burn_megatron_dist::ReduceOp;
+use burn_megatron::ops::RingFlashAttentionOps;
+use burn_megatron_dist::{ProcessGroup, ReduceOp};
 use burn_megatron_testing::{assert_close, run, tolerance, values};
 
 use crate::{AD, B, STEP, device};
@@ -50,19 +54,50 @@ fn tensor(data: &[f64], shape: [usize; 4]) -> Tensor<B, 4> {
     Tensor::from_data(TensorData::new(data.to_vec(), shape), &device())
 }
 
+/// The attention whose gradients are checked.
+#[derive(Debug, Clone, Copy)]
+enum Variant {
+    /// `ring_attention`, the composition.
+    Ring,
+    /// `ring_flash_attention`, one node.
+    FusedRing,
+    /// `all_gather_flash_attention`, the same node over gathered K/V.
+    FusedAllGather,
+}
+
+fn attend<Bk: RingFlashAttentionOps>(
+    variant: Variant,
+    [q, k, v]: [Tensor<Bk, 4>; 3],
+    group: &ProcessGroup,
+    scale: f64,
+) -> burn_megatron::Result<Tensor<Bk, 4>> {
+    match variant {
+        Variant::Ring => ring_attention(q, k, v, group, scale),
+        Variant::FusedRing => ring_flash_attention(q, k, v, group, scale),
+        Variant::FusedAllGather => all_gather_flash_attention(q, k, v, group, scale),
+    }
+}
+
 #[test]
 fn ring_attention_gradients_match_finite_differences() {
-    check(false);
+    check(Variant::Ring);
 }
 
 /// The same for the fused ring the model runs (`ring_flash_attention`: one node whose
 /// backward recomputes each block from the merged output and log-sum-exp).
 #[test]
 fn fused_ring_attention_gradients_match_finite_differences() {
-    check(true);
+    check(Variant::FusedRing);
 }
 
-fn check(fused: bool) {
+/// The same over all-gathered K/V (`all_gather_flash_attention`: the ring's node, its
+/// K/V gradients reduce-scattered).
+#[test]
+fn fused_all_gather_attention_gradients_match_finite_differences() {
+    check(Variant::FusedAllGather);
+}
+
+fn check(variant: Variant) {
     let shapes = shapes();
     let scale = 1.0 / (HEAD_DIM as f64).sqrt();
     for cp in [2, 4] {
@@ -77,10 +112,7 @@ fn check(fused: bool) {
                 Tensor::<AD, 4>::from_inner(local(&full[n], n).expect("splits")).require_grad()
             });
             let [q, k, v] = tracked.clone();
-            let out = match fused {
-                true => ring_flash_attention(q, k, v, group, scale)?,
-                false => ring_attention(q, k, v, group, scale)?,
-            };
+            let out = attend(variant, [q, k, v], group, scale)?;
             let grads = (out * Tensor::from_inner(probe.clone())).sum().backward();
             group.backward_failure()?;
             let analytic = tracked.map(|t| t.grad(&grads).expect("a gradient"));
@@ -90,10 +122,7 @@ fn check(fused: bool) {
                 let mut moved = full.clone();
                 moved[n][e] += delta;
                 let [q, k, v] = [0, 1, 2].map(|i| local(&moved[i], i).expect("splits"));
-                let out = match fused {
-                    true => ring_flash_attention(q, k, v, group, scale)?,
-                    false => ring_attention(q, k, v, group, scale)?,
-                };
+                let out = attend(variant, [q, k, v], group, scale)?;
                 let part = (out * probe.clone()).sum();
                 Ok(group.all_reduce(part, ReduceOp::Sum)?.into_scalar())
             };
@@ -114,7 +143,7 @@ fn check(fused: bool) {
                 .collect();
             let got = LoadBalancedSplit::restore(parts, 2).expect("the parts restore");
             assert_close(
-                &format!("ring fused={fused} CP={cp}: {name}"),
+                &format!("{variant:?} CP={cp}: {name}"),
                 &values(got),
                 &ranks[0].1[n],
                 tolerance::FINITE_DIFFERENCE_F64,
