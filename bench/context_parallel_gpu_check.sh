@@ -5,7 +5,7 @@
 # in bf16 at 32k, 64k and 128k tokens a sequence, CP 1 (x DP 4), CP 2 (x DP 2) and CP 4, and
 # PyTorch's context parallelism (bench/torch_cp.py: context_parallel + FSDP2) at the same
 # shapes; logs go to $OUT. Micro-batch 1, global batch = DP (one sequence per CP group and
-# step), full recomputation (every layer rerun in the backward pass) unless a run says
+# step; GB= sets another), full recomputation (every layer rerun in the backward pass) unless a run says
 # otherwise, the distributed optimizer, no checkpoints, no evaluation. Needs, packed under
 # .gpu/ (bench/pack_gpu.sh): bin/{pretrain_gpt,bm-launch} (bench/pack_gpu.sh build --release
 # --features cuda -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist
@@ -30,6 +30,15 @@
 #   ratio  (NPROC=2) ours CP 1 (DP 2) and CP 2 p2p at 32k, and a profile of CP 2 p2p
 #   two64  (NPROC=2) ours CP 1 (DP 2), CP 2 p2p and a2a at 64k; a2a at 32k
 #   room   ours CP 4 and CP 1 (x DP 4) at 128k without recomputation (does CP 1 fit?)
+#   ag2    (NPROC=2) the fused all_gather: ours CP 1 (DP 2) and CP 2 all_gather at 32k and 64k
+#   peer   ours against PyTorch's CP in one call: CP 1 (x DP 4) and CP 2 p2p and all_gather
+#          at 32k with torch CP 2; CP 4 p2p at 64k with torch CP 4; CP 4 p2p and all_gather
+#          at 128k with torch CP 4
+#   equal  ours at 32k with the same global batch (4 sequences a step) at CP 1 (x DP 4) and
+#          CP 2 (x DP 2, 2 microbatches) with each comm type: the per-step work (the gradient
+#          reduction, the optimizer step) spread over as many tokens
+#   matrix ours at 32k and 64k, CP 1 (x DP 4), CP 2 (x DP 2) and CP 4 with each comm type;
+#          at 128k CP 4 with each comm type and CP 2 p2p (3 iterations each)
 #   extra  ours CP 4 at 128k without recomputation; all_gather and p2p at 8k (CP 4); torch CP 4
 #          at 128k with the all-to-all rotation, and without activation checkpointing
 # Each run prints its iteration lines and one RUN line (median tokens/s, TFLOP/s per GPU and
@@ -182,9 +191,10 @@ with open(f"{out}/summary.tsv", "a") as f:
 EOF
 }
 
-ours() { # name seq cp comm [pretrain_gpt flags...]; env IT (iterations), RC=none (no recomputation)
+ours() { # name seq cp comm [pretrain_gpt flags...]; env IT (iterations), RC=none (no recomputation), GB (global batch, default DP)
   local name=$1 seq=$2 cp=$3 comm=$4; shift 4
   local dp=$(( NPROC / cp )) iters=${IT:-$ITERS} lim recompute
+  local gb=${GB:-$dp}
   local warmup=$(( iters > 2 ? 2 : iters - 1 )) # the decay must outlast the warm-up
   if ! lim=$(run_limit "$LIMIT_OURS"); then say "=== skip ours $name: less than ${MIN_START} s of the ${BUDGET} s budget left"; return; fi
   if [ "${RC:-full}" = none ]; then
@@ -197,9 +207,9 @@ ours() { # name seq cp comm [pretrain_gpt flags...]; env IT (iterations), RC=non
     --train-iters "$iters" --lr-warmup-iters "$warmup" --collective-checks false --use-distributed-optimizer
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
     --context-parallel-size "$cp" --cp-comm-type "$comm" --data-parallel-size "$dp"
-    --micro-batch-size 1 --global-batch-size "$dp" --seq-length "$seq" ${recompute[@]+"${recompute[@]}"} "$@")
+    --micro-batch-size 1 --global-batch-size "$gb" --seq-length "$seq" ${recompute[@]+"${recompute[@]}"} "$@")
   PORT=$(( PORT + 1 ))
-  say "=== ours $name: seq $seq, CP $cp x DP $dp, $comm, recompute ${RC:-full}, $iters iterations (limit $lim s)"
+  say "=== ours $name: seq $seq, CP $cp x DP $dp, global batch $gb, $comm, recompute ${RC:-full}, $iters iterations (limit $lim s)"
   echo "$PRETRAIN ${args[*]}" >> "$LOG"
   local s=$(date +%s)
   smi_start "$name"
@@ -284,6 +294,48 @@ if part room; then
   # fit: the memory CP makes.
   RC=none ours cp4_p2p_128k_norecompute 131072 4 p2p
   RC=none IT=2 ours cp1_128k_norecompute 131072 1 p2p
+fi
+if part ag2; then
+  # For 2 GPUs (NPROC=2): all_gather on the fused flash attention against CP 1 (x DP 2).
+  ours cp1_32k 32768 1 p2p
+  ours cp2_ag_32k 32768 2 all_gather
+  IT=3 ours cp1_64k 65536 1 p2p
+  IT=3 ours cp2_ag_64k 65536 2 all_gather
+fi
+if part peer; then
+  # For 4 GPUs: the comparison with PyTorch's context parallelism, same call.
+  IT=3 ours cp1_32k 32768 1 p2p
+  IT=3 ours cp2_p2p_32k 32768 2 p2p
+  IT=3 ours cp2_all_gather_32k 32768 2 all_gather
+  torch cp2_32k --cp 2 --seq 32768 "${TS[@]}"
+  IT=3 ours cp4_p2p_64k 65536 4 p2p
+  torch cp4_64k --cp 4 --seq 65536 "${TS[@]}"
+  IT=3 ours cp4_p2p_128k 131072 4 p2p
+  IT=3 ours cp4_all_gather_128k 131072 4 all_gather
+  torch cp4_128k --cp 4 --seq 131072 "${TS[@]}"
+fi
+if part equal; then
+  # For 4 GPUs: CP 2 against CP 1 at the same global batch.
+  GB=4 IT=3 ours cp1_32k_gb4 32768 1 p2p
+  for comm in p2p all_gather a2a; do
+    GB=4 IT=3 ours cp2_${comm}_32k_gb4 32768 2 $comm
+  done
+fi
+if part matrix; then
+  # For 4 GPUs: every CP size and comm type at 32k and 64k, and CP 4 (and CP 2 p2p) at 128k.
+  for seq in 32768 65536; do
+    k=$(( seq / 1024 ))k
+    IT=3 ours cp1_$k $seq 1 p2p
+    for cp in 2 4; do
+      for comm in p2p all_gather a2a; do
+        IT=3 ours cp${cp}_${comm}_$k $seq $cp $comm
+      done
+    done
+  done
+  for comm in p2p all_gather a2a; do
+    IT=3 ours cp4_${comm}_128k 131072 4 $comm
+  done
+  IT=3 ours cp2_p2p_128k 131072 2 p2p
 fi
 if part two; then
   # For 2 GPUs (NPROC=2): CP 2 against CP 1 (x DP 2) at 32k, each comm type, the peer, and a

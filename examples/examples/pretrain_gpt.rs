@@ -72,18 +72,7 @@ fn main() -> ExitCode {
 fn plan(config: &PretrainConfig) -> ExitCode {
     use burn_megatron::training::planner;
     let input = config.plan_input();
-    let estimates = planner::plan(&input, config.plan_world_size(config.world_size()));
-    let cp = config.context_parallel_size;
-    if cp > 1 {
-        println!(
-            "context parallelism: planned per CP rank ({} of {} tokens a sequence, {} of {} \
-             ranks); add --context-parallel-size {cp} to any layout below",
-            input.seq,
-            config.seq_length,
-            config.plan_world_size(config.world_size()),
-            config.world_size()
-        );
-    }
+    let estimates = planner::plan(&input, config.world_size());
     print!("{}", planner::render(&input, &estimates));
     ExitCode::SUCCESS
 }

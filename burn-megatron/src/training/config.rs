@@ -599,15 +599,11 @@ impl PretrainConfig {
     }
 
     /// What the memory planner plans for: this run's model, sequence, batch and precision on
-    /// GPUs of `gpu_memory_gib`. Under context parallelism it is one CP rank's share: its
-    /// `seq / cp` tokens, whose activations and logits it holds (parameters, gradients and the
-    /// optimizer state are whole on every CP rank), planned over the world's `world / cp`
-    /// ranks ([`plan_world_size`](Self::plan_world_size)). The step-time estimate then counts
-    /// the attention's `seq²` FLOPs CP times too few and not the ring's exchanges.
+    /// GPUs of `gpu_memory_gib` (context parallelism is among the layouts it plans).
     pub fn plan_input(&self) -> crate::training::planner::PlanInput {
         crate::training::planner::PlanInput {
             model: self.model(),
-            seq: self.seq_length / self.context_parallel_size.max(1),
+            seq: self.seq_length,
             micro_batch: self.micro_batch_size,
             global_batch: self.global_batch_size,
             dtype_bytes: if self.bf16 || self.fp16 { 2 } else { 4 },
@@ -615,12 +611,6 @@ impl PretrainConfig {
             gpu_memory: (self.gpu_memory_gib * (1u64 << 30) as f64) as u64,
             peak_tflops: self.peak_tflops,
         }
-    }
-
-    /// The ranks the planner lays out for a world of `world_size`: those of one CP index,
-    /// `world_size / cp` (see [`plan_input`](Self::plan_input)).
-    pub fn plan_world_size(&self, world_size: usize) -> usize {
-        world_size / self.context_parallel_size.max(1)
     }
 
     /// Ranks the run needs: TP × PP × CP × DP.

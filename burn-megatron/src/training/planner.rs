@@ -1,7 +1,13 @@
 //! The memory planner: for a model, a sequence length, a batch and a GPU's memory, each rank's
-//! peak memory in every layout of a world (TP × PP × DP, sequence parallelism, the
+//! peak memory in every layout of a world (TP × CP × PP × DP, sequence parallelism, the
 //! distributed optimizer, activation recomputation), and an estimate of each layout's step
 //! time, so that `pretrain_gpt --plan` can suggest the fastest layout that fits.
+//!
+//! Context parallelism is planned as the `p2p` ring runs it: a CP rank holds the whole model
+//! (its optimizer state sharded over DP only) and `seq / cp` tokens of each sequence, whose
+//! activations and logits it keeps; the ring's K/V exchanges and the gradients' CP all-reduce
+//! are counted as communication. The plan offers CP only where every rank keeps at least
+//! [`MIN_CP_TOKENS`] tokens of a sequence: shorter blocks do not pay for the exchanges.
 //!
 //! The memory is what this implementation holds, counted from its tensors (not Megatron's):
 //!
@@ -38,6 +44,9 @@ use crate::transformer::{
 pub struct PlannedLayout {
     /// Tensor-parallel size.
     pub tp: usize,
+    /// Context-parallel size: each sequence split over `cp` ranks, which hold the whole model
+    /// and `seq / cp` of its tokens (the `p2p` ring's memory and exchanges).
+    pub cp: usize,
     /// Pipeline-parallel size.
     pub pp: usize,
     /// Model chunks (virtual pipeline stages) per pipeline rank: 1 for 1F1B, more for the
@@ -149,6 +158,11 @@ const TP_EXPOSED: f64 = 1.0;
 /// The share of the data-parallel gradient reduction not hidden (it overlaps the backward
 /// pass with `--overlap-grad-reduce`; counted whole here).
 const DP_EXPOSED: f64 = 1.0;
+/// The share of the context-parallel ring's exchanges not hidden (they run under the
+/// attention of the block held; counted whole here, like the others).
+const CP_EXPOSED: f64 = 1.0;
+/// The fewest tokens of a sequence a CP rank keeps in the layouts [`plan`] offers.
+pub const MIN_CP_TOKENS: usize = 4096;
 
 /// The stored activations of one transformer layer for one microbatch on one TP rank, in
 /// bytes, as this implementation keeps them (see the [module docs](self)).
@@ -258,6 +272,7 @@ pub fn stage_params(
 pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstimate, ConfigError> {
     let PlannedLayout {
         tp,
+        cp,
         pp,
         virtual_stages: v,
         dp,
@@ -267,11 +282,21 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         last_stage_layers: _,
     } = layout;
     let model = &input.model;
-    if tp == 0 || dp == 0 {
+    if tp == 0 || cp == 0 || dp == 0 {
         return Err(ConfigError::Invalid(format!(
-            "TP {tp} x PP {pp} x DP {dp}: every size must be at least 1"
+            "TP {tp} x CP {cp} x PP {pp} x DP {dp}: every size must be at least 1"
         )));
     }
+    // The ring's split: two chunks a CP rank, each cut again over TP under SP.
+    let chunks = 2 * cp * if sequence_parallel { tp } else { 1 };
+    if cp > 1 && !input.seq.is_multiple_of(chunks) {
+        return Err(ConfigError::Invalid(format!(
+            "CP {cp}: a sequence of {} tokens does not cut into {chunks} equal chunks",
+            input.seq
+        )));
+    }
+    // What a CP rank holds of each sequence.
+    let seq = input.seq / cp;
     let split = layout.split(model.num_layers)?;
     model.validate(tp, 0)?;
     let per_step = input.micro_batch * dp;
@@ -295,13 +320,13 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     let shards = if distributed_optimizer { dp as u64 } else { 1 };
     let layer_acts = layer_activation_bytes(
         model,
-        input.seq,
+        seq,
         input.micro_batch,
         tp,
         sequence_parallel,
         input.dtype_bytes,
     );
-    let tokens = (input.seq * input.micro_batch) as u64;
+    let tokens = (seq * input.micro_batch) as u64;
     let outside = if sequence_parallel && tp > 1 {
         tp as u64
     } else {
@@ -399,7 +424,7 @@ fn step_seconds(
     microbatches: usize,
 ) -> f64 {
     let model = &input.model;
-    let world = (layout.tp * layout.pp * layout.dp) as f64;
+    let world = (layout.tp * layout.cp * layout.pp * layout.dp) as f64;
     let flops = model
         .training_flops(input.global_batch, input.seq)
         .unwrap_or(0.0);
@@ -419,12 +444,13 @@ fn step_seconds(
     let bubble = (layout.pp - 1) as f64 / (layout.virtual_stages * microbatches) as f64;
     let d = input.dtype_bytes as f64;
     let t = layout.tp as f64;
-    let tokens = (input.seq * input.micro_batch) as f64;
+    let c = layout.cp as f64;
+    let tokens = (input.seq * input.micro_batch) as f64 / c;
+    let layers = (model.num_layers / layout.pp) as f64;
     let tp_bytes = match layout.tp {
         1 => 0.0,
         _ => {
             let per_collective = d * tokens * model.hidden_size as f64 * (t - 1.0) / t;
-            let layers = (model.num_layers / layout.pp) as f64;
             8.0 * per_collective * layers * microbatches as f64
         }
     };
@@ -453,8 +479,21 @@ fn step_seconds(
             grads + gather
         }
     };
+    // The ring, a layer and microbatch: the rank's K/V block (its TP share) sent `cp - 1`
+    // times forward and again in the backward pass, where the f32 K/V gradients travel `cp`
+    // times; then the gradients' all-reduce over CP (of the DP shard under ZeRO-1).
+    let cp_bytes = match layout.cp {
+        1 => 0.0,
+        _ => {
+            let block = tokens * (2 * model.query_groups() * model.head_dim()) as f64 / t;
+            let ring = (2.0 * (c - 1.0) * d + c * 4.0) * block * layers * microbatches as f64;
+            let shard = if layout.distributed_optimizer { p } else { 1.0 };
+            ring + 4.0 * params / shard * 2.0 * (c - 1.0) / c
+        }
+    };
     compute * (1.0 + bubble)
-        + (TP_EXPOSED * tp_bytes + DP_EXPOSED * dp_bytes) / LINK_BYTES_PER_SECOND
+        + (TP_EXPOSED * tp_bytes + DP_EXPOSED * dp_bytes + CP_EXPOSED * cp_bytes)
+            / LINK_BYTES_PER_SECOND
 }
 
 /// The busiest pipeline rank's model FLOPs over the average rank's (1 without a pipeline): a
@@ -499,16 +538,19 @@ pub fn balanced_last_stage_layers(
         .map(|(last, _)| last)
 }
 
-/// Every layout of `world` GPUs that the model splits into: TP and PP dividing the world,
+/// Every layout of `world` GPUs that the model splits into: TP, CP (see [`MIN_CP_TOKENS`])
+/// and PP dividing the world,
 /// with PP > 1 also 2 and 4 chunks a rank (interleaved) where the layers and microbatches
 /// allow, and the last rank's layer count that balances the output layer's work
 /// ([`balanced_last_stage_layers`]), sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with
 /// no, selective (where the unfused attention runs) and full recomputation; fastest first.
 pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
     let mut out = Vec::new();
-    for tp in (1..=world).filter(|t| world.is_multiple_of(*t)) {
-        for pp in (1..=world / tp).filter(|p| (world / tp).is_multiple_of(*p)) {
-            let dp = world / (tp * pp);
+    let sizes = |n: usize| (1..=n).filter(move |d| n.is_multiple_of(*d));
+    let cps = sizes(world).filter(|&cp| cp == 1 || input.seq / cp >= MIN_CP_TOKENS);
+    for (cp, tp) in cps.flat_map(|cp| sizes(world / cp).map(move |tp| (cp, tp))) {
+        for pp in sizes(world / (cp * tp)) {
+            let dp = world / (cp * tp * pp);
             let recomputes =
                 match input.model.flash_attention && input.model.attention_dropout == 0.0 {
                     true => vec![Recompute::None, Recompute::Full],
@@ -527,6 +569,7 @@ pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
                     for &recompute in &recomputes {
                         let layout = PlannedLayout {
                             tp,
+                            cp,
                             pp,
                             virtual_stages,
                             dp,
@@ -566,15 +609,16 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
         gib(input.gpu_memory)
     );
     out.push_str(
-        "  TP  PP  VP  last  DP  SP  ZeRO  recompute   params   grads   optim  activ  logits    \
-         PEAK  fits  est. step\n",
+        "  TP  CP  PP  VP  last  DP  SP  ZeRO  recompute   params   grads   optim  activ  \
+         logits    PEAK  fits  est. step\n",
     );
     for e in estimates {
         let l = e.layout;
         let m = e.memory;
         out.push_str(&format!(
-            "  {:>2}  {:>2}  {:>2}  {:>4}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
+            "  {:>2}  {:>2}  {:>2}  {:>2}  {:>4}  {:>2}  {:>2}  {:>4}  {:<9} {:>8.1} {:>7.1} {:>7.1} {:>6.1} {:>7.1} {:>7.1}  {:>4}  {:>7.2} s\n",
             l.tp,
+            l.cp,
             l.pp,
             l.virtual_stages,
             l.last_stage_layers
@@ -600,9 +644,13 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
     if let Some(best) = estimates.iter().find(|e| e.fits) {
         let l = best.layout;
         out.push_str(&format!(
-            "suggested: --tensor-model-parallel-size {} --pipeline-model-parallel-size {} \
+            "suggested: --tensor-model-parallel-size {}{} --pipeline-model-parallel-size {} \
              --data-parallel-size {}{}{}{}{}{}\n",
             l.tp,
+            match l.cp {
+                1 => String::new(),
+                cp => format!(" --context-parallel-size {cp}"),
+            },
             l.pp,
             l.dp,
             match (l.virtual_stages, l.last_stage_layers) {

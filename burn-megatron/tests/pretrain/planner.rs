@@ -5,8 +5,8 @@ use burn::backend::NdArray;
 use burn_megatron::models::StageSplit;
 use burn_megatron::tensor_parallel::param_infos;
 use burn_megatron::training::planner::{
-    PlanInput, PlannedLayout, estimate, layer_activation_bytes, megatron_layer_activation_bytes,
-    plan, render, stage_params,
+    MIN_CP_TOKENS, PlanInput, PlannedLayout, estimate, layer_activation_bytes,
+    megatron_layer_activation_bytes, plan, render, stage_params,
 };
 use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
@@ -134,6 +134,7 @@ fn the_plan_for_llama_8b_on_four_gpus() {
         &input,
         PlannedLayout {
             tp: 4,
+            cp: 1,
             pp: 1,
             virtual_stages: 1,
             dp: 1,
@@ -186,6 +187,7 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     // backward pass: 4 bytes a parameter instead of 2, and nothing else changes.
     let pp2_dp2 = PlannedLayout {
         tp: 1,
+        cp: 1,
         pp: 2,
         virtual_stages: 1,
         dp: 2,
@@ -238,6 +240,7 @@ fn the_plan_counts_the_interleaved_schedule() {
     let input = llama_8b_input();
     let layout = |virtual_stages| PlannedLayout {
         tp: 2,
+        cp: 1,
         pp: 2,
         virtual_stages,
         dp: 1,
@@ -308,4 +311,92 @@ fn the_plan_balances_the_output_layer() {
             && text.contains("--num-virtual-stages-per-pipeline-rank"),
         "{text}"
     );
+}
+
+/// Context parallelism in the plan: the 1.1B Llama of `examples/configs/llama_1b_long.toml`
+/// at 128k tokens on 4 GPUs of 80 GB, without recomputation. A CP 4 rank holds the whole
+/// model and a quarter of the sequence: its activations and logits are CP 1's at 32k tokens
+/// (hand-checked: 16 layers of `layer_activation_bytes` at 32768 tokens; the logits and their
+/// gradient, `2 · 2 · 32768 · 32000` bytes, and the final norm's output, `2 · 32768 · 2048`),
+/// its parameters and optimizer state those of one unsharded rank. CP 1 × DP 4 does not fit
+/// and CP 4 does (as measured on 4 H100s, book "Context parallelism"). At 4k tokens the plan
+/// offers no CP layout (a rank would keep fewer than `MIN_CP_TOKENS`), and a sequence that
+/// does not cut into `2 · cp` chunks is refused.
+#[test]
+fn the_plan_splits_long_sequences_over_cp() {
+    let model = TransformerConfig {
+        vocab_size: 32_000,
+        max_sequence_length: 131_072,
+        ..TransformerConfig::llama_1b().with_tie_embeddings(false)
+    };
+    let input = PlanInput {
+        model: model.clone(),
+        seq: 131_072,
+        micro_batch: 1,
+        global_batch: 4,
+        dtype_bytes: 2,
+        overlap_grad_reduce: false,
+        gpu_memory: 80 * GIB,
+        peak_tflops: 989.4,
+    };
+    let layout = |cp: usize, dp: usize| PlannedLayout {
+        tp: 1,
+        cp,
+        pp: 1,
+        virtual_stages: 1,
+        dp,
+        sequence_parallel: false,
+        distributed_optimizer: dp > 1,
+        recompute: Recompute::None,
+        last_stage_layers: None,
+    };
+    let cp4 = estimate(&input, layout(4, 1)).unwrap();
+    let cp1 = estimate(&input, layout(1, 1)).unwrap();
+    let quarter = PlanInput {
+        seq: 32_768,
+        ..input.clone()
+    };
+    let cp1_at_32k = estimate(&quarter, layout(1, 1)).unwrap();
+    assert_eq!(cp4.memory, cp1_at_32k.memory);
+    assert_eq!(
+        cp4.memory.activations,
+        16 * layer_activation_bytes(&model, 32_768, 1, 1, false, 2)
+    );
+    assert_eq!(
+        cp4.memory.logits,
+        2 * 2 * 32_768 * 32_000 + 2 * 32_768 * 2048
+    );
+    assert_eq!(
+        (cp4.memory.params, cp4.memory.optimizer),
+        (cp1.memory.params, cp1.memory.optimizer)
+    );
+    assert_eq!(cp1.memory.activations, 4 * cp4.memory.activations);
+    let dp4 = estimate(&input, layout(1, 4)).unwrap();
+    assert!(!dp4.fits && cp4.fits, "{dp4:?}\n{cp4:?}");
+    // The same FLOPs on the same GPUs, plus the ring's exchanges.
+    assert!(cp4.step_seconds > estimate(&quarter, layout(1, 4)).unwrap().step_seconds / 4.0);
+
+    let layouts = plan(&input, 4);
+    let cp_sizes: Vec<usize> = layouts.iter().map(|e| e.layout.cp).collect();
+    assert!(
+        cp_sizes.contains(&2) && cp_sizes.contains(&4),
+        "{cp_sizes:?}"
+    );
+    let text = render(&input, &layouts);
+    let row = text
+        .lines()
+        .find(|l| l.split_whitespace().take(2).eq(["1", "4"]))
+        .unwrap_or_else(|| panic!("a TP 1 x CP 4 row in\n{text}"));
+    assert!(row.contains("yes"), "{row}");
+
+    let short = llama_8b_input();
+    assert!(short.seq / 2 < MIN_CP_TOKENS);
+    assert!(plan(&short, 4).iter().all(|e| e.layout.cp == 1));
+
+    let ragged = PlanInput {
+        seq: 131_068,
+        ..input
+    };
+    let e = estimate(&ragged, layout(4, 1)).unwrap_err().to_string();
+    assert!(e.contains("does not cut into 8 equal chunks"), "{e}");
 }
