@@ -15,6 +15,7 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, FloatElement, IntElement};
+use cubecl_core::server::Binding;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use cudarc::driver::sys::{CUdeviceptr, cuMemAlloc_v2};
@@ -79,7 +80,7 @@ pub fn gemm(
         accumulate: false,
         fp8: None,
     };
-    submit(key, a, b, &out, bias, None);
+    submit(key, a, b, binding(&out), bias, None);
     Ok(out)
 }
 
@@ -150,7 +151,7 @@ pub fn gemm_fp8(
             fast_accumulation,
         }),
     };
-    submit(key, a, b, &out, None, Some((a_scale_inv, b_scale_inv)));
+    submit(key, a, b, binding(&out), None, Some((a_scale_inv, b_scale_inv)));
     Ok(out)
 }
 
@@ -178,24 +179,62 @@ pub fn gemm_accumulate(
             acc.meta.shape().to_vec(),
         ));
     }
-    let (m, n, k) = (p.m, p.n, p.k);
-    let key = GemmKey {
-        m,
-        n,
-        k,
+    submit(accumulate_key(&p, a.dtype, acc_view.ld), a, b, binding(acc), None, None);
+    Ok(())
+}
+
+/// `buffer[start..start + m·n] += op(a) · op(b)`, the `[m, n]` product added row-major to a
+/// slot of a flat f32 buffer, in place: a weight's gradient accumulated into its slot of the
+/// flat fp32 gradient buffer by the weight-gradient GEMM itself. `buffer` must be contiguous
+/// and not shared (the caller owns it), and the slot must lie inside it.
+pub fn gemm_accumulate_at(
+    a: &Tensor,
+    b: &Tensor,
+    transpose_a: bool,
+    transpose_b: bool,
+    buffer: &Tensor,
+    start: usize,
+) -> Result<(), GemmUnsupported> {
+    let p = Product::of(a, b, transpose_a, transpose_b)?;
+    if buffer.dtype != DType::F32 {
+        return Err(GemmUnsupported::DType(a.dtype, buffer.dtype));
+    }
+    let shape = buffer.meta.shape();
+    if shape.len() != 1 || !buffer.is_contiguous() || !buffer.handle.can_mut() {
+        return Err(GemmUnsupported::Layout);
+    }
+    if start + p.m * p.n > shape[0] {
+        return Err(GemmUnsupported::Shape(
+            vec![start, p.m, p.n],
+            shape.to_vec(),
+        ));
+    }
+    let slot = buffer
+        .handle
+        .clone()
+        .offset_start((start * DType::F32.size()) as u64)
+        .binding();
+    submit(accumulate_key(&p, a.dtype, p.n), a, b, slot, None, None);
+    Ok(())
+}
+
+/// The plan key of `out += op(a) · op(b)` into f32 rows of stride `ldc`.
+fn accumulate_key(p: &Product, input: DType, ldc: usize) -> GemmKey {
+    GemmKey {
+        m: p.m,
+        n: p.n,
+        k: p.k,
         lda: p.lda,
         ldb: p.ldb,
-        ldc: acc_view.ld,
+        ldc,
         transpose_a: p.transpose_a,
         transpose_b: p.transpose_b,
-        input: a.dtype,
+        input,
         output: DType::F32,
         bias: false,
         accumulate: true,
         fp8: None,
-    };
-    submit(key, a, b, acc, None, None);
-    Ok(())
+    }
 }
 
 /// Enqueues `out = op(a) · op(b) (+ bias | + out)` on the compute stream; FP8 operands are
@@ -204,11 +243,11 @@ fn submit(
     key: GemmKey,
     a: &Tensor,
     b: &Tensor,
-    out: &Tensor,
+    out: Binding,
     bias: Option<&Tensor>,
     scales_inv: Option<(&Tensor, &Tensor)>,
 ) {
-    let mut bindings = vec![binding(a), binding(b), binding(out)];
+    let mut bindings = vec![binding(a), binding(b), out];
     bindings.extend(bias.map(binding));
     let scale_at = bindings.len();
     if let Some((a_scale, b_scale)) = scales_inv {

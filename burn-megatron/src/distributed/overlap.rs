@@ -4,13 +4,20 @@
 //! The model marks each layer's input
 //! ([`GptModel::set_backward_hook`](crate::models::GptModel::set_backward_hook)); when the backward pass
 //! reaches layer `i`'s input, the gradients of layer `i` (and of every later layer, the final
-//! norm and the output layer) are final. The hook ([`GradReduceOverlap`]) then takes them out
-//! of Burn's gradient container, copies them (cast to f32) into the reduction units they
-//! belong to, and starts each unit's collective as soon as its last gradient is in:
+//! norm and the output layer) are final. The hook ([`GradReduceOverlap`]) sums the step's
+//! gradients in one flat f32 buffer laid out as the [`BufferLayout`] (Megatron's
+//! `main_grad`): it takes them out of Burn's gradient container and adds them (cast to f32)
+//! to their slots, and starts each reduction unit's collective, on a copy of the unit's
+//! elements, as soon as its last gradient is in. The dense layers' weight gradients do not
+//! pass through the container at all: the model's layers offer them to the hook
+//! ([`BackwardHook::take_weight_gradient`]), whose buffer the weight-gradient GEMM adds them to
+//! in place ([`LinearOps::gemm_add_slot`](crate::ops::LinearOps::gemm_add_slot): one cuBLASLt
+//! GEMM with beta 1 on our CUDA backend, Megatron's gradient-accumulation fusion) instead of
+//! writing a gradient in the model's dtype that a second kernel then adds. A unit is:
 //!
-//! - without the distributed optimizer a unit is a bucket ([`BufferLayout::buckets`]) and
-//!   its collective an all-reduce;
-//! - with it a unit is the same column range of every rank's shard (see
+//! - without the distributed optimizer, a bucket ([`BufferLayout::buckets`]) and its
+//!   collective an all-reduce;
+//! - with it, the same column range of every rank's shard (see
 //!   [`grad_reduction`](super::grad_reduction)) and its collective a reduce-scatter. Our
 //!   shards are contiguous, so a unit completes only once the last shard's part of it is
 //!   final: at DP = 2 the reduce-scatters start during the second half of the backward
@@ -20,10 +27,11 @@
 //! while the compute stream goes on with the earlier layers. Where collectives go through the
 //! host (CPU thread ranks, or checks on), a rank must not wait for the others inside the
 //! backward pass (book: "Burn's autodiff and thread ranks"), so the hook only copies and the collectives run after
-//! backward, in the same order. Either way the result is bit for bit the one of
+//! backward, in the same order. Either way the collectives are those of
 //! [`all_reduce_grads`](super::all_reduce_grads) or
-//! [`reduce_scatter_grads`](super::reduce_scatter_grads) after the backward pass: the same
-//! copies, the same collectives on the same ranges.
+//! [`reduce_scatter_grads`](super::reduce_scatter_grads) after the backward pass, on the same
+//! ranges; the sums are the same bit for bit where the gradients are f32 (with gradients in a
+//! narrower dtype, the fused GEMM's sum skips their rounding).
 //!
 //! Gradients the hook did not take (embeddings, whose tied copy is used again at the start of
 //! the model; a tied output layer's copy on the last of several stages, which the pipeline
@@ -32,12 +40,15 @@
 //! An untied output layer's gradient is taken at the first marker, with the last layer's.
 //! The gradients sequence parallelism leaves partial (norms, row-parallel biases) are taken
 //! afterwards too: the schedule sums them over TP after the backward pass. The hook takes the gradients out of the container, so
-//! each bf16 gradient is freed as soon as it is in the f32 unit, not after the whole backward
-//! pass.
+//! each bf16 gradient is freed as soon as it is in the f32 buffer, not after the whole backward
+//! pass. A weight gradient offered after its unit's collective started would be lost: it is
+//! an error, reported by [`finish`](GradReduceOverlap::finish).
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
+
+use burn_autodiff::NodeId;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -51,7 +62,7 @@ use super::BufferLayout;
 use super::grad_reduction::shard_columns;
 use crate::backend::ModelBackend;
 use crate::error::InputError;
-use crate::ops::{BackwardHook, WriteSlotOps};
+use crate::ops::{BackwardHook, WeightGradient, WriteSlotOps, node_id};
 
 /// One collective of the reduction: where its elements come from in the flat buffer, and
 /// the slots it waits for.
@@ -74,13 +85,20 @@ struct StepState<B: Backend, P> {
     flushed: Vec<bool>,
     /// Slots flushed in the current backward pass.
     flushed_now: Vec<bool>,
+    /// Slots whose weight gradient a GEMM added to `main` in the current backward pass, not
+    /// counted yet. A pass begins at the stage output's marker
+    /// ([`GptModel::mark_output`](crate::models::GptModel::mark_output)), before any GEMM.
+    fused_now: Vec<bool>,
+    /// Each slot's parameter by its autodiff node, set by [`GradReduceOverlap::arm`].
+    node_slot: HashMap<NodeId, usize>,
     /// Slots each unit still waits for in the current backward pass.
     missing: Vec<usize>,
     /// Backward passes (microbatches) seen this step, and the last point reached.
     passes: usize,
     last_point: Option<usize>,
-    /// Each unit's f32 elements (`[len]`), until its collective starts.
-    inputs: Vec<Option<Tensor<B, 1>>>,
+    /// The step's gradients summed in f32 (`[numel]`, laid out as the buffer), from the first
+    /// gradient of the step to its end.
+    main: Option<Tensor<B, 1>>,
     /// Each unit's reduced elements: a bucket's `[len]`, or this rank's `[1, columns]`.
     outputs: Vec<Option<Tensor<B, 2>>>,
     /// The first error met in the backward pass, reported by `finish`.
@@ -89,6 +107,10 @@ struct StepState<B: Backend, P> {
     hooked: usize,
     /// The same for the last finished step.
     last_hooked: usize,
+    /// Parameter elements whose gradient a GEMM added to the buffer in this step's first
+    /// backward pass, and in the last finished step's.
+    fused: usize,
+    last_fused: usize,
 }
 
 /// The hook that overlaps the data-parallel reduction with the backward pass (see the
@@ -98,8 +120,8 @@ pub struct GradReduceOverlap<BA: AutodiffBackend> {
     layout: BufferLayout,
     /// Per slot: the layer index at whose input its gradient is final, if any.
     final_at: Vec<Option<usize>>,
-    /// Per slot: the units it has elements in, with the pieces `(flat range, unit offset)`.
-    pieces: Vec<Vec<(usize, Range<usize>, usize)>>,
+    /// Per slot: the units it has elements in.
+    slot_units: Vec<Vec<usize>>,
     units: Vec<Unit>,
     slot_of: HashMap<ParamId, usize>,
     dp: ProcessGroup,
@@ -186,24 +208,19 @@ where
                 .map(|b| vec![b])
                 .collect()
         };
-        // Each slot's pieces: the parts of its range inside each unit range.
-        let mut pieces = vec![Vec::new(); layout.params().len()];
+        // Each slot's units: those with a range that overlaps the slot's.
+        let mut slot_units = vec![Vec::new(); layout.params().len()];
         let mut counts = vec![0; units.len()];
         for (i, slot) in layout.params().iter().enumerate() {
             let range = slot.range();
             for (u, ranges) in units.iter().enumerate() {
-                let mut offset = 0;
-                let mut touched = false;
-                for r in ranges {
-                    let start = range.start.max(r.start);
-                    let end = range.end.min(r.end);
-                    if start < end {
-                        pieces[i].push((u, start..end, offset + start - r.start));
-                        touched = true;
-                    }
-                    offset += r.len();
+                if ranges
+                    .iter()
+                    .any(|r| range.start.max(r.start) < range.end.min(r.end))
+                {
+                    slot_units[i].push(u);
+                    counts[u] += 1;
                 }
-                counts[u] += usize::from(touched);
             }
         }
         let last = layout
@@ -251,7 +268,7 @@ where
                 .collect(),
             layout: layout.clone(),
             final_at,
-            pieces,
+            slot_units,
             units,
             dp: dp.clone(),
             sharded,
@@ -262,14 +279,18 @@ where
                 params: (0..n_slots).map(|_| None).collect(),
                 flushed: vec![false; n_slots],
                 flushed_now: vec![false; n_slots],
+                fused_now: vec![false; n_slots],
+                node_slot: HashMap::new(),
                 missing: counts,
                 passes: 0,
                 last_point: None,
-                inputs: (0..n_units).map(|_| None).collect(),
+                main: None,
                 outputs: (0..n_units).map(|_| None).collect(),
                 error: None,
                 hooked: 0,
                 last_hooked: 0,
+                fused: 0,
+                last_fused: 0,
             }),
         }
     }
@@ -277,6 +298,7 @@ where
     /// Starts counting a backward pass's flushes afresh.
     fn new_pass(&self, state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>) {
         state.flushed_now.fill(false);
+        state.fused_now.fill(false);
         for (missing, unit) in state.missing.iter_mut().zip(&self.units) {
             *missing = unit.slots;
         }
@@ -307,11 +329,17 @@ where
         };
         model.visit(&mut collect);
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.node_slot = collect
+            .params
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| Some((node_id::<BA>(p.as_ref()?)?, i)))
+            .collect();
         state.params = collect.params;
     }
 
-    /// Copies slot `i`'s gradient (`[numel]`, any float dtype) into its units, and starts the
-    /// collectives of the units it completes when `start` holds.
+    /// Adds slot `i`'s gradient (`[numel]`, any float dtype) to the f32 buffer, and counts the
+    /// slot in ([`mark`](Self::mark)).
     fn flush(
         &self,
         state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>,
@@ -319,25 +347,24 @@ where
         grad: Tensor<BA::InnerBackend, 1>,
         start: bool,
     ) -> crate::Result<()> {
-        let slot = &self.layout.params()[i];
-        let accumulate = state.flushed[i];
-        for (u, range, at) in &self.pieces[i] {
-            let input = state.inputs[*u].take().unwrap_or_else(|| self.zeros(*u));
-            let values = grad
-                .clone()
-                .slice(range.start - slot.offset..range.end - slot.offset);
-            state.inputs[*u] = Some(if accumulate {
-                // A later microbatch: added to the f32 sum (Megatron's main_grad).
-                <BA::InnerBackend as WriteSlotOps>::add_slot(input, *at, values)
-            } else {
-                <BA::InnerBackend as WriteSlotOps>::write_slot(input, *at, values)
-            });
-        }
+        let offset = self.layout.params()[i].offset;
+        let main = state.main.take().unwrap_or_else(|| self.zeros(self.layout.numel()));
+        state.main = Some(<BA::InnerBackend as WriteSlotOps>::add_slot(main, offset, grad));
+        self.mark(state, i, start)
+    }
+
+    /// Counts slot `i`'s gradient, in the buffer, as final for this backward pass, and starts
+    /// the collectives of the units it completes when `start` holds.
+    fn mark(
+        &self,
+        state: &mut StepState<BA::InnerBackend, BA::FloatTensorPrimitive>,
+        i: usize,
+        start: bool,
+    ) -> crate::Result<()> {
         state.flushed[i] = true;
         state.flushed_now[i] = true;
-        let mut touched: Vec<usize> = self.pieces[i].iter().map(|(u, ..)| *u).collect();
-        touched.dedup();
-        for u in touched {
+        state.fused_now[i] = false;
+        for &u in &self.slot_units[i] {
             state.missing[u] -= 1;
             if state.missing[u] == 0 && start {
                 self.start_unit(state, u)?;
@@ -346,9 +373,8 @@ where
         Ok(())
     }
 
-    /// Unit `u`'s elements before any gradient is in: zeros (padding stays zero), f32.
-    fn zeros(&self, u: usize) -> Tensor<BA::InnerBackend, 1> {
-        let len = self.units[u].ranges.iter().map(Range::len).sum::<usize>();
+    /// `len` f32 zeros.
+    fn zeros(&self, len: usize) -> Tensor<BA::InnerBackend, 1> {
         Tensor::zeros([len], (&self.device, DType::F32))
     }
 
@@ -361,8 +387,19 @@ where
         if state.outputs[u].is_some() {
             return Ok(());
         }
-        // A unit no parameter reaches (all padding) holds zeros.
-        let input = state.inputs[u].take().unwrap_or_else(|| self.zeros(u));
+        // The unit's elements copied out of the buffer (a unit no gradient reached, all
+        // padding, holds zeros): the collective gets a tensor of its own, and the buffer
+        // stays ours alone, so that later gradients are still added to it in place.
+        let ranges = &self.units[u].ranges;
+        let mut input = self.zeros(ranges.iter().map(Range::len).sum());
+        if let Some(main) = &state.main {
+            let mut at = 0;
+            for range in ranges {
+                let part = main.clone().slice(range.clone());
+                input = <BA::InnerBackend as WriteSlotOps>::write_slot(input, at, part);
+                at += range.len();
+            }
+        }
         let size = self.dp.size();
         let output = if self.sharded {
             let columns = input.dims()[0] / size;
@@ -394,10 +431,12 @@ where
         self.new_pass(state);
         state.passes = 0;
         state.last_point = None;
-        state.inputs.iter_mut().for_each(|t| *t = None);
+        state.main = None;
+        state.fused_now.fill(false);
         state.outputs.iter_mut().for_each(|t| *t = None);
         state.error = None;
         state.last_hooked = std::mem::take(&mut state.hooked);
+        state.last_fused = std::mem::take(&mut state.fused);
         outcome
     }
 
@@ -408,6 +447,15 @@ where
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .last_hooked
+    }
+
+    /// Parameter elements whose gradients the weight-gradient GEMMs added to the buffer in
+    /// the last step's first backward pass ([`BackwardHook::take_weight_gradient`]).
+    pub fn fused_numel(&self) -> usize {
+        self.state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .last_fused
     }
 
     fn finish_step<M: AutodiffModule<BA>>(
@@ -426,6 +474,13 @@ where
                 state.passes, self.microbatches
             ))
             .into());
+        }
+        // A weight whose gradient a GEMM added after the last marker it passed (none passed
+        // it) is in the buffer: counted now.
+        for i in 0..self.layout.params().len() {
+            if state.fused_now[i] && !state.flushed_now[i] {
+                self.mark(state, i, false)?;
+            }
         }
         let skip: Vec<ParamId> = self
             .layout
@@ -484,36 +539,92 @@ where
             let Some(param) = state.params[i].as_ref() else {
                 continue;
             };
-            // Not in the container yet (used through an operation that runs later): it is
-            // taken after the backward pass.
-            let Some(grad) = BA::grad_remove(param, grads) else {
-                continue;
-            };
             let slot = &self.layout.params()[i];
-            let shape = grad.shape();
-            if shape.as_slice() != slot.shape.as_slice() {
-                state.error = Some(
-                    InputError::GradientShape {
-                        path: slot.path.clone(),
-                        expected: slot.shape.clone(),
-                        got: shape.to_vec(),
+            // In the container (from any operation but a fused GEMM), or not yet: used
+            // through an operation that runs later, it is taken after the backward pass.
+            let outcome = match (BA::grad_remove(param, grads), state.fused_now[i]) {
+                (Some(grad), _) => {
+                    let shape = grad.shape();
+                    if shape.as_slice() != slot.shape.as_slice() {
+                        state.error = Some(
+                            InputError::GradientShape {
+                                path: slot.path.clone(),
+                                expected: slot.shape.clone(),
+                                got: shape.to_vec(),
+                            }
+                            .into(),
+                        );
+                        return;
                     }
-                    .into(),
-                );
-                return;
-            }
-            let flat = <BA::InnerBackend as FloatTensorOps<BA::InnerBackend>>::float_reshape(
-                grad,
-                Shape::new([slot.numel]),
-            );
-            let grad = Tensor::from_primitive(TensorPrimitive::Float(flat));
+                    let flat =
+                        <BA::InnerBackend as FloatTensorOps<BA::InnerBackend>>::float_reshape(
+                            grad,
+                            Shape::new([slot.numel]),
+                        );
+                    let grad = Tensor::from_primitive(TensorPrimitive::Float(flat));
+                    self.flush(state, i, grad, start)
+                }
+                (None, true) => self.mark(state, i, start),
+                (None, false) => continue,
+            };
             if state.passes == 1 {
                 state.hooked += slot.numel;
             }
-            if let Err(error) = self.flush(state, i, grad, start) {
+            if let Err(error) = outcome {
                 state.error = Some(error);
                 return;
             }
         }
+    }
+
+    /// Adds the weight's gradient to the buffer, the GEMM accumulating there, when the weight
+    /// is one of this chunk's parameters whose gradient is taken inside the backward pass.
+    fn take_weight_gradient(&self, weight: NodeId, gradient: &mut dyn WeightGradient) -> bool {
+        let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = &mut *guard;
+        let Some(&i) = state.node_slot.get(&weight) else {
+            return false;
+        };
+        let slot = &self.layout.params()[i];
+        if state.error.is_some()
+            || self.final_at[i].is_none()
+            || slot.shape.as_slice() != gradient.shape().as_slice()
+        {
+            return false;
+        }
+        if self.slot_units[i]
+            .iter()
+            .any(|&u| state.outputs[u].is_some())
+        {
+            state.error = Some(
+                crate::error::ConfigError::Invalid(format!(
+                    "the gradient of {} reached the data-parallel reduction after its \
+                     bucket's collective started (an operation using the weight runs after \
+                     the marker of its layer's input)",
+                    slot.path
+                ))
+                .into(),
+            );
+            return false;
+        }
+        let main = state
+            .main
+            .take()
+            .unwrap_or_else(|| self.zeros(self.layout.numel()));
+        let (sum, taken) = match gradient.add_to(Box::new(main), slot.offset) {
+            Ok(sum) => (sum, true),
+            Err(main) => (main, false),
+        };
+        let sum = sum
+            .downcast::<Tensor<BA::InnerBackend, 1>>()
+            .expect("the buffer comes back as the tensor it went as");
+        state.main = Some(*sum);
+        // Counted at its layer's marker, unless it was counted already (a second use of the
+        // weight, whose gradient joins the first in the buffer).
+        state.fused_now[i] |= taken && !state.flushed_now[i];
+        if taken && state.passes <= 1 {
+            state.fused += slot.numel;
+        }
+        taken
     }
 }

@@ -218,14 +218,18 @@ impl<B: Backend> GptModel<B> {
     /// [`pipeline_parallel`](crate::pipeline_parallel) do with whatever model they are given.
     /// Gradients keep their keys: the parameter ids are those of `self`.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same model (same parameters and ids) with every tensor-parallel context (the
+    /// model's, the output layer's, each layer's) mapped by `f`.
+    fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         let mut context = self.context;
-        context.layer.tp = context.layer.tp.with_sequence_parallel_grads(grads);
+        context.layer.tp = f(context.layer.tp);
         Self {
-            embedding: self
-                .embedding
-                .map(|embedding| embedding.with_sequence_parallel_grads(grads)),
+            embedding: self.embedding.map(|embedding| embedding.map_tp_context(f)),
             position_embedding: self.position_embedding,
-            block: self.block.with_sequence_parallel_grads(grads),
+            block: self.block.map_tp_context(f),
             output: self.output,
             context,
         }
@@ -305,7 +309,15 @@ impl<B: ModelBackend> GptModel<B> {
         for (i, layer) in self.block.layers.iter().enumerate() {
             x = layer.try_forward_with_losses(self.mark_layer_input(x, i), call, &mut losses)?;
         }
-        Ok((self.head(x)?, losses))
+        Ok((self.mark_output(self.head(x)?), losses))
+    }
+
+    /// `x`, this stage's output (the logits on the last stage, else the last layer's output),
+    /// marked for the [backward hook](Self::set_backward_hook) with point `layers().len()`:
+    /// its backward runs before any of the stage's own, so the hook learns there that a
+    /// backward pass begins, before the weight gradients the layers offer it.
+    pub fn mark_output(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.mark_layer_input(x, self.block.layers.len())
     }
 
     /// `x`, the input of this stage's layer `i`, marked for the
@@ -324,7 +336,12 @@ impl<B: ModelBackend> GptModel<B> {
     /// are all computed, last layer first. The distributed optimizer's
     /// [`overlap hook`](crate::optimizer::DistributedAdamW::overlap_hook) starts the
     /// data-parallel gradient reduction there.
+    ///
+    /// The model's dense layers offer the hook their weight gradients too
+    /// ([`BackwardHook::take_weight_gradient`]).
     pub fn set_backward_hook(&mut self, hook: Option<Arc<dyn BackwardHook>>) {
+        let model = std::mem::replace(self, self.clone());
+        *self = model.map_tp_context(&|tp| tp.with_backward_hook(hook.clone()));
         self.context.backward_hook = hook;
     }
 

@@ -1,11 +1,12 @@
 //! Code that runs inside the backward pass where a model marked a tensor: Megatron's gradient
 //! hooks, which start a data-parallel bucket's reduction while the backward pass goes on.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -20,6 +21,39 @@ pub trait BackwardHook: Send + Sync + std::fmt::Debug {
     /// Called when the backward pass reaches the tensor marked with `point`, with the
     /// gradients computed so far (the marked tensor's own is not yet passed on).
     fn on_backward(&self, point: usize, grads: &mut Gradients);
+
+    /// Offered, before it is computed, the gradient of the weight whose autodiff node is
+    /// `weight` (by the dense layers given the hook: [`hooked_linear`](super::hooked_linear)).
+    /// A hook that sums gradients in a flat f32 buffer of its own adds it there with
+    /// [`WeightGradient::add_to`], the GEMM accumulating in place (Megatron's
+    /// gradient-accumulation fusion), and returns `true`: the gradient then never enters the
+    /// container. The default takes nothing.
+    fn take_weight_gradient(&self, weight: NodeId, gradient: &mut dyn WeightGradient) -> bool {
+        let _ = (weight, gradient);
+        false
+    }
+}
+
+/// A weight's gradient, a product not computed yet (see
+/// [`BackwardHook::take_weight_gradient`]).
+pub trait WeightGradient {
+    /// The gradient's shape, the weight's: `[rows, cols]`.
+    fn shape(&self) -> [usize; 2];
+
+    /// `buffer`, a flat f32 `Tensor<B, 1>` of the backend `B` that computes the gradient (boxed:
+    /// the hook is not generic over it), with the gradient added row-major at
+    /// `start..start + rows · cols`; `Err(buffer)`, untouched, when it is not such a tensor.
+    fn add_to(&mut self, buffer: Box<dyn Any + Send>, start: usize) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>>;
+}
+
+/// The autodiff node of a tensor of `Autodiff<B, C>` (the key of its gradient), `None` on
+/// another autodiff backend: how a [`BackwardHook`] recognises a parameter whose gradient it
+/// is offered ([`BackwardHook::take_weight_gradient`]).
+pub fn node_id<BA: AutodiffBackend>(tensor: &FloatTensor<BA>) -> Option<NodeId> {
+    let tensor: &dyn Any = tensor;
+    tensor
+        .downcast_ref::<FloatTensor<Autodiff<BA::InnerBackend>>>()
+        .map(|t| t.node.id)
 }
 
 /// Marking tensors for a [`BackwardHook`].

@@ -7,6 +7,9 @@
 //! the GEMMs through cuBLASLt in stream order (`burn_megatron_kernels::cuda::gemm`); other
 //! backends through Burn's matmul.
 
+use std::any::Any;
+use std::sync::Arc;
+
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
 use burn::tensor::ops::FloatTensor;
@@ -15,11 +18,13 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 
 use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::backward_hook::{BackwardHook, WeightGradient};
 use super::bias::BiasOps;
 use super::primitive::{raw, wrap};
+use super::write_slot::WriteSlotOps;
 
 /// The dense layers' GEMMs.
-pub trait LinearOps: BiasOps {
+pub trait LinearOps: BiasOps + WriteSlotOps {
     /// `op(a) · op(b)`, where `op` transposes when asked; backends with a GEMM library fold
     /// the transposes into it.
     fn gemm(
@@ -31,6 +36,42 @@ pub trait LinearOps: BiasOps {
         let a = if transpose_a { a.transpose() } else { a };
         let b = if transpose_b { b.transpose() } else { b };
         a.matmul(b)
+    }
+
+    /// `buffer` (`[numel]` f32) with `op(a) · op(b)` (`[m, n]`) added row-major at
+    /// `start..start + m · n`: a weight's gradient summed into its slot of the flat fp32
+    /// gradient buffer. The default computes the product, then adds it
+    /// ([`WriteSlotOps::add_slot`]); our CUDA backend runs one cuBLASLt GEMM that accumulates
+    /// into the slot in place (beta 1, fp32), with no product in the model's dtype.
+    fn gemm_add_slot(
+        buffer: Tensor<Self, 1>,
+        start: usize,
+        a: Tensor<Self, 2>,
+        b: Tensor<Self, 2>,
+        transpose_a: bool,
+        transpose_b: bool,
+    ) -> Tensor<Self, 1> {
+        let product = Self::gemm(a, b, transpose_a, transpose_b);
+        let n = product.shape().num_elements();
+        Self::add_slot(buffer, start, product.reshape([n]))
+    }
+
+    /// [`linear`](Self::linear), or with `output_major`
+    /// [`linear_output_major`](Self::linear_output_major), whose weight gradient the backward
+    /// pass first offers to `hook` ([`BackwardHook::take_weight_gradient`]). Only `Autodiff`
+    /// has a gradient to offer: the default is the plain product.
+    fn hooked_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        output_major: bool,
+        hook: &Arc<dyn BackwardHook>,
+    ) -> Tensor<Self, 2> {
+        let _ = hook;
+        match output_major {
+            false => <Self as LinearOps>::linear(x, w, bias),
+            true => Self::linear_output_major(x, w, bias),
+        }
     }
 
     /// `x · w + bias` for `x: [tokens, d_in]`, `w: [d_in, d_out]`, `bias: [d_out]`.
@@ -74,13 +115,7 @@ pub fn linear<B: LinearOps, const D: usize>(
     w: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
-    let dims = x.dims();
-    let d_out = w.dims()[1];
-    let tokens: usize = dims[..D - 1].iter().product();
-    let y = <B as LinearOps>::linear(x.reshape([tokens, dims[D - 1]]), w, bias);
-    let mut out = dims;
-    out[D - 1] = d_out;
-    y.reshape(out)
+    hooked_linear(x, w, bias, false, None)
 }
 
 /// `x · w_tᵀ + bias` over the last dimension of an `x` of any rank, for a weight stored
@@ -97,10 +132,33 @@ pub fn linear_output_major<B: LinearOps, const D: usize>(
     w_t: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
+    hooked_linear(x, w_t, bias, true, None)
+}
+
+/// [`linear`] (or, with `output_major`, [`linear_output_major`]) whose weight gradient is
+/// offered to `hook` in the backward pass ([`BackwardHook::take_weight_gradient`]): the layers
+/// of a model whose hook sums gradients in a flat f32 buffer
+/// ([`GradReduceOverlap`](crate::distributed::GradReduceOverlap)) let the weight-gradient
+/// GEMM accumulate there.
+///
+/// # Shapes
+/// As [`linear`], or [`linear_output_major`] (`w: [d_out, d_in]`).
+pub fn hooked_linear<B: LinearOps, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    output_major: bool,
+    hook: Option<&Arc<dyn BackwardHook>>,
+) -> Tensor<B, D> {
     let dims = x.dims();
-    let d_out = w_t.dims()[0];
+    let d_out = w.dims()[usize::from(!output_major)];
     let tokens: usize = dims[..D - 1].iter().product();
-    let y = B::linear_output_major(x.reshape([tokens, dims[D - 1]]), w_t, bias);
+    let x = x.reshape([tokens, dims[D - 1]]);
+    let y = match (hook, output_major) {
+        (Some(hook), _) => B::hooked_linear(x, w, bias, output_major, hook),
+        (None, false) => <B as LinearOps>::linear(x, w, bias),
+        (None, true) => B::linear_output_major(x, w, bias),
+    };
     let mut out = dims;
     out[D - 1] = d_out;
     y.reshape(out)
@@ -112,7 +170,7 @@ impl<B: LinearOps, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
         w: Tensor<Self, 2>,
         bias: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 2> {
-        autodiff_linear::<B, C>(x, w, bias, false)
+        autodiff_linear::<B, C>(x, w, bias, false, None)
     }
 
     fn linear_output_major(
@@ -120,17 +178,29 @@ impl<B: LinearOps, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
         w_t: Tensor<Self, 2>,
         bias: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 2> {
-        autodiff_linear::<B, C>(x, w_t, bias, true)
+        autodiff_linear::<B, C>(x, w_t, bias, true, None)
+    }
+
+    fn hooked_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        output_major: bool,
+        hook: &Arc<dyn BackwardHook>,
+    ) -> Tensor<Self, 2> {
+        autodiff_linear::<B, C>(x, w, bias, output_major, Some(hook.clone()))
     }
 }
 
 /// [`LinearOps::linear`] (or, with `output_major`, `linear_output_major`) on `Autodiff<B>`:
-/// the inner backend's product and one node storing `x` and `w`.
+/// the inner backend's product and one node storing `x` and `w`, which offers the weight's
+/// gradient to `hook` when there is one.
 fn autodiff_linear<B: LinearOps, C: CheckpointStrategy>(
     x: Tensor<Autodiff<B, C>, 2>,
     w: Tensor<Autodiff<B, C>, 2>,
     bias: Option<Tensor<Autodiff<B, C>, 1>>,
     output_major: bool,
+    hook: Option<Arc<dyn BackwardHook>>,
 ) -> Tensor<Autodiff<B, C>, 2> {
     let (x, w, bias) = (raw(x), raw(w), bias.map(raw));
     let inner_bias = bias.as_ref().map(inner);
@@ -139,7 +209,7 @@ fn autodiff_linear<B: LinearOps, C: CheckpointStrategy>(
         true => B::linear_output_major(inner(&x), inner(&w), inner_bias),
     };
     let state = (x.primitive.clone(), w.primitive.clone());
-    let step = LinearBackward { output_major };
+    let step = LinearBackward { output_major, hook };
     let output = match &bias {
         Some(bias) => record::<B, C, _>(step, &[&x, &w, bias], state, raw(output)),
         None => record::<B, C, _>(step, &[&x, &w], state, raw(output)),
@@ -149,11 +219,48 @@ fn autodiff_linear<B: LinearOps, C: CheckpointStrategy>(
 
 /// The backward of `y = x · w + bias` ([`LinearOps::linear`]) or, with `output_major`, of
 /// `y = x · wᵀ + bias` ([`LinearOps::linear_output_major`], `w: [d_out, d_in]`): the
-/// transposes folded into the GEMMs, the weight's gradient in the weight's own layout, and
-/// `db = Σ_tokens dy`. Its parents are `[x, w]` or `[x, w, bias]`.
+/// transposes folded into the GEMMs, the weight's gradient in the weight's own layout (first
+/// offered to `hook`, [`BackwardHook::take_weight_gradient`]), and `db = Σ_tokens dy`. Its
+/// parents are `[x, w]` or `[x, w, bias]`.
 #[derive(Debug)]
 struct LinearBackward {
     output_major: bool,
+    hook: Option<Arc<dyn BackwardHook>>,
+}
+
+/// The weight gradient of [`LinearBackward`], `xᵀ · dy` (or `dyᵀ · x` output-major), offered
+/// to a hook before it is computed.
+struct WeightProduct<B: LinearOps> {
+    x: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    output_major: bool,
+}
+
+impl<B: LinearOps> WeightProduct<B> {
+    /// The GEMM's operands and their transposes.
+    fn operands(&self) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        match self.output_major {
+            false => (self.x.clone(), self.dy.clone()),
+            true => (self.dy.clone(), self.x.clone()),
+        }
+    }
+}
+
+impl<B: LinearOps> WeightGradient for WeightProduct<B> {
+    fn shape(&self) -> [usize; 2] {
+        let (a, b) = self.operands();
+        [a.dims()[1], b.dims()[1]]
+    }
+
+    fn add_to(
+        &mut self,
+        buffer: Box<dyn Any + Send>,
+        start: usize,
+    ) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>> {
+        let buffer = buffer.downcast::<Tensor<B, 1>>()?;
+        let (a, b) = self.operands();
+        Ok(Box::new(B::gemm_add_slot(*buffer, start, a, b, true, false)))
+    }
 }
 
 impl<B: LinearOps> BackwardStep<B> for LinearBackward {
@@ -171,11 +278,22 @@ impl<B: LinearOps> BackwardStep<B> for LinearBackward {
         register(grads, parent(parents, 0), || {
             B::gemm(dy.clone(), wrap(w), false, !self.output_major)
         });
-        // dw = xᵀ · dy, or dyᵀ · x for an output-major weight.
-        register(grads, parent(parents, 1), || match self.output_major {
-            false => B::gemm(wrap(x), dy.clone(), true, false),
-            true => B::gemm(dy.clone(), wrap(x), true, false),
-        });
+        // dw = xᵀ · dy, or dyᵀ · x for an output-major weight, unless the hook takes it.
+        let mut weight = WeightProduct {
+            x: wrap(x),
+            dy: dy.clone(),
+            output_major: self.output_major,
+        };
+        let taken = match (&self.hook, parent(parents, 1)) {
+            (Some(hook), Some(node)) => hook.take_weight_gradient(node, &mut weight),
+            _ => false,
+        };
+        if !taken {
+            register(grads, parent(parents, 1), || {
+                let (a, b) = weight.operands();
+                B::gemm(a, b, true, false)
+            });
+        }
         register(grads, parent(parents, 2), || B::bias_gradient(dy));
     }
 }
@@ -190,6 +308,8 @@ mod cuda {
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
     use super::LinearOps;
+    use crate::ops::WriteSlotOps;
+    use crate::ops::primitive::{raw, wrap};
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> LinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
@@ -209,6 +329,27 @@ mod cuda {
             bias: Option<Tensor<Self, 1>>,
         ) -> Tensor<Self, 2> {
             gemm::linear(x, w, bias, false, false)
+        }
+
+        /// One cuBLASLt GEMM accumulating into the slot (beta 1), where the buffer is ours
+        /// alone; else the product and its addition.
+        fn gemm_add_slot(
+            buffer: Tensor<Self, 1>,
+            start: usize,
+            a: Tensor<Self, 2>,
+            b: Tensor<Self, 2>,
+            transpose_a: bool,
+            transpose_b: bool,
+        ) -> Tensor<Self, 1> {
+            let into = raw(buffer);
+            match gemm::gemm_accumulate_at(&raw(a.clone()), &raw(b.clone()), transpose_a, transpose_b, &into, start) {
+                Ok(()) => wrap(into),
+                Err(_) => {
+                    let product = Self::gemm(a, b, transpose_a, transpose_b);
+                    let n = product.shape().num_elements();
+                    Self::add_slot(wrap(into), start, product.reshape([n]))
+                }
+            }
         }
     }
 

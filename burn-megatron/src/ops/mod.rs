@@ -80,7 +80,7 @@ pub mod swiglu;
 pub mod write_slot;
 
 pub use adamw::AdamWOps;
-pub use backward_hook::{BackwardHook, BackwardHookOps};
+pub use backward_hook::{BackwardHook, BackwardHookOps, WeightGradient, node_id};
 pub use bias::{BiasOps, bias_add};
 pub use causal_softmax::SoftmaxOps;
 pub use counter_normal::CounterNormalOps;
@@ -94,7 +94,7 @@ pub use gelu::{GeluForm, GeluOps, bias_gelu, gelu};
 pub use grouped_linear::{GroupedLinearOps, grouped_linear};
 pub use host_transfer::HostTransferOps;
 pub use ids::IdCheckOps;
-pub use linear::{LinearOps, linear, linear_output_major};
+pub use linear::{LinearOps, hooked_linear, linear, linear_output_major};
 pub use norm::{NormKind, NormOps, norm};
 pub use packed_flash_attention::PackedFlashAttentionOps;
 pub use recompute::{RecomputeOps, RecomputedAttention};

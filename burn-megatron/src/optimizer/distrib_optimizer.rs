@@ -841,6 +841,12 @@ where
         self.overlap.as_ref().map_or(0, |o| o.hooked_numel())
     }
 
+    /// Parameter elements whose gradients the weight-gradient GEMMs added straight into the
+    /// hook's f32 buffer in the last step's first backward pass (0 without the hook).
+    pub fn fused_numel(&self) -> usize {
+        self.overlap.as_ref().map_or(0, |o| o.fused_numel())
+    }
+
     /// All-gathers the last step issued for the dense parameters: with the distributed
     /// optimizer over more than one DP rank, 1, or with
     /// [`DataParallelConfig::overlap_param_gather`] one per bucket

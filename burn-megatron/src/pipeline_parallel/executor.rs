@@ -431,10 +431,12 @@ where
             }
             self.moe.add(&losses);
             let (end, aux) = if stage.is_last() {
-                let loss = model.loss(model.head(x)?, data.targets.clone())?;
+                let logits = model.mark_output(model.head(x)?);
+                let loss = model.loss(logits, data.targets.clone())?;
                 self.losses.push(loss.clone().inner());
                 (End::Loss(self.backward_root(losses.add_to(loss))), None)
             } else {
+                let x = model.mark_output(x);
                 self.mailbox
                     .outgoing
                     .insert((Payload::Activation, c), x.clone().inner());

@@ -9,7 +9,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 use crate::backend::ModelBackend;
 use crate::ops::GatheredProjection;
 use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
-use crate::ops::linear;
+use crate::ops::hooked_linear;
 use crate::ops::swiglu::bias_swiglu;
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
@@ -122,8 +122,13 @@ impl<B: Backend> ColumnParallelLinear<B> {
     /// partial gradients where `grads` says. A column-parallel layer has none of its own; it
     /// keeps its context like the layers beside it.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same (same parameters and ids) with its tensor-parallel context mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            tp: self.tp.with_sequence_parallel_grads(grads),
+            tp: f(self.tp),
             ..self
         }
     }
@@ -274,7 +279,13 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
     ) -> DistResult<Tensor<B, D>> {
         match &self.fp8 {
             Some(fp8) => fp8_linear(x, self.weight.val(), bias, fp8),
-            None => Ok(linear(x, self.weight.val(), bias)),
+            None => Ok(hooked_linear(
+                x,
+                self.weight.val(),
+                bias,
+                false,
+                self.tp.backward_hook.as_ref(),
+            )),
         }
     }
 

@@ -8,7 +8,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
 use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
-use crate::ops::{bias_add, linear};
+use crate::ops::{bias_add, hooked_linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
 use super::tp_context::{SequenceParallelGrads, TpContext};
@@ -127,8 +127,13 @@ impl<B: Backend> RowParallelLinear<B> {
     /// The same layer (same parameters and ids), summing its bias's partial gradient under
     /// sequence parallelism where `grads` says (see [`TpContext::replicated`]).
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same (same parameters and ids) with its tensor-parallel context mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            tp: self.tp.with_sequence_parallel_grads(grads),
+            tp: f(self.tp),
             ..self
         }
     }
@@ -210,7 +215,13 @@ impl<B: ModelBackend> RowParallelLinear<B> {
     ) -> DistResult<Tensor<B, D>> {
         match &self.fp8 {
             Some(fp8) => fp8_linear(x, self.weight.val(), bias, fp8),
-            None => Ok(linear(x, self.weight.val(), bias)),
+            None => Ok(hooked_linear(
+                x,
+                self.weight.val(),
+                bias,
+                false,
+                self.tp.backward_hook.as_ref(),
+            )),
         }
     }
 

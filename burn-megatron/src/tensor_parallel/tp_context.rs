@@ -3,6 +3,8 @@
 //! sequence parallelism leaves partial are summed. The layers cross into and out of the
 //! regions through it, so which of Megatron's operators applies is decided in one place.
 
+use std::sync::Arc;
+
 use burn::tensor::Tensor;
 use burn_megatron_dist::mapping::{
     copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -10,6 +12,8 @@ use burn_megatron_dist::mapping::{
     scatter_to_sequence_parallel_region,
 };
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
+
+use crate::ops::BackwardHook;
 
 /// The sequence dimension of the model's `[batch, seq, hidden]` activations.
 pub const SEQ_DIM: usize = 1;
@@ -32,9 +36,10 @@ pub enum SequenceParallelGrads {
     Deferred,
 }
 
-/// A tensor-parallel group, its sequence parallelism, and where the gradients that sequence
-/// parallelism leaves partial are summed.
-#[derive(Debug, Clone, PartialEq)]
+/// A tensor-parallel group, its sequence parallelism, where the gradients that sequence
+/// parallelism leaves partial are summed, and the model's backward hook its dense layers
+/// offer their weight gradients to.
+#[derive(Debug, Clone)]
 pub struct TpContext {
     /// The tensor-parallel group.
     pub group: ProcessGroup,
@@ -44,16 +49,48 @@ pub struct TpContext {
     /// Where the gradients of [`replicated`](Self::replicated) parameters are summed under
     /// sequence parallelism.
     pub sequence_parallel_grads: SequenceParallelGrads,
+    /// The model's backward hook
+    /// ([`GptModel::set_backward_hook`](crate::models::GptModel::set_backward_hook)): the
+    /// dense layers' weight gradients are offered to it
+    /// ([`hooked_linear`](crate::ops::hooked_linear)), so that a hook summing gradients in
+    /// a flat f32 buffer has the weight-gradient GEMM accumulate there.
+    pub backward_hook: Option<Arc<dyn BackwardHook>>,
+}
+
+/// Two contexts are equal when they hold the same group, settings and hook (the same one,
+/// not an equal one).
+impl PartialEq for TpContext {
+    fn eq(&self, other: &Self) -> bool {
+        let same_hook = match (&self.backward_hook, &other.backward_hook) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        self.group == other.group
+            && self.sequence_parallel == other.sequence_parallel
+            && self.sequence_parallel_grads == other.sequence_parallel_grads
+            && same_hook
+    }
 }
 
 impl TpContext {
     /// The context of `group`, with or without sequence parallelism; its partial gradients
-    /// are summed in the backward pass ([`SequenceParallelGrads::SumInBackward`]).
+    /// are summed in the backward pass ([`SequenceParallelGrads::SumInBackward`]), and no
+    /// backward hook.
     pub fn new(group: &ProcessGroup, sequence_parallel: bool) -> Self {
         Self {
             group: group.clone(),
             sequence_parallel,
             sequence_parallel_grads: SequenceParallelGrads::default(),
+            backward_hook: None,
+        }
+    }
+
+    /// The same context, its dense layers offering their weight gradients to `hook` (or to
+    /// none).
+    pub fn with_backward_hook(self, hook: Option<Arc<dyn BackwardHook>>) -> Self {
+        Self {
+            backward_hook: hook,
+            ..self
         }
     }
 

@@ -65,8 +65,13 @@ impl<B: Backend> VocabParallelEmbedding<B> {
     /// partial gradients where `grads` says. The table has none of its own; it keeps its
     /// context like the layers after it.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same (same parameters and ids) with its tensor-parallel context mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            tp: self.tp.with_sequence_parallel_grads(grads),
+            tp: f(self.tp),
             ..self
         }
     }

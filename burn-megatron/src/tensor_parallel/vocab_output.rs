@@ -5,7 +5,7 @@ use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistResult};
 
 use crate::backend::ModelBackend;
-use crate::ops::linear_output_major;
+use crate::ops::hooked_linear;
 
 use super::placement::{DeclarePlacements, Placements};
 use super::tp_context::TpContext;
@@ -62,5 +62,11 @@ pub fn parallel_lm_logits<B: ModelBackend>(
     weight: Tensor<B, 2>,
     tp: &TpContext,
 ) -> DistResult<Tensor<B, 3>> {
-    Ok(linear_output_major(tp.enter(hidden)?, weight, None))
+    Ok(hooked_linear(
+        tp.enter(hidden)?,
+        weight,
+        None,
+        true,
+        tp.backward_hook.as_ref(),
+    ))
 }

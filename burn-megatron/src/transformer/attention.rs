@@ -15,7 +15,7 @@ use crate::ops::rope::packed_rope_at;
 use crate::ops::{flash_attention, packed_flash_attention};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, DropoutSite, Placements,
-    RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads,
+    RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads, TpContext,
 };
 
 /// Megatron's `ParallelAttention`: a column-parallel QKV projection, attention over this
@@ -76,9 +76,15 @@ impl<B: Backend> ParallelAttention<B> {
     /// The same attention (same parameters and ids), summing the output projection's partial
     /// bias gradient under sequence parallelism where `grads` says.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same attention (same parameters and ids) with its layers' tensor-parallel
+    /// contexts mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            qkv: self.qkv.with_sequence_parallel_grads(grads),
-            output: self.output.with_sequence_parallel_grads(grads),
+            qkv: self.qkv.map_tp_context(f),
+            output: self.output.map_tp_context(f),
             ..self
         }
     }

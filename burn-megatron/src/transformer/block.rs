@@ -36,15 +36,19 @@ impl<B: Backend> TransformerBlock<B> {
     /// The same block (same parameters and ids), summing the gradients sequence parallelism
     /// leaves partial where `grads` says.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same block (same parameters and ids) with its layers' tensor-parallel contexts
+    /// mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
             layers: self
                 .layers
                 .into_iter()
-                .map(|layer| layer.with_sequence_parallel_grads(grads))
+                .map(|layer| layer.map_tp_context(f))
                 .collect(),
-            final_norm: self
-                .final_norm
-                .map(|norm| norm.with_sequence_parallel_grads(grads)),
+            final_norm: self.final_norm.map(|norm| norm.map_tp_context(f)),
         }
     }
 }

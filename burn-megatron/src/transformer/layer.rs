@@ -90,14 +90,20 @@ impl<B: Backend> TransformerLayer<B> {
     /// backward pass, or after it
     /// ([`sum_sequence_parallel_grads`](crate::tensor_parallel::sum_sequence_parallel_grads)).
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same layer (same parameters and ids) with its tensor-parallel contexts (its own
+    /// and its norms', attention's and MLP's; not the MoE layer's) mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            input_norm: self.input_norm.with_sequence_parallel_grads(grads),
-            attention: self.attention.with_sequence_parallel_grads(grads),
-            post_attention_norm: self.post_attention_norm.with_sequence_parallel_grads(grads),
-            mlp: self.mlp.map(|mlp| mlp.with_sequence_parallel_grads(grads)),
+            input_norm: self.input_norm.map_tp_context(f),
+            attention: self.attention.map_tp_context(f),
+            post_attention_norm: self.post_attention_norm.map_tp_context(f),
+            mlp: self.mlp.map(|mlp| mlp.map_tp_context(f)),
             moe: self.moe,
             context: LayerContext {
-                tp: self.context.tp.with_sequence_parallel_grads(grads),
+                tp: f(self.context.tp),
                 ..self.context
             },
         }

@@ -12,7 +12,7 @@ use crate::init::param_seed;
 use crate::ops::{GeluForm, bias_gelu};
 use crate::tensor_parallel::{
     ColumnParallelLinear, ColumnParallelLinearConfig, DeclarePlacements, Placements,
-    RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads,
+    RowParallelLinear, RowParallelLinearConfig, SequenceParallelGrads, TpContext,
 };
 
 /// Megatron's `ParallelMLP`: column-parallel up-projection(s), the activation on this rank's
@@ -49,10 +49,16 @@ impl<B: Backend> ParallelMlp<B> {
     /// The same MLP (same parameters and ids), summing `fc2`'s partial bias gradient under
     /// sequence parallelism where `grads` says.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same MLP (same parameters and ids) with its layers' tensor-parallel contexts
+    /// mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            fc1: self.fc1.with_sequence_parallel_grads(grads),
-            gate: self.gate.map(|g| g.with_sequence_parallel_grads(grads)),
-            fc2: self.fc2.with_sequence_parallel_grads(grads),
+            fc1: self.fc1.map_tp_context(f),
+            gate: self.gate.map(|g| g.map_tp_context(f)),
+            fc2: self.fc2.map_tp_context(f),
             gelu: self.gelu,
         }
     }

@@ -73,8 +73,13 @@ impl<B: Backend> Norm<B> {
     /// The same norm (same parameters and ids), summing its partial gradients under sequence
     /// parallelism where `grads` says.
     pub fn with_sequence_parallel_grads(self, grads: SequenceParallelGrads) -> Self {
+        self.map_tp_context(&|tp| tp.with_sequence_parallel_grads(grads))
+    }
+
+    /// The same (same parameters and ids) with its tensor-parallel context mapped by `f`.
+    pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
         Self {
-            tp: self.tp.with_sequence_parallel_grads(grads),
+            tp: f(self.tp),
             ..self
         }
     }

@@ -292,6 +292,16 @@ fn data_parallel_with(
                      {output}",
                     optim.hooked_numel()
                 );
+                // Of those, the dense layers' weights (and an untied output layer's) never
+                // entered the gradient container: their GEMMs added them to the hook's buffer.
+                let weights: usize = model
+                    .layers()
+                    .iter()
+                    .flat_map(param_infos)
+                    .filter(|info| info.shape.len() == 2)
+                    .map(|info| info.shape.iter().product::<usize>())
+                    .sum();
+                assert_eq!(optim.fused_numel(), weights + output, "fused weight gradients");
             }
         }
         Ok(RankRun::new(&model, &state, losses, norms))
