@@ -11,6 +11,7 @@
 #   overlap  PART=overlap bench/scale_gpu_check.sh: Llama-3 8B with and without --tp-comm-overlap
 #   pp4      PART=pp4 bench/scale_gpu_check.sh: Llama-3 8B at PP 4 interleaved
 #   best, bestgpt, dp4, best2, dpgpt, dp4gpt   the same script's parts: issue 31's best layouts against the peer
+#   fusedab, fusedgpt  the parts of bench/scale_gpu_check.sh (OLD=.gpu/old/pretrain_gpt: the build before, for A/B): the gradient-accumulation fusion
 #   uneven   PART=uneven, then uneven2, of bench/scale_gpu_check.sh: uneven pipeline stages
 #   startup  PART=startup bench/scale_gpu_check.sh: start-up of DP 4, TP 2 x PP 2 and PP 4
 #   fault    bench/fault_gpu_check.sh: kill -9 of a rank, the restart and resume
@@ -46,7 +47,7 @@ step() { # name, then the command (run with OUT=$ROOT/name)
 # The logs so far into $OUT (after every step: a call cut at its limit still returns them).
 pack() {
   tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
-  for f in best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log dp4gpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
+  for f in fusedgpt/scale.log fusedab/scale.log best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log dp4gpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
@@ -64,6 +65,8 @@ for s in "$@"; do
     bestgpt) step bestgpt env PART=bestgpt ITERS=${ITERS:-5} LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;
     best2) step best2 env PART=best2 ITERS=${ITERS:-5} LIMIT=170 bash bench/scale_gpu_check.sh ;;
     dp4gpt) step dp4gpt env PART=dp4gpt ITERS=${ITERS:-5} LIMIT=150 bash bench/scale_gpu_check.sh ;;
+    fusedab) step fusedab env PART=fusedab ITERS=${ITERS:-3} LIMIT=150 OLD="${OLD:-}" bash bench/scale_gpu_check.sh ;;
+    fusedgpt) step fusedgpt env PART=fusedgpt ITERS=${ITERS:-3} LIMIT=90 OLD="${OLD:-}" bash bench/scale_gpu_check.sh ;;
     dpgpt) step dpgpt env PART=dpgpt ITERS=${ITERS:-5} LIMIT=150 bash bench/scale_gpu_check.sh ;;
     dp4) step dp4 env PART=dp4 ITERS=3 LIMIT=120 bash bench/scale_gpu_check.sh ;;
     uneven) step uneven env PART=uneven ITERS=8 LIMIT=150 PLAN=1 bash bench/scale_gpu_check.sh ;;

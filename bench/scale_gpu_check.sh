@@ -5,12 +5,13 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+# OLD=path runs the part fusedab's "before" runs with another pretrain_gpt (gunzipped if .gz).
 set -u
 cd "$(dirname "$0")/.."
 source .gpu/env.sh
-for z in .gpu/bin/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
-chmod +x .gpu/bin/* 2>/dev/null
+for z in .gpu/bin/*.gz ${OLD:+$OLD.gz}; do [ -e "$z" ] && gunzip -f "$z"; done 2>/dev/null
+chmod +x .gpu/bin/* ${OLD:+$OLD} 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee $OUT/gpus.txt
 B=.gpu/bin
 ITERS=${ITERS:-8}
@@ -27,7 +28,7 @@ ours() { # name, preset, flags...
   # buffers included), for the planner's predicted peak.
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > $OUT/$name.smi 2>/dev/null &
   local smi=$!
-  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON --train-iters $ITERS "$@" 2>&1 | stamp > $OUT/$name.log
+  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- ${BIN:-$B/pretrain_gpt} --config examples/configs/$preset.toml $COMMON --train-iters $ITERS "$@" 2>&1 | stamp > $OUT/$name.log
   echo "rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
   echo "peak MiB per GPU (nvidia-smi): $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' $OUT/$name.smi)" | tee -a $OUT/scale.log
@@ -169,4 +170,25 @@ if part dp4gpt; then
   # GPT-3 6.7B at DP 4 only (after the memory pools' change), and the peer.
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
   ITERS=4 ours gpt_dp4_mb4_gb256 gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256
+fi
+if part fusedab; then
+  # The gradient-accumulation fusion (issue 31) against the build before it (OLD=...), same
+  # machine, layouts that fit 80 GB: Llama-3 8B at PP 2 x DP 2 (17 + 15 layers), micro-batch
+  # 1, global batch 128; GPT-3 6.7B at PP 2 x DP 2, micro-batch 4, global batch 256; each
+  # peer at its best configuration.
+  L="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --decoder-last-pipeline-num-layers 15 --micro-batch-size 1 --global-batch-size 128"
+  G="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4 --global-batch-size 256"
+  ours llama_pp2dp2_mb1_fused llama3_8b $L
+  [ -n "${OLD:-}" ] && BIN=$OLD ours llama_pp2dp2_mb1_before llama3_8b $L
+  torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
+  ours gpt_pp2dp2_fused gpt3_6.7b $G
+  [ -n "${OLD:-}" ] && BIN=$OLD ours gpt_pp2dp2_before gpt3_6.7b $G
+  torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+fi
+if part fusedgpt; then
+  # The fusion's A/B on 80 GB GPUs where the part fusedab's layouts do not fit (H100s): GPT-3
+  # 6.7B at PP 2 x DP 2, micro-batch 2, global batch 128 (32 microbatches a pipeline).
+  G="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --global-batch-size 128"
+  ours gpt_pp2dp2_mb2_fused gpt3_6.7b $G
+  [ -n "${OLD:-}" ] && BIN=$OLD ours gpt_pp2dp2_mb2_before gpt3_6.7b $G
 fi

@@ -151,7 +151,14 @@ pub fn gemm_fp8(
             fast_accumulation,
         }),
     };
-    submit(key, a, b, binding(&out), None, Some((a_scale_inv, b_scale_inv)));
+    submit(
+        key,
+        a,
+        b,
+        binding(&out),
+        None,
+        Some((a_scale_inv, b_scale_inv)),
+    );
     Ok(out)
 }
 
@@ -179,7 +186,14 @@ pub fn gemm_accumulate(
             acc.meta.shape().to_vec(),
         ));
     }
-    submit(accumulate_key(&p, a.dtype, acc_view.ld), a, b, binding(acc), None, None);
+    submit(
+        accumulate_key(&p, a.dtype, acc_view.ld),
+        a,
+        b,
+        binding(acc),
+        None,
+        None,
+    );
     Ok(())
 }
 

@@ -64,6 +64,14 @@ pub struct DataParallelConfig {
     /// The same parameters, bit for bit.
     #[config(default = false)]
     pub overlap_param_gather: bool,
+    /// With the reduction hooked into the backward pass
+    /// ([`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook)),
+    /// let the dense layers' weight-gradient GEMMs add straight into its f32 buffer
+    /// (Megatron's gradient-accumulation fusion; `--no-gradient-accumulation-fusion` turns it
+    /// off): no gradient in the model's dtype is written and added again. Without it each
+    /// weight gradient passes through Burn's gradient container first.
+    #[config(default = true)]
+    pub gradient_accumulation_fusion: bool,
 }
 
 impl DataParallelConfig {

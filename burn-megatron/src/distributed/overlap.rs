@@ -132,6 +132,9 @@ pub struct GradReduceOverlap<BA: AutodiffBackend> {
     /// Backward passes per step (microbatches of gradient accumulation): only the last one
     /// starts collectives, as under Megatron's `no_sync` for the others.
     microbatches: usize,
+    /// Whether weight gradients offered by the layers are taken
+    /// ([`DataParallelConfig::gradient_accumulation_fusion`](super::DataParallelConfig::gradient_accumulation_fusion)).
+    fuse: bool,
     state: Mutex<StepState<BA::InnerBackend, BA::FloatTensorPrimitive>>,
 }
 
@@ -175,13 +178,16 @@ where
     BA::InnerBackend: DistBackend + ModelBackend,
 {
     /// The hook for a model chunk laid out as `layout`, reducing over `dp` in units of about
-    /// `bucket_numel` elements, reduce-scattered when `sharded`; `after` names the gradients
-    /// the schedule still changes after the backward pass.
+    /// `bucket_numel` elements, reduce-scattered when `sharded`, taking the weight gradients
+    /// the layers offer when `fuse`; `after` names the gradients the schedule still changes
+    /// after the backward pass.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         layout: &BufferLayout,
         dp: &ProcessGroup,
         bucket_numel: usize,
         sharded: bool,
+        fuse: bool,
         microbatches: usize,
         after: AfterBackward<'_>,
         device: &burn::tensor::Device<BA::InnerBackend>,
@@ -274,6 +280,7 @@ where
             sharded,
             in_backward,
             microbatches: microbatches.max(1),
+            fuse,
             device: device.clone(),
             state: Mutex::new(StepState {
                 params: (0..n_slots).map(|_| None).collect(),
@@ -348,8 +355,13 @@ where
         start: bool,
     ) -> crate::Result<()> {
         let offset = self.layout.params()[i].offset;
-        let main = state.main.take().unwrap_or_else(|| self.zeros(self.layout.numel()));
-        state.main = Some(<BA::InnerBackend as WriteSlotOps>::add_slot(main, offset, grad));
+        let main = state
+            .main
+            .take()
+            .unwrap_or_else(|| self.zeros(self.layout.numel()));
+        state.main = Some(<BA::InnerBackend as WriteSlotOps>::add_slot(
+            main, offset, grad,
+        ));
         self.mark(state, i, start)
     }
 
@@ -580,6 +592,9 @@ where
     /// Adds the weight's gradient to the buffer, the GEMM accumulating there, when the weight
     /// is one of this chunk's parameters whose gradient is taken inside the backward pass.
     fn take_weight_gradient(&self, weight: NodeId, gradient: &mut dyn WeightGradient) -> bool {
+        if !self.fuse {
+            return false;
+        }
         let mut guard = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let state = &mut *guard;
         let Some(&i) = state.node_slot.get(&weight) else {

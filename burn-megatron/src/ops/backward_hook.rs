@@ -43,7 +43,11 @@ pub trait WeightGradient {
     /// `buffer`, a flat f32 `Tensor<B, 1>` of the backend `B` that computes the gradient (boxed:
     /// the hook is not generic over it), with the gradient added row-major at
     /// `start..start + rows · cols`; `Err(buffer)`, untouched, when it is not such a tensor.
-    fn add_to(&mut self, buffer: Box<dyn Any + Send>, start: usize) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>>;
+    fn add_to(
+        &mut self,
+        buffer: Box<dyn Any + Send>,
+        start: usize,
+    ) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>>;
 }
 
 /// The autodiff node of a tensor of `Autodiff<B, C>` (the key of its gradient), `None` on

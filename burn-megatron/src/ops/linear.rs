@@ -259,7 +259,9 @@ impl<B: LinearOps> WeightGradient for WeightProduct<B> {
     ) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>> {
         let buffer = buffer.downcast::<Tensor<B, 1>>()?;
         let (a, b) = self.operands();
-        Ok(Box::new(B::gemm_add_slot(*buffer, start, a, b, true, false)))
+        Ok(Box::new(B::gemm_add_slot(
+            *buffer, start, a, b, true, false,
+        )))
     }
 }
 
@@ -342,7 +344,14 @@ mod cuda {
             transpose_b: bool,
         ) -> Tensor<Self, 1> {
             let into = raw(buffer);
-            match gemm::gemm_accumulate_at(&raw(a.clone()), &raw(b.clone()), transpose_a, transpose_b, &into, start) {
+            match gemm::gemm_accumulate_at(
+                &raw(a.clone()),
+                &raw(b.clone()),
+                transpose_a,
+                transpose_b,
+                &into,
+                start,
+            ) {
                 Ok(()) => wrap(into),
                 Err(_) => {
                     let product = Self::gemm(a, b, transpose_a, transpose_b);

@@ -815,6 +815,7 @@ where
                 &self.dp,
                 self.config.data_parallel.bucket_numel,
                 self.config.data_parallel.use_distributed_optimizer,
+                self.config.data_parallel.gradient_accumulation_fusion,
                 microbatches,
                 AfterBackward {
                     shared_copies: &self.shared_copies,

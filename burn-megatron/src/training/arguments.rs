@@ -168,6 +168,12 @@ pub struct PretrainArgs {
     /// --use-distributed-optimizer. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
     pub overlap_param_gather: Option<bool>,
+    /// With --overlap-grad-reduce, let the weight-gradient GEMMs write into the f32 gradient
+    /// buffer no more (Megatron's gradient-accumulation fusion, on by default): each weight
+    /// gradient is then written in the model's dtype and added by a second kernel.
+    /// [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Parallelism")]
+    pub no_gradient_accumulation_fusion: Option<bool>,
     /// Match each GPU collective across ranks on the host first: a mismatch is an error
     /// naming each rank's call, for a host round trip per call. Turn off for speed on GPUs
     /// (a mismatch then ends in the watchdog's timeout); --overlap-grad-reduce overlaps the
@@ -594,6 +600,9 @@ impl PretrainArgs {
             a.recompute_num_layers,
         )?;
         c.fp8 = fp8(&a)?;
+        if let Some(off) = a.no_gradient_accumulation_fusion {
+            c.gradient_accumulation_fusion = !off;
+        }
         Ok(c)
     }
 
@@ -640,6 +649,7 @@ impl PretrainArgs {
             use_distributed_optimizer,
             overlap_grad_reduce,
             overlap_param_gather,
+            no_gradient_accumulation_fusion,
             collective_checks,
             micro_batch_size,
             global_batch_size,

@@ -158,6 +158,12 @@ pub struct PretrainConfig {
     /// The same results. Needs `use_distributed_optimizer`.
     #[config(default = false)]
     pub overlap_param_gather: bool,
+    /// With `overlap_grad_reduce`, the dense layers' weight-gradient GEMMs add straight into
+    /// the hook's f32 gradient buffer (Megatron's gradient-accumulation fusion,
+    /// [`DataParallelConfig::gradient_accumulation_fusion`]); `false` is
+    /// `--no-gradient-accumulation-fusion`.
+    #[config(default = true)]
+    pub gradient_accumulation_fusion: bool,
     /// Match every GPU collective across ranks on the host before it runs
     /// (`--collective-checks`): a mismatch is an error naming each rank's call, at the cost of
     /// a host round trip per call. Off, calls go straight to NCCL: a mismatch then ends in the
@@ -585,7 +591,8 @@ impl PretrainConfig {
             .with_data_parallel(
                 DataParallelConfig::new()
                     .with_use_distributed_optimizer(self.use_distributed_optimizer)
-                    .with_overlap_param_gather(self.overlap_param_gather),
+                    .with_overlap_param_gather(self.overlap_param_gather)
+                    .with_gradient_accumulation_fusion(self.gradient_accumulation_fusion),
             )
             .with_clip_grad(Some(self.clip_grad))
     }

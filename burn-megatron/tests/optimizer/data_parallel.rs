@@ -215,20 +215,32 @@ pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
 /// `tp × pp × dp` ranks, 1F1B over the pipeline stages (gradient accumulation at PP = 1),
 /// each DP rank taking its share of each global batch, [`DistributedAdamW`] with the clip.
 fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &Run) -> Vec<Run> {
-    data_parallel_with(config, layout, zero, false, false, want)
+    data_parallel_with(config, layout, zero, Reduce::AfterBackward, false, want)
 }
 
-/// [`data_parallel`], with the reduction hooked into the backward pass when `overlap`, and
-/// the parameters all-gathered in buckets when `param_gather`
-/// ([`DataParallelConfig::overlap_param_gather`]).
+/// Where a run reduces its gradients over DP.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Reduce {
+    /// After the backward pass.
+    AfterBackward,
+    /// From the backward pass's hook, the weight-gradient GEMMs adding into its buffer.
+    Hooked,
+    /// The same without the gradient-accumulation fusion (every gradient through the
+    /// container).
+    HookedUnfused,
+}
+
+/// [`data_parallel`], with the reduction `reduce`, and the parameters all-gathered in buckets
+/// when `param_gather` ([`DataParallelConfig::overlap_param_gather`]).
 fn data_parallel_with(
     config: &TransformerConfig,
     layout: Layout,
     zero: bool,
-    overlap: bool,
+    reduce: Reduce,
     param_gather: bool,
     want: &Run,
 ) -> Vec<Run> {
+    let overlap = reduce != Reduce::AfterBackward;
     let ranks = run(layout.tp * layout.pp * layout.dp, |ctx| {
         let state = layout.state(&ctx);
         let mut model = layout.stage(config, &state);
@@ -238,6 +250,7 @@ fn data_parallel_with(
                 DataParallelConfig::new()
                     .with_use_distributed_optimizer(zero)
                     .with_overlap_param_gather(param_gather)
+                    .with_gradient_accumulation_fusion(reduce == Reduce::Hooked)
                     // Several buckets for this tiny model.
                     .with_bucket_numel(BUCKET),
             )
@@ -301,7 +314,11 @@ fn data_parallel_with(
                     .filter(|info| info.shape.len() == 2)
                     .map(|info| info.shape.iter().product::<usize>())
                     .sum();
-                assert_eq!(optim.fused_numel(), weights + output, "fused weight gradients");
+                let fused = match reduce {
+                    Reduce::Hooked => weights + output,
+                    _ => 0,
+                };
+                assert_eq!(optim.fused_numel(), fused, "fused weight gradients");
             }
         }
         Ok(RankRun::new(&model, &state, losses, norms))
@@ -389,13 +406,16 @@ fn overlap_equals_reduction_after_backward(config: &TransformerConfig) {
     for (tp, pp, dp) in layouts {
         for zero in [false, true] {
             let layout = Layout { tp, pp, dp };
-            let after = data_parallel_with(&config, layout, zero, false, false, &want);
-            let hooked = data_parallel_with(&config, layout, zero, true, false, &want);
-            let label = format!("{layout:?}, distributed optimizer {zero}, hooked");
-            check(&label, &config, &hooked, &want, tolerance::F32);
-            for (h, a) in hooked.iter().zip(&after) {
-                assert_close(&format!("{label}: norms"), &h.norms, &a.norms, 0.0);
-                assert_same(&label, &config, &h.trajectory, &a.trajectory, 0.0);
+            let after =
+                data_parallel_with(&config, layout, zero, Reduce::AfterBackward, false, &want);
+            for reduce in [Reduce::Hooked, Reduce::HookedUnfused] {
+                let hooked = data_parallel_with(&config, layout, zero, reduce, false, &want);
+                let label = format!("{layout:?}, distributed optimizer {zero}, {reduce:?}");
+                check(&label, &config, &hooked, &want, tolerance::F32);
+                for (h, a) in hooked.iter().zip(&after) {
+                    assert_close(&format!("{label}: norms"), &h.norms, &a.norms, 0.0);
+                    assert_same(&label, &config, &h.trajectory, &a.trajectory, 0.0);
+                }
             }
         }
     }
@@ -413,11 +433,11 @@ fn parameters_gathered_in_buckets_equal_one_gather() {
     let want = one_device(&config, STEPS, None);
     let layouts = [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)];
     for (tp, pp, dp) in layouts {
-        for overlap in [false, true] {
+        for reduce in [Reduce::AfterBackward, Reduce::Hooked] {
             let layout = Layout { tp, pp, dp };
-            let once = data_parallel_with(&config, layout, true, overlap, false, &want);
-            let bucketed = data_parallel_with(&config, layout, true, overlap, true, &want);
-            let label = format!("{layout:?}, hooked reduction {overlap}, bucketed gather");
+            let once = data_parallel_with(&config, layout, true, reduce, false, &want);
+            let bucketed = data_parallel_with(&config, layout, true, reduce, true, &want);
+            let label = format!("{layout:?}, {reduce:?}, bucketed gather");
             check(&label, &config, &bucketed, &want, tolerance::F32);
             assert_eq!(bucketed.len(), once.len());
             for (b, o) in bucketed.iter().zip(&once) {

@@ -786,48 +786,22 @@ fn overlap_param_gather_needs_the_distributed_optimizer() {
     );
 }
 
-/// `--profile --profile-step-start --profile-step-end --profile-ranks` (Megatron's names) reach
-/// the run; a window that ends before it starts is refused; on the CPU (no profile to record)
-/// a profiled run trains as usual.
+/// `--no-gradient-accumulation-fusion` (Megatron's name) turns the weight-gradient GEMMs'
+/// accumulation into the hook's buffer off; it is on by default.
 #[test]
-fn profile_options_are_megatrons() {
-    let c = config(&[
-        "--profile",
-        "--profile-step-start",
-        "2",
-        "--profile-step-end",
-        "4",
-        "--profile-ranks",
-        "0",
-        "3",
-    ]);
-    assert!(c.profile);
-    assert_eq!((c.profile_step_start, c.profile_step_end), (2, 4));
-    assert_eq!(c.profile_ranks, [0, 3]);
-    let d = config(&[]);
-    assert_eq!(
-        (
-            d.profile,
-            d.profile_step_start,
-            d.profile_step_end,
-            d.profile_ranks
-        ),
-        (false, 10, 12, vec![0])
-    );
-    let backwards = config(&[
-        "--profile",
-        "--profile-step-start",
-        "5",
-        "--profile-step-end",
-        "5",
-    ]);
+fn gradient_accumulation_fusion_is_on_unless_refused() {
+    let on = config(&["--overlap-grad-reduce"]);
+    assert!(on.gradient_accumulation_fusion);
     assert!(
-        error(&backwards).contains("--profile-step-end (5) must be after --profile-step-start (5)")
+        on.distributed_adamw()
+            .data_parallel
+            .gradient_accumulation_fusion
     );
-    let run = crate::tiny_run(2, 2)
-        .with_train_iters(3)
-        .with_profile(true)
-        .with_profile_step_start(1)
-        .with_profile_step_end(2);
-    assert_eq!(crate::train(&run).iterations.len(), 3);
+    let off = config(&["--overlap-grad-reduce", "--no-gradient-accumulation-fusion"]);
+    assert!(!off.gradient_accumulation_fusion);
+    assert!(
+        !off.distributed_adamw()
+            .data_parallel
+            .gradient_accumulation_fusion
+    );
 }
