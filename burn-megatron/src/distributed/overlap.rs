@@ -42,7 +42,7 @@
 //! afterwards too: the schedule sums them over TP after the backward pass. The hook takes the gradients out of the container, so
 //! each bf16 gradient is freed as soon as it is in the f32 buffer, not after the whole backward
 //! pass. A weight gradient offered after its unit's collective started would be lost: it is
-//! an error, reported by [`finish`](GradReduceOverlap::finish).
+//! an error, reported when the optimizer step collects the reduced gradients.
 
 use std::collections::HashMap;
 use std::ops::Range;
