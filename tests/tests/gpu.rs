@@ -933,6 +933,40 @@ fn gemm_accumulates_into_an_f32_buffer() {
     );
 }
 
+/// The fusion as the overlap hook runs it: `buffer[start..start + m·n] += Xᵀ · dY` into a slot
+/// of a flat f32 buffer (bf16 inputs), the elements outside the slot untouched, against the
+/// exact sum; a slot past the buffer's end is refused.
+#[test]
+fn gemm_accumulates_into_a_slot_of_a_flat_buffer() {
+    use burn_megatron_kernels::cuda::gemm::gemm_accumulate_at;
+    let device = CudaGpu::new(0);
+    let (m, n, start, len) = (96, 160, 1000, 20_000);
+    let buffer = Tensor::<Ours, 2>::from_data(data(&[1, len], 24), &device).reshape([len]);
+    let before: Vec<f32> = buffer.to_data().to_vec().unwrap();
+    let x = Tensor::<Ours, 2>::from_data(data(&[512, m], 25), &device).cast(DType::BF16);
+    let dy = Tensor::<Ours, 2>::from_data(data(&[512, n], 26), &device).cast(DType::BF16);
+    let product = host_gemm(&x.to_data(), &dy.to_data(), true, false, None);
+    let mut want = before.clone();
+    for (w, p) in want[start..start + m * n].iter_mut().zip(&product) {
+        *w += p;
+    }
+    let raw = |t: &Tensor<Ours, 2>| t.clone().into_primitive().tensor();
+    let buffer = buffer.into_primitive().tensor();
+    assert!(
+        gemm_accumulate_at(&raw(&x), &raw(&dy), true, false, &buffer, len - m * n + 1).is_err(),
+        "a slot past the end must be refused"
+    );
+    gemm_accumulate_at(&raw(&x), &raw(&dy), true, false, &buffer, start)
+        .expect("cuBLASLt accumulates into the slot");
+    let after = Tensor::<Ours, 1>::from_primitive(TensorPrimitive::Float(buffer)).into_data();
+    let got: Vec<f32> = after.to_vec().unwrap();
+    assert_eq!(got[..start], before[..start], "the elements before the slot");
+    assert_eq!(got[start + m * n..], before[start + m * n..], "the elements after it");
+    let err = difference_from_exact("accumulated slot", &after, &want);
+    println!("accumulate into a slot: relative error {err:.2e}");
+    assert!(err <= tolerance::F32_GEMM, "accumulated slot off by {err:e}");
+}
+
 /// The fused AdamW kernel on our CUDA backend against the composition: f32 weights (out of
 /// place, as when an f32 model views them) and bf16 model weights from fp32 master weights
 /// (in place, with the bf16 copy written by the kernel), decayed and exempt blocks, a
