@@ -960,11 +960,22 @@ fn gemm_accumulates_into_a_slot_of_a_flat_buffer() {
         .expect("cuBLASLt accumulates into the slot");
     let after = Tensor::<Ours, 1>::from_primitive(TensorPrimitive::Float(buffer)).into_data();
     let got: Vec<f32> = after.to_vec().unwrap();
-    assert_eq!(got[..start], before[..start], "the elements before the slot");
-    assert_eq!(got[start + m * n..], before[start + m * n..], "the elements after it");
+    assert_eq!(
+        got[..start],
+        before[..start],
+        "the elements before the slot"
+    );
+    assert_eq!(
+        got[start + m * n..],
+        before[start + m * n..],
+        "the elements after it"
+    );
     let err = difference_from_exact("accumulated slot", &after, &want);
     println!("accumulate into a slot: relative error {err:.2e}");
-    assert!(err <= tolerance::F32_GEMM, "accumulated slot off by {err:e}");
+    assert!(
+        err <= tolerance::F32_GEMM,
+        "accumulated slot off by {err:e}"
+    );
 }
 
 /// The fused AdamW kernel on our CUDA backend against the composition: f32 weights (out of

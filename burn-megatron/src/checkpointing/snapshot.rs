@@ -9,7 +9,9 @@
 //! Files: `model_tp{t}_pp{p}.safetensors` per model-parallel rank (DP rank 0 only: the
 //! data-parallel replicas are equal), and `optimizer_tp{t}_pp{p}.safetensors` with the
 //! optimizer state sliced the same way; a distributed optimizer's state is written by every
-//! DP rank (`optimizer_tp{t}_pp{p}_dp{d}.safetensors`), each holding its shard. A replicated
+//! DP rank (`optimizer_tp{t}_pp{p}_dp{d}.safetensors`), each holding its shard, and under
+//! context parallelism by every DP × CP rank (`optimizer_tp{t}_pp{p}_dp{d}_cp{c}.safetensors`:
+//! the state is sharded over both). A replicated
 //! parameter is written by TP rank 0; vocabulary padding is never written. Routed experts go
 //! to files of their EP rank (`model_tp{t}_pp{p}_ep{e}.safetensors`, the optimizer's
 //! `optimizer_tp{t}_pp{p}_ep{e}[_edp{x}].safetensors`), written by expert-DP rank 0 (or, for
@@ -96,11 +98,12 @@ impl RankSnapshot {
             ..Default::default()
         };
         let (mut model, mut optim) = (Vec::new(), Vec::new());
-        // The ranks of a CP group hold the same parameters and optimizer state (the gradients
-        // are summed over CP): CP rank 0 writes them.
+        // The ranks of a CP group hold the same parameters (the gradients are summed over CP):
+        // CP rank 0 writes them. The distributed optimizer shards its state over DP × CP:
+        // every rank writes its shard.
         let cp_first = state.coords().cp == 0;
         let writes_model = d == 0 && cp_first;
-        let writes_optimizer = optimizer.is_some() && (d == 0 || dp_sharded) && cp_first;
+        let writes_optimizer = optimizer.is_some() && ((d == 0 && cp_first) || dp_sharded);
         // Routed experts differ between the ranks of an EP group: expert-DP rank 0 of each
         // writes its experts (every expert-DP rank its shard of their optimizer state).
         let (e, edp) = (state.coords().ep, state.coords().expert_dp);
@@ -154,9 +157,11 @@ impl RankSnapshot {
             files.push((format!("model_tp{t}_pp{p}.safetensors"), model));
         }
         if writes_optimizer {
-            let name = match dp_sharded {
-                true => format!("optimizer_tp{t}_pp{p}_dp{d}.safetensors"),
-                false => format!("optimizer_tp{t}_pp{p}.safetensors"),
+            let c = state.coords().cp;
+            let name = match (dp_sharded, state.cp().size()) {
+                (true, 1) => format!("optimizer_tp{t}_pp{p}_dp{d}.safetensors"),
+                (true, _) => format!("optimizer_tp{t}_pp{p}_dp{d}_cp{c}.safetensors"),
+                (false, _) => format!("optimizer_tp{t}_pp{p}.safetensors"),
             };
             files.push((name, optim));
         }

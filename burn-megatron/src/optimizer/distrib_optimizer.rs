@@ -9,11 +9,13 @@
 //!    gradient buffer;
 //! 2. they are averaged over DP ([`grad_reduction`](crate::distributed::grad_reduction)): all-reduced, or,
 //!    with the distributed optimizer, reduce-scattered so that the rank holds only the shard
-//!    `layout.shard(dp_rank)` it updates; under context parallelism (CP > 1) the result is
-//!    then summed over the CP group (each CP rank's gradients are its tokens' share, see
+//!    `layout.shard(dp_rank)` it updates. Under context parallelism (CP > 1) the replicas
+//!    are the DP × CP ranks (the CP ranks of a DP rank hold the same parameters, each
+//!    gradient its tokens' share, see
 //!    [`GptModel::with_context_parallel`](crate::models::GptModel::with_context_parallel)):
-//!    the reduction over DP × CP, the shard's only (the CP ranks of one DP rank hold the
-//!    same shard), so the optimizer state stays sharded over DP and CP ranks hold copies;
+//!    the gradients are averaged over DP × CP and multiplied by CP (summed over CP, averaged
+//!    over DP), and with the distributed optimizer the state is sharded over DP × CP, as in
+//!    Megatron; "DP" below is then DP × CP;
 //! 3. the global gradient norm: each rank sums the squares of the elements it holds and
 //!    counts (TP-replicated parameters on TP rank 0 only, a tied embedding's last-stage copy
 //!    not at all); with sharding the sums are added over DP (each shard once), and then over
@@ -77,7 +79,8 @@ use crate::tensor_parallel::{DeclarePlacements, Placements};
 /// AdamW over a data-parallel replica's flat buffers (see the [module docs](self)).
 #[derive(Config, Debug, Copy, PartialEq)]
 pub struct DistributedAdamWConfig {
-    /// AdamW's settings and the buffers' layout; `buffer.dp_size` is set from the DP group.
+    /// AdamW's settings and the buffers' layout; `buffer.dp_size` is set from the DP group
+    /// (DP × CP under context parallelism).
     #[config(default = "FlatAdamWConfig::new()")]
     pub adam: FlatAdamWConfig,
     /// Buckets and sharding.
@@ -105,7 +108,8 @@ impl DistributedAdamWConfig {
     }
 
     /// The optimizer of this rank's `model` (one model chunk) in the layout `state`: buffers
-    /// laid out from its parameters and cut into `state.dp()`-size shards, the master weights
+    /// laid out from its parameters and cut into `state.dp()`-size shards (`state.dp_cp()`
+    /// under context parallelism: see the [module docs](self)), the master weights
     /// of the rank's range copied from the parameters, the moments zero. `shared_copies` are
     /// paths of parameters counted in the norm on another rank (a tied embedding's last-stage
     /// copy, [`shared_copies`](crate::optimizer::shared_copies)). Every DP rank must start from
@@ -121,8 +125,14 @@ impl DistributedAdamWConfig {
         B::InnerBackend: ModelBackend,
         M: AutodiffModule<B> + DeclarePlacements,
     {
+        // The ranks holding replicas of the dense parameters: DP, times CP under context
+        // parallelism.
+        let replicas = match state.cp().size() {
+            1 => state.dp(),
+            _ => state.dp_cp(),
+        };
         let mut adam = self.adam;
-        adam.buffer.dp_size = state.dp().size();
+        adam.buffer.dp_size = replicas.size();
         Self { adam, ..*self }.validate()?;
         super::shared_leaves::refuse_shared_leaves::<B, M>(model, state.world())?;
         let has_experts = crate::tensor_parallel::try_param_infos(model)?
@@ -132,15 +142,15 @@ impl DistributedAdamWConfig {
             !info.placement.is_expert() && !info.placement.frozen
         })?;
         let layout = buffer.layout().clone();
-        check_dp(&layout, state.dp())?;
-        let dp_rank = state.dp().rank();
+        check_dp(&layout, replicas)?;
+        let dp_rank = replicas.rank();
         let range = if self.data_parallel.use_distributed_optimizer {
             layout.shard(dp_rank)
         } else {
             0..layout.numel()
         };
         let full = buffer.take_main_params();
-        check_same_parameters(&full, state.dp())?;
+        check_same_parameters(&full, replicas)?;
         let device = full.device();
         let master = if range.len() == layout.numel() {
             full
@@ -175,8 +185,8 @@ impl DistributedAdamWConfig {
         Ok(DistributedAdamW {
             experts,
             config: DistributedAdamWConfig { adam, ..*self },
-            dp: state.dp().clone(),
-            cp: (state.cp().size() > 1).then(|| state.cp().clone()),
+            dp: replicas.clone(),
+            cp: state.cp().size(),
             model_parallel: state.model_parallel().clone(),
             range_start: range.start,
             exp_avg: zeros(),
@@ -605,9 +615,12 @@ pub struct DistributedStep<M, B: burn::tensor::backend::Backend> {
 #[derive(Debug, Clone)]
 pub struct DistributedAdamW<B: AutodiffBackend> {
     config: DistributedAdamWConfig,
+    /// The ranks holding replicas of the dense parameters: the DP group, or under context
+    /// parallelism the DP × CP group.
     dp: ProcessGroup,
-    /// The context-parallel group, when CP > 1: the DP-reduced gradients are summed over it.
-    cp: Option<ProcessGroup>,
+    /// The context-parallel size: the gradients averaged over `dp` are multiplied by it (each
+    /// CP rank's gradient is its tokens' share: summed over CP, averaged over DP).
+    cp: usize,
     model_parallel: ProcessGroup,
     layout: BufferLayout,
     /// The gradient buffer (`[numel]` f32); its master weights are moved to `master`.
@@ -651,7 +664,8 @@ where
     B: AutodiffBackend,
     B::InnerBackend: ModelBackend,
 {
-    /// The settings (`adam.buffer.dp_size` is the DP size).
+    /// The settings (`adam.buffer.dp_size` is the DP size, DP × CP under context
+    /// parallelism).
     pub fn config(&self) -> &DistributedAdamWConfig {
         &self.config
     }
@@ -914,11 +928,10 @@ where
                 }
             }
         };
-        // The reduction is linear: averaging over DP, then summing the CP ranks' shares, is
-        // the reduction over DP × CP, and the CP sum moves only the rank's shard.
-        let grads = match &self.cp {
-            Some(cp) => cp.all_reduce(grads, ReduceOp::Sum)?,
-            None => grads,
+        // Averaged over DP × CP: times CP, the CP ranks' shares summed and DP averaged.
+        let grads = match self.cp {
+            1 => grads,
+            cp => grads.mul_scalar(cp as f64),
         };
 
         let align = self.config.adam.buffer.param_alignment;

@@ -4,10 +4,11 @@
 //! time, so that `pretrain_gpt --plan` can suggest the fastest layout that fits.
 //!
 //! Context parallelism is planned as the `p2p` ring runs it: a CP rank holds the whole model
-//! (its optimizer state sharded over DP only) and `seq / cp` tokens of each sequence, whose
-//! activations and logits it keeps; the ring's K/V exchanges and the gradients' CP all-reduce
-//! are counted as communication. The plan offers CP only where every rank keeps at least
-//! [`MIN_CP_TOKENS`] tokens of a sequence: shorter blocks do not pay for the exchanges.
+//! and `seq / cp` tokens of each sequence, whose activations and logits it keeps; the
+//! gradients are reduced, and the distributed optimizer's state sharded, over DP × CP; the
+//! ring's K/V exchanges are counted as communication. The plan offers CP only where every
+//! rank keeps at least [`MIN_CP_TOKENS`] tokens of a sequence: shorter blocks do not pay for
+//! the exchanges.
 //!
 //! The memory is what this implementation holds, counted from its tensors (not Megatron's):
 //!
@@ -316,8 +317,12 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         .map_err(|e| ConfigError::Invalid(e.to_string()))?
         .max_in_flight();
     let d = input.dtype_bytes as u64;
-    let flat_adamw = dp > 1 || distributed_optimizer || input.dtype_bytes < 4;
-    let shards = if distributed_optimizer { dp as u64 } else { 1 };
+    let flat_adamw = dp * cp > 1 || distributed_optimizer || input.dtype_bytes < 4;
+    let shards = if distributed_optimizer {
+        (dp * cp) as u64
+    } else {
+        1
+    };
     let layer_acts = layer_activation_bytes(
         model,
         seq,
@@ -466,8 +471,10 @@ fn step_seconds(
         })
         .max()
         .unwrap_or(0) as f64;
-    let p = layout.dp as f64;
-    let dp_bytes = match layout.dp {
+    // The gradients are reduced (and the distributed optimizer's parameters gathered) over
+    // the replicas: DP × CP.
+    let p = (layout.dp * layout.cp) as f64;
+    let dp_bytes = match layout.dp * layout.cp {
         1 => 0.0,
         _ => {
             let grads = 4.0 * params * 2.0 * (p - 1.0) / p;
@@ -481,14 +488,12 @@ fn step_seconds(
     };
     // The ring, a layer and microbatch: the rank's K/V block (its TP share) sent `cp - 1`
     // times forward and again in the backward pass, where the f32 K/V gradients travel `cp`
-    // times; then the gradients' all-reduce over CP (of the DP shard under ZeRO-1).
+    // times.
     let cp_bytes = match layout.cp {
         1 => 0.0,
         _ => {
             let block = tokens * (2 * model.query_groups() * model.head_dim()) as f64 / t;
-            let ring = (2.0 * (c - 1.0) * d + c * 4.0) * block * layers * microbatches as f64;
-            let shard = if layout.distributed_optimizer { p } else { 1.0 };
-            ring + 4.0 * params / shard * 2.0 * (c - 1.0) / c
+            (2.0 * (c - 1.0) * d + c * 4.0) * block * layers * microbatches as f64
         }
     };
     compute * (1.0 + bubble)
@@ -542,7 +547,7 @@ pub fn balanced_last_stage_layers(
 /// and PP dividing the world,
 /// with PP > 1 also 2 and 4 chunks a rank (interleaved) where the layers and microbatches
 /// allow, and the last rank's layer count that balances the output layer's work
-/// ([`balanced_last_stage_layers`]), sequence parallelism with TP > 1, the distributed optimizer with DP > 1, each with
+/// ([`balanced_last_stage_layers`]), sequence parallelism with TP > 1, the distributed optimizer with DP × CP > 1, each with
 /// no, selective (where the unfused attention runs) and full recomputation; fastest first.
 pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
     let mut out = Vec::new();
@@ -574,7 +579,7 @@ pub fn plan(input: &PlanInput, world: usize) -> Vec<LayoutEstimate> {
                             virtual_stages,
                             dp,
                             sequence_parallel: tp > 1,
-                            distributed_optimizer: dp > 1,
+                            distributed_optimizer: dp * cp > 1,
                             recompute,
                             last_stage_layers,
                         };

@@ -669,3 +669,31 @@ fn reduce_scatter_buckets_cover_each_shard() {
     assert_eq!(shard_columns(10, 2, 8), vec![0..4, 4..8, 8..10]);
     assert_eq!(shard_columns(3, 4, 1), vec![0..1, 1..2, 2..3]);
 }
+
+/// Under context parallelism the distributed optimizer shards its state over DP × CP, as
+/// Megatron does: at DP 2 × CP 2 the four ranks hold four different quarters of the buffer
+/// (the CP ranks of one DP rank hold the same parameters, not the same shard).
+#[test]
+fn the_distributed_optimizer_shards_over_dp_and_cp() {
+    let config = tiny_gpt();
+    let ranks = run(4, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default().with_cp(2))?;
+        let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+        let optim = DistributedAdamWConfig::new()
+            .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(true))
+            .init::<AD, _>(&model, &state, &shared_copies(&model))?;
+        Ok((state.dp().size(), optim.range(), optim.layout().numel()))
+    });
+    let numel = ranks[0].2;
+    let mut starts: Vec<usize> = ranks
+        .iter()
+        .map(|(dp, range, n)| {
+            assert_eq!((*dp, *n), (2, numel), "DP 2, one layout");
+            assert_eq!(range.len() * 4, numel, "a quarter of the buffer: {range:?}");
+            range.start
+        })
+        .collect();
+    starts.sort_unstable();
+    starts.dedup();
+    assert_eq!(starts.len(), 4, "four different shards: {ranks:?}");
+}

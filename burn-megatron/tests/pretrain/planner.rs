@@ -318,7 +318,8 @@ fn the_plan_balances_the_output_layer() {
 /// model and a quarter of the sequence: its activations and logits are CP 1's at 32k tokens
 /// (hand-checked: 16 layers of `layer_activation_bytes` at 32768 tokens; the logits and their
 /// gradient, `2 · 2 · 32768 · 32000` bytes, and the final norm's output, `2 · 32768 · 2048`),
-/// its parameters and optimizer state those of one unsharded rank. CP 1 × DP 4 does not fit
+/// its parameters and optimizer state those of one unsharded rank (a quarter of the state with
+/// the distributed optimizer, sharded over DP × CP). CP 1 × DP 4 does not fit
 /// and CP 4 does (as measured on 4 H100s, book "Context parallelism"). At 4k tokens the plan
 /// offers no CP layout (a rank would keep fewer than `MIN_CP_TOKENS`), and a sequence that
 /// does not cut into `2 · cp` chunks is refused.
@@ -371,6 +372,13 @@ fn the_plan_splits_long_sequences_over_cp() {
         (cp1.memory.params, cp1.memory.optimizer)
     );
     assert_eq!(cp1.memory.activations, 4 * cp4.memory.activations);
+    // The distributed optimizer shards its state over DP × CP: a quarter a CP 4 rank.
+    let zero = PlannedLayout {
+        distributed_optimizer: true,
+        ..layout(4, 1)
+    };
+    let zero = estimate(&input, zero).unwrap();
+    assert_eq!(zero.memory.optimizer * 4, cp4.memory.optimizer);
     let dp4 = estimate(&input, layout(1, 4)).unwrap();
     assert!(!dp4.fits && cp4.fits, "{dp4:?}\n{cp4:?}");
     // The same FLOPs on the same GPUs, plus the ring's exchanges.
