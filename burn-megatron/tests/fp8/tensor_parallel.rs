@@ -106,8 +106,10 @@ fn assert_tp_equivalent(name: &str, config: TransformerConfig) {
 
 #[test]
 fn gpt_in_fp8_at_tp_2_equals_tp_1() {
+    // ANCHOR: fp8_model
     let fp8 = Fp8Config::new().with_format(Fp8Format::Hybrid);
     let config = small_gpt().with_fp8(Some(fp8));
+    // ANCHOR_END: fp8_model
     // FP8 is in effect: the loss differs from the model's dtype's.
     let plain = outcomes(&small_gpt(), 1);
     let reference = outcomes(&config, 1);
