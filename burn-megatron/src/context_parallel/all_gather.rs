@@ -6,12 +6,12 @@ use burn_megatron_dist::mapping::gather_from_sequence_parallel_region;
 use burn_megatron_dist::{DistBackend, ProcessGroup};
 
 use super::block_attention::block_attention;
-use super::ring::ring_plan;
+use super::ring::fused_ring_attention;
 use super::split::LoadBalancedSplit;
 use crate::error::Result;
 use crate::ops::RingFlashAttentionOps;
 use crate::ops::flash_attention::check_shapes;
-use crate::ops::ring_flash_attention::{KvExchange, RingPlan};
+use crate::ops::ring_flash_attention::KvExchange;
 
 /// Causal attention of this rank's queries against the whole sequence's keys and values,
 /// every tensor in the [load-balanced split](LoadBalancedSplit) over `cp_group`.
@@ -72,11 +72,5 @@ pub fn all_gather_flash_attention<B: RingFlashAttentionOps>(
     cp_group: &ProcessGroup,
     scale: f64,
 ) -> Result<Tensor<B, 4>> {
-    let split = LoadBalancedSplit::of_group(cp_group);
-    split.chunk_len(q.dims()[2] * split.cp)?;
-    let plan = RingPlan {
-        exchange: KvExchange::AllGather,
-        ..ring_plan(split)
-    };
-    Ok(B::ring_flash_attention(q, k, v, cp_group, scale, &plan)?)
+    fused_ring_attention(q, k, v, cp_group, scale, KvExchange::AllGather)
 }

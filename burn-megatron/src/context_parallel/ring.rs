@@ -146,8 +146,26 @@ pub fn ring_flash_attention<B: RingFlashAttentionOps>(
     cp_group: &ProcessGroup,
     scale: f64,
 ) -> Result<Tensor<B, 4>> {
+    fused_ring_attention(q, k, v, cp_group, scale, KvExchange::Ring)
+}
+
+/// The ring's plan over `cp_group`, its blocks reaching the rank by `exchange`, run as one
+/// operation ([`RingFlashAttentionOps::ring_flash_attention`]): [`ring_flash_attention`] and
+/// [`all_gather_flash_attention`](super::all_gather_flash_attention). Fails if an exchange
+/// fails, or if `seq / cp` is odd.
+pub(super) fn fused_ring_attention<B: RingFlashAttentionOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    cp_group: &ProcessGroup,
+    scale: f64,
+    exchange: KvExchange,
+) -> Result<Tensor<B, 4>> {
     let split = LoadBalancedSplit::of_group(cp_group);
     split.chunk_len(q.dims()[2] * split.cp)?;
-    let plan = ring_plan(split);
+    let plan = RingPlan {
+        exchange,
+        ..ring_plan(split)
+    };
     Ok(B::ring_flash_attention(q, k, v, cp_group, scale, &plan)?)
 }

@@ -51,9 +51,7 @@ pub trait LinearOps: BiasOps + WriteSlotOps {
         transpose_a: bool,
         transpose_b: bool,
     ) -> Tensor<Self, 1> {
-        let product = Self::gemm(a, b, transpose_a, transpose_b);
-        let n = product.shape().num_elements();
-        Self::add_slot(buffer, start, product.reshape([n]))
+        gemm_add_slot_composition(buffer, start, a, b, transpose_a, transpose_b)
     }
 
     /// [`linear`](Self::linear), or with `output_major`
@@ -100,6 +98,21 @@ pub trait LinearOps: BiasOps + WriteSlotOps {
             None => y,
         }
     }
+}
+
+/// [`LinearOps::gemm_add_slot`] as the product ([`LinearOps::gemm`]) and its addition
+/// ([`WriteSlotOps::add_slot`]).
+pub fn gemm_add_slot_composition<B: LinearOps>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    a: Tensor<B, 2>,
+    b: Tensor<B, 2>,
+    transpose_a: bool,
+    transpose_b: bool,
+) -> Tensor<B, 1> {
+    let product = B::gemm(a, b, transpose_a, transpose_b);
+    let n = product.shape().num_elements();
+    B::add_slot(buffer, start, product.reshape([n]))
 }
 
 /// `x · w + bias` over the last dimension of an `x` of any rank: flattened to
@@ -309,8 +322,7 @@ mod cuda {
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
-    use super::LinearOps;
-    use crate::ops::WriteSlotOps;
+    use super::{LinearOps, gemm_add_slot_composition};
     use crate::ops::primitive::{raw, wrap};
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> LinearOps
@@ -354,9 +366,7 @@ mod cuda {
             ) {
                 Ok(()) => wrap(into),
                 Err(_) => {
-                    let product = Self::gemm(a, b, transpose_a, transpose_b);
-                    let n = product.shape().num_elements();
-                    Self::add_slot(wrap(into), start, product.reshape([n]))
+                    gemm_add_slot_composition(wrap(into), start, a, b, transpose_a, transpose_b)
                 }
             }
         }
