@@ -90,6 +90,25 @@ pub enum DistError {
         /// This rank's last collectives on the group, one per line.
         recent: String,
     },
+    /// NCCL itself reported an error while a collective was pending (its own allocations
+    /// failing on a full GPU, a broken connection): the watchdog aborted the communicator.
+    #[error(
+        "rank {rank}: NCCL failed during {op} #{seq} on group '{group}': {error}; the \
+         communicator was aborted (NCCL allocates its buffers on the GPU as connections open: \
+         on a nearly full GPU this is often out of memory; NCCL_DEBUG=WARN tells more)"
+    )]
+    NcclAsync {
+        /// Global rank that reports the error.
+        rank: usize,
+        /// Group name.
+        group: String,
+        /// The oldest pending operation.
+        op: String,
+        /// Its sequence number within the group on this rank.
+        seq: u64,
+        /// NCCL's error.
+        error: String,
+    },
     /// Ranks called different collectives, or passed incompatible tensors, at the same step.
     #[error("rank {rank}: {op} #{seq} on group '{group}' mismatched across ranks: {detail}")]
     Mismatch {

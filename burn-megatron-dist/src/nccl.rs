@@ -172,7 +172,35 @@ impl NcclGroup {
                 }
             })
         };
-        let watchdog = Watchdog::start(info.clone(), transport, queue.alarms(), context, abort);
+        let comm_error = {
+            let aborted = aborted.clone();
+            Box::new(move || {
+                // An aborted communicator is gone: nothing to ask.
+                let aborted = aborted.lock().unwrap_or_else(PoisonError::into_inner);
+                if *aborted {
+                    return None;
+                }
+                let mut result = sys::ncclResult_t::ncclSuccess;
+                // SAFETY: a live communicator (not aborted: checked under the lock that
+                // `abort` takes); NCCL allows the query from any thread.
+                let status =
+                    unsafe { sys::ncclCommGetAsyncError(comm as sys::ncclComm_t, &mut result) };
+                match (status, result) {
+                    (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
+                    | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => None,
+                    (sys::ncclResult_t::ncclSuccess, error) => Some(format!("{error:?}")),
+                    (failed, _) => Some(format!("ncclCommGetAsyncError: {failed:?}")),
+                }
+            })
+        };
+        let watchdog = Watchdog::start(
+            info.clone(),
+            transport,
+            queue.alarms(),
+            context,
+            abort,
+            comm_error,
+        );
         let lane = Lane::Side(NEXT_LANE.fetch_add(1, Ordering::Relaxed).max(1));
         Ok(Self {
             comm: Comm(comm),

@@ -3,8 +3,8 @@
 //! NCCL calls return as soon as they are enqueued, so a collective that a peer never joins
 //! hangs on the GPU, not in any call. Each collective is tracked from the moment this rank
 //! starts it until the event recorded after it on the communication stream completes. When
-//! the oldest is older than the timeout, or a peer has failed or exited while one is pending,
-//! the watchdog aborts the communicator (the stuck kernels exit), reports the error to the
+//! the oldest is older than the timeout, a peer has failed or exited while one is pending, or
+//! NCCL reports an error of its own (`ncclCommGetAsyncError`), the watchdog aborts the communicator (the stuck kernels exit), reports the error to the
 //! device (its next read or sync fails) and to the group (its next call fails), and prints
 //! this rank's last collectives so a user can see who is stuck where.
 //!
@@ -77,6 +77,8 @@ pub(crate) struct Watchdog {
     alarms: Alarms,
     /// Aborts the communicator (runs once).
     abort: Box<dyn Fn() + Send + Sync>,
+    /// The communicator's own error, if NCCL has one (`ncclCommGetAsyncError`).
+    comm_error: Box<dyn Fn() -> Option<String> + Send + Sync>,
     /// The CUDA context, made current on the watchdog's and waiters' threads.
     context: usize,
     state: Mutex<State>,
@@ -111,6 +113,7 @@ impl Watchdog {
         alarms: Alarms,
         context: usize,
         abort: Box<dyn Fn() + Send + Sync>,
+        comm_error: Box<dyn Fn() -> Option<String> + Send + Sync>,
     ) -> Arc<Self> {
         let watchdog = Arc::new(Self {
             info,
@@ -118,6 +121,7 @@ impl Watchdog {
             transport,
             alarms,
             abort,
+            comm_error,
             context,
             state: Mutex::default(),
             changed: Condvar::new(),
@@ -253,7 +257,7 @@ impl Watchdog {
         let mut state = self.lock();
         while !state.stopped && state.error.is_none() {
             self.retire(&mut state);
-            let mut verdict = self.timed_out(&state);
+            let mut verdict = self.timed_out(&state).or_else(|| self.nccl_failed(&state));
             if verdict.is_none() && self.peer_check_due(&mut state) {
                 // Ask the transport with the state unlocked: over TCP the answer may take up
                 // to its deadline (a hung rendezvous), and meanwhile the rank's collectives
@@ -298,6 +302,20 @@ impl Watchdog {
             seq: oldest.seq,
             timeout: self.timeout,
             recent: String::new(),
+        })
+    }
+
+    /// The oldest pending collective, if NCCL has reported an error of its own: a kernel
+    /// waiting for a connection NCCL failed to set up would otherwise wait until the timeout.
+    fn nccl_failed(&self, state: &State) -> Option<DistError> {
+        let oldest = state.in_flight.front()?;
+        let error = (self.comm_error)()?;
+        Some(DistError::NcclAsync {
+            rank: self.info.global_rank,
+            group: self.info.name.clone(),
+            op: oldest.op.clone(),
+            seq: oldest.seq,
+            error,
         })
     }
 
@@ -452,6 +470,8 @@ mod tests {
         asked: mpsc::Receiver<()>,
         answer: mpsc::Sender<DistResult<WorldStatus>>,
         aborted: Arc<AtomicBool>,
+        /// What `ncclCommGetAsyncError` reports (the test sets it).
+        comm_error: Arc<Mutex<Option<String>>>,
     }
 
     /// A watchdog of rank 0 of a world of 2 over a [`SlowRendezvous`], with no CUDA context:
@@ -473,12 +493,16 @@ mod tests {
         let aborted = Arc::new(AtomicBool::new(false));
         let flag = aborted.clone();
         let abort = Box::new(move || flag.store(true, Ordering::SeqCst));
-        let watchdog = Watchdog::start(info, transport, Alarms::default(), 0, abort);
+        let comm_error = Arc::new(Mutex::new(None));
+        let reported = comm_error.clone();
+        let check = Box::new(move || reported.lock().unwrap().clone());
+        let watchdog = Watchdog::start(info, transport, Alarms::default(), 0, abort, check);
         Setup {
             watchdog,
             asked,
             answer,
             aborted,
+            comm_error,
         }
     }
 
@@ -527,6 +551,31 @@ mod tests {
             } => assert_eq!(op, "all_reduce(sum) #0"),
             other => panic!("{other:?}"),
         }
+        setup.watchdog.stop();
+    }
+
+    #[test]
+    fn an_error_nccl_reports_aborts_the_pending_collective_at_once() {
+        let setup = setup();
+        track(&setup.watchdog, 0).unwrap();
+        track(&setup.watchdog, 1).unwrap();
+        let started = Instant::now();
+        *setup.comm_error.lock().unwrap() = Some("unhandled cuda error".into());
+        match abort_error(&setup) {
+            DistError::NcclAsync {
+                rank: 0,
+                op,
+                seq: 0,
+                error,
+                ..
+            } => {
+                assert_eq!(op, "all_reduce(sum)");
+                assert_eq!(error, "unhandled cuda error");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Well before the peer check's grace or any timeout.
+        assert!(started.elapsed() < PEER_GRACE, "{:?}", started.elapsed());
         setup.watchdog.stop();
     }
 

@@ -121,3 +121,57 @@ fn context_parallel_and_dp_cp_groups() {
         assert_eq!(sum, if rank % 2 == 0 { 12.0 } else { 16.0 }, "rank {rank}");
     }
 }
+
+/// `connect` visits every group of more than one rank once, in one order on every rank
+/// (collective checks would name a mismatch), and leaves each group ready for the next
+/// collective: an all-reduce of the global ranks afterwards sums each group's members.
+#[test]
+fn connect_opens_every_group_and_leaves_them_in_step() {
+    use burn_megatron_dist::ReduceOp;
+
+    use crate::{B, tensor, values};
+
+    let sizes = ParallelSizes::default()
+        .with_tp(2)
+        .with_pp(2)
+        .with_ep(2);
+    let layout = ParallelLayout::new(8, sizes).unwrap();
+    let kinds = [
+        GroupKind::Tp,
+        GroupKind::Pp,
+        GroupKind::Dp,
+        GroupKind::ModelParallel,
+        GroupKind::Ep,
+        GroupKind::ExpertDp,
+        GroupKind::Embedding,
+    ];
+    let results = run(8, move |ctx| {
+        let state = ctx.parallel_state(sizes)?;
+        let device = Default::default();
+        state.connect::<B>(&device, true)?;
+        let mut sums = Vec::new();
+        for kind in kinds {
+            let Some(group) = state.group(kind) else {
+                sums.push(None);
+                continue;
+            };
+            let started = group.collectives_started();
+            let x = tensor::<B, 1>(vec![group.global_rank() as f32], [1]);
+            let sum = values(group.all_reduce(x, ReduceOp::Sum)?)[0];
+            sums.push(Some((started, sum)));
+        }
+        Ok(sums)
+    });
+    for (rank, sums) in results.into_iter().enumerate() {
+        for (kind, sum) in kinds.iter().zip(sums) {
+            let members = layout.group_of(*kind, rank);
+            let expected = members.map(|m| {
+                // One all-reduce in `connect` on each group of more than one rank.
+                let started = u64::from(m.len() > 1);
+                (started, m.iter().sum::<usize>() as f32)
+            });
+            let got = sum.map(|(started, sum)| (started, sum));
+            assert_eq!(got, expected, "{kind} group of rank {rank}");
+        }
+    }
+}

@@ -145,9 +145,15 @@ pub struct LayoutEstimate {
     pub microbatches: usize,
     /// Estimated seconds per step (see [`step_seconds`](Self::step_seconds)).
     pub step_seconds: f64,
-    /// Whether the peak fits the GPU (with 5 % kept for the allocator and the CUDA context).
+    /// Whether the peak fits the GPU with [`POOL_ALLOWANCE`] of it kept free.
     pub fits: bool,
 }
+
+/// The share of a GPU's memory a layout must leave beyond its predicted peak of live tensors
+/// to be said to fit. The memory pool holds pages that are only partly used (on 4 H100s GPT-3
+/// 6.7B ran out of memory with 45 GiB live in 59 GiB of pages, where the planner's peak was
+/// 70.4 GiB of 79.6), and the CUDA context and NCCL's buffers live beside the pool.
+pub const POOL_ALLOWANCE: f64 = 0.20;
 
 /// Model FLOPs per second a GPU sustains in this estimate: the fraction of its peak our
 /// single-GPU step reaches at 1.3B (about 55 %, book "Benchmarks").
@@ -403,7 +409,7 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     }
     let (stage, memory) = worst.expect("at least one stage");
     let step_seconds = step_seconds(input, layout, &split, microbatches);
-    let fits = (memory.peak() as f64) < 0.95 * input.gpu_memory as f64;
+    let fits = (memory.peak() as f64) <= (1.0 - POOL_ALLOWANCE) * input.gpu_memory as f64;
     Ok(LayoutEstimate {
         layout,
         memory,

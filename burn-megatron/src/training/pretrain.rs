@@ -191,6 +191,10 @@ where
             ));
         }
     };
+    if state.world().size() > 1 {
+        setup("connecting the ranks (each group's communicator, the pipeline's links)".into());
+        state.connect::<B>(device, model_config.moe.is_some())?;
+    }
     let split = &layout.split;
     let stages: Vec<_> = (0..*virtual_pipeline_size)
         .map(|c| split.stage(state.virtual_stage(c)))
