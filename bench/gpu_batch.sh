@@ -11,6 +11,7 @@
 #   overlap  PART=overlap bench/scale_gpu_check.sh: Llama-3 8B with and without --tp-comm-overlap
 #   pp4      PART=pp4 bench/scale_gpu_check.sh: Llama-3 8B at PP 4 interleaved
 #   best, bestgpt, dp4, best2, dpgpt, dp4gpt   the same script's parts: issue 31's best layouts against the peer
+#   fused2, edge2  the parts of bench/scale_gpu_check.sh for 2 GPUs (NPROC=2): the fusion on and off, a layout at the edge of 80 GB
 #   fusedab, fusedgpt  the parts of bench/scale_gpu_check.sh (OLD=.gpu/old/pretrain_gpt: the build before, for A/B): the gradient-accumulation fusion
 #   uneven   PART=uneven, then uneven2, of bench/scale_gpu_check.sh: uneven pipeline stages
 #   startup  PART=startup bench/scale_gpu_check.sh: start-up of DP 4, TP 2 x PP 2 and PP 4
@@ -23,6 +24,7 @@
 #   fp8prof  PART=profile of bench/fp8_gpu_check.sh: the bf16 and FP8 steps profiled
 #   fp8step  PART=step of bench/fp8_gpu_check.sh: the GPT 1.3B step, bf16 and FP8, and the peer
 #   fp8casts PART=casts of bench/fp8_gpu_check.sh: the casts' checks, speeds and registers
+#   gputest  the GPU test binary (pack test ... --test gpu), filtered by GPUTEST_FILTER
 #   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
 #   single   ckpt on GPU 0 and fp8's PART=step on GPU 1 at the same time
 #   generate bench/generate_gpu_check.sh: greedy ids against transformers', decode tokens/s
@@ -47,7 +49,7 @@ step() { # name, then the command (run with OUT=$ROOT/name)
 # The logs so far into $OUT (after every step: a call cut at its limit still returns them).
 pack() {
   tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
-  for f in fusedgpt/scale.log fusedab/scale.log best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log dp4gpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
+  for f in fused2/scale.log edge2/scale.log fusedgpt/scale.log fusedab/scale.log best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log dp4gpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
@@ -66,6 +68,9 @@ for s in "$@"; do
     best2) step best2 env PART=best2 ITERS=${ITERS:-5} LIMIT=170 bash bench/scale_gpu_check.sh ;;
     dp4gpt) step dp4gpt env PART=dp4gpt ITERS=${ITERS:-5} LIMIT=150 bash bench/scale_gpu_check.sh ;;
     fusedab) step fusedab env PART=fusedab ITERS=${ITERS:-3} LIMIT=150 OLD="${OLD:-}" bash bench/scale_gpu_check.sh ;;
+    fused2) step fused2 env PART=fused2 NPROC=2 ITERS=${ITERS:-10} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
+    edge2) step edge2 env PART=edge2 NPROC=2 ITERS=${ITERS:-4} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
+    gputest) step gputest bash -c 'source .gpu/env.sh; timeout 200 .gpu/bin/gpu --test-threads=1 ${GPUTEST_FILTER:-} 2>&1 | tail -40' ;;
     fusedgpt) step fusedgpt env PART=fusedgpt ITERS=${ITERS:-3} LIMIT=90 OLD="${OLD:-}" bash bench/scale_gpu_check.sh ;;
     dpgpt) step dpgpt env PART=dpgpt ITERS=${ITERS:-5} LIMIT=150 bash bench/scale_gpu_check.sh ;;
     dp4) step dp4 env PART=dp4 ITERS=3 LIMIT=120 bash bench/scale_gpu_check.sh ;;

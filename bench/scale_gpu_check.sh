@@ -5,7 +5,8 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+# NPROC=2 runs ours and the peer on 2 GPUs (the parts fused2 and edge2 are for 2 GPUs).
 # OLD=path runs the part fusedab's "before" runs with another pretrain_gpt (gunzipped if .gz).
 set -u
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ ours() { # name, preset, flags...
   # buffers included), for the planner's predicted peak.
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > $OUT/$name.smi 2>/dev/null &
   local smi=$!
-  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node 4 -- ${BIN:-$B/pretrain_gpt} --config examples/configs/$preset.toml $COMMON --train-iters $ITERS "$@" 2>&1 | stamp > $OUT/$name.log
+  timeout ${LIMIT:-240} $B/bm-launch --nproc-per-node ${NPROC:-4} -- ${BIN:-$B/pretrain_gpt} --config examples/configs/$preset.toml $COMMON --train-iters $ITERS "$@" 2>&1 | stamp > $OUT/$name.log
   echo "rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - s ))" | tee -a $OUT/scale.log
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
   echo "peak MiB per GPU (nvidia-smi): $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' $OUT/$name.smi)" | tee -a $OUT/scale.log
@@ -40,7 +41,7 @@ ours() { # name, preset, flags...
 torch() { # name, flags...
   local name=$1; shift
   echo "=== torch $name: $*" | tee -a $OUT/scale.log
-  timeout ${LIMIT:-240} torchrun --nproc-per-node 4 bench/torch_fsdp.py "$@" > $OUT/torch_$name.log 2>&1
+  timeout ${LIMIT:-240} torchrun --nproc-per-node ${NPROC:-4} bench/torch_fsdp.py "$@" > $OUT/torch_$name.log 2>&1
   echo "rc=$?" | tee -a $OUT/scale.log
   grep -E "RESULT|step:|Error|error" $OUT/torch_$name.log | tail -4 | cut -c1-400 | tee -a $OUT/scale.log
 }
@@ -184,6 +185,20 @@ if part fusedab; then
   ours gpt_pp2dp2_fused gpt3_6.7b $G
   [ -n "${OLD:-}" ] && BIN=$OLD ours gpt_pp2dp2_before gpt3_6.7b $G
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+fi
+if part fused2; then
+  # 2 GPUs of 80 GB: the gradient-accumulation fusion on and off in the same binary, GPT-3
+  # 6.7B's shape with 16 layers (3.4B), DP 2 with the distributed optimizer, micro-batch 2,
+  # global batch 64 (16 microbatches a rank), and the FSDP2 peer for the same shape.
+  G="--num-layers 16 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --global-batch-size 64"
+  ours gpt16_dp2_fused gpt3_6.7b $G
+  ours gpt16_dp2_unfused gpt3_6.7b $G --no-gradient-accumulation-fusion
+  torch gpt16_fsdp_b2 --preset gpt3-6.7b --layers 16 --batch 2 --steps $ITERS
+fi
+if part edge2; then
+  # 2 GPUs of 80 GB: GPT-3 6.7B at PP 2, micro-batch 1, whose predicted peak (64.0 GiB) is past
+  # the planner's allowance: where runs stalled before the communicators opened at start-up.
+  ours gpt_pp2_edge gpt3_6.7b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 1 --micro-batch-size 1 --global-batch-size 32
 fi
 if part fusedgpt; then
   # The fusion's A/B on 80 GB GPUs where the part fusedab's layouts do not fit (H100s): GPT-3

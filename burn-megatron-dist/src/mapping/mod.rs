@@ -11,6 +11,7 @@
 //! | [`gather_from_sequence_parallel_region`] | all-gather sequence | reduce-scatter (or keep own shard) |
 //! | [`reduce_scatter_to_sequence_parallel_region`] | reduce-scatter sequence | all-gather sequence |
 //! | [`all_to_all`] | all-to-all (split a, concat b) | all-to-all (split b, concat a) |
+//! | [`all_to_all_v`] | all-to-all of blocks of rows of different sizes | the same, sizes swapped |
 //! | [`ring_exchange`] | send to the next rank, receive from the previous | send to the previous, receive from the next |
 //!
 //! Megatron keeps activations as `[seq, batch, hidden]`; Burn models usually use
@@ -22,11 +23,13 @@
 
 mod dist_backend;
 
+use std::sync::Arc;
+
 use burn::tensor::Tensor;
 
 pub use dist_backend::DistBackend;
 
-use crate::error::DistResult;
+use crate::error::{DistError, DistResult};
 use crate::op::{P2pOp, ReduceOp};
 use crate::p2p::batch_isend_irecv;
 use crate::process_group::DeviceTransport;
@@ -34,7 +37,7 @@ use crate::process_group::ProcessGroup;
 use crate::shard::shard_range;
 
 /// One communication applied to a tensor: a mapping's forward or backward half.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Comm {
     /// Nothing.
     Identity,
@@ -62,6 +65,14 @@ pub enum Comm {
         /// Dimension received shards are concatenated along.
         concat_dim: usize,
     },
+    /// Send `send[q]` rows (dimension 0, in rank order) to each group rank `q`, receive
+    /// `recv[r]` rows from each rank `r` and concatenate them in rank order.
+    AllToAllV {
+        /// Rows sent to each group rank.
+        send: Arc<[usize]>,
+        /// Rows received from each group rank.
+        recv: Arc<[usize]>,
+    },
     /// Send to the next rank of the ring (group rank `rank + 1 mod size`), receive from the
     /// previous one (`rank - 1 mod size`): the step of ring attention's K/V rotation.
     RingToNext,
@@ -71,7 +82,7 @@ pub enum Comm {
 }
 
 /// A differentiable communication.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapping {
     /// Applied to the input.
     pub forward: Comm,
@@ -99,6 +110,7 @@ impl Comm {
                 split_dim,
                 concat_dim,
             } => group.all_to_all(x, split_dim, concat_dim),
+            Comm::AllToAllV { send, recv } => exchange_rows(group, x, &send, &recv),
             Comm::RingToNext => ring_shift(group, x, 1),
             Comm::RingToPrevious => ring_shift(group, x, group.size() - 1),
         }
@@ -136,6 +148,66 @@ fn ring_shift<B: DeviceTransport, const D: usize>(
     ];
     let mut received = batch_isend_irecv(group, ops, &device)?;
     Ok(received.pop().expect("one receive was posted"))
+}
+
+/// The blocks of `x` (`send[q]` rows for rank `q`) to their ranks, in one batch of sends and
+/// receives; this rank's own block is kept, not sent. A block of no rows is neither sent
+/// nor received.
+fn exchange_rows<B: DeviceTransport, const D: usize>(
+    group: &ProcessGroup,
+    x: Tensor<B, D>,
+    send: &[usize],
+    recv: &[usize],
+) -> DistResult<Tensor<B, D>> {
+    let rank = group.rank();
+    let (dims, dtype, device) = (x.dims(), x.dtype(), x.device());
+    let mut ops = Vec::new();
+    let mut own = None;
+    let mut start = 0;
+    for (q, &rows) in send.iter().enumerate() {
+        if rows > 0 {
+            let block = x.clone().narrow(0, start, rows);
+            match q == rank {
+                true => own = Some(block),
+                false => ops.push(P2pOp::Send {
+                    tensor: block,
+                    peer: q,
+                }),
+            }
+        }
+        start += rows;
+    }
+    for (r, &rows) in recv.iter().enumerate() {
+        if rows > 0 && r != rank {
+            let mut shape = dims;
+            shape[0] = rows;
+            ops.push(P2pOp::Recv {
+                peer: r,
+                shape,
+                dtype,
+            });
+        }
+    }
+    let mut received = batch_isend_irecv(group, ops, &device)?.into_iter();
+    let blocks: Vec<Tensor<B, D>> = recv
+        .iter()
+        .enumerate()
+        .filter(|&(_, &rows)| rows > 0)
+        .map(|(r, _)| match r == rank {
+            true => own
+                .take()
+                .expect("this rank's own block, checked equal in size"),
+            false => received.next().expect("one receive a block"),
+        })
+        .collect();
+    Ok(match blocks.is_empty() {
+        true => {
+            let mut empty = dims;
+            empty[0] = 0;
+            Tensor::zeros(empty, (&device, dtype))
+        }
+        false => Tensor::cat(blocks, 0),
+    })
 }
 
 fn map<B: DistBackend, const D: usize>(
@@ -252,6 +324,49 @@ pub fn all_to_all<B: DistBackend, const D: usize>(
         Comm::AllToAll {
             split_dim: concat_dim,
             concat_dim: split_dim,
+        },
+    )
+}
+
+/// [`all_to_all`] with blocks of different sizes: `x` holds, along dimension 0 and in rank
+/// order, `send_rows[q]` rows for each group rank `q`; the result holds the `recv_rows[r]`
+/// rows each rank `r` sent this rank, in rank order. The gradient goes back the same way
+/// with the sizes swapped. Each rank's `send_rows[q]` must be rank `q`'s `recv_rows[rank]`
+/// (the caller knows both, e.g. from all-gathered counts): this is checked for this rank's
+/// own block and the length of `x`, and a receive of the wrong size fails with the group's
+/// collective checks on. The MoE token dispatcher sends each rank only the tokens of its
+/// experts with it, where [`all_to_all`] would pad every block to the largest.
+pub fn all_to_all_v<B: DistBackend, const D: usize>(
+    x: Tensor<B, D>,
+    group: &ProcessGroup,
+    send_rows: &[usize],
+    recv_rows: &[usize],
+) -> DistResult<Tensor<B, D>> {
+    let (size, rank) = (group.size(), group.rank());
+    let rows = x.dims()[0];
+    if send_rows.len() != size
+        || recv_rows.len() != size
+        || send_rows.iter().sum::<usize>() != rows
+        || send_rows[rank] != recv_rows[rank]
+    {
+        return Err(DistError::InvalidArgument(format!(
+            "all_to_all_v on group '{}' (rank {rank} of {size}): send rows {send_rows:?} and \
+             receive rows {recv_rows:?} must have one entry a rank, the send rows must add up \
+             to the input's {rows} rows and this rank's own block must be the same both ways",
+            group.name()
+        )));
+    }
+    let (send, recv): (Arc<[usize]>, Arc<[usize]>) = (send_rows.into(), recv_rows.into());
+    map(
+        x,
+        group,
+        Comm::AllToAllV {
+            send: send.clone(),
+            recv: recv.clone(),
+        },
+        Comm::AllToAllV {
+            send: recv,
+            recv: send,
         },
     )
 }

@@ -219,6 +219,75 @@ fn all_to_all_backward_is_the_inverse_all_to_all() {
     }
 }
 
+/// Blocks of different sizes, some empty: rank `s` sends `(s + 2q + 1) % 3` rows to rank
+/// `q`, row `i` of that block holding `1000 s + 10 q + i` (and the same plus 0.5). Each rank
+/// gets its blocks in rank order, and the gradient of each sent row is the upstream row it
+/// became on its receiver.
+#[test]
+fn all_to_all_v_moves_blocks_of_any_size_and_back() {
+    use burn::tensor::TensorData;
+
+    let rows = |s: usize, q: usize| (s + 2 * q + 1) % 3;
+    let upstream = |q: usize, k: usize, c: usize| 100.0 * q as f32 + k as f32 + 0.25 * c as f32;
+    for (n, results) in each_size(|g, r, n| {
+        let send: Vec<usize> = (0..n).map(|q| rows(r, q)).collect();
+        let recv: Vec<usize> = (0..n).map(|s| rows(s, r)).collect();
+        let x: Vec<f32> = (0..n)
+            .flat_map(|q| (0..rows(r, q)).map(move |i| (q, i)))
+            .flat_map(|(q, i)| {
+                let v = 1000.0 * r as f32 + 10.0 * q as f32 + i as f32;
+                [v, v + 0.5]
+            })
+            .collect();
+        let out_rows: usize = recv.iter().sum();
+        let up: Vec<f32> = (0..out_rows)
+            .flat_map(|k| [upstream(r, k, 0), upstream(r, k, 1)])
+            .collect();
+        let device = Default::default();
+        let x = Tensor::<AD, 2>::from_data(TensorData::new(x, [send.iter().sum(), 2]), &device);
+        let up = Tensor::<AD, 2>::from_data(TensorData::new(up, [out_rows, 2]), &device);
+        forward_backward(x, up, |x| all_to_all_v(x, g, &send, &recv))
+    }) {
+        for (r, (dims, y, grad)) in results.into_iter().enumerate() {
+            let expect_y: Vec<f32> = (0..n)
+                .flat_map(|s| (0..rows(s, r)).map(move |i| (s, i)))
+                .flat_map(|(s, i)| {
+                    let v = 1000.0 * s as f32 + 10.0 * r as f32 + i as f32;
+                    [v, v + 0.5]
+                })
+                .collect();
+            assert_eq!(dims, vec![expect_y.len() / 2, 2], "rank {r} of {n}");
+            assert_eq!(y, expect_y, "rank {r} of {n}");
+            // Row i of the block for q lands at row `Σ_{s < r} rows(s, q) + i` on rank q.
+            let expect_grad: Vec<f32> = (0..n)
+                .flat_map(|q| {
+                    let start: usize = (0..r).map(|s| rows(s, q)).sum();
+                    (0..rows(r, q)).map(move |i| (q, start + i))
+                })
+                .flat_map(|(q, k)| [upstream(q, k, 0), upstream(q, k, 1)])
+                .collect();
+            assert_eq!(grad, expect_grad, "rank {r} of {n}");
+        }
+    }
+}
+
+#[test]
+fn all_to_all_v_refuses_sizes_that_cannot_match() {
+    let errors = run(2, |ctx| {
+        let x = iota::<AD, 2>([3, 2], 1.0, 0.0);
+        // Rank r keeps 1 + r rows but says it receives 2 from itself.
+        let own = 1 + ctx.rank();
+        let error = all_to_all_v(x, ctx.world(), &[own, 2 - own], &[2, 2]).unwrap_err();
+        Ok(error.to_string())
+    });
+    for e in errors {
+        assert!(
+            e.contains("this rank's own block must be the same both ways"),
+            "{e}"
+        );
+    }
+}
+
 /// A column-parallel then row-parallel product, the shape of Megatron's MLP, gives the
 /// single-device gradients of both weights and of the input.
 #[test]

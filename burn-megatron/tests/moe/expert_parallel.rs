@@ -329,6 +329,7 @@ fn starved_experts_have_zero_gradients() {
 
 /// Counts per expert that disagree with the routing (as the BF16-rounded counts of the first
 /// GPU run did) fail the plan on every rank alike, before any row index is built from them.
+/// With right counts, the plan's all-to-all blocks are the counts, unpadded.
 #[test]
 fn counts_that_disagree_with_the_routing_fail_every_rank() {
     let errors = run(2, |ctx| {
@@ -345,6 +346,14 @@ fn counts_that_disagree_with_the_routing_fail_every_rank() {
         };
         let plan = dispatcher.plan(experts.clone(), counts([1, 3, 1, 1]))?;
         assert_eq!(plan.tokens_per_expert, [1, 3, 1, 1]);
+        // Each rank sends each rank the rows of its experts only (1 + 3 to rank 0's experts
+        // 0 and 1, 1 + 1 to rank 1's), unpadded, and receives what every rank sends it.
+        assert_eq!(plan.send_splits, [4, 2]);
+        let expected_recv = match state.ep().rank() {
+            0 => [4, 4],
+            _ => [2, 2],
+        };
+        assert_eq!(plan.recv_splits, expected_recv);
         // Rank 1's count of expert 1 one short, as BF16 rounds 257 to 256.
         let wrong = match state.ep().rank() {
             0 => [1, 3, 1, 1],

@@ -3,24 +3,21 @@
 //! `MoEAlltoAllTokenDispatcher`), dropless or with a capacity per expert
 //! ([`super::capacity`]).
 //!
-//! Sizes vary from batch to batch and from rank to rank, while the group's all-to-all
-//! ([`all_to_all`]) splits a tensor into equal shards. So the exchange goes in two steps:
+//! Sizes vary from batch to batch and from rank to rank. So the exchange goes in two steps:
 //!
 //! 1. the ranks all-gather how many tokens each of them routes to each expert, and their
 //!    total (a `[ep · (num_experts + 1)]` exchange read to the host, the only synchronisation
 //!    with it: the tokens are sorted by expert on the device, as in Megatron's all-to-all
 //!    dispatcher);
-//! 2. every rank pads its block for each destination to the largest block any rank sends
-//!    (`max_rows`, at least 1) and runs one equal-split, differentiable all-to-all; the
-//!    receiver drops the padding.
-//!
-//! Padding costs bandwidth when the load is uneven; a variable-split all-to-all in the
-//! process group would remove it without changing this file's interface.
+//! 2. every rank sends each rank the rows of that rank's experts, in one differentiable
+//!    all-to-all of blocks of different sizes ([`all_to_all_v`]), every block's size known to
+//!    both ends from the counts. A block has at least one row (a zero row when it carries no
+//!    token), so that no buffer is ever empty.
 //!
 //! Every rank runs the same collectives in the same order whatever its tokens (one
 //! all-gather forward, one all-to-all each way forward and backward), so a rank or an expert
-//! that gets no tokens cannot leave another waiting. No tensor here is ever empty: each
-//! buffer carries one zero row that padding indices point at.
+//! that gets no tokens cannot leave another waiting. Indices past a buffer's end read a zero
+//! row ([`gather_rows_or_zero`]).
 //!
 //! With a capacity, each rank's blocks hold the assignments its experts keep (or, padded, the
 //! capacity's rows): the sizes follow from the same all-gathered counts, so a capacity adds no
@@ -31,7 +28,7 @@ use std::ops::Range;
 use burn::tensor::{
     Bool, DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend,
 };
-use burn_megatron_dist::mapping::all_to_all;
+use burn_megatron_dist::mapping::all_to_all_v;
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
@@ -57,8 +54,10 @@ pub struct DispatchPlan<B: Backend> {
     pub num_tokens: usize,
     /// Experts per token.
     pub top_k: usize,
-    /// Rows of each rank's block in the padded all-to-all buffers (at least 1).
-    pub max_rows: usize,
+    /// Rows this rank sends each rank in the all-to-all (at least 1 a rank).
+    pub send_splits: Vec<usize>,
+    /// Rows this rank receives from each rank (at least 1 a rank).
+    pub recv_splits: Vec<usize>,
     /// How many of this rank's assignments each expert (of all `num_experts`) got and kept
     /// (all of them without a capacity).
     pub tokens_per_expert: Vec<usize>,
@@ -68,17 +67,18 @@ pub struct DispatchPlan<B: Backend> {
     pub dropped: usize,
     /// Tokens each local expert receives, over all ranks (the expert-major blocks).
     pub local_counts: Vec<usize>,
-    /// `[ep · max_rows]`, device: the input row (or `num_tokens`, past the input: a zero row)
-    /// of each send row.
+    /// `[Σ send_splits]`, device: the input row (or `num_tokens`, past the input: a zero
+    /// row) of each send row.
     send_rows: Tensor<B, 1, Int>,
-    /// `[received + 1]`: the received row (or `ep · max_rows`, past the received buffer: a
+    /// `[received + 1]`: the received row (or `Σ recv_splits`, past the received buffer: a
     /// zero row) of each expert-major row, the last being a zero row.
     expert_rows: Vec<usize>,
-    /// `[ep · max_rows]`: the expert-major row whose output goes back in each row of the
-    /// return buffer, or `received + 1` (past the experts' output: a zero row) for padding.
+    /// `[Σ recv_splits]`: the expert-major row whose output goes back in each row of the
+    /// return buffer, or `received + 1` (past the experts' output: a zero row) for a block's
+    /// filler row.
     return_rows: Vec<usize>,
     /// `[num_tokens · top_k]`, device: for each assignment (token-major), its row in the
-    /// send buffer and in the buffer that comes back; `ep · max_rows` (past the buffer that
+    /// send buffer and in the buffer that comes back; `Σ send_splits` (past the buffer that
     /// comes back: a zero row) for a dropped one.
     combine_rows: Tensor<B, 1, Int>,
 }
@@ -256,23 +256,39 @@ impl TokenDispatcher {
             })
             .collect();
         let counts = &counts_of[rank];
-        let to_rank = |c: &[usize], q: usize| c[q * e_local..(q + 1) * e_local].iter().sum();
-        let max_rows = counts_of
-            .iter()
-            .flat_map(|c| (0..ep).map(move |q| to_rank(c, q)))
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        // Rows rank s sends rank q: its assignments to q's experts, at least one row.
+        let block = |s: usize, q: usize| -> usize {
+            counts_of[s][q * e_local..(q + 1) * e_local]
+                .iter()
+                .sum::<usize>()
+                .max(1)
+        };
+        let send_splits: Vec<usize> = (0..ep).map(|q| block(rank, q)).collect();
+        let recv_splits: Vec<usize> = (0..ep).map(|r| block(r, rank)).collect();
+        let starts = |splits: &[usize]| -> Vec<usize> {
+            splits
+                .iter()
+                .scan(0, |start, &rows| {
+                    *start += rows;
+                    Some(*start - rows)
+                })
+                .collect()
+        };
+        let (send_start, recv_start) = (starts(&send_splits), starts(&recv_splits));
+        let (sent, arriving) = (
+            send_splits.iter().sum::<usize>(),
+            recv_splits.iter().sum::<usize>(),
+        );
 
         // The send side, on the device. Assignment a to expert e, the i-th of this rank's
         // assignments to e that it keeps, goes in row `first[e] + i` of the send buffer: its
         // destination's block, after the rows of that rank's experts before e. A dropped one
-        // goes to row `ep · max_rows`, past the buffer: cut off before sending, the zero row
-        // coming back.
+        // goes to row `sent`, past the buffer: cut off before sending, the zero row coming
+        // back.
         let first: Vec<usize> = (0..e_all)
             .map(|e| {
                 let q = e / e_local;
-                q * max_rows + counts[q * e_local..e].iter().sum::<usize>()
+                send_start[q] + counts[q * e_local..e].iter().sum::<usize>()
             })
             .collect();
         let dropped: usize =
@@ -302,14 +318,14 @@ impl TokenDispatcher {
         let flat = experts.reshape([assignments]);
         let mut combine_rows = index + int_tensor(&first, &device).select(0, flat);
         if let Some(kept) = kept {
-            combine_rows = combine_rows.mask_fill(kept.bool_not(), (ep * max_rows) as i64);
+            combine_rows = combine_rows.mask_fill(kept.bool_not(), sent as i64);
         }
         let token_of = Tensor::<B, 1, Int>::arange(0..assignments as i64, &device)
             .div_scalar(top_k as i64)
             .sub_scalar(num_tokens as i64);
-        let send_rows = Tensor::<B, 1, Int>::full([ep * max_rows + 1], num_tokens as i64, &device)
+        let send_rows = Tensor::<B, 1, Int>::full([sent + 1], num_tokens as i64, &device)
             .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add)
-            .narrow(0, 0, ep * max_rows);
+            .narrow(0, 0, sent);
 
         // The receive side: block r holds rank r's tokens for this rank's experts, by local
         // expert; the experts want them by expert, then by source rank.
@@ -319,10 +335,10 @@ impl TokenDispatcher {
             .collect();
         let received: usize = local_counts.iter().sum();
         let mut expert_rows = Vec::with_capacity(received + 1);
-        let mut return_rows = vec![received + 1; ep * max_rows];
+        let mut return_rows = vec![received + 1; arriving];
         for j in 0..e_local {
-            for r in 0..ep {
-                let start = r * max_rows + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
+            for (r, &block_start) in recv_start.iter().enumerate() {
+                let start = block_start + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
                 let rows = start..start + mine(r, j);
                 for (row, back) in rows.clone().zip(&mut return_rows[rows]) {
                     *back = expert_rows.len();
@@ -330,11 +346,12 @@ impl TokenDispatcher {
                 }
             }
         }
-        expert_rows.push(ep * max_rows);
+        expert_rows.push(arriving);
         Ok(DispatchPlan {
             num_tokens,
             top_k,
-            max_rows,
+            send_splits,
+            recv_splits,
             tokens_per_expert: kept_of[rank].clone(),
             capacity: capacity_of[rank],
             dropped,
@@ -359,7 +376,7 @@ impl TokenDispatcher {
     ) -> DistResult<Tensor<B, 2>> {
         let device = tokens.device();
         let send = gather_rows_or_zero(tokens, plan.send_rows.clone());
-        let received = all_to_all(send, &self.ep, 0, 0)?;
+        let received = all_to_all_v(send, &self.ep, &plan.send_splits, &plan.recv_splits)?;
         Ok(gather_rows_or_zero(
             received,
             int_tensor(&plan.expert_rows, &device),
@@ -383,7 +400,7 @@ impl TokenDispatcher {
         let device = expert_output.device();
         let hidden = expert_output.dims()[1];
         let back = gather_rows_or_zero(expert_output, int_tensor(&plan.return_rows, &device));
-        let back = all_to_all(back, &self.ep, 0, 0)?;
+        let back = all_to_all_v(back, &self.ep, &plan.recv_splits, &plan.send_splits)?;
         let per_assignment = gather_rows_or_zero(back, plan.combine_rows.clone()).reshape([
             plan.num_tokens,
             plan.top_k,

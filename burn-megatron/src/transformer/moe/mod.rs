@@ -4,7 +4,7 @@
 //! - [`router`]: linear scores, softmax or sigmoid, top-k (pre-softmax or not, group-limited or
 //!   not), normalisation and scaling of the weights, DeepSeek-V3's expert bias.
 //! - [`dispatcher`]: tokens sorted by expert and exchanged over the expert-parallel group by
-//!   an all-to-all (variable sizes padded to the largest), then brought back in order.
+//!   an all-to-all of blocks of different sizes, then brought back in order.
 //! - [`capacity`]: [`ExpertCapacity`], Megatron's capacity factor, drop policy and padding.
 //! - [`experts`]: a rank's experts, weights stacked `[local_experts, ..]`, each run once on
 //!   its contiguous block of tokens; SwiGLU or GeLU.
