@@ -19,6 +19,8 @@
 #   NPROC=2 PART=gemm,two bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2, the peers, a profile
 #   NPROC=2 PART=late bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like EP 2 for 20 iterations, a late step profiled, the peer
 #   PART=late4 bash bench/moe_gpu_check.sh          # 4 GPUs: the same at EP 4
+#   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
+#   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #
 # PART gemm runs first: `gemm_bench grouped` (bin/gemm_bench: bench/pack_gpu.sh build --release
 # --features cuda -p burn-megatron-examples --example gemm_bench) checks the cuBLAS grouped GEMM
@@ -283,6 +285,34 @@ if [ "$PART" != all ] && part late; then
   # iterations, its steps 15-16 profiled on rank 0, then the peer.
   BM_PROFILE=1 ITERS=20 ours mixtral_ep2_late mixtral_1b_moe 2 --profile --profile-step-start 15 --profile-step-end 16 --profile-ranks 0
   torch mixtral_ep2 --preset mixtral --ep 2
+fi
+if [ "$PART" != all ] && part steady2; then
+  # For 2 GPUs (NPROC=2): both presets at EP 2 for 20 iterations each (the first six compile
+  # and tune), each followed by its peer; no profile.
+  ITERS=20 ours mixtral_ep2_steady mixtral_1b_moe 2
+  torch mixtral_ep2 --preset mixtral --ep 2
+  ITERS=20 ours deepseek_ep2_steady deepseek_moe_1b 2
+  torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part nan2; then
+  # For 2 GPUs (NPROC=2): the Mixtral-like model at EP 1 x DP 2 (no token exchange), whose
+  # losses EP 2 must match up to bf16 rounding; the DeepSeek-like one with 8 layers (far
+  # from full memory) at EP 2.
+  ITERS=20 ours mixtral_ep1 mixtral_1b_moe 1
+  ITERS=6 ours deepseek_ep2_8layers deepseek_moe_1b 2 --num-layers 8
+fi
+if [ "$PART" != all ] && part nan2b; then
+  # For 2 GPUs (NPROC=2), with RUST_BACKTRACE=1 (a binary with its symbols): the Mixtral-like
+  # model at EP 1 x DP 2 for 2 iterations; the DeepSeek-like one (16 layers) at EP 2 with full
+  # recomputation for 4.
+  RUST_BACKTRACE=1 ITERS=3 ours mixtral_ep1_bt mixtral_1b_moe 1
+  ITERS=4 ours deepseek_ep2_recompute deepseek_moe_1b 2 --recompute-granularity full
+fi
+if [ "$PART" != all ] && part nan2c; then
+  # For 2 GPUs (NPROC=2): the DeepSeek-like model with 8 layers at EP 2 with full recomputation
+  # (the same run without it: part nan2), to compare the first iteration's gradient norm.
+  ITERS=3 ours deepseek_ep2_8layers_recompute deepseek_moe_1b 2 --num-layers 8 --recompute-granularity full
+  RUST_BACKTRACE=1 ITERS=3 ours mixtral_ep1_bt mixtral_1b_moe 1
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

@@ -412,9 +412,12 @@ impl Watchdog {
                 self.info.global_rank, self.info.name
             ),
         }
-        (self.abort)();
+        // The error is recorded before the communicator is aborted: the abort ends the stuck
+        // kernels, and a rank reading a value that waited for them checks `failure` next
+        // (which waits for this lock), so it never takes what they left for a result.
         self.alarms.raise(error.to_string());
         state.error = Some(error);
+        (self.abort)();
         state.in_flight.clear();
         self.changed.notify_all();
     }

@@ -225,17 +225,34 @@ impl CudaServer {
                 after.bytes_in_use as f64 / GIB,
             );
         }
-        retried.map_err(|error| ServerError::Generic {
-            reason: format!(
-                "out of GPU memory: {:.2} GiB requested, {:.2} GiB in live tensors, the pool \
-                     held {:.2} GiB before its free pages were given back and {:.2} GiB after \
-                     ({error})",
-                size as f64 / GIB,
-                after.bytes_in_use as f64 / GIB,
-                before.bytes_reserved as f64 / GIB,
-                after.bytes_reserved as f64 / GIB,
-            ),
-            backtrace: BackTrace::capture(),
+        retried.map_err(|error| {
+            // What the device itself says: the memory held outside the pool (the CUDA
+            // context, NCCL's buffers, library workspaces) is what the pool cannot see.
+            let device = match cudarc::driver::result::mem_get_info() {
+                Ok((free, total)) => format!(
+                    "; the device has {:.2} GiB free of {:.2}, so {:.2} GiB are held outside \
+                     the pool (CUDA context, NCCL, library workspaces)",
+                    free as f64 / GIB,
+                    total as f64 / GIB,
+                    total
+                        .saturating_sub(free)
+                        .saturating_sub(after.bytes_reserved as usize) as f64
+                        / GIB,
+                ),
+                Err(_) => String::new(),
+            };
+            ServerError::Generic {
+                reason: format!(
+                    "out of GPU memory: {:.2} GiB requested, {:.2} GiB in live tensors, the \
+                     pool held {:.2} GiB before its free pages were given back and {:.2} GiB \
+                     after{device} ({error})",
+                    size as f64 / GIB,
+                    after.bytes_in_use as f64 / GIB,
+                    before.bytes_reserved as f64 / GIB,
+                    after.bytes_reserved as f64 / GIB,
+                ),
+                backtrace: BackTrace::capture(),
+            }
         })
     }
 

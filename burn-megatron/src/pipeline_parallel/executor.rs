@@ -628,7 +628,11 @@ fn dot<B: AutodiffBackend>(
 /// gradient that came from the next stage (Megatron's `MoEAuxLossAutoScaler`).
 fn with_aux<B: AutodiffBackend>(root: Tensor<B, 1>, aux: Option<Tensor<B, 1>>) -> Tensor<B, 1> {
     match aux {
-        Some(aux) => root + aux,
+        // In the root's dtype: Burn reads both operands in the left one's (`MoeLosses::add_to`).
+        Some(aux) => {
+            let dtype = root.dtype();
+            root + aux.cast(dtype)
+        }
         None => root,
     }
 }

@@ -382,3 +382,36 @@ fn sequence_level_loss_balances_each_sequence() {
     );
     close("no loss", none.load_balancing_loss, 0.0);
 }
+
+/// The MoE losses come in the router's dtype (BF16 in a BF16 model), the cross-entropy in F32,
+/// and Burn reads a binary kernel's operands in the left one's dtype: `add_to` joins them in
+/// the loss's dtype, with the value and the gradients of the sum. (Added uncast on GPUs, the
+/// main loss's gradient came back 4 times too large with 4 microbatches, and zero with a
+/// coefficient of 0.) Here the losses are F64 beside an F32 loss.
+#[test]
+fn the_moe_losses_join_the_loss_in_its_dtype() {
+    use burn::tensor::DType;
+    use burn_megatron::transformer::moe::{MoeLosses, MoeOutput};
+
+    use crate::AD;
+
+    let device = Default::default();
+    let loss = Tensor::<AD, 1>::from_data([2.0f32], &device).require_grad();
+    let lb = Tensor::<AD, 1>::from_data([0.5f32], &device).require_grad();
+    let output = MoeOutput {
+        output: Tensor::zeros([1, 1, 1], &device),
+        load_balancing_loss: lb.clone().cast(DType::F64),
+        z_loss: Tensor::<AD, 1>::from_data([0.25f32], &device).cast(DType::F64),
+        tokens_per_expert: vec![1],
+    };
+    let mut losses = MoeLosses::default();
+    losses.push(0, &output);
+    // One microbatch of 4: the schedules divide the root by the number of microbatches.
+    let root = losses.add_to(loss.clone()).div_scalar(4.0);
+    assert_eq!(root.dtype(), DType::F32);
+    assert_eq!(values(root.clone().inner()), [2.75 / 4.0]);
+    let grads = root.backward();
+    let grad = |t: &Tensor<AD, 1>| values(t.grad(&grads).expect("a gradient"));
+    assert_eq!(grad(&loss), [0.25]);
+    assert_eq!(grad(&lb), [0.25]);
+}

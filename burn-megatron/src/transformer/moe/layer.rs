@@ -52,7 +52,8 @@ pub struct MoeOutput<B: Backend> {
 impl<B: Backend> MoeOutput<B> {
     /// `[1]`: the auxiliary losses together, the term to add to the model's loss.
     pub fn aux_loss(&self) -> Tensor<B, 1> {
-        self.load_balancing_loss.clone() + self.z_loss.clone()
+        let dtype = self.load_balancing_loss.dtype();
+        self.load_balancing_loss.clone() + self.z_loss.clone().cast(dtype)
     }
 }
 

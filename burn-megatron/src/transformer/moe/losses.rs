@@ -64,17 +64,26 @@ impl<B: Backend> MoeLosses<B> {
     /// `[1]`: both, the term to add to the loss; `None` if no MoE layer ran.
     pub fn total(&self) -> Option<Tensor<B, 1>> {
         match (&self.load_balancing_loss, &self.z_loss) {
-            (Some(a), Some(z)) => Some(a.clone() + z.clone()),
+            (Some(a), Some(z)) => Some(a.clone() + z.clone().cast(a.dtype())),
             (Some(a), None) => Some(a.clone()),
             (None, Some(z)) => Some(z.clone()),
             (None, None) => None,
         }
     }
 
-    /// `loss` plus [`total`](Self::total).
+    /// `loss` plus [`total`](Self::total), in `loss`'s dtype.
+    ///
+    /// The losses come in the router's dtype (BF16 in a BF16 model), the cross-entropy in
+    /// F32, and Burn does not promote: a binary kernel reads both operands in the left one's
+    /// dtype. Added uncast, the F32 loss plus a BF16 loss read the BF16 bytes as F32, and the
+    /// gradient the main loss got back was wrong (on GPUs, with several microbatches, 4 times
+    /// too large at 4; nothing at all with a coefficient of 0).
     pub fn add_to(&self, loss: Tensor<B, 1>) -> Tensor<B, 1> {
         match self.total() {
-            Some(aux) => loss + aux,
+            Some(aux) => {
+                let dtype = loss.dtype();
+                loss + aux.cast(dtype)
+            }
             None => loss,
         }
     }
