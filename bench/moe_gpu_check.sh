@@ -21,6 +21,7 @@
 #   PART=late4 bash bench/moe_gpu_check.sh          # 4 GPUs: the same at EP 4
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
+#   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs; nan2d not run yet)
 #
 # PART gemm runs first: `gemm_bench grouped` (bin/gemm_bench: bench/pack_gpu.sh build --release
 # --features cuda -p burn-megatron-examples --example gemm_bench) checks the cuBLAS grouped GEMM
@@ -313,6 +314,11 @@ if [ "$PART" != all ] && part nan2c; then
   # (the same run without it: part nan2), to compare the first iteration's gradient norm.
   ITERS=3 ours deepseek_ep2_8layers_recompute deepseek_moe_1b 2 --num-layers 8 --recompute-granularity full
   RUST_BACKTRACE=1 ITERS=3 ours mixtral_ep1_bt mixtral_1b_moe 1
+fi
+if [ "$PART" != all ] && part nan2d; then
+  # For 2 GPUs (NPROC=2): the DeepSeek-like model (16 layers) at EP 2 with the bucketed,
+  # overlapped gradient reduction instead of one reduce-scatter of the whole flat buffer.
+  ITERS=3 ours deepseek_ep2_overlap deepseek_moe_1b 2 --overlap-grad-reduce
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

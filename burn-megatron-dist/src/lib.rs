@@ -25,6 +25,7 @@
 //! assert_eq!(sums, vec![6.0; 4]);
 //! ```
 
+mod connect;
 mod error;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod flat_collective;

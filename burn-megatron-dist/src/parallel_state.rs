@@ -1,12 +1,8 @@
 //! One rank's parallel groups: Megatron's `parallel_state`, as a value instead of globals.
 
-use burn::tensor::Tensor;
-
 use crate::error::DistResult;
 use crate::layout::{GroupKind, ParallelLayout, ParallelSizes, RankCoords};
-use crate::op::{P2pOp, ReduceOp};
-use crate::p2p::batch_isend_irecv;
-use crate::process_group::{DeviceTransport, ProcessGroup};
+use crate::process_group::ProcessGroup;
 
 /// The groups this rank belongs to in a [`ParallelLayout`], and the questions schedules and
 /// models ask about its place in them.
@@ -122,62 +118,6 @@ impl ParallelState {
         ];
         for group in groups.into_iter().chain(self.embedding.as_ref()) {
             group.failure()?;
-        }
-        Ok(())
-    }
-
-    /// Opens this rank's communicators now, and the pipeline's point-to-point connections:
-    /// one small all-reduce on every group of more than one rank (the expert groups only with
-    /// `experts`), then a send to the next pipeline rank and one to the previous.
-    ///
-    /// NCCL opens a communicator on the group's first collective and a connection on the
-    /// first exchange between two ranks, and allocates their GPU buffers then. Called at
-    /// start-up, before the model and the optimizer take the GPU's memory, that is where
-    /// those buffers go; opened in the middle of the first step, on a GPU the memory pool
-    /// has nearly filled, NCCL's allocations can fail and leave a peer waiting. Every rank
-    /// of the world must call it, in the same place: the groups are visited in one order.
-    pub fn connect<B: DeviceTransport>(&self, device: &B::Device, experts: bool) -> DistResult<()> {
-        let expert_groups = [&self.ep, &self.expert_dp];
-        let groups = [
-            &self.tp,
-            &self.cp,
-            &self.tp_cp,
-            &self.pp,
-            &self.dp,
-            &self.dp_cp,
-            &self.model_parallel,
-        ]
-        .into_iter()
-        .chain(expert_groups.into_iter().filter(|_| experts))
-        .chain(self.embedding.as_ref())
-        .chain([&self.world]);
-        for group in groups.filter(|g| g.size() > 1) {
-            let x = Tensor::<B, 1>::zeros([group.size()], device);
-            group.all_reduce(x, ReduceOp::Sum)?;
-            group.synchronize()?;
-        }
-        let pp = &self.pp;
-        if pp.size() > 1 {
-            // Around the ring, both ways: the interleaved schedule also sends from the last
-            // stage to the first.
-            let (next, prev) = (
-                (pp.rank() + 1) % pp.size(),
-                (pp.rank() + pp.size() - 1) % pp.size(),
-            );
-            for (to, from) in [(next, prev), (prev, next)] {
-                let tensor = Tensor::<B, 1>::zeros([1], device);
-                let dtype = tensor.dtype();
-                let ops = vec![
-                    P2pOp::Send { tensor, peer: to },
-                    P2pOp::Recv {
-                        peer: from,
-                        shape: [1],
-                        dtype,
-                    },
-                ];
-                batch_isend_irecv(pp, ops, device)?;
-            }
-            pp.synchronize()?;
         }
         Ok(())
     }

@@ -75,7 +75,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
                 "watchdog",
             ],
             &["process_group", "parallel_state"],
-            &["mapping", "p2p", "launch", "process", "spawn"],
+            &["mapping", "p2p", "connect", "launch", "process", "spawn"],
         ],
     ),
     (
