@@ -27,6 +27,9 @@
 //!   a chunk's share of the layers) under the interleaved schedule;
 //! - the output layer's logits `[tokens, vocab / tp]` and their gradient, on the last stage.
 //!
+//! MoE layers are planned as the dense MLP they replace: their experts are not counted, and
+//! [`render`] says so above the table.
+//!
 //! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
 //! The step time is an estimate: the model's FLOPs at an assumed efficiency, plus the
 //! pipeline's bubble, recomputation's extra forward pass and the communication that is not
@@ -619,6 +622,14 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
         input.dtype_bytes,
         gib(input.gpu_memory)
     );
+    if let Some(moe) = &input.model.moe {
+        out.push_str(&format!(
+            "NOT COUNTED: the {} experts of each MoE layer (their parameters, gradients, \
+             optimizer state and activations): the planner plans the layers as dense MLPs, \
+             so these peaks are too low for this model\n",
+            moe.num_experts
+        ));
+    }
     out.push_str(
         "  TP  CP  PP  VP  last  DP  SP  ZeRO  recompute   params   grads   optim  activ  \
          logits    PEAK  fits  est. step\n",

@@ -412,3 +412,20 @@ fn the_plan_splits_long_sequences_over_cp() {
     let e = estimate(&ragged, layout(4, 1)).unwrap_err().to_string();
     assert!(e.contains("does not cut into 8 equal chunks"), "{e}");
 }
+
+/// The planner plans MoE layers as dense MLPs: its table says so, above the peaks it cannot
+/// vouch for; a dense model's table does not.
+#[test]
+fn the_plan_says_it_does_not_count_experts() {
+    use burn_megatron::transformer::moe::MoeSettings;
+    let dense = llama_8b_input();
+    let text = render(&dense, &plan(&dense, 4));
+    assert!(!text.contains("NOT COUNTED"), "{text}");
+    let mut moe = llama_8b_input();
+    moe.model.moe = Some(MoeSettings::new(8));
+    let text = render(&moe, &plan(&moe, 4));
+    assert!(
+        text.contains("NOT COUNTED: the 8 experts of each MoE layer"),
+        "{text}"
+    );
+}
