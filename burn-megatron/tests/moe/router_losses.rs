@@ -134,7 +134,7 @@ fn sigmoid_top1() {
 
 /// DeepSeek-V3's expert bias changes the choice, not the weight: a bias of `[0.3, 0, 0]`
 /// lifts expert 0 (2/9 + 0.3 > 4/9) for token 0, whose weight is still its score 2/9; token 1
-/// keeps expert 0 (3/6).
+/// keeps expert 0 (3/6). Whatever the bias's dtype.
 #[test]
 fn expert_bias_picks_the_experts_but_not_their_weights() {
     let device = Default::default();
@@ -148,18 +148,23 @@ fn expert_bias_picks_the_experts_but_not_their_weights() {
         pre_softmax: true,
         ..Default::default()
     };
-    let bias = Tensor::from_data(TensorData::new(vec![0.3f32, 0.0, 0.0], [3]), &device);
-    let router = Router::<B>::new(weight, settings).with_expert_bias(bias);
-    let tokens = Tensor::from_data(TensorData::new(vec![1f32, 0.0, 0.0, 1.0], [2, 2]), &device);
-    let r = router.route(tokens);
-    assert_eq!(r.read_experts().unwrap(), vec![0, 0]);
-    assert_eq!(r.read_tokens_per_expert().unwrap(), vec![2, 0, 0]);
-    assert_close(
-        "weights",
-        &values(r.weights),
-        &[2.0 / 9.0, 0.5],
-        tolerance::F32,
-    );
+    // The bias in the scores' dtype, or in another one (F64 here; F32 beside BF16 scores on a
+    // GPU): the router adds it in the scores' dtype.
+    for dtype in [burn::tensor::DType::F32, burn::tensor::DType::F64] {
+        let bias = Tensor::<B, 1>::from_data(TensorData::new(vec![0.3f32, 0.0, 0.0], [3]), &device)
+            .cast(dtype);
+        let router = Router::<B>::new(weight.clone(), settings).with_expert_bias(bias);
+        let tokens = Tensor::from_data(TensorData::new(vec![1f32, 0.0, 0.0, 1.0], [2, 2]), &device);
+        let r = router.route(tokens);
+        assert_eq!(r.read_experts().unwrap(), vec![0, 0], "{dtype:?}");
+        assert_eq!(r.read_tokens_per_expert().unwrap(), vec![2, 0, 0]);
+        assert_close(
+            "weights",
+            &values(r.weights),
+            &[2.0 / 9.0, 0.5],
+            tolerance::F32,
+        );
+    }
 }
 
 /// Megatron's update: counts `[6, 2, 2, 2]` (mean 3) move the bias by `rate · sign(mean −

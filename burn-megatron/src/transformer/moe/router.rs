@@ -344,7 +344,11 @@ impl<B: ModelBackend> Router<B> {
         let softmax_after_top_k =
             s.score_function == RouterScoreFunction::Softmax && !s.pre_softmax;
         let for_choice = match &self.expert_bias {
-            Some(bias) => scores.clone().detach() + bias.val().detach().unsqueeze::<2>(),
+            // In the scores' dtype: Burn reads both operands in the left one's.
+            Some(bias) => {
+                let bias = bias.val().detach().cast(scores.dtype());
+                scores.clone().detach() + bias.unsqueeze::<2>()
+            }
             None if softmax_after_top_k => logits.clone().detach(),
             None => scores.clone().detach(),
         };
