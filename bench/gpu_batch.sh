@@ -24,6 +24,7 @@
 #   fp8prof  PART=profile of bench/fp8_gpu_check.sh: the bf16 and FP8 steps profiled
 #   fp8step  PART=step of bench/fp8_gpu_check.sh: the GPT 1.3B step, bf16 and FP8, and the peer
 #   fp8casts PART=casts of bench/fp8_gpu_check.sh: the casts' checks, speeds and registers
+#   gradnorm bench/gradnorm_gpu_check.sh: the first gradient norm at 1 and 4 microbatches, with and without recomputation (1 GPU)
 #   gputest  the GPU test binary (pack test ... --test gpu), filtered by GPUTEST_FILTER
 #   ckpt     checkpoint_bench and bench/torch_checkpoint.py, GPT 1B in bf16 on the GPU
 #   single   ckpt on GPU 0 and fp8's PART=step on GPU 1 at the same time
@@ -70,6 +71,7 @@ for s in "$@"; do
     fusedab) step fusedab env PART=fusedab ITERS=${ITERS:-3} LIMIT=150 OLD="${OLD:-}" bash bench/scale_gpu_check.sh ;;
     fused2) step fused2 env PART=fused2 NPROC=2 ITERS=${ITERS:-10} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
     edge2) step edge2 env PART=edge2 NPROC=2 ITERS=${ITERS:-4} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
+    gradnorm) step gradnorm bash bench/gradnorm_gpu_check.sh ;;
     gputest) step gputest bash -c 'source .gpu/env.sh; timeout 200 .gpu/bin/gpu --test-threads=1 ${GPUTEST_FILTER:-} 2>&1 | tail -40' ;;
     fusedgpt) step fusedgpt env PART=fusedgpt ITERS=${ITERS:-3} LIMIT=90 OLD="${OLD:-}" bash bench/scale_gpu_check.sh ;;
     dpgpt) step dpgpt env PART=dpgpt ITERS=${ITERS:-5} LIMIT=150 bash bench/scale_gpu_check.sh ;;
