@@ -4,8 +4,8 @@ use burn::tensor::Tensor;
 
 use crate::error::DistResult;
 use crate::layout::GroupKind;
-use crate::op::{P2pOp, ReduceOp};
-use crate::p2p::batch_isend_irecv;
+use crate::mapping::Comm;
+use crate::op::ReduceOp;
 use crate::parallel_state::ParallelState;
 use crate::process_group::DeviceTransport;
 
@@ -44,22 +44,8 @@ impl ParallelState {
         if pp.size() > 1 {
             // Around the ring, both ways: the interleaved schedule also sends from the last
             // stage to the first.
-            let (next, prev) = (
-                (pp.rank() + 1) % pp.size(),
-                (pp.rank() + pp.size() - 1) % pp.size(),
-            );
-            for (to, from) in [(next, prev), (prev, next)] {
-                let tensor = Tensor::<B, 1>::zeros([1], device);
-                let dtype = tensor.dtype();
-                let ops = vec![
-                    P2pOp::Send { tensor, peer: to },
-                    P2pOp::Recv {
-                        peer: from,
-                        shape: [1],
-                        dtype,
-                    },
-                ];
-                batch_isend_irecv(pp, ops, device)?;
+            for step in [Comm::RingToNext, Comm::RingToPrevious] {
+                step.apply(pp, Tensor::<B, 1>::zeros([1], device))?;
             }
             pp.synchronize()?;
         }

@@ -1,6 +1,7 @@
 //! Gradients against central finite differences, in f64 on the CPU: the dropout, RoPE, masked
 //! softmax, GeLU, SwiGLU, norm, flash-attention (split and packed), embedding, bias-add,
-//! output-major linear and grouped linear ops, ring attention over CP thread ranks,
+//! output-major linear and grouped linear ops, ring attention over CP thread ranks, the
+//! MoE dispatcher's variable-size all-to-all over thread ranks,
 //! `--tp-comm-overlap`'s gathered and reduce-scattered projections over TP thread ranks, and
 //! every parameter of a tiny GPT and a tiny Llama.
 //!
@@ -11,6 +12,7 @@
 //! `NdArray<f32>` and `NdArray<f64>` share the CPU device, and the first tensor of a process
 //! fixes it. [`device`] checks that this process got f64.
 
+mod all_to_all_v;
 mod backward_hook;
 mod context_parallel;
 mod dropout;
