@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 # NPROC=2 runs ours and the peer on 2 GPUs (the parts fused2 and edge2 are for 2 GPUs).
 # OLD=path runs the part fusedab's "before" runs with another pretrain_gpt (gunzipped if .gz).
 set -u
@@ -206,4 +206,19 @@ if part fusedgpt; then
   G="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --global-batch-size 128"
   ours gpt_pp2dp2_mb2_fused gpt3_6.7b $G
   [ -n "${OLD:-}" ] && BIN=$OLD ours gpt_pp2dp2_mb2_before gpt3_6.7b $G
+fi
+if part final4; then
+  # Issue 31's targets after the fused gradient accumulation (4 GPUs): each model's best layout
+  # so far against the peer at its best configuration, TP 4 + SP at a micro-batch that fills
+  # the GEMMs, the planner's peak beside each run, and a profile of GPT's DP 4 step.
+  L="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --decoder-last-pipeline-num-layers 15"
+  G="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 4 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4"
+  T4="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel"
+  torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
+  PLAN=1 ITERS=4 ours llama_pp2dp2_gb256 llama3_8b $L --global-batch-size 256
+  PLAN=1 ITERS=5 ours llama_tp4_mb2 llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32
+  torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
+  PLAN=1 ITERS=4 ours gpt_dp4_gb256 gpt3_6.7b $G --global-batch-size 256
+  PLAN=1 ITERS=5 ours gpt_tp4_mb4 gpt3_6.7b $T4 --micro-batch-size 4 --global-batch-size 64
+  BM_PROFILE=1 ITERS=3 ours gpt_dp4_profile gpt3_6.7b $G --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
 fi
