@@ -149,6 +149,11 @@ impl DistributedAdamWConfig {
         } else {
             0..layout.numel()
         };
+        check_indexable(
+            range.len(),
+            "the dense parameters' optimizer shard",
+            "--data-parallel-size with --use-distributed-optimizer, or --pipeline-model-parallel-size",
+        )?;
         let full = buffer.take_main_params();
         check_same_parameters(&full, replicas)?;
         let device = full.device();
@@ -205,6 +210,24 @@ impl DistributedAdamWConfig {
             param_gathers: 0,
         })
     }
+}
+
+/// The most elements a flat buffer may hold: CubeCL's kernels index a tensor's elements with
+/// 32-bit integers, and past `u32::MAX` an index wraps (a wrong update) or a launch panics.
+pub const MAX_FLAT_NUMEL: usize = u32::MAX as usize;
+
+/// Refuses a flat tensor of `numel` elements above [`MAX_FLAT_NUMEL`], naming it (`what`)
+/// and the options that make it smaller (`fix`).
+fn check_indexable(numel: usize, what: &str, fix: &str) -> crate::Result<()> {
+    if numel > MAX_FLAT_NUMEL {
+        return Err(crate::error::ConfigError::Invalid(format!(
+            "{what} of this rank would hold {numel} elements, more than the {MAX_FLAT_NUMEL} a \
+             GPU kernel indexes (32-bit indices): spread the parameters over more ranks \
+             ({fix})"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// A flat f32 buffer of the inner backend.
@@ -332,6 +355,12 @@ where
             info.placement.is_expert()
         })?;
         let layout = buffer.layout().clone();
+        // The experts' gradients are gathered into one flat buffer every step.
+        check_indexable(
+            layout.numel(),
+            "the experts' flat gradient buffer",
+            "--expert-model-parallel-size or --pipeline-model-parallel-size",
+        )?;
         let range = if sharded {
             layout.shard(expert_dp.rank())
         } else {
@@ -918,6 +947,11 @@ where
         let grads = match &self.overlap {
             Some(overlap) => overlap.finish(&model, grads_in)?,
             None => {
+                check_indexable(
+                    self.layout.numel(),
+                    "the dense parameters' flat gradient buffer",
+                    "--overlap-grad-reduce (it reduces bucket by bucket), or --pipeline-model-parallel-size",
+                )?;
                 self.buffer.gather_grads(&model, grads_in)?;
                 let full = self.buffer.grads();
                 self.buffer.release_grads();
@@ -1058,7 +1092,20 @@ mod tests {
     use burn::backend::NdArray;
     use burn::tensor::{Tensor, TensorData};
 
-    use super::fixed_order_sum;
+    use super::{MAX_FLAT_NUMEL, check_indexable, fixed_order_sum};
+
+    /// A flat buffer one element past what 32-bit indices reach is refused, naming the buffer
+    /// and the options; one at the limit is taken.
+    #[test]
+    fn flat_buffers_past_32_bit_indices_are_refused() {
+        check_indexable(MAX_FLAT_NUMEL, "a buffer", "--x").unwrap();
+        let error = check_indexable(MAX_FLAT_NUMEL + 1, "the experts' buffer", "--expert-x")
+            .unwrap_err()
+            .to_string();
+        for part in ["the experts' buffer", "4294967296 elements", "--expert-x"] {
+            assert!(error.contains(part), "{error}");
+        }
+    }
 
     /// The fixed-order sum is the sum, at lengths below, at and around one row of columns.
     #[test]
