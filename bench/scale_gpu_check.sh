@@ -5,8 +5,8 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
-# NPROC=2 runs ours and the peer on 2 GPUs (the parts fused2 and edge2 are for 2 GPUs).
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|prof2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+# NPROC=2 runs ours and the peer on 2 GPUs (the parts fused2, edge2 and prof2 are for 2 GPUs).
 # OLD=path runs the part fusedab's "before" runs with another pretrain_gpt (gunzipped if .gz).
 set -u
 cd "$(dirname "$0")/.."
@@ -221,4 +221,19 @@ if part final4; then
   PLAN=1 ITERS=4 ours gpt_dp4_gb256 gpt3_6.7b $G --global-batch-size 256
   PLAN=1 ITERS=5 ours gpt_tp4_mb4 gpt3_6.7b $T4 --micro-batch-size 4 --global-batch-size 64
   BM_PROFILE=1 ITERS=3 ours gpt_dp4_profile gpt3_6.7b $G --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
+fi
+if part prof2; then
+  # 2 GPUs of 140 GB: GPT-3 6.7B's shape with 16 layers at DP 2 (each rank's work per layer as
+  # at DP 4 with 32), micro-batch 4, against the peer at 4 samples a GPU, and one step of ours
+  # profiled on rank 0; then FP8 (issue 33) at Llama-3 8B's shape, PP 2 (17 + 15 layers),
+  # micro-batch 1, bf16 against FP8 tensorwise, and the peer in bf16 and float8.
+  G="--num-layers 16 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 4"
+  P="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 32 --decoder-last-pipeline-num-layers 15"
+  torch gpt16_fsdp_b4 --preset gpt3-6.7b --layers 16 --batch 4 --steps $ITERS
+  ITERS=5 ours gpt16_dp2_mb4 gpt3_6.7b $G --global-batch-size 64
+  BM_PROFILE=1 ITERS=3 ours gpt16_dp2_profile gpt3_6.7b $G --global-batch-size 32 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
+  ITERS=5 ours llama_pp2_bf16 llama3_8b $P
+  ITERS=5 ours llama_pp2_fp8 llama3_8b $P --fp8-format hybrid --fp8-recipe tensorwise
+  torch llama_fsdp2_bf16 --preset llama3-8b --batch 1 --steps $ITERS
+  torch llama_fsdp2_fp8 --preset llama3-8b --batch 1 --steps $ITERS --fp8
 fi
