@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -70,5 +70,31 @@ if part curve; then
     n=curve$(echo "$f" | tr -d ' -' | cut -c1-30)
     timeout ${LIMIT:-170} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C $f > $OUT/$n.log 2>&1
     echo "rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | awk 'NR % 4 == 0' | cut -c1-220
+  done
+fi
+if part curve2; then
+  # 2 GPUs: the 350M curves of PART=curve side by side (bf16 on GPU 0, FP8 on GPU 1), with the
+  # validation loss on held-out text every 100 iterations (the late gap: memorised or learnt?).
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
+     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
+     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 100
+     --eval-iters 20 --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
+     --bf16 --no-save --collective-checks false"
+  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/curve2_bf16.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C --fp8-format hybrid --fp8-recipe tensorwise > $OUT/curve2_fp8.log 2>&1 &
+  wait
+  for n in bf16 fp8; do
+    echo "=== curve2 $n"; grep -E "iteration +[0-9]+/|validation|rror|panick" $OUT/curve2_$n.log | awk '/validation/ || NR % 4 == 0' | cut -c1-200
+  done
+fi
+if part profile8b; then
+  # 2 GPUs: Llama-3 8B at PP 2 (17 + 15 layers), micro-batch 1, global batch 16, one step
+  # profiled on rank 0 (17 layers, the embedding), bf16 and FP8 tensorwise.
+  P="--config examples/configs/llama3_8b.toml --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --decoder-last-pipeline-num-layers 15 --train-iters 3 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0"
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise"; do
+    n=prof8b$(echo "$f" | tr -d ' -' | cut -c1-30)
+    BM_PROFILE=1 timeout 120 $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rank 0 \||rror|panick" $OUT/$n.log | cut -c1-170 | head -40
   done
 fi
