@@ -81,8 +81,9 @@ if part curve2; then
      --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 100
      --eval-iters 20 --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
      --bf16 --no-save --collective-checks false"
-  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/curve2_bf16.log 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C --fp8-format hybrid --fp8-recipe tensorwise > $OUT/curve2_fp8.log 2>&1 &
+  # (each run its own rendezvous port: both launchers run at once)
+  [ -n "${ONLY_FP8:-}" ] || CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/curve2_bf16.log 2>&1 &
+  [ -n "${ONLY_BF16:-}" ] || CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 --master-port 29511 -- $B/pretrain_gpt $C --fp8-format hybrid --fp8-recipe tensorwise > $OUT/curve2_fp8.log 2>&1 &
   wait
   for n in bf16 fp8; do
     echo "=== curve2 $n"; grep -E "iteration +[0-9]+/|validation|rror|panick" $OUT/curve2_$n.log | awk '/validation/ || NR % 4 == 0' | cut -c1-200
