@@ -240,13 +240,16 @@ pub fn amax<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
 fn tensorwise_scale_kernel(
     amax: &Tensor<f32>,
     scale: &mut Tensor<f32>,
+    scale_inv: &mut Tensor<f32>,
     max: f32,
     factor: f32,
     largest: f32,
     infinity: f32,
 ) {
     if ABSOLUTE_POS == 0 {
-        scale[0] = scale_or(amax[0], 1.0, max, factor, largest, infinity);
+        let s = scale_or(amax[0], 1.0, max, factor, largest, infinity);
+        scale[0] = s;
+        scale_inv[0] = 1.0 / s;
     }
 }
 
@@ -267,34 +270,39 @@ fn scale_or(amax: f32, fallback: f32, max: f32, factor: f32, largest: f32, infin
 
 /// The tensorwise scale of a cast to `max` (the format's largest value) from the tensor's
 /// `amax` (`[1]` f32): `max / amax · 2^-margin`, at most `f32::MAX`, or 1 where the amax is
-/// zero, NaN or infinite. One thread of one kernel, the same operations in the same order as
-/// the composition of Burn operations it replaces (about ten launches).
+/// zero, NaN or infinite; and its reciprocal, the GEMM's dequantising factor,
+/// `(scale, 1 / scale)`. One thread of one kernel, the same operations in the same order as
+/// the composition of Burn operations it replaces (about eleven launches).
 pub fn tensorwise_scale<R: CubeRuntime>(
     amax: CubeTensor<R>,
     max: f32,
     margin: i32,
-) -> CubeTensor<R> {
+) -> (CubeTensor<R>, CubeTensor<R>) {
     assert_eq!(amax.dtype, DType::F32, "the amax is f32");
     assert_eq!(amax.meta.shape().num_elements(), 1, "one amax");
     let (client, device) = (amax.client.clone(), amax.device.clone());
-    let scale = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        device,
-        Shape::from(vec![1]),
-        DType::F32,
-    );
+    let one = || {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            device.clone(),
+            Shape::from(vec![1]),
+            DType::F32,
+        )
+    };
+    let (scale, scale_inv) = (one(), one());
     tensorwise_scale_kernel::launch::<R>(
         &client,
         CubeCount::Static(1, 1, 1),
         CubeDim::new_1d(1),
         into_contiguous(amax).into_tensor_arg(),
         scale.clone().into_tensor_arg(),
+        scale_inv.clone().into_tensor_arg(),
         max,
         2f32.powi(-margin),
         f32::MAX,
         f32::INFINITY,
     );
-    scale
+    (scale, scale_inv)
 }
 
 #[allow(clippy::too_many_arguments)]

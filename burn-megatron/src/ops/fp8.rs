@@ -98,15 +98,17 @@ pub trait Fp8Ops: LinearOps {
         amax_composition(x)
     }
 
-    /// The tensorwise scale of a cast to `dtype` from the tensor's `amax` (`[1]` f32):
-    /// [`tensorwise_scale`]'s value, as a `[1]` f32 tensor. Our CUDA backend computes it in one
-    /// kernel; the composition launches about ten, once per cast.
+    /// The tensorwise scale of a cast to `dtype` from the tensor's `amax` (`[1]` f32), and its
+    /// reciprocal (what the FP8 GEMM multiplies by): `(scale, 1 / scale)`,
+    /// [`tensorwise_scale`]'s value and its `recip()`, as `[1]` f32 tensors. Our CUDA backend
+    /// computes both in one kernel; the composition launches about eleven, once per cast.
     fn fp8_tensorwise_scale(
         amax: Tensor<Self, 1>,
         dtype: Fp8Dtype,
         margin: i32,
-    ) -> Tensor<Self, 1> {
-        tensorwise_scale(amax, dtype, margin)
+    ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+        let scale = tensorwise_scale(amax, dtype, margin);
+        (scale.clone(), scale.recip())
     }
 
     /// Delayed scaling's update after a cast: `(history, scale)` with `amax` (`[1]` f32)
@@ -270,8 +272,9 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
         amax: Tensor<Self, 1>,
         dtype: Fp8Dtype,
         margin: i32,
-    ) -> Tensor<Self, 1> {
-        Tensor::from_inner(B::fp8_tensorwise_scale(amax.inner(), dtype, margin))
+    ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+        let (scale, scale_inv) = B::fp8_tensorwise_scale(amax.inner(), dtype, margin);
+        (Tensor::from_inner(scale), Tensor::from_inner(scale_inv))
     }
 
     fn fp8_delayed_update(
@@ -378,12 +381,10 @@ mod cuda {
             amax: Tensor<Self, 1>,
             dtype: Fp8Dtype,
             margin: i32,
-        ) -> Tensor<Self, 1> {
-            wrap(fp8::tensorwise_scale(
-                raw(amax.cast(DType::F32)),
-                dtype.max(),
-                margin,
-            ))
+        ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+            let (scale, scale_inv) =
+                fp8::tensorwise_scale(raw(amax.cast(DType::F32)), dtype.max(), margin);
+            (wrap(scale), wrap(scale_inv))
         }
 
         fn fp8_delayed_update(

@@ -59,8 +59,8 @@ fn amax_is_the_largest_magnitude() {
     assert_eq!(device_amax(zeros), 0.0);
 }
 
-/// The one-thread kernel of the tensorwise scale against the composition it replaces
-/// (`tensorwise_scale`), bit for bit: ordinary amaxes, the largest and smallest f32 (the
+/// The one-thread kernel of the tensorwise scale and its reciprocal against the composition it
+/// replaces (`tensorwise_scale`, then `recip`), bit for bit: ordinary amaxes, the largest and smallest f32 (the
 /// quotient overflowing to the f32 ceiling), a subnormal, and the amaxes that fall back to 1
 /// (zero, NaN, infinity), for both formats and margins 0 and 2.
 #[test]
@@ -82,12 +82,16 @@ fn the_tensorwise_scale_kernel_matches_the_composition() {
         for margin in [0, 2] {
             for a in amaxes {
                 let amax = Tensor::<W, 1>::from_data(TensorData::new(vec![a], [1]), &device);
-                let want = values_f32(tensorwise_scale(amax.clone(), dtype, margin));
-                let got: Tensor<W, 1> = wrap(fp8::tensorwise_scale(raw(amax), dtype.max(), margin));
+                let want = tensorwise_scale(amax.clone(), dtype, margin);
+                let want_inv = values_f32(want.clone().recip());
+                let (got, got_inv) = fp8::tensorwise_scale(raw(amax), dtype.max(), margin);
+                let (got, got_inv): (Tensor<W, 1>, Tensor<W, 1>) = (wrap(got), wrap(got_inv));
+                let case = format!("{dtype:?} margin {margin} amax {a:e}");
+                assert_same_bits(&case, &values_f32(got), &values_f32(want));
                 assert_same_bits(
-                    &format!("{dtype:?} margin {margin} amax {a:e}"),
-                    &values_f32(got),
-                    &want,
+                    &format!("{case}, reciprocal"),
+                    &values_f32(got_inv),
+                    &want_inv,
                 );
             }
         }

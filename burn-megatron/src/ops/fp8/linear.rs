@@ -100,12 +100,21 @@ enum Operand {
 /// backend they were made on (see [`Fp8Linear`]).
 type DelayedStates = HashMap<TypeId, Box<dyn Any + Send>>;
 
+/// A cast's scale (`[1]` f32: the values are multiplied by it before rounding) and its
+/// reciprocal (the FP8 GEMM multiplies its product by the operands' reciprocals), made
+/// together so that no GEMM launches a division.
+#[derive(Clone)]
+struct Scale<B: Backend> {
+    scale: Tensor<B, 1>,
+    inv: Tensor<B, 1>,
+}
+
 /// A weight's cast as the forward pass and the input gradient use it: its scale, its
 /// row-major copy (`[d_in, d_out]`, for `dx`; `None` where nothing needs it) and its
 /// transposed one (`[d_out, d_in]`, for the forward GEMM).
 #[derive(Clone)]
 struct WeightCast<B: Backend> {
-    scale: Tensor<B, 1>,
+    scale: Scale<B>,
     row: Option<Tensor<B, 2>>,
     transposed: Tensor<B, 2>,
 }
@@ -252,15 +261,20 @@ impl Fp8Linear {
     }
 
     /// The scale of `operand`'s cast to `dtype` under tensorwise scaling, from its (reduced)
-    /// `amax`.
-    fn tensorwise_scale<B: Fp8Ops>(&self, amax: Tensor<B, 1>, dtype: Fp8Dtype) -> Tensor<B, 1> {
-        B::fp8_tensorwise_scale(amax, dtype, self.config.margin)
+    /// `amax`, and its reciprocal.
+    fn tensorwise_scale<B: Fp8Ops>(&self, amax: Tensor<B, 1>, dtype: Fp8Dtype) -> Scale<B> {
+        let (scale, inv) = B::fp8_tensorwise_scale(amax, dtype, self.config.margin);
+        Scale { scale, inv }
     }
 
     /// The scale of `operand`'s next cast under delayed scaling, from its history (made on
-    /// `device` at first use).
-    fn delayed_scale<B: Backend>(&self, operand: Operand, device: &B::Device) -> Tensor<B, 1> {
-        self.with_state(operand, device, |s| s.scale())
+    /// `device` at first use), and its reciprocal.
+    fn delayed_scale<B: Backend>(&self, operand: Operand, device: &B::Device) -> Scale<B> {
+        let scale: Tensor<B, 1> = self.with_state(operand, device, |s| s.scale());
+        Scale {
+            inv: scale.clone().recip(),
+            scale,
+        }
     }
 
     /// Records `operand`'s (reduced) `amax` after its cast: delayed scaling's history update.
@@ -409,7 +423,7 @@ enum Weight<B: Backend> {
 /// needs ([`Keep`]); `w` is the weight's cast, whole (for the cache).
 struct Forward<B: Backend> {
     output: Tensor<B, 2>,
-    x_scale: Tensor<B, 1>,
+    x_scale: Scale<B>,
     x_transposed: Option<Tensor<B, 2>>,
     w: WeightCast<B>,
 }
@@ -433,7 +447,7 @@ fn forward<B: Fp8Ops + DeviceTransport>(
             );
             [x_amax] = fp8.reduce_amaxes([(B::fp8_amax(x.clone()), fp8.split.input)])?;
             x_scale = fp8.tensorwise_scale(x_amax.clone(), dtype);
-            x_cast = cast(x, x_scale.clone(), dtype, x_layouts, false);
+            x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
             (w_cast, w_amax) = (cast_before, None);
         }
         Weight::Tensor(w) if fp8.delayed() => {
@@ -441,8 +455,8 @@ fn forward<B: Fp8Ops + DeviceTransport>(
             x_scale = fp8.delayed_scale(Operand::Input, &device);
             let w_scale = fp8.delayed_scale(Operand::Weight, &device);
             let (mut x_c, mut w_c) = (
-                cast(x, x_scale.clone(), dtype, x_layouts, true),
-                cast(w, w_scale.clone(), dtype, w_layouts, true),
+                cast(x, x_scale.scale.clone(), dtype, x_layouts, true),
+                cast(w, w_scale.scale.clone(), dtype, w_layouts, true),
             );
             let [x_a, w_a] = fp8.reduce_amaxes([
                 (x_c.amax.take().expect("asked for"), fp8.split.input),
@@ -458,18 +472,21 @@ fn forward<B: Fp8Ops + DeviceTransport>(
             ])?;
             x_scale = fp8.tensorwise_scale(x_a.clone(), dtype);
             let w_scale = fp8.tensorwise_scale(w_a.clone(), dtype);
-            x_cast = cast(x, x_scale.clone(), dtype, x_layouts, false);
-            w_cast = WeightCast::new(cast(w, w_scale.clone(), dtype, w_layouts, false), w_scale);
+            x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
+            w_cast = WeightCast::new(
+                cast(w, w_scale.scale.clone(), dtype, w_layouts, false),
+                w_scale,
+            );
             (x_amax, w_amax) = (x_a, Some(w_a));
         }
     }
     let output = B::fp8_gemm(
         x_cast.row.expect("cast row-major"),
         dtype,
-        x_scale.clone().recip(),
+        x_scale.inv.clone(),
         w_cast.transposed.clone(),
         dtype,
-        w_cast.scale.clone().recip(),
+        w_cast.scale.inv.clone(),
         out_dtype,
     );
     let output = match bias {
@@ -490,7 +507,7 @@ fn forward<B: Fp8Ops + DeviceTransport>(
 
 impl<B: Backend> WeightCast<B> {
     /// The weight's casts under `scale` (the transposed one always made).
-    fn new(casts: Casts<B>, scale: Tensor<B, 1>) -> Self {
+    fn new(casts: Casts<B>, scale: Scale<B>) -> Self {
         Self {
             scale,
             row: casts.row,
@@ -535,9 +552,9 @@ impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
         let empty = || Tensor::<B, 2>::empty([0, 0], &device);
         let state = (
             raw(f.x_transposed.unwrap_or_else(empty)),
-            raw(f.x_scale.recip()),
+            raw(f.x_scale.inv),
             raw(f.w.row.unwrap_or_else(empty)),
-            raw(f.w.scale.recip()),
+            raw(f.w.scale.inv),
         );
         let step = Fp8LinearBackward {
             fp8: fp8.clone(),
@@ -603,16 +620,16 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
         let layouts = [dx.is_some(), dw.is_some()];
         let (casts, amax, scale) = if fp8.delayed() {
             let scale = fp8.delayed_scale(Operand::GradOutput, &dy.device());
-            let mut casts = cast(dy.clone(), scale.clone(), grad_dtype, layouts, true);
+            let mut casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, true);
             let amax = reduce(casts.amax.take().expect("asked for"));
-            (casts, amax, scale)
+            (casts, amax, scale.inv)
         } else {
             let amax = reduce(B::fp8_amax(dy.clone()));
             let scale = fp8.tensorwise_scale(amax.clone(), grad_dtype);
-            let casts = cast(dy.clone(), scale.clone(), grad_dtype, layouts, false);
-            (casts, amax, scale)
+            let casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, false);
+            (casts, amax, scale.inv)
         };
-        let scale_inv = scale.recip();
+        let scale_inv = scale;
         let (dy_row, dy_transposed) = (casts.row, casts.transposed);
         register(grads, dx, || {
             B::fp8_gemm(
