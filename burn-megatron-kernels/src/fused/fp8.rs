@@ -190,6 +190,99 @@ fn amax_total_kernel(partials: &Tensor<u32>, out: &mut Tensor<u32>, count: u32) 
     }
 }
 
+/// Stage two of [`amax_scale`]: [`amax_total_kernel`]'s amax into `out[0]`, and from it, in
+/// the same thread, the tensorwise scale and its reciprocal (as [`tensorwise_scale_kernel`]).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn amax_total_scale_kernel(
+    partials: &Tensor<u32>,
+    out: &mut Tensor<u32>,
+    scale: &mut Tensor<f32>,
+    scale_inv: &mut Tensor<f32>,
+    count: u32,
+    max: f32,
+    factor: f32,
+    largest: f32,
+    infinity: f32,
+) {
+    let mut i = UNIT_POS_X;
+    let mut best = 0u32;
+    while i < count {
+        let bits = partials[i as usize];
+        if bits > best {
+            best = bits;
+        }
+        i += CUBE_DIM_X;
+    }
+    let total = cube_max(best);
+    if UNIT_POS_X == 0 {
+        out[0] = total;
+        let s = scale_or(f32::reinterpret(total), 1.0, max, factor, largest, infinity);
+        scale[0] = s;
+        scale_inv[0] = 1.0 / s;
+    }
+}
+
+/// [`amax`] and the [`tensorwise_scale`] from it in the amax's two launches:
+/// `(amax, scale, 1 / scale)`, each `[1]` f32, the same bits as the two functions give, for a
+/// cast whose amax needs no reduction over other ranks.
+pub fn amax_scale<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    max: f32,
+    margin: i32,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let x = into_contiguous(x);
+    let numel = x.meta.shape().num_elements();
+    if numel == 0 {
+        let amax = amax(x);
+        let (scale, scale_inv) = tensorwise_scale(amax.clone(), max, margin);
+        return (amax, scale, scale_inv);
+    }
+    let client = x.client.clone();
+    let tensor = |len: usize, dtype: DType| {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            x.device.clone(),
+            Shape::from(vec![len]),
+            dtype,
+        )
+    };
+    let width = vector_width(&[&x]);
+    let vectors = numel / width;
+    let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
+    let partials = tensor(cubes, DType::U32);
+    let mut out = tensor(1, DType::U32);
+    let (scale, scale_inv) = (tensor(1, DType::F32), tensor(1, DType::F32));
+    let dtype = x.dtype.into();
+    amax_partials_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(THREADS),
+        width,
+        x.into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        vectors as u32,
+        dtype,
+    );
+    amax_total_scale_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(THREADS),
+        partials.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        scale.clone().into_tensor_arg(),
+        scale_inv.clone().into_tensor_arg(),
+        cubes as u32,
+        max,
+        2f32.powi(-margin),
+        f32::MAX,
+        f32::INFINITY,
+    );
+    // The same four bytes, read as the f32 they are the bits of.
+    out.dtype = DType::F32;
+    (out, scale, scale_inv)
+}
+
 /// `max |x|` of a float tensor as a `[1]` f32 tensor on its device (NaN if `x` holds a NaN),
 /// with no host synchronisation, and the same bits on every run (no atomics).
 pub fn amax<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {

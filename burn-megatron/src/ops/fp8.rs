@@ -111,6 +111,19 @@ pub trait Fp8Ops: LinearOps {
         (scale.clone(), scale.recip())
     }
 
+    /// `x`'s [`fp8_amax`](Self::fp8_amax) and the [`fp8_tensorwise_scale`](Self::fp8_tensorwise_scale)
+    /// from it, `(amax, scale, 1 / scale)`: for a cast whose amax is not reduced over other
+    /// ranks. Our CUDA backend computes the scales in the amax's last launch.
+    fn fp8_amax_scale(
+        x: Tensor<Self, 2>,
+        dtype: Fp8Dtype,
+        margin: i32,
+    ) -> (Tensor<Self, 1>, Tensor<Self, 1>, Tensor<Self, 1>) {
+        let amax = Self::fp8_amax(x);
+        let (scale, scale_inv) = Self::fp8_tensorwise_scale(amax.clone(), dtype, margin);
+        (amax, scale, scale_inv)
+    }
+
     /// Delayed scaling's update after a cast: `(history, scale)` with `amax` (`[1]` f32)
     /// recorded, [`delayed_update_composition`]'s values (`history`: `[len]` f32, newest
     /// first; `scale`: `[1]` f32). Our CUDA backend runs one kernel; the composition launches
@@ -277,6 +290,19 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
         (Tensor::from_inner(scale), Tensor::from_inner(scale_inv))
     }
 
+    fn fp8_amax_scale(
+        x: Tensor<Self, 2>,
+        dtype: Fp8Dtype,
+        margin: i32,
+    ) -> (Tensor<Self, 1>, Tensor<Self, 1>, Tensor<Self, 1>) {
+        let (amax, scale, scale_inv) = B::fp8_amax_scale(x.inner(), dtype, margin);
+        (
+            Tensor::from_inner(amax),
+            Tensor::from_inner(scale),
+            Tensor::from_inner(scale_inv),
+        )
+    }
+
     fn fp8_delayed_update(
         history: Tensor<Self, 1>,
         scale: Tensor<Self, 1>,
@@ -385,6 +411,15 @@ mod cuda {
             let (scale, scale_inv) =
                 fp8::tensorwise_scale(raw(amax.cast(DType::F32)), dtype.max(), margin);
             (wrap(scale), wrap(scale_inv))
+        }
+
+        fn fp8_amax_scale(
+            x: Tensor<Self, 2>,
+            dtype: Fp8Dtype,
+            margin: i32,
+        ) -> (Tensor<Self, 1>, Tensor<Self, 1>, Tensor<Self, 1>) {
+            let (amax, scale, scale_inv) = fp8::amax_scale(raw(x), dtype.max(), margin);
+            (wrap(amax), wrap(scale), wrap(scale_inv))
         }
 
         fn fp8_delayed_update(

@@ -59,6 +59,54 @@ fn amax_is_the_largest_magnitude() {
     assert_eq!(device_amax(zeros), 0.0);
 }
 
+/// The amax with its scales in the amax's two launches (`fp8::amax_scale`) against the amax
+/// kernel and then the scale kernel, bit for bit: ordinary tensors of f32 and f16, one
+/// holding a NaN, one an infinity, zeros and an empty one, both formats, margins 0 and 3.
+#[test]
+fn the_amax_with_its_scale_matches_the_amax_then_the_scale() {
+    let device = WgpuDevice::default();
+    let mut cases = Vec::new();
+    for (rows, cols, seed) in [(1, 1, 5), (33, 129, 6), (1000, 1040, 7)] {
+        let values = random(rows * cols, seed, 40.0);
+        cases.push((values.clone(), [rows, cols]));
+        for special in [f32::NAN, f32::INFINITY] {
+            let mut poisoned = values.clone();
+            poisoned[rows * cols / 2] = special;
+            cases.push((poisoned, [rows, cols]));
+        }
+    }
+    cases.push((vec![0.0; 40], [5, 8]));
+    cases.push((vec![], [0, 8]));
+    for (values, shape) in cases {
+        for dtype in [DType::F32, DType::F16] {
+            let x = Tensor::<W, 2>::from_data(TensorData::new(values.clone(), shape), &device)
+                .cast(dtype);
+            for format in [Fp8Dtype::E4M3, Fp8Dtype::E5M2] {
+                for margin in [0, 3] {
+                    let case = format!("{shape:?} {dtype:?} {format:?} margin {margin}");
+                    let want_amax = amax(raw(x.clone()));
+                    let (want_scale, want_inv) =
+                        fp8::tensorwise_scale(want_amax.clone(), format.max(), margin);
+                    let (got_amax, got_scale, got_inv) =
+                        fp8::amax_scale(raw(x.clone()), format.max(), margin);
+                    for (what, got, want) in [
+                        ("amax", got_amax, want_amax),
+                        ("scale", got_scale, want_scale),
+                        ("reciprocal", got_inv, want_inv),
+                    ] {
+                        let (got, want): (Tensor<W, 1>, Tensor<W, 1>) = (wrap(got), wrap(want));
+                        assert_same_bits(
+                            &format!("{case} {what}"),
+                            &values_f32(got),
+                            &values_f32(want),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The one-thread kernel of the tensorwise scale and its reciprocal against the composition it
 /// replaces (`tensorwise_scale`, then `recip`), bit for bit: ordinary amaxes, the largest and smallest f32 (the
 /// quotient overflowing to the f32 ceiling), a subnormal, and the amaxes that fall back to 1

@@ -267,6 +267,28 @@ impl Fp8Linear {
         Scale { scale, inv }
     }
 
+    /// Whether an amax of an operand that `split` says is split over the group is reduced
+    /// over it (a group of more than one rank).
+    fn reduces(&self, split: bool) -> bool {
+        split && self.group.as_ref().is_some_and(|group| group.size() > 1)
+    }
+
+    /// `x`'s amax (reduced over the group where `split`), and the tensorwise scale of its
+    /// cast to `dtype` with its reciprocal; without a reduction in the amax's own launches.
+    fn tensorwise<B: Fp8Ops + DeviceTransport>(
+        &self,
+        x: &Tensor<B, 2>,
+        split: bool,
+        dtype: Fp8Dtype,
+    ) -> DistResult<(Tensor<B, 1>, Scale<B>)> {
+        if !self.reduces(split) {
+            let (amax, scale, inv) = B::fp8_amax_scale(x.clone(), dtype, self.config.margin);
+            return Ok((amax, Scale { scale, inv }));
+        }
+        let [amax] = self.reduce_amaxes([(B::fp8_amax(x.clone()), split)])?;
+        Ok((amax.clone(), self.tensorwise_scale(amax, dtype)))
+    }
+
     /// The scale of `operand`'s next cast under delayed scaling, from its history (made on
     /// `device` at first use), and its reciprocal.
     fn delayed_scale<B: Backend>(&self, operand: Operand, device: &B::Device) -> Scale<B> {
@@ -445,8 +467,7 @@ fn forward<B: Fp8Ops + DeviceTransport>(
                 !fp8.delayed(),
                 "delayed scaling casts the weight every time"
             );
-            [x_amax] = fp8.reduce_amaxes([(B::fp8_amax(x.clone()), fp8.split.input)])?;
-            x_scale = fp8.tensorwise_scale(x_amax.clone(), dtype);
+            (x_amax, x_scale) = fp8.tensorwise(&x, fp8.split.input, dtype)?;
             x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
             (w_cast, w_amax) = (cast_before, None);
         }
@@ -466,12 +487,19 @@ fn forward<B: Fp8Ops + DeviceTransport>(
             w_cast = WeightCast::new(w_c, w_scale);
         }
         Weight::Tensor(w) => {
-            let [x_a, w_a] = fp8.reduce_amaxes([
-                (B::fp8_amax(x.clone()), fp8.split.input),
-                (B::fp8_amax(w.clone()), fp8.split.weight),
-            ])?;
-            x_scale = fp8.tensorwise_scale(x_a.clone(), dtype);
-            let w_scale = fp8.tensorwise_scale(w_a.clone(), dtype);
+            let (x_a, w_a, w_scale);
+            if fp8.reduces(fp8.split.input) || fp8.reduces(fp8.split.weight) {
+                // Both amaxes in one all-reduce.
+                [x_a, w_a] = fp8.reduce_amaxes([
+                    (B::fp8_amax(x.clone()), fp8.split.input),
+                    (B::fp8_amax(w.clone()), fp8.split.weight),
+                ])?;
+                x_scale = fp8.tensorwise_scale(x_a.clone(), dtype);
+                w_scale = fp8.tensorwise_scale(w_a.clone(), dtype);
+            } else {
+                (x_a, x_scale) = fp8.tensorwise(&x, false, dtype)?;
+                (w_a, w_scale) = fp8.tensorwise(&w, false, dtype)?;
+            }
             x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
             w_cast = WeightCast::new(
                 cast(w, w_scale.scale.clone(), dtype, w_layouts, false),
@@ -624,8 +652,17 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
             let amax = reduce(casts.amax.take().expect("asked for"));
             (casts, amax, scale.inv)
         } else {
-            let amax = reduce(B::fp8_amax(dy.clone()));
-            let scale = fp8.tensorwise_scale(amax.clone(), grad_dtype);
+            let (amax, scale) = match fp8.reduces(fp8.split.grad_output) {
+                true => {
+                    let amax = reduce(B::fp8_amax(dy.clone()));
+                    (amax.clone(), fp8.tensorwise_scale(amax, grad_dtype))
+                }
+                false => {
+                    let margin = fp8.config.margin;
+                    let (amax, scale, inv) = B::fp8_amax_scale(dy.clone(), grad_dtype, margin);
+                    (amax, Scale { scale, inv })
+                }
+            };
             let casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, false);
             (casts, amax, scale.inv)
         };
