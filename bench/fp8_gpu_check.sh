@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -97,5 +97,15 @@ if part profile8b; then
     n=prof8b$(echo "$f" | tr -d ' -' | cut -c1-30)
     BM_PROFILE=1 timeout 120 $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
     echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rank 0 \||rror|panick" $OUT/$n.log | cut -c1-170 | head -40
+  done
+fi
+if part step8b; then
+  # 2 GPUs: Llama-3 8B at PP 2 (17 + 15 layers), micro-batch 1, global batch 32, 5 iterations:
+  # bf16, FP8 tensorwise and FP8 delayed (the median of iterations 2-5 is the figure).
+  P="--config examples/configs/llama3_8b.toml --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 32 --decoder-last-pipeline-num-layers 15 --train-iters 5"
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
+    n=step8b$(echo "$f" | tr -d ' -' | cut -c1-40)
+    timeout 120 $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | cut -c1-150
   done
 fi

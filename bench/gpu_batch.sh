@@ -25,7 +25,7 @@
 #   fp8      PART=gemm and PART=step of bench/fp8_gpu_check.sh
 #   fp8prof  PART=profile of bench/fp8_gpu_check.sh: the bf16 and FP8 steps profiled
 #   fp8step  PART=step of bench/fp8_gpu_check.sh: the GPT 1.3B step, bf16 and FP8, and the peer
-#   fp8curve2, fp8prof8b  PART=curve2, profile8b of bench/fp8_gpu_check.sh (2 GPUs)
+#   fp8curve2, fp8prof8b, fp8step8b  PART=curve2, profile8b, step8b of bench/fp8_gpu_check.sh (2 GPUs)
 #   fp8casts PART=casts of bench/fp8_gpu_check.sh: the casts' checks, speeds and registers
 #   gradnorm bench/gradnorm_gpu_check.sh: the first gradient norm at 1 and 4 microbatches, with and without recomputation (1 GPU)
 #   gputest  the GPU test binary (pack test ... --test gpu), filtered by GPUTEST_FILTER
@@ -108,6 +108,7 @@ for s in "$@"; do
     fp8prof) step fp8prof env PART=profile bash bench/fp8_gpu_check.sh ;;
     fp8curve2) step fp8curve2 env PART=curve2 bash bench/fp8_gpu_check.sh ;;
     fp8prof8b) step fp8prof8b env PART=profile8b bash bench/fp8_gpu_check.sh ;;
+    fp8step8b) step fp8step8b env PART=step8b bash bench/fp8_gpu_check.sh ;;
     fp8casts) step fp8casts env PART=casts bash bench/fp8_gpu_check.sh ;;
     fp8step) step fp8step env PART=step bash bench/fp8_gpu_check.sh ;;
     ckpt) step ckpt bash -c "$CKPT" ;;
