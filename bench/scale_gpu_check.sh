@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|prof2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|fp8best|prof2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 # NPROC=2 runs ours and the peer on 2 GPUs (the parts fused2, edge2 and prof2 are for 2 GPUs).
 # OLD=path runs the part fusedab's "before" runs with another pretrain_gpt (gunzipped if .gz).
 set -u
@@ -216,11 +216,18 @@ if part final4; then
   T4="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel"
   torch llama_fsdp_b2 --preset llama3-8b --batch 2 --steps $ITERS
   PLAN=1 ITERS=4 ours llama_pp2dp2_gb256 llama3_8b $L --global-batch-size 256
-  PLAN=1 ITERS=5 ours llama_tp4_mb2 llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32
   torch gpt_fsdp_b4 --preset gpt3-6.7b --batch 4 --steps $ITERS
   PLAN=1 ITERS=4 ours gpt_dp4_gb256 gpt3_6.7b $G --global-batch-size 256
+  PLAN=1 ITERS=5 ours llama_tp4_mb2 llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32
   PLAN=1 ITERS=5 ours gpt_tp4_mb4 gpt3_6.7b $T4 --micro-batch-size 4 --global-batch-size 64
-  BM_PROFILE=1 ITERS=3 ours gpt_dp4_profile gpt3_6.7b $G --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
+  [ -n "${PROFILE:-}" ] && BM_PROFILE=1 ITERS=3 ours gpt_dp4_profile gpt3_6.7b $G --global-batch-size 64 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
+fi
+if part fp8best; then
+  # FP8 (issue 33) at Llama-3 8B's best 4-GPU layout (PP 2 x DP 2, 17 + 15 layers,
+  # micro-batch 2), global batch 128: bf16 against FP8 tensorwise.
+  L="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --data-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --micro-batch-size 2 --decoder-last-pipeline-num-layers 15 --global-batch-size 128"
+  ITERS=4 ours llama_pp2dp2_gb128_bf16 llama3_8b $L
+  ITERS=4 ours llama_pp2dp2_gb128_fp8 llama3_8b $L --fp8-format hybrid --fp8-recipe tensorwise
 fi
 if part prof2; then
   # 2 GPUs of 140 GB: GPT-3 6.7B's shape with 16 layers at DP 2 (each rank's work per layer as
