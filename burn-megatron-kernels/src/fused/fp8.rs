@@ -172,9 +172,9 @@ fn amax_partials_kernel<F: Float, N: Size>(
     }
 }
 
-/// Stage two: the largest of the `count` partial maxima, by one cube, into `out[0]`.
-#[cube(launch)]
-fn amax_total_kernel(partials: &Tensor<u32>, out: &mut Tensor<u32>, count: u32) {
+/// The largest of the `count` partial maxima, by one cube: valid in its first thread.
+#[cube]
+fn partials_max(partials: &Tensor<u32>, count: u32) -> u32 {
     let mut i = UNIT_POS_X;
     let mut best = 0u32;
     while i < count {
@@ -184,7 +184,13 @@ fn amax_total_kernel(partials: &Tensor<u32>, out: &mut Tensor<u32>, count: u32) 
         }
         i += CUBE_DIM_X;
     }
-    let total = cube_max(best);
+    cube_max(best)
+}
+
+/// Stage two: the largest of the `count` partial maxima, by one cube, into `out[0]`.
+#[cube(launch)]
+fn amax_total_kernel(partials: &Tensor<u32>, out: &mut Tensor<u32>, count: u32) {
+    let total = partials_max(partials, count);
     if UNIT_POS_X == 0 {
         out[0] = total;
     }
@@ -205,22 +211,45 @@ fn amax_total_scale_kernel(
     largest: f32,
     infinity: f32,
 ) {
-    let mut i = UNIT_POS_X;
-    let mut best = 0u32;
-    while i < count {
-        let bits = partials[i as usize];
-        if bits > best {
-            best = bits;
-        }
-        i += CUBE_DIM_X;
-    }
-    let total = cube_max(best);
+    let total = partials_max(partials, count);
     if UNIT_POS_X == 0 {
         out[0] = total;
         let s = scale_or(f32::reinterpret(total), 1.0, max, factor, largest, infinity);
         scale[0] = s;
         scale_inv[0] = 1.0 / s;
     }
+}
+
+/// An empty `[len]` tensor of `dtype` on `x`'s device.
+fn empty_like<R: CubeRuntime>(x: &CubeTensor<R>, len: usize, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::from(vec![len]),
+        dtype,
+    )
+}
+
+/// Stage one of the amax on a non-empty contiguous `x`: the cubes' partial maxima (`[cubes]`
+/// u32, the bits of non-negative f32s) and their count.
+fn launch_partials<R: CubeRuntime>(x: CubeTensor<R>) -> (CubeTensor<R>, usize) {
+    let numel = x.meta.shape().num_elements();
+    let width = vector_width(&[&x]);
+    let vectors = numel / width;
+    let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
+    let partials = empty_like(&x, cubes, DType::U32);
+    let dtype = x.dtype.into();
+    amax_partials_kernel::launch::<R>(
+        &x.client.clone(),
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(THREADS),
+        width,
+        x.into_tensor_arg(),
+        partials.clone().into_tensor_arg(),
+        vectors as u32,
+        dtype,
+    );
+    (partials, cubes)
 }
 
 /// [`amax`] and the [`tensorwise_scale`] from it in the amax's two launches:
@@ -232,38 +261,15 @@ pub fn amax_scale<R: CubeRuntime>(
     margin: i32,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let x = into_contiguous(x);
-    let numel = x.meta.shape().num_elements();
-    if numel == 0 {
+    if x.meta.shape().num_elements() == 0 {
         let amax = amax(x);
         let (scale, scale_inv) = tensorwise_scale(amax.clone(), max, margin);
         return (amax, scale, scale_inv);
     }
+    let mut out = empty_like(&x, 1, DType::U32);
+    let (scale, scale_inv) = (empty_like(&x, 1, DType::F32), empty_like(&x, 1, DType::F32));
     let client = x.client.clone();
-    let tensor = |len: usize, dtype: DType| {
-        empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            x.device.clone(),
-            Shape::from(vec![len]),
-            dtype,
-        )
-    };
-    let width = vector_width(&[&x]);
-    let vectors = numel / width;
-    let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
-    let partials = tensor(cubes, DType::U32);
-    let mut out = tensor(1, DType::U32);
-    let (scale, scale_inv) = (tensor(1, DType::F32), tensor(1, DType::F32));
-    let dtype = x.dtype.into();
-    amax_partials_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(THREADS),
-        width,
-        x.into_tensor_arg(),
-        partials.clone().into_tensor_arg(),
-        vectors as u32,
-        dtype,
-    );
+    let (partials, cubes) = launch_partials(x);
     amax_total_scale_kernel::launch::<R>(
         &client,
         CubeCount::Static(1, 1, 1),
@@ -287,35 +293,17 @@ pub fn amax_scale<R: CubeRuntime>(
 /// with no host synchronisation, and the same bits on every run (no atomics).
 pub fn amax<R: CubeRuntime>(x: CubeTensor<R>) -> CubeTensor<R> {
     let x = into_contiguous(x);
-    let numel = x.meta.shape().num_elements();
-    let client = x.client.clone();
-    let u32_tensor = |len: usize| {
-        empty_device_contiguous_dtype::<R>(
-            client.clone(),
+    if x.meta.shape().num_elements() == 0 {
+        return zeros_client::<R>(
+            x.client.clone(),
             x.device.clone(),
-            Shape::from(vec![len]),
-            DType::U32,
-        )
-    };
-    if numel == 0 {
-        return zeros_client::<R>(client, x.device.clone(), Shape::from(vec![1]), DType::F32);
+            Shape::from(vec![1]),
+            DType::F32,
+        );
     }
-    let width = vector_width(&[&x]);
-    let vectors = numel / width;
-    let cubes = vectors.div_ceil(THREADS as usize).clamp(1, AMAX_CUBES);
-    let partials = u32_tensor(cubes);
-    let mut out = u32_tensor(1);
-    let dtype = x.dtype.into();
-    amax_partials_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(THREADS),
-        width,
-        x.into_tensor_arg(),
-        partials.clone().into_tensor_arg(),
-        vectors as u32,
-        dtype,
-    );
+    let mut out = empty_like(&x, 1, DType::U32);
+    let client = x.client.clone();
+    let (partials, cubes) = launch_partials(x);
     amax_total_kernel::launch::<R>(
         &client,
         CubeCount::Static(1, 1, 1),
