@@ -35,10 +35,10 @@ pub struct RowParallelLinearConfig {
     /// instead of all-reduced.
     #[config(default = false)]
     pub sequence_parallel: bool,
-    /// Under sequence parallelism, the product and the reduce-scatter run as one operation
-    /// whose backward computes this rank's tokens' input gradient while the output gradient's
-    /// all-gather runs ([`crate::ops::reduce_scattered_linear`], Megatron's
-    /// `--tp-comm-overlap`). For inputs of one sequence (`[1, seq, ..]`, as the MLP runs);
+    /// Under sequence parallelism, the product and the reduce-scatter run as one operation,
+    /// in chunks whose collectives overlap the next chunk's GEMM, and whose backward computes
+    /// this rank's tokens' input gradient while the output gradient's all-gather runs
+    /// ([`crate::ops::reduce_scattered_linear`], Megatron's `--tp-comm-overlap`). For inputs of one sequence (`[1, seq, ..]`, as the MLP runs);
     /// ignored otherwise, without sequence parallelism and in FP8.
     #[config(default = false)]
     pub comm_overlap: bool,
