@@ -5,7 +5,7 @@
 # memory planner's table; logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh):
 #   bin/{pretrain_gpt,bm-launch}   bench/pack_gpu.sh build --release --features cuda
 #       -p burn-megatron-examples --example pretrain_gpt, and -p burn-megatron-dist --bin bm-launch
-#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|fp8best|prof2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
+#   PART=plan|llama|gpt|layouts|interleaved|overlap|pp4|uneven|uneven2|startup|fp8|best|bestgpt|dp4|best2|dpgpt|dp4gpt|fusedab|fusedgpt|fused2|edge2|final4|fp8best|tp4|prof2|all ITERS=8 bash bench/scale_gpu_check.sh   (all: more than one call's 10 minutes)
 # NPROC=2 runs ours and the peer on 2 GPUs (the parts fused2, edge2 and prof2 are for 2 GPUs).
 # OLD=path runs the part fusedab's "before" runs with another pretrain_gpt (gunzipped if .gz).
 set -u
@@ -243,4 +243,14 @@ if part prof2; then
   ITERS=5 ours llama_pp2_fp8 llama3_8b $P --fp8-format hybrid --fp8-recipe tensorwise
   torch llama_fsdp2_bf16 --preset llama3-8b --batch 1 --steps $ITERS
   torch llama_fsdp2_fp8 --preset llama3-8b --batch 1 --steps $ITERS --fp8
+fi
+if part tp4; then
+  # Issue 31's TP 4 + SP >= 45 %: Llama-3 8B at micro-batches 2 and 4, each without and with
+  # --tp-comm-overlap (the chunked forward reduce-scatter), and GPT-3 6.7B at micro-batch 8.
+  T4="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel"
+  ITERS=5 ours llama_tp4_mb2 llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32
+  ITERS=5 ours llama_tp4_mb2_overlap llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32 --tp-comm-overlap
+  ITERS=5 ours llama_tp4_mb4 llama3_8b $T4 --micro-batch-size 4 --global-batch-size 32
+  ITERS=5 ours llama_tp4_mb4_overlap llama3_8b $T4 --micro-batch-size 4 --global-batch-size 32 --tp-comm-overlap
+  ITERS=5 ours gpt_tp4_mb8 gpt3_6.7b $T4 --micro-batch-size 8 --global-batch-size 64
 fi
