@@ -6,10 +6,12 @@
 //! projection another: Burn runs the projection's backward (the data-gradient GEMM and the
 //! weight-gradient GEMM) before the gather's backward (the reduce-scatter of the data
 //! gradient), and the next layer's backward waits for that reduce-scatter with nothing left
-//! to run beside it. Here the gather and the projection are one node. Its forward starts a
-//! linear projection with this rank's own tokens, which need no communication, while the
-//! gather runs, then projects the other ranks' tokens. Its backward
-//! computes the data gradient, starts its reduce-scatter (on NCCL, on the group's own
+//! to run beside it. Here the gather and the projection are one node. On a plain backend
+//! (no autodiff: inference) the forward starts a linear projection with this rank's own
+//! tokens, which need no communication, while the gather runs, then projects the other ranks'
+//! tokens. Under `Autodiff` the forward gathers, then projects every token in one GEMM: the
+//! gather is not hidden there (splitting the GEMM would cost a copy of its output to put the
+//! rows back in order). Its backward computes the data gradient, starts its reduce-scatter (on NCCL, on the group's own
 //! stream), and computes the weight gradients while it runs. The arithmetic is the
 //! composition's, operation for operation, on the tokens in rank-major order (the order the
 //! MLP's composition gathers them in); for a batch of several sequences, which attention's
