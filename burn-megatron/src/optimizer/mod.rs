@@ -36,7 +36,7 @@ pub use clip::{
 };
 pub use distrib_optimizer::{
     DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
-    ExpertOptimizerState, OptimizerMemory,
+    ExpertOptimizerState, MAX_FLAT_NUMEL, OptimizerMemory,
 };
 pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
 pub use grads::merge_chunk_grads;

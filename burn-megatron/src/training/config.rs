@@ -615,6 +615,7 @@ impl PretrainConfig {
             global_batch: self.global_batch_size,
             dtype_bytes: if self.bf16 || self.fp16 { 2 } else { 4 },
             overlap_grad_reduce: self.overlap_grad_reduce,
+            expert_parallel: self.expert_model_parallel_size,
             gpu_memory: (self.gpu_memory_gib * (1u64 << 30) as f64) as u64,
             peak_tflops: self.peak_tflops,
         }

@@ -27,8 +27,11 @@
 //!   a chunk's share of the layers) under the interleaved schedule;
 //! - the output layer's logits `[tokens, vocab / tp]` and their gradient, on the last stage.
 //!
-//! MoE layers are planned as the dense MLP they replace: their experts are not counted, and
-//! [`render`] says so above the table.
+//! MoE layers are planned at the run's expert-parallel size: each rank's routed experts
+//! (parameters and gradients in the model's dtype, their f32 buffer during the optimizer step,
+//! the optimizer state sharded over expert DP), its router and shared expert; a layout whose
+//! experts' flat buffer would pass 32-bit indices is left out, as the optimizer refuses it.
+//! Their activations are planned as the dense MLP's, which [`render`] says above the table.
 //!
 //! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
 //! The step time is an estimate: the model's FLOPs at an assumed efficiency, plus the
@@ -37,6 +40,7 @@
 
 use crate::error::ConfigError;
 use crate::models::StageSplit;
+use crate::optimizer::MAX_FLAT_NUMEL;
 use crate::pipeline_parallel::Schedule;
 use crate::tensor_parallel::VocabPartition;
 use crate::transformer::{
@@ -101,6 +105,9 @@ pub struct PlanInput {
     /// then live through every microbatch, where otherwise the gradients are held in the
     /// model's dtype and the f32 buffer exists during the optimizer step only.
     pub overlap_grad_reduce: bool,
+    /// Expert-parallel size (`--expert-model-parallel-size`): the routed experts of an MoE
+    /// layer are split over EP ranks within DP × CP; 1 for a dense model.
+    pub expert_parallel: usize,
     /// The GPU's memory, in bytes.
     pub gpu_memory: u64,
     /// The GPU's peak dense TFLOP/s in the model's dtype.
@@ -232,14 +239,37 @@ pub fn megatron_layer_activation_bytes(
     s * b * h * (34.0 + scores) / t
 }
 
-/// The parameters a TP rank of pipeline stage `stage` holds with `layers` transformer layers.
+/// The parameters a TP rank of a pipeline rank holds ([`stage_params`]): those replicated
+/// over data parallelism, and this expert-parallel rank's routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StageParams {
+    /// Parameters replicated over DP × CP (every dense weight, and the MoE layers' routers
+    /// and shared experts).
+    pub dense: u64,
+    /// This EP rank's routed experts (`num_experts / ep` of each MoE layer), replicated over
+    /// expert DP (DP × CP / EP) and over TP.
+    pub experts: u64,
+}
+
+impl StageParams {
+    /// Both kinds.
+    pub fn total(&self) -> u64 {
+        self.dense + self.experts
+    }
+}
+
+/// The parameters a TP rank of pipeline rank `stage` (of `pp`) holds, its transformer layers
+/// the global indices `layers`, at expert-parallel size `ep`. An MoE layer holds, in place of
+/// the MLP, its router (`hidden × experts`, and the expert bias), its shared expert and its
+/// `experts / ep` routed experts, none of them split over TP.
 pub fn stage_params(
     model: &TransformerConfig,
     tp: usize,
+    ep: usize,
     pp: usize,
     stage: usize,
-    layers: usize,
-) -> u64 {
+    layers: impl IntoIterator<Item = usize>,
+) -> StageParams {
     let (h, f) = (model.hidden_size as u64, model.ffn_hidden_size as u64);
     let kv = (model.query_groups() * model.head_dim()) as u64;
     let t = tp as u64;
@@ -254,28 +284,51 @@ pub fn stage_params(
     };
     let attention = h * (h + 2 * kv) / t + bias((h + 2 * kv) / t) + h * h / t + bias(h);
     let mlp = matrices * h * f / t + bias((matrices - 1) * f / t) + bias(h);
-    let layer = attention + mlp + 2 * norm;
-    let layers = layers as u64;
+    let mut params = StageParams::default();
+    for layer in layers {
+        params.dense += attention + 2 * norm;
+        match &model.moe {
+            Some(moe) if moe.is_moe_layer(layer) => {
+                let experts = moe.num_experts as u64;
+                let width = moe.ffn_hidden_size.unwrap_or(model.ffn_hidden_size) as u64;
+                let shared = moe.shared_expert_ffn_hidden_size.unwrap_or(0) as u64;
+                params.dense +=
+                    h * experts + if moe.expert_bias { experts } else { 0 } + matrices * h * shared;
+                params.experts += experts / ep as u64 * matrices * h * width;
+            }
+            _ => params.dense += mlp,
+        }
+    }
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)
         .map(|v| v.padded_size as u64)
         .unwrap_or(model.vocab_size as u64);
     let table = vocab / t * h;
     let (first, last) = (stage == 0, stage + 1 == pp);
-    let mut params = layers * layer;
     if first {
-        params += table;
+        params.dense += table;
         if model.position_embedding == PositionEmbedding::Learned {
-            params += model.max_sequence_length as u64 * h;
+            params.dense += model.max_sequence_length as u64 * h;
         }
     }
     if last {
-        params += norm;
+        params.dense += norm;
         // An untied output layer; a tied one's copy on a later stage than the embedding's.
         if !model.tie_embeddings || !first {
-            params += table;
+            params.dense += table;
         }
     }
     params
+}
+
+/// Refuses a layout whose rank would hold a flat buffer of more than
+/// [`MAX_FLAT_NUMEL`] elements, as the distributed optimizer does.
+fn check_flat(numel: u64, what: &str) -> Result<(), ConfigError> {
+    if numel > MAX_FLAT_NUMEL as u64 {
+        return Err(ConfigError::Invalid(format!(
+            "{what} would hold {numel} elements, more than a GPU kernel indexes"
+        )));
+    }
+    Ok(())
 }
 
 /// Every rank's memory and the step time of `layout` for `input`.
@@ -317,6 +370,12 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         )));
     }
     let microbatches = input.global_batch / per_step;
+    let ep = input.expert_parallel;
+    if ep == 0 || !(dp * cp).is_multiple_of(ep) {
+        return Err(ConfigError::Invalid(format!(
+            "EP {ep} does not divide DP {dp} x CP {cp}: the experts are split within the replicas"
+        )));
+    }
     let schedule = match v {
         1 => Schedule::OneFOneB,
         _ => Schedule::Interleaved,
@@ -350,7 +409,22 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)?;
     let mut worst: Option<(usize, RankMemory)> = None;
     for stage in 0..pp {
-        let params = stage_params(model, tp, pp, stage, split.rank_layers(stage, pp));
+        let rank_layers = (0..v).flat_map(|c| split.stage(c * pp + stage).layers);
+        let StageParams {
+            dense: params,
+            experts,
+        } = stage_params(model, tp, ep, pp, stage, rank_layers);
+        check_flat(experts, "the experts' flat gradient buffer")?;
+        check_flat(params / shards, "the dense parameters' optimizer shard")?;
+        if flat_adamw && !input.overlap_grad_reduce {
+            check_flat(params, "the dense parameters' flat gradient buffer")?;
+        }
+        // The experts' state is sharded over expert DP (DP × CP / EP).
+        let expert_shards = if distributed_optimizer {
+            ((dp * cp) / ep) as u64
+        } else {
+            1
+        };
         // The layers of this rank's largest chunk: a forward pass in flight holds their
         // activations.
         let layers = (0..v)
@@ -359,9 +433,9 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             .unwrap_or(0) as u64;
         let optimizer = match flat_adamw {
             // Master weights (viewed by an f32 model without ZeRO) and two moments.
-            true if d == 4 && !distributed_optimizer => 8 * params / shards,
-            true => 12 * params / shards,
-            false => 8 * params,
+            true if d == 4 && !distributed_optimizer => 8 * params / shards + 8 * experts,
+            true => 12 * params / shards + 12 * experts / expert_shards,
+            false => 8 * (params + experts),
         };
         // A recomputed group stores its input; stored layers their activations.
         let segments = recompute.segments(layers as usize);
@@ -389,17 +463,21 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             false => 0,
         };
         let memory = RankMemory {
-            params: d * params,
+            params: d * (params + experts),
+            // The experts' gradients stay in the model's dtype until the step, which gathers
+            // them into their own f32 buffer, with or without the overlapped reduction.
             grads: if input.overlap_grad_reduce && flat_adamw {
-                4 * params
+                4 * params + d * experts
             } else {
-                d * params
+                d * (params + experts)
             },
             optimizer,
             // With the reduction units the step reads their reduced shard, which is no more
             // than the units it replaces: no second f32 buffer.
             step_buffer: if flat_adamw && !input.overlap_grad_reduce {
-                4 * params
+                4 * (params + experts)
+            } else if flat_adamw {
+                4 * experts
             } else {
                 0
             },
@@ -468,15 +546,20 @@ fn step_seconds(
             8.0 * per_collective * layers * microbatches as f64
         }
     };
+    // The dense parameters, reduced over DP × CP (the experts' over expert DP are not counted).
     let params = (0..layout.pp)
         .map(|s| {
+            let layers =
+                (0..layout.virtual_stages).flat_map(|c| split.stage(c * layout.pp + s).layers);
             stage_params(
                 model,
                 layout.tp,
+                input.expert_parallel,
                 layout.pp,
                 s,
-                split.rank_layers(s, layout.pp),
+                layers,
             )
+            .dense
         })
         .max()
         .unwrap_or(0) as f64;
@@ -624,10 +707,10 @@ pub fn render(input: &PlanInput, estimates: &[LayoutEstimate]) -> String {
     );
     if let Some(moe) = &input.model.moe {
         out.push_str(&format!(
-            "NOT COUNTED: the {} experts of each MoE layer (their parameters, gradients, \
-             optimizer state and activations): the planner plans the layers as dense MLPs, \
-             so these peaks are too low for this model\n",
-            moe.num_experts
+            "experts: {} a layer at EP {}, their parameters, gradients and optimizer state \
+             counted; NOT COUNTED: their activations (planned as the dense MLP's, top-{} \
+             routing stores more), so the activation column is too low for this model\n",
+            moe.num_experts, input.expert_parallel, moe.top_k
         ));
     }
     out.push_str(

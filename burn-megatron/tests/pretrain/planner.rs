@@ -96,13 +96,87 @@ fn parameter_counts_are_the_models() {
             });
             for (s, count) in counts_of(counted).into_iter().enumerate() {
                 assert_eq!(
-                    stage_params(&model, tp, pp, s, model.num_layers / pp),
+                    stage_params(&model, tp, 1, pp, s, split_layers(&model, pp, s)).total(),
                     count,
                     "{:?} TP {tp} PP {pp} stage {s}",
                     model.activation
                 );
             }
         }
+    }
+}
+
+/// The global indices of pipeline rank `s`'s layers in an even split of `model` over `pp`.
+fn split_layers(model: &TransformerConfig, pp: usize, s: usize) -> std::ops::Range<usize> {
+    StageSplit::even(model.num_layers, pp)
+        .expect("an even split")
+        .stage(s)
+        .layers
+}
+
+/// The planner's dense and expert parameters equal what an MoE model allocates on each
+/// pipeline stage's first rank: SwiGLU experts of their own width in every second layer (4
+/// layers: layers 0 and 2), a shared expert, the expert bias, at TP 1 and 2, PP 1 and 2, EP 1
+/// and 2 (DP = EP).
+#[test]
+fn expert_parameter_counts_are_the_models() {
+    use burn_megatron::transformer::moe::MoeSettings;
+    let llama = TransformerConfig::llama_1b();
+    let moe = MoeSettings::new(4)
+        .with_ffn_hidden_size(Some(24))
+        .with_shared_expert_ffn_hidden_size(Some(40))
+        .with_expert_bias(true)
+        .with_score_function(burn_megatron::transformer::moe::RouterScoreFunction::Sigmoid)
+        .with_layer_freq(2);
+    let model = TransformerConfig::new(32, 4, 4, 80, 300, 16)
+        .with_make_vocab_size_divisible_by(8)
+        .with_num_query_groups(Some(2))
+        .with_normalization(llama.normalization)
+        .with_activation(llama.activation)
+        .with_position_embedding(llama.position_embedding)
+        .with_add_bias_linear(false)
+        .with_tie_embeddings(false)
+        .with_moe(Some(moe));
+    for (tp, pp, ep) in [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1)] {
+        let counted = run(tp * pp * ep, |ctx| {
+            let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
+            let state = ctx.parallel_state(sizes)?;
+            let split = StageSplit::even(model.num_layers, pp)?;
+            let stage = model.init_gpt_stage_with_ep::<NdArray>(
+                state.tp(),
+                state.ep(),
+                &split.stage(state.pp_rank()),
+                &Default::default(),
+            )?;
+            let (mut dense, mut experts) = (0u64, 0u64);
+            for info in param_infos(&stage) {
+                let numel = info.shape.iter().product::<usize>() as u64;
+                match info.placement.is_expert() {
+                    true => experts += numel,
+                    false => dense += numel,
+                }
+            }
+            let first = state.tp().rank() == 0 && state.ep().rank() == 0;
+            Ok(first.then_some((state.pp_rank(), dense, experts)))
+        });
+        let mut seen = 0;
+        for (s, dense, experts) in counted.into_iter().flatten() {
+            let want = stage_params(&model, tp, ep, pp, s, split_layers(&model, pp, s));
+            assert_eq!(
+                (want.dense, want.experts),
+                (dense, experts),
+                "TP {tp} PP {pp} EP {ep} stage {s}"
+            );
+            assert!(
+                experts > 0,
+                "TP {tp} PP {pp} EP {ep} stage {s}: no experts counted"
+            );
+            seen += 1;
+        }
+        assert_eq!(
+            seen, pp,
+            "TP {tp} PP {pp} EP {ep}: every stage counted once"
+        );
     }
 }
 
@@ -118,6 +192,7 @@ fn llama_8b_input() -> PlanInput {
         global_batch: 16,
         dtype_bytes: 2,
         overlap_grad_reduce: false,
+        expert_parallel: 1,
         gpu_memory: 80 * GIB,
         peak_tflops: 989.4,
     }
@@ -145,7 +220,7 @@ fn the_plan_for_llama_8b_on_four_gpus() {
         },
     )
     .unwrap();
-    let params = stage_params(&input.model, 4, 1, 0, 32);
+    let params = stage_params(&input.model, 4, 1, 1, 0, 0..32).total();
     assert!((2.0e9..2.1e9).contains(&(params as f64)), "{params}");
     let m = tp4.memory;
     assert_eq!(
@@ -170,13 +245,22 @@ fn the_plan_for_llama_8b_on_four_gpus() {
             .windows(2)
             .all(|w| w[0].step_seconds <= w[1].step_seconds)
     );
-    // DP 4 holds all 8B parameters and their gradients on each GPU: 32 GB (29.9 GiB) before any
-    // optimizer state or activation; it fits only with ZeRO-1 and recomputation.
-    let dp4 = layouts
+    // Without --overlap-grad-reduce DP 4 would gather all 8.03 billion gradients in one f32
+    // buffer, past 32-bit indices: not offered. With it, each GPU holds all 8B parameters and
+    // their f32 gradients: 45 GiB before any optimizer state or activation.
+    assert!(layouts.iter().all(|e| e.layout.dp < 4), "DP 4 offered");
+    let overlapped_plan = plan(
+        &PlanInput {
+            overlap_grad_reduce: true,
+            ..llama_8b_input()
+        },
+        4,
+    );
+    let dp4 = overlapped_plan
         .iter()
         .find(|e| e.layout.dp == 4 && e.layout.recompute == Recompute::None)
         .unwrap();
-    assert!(dp4.memory.params + dp4.memory.grads > 29 * GIB);
+    assert!(dp4.memory.params + dp4.memory.grads > 44 * GIB);
     let text = render(&input, &layouts);
     assert!(
         text.contains("suggested: --tensor-model-parallel-size"),
@@ -199,28 +283,28 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     let plain = estimate(&input, pp2_dp2).unwrap().memory;
     let overlapped = PlanInput {
         overlap_grad_reduce: true,
+        expert_parallel: 1,
         ..llama_8b_input()
     };
     let hooked = estimate(&overlapped, pp2_dp2).unwrap().memory;
-    let params = stage_params(&input.model, 1, 2, 0, 17);
+    let params = stage_params(&input.model, 1, 1, 2, 0, 0..17).total();
     assert_eq!((plain.grads, hooked.grads), (2 * params, 4 * params));
     assert_eq!(hooked.peak() - plain.peak(), 2 * params);
 
-    // At DP 4 (micro-batch 1) the optimizer step, not the backward pass, sets the plain peak: the bf16
-    // gradients and the f32 buffer they are gathered into. The units are that buffer, so the
-    // hooked peak is the backward pass's: every part once (measured on 4 H200s: 86.41 GiB of
-    // live tensors, book "Benchmarks").
+    // At DP 4 (micro-batch 1) the plain path would gather the gradients into one f32 buffer
+    // past 32-bit indices: refused. The units are that buffer, so the hooked peak is the
+    // backward pass's: every part once (measured on 4 H200s: 86.41 GiB of live tensors, book
+    // "Benchmarks").
     let dp4 = PlannedLayout {
         pp: 1,
         dp: 4,
         last_stage_layers: None,
         ..pp2_dp2
     };
-    let plain = estimate(&input, dp4).unwrap().memory;
+    let plain = estimate(&input, dp4).unwrap_err().to_string();
+    assert!(plain.contains("flat gradient buffer"), "{plain}");
     let hooked = estimate(&overlapped, dp4).unwrap().memory;
-    let params = stage_params(&input.model, 1, 1, 0, 32);
-    assert_eq!(plain.step_buffer, 4 * params);
-    assert!(plain.step_buffer > plain.activations + plain.logits);
+    let params = stage_params(&input.model, 1, 1, 1, 0, 0..32).total();
     assert_eq!(hooked.step_buffer, 0);
     assert_eq!(
         hooked.peak(),
@@ -341,6 +425,7 @@ fn the_plan_splits_long_sequences_over_cp() {
         global_batch: 4,
         dtype_bytes: 2,
         overlap_grad_reduce: false,
+        expert_parallel: 1,
         gpu_memory: 80 * GIB,
         peak_tflops: 989.4,
     };
@@ -413,19 +498,77 @@ fn the_plan_splits_long_sequences_over_cp() {
     assert!(e.contains("does not cut into 8 equal chunks"), "{e}");
 }
 
-/// The planner plans MoE layers as dense MLPs: its table says so, above the peaks it cannot
-/// vouch for; a dense model's table does not.
+/// The plan of an MoE model counts each rank's experts at the run's EP and says, above the
+/// table, that their activations are planned as the dense MLP's; a dense model's table says
+/// nothing of experts. Layouts whose DP × CP the EP does not divide are left out, and a
+/// layout whose experts' flat buffer would pass 32-bit indices is refused, naming it.
 #[test]
-fn the_plan_says_it_does_not_count_experts() {
+fn the_plan_counts_the_experts_and_says_what_it_does_not() {
     use burn_megatron::transformer::moe::MoeSettings;
     let dense = llama_8b_input();
     let text = render(&dense, &plan(&dense, 4));
-    assert!(!text.contains("NOT COUNTED"), "{text}");
-    let mut moe = llama_8b_input();
-    moe.model.moe = Some(MoeSettings::new(8));
-    let text = render(&moe, &plan(&moe, 4));
+    assert!(!text.contains("experts"), "{text}");
+    // 8 experts of width 1024 in every layer: 32 · 8 · 3 · 4096 · 1024 = 3.2 billion expert
+    // parameters, 1.6 billion a rank at EP 2.
+    let mut moe = PlanInput {
+        expert_parallel: 2,
+        overlap_grad_reduce: true,
+        ..llama_8b_input()
+    };
+    moe.model.moe = Some(MoeSettings::new(8).with_ffn_hidden_size(Some(1024)));
+    let layouts = plan(&moe, 4);
+    assert!(!layouts.is_empty());
+    assert!(layouts.iter().all(|e| (e.layout.dp * e.layout.cp) % 2 == 0));
+    let text = render(&moe, &layouts);
     assert!(
-        text.contains("NOT COUNTED: the 8 experts of each MoE layer"),
+        text.contains("experts: 8 a layer at EP 2")
+            && text.contains("NOT COUNTED: their activations"),
         "{text}"
+    );
+    let dp4 = PlannedLayout {
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        virtual_stages: 1,
+        dp: 4,
+        sequence_parallel: false,
+        distributed_optimizer: true,
+        recompute: Recompute::None,
+        last_stage_layers: None,
+    };
+    let experts = 32 * 8 / 2 * 3 * 4096 * 1024;
+    let split = stage_params(&moe.model, 1, 2, 1, 0, 0..32);
+    assert_eq!(split.experts, experts);
+    let m = estimate(&moe, dp4).unwrap().memory;
+    // bf16 parameters; dense f32 units and bf16 expert gradients; the dense state sharded
+    // over DP 4, the experts' over expert DP 2; the experts' f32 buffer at the step.
+    assert_eq!(m.params, 2 * (split.dense + experts));
+    assert_eq!(m.grads, 4 * split.dense + 2 * experts);
+    assert_eq!(m.optimizer, 12 * split.dense / 4 + 12 * experts / 2);
+    assert_eq!(m.step_buffer, 4 * experts);
+    // At EP 1 a rank would hold 3.2 billion: still indexable. With experts of 14 336 (45
+    // billion a rank at EP 1, 11 at EP 4) none is.
+    let mut wide = PlanInput {
+        expert_parallel: 4,
+        ..moe.clone()
+    };
+    wide.model.moe = Some(MoeSettings::new(8));
+    let error = estimate(&wide, dp4).unwrap_err().to_string();
+    assert!(
+        error.contains("the experts' flat gradient buffer would hold"),
+        "{error}"
+    );
+    assert!(plan(&wide, 4).is_empty());
+    let odd = estimate(
+        &PlanInput {
+            expert_parallel: 3,
+            ..moe.clone()
+        },
+        dp4,
+    )
+    .unwrap_err();
+    assert!(
+        odd.to_string().contains("EP 3 does not divide DP 4"),
+        "{odd}"
     );
 }
