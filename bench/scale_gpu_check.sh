@@ -253,4 +253,6 @@ if part tp4; then
   ITERS=5 ours llama_tp4_mb4 llama3_8b $T4 --micro-batch-size 4 --global-batch-size 32
   ITERS=5 ours llama_tp4_mb4_overlap llama3_8b $T4 --micro-batch-size 4 --global-batch-size 32 --tp-comm-overlap
   ITERS=5 ours gpt_tp4_mb8 gpt3_6.7b $T4 --micro-batch-size 8 --global-batch-size 64
+  # Where the 8B TP 4 step goes (rank 0, one step): the exposed communication at this size.
+  BM_PROFILE=1 ITERS=3 ours llama_tp4_mb2_profile llama3_8b $T4 --micro-batch-size 2 --global-batch-size 16 --tp-comm-overlap --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0
 fi
