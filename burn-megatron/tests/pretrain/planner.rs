@@ -59,22 +59,26 @@ fn our_activation_count() {
     );
 }
 
-/// Each pipeline stage's TP rank 0 holds as many parameters as the planner counts: a GPT
-/// (tied, biases, LayerNorm, learned positions) and a Llama (untied, no biases, RMSNorm,
-/// rope, GQA), at TP 1 and 2 and PP 1 and 2.
-#[test]
-fn parameter_counts_are_the_models() {
-    let gpt = TransformerConfig::new(32, 4, 4, 96, 300, 16).with_make_vocab_size_divisible_by(8);
+/// A 4-layer Llama (untied, no biases, RMSNorm, rope, GQA 4/2, SwiGLU) of width 32.
+fn small_llama() -> TransformerConfig {
     let llama = TransformerConfig::llama_1b();
-    let llama = TransformerConfig::new(32, 4, 4, 80, 300, 16)
+    TransformerConfig::new(32, 4, 4, 80, 300, 16)
         .with_make_vocab_size_divisible_by(8)
         .with_num_query_groups(Some(2))
         .with_normalization(llama.normalization)
         .with_activation(llama.activation)
         .with_position_embedding(llama.position_embedding)
         .with_add_bias_linear(false)
-        .with_tie_embeddings(false);
-    for model in [gpt, llama] {
+        .with_tie_embeddings(false)
+}
+
+/// Each pipeline stage's TP rank 0 holds as many parameters as the planner counts: a GPT
+/// (tied, biases, LayerNorm, learned positions) and a Llama (untied, no biases, RMSNorm,
+/// rope, GQA), at TP 1 and 2 and PP 1 and 2.
+#[test]
+fn parameter_counts_are_the_models() {
+    let gpt = TransformerConfig::new(32, 4, 4, 96, 300, 16).with_make_vocab_size_divisible_by(8);
+    for model in [gpt, small_llama()] {
         for (tp, pp) in [(1, 1), (2, 1), (1, 2), (2, 2)] {
             let counted = run(tp, |ctx| {
                 let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp))?;
@@ -121,22 +125,13 @@ fn split_layers(model: &TransformerConfig, pp: usize, s: usize) -> std::ops::Ran
 #[test]
 fn expert_parameter_counts_are_the_models() {
     use burn_megatron::transformer::moe::MoeSettings;
-    let llama = TransformerConfig::llama_1b();
     let moe = MoeSettings::new(4)
         .with_ffn_hidden_size(Some(24))
         .with_shared_expert_ffn_hidden_size(Some(40))
         .with_expert_bias(true)
         .with_score_function(burn_megatron::transformer::moe::RouterScoreFunction::Sigmoid)
         .with_layer_freq(2);
-    let model = TransformerConfig::new(32, 4, 4, 80, 300, 16)
-        .with_make_vocab_size_divisible_by(8)
-        .with_num_query_groups(Some(2))
-        .with_normalization(llama.normalization)
-        .with_activation(llama.activation)
-        .with_position_embedding(llama.position_embedding)
-        .with_add_bias_linear(false)
-        .with_tie_embeddings(false)
-        .with_moe(Some(moe));
+    let model = small_llama().with_moe(Some(moe));
     for (tp, pp, ep) in [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1)] {
         let counted = run(tp * pp * ep, |ctx| {
             let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
