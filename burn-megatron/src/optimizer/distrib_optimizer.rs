@@ -151,7 +151,7 @@ impl DistributedAdamWConfig {
         };
         check_indexable(
             range.len(),
-            "the dense parameters' optimizer shard",
+            "the dense parameters' optimizer shard of this rank",
             "--data-parallel-size with --use-distributed-optimizer, or --pipeline-model-parallel-size",
         )?;
         let full = buffer.take_main_params();
@@ -217,15 +217,18 @@ impl DistributedAdamWConfig {
 pub const MAX_FLAT_NUMEL: usize = u32::MAX as usize;
 
 /// Refuses a flat tensor of `numel` elements above [`MAX_FLAT_NUMEL`], naming it (`what`)
-/// and the options that make it smaller (`fix`).
-fn check_indexable(numel: usize, what: &str, fix: &str) -> crate::Result<()> {
+/// and the options that make it smaller (`fix`). The memory planner leaves out the layouts
+/// it refuses.
+pub(crate) fn check_indexable(
+    numel: usize,
+    what: &str,
+    fix: &str,
+) -> Result<(), crate::error::ConfigError> {
     if numel > MAX_FLAT_NUMEL {
         return Err(crate::error::ConfigError::Invalid(format!(
-            "{what} of this rank would hold {numel} elements, more than the {MAX_FLAT_NUMEL} a \
-             GPU kernel indexes (32-bit indices): spread the parameters over more ranks \
-             ({fix})"
-        ))
-        .into());
+            "{what} would hold {numel} elements, more than the {MAX_FLAT_NUMEL} a GPU kernel \
+             indexes (32-bit indices): spread the parameters over more ranks ({fix})"
+        )));
     }
     Ok(())
 }
@@ -358,7 +361,7 @@ where
         // The experts' gradients are gathered into one flat buffer every step.
         check_indexable(
             layout.numel(),
-            "the experts' flat gradient buffer",
+            "the experts' flat gradient buffer of this rank",
             "--expert-model-parallel-size or --pipeline-model-parallel-size",
         )?;
         let range = if sharded {
@@ -949,7 +952,7 @@ where
             None => {
                 check_indexable(
                     self.layout.numel(),
-                    "the dense parameters' flat gradient buffer",
+                    "the dense parameters' flat gradient buffer of this rank",
                     "--overlap-grad-reduce (it reduces bucket by bucket), or --pipeline-model-parallel-size",
                 )?;
                 self.buffer.gather_grads(&model, grads_in)?;

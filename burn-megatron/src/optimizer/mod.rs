@@ -34,6 +34,7 @@ pub use clip::{
     CLIP_EPSILON, GradClipConfig, clip_coefficient, clip_grad_norm, clip_grads_by_norm,
     global_grad_norm, local_grad_sum_of_squares, shared_copies,
 };
+pub(crate) use distrib_optimizer::check_indexable;
 pub use distrib_optimizer::{
     DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
     ExpertOptimizerState, MAX_FLAT_NUMEL, OptimizerMemory,

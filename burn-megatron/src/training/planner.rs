@@ -40,7 +40,7 @@
 
 use crate::error::ConfigError;
 use crate::models::StageSplit;
-use crate::optimizer::MAX_FLAT_NUMEL;
+use crate::optimizer::check_indexable;
 use crate::pipeline_parallel::Schedule;
 use crate::tensor_parallel::VocabPartition;
 use crate::transformer::{
@@ -320,17 +320,6 @@ pub fn stage_params(
     params
 }
 
-/// Refuses a layout whose rank would hold a flat buffer of more than
-/// [`MAX_FLAT_NUMEL`] elements, as the distributed optimizer does.
-fn check_flat(numel: u64, what: &str) -> Result<(), ConfigError> {
-    if numel > MAX_FLAT_NUMEL as u64 {
-        return Err(ConfigError::Invalid(format!(
-            "{what} would hold {numel} elements, more than a GPU kernel indexes"
-        )));
-    }
-    Ok(())
-}
-
 /// Every rank's memory and the step time of `layout` for `input`.
 pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstimate, ConfigError> {
     let PlannedLayout {
@@ -414,10 +403,26 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             dense: params,
             experts,
         } = stage_params(model, tp, ep, pp, stage, rank_layers);
-        check_flat(experts, "the experts' flat gradient buffer")?;
-        check_flat(params / shards, "the dense parameters' optimizer shard")?;
+        // A layout the optimizer would refuse (see `check_indexable`) is left out.
+        let indexable = |numel: u64, what: &str, fix: &str| {
+            check_indexable(usize::try_from(numel).unwrap_or(usize::MAX), what, fix)
+        };
+        indexable(
+            experts,
+            "the experts' flat gradient buffer",
+            "more EP or PP",
+        )?;
+        indexable(
+            params / shards,
+            "the dense parameters' optimizer shard",
+            "more DP or PP",
+        )?;
         if flat_adamw && !input.overlap_grad_reduce {
-            check_flat(params, "the dense parameters' flat gradient buffer")?;
+            indexable(
+                params,
+                "the dense parameters' flat gradient buffer",
+                "--overlap-grad-reduce",
+            )?;
         }
         // The experts' state is sharded over expert DP (DP × CP / EP).
         let expert_shards = if distributed_optimizer {
