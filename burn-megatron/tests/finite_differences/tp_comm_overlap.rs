@@ -31,6 +31,9 @@ enum Op {
     GatheredLinear,
     GatheredSwiGlu,
     ReduceScattered,
+    /// The same with an even number of tokens a rank, so that the forward runs in chunks
+    /// (`FORWARD_CHUNKS`).
+    ReduceScatteredChunked,
 }
 
 impl Op {
@@ -45,6 +48,7 @@ impl Op {
                 vec![D_OUT],
             ],
             Op::ReduceScattered => vec![vec![TP * TOKENS, D_IN], vec![D_IN, D_OUT]],
+            Op::ReduceScatteredChunked => vec![vec![TP * 2 * TOKENS, D_IN], vec![D_IN, D_OUT]],
         }
     }
 
@@ -52,6 +56,7 @@ impl Op {
         match self {
             Op::GatheredLinear | Op::GatheredSwiGlu => [TP * TOKENS, D_OUT],
             Op::ReduceScattered => [TOKENS, D_OUT],
+            Op::ReduceScatteredChunked => [2 * TOKENS, D_OUT],
         }
     }
 
@@ -73,7 +78,7 @@ impl Op {
                 };
                 AD::gathered_linear(inputs[0].clone(), projection, group)
             }
-            Op::ReduceScattered => {
+            Op::ReduceScattered | Op::ReduceScatteredChunked => {
                 AD::reduce_scattered_linear(inputs[0].clone(), inputs[1].clone(), group)
             }
         };
@@ -181,4 +186,9 @@ fn gathered_swiglu_matches_finite_differences() {
 #[test]
 fn reduce_scattered_linear_matches_finite_differences() {
     check(Op::ReduceScattered);
+}
+
+#[test]
+fn chunked_reduce_scattered_linear_matches_finite_differences() {
+    check(Op::ReduceScatteredChunked);
 }
