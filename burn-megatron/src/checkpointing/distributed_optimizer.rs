@@ -9,6 +9,11 @@
 //! load, each rank reads the flat range its own layout gives it out of whatever boxes overlap
 //! it. So a checkpoint saved at one DP size loads at any other (and the moments load into
 //! Burn's AdamW too, through [`Checkpoint::load_optimizer_state`]).
+//!
+//! The routed experts' buffers (reduced over expert DP, and cut into parts when a rank's
+//! experts pass 32-bit indices, see [`flat_limit`](crate::optimizer::flat_limit)) are saved
+//! and loaded the same way, part by part: the files hold each parameter's state by path, so
+//! they are the same whatever the EP size and however many parts the experts took.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -46,7 +51,8 @@ where
     let rank = optim.global_rank();
     let state = optim.state().map_err(|e| e.on_rank(rank))?;
     let mut params = part_state(chunks, optim.layout(), optim.range(), state, rank)?;
-    if let Some(experts) = optim.expert_state().map_err(|e| e.on_rank(rank))? {
+    // Each part of the experts as the dense buffer: by parameter, whatever the parts.
+    for experts in optim.expert_states().map_err(|e| e.on_rank(rank))? {
         params.extend(part_state(
             chunks,
             experts.layout,
@@ -128,10 +134,15 @@ where
     let state = load_part(checkpoint, chunks, optim.layout(), optim.range(), &device)?;
     optim.load_state(state)?;
     let rank = optim.global_rank();
-    if let Some(experts) = optim.expert_state().map_err(|e| e.on_rank(rank))? {
-        let (layout, range) = (experts.layout.clone(), experts.range);
+    let parts: Vec<_> = optim
+        .expert_states()
+        .map_err(|e| e.on_rank(rank))?
+        .into_iter()
+        .map(|experts| (experts.layout.clone(), experts.range))
+        .collect();
+    for (part, (layout, range)) in parts.into_iter().enumerate() {
         let state = load_part(checkpoint, chunks, &layout, range, &device)?;
-        optim.load_expert_state(state)?;
+        optim.load_expert_state(part, state)?;
     }
     Ok(())
 }

@@ -53,7 +53,18 @@
 //! the update on it (as [`FlatAdamW`](crate::optimizer::FlatAdamW) does), the step count
 //! does not advance, and the scaler backs off or grows on the device. Megatron reads the flag
 //! on the host (`found_inf.item()`) every step; here nothing is read.
+//!
+//! # Routed experts
+//! The experts of MoE layers have flat buffers of their own, averaged over the
+//! expert-data-parallel group (the ranks holding the same experts) and sharded over it; their
+//! squares join the one global norm, and they are updated with the dense parameters' clip
+//! coefficient and overflow flag. A rank's experts can pass 32-bit indices together (32
+//! experts of 3 × 2048 × 1408 in each of 16 layers: 4.43 billion elements), so they are cut into
+//! parts of whole parameters, each with its own buffers, shards and state, each within
+//! [`MAX_FLAT_NUMEL`] ([`flat_limit`](super::flat_limit)). With one part, the common case,
+//! the step is what it was before the cut existed, bit for bit.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use burn::config::Config;
@@ -64,6 +75,7 @@ use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{ParallelState, ProcessGroup, ReduceOp};
 
+use super::flat_limit::{MAX_FLAT_NUMEL, check_indexable, split_at_limit};
 use super::{DynamicLossScaler, FlatAdamWConfig, FoundInf, clip_coefficient};
 use crate::ModelBackend;
 use crate::distributed::grad_reduction::{
@@ -89,6 +101,12 @@ pub struct DistributedAdamWConfig {
     /// Clip the global gradient norm to this (`--clip-grad`); `None`: no clipping.
     #[config(default = "None")]
     pub clip_grad: Option<f64>,
+    /// The most elements of one part of the routed experts' flat buffers
+    /// ([`MAX_FLAT_NUMEL`], see [`flat_limit`](super::flat_limit)); lowered only by tests, so
+    /// that a tiny model's experts take several parts.
+    #[doc(hidden)]
+    #[config(default = "MAX_FLAT_NUMEL")]
+    pub expert_part_numel: usize,
 }
 
 impl DistributedAdamWConfig {
@@ -103,6 +121,12 @@ impl DistributedAdamWConfig {
             crate::optimizer::GradClipConfig::new()
                 .with_max_norm(max_norm)
                 .validate()?;
+        }
+        if !(1..=MAX_FLAT_NUMEL).contains(&self.expert_part_numel) {
+            return Err(crate::error::ConfigError::Invalid(format!(
+                "expert_part_numel ({}) must be in 1..={MAX_FLAT_NUMEL}",
+                self.expert_part_numel
+            )));
         }
         Ok(())
     }
@@ -178,12 +202,13 @@ impl DistributedAdamWConfig {
         };
         let zeros = || Tensor::zeros([range.len()], (&device, DType::F32));
         let experts = match has_experts {
-            true => Some(ExpertPart::init(
+            true => Some(Experts::init(
                 model,
                 state,
                 adam,
                 self.data_parallel.use_distributed_optimizer,
                 shared_copies,
+                self.expert_part_numel,
             )?),
             false => None,
         };
@@ -210,27 +235,6 @@ impl DistributedAdamWConfig {
             param_gathers: 0,
         })
     }
-}
-
-/// The most elements a flat buffer may hold: CubeCL's kernels index a tensor's elements with
-/// 32-bit integers, and past `u32::MAX` an index wraps (a wrong update) or a launch panics.
-pub const MAX_FLAT_NUMEL: usize = u32::MAX as usize;
-
-/// Refuses a flat tensor of `numel` elements above [`MAX_FLAT_NUMEL`], naming it (`what`)
-/// and the options that make it smaller (`fix`). The memory planner leaves out the layouts
-/// it refuses.
-pub(crate) fn check_indexable(
-    numel: usize,
-    what: &str,
-    fix: &str,
-) -> Result<(), crate::error::ConfigError> {
-    if numel > MAX_FLAT_NUMEL {
-        return Err(crate::error::ConfigError::Invalid(format!(
-            "{what} would hold {numel} elements, more than the {MAX_FLAT_NUMEL} a GPU kernel \
-             indexes (32-bit indices): spread the parameters over more ranks ({fix})"
-        )));
-    }
-    Ok(())
 }
 
 /// A flat f32 buffer of the inner backend.
@@ -301,11 +305,12 @@ impl<B: ModelBackend> FlatAdamW<'_, B> {
     }
 }
 
-/// The routed experts' part of a [`DistributedAdamW`] in a checkpoint: its layout, the range
-/// of it this rank holds, and the state of that range.
+/// One part of the routed experts of a [`DistributedAdamW`] in a checkpoint: its layout, the
+/// range of it this rank holds, and the state of that range. A checkpoint keys the state by
+/// parameter, so what it holds does not depend on how the experts were cut into parts.
 #[derive(Debug, Clone)]
 pub struct ExpertOptimizerState<'a, B: burn::tensor::backend::Backend> {
-    /// The experts' flat-buffer layout.
+    /// The part's flat-buffer layout.
     pub layout: &'a BufferLayout,
     /// The range of it this rank holds.
     pub range: std::ops::Range<usize>,
@@ -313,17 +318,29 @@ pub struct ExpertOptimizerState<'a, B: burn::tensor::backend::Backend> {
     pub state: DistributedAdamWState<B>,
 }
 
-/// The routed experts' part of a [`DistributedAdamW`]: their own flat buffers, averaged over
-/// the expert-data-parallel group (the ranks that hold the same experts) instead of DP, and
+/// The routed experts of a [`DistributedAdamW`]: their own flat buffers, averaged over the
+/// expert-data-parallel group (the ranks that hold the same experts) instead of DP, and
 /// sharded over it with the distributed optimizer (Megatron's expert buffers and
-/// `expert_data_parallel_group`).
+/// `expert_data_parallel_group`). A rank's experts can pass 32-bit indices together, so they
+/// are cut into parts of whole parameters that each stay below the limit
+/// ([`flat_limit`](super::flat_limit)); a step reduces every part, adds their squares into the
+/// one global norm, and updates each with the same clip coefficient and overflow flag.
 #[derive(Debug, Clone)]
-struct ExpertPart<B: AutodiffBackend> {
+struct Experts<B: AutodiffBackend> {
     expert_dp: ProcessGroup,
     ep: ProcessGroup,
     /// Expert gradients are averaged over expert-DP; times this (`expert_dp / dp = 1 / ep`)
     /// they are the DP average of the loss's gradient, as the dense ones.
     grad_scale: f64,
+    /// In buffer order; a single part unless the experts pass
+    /// [`DistributedAdamWConfig::expert_part_numel`] together.
+    parts: Vec<ExpertPart<B>>,
+}
+
+/// One part of the experts: a group of whole parameters with its own flat buffers, shards and
+/// the AdamW state of this rank's range of them.
+#[derive(Debug, Clone)]
+struct ExpertPart<B: AutodiffBackend> {
     layout: BufferLayout,
     buffer: ParamAndGradBuffer<B::InnerBackend>,
     range_start: usize,
@@ -335,17 +352,19 @@ struct ExpertPart<B: AutodiffBackend> {
     step: Tensor<B::InnerBackend, 1>,
 }
 
-impl<B> ExpertPart<B>
+impl<B> Experts<B>
 where
     B: AutodiffBackend,
     B::InnerBackend: ModelBackend,
 {
+    /// The experts of `model`, cut into parts of at most `limit` elements.
     fn init<M>(
         model: &M,
         state: &ParallelState,
         adam: FlatAdamWConfig,
         sharded: bool,
         shared_copies: &[String],
+        limit: usize,
     ) -> crate::Result<Self>
     where
         B: ModelBackend,
@@ -354,23 +373,172 @@ where
         let expert_dp = state.expert_dp().clone();
         let mut config = adam.buffer;
         config.dp_size = expert_dp.size();
+        let infos = crate::tensor_parallel::try_param_infos(model)?;
+        let all = BufferLayout::new_where(&infos, config, |info| info.placement.is_expert())?;
+        let parts = split_at_limit(&all, limit, "--expert-model-parallel-size")?
+            .into_iter()
+            .map(|ids| {
+                let ids: HashSet<ParamId> = ids.into_iter().collect();
+                let context = PartContext {
+                    state,
+                    adam,
+                    config,
+                    sharded,
+                    shared_copies,
+                };
+                ExpertPart::init(model, &context, &ids)
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        Ok(Self {
+            grad_scale: expert_dp.size() as f64 / state.dp().size() as f64,
+            expert_dp,
+            ep: state.ep().clone(),
+            parts,
+        })
+    }
+
+    /// Each part's gradients averaged over DP (this rank's shard with the distributed
+    /// optimizer), and their sum of squares over every expert of the model: each part's
+    /// added, then over the expert-DP shards, then over EP (each rank of an EP group holds
+    /// other experts).
+    fn reduce<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: &GradientsParams,
+        bucket: usize,
+        sharded: bool,
+        align: usize,
+    ) -> crate::Result<(Vec<InnerFlat<B>>, InnerFlat<B>)> {
+        let mut reduced = Vec::with_capacity(self.parts.len());
+        let mut squares: Option<InnerFlat<B>> = None;
+        let reduction = PartReduction {
+            expert_dp: &self.expert_dp,
+            grad_scale: self.grad_scale,
+            bucket,
+            sharded,
+            align,
+        };
+        for part in &mut self.parts {
+            let (part_grads, part_squares) = part.reduce(model, grads, &reduction)?;
+            squares = Some(match squares {
+                Some(sum) => sum + part_squares,
+                None => part_squares,
+            });
+            reduced.push(part_grads);
+        }
+        let Some(mut sum_of_squares) = squares else {
+            return Err(crate::ConfigError::Invalid(
+                "the routed experts' optimizer holds no part".into(),
+            )
+            .into());
+        };
+        if sharded {
+            sum_of_squares = self.expert_dp.all_reduce(sum_of_squares, ReduceOp::Sum)?;
+        }
+        let sum_of_squares = self.ep.all_reduce(sum_of_squares, ReduceOp::Sum)?;
+        Ok((reduced, sum_of_squares))
+    }
+
+    /// The AdamW update of every part's range (`grads` from [`reduce`](Self::reduce)), and
+    /// the model with the new expert weights.
+    fn update<M: AutodiffModule<B>>(
+        &mut self,
+        mut model: M,
+        grads: Vec<InnerFlat<B>>,
+        hyper: &AdamWScalars,
+        step: ExpertStep<B>,
+    ) -> crate::Result<M> {
+        let ExpertStep {
+            grad_factor,
+            flag,
+            sharded,
+            bucketed,
+            model_dtype,
+        } = step;
+        if grads.len() != self.parts.len() {
+            return Err(crate::ConfigError::Invalid(format!(
+                "{} gradients for the experts' {} parts",
+                grads.len(),
+                self.parts.len()
+            ))
+            .into());
+        }
+        for (part, grads) in self.parts.iter_mut().zip(grads) {
+            let flat = FlatAdamW {
+                master: &mut part.master,
+                exp_avg: &mut part.exp_avg,
+                exp_avg_sq: &mut part.exp_avg_sq,
+                step: &mut part.step,
+                decay: &part.decay,
+            };
+            let updated = flat.step(grads, hyper, grad_factor.clone(), flag.clone(), model_dtype);
+            model = write_gathered(
+                &part.buffer,
+                model,
+                updated,
+                &self.expert_dp,
+                sharded,
+                bucketed,
+            )?
+            .0;
+        }
+        Ok(model)
+    }
+}
+
+/// How a step reduces every part of the experts.
+struct PartReduction<'a> {
+    expert_dp: &'a ProcessGroup,
+    /// See [`Experts::grad_scale`].
+    grad_scale: f64,
+    /// The reduction's bucket size ([`DataParallelConfig::bucket_numel`]).
+    bucket: usize,
+    sharded: bool,
+    /// [`BufferConfig::param_alignment`](crate::distributed::BufferConfig::param_alignment).
+    align: usize,
+}
+
+/// What every part of the experts is built with.
+struct PartContext<'a> {
+    state: &'a ParallelState,
+    adam: FlatAdamWConfig,
+    /// The buffers' layout settings, `dp_size` the expert-DP size.
+    config: crate::distributed::BufferConfig,
+    sharded: bool,
+    shared_copies: &'a [String],
+}
+
+impl<B> ExpertPart<B>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: ModelBackend,
+{
+    /// The part of `model`'s experts `ids`: its buffers, its master weights copied from the
+    /// parameters (this rank's shard of them with the distributed optimizer), moments zero.
+    fn init<M>(model: &M, context: &PartContext, ids: &HashSet<ParamId>) -> crate::Result<Self>
+    where
+        B: ModelBackend,
+        M: AutodiffModule<B> + DeclarePlacements,
+    {
+        let PartContext {
+            state,
+            adam,
+            config,
+            sharded,
+            shared_copies,
+        } = *context;
+        let expert_dp = state.expert_dp();
         let mut buffer = ParamAndGradBuffer::from_module_where(model, config, |info| {
-            info.placement.is_expert()
+            info.placement.is_expert() && ids.contains(&info.id)
         })?;
         let layout = buffer.layout().clone();
-        // The experts' gradients are gathered into one flat buffer every step.
-        check_indexable(
-            layout.numel(),
-            "the experts' flat gradient buffer of this rank",
-            "--expert-model-parallel-size or --pipeline-model-parallel-size",
-        )?;
         let range = if sharded {
             layout.shard(expert_dp.rank())
         } else {
             0..layout.numel()
         };
         let full = buffer.take_main_params();
-        check_same_parameters(&full, &expert_dp)?;
+        check_same_parameters(&full, expert_dp)?;
         let device = full.device();
         let master = if range.len() == layout.numel() {
             full
@@ -396,9 +564,6 @@ where
         };
         let zeros = || Tensor::zeros([range.len()], (&device, DType::F32));
         Ok(Self {
-            grad_scale: expert_dp.size() as f64 / state.dp().size() as f64,
-            expert_dp,
-            ep: state.ep().clone(),
             layout,
             buffer,
             range_start: range.start,
@@ -411,69 +576,37 @@ where
         })
     }
 
-    /// The experts' gradients averaged over DP (this rank's shard with the distributed
-    /// optimizer), and their sum of squares over every expert of the model: added over the
-    /// expert-DP shards, then over EP (each rank of an EP group holds other experts).
+    /// This part's gradients averaged over DP (this rank's shard with the distributed
+    /// optimizer), and the sum of the squares of those counted in the norm on this rank.
     fn reduce<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         grads: &GradientsParams,
-        bucket: usize,
-        sharded: bool,
-        align: usize,
+        how: &PartReduction,
     ) -> crate::Result<(InnerFlat<B>, InnerFlat<B>)> {
         self.buffer.gather_grads(model, grads)?;
         let full = self.buffer.grads();
         self.buffer.release_grads();
-        let reduced = if sharded {
-            reduce_scatter_grads(full, &self.layout, &self.expert_dp, bucket)?
+        let reduced = if how.sharded {
+            reduce_scatter_grads(full, &self.layout, how.expert_dp, how.bucket)?
         } else {
-            all_reduce_grads(full, &self.layout, &self.expert_dp, bucket)?
+            all_reduce_grads(full, &self.layout, how.expert_dp, how.bucket)?
         };
-        let reduced = reduced.mul_scalar(self.grad_scale);
+        let reduced = reduced.mul_scalar(how.grad_scale);
         let blocks = self.decay.dims()[0];
-        let mut sum_of_squares = (reduced.clone().reshape([blocks, align]).square().sum_dim(1)
+        let sum_of_squares = (reduced
+            .clone()
+            .reshape([blocks, how.align])
+            .square()
+            .sum_dim(1)
             * self.counted.clone().reshape([blocks, 1]))
         .sum();
-        if sharded {
-            sum_of_squares = self.expert_dp.all_reduce(sum_of_squares, ReduceOp::Sum)?;
-        }
-        let sum_of_squares = self.ep.all_reduce(sum_of_squares, ReduceOp::Sum)?;
         Ok((reduced, sum_of_squares))
     }
 
-    /// The AdamW update of the experts' range, and the model with the new expert weights.
-    fn update<M: AutodiffModule<B>>(
-        &mut self,
-        model: M,
-        grads: InnerFlat<B>,
-        hyper: &AdamWScalars,
-        step: ExpertStep<B>,
-    ) -> crate::Result<M> {
-        let ExpertStep {
-            grad_factor,
-            flag,
-            sharded,
-            bucketed,
-            model_dtype,
-        } = step;
-        let flat = FlatAdamW {
-            master: &mut self.master,
-            exp_avg: &mut self.exp_avg,
-            exp_avg_sq: &mut self.exp_avg_sq,
-            step: &mut self.step,
-            decay: &self.decay,
-        };
-        let updated = flat.step(grads, hyper, grad_factor, flag, model_dtype);
-        write_gathered(
-            &self.buffer,
-            model,
-            updated,
-            &self.expert_dp,
-            sharded,
-            bucketed,
-        )
-        .map(|(model, _)| model)
+    /// The range of the part's buffers this rank holds.
+    fn range(&self) -> std::ops::Range<usize> {
+        self.range_start..self.range_start + self.master.dims()[0]
     }
 }
 
@@ -684,8 +817,8 @@ pub struct DistributedAdamW<B: AutodiffBackend> {
     /// model's layers say).
     partial: Vec<ParamId>,
     /// The routed experts' buffers and state, if the model has MoE layers: reduced over the
-    /// expert-data-parallel group (the dense buffer leaves them out).
-    experts: Option<ExpertPart<B>>,
+    /// expert-data-parallel group (the dense buffer leaves them out), in one or more parts.
+    experts: Option<Experts<B>>,
     /// All-gathers of the dense parameters in the last step (see
     /// [`param_gathers`](Self::param_gathers)).
     param_gathers: usize,
@@ -775,43 +908,52 @@ where
         Ok(())
     }
 
-    /// The routed experts' part, if the model has MoE layers: its layout, the range of it
-    /// this rank holds, and the state of that range (reads the step count to the host: a
-    /// device error is a [`DeviceError`](crate::error::DeviceError)).
+    /// The parts of the routed experts, in buffer order (none without MoE layers; one unless
+    /// a rank's experts pass 32-bit indices together, see [`flat_limit`](super::flat_limit)):
+    /// each part's layout, the range of it this rank holds, and the state of that range (reads
+    /// each part's step count to the host: a device error is a
+    /// [`DeviceError`](crate::error::DeviceError)).
     #[allow(clippy::type_complexity)]
-    pub fn expert_state(
+    pub fn expert_states(
         &self,
     ) -> core::result::Result<
-        Option<ExpertOptimizerState<'_, B::InnerBackend>>,
+        Vec<ExpertOptimizerState<'_, B::InnerBackend>>,
         crate::error::DeviceError,
     > {
         let Some(experts) = self.experts.as_ref() else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
-        let step = read_step(
-            &experts.step,
-            "the distributed optimizer's expert step count",
-        )?;
-        let range = experts.range_start..experts.range_start + experts.master.dims()[0];
-        Ok(Some(ExpertOptimizerState {
-            layout: &experts.layout,
-            range,
-            state: DistributedAdamWState {
-                main_params: experts.master.clone(),
-                exp_avg: experts.exp_avg.clone(),
-                exp_avg_sq: experts.exp_avg_sq.clone(),
-                step,
-            },
-        }))
+        experts
+            .parts
+            .iter()
+            .map(|part| {
+                let step = read_step(&part.step, "the distributed optimizer's expert step count")?;
+                Ok(ExpertOptimizerState {
+                    layout: &part.layout,
+                    range: part.range(),
+                    state: DistributedAdamWState {
+                        main_params: part.master.clone(),
+                        exp_avg: part.exp_avg.clone(),
+                        exp_avg_sq: part.exp_avg_sq.clone(),
+                        step,
+                    },
+                })
+            })
+            .collect()
     }
 
-    /// [`load_state`](Self::load_state) for the routed experts' part (a no-op without one).
+    /// [`load_state`](Self::load_state) for part `part` of the routed experts (its index in
+    /// [`expert_states`](Self::expert_states)).
     pub fn load_expert_state(
         &mut self,
+        part: usize,
         state: DistributedAdamWState<B::InnerBackend>,
     ) -> core::result::Result<(), crate::error::ConfigError> {
-        let Some(experts) = self.experts.as_mut() else {
-            return Ok(());
+        let parts = self.experts.as_ref().map_or(0, |e| e.parts.len());
+        let Some(experts) = self.experts.as_mut().and_then(|e| e.parts.get_mut(part)) else {
+            return Err(crate::error::ConfigError::Invalid(format!(
+                "the experts' part {part} does not exist: this optimizer has {parts}"
+            )));
         };
         let len = experts.master.dims()[0];
         for (name, t) in [
@@ -821,7 +963,8 @@ where
         ] {
             if t.dims()[0] != len {
                 return Err(crate::error::ConfigError::Invalid(format!(
-                    "the loaded experts' {name} has {} elements, this rank's range has {len}",
+                    "the loaded experts' {name} (part {part}) has {} elements, this rank's \
+                     range has {len}",
                     t.dims()[0]
                 )));
             }
@@ -1054,9 +1197,9 @@ where
     }
 
     /// The bytes this rank holds for `model` (its parameters) and the optimizer (gradient
-    /// buffer, master weights, moments), from the tensors' shapes and dtypes. With f32
-    /// parameters and no sharding the parameters are views of the master weights and are
-    /// not counted twice.
+    /// buffers, master weights, moments: the dense parameters' and every part of the routed
+    /// experts'), from the tensors' shapes and dtypes. With f32 parameters and no sharding
+    /// the parameters are views of the master weights and are not counted twice.
     pub fn memory<M: Module<B>>(&self, model: &M) -> OptimizerMemory {
         struct Bytes(usize);
         impl<B: AutodiffBackend> ModuleVisitor<B> for Bytes {
@@ -1070,13 +1213,20 @@ where
         let bytes = |t: &Tensor<B::InnerBackend, 1>| t.dims()[0] * t.dtype().size();
         let views = !self.config.data_parallel.use_distributed_optimizer
             && self.buffer.model_dtype() == DType::F32;
-        OptimizerMemory {
+        let mut memory = OptimizerMemory {
             params: params.0,
             grads: 4 * self.layout.numel(),
             main_params: if views { 0 } else { bytes(&self.master) },
             exp_avg: bytes(&self.exp_avg),
             exp_avg_sq: bytes(&self.exp_avg_sq),
+        };
+        for part in self.experts.iter().flat_map(|e| &e.parts) {
+            memory.grads += 4 * part.layout.numel();
+            memory.main_params += if views { 0 } else { bytes(&part.master) };
+            memory.exp_avg += bytes(&part.exp_avg);
+            memory.exp_avg_sq += bytes(&part.exp_avg_sq);
         }
+        memory
     }
 }
 
@@ -1095,20 +1245,7 @@ mod tests {
     use burn::backend::NdArray;
     use burn::tensor::{Tensor, TensorData};
 
-    use super::{MAX_FLAT_NUMEL, check_indexable, fixed_order_sum};
-
-    /// A flat buffer one element past what 32-bit indices reach is refused, naming the buffer
-    /// and the options; one at the limit is taken.
-    #[test]
-    fn flat_buffers_past_32_bit_indices_are_refused() {
-        check_indexable(MAX_FLAT_NUMEL, "a buffer", "--x").unwrap();
-        let error = check_indexable(MAX_FLAT_NUMEL + 1, "the experts' buffer", "--expert-x")
-            .unwrap_err()
-            .to_string();
-        for part in ["the experts' buffer", "4294967296 elements", "--expert-x"] {
-            assert!(error.contains(part), "{error}");
-        }
-    }
+    use super::fixed_order_sum;
 
     /// The fixed-order sum is the sum, at lengths below, at and around one row of columns.
     #[test]

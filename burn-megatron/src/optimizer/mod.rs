@@ -17,12 +17,16 @@
 //!   Burn composition and the kernel's wiring), with the clip coefficient, the loss scale and the overflow skip read on the
 //!   device.
 //!
+//! - [`flat_limit`]: the 32-bit limit of a flat tensor on GPUs, and the cut of a rank's routed
+//!   experts into parts below it.
+//!
 //! Data parallelism (gradient reduction over DP) and the distributed optimizer (ZeRO-1) are
 //! in [`crate::distributed`].
 
 pub mod clip;
 pub mod distrib_optimizer;
 pub mod flat_adamw;
+pub mod flat_limit;
 mod grads;
 pub mod loss_scaler;
 pub mod lr_schedule;
@@ -34,12 +38,13 @@ pub use clip::{
     CLIP_EPSILON, GradClipConfig, clip_coefficient, clip_grad_norm, clip_grads_by_norm,
     global_grad_norm, local_grad_sum_of_squares, shared_copies,
 };
-pub(crate) use distrib_optimizer::check_indexable;
 pub use distrib_optimizer::{
     DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
-    ExpertOptimizerState, MAX_FLAT_NUMEL, OptimizerMemory,
+    ExpertOptimizerState, OptimizerMemory,
 };
 pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
+pub use flat_limit::MAX_FLAT_NUMEL;
+pub(crate) use flat_limit::check_indexable;
 pub use grads::merge_chunk_grads;
 pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig, LossScalerState};
 pub use lr_schedule::{LrDecayStyle, LrSchedule, LrScheduleConfig, WsdDecayStyle};

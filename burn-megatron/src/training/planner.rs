@@ -29,8 +29,10 @@
 //!
 //! MoE layers are planned at the run's expert-parallel size: each rank's routed experts
 //! (parameters and gradients in the model's dtype, their f32 buffer during the optimizer step,
-//! the optimizer state sharded over expert DP), its router and shared expert; a layout whose
-//! experts' flat buffer would pass 32-bit indices is left out, as the optimizer refuses it.
+//! the optimizer state sharded over expert DP), its router and shared expert. The optimizer
+//! cuts a rank's experts into parts below 32-bit indices, whole parameters each: a layout
+//! whose largest expert parameter alone would pass them is left out, as the optimizer refuses
+//! it.
 //! Their activations are planned as the dense MLP's, which [`render`] says above the table.
 //!
 //! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
@@ -249,6 +251,9 @@ pub struct StageParams {
     /// This EP rank's routed experts (`num_experts / ep` of each MoE layer), replicated over
     /// expert DP (DP × CP / EP) and over TP.
     pub experts: u64,
+    /// The largest of those parameters (one stacked matrix of an MoE layer, `num_experts / ep
+    /// × hidden × width`): the optimizer keeps each in one flat buffer.
+    pub largest_expert: u64,
 }
 
 impl StageParams {
@@ -294,7 +299,9 @@ pub fn stage_params(
                 let shared = moe.shared_expert_ffn_hidden_size.unwrap_or(0) as u64;
                 params.dense +=
                     h * experts + if moe.expert_bias { experts } else { 0 } + matrices * h * shared;
-                params.experts += experts / ep as u64 * matrices * h * width;
+                let stacked = experts / ep as u64 * h * width;
+                params.experts += matrices * stacked;
+                params.largest_expert = params.largest_expert.max(stacked);
             }
             _ => params.dense += mlp,
         }
@@ -402,15 +409,16 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
         let StageParams {
             dense: params,
             experts,
+            largest_expert,
         } = stage_params(model, tp, ep, pp, stage, rank_layers);
         // A layout the optimizer would refuse (see `check_indexable`) is left out.
         let indexable = |numel: u64, what: &str, fix: &str| {
             check_indexable(usize::try_from(numel).unwrap_or(usize::MAX), what, fix)
         };
         indexable(
-            experts,
-            "the experts' flat gradient buffer",
-            "more EP or PP",
+            largest_expert,
+            "the flat buffer of one expert parameter alone",
+            "more EP",
         )?;
         indexable(
             params / shards,

@@ -21,7 +21,7 @@ use crate::gpt_model::moe_gpt;
 use crate::{AD, B, assert_close, run, tolerance, values};
 
 /// Every parameter, whole (experts gathered over EP), by path.
-fn full_params(
+pub(crate) fn full_params(
     model: &GptModel<AD>,
     state: &ParallelState,
 ) -> Result<Vec<(String, Vec<f64>)>, burn_megatron_dist::DistError> {

@@ -143,23 +143,26 @@ fn expert_parameter_counts_are_the_models() {
                 &split.stage(state.pp_rank()),
                 &Default::default(),
             )?;
-            let (mut dense, mut experts) = (0u64, 0u64);
+            let (mut dense, mut experts, mut largest) = (0u64, 0u64, 0u64);
             for info in param_infos(&stage) {
                 let numel = info.shape.iter().product::<usize>() as u64;
                 match info.placement.is_expert() {
-                    true => experts += numel,
+                    true => {
+                        experts += numel;
+                        largest = largest.max(numel);
+                    }
                     false => dense += numel,
                 }
             }
             let first = state.tp().rank() == 0 && state.ep().rank() == 0;
-            Ok(first.then_some((state.pp_rank(), dense, experts)))
+            Ok(first.then_some((state.pp_rank(), dense, experts, largest)))
         });
         let mut seen = 0;
-        for (s, dense, experts) in counted.into_iter().flatten() {
+        for (s, dense, experts, largest) in counted.into_iter().flatten() {
             let want = stage_params(&model, tp, ep, pp, s, split_layers(&model, pp, s));
             assert_eq!(
-                (want.dense, want.experts),
-                (dense, experts),
+                (want.dense, want.experts, want.largest_expert),
+                (dense, experts, largest),
                 "TP {tp} PP {pp} EP {ep} stage {s}"
             );
             assert!(
@@ -495,8 +498,9 @@ fn the_plan_splits_long_sequences_over_cp() {
 
 /// The plan of an MoE model counts each rank's experts at the run's EP and says, above the
 /// table, that their activations are planned as the dense MLP's; a dense model's table says
-/// nothing of experts. Layouts whose DP × CP the EP does not divide are left out, and a
-/// layout whose experts' flat buffer would pass 32-bit indices is refused, naming it.
+/// nothing of experts. Layouts whose DP × CP the EP does not divide are left out. A rank's
+/// experts past 32-bit indices together are planned (the optimizer cuts them into parts); a
+/// layout where one expert parameter alone would pass them is refused, naming it.
 #[test]
 fn the_plan_counts_the_experts_and_says_what_it_does_not() {
     use burn_megatron::transformer::moe::MoeSettings;
@@ -541,19 +545,36 @@ fn the_plan_counts_the_experts_and_says_what_it_does_not() {
     assert_eq!(m.grads, 4 * split.dense + 2 * experts);
     assert_eq!(m.optimizer, 12 * split.dense / 4 + 12 * experts / 2);
     assert_eq!(m.step_buffer, 4 * experts);
-    // At EP 1 a rank would hold 3.2 billion: still indexable. With experts of 14 336 (45
-    // billion a rank at EP 1, 11 at EP 4) none is.
+    // With experts of 14 336 a rank holds 45 billion expert parameters at EP 1 and 11 at
+    // EP 4, past 32-bit indices, in parts of whole matrices (2 · 4096 · 14 336 at EP 4):
+    // planned.
     let mut wide = PlanInput {
         expert_parallel: 4,
         ..moe.clone()
     };
     wide.model.moe = Some(MoeSettings::new(8));
-    let error = estimate(&wide, dp4).unwrap_err().to_string();
+    let split = stage_params(&wide.model, 1, 4, 1, 0, 0..32);
+    assert!(split.experts > u32::MAX as u64, "{split:?}");
+    assert_eq!(split.largest_expert, 2 * 4096 * 14_336);
+    let m = estimate(&wide, dp4).unwrap().memory;
+    assert_eq!(m.step_buffer, 4 * split.experts);
+    // 64 experts of 16 384 stack 2³² elements in one matrix at EP 1: refused, named; at EP 2
+    // half that.
+    let mut huge = PlanInput {
+        expert_parallel: 1,
+        ..moe.clone()
+    };
+    huge.model.moe = Some(MoeSettings::new(64).with_ffn_hidden_size(Some(16_384)));
+    let error = estimate(&huge, dp4).unwrap_err().to_string();
     assert!(
-        error.contains("the experts' flat gradient buffer would hold"),
+        error.contains(
+            "the flat buffer of one expert parameter alone would hold 4294967296 elements"
+        ) && error.contains("more EP"),
         "{error}"
     );
-    assert!(plan(&wide, 4).is_empty());
+    assert!(plan(&huge, 4).is_empty());
+    huge.expert_parallel = 2;
+    estimate(&huge, dp4).unwrap();
     let odd = estimate(
         &PlanInput {
             expert_parallel: 3,
