@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|step1|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -97,6 +97,32 @@ if part profile8b; then
     n=prof8b$(echo "$f" | tr -d ' -' | cut -c1-30)
     BM_PROFILE=1 timeout 120 $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
     echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rank 0 \||rror|panick" $OUT/$n.log | cut -c1-170 | head -40
+  done
+fi
+if part step1; then
+  # One GPU: the casts' checks against the host and their speeds (gemm_bench fp8-casts), then
+  # Llama-3 8B's layer shapes at 14 layers (4.1B parameters: 16 would pass the 32-bit optimizer
+  # shard), micro-batch 1, global batch 16, in bf16, FP8 tensorwise and FP8 delayed.
+  [ -n "${SKIP_CASTS:-}" ] || {
+    timeout 90 $B/gemm_bench fp8-casts > $OUT/casts.log 2>&1
+    echo "=== casts: rc=$? checks differing: $(grep -E " differ" $OUT/casts.log | grep -cvE ": 0 of") of $(grep -c " differ" $OUT/casts.log)"
+    grep -E "MISMATCH|NaN|us," $OUT/casts.log | cut -c1-160
+  }
+  P="--config examples/configs/llama3_8b.toml --num-layers 14 --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 16 --train-iters ${STEP1_ITERS:-5}"
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
+    n=step1$(echo "$f" | tr -d ' -' | cut -c1-40)
+    timeout 150 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | cut -c1-150
+  done
+fi
+if part prof1; then
+  # One GPU: PART=step1's model (14 of Llama-3 8B's layers), global batch 8, one step
+  # profiled, bf16 and FP8 tensorwise.
+  P="--config examples/configs/llama3_8b.toml --num-layers 14 --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 8 --train-iters 3 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0"
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
+    n=prof1$(echo "$f" | tr -d ' -' | cut -c1-30)
+    BM_PROFILE=1 timeout 120 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rank 0 \||rror|panick" $OUT/$n.log | cut -c1-170 | head -45
   done
 fi
 if part step8b; then

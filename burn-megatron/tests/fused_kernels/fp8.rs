@@ -1,7 +1,8 @@
-//! The FP8 layers' amax kernel, and the cast kernels' tiles, layouts and fused amax. The FP8
-//! conversion itself needs a runtime that has it, which Vulkan lacks: here the casts write
-//! their unrounded f32 values ([`CastTarget::F32`]), and the FP8 bits are checked bit for bit
-//! on the GPU by `gemm_bench fp8`.
+//! The FP8 layers' amax kernel, and the cast kernels' tiles, layouts, fused amax and FP8 bits.
+//! The casts compute the bits in integer and f32 arithmetic, so they run here: every bf16
+//! value's bits are checked against the host's conversion; the other tests check the tiles and
+//! layouts on the unrounded f32 values ([`CastTarget::F32`]), and `gemm_bench fp8` checks the
+//! bits on the GPU.
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{DType, Tensor, TensorData};
@@ -319,12 +320,84 @@ fn quantize_both_matches_the_two_casts_and_the_amax() {
     assert!(quantize_both(raw(x), &scale, target, false).amax.is_none());
 }
 
-/// The vectorised casts (four elements a thread, four bytes written at once in each layout,
-/// 64 × 64 tiles) and their scalar fallback, for shapes whose sides are multiples of four
-/// (tiles cut at the edges, a single vector, one tile exactly; a cube a tile, and 7 cubes
-/// walking several tiles each)
-/// and shapes that are not (one side or both): `quantize_both`'s two layouts and amax, and
-/// `quantize`'s transposed and row-major casts, against the host reference bit for bit.
+/// The FP8 bits a cast wrote, one a `u32` ([`CastTarget::Fp8InU32`]: WGSL has no 8-bit
+/// storage).
+fn fp8_bytes(t: burn_cubecl::tensor::CubeTensor<burn::backend::wgpu::WgpuRuntime>) -> Vec<u8> {
+    let words = wrap::<2>(t).into_data().to_vec::<u32>().unwrap();
+    words
+        .into_iter()
+        .map(|w| u8::try_from(w).unwrap())
+        .collect()
+}
+
+/// The FP8 bits every cast kernel writes, against the host's conversion
+/// ([`Fp8Kind::encode`], CUDA's): every bf16 value (NaNs, infinities, zeros, subnormals, and the
+/// ties of both formats' rounding), the same values with random low bits (just above and below
+/// the ties), scaled by 1 and by 2^-10 (into both formats' subnormals), E4M3 and E5M2; the
+/// row-major cast, the transposed one, and both fused kernels' two layouts.
+#[test]
+fn the_casts_write_the_hosts_fp8_bits() {
+    let device = WgpuDevice::default();
+    let mut noise = random(1 << 16, 41, 1.0).into_iter();
+    let bf16 = (0..=u16::MAX).map(|b| f32::from_bits((b as u32) << 16));
+    let perturbed = (0..=u16::MAX).map(|b| {
+        let low = (noise.next().unwrap().abs() * 65535.0) as u32;
+        f32::from_bits(((b as u32) << 16) | low)
+    });
+    let values: Vec<f32> = bf16.chain(perturbed).collect();
+    let (rows, cols) = (256, values.len() / 256);
+    let x = Tensor::<W, 2>::from_data(TensorData::new(values.clone(), [rows, cols]), &device);
+    for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+        let target = CastTarget::Fp8InU32(kind);
+        for scale_value in [1.0f32, 2f32.powi(-10)] {
+            let scale = raw(Tensor::<W, 1>::from_floats([scale_value], &device));
+            let row_ref: Vec<u8> = values
+                .iter()
+                .map(|v| kind.encode((v * scale_value) as f64))
+                .collect();
+            let mut transposed_ref = vec![0u8; row_ref.len()];
+            for r in 0..rows {
+                for c in 0..cols {
+                    transposed_ref[c * rows + r] = row_ref[r * cols + c];
+                }
+            }
+            let check = |what: &str, got: Vec<u8>, want: &[u8]| {
+                let wrong: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
+                assert!(
+                    wrong.is_empty(),
+                    "{kind:?} scale {scale_value} {what}: {} of {} bytes differ, first at {}: {:#04x} for {:e}, want {:#04x}",
+                    wrong.len(),
+                    want.len(),
+                    wrong[0],
+                    got[wrong[0]],
+                    values[wrong[0]],
+                    want[wrong[0]]
+                );
+            };
+            let row = quantize(raw(x.clone()), &scale, target, false);
+            check("row-major", fp8_bytes(row), &row_ref);
+            let transposed = quantize(raw(x.clone()), &scale, target, true);
+            check("transposed", fp8_bytes(transposed), &transposed_ref);
+            for kernel in [fp8::BothKernel::Tiles, fp8::BothKernel::Blocks] {
+                let both = fp8::quantize_both_by(raw(x.clone()), &scale, target, false, kernel, 64);
+                check(&format!("{kernel:?} row"), fp8_bytes(both.row), &row_ref);
+                check(
+                    &format!("{kernel:?} transposed"),
+                    fp8_bytes(both.transposed),
+                    &transposed_ref,
+                );
+            }
+        }
+    }
+}
+
+/// The vectorised casts (four elements a thread here, four bytes written at once in each
+/// layout; both kernels: 64 × 64 tiles through shared memory, 4 × 4 blocks transposed in
+/// registers) and their scalar fallback, for shapes whose sides are multiples of four (tiles
+/// and plane groups cut at the edges, a single vector, one tile exactly; the default grid,
+/// and 7 cubes walking several tiles or blocks each) and shapes that are not (one side or
+/// both): `quantize_both`'s two layouts and amax, and `quantize`'s transposed and row-major
+/// casts, against the host reference bit for bit.
 #[test]
 fn vectorised_casts_match_the_host_for_any_shape() {
     let device = WgpuDevice::default();
@@ -380,7 +453,7 @@ fn vectorised_casts_match_the_host_for_any_shape() {
                 &values_f32(wrap::<2>(both.transposed)),
                 &transposed_ref,
             );
-            // Few cubes, each walking several tiles (a tile a cube by default).
+            // Few cubes, each walking several tiles or blocks.
             let walked = fp8::quantize_both_in_cubes(raw(x.clone()), &scale, target, true, 7);
             let amax = values_f32(wrap::<1>(walked.amax.expect("asked for")))[0];
             assert_eq!(amax, 900.0, "{name}: amax, 7 cubes");
@@ -394,6 +467,28 @@ fn vectorised_casts_match_the_host_for_any_shape() {
                 &values_f32(wrap::<2>(walked.transposed)),
                 &transposed_ref,
             );
+            // Each vectorised kernel whatever the vector (tiles through shared memory, blocks
+            // transposed in registers), a tile or block a cube (or thread) and 7 cubes walking
+            // several each.
+            for kernel in [fp8::BothKernel::Tiles, fp8::BothKernel::Blocks] {
+                for cubes in [usize::MAX, 7] {
+                    let casts =
+                        fp8::quantize_both_by(raw(x.clone()), &scale, target, true, kernel, cubes);
+                    let what = format!("{name} {kernel:?} in {cubes} cubes");
+                    let amax = values_f32(wrap::<1>(casts.amax.expect("asked for")))[0];
+                    assert_eq!(amax, 900.0, "{what}: amax");
+                    assert_same_bits(
+                        &format!("{what}, row"),
+                        &values_f32(wrap::<2>(casts.row)),
+                        &row_ref,
+                    );
+                    assert_same_bits(
+                        &format!("{what}, transposed"),
+                        &values_f32(wrap::<2>(casts.transposed)),
+                        &transposed_ref,
+                    );
+                }
+            }
             for (transpose, want) in [(true, &transposed_ref), (false, &row_ref)] {
                 let got = values_f32(wrap::<2>(quantize(
                     raw(x.clone()),
