@@ -26,13 +26,16 @@
 //! TP = 1. A NaN amax is sent as +∞ (a maximum over ranks then keeps it whatever the
 //! transport's NaN rule), and a non-finite amax never becomes a scale.
 //!
-//! Under tensorwise scaling the weight's cast (amax, reduction, scale, both layouts) is kept
-//! in the layer until the weight tensor is replaced ([`Fp8Config::cache_weights`]): the
-//! microbatches of one optimizer step and a recomputed forward reuse it. The key is the
-//! weight's autodiff node, which an optimizer step, a checkpoint load or any other new value
-//! replaces, so no optimizer has to tell the layer; the cached copy is the one a fresh cast
-//! of the same tensor gives. Delayed scaling casts every use (its weight scale moves with
-//! each recorded amax).
+//! The weight's cast (amax, reduction, scale, both layouts) is kept in the layer until the
+//! weight tensor is replaced ([`Fp8Config::cache_weights`]): the microbatches of one
+//! optimizer step and a recomputed forward reuse it. The key is the weight's autodiff node,
+//! which an optimizer step, a checkpoint load or any other new value replaces, so no
+//! optimizer has to tell the layer. Under tensorwise scaling the cached copy is the one a
+//! fresh cast of the same tensor gives. Under delayed scaling it is the cast of the first
+//! forward pass after the weight changed, with that pass's scale, and the weight's amax is
+//! recorded once per copy: Transformer Engine's FP8 weights cached after the first
+//! microbatch (`is_first_microbatch`). Without the cache every forward casts the weight and,
+//! under delayed scaling, records its amax.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -220,10 +223,10 @@ impl Fp8Linear {
             .count()
     }
 
-    /// Whether the weight's cast is kept until the weight is replaced (tensorwise scaling
-    /// with [`Fp8Config::cache_weights`]).
+    /// Whether the weight's cast is kept until the weight is replaced
+    /// ([`Fp8Config::cache_weights`]).
     fn caches_weights(&self) -> bool {
-        self.config.cache_weights && !self.delayed()
+        self.config.cache_weights
     }
 
     /// The cast kept for the weight whose autodiff node is `id`, if any; drops the entries of
@@ -435,7 +438,7 @@ struct Keep {
 }
 
 /// The weight as the forward pass gets it: the tensor, to be cast, or its cast kept from an
-/// earlier forward pass (tensorwise scaling only).
+/// earlier forward pass.
 enum Weight<B: Backend> {
     Tensor(Tensor<B, 2>),
     Cast(WeightCast<B>),
@@ -462,11 +465,16 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     let (x_layouts, w_layouts) = ([true, keep.x_transposed], [keep.w_row, true]);
     let (x_cast, x_amax, x_scale, w_cast, w_amax);
     match w {
+        // The weight's amax was recorded with its cast.
+        Weight::Cast(cast_before) if fp8.delayed() => {
+            x_scale = fp8.delayed_scale(Operand::Input, &x.device());
+            let mut x_c = cast(x, x_scale.scale.clone(), dtype, x_layouts, true);
+            let [x_a] =
+                fp8.reduce_amaxes([(x_c.amax.take().expect("asked for"), fp8.split.input)])?;
+            (x_cast, x_amax) = (x_c, x_a);
+            (w_cast, w_amax) = (cast_before, None);
+        }
         Weight::Cast(cast_before) => {
-            debug_assert!(
-                !fp8.delayed(),
-                "delayed scaling casts the weight every time"
-            );
             (x_amax, x_scale) = fp8.tensorwise(&x, fp8.split.input, dtype)?;
             x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
             (w_cast, w_amax) = (cast_before, None);

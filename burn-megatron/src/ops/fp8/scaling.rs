@@ -124,10 +124,13 @@ pub struct Fp8Config {
     /// Transformer Engine's default; Megatron's command line defaults to `most_recent`.
     #[config(default = "AmaxComputeAlgo::Max")]
     pub amax_compute_algo: AmaxComputeAlgo,
-    /// Under tensorwise scaling, keep each weight's FP8 copy (its scale and both layouts)
-    /// until the weight itself is replaced, so that the microbatches of one optimizer step
-    /// (and a recomputed forward) cast it once: Transformer Engine's cached FP8 weights. The
-    /// copy is what a fresh cast would give, bit for bit. Off: every forward casts the weight.
+    /// Keep each weight's FP8 copy (its scale and both layouts) until the weight itself is
+    /// replaced, so that the microbatches of one optimizer step (and a recomputed forward)
+    /// cast it once: Transformer Engine's cached FP8 weights. Under tensorwise scaling the
+    /// copy is what a fresh cast would give, bit for bit; under delayed scaling it has the
+    /// scale of the first forward pass after the weight changed, whose amax alone is
+    /// recorded (Transformer Engine's `is_first_microbatch`). Off: every forward casts the
+    /// weight (and, delayed, records its amax).
     #[config(default = true)]
     pub cache_weights: bool,
 }
