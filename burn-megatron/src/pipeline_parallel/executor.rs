@@ -547,8 +547,8 @@ where
     ) -> Result<B::Gradients> {
         let tp = model.tp();
         tp.barrier()?;
-        // MoE layers' all-to-alls run inside the backward pass too: the same argument for
-        // the expert-parallel group.
+        // MoE layers' all-to-alls (or all-gathers and reduce-scatters) run inside the
+        // backward pass too: the same argument for the expert-parallel group.
         let ep = model.expert_parallel_group().filter(|ep| ep.size() > 1);
         if let Some(ep) = ep {
             ep.barrier()?;

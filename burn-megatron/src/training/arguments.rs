@@ -12,7 +12,9 @@ use crate::error::{ConfigError, Result};
 use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
 use crate::transformer::moe::LoadBalancingType;
-use crate::transformer::moe::{MoeLayerFreq, RouterScoreFunction, TokenDropPolicy};
+use crate::transformer::moe::{
+    MoeLayerFreq, RouterScoreFunction, TokenDispatcherType, TokenDropPolicy,
+};
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
 /// Pretrain a GPT with tensor and pipeline parallelism (Megatron-LM's `pretrain_gpt.py`).
@@ -433,6 +435,13 @@ pub struct PretrainArgs {
         help_heading = "Mixture of experts"
     )]
     pub moe_pad_expert_input_to_capacity: Option<bool>,
+    /// How tokens travel to their experts and back: alltoall (each rank sends each rank the
+    /// tokens of its experts) or allgather (every EP rank gathers the group's tokens, the
+    /// outputs return by reduce-scatter; for small EP). The same results either way.
+    /// Megatron's default is allgather; here alltoall, the dispatcher of every earlier run
+    /// and preset and the only one run on a GPU. [default: alltoall]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_token_dispatcher_type: Option<String>,
 }
 
 impl PretrainArgs {
@@ -581,6 +590,9 @@ impl PretrainArgs {
         if let Some(name) = &a.moe_token_drop_policy {
             c.moe_token_drop_policy = Some(TokenDropPolicy::parse(name)?);
         }
+        if let Some(name) = &a.moe_token_dispatcher_type {
+            c.moe_token_dispatcher_type = TokenDispatcherType::parse(name)?;
+        }
         if let Some(name) = &a.moe_router_score_function {
             c.moe_router_score_function = parse_score_function(name)?;
         }
@@ -714,6 +726,7 @@ impl PretrainArgs {
             moe_expert_capacity_factor,
             moe_token_drop_policy,
             moe_pad_expert_input_to_capacity,
+            moe_token_dispatcher_type,
         )
     }
 }

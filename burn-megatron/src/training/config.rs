@@ -18,7 +18,8 @@ use crate::optimizer::{
 };
 use crate::pipeline_parallel::Schedule;
 use crate::transformer::moe::{
-    ExpertCapacity, LoadBalancingType, MoeSettings, RouterScoreFunction, TokenDropPolicy,
+    ExpertCapacity, LoadBalancingType, MoeSettings, RouterScoreFunction, TokenDispatcherType,
+    TokenDropPolicy,
 };
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
@@ -381,6 +382,14 @@ pub struct PretrainConfig {
     /// Needs a capacity factor.
     #[config(default = false)]
     pub moe_pad_expert_input_to_capacity: bool,
+    /// How tokens travel to the experts and back (`--moe-token-dispatcher-type alltoall|
+    /// allgather`): the same results either way. Megatron defaults to `allgather`; here the
+    /// default is `alltoall`, the dispatcher that every earlier run, test, benchmark and GPU
+    /// preset used and the only one run on a GPU so far, so that leaving the option out
+    /// means what it meant before the all-gather dispatcher existed (the all-gather one moves
+    /// and holds `ep` times the tokens: for small EP groups).
+    #[config(default = "TokenDispatcherType::AllToAll")]
+    pub moe_token_dispatcher_type: TokenDispatcherType,
 }
 
 /// The facts every rank derives from a checked [`PretrainConfig`].
@@ -486,6 +495,7 @@ impl PretrainConfig {
                         )
                         .with_pad_to_capacity(self.moe_pad_expert_input_to_capacity)
                 }))
+                .with_token_dispatcher(self.moe_token_dispatcher_type)
         })
     }
 
@@ -514,6 +524,7 @@ impl PretrainConfig {
                 || self.moe_router_group_topk.is_some()
                 || self.moe_router_topk_scaling_factor.is_some()
                 || self.moe_router_load_balancing_type != defaults.moe_router_load_balancing_type
+                || self.moe_token_dispatcher_type != defaults.moe_token_dispatcher_type
             {
                 return invalid(
                     "--expert-model-parallel-size and the --moe-* options need --num-experts \

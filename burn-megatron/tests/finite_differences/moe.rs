@@ -2,7 +2,8 @@
 //! with respect to the input and every element of every parameter (router, routed experts,
 //! shared expert), against central differences, for softmax and sigmoid routing, SwiGLU and
 //! GeLU experts, top-1 and top-2, pre-softmax, group-limited routing with scaled weights and
-//! the sequence-level load-balancing loss.
+//! the sequence-level load-balancing loss; and the all-gather token dispatcher at EP 2 over
+//! thread ranks of different batch lengths (every rank's input and every parameter).
 //!
 //! Top-k is piecewise constant: a difference is exact only if no step changes a token's
 //! choice. The layer is small and its scores well apart, so none does; a change would show as
@@ -12,12 +13,12 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::transformer::Activation;
-use burn_megatron::transformer::moe::{ExpertCapacity, TokenDropPolicy};
+use burn_megatron::transformer::moe::{ExpertCapacity, TokenDispatcherType, TokenDropPolicy};
 use burn_megatron::transformer::moe::{
     LoadBalancingType, MoeConfig, MoeLayer, RouterScoreFunction,
 };
-use burn_megatron_dist::ProcessGroup;
-use burn_megatron_testing::{relative_difference, run, tolerance, values};
+use burn_megatron_dist::{DistResult, ParallelSizes, ProcessGroup, ReduceOp};
+use burn_megatron_testing::{assert_close, relative_difference, run, tolerance, values};
 
 use crate::{AD, B, STEP, device};
 
@@ -261,4 +262,135 @@ fn moe_capacity_drops_by_position_padded() {
         TokenDropPolicy::Position,
         true,
     );
+}
+
+/// Each rank's input and gradients, analytic and estimated: the input's, and each
+/// parameter's by path (a routed expert's: this rank's experts only).
+type RankGradients = (
+    Vec<f64>,
+    Vec<f64>,
+    Vec<(String, Vec<f64>)>,
+    Vec<(String, Vec<f64>)>,
+);
+
+/// The layer at EP 2 with the all-gather dispatcher, ranks of 6 and 3 tokens (so rank 1's
+/// tokens are padded in the all-gathers): the gradient of the ranks' summed loss
+/// `Σ_r (Σ probe_r ∘ y_r + aux_loss_r)` with respect to every rank's input and every element
+/// of every parameter, against central differences of that sum (all-reduced, so every rank
+/// evaluates it). A replicated parameter (router, shared expert) moves on both ranks at once
+/// and its gradient is the sum of the ranks' (what data parallelism sums); a routed expert's
+/// moves on its own rank only.
+fn check_expert_parallel(name: &str, config: MoeConfig) {
+    const EP: usize = 2;
+    let shape = |rank: usize| [2 - rank, 3, SHAPE[2]];
+    let draw = |rank: usize, seed: u64| {
+        init_full::<B, 3>(
+            shape(rank),
+            InitDistribution::Normal { std: 1.0 },
+            seed + 10 * rank as u64,
+            &device(),
+        )
+    };
+    let ranks: Vec<RankGradients> = run(EP, |ctx| {
+        let state = ctx.parallel_state(ParallelSizes::default().with_ep(EP))?;
+        let group = state.ep();
+        let r = group.rank();
+        let (x, probe) = (draw(r, 31), draw(r, 32));
+        let tracked: MoeLayer<AD> = config
+            .init(group, 5, &device())
+            .expect("valid configuration");
+        let x_tracked = Tensor::<AD, 3>::from_inner(x.clone()).require_grad();
+        let out = tracked.try_forward(x_tracked.clone())?;
+        let grads = ((out.output.clone() * Tensor::from_inner(probe.clone())).sum()
+            + out.aux_loss())
+        .backward();
+        group.backward_failure()?;
+        let analytic = gradients(&tracked, &grads);
+        let analytic_input = values(x_tracked.grad(&grads).expect("the input's gradient"));
+        let plain: MoeLayer<B> = config
+            .init(group, 5, &device())
+            .expect("valid configuration");
+        let total = |layer: &MoeLayer<B>, x: Tensor<B, 3>| -> DistResult<f64> {
+            let out = layer.try_forward(x)?;
+            let part = out.aux_loss() + (out.output * probe.clone()).sum();
+            Ok(group.all_reduce(part, ReduceOp::Sum)?.into_scalar())
+        };
+        let central = |shifted: &dyn Fn(f64) -> DistResult<f64>| -> DistResult<f64> {
+            Ok((shifted(STEP)? - shifted(-STEP)?) / (2.0 * STEP))
+        };
+        // Every rank's input in turn: each rank moves its element only when it is its turn.
+        let xs = values(x.clone());
+        let mut numeric_input = Vec::new();
+        for s in 0..EP {
+            for e in 0..shape(s).iter().product::<usize>() {
+                let d = central(&|delta| {
+                    let mut v = xs.clone();
+                    if s == r {
+                        v[e] += delta;
+                    }
+                    total(
+                        &plain,
+                        Tensor::from_data(TensorData::new(v, shape(r)), &device()),
+                    )
+                })?;
+                if s == r {
+                    numeric_input.push(d);
+                }
+            }
+        }
+        // Every parameter: a replicated one everywhere at once, an expert on each rank in turn.
+        let mut numeric = Vec::new();
+        for ((id, params), (path, _)) in parameters(&plain).into_iter().zip(&analytic) {
+            let turns: Vec<Option<usize>> = match path.starts_with("experts.") {
+                true => (0..EP).map(Some).collect(),
+                false => vec![None],
+            };
+            let mut estimate = Vec::new();
+            for turn in turns {
+                let mine = turn.is_none_or(|owner| owner == r);
+                for index in 0..params.len() {
+                    let d = central(&|delta| {
+                        let layer = match mine {
+                            true => plain.clone().map(&mut Perturb { id, index, delta }),
+                            false => plain.clone(),
+                        };
+                        total(&layer, x.clone())
+                    })?;
+                    if mine {
+                        estimate.push(d);
+                    }
+                }
+            }
+            numeric.push((path.clone(), estimate));
+        }
+        Ok((analytic_input, numeric_input, analytic, numeric))
+    });
+    let tol = tolerance::FINITE_DIFFERENCE_F64;
+    for (r, (analytic_input, numeric_input, analytic, numeric)) in ranks.iter().enumerate() {
+        let at = |what: &str| format!("{name}: rank {r}'s {what}");
+        assert_close(&at("input"), analytic_input, numeric_input, tol);
+        for (i, ((path, got), (_, estimate))) in analytic.iter().zip(numeric).enumerate() {
+            let got = match path.starts_with("experts.") {
+                true => got.clone(),
+                false => ranks.iter().fold(vec![0.0; got.len()], |sum, rank| {
+                    sum.iter().zip(&rank.2[i].1).map(|(a, b)| a + b).collect()
+                }),
+            };
+            assert_close(&at(path), &got, estimate, tol);
+        }
+    }
+}
+
+/// The all-gather dispatcher (dropless): softmax top-2 with SwiGLU experts and a shared
+/// expert, and pre-softmax top-1 with GeLU experts, at EP 2; the same at EP 1, where its
+/// collectives are identities.
+#[test]
+fn moe_all_gather_dispatcher() {
+    let top2 = config(2, Activation::SwiGlu).with_token_dispatcher(TokenDispatcherType::AllGather);
+    check("all-gather top-2 SwiGLU, EP 1", top2.clone());
+    check_expert_parallel("all-gather top-2 SwiGLU, EP 2", top2);
+    let top1 = config(1, Activation::Gelu)
+        .with_pre_softmax(true)
+        .with_token_dispatcher(TokenDispatcherType::AllGather);
+    check_expert_parallel("all-gather top-1 GeLU, EP 2", top1);
 }

@@ -14,7 +14,9 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::transformer::Activation;
-use burn_megatron::transformer::moe::{MoeConfig, MoeLayer, RouterScoreFunction, TokenDispatcher};
+use burn_megatron::transformer::moe::{
+    Exchange, MoeConfig, MoeLayer, RouterScoreFunction, TokenDispatcher, TokenDispatcherType,
+};
 use burn_megatron_dist::ParallelSizes;
 
 use crate::{AD, B, assert_close, run, tolerance, values};
@@ -136,12 +138,16 @@ fn grads(
 }
 
 /// The reference: the EP = 1 layer on each of `ranks` batches, one backward of their summed
-/// losses. Returns each batch's outcome and the parameters' gradients.
+/// losses. Returns each batch's outcome and the parameters' gradients. It always runs the
+/// all-to-all dispatcher (at EP 1 a local sort), whichever `config` tests.
 pub(crate) fn reference(
     config: &MoeConfig,
     ranks: usize,
     routing: Routing,
 ) -> (Vec<Outcome>, Grads) {
+    let config = &config
+        .clone()
+        .with_token_dispatcher(TokenDispatcherType::AllToAll);
     run(1, |ctx| {
         let layer = layer(config, ctx.world(), routing);
         let mut total: Option<Tensor<AD, 1>> = None;
@@ -175,7 +181,11 @@ pub(crate) fn reference(
 }
 
 /// The layer on `ep` thread ranks: each rank's outcome and gradients.
-fn expert_parallel(config: &MoeConfig, ep: usize, routing: Routing) -> Vec<(Outcome, Grads)> {
+pub(crate) fn expert_parallel(
+    config: &MoeConfig,
+    ep: usize,
+    routing: Routing,
+) -> Vec<(Outcome, Grads)> {
     run(ep, |ctx| {
         // ANCHOR: ep_rank
         let state = ctx.parallel_state(ParallelSizes::default().with_ep(ep))?;
@@ -328,48 +338,70 @@ fn starved_experts_have_zero_gradients() {
 }
 
 /// Counts per expert that disagree with the routing (as the BF16-rounded counts of the first
-/// GPU run did) fail the plan on every rank alike, before any row index is built from them.
-/// With right counts, the plan's all-to-all blocks are the counts, unpadded.
+/// GPU run did) fail the plan on every rank alike, before any row index is built from them,
+/// whichever the dispatcher. With right counts, the all-to-all plan's blocks are the counts,
+/// unpadded, and the all-gather plan's rows a rank are its tokens.
 #[test]
 fn counts_that_disagree_with_the_routing_fail_every_rank() {
-    let errors = run(2, |ctx| {
-        let state = ctx.parallel_state(ParallelSizes::default().with_ep(2))?;
-        let dispatcher = TokenDispatcher::new(state.ep(), EXPERTS);
-        let device = Default::default();
-        // Three tokens, top-2: experts [0, 1], [1, 3], [2, 1], so counts [1, 3, 1, 1].
-        let experts = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(vec![0i64, 1, 1, 3, 2, 1], [3, 2]),
-            &device,
-        );
-        let counts = |c: [i64; EXPERTS]| {
-            Tensor::<B, 1, Int>::from_data(TensorData::new(c.to_vec(), [EXPERTS]), &device)
-        };
-        let plan = dispatcher.plan(experts.clone(), counts([1, 3, 1, 1]))?;
-        assert_eq!(plan.tokens_per_expert, [1, 3, 1, 1]);
-        // Each rank sends each rank the rows of its experts only (1 + 3 to rank 0's experts
-        // 0 and 1, 1 + 1 to rank 1's), unpadded, and receives what every rank sends it.
-        assert_eq!(plan.send_splits, [4, 2]);
-        let expected_recv = match state.ep().rank() {
-            0 => [4, 4],
-            _ => [2, 2],
-        };
-        assert_eq!(plan.recv_splits, expected_recv);
-        // Rank 1's count of expert 1 one short, as BF16 rounds 257 to 256.
-        let wrong = match state.ep().rank() {
-            0 => [1, 3, 1, 1],
-            _ => [1, 2, 1, 1],
-        };
-        Ok(dispatcher
-            .plan(experts, counts(wrong))
-            .err()
-            .map(|e| e.to_string()))
-    });
-    for (rank, error) in errors.into_iter().enumerate() {
-        let error = error.unwrap_or_else(|| panic!("rank {rank}: the plan took wrong counts"));
-        assert!(
-            error.contains("EP rank 1's counts per expert add up to 5, not to its 6"),
-            "rank {rank}: {error}"
-        );
+    for kind in [
+        TokenDispatcherType::AllToAll,
+        TokenDispatcherType::AllGather,
+    ] {
+        let errors = run(2, |ctx| {
+            let state = ctx.parallel_state(ParallelSizes::default().with_ep(2))?;
+            let dispatcher = TokenDispatcher::new(state.ep(), EXPERTS, kind);
+            let device = Default::default();
+            // Three tokens, top-2: experts [0, 1], [1, 3], [2, 1], so counts [1, 3, 1, 1].
+            let experts = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(vec![0i64, 1, 1, 3, 2, 1], [3, 2]),
+                &device,
+            );
+            let counts = |c: [i64; EXPERTS]| {
+                Tensor::<B, 1, Int>::from_data(TensorData::new(c.to_vec(), [EXPERTS]), &device)
+            };
+            let plan = dispatcher.plan(experts.clone(), counts([1, 3, 1, 1]))?;
+            assert_eq!(plan.tokens_per_expert, [1, 3, 1, 1]);
+            // Rank 0's experts 0 and 1 get 1 + 3 rows from each rank, rank 1's 1 + 1.
+            let expected_received = match state.ep().rank() {
+                0 => [2, 6],
+                _ => [2, 2],
+            };
+            assert_eq!(plan.local_counts, expected_received);
+            match (&plan.exchange, kind) {
+                (Exchange::AllToAll(rows), TokenDispatcherType::AllToAll) => {
+                    // Each rank sends each rank the rows of its experts only (1 + 3 to rank
+                    // 0's experts 0 and 1, 1 + 1 to rank 1's), unpadded, and receives what
+                    // every rank sends it.
+                    assert_eq!(rows.send_splits, [4, 2]);
+                    let expected_recv = match state.ep().rank() {
+                        0 => [4, 4],
+                        _ => [2, 2],
+                    };
+                    assert_eq!(rows.recv_splits, expected_recv);
+                }
+                (Exchange::AllGather(rows), TokenDispatcherType::AllGather) => {
+                    assert_eq!(rows.rows_per_rank, 3);
+                }
+                (exchange, kind) => panic!("{kind:?} planned {exchange:?}"),
+            }
+            // Rank 1's count of expert 1 one short, as BF16 rounds 257 to 256.
+            let wrong = match state.ep().rank() {
+                0 => [1, 3, 1, 1],
+                _ => [1, 2, 1, 1],
+            };
+            Ok(dispatcher
+                .plan(experts, counts(wrong))
+                .err()
+                .map(|e| e.to_string()))
+        });
+        for (rank, error) in errors.into_iter().enumerate() {
+            let error =
+                error.unwrap_or_else(|| panic!("{kind:?} rank {rank}: the plan took wrong counts"));
+            assert!(
+                error.contains("EP rank 1's counts per expert add up to 5, not to its 6"),
+                "{kind:?} rank {rank}: {error}"
+            );
+        }
     }
 }
 

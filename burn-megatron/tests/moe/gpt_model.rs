@@ -1,7 +1,9 @@
 //! A GPT whose layers 0 and 2 are MoE layers, trained through the pipeline executor, against
 //! the same model at EP 1 on one rank: EP 2 (DP 2), EP 2 × expert-DP 2 (DP 4), EP 2 with
-//! TP 2 (with and without sequence parallelism), and EP 2 with PP 2 (whose first stage's MoE losses travel with the gradient from the
-//! next stage). Losses, the MoE losses and every gradient (f32, 1e-5 relative).
+//! TP 2 (with and without sequence parallelism), and EP 2 with PP 2 (whose first stage's MoE
+//! losses travel with the gradient from the next stage); with the all-gather dispatcher, EP 2,
+//! EP 2 × expert-DP 2 (also with experts that get no token) and TP 2 with sequence
+//! parallelism × EP 2. Losses, the MoE losses and every gradient (f32, 1e-5 relative).
 //!
 //! Each DP rank runs two microbatches of its own; the reference runs every rank's
 //! microbatches, so its gradient is the mean over the ranks'. The parallel gradients are
@@ -18,7 +20,7 @@ use burn_megatron::models::{GptModel, StageSplit};
 use burn_megatron::pipeline_parallel::{Schedule, forward_backward};
 use burn_megatron::tensor_parallel::{ParamPlacement, Placements};
 use burn_megatron::transformer::TransformerConfig;
-use burn_megatron::transformer::moe::MoeSettings;
+use burn_megatron::transformer::moe::{MoeSettings, TokenDispatcherType};
 use burn_megatron_dist::{ParallelSizes, ParallelState, ReduceOp};
 use burn_megatron_testing::models::{microbatch, tiny_gpt};
 use burn_megatron_testing::paired;
@@ -313,6 +315,40 @@ fn experts_without_tokens_get_zero_gradients_at_ep_2() {
     assert_same(
         "EP 2, experts 2 and 3 starved",
         &train(&config, [1, 1, 2, 2], starve_experts_23),
+        &want,
+    );
+}
+
+/// The all-gather dispatcher (`--moe-token-dispatcher-type allgather`) in the model, against
+/// the EP 1 model (all-to-all): EP 2 (DP 2) and EP 2 × expert-DP 2 (DP 4), there also with
+/// layer 0 sending no token to experts 2 and 3 (EP rank 1's, so ranks 1 and 3 compute their
+/// experts on nothing), and TP 2 with sequence parallelism × EP 2.
+#[test]
+fn gpt_with_the_all_gather_dispatcher_equals_one_device() {
+    let all_gather = |config: TransformerConfig| TransformerConfig {
+        moe: config
+            .moe
+            .map(|m| m.with_token_dispatcher(TokenDispatcherType::AllGather)),
+        ..config
+    };
+    let config = all_gather(moe_gpt());
+    for (name, layout, starve) in [
+        ("all-gather EP 2", [1, 1, 2, 2], keep as fn(_) -> _),
+        ("all-gather EP 2 x expert-DP 2", [1, 1, 4, 2], keep),
+        (
+            "all-gather EP 2 x expert-DP 2, experts 2 and 3 starved",
+            [1, 1, 4, 2],
+            starve_experts_23,
+        ),
+    ] {
+        let want = reference(&moe_gpt(), layout[2], starve);
+        assert_same(name, &train(&config, layout, starve), &want);
+    }
+    let sp = all_gather(moe_gpt().with_sequence_parallel(true));
+    let want = reference(&moe_gpt(), 2, keep);
+    assert_same(
+        "all-gather TP 2 + SP x EP 2",
+        &train(&sp, [2, 1, 2, 2], keep),
         &want,
     );
 }

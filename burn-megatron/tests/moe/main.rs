@@ -1,9 +1,11 @@
 //! The mixture-of-experts layer (issue 34) on CPU thread ranks: the router's losses against
 //! hand-computed values, configuration errors, expert parallelism (EP = 1, 2, 4) against the
-//! single-device layer, the experts' grouped GEMM against the per-expert composition, and the
-//! optimizer with the experts cut into several parts against one part. The f64 finite
+//! single-device layer with either token dispatcher (all-to-all, all-gather), the experts'
+//! grouped GEMM against the per-expert composition, and the optimizer with the experts cut
+//! into several parts against one part. The f64 finite
 //! differences of the layer's gradients are in the `finite_differences` target.
 
+mod all_gather;
 mod capacity;
 mod config_errors;
 mod expert_parallel;

@@ -6,7 +6,7 @@ use burn::tensor::Tensor;
 use burn_megatron_dist::ProcessGroup;
 
 use super::capacity::ExpertCapacity;
-use super::dispatcher::TokenDispatcher;
+use super::dispatcher::{TokenDispatcher, TokenDispatcherType};
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
 use super::router::{LoadBalancingType, Router, RouterScoreFunction, RouterSettings};
@@ -84,6 +84,11 @@ pub struct MoeConfig {
     /// `--moe-pad-expert-input-to-capacity`); `None`: dropless.
     #[config(default = "None")]
     pub capacity: Option<ExpertCapacity>,
+    /// How tokens travel to the experts and back (`--moe-token-dispatcher-type`): an
+    /// all-to-all (the default here) or an all-gather and a reduce-scatter. The same results
+    /// either way.
+    #[config(default = "TokenDispatcherType::AllToAll")]
+    pub token_dispatcher: TokenDispatcherType,
 }
 
 impl MoeConfig {
@@ -97,7 +102,7 @@ impl MoeConfig {
         device: &B::Device,
     ) -> Result<MoeLayer<B>, ConfigError> {
         self.validate(ep.size())?;
-        let dispatcher = TokenDispatcher::new(ep, self.num_experts);
+        let dispatcher = TokenDispatcher::new(ep, self.num_experts, self.token_dispatcher);
         let router = Router::new(
             init_full(
                 [self.hidden_size, self.num_experts],
@@ -197,5 +202,6 @@ impl MoeSettings {
         .with_init_std(init_std)
         .with_expert_bias(self.expert_bias)
         .with_capacity(self.capacity)
+        .with_token_dispatcher(self.token_dispatcher)
     }
 }

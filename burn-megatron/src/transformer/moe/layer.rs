@@ -16,10 +16,10 @@ use crate::backend::ModelBackend;
 ///
 /// The router and the shared expert are replicated on every rank; the routed experts are
 /// split over the expert-parallel group, `num_experts / ep` each, and tokens travel to them
-/// by all-to-all ([`TokenDispatcher`]). Each rank routes its own tokens: its losses are its
-/// batch's, and the gradients of the replicated parameters are its batch's contribution (sum
-/// them over data parallelism, as for any dense parameter); an expert's gradient covers the
-/// tokens of every rank that routed to it.
+/// by all-to-all or by all-gather ([`TokenDispatcher`]). Each rank routes its own tokens: its
+/// losses are its batch's, and the gradients of the replicated parameters are its batch's
+/// contribution (sum them over data parallelism, as for any dense parameter); an expert's
+/// gradient covers the tokens of every rank that routed to it.
 #[derive(Module, Debug)]
 pub struct MoeLayer<B: Backend> {
     /// Scores and top-k.

@@ -3,8 +3,10 @@
 //!
 //! - [`router`]: linear scores, softmax or sigmoid, top-k (pre-softmax or not, group-limited or
 //!   not), normalisation and scaling of the weights, DeepSeek-V3's expert bias.
-//! - [`dispatcher`]: tokens sorted by expert and exchanged over the expert-parallel group by
-//!   an all-to-all of blocks of different sizes, then brought back in order.
+//! - [`dispatcher`]: tokens sorted by expert and moved over the expert-parallel group, then
+//!   brought back in order: by an all-to-all of blocks of different sizes, or by an
+//!   all-gather of the group's tokens and a reduce-scatter of the outputs
+//!   ([`TokenDispatcherType`], Megatron's `--moe-token-dispatcher-type`).
 //! - [`capacity`]: [`ExpertCapacity`], Megatron's capacity factor, drop policy and padding.
 //! - [`experts`]: a rank's experts, weights stacked `[local_experts, ..]`, each run once on
 //!   its contiguous block of tokens; SwiGLU or GeLU.
@@ -16,9 +18,9 @@
 //! - [`settings`]: [`MoeSettings`], the MoE part of a `TransformerConfig` (which layers, which
 //!   settings), and `--moe-layer-freq`'s forms.
 //!
-//! Not yet: grouped-GEMM kernels, the all-gather dispatcher,
-//! expert tensor parallelism, a variable-split all-to-all (the only host read of a forward
-//! pass is the `ep · (num_experts + 1)` token counts that size it).
+//! Not yet: expert tensor parallelism, Megatron's `flex` dispatcher (DeepEP); the token counts
+//! that size the exchange (`ep · (num_experts + 1)` numbers) are read to the host in every
+//! MoE layer's forward pass.
 
 pub mod aux_losses;
 pub mod capacity;
@@ -33,7 +35,9 @@ pub mod settings;
 pub use aux_losses::{load_balancing_loss, sequence_load_balancing_loss, z_loss};
 pub use capacity::{ExpertCapacity, TokenDropPolicy};
 pub use config::MoeConfig;
-pub use dispatcher::{DispatchPlan, TokenDispatcher};
+pub use dispatcher::{
+    AllGatherPlan, AllToAllPlan, DispatchPlan, Exchange, TokenDispatcher, TokenDispatcherType,
+};
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
 pub use losses::MoeLosses;

@@ -6,6 +6,7 @@
 use burn::config::Config;
 
 use super::capacity::ExpertCapacity;
+use super::dispatcher::TokenDispatcherType;
 use super::router::{LoadBalancingType, RouterScoreFunction};
 use crate::error::ConfigError;
 
@@ -73,6 +74,9 @@ pub struct MoeSettings {
     /// `--moe-pad-expert-input-to-capacity`); `None`: dropless.
     #[config(default = "None")]
     pub capacity: Option<ExpertCapacity>,
+    /// How tokens travel to the experts and back (`--moe-token-dispatcher-type`).
+    #[config(default = "TokenDispatcherType::AllToAll")]
+    pub token_dispatcher: TokenDispatcherType,
 }
 
 impl MoeSettings {

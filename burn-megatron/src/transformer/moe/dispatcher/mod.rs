@@ -1,50 +1,111 @@
-//! The token dispatcher: tokens sorted by expert, sent to the ranks that hold their experts,
-//! and the experts' outputs brought back in the original order (Megatron's
-//! `MoEAlltoAllTokenDispatcher`), dropless or with a capacity per expert
-//! ([`super::capacity`]).
+//! The token dispatchers: each token's copies (one an expert it is routed to) brought to the
+//! ranks that hold their experts, sorted by expert, and the experts' outputs brought back,
+//! weighted by the router and summed over each token's experts, dropless or with a capacity
+//! per expert ([`super::capacity`]). Megatron's two main dispatchers, chosen by
+//! `--moe-token-dispatcher-type` ([`TokenDispatcherType`]):
 //!
-//! Sizes vary from batch to batch and from rank to rank. So the exchange goes in two steps:
+//! - [`all_to_all`] (`alltoall`, Megatron's `MoEAlltoAllTokenDispatcher`): every rank sends
+//!   each rank the copies of its tokens for that rank's experts, in one all-to-all of blocks
+//!   of different sizes, and the outputs come back the same way;
+//! - [`all_gather`] (`allgather`, Megatron's `MoEAllGatherTokenDispatcher`): every rank
+//!   all-gathers the group's tokens and their routing, runs its experts on the copies routed
+//!   to them, and a reduce-scatter sums each token's outputs over the ranks and brings them
+//!   back to the token's rank. Every rank holds the whole group's tokens: for small EP groups.
+//!
+//! Both plan the same way (this file). Sizes vary from batch to batch and from rank to rank,
+//! so:
 //!
 //! 1. the ranks all-gather how many tokens each of them routes to each expert, and their
 //!    total (a `[ep · (num_experts + 1)]` exchange read to the host, the only synchronisation
 //!    with it: the tokens are sorted by expert on the device, as in Megatron's all-to-all
 //!    dispatcher);
-//! 2. every rank sends each rank the rows of that rank's experts, in one differentiable
-//!    all-to-all of blocks of different sizes ([`all_to_all_v`]), every block's size known to
-//!    both ends from the counts. A block has at least one row (a zero row when it carries no
-//!    token), so that no buffer is ever empty.
+//! 2. each rank finds, on the device, each of its assignments' place among its expert's
+//!    (a counting sort: [`exclusive_cumsum_rows`]) and, with a capacity, which ones it keeps.
 //!
-//! Every rank runs the same collectives in the same order whatever its tokens (one
-//! all-gather forward, one all-to-all each way forward and backward), so a rank or an expert
-//! that gets no tokens cannot leave another waiting. Indices past a buffer's end read a zero
-//! row ([`gather_rows_or_zero`]).
+//! From the counts every rank knows every block's size: each rank's experts receive the same
+//! rows in the same order from either dispatcher (by local expert, then by source rank, then
+//! in token order, each block padded alike), so their experts compute the same numbers.
+//!
+//! Every rank runs the same collectives in the same order whatever its tokens, forward and
+//! backward, so a rank or an expert that gets no tokens cannot leave another waiting.
+//! Indices past a buffer's end read a zero row ([`gather_rows_or_zero`]).
 //!
 //! With a capacity, each rank's blocks hold the assignments its experts keep (or, padded, the
 //! capacity's rows): the sizes follow from the same all-gathered counts, so a capacity adds no
 //! exchange (the probs policy adds each assignment's expert and weight to the host read).
+//!
+//! [`gather_rows_or_zero`]: crate::ops::embedding::gather_rows_or_zero
+
+pub mod all_gather;
+pub mod all_to_all;
 
 use std::ops::Range;
 
-use burn::tensor::{
-    Bool, DType, FloatDType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend,
-};
-use burn_megatron_dist::mapping::all_to_all_v;
+use burn::config::Config;
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
+
+pub use all_gather::AllGatherPlan;
+pub use all_to_all::AllToAllPlan;
 
 use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
 use super::router::assignment_map;
+use crate::error::ConfigError;
 use crate::ops::EmbeddingOps;
-use crate::ops::embedding::gather_rows_or_zero;
+
+/// How tokens travel to the experts and back (Megatron's `--moe-token-dispatcher-type`).
+/// Both give the same outputs, losses and gradients (up to the order of the sums over a
+/// token's experts) and drop the same assignments.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum TokenDispatcherType {
+    /// `alltoall`: each rank sends each rank only its tokens' copies for that rank's experts
+    /// ([`all_to_all`]). What a rank moves and holds grows with its own tokens.
+    AllToAll,
+    /// `allgather`: every rank all-gathers the group's tokens and routing, the outputs go back
+    /// by a reduce-scatter ([`all_gather`]). Every rank holds `ep` times its tokens (and
+    /// `ep · top_k` times their width for the combine): for small EP groups.
+    AllGather,
+}
+
+impl TokenDispatcherType {
+    /// Megatron's names, `alltoall` or `allgather`; Megatron's `flex` (DeepEP's fused
+    /// kernels) is refused as not implemented.
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        match name.to_ascii_lowercase().as_str() {
+            "alltoall" => Ok(Self::AllToAll),
+            "allgather" => Ok(Self::AllGather),
+            "flex" => Err(ConfigError::Invalid(
+                "--moe-token-dispatcher-type flex (Megatron's DeepEP dispatcher) is not \
+                 implemented here: use alltoall or allgather"
+                    .into(),
+            )),
+            _ => Err(ConfigError::Invalid(format!(
+                "--moe-token-dispatcher-type {name:?}: use alltoall (tokens sent to their \
+                 experts' ranks) or allgather (every rank gathers the group's tokens)"
+            ))),
+        }
+    }
+
+    /// Megatron's name: `alltoall` or `allgather`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::AllToAll => "alltoall",
+            Self::AllGather => "allgather",
+        }
+    }
+}
 
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
 #[derive(Debug, Clone)]
 pub struct TokenDispatcher {
     ep: ProcessGroup,
     num_experts: usize,
+    kind: TokenDispatcherType,
 }
 
-/// The plan of one dispatch: row indices for every gather of the exchange, those that depend
-/// on each token's experts computed on the device, the rest on the host from the counts.
+/// The plan of one dispatch: what every rank routes and keeps, and the row indices of every
+/// gather of the exchange, those that depend on each token's experts computed on the device,
+/// the rest on the host from the counts.
 ///
 /// Built by [`TokenDispatcher::plan`] from the routing; the same plan serves
 /// [`dispatch`](TokenDispatcher::dispatch) and [`combine`](TokenDispatcher::combine).
@@ -54,10 +115,6 @@ pub struct DispatchPlan<B: Backend> {
     pub num_tokens: usize,
     /// Experts per token.
     pub top_k: usize,
-    /// Rows this rank sends each rank in the all-to-all (at least 1 a rank).
-    pub send_splits: Vec<usize>,
-    /// Rows this rank receives from each rank (at least 1 a rank).
-    pub recv_splits: Vec<usize>,
     /// How many of this rank's assignments each expert (of all `num_experts`) got and kept
     /// (all of them without a capacity).
     pub tokens_per_expert: Vec<usize>,
@@ -65,44 +122,69 @@ pub struct DispatchPlan<B: Backend> {
     pub capacity: Option<usize>,
     /// This rank's assignments dropped by over-full experts.
     pub dropped: usize,
-    /// Tokens each local expert receives, over all ranks (the expert-major blocks).
+    /// Rows each local expert receives, over all ranks (the expert-major blocks; with
+    /// padding, the capacity's rows from each rank).
     pub local_counts: Vec<usize>,
-    /// `[Σ send_splits]`, device: the input row (or `num_tokens`, past the input: a zero
-    /// row) of each send row.
-    send_rows: Tensor<B, 1, Int>,
-    /// `[received + 1]`: the received row (or `Σ recv_splits`, past the received buffer: a
-    /// zero row) of each expert-major row, the last being a zero row.
-    expert_rows: Vec<usize>,
-    /// `[Σ recv_splits]`: the expert-major row whose output goes back in each row of the
-    /// return buffer, or `received + 1` (past the experts' output: a zero row) for a block's
-    /// filler row.
-    return_rows: Vec<usize>,
-    /// `[num_tokens · top_k]`, device: for each assignment (token-major), its row in the
-    /// send buffer and in the buffer that comes back; `Σ send_splits` (past the buffer that
-    /// comes back: a zero row) for a dropped one.
-    combine_rows: Tensor<B, 1, Int>,
+    /// The dispatcher's own part: how the rows travel.
+    pub exchange: Exchange<B>,
+}
+
+/// The part of a [`DispatchPlan`] that depends on the dispatcher.
+#[derive(Debug, Clone)]
+pub enum Exchange<B: Backend> {
+    /// [`TokenDispatcherType::AllToAll`]'s blocks.
+    AllToAll(AllToAllPlan<B>),
+    /// [`TokenDispatcherType::AllGather`]'s rows.
+    AllGather(AllGatherPlan<B>),
 }
 
 impl<B: Backend> DispatchPlan<B> {
-    /// Tokens this rank's experts receive, over all ranks.
+    /// Rows this rank's experts receive, over all ranks.
     pub fn received(&self) -> usize {
         self.local_counts.iter().sum()
     }
 }
 
+/// What both dispatchers' plans start from: every rank's blocks, and this rank's assignments
+/// sorted by expert on the device.
+struct Sorted<B: Backend> {
+    /// Tokens of this rank.
+    num_tokens: usize,
+    /// Experts per token.
+    top_k: usize,
+    /// `counts_of[r][e]`: rows of rank `r`'s block for expert `e` (the assignments kept, or
+    /// the capacity's rows with padding), the same on every rank.
+    counts_of: Vec<Vec<usize>>,
+    /// Tokens of each rank.
+    tokens_of: Vec<usize>,
+    /// `[num_tokens · top_k]`, device: each assignment's expert, token-major.
+    experts: Tensor<B, 1, Int>,
+    /// `[num_tokens · top_k]`, device: each kept assignment's place among this rank's kept
+    /// assignments to its expert (in token order); anything for a dropped one.
+    place: Tensor<B, 1, Int>,
+    /// `[num_tokens · top_k]`, device: which assignments are kept, if any drop.
+    kept: Option<Tensor<B, 1, Bool>>,
+}
+
 impl TokenDispatcher {
-    /// A dispatcher for `num_experts` experts over `ep`, which must divide them (checked by
-    /// [`MoeConfig::init`](super::MoeConfig::init)).
-    pub fn new(ep: &ProcessGroup, num_experts: usize) -> Self {
+    /// A dispatcher of type `kind` for `num_experts` experts over `ep`, which must divide
+    /// them (checked by [`MoeConfig::init`](super::MoeConfig::init)).
+    pub fn new(ep: &ProcessGroup, num_experts: usize, kind: TokenDispatcherType) -> Self {
         Self {
             ep: ep.clone(),
             num_experts,
+            kind,
         }
     }
 
     /// The expert-parallel group.
     pub fn ep(&self) -> &ProcessGroup {
         &self.ep
+    }
+
+    /// How the tokens travel.
+    pub fn kind(&self) -> TokenDispatcherType {
+        self.kind
     }
 
     /// Experts per rank.
@@ -128,7 +210,8 @@ impl TokenDispatcher {
     /// the device, stably, so that tokens keep their order within an expert: a counting sort,
     /// an assignment's place being the tokens before it with the same expert (a cumulative
     /// sum of the routing map, [`exclusive_cumsum_rows`]) after those of the experts before
-    /// its own (from the counts).
+    /// its own (from the counts). The all-gather dispatcher then all-gathers each
+    /// assignment's row in its expert's rank's buffer (see [`all_gather`]).
     ///
     /// [`Routing::experts`]: super::Routing::experts
     pub fn plan<B: DistBackend>(
@@ -146,8 +229,8 @@ impl TokenDispatcher {
     /// over-full expert keeps is found on the device for the position policy (an assignment's
     /// place among its expert's, below the capacity); for the probs policy each assignment's
     /// expert and `weights` (`[num_tokens, top_k]`, ranked in F32) come to the host in the
-    /// same read as the counts. Dropped assignments are sent nowhere and read back as a zero
-    /// row.
+    /// same read as the counts. Each rank decides its own drops, whatever the dispatcher.
+    /// Dropped assignments go to no expert and read back as a zero row.
     pub fn plan_with_capacity<B: DistBackend>(
         &self,
         experts: Tensor<B, 2, Int>,
@@ -226,6 +309,7 @@ impl TokenDispatcher {
             .map(|c| c[..e_all].iter().map(|&v| v as usize).collect())
             .collect();
         let totals: Vec<usize> = all.chunks(e_all + 1).map(|c| c[e_all] as usize).collect();
+        let tokens_of: Vec<usize> = totals.iter().map(|&t| t / top_k.max(1)).collect();
         // Each rank's capacity, the assignments it keeps and the rows of its blocks (the kept
         // ones, or the capacity's with padding), the same on every rank.
         let capacity_of: Vec<Option<usize>> = totals
@@ -248,58 +332,29 @@ impl TokenDispatcher {
             .map(|(r, kept)| {
                 let padded = capacity
                     .zip(capacity_of[r])
-                    .and_then(|(c, cap)| c.padded_rows(cap, totals[r] / top_k.max(1)));
+                    .and_then(|(c, cap)| c.padded_rows(cap, tokens_of[r]));
                 match padded {
                     Some(rows) => vec![rows; e_all],
                     None => kept.clone(),
                 }
             })
             .collect();
-        let counts = &counts_of[rank];
-        // Rows rank s sends rank q: its assignments to q's experts, at least one row.
-        let block = |s: usize, q: usize| -> usize {
-            counts_of[s][q * e_local..(q + 1) * e_local]
-                .iter()
-                .sum::<usize>()
-                .max(1)
-        };
-        let send_splits: Vec<usize> = (0..ep).map(|q| block(rank, q)).collect();
-        let recv_splits: Vec<usize> = (0..ep).map(|r| block(r, rank)).collect();
-        let starts = |splits: &[usize]| -> Vec<usize> {
-            splits
-                .iter()
-                .scan(0, |start, &rows| {
-                    *start += rows;
-                    Some(*start - rows)
-                })
-                .collect()
-        };
-        let (send_start, recv_start) = (starts(&send_splits), starts(&recv_splits));
-        let (sent, arriving) = (
-            send_splits.iter().sum::<usize>(),
-            recv_splits.iter().sum::<usize>(),
-        );
-
-        // The send side, on the device. Assignment a to expert e, the i-th of this rank's
-        // assignments to e that it keeps, goes in row `first[e] + i` of the send buffer: its
-        // destination's block, after the rows of that rank's experts before e. A dropped one
-        // goes to row `sent`, past the buffer: cut off before sending, the zero row coming
-        // back.
-        let first: Vec<usize> = (0..e_all)
-            .map(|e| {
-                let q = e / e_local;
-                send_start[q] + counts[q * e_local..e].iter().sum::<usize>()
-            })
+        // Rows each of this rank's experts receives: its block from every rank.
+        let local_counts: Vec<usize> = (0..e_local)
+            .map(|j| (0..ep).map(|r| counts_of[r][rank * e_local + j]).sum())
             .collect();
+
+        // Each assignment's place among those of its expert that this rank keeps, on the
+        // device.
         let dropped: usize =
             routed_of[rank].iter().sum::<usize>() - kept_of[rank].iter().sum::<usize>();
         let map = assignment_map(experts.clone(), e_all);
-        let (index, kept) = match (capacity, capacity_of[rank]) {
+        let (place, kept) = match (capacity, capacity_of[rank]) {
             (Some(c), Some(cap)) if dropped > 0 => match c.drop_policy {
                 TokenDropPolicy::Position => {
-                    let index = rank_in_expert(map);
-                    let kept = index.clone().lower_elem(cap as i64);
-                    (index, Some(kept))
+                    let place = rank_in_expert(map);
+                    let kept = place.clone().lower_elem(cap as i64);
+                    (place, Some(kept))
                 }
                 TokenDropPolicy::Probs => {
                     let (chosen, weights) = local_read.split_at(assignments);
@@ -315,51 +370,29 @@ impl TokenDispatcher {
             },
             _ => (rank_in_expert(map), None),
         };
-        let flat = experts.reshape([assignments]);
-        let mut combine_rows = index + int_tensor(&first, &device).select(0, flat);
-        if let Some(kept) = kept {
-            combine_rows = combine_rows.mask_fill(kept.bool_not(), sent as i64);
-        }
-        let token_of = Tensor::<B, 1, Int>::arange(0..assignments as i64, &device)
-            .div_scalar(top_k as i64)
-            .sub_scalar(num_tokens as i64);
-        let send_rows = Tensor::<B, 1, Int>::full([sent + 1], num_tokens as i64, &device)
-            .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add)
-            .narrow(0, 0, sent);
-
-        // The receive side: block r holds rank r's tokens for this rank's experts, by local
-        // expert; the experts want them by expert, then by source rank.
-        let mine = |r: usize, j: usize| counts_of[r][rank * e_local + j];
-        let local_counts: Vec<usize> = (0..e_local)
-            .map(|j| (0..ep).map(|r| mine(r, j)).sum())
-            .collect();
-        let received: usize = local_counts.iter().sum();
-        let mut expert_rows = Vec::with_capacity(received + 1);
-        let mut return_rows = vec![received + 1; arriving];
-        for j in 0..e_local {
-            for (r, &block_start) in recv_start.iter().enumerate() {
-                let start = block_start + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
-                let rows = start..start + mine(r, j);
-                for (row, back) in rows.clone().zip(&mut return_rows[rows]) {
-                    *back = expert_rows.len();
-                    expert_rows.push(row);
-                }
+        let sorted = Sorted {
+            num_tokens,
+            top_k,
+            counts_of,
+            tokens_of,
+            experts: experts.reshape([assignments]),
+            place,
+            kept,
+        };
+        let exchange = match self.kind {
+            TokenDispatcherType::AllToAll => Exchange::AllToAll(all_to_all::plan(self, sorted)),
+            TokenDispatcherType::AllGather => {
+                Exchange::AllGather(all_gather::plan(self, sorted, &local_counts)?)
             }
-        }
-        expert_rows.push(arriving);
+        };
         Ok(DispatchPlan {
             num_tokens,
             top_k,
-            send_splits,
-            recv_splits,
             tokens_per_expert: kept_of[rank].clone(),
             capacity: capacity_of[rank],
             dropped,
             local_counts,
-            send_rows,
-            expert_rows,
-            return_rows,
-            combine_rows,
+            exchange,
         })
     }
 
@@ -374,13 +407,10 @@ impl TokenDispatcher {
         plan: &DispatchPlan<B>,
         tokens: Tensor<B, 2>,
     ) -> DistResult<Tensor<B, 2>> {
-        let device = tokens.device();
-        let send = gather_rows_or_zero(tokens, plan.send_rows.clone());
-        let received = all_to_all_v(send, &self.ep, &plan.send_splits, &plan.recv_splits)?;
-        Ok(gather_rows_or_zero(
-            received,
-            int_tensor(&plan.expert_rows, &device),
-        ))
+        match &plan.exchange {
+            Exchange::AllToAll(rows) => all_to_all::dispatch(&self.ep, rows, tokens),
+            Exchange::AllGather(rows) => all_gather::dispatch(&self.ep, rows, tokens),
+        }
     }
 
     /// The experts' outputs brought back to the ranks their tokens came from, restored to the
@@ -397,17 +427,14 @@ impl TokenDispatcher {
         expert_output: Tensor<B, 2>,
         weights: Tensor<B, 2>,
     ) -> DistResult<Tensor<B, 2>> {
-        let device = expert_output.device();
-        let hidden = expert_output.dims()[1];
-        let back = gather_rows_or_zero(expert_output, int_tensor(&plan.return_rows, &device));
-        let back = all_to_all_v(back, &self.ep, &plan.recv_splits, &plan.send_splits)?;
-        let per_assignment = gather_rows_or_zero(back, plan.combine_rows.clone()).reshape([
-            plan.num_tokens,
-            plan.top_k,
-            hidden,
-        ]);
-        let weighted = per_assignment * weights.unsqueeze_dim::<3>(2);
-        Ok(weighted.sum_dim(1).reshape([plan.num_tokens, hidden]))
+        match &plan.exchange {
+            Exchange::AllToAll(rows) => {
+                all_to_all::combine(&self.ep, plan, rows, expert_output, weights)
+            }
+            Exchange::AllGather(rows) => {
+                all_gather::combine(&self.ep, plan, rows, expert_output, weights)
+            }
+        }
     }
 }
 
