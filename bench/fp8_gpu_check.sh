@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|step1|peer1|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|step1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -121,6 +121,15 @@ if part peer1; then
   for f in "" "--fp8"; do
     n=peer1$(echo "$f" | tr -d ' -')
     timeout 240 torchrun --nproc-per-node 1 --master-port 29533 bench/torch_fsdp.py --preset llama3-8b --layers 14 --batch 1 --steps 8 $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "RESULT|rror" $OUT/$n.log | tail -3 | cut -c1-300
+  done
+fi
+if part peer8b; then
+  # 2 GPUs, BENCHMARK PEER: Llama-3 8B in PyTorch (FSDP2 + per-block torch.compile), bf16 and
+  # torchao's float8, 1 sample a GPU a step: the peers of PART=step8b.
+  for f in "" "--fp8"; do
+    n=peer8b$(echo "$f" | tr -d ' -')
+    timeout 240 torchrun --nproc-per-node 2 --master-port 29534 bench/torch_fsdp.py --preset llama3-8b --batch 1 --steps 8 $f > $OUT/$n.log 2>&1
     echo "=== $n rc=$?"; grep -E "RESULT|rror" $OUT/$n.log | tail -3 | cut -c1-300
   done
 fi

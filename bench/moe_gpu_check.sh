@@ -22,6 +22,7 @@
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
+#   NPROC=2 PART=parts2 bash bench/moe_gpu_check.sh   # 2 GPUs: the presets past 2^32 expert elements a rank (experts in parts)
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
 #
@@ -321,6 +322,14 @@ if [ "$PART" != all ] && part nan2d; then
   # For 2 GPUs (NPROC=2): the DeepSeek-like model (16 layers) at EP 2 with the bucketed,
   # overlapped gradient reduction instead of one reduce-scatter of the whole flat buffer.
   ITERS=3 ours deepseek_ep2_overlap deepseek_moe_1b 2 --overlap-grad-reduce
+fi
+if [ "$PART" != all ] && part parts2; then
+  # For 2 GPUs (NPROC=2): the presets whose routed experts pass 2^32 elements on a rank, now
+  # cut into parts by the optimizer: the DeepSeek-like model (16 layers) at EP 2 and its peer,
+  # then the Mixtral-like one at EP 1 x DP 2.
+  ITERS=8 ours deepseek_ep2_parts deepseek_moe_1b 2
+  torch deepseek_ep2 --preset deepseek --ep 2
+  ITERS=4 ours mixtral_ep1_parts mixtral_1b_moe 1
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.
