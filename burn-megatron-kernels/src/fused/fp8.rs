@@ -5,7 +5,7 @@
 //!
 //! The FP8 values are stored as bytes: Burn 0.21 has no FP8 dtype, so a quantised tensor is a
 //! `U8` tensor that only the FP8 GEMM (`cuda::gemm::gemm_fp8`) reads. The casts compute the
-//! bits themselves ([`fp8_bits`]), so they run on any runtime with 8-bit storage.
+//! bits themselves (`fp8_bits`), so they run on any runtime with 8-bit storage.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -652,8 +652,8 @@ fn quantize_transposed_kernel<F: Float, Q: Numeric>(
 /// `transpose`, contiguous. `x` is a 2D f32, f16 or bf16 tensor, `scale` an f32 `[1]` tensor on
 /// the device. `kind` may also be a [`CastTarget::F32`] (the same kernels, unrounded) or
 /// [`CastTarget::Fp8InU32`]. The row-major cast writes a vector of bytes a thread; the
-/// transposed one 8 or 4 bytes a thread where both sides are multiples of that
-/// ([`BothKernel::for_vector`]), else one.
+/// transposed one 8 or 4 bytes a thread where both sides are multiples of that (8 × 8 blocks
+/// transposed in registers, or 64 × 64 tiles through shared memory at 4), else one.
 pub fn quantize<R: CubeRuntime>(
     x: CubeTensor<R>,
     scale: &CubeTensor<R>,
@@ -696,7 +696,8 @@ pub fn quantize<R: CubeRuntime>(
             Shape::from(vec![1]),
             DType::U32,
         );
-        BothKernel::for_vector(vector).launch::<R>()(
+        launch_vectorised(
+            BothKernel::for_vector(vector),
             x,
             vector,
             scale,
@@ -959,7 +960,7 @@ fn quantize_tiles_kernel<F: Float, Q: Numeric, N: Size>(
     }
 }
 
-/// The cubes [`launch_tiles`] launches over `x: [rows, cols]`, at most `max_cubes`.
+/// The cubes the tile kernel takes over `x: [rows, cols]`, at most `max_cubes`.
 fn tile_cubes(rows: usize, cols: usize, max_cubes: usize) -> usize {
     (rows.div_ceil(VECTOR_TILE) * cols.div_ceil(VECTOR_TILE)).min(max_cubes)
 }
@@ -972,55 +973,6 @@ fn tile_vector<R: CubeRuntime>(x: &CubeTensor<R>, rows: usize, cols: usize) -> O
     VECTORS.into_iter().find(|&vector| {
         rows.is_multiple_of(vector) && cols.is_multiple_of(vector) && readable >= vector
     })
-}
-
-/// Launches [`quantize_tiles_kernel`] over `x: [rows, cols]` in vectors of `vector` (see
-/// [`tile_vector`]), in at most `max_cubes` cubes; `row` is written with `with_row`,
-/// `partials` (one a cube) with `with_amax`. Returns the cubes.
-#[allow(clippy::too_many_arguments)]
-fn launch_tiles<R: CubeRuntime>(
-    x: CubeTensor<R>,
-    vector: usize,
-    scale: &CubeTensor<R>,
-    target: CastTarget,
-    row: &CubeTensor<R>,
-    transposed: &CubeTensor<R>,
-    partials: &CubeTensor<R>,
-    with_row: bool,
-    with_amax: bool,
-    max_cubes: usize,
-) -> usize {
-    let dims = x.meta.shape().to_vec();
-    let (rows, cols) = (dims[0], dims[1]);
-    let cubes = tile_cubes(rows, cols, max_cubes);
-    let dtypes = [x.dtype.into(), target.storage()];
-    let client = x.client.clone();
-    // SAFETY: every read and write is guarded by the tile's bounds against `rows` and `cols`
-    // (the tensors' shapes; both multiples of `vector`), and `partials` holds a value per cube
-    // where `with_amax` writes it (the lavapipe tests run ragged shapes, several cubes' walks
-    // and one cube a tile).
-    unsafe {
-        quantize_tiles_kernel::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(THREADS),
-            vector,
-            x.into_tensor_arg(),
-            scale.clone().into_tensor_arg(),
-            row.clone().into_tensor_arg(),
-            transposed.clone().into_tensor_arg(),
-            partials.clone().into_tensor_arg(),
-            rows as u32,
-            cols as u32,
-            target.max(),
-            with_row,
-            with_amax,
-            tile_passes(vector),
-            target.format(),
-            dtypes,
-        )
-    };
-    cubes
 }
 
 /// Vector blocks of the block kernel's rows that one plane (32 threads) covers: its threads
@@ -1120,18 +1072,19 @@ fn quantize_blocks_kernel<F: Float, Q: Numeric, N: Size>(
     }
 }
 
-/// The cubes [`launch_blocks`] launches over `x: [rows, cols]` in vectors of `vector`, at
-/// most `max_cubes`.
+/// The cubes the block kernel takes over `x: [rows, cols]` in vectors of `vector`, at most
+/// `max_cubes`.
 fn block_cubes(rows: usize, cols: usize, vector: usize, max_cubes: usize) -> usize {
     let planes = (rows / vector).div_ceil(ROW_LANES) * (cols / vector).div_ceil(COL_LANES);
     (planes * 32).div_ceil(THREADS as usize).clamp(1, max_cubes)
 }
 
-/// Launches [`quantize_blocks_kernel`] over `x: [rows, cols]` in `vector`-square blocks (see
-/// [`tile_vector`]), in at most `max_cubes` cubes; `row` is written with `with_row`,
-/// `partials` (one a cube) with `with_amax`. Returns the cubes.
+/// Launches `kernel` over `x: [rows, cols]` in vectors of `vector` (see [`tile_vector`]), in
+/// at most `max_cubes` cubes; `row` is written with `with_row`, `partials` (one a cube) with
+/// `with_amax`. Returns the cubes.
 #[allow(clippy::too_many_arguments)]
-fn launch_blocks<R: CubeRuntime>(
+fn launch_vectorised<R: CubeRuntime>(
+    kernel: BothKernel,
     x: CubeTensor<R>,
     vector: usize,
     scale: &CubeTensor<R>,
@@ -1145,33 +1098,50 @@ fn launch_blocks<R: CubeRuntime>(
 ) -> usize {
     let dims = x.meta.shape().to_vec();
     let (rows, cols) = (dims[0], dims[1]);
-    let cubes = block_cubes(rows, cols, vector, max_cubes);
+    let cubes = kernel.cubes(rows, cols, vector, max_cubes);
     let dtypes = [x.dtype.into(), target.storage()];
     let client = x.client.clone();
-    // SAFETY: a thread reads and writes only a block whose row and column block indices it
-    // checked against `rows / vector` and `cols / vector` (both sides multiples of `vector`,
-    // the tensors' shapes), and `partials` holds a value per cube where `with_amax` writes it
-    // (the lavapipe tests run ragged block counts and several walks of the grid).
+    let (count, dim) = (
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(THREADS),
+    );
+    let (x, scale) = (x.into_tensor_arg(), scale.clone().into_tensor_arg());
+    let (row, transposed) = (
+        row.clone().into_tensor_arg(),
+        transposed.clone().into_tensor_arg(),
+    );
+    let partials = partials.clone().into_tensor_arg();
+    let (rows, cols, max, format) = (rows as u32, cols as u32, target.max(), target.format());
+    // SAFETY: every read and write is guarded by its tile's bounds, or its block's indices,
+    // against `rows` and `cols` (the tensors' shapes; both multiples of `vector`), and
+    // `partials` holds a value per cube where `with_amax` writes it (the lavapipe tests run
+    // ragged shapes, several cubes' walks and the default grid, with both kernels).
     unsafe {
-        quantize_blocks_kernel::launch_unchecked::<R>(
-            &client,
-            CubeCount::Static(cubes as u32, 1, 1),
-            CubeDim::new_1d(THREADS),
-            vector,
-            x.into_tensor_arg(),
-            scale.clone().into_tensor_arg(),
-            row.clone().into_tensor_arg(),
-            transposed.clone().into_tensor_arg(),
-            partials.clone().into_tensor_arg(),
-            rows as u32,
-            cols as u32,
-            target.max(),
-            with_row,
-            with_amax,
-            vector,
-            target.format(),
-            dtypes,
-        )
+        match kernel {
+            BothKernel::Tiles => quantize_tiles_kernel::launch_unchecked::<R>(
+                &client,
+                count,
+                dim,
+                vector,
+                x,
+                scale,
+                row,
+                transposed,
+                partials,
+                rows,
+                cols,
+                max,
+                with_row,
+                with_amax,
+                tile_passes(vector),
+                format,
+                dtypes,
+            ),
+            BothKernel::Blocks => quantize_blocks_kernel::launch_unchecked::<R>(
+                &client, count, dim, vector, x, scale, row, transposed, partials, rows, cols, max,
+                with_row, with_amax, vector, format, dtypes,
+            ),
+        }
     };
     cubes
 }
@@ -1189,7 +1159,7 @@ pub struct BothCasts<R: CubeRuntime> {
 
 /// [`quantize`] in both layouts from one read of `x` (one kernel writing both, the same bits
 /// as two [`quantize`] calls; 8 or 4 bytes at once where both sides are multiples of that,
-/// [`BothKernel::for_vector`], else a byte a thread), and with `with_amax` the input's [`amax`]
+/// as [`quantize`]'s transposed cast, else a byte a thread), and with `with_amax` the input's [`amax`]
 /// from the same pass (partial maxima per cube, then [`amax`]'s second stage; no atomics, the
 /// same bits): for delayed scaling, whose scale comes from a history and whose amax is only
 /// recorded.
@@ -1224,27 +1194,15 @@ impl BothKernel {
         }
     }
 
-    fn launch<R: CubeRuntime>(self) -> LaunchCast<R> {
+    /// The cubes this kernel takes over `x: [rows, cols]` in vectors of `vector`, at most
+    /// `max_cubes`.
+    fn cubes(self, rows: usize, cols: usize, vector: usize, max_cubes: usize) -> usize {
         match self {
-            BothKernel::Tiles => launch_tiles::<R>,
-            BothKernel::Blocks => launch_blocks::<R>,
+            BothKernel::Tiles => tile_cubes(rows, cols, max_cubes),
+            BothKernel::Blocks => block_cubes(rows, cols, vector, max_cubes),
         }
     }
 }
-
-/// [`launch_tiles`] or [`launch_blocks`].
-type LaunchCast<R> = fn(
-    CubeTensor<R>,
-    usize,
-    &CubeTensor<R>,
-    CastTarget,
-    &CubeTensor<R>,
-    &CubeTensor<R>,
-    &CubeTensor<R>,
-    bool,
-    bool,
-    usize,
-) -> usize;
 
 /// [`quantize_both`] with the vectorised kernel in at most `max_cubes` cubes, each walking
 /// several tiles or blocks where the tensor has more: for the tests, whose shapes stay far
@@ -1311,14 +1269,14 @@ fn quantize_both_with<R: CubeRuntime>(
     let vector = tile_vector(&x, rows, cols);
     let kernel = vector.map(|vector| kernel.unwrap_or(BothKernel::for_vector(vector)));
     let cubes = match (vector, kernel) {
-        (Some(_), Some(BothKernel::Tiles)) => tile_cubes(rows, cols, max_cubes),
-        (Some(vector), Some(BothKernel::Blocks)) => block_cubes(rows, cols, vector, max_cubes),
+        (Some(vector), Some(kernel)) => kernel.cubes(rows, cols, vector, max_cubes),
         _ => (rows.div_ceil(TILE) * cols.div_ceil(TILE)).min(BOTH_CUBES),
     };
     // Unread without the amax: a placeholder for the kernel's argument.
     let partials = tensor(vec![if with_amax { cubes } else { 1 }], DType::U32);
     if let (Some(vector), Some(kernel)) = (vector, kernel) {
-        let launched = kernel.launch::<R>()(
+        let launched = launch_vectorised(
+            kernel,
             x,
             vector,
             scale,
