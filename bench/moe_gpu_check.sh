@@ -23,6 +23,7 @@
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
 #   NPROC=2 PART=parts2 bash bench/moe_gpu_check.sh   # 2 GPUs: the presets past 2^32 expert elements a rank (experts in parts)
+#   NPROC=2 PART=gather2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with each token dispatcher
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
 #
@@ -330,6 +331,12 @@ if [ "$PART" != all ] && part parts2; then
   ITERS=8 ours deepseek_ep2_parts deepseek_moe_1b 2
   torch deepseek_ep2 --preset deepseek --ep 2
   ITERS=4 ours mixtral_ep1_parts mixtral_1b_moe 1
+fi
+if [ "$PART" != all ] && part gather2; then
+  # For 2 GPUs (NPROC=2): the Mixtral-like model at EP 2 with each token dispatcher: the
+  # all-gather one's losses against the all-to-all's, and their speeds.
+  ITERS=10 ours mixtral_ep2_alltoall mixtral_1b_moe 2 --moe-token-dispatcher-type alltoall
+  ITERS=10 ours mixtral_ep2_allgather mixtral_1b_moe 2 --moe-token-dispatcher-type allgather
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

@@ -244,6 +244,13 @@ if part prof2; then
   torch llama_fsdp2_bf16 --preset llama3-8b --batch 1 --steps $ITERS
   torch llama_fsdp2_fp8 --preset llama3-8b --batch 1 --steps $ITERS --fp8
 fi
+if part tp2; then
+  # For 2 GPUs (NPROC=2): the chunked forward reduce-scatter of --tp-comm-overlap measured at
+  # TP 2 + SP (Llama-3 8B, micro-batch 2), without and with it.
+  T2="--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel"
+  ITERS=4 ours llama_tp2_mb2 llama3_8b $T2 --micro-batch-size 2 --global-batch-size 16
+  ITERS=4 ours llama_tp2_mb2_overlap llama3_8b $T2 --micro-batch-size 2 --global-batch-size 16 --tp-comm-overlap
+fi
 if part tp4; then
   # Issue 31's TP 4 + SP >= 45 %: Llama-3 8B at micro-batches 2 and 4, each without and with
   # --tp-comm-overlap (the chunked forward reduce-scatter), and GPT-3 6.7B at micro-batch 8.
