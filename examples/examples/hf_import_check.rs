@@ -1,10 +1,10 @@
 //! Imports transformers checkpoints made by `bench/hf_interop_check.py make DIR` (a tiny GPT-2,
-//! a tiny Llama and a tiny Mixtral, those present), runs them on CPU (NdArray, f32) on the
-//! tokens the script used, at TP = 1 and 2 (the Mixtral also at EP = 2 and TP 2 × EP 2, on
-//! `TP · EP` thread ranks), prints the largest difference from transformers' logits, and
-//! exports each model from its last layout back to `DIR/<model>/export` for
-//! `hf_interop_check.py compare DIR`. Passes when every difference is below 1e-4 absolute, and
-//! the Mixtral's below 1e-5 of its largest logit.
+//! a tiny Llama, a tiny Mixtral and a tiny Qwen3-MoE in `DIR/qwen3_moe`, those present), runs
+//! them on CPU (NdArray, f32) on the tokens the script used, at TP = 1 and 2 (the MoE models
+//! also at EP = 2 and TP 2 × EP 2, on `TP · EP` thread ranks), prints the largest difference
+//! from transformers' logits, and exports each model from its last layout back to
+//! `DIR/<model>/export` for `hf_interop_check.py compare DIR`. Passes when every difference is
+//! below 1e-4 absolute, and the MoE models' below 1e-5 of their largest logit.
 //!
 //!     cargo run --release -p burn-megatron-examples --example hf_import_check -- DIR
 
@@ -78,7 +78,8 @@ fn main() -> Result<(), BoxError> {
             .ok_or("usage: hf_import_check DIR (made by bench/hf_interop_check.py make DIR)")?,
     );
     let (mut worst, mut worst_rel, mut nan) = (0f32, 0f32, false);
-    for name in ["gpt2", "llama", "mixtral"] {
+    for name in ["gpt2", "llama", "mixtral", "qwen3_moe"] {
+        let moe = matches!(name, "mixtral" | "qwen3_moe");
         let dir = root.join(name);
         if !dir.join("reference_logits.json").exists() {
             println!("{name}: not made (no {}), skipped", dir.display());
@@ -86,9 +87,9 @@ fn main() -> Result<(), BoxError> {
         }
         let (tokens, want) = reference(&dir)?;
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let layouts: &[(usize, usize)] = match name {
-            "mixtral" => &[(1, 1), (2, 1), (1, 2), (2, 2)],
-            _ => &[(1, 1), (2, 1)],
+        let layouts: &[(usize, usize)] = match moe {
+            true => &[(1, 1), (2, 1), (1, 2), (2, 2)],
+            false => &[(1, 1), (2, 1)],
         };
         for &(tp, ep) in layouts {
             let last = Some(&(tp, ep)) == layouts.last();
@@ -102,7 +103,7 @@ fn main() -> Result<(), BoxError> {
                 m.max((a - b).abs() / b.abs().max(1e-3 * scale))
             });
             worst = worst.max(max_abs);
-            if name == "mixtral" {
+            if moe {
                 worst_rel = worst_rel.max(max_abs / scale);
             }
             println!(
@@ -115,7 +116,7 @@ fn main() -> Result<(), BoxError> {
     }
     let pass = !nan && worst < 1e-4 && worst_rel < 1e-5;
     println!(
-        "{} (max abs {worst:.3e}, bound 1e-4; Mixtral's relative to its largest logit \
+        "{} (max abs {worst:.3e}, bound 1e-4; the MoE models' relative to their largest logit \
          {worst_rel:.3e}, bound 1e-5{})",
         if pass { "PASS" } else { "FAIL" },
         if nan { "; a value is not finite" } else { "" }

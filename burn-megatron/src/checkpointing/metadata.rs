@@ -245,6 +245,7 @@ mod tests {
         let mut saved = serde_json::to_value(&config).unwrap();
         let object = saved.as_object_mut().unwrap();
         object.remove("tp_comm_overlap").unwrap();
+        object.remove("qk_layernorm").unwrap();
         object.remove("recompute").unwrap();
         let moe = object.get_mut("moe").unwrap().as_object_mut().unwrap();
         moe.remove("pre_softmax").unwrap();

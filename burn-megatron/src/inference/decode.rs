@@ -208,6 +208,7 @@ fn attend<B: ModelBackend>(
     let qkv = attention.qkv.try_forward(x)?;
     let [batch, new, _] = qkv.dims();
     let qkv = qkv.reshape([batch, new, groups, per_group + 2, head_dim]);
+    let qkv = attention.qk_norm(qkv)?;
     let qkv = match rotation {
         Some(rotation) => rotation.apply(qkv),
         None => qkv,

@@ -73,6 +73,10 @@ pub struct PretrainArgs {
     /// Epsilon of the normalisation. [default: 1e-5]
     #[arg(long, help_heading = "Model")]
     pub norm_epsilon: Option<f64>,
+    /// QK-norm: each query and key head normalised (the model's normalisation, weights of
+    /// head_dim shared by the heads) before RoPE, as in Qwen3. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
+    pub qk_layernorm: Option<bool>,
     /// Position embeddings: learned_absolute or rope. [default: learned_absolute]
     #[arg(long, help_heading = "Model")]
     pub position_embedding_type: Option<String>,
@@ -489,6 +493,7 @@ impl PretrainArgs {
             attention_dropout => attention_dropout,
             swiglu => swiglu,
             norm_epsilon => norm_epsilon,
+            qk_layernorm => qk_layernorm,
             untie_embeddings_and_output_weights => untie_embeddings_and_output_weights,
             no_save => no_save,
             plan => plan,
@@ -637,6 +642,7 @@ impl PretrainArgs {
             swiglu,
             normalization,
             norm_epsilon,
+            qk_layernorm,
             position_embedding_type,
             rotary_base,
             group_query_attention,

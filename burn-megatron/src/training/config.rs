@@ -67,6 +67,10 @@ pub struct PretrainConfig {
     /// The normalisation layer: LayerNorm (GPT) or RMSNorm (Llama).
     #[config(default = "Normalization::LayerNorm")]
     pub normalization: Normalization,
+    /// QK-norm (`--qk-layernorm`): see
+    /// [`TransformerConfig::qk_layernorm`](crate::transformer::TransformerConfig::qk_layernorm).
+    #[config(default = false)]
+    pub qk_layernorm: bool,
     /// Epsilon of the normalisation.
     #[config(default = 1e-5)]
     pub norm_epsilon: f64,
@@ -459,6 +463,7 @@ impl PretrainConfig {
         })
         .with_normalization(self.normalization)
         .with_norm_epsilon(self.norm_epsilon)
+        .with_qk_layernorm(self.qk_layernorm)
         .with_position_embedding(self.position_embedding)
         .with_num_query_groups(self.num_query_groups)
         .with_tie_embeddings(!self.untie_embeddings_and_output_weights)

@@ -6,6 +6,7 @@ use burn_megatron_dist::{DistError, DistResult, ProcessGroup};
 
 use super::attention_core::AttentionCore;
 use super::config::{PositionEmbedding, Recompute, TransformerConfig};
+use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::context_parallel::{CpContext, context_parallel_flash_attention};
 use crate::error::ConfigError;
@@ -35,6 +36,12 @@ use crate::tensor_parallel::{
 /// weight's columns are ordered group by group, `[q heads of the group, k, v] × head_dim`, so
 /// that a contiguous column slice is a set of whole groups.
 ///
+/// With QK-norm ([`TransformerConfig::qk_layernorm`], Megatron's `--qk-layernorm`, as in
+/// Qwen3), each query head's and each key head's vector of `head_dim` is normalised (the
+/// model's normalisation and epsilon, one weight of `[head_dim]` for the queries and one for
+/// the keys, shared by the heads) after the QKV projection and before RoPE, also in the
+/// KV-cached decoding and under context parallelism.
+///
 /// Under context parallelism ([`with_context_parallel`](Self::with_context_parallel)) the
 /// rank's tokens are its two chunks of the sequence: RoPE rotates them at their global
 /// positions and the attention is [`context_parallel_flash_attention`] over the CP group.
@@ -44,6 +51,11 @@ pub struct ParallelAttention<B: Backend> {
     pub qkv: ColumnParallelLinear<B>,
     /// `heads · head_dim → hidden`, split by heads.
     pub output: RowParallelLinear<B>,
+    /// The queries' per-head norm (QK-norm; `None` without it): scale `[head_dim]`,
+    /// replicated over TP, its gradient summed over the TP group ([`Norm::per_head`]).
+    pub q_norm: Option<Norm<B>>,
+    /// The keys' per-head norm, as `q_norm`.
+    pub k_norm: Option<Norm<B>>,
     #[module(skip)]
     shape: AttentionShape,
     /// The context-parallel group, when CP > 1.
@@ -69,6 +81,9 @@ impl<B: Backend> DeclarePlacements for ParallelAttention<B> {
     fn declare_placements(&self, out: &mut Placements) {
         self.qkv.declare_placements(out);
         self.output.declare_placements(out);
+        for norm in self.q_norm.iter().chain(&self.k_norm) {
+            norm.declare_placements(out);
+        }
     }
 }
 
@@ -85,6 +100,8 @@ impl<B: Backend> ParallelAttention<B> {
         Self {
             qkv: self.qkv.map_tp_context(f),
             output: self.output.map_tp_context(f),
+            q_norm: self.q_norm.map(|n| n.map_tp_context(f)),
+            k_norm: self.k_norm.map(|n| n.map_tp_context(f)),
             ..self
         }
     }
@@ -147,9 +164,23 @@ impl<B: ModelBackend> ParallelAttention<B> {
             .with_init_std(output_init_std(config))
             .with_fp8(config.fp8.clone())
             .init(tp, seed("output"), device)?;
+        let context = TpContext::new(tp, config.sequence_parallel);
+        let qk_norm = || {
+            config.qk_layernorm.then(|| {
+                Norm::per_head(
+                    config.normalization,
+                    head_dim,
+                    config.norm_epsilon,
+                    &context,
+                    device,
+                )
+            })
+        };
         Ok(Self {
             qkv,
             output,
+            q_norm: qk_norm(),
+            k_norm: qk_norm(),
             shape: AttentionShape {
                 heads,
                 local_groups,
@@ -186,6 +217,7 @@ impl<B: ModelBackend> ParallelAttention<B> {
             s.heads_per_group + 2,
             s.head_dim,
         ]);
+        let qkv = self.qk_norm(qkv)?;
         let core = AttentionCore {
             scale: 1.0 / (s.head_dim as f64).sqrt(),
             dropout: s.dropout,
@@ -212,6 +244,18 @@ impl<B: ModelBackend> ParallelAttention<B> {
         };
         let context = context.reshape([batch, seq, local_heads * s.head_dim]);
         self.output.try_forward(context)
+    }
+
+    /// The packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2, head_dim]`) with its
+    /// query and key heads normalised (QK-norm), or as it is without QK-norm.
+    pub(crate) fn qk_norm(&self, qkv: Tensor<B, 5>) -> DistResult<Tensor<B, 5>> {
+        let (Some(q_norm), Some(k_norm)) = (&self.q_norm, &self.k_norm) else {
+            return Ok(qkv);
+        };
+        let per_group = self.shape.heads_per_group;
+        let q = q_norm.try_forward(qkv.clone().narrow(3, 0, per_group))?;
+        let k = k_norm.try_forward(qkv.clone().narrow(3, per_group, 1))?;
+        Ok(Tensor::cat(vec![q, k, qkv.narrow(3, per_group + 1, 1)], 3))
     }
 
     /// The attention of the packed `qkv` (`[batch, seq, local_groups, heads_per_group + 2,

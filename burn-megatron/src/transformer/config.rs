@@ -142,6 +142,11 @@ pub struct TransformerConfig {
     /// Epsilon of the normalisation.
     #[config(default = 1e-5)]
     pub norm_epsilon: f64,
+    /// QK-norm (Megatron's `--qk-layernorm`; Qwen3): each query and key head's vector
+    /// normalised by the model's normalisation over `head_dim`, with weights `[head_dim]`
+    /// shared by the heads, after the QKV projection and before RoPE.
+    #[config(default = false)]
+    pub qk_layernorm: bool,
     /// Activation of the MLP.
     #[config(default = "Activation::Gelu")]
     pub activation: Activation,

@@ -2,6 +2,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
+use burn_megatron_dist::mapping::copy_to_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult};
 
 use super::config::Normalization;
@@ -21,6 +22,11 @@ use crate::tensor_parallel::{
 /// the training schedules do) to one all-reduce of every such gradient after the backward
 /// pass (Megatron's "sequence-parallel parameters"). The norm declares them for it
 /// ([`Placements::declare_partial_gradient`]).
+///
+/// A norm over each attention head's vector ([`per_head`](Self::per_head), QK-norm) sees only
+/// this rank's heads: its gradient is always partial over the TP group, and *f*
+/// ([`copy_to_tensor_parallel_region`]) sums it in the backward pass, with or without
+/// sequence parallelism.
 #[derive(Module, Debug)]
 pub struct Norm<B: Backend> {
     /// `[hidden]`, initialised to one.
@@ -31,6 +37,10 @@ pub struct Norm<B: Backend> {
     epsilon: f64,
     #[module(skip)]
     tp: TpContext,
+    /// Whether the input is this rank's attention heads (QK-norm) rather than the residual
+    /// stream.
+    #[module(skip)]
+    over_heads: bool,
 }
 
 /// Scale and shift are replicated on every TP rank.
@@ -40,7 +50,7 @@ impl<B: Backend> DeclarePlacements for Norm<B> {
         if let Some(shift) = &self.shift {
             out.declare(shift, ParamPlacement::replicated());
         }
-        if self.tp.sequence_parallel {
+        if self.tp.sequence_parallel && !self.over_heads {
             let grads = self.tp.sequence_parallel_grads;
             out.declare_partial_gradient(&self.scale, grads);
             if let Some(shift) = &self.shift {
@@ -65,6 +75,23 @@ impl<B: DistBackend> Norm<B> {
                 .then(|| Param::from_tensor(Tensor::zeros([hidden], device))),
             epsilon,
             tp: tp.clone(),
+            over_heads: false,
+        }
+    }
+
+    /// A norm over each attention head's `head_dim` features, its weights shared by the heads
+    /// (Megatron's `--qk-layernorm`): the input is this rank's heads, so the weights'
+    /// gradients are summed over the TP group in the backward pass.
+    pub fn per_head(
+        kind: Normalization,
+        head_dim: usize,
+        epsilon: f64,
+        tp: &TpContext,
+        device: &B::Device,
+    ) -> Self {
+        Self {
+            over_heads: true,
+            ..Self::new(kind, head_dim, epsilon, tp, device)
         }
     }
 }
@@ -91,7 +118,10 @@ impl<B: ModelBackend> Norm<B> {
     /// # Shapes
     /// - x and the output: `[..., hidden]`
     pub fn try_forward<const D: usize>(&self, x: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
-        let param = |p: &Param<Tensor<B, 1>>| self.tp.replicated(p.val());
+        let param = |p: &Param<Tensor<B, 1>>| match self.over_heads {
+            true => copy_to_tensor_parallel_region(p.val(), &self.tp.group),
+            false => self.tp.replicated(p.val()),
+        };
         let (kind, shift) = match &self.shift {
             Some(shift) => (NormKind::LayerNorm, Some(param(shift)?)),
             None => (NormKind::RmsNorm, None),

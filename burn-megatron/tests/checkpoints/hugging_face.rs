@@ -286,9 +286,10 @@ pub(crate) fn hf_linear<const D: usize>(hf: &Hf, x: Tensor<B, D>, name: &str) ->
     x.matmul(hf.get::<2>(name).transpose().unsqueeze())
 }
 
-/// The forward pass of a Llama-shaped transformers model (Llama, Mixtral) from its HF-named
-/// tensors, with `mlp(hf, layer, normed)` the MLP of each layer (`[b, s, hidden]` in and out).
-/// Logits `[2, 8, vocab]`.
+/// The forward pass of a Llama-shaped transformers model (Llama, Mixtral, Qwen3-MoE) from its
+/// HF-named tensors, with `mlp(hf, layer, normed)` the MLP of each layer (`[b, s, hidden]` in
+/// and out). Where the file has `self_attn.q_norm` / `k_norm` (Qwen3), each query and key
+/// head is RMS-normalised over its `head_dim` before RoPE. Logits `[2, 8, vocab]`.
 pub(crate) fn decoder_reference(
     dir: &Path,
     mlp: impl Fn(&Hf, usize, Tensor<B, 3>) -> Tensor<B, 3>,
@@ -330,6 +331,14 @@ pub(crate) fn decoder_reference(
         )
     };
     let rope = |x: Tensor<B, 4>| x.clone() * cos.clone() + rotate_half(x) * sin.clone();
+    // `[b, heads, s, head_dim]`, each head's vector normalised, as Qwen3's q_norm / k_norm.
+    let head_norm = |x: Tensor<B, 4>, name: &str| match hf.0.contains_key(name) {
+        true => {
+            let ms = x.clone().powi_scalar(2).mean_dim(3);
+            x / (ms + eps).sqrt() * hf.get::<1>(name).unsqueeze()
+        }
+        false => x,
+    };
     let repeat_kv = |x: Tensor<B, 4>| {
         let per_group = heads / groups;
         Tensor::cat(
@@ -351,8 +360,10 @@ pub(crate) fn decoder_reference(
                 .reshape([b, s, n, head_dim])
                 .swap_dims(1, 2)
         };
-        let q = rope(project("self_attn.q_proj.weight", heads));
-        let k = rope(project("self_attn.k_proj.weight", groups));
+        let q = project("self_attn.q_proj.weight", heads);
+        let k = project("self_attn.k_proj.weight", groups);
+        let q = rope(head_norm(q, &l("self_attn.q_norm.weight")));
+        let k = rope(head_norm(k, &l("self_attn.k_norm.weight")));
         let v = project("self_attn.v_proj.weight", groups);
         let context = attend(q, repeat_kv(k), repeat_kv(v))
             .swap_dims(1, 2)

@@ -9,6 +9,7 @@ mod distributed_optimizer;
 mod flat_adamw;
 mod hugging_face;
 mod hugging_face_mixtral;
+mod hugging_face_qwen3_moe;
 mod loss_scaler;
 mod partial_reads;
 mod placements;

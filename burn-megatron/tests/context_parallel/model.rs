@@ -255,6 +255,22 @@ fn cp_2_with_tp_2_and_sequence_parallelism_equals_cp_1() {
     assert_equivalent("Llama", &llama(), &layouts, 16);
 }
 
+/// QK-norm: each rank normalises its chunks' query and key heads before RoPE at their global
+/// positions; the norms' gradients sum over TP (heads) and CP (tokens).
+#[test]
+fn llama_with_qk_norm_at_cp_2_equals_cp_1() {
+    let layouts = [
+        Layout::cp(2, CpCommType::P2p),
+        Layout {
+            tp: 2,
+            sp: true,
+            ..Layout::cp(2, CpCommType::A2a)
+        },
+    ];
+    let config = llama().with_qk_layernorm(true);
+    assert_equivalent("Llama with QK-norm", &config, &layouts, 16);
+}
+
 #[test]
 fn cp_2_with_dp_2_equals_cp_1() {
     let layouts = [CpCommType::P2p, CpCommType::AllGather].map(|comm| Layout {

@@ -286,3 +286,9 @@ fn gpt_with_bias_swiglu_matches_finite_differences() {
 fn llama_matches_finite_differences() {
     check_model("Llama", tiny_llama());
 }
+
+/// QK-norm: the queries' and keys' per-head RMSNorm (and its weights) before RoPE.
+#[test]
+fn llama_with_qk_norm_matches_finite_differences() {
+    check_model("Llama (QK-norm)", tiny_llama().with_qk_layernorm(true));
+}

@@ -83,6 +83,14 @@ fn cached_logits_match_the_full_forward_llama_gqa() {
     }
 }
 
+/// QK-norm: the decode steps normalise the new query and key heads before rotating them.
+#[test]
+fn cached_logits_match_the_full_forward_with_qk_norm() {
+    for tp in [1, 2] {
+        cached_logits_match(&crate::llama().with_qk_layernorm(true), tp, prompts());
+    }
+}
+
 /// Prompts of one length: the prefill runs the flash attention path (no mask), the decode
 /// steps the grouped one.
 #[test]

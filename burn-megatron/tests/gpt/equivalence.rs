@@ -5,7 +5,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::TensorData;
 use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
-use burn_megatron::transformer::{Activation, Recompute, TransformerConfig};
+use burn_megatron::transformer::{Activation, Normalization, Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
 
 use crate::{AD, assert_close, data_values, run, tokens, tolerance};
@@ -204,6 +204,29 @@ fn recomputation_gives_the_same_gradients() {
         .with_attention_dropout(0.1);
     assert_equivalent_in(gpt, "GPT with dropout", &layouts);
     assert_equivalent_in(crate::small_llama(), "Llama", &layouts);
+}
+
+/// QK-norm (`--qk-layernorm`): the Llama's RMSNorm over each query and key head before RoPE
+/// (GQA, 8 heads in 4 groups), and a GPT's (no RoPE, attention dropout: the unfused core,
+/// recomputed under selective recomputation). The heads are split over TP and the norms'
+/// weights replicated: their gradients are summed over the TP group. (Not LayerNorm: the
+/// keys' shift adds one constant to a query's scores, which the softmax removes, so its
+/// gradient is zero up to rounding and no relative comparison holds.)
+#[test]
+fn qk_norm_matches_single_device() {
+    let layouts = [
+        (2, false, Recompute::None),
+        (2, true, Recompute::None),
+        (2, true, Recompute::Full),
+    ];
+    let llama = crate::small_llama().with_qk_layernorm(true);
+    assert_equivalent_in(llama, "Llama with QK-norm", &layouts);
+    let gpt = gqa_gpt()
+        .with_normalization(Normalization::RmsNorm)
+        .with_qk_layernorm(true)
+        .with_attention_dropout(0.1);
+    let layouts = [(2, true, Recompute::None), (2, false, Recompute::Selective)];
+    assert_equivalent_in(gpt, "GPT with QK-norm and dropout", &layouts);
 }
 
 #[test]

@@ -162,6 +162,7 @@ fn llama_options_are_megatrons() {
         "RMSNorm",
         "--norm-epsilon",
         "1e-6",
+        "--qk-layernorm",
         "--position-embedding-type",
         "rope",
         "--rotary-base",
@@ -183,6 +184,11 @@ fn llama_options_are_megatrons() {
     assert_eq!(m.activation, Activation::SwiGlu);
     assert_eq!(m.normalization, Normalization::RmsNorm);
     assert_eq!(m.norm_epsilon, 1e-6);
+    assert!(m.qk_layernorm, "--qk-layernorm");
+    assert!(
+        !config(&[]).model().qk_layernorm,
+        "QK-norm is off by default"
+    );
     assert_eq!(
         m.position_embedding,
         PositionEmbedding::Rope { base: 500_000.0 }

@@ -1,4 +1,4 @@
-//! transformers' `config.json` for GPT-2, Llama and Mixtral, to and from our
+//! transformers' `config.json` for GPT-2, Llama, Mixtral and Qwen3-MoE, to and from our
 //! [`TransformerConfig`].
 
 use std::path::Path;
@@ -23,6 +23,12 @@ pub enum HfFamily {
     /// mixture of SwiGLU experts, routed by softmax over all experts, top-k, the k weights
     /// renormalised to sum to one.
     Mixtral,
+    /// `Qwen3MoeForCausalLM` (`model_type: "qwen3_moe"`): a Mixtral-like model whose
+    /// attention normalises each query and key head by RMSNorm before RoPE (QK-norm), routed
+    /// by softmax over all experts, top-k, the k weights renormalised only with
+    /// `norm_topk_prob`; dense MLPs in the layers `mlp_only_layers` and
+    /// `decoder_sparse_step` leave out.
+    Qwen3Moe,
 }
 
 impl HfFamily {
@@ -51,6 +57,13 @@ impl HfFamily {
             (Normalization::RmsNorm, Activation::SwiGlu, PositionEmbedding::Rope { .. }) => {
                 if c.add_bias_linear {
                     Err("a Llama has no biases (add_bias_linear = true)".into())
+                } else if c.qk_layernorm {
+                    match &c.moe {
+                        Some(moe) => qwen3_moe(moe).map(|()| Self::Qwen3Moe),
+                        None => Err("QK-norm without MoE is a Qwen3, whose export is not \
+                                     written yet (qk_layernorm = true, no MoE)"
+                            .into()),
+                    }
                 } else if let Some(moe) = &c.moe {
                     mixtral_moe(moe, c.num_layers).map(|()| Self::Mixtral)
                 } else {
@@ -92,6 +105,26 @@ fn mixtral_moe(moe: &MoeSettings, num_layers: usize) -> core::result::Result<(),
     Err(format!("a Mixtral has {problem}"))
 }
 
+/// Whether the MoE settings are Qwen3-MoE's: Mixtral's routing, except that the top-k
+/// weights may stay unnormalised (`norm_topk_prob: false`: pre-softmax without
+/// `normalize_top_k`), and any layers may be dense (`mlp_only_layers`).
+fn qwen3_moe(moe: &MoeSettings) -> core::result::Result<(), String> {
+    let problem = if moe.score_function != RouterScoreFunction::Softmax {
+        "softmax router scores (the score function is sigmoid)"
+    } else if moe.num_groups.is_some() || moe.group_top_k.is_some() {
+        "no group-limited routing (num_groups, group_top_k)"
+    } else if moe.top_k_scaling_factor.is_some_and(|f| f != 1.0) {
+        "no top-k scaling factor"
+    } else if moe.shared_expert_ffn_hidden_size.is_some() {
+        "no shared expert"
+    } else if moe.expert_bias {
+        "no expert bias"
+    } else {
+        return Ok(());
+    };
+    Err(format!("a Qwen3-MoE has {problem}"))
+}
+
 /// transformers' defaults for keys a Llama or Mixtral `config.json` leaves out.
 #[derive(Debug, Clone, Copy)]
 struct RotaryDefaults {
@@ -110,6 +143,12 @@ const MIXTRAL_DEFAULTS: RotaryDefaults = RotaryDefaults {
     rope_theta: 1e6,
     rms_norm_eps: 1e-5,
     max_position_embeddings: 4096 * 32,
+};
+
+const QWEN3_MOE_DEFAULTS: RotaryDefaults = RotaryDefaults {
+    rope_theta: 10_000.0,
+    rms_norm_eps: 1e-6,
+    max_position_embeddings: 32_768,
 };
 
 /// A transformers `config.json` read as one of our configurations.
@@ -171,6 +210,23 @@ impl Keys<'_> {
             }),
         }
     }
+    /// A list of whole numbers, empty when absent.
+    fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
+        let Some(v) = self.get(key) else {
+            return Ok(Vec::new());
+        };
+        let bad = || {
+            invalid(
+                self.file,
+                format!("key {key} must be a list of whole numbers, got {v}"),
+            )
+        };
+        v.as_array()
+            .ok_or_else(bad)?
+            .iter()
+            .map(|n| n.as_u64().map(|n| n as usize).ok_or_else(bad))
+            .collect()
+    }
     fn str_or<'b>(&'b self, key: &str, default: &'b str) -> Result<&'b str> {
         match self.get(key) {
             None => Ok(default),
@@ -218,14 +274,11 @@ impl HfConfig {
             "gpt2" => Self::gpt2(&keys),
             "llama" => Self::llama(&keys),
             "mixtral" => Self::mixtral(&keys),
-            name @ "qwen3_moe" => unsupported_moe(
-                name,
-                "Qwen3-MoE's attention normalises each query and key head by RMSNorm (q_norm, \
-                 k_norm) and its head_dim is not hidden_size / num_attention_heads",
-            ),
+            "qwen3_moe" => Self::qwen3_moe(&keys),
             name @ "olmoe" => unsupported_moe(
                 name,
-                "OLMoE's attention normalises the queries and keys by RMSNorm (q_norm, k_norm)",
+                "OLMoE's attention normalises the queries and keys by RMSNorm over all heads \
+                 together (q_norm, k_norm of hidden_size), not each head",
             ),
             name @ "qwen2_moe" => unsupported_moe(
                 name,
@@ -236,7 +289,7 @@ impl HfConfig {
                 file,
                 format!(
                     "unsupported model_type {other:?} (supported: \"gpt2\", \"llama\", \
-                     \"mixtral\")"
+                     \"mixtral\", \"qwen3_moe\")"
                 ),
             )),
         }
@@ -354,6 +407,71 @@ impl HfConfig {
         })
     }
 
+    fn qwen3_moe(k: &Keys) -> Result<Self> {
+        let config = Self::rotary_decoder(k, QWEN3_MOE_DEFAULTS)?.with_qk_layernorm(true);
+        if k.bool_or("use_sliding_window", false)? {
+            return Err(invalid(
+                k.file,
+                "unsupported option use_sliding_window = true: our attention sees the whole \
+                 causal context",
+            ));
+        }
+        let layers = config.num_layers;
+        let num_experts = k.opt_usize("num_experts")?.unwrap_or(128);
+        let step = k.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+        let dense = k.usize_list("mlp_only_layers")?;
+        if num_experts == 0 || step == 0 {
+            return Err(invalid(
+                k.file,
+                format!(
+                    "num_experts = {num_experts}, decoder_sparse_step = {step}: a Qwen3-MoE \
+                     without experts is a dense Qwen3, which we do not import"
+                ),
+            ));
+        }
+        // transformers' rule: layer i is sparse unless listed, when (i + 1) % step == 0.
+        let pattern: Vec<bool> = (0..layers)
+            .map(|i| !dense.contains(&i) && (i + 1).is_multiple_of(step))
+            .collect();
+        if !pattern.contains(&true) {
+            return Err(invalid(
+                k.file,
+                "decoder_sparse_step / mlp_only_layers leave no MoE layer: a dense Qwen3, \
+                 which we do not import",
+            ));
+        }
+        let aux_loss_coeff = match k.bool_or("output_router_logits", false)? {
+            true => k.f64_or("router_aux_loss_coef", 0.001)?,
+            false => 0.0,
+        };
+        // Softmax over all experts, top-k, renormalised only with norm_topk_prob: Megatron's
+        // pre-softmax router with or without --moe-router-topk-normalize, exactly.
+        let moe = MoeSettings::new(num_experts)
+            .with_ffn_hidden_size(Some(k.opt_usize("moe_intermediate_size")?.unwrap_or(768)))
+            .with_top_k(k.opt_usize("num_experts_per_tok")?.unwrap_or(8))
+            .with_score_function(RouterScoreFunction::Softmax)
+            .with_pre_softmax(true)
+            .with_normalize_top_k(k.bool_or("norm_topk_prob", false)?)
+            .with_aux_loss_coeff(aux_loss_coeff)
+            .with_layer_pattern((pattern.contains(&false)).then_some(pattern));
+        moe.validate(
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.num_layers,
+            1,
+        )
+        .map_err(|e| {
+            invalid(
+                k.file,
+                format!("num_experts / num_experts_per_tok / moe_intermediate_size: {e}"),
+            )
+        })?;
+        Ok(Self {
+            family: HfFamily::Qwen3Moe,
+            config: config.with_moe(Some(moe)),
+        })
+    }
+
     /// The Llama-shaped part of a Llama or Mixtral config (attention, norms, RoPE; the MLP
     /// width from `intermediate_size`), with the family's defaults for absent keys.
     fn rotary_decoder(k: &Keys, defaults: RotaryDefaults) -> Result<TransformerConfig> {
@@ -386,7 +504,8 @@ impl HfConfig {
                 k.file,
                 format!(
                     "unsupported option head_dim = {head_dim}: our heads are hidden_size / \
-                     num_attention_heads = {}",
+                     num_attention_heads = {} wide (no separate head width, Megatron's \
+                     --kv-channels, yet)",
                     hidden / heads.max(1)
                 ),
             ));
@@ -477,15 +596,46 @@ impl HfConfig {
                 );
                 config
             }
+            HfFamily::Qwen3Moe => {
+                let moe = c
+                    .moe
+                    .as_ref()
+                    .expect("HfFamily::of checks a Qwen3-MoE has MoE");
+                let dense: Vec<usize> = (0..c.num_layers)
+                    .filter(|&l| !moe.is_moe_layer(l))
+                    .collect();
+                let mut config = llama_shape(c);
+                extend(
+                    &mut config,
+                    json!({
+                        "model_type": "qwen3_moe",
+                        "architectures": ["Qwen3MoeForCausalLM"],
+                        "intermediate_size": c.ffn_hidden_size,
+                        "moe_intermediate_size": moe.ffn_hidden_size.unwrap_or(c.ffn_hidden_size),
+                        "num_experts": moe.num_experts,
+                        "num_experts_per_tok": moe.top_k,
+                        // Megatron's default (softmax over the k chosen logits) sums to one.
+                        "norm_topk_prob": moe.normalize_top_k || !moe.pre_softmax,
+                        "decoder_sparse_step": 1,
+                        "mlp_only_layers": dense,
+                        "attention_bias": false,
+                        "use_sliding_window": false,
+                        "sliding_window": null,
+                        "output_router_logits": moe.aux_loss_coeff > 0.0,
+                        "router_aux_loss_coef": moe.aux_loss_coeff,
+                    }),
+                );
+                config
+            }
         })
     }
 }
 
-/// The `config.json` keys Llama and Mixtral share (a Mixtral is a Llama whose MLPs are
-/// experts).
+/// The `config.json` keys Llama, Mixtral and Qwen3-MoE share (a Mixtral is a Llama whose
+/// MLPs are experts).
 fn llama_shape(c: &TransformerConfig) -> Value {
     let PositionEmbedding::Rope { base } = c.position_embedding else {
-        unreachable!("HfFamily::of checks a Llama or Mixtral has RoPE")
+        unreachable!("HfFamily::of checks a Llama, Mixtral or Qwen3-MoE has RoPE")
     };
     json!({
         "hidden_size": c.hidden_size,

@@ -31,6 +31,20 @@
 //! writes them back per expert on `save_pretrained` (unless `save_original_format=False`):
 //! we read both forms and write the per-expert one, which every version loads.
 //!
+//! **Qwen3-MoE** is a Mixtral with QK-norm whose MoE tensors are under `mlp` (`Y` is
+//! `model.layers.i`; transformers 5's fused experts as Mixtral's):
+//!
+//! | ours (whole model)                      | Qwen3-MoE                                 |
+//! |-----------------------------------------|-------------------------------------------|
+//! | `L.attention.q_norm.scale` `[head_dim]` | `Y.self_attn.q_norm.weight`               |
+//! | `L.attention.k_norm.scale` `[head_dim]` | `Y.self_attn.k_norm.weight`               |
+//! | `L.moe.router.weight` `[H, E]`          | `Y.mlp.gate.weight`ᵀ                      |
+//! | `L.moe.experts.gate` `[E, H, F]`        | `Y.mlp.experts.j.gate_proj.weight`ᵀ       |
+//! | `L.moe.experts.fc1` `[E, H, F]`         | `Y.mlp.experts.j.up_proj.weight`ᵀ         |
+//! | `L.moe.experts.fc2` `[E, F, H]`         | `Y.mlp.experts.j.down_proj.weight`ᵀ       |
+//!
+//! Its dense layers (`mlp_only_layers`) have a Llama's `mlp.{gate,up,down}_proj`.
+//!
 //! **QKV.** Our fused QKV columns are ordered query group by query group, `[q heads of the
 //! group…, k, v] × head_dim` (so a TP column slice is whole groups). GPT-2's `c_attn` columns
 //! are `[all q | all k | all v]`, and Llama's three projections concatenate to the same
@@ -118,7 +132,8 @@ pub(crate) fn recipe(family: HfFamily, path: &str, config: &TransformerConfig) -
                 }
             })
         }
-        HfFamily::Llama | HfFamily::Mixtral => {
+        HfFamily::Llama | HfFamily::Mixtral | HfFamily::Qwen3Moe => {
+            let qwen = family == HfFamily::Qwen3Moe;
             let m = |name: &str| format!("model.{name}");
             Some(match path {
                 "embedding.weight" => Copy(m("embed_tokens.weight")),
@@ -135,17 +150,24 @@ pub(crate) fn recipe(family: HfFamily, path: &str, config: &TransformerConfig) -
                             l("self_attn.v_proj.weight"),
                         ])),
                         "attention.output.weight" => Transpose(l("self_attn.o_proj.weight")),
+                        "attention.q_norm.scale" if qwen => Copy(l("self_attn.q_norm.weight")),
+                        "attention.k_norm.scale" if qwen => Copy(l("self_attn.k_norm.weight")),
                         "post_attention_norm.scale" => Copy(l("post_attention_layernorm.weight")),
                         "mlp.fc1.weight" => Transpose(l("mlp.up_proj.weight")),
                         "mlp.gate.weight" => Transpose(l("mlp.gate_proj.weight")),
                         "mlp.fc2.weight" => Transpose(l("mlp.down_proj.weight")),
+                        "moe.router.weight" if qwen => Transpose(l("mlp.gate.weight")),
                         "moe.router.weight" => Transpose(l("block_sparse_moe.gate.weight")),
                         _ => {
                             let moe = config.moe.as_ref()?;
                             let f = moe.ffn_hidden_size.unwrap_or(config.ffn_hidden_size);
                             let experts = |w: &str, fused: &str, rows, total_rows| {
+                                let (block, w) = match qwen {
+                                    true => ("mlp", qwen_name(w)),
+                                    false => ("block_sparse_moe", w),
+                                };
                                 let per_expert = (0..moe.num_experts)
-                                    .map(|j| l(&format!("block_sparse_moe.experts.{j}.{w}.weight")))
+                                    .map(|j| l(&format!("{block}.experts.{j}.{w}.weight")))
                                     .collect();
                                 let fused = l(&format!("mlp.experts.{fused}"));
                                 Experts {
@@ -169,6 +191,15 @@ pub(crate) fn recipe(family: HfFamily, path: &str, config: &TransformerConfig) -
                 }
             })
         }
+    }
+}
+
+/// Qwen3-MoE's name of a Mixtral expert's weight (`w1`, `w3`, `w2`).
+fn qwen_name(mixtral: &str) -> &'static str {
+    match mixtral {
+        "w1" => "gate_proj",
+        "w3" => "up_proj",
+        _ => "down_proj",
     }
 }
 
