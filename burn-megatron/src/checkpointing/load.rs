@@ -82,7 +82,7 @@ impl Checkpoint {
     /// padding may differ).
     pub fn check_config(&self, config: &TransformerConfig) -> Result<()> {
         let saved = &self.metadata.model_config;
-        let fields: [(&str, String, String); 12] = [
+        let fields: [(&str, String, String); 14] = [
             (
                 "hidden_size",
                 saved.hidden_size.to_string(),
@@ -142,6 +142,16 @@ impl Checkpoint {
                 "tie_embeddings",
                 saved.tie_embeddings.to_string(),
                 config.tie_embeddings.to_string(),
+            ),
+            (
+                "head dimension (kv_channels)",
+                saved.head_dim().to_string(),
+                config.head_dim().to_string(),
+            ),
+            (
+                "qk_layernorm",
+                saved.qk_layernorm.to_string(),
+                config.qk_layernorm.to_string(),
             ),
         ];
         for (name, saved, given) in fields {

@@ -73,6 +73,10 @@ pub struct PretrainArgs {
     /// Epsilon of the normalisation. [default: 1e-5]
     #[arg(long, help_heading = "Model")]
     pub norm_epsilon: Option<f64>,
+    /// Width of each attention head (Qwen3: 128 at hidden 2048 with 32 heads). [default:
+    /// hidden size / heads]
+    #[arg(long, help_heading = "Model")]
+    pub kv_channels: Option<usize>,
     /// QK-norm: each query and key head normalised (the model's normalisation, weights of
     /// head_dim shared by the heads) before RoPE, as in Qwen3. [default: false]
     #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "Model")]
@@ -542,6 +546,7 @@ impl PretrainArgs {
         );
         set_some!(
             ffn_hidden_size,
+            kv_channels,
             num_layers_per_virtual_pipeline_stage,
             num_virtual_stages_per_pipeline_rank,
             decoder_first_pipeline_num_layers,
@@ -642,6 +647,7 @@ impl PretrainArgs {
             swiglu,
             normalization,
             norm_epsilon,
+            kv_channels,
             qk_layernorm,
             position_embedding_type,
             rotary_base,

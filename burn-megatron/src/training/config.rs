@@ -67,6 +67,10 @@ pub struct PretrainConfig {
     /// The normalisation layer: LayerNorm (GPT) or RMSNorm (Llama).
     #[config(default = "Normalization::LayerNorm")]
     pub normalization: Normalization,
+    /// Width of each attention head (`--kv-channels`); `None`: hidden size / heads. See
+    /// [`TransformerConfig::kv_channels`](crate::transformer::TransformerConfig::kv_channels).
+    #[config(default = "None")]
+    pub kv_channels: Option<usize>,
     /// QK-norm (`--qk-layernorm`): see
     /// [`TransformerConfig::qk_layernorm`](crate::transformer::TransformerConfig::qk_layernorm).
     #[config(default = false)]
@@ -464,6 +468,7 @@ impl PretrainConfig {
         .with_normalization(self.normalization)
         .with_norm_epsilon(self.norm_epsilon)
         .with_qk_layernorm(self.qk_layernorm)
+        .with_kv_channels(self.kv_channels)
         .with_position_embedding(self.position_embedding)
         .with_num_query_groups(self.num_query_groups)
         .with_tie_embeddings(!self.untie_embeddings_and_output_weights)

@@ -195,6 +195,7 @@ pub fn layer_activation_bytes(
 ) -> u64 {
     let (h, f) = (model.hidden_size as u64, model.ffn_hidden_size as u64);
     let kv = (model.query_groups() * model.head_dim()) as u64;
+    let q = model.query_width() as u64;
     let heads = model.num_attention_heads as u64;
     let (t, d) = (tp as u64, dtype_bytes as u64);
     let tokens = (seq * micro_batch) as u64;
@@ -203,7 +204,7 @@ pub fn layer_activation_bytes(
     let norm = |width: u64| d * tokens * width / outside + 2 * 4 * tokens / outside;
     // A column-parallel layer keeps its whole (gathered) input.
     let column_input = d * tokens * h;
-    let attention = d * tokens * (h + 2 * kv) / t + d * tokens * h / t + 4 * tokens * heads / t;
+    let attention = d * tokens * (q + 2 * kv) / t + d * tokens * q / t + 4 * tokens * heads / t;
     let unfused_scores = if model.flash_attention && model.attention_dropout == 0.0 {
         0
     } else {
@@ -287,7 +288,8 @@ pub fn stage_params(
         Activation::SwiGlu => 3,
         Activation::Gelu | Activation::GeluTanh => 2,
     };
-    let attention = h * (h + 2 * kv) / t + bias((h + 2 * kv) / t) + h * h / t + bias(h);
+    let q = model.query_width() as u64;
+    let attention = h * (q + 2 * kv) / t + bias((q + 2 * kv) / t) + q * h / t + bias(h);
     let mlp = matrices * h * f / t + bias((matrices - 1) * f / t) + bias(h);
     let mut params = StageParams::default();
     for layer in layers {

@@ -132,6 +132,12 @@ pub struct TransformerConfig {
     pub num_query_groups: Option<usize>,
     /// Hidden width of the MLP.
     pub ffn_hidden_size: usize,
+    /// Width of each attention head (Megatron's `--kv-channels`); `None`: `hidden_size /
+    /// num_attention_heads`. Qwen3's heads are wider than that (128 at a hidden size of 2048
+    /// with 32 heads): the QKV projection is then `hidden → (heads + 2 · groups) · kv_channels`
+    /// and the output projection `heads · kv_channels → hidden`.
+    #[config(default = "None")]
+    pub kv_channels: Option<usize>,
     /// Real vocabulary size (padded for TP, see `make_vocab_size_divisible_by`).
     pub vocab_size: usize,
     /// Longest sequence the model takes.
@@ -284,9 +290,16 @@ impl TransformerConfig {
         self.num_query_groups.unwrap_or(self.num_attention_heads)
     }
 
-    /// Width of one attention head.
+    /// Width of one attention head: `kv_channels`, or `hidden_size / num_attention_heads`.
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads.max(1)
+        self.kv_channels
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Width of all query heads together, `num_attention_heads · head_dim` (the hidden size
+    /// unless `kv_channels` is set).
+    pub fn query_width(&self) -> usize {
+        self.num_attention_heads * self.head_dim()
     }
 
     /// Checks the configuration for a TP group of `tp` ranks (this one being `tp_rank`):
@@ -317,7 +330,13 @@ impl TransformerConfig {
                     .into(),
             ));
         }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+        if self.kv_channels == Some(0) {
+            return Err(ConfigError::Invalid(
+                "kv_channels (--kv-channels) must be at least 1".into(),
+            ));
+        }
+        if self.kv_channels.is_none() && !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
             return Err(ConfigError::Invalid(format!(
                 "hidden size ({}) must be divisible by the attention heads ({})",
                 self.hidden_size, self.num_attention_heads

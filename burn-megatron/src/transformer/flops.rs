@@ -16,14 +16,15 @@ impl TransformerConfig {
     /// Model FLOPs of one training step (forward and backward) over `batch` sequences of
     /// `seq` tokens, on one model replica (all TP ranks together):
     ///
-    /// `6·T·( l·( h·(h + 2·g·d) + h² + 2·s·h + m·h·f ) + h·V )`
+    /// `6·T·( l·( h·(q + 2·g·d) + q·h + 2·s·q + m·h·f ) + h·V )`
     ///
-    /// with `T = batch·seq` tokens, `h` hidden, `l` layers, `g·d` the key/value width (query
-    /// groups × head dimension; `h` without GQA), `f` the FFN width, `m` its GEMMs (2 for
+    /// with `T = batch·seq` tokens, `h` hidden, `l` layers, `q` the query heads' width
+    /// ([`query_width`](Self::query_width), `h` unless `kv_channels` is set), `g·d` the
+    /// key/value width (query groups × head dimension; `q` without GQA), `f` the FFN width, `m` its GEMMs (2 for
     /// GELU, 3 for SwiGLU) and `V` the padded vocabulary (the logits actually computed). The
     /// four terms of a layer are the QKV projection, the output projection, the attention
-    /// core (`QKᵀ` and `PV`, `2·s·h` per token each counted as `s·h` multiply-adds) and the
-    /// MLP; the last is the output layer. For GPT (`g·d = h`, `f = 4h`, `m = 2`) this is
+    /// core (`QKᵀ` and `PV`, `2·s·q` per token each counted as `s·q` multiply-adds) and the
+    /// MLP; the last is the output layer. For GPT (`q = g·d = h`, `f = 4h`, `m = 2`) this is
     /// `72·T·l·h²·(1 + s/(6h) + V/(12·l·h))`.
     ///
     /// An MoE layer counts its active FLOPs, as Megatron does for MoE models: in place of the
@@ -33,13 +34,14 @@ impl TransformerConfig {
         let vocab = VocabPartition::new(self.vocab_size, self.make_vocab_size_divisible_by, 1, 0)?;
         let h = self.hidden_size as f64;
         let kv = (self.query_groups() * self.head_dim()) as f64;
+        let q = self.query_width() as f64;
         let f = self.ffn_hidden_size as f64;
         let s = seq as f64;
         let mlp_gemms = match self.activation {
             Activation::Gelu | Activation::GeluTanh => 2.0,
             Activation::SwiGlu => 3.0,
         };
-        let attention = h * (h + 2.0 * kv) + h * h + 2.0 * s * h;
+        let attention = h * (q + 2.0 * kv) + q * h + 2.0 * s * q;
         let dense_mlp = mlp_gemms * h * f;
         let moe_mlp = self.moe.as_ref().map(|moe| {
             let expert = moe.ffn_hidden_size.map_or(f, |w| w as f64);

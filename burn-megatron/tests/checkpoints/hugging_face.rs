@@ -301,7 +301,10 @@ pub(crate) fn decoder_reference(
         hf.n("num_key_value_heads"),
     );
     let (eps, theta) = (hf.f("rms_norm_eps"), hf.f("rope_theta"));
-    let head_dim = hidden / heads;
+    // Qwen3's heads may be wider than hidden / heads.
+    let head_dim = hf.1["head_dim"]
+        .as_u64()
+        .map_or(hidden / heads, |d| d as usize);
     let tokens = tokens::<B>(hf.n("vocab_size"));
     let [b, s] = tokens.dims();
     let linear = |x: Tensor<B, 3>, name: &str| x.matmul(hf.get::<2>(name).transpose().unsqueeze());
@@ -367,7 +370,7 @@ pub(crate) fn decoder_reference(
         let v = project("self_attn.v_proj.weight", groups);
         let context = attend(q, repeat_kv(k), repeat_kv(v))
             .swap_dims(1, 2)
-            .reshape([b, s, hidden]);
+            .reshape([b, s, heads * head_dim]);
         x = x + linear(context, &l("self_attn.o_proj.weight"));
         let h = rms_norm(x.clone(), &l("post_attention_layernorm.weight"));
         x = x + mlp(&hf, i, h);

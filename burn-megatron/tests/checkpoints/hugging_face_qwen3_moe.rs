@@ -4,7 +4,8 @@
 //! `config.json`; a transformers-style forward pass from plain Burn ops (RMSNorm of each query
 //! and key head before RoPE; softmax over all experts, top-k, renormalised only with
 //! `norm_topk_prob`; every expert run densely) gives the reference logits. Imported at TP 1 and
-//! TP 2 × EP 2 on thread ranks, our logits equal it (f32, 1e-5 relative); at TP 2 × PP 2 the
+//! TP 2 × EP 2 on thread ranks, our logits equal it (f32, 1e-5 relative), with heads as wide as
+//! hidden / heads and twice as wide (Qwen3's `head_dim`, our `kv_channels`); at TP 2 × PP 2 the
 //! loss is the one-rank loss; the export writes the same tensors and configuration back;
 //! options we lack are errors naming them.
 
@@ -30,9 +31,9 @@ const MOE_FFN: usize = 12;
 const LAYERS: usize = 2;
 const VOCAB: usize = 50;
 
-/// A tiny Qwen3-MoE's `config.json` (GQA: 4 heads of 4 in 2 groups; 4 experts, top 2),
-/// its layers `dense` with a dense MLP.
-fn config_json(norm_topk_prob: bool, dense: &[usize]) -> serde_json::Value {
+/// A tiny Qwen3-MoE's `config.json` (GQA: 4 heads of `head_dim` in 2 groups; 4 experts, top
+/// 2), its layers `dense` with a dense MLP.
+fn config_json(norm_topk_prob: bool, dense: &[usize], head_dim: usize) -> serde_json::Value {
     serde_json::json!({
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -42,7 +43,7 @@ fn config_json(norm_topk_prob: bool, dense: &[usize]) -> serde_json::Value {
         "num_hidden_layers": LAYERS,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 4,
+        "head_dim": head_dim,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "vocab_size": VOCAB,
@@ -66,14 +67,15 @@ fn config_json(norm_topk_prob: bool, dense: &[usize]) -> serde_json::Value {
 
 /// The tensors transformers writes, random: norms around 1, weights uniform, the router's
 /// larger so that no two of a token's scores are close.
-fn qwen3_moe_tensors(dense: &[usize]) -> BTreeMap<String, Named> {
+fn qwen3_moe_tensors(dense: &[usize], head_dim: usize) -> BTreeMap<String, Named> {
     let mut out = BTreeMap::new();
     let mut add = |name: String, shape: Vec<usize>, center: f32, scale: f32| {
         let seed = out.len() as u64 + 1;
         let values = noise(seed, shape.iter().product(), center, scale);
         out.insert(name, (shape, values));
     };
-    let (h, head_dim) = (HIDDEN, 4);
+    let h = HIDDEN;
+    let (q, kv) = (4 * head_dim, 2 * head_dim);
     add("model.embed_tokens.weight".into(), vec![VOCAB, h], 0.0, 1.0);
     add("model.norm.weight".into(), vec![h], 1.0, 0.4);
     add("lm_head.weight".into(), vec![VOCAB, h], 0.0, 0.5);
@@ -81,10 +83,10 @@ fn qwen3_moe_tensors(dense: &[usize]) -> BTreeMap<String, Named> {
         let l = |name: &str| format!("model.layers.{i}.{name}");
         add(l("input_layernorm.weight"), vec![h], 1.0, 0.4);
         add(l("post_attention_layernorm.weight"), vec![h], 1.0, 0.4);
-        add(l("self_attn.q_proj.weight"), vec![h, h], 0.0, 0.5);
-        add(l("self_attn.k_proj.weight"), vec![h / 2, h], 0.0, 0.5);
-        add(l("self_attn.v_proj.weight"), vec![h / 2, h], 0.0, 0.5);
-        add(l("self_attn.o_proj.weight"), vec![h, h], 0.0, 0.5);
+        add(l("self_attn.q_proj.weight"), vec![q, h], 0.0, 0.5);
+        add(l("self_attn.k_proj.weight"), vec![kv, h], 0.0, 0.5);
+        add(l("self_attn.v_proj.weight"), vec![kv, h], 0.0, 0.5);
+        add(l("self_attn.o_proj.weight"), vec![h, q], 0.0, 0.5);
         add(l("self_attn.q_norm.weight"), vec![head_dim], 1.0, 0.8);
         add(l("self_attn.k_norm.weight"), vec![head_dim], 1.0, 0.8);
         let mlp = |f: usize, add: &mut dyn FnMut(String, Vec<usize>, f32, f32), at: &str| {
@@ -156,14 +158,19 @@ fn qwen3_moe_mlp(hf: &Hf, i: usize, h: Tensor<B, 3>) -> Tensor<B, 3> {
 
 /// Writes the checkpoint, imports it at TP 1 and TP 2 × EP 2 against the reference, and
 /// checks the export of the TP 2 × EP 2 model (tensors and configuration).
-fn check_import_and_export(name: &str, norm_topk_prob: bool, dense: &[usize]) {
+fn check_import_and_export(name: &str, norm_topk_prob: bool, dense: &[usize], head_dim: usize) {
     let dir = scratch(name);
-    let tensors = qwen3_moe_tensors(dense);
-    write_checkpoint(&dir, &tensors, &config_json(norm_topk_prob, dense));
+    let tensors = qwen3_moe_tensors(dense, head_dim);
+    write_checkpoint(
+        &dir,
+        &tensors,
+        &config_json(norm_topk_prob, dense, head_dim),
+    );
 
     let hf = HfConfig::read(&dir).unwrap();
     assert_eq!(hf.family, HfFamily::Qwen3Moe);
     assert!(hf.config.qk_layernorm, "Qwen3-MoE normalises q and k heads");
+    assert_eq!(hf.config.head_dim(), head_dim);
     let moe = hf.config.moe.as_ref().expect("a Qwen3-MoE has MoE layers");
     assert_eq!(
         (moe.num_experts, moe.top_k, moe.ffn_hidden_size),
@@ -213,17 +220,19 @@ fn check_import_and_export(name: &str, norm_topk_prob: bool, dense: &[usize]) {
     }
 }
 
-/// Qwen3-30B-A3B's routing (`norm_topk_prob: false`: the top-k of the softmax over all
-/// experts, not renormalised), every layer sparse.
+/// Qwen3-30B-A3B's shape in small: heads twice as wide as hidden / heads (8 against 4: our
+/// `kv_channels`), `norm_topk_prob: false` (the top-k of the softmax over all experts, not
+/// renormalised), every layer sparse.
 #[test]
 fn qwen3_moe_imports_at_any_tp_and_ep_and_exports_back() {
-    check_import_and_export("hf-qwen3-moe", false, &[]);
+    check_import_and_export("hf-qwen3-moe", false, &[], 8);
 }
 
-/// `norm_topk_prob: true`, and layer 0 dense (`mlp_only_layers`, with `intermediate_size`).
+/// `norm_topk_prob: true`, layer 0 dense (`mlp_only_layers`, with `intermediate_size`), heads
+/// of hidden / heads.
 #[test]
 fn qwen3_moe_with_renormalised_weights_and_a_dense_layer_imports() {
-    check_import_and_export("hf-qwen3-moe-dense0", true, &[0]);
+    check_import_and_export("hf-qwen3-moe-dense0", true, &[0], 4);
 }
 
 /// Each pipeline stage imports its layers' q/k norms and experts: the loss at TP 2 × PP 2
@@ -231,7 +240,11 @@ fn qwen3_moe_with_renormalised_weights_and_a_dense_layer_imports() {
 #[test]
 fn qwen3_moe_imports_across_pipeline_stages() {
     let dir = scratch("hf-qwen3-moe-pp");
-    write_checkpoint(&dir, &qwen3_moe_tensors(&[]), &config_json(false, &[]));
+    write_checkpoint(
+        &dir,
+        &qwen3_moe_tensors(&[], 8),
+        &config_json(false, &[], 8),
+    );
     assert_close(
         "Qwen3-MoE imported at TP = 2, PP = 2: loss",
         &[imported_loss(&dir, 2, 2, 1)],
@@ -244,22 +257,17 @@ fn qwen3_moe_imports_across_pipeline_stages() {
 fn qwen3_moe_options_we_lack_are_errors_naming_them() {
     let file = Path::new("/tmp/qwen3/config.json");
     let parse = |edit: &dyn Fn(&mut serde_json::Value)| {
-        let mut json = config_json(false, &[]);
+        let mut json = config_json(false, &[], 8);
         edit(&mut json);
         HfConfig::parse(&json.to_string(), file)
     };
     let error = |edit: &dyn Fn(&mut serde_json::Value)| parse(edit).unwrap_err().to_string();
 
-    // Qwen3-30B-A3B's heads are 128 wide with hidden_size / heads = 64.
-    let e = error(&|j| j["head_dim"] = 8.into());
+    let e = error(&|j| j["use_sliding_window"] = true.into());
     assert!(
-        e.contains("/tmp/qwen3/config.json")
-            && e.contains("unsupported option head_dim = 8")
-            && e.contains("--kv-channels"),
+        e.contains("/tmp/qwen3/config.json") && e.contains("use_sliding_window"),
         "{e}"
     );
-    let e = error(&|j| j["use_sliding_window"] = true.into());
-    assert!(e.contains("use_sliding_window"), "{e}");
     let e = error(&|j| j["decoder_sparse_step"] = 0.into());
     assert!(e.contains("decoder_sparse_step = 0"), "{e}");
     let e = error(&|j| j["mlp_only_layers"] = serde_json::json!([0, 1]));

@@ -287,8 +287,12 @@ fn llama_matches_finite_differences() {
     check_model("Llama", tiny_llama());
 }
 
-/// QK-norm: the queries' and keys' per-head RMSNorm (and its weights) before RoPE.
+/// QK-norm: the queries' and keys' per-head RMSNorm (and its weights) before RoPE, with heads
+/// wider than hidden / heads (6 against 4, `kv_channels`, as Qwen3's).
 #[test]
 fn llama_with_qk_norm_matches_finite_differences() {
-    check_model("Llama (QK-norm)", tiny_llama().with_qk_layernorm(true));
+    let config = tiny_llama()
+        .with_qk_layernorm(true)
+        .with_kv_channels(Some(6));
+    check_model("Llama (QK-norm, wide heads)", config);
 }

@@ -83,11 +83,16 @@ fn cached_logits_match_the_full_forward_llama_gqa() {
     }
 }
 
-/// QK-norm: the decode steps normalise the new query and key heads before rotating them.
+/// QK-norm: the decode steps normalise the new query and key heads before rotating them;
+/// with heads wider than hidden / heads (`kv_channels`, as Qwen3's) too.
 #[test]
 fn cached_logits_match_the_full_forward_with_qk_norm() {
-    for tp in [1, 2] {
-        cached_logits_match(&crate::llama().with_qk_layernorm(true), tp, prompts());
+    let config = crate::llama().with_qk_layernorm(true);
+    let wide = config.head_dim() * 2;
+    for config in [config.clone(), config.with_kv_channels(Some(wide))] {
+        for tp in [1, 2] {
+            cached_logits_match(&config, tp, prompts());
+        }
     }
 }
 

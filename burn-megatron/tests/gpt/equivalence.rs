@@ -220,7 +220,10 @@ fn qk_norm_matches_single_device() {
         (2, true, Recompute::Full),
     ];
     let llama = crate::small_llama().with_qk_layernorm(true);
-    assert_equivalent_in(llama, "Llama with QK-norm", &layouts);
+    assert_equivalent_in(llama.clone(), "Llama with QK-norm", &layouts);
+    // Qwen3's shape: heads twice as wide as hidden / heads (`--kv-channels`).
+    let wide = llama.with_kv_channels(Some(8));
+    assert_equivalent_in(wide, "Llama with QK-norm and wide heads", &layouts[1..]);
     let gpt = gqa_gpt()
         .with_normalization(Normalization::RmsNorm)
         .with_qk_layernorm(true)

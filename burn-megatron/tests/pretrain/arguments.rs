@@ -163,6 +163,8 @@ fn llama_options_are_megatrons() {
         "--norm-epsilon",
         "1e-6",
         "--qk-layernorm",
+        "--kv-channels",
+        "32",
         "--position-embedding-type",
         "rope",
         "--rotary-base",
@@ -185,6 +187,11 @@ fn llama_options_are_megatrons() {
     assert_eq!(m.normalization, Normalization::RmsNorm);
     assert_eq!(m.norm_epsilon, 1e-6);
     assert!(m.qk_layernorm, "--qk-layernorm");
+    assert_eq!(
+        (m.kv_channels, m.head_dim()),
+        (Some(32), 32),
+        "--kv-channels"
+    );
     assert!(
         !config(&[]).model().qk_layernorm,
         "QK-norm is off by default"

@@ -497,19 +497,10 @@ impl HfConfig {
         k.unsupported_unless("pretraining_tp", json!(1))?;
         let hidden = k.usize("hidden_size")?;
         let heads = k.usize("num_attention_heads")?;
-        if let Some(head_dim) = k.opt_usize("head_dim")?
-            && heads * head_dim != hidden
-        {
-            return Err(invalid(
-                k.file,
-                format!(
-                    "unsupported option head_dim = {head_dim}: our heads are hidden_size / \
-                     num_attention_heads = {} wide (no separate head width, Megatron's \
-                     --kv-channels, yet)",
-                    hidden / heads.max(1)
-                ),
-            ));
-        }
+        // Heads wider than hidden_size / heads (Qwen3) are our kv_channels.
+        let kv_channels = k
+            .opt_usize("head_dim")?
+            .filter(|&head_dim| heads * head_dim != hidden);
         Ok(TransformerConfig::new(
             hidden,
             k.usize("num_hidden_layers")?,
@@ -519,6 +510,7 @@ impl HfConfig {
             k.opt_usize("max_position_embeddings")?
                 .unwrap_or(defaults.max_position_embeddings),
         )
+        .with_kv_channels(kv_channels)
         .with_num_query_groups(Some(k.opt_usize("num_key_value_heads")?.unwrap_or(heads)))
         .with_normalization(Normalization::RmsNorm)
         .with_norm_epsilon(k.f64_or("rms_norm_eps", defaults.rms_norm_eps)?)

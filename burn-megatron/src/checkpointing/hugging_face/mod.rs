@@ -4,9 +4,9 @@
 //!
 //! - [`HfConfig`]: `config.json` ↔ [`TransformerConfig`](crate::transformer::TransformerConfig);
 //!   options we do not implement (`rope_scaling`, attention biases in Llama, Mixtral's
-//!   `sliding_window` or `router_jitter_noise`, a Qwen3-MoE `head_dim` other than `hidden_size /
-//!   num_attention_heads`, …) are errors naming the key; OLMoE and Qwen2-MoE are refused naming
-//!   what our model lacks (QK-norm over all heads together, a gated shared expert).
+//!   `sliding_window` or `router_jitter_noise`, …) are errors naming the key; OLMoE and
+//!   Qwen2-MoE are refused naming what our model lacks (QK-norm over all heads together, a
+//!   gated shared expert).
 //! - [`HfCheckpoint::load_model`]: each rank converts the transformers tensors its chunk needs
 //!   (memory-mapped, any float dtype) to our layout and keeps its slice (of the routed
 //!   experts, it reads only its own).
