@@ -256,7 +256,8 @@ fn cp_2_with_tp_2_and_sequence_parallelism_equals_cp_1() {
 }
 
 /// QK-norm: each rank normalises its chunks' query and key heads before RoPE at their global
-/// positions; the norms' gradients sum over TP (heads) and CP (tokens).
+/// positions; the norms' gradients sum over TP (heads) and CP (tokens). Also with heads wider
+/// than hidden / heads.
 #[test]
 fn llama_with_qk_norm_at_cp_2_equals_cp_1() {
     let layouts = [
@@ -269,6 +270,9 @@ fn llama_with_qk_norm_at_cp_2_equals_cp_1() {
     ];
     let config = llama().with_qk_layernorm(true);
     assert_equivalent("Llama with QK-norm", &config, &layouts, 16);
+    // Heads twice as wide as hidden / heads (`kv_channels`, as Qwen3's).
+    let wide = config.clone().with_kv_channels(Some(2 * config.head_dim()));
+    assert_equivalent("Llama with QK-norm and wide heads", &wide, &layouts, 16);
 }
 
 #[test]
