@@ -1,7 +1,7 @@
 # Check peer (transformers, not part of burn-megatron): the reference side of the Hugging Face
 # import/export check. Runs offline on the device machine (PyTorch + transformers, no network).
 #
-#   python bench/hf_interop_check.py make DIR     # random tiny GPT-2, Llama and Mixtral,
+#   python bench/hf_interop_check.py make DIR     # random tiny GPT-2, Llama, Mixtral, Qwen3-MoE,
 #                                                 # saved with save_pretrained, and their logits
 #   cargo run --release -p burn-megatron-examples --example hf_import_check -- DIR
 #                                                 # imports them (TP = 1 and 2; the Mixtral
@@ -22,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 TOKENS = [[(7 * i + 3 * b + 1) % 1000 for i in range(16)] for b in range(2)]
@@ -46,10 +48,20 @@ def models():
         rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0,
     )
+    # 4 experts, top 2, not renormalised; heads of 32 where hidden / heads is 16 (our
+    # --kv-channels), per-head q/k RMSNorm (our --qk-layernorm).
+    qwen3_moe = Qwen3MoeConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+    )
     return {
         "gpt2": (GPT2LMHeadModel, gpt2),
         "llama": (LlamaForCausalLM, llama),
         "mixtral": (MixtralForCausalLM, mixtral),
+        "qwen3_moe": (Qwen3MoeForCausalLM, qwen3_moe),
     }
 
 
@@ -65,7 +77,8 @@ def perturb(model, seed):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-            # Mixtral's router: `block_sparse_moe.gate` (transformers 4) or `mlp.gate` (5).
+            # The MoE routers: Mixtral's `block_sparse_moe.gate` (transformers 4) or `mlp.gate`
+            # (5, and Qwen3-MoE).
             if name.endswith(".gate.weight") and "experts" not in name:
                 p.mul_(ROUTER_SCALE)
 

@@ -282,6 +282,16 @@ fn qwen3_moe_options_we_lack_are_errors_naming_them() {
     let e = error(&|j| j["model_type"] = "olmoe".into());
     assert!(e.contains("\"olmoe\"") && e.contains("k_norm"), "{e}");
 
+    // transformers 5 writes the experts' count as `num_local_experts` (found on the device
+    // machine: read as the default 128, the router's shape then refused).
+    let v5 = parse(&|j| {
+        let n = j["num_experts"].take();
+        j.as_object_mut().unwrap().remove("num_experts");
+        j["num_local_experts"] = n;
+    })
+    .unwrap();
+    assert_eq!(v5.config.moe.unwrap().num_experts, EXPERTS);
+
     // transformers' rule: with decoder_sparse_step 2, layer 1 is sparse and layer 0 dense.
     let every_other = parse(&|j| j["decoder_sparse_step"] = 2.into()).unwrap();
     assert_eq!(every_other.config.moe.unwrap().moe_layers(LAYERS), vec![1]);

@@ -417,7 +417,12 @@ impl HfConfig {
             ));
         }
         let layers = config.num_layers;
-        let num_experts = k.opt_usize("num_experts")?.unwrap_or(128);
+        // transformers 5 writes `num_local_experts` (its `attribute_map`), 4 `num_experts`;
+        // 128 is transformers' default for either.
+        let num_experts = match k.opt_usize("num_local_experts")? {
+            Some(n) => n,
+            None => k.opt_usize("num_experts")?.unwrap_or(128),
+        };
         let step = k.opt_usize("decoder_sparse_step")?.unwrap_or(1);
         let dense = k.usize_list("mlp_only_layers")?;
         if num_experts == 0 || step == 0 {
