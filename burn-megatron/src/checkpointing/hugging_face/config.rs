@@ -87,20 +87,10 @@ impl HfFamily {
 fn mixtral_moe(moe: &MoeSettings, num_layers: usize) -> core::result::Result<(), String> {
     let problem = if moe.moe_layers(num_layers).len() != num_layers {
         "an MoE layer in every layer (--moe-layer-freq leaves dense layers)"
-    } else if moe.score_function != RouterScoreFunction::Softmax {
-        "softmax router scores (the score function is sigmoid)"
     } else if moe.pre_softmax && !moe.normalize_top_k {
         "the top-k weights renormalised (pre_softmax without normalize_top_k)"
-    } else if moe.num_groups.is_some() || moe.group_top_k.is_some() {
-        "no group-limited routing (num_groups, group_top_k)"
-    } else if moe.top_k_scaling_factor.is_some_and(|f| f != 1.0) {
-        "no top-k scaling factor"
-    } else if moe.shared_expert_ffn_hidden_size.is_some() {
-        "no shared expert"
-    } else if moe.expert_bias {
-        "no expert bias"
     } else {
-        return Ok(());
+        return softmax_top_k(moe).map_err(|problem| format!("a Mixtral has {problem}"));
     };
     Err(format!("a Mixtral has {problem}"))
 }
@@ -109,6 +99,12 @@ fn mixtral_moe(moe: &MoeSettings, num_layers: usize) -> core::result::Result<(),
 /// weights may stay unnormalised (`norm_topk_prob: false`: pre-softmax without
 /// `normalize_top_k`), and any layers may be dense (`mlp_only_layers`).
 fn qwen3_moe(moe: &MoeSettings) -> core::result::Result<(), String> {
+    softmax_top_k(moe).map_err(|problem| format!("a Qwen3-MoE has {problem}"))
+}
+
+/// What Mixtral's and Qwen3-MoE's routing share, the problem where `moe` differs: softmax
+/// scores, plain top-k (no groups, no scaling), no shared expert, no expert bias.
+fn softmax_top_k(moe: &MoeSettings) -> core::result::Result<(), &'static str> {
     let problem = if moe.score_function != RouterScoreFunction::Softmax {
         "softmax router scores (the score function is sigmoid)"
     } else if moe.num_groups.is_some() || moe.group_top_k.is_some() {
@@ -122,7 +118,7 @@ fn qwen3_moe(moe: &MoeSettings) -> core::result::Result<(), String> {
     } else {
         return Ok(());
     };
-    Err(format!("a Qwen3-MoE has {problem}"))
+    Err(problem)
 }
 
 /// transformers' defaults for keys a Llama or Mixtral `config.json` leaves out.
