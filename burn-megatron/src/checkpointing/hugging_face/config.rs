@@ -187,6 +187,23 @@ impl Keys<'_> {
             })
             .transpose()
     }
+    /// The routed experts' count: `num_local_experts` (Mixtral, and every MoE config
+    /// transformers 5 writes, through its `attribute_map`) or `num_experts` (Qwen3-MoE as
+    /// transformers 4 writes it), else the family's `default`.
+    fn num_experts(&self, default: usize) -> Result<usize> {
+        match self.opt_usize("num_local_experts")? {
+            Some(n) => Ok(n),
+            None => Ok(self.opt_usize("num_experts")?.unwrap_or(default)),
+        }
+    }
+    /// The router's load-balancing loss coefficient: transformers adds the loss only with
+    /// `output_router_logits`.
+    fn aux_loss_coeff(&self) -> Result<f64> {
+        match self.bool_or("output_router_logits", false)? {
+            true => self.f64_or("router_aux_loss_coef", 0.001),
+            false => Ok(0.0),
+        }
+    }
     fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
             None => Ok(default),
@@ -368,15 +385,8 @@ impl HfConfig {
                 ),
             ));
         }
-        let num_experts = match k.opt_usize("num_local_experts")? {
-            Some(n) => n,
-            None => k.opt_usize("num_experts")?.unwrap_or(8),
-        };
-        // transformers adds the load-balancing loss only with `output_router_logits`.
-        let aux_loss_coeff = match k.bool_or("output_router_logits", false)? {
-            true => k.f64_or("router_aux_loss_coef", 0.001)?,
-            false => 0.0,
-        };
+        let num_experts = k.num_experts(8)?;
+        let aux_loss_coeff = k.aux_loss_coeff()?;
         // Mixtral's routing as written: softmax over all experts, top-k, renormalised (which
         // also holds for top-1, where Megatron's default softmax over one logit is refused).
         let moe = MoeSettings::new(num_experts)
@@ -413,12 +423,8 @@ impl HfConfig {
             ));
         }
         let layers = config.num_layers;
-        // transformers 5 writes `num_local_experts` (its `attribute_map`), 4 `num_experts`;
-        // 128 is transformers' default for either.
-        let num_experts = match k.opt_usize("num_local_experts")? {
-            Some(n) => n,
-            None => k.opt_usize("num_experts")?.unwrap_or(128),
-        };
+        // 128 is transformers' default.
+        let num_experts = k.num_experts(128)?;
         let step = k.opt_usize("decoder_sparse_step")?.unwrap_or(1);
         let dense = k.usize_list("mlp_only_layers")?;
         if num_experts == 0 || step == 0 {
@@ -441,10 +447,7 @@ impl HfConfig {
                  which we do not import",
             ));
         }
-        let aux_loss_coeff = match k.bool_or("output_router_logits", false)? {
-            true => k.f64_or("router_aux_loss_coef", 0.001)?,
-            false => 0.0,
-        };
+        let aux_loss_coeff = k.aux_loss_coeff()?;
         // Softmax over all experts, top-k, renormalised only with norm_topk_prob: Megatron's
         // pre-softmax router with or without --moe-router-topk-normalize, exactly.
         let moe = MoeSettings::new(num_experts)
