@@ -19,6 +19,7 @@
 #   NPROC=2 PART=gemm,two bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2, the peers, a profile
 #   NPROC=2 PART=late bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like EP 2 for 20 iterations, a late step profiled, the peer
 #   PART=late4 bash bench/moe_gpu_check.sh          # 4 GPUs: the same at EP 4
+#   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
@@ -290,6 +291,12 @@ if [ "$PART" != all ] && part late; then
   # iterations, its steps 15-16 profiled on rank 0, then the peer.
   BM_PROFILE=1 ITERS=20 ours mixtral_ep2_late mixtral_1b_moe 2 --profile --profile-step-start 15 --profile-step-end 16 --profile-ranks 0
   torch mixtral_ep2 --preset mixtral --ep 2
+fi
+if [ "$PART" != all ] && part deeplate2; then
+  # For 2 GPUs (NPROC=2): the DeepSeek-like preset at EP 2 for 20 iterations, its steps 15-16
+  # profiled on rank 0, then the peer: where its 0.57x of 2026-11-28 goes once warm.
+  BM_PROFILE=1 ITERS=20 ours deepseek_ep2_late deepseek_moe_1b 2 --profile --profile-step-start 15 --profile-step-end 16 --profile-ranks 0
+  torch deepseek_ep2 --preset deepseek --ep 2
 fi
 if [ "$PART" != all ] && part steady2; then
   # For 2 GPUs (NPROC=2): both presets at EP 2 for 20 iterations each (the first six compile
