@@ -50,6 +50,73 @@ pub trait BackendInfo: Backend {
         let _ = (device, top, steps);
         None
     }
+
+    /// Starts capturing `device`'s work into a graph replayed later with one launch (a CUDA
+    /// graph on our CUDA backend): `Ok(false)` where the backend has none. The work is
+    /// recorded, not run, until [`graph_end`](Self::graph_end).
+    fn graph_begin(device: &Self::Device) -> Result<bool, String> {
+        let _ = device;
+        Ok(false)
+    }
+
+    /// Ends the capture [`graph_begin`](Self::graph_begin) started: the graph, or what the
+    /// captured work did that a graph cannot hold.
+    fn graph_end(device: &Self::Device) -> Result<StepGraph, String> {
+        let _ = device;
+        Err("this backend captures no graphs".into())
+    }
+
+    /// The device address of a float tensor's memory (`None` where there is none to tell):
+    /// whether an update was made in place, which a captured step's state must be.
+    fn float_address(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
+        let _ = tensor;
+        None
+    }
+
+    /// [`float_address`](Self::float_address) of an integer tensor.
+    fn int_address(tensor: &Self::IntTensorPrimitive) -> Option<u64> {
+        let _ = tensor;
+        None
+    }
+}
+
+/// A step's device work, captured once and replayed with one launch (see
+/// [`BackendInfo::graph_begin`]).
+pub struct StepGraph {
+    graph: Box<dyn ReplayGraph>,
+}
+
+impl core::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "StepGraph({} nodes)", self.nodes())
+    }
+}
+
+/// What a backend's captured graph does.
+pub trait ReplayGraph: Send {
+    /// Enqueues the captured work once more (no host synchronisation).
+    fn replay(&self);
+    /// The captured operations.
+    fn nodes(&self) -> usize;
+}
+
+impl StepGraph {
+    /// Wraps a backend's graph.
+    pub fn new(graph: impl ReplayGraph + 'static) -> Self {
+        Self {
+            graph: Box::new(graph),
+        }
+    }
+
+    /// Enqueues the captured work once more.
+    pub fn replay(&self) {
+        self.graph.replay();
+    }
+
+    /// The captured operations.
+    pub fn nodes(&self) -> usize {
+        self.graph.nodes()
+    }
 }
 
 /// A [`DistBackend`] with every operation of the model (see [`crate::ops`]): implemented for
@@ -131,6 +198,14 @@ impl<B: BackendInfo, C: CheckpointStrategy> BackendInfo for Autodiff<B, C> {
 
     fn profile_report(device: &Self::Device, top: usize, steps: usize) -> Option<String> {
         B::profile_report(device, top, steps)
+    }
+
+    fn graph_begin(device: &Self::Device) -> Result<bool, String> {
+        B::graph_begin(device)
+    }
+
+    fn graph_end(device: &Self::Device) -> Result<StepGraph, String> {
+        B::graph_end(device)
     }
 }
 
@@ -220,5 +295,63 @@ where
         }
         let _ = (device, top, steps);
         None
+    }
+
+    /// Our CUDA runtime's CUDA graphs (`burn_megatron_kernels::cuda::graph`); other CubeCL
+    /// runtimes have none.
+    fn graph_begin(device: &Self::Device) -> Result<bool, String> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) =
+            (device as &dyn core::any::Any).downcast_ref::<burn_megatron_kernels::cuda::CudaGpu>()
+        {
+            return burn_megatron_kernels::cuda::graph::begin_capture(gpu).map(|()| true);
+        }
+        let _ = device;
+        Ok(false)
+    }
+
+    fn graph_end(device: &Self::Device) -> Result<StepGraph, String> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) =
+            (device as &dyn core::any::Any).downcast_ref::<burn_megatron_kernels::cuda::CudaGpu>()
+        {
+            return burn_megatron_kernels::cuda::graph::end_capture(gpu).map(StepGraph::new);
+        }
+        let _ = device;
+        Err("this backend captures no graphs".into())
+    }
+
+    fn float_address(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(tensor) = (tensor as &dyn core::any::Any).downcast_ref::<
+            burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime>,
+        >() {
+            return burn_megatron_kernels::cuda::graph::address(tensor);
+        }
+        let _ = tensor;
+        None
+    }
+
+    fn int_address(tensor: &Self::IntTensorPrimitive) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(tensor) = (tensor as &dyn core::any::Any).downcast_ref::<
+            burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime>,
+        >() {
+            return burn_megatron_kernels::cuda::graph::address(tensor);
+        }
+        let _ = tensor;
+        None
+    }
+}
+
+/// Our CUDA runtime's graphs replay through [`StepGraph`].
+#[cfg(feature = "cuda")]
+impl ReplayGraph for burn_megatron_kernels::cuda::graph::CapturedGraph {
+    fn replay(&self) {
+        burn_megatron_kernels::cuda::graph::CapturedGraph::replay(self);
+    }
+
+    fn nodes(&self) -> usize {
+        burn_megatron_kernels::cuda::graph::CapturedGraph::nodes(self)
     }
 }

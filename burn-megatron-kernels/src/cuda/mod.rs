@@ -9,13 +9,15 @@
 //! - the driver and the device's resources: `driver`, [`event`], `copy`, `pinned`, `storage`,
 //!   `properties`, `modules`, `tensor_map`, `device`, `host_syncs`;
 //! - what the server keeps and runs: `extensions` (per-device state of foreign libraries),
-//!   `foreign_op` (a foreign operation and its lane), `lanes` (side streams and their pending
+//!   `foreign_op` (a foreign operation and its lane), `capture` (what a CUDA graph's capture
+//!   keeps), `lanes` (side streams and their pending
 //!   operations), `device_check::record` and `profile::{summary, recorder}`;
 //! - `server`, the compute server, which owns all of the above, then `runtime`, CubeCL's
 //!   runtime over it;
 //! - the entry points, which submit to the device's queue: [`foreign`] (`ForeignQueue`),
-//!   [`device_check`], [`profile`], [`gemm`], [`grouped_gemm`], [`cudnn`] and [`host`].
+//!   [`device_check`], [`profile`], [`graph`], [`gemm`], [`grouped_gemm`], [`cudnn`] and [`host`].
 
+mod capture;
 mod copy;
 pub mod cudnn;
 mod device;
@@ -26,6 +28,7 @@ mod extensions;
 pub mod foreign;
 mod foreign_op;
 pub mod gemm;
+pub mod graph;
 pub mod grouped_gemm;
 pub mod host;
 mod host_syncs;

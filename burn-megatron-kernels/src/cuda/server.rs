@@ -29,6 +29,7 @@ use cubecl_runtime::timestamp_profiler::TimestampProfiler;
 use cudarc::driver::sys::{CUcontext, CUstream, CUstream_flags, cuStreamCreate};
 
 use super::CudaCompiler;
+use super::capture::{Capture, HostBytes};
 use super::copy::{Direction, copy};
 use super::device::CudaGpu;
 use super::device_check::record::DeviceCheck;
@@ -67,6 +68,8 @@ pub struct CudaServer {
     pub(super) checks: Vec<DeviceCheck>,
     /// Page-locked host buffers that large reads land in.
     pub(super) pinned: PinnedPool,
+    /// What the capture of the compute stream into a CUDA graph has gathered, while one runs.
+    pub(super) capture: Option<Capture>,
 }
 
 /// Failures that other threads report to a device (see [`ForeignQueue::alarms`]): the device's
@@ -161,6 +164,7 @@ impl CudaServer {
             alarms: Alarms::default(),
             checks: Vec::new(),
             pinned: PinnedPool::new(context),
+            capture: None,
         })
     }
 
@@ -205,7 +209,7 @@ impl CudaServer {
     fn reserve(&mut self, size: u64) -> Result<ManagedMemoryHandle, ServerError> {
         match self.memory.reserve(size) {
             Ok(reserved) => return Ok(reserved),
-            Err(IoError::BufferTooBig { .. }) => {}
+            Err(IoError::BufferTooBig { .. }) if self.capture.is_none() => {}
             Err(other) => return Err(other.into()),
         }
         let before = self.memory.memory_usage();
@@ -285,12 +289,21 @@ impl CudaServer {
         let target = self.resolve(&handle.clone().binding())?;
         let shape = [bytes.len()].into();
         let strides = [1].into();
+        // A captured copy reads its source at every replay: page-locked bytes the graph keeps.
+        let mut source = bytes.as_ptr() as *mut u8;
+        if let Some(capture) = &mut self.capture {
+            let kept = HostBytes::copy_of(bytes)?;
+            source = kept.as_mut_ptr();
+            debug_assert_eq!(kept.len(), bytes.len());
+            capture.host.push(kept);
+            capture.memory.push(handle.memory.clone().binding());
+        }
         // SAFETY: `target` holds `bytes.len()` bytes; a pageable source is staged before the
-        // call returns.
+        // call returns, a page-locked one lives as long as the graph that reads it.
         unsafe {
             copy(
                 Direction::ToDevice,
-                bytes.as_ptr() as *mut u8,
+                source,
                 target.ptr,
                 &shape,
                 &strides,
@@ -303,6 +316,7 @@ impl CudaServer {
 
     fn read_now(&mut self, descriptors: Vec<CopyDescriptor>) -> Result<Vec<Bytes>, ServerError> {
         self.set_current()?;
+        self.refuse_in_capture("a read of device memory by the host")?;
         self.take_errors()?;
         let resources = descriptors
             .iter()
@@ -382,6 +396,7 @@ impl CudaServer {
 
     fn write_now(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>) -> Result<(), ServerError> {
         self.set_current()?;
+        self.refuse_in_capture("a copy of host data to the device")?;
         for (descriptor, data) in descriptors {
             let resource = self.resolve(&descriptor.handle)?;
             self.lanes
@@ -420,6 +435,7 @@ impl CudaServer {
             CubeCount::Static(x, y, z) => (x, y, z),
             // CUDA has no indirect launch: read the three counts (a host round trip).
             CubeCount::Dynamic(binding) => {
+                self.refuse_in_capture("a launch whose size is read from the device")?;
                 super::host_syncs::record();
                 let descriptor = CopyDescriptor::new(binding, [3].into(), [1].into(), 4);
                 let bytes = self.read_now(vec![descriptor])?;
@@ -502,6 +518,7 @@ impl CudaServer {
 
     fn sync_now(&mut self) -> Result<Event, ServerError> {
         self.set_current()?;
+        self.refuse_in_capture("a wait for the device")?;
         self.take_errors()?;
         self.lanes.join_pending(self.compute, None)?;
         Ok(Event::record(self.compute)?)
@@ -513,7 +530,19 @@ impl CudaServer {
             return;
         }
         let name = task.name;
+        if let (Some(capture), Lane::Side(_)) = (&mut self.capture, task.lane) {
+            capture.errors.push(format!(
+                "the side-lane operation '{name}' (side lanes are not captured)"
+            ));
+            return;
+        }
         if let Err(error) = self.try_run_foreign(task) {
+            if let Some(capture) = &mut self.capture {
+                capture
+                    .errors
+                    .push(format!("foreign operation '{name}': {error}"));
+                return;
+            }
             self.errors.push(ServerError::Generic {
                 reason: format!("foreign operation '{name}' failed: {error}"),
                 backtrace: BackTrace::capture(),
@@ -561,6 +590,135 @@ impl CudaServer {
             self.errors.push(error.into());
         }
         f(&mut self.extensions)
+    }
+
+    /// An error naming `what` while the compute stream is captured into a graph: work that
+    /// needs the host in the middle of the stream cannot be replayed.
+    fn refuse_in_capture(&mut self, what: &str) -> Result<(), ServerError> {
+        let Some(capture) = &mut self.capture else {
+            return Ok(());
+        };
+        let reason = format!("{what} while a CUDA graph is captured");
+        capture.errors.push(reason.clone());
+        Err(ServerError::Generic {
+            reason,
+            backtrace: BackTrace::capture(),
+        })
+    }
+
+    /// Starts capturing the compute stream into a CUDA graph (see [`super::graph`]), after
+    /// every side-lane operation has joined it. Errors reported so far fail it.
+    pub(crate) fn begin_capture(&mut self) -> Result<(), String> {
+        if self.capture.is_some() {
+            return Err("a CUDA graph is already being captured on this device".into());
+        }
+        self.set_current().map_err(|e| e.to_string())?;
+        self.take_errors().map_err(|e| format!("{e:?}"))?;
+        self.lanes
+            .join_pending(self.compute, None)
+            .map_err(|e| e.to_string())?;
+        // Pages freed before the capture are given back now, none while it runs.
+        self.memory.storage().flush();
+        // SAFETY: our live stream; relaxed mode lets this thread allocate pages meanwhile.
+        unsafe {
+            check(
+                cudarc::driver::sys::cuStreamBeginCapture_v2(
+                    self.compute,
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+                ),
+                "cuStreamBeginCapture",
+            )
+            .map_err(|e| e.to_string())?
+        };
+        self.memory.storage().set_capturing(true);
+        self.capture = Some(Capture::default());
+        Ok(())
+    }
+
+    /// Ends the capture: the graph, instantiated, with the memory and host bytes it must keep,
+    /// and its number of nodes; or what failed while capturing.
+    pub(crate) fn end_capture(&mut self) -> Result<(u64, Capture, usize), String> {
+        use cudarc::driver::sys as cu;
+        let capture = self
+            .capture
+            .take()
+            .ok_or("no CUDA graph is being captured on this device")?;
+        self.memory.storage().set_capturing(false);
+        let mut graph = core::ptr::null_mut();
+        // SAFETY: ends the capture this server began on its stream.
+        let ended = unsafe {
+            check(
+                cu::cuStreamEndCapture(self.compute, &mut graph),
+                "cuStreamEndCapture",
+            )
+        };
+        let destroy = |graph: cu::CUgraph| {
+            if !graph.is_null() {
+                // SAFETY: the graph this capture made, destroyed once.
+                unsafe { cu::cuGraphDestroy(graph) };
+            }
+        };
+        if !capture.errors.is_empty() {
+            destroy(graph);
+            return Err(capture.errors.join("; "));
+        }
+        if let Err(e) = ended {
+            destroy(graph);
+            return Err(e.to_string());
+        }
+        let mut nodes = 0usize;
+        let mut exec = core::ptr::null_mut();
+        // SAFETY: a valid graph; the executable graph is independent of it once instantiated.
+        let made = unsafe {
+            check(
+                cu::cuGraphGetNodes(graph, core::ptr::null_mut(), &mut nodes),
+                "cuGraphGetNodes",
+            )
+            .and_then(|()| {
+                check(
+                    cu::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+                    "cuGraphInstantiateWithFlags",
+                )
+            })
+        };
+        destroy(graph);
+        made.map_err(|e| e.to_string())?;
+        Ok((exec as u64, capture, nodes))
+    }
+
+    /// Launches the instantiated graph `exec` on the compute stream.
+    pub(crate) fn replay(&mut self, exec: u64) {
+        if self.failed() {
+            return;
+        }
+        let launched = self.set_current().and_then(|()| {
+            // SAFETY: a graph instantiated by `end_capture` and not destroyed yet.
+            unsafe {
+                check(
+                    cudarc::driver::sys::cuGraphLaunch(exec as _, self.compute),
+                    "cuGraphLaunch",
+                )
+            }
+        });
+        if let Err(error) = launched {
+            self.errors.push(error.into());
+        }
+    }
+
+    /// Destroys the instantiated graph `exec` once the work enqueued so far no longer needs
+    /// it; its kept memory (`capture`) goes back to the pool with it.
+    pub(crate) fn destroy_graph(&mut self, exec: u64, capture: Capture) {
+        // Replays already enqueued keep running: the driver defers the destruction.
+        // SAFETY: instantiated by `end_capture`, destroyed once.
+        unsafe { cudarc::driver::sys::cuGraphExecDestroy(exec as _) };
+        // The host bytes may still be read by an enqueued replay: wait for them.
+        if !capture.host.is_empty() {
+            let _ = self.lanes.join_pending(self.compute, None);
+            if let Ok(event) = Event::record(self.compute) {
+                let _ = event.synchronize();
+            }
+        }
+        drop(capture);
     }
 
     /// Makes the compute stream wait for the side-lane operation `ticket` (no host sync).
@@ -620,11 +778,17 @@ impl ComputeServer for CudaServer {
 
     fn initialize_memory(&mut self, memory: ManagedMemoryHandle, size: u64, _: StreamId) {
         let cursor = self.next_cursor();
+        if let Some(capture) = &mut self.capture {
+            capture.memory.push(memory.clone().binding());
+        }
         let result = self
             .reserve(size)
             .and_then(|reserved| Ok(self.memory.bind(reserved, memory, cursor)?));
         if let Err(error) = result {
-            self.errors.push(error);
+            match &mut self.capture {
+                Some(capture) => capture.errors.push(format!("{error:?}")),
+                None => self.errors.push(error),
+            }
         }
     }
 
@@ -703,6 +867,10 @@ impl ComputeServer for CudaServer {
             return;
         }
         if let Err(error) = self.launch_checked(kernel, count, args, mode) {
+            if let Some(capture) = &mut self.capture {
+                capture.errors.push(format!("{error:?}"));
+                return;
+            }
             match self.timestamps.is_empty() {
                 true => self.errors.push(error),
                 false => self.timestamps.error(ProfileError::Server(Box::new(error))),
@@ -714,6 +882,7 @@ impl ComputeServer for CudaServer {
         self.set_current()?;
         self.take_errors()?;
         self.lanes.retire();
+        // Pages freed while capturing stay allocated until the capture ends (see `storage`).
         self.memory.storage().flush();
         Ok(())
     }
@@ -723,6 +892,9 @@ impl ComputeServer for CudaServer {
     }
 
     fn memory_cleanup(&mut self, _: StreamId) {
+        if self.capture.is_some() {
+            return;
+        }
         // Pages are only freed once no pending side-lane operation can still use them.
         if let Err(error) = self.lanes.join_pending(self.compute, None) {
             self.errors.push(error.into());

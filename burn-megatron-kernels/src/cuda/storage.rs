@@ -1,11 +1,14 @@
-//! Device memory for CubeCL's memory pools, allocated in stream order on the compute stream.
+//! Device memory for CubeCL's memory pools, allocated in stream order on the compute stream
+//! (and, while a CUDA graph is captured there, outside it: see [`GpuStorage::set_capturing`]).
 
 use std::collections::HashMap;
 
 use cubecl_common::backtrace::BackTrace;
 use cubecl_core::server::IoError;
 use cubecl_runtime::storage::{ComputeStorage, StorageHandle, StorageId, StorageUtilization};
-use cudarc::driver::sys::{CUdeviceptr, CUresult, CUstream, cuMemAllocAsync, cuMemFreeAsync};
+use cudarc::driver::sys::{
+    CUdeviceptr, CUresult, CUstream, cuMemAlloc_v2, cuMemAllocAsync, cuMemFree_v2, cuMemFreeAsync,
+};
 
 /// A slice of device memory: what a binding resolves to.
 #[derive(Debug, Clone, Copy)]
@@ -21,8 +24,10 @@ pub struct GpuResource {
 pub struct GpuStorage {
     stream: CUstream,
     alignment: usize,
-    pages: HashMap<StorageId, CUdeviceptr>,
+    /// Each page's address, and whether it was allocated outside stream order.
+    pages: HashMap<StorageId, (CUdeviceptr, bool)>,
     to_free: Vec<StorageId>,
+    capturing: bool,
 }
 
 // SAFETY: the storage is owned by the server, which is only used from its device thread.
@@ -42,7 +47,15 @@ impl GpuStorage {
             alignment,
             pages: HashMap::new(),
             to_free: Vec::new(),
+            capturing: false,
         }
+    }
+
+    /// While the compute stream is captured into a CUDA graph, a `cuMemAllocAsync` there
+    /// would become a node of the graph (memory that exists only while the graph runs): pages
+    /// are then allocated with `cuMemAlloc`, and nothing is freed until the capture ends.
+    pub fn set_capturing(&mut self, capturing: bool) {
+        self.capturing = capturing;
     }
 }
 
@@ -54,7 +67,7 @@ impl ComputeStorage for GpuStorage {
     }
 
     fn get(&mut self, handle: &StorageHandle) -> GpuResource {
-        let base = self.pages[&handle.id];
+        let (base, _) = self.pages[&handle.id];
         GpuResource {
             ptr: base + handle.offset(),
             size: handle.size(),
@@ -63,8 +76,14 @@ impl ComputeStorage for GpuStorage {
 
     fn alloc(&mut self, size: u64) -> Result<StorageHandle, IoError> {
         let mut ptr = 0;
-        // SAFETY: allocation of `size` bytes ordered on our live stream.
-        let result = unsafe { cuMemAllocAsync(&mut ptr, size as usize, self.stream) };
+        // SAFETY: allocation of `size` bytes ordered on our live stream (or, while it is
+        // captured, outside it).
+        let result = unsafe {
+            match self.capturing {
+                false => cuMemAllocAsync(&mut ptr, size as usize, self.stream),
+                true => cuMemAlloc_v2(&mut ptr, size as usize),
+            }
+        };
         match result {
             CUresult::CUDA_SUCCESS => {}
             CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -81,7 +100,7 @@ impl ComputeStorage for GpuStorage {
             }
         }
         let id = StorageId::new();
-        self.pages.insert(id, ptr);
+        self.pages.insert(id, (ptr, self.capturing));
         Ok(StorageHandle::new(
             id,
             StorageUtilization { offset: 0, size },
@@ -93,13 +112,22 @@ impl ComputeStorage for GpuStorage {
     }
 
     fn flush(&mut self) {
+        if self.capturing {
+            return;
+        }
         for id in self.to_free.drain(..) {
-            if let Some(ptr) = self.pages.remove(&id) {
+            match self.pages.remove(&id) {
                 // SAFETY: allocated by cuMemAllocAsync and freed once, after the work already
                 // enqueued on the stream (which is what stream-ordered freeing guarantees).
-                unsafe {
+                Some((ptr, false)) => unsafe {
                     cuMemFreeAsync(ptr, self.stream);
-                }
+                },
+                // SAFETY: allocated by cuMemAlloc and freed once; cuMemFree waits for the
+                // device's work.
+                Some((ptr, true)) => unsafe {
+                    cuMemFree_v2(ptr);
+                },
+                None => {}
             }
         }
     }

@@ -111,16 +111,43 @@ pub fn layers_cached<B: ModelBackend>(
         }
         _ => None,
     };
+    x = run_layers(
+        model,
+        x,
+        cache,
+        rotation.as_ref(),
+        mask,
+        CacheWrite::Next { capacity },
+    )?;
+    cache.advance(new);
+    Ok(x)
+}
+
+/// Where a step writes its keys and values in each layer's cache.
+pub(super) enum CacheWrite<'a, B: ModelBackend> {
+    /// The next columns (the cache's length, known to the host); attention reads the used
+    /// columns only.
+    Next { capacity: usize },
+    /// The one column a `[1]` device tensor names; attention reads every column of the
+    /// buffers, the mask hiding those past it.
+    AtColumn(&'a Tensor<B, 1, Int>),
+}
+
+/// `x` through this stage's layers against `cache` (the cache's length is not advanced).
+///
+/// # Shapes
+/// - x and the output: `[batch, new, hidden]`
+pub(super) fn run_layers<B: ModelBackend>(
+    model: &GptModel<B>,
+    mut x: Tensor<B, 3>,
+    cache: &mut KvCache<B>,
+    rotation: Option<&Rotation<B>>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    write: CacheWrite<'_, B>,
+) -> Result<Tensor<B, 3>> {
     for (layer, kv) in model.layers().iter().zip(cache.layers_mut()) {
         let normed = layer.input_norm.try_forward(x.clone())?;
-        let attention = attend(
-            &layer.attention,
-            normed,
-            kv,
-            capacity,
-            rotation.as_ref(),
-            mask.clone(),
-        )?;
+        let attention = attend(&layer.attention, normed, kv, &write, rotation, mask.clone())?;
         let x_mid = x + attention;
         let mlp = layer.try_forward_mlp(
             layer.post_attention_norm.try_forward(x_mid.clone())?,
@@ -128,20 +155,19 @@ pub fn layers_cached<B: ModelBackend>(
         )?;
         x = x_mid + mlp;
     }
-    cache.advance(new);
     Ok(x)
 }
 
 /// The last position the model has (positions past it, of prompts that have finished, are
 /// clamped to it).
-fn max_position<B: ModelBackend>(model: &GptModel<B>) -> usize {
+pub(super) fn max_position<B: ModelBackend>(model: &GptModel<B>) -> usize {
     model.max_sequence_length().saturating_sub(1)
 }
 
 /// The cosines and sines of the new columns' positions, `[batch, new, 1, 1, head_dim]` each
 /// (the "rotate half" layout of [`crate::ops::rope`]), gathered on the device from the
 /// cache's table ([`KvCache::rope_table`]) by an uploaded tensor of positions.
-struct Rotation<B: ModelBackend> {
+pub(super) struct Rotation<B: ModelBackend> {
     cos: Tensor<B, 5>,
     sin: Tensor<B, 5>,
 }
@@ -158,6 +184,16 @@ impl<B: ModelBackend> Rotation<B> {
         device: &B::Device,
     ) -> Self {
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [batch * new]), device);
+        Self::at(table, ids, [batch, new], head_dim)
+    }
+
+    /// The same at the positions of a device tensor `ids` (`batch · new` values, row-major).
+    pub(super) fn at(
+        table: [Tensor<B, 2>; 2],
+        ids: Tensor<B, 1, Int>,
+        [batch, new]: [usize; 2],
+        head_dim: usize,
+    ) -> Self {
         let [cos, sin] = table.map(|table| {
             table
                 .select(0, ids.clone())
@@ -189,9 +225,8 @@ impl<B: ModelBackend> Rotation<B> {
 }
 
 /// `attention`'s output for the new columns `x`, their queries attending to the cached keys
-/// and values (theirs written to `kv`, of `capacity` columns) under `mask`; without a mask
-/// (the prefill of unpadded prompts), causal attention by
-/// [`packed_flash_attention::attention`].
+/// and values (theirs written to `kv` as `write` says) under `mask`; without a mask (the
+/// prefill of unpadded prompts), causal attention by [`packed_flash_attention::attention`].
 ///
 /// # Shapes
 /// - x and the output: `[batch, new, hidden]`
@@ -200,7 +235,7 @@ fn attend<B: ModelBackend>(
     attention: &ParallelAttention<B>,
     x: Tensor<B, 3>,
     kv: &mut LayerKv<B>,
-    capacity: usize,
+    write: &CacheWrite<'_, B>,
     rotation: Option<&Rotation<B>>,
     mask: Option<Tensor<B, 4, Bool>>,
 ) -> DistResult<Tensor<B, 3>> {
@@ -219,7 +254,10 @@ fn attend<B: ModelBackend>(
             .reshape([batch, new, groups, head_dim])
             .swap_dims(1, 2)
     });
-    let [keys, values] = kv.write(capacity, k, v);
+    let [keys, values] = match write {
+        CacheWrite::Next { capacity } => kv.write(*capacity, k, v),
+        CacheWrite::AtColumn(column) => kv.write_at((*column).clone(), k, v),
+    };
     let scale = 1.0 / (head_dim as f64).sqrt();
     let context = match mask {
         Some(mask) => grouped_attention(qkv, keys, values, mask, scale),
@@ -274,7 +312,7 @@ fn grouped_attention<B: ModelBackend>(
 /// # Shapes
 /// - mask: `[batch, 1, new, total]` (`true`: masked)
 /// - output: `[batch, groups, new · heads_per_group, total]`
-fn grouped_mask<B: ModelBackend>(
+pub(super) fn grouped_mask<B: ModelBackend>(
     mask: Tensor<B, 4, Bool>,
     groups: usize,
     per_group: usize,

@@ -7,9 +7,10 @@ use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::gather_from_tensor_parallel_region;
 
 use super::decode::{embed_cached, layers_cached};
+use super::device_step::DeviceStep;
 use super::kv_cache::KvCache;
 use super::sampling::Sampling;
-use crate::backend::ModelBackend;
+use crate::backend::{ModelBackend, StepGraph};
 use crate::error::{ConfigError, DeviceError, IdKind, InputError, Result, read_data};
 use crate::models::GptModel;
 
@@ -136,10 +137,18 @@ fn run_generation<B: ModelBackend>(
         .zip(&pads)
         .flat_map(|(p, &pad)| std::iter::repeat_n(0, pad).chain(p.iter().copied()))
         .collect();
-    let mut tokens =
-        Tensor::<B, 2, Int>::from_data(TensorData::new(padded, [prompts.len(), longest]), &device);
+    let mut tokens = Some(Tensor::<B, 2, Int>::from_data(
+        TensorData::new(padded, [prompts.len(), longest]),
+        &device,
+    ));
+    // After the prefill, a whole model decodes with its step's inputs on the device.
+    let mut decode: Option<DeviceDecode<B>> = None;
     for step in 0.. {
-        let picks = self::step(model, pp, tokens, &mut cache, step, config)?;
+        let picks = match (&mut decode, tokens.take()) {
+            (Some(decode), _) => decode.step(model, &mut cache, config, step, &device)?,
+            (None, Some(tokens)) => self::step(model, pp, tokens, &mut cache, step, config)?,
+            (None, None) => unreachable!("the tokens of every eager step are set"),
+        };
         let mut next = Vec::with_capacity(rows.len());
         for (row, &token) in rows.iter_mut().zip(&picks) {
             if row.finish.is_none() {
@@ -150,7 +159,19 @@ fn run_generation<B: ModelBackend>(
         if rows.iter().all(|row| row.finish.is_some()) {
             break;
         }
-        tokens = Tensor::from_data(TensorData::new(next, [rows.len(), 1]), &device);
+        match &mut decode {
+            Some(decode) => decode.last = next,
+            None if pp.is_none() => {
+                let state = DeviceStep::new(model, &cache, next.clone(), &device)?;
+                decode = Some(DeviceDecode::new(model, config, state, next));
+            }
+            None => {
+                tokens = Some(Tensor::from_data(
+                    TensorData::new(next, [rows.len(), 1]),
+                    &device,
+                ))
+            }
+        }
     }
     Ok(rows.into_iter().map(Row::into_generated).collect())
 }
@@ -177,8 +198,7 @@ fn step<B: ModelBackend>(
     let new = x.dims()[1];
     let x = layers_cached(model, x, cache)?;
     let picks = if stage.is_last() {
-        let logits = gathered_logits(model, model.head(x.narrow(1, new - 1, 1))?)?;
-        config.sampling.pick(logits, 0, step)
+        pick(model, config, model.head(x.narrow(1, new - 1, 1))?, step)?
     } else {
         if let Some(pp) = pp {
             pp.send(x, stage.index + 1)?;
@@ -198,6 +218,139 @@ fn step<B: ModelBackend>(
         .into_iter()
         .map(|t| t as i64)
         .collect())
+}
+
+/// The decode steps of a whole model after the prefill: [`DeviceStep`]s, the first run as it
+/// is (compiling and tuning its kernels), the second captured as a graph where the backend
+/// has them (our CUDA backend; greedy picks at TP 1; not with `BM_CUDA_GRAPHS=0`) and the
+/// rest replays of it: one launch a step, the picks read back.
+struct DeviceDecode<B: ModelBackend> {
+    /// The step's inputs (with a graph: the buffers it reads and advances, kept alive).
+    state: Option<DeviceStep<B>>,
+    /// The captured step and the buffer it writes the picks to.
+    graph: Option<(StepGraph, Tensor<B, 1, Int>)>,
+    /// Whether the next step may be captured.
+    capture: bool,
+    /// The tokens fed next, as the host knows them (to rebuild `state` if a capture fails).
+    last: Vec<i64>,
+}
+
+impl<B: ModelBackend> DeviceDecode<B> {
+    fn new(
+        model: &GptModel<B>,
+        config: &GenerationConfig,
+        state: DeviceStep<B>,
+        last: Vec<i64>,
+    ) -> Self {
+        let capture = matches!(config.sampling, Sampling::Greedy)
+            && model.tp().size() == 1
+            && std::env::var("BM_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Self {
+            state: Some(state),
+            graph: None,
+            capture,
+            last,
+        }
+    }
+
+    /// The `step`-th step's picks (`step` ≥ 1).
+    fn step(
+        &mut self,
+        model: &GptModel<B>,
+        cache: &mut KvCache<B>,
+        config: &GenerationConfig,
+        step: usize,
+        device: &B::Device,
+    ) -> Result<Vec<i64>> {
+        if self.graph.is_none() && self.capture && step >= 2 {
+            self.capture = false;
+            self.try_capture(model, cache, config, step, device)?;
+        }
+        if let Some((graph, picks)) = &self.graph {
+            cache.reserve(1, model.max_sequence_length())?;
+            graph.replay();
+            cache.advance_all();
+            return read_tokens(model, picks.clone());
+        }
+        let state = self.state.take().ok_or_else(|| {
+            ConfigError::Invalid("the decode step's inputs were lost by a failed step".into())
+        })?;
+        let (state, picks) = state.run(model, cache, |logits| pick(model, config, logits, step))?;
+        cache.advance_all();
+        self.state = Some(state);
+        read_tokens(model, picks)
+    }
+
+    /// Captures the next step as a graph (not running it). If the backend has no graphs or
+    /// the capture fails (said once on stderr), the step's inputs are rebuilt from the host's
+    /// view and decoding goes on without one; a KV cache not updated in place is an error.
+    fn try_capture(
+        &mut self,
+        model: &GptModel<B>,
+        cache: &mut KvCache<B>,
+        config: &GenerationConfig,
+        step: usize,
+        device: &B::Device,
+    ) -> Result<()> {
+        let Some(state) = self.state.take() else {
+            return Ok(());
+        };
+        let layers = model.layers().len();
+        let cache_addresses = |cache: &KvCache<B>| {
+            (0..layers)
+                .map(|i| cache.layer(i).addresses())
+                .collect::<Vec<_>>()
+        };
+        let (inputs, buffers) = (state.addresses(), cache_addresses(cache));
+        match B::graph_begin(device) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.state = Some(state);
+                return Ok(());
+            }
+            Err(reason) => {
+                eprintln!("generate: decoding without a CUDA graph: {reason}");
+                self.state = Some(state);
+                return Ok(());
+            }
+        }
+        let ran = state.run(model, cache, |logits| pick(model, config, logits, step));
+        let ended = B::graph_end(device);
+        if cache_addresses(cache) != buffers {
+            return Err(ConfigError::Invalid(
+                "the KV cache was copied, not written in place, while its decode step was \
+                 captured as a CUDA graph: run with BM_CUDA_GRAPHS=0"
+                    .into(),
+            )
+            .into());
+        }
+        let failure = match (ran, ended) {
+            (Ok((state, picks)), Ok(graph)) if state.addresses() == inputs => {
+                self.state = Some(state);
+                self.graph = Some((graph, picks));
+                return Ok(());
+            }
+            (Ok(_), Ok(_)) => "the step's inputs were copied, not advanced in place".to_string(),
+            (Err(e), _) => format!("{e}"),
+            (_, Err(reason)) => reason,
+        };
+        eprintln!("generate: decoding without a CUDA graph: {failure}");
+        // The captured step did not run: its inputs are rebuilt as the host knows them.
+        self.state = Some(DeviceStep::new(model, cache, self.last.clone(), device)?);
+        Ok(())
+    }
+}
+
+/// Each row's pick from the last stage's rank-local logits `[batch, 1, padded_vocab / tp]`.
+fn pick<B: ModelBackend>(
+    model: &GptModel<B>,
+    config: &GenerationConfig,
+    logits: Tensor<B, 3>,
+    step: usize,
+) -> Result<Tensor<B, 1, Int>> {
+    Ok(config
+        .sampling
+        .pick(gathered_logits(model, logits)?, 0, step))
 }
 
 /// [`generate`] without a cache: each prompt alone, the whole forward pass

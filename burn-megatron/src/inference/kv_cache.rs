@@ -1,7 +1,7 @@
 //! The key/value cache of incremental decoding: each layer's keys and values of every token
 //! seen so far, and where the batch's tokens sit (left padding, absolute positions, the mask).
 
-use burn::tensor::{Bool, DType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Bool, DType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend};
 
 use crate::error::ConfigError;
 use crate::ops::rope::rotation_table;
@@ -65,6 +65,45 @@ impl<B: Backend> LayerKv<B> {
         self.keys = Some(keys);
         self.values = Some(values);
         used
+    }
+
+    /// Adds the new token's keys and values into the column a `[1]` device tensor names (a
+    /// column not written before, so still zero: the sum is the value), in place where the
+    /// backend can, and returns both whole buffers: a step whose column the host need not
+    /// know. The caller advances the length ([`KvCache::advance_all`]); the buffers must exist
+    /// (after the prefill).
+    ///
+    /// # Shapes
+    /// - keys, values: `[batch, local_groups, 1, head_dim]`
+    /// - output: `[batch, local_groups, capacity, head_dim]` each
+    pub(crate) fn write_at(
+        &mut self,
+        column: Tensor<B, 1, Int>,
+        keys: Tensor<B, 4>,
+        values: Tensor<B, 4>,
+    ) -> [Tensor<B, 4>; 2] {
+        let write = |buffer: Option<Tensor<B, 4>>, new: Tensor<B, 4>| match buffer {
+            Some(buffer) => buffer.select_assign(2, column.clone(), new, IndexingUpdateOp::Add),
+            None => new,
+        };
+        let keys = write(self.keys.take(), keys);
+        let values = write(self.values.take(), values);
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        [keys, values]
+    }
+
+    /// The device addresses of both buffers, where the backend tells them (see
+    /// [`BackendInfo::float_address`](crate::backend::BackendInfo::float_address)).
+    pub(crate) fn addresses(&self) -> [Option<u64>; 2]
+    where
+        B: crate::backend::BackendInfo,
+    {
+        [&self.keys, &self.values].map(|buffer| {
+            buffer
+                .as_ref()
+                .and_then(|b| B::float_address(&b.clone().into_primitive().tensor()))
+        })
     }
 
     /// The cached keys, `[batch, local_groups, len, head_dim]` (`None` before the prefill).
@@ -212,6 +251,15 @@ impl<B: Backend> KvCache<B> {
     /// Records that `new` columns were written to every layer.
     pub(crate) fn advance(&mut self, new: usize) {
         self.len += new;
+    }
+
+    /// Records that one column was written to every layer by [`LayerKv::write_at`] (whose
+    /// layers do not count their columns themselves).
+    pub(crate) fn advance_all(&mut self) {
+        self.len += 1;
+        for layer in &mut self.layers {
+            layer.len += 1;
+        }
     }
 
     /// The absolute positions of the next `new` columns, row-major `[batch, new]`: column `c`

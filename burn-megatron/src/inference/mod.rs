@@ -17,6 +17,7 @@
 //! fused kernel.
 
 mod decode;
+mod device_step;
 mod generate;
 mod kv_cache;
 mod sampling;

@@ -1,0 +1,155 @@
+//! The decode step whose inputs live on the device: the tokens to feed, their positions and
+//! the cache column to write are tensors the step itself advances in place, and attention
+//! reads every column of the cache under a mask computed on the device. Every step then
+//! launches the same kernels with the same arguments, reads nothing and uploads nothing, so
+//! that on our CUDA backend it can be captured once as a CUDA graph and replayed (see
+//! [`super::generate`]).
+//!
+//! The numerics are the cached step's ([`super::layers_cached`]): the columns past the
+//! current one are masked out (their probabilities are exact zeros), so only the order of
+//! the softmax's and the product's sums over the longer rows may differ.
+
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::decode::{CacheWrite, Rotation, grouped_mask, max_position, run_layers};
+use super::kv_cache::KvCache;
+use crate::backend::ModelBackend;
+use crate::error::{ConfigError, Result};
+use crate::models::GptModel;
+
+/// The device-resident inputs of the next decode step.
+///
+/// # Shapes
+/// - tokens: `[batch, 1]`; positions: `[batch]`; column: `[1]`
+/// - key_columns and pads: `[batch, capacity]` (constant)
+pub(crate) struct DeviceStep<B: ModelBackend> {
+    tokens: Tensor<B, 2, Int>,
+    positions: Tensor<B, 1, Int>,
+    column: Tensor<B, 1, Int>,
+    key_columns: Tensor<B, 2, Int>,
+    pads: Tensor<B, 2, Int>,
+}
+
+impl<B: ModelBackend> DeviceStep<B> {
+    /// The inputs of the step after the columns `cache` holds, feeding `tokens` (one a row).
+    pub(crate) fn new(
+        model: &GptModel<B>,
+        cache: &KvCache<B>,
+        tokens: Vec<i64>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let batch = cache.batch();
+        let capacity = cache.capacity().ok_or_else(|| {
+            ConfigError::Invalid("the device-resident decode step runs after the prefill".into())
+        })?;
+        let int = |values: Vec<i64>, shape: Vec<usize>| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(values, shape), device)
+        };
+        let columns: Vec<i64> = (0..batch)
+            .flat_map(|_| 0..capacity as i64)
+            .collect::<Vec<_>>();
+        let pads: Vec<i64> = cache
+            .pads()
+            .iter()
+            .flat_map(|&pad| std::iter::repeat_n(pad as i64, capacity))
+            .collect();
+        Ok(Self {
+            tokens: int(tokens, vec![batch, 1]),
+            positions: int(cache.positions(1, max_position(model)), vec![1, batch])
+                .reshape([batch]),
+            column: int(vec![cache.len() as i64], vec![1, 1]).reshape([1]),
+            key_columns: int(columns, vec![batch, capacity]),
+            pads: int(pads, vec![batch, capacity]),
+        })
+    }
+
+    /// One decode step of a whole model (first and last stage): the tokens through the model
+    /// against `cache` (its next column written), `pick` choosing each row's token from the
+    /// logits (`[batch, vocab]` → `[batch]`, on the device), and the inputs advanced in place
+    /// (the picks fed next). Returns the picks, `[batch]`. The cache's length is advanced by
+    /// the caller once the step ran ([`KvCache::advance_all`]).
+    pub(crate) fn run(
+        self,
+        model: &GptModel<B>,
+        cache: &mut KvCache<B>,
+        pick: impl FnOnce(Tensor<B, 3>) -> Result<Tensor<B, 1, Int>>,
+    ) -> Result<(Self, Tensor<B, 1, Int>)> {
+        let Self {
+            tokens,
+            positions,
+            column,
+            key_columns,
+            pads,
+        } = self;
+        let [batch, capacity] = key_columns.dims();
+        let max = model.max_sequence_length();
+        cache.reserve(1, max)?;
+        let embedding = model.embedding.as_ref().ok_or_else(|| {
+            ConfigError::Invalid("the device-resident decode step needs a whole model".into())
+        })?;
+        let mut x = embedding.try_forward(tokens.clone())?;
+        if let Some(table) = &model.position_embedding {
+            let hidden = x.dims()[2];
+            x = x + table
+                .val()
+                .select(0, positions.clone())
+                .reshape([batch, 1, hidden]);
+        }
+        let layout = model
+            .layers()
+            .first()
+            .map(|layer| layer.attention.decode_layout());
+        // Masked: columns past this one (not written yet) and each row's left padding.
+        let current = column.clone().reshape([1, 1]).expand([batch, capacity]);
+        let mask = key_columns
+            .clone()
+            .greater(current)
+            .bool_or(key_columns.clone().lower(pads.clone()))
+            .reshape([batch, 1, 1, capacity]);
+        let mask = layout.map(|(groups, per_group, _, _)| grouped_mask(mask, groups, per_group));
+        let rotation = match layout {
+            Some((_, _, head_dim, Some(base))) => {
+                let table = cache.rope_table(capacity.min(max), head_dim, base, &x.device());
+                Some(Rotation::at(table, positions.clone(), [batch, 1], head_dim))
+            }
+            _ => None,
+        };
+        let x = run_layers(
+            model,
+            x,
+            cache,
+            rotation.as_ref(),
+            mask,
+            CacheWrite::AtColumn(&column),
+        )?;
+        let picks = pick(model.head(x)?)?;
+        // The inputs of the next step, each written into its own buffer (in place where the
+        // backend can: what a captured step needs).
+        let tokens = tokens.slice_assign([0..batch, 0..1], picks.clone().reshape([batch, 1]));
+        let next = positions
+            .clone()
+            .add_scalar(1)
+            .clamp_max(max_position(model) as i64);
+        let positions = positions.slice_assign([0..batch], next);
+        let next = column.clone().add_scalar(1);
+        let column = column.slice_assign([0..1], next);
+        let state = Self {
+            tokens,
+            positions,
+            column,
+            key_columns,
+            pads,
+        };
+        Ok((state, picks))
+    }
+
+    /// The device addresses of the inputs the step advances (see
+    /// [`BackendInfo::int_address`](crate::backend::BackendInfo::int_address)).
+    pub(crate) fn addresses(&self) -> [Option<u64>; 3] {
+        [
+            B::int_address(&self.tokens.clone().into_primitive()),
+            B::int_address(&self.positions.clone().into_primitive()),
+            B::int_address(&self.column.clone().into_primitive()),
+        ]
+    }
+}
