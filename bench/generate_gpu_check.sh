@@ -9,7 +9,8 @@
 #    ours is transformers' argmax or a near tie of its logits: rounding decided) or FAIL,
 #    with the first differing position.
 # 2. Decode speed in bf16: batch 1 and 32, prompts of $PROMPT random ids, $NEW new tokens:
-#    ours (`generate --benchmark --preset llama-1b`) at TP 1 and TP 2, transformers'
+#    ours (`generate --benchmark --preset llama-1b`) at TP 1 (its decode step a CUDA graph,
+#    and with BM_CUDA_GRAPHS=0 without) and TP 2, transformers'
 #    `generate` with the static cache, eager and with its torch.compile. A table at the end.
 #
 #   bash bench/pack_gpu.sh build --release --features cuda -p burn-megatron-examples --example generate
@@ -81,6 +82,8 @@ grep -hE "^(PASS|TIE|FAIL|GREEDY)" "$LOGS/compare.log" | tee -a "$SUMMARY"
 wait $PREWARM
 B="$B --repeats $REPEATS"
 step ours_tp1 150 env CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark $B
+# The same without the decode step's CUDA graph (each step's ~500 kernels launched one by one).
+step ours_tp1_nograph 150 env BM_CUDA_GRAPHS=0 CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark $B
 step torch_eager 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 $B
 step torch_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B
 step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
@@ -88,12 +91,12 @@ step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark
 say ""
 say "decode tokens/s (bf16, prompts of $PROMPT ids, $NEW new tokens; decode = the $((NEW - 1)) after the first):"
 row() { printf '%-22s %-9s %3s %6s %11s %9s %10s\n' "$@" | tee -a "$SUMMARY"; }
-row impl compile tp batch prefill_ms ms/step tok/s
-for log in ours_tp1 ours_tp2 torch_eager torch_compile; do  # whatever ran
+row run compile tp batch prefill_ms ms/step tok/s
+for log in ours_tp1 ours_tp1_nograph ours_tp2 torch_eager torch_compile; do  # whatever ran
   [ -e "$LOGS/$log.log" ] || continue
   grep -h "^RESULT generate" "$LOGS/$log.log" | while read -r line; do
     f() { local v; v=$(echo "$line" | grep -oE "(^| )$1=[^ ]+" | cut -d= -f2); echo "${v:--}"; }
-    row "$(f impl)" "$(f compile)" "$(f tp)" "$(f batch)" "$(f prefill_ms)" "$(f decode_ms_per_step)" "$(f decode_tok_s)"
+    row "$log" "$(f compile)" "$(f tp)" "$(f batch)" "$(f prefill_ms)" "$(f decode_ms_per_step)" "$(f decode_tok_s)"
   done
 done
 say "total $(( $(date +%s) - START )) s"

@@ -161,7 +161,7 @@ fn run_generation<B: ModelBackend>(
         }
         match &mut decode {
             Some(decode) => decode.last = next,
-            None if pp.is_none() => {
+            None if pp.is_none_or(|pp| pp.size() == 1) => {
                 let state = DeviceStep::new(model, &cache, next.clone(), &device)?;
                 decode = Some(DeviceDecode::new(model, config, state, next));
             }
