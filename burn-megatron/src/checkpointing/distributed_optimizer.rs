@@ -10,10 +10,12 @@
 //! it. So a checkpoint saved at one DP size loads at any other (and the moments load into
 //! Burn's AdamW too, through [`Checkpoint::load_optimizer_state`]).
 //!
-//! The routed experts' buffers (reduced over expert DP, and cut into parts when a rank's
-//! experts pass 32-bit indices, see [`flat_limit`](crate::optimizer::flat_limit)) are saved
-//! and loaded the same way, part by part: the files hold each parameter's state by path, so
-//! they are the same whatever the EP size and however many parts the experts took.
+//! The optimizer's flat buffers are cut into parts when a rank's dense parameters, or its
+//! routed experts (reduced over expert DP), pass 32-bit indices together (see
+//! [`flat_parts`](crate::optimizer::flat_parts)). They are saved and loaded part by part: the
+//! files hold each parameter's state by path, so they are the same whatever the EP size and
+//! however many parts the buffers took, and a checkpoint saved with several parts loads into
+//! one and back.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -30,7 +32,7 @@ use crate::error::{CheckpointError, read_data, read_params, unshared};
 use crate::models::GptModel;
 use crate::optimizer::FLAT_ADAMW;
 use crate::optimizer::state::{OptimizerState, ParamState};
-use crate::optimizer::{DistributedAdamW, DistributedAdamWState};
+use crate::optimizer::{DistributedAdamW, DistributedAdamWState, PartOptimizerState};
 
 /// The state group of the fp32 master weights (`optimizer.main_param`).
 pub const MAIN_PARAM: &str = "main_param";
@@ -49,15 +51,16 @@ where
     B::InnerBackend: ModelBackend,
 {
     let rank = optim.global_rank();
-    let state = optim.state().map_err(|e| e.on_rank(rank))?;
-    let mut params = part_state(chunks, optim.layout(), optim.range(), state, rank)?;
-    // Each part of the experts as the dense buffer: by parameter, whatever the parts.
-    for experts in optim.expert_states().map_err(|e| e.on_rank(rank))? {
+    let dense = optim.dense_states().map_err(|e| e.on_rank(rank))?;
+    let experts = optim.expert_states().map_err(|e| e.on_rank(rank))?;
+    // Every part by parameter, whatever the parts.
+    let mut params = HashMap::new();
+    for part in dense.into_iter().chain(experts) {
         params.extend(part_state(
             chunks,
-            experts.layout,
-            experts.range,
-            experts.state,
+            part.layout,
+            part.range,
+            part.state,
             rank,
         )?);
     }
@@ -130,18 +133,35 @@ where
     B: AutodiffBackend + ModelBackend,
     B::InnerBackend: ModelBackend,
 {
-    let device = optim.main_params().device();
-    let state = load_part(checkpoint, chunks, optim.layout(), optim.range(), &device)?;
-    optim.load_state(state)?;
     let rank = optim.global_rank();
-    let parts: Vec<_> = optim
-        .expert_states()
-        .map_err(|e| e.on_rank(rank))?
+    // Each part's layout, range and device, before the parts are written.
+    let places = |parts: Vec<PartOptimizerState<'_, B::InnerBackend>>| {
+        parts
+            .into_iter()
+            .map(|part| {
+                let device = part.state.main_params.device();
+                (part.layout.clone(), part.range, device)
+            })
+            .collect::<Vec<_>>()
+    };
+    let dense = places(optim.dense_states().map_err(|e| e.on_rank(rank))?);
+    let experts = places(optim.expert_states().map_err(|e| e.on_rank(rank))?);
+    let mut step = None;
+    let mut loaded = Vec::with_capacity(dense.len() + experts.len());
+    for (layout, range, device) in dense.iter().chain(&experts) {
+        let state = load_part(checkpoint, chunks, layout, range.clone(), device, &mut step)?;
+        loaded.push(state);
+    }
+    // Every part counts the same steps; a part whose range on this rank holds padding only
+    // (the last shards of a small part) finds no parameter saved with it.
+    let step = step.unwrap_or(0);
+    let mut loaded = loaded
         .into_iter()
-        .map(|experts| (experts.layout.clone(), experts.range))
-        .collect();
-    for (part, (layout, range)) in parts.into_iter().enumerate() {
-        let state = load_part(checkpoint, chunks, &layout, range, &device)?;
+        .map(|state| DistributedAdamWState { step, ..state });
+    for (part, state) in (0..dense.len()).zip(loaded.by_ref()) {
+        optim.load_dense_state(part, state)?;
+    }
+    for (part, state) in loaded.enumerate() {
         optim.load_expert_state(part, state)?;
     }
     Ok(())
@@ -149,12 +169,15 @@ where
 
 /// The saved state of one part of the flat buffers (`layout`, of which this rank holds
 /// `range`); master weights missing from the checkpoint are the loaded parameters' values.
+/// The step count is `step`'s, which the parameters found set (and must agree with); the
+/// returned state's is 0.
 fn load_part<B>(
     checkpoint: &Checkpoint,
     chunks: &[GptModel<B>],
     layout: &BufferLayout,
     range: Range<usize>,
     device: &B::Device,
+    step: &mut Option<u64>,
 ) -> Result<DistributedAdamWState<B::InnerBackend>>
 where
     B: AutodiffBackend + ModelBackend,
@@ -174,7 +197,6 @@ where
     let mut from_params = None;
     let mut exp_avg = vec![0.0f32; range.len()];
     let mut exp_avg_sq = vec![0.0f32; range.len()];
-    let mut step = None;
     for (id, local, in_range) in owned {
         if saved
             .params
@@ -239,7 +261,7 @@ where
         main_params: tensor(main_params),
         exp_avg: tensor(exp_avg),
         exp_avg_sq: tensor(exp_avg_sq),
-        step: step.unwrap_or(0),
+        step: 0,
     })
 }
 

@@ -43,6 +43,10 @@
 //! each bf16 gradient is freed as soon as it is in the f32 buffer, not after the whole backward
 //! pass. A weight gradient offered after its unit's collective started would be lost: it is
 //! an error, reported when the optimizer step collects the reduced gradients.
+//!
+//! Where the dense parameters' flat buffer is cut into parts below 32-bit indices
+//! ([`flat_parts`](crate::optimizer::flat_parts)), each part has its own hook, f32 buffer and
+//! units, and `PartsOverlap` gives the model the parts' hooks as one.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -641,5 +645,75 @@ where
             state.fused += slot.numel;
         }
         taken
+    }
+}
+
+/// The hooks of a model chunk's flat buffer cut into parts below 32-bit indices (the dense
+/// parameters past [`MAX_FLAT_NUMEL`](crate::optimizer::MAX_FLAT_NUMEL)), one
+/// [`GradReduceOverlap`] a part with its own f32 buffer and units, as the one hook the model
+/// takes: each part's hook sees every marker, and a weight's gradient goes to the part that
+/// holds the weight. Built by
+/// [`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook).
+pub(crate) struct PartsOverlap<BA: AutodiffBackend> {
+    parts: Vec<GradReduceOverlap<BA>>,
+}
+
+impl<BA: AutodiffBackend> std::fmt::Debug for PartsOverlap<BA> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(&self.parts).finish()
+    }
+}
+
+impl<BA> PartsOverlap<BA>
+where
+    BA: AutodiffBackend,
+    BA::InnerBackend: DistBackend + ModelBackend,
+{
+    /// The hooks of the parts, in buffer order.
+    pub(crate) fn new(parts: Vec<GradReduceOverlap<BA>>) -> Self {
+        Self { parts }
+    }
+
+    /// The hooks of the parts, in buffer order.
+    pub(crate) fn parts(&self) -> &[GradReduceOverlap<BA>] {
+        &self.parts
+    }
+
+    /// Points every part's hook at `model`'s current parameters.
+    pub(crate) fn arm<M: AutodiffModule<BA>>(&self, model: &M) {
+        self.parts.iter().for_each(|part| part.arm(model));
+    }
+
+    /// Whether the collectives start inside the backward pass (the same for every part).
+    pub(crate) fn overlaps(&self) -> bool {
+        self.parts.iter().any(GradReduceOverlap::overlaps)
+    }
+
+    /// [`GradReduceOverlap::hooked_numel`] over every part.
+    pub(crate) fn hooked_numel(&self) -> usize {
+        self.parts.iter().map(GradReduceOverlap::hooked_numel).sum()
+    }
+
+    /// [`GradReduceOverlap::fused_numel`] over every part.
+    pub(crate) fn fused_numel(&self) -> usize {
+        self.parts.iter().map(GradReduceOverlap::fused_numel).sum()
+    }
+}
+
+impl<BA> BackwardHook for PartsOverlap<BA>
+where
+    BA: AutodiffBackend<Gradients = Gradients>,
+    BA::InnerBackend: DistBackend + ModelBackend,
+{
+    fn on_backward(&self, point: usize, grads: &mut Gradients) {
+        for part in &self.parts {
+            part.on_backward(point, grads);
+        }
+    }
+
+    fn take_weight_gradient(&self, weight: NodeId, gradient: &mut dyn WeightGradient) -> bool {
+        self.parts
+            .iter()
+            .any(|part| part.take_weight_gradient(weight, gradient))
     }
 }

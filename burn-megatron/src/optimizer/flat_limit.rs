@@ -1,15 +1,19 @@
-//! Flat tensors within 32-bit indices: the limit, the check, and the cut of a rank's routed
-//! experts into parts below it.
+//! Flat tensors within 32-bit indices: the limit, the check, and the cut of a flat buffer's
+//! parameters into groups below it.
 //!
 //! CubeCL's kernels index a tensor's elements with 32-bit integers: past `u32::MAX` elements
-//! an index wraps (a silently wrong AdamW update) or a launch or reshape panics. The dense
-//! parameters' buffers are checked (`check_indexable`) and refused with the options that make
-//! them smaller. The routed experts of a rank can pass the limit together (at EP 2 the
-//! DeepSeek-like preset puts 32 of its 64 experts of 3 × 2048 × 1408 on a rank in each of 16
-//! layers: 4.43 billion elements), so the distributed optimizer cuts them into parts
-//! (`split_at_limit`): groups of whole parameters in the buffer's order, each with its own
-//! flat buffers, range and AdamW state, each at most the limit. Megatron cuts its buffers by
-//! dtype and by expert-ness, not by size: PyTorch indexes with 64 bits.
+//! an index wraps (a silently wrong AdamW update) or a launch or reshape panics. A rank's
+//! parameters can pass the limit together: Llama-3 8B's 8.03 billion dense parameters at DP 4
+//! with the distributed optimizer (every rank holds the whole parameter and gradient buffers),
+//! 16 of its layers on one GPU, or the routed experts of a rank (at EP 2 the DeepSeek-like
+//! preset puts 32 of its 64 experts of 3 × 2048 × 1408 on a rank in each of 16 layers: 4.43
+//! billion elements). So the distributed optimizer cuts each kind's buffer into parts
+//! (`split_at_limit`, used by [`flat_parts`](super::flat_parts)): groups of whole parameters
+//! in the buffer's order, each with its own flat buffers, range and AdamW state, each at most
+//! the limit. Only a parameter whose own buffer passes the limit is refused, naming it and the
+//! option that makes it smaller; the memory planner leaves such layouts out with the same check
+//! (`check_indexable`). Megatron cuts its buffers by dtype and by expert-ness, not by size:
+//! PyTorch indexes with 64 bits.
 
 use burn::module::ParamId;
 
@@ -130,7 +134,8 @@ mod tests {
 
     /// Whole parameters in buffer order (the reverse of visiting order), as few groups as fit
     /// once aligned and padded to whole shards; everything in one group when the buffer fits;
-    /// a parameter that alone passes the limit is refused, naming it.
+    /// a parameter that alone passes the limit is refused, naming it. The presets past the
+    /// limit take two parts.
     #[test]
     fn parameters_are_cut_into_groups_below_the_limit() {
         // Aligned to 4 elements, the buffers padded to 2 shards (multiples of 8): in buffer
@@ -162,6 +167,22 @@ mod tests {
             let groups = split_at_limit(&layout, MAX_FLAT_NUMEL, "--x").unwrap();
             assert_eq!(groups.len(), 2, "{matrix}");
             assert_eq!(groups.concat().len(), 48);
+        }
+        // Llama-3 8B's dense parameters (the tables, and per layer the norms, QKV, the
+        // attention output, and SwiGLU's three matrices): 8.03 billion at DP 4, and 4.55
+        // billion in 16 of its layers at DP 1, two parts each.
+        let (h, f, vocab) = (4096, 14_336, 128_256);
+        for (layers, dp) in [(32, 4), (16, 1)] {
+            let layer = [h, h * (h + 2 * 1024), h * h, h, h * f, h * f, f * h];
+            let mut numels = vec![vocab * h];
+            numels.extend((0..layers).flat_map(|_| layer));
+            numels.extend([h, vocab * h]);
+            let config = BufferConfig::new().with_dp_size(dp);
+            let layout = BufferLayout::new(&infos(&numels), config).unwrap();
+            assert!(layout.numel() > MAX_FLAT_NUMEL, "{layers} layers");
+            let groups = split_at_limit(&layout, MAX_FLAT_NUMEL, "--x").unwrap();
+            assert_eq!(groups.len(), 2, "{layers} layers at DP {dp}");
+            assert_eq!(groups.concat().len(), numels.len());
         }
         let big = BufferLayout::new(&infos(&[MAX_FLAT_NUMEL + 1, 1]), BufferConfig::new()).unwrap();
         let error = split_at_limit(&big, MAX_FLAT_NUMEL, "--expert-model-parallel-size")

@@ -17,8 +17,11 @@
 //!   Burn composition and the kernel's wiring), with the clip coefficient, the loss scale and the overflow skip read on the
 //!   device.
 //!
-//! - [`flat_limit`]: the 32-bit limit of a flat tensor on GPUs, and the cut of a rank's routed
-//!   experts into parts below it.
+//! - [`flat_limit`]: the 32-bit limit of a flat tensor on GPUs, and the cut of a flat buffer's
+//!   parameters into groups below it.
+//! - [`flat_parts`]: a rank's dense parameters, or its routed experts, in flat buffers cut
+//!   into parts below that limit, each with its own AdamW state: what
+//!   [`DistributedAdamW`] steps.
 //!
 //! Data parallelism (gradient reduction over DP) and the distributed optimizer (ZeRO-1) are
 //! in [`crate::distributed`].
@@ -27,6 +30,7 @@ pub mod clip;
 pub mod distrib_optimizer;
 pub mod flat_adamw;
 pub mod flat_limit;
+pub mod flat_parts;
 mod grads;
 pub mod loss_scaler;
 pub mod lr_schedule;
@@ -39,12 +43,12 @@ pub use clip::{
     global_grad_norm, local_grad_sum_of_squares, shared_copies,
 };
 pub use distrib_optimizer::{
-    DistributedAdamW, DistributedAdamWConfig, DistributedAdamWState, DistributedStep,
-    ExpertOptimizerState, OptimizerMemory,
+    DistributedAdamW, DistributedAdamWConfig, DistributedStep, OptimizerMemory,
 };
 pub use flat_adamw::{FLAT_ADAMW, FlatAdamW, FlatAdamWConfig, StepScalars};
 pub use flat_limit::MAX_FLAT_NUMEL;
 pub(crate) use flat_limit::check_indexable;
+pub use flat_parts::{DistributedAdamWState, PartOptimizerState};
 pub use grads::merge_chunk_grads;
 pub use loss_scaler::{DynamicLossScaler, FoundInf, LossScalerConfig, LossScalerState};
 pub use lr_schedule::{LrDecayStyle, LrSchedule, LrScheduleConfig, WsdDecayStyle};

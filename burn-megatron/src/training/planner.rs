@@ -29,11 +29,12 @@
 //!
 //! MoE layers are planned at the run's expert-parallel size: each rank's routed experts
 //! (parameters and gradients in the model's dtype, their f32 buffer during the optimizer step,
-//! the optimizer state sharded over expert DP), its router and shared expert. The optimizer
-//! cuts a rank's experts into parts below 32-bit indices, whole parameters each: a layout
-//! whose largest expert parameter alone would pass them is left out, as the optimizer refuses
-//! it.
-//! Their activations are planned as the dense MLP's, which [`render`] says above the table.
+//! the optimizer state sharded over expert DP), its router and shared expert. Their
+//! activations are planned as the dense MLP's, which [`render`] says above the table.
+//!
+//! The optimizer cuts a rank's flat buffers (the dense parameters', the experts') into parts
+//! below 32-bit indices, whole parameters each: a layout whose largest dense or expert
+//! parameter alone would pass them is left out, as the optimizer refuses it.
 //!
 //! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
 //! The step time is an estimate: the model's FLOPs at an assumed efficiency, plus the
@@ -255,6 +256,9 @@ pub struct StageParams {
     /// The largest of those parameters (one stacked matrix of an MoE layer, `num_experts / ep
     /// × hidden × width`): the optimizer keeps each in one flat buffer.
     pub largest_expert: u64,
+    /// The largest dense parameter (a TP slice of the embedding table or of a layer's matrix):
+    /// the optimizer keeps each in one flat buffer.
+    pub largest_dense: u64,
 }
 
 impl StageParams {
@@ -294,6 +298,10 @@ pub fn stage_params(
     let mut params = StageParams::default();
     for layer in layers {
         params.dense += attention + 2 * norm;
+        params.largest_dense = params
+            .largest_dense
+            .max(h * (q + 2 * kv) / t)
+            .max(q * h / t);
         match &model.moe {
             Some(moe) if moe.is_moe_layer(layer) => {
                 let experts = moe.num_experts as u64;
@@ -301,11 +309,15 @@ pub fn stage_params(
                 let shared = moe.shared_expert_ffn_hidden_size.unwrap_or(0) as u64;
                 params.dense +=
                     h * experts + if moe.expert_bias { experts } else { 0 } + matrices * h * shared;
+                params.largest_dense = params.largest_dense.max(h * experts.max(shared));
                 let stacked = experts / ep as u64 * h * width;
                 params.experts += matrices * stacked;
                 params.largest_expert = params.largest_expert.max(stacked);
             }
-            _ => params.dense += mlp,
+            _ => {
+                params.dense += mlp;
+                params.largest_dense = params.largest_dense.max(h * f / t);
+            }
         }
     }
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)
@@ -315,8 +327,11 @@ pub fn stage_params(
     let (first, last) = (stage == 0, stage + 1 == pp);
     if first {
         params.dense += table;
+        params.largest_dense = params.largest_dense.max(table);
         if model.position_embedding == PositionEmbedding::Learned {
-            params.dense += model.max_sequence_length as u64 * h;
+            let positions = model.max_sequence_length as u64 * h;
+            params.dense += positions;
+            params.largest_dense = params.largest_dense.max(positions);
         }
     }
     if last {
@@ -324,6 +339,7 @@ pub fn stage_params(
         // An untied output layer; a tied one's copy on a later stage than the embedding's.
         if !model.tie_embeddings || !first {
             params.dense += table;
+            params.largest_dense = params.largest_dense.max(table);
         }
     }
     params
@@ -412,8 +428,11 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             dense: params,
             experts,
             largest_expert,
+            largest_dense,
         } = stage_params(model, tp, ep, pp, stage, rank_layers);
-        // A layout the optimizer would refuse (see `check_indexable`) is left out.
+        // A layout the optimizer would refuse (see `check_indexable`) is left out: it cuts
+        // its flat buffers into parts of whole parameters below 32-bit indices, so only a
+        // parameter whose own buffer passes them.
         let indexable = |numel: u64, what: &str, fix: &str| {
             check_indexable(usize::try_from(numel).unwrap_or(usize::MAX), what, fix)
         };
@@ -423,17 +442,10 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             "more EP",
         )?;
         indexable(
-            params / shards,
-            "the dense parameters' optimizer shard",
-            "more DP or PP",
+            largest_dense,
+            "the flat buffer of one dense parameter alone",
+            "more TP",
         )?;
-        if flat_adamw && !input.overlap_grad_reduce {
-            indexable(
-                params,
-                "the dense parameters' flat gradient buffer",
-                "--overlap-grad-reduce",
-            )?;
-        }
         // The experts' state is sharded over expert DP (DP × CP / EP).
         let expert_shards = if distributed_optimizer {
             ((dp * cp) / ep) as u64

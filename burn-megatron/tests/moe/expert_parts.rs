@@ -15,6 +15,9 @@
 //!   uninterrupted training; also across EP sizes (EP 2 with parts to EP 1, EP 1 to EP 2 with
 //!   parts).
 //! - A single expert parameter above the part size is refused, naming it.
+//!
+//! The part size applies to the dense parameters' buffer too, which it cuts into parts of its
+//! own (tested alone in the optimizer tests, `dense_parts.rs`).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -92,7 +95,7 @@ impl Layout {
                     .with_overlap_param_gather(bucketed)
                     .with_bucket_numel(700),
             )
-            .with_expert_part_numel(self.part_numel)
+            .with_part_numel(self.part_numel)
     }
 
     /// This rank's share of step `step`'s four microbatches.
@@ -198,17 +201,16 @@ fn the_memory_counts_every_part() {
             let model = l.model(&state)?;
             let optim = l.optimizer(LOOSE, false).init(&model, &state, &[])?;
             let memory = optim.memory(&model);
-            let parts = optim.expert_states()?;
-            let ranges: usize = parts.iter().map(|p| p.range.len()).sum();
-            let layouts: usize = parts.iter().map(|p| p.layout.numel()).sum();
-            assert_eq!(parts.len(), 2, "{l:?}");
-            assert_eq!(memory.exp_avg, 4 * (optim.range().len() + ranges), "{l:?}");
+            let experts = optim.expert_states()?;
+            assert_eq!(experts.len(), 2, "{l:?}");
+            let dense = optim.dense_states()?;
+            assert!(dense.len() > 1, "{l:?}: the dense parameters in parts too");
+            let parts = || dense.iter().chain(&experts);
+            let ranges: usize = parts().map(|p| p.range.len()).sum();
+            let layouts: usize = parts().map(|p| p.layout.numel()).sum();
+            assert_eq!(memory.exp_avg, 4 * ranges, "{l:?}");
             assert_eq!(memory.exp_avg_sq, memory.exp_avg, "{l:?}");
-            assert_eq!(
-                memory.grads,
-                4 * (optim.layout().numel() + layouts),
-                "{l:?}"
-            );
+            assert_eq!(memory.grads, 4 * layouts, "{l:?}");
             // f32 parameters view the master weights without sharding.
             let main = if l.zero1 { memory.exp_avg } else { 0 };
             assert_eq!(memory.main_params, main, "{l:?}");
@@ -305,14 +307,17 @@ fn an_overflow_in_one_part_skips_the_step_in_every_part() {
 /// sit in the rank's tensor of the parameter, and their master weights and moments.
 type RankState = Vec<(String, Range<usize>, [Vec<f32>; 3])>;
 
-/// `optim`'s state of the experts by path, and the step counts of the dense range and of
-/// each part.
+/// `optim`'s state of the experts by path, the step counts of every part (the dense
+/// parameters' and the experts'), and the number of the experts' parts.
+#[allow(clippy::type_complexity)]
 fn rank_state(
     optim: &DistributedAdamW<AD>,
-) -> Result<(RankState, Vec<u64>), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<(RankState, Vec<u64>, usize), Box<dyn std::error::Error + Send + Sync>> {
     let mut ranges = Vec::new();
-    let mut steps = vec![optim.state()?.step];
-    for part in optim.expert_states()? {
+    let mut steps: Vec<u64> = optim.dense_states()?.iter().map(|p| p.state.step).collect();
+    let experts = optim.expert_states()?;
+    let count = experts.len();
+    for part in experts {
         steps.push(part.state.step);
         ranges.push((part.layout.clone(), part.range, part.state));
     }
@@ -341,13 +346,14 @@ fn rank_state(
             }
         }
     }
-    Ok((out, steps))
+    Ok((out, steps, count))
 }
 
-/// What [`train`] gives: rank 0's losses, and each rank's EP rank, state and step counts.
+/// What [`train`] gives: rank 0's losses, and each rank's EP rank, state, step counts and
+/// number of the experts' parts.
 struct Trained {
     losses: Vec<f64>,
-    ranks: Vec<(usize, RankState, Vec<u64>)>,
+    ranks: Vec<(usize, RankState, Vec<u64>, usize)>,
 }
 
 /// Trains at `layout` over `steps` with a binding clip or not, from the latest checkpoint
@@ -395,8 +401,8 @@ fn train(
                 &training,
             )?;
         }
-        let (rank_state, step_counts) = rank_state(&optim)?;
-        Ok((losses, (state.ep().rank(), rank_state, step_counts)))
+        let (rank_state, step_counts, parts) = rank_state(&optim)?;
+        Ok((losses, (state.ep().rank(), rank_state, step_counts, parts)))
     });
     let losses = ranks[0].0.clone();
     Trained {
@@ -409,7 +415,7 @@ fn train(
 /// shards joined), by (EP rank, path).
 fn assemble(trained: &Trained) -> BTreeMap<(usize, String), [Vec<f32>; 3]> {
     let mut whole: BTreeMap<(usize, String), [Vec<f32>; 3]> = BTreeMap::new();
-    for (ep_rank, parts, _) in &trained.ranks {
+    for (ep_rank, parts, _, _) in &trained.ranks {
         for (path, range, values) in parts {
             let entry = whole.entry((*ep_rank, path.clone())).or_default();
             for (full, part) in entry.iter_mut().zip(values) {
@@ -431,11 +437,11 @@ fn round_trip(name: &str, from: Layout, to: Layout) {
     let saved = train(from, 0..2, LOOSE, None, Some(&root));
     let loaded = train(to, 2..2, LOOSE, Some((&root, false)), None);
     for (what, t) in [("saved", &saved), ("loaded", &loaded)] {
-        for (_, _, steps) in &t.ranks {
+        for (_, _, steps, _) in &t.ranks {
             assert!(steps.iter().all(|&s| s == 2), "{name}, {what}: {steps:?}");
         }
     }
-    let parts = |t: &Trained| t.ranks[0].2.len() - 1;
+    let parts = |t: &Trained| t.ranks[0].3;
     assert_eq!(
         (parts(&saved), parts(&loaded)),
         (
@@ -527,15 +533,26 @@ fn expert_state_in_parts_reshards_over_ep() {
 }
 
 /// A single expert parameter above the part size cannot be cut: refused when the optimizer
-/// is built, naming the parameter and the option; so is a part size of 0 or past the limit.
+/// is built, naming the parameter and the option (experts of width 64 stack 4 096 elements a
+/// matrix, parts of 2 048 hold every dense parameter); so is a part size of 0 or past the
+/// limit.
 #[test]
 fn an_expert_parameter_above_the_part_size_is_refused() {
     let errors = run(1, |ctx| {
-        let l = layout(1, 1, false, 700);
+        let l = layout(1, 1, false, 2048);
         let state = l.state(&ctx)?;
-        let model = l.model(&state)?;
+        let mut config = moe_gpt();
+        if let Some(moe) = config.moe.as_mut() {
+            moe.ffn_hidden_size = Some(64);
+        }
+        let model = config.init_gpt_stage_with_ep::<AD>(
+            state.tp(),
+            state.ep(),
+            &Stage::whole(config.num_layers),
+            &Default::default(),
+        )?;
         let error = match l.optimizer(LOOSE, false).init(&model, &state, &[]) {
-            Ok(_) => return Err("a 768-element expert matrix taken in parts of 700".into()),
+            Ok(_) => return Err("a 4096-element expert matrix taken in parts of 2048".into()),
             Err(e) => e.to_string(),
         };
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(error)
@@ -543,18 +560,18 @@ fn an_expert_parameter_above_the_part_size_is_refused() {
     let error = &errors[0];
     for part in [
         "experts.fc",
-        "alone (768 elements",
-        "would hold 768 elements, more than the 700",
+        "alone (4096 elements",
+        "would hold 4096 elements, more than the 2048",
         "--expert-model-parallel-size",
     ] {
         assert!(error.contains(part), "{part}: {error}");
     }
     for bad in [0, MAX_FLAT_NUMEL + 1] {
         let error = DistributedAdamWConfig::new()
-            .with_expert_part_numel(bad)
+            .with_part_numel(bad)
             .validate()
             .unwrap_err()
             .to_string();
-        assert!(error.contains("expert_part_numel"), "{error}");
+        assert!(error.contains("part_numel"), "{error}");
     }
 }

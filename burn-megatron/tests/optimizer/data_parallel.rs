@@ -10,7 +10,7 @@ use burn_megatron::distributed::{
     BufferConfig, BufferLayout, DataParallelConfig, param_gather_columns, shard_columns,
 };
 use burn_megatron::models::GptModel;
-use burn_megatron::optimizer::DistributedAdamWConfig;
+use burn_megatron::optimizer::{DistributedAdamWConfig, MAX_FLAT_NUMEL};
 use burn_megatron::optimizer::{
     FlatAdamWConfig, StepScalars, clip_coefficient, global_grad_norm, shared_copies,
 };
@@ -215,12 +215,12 @@ pub(crate) fn merge_stages(ranks: Vec<RankRun>, want: &Run) -> Vec<Run> {
 /// `tp × pp × dp` ranks, 1F1B over the pipeline stages (gradient accumulation at PP = 1),
 /// each DP rank taking its share of each global batch, [`DistributedAdamW`] with the clip.
 fn data_parallel(config: &TransformerConfig, layout: Layout, zero: bool, want: &Run) -> Vec<Run> {
-    data_parallel_with(config, layout, zero, Reduce::AfterBackward, false, want)
+    data_parallel_with(config, layout, Options::new(zero), want)
 }
 
 /// Where a run reduces its gradients over DP.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Reduce {
+pub(crate) enum Reduce {
     /// After the backward pass.
     AfterBackward,
     /// From the backward pass's hook, the weight-gradient GEMMs adding into its buffer.
@@ -230,16 +230,50 @@ enum Reduce {
     HookedUnfused,
 }
 
-/// [`data_parallel`], with the reduction `reduce`, and the parameters all-gathered in buckets
-/// when `param_gather` ([`DataParallelConfig::overlap_param_gather`]).
-fn data_parallel_with(
+/// How [`data_parallel_with`] steps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Options {
+    /// The distributed optimizer (ZeRO-1).
+    pub(crate) zero: bool,
+    /// Where the gradients are reduced over DP.
+    pub(crate) reduce: Reduce,
+    /// The parameters all-gathered in buckets
+    /// ([`DataParallelConfig::overlap_param_gather`]).
+    pub(crate) param_gather: bool,
+    /// The global norm to clip to.
+    pub(crate) clip: Option<f64>,
+    /// The most elements of one part of the optimizer's flat buffers
+    /// ([`DistributedAdamWConfig::part_numel`]).
+    pub(crate) part_numel: usize,
+}
+
+impl Options {
+    /// Reduced after the backward pass, gathered at once, clipped to [`MAX_NORM`], one part.
+    pub(crate) fn new(zero: bool) -> Self {
+        Self {
+            zero,
+            reduce: Reduce::AfterBackward,
+            param_gather: false,
+            clip: Some(MAX_NORM),
+            part_numel: MAX_FLAT_NUMEL,
+        }
+    }
+}
+
+/// [`data_parallel`] with `options`.
+pub(crate) fn data_parallel_with(
     config: &TransformerConfig,
     layout: Layout,
-    zero: bool,
-    reduce: Reduce,
-    param_gather: bool,
+    options: Options,
     want: &Run,
 ) -> Vec<Run> {
+    let Options {
+        zero,
+        reduce,
+        param_gather,
+        clip,
+        part_numel,
+    } = options;
     let overlap = reduce != Reduce::AfterBackward;
     let ranks = run(layout.tp * layout.pp * layout.dp, |ctx| {
         let state = layout.state(&ctx);
@@ -254,7 +288,8 @@ fn data_parallel_with(
                     // Several buckets for this tiny model.
                     .with_bucket_numel(BUCKET),
             )
-            .with_clip_grad(Some(MAX_NORM))
+            .with_clip_grad(clip)
+            .with_part_numel(part_numel)
             .init::<AD, _>(&model, &state, &shared_copies(&model))?;
         if overlap {
             let hook = optim.overlap_hook(&model, GLOBAL / layout.dp);
@@ -271,11 +306,16 @@ fn data_parallel_with(
             let stepped = optim.step(lr(step), model, &out.grads.remove(0))?;
             model = stepped.model;
             norms.push(values(stepped.grad_norm)[0]);
-            // The number of all-gathers shows which path gathered the parameters.
+            // The number of all-gathers shows which path gathered the parameters: one a
+            // part, or one a bucket of each part.
+            let parts = optim.dense_states()?;
             let gathers = match (zero && layout.dp > 1, param_gather) {
                 (false, _) => 0,
-                (true, false) => 1,
-                (true, true) => param_gather_columns(optim.layout(), BUCKET).len(),
+                (true, false) => parts.len(),
+                (true, true) => parts
+                    .iter()
+                    .map(|part| param_gather_columns(part.layout, BUCKET).len())
+                    .sum(),
             };
             assert_eq!(
                 optim.param_gathers(),
@@ -406,10 +446,13 @@ fn overlap_equals_reduction_after_backward(config: &TransformerConfig) {
     for (tp, pp, dp) in layouts {
         for zero in [false, true] {
             let layout = Layout { tp, pp, dp };
-            let after =
-                data_parallel_with(&config, layout, zero, Reduce::AfterBackward, false, &want);
+            let after = data_parallel_with(&config, layout, Options::new(zero), &want);
             for reduce in [Reduce::Hooked, Reduce::HookedUnfused] {
-                let hooked = data_parallel_with(&config, layout, zero, reduce, false, &want);
+                let options = Options {
+                    reduce,
+                    ..Options::new(zero)
+                };
+                let hooked = data_parallel_with(&config, layout, options, &want);
                 let label = format!("{layout:?}, distributed optimizer {zero}, {reduce:?}");
                 check(&label, &config, &hooked, &want, tolerance::F32);
                 for (h, a) in hooked.iter().zip(&after) {
@@ -435,8 +478,16 @@ fn parameters_gathered_in_buckets_equal_one_gather() {
     for (tp, pp, dp) in layouts {
         for reduce in [Reduce::AfterBackward, Reduce::Hooked] {
             let layout = Layout { tp, pp, dp };
-            let once = data_parallel_with(&config, layout, true, reduce, false, &want);
-            let bucketed = data_parallel_with(&config, layout, true, reduce, true, &want);
+            let once = Options {
+                reduce,
+                ..Options::new(true)
+            };
+            let bucketed = Options {
+                param_gather: true,
+                ..once
+            };
+            let once = data_parallel_with(&config, layout, once, &want);
+            let bucketed = data_parallel_with(&config, layout, bucketed, &want);
             let label = format!("{layout:?}, {reduce:?}, bucketed gather");
             check(&label, &config, &bucketed, &want, tolerance::F32);
             assert_eq!(bucketed.len(), once.len());
@@ -578,7 +629,7 @@ fn each_rank_holds_megatrons_bytes_per_parameter() {
                 .map(|p| p.shape.iter().product::<usize>())
                 .sum();
             let memory = optim.memory(&model);
-            let numel = optim.layout().numel();
+            let numel = optim.dense_states()?[0].layout.numel();
             assert_eq!(memory.params, 4 * params);
             assert_eq!(memory.grads, 4 * numel);
             assert_eq!(memory.optimizer_state(), 3 * 4 * numel / dp);
@@ -682,7 +733,12 @@ fn the_distributed_optimizer_shards_over_dp_and_cp() {
         let optim = DistributedAdamWConfig::new()
             .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(true))
             .init::<AD, _>(&model, &state, &shared_copies(&model))?;
-        Ok((state.dp().size(), optim.range(), optim.layout().numel()))
+        let parts = optim.dense_states()?;
+        Ok((
+            state.dp().size(),
+            parts[0].range.clone(),
+            parts[0].layout.numel(),
+        ))
     });
     let numel = ranks[0].2;
     let mut starts: Vec<usize> = ranks

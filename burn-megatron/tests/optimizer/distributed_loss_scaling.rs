@@ -11,7 +11,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::distributed::DataParallelConfig;
 use burn_megatron::models::GptModel;
-use burn_megatron::optimizer::DistributedAdamWConfig;
+use burn_megatron::optimizer::{DistributedAdamWConfig, MAX_FLAT_NUMEL};
 use burn_megatron::optimizer::{LossScalerConfig, shared_copies};
 use burn_megatron::pipeline_parallel::{Schedule, forward_backward_scaled};
 use burn_megatron::tensor_parallel::param_infos;
@@ -23,9 +23,9 @@ use super::data_parallel::{
 use super::flat_adamw::full_params;
 use crate::{AD, B, run, tiny_gpt, tolerance, values};
 
-const STEPS: usize = 8;
+pub(crate) const STEPS: usize = 8;
 /// The step whose gradients get the +∞.
-const OVERFLOW: usize = 3;
+pub(crate) const OVERFLOW: usize = 3;
 
 /// Replaces element 3 of the gradient of the rank's first replicated one-dimensional
 /// parameter (a norm's scale or a bias) with +∞. Replicated parameters count in the norm on
@@ -47,8 +47,9 @@ fn inject_inf(model: &GptModel<AD>, grads: &mut GradientsParams) {
 
 /// `layout`'s ranks train with a loss scale of 1024 (growth after 3 clean steps, no
 /// hysteresis); the last rank of the world injects +∞ at step [`OVERFLOW`]. Each rank checks
-/// its own flags, parameters, scales and step count.
-fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
+/// its own flags, parameters, scales and step counts (of every part of the optimizer's flat
+/// buffers, cut into parts of at most `part_numel` elements).
+pub(crate) fn scaled(layout: Layout, zero: bool, part_numel: usize) -> Vec<RankRun> {
     let config = tiny_gpt();
     let world = layout.tp * layout.pp * layout.dp;
     run(world, |ctx| {
@@ -63,6 +64,7 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
                     .with_bucket_numel(700),
             )
             .with_clip_grad(Some(MAX_NORM))
+            .with_part_numel(part_numel)
             .init::<AD, _>(&model, &state, &shared_copies(&model))?;
         let mut scaler = LossScalerConfig::new()
             .with_initial_scale(1024.0)
@@ -106,6 +108,9 @@ fn scaled(layout: Layout, zero: bool) -> Vec<RankRun> {
         assert_eq!(scales, want_scales, "the scale after each step");
         assert_eq!(values(scaler.skipped_steps())[0], 1.0, "skipped steps");
         assert_eq!(values(optim.step_count())[0], (STEPS - 1) as f64, "steps");
+        for part in optim.dense_states()? {
+            assert_eq!(part.state.step, (STEPS - 1) as u64, "every part's steps");
+        }
         Ok(RankRun::new(&model, &state, losses, norms))
     })
 }
@@ -116,7 +121,7 @@ fn an_injected_inf_skips_that_step_on_every_rank() {
     for (tp, pp, dp) in [(1, 1, 2), (2, 1, 2), (1, 2, 2)] {
         for zero in [false, true] {
             let layout = Layout { tp, pp, dp };
-            let got = merge_stages(scaled(layout, zero), &want);
+            let got = merge_stages(scaled(layout, zero, MAX_FLAT_NUMEL), &want);
             assert_eq!(got.len(), tp * dp);
             check(
                 &format!("tp {tp} × pp {pp} × dp {dp}, distributed optimizer {zero}, loss scale"),

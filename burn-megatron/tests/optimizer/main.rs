@@ -1,10 +1,12 @@
 //! The optimizer's pieces: learning-rate schedules against their formulas, the weight-decay
 //! groups, global-norm clipping against the single-device model in TP and PP layouts, and
 //! the dynamic loss scaler's skip, back-off and growth (with Burn's optimizers and with the
-//! distributed optimizer); data parallelism against one device.
+//! distributed optimizer); data parallelism against one device, with the optimizer's flat
+//! buffers in one part and cut into several.
 
 mod clip;
 mod data_parallel;
+mod dense_parts;
 mod distributed_loss_scaling;
 mod flat_adamw;
 mod loss_scaler;

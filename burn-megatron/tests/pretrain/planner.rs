@@ -90,17 +90,19 @@ fn parameter_counts_are_the_models() {
                         &split.stage(s),
                         &Default::default(),
                     )?;
-                    let numel: usize = param_infos(&chunk)
+                    let numels: Vec<u64> = param_infos(&chunk)
                         .iter()
-                        .map(|p| p.shape.iter().product::<usize>())
-                        .sum();
-                    counts.push(numel as u64);
+                        .map(|p| p.shape.iter().product::<usize>() as u64)
+                        .collect();
+                    let largest = numels.iter().copied().max().unwrap_or(0);
+                    counts.push((numels.iter().sum::<u64>(), largest));
                 }
                 Ok(counts)
             });
             for (s, count) in counts_of(counted).into_iter().enumerate() {
+                let want = stage_params(&model, tp, 1, pp, s, split_layers(&model, pp, s));
                 assert_eq!(
-                    stage_params(&model, tp, 1, pp, s, split_layers(&model, pp, s)).total(),
+                    (want.total(), want.largest_dense),
                     count,
                     "{:?} TP {tp} PP {pp} stage {s}",
                     model.activation
@@ -143,7 +145,8 @@ fn expert_parameter_counts_are_the_models() {
                 &split.stage(state.pp_rank()),
                 &Default::default(),
             )?;
-            let (mut dense, mut experts, mut largest) = (0u64, 0u64, 0u64);
+            let (mut dense, mut experts) = (0u64, 0u64);
+            let (mut largest_dense, mut largest) = (0u64, 0u64);
             for info in param_infos(&stage) {
                 let numel = info.shape.iter().product::<usize>() as u64;
                 match info.placement.is_expert() {
@@ -151,18 +154,28 @@ fn expert_parameter_counts_are_the_models() {
                         experts += numel;
                         largest = largest.max(numel);
                     }
-                    false => dense += numel,
+                    false => {
+                        dense += numel;
+                        largest_dense = largest_dense.max(numel);
+                    }
                 }
             }
             let first = state.tp().rank() == 0 && state.ep().rank() == 0;
-            Ok(first.then_some((state.pp_rank(), dense, experts, largest)))
+            let counts = (dense, experts, largest, largest_dense);
+            Ok(first.then_some((state.pp_rank(), counts)))
         });
         let mut seen = 0;
-        for (s, dense, experts, largest) in counted.into_iter().flatten() {
+        for (s, counts) in counted.into_iter().flatten() {
             let want = stage_params(&model, tp, ep, pp, s, split_layers(&model, pp, s));
+            let experts = counts.1;
             assert_eq!(
-                (want.dense, want.experts, want.largest_expert),
-                (dense, experts, largest),
+                (
+                    want.dense,
+                    want.experts,
+                    want.largest_expert,
+                    want.largest_dense
+                ),
+                counts,
                 "TP {tp} PP {pp} EP {ep} stage {s}"
             );
             assert!(
@@ -178,7 +191,7 @@ fn expert_parameter_counts_are_the_models() {
     }
 }
 
-fn counts_of(per_rank: Vec<Vec<u64>>) -> Vec<u64> {
+fn counts_of<T>(per_rank: Vec<Vec<T>>) -> Vec<T> {
     per_rank.into_iter().next().expect("rank 0")
 }
 
@@ -243,10 +256,15 @@ fn the_plan_for_llama_8b_on_four_gpus() {
             .windows(2)
             .all(|w| w[0].step_seconds <= w[1].step_seconds)
     );
-    // Without --overlap-grad-reduce DP 4 would gather all 8.03 billion gradients in one f32
-    // buffer, past 32-bit indices: not offered. With it, each GPU holds all 8B parameters and
-    // their f32 gradients: 45 GiB before any optimizer state or activation.
-    assert!(layouts.iter().all(|e| e.layout.dp < 4), "DP 4 offered");
+    // Without --overlap-grad-reduce DP 4 gathers all 8.03 billion gradients into f32 buffers
+    // at the step, past 32-bit indices together: the optimizer cuts them into two parts, so
+    // the layout is planned, and does not fit (32 GB of f32 gradients beside 16 GB of bf16
+    // parameters, 16 GB of bf16 gradients and 24 GB of optimizer state). With
+    // --overlap-grad-reduce each GPU holds all 8B parameters and their f32 gradients: 45 GiB
+    // before any optimizer state or activation.
+    let plain_dp4: Vec<_> = layouts.iter().filter(|e| e.layout.dp == 4).collect();
+    assert!(!plain_dp4.is_empty(), "DP 4 planned");
+    assert!(plain_dp4.iter().all(|e| !e.fits), "DP 4 fits");
     let overlapped_plan = plan(
         &PlanInput {
             overlap_grad_reduce: true,
@@ -289,26 +307,65 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     assert_eq!((plain.grads, hooked.grads), (2 * params, 4 * params));
     assert_eq!(hooked.peak() - plain.peak(), 2 * params);
 
-    // At DP 4 (micro-batch 1) the plain path would gather the gradients into one f32 buffer
-    // past 32-bit indices: refused. The units are that buffer, so the hooked peak is the
-    // backward pass's: every part once (measured on 4 H200s: 86.41 GiB of live tensors, book
-    // "Benchmarks").
+    // At DP 4 (micro-batch 1) the plain path gathers the gradients into f32 buffers (in two
+    // parts below 32-bit indices) at the step, counted whole. The units are those buffers, so
+    // the hooked peak is the backward pass's: every part once (measured on 4 H200s: 86.41
+    // GiB of live tensors, book "Benchmarks").
     let dp4 = PlannedLayout {
         pp: 1,
         dp: 4,
         last_stage_layers: None,
         ..pp2_dp2
     };
-    let plain = estimate(&input, dp4).unwrap_err().to_string();
-    assert!(plain.contains("flat gradient buffer"), "{plain}");
-    let hooked = estimate(&overlapped, dp4).unwrap().memory;
     let params = stage_params(&input.model, 1, 1, 1, 0, 0..32).total();
+    assert!(params > u32::MAX as u64, "{params}");
+    let plain = estimate(&input, dp4).unwrap().memory;
+    assert_eq!(plain.step_buffer, 4 * params);
+    let hooked = estimate(&overlapped, dp4).unwrap().memory;
     assert_eq!(hooked.step_buffer, 0);
     assert_eq!(
         hooked.peak(),
         hooked.params + hooked.grads + hooked.optimizer + hooked.activations + hooked.logits
     );
     assert_eq!(hooked.grads, 4 * params);
+}
+
+/// Past 32-bit indices the optimizer cuts the dense parameters' flat buffers into parts, so
+/// 16 of Llama-3 8B's layers on one GPU (4.55 billion parameters with both tables) are
+/// planned; a dense parameter whose own buffer passes them (a vocabulary of 1.1 million rows
+/// of 4 096 at TP 1) is left out, named with the option that cuts it, and planned at TP 2.
+#[test]
+fn the_plan_cuts_dense_buffers_and_refuses_one_parameter_past_32_bit_indices() {
+    let one_gpu = PlannedLayout {
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        virtual_stages: 1,
+        dp: 1,
+        sequence_parallel: false,
+        distributed_optimizer: false,
+        recompute: Recompute::Full,
+        last_stage_layers: None,
+    };
+    let mut sixteen = llama_8b_input();
+    sixteen.model.num_layers = 16;
+    let params = stage_params(&sixteen.model, 1, 1, 1, 0, 0..16);
+    assert!(params.dense > u32::MAX as u64, "{params:?}");
+    estimate(&sixteen, one_gpu).unwrap();
+    let mut wide = llama_8b_input();
+    wide.model.vocab_size = 1_100_000;
+    let error = estimate(&wide, one_gpu).unwrap_err().to_string();
+    assert!(
+        error.contains("the flat buffer of one dense parameter alone would hold")
+            && error.contains("more TP"),
+        "{error}"
+    );
+    let tp2 = PlannedLayout {
+        tp: 2,
+        sequence_parallel: true,
+        ..one_gpu
+    };
+    estimate(&wide, tp2).unwrap();
 }
 
 /// The interleaved schedule in the plan: Llama 3 8B at TP 2 x PP 2 with 16 microbatches. The
