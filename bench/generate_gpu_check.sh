@@ -21,7 +21,8 @@
 # returns at most 8 files, and one cut at its limit still returns what ran). Every step has
 # its own time limit, and none starts past $BUDGET seconds (default 520) from the start, so
 # the call ends within the device's 600 s.
-# Settings: NEW (64), PROMPT (128), REPEATS (3), BUDGET (520), BATCHES ("1,32").
+# Settings: NEW (64), PROMPT (128), REPEATS (3), BUDGET (520), BATCHES ("1,32"), GPUS (2; 1 runs
+# on one GPU without the TP 2 runs).
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder the call returns}"
@@ -31,6 +32,8 @@ chmod +x .gpu/bin/* 2>/dev/null
 GEN=.gpu/bin/generate
 NEW=${NEW:-64} PROMPT=${PROMPT:-128} REPEATS=${REPEATS:-3} BUDGET=${BUDGET:-520}
 BATCHES=${BATCHES:-1,32}
+GPUS=${GPUS:-2}  # 1: one GPU, no TP 2 runs, the compile prewarm on GPU 0
+PREWARM_GPU=1; (( GPUS < 2 )) && PREWARM_GPU=0
 W=/tmp/bm_generate
 LOGS=$W/logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
@@ -64,7 +67,7 @@ grep -h "^made" "$LOGS/make.log" | tee -a "$SUMMARY"
 # checks run (their timing does not matter), so that the timed run at the end reuses
 # inductor's on-disk cache instead of compiling for minutes.
 B="--batch-size $BATCHES --prompt-length $PROMPT --max-new-tokens $NEW"
-( CUDA_VISIBLE_DEVICES=1 timeout 240 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B \
+( CUDA_VISIBLE_DEVICES=$PREWARM_GPU timeout 240 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B \
     --repeats 0 > "$LOGS/torch_compile_prewarm.log" 2>&1; echo "[torch_compile_prewarm] rc=$?" >> "$SUMMARY" ) &
 PREWARM=$!
 # Prompts of 1, 5, 17 and 40 ids (any ids of the vocabulary; no bos token).
@@ -72,10 +75,10 @@ ids() { local n=$1 seed=$2 out=() i; for ((i = 0; i < n; i++)); do out+=($(( (se
 PROMPTS=()
 for p in "1 1" "5 2" "17 3" "40 4"; do PROMPTS+=(--prompt-ids "$(ids $p)"); done
 step ours_greedy 150 env CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --hf "$HF" "${PROMPTS[@]}" --max-new-tokens 32 --ignore-eos
-step ours_greedy_tp2 150 $GEN --device cuda --hf "$HF" --tp 2 "${PROMPTS[@]}" --max-new-tokens 32 --ignore-eos
+(( GPUS > 1 )) && step ours_greedy_tp2 150 $GEN --device cuda --hf "$HF" --tp 2 "${PROMPTS[@]}" --max-new-tokens 32 --ignore-eos
 # transformers' greedy ids (printed), compared with both of ours.
 step compare 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py greedy "$HF" "${PROMPTS[@]}" \
-  --max-new-tokens 32 --ours "$LOGS/ours_greedy.log" --ours "$LOGS/ours_greedy_tp2.log"
+  --max-new-tokens 32 --ours "$LOGS/ours_greedy.log" $( (( GPUS > 1 )) && echo --ours "$LOGS/ours_greedy_tp2.log")
 grep -hE "^(PASS|TIE|FAIL|GREEDY)" "$LOGS/compare.log" | tee -a "$SUMMARY"
 
 # --- 2. decode speed (bf16) ---
@@ -86,7 +89,7 @@ step ours_tp1 150 env CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset 
 step ours_tp1_nograph 150 env BM_CUDA_GRAPHS=0 CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark $B
 step torch_eager 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 $B
 step torch_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B
-step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
+(( GPUS > 1 )) && step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
 
 say ""
 say "decode tokens/s (bf16, prompts of $PROMPT ids, $NEW new tokens; decode = the $((NEW - 1)) after the first):"
