@@ -35,10 +35,11 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Tensor, TensorData};
 
+use super::check_indexable;
 use super::state::{OptimizerState, ParamState};
 use super::{FoundInf, WeightDecayPolicy};
 use crate::ModelBackend;
-use crate::distributed::{BufferConfig, ParamAndGradBuffer};
+use crate::distributed::{BufferConfig, BufferLayout, ParamAndGradBuffer};
 use crate::error::{ConfigError, DeviceError, read_data, unshared};
 use crate::ops::adamw::{AdamWOps, AdamWScalars, FlatAdamWBuffers};
 use crate::tensor_parallel::DeclarePlacements;
@@ -102,7 +103,11 @@ impl FlatAdamWConfig {
     }
 
     /// The optimizer for `model` (one model chunk): its buffers laid out from the model's
-    /// parameters, the master weights copied from them, the moments zero.
+    /// parameters, the master weights copied from them, the moments zero. Its one flat buffer
+    /// must stay within [`MAX_FLAT_NUMEL`](super::MAX_FLAT_NUMEL) elements (32-bit indices):
+    /// past that it is refused before anything is allocated, as
+    /// [`DistributedAdamW`](super::DistributedAdamW), which cuts its buffers into parts below
+    /// the limit, is the optimizer for such a rank.
     pub fn init<B, M>(&self, model: &M) -> crate::Result<FlatAdamW<B>>
     where
         B: AutodiffBackend,
@@ -110,6 +115,13 @@ impl FlatAdamWConfig {
         M: AutodiffModule<B> + DeclarePlacements,
     {
         self.validate()?;
+        let infos = crate::tensor_parallel::try_param_infos(model)?;
+        check_indexable(
+            BufferLayout::new(&infos, self.buffer)?.numel(),
+            "FlatAdamW's flat buffer",
+            "--tensor-model-parallel-size or --pipeline-model-parallel-size; or step it with \
+             DistributedAdamW, which cuts its flat buffers into parts below the limit",
+        )?;
         let buffer = ParamAndGradBuffer::from_module(model, self.buffer)?;
         let layout = buffer.layout();
         let device = buffer.main_params().device();

@@ -12,8 +12,9 @@
 //! in the buffer's order, each with its own flat buffers, range and AdamW state, each at most
 //! the limit. Only a parameter whose own buffer passes the limit is refused, naming it and the
 //! option that makes it smaller; the memory planner leaves such layouts out with the same check
-//! (`check_indexable`). Megatron cuts its buffers by dtype and by expert-ness, not by size:
-//! PyTorch indexes with 64 bits.
+//! (`check_indexable`), and [`FlatAdamW`](super::FlatAdamW), whose one buffer is not cut,
+//! refuses a buffer past the limit. Megatron cuts its buffers by dtype and by expert-ness, not
+//! by size: PyTorch indexes with 64 bits.
 
 use burn::module::ParamId;
 
