@@ -130,9 +130,9 @@ impl<B: ModelBackend> DeviceStep<B> {
             .clone()
             .add_scalar(1)
             .clamp_max(max_position(model) as i64);
-        let positions = positions.slice_assign([0..batch], next);
+        let positions = positions.slice_assign(0..batch, next);
         let next = column.clone().add_scalar(1);
-        let column = column.slice_assign([0..1], next);
+        let column = column.slice_assign(0..1, next);
         let state = Self {
             tokens,
             positions,
