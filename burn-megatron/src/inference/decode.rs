@@ -7,7 +7,6 @@
 //! `softmax(q kᵀ / sqrt(d) + mask) v` by query group (the flash kernel only for the prefill
 //! of prompts of one length) and no dropout runs.
 
-use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use burn_megatron_dist::DistResult;
 
@@ -15,6 +14,8 @@ use super::kv_cache::{KvCache, LayerKv};
 use crate::backend::ModelBackend;
 use crate::error::{ConfigError, Result};
 use crate::models::GptModel;
+#[cfg(doc)]
+use crate::ops::SoftmaxOps;
 use crate::ops::packed_flash_attention;
 use crate::transformer::ParallelAttention;
 use crate::transformer::moe::MoeLosses;
@@ -105,7 +106,7 @@ pub fn layers_cached<B: ModelBackend>(
                 table,
                 positions,
                 [batch, new],
-                head_dim,
+                x.dtype(),
                 &device,
             ))
         }
@@ -166,10 +167,12 @@ pub(super) fn max_position<B: ModelBackend>(model: &GptModel<B>) -> usize {
 
 /// The cosines and sines of the new columns' positions, `[batch, new, 1, 1, head_dim]` each
 /// (the "rotate half" layout of [`crate::ops::rope`]), gathered on the device from the
-/// cache's table ([`KvCache::rope_table`]) by an uploaded tensor of positions.
+/// cache's table ([`KvCache::rope_table`]) by a tensor of positions and cast to the
+/// activations' dtype once a step; the sines' first half negated, so that a rotation is
+/// `x · cos + swap_halves(x) · sin` (the same products as `x · cos + rotate_half(x) · sin`).
 pub(super) struct Rotation<B: ModelBackend> {
     cos: Tensor<B, 5>,
-    sin: Tensor<B, 5>,
+    signed_sin: Tensor<B, 5>,
 }
 
 impl<B: ModelBackend> Rotation<B> {
@@ -180,47 +183,55 @@ impl<B: ModelBackend> Rotation<B> {
         table: [Tensor<B, 2>; 2],
         positions: Vec<i64>,
         [batch, new]: [usize; 2],
-        head_dim: usize,
+        dtype: DType,
         device: &B::Device,
     ) -> Self {
         let ids = Tensor::<B, 1, Int>::from_data(TensorData::new(positions, [batch * new]), device);
-        Self::at(table, ids, [batch, new], head_dim)
+        Self::at(table, ids, [batch, new], dtype)
     }
 
     /// The same at the positions of a device tensor `ids` (`batch · new` values, row-major).
     pub(super) fn at(
-        table: [Tensor<B, 2>; 2],
+        [cos, sin]: [Tensor<B, 2>; 2],
         ids: Tensor<B, 1, Int>,
         [batch, new]: [usize; 2],
-        head_dim: usize,
+        dtype: DType,
     ) -> Self {
-        let [cos, sin] = table.map(|table| {
+        let head_dim = cos.dims()[1];
+        let half = head_dim / 2;
+        let rows = |table: Tensor<B, 2>| {
             table
                 .select(0, ids.clone())
+                .cast(dtype)
                 .reshape([batch, new, 1, 1, head_dim])
-        });
-        Self { cos, sin }
+        };
+        let sin = rows(sin);
+        let signed_sin = Tensor::cat(
+            vec![
+                sin.clone().narrow(4, 0, half).neg(),
+                sin.narrow(4, half, half),
+            ],
+            4,
+        );
+        Self {
+            cos: rows(cos),
+            signed_sin,
+        }
     }
 
-    /// The packed `qkv` (`[batch, new, groups, heads_per_group + 2, head_dim]`) with its query
-    /// and key heads rotated, as [`RopeOps::packed_rope`](crate::ops::RopeOps::packed_rope)
-    /// rotates them at positions `0..seq`.
-    fn apply(&self, qkv: Tensor<B, 5>) -> Tensor<B, 5> {
-        let [_, _, _, slots, head_dim] = qkv.dims();
-        let half = head_dim / 2;
-        let dtype = qkv.dtype();
-        let heads = qkv.clone().narrow(3, 0, slots - 1);
-        let values = qkv.narrow(3, slots - 1, 1);
-        let rotated_half = Tensor::cat(
+    /// Query and key `heads` (`[batch, new, groups, slots, head_dim]`) rotated, as
+    /// [`RopeOps::packed_rope`](crate::ops::RopeOps::packed_rope) rotates them at positions
+    /// `0..seq`.
+    fn apply(&self, heads: Tensor<B, 5>) -> Tensor<B, 5> {
+        let half = heads.dims()[4] / 2;
+        let swapped = Tensor::cat(
             vec![
-                heads.clone().narrow(4, half, half).neg(),
+                heads.clone().narrow(4, half, half),
                 heads.clone().narrow(4, 0, half),
             ],
             4,
         );
-        let rotated =
-            heads * self.cos.clone().cast(dtype) + rotated_half * self.sin.clone().cast(dtype);
-        Tensor::cat(vec![rotated, values], 3)
+        heads * self.cos.clone() + swapped * self.signed_sin.clone()
     }
 }
 
@@ -244,24 +255,24 @@ fn attend<B: ModelBackend>(
     let [batch, new, _] = qkv.dims();
     let qkv = qkv.reshape([batch, new, groups, per_group + 2, head_dim]);
     let qkv = attention.qk_norm(qkv)?;
-    let qkv = match rotation {
-        Some(rotation) => rotation.apply(qkv),
-        None => qkv,
+    let heads = qkv.clone().narrow(3, 0, per_group + 1);
+    let value_heads = qkv.narrow(3, per_group + 1, 1);
+    let heads = match rotation {
+        Some(rotation) => rotation.apply(heads),
+        None => heads,
     };
-    let [k, v] = [per_group, per_group + 1].map(|slot| {
-        qkv.clone()
-            .narrow(3, slot, 1)
-            .reshape([batch, new, groups, head_dim])
-            .swap_dims(1, 2)
-    });
+    let [k, v] = [heads.clone().narrow(3, per_group, 1), value_heads.clone()]
+        .map(|t| t.reshape([batch, new, groups, head_dim]).swap_dims(1, 2));
     let [keys, values] = match write {
         CacheWrite::Next { capacity } => kv.write(*capacity, k, v),
         CacheWrite::AtColumn(column) => kv.write_at((*column).clone(), k, v),
     };
     let scale = 1.0 / (head_dim as f64).sqrt();
     let context = match mask {
-        Some(mask) => grouped_attention(qkv, keys, values, mask, scale),
-        None => packed_flash_attention::attention(qkv, scale, true),
+        Some(mask) => grouped_attention(heads.narrow(3, 0, per_group), keys, values, mask, scale),
+        None => {
+            packed_flash_attention::attention(Tensor::cat(vec![heads, value_heads], 3), scale, true)
+        }
     };
     attention
         .output
@@ -271,35 +282,30 @@ fn attend<B: ModelBackend>(
 /// `softmax(scale · q kᵀ + mask) v` of the new columns' query heads against their group's
 /// cached key/value head, without copying K and V per query head: a group's query heads are
 /// rows of one matrix (`[new · heads_per_group, head_dim]`) against the group's keys. The
-/// scores and the softmax are f32.
+/// scores are the product's, masked, and the softmax ([`SoftmaxOps::masked_softmax`](crate::ops::SoftmaxOps::masked_softmax): one
+/// kernel on CubeCL backends) scales them and keeps f32 statistics.
 ///
 /// # Shapes
-/// - qkv: `[batch, new, groups, heads_per_group + 2, head_dim]` (rotated)
+/// - queries: `[batch, new, groups, heads_per_group, head_dim]` (rotated)
 /// - keys, values: `[batch, groups, total, head_dim]`
 /// - mask: `[batch, groups, new · heads_per_group, total]` (see [`grouped_mask`])
 /// - output: `[batch, new, heads, head_dim]`, heads group by group
 fn grouped_attention<B: ModelBackend>(
-    qkv: Tensor<B, 5>,
+    queries: Tensor<B, 5>,
     keys: Tensor<B, 4>,
     values: Tensor<B, 4>,
     mask: Tensor<B, 4, Bool>,
     scale: f64,
 ) -> Tensor<B, 4> {
-    let [batch, new, groups, slots, head_dim] = qkv.dims();
-    let per_group = slots - 2;
+    let [batch, new, groups, per_group, head_dim] = queries.dims();
     let rows = new * per_group;
-    let q = qkv
-        .narrow(3, 0, per_group)
+    let q = queries
         .swap_dims(1, 2)
         .reshape([batch, groups, rows, head_dim]);
-    let dtype = values.dtype();
     let scores = q
         .matmul(keys.swap_dims(2, 3))
-        .cast(DType::F32)
-        .mul_scalar(scale)
         .mask_fill(mask, f32::NEG_INFINITY);
-    softmax(scores, 3)
-        .cast(dtype)
+    B::masked_softmax(scores, None, scale, false)
         .matmul(values)
         .reshape([batch, groups, new, per_group, head_dim])
         .swap_dims(1, 2)

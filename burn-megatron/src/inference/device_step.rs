@@ -110,7 +110,12 @@ impl<B: ModelBackend> DeviceStep<B> {
         let rotation = match layout {
             Some((_, _, head_dim, Some(base))) => {
                 let table = cache.rope_table(capacity.min(max), head_dim, base, &x.device());
-                Some(Rotation::at(table, positions.clone(), [batch, 1], head_dim))
+                Some(Rotation::at(
+                    table,
+                    positions.clone(),
+                    [batch, 1],
+                    x.dtype(),
+                ))
             }
             _ => None,
         };
