@@ -1,15 +1,17 @@
 //! The dense parameters' flat buffer cut into parts below 32-bit indices (Llama-3 8B at DP 4
 //! with the distributed optimizer, or 16 of its layers on one GPU, pass 2³² elements a rank),
 //! forced on the tiny GPT by lowering the part size to 8 192 elements: its buffer (18 176
-//! elements at TP 1, each parameter aligned to 256) takes 3 parts, and 2 at TP 2.
+//! elements at TP 1, each parameter aligned to 256) takes 3 parts, and 2 at TP 2 and on each
+//! stage at PP 2.
 //!
 //! - Training: ten steps in parts equal ten steps in one part, at DP 1, DP 2 with and without
-//!   the distributed optimizer (ZeRO-1) and TP 2 × DP 2 with it: losses and parameters bit for
-//!   bit without clipping (the norm, whose squares are added in another order, within 1e-6).
-//!   With a clip that binds at every step the clip coefficient follows the norm's last bits,
-//!   and AdamW carries them on: after ten steps the largest relative difference is 3e-7 at
-//!   DP 1, 6.6e-7 at DP 2, 1.5e-6 at TP 2 × DP 2 (measured; compared at 1e-5, the bound of
-//!   every layout-equivalence test). The same with the reduction hooked into the backward
+//!   the distributed optimizer (ZeRO-1), TP 2 × DP 2 and PP 2 × DP 2 with it: losses and
+//!   parameters bit for bit without clipping (the norm, whose squares are added in another
+//!   order, within 1e-6). With a clip that binds at every step the clip coefficient follows
+//!   the norm's last bits, and AdamW carries them on: after ten steps the largest relative
+//!   difference is 3e-7 at DP 1, 6.6e-7 at DP 2, 1.4e-7 at PP 2 × DP 2 (two parts a stage),
+//!   1.5e-6 at TP 2 × DP 2 (measured; compared at 1e-5, the bound of every layout-equivalence
+//!   test). The same with the reduction hooked into the backward
 //!   pass (one hook a part, bit for bit the parts' reduction after the backward pass) and
 //!   with the bucketed parameter gather. The memory accounting counts every part.
 //! - Loss scaling: an +∞ in one part's gradient on one rank skips the step in every part of
@@ -105,8 +107,13 @@ fn dense_parameters_in_parts_train_as_in_one() {
     let config = tiny_gpt();
     let device = one_device(&config, STEPS, None);
     assert!(device.norms.iter().all(|&n| n > MAX_NORM), "the clip binds");
-    for (tp, dp, zero, _) in LAYOUTS {
-        let layout = Layout { tp, pp: 1, dp };
+    // LAYOUTS', and PP 2 × DP 2 (1F1B, a tied embedding's copy on the last stage).
+    let layouts = LAYOUTS
+        .map(|(tp, dp, zero, _)| (tp, 1, dp, zero))
+        .into_iter()
+        .chain([(1, 2, 2, true)]);
+    for (tp, pp, dp, zero) in layouts {
+        let layout = Layout { tp, pp, dp };
         for (clip, tolerance) in [(Some(MAX_NORM), tolerance::F32), (None, 0.0)] {
             let one = Options {
                 clip,
