@@ -14,8 +14,8 @@ use crate::ops::{
     AdamWOps, BackwardHookOps, BiasOps, CounterNormalOps, CrossEntropyOps, DropoutOps,
     EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps,
     GroupedLinearOps, HostTransferOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps,
-    RecomputeOps, ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps, SwiGluOps,
-    WriteSlotOps,
+    PermuteOps, RecomputeOps, ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps,
+    SwiGluOps, WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -143,6 +143,7 @@ pub trait ModelBackend:
     + PackedFlashAttentionOps
     + RecomputeOps
     + EmbeddingOps
+    + PermuteOps
     + CrossEntropyOps
     + IdCheckOps
     + BackwardHookOps
@@ -174,6 +175,7 @@ impl<B> ModelBackend for B where
         + PackedFlashAttentionOps
         + RecomputeOps
         + EmbeddingOps
+        + PermuteOps
         + CrossEntropyOps
         + IdCheckOps
         + BackwardHookOps
@@ -232,7 +234,7 @@ mod ndarray {
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
-        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
+        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }
@@ -247,7 +249,7 @@ mod fusion {
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
-        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps,
+        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }

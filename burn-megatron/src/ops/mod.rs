@@ -39,6 +39,9 @@
 //! - [`mod@recompute`]: the attention core stored as its inputs only (selective recomputation).
 //! - [`mod@embedding`]: the token-embedding lookup, whose weight gradient is one deterministic
 //!   scatter-add kernel.
+//! - [`mod@permute`]: the MoE dispatcher's row gathers (Megatron's permute, and unpermute
+//!   with the router's weights), whose gradient is a gather through the inverse index; the
+//!   inverse of an index on the device.
 //! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
 //!   `softmax - one_hot` backward, each one pass over the logits.
 //! - [`mod@ids`]: token and target ids checked against the vocabulary (on the device on our
@@ -71,6 +74,7 @@ pub mod ids;
 pub mod linear;
 pub mod norm;
 pub mod packed_flash_attention;
+pub mod permute;
 mod primitive;
 pub mod recompute;
 pub mod reduce_scattered_linear;
@@ -97,6 +101,7 @@ pub use ids::IdCheckOps;
 pub use linear::{LinearOps, hooked_linear, linear, linear_output_major};
 pub use norm::{NormKind, NormOps, norm};
 pub use packed_flash_attention::PackedFlashAttentionOps;
+pub use permute::{PermuteOps, RowIndex, permute_rows, unpermute_rows};
 pub use recompute::{RecomputeOps, RecomputedAttention};
 pub use reduce_scattered_linear::ReduceScatteredLinearOps;
 pub use ring_flash_attention::RingFlashAttentionOps;

@@ -394,3 +394,187 @@ fn moe_all_gather_dispatcher() {
         .with_token_dispatcher(TokenDispatcherType::AllGather);
     check_expert_parallel("all-gather top-1 GeLU, EP 2", top1);
 }
+
+/// The gradient of `Σ w ∘ permute_rows(x)` with respect to `x` against central differences:
+/// `forward[i]` the row of `x` that output row `i` reads (`None`: a zero row), `readers[j]`
+/// the output rows that read row `j` of `x` (`None`: fewer readers than the others).
+fn check_permute_rows(
+    name: &str,
+    n: usize,
+    forward: &[Option<usize>],
+    readers: &[Vec<Option<usize>>],
+) {
+    use burn_megatron::ops::{RowIndex, permute_rows};
+    let hidden = 3;
+    let m = forward.len();
+    let normal = |shape: [usize; 2], seed| {
+        init_full::<B, 2>(
+            shape,
+            InitDistribution::Normal { std: 1.0 },
+            seed,
+            &device(),
+        )
+    };
+    let (x, w) = (normal([n, hidden], 41), normal([m, hidden], 42));
+    let backward: Vec<Option<usize>> = readers.iter().flatten().copied().collect();
+    let loss = |x: Tensor<AD, 2>| {
+        let y = permute_rows(
+            x,
+            &RowIndex::from_host(forward, &device()),
+            &RowIndex::from_host(&backward, &device()),
+        );
+        (y * Tensor::from_inner(w.clone())).sum()
+    };
+    let tracked = Tensor::<AD, 2>::from_inner(x.clone()).require_grad();
+    let y = values(
+        permute_rows(
+            tracked.clone(),
+            &RowIndex::from_host(forward, &device()),
+            &RowIndex::from_host(&backward, &device()),
+        )
+        .inner(),
+    );
+    let rows = values(x.clone());
+    let want: Vec<f64> = forward
+        .iter()
+        .flat_map(|r| (0..hidden).map(move |c| (*r, c)))
+        .map(|(r, c)| r.map_or(0.0, |r| rows[r * hidden + c]))
+        .collect();
+    assert_close(&format!("{name}: output"), &y, &want, 0.0);
+    let grads = loss(tracked.clone()).backward();
+    let got = values(tracked.grad(&grads).expect("x has a gradient"));
+    let base = values(x);
+    let fd: Vec<f64> = (0..base.len())
+        .map(|i| {
+            let shifted = |h: f64| {
+                let mut v = base.clone();
+                v[i] += h;
+                let x = Tensor::<B, 2>::from_data(TensorData::new(v, [n, hidden]), &device());
+                values(loss(Tensor::from_inner(x)).inner())[0]
+            };
+            (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+        })
+        .collect();
+    assert_close(
+        &format!("{name}: dx"),
+        &got,
+        &fd,
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+}
+
+/// `permute_rows` (the dispatcher's gathers, whose gradient is a gather through the inverse):
+/// a token's two copies (the dispatch, `c = 2`, one token with one copy dropped) with zero
+/// rows, and a permutation with a zero row and a row nobody reads (its gradient zero).
+#[test]
+fn moe_permute_rows_gradient_matches_finite_differences() {
+    let copies = [
+        Some(2),
+        Some(0),
+        Some(3),
+        None,
+        Some(3),
+        Some(0),
+        Some(1),
+        Some(2),
+    ];
+    let readers = vec![
+        vec![Some(1), Some(5)],
+        vec![Some(6), None],
+        vec![Some(0), Some(7)],
+        vec![Some(2), Some(4)],
+    ];
+    check_permute_rows("token copies", 4, &copies, &readers);
+    let permutation = [Some(4), None, Some(0), Some(2), Some(1)];
+    let readers = vec![
+        vec![Some(2)],
+        vec![Some(4)],
+        vec![Some(3)],
+        vec![None],
+        vec![Some(0)],
+    ];
+    check_permute_rows("permutation", 5, &permutation, &readers);
+}
+
+/// `unpermute_rows` (the combine: each token's rows gathered, weighted by the router and
+/// summed): the gradients of `Σ p ∘ y` with respect to the rows (3 tokens × 2 rows from 7,
+/// one a zero row, one row never read) and to the weights, against central differences.
+#[test]
+fn moe_unpermute_rows_gradients_match_finite_differences() {
+    use burn_megatron::ops::{RowIndex, unpermute_rows};
+    let (tokens, k, n, hidden) = (3, 2, 7, 3);
+    let forward = [Some(6), Some(1), Some(3), None, Some(0), Some(4)];
+    let mut backward = vec![None; n];
+    for (a, row) in forward.iter().enumerate() {
+        if let Some(row) = row {
+            backward[*row] = Some(a);
+        }
+    }
+    let normal = |shape: [usize; 2], seed| {
+        init_full::<B, 2>(
+            shape,
+            InitDistribution::Normal { std: 1.0 },
+            seed,
+            &device(),
+        )
+    };
+    let (x, w, probe) = (
+        normal([n, hidden], 51),
+        normal([tokens, k], 52),
+        normal([tokens, hidden], 53),
+    );
+    let loss = |x: Tensor<AD, 2>, w: Tensor<AD, 2>| {
+        let y = unpermute_rows(
+            x,
+            &RowIndex::from_host(&forward, &device()),
+            &RowIndex::from_host(&backward, &device()),
+            w,
+        );
+        (y * Tensor::from_inner(probe.clone())).sum()
+    };
+    let (tx, tw) = (
+        Tensor::<AD, 2>::from_inner(x.clone()).require_grad(),
+        Tensor::<AD, 2>::from_inner(w.clone()).require_grad(),
+    );
+    let grads = loss(tx.clone(), tw.clone()).backward();
+    let fd = |which: usize| {
+        let base = values([&x, &w][which].clone());
+        let shape = [&x, &w][which].dims();
+        (0..base.len())
+            .map(|i| {
+                let shifted = |h: f64| {
+                    let mut v = base.clone();
+                    v[i] += h;
+                    let t = Tensor::<AD, 2>::from_inner(Tensor::from_data(
+                        TensorData::new(v, shape),
+                        &device(),
+                    ));
+                    let (x, w) = match which {
+                        0 => (t, Tensor::from_inner(w.clone())),
+                        _ => (Tensor::from_inner(x.clone()), t),
+                    };
+                    values(loss(x, w).inner())[0]
+                };
+                (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+            })
+            .collect::<Vec<f64>>()
+    };
+    let dx = values(tx.grad(&grads).expect("the rows' gradient"));
+    assert_close(
+        "unpermute dx",
+        &dx,
+        &fd(0),
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+    assert!(
+        dx[2 * hidden..3 * hidden].iter().all(|g| *g == 0.0),
+        "row 2 is never read"
+    );
+    let dw = values(tw.grad(&grads).expect("the weights' gradient"));
+    assert_close(
+        "unpermute dw",
+        &dw,
+        &fd(1),
+        tolerance::FINITE_DIFFERENCE_F64,
+    );
+}

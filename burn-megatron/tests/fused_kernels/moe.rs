@@ -227,3 +227,162 @@ fn the_moe_layer_with_capacity_on_wgpu_equals_ndarray() {
         }
     }
 }
+
+/// The DeepSeek-like layer of `examples/configs/deepseek_moe_1b.toml` scaled down (one EP
+/// rank's 32 experts of its 64 at EP 2, top-6 sigmoid scores normalised, the expert bias, a
+/// load-balancing loss, a shared expert, SwiGLU, the all-to-all dispatcher) at EP 1, whose
+/// kernel launches [`moe_layer_kernel_launches`] counts.
+fn launch_count_config() -> MoeConfig {
+    use burn_megatron::transformer::moe::RouterScoreFunction;
+    MoeConfig::new(32, 32, 16)
+        .with_top_k(6)
+        .with_score_function(RouterScoreFunction::Sigmoid)
+        .with_normalize_top_k(true)
+        .with_expert_bias(true)
+        .with_aux_loss_coeff(1e-4)
+        .with_shared_expert_ffn_hidden_size(Some(32))
+        .with_init_std(0.3)
+}
+
+/// Tokens of the counted layer's batch (one sequence): 768 assignments over 32 experts, so
+/// that every expert gets some (the per-expert products run only for experts with rows).
+const LAUNCH_COUNT_TOKENS: usize = 128;
+
+/// The kernel that marks the phases in the execution log (no MoE layer flips a tensor).
+const MARKER: &str = "FlipKernel";
+
+/// The executions of one phase, by kernel name, and their total.
+fn tally(lines: &[&str]) -> (Vec<(String, usize)>, usize) {
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    for line in lines {
+        let name = line.trim_start_matches("Executing ");
+        let parts: Vec<&str> = name.split(" | ").collect();
+        let name = match parts.as_slice() {
+            [first, ..] if first.starts_with("Matmul") => "Matmul".to_string(),
+            [first, second, ..] if first.starts_with("Kernel") || first.starts_with("Unary") => {
+                format!("{first}<{second}>")
+            }
+            [first, ..] => first.to_string(),
+            [] => continue,
+        };
+        *counts.entry(name).or_default() += 1;
+    }
+    let total = counts.values().sum();
+    let mut counts: Vec<_> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    (counts, total)
+}
+
+/// Kernel launches of one forward and one backward pass of [`launch_count_config`]'s layer on
+/// wgpu (Burn's CubeCL kernels without fusion, as our CUDA backend runs them, but for the
+/// cuBLAS GEMMs), counted in CubeCL's execution log: the child process below runs with a
+/// `cubecl.toml` in its working directory that turns the log on (the configuration is read
+/// once a process). Printed per kernel with `--nocapture`. The totals are bounded, so that a
+/// change that adds launches to the MoE layer shows here.
+#[test]
+fn moe_layer_kernel_launches() {
+    let dir = burn_megatron_testing::scratch_dir("moe-launches", "moe_layer_kernel_launches");
+    let log = dir.join("kernels.log");
+    std::fs::write(
+        dir.join("cubecl.toml"),
+        format!(
+            "[profiling.logger]\nlevel = \"minimal\"\nfile = {:?}\nappend = false\n",
+            log.display().to_string()
+        ),
+    )
+    .expect("writing cubecl.toml");
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let output = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "moe::moe_layer_kernel_launches_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
+        .env("BM_MOE_LAUNCH_LOG", &log)
+        .current_dir(&dir)
+        .output()
+        .expect("running the child");
+    assert!(
+        output.status.success(),
+        "the child failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = std::fs::read_to_string(&log).expect("the child's execution log");
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("Executing"))
+        .collect();
+    let marks: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains(MARKER))
+        .collect();
+    assert_eq!(marks.len(), 6, "two passes of three markers each");
+    // The second pass: kernels and shapes already compiled and tuned.
+    let forward = tally(&lines[marks[3] + 1..marks[4]]);
+    let backward = tally(&lines[marks[4] + 1..marks[5]]);
+    for (phase, (counts, total)) in [("forward", &forward), ("loss and backward", &backward)] {
+        println!("{phase}: {total} launches");
+        for (name, n) in counts {
+            println!("  {n:5}  {name}");
+        }
+    }
+    let (forward, backward) = (forward.1, backward.1);
+    println!("forward + backward: {}", forward + backward);
+    // 327 and 558 before the dispatcher's gathers became `permute_rows` (2026-11-28). Of
+    // these, the 32 experts' products take 3 · (32 + 32) forward (a GEMM each and the
+    // concatenation) and 3 · (32 · 2 + 32 · 3) backward (the weights' gradients as well).
+    assert!(
+        forward <= 265 && backward <= 551,
+        "the MoE layer launches {forward} kernels forward (at most 265) and {backward} for the \
+         loss and backward (at most 551)"
+    );
+}
+
+/// [`moe_layer_kernel_launches`]'s child: two forward and backward passes of the layer on
+/// wgpu, each phase between markers; then it waits for the log to hold them all.
+#[test]
+#[ignore = "run by moe_layer_kernel_launches in a child process with CubeCL's execution log"]
+fn moe_layer_kernel_launches_child() {
+    let log = std::env::var("BM_MOE_LAUNCH_LOG").expect("run by moe_layer_kernel_launches");
+    type A = Autodiff<W>;
+    let device = WgpuDevice::default();
+    let mark = || {
+        let t = Tensor::<W, 1>::from_data(TensorData::new(vec![0.0f32; 4], [4]), &device);
+        // Read back, so that the marker runs (and is logged) before what follows.
+        let _ = t.flip([0]).into_data();
+    };
+    burn_megatron_testing::run(1, |ctx| {
+        let layer = launch_count_config().init::<A>(ctx.world(), SEED, &device)?;
+        let shape = [1, LAUNCH_COUNT_TOKENS, 32];
+        let n = LAUNCH_COUNT_TOKENS * 32;
+        let x = Tensor::<A, 3>::from_data(TensorData::new(random(n, 21, 1.0), shape), &device)
+            .require_grad();
+        let probe = Tensor::<A, 3>::from_data(TensorData::new(random(n, 22, 1.0), shape), &device);
+        for _ in 0..2 {
+            mark();
+            let out = layer.try_forward(x.clone())?;
+            mark();
+            let loss = (out.output.clone() * probe.clone()).sum() + out.aux_loss();
+            let grads = loss.backward();
+            mark();
+            assert!(x.grad(&grads).is_some());
+        }
+        Ok(())
+    })
+    .remove(0);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.matches(MARKER).count() >= 6 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the execution log {log} did not get its six markers: is the cubecl.toml read?"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

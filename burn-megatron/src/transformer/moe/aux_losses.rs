@@ -92,11 +92,13 @@ pub(super) fn load_balancing_share<B: Backend>(
         .cast(stat)
         .reshape([batch, tokens / batch, num_experts])
         .sum_dim(1)
-        .reshape([batch, num_experts]);
-    (per_expert * counts.cast(stat))
-        .sum()
+        .reshape([1, batch * num_experts]);
+    // The scale goes on the counts (constants), and the sum is one reduction.
+    let counts = counts
+        .cast(stat)
         .mul_scalar(scale)
-        .cast(dtype)
+        .reshape([1, batch * num_experts]);
+    (per_expert * counts).sum_dim(1).reshape([1]).cast(dtype)
 }
 
 /// The z-loss of ST-MoE: `coeff · mean_t (log Σ_e exp(logit_te))²`, which keeps the logits

@@ -77,10 +77,14 @@ pub struct GroupedExperts<B: Backend> {
     activation: Activation,
 }
 
-/// Expert `j`'s matrix of a stacked weight.
+/// Expert `j`'s matrix of a stacked weight. A stack of one (the shared expert) is reshaped
+/// whole: a `narrow`'s gradient would fill a zero stack and copy the matrix's into it.
 fn expert_matrix<B: Backend>(stacked: &Param<Tensor<B, 3>>, j: usize) -> Tensor<B, 2> {
-    let [_, rows, cols] = stacked.dims();
-    stacked.val().narrow(0, j, 1).reshape([rows, cols])
+    let [experts, rows, cols] = stacked.dims();
+    match experts {
+        1 => stacked.val().reshape([rows, cols]),
+        _ => stacked.val().narrow(0, j, 1).reshape([rows, cols]),
+    }
 }
 
 impl<B: Backend> GroupedExperts<B> {

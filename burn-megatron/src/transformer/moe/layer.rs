@@ -140,17 +140,9 @@ impl<B: ModelBackend> MoeLayer<B> {
         let routing = self
             .router
             .route_sequences_over(tokens.clone(), batch, sequence)?;
-        let plan = match &self.capacity {
-            None => self
-                .dispatcher
-                .plan(routing.experts, routing.tokens_per_expert)?,
-            Some(capacity) => self.dispatcher.plan_with_capacity(
-                routing.experts,
-                routing.tokens_per_expert,
-                routing.weights.clone(),
-                capacity,
-            )?,
-        };
+        let plan = self
+            .dispatcher
+            .plan_routing(&routing, self.capacity.as_ref())?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens.clone())?;
         let expert_output = self.experts.forward(expert_input, &plan.local_counts);
         let mut output = self

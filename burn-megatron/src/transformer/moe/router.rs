@@ -217,6 +217,9 @@ pub struct Routing<B: Backend> {
     /// `[num_experts]`: how many of the batch's `tokens · top_k` assignments each expert got,
     /// on the device.
     pub tokens_per_expert: Tensor<B, 1, Int>,
+    /// `[tokens, num_experts]`: 1 where a token chose an expert, else 0 (Megatron's
+    /// `routing_map`), on the device: the dispatcher sorts the tokens by expert from it.
+    pub routing_map: Tensor<B, 2, Int>,
     /// `[1]`: the Switch-style load-balancing loss, coefficient included (0 when the
     /// coefficient is 0).
     pub load_balancing_loss: Tensor<B, 1>,
@@ -352,15 +355,44 @@ impl<B: ModelBackend> Router<B> {
             None if softmax_after_top_k => logits.clone().detach(),
             None => scores.clone().detach(),
         };
-        let chosen = match (s.num_groups, s.group_top_k) {
+        let for_choice = match (s.num_groups, s.group_top_k) {
             (Some(groups), Some(group_top_k)) => {
-                group_limited_top_k(for_choice, s.top_k, groups, group_top_k)
+                group_limited_scores(for_choice, s.top_k, groups, group_top_k)
             }
-            _ => top_k_indices(for_choice, s.top_k),
+            _ => for_choice,
         };
-        let tokens_per_expert = assignment_map(chosen.clone(), num_experts)
-            .sum_dim(0)
-            .reshape([num_experts]);
+        let loss = match s.load_balancing {
+            _ if s.aux_loss_coeff == 0.0 => None,
+            LoadBalancingType::None => None,
+            LoadBalancingType::AuxLoss => Some(1),
+            LoadBalancingType::SeqAuxLoss => Some(batch),
+        };
+        let probs = loss.map(|_| match s.score_function {
+            RouterScoreFunction::Softmax => scores.clone(),
+            RouterScoreFunction::Sigmoid => scores.clone() / scores.clone().sum_dim(1),
+        });
+        // Megatron counts the load of the loss by a plain top-k of these probabilities: the
+        // choice itself, unless the expert bias or the groups changed it. Then both top-k run
+        // as one, over the two score tables stacked.
+        let separate = self.expert_bias.is_some() || s.group_top_k.is_some();
+        let (chosen, routing_map, loss_map) = match &probs {
+            Some(probs) if separate => {
+                let stacked = Tensor::cat(vec![for_choice, probs.clone().detach()], 0);
+                let both = top_k_indices(stacked, s.top_k);
+                let maps = routing_map(both.clone(), num_experts);
+                (
+                    both.narrow(0, 0, num_tokens),
+                    maps.clone().narrow(0, 0, num_tokens),
+                    Some(maps.narrow(0, num_tokens, num_tokens)),
+                )
+            }
+            _ => {
+                let chosen = top_k_indices(for_choice, s.top_k);
+                let map = routing_map(chosen.clone(), num_experts);
+                (chosen, map.clone(), probs.as_ref().map(|_| map))
+            }
+        };
+        let tokens_per_expert = routing_map.clone().sum_dim(0).reshape([num_experts]);
         let mut weights = if softmax_after_top_k {
             softmax(logits.clone().gather(1, chosen.clone()), 1)
         } else {
@@ -376,13 +408,11 @@ impl<B: ModelBackend> Router<B> {
         if let Some(factor) = s.scaling_factor {
             weights = weights.mul_scalar(factor);
         }
-        let load_balancing_loss = match s.load_balancing {
-            _ if s.aux_loss_coeff == 0.0 => Tensor::zeros([1], &device),
-            LoadBalancingType::None => Tensor::zeros([1], &device),
-            LoadBalancingType::AuxLoss => self.load_balancing_loss(scores, &chosen, 1, sequence)?,
-            LoadBalancingType::SeqAuxLoss => {
-                self.load_balancing_loss(scores, &chosen, batch, sequence)?
+        let load_balancing_loss = match (probs, loss_map, loss) {
+            (Some(probs), Some(map), Some(sequences)) => {
+                self.load_balancing_loss(probs, map, sequences, sequence)?
             }
+            _ => Tensor::zeros([1], &device),
         };
         let z_loss = if s.z_loss_coeff == 0.0 {
             Tensor::zeros([1], &device)
@@ -395,36 +425,28 @@ impl<B: ModelBackend> Router<B> {
             weights,
             experts: chosen,
             tokens_per_expert,
+            routing_map,
             load_balancing_loss,
             z_loss,
         })
     }
 
     /// This rank's share of the load-balancing loss of `batch` sequences (1: the Switch loss
-    /// over all the tokens), from the `scores` and the chosen experts `chosen`, the counts
+    /// over all the tokens), from the probabilities `probs` (`[tokens, num_experts]`, each row
+    /// summing to 1) and the loss's routing map `map` (`[tokens, num_experts]`), the counts
     /// summed over `sequence`.
     fn load_balancing_loss(
         &self,
-        scores: Tensor<B, 2>,
-        chosen: &Tensor<B, 2, Int>,
+        probs: Tensor<B, 2>,
+        map: Tensor<B, 2, Int>,
         batch: usize,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Tensor<B, 1>> {
         let s = self.settings;
-        let [num_tokens, num_experts] = scores.dims();
-        let device = scores.device();
-        let probs = match s.score_function {
-            RouterScoreFunction::Softmax => scores,
-            RouterScoreFunction::Sigmoid => scores.clone() / scores.sum_dim(1),
-        };
-        // Megatron counts the load of the loss by a plain top-k of these probabilities: the
-        // choice itself, unless the expert bias or the groups changed it.
-        let loss_choice = match (&self.expert_bias, s.group_top_k) {
-            (None, None) => chosen.clone(),
-            _ => top_k_indices(probs.clone().detach(), s.top_k),
-        };
-        let counts = assignment_map(loss_choice, num_experts)
-            .reshape([batch, num_tokens / batch * s.top_k, num_experts])
+        let [num_tokens, num_experts] = probs.dims();
+        let device = probs.device();
+        let counts = map
+            .reshape([batch, num_tokens / batch, num_experts])
             .sum_dim(1)
             .reshape([batch * num_experts]);
         let (counts, total) = match sequence.filter(|g| g.size() > 1) {
@@ -502,9 +524,10 @@ fn group_load<B: DistBackend>(
 
 /// The indices of the `k` largest values of each row, largest first, ties to the lower index:
 /// `k` arg-max reductions, each masking the one before, so that it runs on the device on
-/// every backend (Burn's `topk_with_indices` sorts, which CubeCL does on the host). Each
-/// index is clamped to `[0, num_experts)`: CubeCL's arg-max returns `u32::MAX` (`-1` as i32)
-/// for a row without a largest value (NaN scores), and the indices address buffers.
+/// every backend (Burn's `topk_with_indices` sorts, which CubeCL does on the host). The
+/// indices are clamped to `[0, num_experts)` (once, at the end): CubeCL's arg-max returns
+/// `u32::MAX` (`-1` as i32) for a row without a largest value (NaN scores), which masks
+/// nothing, and the indices address buffers.
 ///
 /// # Shapes
 /// - scores: `[tokens, num_experts]`
@@ -516,7 +539,7 @@ fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2,
         .expand([tokens, experts]);
     let mut chosen = Vec::with_capacity(k);
     for j in 0..k {
-        let best = scores.clone().argmax(1).clamp(0, experts as i64 - 1);
+        let best = scores.clone().argmax(1);
         if j + 1 < k {
             let taken = columns
                 .clone()
@@ -525,23 +548,28 @@ fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2,
         }
         chosen.push(best);
     }
-    Tensor::cat(chosen, 1)
+    let chosen = match k {
+        1 => chosen.remove(0),
+        _ => Tensor::cat(chosen, 1),
+    };
+    chosen.clamp(0, experts as i64 - 1)
 }
 
 /// Megatron's group-limited top-k (DeepSeek-V2's device-limited and DeepSeek-V3's
-/// node-limited routing): the experts split into `num_groups` groups of consecutive experts;
-/// each group scored by the sum of its `top_k / group_top_k` best scores; the `top_k`
-/// experts chosen only among those of each token's `group_top_k` best groups.
+/// node-limited routing), the masking part: the experts split into `num_groups` groups of
+/// consecutive experts; each group scored by the sum of its `top_k / group_top_k` best
+/// scores; the scores of experts outside each token's `group_top_k` best groups set to −∞,
+/// so that a top-k of the result chooses among the rest only.
 ///
 /// # Shapes
 /// - scores: `[tokens, num_experts]`
-/// - output: `[tokens, top_k]`
-fn group_limited_top_k<B: Backend>(
+/// - output: `[tokens, num_experts]`
+fn group_limited_scores<B: Backend>(
     scores: Tensor<B, 2>,
     top_k: usize,
     num_groups: usize,
     group_top_k: usize,
-) -> Tensor<B, 2, Int> {
+) -> Tensor<B, 2> {
     let [tokens, experts] = scores.dims();
     let per_group = experts / num_groups;
     let device = scores.device();
@@ -565,30 +593,29 @@ fn group_limited_top_k<B: Backend>(
         .expand([tokens, num_groups, per_group])
         .reshape([tokens, experts])
         .greater_elem(0);
-    top_k_indices(
-        scores.mask_fill(eligible.bool_not(), f32::NEG_INFINITY),
-        top_k,
-    )
+    scores.mask_fill(eligible.bool_not(), f32::NEG_INFINITY)
 }
 
-/// Megatron's routing map: `[assignments, num_experts]`, 1 where assignment `a` (token-major,
-/// `t · top_k + j`) goes to expert `e`, else 0.
+/// Megatron's routing map: `[tokens, num_experts]`, 1 where token `t` chose expert `e`, else
+/// 0. An index of `num_experts` or more (an assignment dropped) marks nothing.
 ///
 /// # Shapes
-/// - experts: `[tokens, top_k]`
-/// - output: `[tokens · top_k, num_experts]`
-pub(crate) fn assignment_map<B: Backend>(
+/// - experts: `[tokens, top_k]`, each token's experts distinct
+/// - output: `[tokens, num_experts]`
+pub(crate) fn routing_map<B: Backend>(
     experts: Tensor<B, 2, Int>,
     num_experts: usize,
 ) -> Tensor<B, 2, Int> {
     let [tokens, top_k] = experts.dims();
-    let shape = [tokens * top_k, num_experts];
+    let shape = [tokens, top_k, num_experts];
     let columns = Tensor::<B, 1, Int>::arange(0..num_experts as i64, &experts.device())
-        .reshape([1, num_experts])
+        .reshape([1, 1, num_experts])
         .expand(shape);
     experts
-        .reshape([tokens * top_k, 1])
+        .reshape([tokens, top_k, 1])
         .expand(shape)
         .equal(columns)
         .int()
+        .sum_dim(1)
+        .reshape([tokens, num_experts])
 }

@@ -19,20 +19,23 @@
 //!    ([`reduce_scatter_to_sequence_parallel_region`], gradient an all-gather) sums that over
 //!    the ranks and leaves each rank its own tokens.
 //!
+//! The row moves are gathers whose gradient is a gather through the inverse index
+//! ([`permute_rows`], [`unpermute_rows`] with the weights): each expert-major row's gathered copy, from the inverse of the
+//! copies' rows ([`PermuteOps::invert_rows`]), with the padding rows (host-known) zero.
+//!
 //! Collectives, whatever the routing: forward the counts' all-gather, the routing's, the
 //! tokens', the weights' and one reduce-scatter; backward one all-gather and two
 //! reduce-scatters. Every rank holds `ep` times the largest rank's tokens, and the combine
 //! `ep · top_k` times (one row a copy): for small EP groups.
 
-use burn::tensor::{DType, FloatDType, IndexingUpdateOp, Int, Tensor, backend::Backend};
+use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::mapping::{
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
-use super::{DispatchPlan, Sorted, TokenDispatcher, int_tensor};
-use crate::ops::EmbeddingOps;
-use crate::ops::embedding::gather_rows_or_zero;
+use super::{DispatchPlan, Sorted, TokenDispatcher};
+use crate::ops::{PermuteOps, RowIndex, permute_rows, unpermute_rows};
 
 /// Integers F32 holds exactly: `0..2²⁴`.
 const F32_EXACT: usize = 1 << 24;
@@ -43,19 +46,21 @@ pub struct AllGatherPlan<B: Backend> {
     /// Rows each rank contributes to the all-gathers: the group's largest number of tokens
     /// (a rank with fewer pads with zero rows).
     pub rows_per_rank: usize,
-    /// `[received + 1]`, device: the gathered token (row of the `[ep · rows_per_rank,
-    /// hidden]` all-gather) of each expert-major row; `ep · rows_per_rank` (past the gathered
-    /// tokens: a zero row) for a padding row and for the last row.
-    expert_rows: Tensor<B, 1, Int>,
-    /// `[ep · rows_per_rank · top_k]`, device: for each of the group's assignments (by rank,
-    /// then token-major), its expert-major row if its expert is this rank's and it is kept,
-    /// else `received + 1` (past the experts' output: a zero row).
-    combine_rows: Tensor<B, 1, Int>,
+    /// `[received + 1]`: the gathered token (row of the `[ep · rows_per_rank, hidden]`
+    /// all-gather) of each expert-major row; zero for a padding row and the last row.
+    to_experts: RowIndex<B>,
+    /// `[received + 1]`: the gathered copy (`token · top_k + j`) of each expert-major row,
+    /// zero where [`to_experts`](Self::to_experts) is.
+    expert_assignments: RowIndex<B>,
+    /// `[ep · rows_per_rank · top_k]`: for each of the group's copies (by rank, then
+    /// token-major), its expert-major row if its expert is this rank's and it is kept, else
+    /// zero. Each gathered token's `top_k` rows are the inverse of `to_experts`.
+    from_experts: RowIndex<B>,
 }
 
 /// The rows of the exchange: each of this rank's kept assignments' row in its expert's rank's
 /// buffer, all-gathered over the group.
-pub(super) fn plan<B: DistBackend>(
+pub(super) fn plan<B: DistBackend + PermuteOps>(
     dispatcher: &TokenDispatcher,
     sorted: Sorted<B>,
     local_counts: &[usize],
@@ -63,16 +68,9 @@ pub(super) fn plan<B: DistBackend>(
     let group = &dispatcher.ep;
     let (ep, rank) = (group.size(), group.rank());
     let (e_all, e_local) = (dispatcher.num_experts, dispatcher.num_local_experts());
-    let Sorted {
-        num_tokens,
-        top_k,
-        counts_of,
-        tokens_of,
-        experts,
-        place,
-        kept,
-    } = sorted;
-    let device = experts.device();
+    let (counts_of, kept_of) = (&sorted.counts_of, &sorted.kept_of);
+    let (num_tokens, top_k) = (sorted.num_tokens, sorted.top_k);
+    let device = sorted.experts.device();
     // Rows of expert e's blocks, from every rank, in its rank's buffer.
     let rows_of_expert = |e: usize| (0..ep).map(|r| counts_of[r][e]).sum::<usize>();
     let received_of: Vec<usize> = (0..ep)
@@ -88,7 +86,7 @@ pub(super) fn plan<B: DistBackend>(
             received_of[q]
         )));
     }
-    let rows_per_rank = tokens_of.iter().copied().max().unwrap_or(num_tokens);
+    let rows_per_rank = sorted.tokens_of.iter().copied().max().unwrap_or(num_tokens);
     // Where this rank's block for expert e starts in the buffer of e's rank: after the blocks
     // of that rank's experts before e, then after the blocks of the ranks before this one.
     let offset: Vec<usize> = (0..e_all)
@@ -98,10 +96,14 @@ pub(super) fn plan<B: DistBackend>(
                 + (0..rank).map(|r| counts_of[r][e]).sum::<usize>()
         })
         .collect();
-    let row = place + int_tensor(&offset, &device).select(0, experts.clone());
-    let mut owner = experts.div_scalar(e_local as i64);
-    if let Some(kept) = kept {
-        owner = owner.mask_fill(kept.bool_not(), ep as i64);
+    let row = sorted.rows(&offset);
+    let mut owner = sorted
+        .experts
+        .clone()
+        .reshape([num_tokens * top_k])
+        .div_scalar(e_local as i64);
+    if let Some(dropped) = &sorted.dropped {
+        owner = owner.mask_fill(dropped.clone(), ep as i64);
     }
     // Cast to F32 directly, not through the default float dtype (BF16 rounds rows past 256).
     let mut routing: Tensor<B, 2> = Tensor::stack::<2>(vec![owner, row], 1).cast(FloatDType::F32);
@@ -118,25 +120,38 @@ pub(super) fn plan<B: DistBackend>(
     let routing = group.all_gather(routing, 0)?;
     let gathered = ep * rows_per_rank * top_k;
     let received: usize = local_counts.iter().sum();
-    let owner = routing.clone().narrow(1, 0, 1).reshape([gathered]);
-    let combine_rows = routing
-        .narrow(1, 1, 1)
+    let not_mine = routing
+        .clone()
+        .narrow(1, 0, 1)
         .reshape([gathered])
-        .int()
-        .mask_fill(owner.not_equal_elem(rank as f32), (received + 1) as i64);
-    // Each expert-major row reads the gathered token of the copy that lands there; copies not
-    // for this rank land in row `received + 1`, cut off.
-    let tokens = (ep * rows_per_rank) as i64;
-    let token_of = Tensor::<B, 1, Int>::arange(0..gathered as i64, &device)
-        .div_scalar(top_k as i64)
-        .sub_scalar(tokens);
-    let expert_rows = Tensor::<B, 1, Int>::full([received + 2], tokens, &device)
-        .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add)
-        .narrow(0, 0, received + 1);
+        .not_equal_elem(rank as f32);
+    let rows = routing.narrow(1, 1, 1).reshape([gathered]).int();
+    // Copies not for this rank point past the experts' rows for the inverse (which skips
+    // them), and read a zero row in the gathers.
+    let assignment = B::invert_rows(
+        rows.clone()
+            .mask_fill(not_mine.clone(), (received + 1) as i64),
+        received + 1,
+    );
+    let from_experts = RowIndex::new(rows.mask_fill(not_mine.clone(), 0)).with_zero_rows(not_mine);
+    // Which expert-major rows carry a copy: by local expert, then by source rank, the kept
+    // ones first in each block (the rest is padding); the last row none.
+    let mut carries = Vec::with_capacity(received + 1);
+    for j in 0..e_local {
+        let e = rank * e_local + j;
+        for r in 0..ep {
+            carries.extend((0..counts_of[r][e]).map(|i| i < kept_of[r][e]));
+        }
+    }
+    carries.push(false);
+    let empty: Vec<bool> = carries.iter().map(|c| !c).collect();
+    let empty = Tensor::<B, 1, Bool>::from_data(TensorData::new(empty, [received + 1]), &device);
     Ok(AllGatherPlan {
         rows_per_rank,
-        expert_rows,
-        combine_rows,
+        to_experts: RowIndex::new(assignment.clone().div_scalar(top_k as i64))
+            .with_zero_rows(empty.clone()),
+        expert_assignments: RowIndex::new(assignment).with_zero_rows(empty),
+        from_experts,
     })
 }
 
@@ -153,33 +168,32 @@ fn pad_rows<B: Backend>(x: Tensor<B, 2>, rows: usize) -> Tensor<B, 2> {
 }
 
 /// [`TokenDispatcher::dispatch`] by all-gather.
-pub(super) fn dispatch<B: DistBackend + EmbeddingOps>(
+pub(super) fn dispatch<B: DistBackend + PermuteOps>(
     ep: &ProcessGroup,
     plan: &AllGatherPlan<B>,
     tokens: Tensor<B, 2>,
 ) -> DistResult<Tensor<B, 2>> {
     let padded = pad_rows(tokens, plan.rows_per_rank);
     let gathered = gather_from_sequence_parallel_region(padded, ep, 0, true)?;
-    Ok(gather_rows_or_zero(gathered, plan.expert_rows.clone()))
+    Ok(permute_rows(gathered, &plan.to_experts, &plan.from_experts))
 }
 
 /// [`TokenDispatcher::combine`] by reduce-scatter.
-pub(super) fn combine<B: DistBackend + EmbeddingOps>(
+pub(super) fn combine<B: DistBackend + PermuteOps>(
     ep: &ProcessGroup,
     plan: &DispatchPlan<B>,
     rows: &AllGatherPlan<B>,
     expert_output: Tensor<B, 2>,
     weights: Tensor<B, 2>,
 ) -> DistResult<Tensor<B, 2>> {
-    let hidden = expert_output.dims()[1];
-    let tokens = ep.size() * rows.rows_per_rank;
     let weights = pad_rows(weights, rows.rows_per_rank);
     let weights = gather_from_sequence_parallel_region(weights, ep, 0, true)?;
-    let per_assignment = gather_rows_or_zero(expert_output, rows.combine_rows.clone())
-        .reshape([tokens, plan.top_k, hidden]);
-    let partial = (per_assignment * weights.unsqueeze_dim::<3>(2))
-        .sum_dim(1)
-        .reshape([tokens, hidden]);
+    let partial = unpermute_rows(
+        expert_output,
+        &rows.from_experts,
+        &rows.expert_assignments,
+        weights,
+    );
     let mine = reduce_scatter_to_sequence_parallel_region(partial, ep, 0)?;
     Ok(mine.narrow(0, 0, plan.num_tokens))
 }

@@ -5,16 +5,22 @@
 //! (a zero row when it carries no token), so that no buffer is ever empty. The receiver orders
 //! the rows by expert; the way back is the same in reverse.
 //!
+//! Each of the four row moves (the tokens into the send buffer, the received rows into
+//! expert-major order, and back twice, the last weighted and summed over each token's
+//! experts) is one gather whose gradient is a gather through the inverse index
+//! ([`permute_rows`], [`unpermute_rows`]): the plan builds each index and its inverse once. The send
+//! side's come from the routing on the device (each assignment's send row, and the inverse,
+//! [`PermuteOps::invert_rows`]); the receive side's from the counts on the host.
+//!
 //! Collectives, whatever the routing: forward one all-to-all each way (after the plan's
 //! all-gather of the counts), backward the same two with the sizes swapped.
 
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, backend::Backend};
+use burn::tensor::{Bool, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::mapping::all_to_all_v;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
-use super::{DispatchPlan, Sorted, TokenDispatcher, int_tensor};
-use crate::ops::EmbeddingOps;
-use crate::ops::embedding::gather_rows_or_zero;
+use super::{DispatchPlan, Sorted, TokenDispatcher};
+use crate::ops::{PermuteOps, RowIndex, permute_rows, unpermute_rows};
 
 /// The all-to-all dispatcher's part of a [`DispatchPlan`].
 #[derive(Debug, Clone)]
@@ -23,41 +29,35 @@ pub struct AllToAllPlan<B: Backend> {
     pub send_splits: Vec<usize>,
     /// Rows this rank receives from each rank (at least 1 a rank).
     pub recv_splits: Vec<usize>,
-    /// `[Σ send_splits]`, device: the input row (or `num_tokens`, past the input: a zero
-    /// row) of each send row.
-    send_rows: Tensor<B, 1, Int>,
-    /// `[received + 1]`: the received row (or `Σ recv_splits`, past the received buffer: a
-    /// zero row) of each expert-major row, the last being a zero row.
-    expert_rows: Vec<usize>,
-    /// `[Σ recv_splits]`: the expert-major row whose output goes back in each row of the
-    /// return buffer, or `received + 1` (past the experts' output: a zero row) for a block's
-    /// filler row.
-    return_rows: Vec<usize>,
-    /// `[num_tokens · top_k]`, device: for each assignment (token-major), its row in the
-    /// send buffer and in the buffer that comes back; `Σ send_splits` (past the buffer that
-    /// comes back: a zero row) for a dropped one.
-    combine_rows: Tensor<B, 1, Int>,
+    /// `[Σ send_splits]`: the token of each send row; zero for a block's filler row and a
+    /// padding row.
+    to_send: RowIndex<B>,
+    /// `[Σ send_splits]`: the assignment (token-major, `t · top_k + j`) of each send row, zero
+    /// where [`to_send`](Self::to_send) is.
+    send_assignments: RowIndex<B>,
+    /// `[num_tokens · top_k]`: each assignment's row in the send buffer and in the buffer that
+    /// comes back; zero for a dropped one. Token `t`'s `top_k` rows are the inverse of
+    /// `to_send`.
+    from_send: RowIndex<B>,
+    /// `[received + 1]`: the received row of each expert-major row; the last row zero.
+    to_experts: RowIndex<B>,
+    /// `[Σ recv_splits]`: the expert-major row of each received row (and of each row of the
+    /// return buffer); zero for a block's filler row. The inverse of `to_experts`.
+    from_experts: RowIndex<B>,
 }
 
 /// The blocks and row indices of the exchange, from the counts and this rank's sorted
 /// assignments.
-pub(super) fn plan<B: DistBackend>(
+pub(super) fn plan<B: DistBackend + PermuteOps>(
     dispatcher: &TokenDispatcher,
     sorted: Sorted<B>,
 ) -> AllToAllPlan<B> {
     let (ep, rank) = (dispatcher.ep.size(), dispatcher.ep.rank());
     let e_local = dispatcher.num_local_experts();
     let e_all = dispatcher.num_experts;
-    let Sorted {
-        num_tokens,
-        top_k,
-        counts_of,
-        experts,
-        place,
-        kept,
-        ..
-    } = sorted;
-    let device = experts.device();
+    let (counts_of, kept_of) = (&sorted.counts_of, &sorted.kept_of);
+    let (num_tokens, top_k) = (sorted.num_tokens, sorted.top_k);
+    let device = sorted.experts.device();
     let counts = &counts_of[rank];
     // Rows rank s sends rank q: its assignments to q's experts, at least one row.
     let block = |s: usize, q: usize| -> usize {
@@ -85,26 +85,40 @@ pub(super) fn plan<B: DistBackend>(
 
     // The send side, on the device. Assignment a to expert e, the i-th of this rank's
     // assignments to e that it keeps, goes in row `first[e] + i` of the send buffer: its
-    // destination's block, after the rows of that rank's experts before e. A dropped one
-    // goes to row `sent`, past the buffer: cut off before sending, the zero row coming
-    // back.
+    // destination's block, after the rows of that rank's experts before e. The rows past an
+    // expert's kept ones (padding) and a block's filler row carry no token: zero.
     let first: Vec<usize> = (0..e_all)
         .map(|e| {
             let q = e / e_local;
             send_start[q] + counts[q * e_local..e].iter().sum::<usize>()
         })
         .collect();
-    let assignments = num_tokens * top_k;
-    let mut combine_rows = place + int_tensor(&first, &device).select(0, experts);
-    if let Some(kept) = kept {
-        combine_rows = combine_rows.mask_fill(kept.bool_not(), sent as i64);
+    let mut carries = vec![false; sent];
+    for e in 0..e_all {
+        carries[first[e]..first[e] + kept_of[rank][e]].fill(true);
     }
-    let token_of = Tensor::<B, 1, Int>::arange(0..assignments as i64, &device)
-        .div_scalar(top_k as i64)
-        .sub_scalar(num_tokens as i64);
-    let send_rows = Tensor::<B, 1, Int>::full([sent + 1], num_tokens as i64, &device)
-        .scatter(0, combine_rows.clone(), token_of, IndexingUpdateOp::Add)
-        .narrow(0, 0, sent);
+    let empty: Vec<bool> = carries.iter().map(|c| !c).collect();
+    let empty = empty
+        .contains(&true)
+        .then(|| Tensor::<B, 1, Bool>::from_data(TensorData::new(empty, [sent]), &device));
+    let rows = sorted.rows(&first);
+    // A dropped assignment points past the send buffer for the inverse (which skips it), and
+    // reads a zero row in the gathers.
+    let (targets, from_send) = match &sorted.dropped {
+        None => (rows.clone(), RowIndex::new(rows)),
+        Some(dropped) => (
+            rows.clone().mask_fill(dropped.clone(), sent as i64),
+            RowIndex::new(rows.mask_fill(dropped.clone(), 0)).with_zero_rows(dropped.clone()),
+        ),
+    };
+    let assignment = B::invert_rows(targets, sent);
+    let zero = |index: RowIndex<B>| match &empty {
+        Some(empty) => index.with_zero_rows(empty.clone()),
+        None => index,
+    };
+    let to_send = zero(RowIndex::new(assignment.clone().div_scalar(top_k as i64)));
+    let send_assignments = zero(RowIndex::new(assignment));
+    debug_assert_eq!(from_send.len(), num_tokens * top_k);
 
     // The receive side: block r holds rank r's tokens for this rank's experts, by local
     // expert; the experts want them by expert, then by source rank.
@@ -113,60 +127,55 @@ pub(super) fn plan<B: DistBackend>(
         .map(|j| (0..ep).map(|r| mine(r, j)).sum::<usize>())
         .sum();
     let mut expert_rows = Vec::with_capacity(received + 1);
-    let mut return_rows = vec![received + 1; arriving];
+    let mut return_rows = vec![None; arriving];
     for j in 0..e_local {
         for (r, &block_start) in recv_start.iter().enumerate() {
             let start = block_start + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
             let rows = start..start + mine(r, j);
             for (row, back) in rows.clone().zip(&mut return_rows[rows]) {
-                *back = expert_rows.len();
-                expert_rows.push(row);
+                *back = Some(expert_rows.len());
+                expert_rows.push(Some(row));
             }
         }
     }
-    expert_rows.push(arriving);
+    expert_rows.push(None);
     AllToAllPlan {
         send_splits,
         recv_splits,
-        send_rows,
-        expert_rows,
-        return_rows,
-        combine_rows,
+        to_send,
+        send_assignments,
+        from_send,
+        to_experts: RowIndex::from_host(&expert_rows, &device),
+        from_experts: RowIndex::from_host(&return_rows, &device),
     }
 }
 
 /// [`TokenDispatcher::dispatch`] by all-to-all.
-pub(super) fn dispatch<B: DistBackend + EmbeddingOps>(
+pub(super) fn dispatch<B: DistBackend + PermuteOps>(
     ep: &ProcessGroup,
     plan: &AllToAllPlan<B>,
     tokens: Tensor<B, 2>,
 ) -> DistResult<Tensor<B, 2>> {
-    let device = tokens.device();
-    let send = gather_rows_or_zero(tokens, plan.send_rows.clone());
+    let send = permute_rows(tokens, &plan.to_send, &plan.from_send);
     let received = all_to_all_v(send, ep, &plan.send_splits, &plan.recv_splits)?;
-    Ok(gather_rows_or_zero(
-        received,
-        int_tensor(&plan.expert_rows, &device),
-    ))
+    Ok(permute_rows(received, &plan.to_experts, &plan.from_experts))
 }
 
 /// [`TokenDispatcher::combine`] by all-to-all.
-pub(super) fn combine<B: DistBackend + EmbeddingOps>(
+pub(super) fn combine<B: DistBackend + PermuteOps>(
     ep: &ProcessGroup,
     plan: &DispatchPlan<B>,
     rows: &AllToAllPlan<B>,
     expert_output: Tensor<B, 2>,
     weights: Tensor<B, 2>,
 ) -> DistResult<Tensor<B, 2>> {
-    let device = expert_output.device();
-    let hidden = expert_output.dims()[1];
-    let back = gather_rows_or_zero(expert_output, int_tensor(&rows.return_rows, &device));
+    debug_assert_eq!(weights.dims(), [plan.num_tokens, plan.top_k]);
+    let back = permute_rows(expert_output, &rows.from_experts, &rows.to_experts);
     let back = all_to_all_v(back, ep, &rows.recv_splits, &rows.send_splits)?;
-    let per_assignment = gather_rows_or_zero(back, rows.combine_rows.clone()).reshape([
-        plan.num_tokens,
-        plan.top_k,
-        hidden,
-    ]);
-    let weighted = per_assignment * weights.unsqueeze_dim::<3>(2);
-    Ok(weighted.sum_dim(1).reshape([plan.num_tokens, hidden]))
+    Ok(unpermute_rows(
+        back,
+        &rows.from_send,
+        &rows.send_assignments,
+        weights,
+    ))
 }

@@ -20,7 +20,10 @@
 //!    with it: the tokens are sorted by expert on the device, as in Megatron's all-to-all
 //!    dispatcher);
 //! 2. each rank finds, on the device, each of its assignments' place among its expert's
-//!    (a counting sort: [`exclusive_cumsum_rows`]) and, with a capacity, which ones it keeps.
+//!    (a counting sort: the router's routing map, `[tokens, num_experts]`, summed down the
+//!    tokens in blocks, read at each assignment) and, with a capacity, which ones it keeps;
+//!    from the places, each assignment's row in the buffer it travels in, and the inverse,
+//!    each row's assignment ([`PermuteOps::invert_rows`]).
 //!
 //! From the counts every rank knows every block's size: each rank's experts receive the same
 //! rows in the same order from either dispatcher (by local expert, then by source rank, then
@@ -28,13 +31,18 @@
 //!
 //! Every rank runs the same collectives in the same order whatever its tokens, forward and
 //! backward, so a rank or an expert that gets no tokens cannot leave another waiting.
-//! Indices past a buffer's end read a zero row ([`gather_rows_or_zero`]).
+//!
+//! Rows move by gathers whose gradient is a gather through the inverse index
+//! ([`permute_rows`], and [`unpermute_rows`] with the router's weights, Megatron's permute
+//! and unpermute): no scatter-add, forward or backward. A row that carries no token (a
+//! block's filler row, capacity padding, the experts' last row) is zero both ways.
 //!
 //! With a capacity, each rank's blocks hold the assignments its experts keep (or, padded, the
 //! capacity's rows): the sizes follow from the same all-gathered counts, so a capacity adds no
 //! exchange (the probs policy adds each assignment's expert and weight to the host read).
 //!
-//! [`gather_rows_or_zero`]: crate::ops::embedding::gather_rows_or_zero
+//! [`permute_rows`]: crate::ops::permute_rows
+//! [`unpermute_rows`]: crate::ops::unpermute_rows
 
 pub mod all_gather;
 pub mod all_to_all;
@@ -49,9 +57,9 @@ pub use all_gather::AllGatherPlan;
 pub use all_to_all::AllToAllPlan;
 
 use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
-use super::router::assignment_map;
+use super::router::{Routing, routing_map};
 use crate::error::ConfigError;
-use crate::ops::EmbeddingOps;
+use crate::ops::PermuteOps;
 
 /// How tokens travel to the experts and back (Megatron's `--moe-token-dispatcher-type`).
 /// Both give the same outputs, losses and gradients (up to the order of the sums over a
@@ -155,15 +163,45 @@ struct Sorted<B: Backend> {
     /// `counts_of[r][e]`: rows of rank `r`'s block for expert `e` (the assignments kept, or
     /// the capacity's rows with padding), the same on every rank.
     counts_of: Vec<Vec<usize>>,
+    /// `kept_of[r][e]`: the assignments of rank `r` that expert `e` keeps, the first rows of
+    /// its block (the rest is padding).
+    kept_of: Vec<Vec<usize>>,
     /// Tokens of each rank.
     tokens_of: Vec<usize>,
-    /// `[num_tokens · top_k]`, device: each assignment's expert, token-major.
-    experts: Tensor<B, 1, Int>,
-    /// `[num_tokens · top_k]`, device: each kept assignment's place among this rank's kept
-    /// assignments to its expert (in token order); anything for a dropped one.
-    place: Tensor<B, 1, Int>,
-    /// `[num_tokens · top_k]`, device: which assignments are kept, if any drop.
-    kept: Option<Tensor<B, 1, Bool>>,
+    /// `[num_tokens, top_k]`, device: each assignment's expert.
+    experts: Tensor<B, 2, Int>,
+    /// The cumulative sums over the tokens of the routing map of the assignments kept.
+    sums: BlockedCumsum<B>,
+    /// `[num_tokens · top_k]`, device: which assignments are dropped, if any are.
+    dropped: Option<Tensor<B, 1, Bool>>,
+}
+
+impl<B: Backend> Sorted<B> {
+    /// Each assignment's row `base[e] + i` (token-major, `[num_tokens · top_k]`), where `e`
+    /// is its expert and `i` its place among this rank's kept assignments to `e` in token
+    /// order; anything for a dropped one ([`assignment_rows`]).
+    fn rows(&self, base: &[usize]) -> Tensor<B, 1, Int> {
+        assignment_rows(&self.sums, &self.experts, base)
+    }
+}
+
+/// Each assignment's row `base[e] + i` (token-major, `[tokens · top_k]`), where `e` is its
+/// expert (`experts`, `[tokens, top_k]`) and `i` its place among the assignments to `e` of the
+/// routing map that `sums` sums, in token order (an assignment the map leaves out gets
+/// anything). Three kernels: the place is the map's inclusive sum at the assignment, minus
+/// one, and the shift `base − 1` goes on the blocks' offsets.
+fn assignment_rows<B: Backend>(
+    sums: &BlockedCumsum<B>,
+    experts: &Tensor<B, 2, Int>,
+    base: &[usize],
+) -> Tensor<B, 1, Int> {
+    let [tokens, top_k] = experts.dims();
+    let e = base.len();
+    let shift: Vec<i64> = base.iter().map(|&b| b as i64 - 1).collect();
+    let shift = Tensor::<B, 1, Int>::from_data(TensorData::new(shift, [e]), &experts.device());
+    sums.inclusive_plus(shift.reshape([1, 1, e]))
+        .gather(1, experts.clone())
+        .reshape([tokens * top_k])
 }
 
 impl TokenDispatcher {
@@ -209,17 +247,17 @@ impl TokenDispatcher {
     /// The assignments are sorted by expert (so by destination, then by its local expert) on
     /// the device, stably, so that tokens keep their order within an expert: a counting sort,
     /// an assignment's place being the tokens before it with the same expert (a cumulative
-    /// sum of the routing map, [`exclusive_cumsum_rows`]) after those of the experts before
+    /// sum of the routing map in blocks, as [`exclusive_cumsum_rows`]) after those of the experts before
     /// its own (from the counts). The all-gather dispatcher then all-gathers each
     /// assignment's row in its expert's rank's buffer (see [`all_gather`]).
     ///
     /// [`Routing::experts`]: super::Routing::experts
-    pub fn plan<B: DistBackend>(
+    pub fn plan<B: DistBackend + PermuteOps>(
         &self,
         experts: Tensor<B, 2, Int>,
         tokens_per_expert: Tensor<B, 1, Int>,
     ) -> DistResult<DispatchPlan<B>> {
-        self.plan_dropping(experts, tokens_per_expert, None)
+        self.plan_dropping(experts, None, tokens_per_expert, None)
     }
 
     /// [`plan`](Self::plan) with each expert limited to `capacity` (see [`super::capacity`]):
@@ -231,19 +269,35 @@ impl TokenDispatcher {
     /// expert and `weights` (`[num_tokens, top_k]`, ranked in F32) come to the host in the
     /// same read as the counts. Each rank decides its own drops, whatever the dispatcher.
     /// Dropped assignments go to no expert and read back as a zero row.
-    pub fn plan_with_capacity<B: DistBackend>(
+    pub fn plan_with_capacity<B: DistBackend + PermuteOps>(
         &self,
         experts: Tensor<B, 2, Int>,
         tokens_per_expert: Tensor<B, 1, Int>,
         weights: Tensor<B, 2>,
         capacity: &ExpertCapacity,
     ) -> DistResult<DispatchPlan<B>> {
-        self.plan_dropping(experts, tokens_per_expert, Some((capacity, weights)))
+        self.plan_dropping(experts, None, tokens_per_expert, Some((capacity, weights)))
     }
 
-    fn plan_dropping<B: DistBackend>(
+    /// [`plan`](Self::plan), or with a capacity [`plan_with_capacity`](Self::plan_with_capacity),
+    /// of a router's [`Routing`], whose routing map it reuses.
+    pub fn plan_routing<B: DistBackend + PermuteOps>(
+        &self,
+        routing: &Routing<B>,
+        capacity: Option<&ExpertCapacity>,
+    ) -> DistResult<DispatchPlan<B>> {
+        self.plan_dropping(
+            routing.experts.clone(),
+            Some(routing.routing_map.clone()),
+            routing.tokens_per_expert.clone(),
+            capacity.map(|c| (c, routing.weights.clone())),
+        )
+    }
+
+    fn plan_dropping<B: DistBackend + PermuteOps>(
         &self,
         experts: Tensor<B, 2, Int>,
+        map: Option<Tensor<B, 2, Int>>,
         tokens_per_expert: Tensor<B, 1, Int>,
         drop: Option<(&ExpertCapacity, Tensor<B, 2>)>,
     ) -> DistResult<DispatchPlan<B>> {
@@ -256,14 +310,11 @@ impl TokenDispatcher {
         // rounded count puts assignments in the wrong rows of the buffers (on a GPU, reads and
         // writes past their ends). F32 is exact up to 2^24 assignments a rank.
         let assignments = num_tokens * top_k;
-        let total = TensorData::new(vec![assignments as f32], [1]);
-        let local = Tensor::cat(
-            vec![
-                tokens_per_expert.cast(FloatDType::F32),
-                Tensor::from_data(total, (&device, DType::F32)),
-            ],
-            0,
-        );
+        let mut total = vec![0.0f32; e_all + 1];
+        total[e_all] = assignments as f32;
+        let local =
+            Tensor::<B, 1>::from_data(TensorData::new(total, [e_all + 1]), (&device, DType::F32))
+                .slice_assign(0..e_all, tokens_per_expert.cast(FloatDType::F32));
         let all = match ep {
             1 => local,
             _ => self.ep.all_gather(local, 0)?,
@@ -344,40 +395,47 @@ impl TokenDispatcher {
             .map(|j| (0..ep).map(|r| counts_of[r][rank * e_local + j]).sum())
             .collect();
 
-        // Each assignment's place among those of its expert that this rank keeps, on the
+        // The routing map of the assignments this rank keeps, and which ones drop, on the
         // device.
         let dropped: usize =
             routed_of[rank].iter().sum::<usize>() - kept_of[rank].iter().sum::<usize>();
-        let map = assignment_map(experts.clone(), e_all);
-        let (place, kept) = match (capacity, capacity_of[rank]) {
+        let map = map.unwrap_or_else(|| routing_map(experts.clone(), e_all));
+        let (sums, dropped_mask) = match (capacity, capacity_of[rank]) {
             (Some(c), Some(cap)) if dropped > 0 => match c.drop_policy {
                 TokenDropPolicy::Position => {
-                    let place = rank_in_expert(map);
-                    let kept = place.clone().lower_elem(cap as i64);
-                    (place, Some(kept))
+                    // An assignment's place among all its expert's: the first `cap` stay, so
+                    // that the places of those kept are their places among the kept.
+                    let sums = BlockedCumsum::new(map);
+                    let place = assignment_rows(&sums, &experts, &vec![0; e_all]);
+                    (sums, Some(place.greater_equal_elem(cap as i64)))
                 }
                 TokenDropPolicy::Probs => {
                     let (chosen, weights) = local_read.split_at(assignments);
                     let chosen: Vec<usize> = chosen.iter().map(|&e| e as usize).collect();
                     let keep = keep_by_weight(&chosen, weights, e_all, cap);
-                    let kept = Tensor::<B, 1, Bool>::from_data(
-                        TensorData::new(keep, [assignments]),
+                    let drop: Vec<bool> = keep.iter().map(|k| !k).collect();
+                    let drop = Tensor::<B, 1, Bool>::from_data(
+                        TensorData::new(drop, [assignments]),
                         &device,
                     );
-                    let map = map * kept.clone().int().reshape([assignments, 1]);
-                    (rank_in_expert(map), Some(kept))
+                    let kept_experts = experts
+                        .clone()
+                        .mask_fill(drop.clone().reshape([num_tokens, top_k]), e_all as i64);
+                    let sums = BlockedCumsum::new(routing_map(kept_experts, e_all));
+                    (sums, Some(drop))
                 }
             },
-            _ => (rank_in_expert(map), None),
+            _ => (BlockedCumsum::new(map), None),
         };
         let sorted = Sorted {
             num_tokens,
             top_k,
             counts_of,
+            kept_of: kept_of.clone(),
             tokens_of,
-            experts: experts.reshape([assignments]),
-            place,
-            kept,
+            experts,
+            sums,
+            dropped: dropped_mask,
         };
         let exchange = match self.kind {
             TokenDispatcherType::AllToAll => Exchange::AllToAll(all_to_all::plan(self, sorted)),
@@ -402,7 +460,7 @@ impl TokenDispatcher {
     /// # Shapes
     /// - tokens: `[num_tokens, hidden]`
     /// - output: `[plan.received() + 1, hidden]`
-    pub fn dispatch<B: DistBackend + EmbeddingOps>(
+    pub fn dispatch<B: DistBackend + PermuteOps>(
         &self,
         plan: &DispatchPlan<B>,
         tokens: Tensor<B, 2>,
@@ -421,7 +479,7 @@ impl TokenDispatcher {
     ///   [`dispatch`](Self::dispatch) gave the tokens; the last row is never read
     /// - weights: `[num_tokens, top_k]`
     /// - output: `[num_tokens, hidden]`
-    pub fn combine<B: DistBackend + EmbeddingOps>(
+    pub fn combine<B: DistBackend + PermuteOps>(
         &self,
         plan: &DispatchPlan<B>,
         expert_output: Tensor<B, 2>,
@@ -465,45 +523,69 @@ fn check_counts(all: &[f32], ep: usize, num_experts: usize) -> Result<(), String
     Ok(())
 }
 
-/// Each assignment's place among those of its expert before it: `[assignments]`, from the
-/// routing map (`[assignments, num_experts]`, 0 or 1).
-fn rank_in_expert<B: Backend>(map: Tensor<B, 2, Int>) -> Tensor<B, 1, Int> {
-    let [assignments, _] = map.dims();
-    (exclusive_cumsum_rows(map.clone()) * map)
-        .sum_dim(1)
-        .reshape([assignments])
+/// Inclusive cumulative sums down the rows of an `[n, columns]` integer tensor, in blocks of
+/// about `√n` rows: a cumulative sum within each block and one over the blocks' totals (the
+/// blocks' offsets), kept apart so that a caller adds a shift to the small offsets. CubeCL's
+/// `cumsum` has each output element add up every element before it (`n²/2` reads along `n`);
+/// in blocks each element reads at most about `√n` (`n^1.5` in all), so that a GPU's sort by
+/// expert stays affordable. Exact: integers. The block is a divisor of `n` between `√n` and
+/// `2√n` where there is one (no padding), else `√n` rows and zero rows after the last.
+struct BlockedCumsum<B: Backend> {
+    /// `[blocks, block, columns]`: the sums within each block.
+    inclusive: Tensor<B, 3, Int>,
+    /// `[blocks, 1, columns]`: the sum of the blocks before each block.
+    offsets: Tensor<B, 3, Int>,
+    /// Rows of the summed tensor.
+    rows: usize,
 }
 
-/// The sum of the rows before each row (`out[i] = Σ_{i' < i} x[i']`), in blocks of `√n` rows:
-/// a cumulative sum within each block, then one over the blocks' totals. CubeCL's `cumsum`
-/// has each output element add up every element before it (`n²/2` reads along `n`); in
-/// blocks each element reads at most `√n` (`n^1.5` in all), so that a GPU's sort by expert of
-/// `tokens · top_k` assignments stays affordable. Exact: integers.
+impl<B: Backend> BlockedCumsum<B> {
+    /// The sums of `x` (`[n, columns]`, `n ≥ 1`): three kernels (four more with padding).
+    fn new(x: Tensor<B, 2, Int>) -> Self {
+        let [n, columns] = x.dims();
+        let root = ((n as f64).sqrt().ceil() as usize).max(1);
+        let block = (root..=2 * root)
+            .find(|d| n.is_multiple_of(*d))
+            .unwrap_or(root);
+        let blocks = n.div_ceil(block);
+        let padded = match blocks * block - n {
+            0 => x,
+            extra => Tensor::cat(
+                vec![x.clone(), Tensor::zeros([extra, columns], &x.device())],
+                0,
+            ),
+        };
+        let inclusive = padded.reshape([blocks, block, columns]).cumsum(1);
+        let totals = inclusive.clone().narrow(1, block - 1, 1);
+        let offsets = totals.clone().cumsum(0) - totals;
+        Self {
+            inclusive,
+            offsets,
+            rows: n,
+        }
+    }
+
+    /// `[n, columns]`: the inclusive sums plus `shift` (`[1, 1, columns]`), added to the
+    /// blocks' offsets first (two kernels).
+    fn inclusive_plus(&self, shift: Tensor<B, 3, Int>) -> Tensor<B, 2, Int> {
+        let [blocks, block, columns] = self.inclusive.dims();
+        (self.inclusive.clone() + (self.offsets.clone() + shift))
+            .reshape([blocks * block, columns])
+            .narrow(0, 0, self.rows)
+    }
+}
+
+/// The sum of the rows before each row (`out[i] = Σ_{i' < i} x[i']`), in blocks of about `√n`
+/// rows (see `BlockedCumsum`): the cumulative sum that sorts the assignments by expert.
 ///
 /// # Shapes
 /// - x: `[n, columns]`, `n ≥ 1`
 /// - output: `[n, columns]`
 pub fn exclusive_cumsum_rows<B: Backend>(x: Tensor<B, 2, Int>) -> Tensor<B, 2, Int> {
-    let [n, columns] = x.dims();
-    let device = x.device();
-    let block = ((n as f64).sqrt().ceil() as usize).max(1);
-    let blocks = n.div_ceil(block);
-    let padded = match blocks * block - n {
-        0 => x,
-        extra => Tensor::cat(vec![x, Tensor::zeros([extra, columns], &device)], 0),
-    };
-    let x = padded.reshape([blocks, block, columns]);
-    let inclusive = x.clone().cumsum(1);
-    let totals = inclusive.clone().narrow(1, block - 1, 1);
-    let offsets = totals.clone().cumsum(0) - totals;
-    (inclusive - x + offsets)
+    let sums = BlockedCumsum::new(x.clone());
+    let [blocks, block, columns] = sums.inclusive.dims();
+    (sums.inclusive + sums.offsets)
         .reshape([blocks * block, columns])
-        .narrow(0, 0, n)
-}
-
-/// `values` as a 1-D integer tensor on `device`.
-fn int_tensor<B: Backend>(values: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
-    let values: Vec<i64> = values.iter().map(|&v| v as i64).collect();
-    let len = values.len();
-    Tensor::from_data(TensorData::new(values, [len]), device)
+        .narrow(0, 0, sums.rows)
+        - x
 }
