@@ -85,6 +85,7 @@ for s in "$@"; do
     tp4) step tp4 env PART=tp4 ITERS=5 LIMIT=${LIMIT:-90} bash bench/scale_gpu_check.sh ;;
     tp4short) step tp4short env PART=tp4short ITERS=4 LIMIT=${LIMIT:-110} bash bench/scale_gpu_check.sh ;;
     tp2) step tp2 env PART=tp2 NPROC=2 ITERS=4 LIMIT=${LIMIT:-120} bash bench/scale_gpu_check.sh ;;
+    parts2) step parts2 env PART=parts2 NPROC=2 LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
     prof2) step prof2 env PART=prof2 NPROC=2 ITERS=${ITERS:-8} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
     fused2) step fused2 env PART=fused2 NPROC=2 ITERS=${ITERS:-10} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;
     edge2) step edge2 env PART=edge2 NPROC=2 ITERS=${ITERS:-4} LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;

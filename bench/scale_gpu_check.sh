@@ -251,6 +251,14 @@ if part tp2; then
   ITERS=4 ours llama_tp2_mb2 llama3_8b $T2 --micro-batch-size 2 --global-batch-size 16
   ITERS=4 ours llama_tp2_mb2_overlap llama3_8b $T2 --micro-batch-size 2 --global-batch-size 16 --tp-comm-overlap
 fi
+if part parts2; then
+  # For 2 GPUs (NPROC=2): the dense parameters' flat buffers past 32-bit indices, cut into
+  # parts (2026-11-28): Llama-3 8B at DP 2 with the distributed optimizer (every rank's bf16
+  # and gradient buffers hold all 8.03 B parameters: two parts), micro-batch 1, full
+  # recomputation; refused at start-up before the parts.
+  ITERS=4 PLAN=1 ours llama_dp2_parts llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
+    --use-distributed-optimizer --micro-batch-size 1 --global-batch-size 8 --recompute-granularity full
+fi
 if part tp4short; then
   # Issue 31's TP 4 + SP >= 45 % in little device time: Llama-3 8B at micro-batch 2, without
   # and with --tp-comm-overlap (the chunked forward reduce-scatter), 4 iterations each.
