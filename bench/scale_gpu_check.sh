@@ -257,7 +257,7 @@ if part parts2; then
   # and gradient buffers hold all 8.03 B parameters: two parts), micro-batch 1, full
   # recomputation; refused at start-up before the parts.
   ITERS=4 PLAN=1 ours llama_dp2_parts llama3_8b --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 \
-    --use-distributed-optimizer --micro-batch-size 1 --global-batch-size 8 --recompute-granularity full
+    --data-parallel-size 2 --use-distributed-optimizer --micro-batch-size 1 --global-batch-size 8 --recompute-granularity full
 fi
 if part tp4short; then
   # Issue 31's TP 4 + SP >= 45 % in little device time: Llama-3 8B at micro-batch 2, without
