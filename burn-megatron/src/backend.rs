@@ -324,26 +324,25 @@ where
     }
 
     fn float_address(tensor: &Self::FloatTensorPrimitive) -> Option<u64> {
-        #[cfg(feature = "cuda")]
-        if let Some(tensor) = (tensor as &dyn core::any::Any).downcast_ref::<
-            burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime>,
-        >() {
-            return burn_megatron_kernels::cuda::graph::address(tensor);
-        }
-        let _ = tensor;
-        None
+        cuda_address(tensor)
     }
 
     fn int_address(tensor: &Self::IntTensorPrimitive) -> Option<u64> {
-        #[cfg(feature = "cuda")]
-        if let Some(tensor) = (tensor as &dyn core::any::Any).downcast_ref::<
-            burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime>,
-        >() {
-            return burn_megatron_kernels::cuda::graph::address(tensor);
-        }
-        let _ = tensor;
-        None
+        cuda_address(tensor)
     }
+}
+
+/// The device address of a CubeCL tensor of our CUDA runtime (`None` for other runtimes').
+#[cfg(feature = "fused")]
+fn cuda_address(tensor: &dyn core::any::Any) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if let Some(tensor) = tensor.downcast_ref::<
+        burn_cubecl::tensor::CubeTensor<burn_megatron_kernels::cuda::MegatronCudaRuntime>,
+    >() {
+        return burn_megatron_kernels::cuda::graph::address(tensor);
+    }
+    let _ = tensor;
+    None
 }
 
 /// Our CUDA runtime's graphs replay through [`StepGraph`].
