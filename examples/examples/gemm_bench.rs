@@ -592,9 +592,9 @@ fn grouped_check(device: &CudaGpu) -> bool {
     ok
 }
 
-/// `grouped_linear` under `Autodiff<MegatronCuda>`: its output and gradients are the direct
-/// grouped calls' (bit for bit), so training runs the grouped GEMM and its backward is wired
-/// as checked above.
+/// `grouped_linear` under `Autodiff<MegatronCuda>`: its output and input gradient are the
+/// per-expert cuBLASLt GEMMs' (each written into its rows of one output), its weight gradient
+/// the direct grouped call's (bit for bit), so training's products are wired as checked above.
 fn autodiff_check(device: &CudaGpu) -> bool {
     use burn::backend::Autodiff;
     use burn_megatron::ops::grouped_linear;
@@ -612,16 +612,18 @@ fn autodiff_check(device: &CudaGpu) -> bool {
     let grads = loss.backward();
     let stacked = GroupedOperand::Stacked(w);
     let rows = GroupedOperand::Rows(dy.clone());
+    let per_expert_rows = |pass, a| -> Vec<f32> {
+        per_expert(pass, a, &stacked, &counts)
+            .into_iter()
+            .flat_map(floats)
+            .collect()
+    };
     let results = [
-        (
-            "y",
-            floats(y.inner()),
-            grouped(Pass::Forward, &x, &stacked, &counts),
-        ),
+        ("y", floats(y.inner()), per_expert_rows(Pass::Forward, &x)),
         (
             "dx",
             floats(tx.grad(&grads).expect("x has a gradient")),
-            grouped(Pass::InputGrad, &dy, &stacked, &counts),
+            per_expert_rows(Pass::InputGrad, &dy),
         ),
         (
             "dw",

@@ -217,18 +217,40 @@ mod cuda {
     use burn::tensor::Tensor;
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, grouped_gemm};
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm, grouped_gemm};
 
-    use super::{GroupedLinearOps, per_expert_weight_gradient};
+    use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        // `grouped_gemm` keeps the default, one cuBLASLt GEMM per expert: measured on an
-        // H200 (`gemm_bench grouped`, book "Benchmarks"), cuBLAS's grouped GEMM ran the
-        // forward and input-gradient products at 0.40-0.44 of a dense GEMM of the same FLOPs,
-        // the per-expert GEMMs at 0.93.
+        /// One cuBLASLt GEMM per expert with rows, each writing its rows of one output (no
+        /// concatenation): measured on an H200 (`gemm_bench grouped`, book "Benchmarks"),
+        /// cuBLAS's grouped GEMM ran the forward and input-gradient products at 0.40-0.44 of a
+        /// dense GEMM of the same FLOPs, the per-expert GEMMs at 0.93. The composition where
+        /// cuBLASLt cannot take the operands.
+        fn grouped_gemm(
+            x: Tensor<Self, 2>,
+            w: Tensor<Self, 3>,
+            counts: &[usize],
+            transpose_w: bool,
+        ) -> Tensor<Self, 2> {
+            let ([n, _], [_, rows, cols]) = (x.dims(), w.dims());
+            let width = if transpose_w { rows } else { cols };
+            let out = raw(Tensor::<Self, 2>::empty(
+                [n, width],
+                (&x.device(), x.dtype()),
+            ));
+            for (e, start, count) in blocks(counts) {
+                let a = raw(x.clone().narrow(0, start, count));
+                let b = raw(matrix(&w, e));
+                if gemm::gemm_into_rows(&a, &b, false, transpose_w, &out, start).is_err() {
+                    return per_expert_gemm(x, w, counts, transpose_w);
+                }
+            }
+            wrap(out)
+        }
 
         fn grouped_weight_gradient(
             x: Tensor<Self, 2>,
