@@ -16,8 +16,10 @@
 //!   backward pass to the optimizer step;
 //! - the optimizer: Burn's AdamW (f32 runs on one data-parallel rank) keeps two moments per
 //!   parameter; the flat-buffer AdamW keeps fp32 master weights (none for an f32 model it can
-//!   view), two fp32 moments, each divided by DP under the distributed optimizer (ZeRO-1), and
-//!   an fp32 gradient buffer that lives for the optimizer step only;
+//!   view), two fp32 moments, each divided by DP under the distributed optimizer (ZeRO-1);
+//! - the flat-buffer AdamW's step, part by part as it runs ([`optimizer_step_bytes`]): each
+//!   part's fp32 gradient buffer while it is reduced, the reductions of every part until the
+//!   update, the parameters it writes (the activations are gone by then);
 //! - activations, per layer and microbatch ([`layer_activation_bytes`]): what each operation
 //!   stores for its backward pass (flash attention stores no `[seq, seq]` tensor; dropout
 //!   masks are redrawn, never stored); under full recomputation only each layer's input, and
@@ -33,19 +35,27 @@
 //! activations are planned as the dense MLP's, which [`render`] says above the table.
 //!
 //! The optimizer cuts a rank's flat buffers (the dense parameters', the experts') into parts
-//! below 32-bit indices, whole parameters each: a layout whose largest dense or expert
-//! parameter alone would pass them is left out, as the optimizer refuses it.
+//! below 32-bit indices, whole parameters each: the planner lists a rank's parameters in the
+//! model's order ([`stage_param_numels`]) and cuts them with the optimizer's own rule
+//! ([`flat_part_numels`]); a layout whose largest dense or expert parameter alone would pass
+//! the limit is left out, as the optimizer refuses it.
 //!
 //! Megatron's closed forms ([`megatron_layer_activation_bytes`]) are there to compare with.
 //! The step time is an estimate: the model's FLOPs at an assumed efficiency, plus the
 //! pipeline's bubble, recomputation's extra forward pass and the communication that is not
 //! hidden (see [`LayoutEstimate::step_seconds`]); rank layouts by it, but measure.
 
+use std::collections::HashSet;
+
+use burn::module::ParamId;
+
+use crate::distributed::BufferLayout;
 use crate::error::ConfigError;
 use crate::models::StageSplit;
-use crate::optimizer::check_indexable;
+use crate::optimizer::flat_limit::split_at_limit;
+use crate::optimizer::{FlatAdamWConfig, MAX_FLAT_NUMEL, check_indexable};
 use crate::pipeline_parallel::Schedule;
-use crate::tensor_parallel::VocabPartition;
+use crate::tensor_parallel::{ParamInfo, ParamPlacement, VocabPartition};
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
 };
@@ -127,8 +137,10 @@ pub struct RankMemory {
     pub grads: u64,
     /// Optimizer state (master weights and moments).
     pub optimizer: u64,
-    /// The fp32 gradient buffer of the flat-buffer AdamW (during the optimizer step only;
-    /// none with [`PlanInput::overlap_grad_reduce`], whose units are that buffer).
+    /// What the flat-buffer AdamW's step holds at its peak beyond the parameters, gradients
+    /// and optimizer state, its flat buffers cut into parts as the optimizer cuts them
+    /// ([`optimizer_step_bytes`]): one part's f32 gradient buffer at a time, every part's
+    /// reduced gradients, the parameters it writes.
     pub step_buffer: u64,
     /// Activations at the peak of the forward and backward passes.
     pub activations: u64,
@@ -137,8 +149,8 @@ pub struct RankMemory {
 }
 
 impl RankMemory {
-    /// The peak: the larger of the backward pass's (activations held) and the optimizer
-    /// step's (activations freed, the fp32 gradient buffer allocated).
+    /// The peak: the larger of the forward and backward passes' (activations held) and the
+    /// optimizer step's (activations freed, [`step_buffer`](Self::step_buffer) allocated).
     pub fn peak(&self) -> u64 {
         let resident = self.params + self.grads + self.optimizer;
         resident + (self.activations + self.logits).max(self.step_buffer)
@@ -269,9 +281,9 @@ impl StageParams {
 }
 
 /// The parameters a TP rank of pipeline rank `stage` (of `pp`) holds, its transformer layers
-/// the global indices `layers`, at expert-parallel size `ep`. An MoE layer holds, in place of
-/// the MLP, its router (`hidden × experts`, and the expert bias), its shared expert and its
-/// `experts / ep` routed experts, none of them split over TP.
+/// the global indices `layers`, at expert-parallel size `ep`: [`stage_param_numels`] added up.
+/// An MoE layer holds, in place of the MLP, its router (`hidden × experts`, and the expert
+/// bias), its shared expert and its `experts / ep` routed experts, none of them split over TP.
 pub fn stage_params(
     model: &TransformerConfig,
     tp: usize,
@@ -280,69 +292,244 @@ pub fn stage_params(
     stage: usize,
     layers: impl IntoIterator<Item = usize>,
 ) -> StageParams {
+    let numels = stage_param_numels(model, tp, ep, pp, stage, layers);
+    let largest = |n: &[u64]| n.iter().copied().max().unwrap_or(0);
+    StageParams {
+        dense: numels.dense.iter().chain(&numels.frozen).sum(),
+        experts: numels.experts.iter().sum(),
+        largest_expert: largest(&numels.experts),
+        largest_dense: largest(&numels.dense).max(largest(&numels.frozen)),
+    }
+}
+
+/// The parameters a TP rank of a pipeline rank holds, one by one: each one's element count, in
+/// the order the model visits them (the reverse of the flat buffers' order, which decides where
+/// the optimizer cuts them into parts).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StageParamNumels {
+    /// The dense parameters the optimizer trains: its dense flat buffers.
+    pub dense: Vec<u64>,
+    /// This EP rank's routed experts: their own flat buffers.
+    pub experts: Vec<u64>,
+    /// Parameters the optimizer leaves out of its buffers (DeepSeek-V3's expert bias, updated
+    /// from the load).
+    pub frozen: Vec<u64>,
+}
+
+/// [`stage_params`] one parameter at a time (see [`StageParamNumels`]): the embedding tables
+/// on the first stage; per layer its input norm, QKV (and bias), the attention output (and
+/// bias), the QK-norms, the second norm, then the MLP's `fc1`, SwiGLU's `gate` and `fc2`
+/// (each with its bias), or an MoE layer's router, expert bias, routed experts (`fc1`,
+/// `gate`, `fc2`, stacked) and shared expert; the final norm and the output layer on the last.
+pub fn stage_param_numels(
+    model: &TransformerConfig,
+    tp: usize,
+    ep: usize,
+    pp: usize,
+    stage: usize,
+    layers: impl IntoIterator<Item = usize>,
+) -> StageParamNumels {
     let (h, f) = (model.hidden_size as u64, model.ffn_hidden_size as u64);
     let kv = (model.query_groups() * model.head_dim()) as u64;
-    let t = tp as u64;
-    let bias = |n: u64| if model.add_bias_linear { n } else { 0 };
-    let norm = match model.normalization {
-        Normalization::LayerNorm => 2 * h,
-        Normalization::RmsNorm => h,
-    };
-    let matrices = match model.activation {
-        Activation::SwiGlu => 3,
-        Activation::Gelu | Activation::GeluTanh => 2,
-    };
     let q = model.query_width() as u64;
-    let attention = h * (q + 2 * kv) / t + bias((q + 2 * kv) / t) + q * h / t + bias(h);
-    let mlp = matrices * h * f / t + bias((matrices - 1) * f / t) + bias(h);
-    let mut params = StageParams::default();
-    for layer in layers {
-        params.dense += attention + 2 * norm;
-        params.largest_dense = params
-            .largest_dense
-            .max(h * (q + 2 * kv) / t)
-            .max(q * h / t);
-        match &model.moe {
-            Some(moe) if moe.is_moe_layer(layer) => {
-                let experts = moe.num_experts as u64;
-                let width = moe.ffn_hidden_size.unwrap_or(model.ffn_hidden_size) as u64;
-                let shared = moe.shared_expert_ffn_hidden_size.unwrap_or(0) as u64;
-                params.dense +=
-                    h * experts + if moe.expert_bias { experts } else { 0 } + matrices * h * shared;
-                params.largest_dense = params.largest_dense.max(h * experts.max(shared));
-                let stacked = experts / ep as u64 * h * width;
-                params.experts += matrices * stacked;
-                params.largest_expert = params.largest_expert.max(stacked);
-            }
-            _ => {
-                params.dense += mlp;
-                params.largest_dense = params.largest_dense.max(h * f / t);
-            }
+    let t = tp as u64;
+    let swiglu = model.activation == Activation::SwiGlu;
+    let mut out = StageParamNumels::default();
+    let dense = &mut out.dense;
+    // A norm's scale, and LayerNorm's shift.
+    let norm = |dense: &mut Vec<u64>, width: u64| {
+        dense.push(width);
+        if model.normalization == Normalization::LayerNorm {
+            dense.push(width);
         }
-    }
+    };
+    // A linear layer's weight, and its bias with `--add-bias-linear`.
+    let linear = |dense: &mut Vec<u64>, weight: u64, bias: u64| {
+        dense.push(weight);
+        if model.add_bias_linear {
+            dense.push(bias);
+        }
+    };
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)
         .map(|v| v.padded_size as u64)
         .unwrap_or(model.vocab_size as u64);
     let table = vocab / t * h;
     let (first, last) = (stage == 0, stage + 1 == pp);
     if first {
-        params.dense += table;
-        params.largest_dense = params.largest_dense.max(table);
+        dense.push(table);
         if model.position_embedding == PositionEmbedding::Learned {
-            let positions = model.max_sequence_length as u64 * h;
-            params.dense += positions;
-            params.largest_dense = params.largest_dense.max(positions);
+            dense.push(model.max_sequence_length as u64 * h);
+        }
+    }
+    for layer in layers {
+        norm(dense, h);
+        linear(dense, h * (q + 2 * kv) / t, (q + 2 * kv) / t);
+        linear(dense, q * h / t, h);
+        if model.qk_layernorm {
+            let head = model.head_dim() as u64;
+            norm(dense, head);
+            norm(dense, head);
+        }
+        norm(dense, h);
+        match &model.moe {
+            Some(moe) if moe.is_moe_layer(layer) => {
+                let experts = moe.num_experts as u64;
+                let width = moe.ffn_hidden_size.unwrap_or(model.ffn_hidden_size) as u64;
+                dense.push(h * experts);
+                if moe.expert_bias {
+                    out.frozen.push(experts);
+                }
+                let stacked = experts / ep as u64 * h * width;
+                let matrices = if swiglu { 3 } else { 2 };
+                out.experts.extend(std::iter::repeat_n(stacked, matrices));
+                if let Some(shared) = moe.shared_expert_ffn_hidden_size {
+                    dense.extend(std::iter::repeat_n(h * shared as u64, matrices));
+                }
+            }
+            _ => {
+                linear(dense, h * f / t, f / t);
+                if swiglu {
+                    linear(dense, h * f / t, f / t);
+                }
+                linear(dense, f / t * h, h);
+            }
         }
     }
     if last {
-        params.dense += norm;
+        norm(dense, h);
         // An untied output layer; a tied one's copy on a later stage than the embedding's.
         if !model.tie_embeddings || !first {
-            params.dense += table;
-            params.largest_dense = params.largest_dense.max(table);
+            dense.push(table);
         }
     }
-    params
+    out
+}
+
+/// The parts the optimizer cuts one kind of a rank's parameters into (`numels`, in the
+/// model's visiting order, as [`StageParamNumels`] lists them): its own cut
+/// ([`flat_limit`](crate::optimizer::flat_limit)), whole parameters in the buffers' order
+/// (the reverse), each part at most `limit` elements once each parameter is aligned and the
+/// part padded to whole shards of `replicas` ranks, as the run lays them out. Each part's
+/// element count, padding included, in buffer order; none for no parameters. A parameter
+/// whose buffer alone passes `limit` is refused, naming `fix`. The optimizer's `limit` is
+/// [`MAX_FLAT_NUMEL`]; tests lower it, as they lower the
+/// optimizer's (`DistributedAdamWConfig::part_numel`).
+pub fn flat_part_numels(
+    numels: &[u64],
+    replicas: usize,
+    limit: usize,
+    fix: &str,
+) -> Result<Vec<u64>, ConfigError> {
+    if numels.is_empty() {
+        return Ok(Vec::new());
+    }
+    let infos: Vec<ParamInfo> = numels
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| ParamInfo {
+            id: ParamId::new(),
+            path: format!("parameter {i} of the stage"),
+            placement: ParamPlacement::replicated(),
+            shape: vec![usize::try_from(n).unwrap_or(usize::MAX)],
+        })
+        .collect();
+    let config = FlatAdamWConfig::new().buffer.with_dp_size(replicas);
+    let layout = BufferLayout::new(&infos, config)?;
+    split_at_limit(&layout, limit, fix)?
+        .into_iter()
+        .map(|group| {
+            let ids: HashSet<ParamId> = group.into_iter().collect();
+            let part = BufferLayout::new_where(&infos, config, |info| ids.contains(&info.id))?;
+            Ok(part.numel() as u64)
+        })
+        .collect()
+}
+
+/// One kind of a rank's parameters (the dense ones, or the routed experts) at the optimizer
+/// step: the parts of its flat buffers and how the step reduces them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepParts {
+    /// Each part's elements, padding included, in buffer order ([`flat_part_numels`]).
+    pub parts: Vec<u64>,
+    /// The ranks holding replicas: DP × CP for the dense parameters, expert DP for the experts.
+    pub replicas: usize,
+    /// The distributed optimizer: the gradients reduce-scattered, each rank updating its
+    /// shard and all-gathering the parameters (with more than one replica).
+    pub sharded: bool,
+    /// The gradients summed into f32 reduction units during the backward pass
+    /// (`--overlap-grad-reduce`; the dense parameters only): the units, every part's, are
+    /// counted with the gradients, and live until the step has taken their reduction.
+    pub hooked: bool,
+}
+
+/// The bytes the optimizer step (`DistributedAdamW::step`) holds at its peak beyond the
+/// parameters, the gradients (in the model's dtype, or the hooked units) and the optimizer
+/// state: the step followed part by part, the dense parts then the experts', counting the
+/// tensors it allocates and frees. Parameters of `dtype_bytes` bytes. With `n` a part's
+/// elements, `p` its replicas and `r` the elements it reduces to (`n / p` sharded, else `n`):
+///
+/// - reduced after the backward pass, each part in turn gathers its gradients into an f32
+///   buffer (`4n`); sharded, it is reduce-scattered in buckets whose outputs (`4r`) are then
+///   concatenated (`4r` more) while the buffer is alive; not sharded, it is all-reduced in
+///   place, and the squares for the global norm take a temporary of its size (`4n`). Each
+///   part's reduced gradients (`4r`) are kept for the update, the rest freed before the next
+///   part: the parts' buffers do not coexist, their reductions do;
+/// - hooked, every unit's collective output exists when the step begins (`4r` a part), and
+///   finishing a part concatenates its outputs (`4r`) before its unit buffer is freed;
+/// - the update of each part writes its parameters in the model's dtype (`dtype_bytes · r`;
+///   an f32 model viewing its master weights gets new ones, `4r`), and sharded all-gathers
+///   them (`dtype_bytes · n`) while the part's old parameters are alive; its reduced
+///   gradients are freed after it.
+///
+/// Not counted: the inputs of collectives that our CUDA backend keeps until the compute stream
+/// has waited for them (each bucket's contiguous copy, the shards sent to the all-gathers),
+/// whose number depends on how far the host runs ahead of the GPU.
+pub fn optimizer_step_bytes(kinds: &[StepParts], dtype_bytes: usize) -> u64 {
+    let d = dtype_bytes as i128;
+    // Bytes beyond the resident ones: the reductions kept, less the unit buffers freed.
+    let mut held: i128 = 0;
+    let mut peak: i128 = 0;
+    let reduced = |kind: &StepParts, n: u64| {
+        let n = n as i128;
+        match kind.sharded && kind.replicas > 1 {
+            true => n / kind.replicas as i128,
+            false => n,
+        }
+    };
+    for kind in kinds {
+        let outputs: i128 = kind.parts.iter().map(|&n| 4 * reduced(kind, n)).sum();
+        if kind.hooked {
+            held += outputs;
+        }
+        for &n in &kind.parts {
+            let (buffer, out) = (4 * n as i128, 4 * reduced(kind, n));
+            if kind.hooked {
+                peak = peak.max(held + out);
+                held -= buffer;
+            } else {
+                let sharded = kind.sharded && kind.replicas > 1;
+                let transient = if sharded { 2 * out } else { buffer };
+                peak = peak.max(held + buffer + transient);
+                held += out;
+            }
+        }
+    }
+    for kind in kinds {
+        let sharded = kind.sharded && kind.replicas > 1;
+        for &n in &kind.parts {
+            let (r, out) = (reduced(kind, n), 4 * reduced(kind, n));
+            let written = match d {
+                4 if sharded => 0,
+                _ => d * r,
+            };
+            peak = peak.max(held + written);
+            if sharded {
+                peak = peak.max(held - out + written + d * n as i128);
+            }
+            held -= out;
+        }
+    }
+    peak.max(0) as u64
 }
 
 /// Every rank's memory and the step time of `layout` for `input`.
@@ -423,7 +610,10 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
     let vocab = VocabPartition::new(model.vocab_size, model.make_vocab_size_divisible_by, tp, 0)?;
     let mut worst: Option<(usize, RankMemory)> = None;
     for stage in 0..pp {
-        let rank_layers = (0..v).flat_map(|c| split.stage(c * pp + stage).layers);
+        let rank_layers: Vec<usize> = (0..v)
+            .flat_map(|c| split.stage(c * pp + stage).layers)
+            .collect();
+        let numels = stage_param_numels(model, tp, ep, pp, stage, rank_layers.iter().copied());
         let StageParams {
             dense: params,
             experts,
@@ -446,6 +636,19 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
             "the flat buffer of one dense parameter alone",
             "more TP",
         )?;
+        // The parts the optimizer cuts each kind into, and how its step reduces them.
+        let step_parts = |numels: &[u64], replicas: usize, hooked: bool, fix: &str| {
+            Ok::<_, ConfigError>(StepParts {
+                parts: flat_part_numels(numels, replicas, MAX_FLAT_NUMEL, fix)?,
+                replicas,
+                sharded: distributed_optimizer,
+                hooked,
+            })
+        };
+        let step_kinds = [
+            step_parts(&numels.dense, dp * cp, input.overlap_grad_reduce, "more TP")?,
+            step_parts(&numels.experts, dp * cp / ep, false, "more EP")?,
+        ];
         // The experts' state is sharded over expert DP (DP × CP / EP).
         let expert_shards = if distributed_optimizer {
             ((dp * cp) / ep) as u64
@@ -499,14 +702,9 @@ pub fn estimate(input: &PlanInput, layout: PlannedLayout) -> Result<LayoutEstima
                 d * (params + experts)
             },
             optimizer,
-            // With the reduction units the step reads their reduced shard, which is no more
-            // than the units it replaces: no second f32 buffer.
-            step_buffer: if flat_adamw && !input.overlap_grad_reduce {
-                4 * (params + experts)
-            } else if flat_adamw {
-                4 * experts
-            } else {
-                0
+            step_buffer: match flat_adamw {
+                true => optimizer_step_bytes(&step_kinds, input.dtype_bytes),
+                false => 0,
             },
             activations: in_flight * per_microbatch + recomputing,
             logits,

@@ -5,8 +5,9 @@ use burn::backend::NdArray;
 use burn_megatron::models::StageSplit;
 use burn_megatron::tensor_parallel::param_infos;
 use burn_megatron::training::planner::{
-    MIN_CP_TOKENS, PlanInput, PlannedLayout, estimate, layer_activation_bytes,
-    megatron_layer_activation_bytes, plan, render, stage_params,
+    MIN_CP_TOKENS, PlanInput, PlannedLayout, StepParts, estimate, flat_part_numels,
+    layer_activation_bytes, megatron_layer_activation_bytes, optimizer_step_bytes, plan, render,
+    stage_param_numels, stage_params,
 };
 use burn_megatron::transformer::{Recompute, TransformerConfig};
 use burn_megatron_dist::ParallelSizes;
@@ -209,6 +210,19 @@ fn llama_8b_input() -> PlanInput {
     }
 }
 
+/// The parts the optimizer cuts the dense parameters of the first of `pp` pipeline stages of
+/// `model` into at TP `tp`, the stage holding `layers`, over `replicas` ranks.
+fn dense_parts(
+    model: &TransformerConfig,
+    tp: usize,
+    pp: usize,
+    layers: std::ops::Range<usize>,
+    replicas: usize,
+) -> Vec<u64> {
+    let numels = stage_param_numels(model, tp, 1, pp, 0, layers);
+    flat_part_numels(&numels.dense, replicas, u32::MAX as usize, "--x").unwrap()
+}
+
 /// Llama 3 8B on 4 GPUs of 80 GB: one GPU cannot hold its optimizer state (DP 4 without
 /// the distributed optimizer is not a layout offered); the peak is the sum of the parts
 /// (hand-checked for TP 4: parameters and gradients of 8.03B / 4 bf16 parameters, their
@@ -238,7 +252,16 @@ fn the_plan_for_llama_8b_on_four_gpus() {
         (m.params, m.grads, m.optimizer),
         (2 * params, 2 * params, 12 * params)
     );
-    assert_eq!(m.step_buffer, 4 * params);
+    // One part of every parameter, aligned to 256 elements; at DP 1 the step all-reduces
+    // nothing: the f32 buffer is the reduction, and the squares of the global norm take a
+    // temporary of its size.
+    let parts = dense_parts(&input.model, 4, 1, 0..32, 1);
+    assert_eq!(parts.len(), 1);
+    assert!(
+        (params..params + 256 * 300).contains(&parts[0]),
+        "{parts:?}"
+    );
+    assert_eq!(m.step_buffer, 4 * parts[0] + 4 * parts[0]);
     assert_eq!(
         m.peak(),
         m.params + m.grads + m.optimizer + (m.activations + m.logits).max(m.step_buffer)
@@ -284,7 +307,7 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     );
 
     // With --overlap-grad-reduce the gradients live in f32 reduction units through the
-    // backward pass: 4 bytes a parameter instead of 2, and nothing else changes.
+    // backward pass: 4 bytes a parameter instead of 2; the step takes their reductions.
     let pp2_dp2 = PlannedLayout {
         tp: 1,
         cp: 1,
@@ -305,12 +328,23 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     let hooked = estimate(&overlapped, pp2_dp2).unwrap().memory;
     let params = stage_params(&input.model, 1, 1, 2, 0, 0..17).total();
     assert_eq!((plain.grads, hooked.grads), (2 * params, 4 * params));
-    assert_eq!(hooked.peak() - plain.peak(), 2 * params);
+    // One part (4.23 billion elements) reduced over DP 2. After the backward pass: its f32
+    // buffer, the reduce-scatter's bucket outputs (a half) and their concatenation (a half).
+    // Hooked: every unit's output (a half) and their concatenation (a half), the units
+    // themselves counted with the gradients.
+    let parts = dense_parts(&input.model, 1, 2, 0..17, 2);
+    assert_eq!(parts.len(), 1);
+    let n = parts[0];
+    assert_eq!(plain.step_buffer, 4 * n + 2 * (4 * n / 2));
+    assert_eq!(hooked.step_buffer, 4 * n / 2 + 4 * n / 2);
+    let resident =
+        |m: &burn_megatron::training::planner::RankMemory| m.params + m.grads + m.optimizer;
+    assert_eq!(resident(&hooked) - resident(&plain), 2 * params);
 
     // At DP 4 (micro-batch 1) the plain path gathers the gradients into f32 buffers (in two
-    // parts below 32-bit indices) at the step, counted whole. The units are those buffers, so
-    // the hooked peak is the backward pass's: every part once (measured on 4 H200s: 86.41
-    // GiB of live tensors, book "Benchmarks").
+    // parts below 32-bit indices) at the step, one part at a time. The units are those
+    // buffers, every part's, so the hooked peak is the backward pass's (measured on 4 H200s:
+    // 86.41 GiB of live tensors, book "Benchmarks").
     let dp4 = PlannedLayout {
         pp: 1,
         dp: 4,
@@ -320,9 +354,22 @@ fn the_plan_for_llama_8b_on_four_gpus() {
     let params = stage_params(&input.model, 1, 1, 1, 0, 0..32).total();
     assert!(params > u32::MAX as u64, "{params}");
     let plain = estimate(&input, dp4).unwrap().memory;
-    assert_eq!(plain.step_buffer, 4 * params);
+    // Two parts, each padded to whole shards of 4 x 256 elements. Plain: one part's f32
+    // buffer at a time, with its reduce-scatter's outputs and their concatenation (a quarter
+    // each), beside the quarters of the parts reduced before it.
+    let parts = dense_parts(&input.model, 1, 1, 0..32, 4);
+    let [n0, n1] = parts[..] else {
+        panic!("{parts:?}")
+    };
+    assert!(n0 + n1 - params < 2 * 1024, "{parts:?}");
+    assert_eq!(
+        plain.step_buffer,
+        (4 * n0 + 2 * n0).max(n0 + 4 * n1 + 2 * n1)
+    );
     let hooked = estimate(&overlapped, dp4).unwrap().memory;
-    assert_eq!(hooked.step_buffer, 0);
+    // Hooked: every unit's output (a quarter of every part) and the first part's
+    // concatenation; below the activations of a step without recomputation.
+    assert_eq!(hooked.step_buffer, n0 + n1 + n0);
     assert_eq!(
         hooked.peak(),
         hooked.params + hooked.grads + hooked.optimizer + hooked.activations + hooked.logits
@@ -368,7 +415,8 @@ fn the_plan_cuts_dense_buffers_and_refuses_one_parameter_past_32_bit_indices() {
     estimate(&wide, tp2).unwrap();
 }
 
-/// The interleaved schedule in the plan: Llama 3 8B at TP 2 x PP 2 with 16 microbatches. The
+/// The interleaved schedule in the plan: Llama 3 8B at TP 2 x PP 2 with 16 microbatches of 2
+/// samples (whose activations, not the optimizer step, make the first stage's peak). The
 /// first stage keeps the activations of 2 microbatches of 16 layers under 1F1B, and under
 /// the interleaved schedule with 2 chunks of 8 layers, 5 chunk passes: Megatron's factor
 /// `1 + (pp - 1) / (pp · v)` = 1.25 of 1F1B's 32 layers. The bubble halves, so the estimate
@@ -376,7 +424,11 @@ fn the_plan_cuts_dense_buffers_and_refuses_one_parameter_past_32_bit_indices() {
 /// it (the earlier chunks one layer more); no chunks at all is refused.
 #[test]
 fn the_plan_counts_the_interleaved_schedule() {
-    let input = llama_8b_input();
+    let input = PlanInput {
+        micro_batch: 2,
+        global_batch: 32,
+        ..llama_8b_input()
+    };
     let layout = |virtual_stages| PlannedLayout {
         tp: 2,
         cp: 1,
@@ -388,7 +440,7 @@ fn the_plan_counts_the_interleaved_schedule() {
         recompute: Recompute::None,
         last_stage_layers: None,
     };
-    let layer = layer_activation_bytes(&input.model, 4096, 1, 2, true, 2);
+    let layer = layer_activation_bytes(&input.model, 4096, 2, 2, true, 2);
     let one_f_one_b = estimate(&input, layout(1)).unwrap();
     let interleaved = estimate(&input, layout(2)).unwrap();
     // The first stage is the fuller one (the last holds one microbatch and the logits).
@@ -601,7 +653,16 @@ fn the_plan_counts_the_experts_and_says_what_it_does_not() {
     assert_eq!(m.params, 2 * (split.dense + experts));
     assert_eq!(m.grads, 4 * split.dense + 2 * experts);
     assert_eq!(m.optimizer, 12 * split.dense / 4 + 12 * experts / 2);
-    assert_eq!(m.step_buffer, 4 * experts);
+    // The step: the dense parts' hooked reduction (every unit's quarter and their
+    // concatenation), then, their units freed, the experts' f32 buffer reduce-scattered over
+    // expert DP 2 (its half, and the concatenation's half).
+    let numels = stage_param_numels(&moe.model, 1, 2, 1, 0, 0..32);
+    let dense = flat_part_numels(&numels.dense, 4, u32::MAX as usize, "").unwrap();
+    let expert = flat_part_numels(&numels.experts, 2, u32::MAX as usize, "").unwrap();
+    let ([d], [e]) = (&dense[..], &expert[..]) else {
+        panic!("{dense:?} {expert:?}")
+    };
+    assert_eq!(m.step_buffer, (d + d).max(d + 4 * e + 2 * (2 * e) - 4 * d));
     // With experts of 14 336 a rank holds 45 billion expert parameters at EP 1 and 11 at
     // EP 4, past 32-bit indices, in parts of whole matrices (2 · 4096 · 14 336 at EP 4):
     // planned.
@@ -614,7 +675,26 @@ fn the_plan_counts_the_experts_and_says_what_it_does_not() {
     assert!(split.experts > u32::MAX as u64, "{split:?}");
     assert_eq!(split.largest_expert, 2 * 4096 * 14_336);
     let m = estimate(&wide, dp4).unwrap().memory;
-    assert_eq!(m.step_buffer, 4 * split.experts);
+    let numels = stage_param_numels(&wide.model, 1, 4, 1, 0, 0..32);
+    let parts = |numels: &[u64], replicas| {
+        flat_part_numels(numels, replicas, u32::MAX as usize, "").unwrap()
+    };
+    let kinds = [
+        StepParts {
+            parts: parts(&numels.dense, 4),
+            replicas: 4,
+            sharded: true,
+            hooked: true,
+        },
+        StepParts {
+            parts: parts(&numels.experts, 1),
+            replicas: 1,
+            sharded: true,
+            hooked: false,
+        },
+    ];
+    assert_eq!(kinds[1].parts.len(), 3, "{:?}", kinds[1].parts);
+    assert_eq!(m.step_buffer, optimizer_step_bytes(&kinds, 2));
     // 64 experts of 16 384 stack 2³² elements in one matrix at EP 1: refused, named; at EP 2
     // half that.
     let mut huge = PlanInput {
@@ -644,4 +724,252 @@ fn the_plan_counts_the_experts_and_says_what_it_does_not() {
         odd.to_string().contains("EP 3 does not divide DP 4"),
         "{odd}"
     );
+}
+
+/// The run: Llama-3 8B at DP 2 with the distributed optimizer, micro-batch 1, full
+/// recomputation, on GPUs of 140 GiB. Every rank holds all 8 030 261 248 parameters (the
+/// two tables of 128 256 × 4 096, 32 layers of 218 112 000, the final norm): past 32-bit
+/// indices, so the optimizer cuts them into two parts, whole parameters in the buffers'
+/// order (the output layer first). The first part takes the output layer, the final norm,
+/// 17 layers and the 18th's `fc2` (4 291 964 928 elements, a multiple of the 512 of two
+/// shards of 256); the second the rest (3 738 296 320).
+///
+/// Resident: bf16 parameters and gradients (2 + 2 bytes a parameter) and half of the fp32
+/// master weights and moments (12 / 2). The step, part by part: the first part's f32 buffer
+/// (4 bytes an element), its reduce-scatter's bucket outputs and their concatenation (2 + 2);
+/// then, the first part's reduced half kept (2), the second part's buffer, outputs and
+/// concatenation (4 + 2 + 2). The second part's moment is the peak: 35.85 GiB, where every
+/// part's f32 buffer at once would be 29.9 GiB and one buffer of all the parameters 59.8.
+///
+/// Measured on 2 H200s (book "Benchmarks", 2026-11-28): 76.95 GiB of live tensors at the
+/// peak between the schedule's passes, which the passes' share of the plan (resident,
+/// activations, logits) matches within 2 %. The log does not see the optimizer step.
+#[test]
+fn the_step_is_planned_part_by_part_at_dp_2() {
+    let input = PlanInput {
+        global_batch: 8,
+        gpu_memory: 140 * GIB,
+        ..llama_8b_input()
+    };
+    let layout = PlannedLayout {
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        virtual_stages: 1,
+        dp: 2,
+        sequence_parallel: false,
+        distributed_optimizer: true,
+        recompute: Recompute::Full,
+        last_stage_layers: None,
+    };
+    let (table, layer, norm) = (128_256 * 4096u64, 218_112_000u64, 4096u64);
+    let params = 2 * table + 32 * layer + norm;
+    assert_eq!(params, 8_030_261_248);
+    assert_eq!(
+        stage_params(&input.model, 1, 1, 1, 0, 0..32).total(),
+        params
+    );
+    let n0 = table + norm + 17 * layer + 4096 * 14_336;
+    let n1 = params - n0;
+    assert_eq!((n0, n1), (4_291_964_928, 3_738_296_320));
+    assert_eq!(dense_parts(&input.model, 1, 1, 0..32, 2), [n0, n1]);
+
+    let e = estimate(&input, layout).unwrap();
+    let m = e.memory;
+    assert_eq!(
+        (m.params, m.grads, m.optimizer),
+        (2 * params, 2 * params, 12 * params / 2)
+    );
+    let step = (4 * n0 + 2 * n0 + 2 * n0).max(2 * n0 + 4 * n1 + 2 * n1 + 2 * n1);
+    assert_eq!(step, 38_490_300_416);
+    assert_eq!(m.step_buffer, step);
+    assert_eq!(m.peak(), 10 * params + step);
+    assert_eq!(m.peak(), 118_792_912_896);
+    assert!(e.fits, "110.6 GiB of 140, the pool's 20 % kept");
+    let passes = (10 * params + m.activations + m.logits) as f64;
+    let measured = 76.95 * GIB as f64;
+    assert!(
+        (passes / measured - 1.0).abs() < 0.02,
+        "{:.2} GiB",
+        passes / GIB as f64
+    );
+}
+
+/// 16 of Llama-3 8B's layers on one GPU (the second command): 4 540 469 248
+/// parameters, two parts (the output layer, the final norm and the 16 layers: 4 015 132 672;
+/// the embedding table: 525 336 576). At DP 1 nothing is all-reduced: each part's f32 buffer
+/// is its reduction and is kept for the update, so both buffers are held at once, and the
+/// global norm's squares take a temporary of the part's size. The first part's buffer and its
+/// squares are the peak: 29.92 GiB beside 67.66 GiB of parameters, gradients and state.
+#[test]
+fn the_step_is_planned_part_by_part_on_one_gpu() {
+    let mut input = PlanInput {
+        global_batch: 8,
+        gpu_memory: 140 * GIB,
+        ..llama_8b_input()
+    };
+    input.model.num_layers = 16;
+    let layout = PlannedLayout {
+        tp: 1,
+        cp: 1,
+        pp: 1,
+        virtual_stages: 1,
+        dp: 1,
+        sequence_parallel: false,
+        distributed_optimizer: true,
+        recompute: Recompute::Full,
+        last_stage_layers: None,
+    };
+    let (table, layer, norm) = (128_256 * 4096u64, 218_112_000u64, 4096u64);
+    let params = 2 * table + 16 * layer + norm;
+    let (n0, n1) = (table + norm + 16 * layer, table);
+    assert_eq!((params, n0), (4_540_469_248, 4_015_132_672));
+    assert_eq!(dense_parts(&input.model, 1, 1, 0..16, 1), [n0, n1]);
+    let m = estimate(&input, layout).unwrap().memory;
+    assert_eq!(m.optimizer, 12 * params);
+    let step = (4 * n0 + 4 * n0).max(4 * n0 + 4 * n1 + 4 * n1);
+    assert_eq!(step, 32_121_061_376);
+    assert_eq!(m.step_buffer, step);
+    assert_eq!(m.peak(), 16 * params + step);
+    // Without ZeRO the same: one rank holds every shard.
+    let plain = PlannedLayout {
+        distributed_optimizer: false,
+        ..layout
+    };
+    assert_eq!(estimate(&input, plain).unwrap().memory, m);
+}
+
+/// The step's bytes in the four ways it reduces a part, by hand, for parts of 1 024 and 512
+/// elements over 4 replicas in bf16: sharded, not sharded, hooked, and an f32 model.
+#[test]
+fn the_step_follows_each_way_of_reducing() {
+    let kind = |sharded, hooked| StepParts {
+        parts: vec![1024, 512],
+        replicas: 4,
+        sharded,
+        hooked,
+    };
+    // Sharded, the first part's reduction is the peak: its buffer, its reduce-scatter's
+    // outputs and their concatenation, 4 + 1 + 1 bytes a part element. The second part's
+    // (4 + 1 + 1) · 512 beside the first part's quarter (1024), and the update's largest
+    // moment (the quarters kept, the first part's written quarter, 512, and its gathered
+    // parameters, 2048, its gradients' quarter freed) are below it.
+    assert_eq!(optimizer_step_bytes(&[kind(true, false)], 2), 6 * 1024);
+    // All-reduced: each buffer is kept, and the squares of the norm take a temporary of its
+    // size (4 + 4): 8 · 1024 for the first part, as much for the second beside the first's
+    // buffer, and for the first part's update (both buffers and the written part).
+    assert_eq!(optimizer_step_bytes(&[kind(false, false)], 2), 8 * 1024);
+    // Hooked: every unit's output (1 a part element) and the first concatenation (1).
+    assert_eq!(optimizer_step_bytes(&[kind(true, true)], 2), 1536 + 1024);
+    // f32, not sharded: the update writes new master weights, which the parameters view (4 a
+    // part element): both buffers and the first part's new weights.
+    assert_eq!(
+        optimizer_step_bytes(&[kind(false, false)], 4),
+        4 * 1536 + 4 * 1024
+    );
+    // No parts, no bytes.
+    let none = StepParts {
+        parts: Vec::new(),
+        ..kind(true, false)
+    };
+    assert_eq!(optimizer_step_bytes(&[none], 2), 0);
+}
+
+/// The planner's parameters, one by one in the model's order, and its parts are the
+/// optimizer's on CPU ranks: a GPT (tied, biases, LayerNorm, learned positions, QK-norm, in
+/// SwiGLU), a Llama and an MoE Llama, at TP 1 and 2, PP 1 and 2, DP 1 and 2 (ZeRO-1 and not),
+/// EP 2, with the part size lowered to 16 384 elements so that every buffer takes several
+/// parts, as the dense-parts tests lower it; the f32 gradient buffers the optimizer counts
+/// (`DistributedAdamW::memory`) are 4 bytes an element of the planned parts.
+#[test]
+fn the_planned_parts_are_the_optimizers() {
+    use burn::backend::Autodiff;
+    use burn_megatron::distributed::DataParallelConfig;
+    use burn_megatron::optimizer::DistributedAdamWConfig;
+    use burn_megatron::transformer::moe::MoeSettings;
+    type AD = Autodiff<NdArray>;
+    const LIMIT: usize = 16_384;
+    let gpt = TransformerConfig::new(32, 4, 4, 96, 300, 16)
+        .with_make_vocab_size_divisible_by(8)
+        .with_activation(small_llama().activation)
+        .with_qk_layernorm(true);
+    let moe = MoeSettings::new(4)
+        .with_ffn_hidden_size(Some(24))
+        .with_shared_expert_ffn_hidden_size(Some(40))
+        .with_expert_bias(true)
+        .with_score_function(burn_megatron::transformer::moe::RouterScoreFunction::Sigmoid)
+        .with_layer_freq(2);
+    let moe = small_llama().with_moe(Some(moe));
+    let cases = [
+        (gpt.clone(), 1, 1, 1, 1, false),
+        (gpt.clone(), 2, 2, 1, 1, false),
+        (gpt, 1, 2, 2, 1, true),
+        (small_llama(), 1, 1, 2, 1, true),
+        (small_llama(), 2, 1, 2, 1, false),
+        (moe.clone(), 1, 1, 2, 2, true),
+        (moe, 1, 2, 2, 2, false),
+    ];
+    for (model, tp, pp, dp, ep, zero) in cases {
+        let label = format!(
+            "{:?} TP {tp} PP {pp} DP {dp} EP {ep} ZeRO {zero}",
+            model.activation
+        );
+        let per_rank = run(tp * pp * dp, |ctx| {
+            let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
+            let state = ctx.parallel_state(sizes)?;
+            let split = StageSplit::even(model.num_layers, pp)?;
+            let stage = model.init_gpt_stage_with_ep::<AD>(
+                state.tp(),
+                state.ep(),
+                &split.stage(state.pp_rank()),
+                &Default::default(),
+            )?;
+            let (mut dense, mut experts, mut frozen) = (Vec::new(), Vec::new(), Vec::new());
+            for info in param_infos(&stage) {
+                let numel = info.shape.iter().product::<usize>() as u64;
+                match (info.placement.is_expert(), info.placement.frozen) {
+                    (true, _) => experts.push(numel),
+                    (false, true) => frozen.push(numel),
+                    (false, false) => dense.push(numel),
+                }
+            }
+            let optim = DistributedAdamWConfig::new()
+                .with_data_parallel(DataParallelConfig::new().with_use_distributed_optimizer(zero))
+                .with_part_numel(LIMIT)
+                .init::<AD, _>(&stage, &state, &[])?;
+            let numel = |parts: Vec<burn_megatron::optimizer::PartOptimizerState<'_, NdArray>>| {
+                parts
+                    .iter()
+                    .map(|p| p.layout.numel() as u64)
+                    .collect::<Vec<_>>()
+            };
+            let grads = optim.memory(&stage).grads as u64;
+            Ok((
+                state.pp_rank(),
+                (dense, experts, frozen),
+                (numel(optim.dense_states()?), numel(optim.expert_states()?)),
+                grads,
+            ))
+        });
+        for (s, listed, (dense_parts, expert_parts), grads) in per_rank {
+            let want = stage_param_numels(&model, tp, ep, pp, s, split_layers(&model, pp, s));
+            assert_eq!(
+                (&want.dense, &want.experts, &want.frozen),
+                (&listed.0, &listed.1, &listed.2),
+                "{label} stage {s}"
+            );
+            let planned = (
+                flat_part_numels(&want.dense, dp, LIMIT, "--x").unwrap(),
+                flat_part_numels(&want.experts, dp / ep, LIMIT, "--x").unwrap(),
+            );
+            assert!(planned.0.len() >= 2, "{label} stage {s}: {planned:?}");
+            assert_eq!(
+                (&planned.0, &planned.1),
+                (&dense_parts, &expert_parts),
+                "{label} stage {s}"
+            );
+            let planned_numel: u64 = planned.0.iter().chain(&planned.1).sum();
+            assert_eq!(grads, 4 * planned_numel, "{label} stage {s}");
+        }
+    }
 }
