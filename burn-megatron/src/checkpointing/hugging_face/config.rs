@@ -157,6 +157,18 @@ pub struct HfConfig {
     pub config: TransformerConfig,
 }
 
+/// Checks `moe` against the dense shape of `config` at EP 1; an error names the file's `keys`
+/// that set it.
+fn checked_moe(k: &Keys, moe: &MoeSettings, config: &TransformerConfig, keys: &str) -> Result<()> {
+    moe.validate(
+        config.hidden_size,
+        config.ffn_hidden_size,
+        config.num_layers,
+        1,
+    )
+    .map_err(|e| invalid(k.file, format!("{keys}: {e}")))
+}
+
 fn invalid(file: &Path, problem: impl Into<String>) -> crate::error::Error {
     CheckpointError::file(file, problem).into()
 }
@@ -395,18 +407,7 @@ impl HfConfig {
             .with_pre_softmax(true)
             .with_normalize_top_k(true)
             .with_aux_loss_coeff(aux_loss_coeff);
-        moe.validate(
-            config.hidden_size,
-            config.ffn_hidden_size,
-            config.num_layers,
-            1,
-        )
-        .map_err(|e| {
-            invalid(
-                k.file,
-                format!("num_local_experts / num_experts_per_tok: {e}"),
-            )
-        })?;
+        checked_moe(k, &moe, &config, "num_local_experts / num_experts_per_tok")?;
         Ok(Self {
             family: HfFamily::Mixtral,
             config: config.with_moe(Some(moe)),
@@ -458,18 +459,12 @@ impl HfConfig {
             .with_normalize_top_k(k.bool_or("norm_topk_prob", false)?)
             .with_aux_loss_coeff(aux_loss_coeff)
             .with_layer_pattern((pattern.contains(&false)).then_some(pattern));
-        moe.validate(
-            config.hidden_size,
-            config.ffn_hidden_size,
-            config.num_layers,
-            1,
-        )
-        .map_err(|e| {
-            invalid(
-                k.file,
-                format!("num_experts / num_experts_per_tok / moe_intermediate_size: {e}"),
-            )
-        })?;
+        checked_moe(
+            k,
+            &moe,
+            &config,
+            "num_experts / num_experts_per_tok / moe_intermediate_size",
+        )?;
         Ok(Self {
             family: HfFamily::Qwen3Moe,
             config: config.with_moe(Some(moe)),
