@@ -11,8 +11,8 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_megatron_dist::DistBackend;
 
 use crate::ops::{
-    AdamWOps, BackwardHookOps, BiasOps, CounterNormalOps, CrossEntropyOps, DropoutOps,
-    EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps,
+    AdamWOps, BackwardHookOps, BiasOps, CounterNormalOps, CrossEntropyOps, DecodeAttentionOps,
+    DropoutOps, EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps,
     GroupedLinearOps, HostTransferOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps,
     PermuteOps, RecomputeOps, ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps,
     SwiGluOps, WriteSlotOps,
@@ -138,6 +138,7 @@ pub trait ModelBackend:
     + CounterNormalOps
     + RopeOps
     + SoftmaxOps
+    + DecodeAttentionOps
     + FlashAttentionOps
     + RingFlashAttentionOps
     + PackedFlashAttentionOps
@@ -170,6 +171,7 @@ impl<B> ModelBackend for B where
         + CounterNormalOps
         + RopeOps
         + SoftmaxOps
+        + DecodeAttentionOps
         + FlashAttentionOps
         + RingFlashAttentionOps
         + PackedFlashAttentionOps
@@ -234,7 +236,7 @@ mod ndarray {
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
-        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
+        SoftmaxOps, DecodeAttentionOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }
@@ -249,7 +251,7 @@ mod fusion {
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
-        SoftmaxOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
+        SoftmaxOps, DecodeAttentionOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }

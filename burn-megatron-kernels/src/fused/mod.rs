@@ -31,6 +31,7 @@ pub mod causal_softmax;
 pub mod column_sum;
 pub mod counter_normal;
 pub mod cross_entropy;
+pub mod decode_attention;
 pub mod dropout;
 pub mod embedding;
 pub mod flash_attention;

@@ -11,23 +11,21 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::decode::{CacheWrite, Rotation, grouped_mask, max_position, run_layers};
+use super::decode::{CacheWrite, max_position, run_layers};
 use super::kv_cache::KvCache;
 use crate::backend::ModelBackend;
 use crate::error::{ConfigError, Result};
 use crate::models::GptModel;
+use crate::ops::DecodeIndices;
 
 /// The device-resident inputs of the next decode step.
 ///
 /// # Shapes
-/// - tokens: `[batch, 1]`; positions: `[batch]`; column: `[1]`
-/// - key_columns and pads: `[batch, capacity]` (constant)
+/// - tokens: `[batch, 1]`
+/// - indices: see [`DecodeIndices`] (the pads constant)
 pub(crate) struct DeviceStep<B: ModelBackend> {
     tokens: Tensor<B, 2, Int>,
-    positions: Tensor<B, 1, Int>,
-    column: Tensor<B, 1, Int>,
-    key_columns: Tensor<B, 2, Int>,
-    pads: Tensor<B, 2, Int>,
+    indices: DecodeIndices<B>,
 }
 
 impl<B: ModelBackend> DeviceStep<B> {
@@ -42,24 +40,24 @@ impl<B: ModelBackend> DeviceStep<B> {
         let capacity = cache.capacity().ok_or_else(|| {
             ConfigError::Invalid("the device-resident decode step runs after the prefill".into())
         })?;
-        let int = |values: Vec<i64>, shape: Vec<usize>| {
-            Tensor::<B, 2, Int>::from_data(TensorData::new(values, shape), device)
+        if cache.len() >= capacity {
+            return Err(ConfigError::Invalid(format!(
+                "the KV cache's {capacity} columns are full: no decode step fits"
+            ))
+            .into());
+        }
+        let int = |values: Vec<i64>| {
+            let n = values.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(values, [n]), device)
         };
-        let columns: Vec<i64> = (0..batch)
-            .flat_map(|_| 0..capacity as i64)
-            .collect::<Vec<_>>();
-        let pads: Vec<i64> = cache
-            .pads()
-            .iter()
-            .flat_map(|&pad| std::iter::repeat_n(pad as i64, capacity))
-            .collect();
+        let pads = cache.pads().iter().map(|&pad| pad as i64).collect();
         Ok(Self {
-            tokens: int(tokens, vec![batch, 1]),
-            positions: int(cache.positions(1, max_position(model)), vec![1, batch])
-                .reshape([batch]),
-            column: int(vec![cache.len() as i64], vec![1, 1]).reshape([1]),
-            key_columns: int(columns, vec![batch, capacity]),
-            pads: int(pads, vec![batch, capacity]),
+            tokens: int(tokens).reshape([batch, 1]),
+            indices: DecodeIndices {
+                column: int(vec![cache.len() as i64]),
+                pads: int(pads),
+                positions: int(cache.positions(1, max_position(model))),
+            },
         })
     }
 
@@ -74,16 +72,10 @@ impl<B: ModelBackend> DeviceStep<B> {
         cache: &mut KvCache<B>,
         pick: impl FnOnce(Tensor<B, 3>) -> Result<Tensor<B, 1, Int>>,
     ) -> Result<(Self, Tensor<B, 1, Int>)> {
-        let Self {
-            tokens,
-            positions,
-            column,
-            key_columns,
-            pads,
-        } = self;
-        let [batch, capacity] = key_columns.dims();
+        let Self { tokens, indices } = self;
+        let batch = tokens.dims()[0];
         let max = model.max_sequence_length();
-        cache.reserve(1, max)?;
+        let capacity = cache.reserve(1, max)?;
         let embedding = model.embedding.as_ref().ok_or_else(|| {
             ConfigError::Invalid("the device-resident decode step needs a whole model".into())
         })?;
@@ -92,44 +84,31 @@ impl<B: ModelBackend> DeviceStep<B> {
             let hidden = x.dims()[2];
             x = x + table
                 .val()
-                .select(0, positions.clone())
+                .select(0, indices.positions.clone())
                 .reshape([batch, 1, hidden]);
         }
-        let layout = model
-            .layers()
-            .first()
-            .map(|layer| layer.attention.decode_layout());
-        // Masked: columns past this one (not written yet) and each row's left padding.
-        let current = column.clone().reshape([1, 1]).expand([batch, capacity]);
-        let mask = key_columns
-            .clone()
-            .greater(current)
-            .bool_or(key_columns.clone().lower(pads.clone()))
-            .reshape([batch, 1, 1, capacity]);
-        let mask = layout.map(|(groups, per_group, _, _)| grouped_mask(mask, groups, per_group));
-        let rotation = match layout {
-            Some((_, _, head_dim, Some(base))) => {
-                let table = cache.rope_table(capacity.min(max), head_dim, base, &x.device());
-                Some(Rotation::at(
-                    table,
-                    positions.clone(),
-                    [batch, 1],
-                    x.dtype(),
-                ))
-            }
-            _ => None,
+        let rope = match model.layers().first() {
+            Some(layer) => match layer.attention.decode_layout() {
+                (_, _, head_dim, Some(base)) => {
+                    Some(cache.rope_table(capacity.min(max), head_dim, base, &x.device()))
+                }
+                _ => None,
+            },
+            None => None,
         };
-        let x = run_layers(
-            model,
-            x,
-            cache,
-            rotation.as_ref(),
-            mask,
-            CacheWrite::AtColumn(&column),
-        )?;
+        let write = CacheWrite::AtColumn {
+            indices: &indices,
+            rope,
+        };
+        let x = run_layers(model, x, cache, &write)?;
         let picks = pick(model.head(x)?)?;
         // The inputs of the next step, each written into its own buffer (in place where the
         // backend can: what a captured step needs).
+        let DecodeIndices {
+            column,
+            pads,
+            positions,
+        } = indices;
         let tokens = tokens.slice_assign([0..batch, 0..1], picks.clone().reshape([batch, 1]));
         let next = positions
             .clone()
@@ -140,10 +119,11 @@ impl<B: ModelBackend> DeviceStep<B> {
         let column = column.slice_assign(0..1, next);
         let state = Self {
             tokens,
-            positions,
-            column,
-            key_columns,
-            pads,
+            indices: DecodeIndices {
+                column,
+                pads,
+                positions,
+            },
         };
         Ok((state, picks))
     }
@@ -153,8 +133,8 @@ impl<B: ModelBackend> DeviceStep<B> {
     pub(crate) fn addresses(&self) -> [Option<u64>; 3] {
         [
             B::int_address(&self.tokens.clone().into_primitive()),
-            B::int_address(&self.positions.clone().into_primitive()),
-            B::int_address(&self.column.clone().into_primitive()),
+            B::int_address(&self.indices.positions.clone().into_primitive()),
+            B::int_address(&self.indices.column.clone().into_primitive()),
         ]
     }
 }

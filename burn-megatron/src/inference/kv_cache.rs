@@ -1,7 +1,7 @@
 //! The key/value cache of incremental decoding: each layer's keys and values of every token
 //! seen so far, and where the batch's tokens sit (left padding, absolute positions, the mask).
 
-use burn::tensor::{Bool, DType, IndexingUpdateOp, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Bool, DType, Tensor, TensorData, backend::Backend};
 
 use crate::error::ConfigError;
 use crate::ops::rope::rotation_table;
@@ -67,30 +67,21 @@ impl<B: Backend> LayerKv<B> {
         used
     }
 
-    /// Adds the new token's keys and values into the column a `[1]` device tensor names (a
-    /// column not written before, so still zero: the sum is the value), in place where the
-    /// backend can, and returns both whole buffers: a step whose column the host need not
-    /// know. The caller advances the length ([`KvCache::advance_all`]); the buffers must exist
-    /// (after the prefill).
+    /// Both whole buffers (keys, values), taken out for a step that writes its column on the
+    /// device ([`DecodeAttentionOps::decode_attention`](crate::ops::DecodeAttentionOps::decode_attention)),
+    /// which gives them back with [`put`](Self::put); `None` before the prefill.
     ///
     /// # Shapes
-    /// - keys, values: `[batch, local_groups, 1, head_dim]`
     /// - output: `[batch, local_groups, capacity, head_dim]` each
-    pub(crate) fn write_at(
-        &mut self,
-        column: Tensor<B, 1, Int>,
-        keys: Tensor<B, 4>,
-        values: Tensor<B, 4>,
-    ) -> [Tensor<B, 4>; 2] {
-        let write = |buffer: Option<Tensor<B, 4>>, new: Tensor<B, 4>| match buffer {
-            Some(buffer) => buffer.select_assign(2, column.clone(), new, IndexingUpdateOp::Add),
-            None => new,
-        };
-        let keys = write(self.keys.take(), keys);
-        let values = write(self.values.take(), values);
-        self.keys = Some(keys.clone());
-        self.values = Some(values.clone());
-        [keys, values]
+    pub(crate) fn take(&mut self) -> Option<[Tensor<B, 4>; 2]> {
+        Some([self.keys.take()?, self.values.take()?])
+    }
+
+    /// Gives back the buffers [`take`](Self::take) took, with the step's column written. The
+    /// caller advances the length ([`KvCache::advance_all`]).
+    pub(crate) fn put(&mut self, [keys, values]: [Tensor<B, 4>; 2]) {
+        self.keys = Some(keys);
+        self.values = Some(values);
     }
 
     /// The device addresses of both buffers, where the backend tells them (see
@@ -253,7 +244,7 @@ impl<B: Backend> KvCache<B> {
         self.len += new;
     }
 
-    /// Records that one column was written to every layer by [`LayerKv::write_at`] (whose
+    /// Records that one column was written to every layer between [`LayerKv::take`] and [`LayerKv::put`] (whose
     /// layers do not count their columns themselves).
     pub(crate) fn advance_all(&mut self) {
         self.len += 1;

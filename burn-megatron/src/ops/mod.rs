@@ -28,6 +28,8 @@
 //! - [`mod@rope`]: rotary position embeddings on the packed QKV, f32 angles, one kernel each
 //!   way.
 //! - [`mod@causal_softmax`]: the attention's scaled, causally (or padding-) masked softmax.
+//! - [`mod@decode_attention`]: one decode step's attention (RoPE, the KV cache's write, the
+//!   masked attention over the cache), one kernel a layer on CubeCL backends.
 //! - [`mod@flash_attention`]: attention as one operation (output and log-sum-exp forward,
 //!   probabilities recomputed backward), grouped-query attention without copying K/V.
 //! - [`mod@ring_flash_attention`]: context parallelism's ring of K/V blocks on the flash
@@ -62,6 +64,7 @@ pub mod bias;
 pub mod causal_softmax;
 pub mod counter_normal;
 pub mod cross_entropy;
+pub mod decode_attention;
 pub mod dropout;
 pub mod embedding;
 pub mod flash_attention;
@@ -89,6 +92,7 @@ pub use bias::{BiasOps, bias_add};
 pub use causal_softmax::SoftmaxOps;
 pub use counter_normal::CounterNormalOps;
 pub use cross_entropy::CrossEntropyOps;
+pub use decode_attention::{DecodeAttentionOps, DecodeIndices};
 pub use dropout::{DropoutMask, DropoutOps};
 pub use embedding::EmbeddingOps;
 pub use flash_attention::FlashAttentionOps;

@@ -13,6 +13,7 @@ mod adamw;
 mod column_sum;
 mod counter_normal;
 mod cross_entropy;
+mod decode_attention;
 mod dropout;
 mod elementwise_layouts;
 mod embedding;
