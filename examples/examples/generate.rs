@@ -122,6 +122,11 @@ struct Args {
     /// Timed `--benchmark` runs of each length (after one warm-up run); medians are reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// After the timed `--benchmark` runs, one more whose GPU time is profiled per kernel
+    /// (with `BM_PROFILE=1` on our CUDA backend; a captured decode step shows as its graph's
+    /// launches, so run it with `BM_CUDA_GRAPHS=0` to see the kernels).
+    #[arg(long)]
+    profile: bool,
 }
 
 /// Model shapes for `--preset` (see `TransformerConfig`'s presets).
@@ -554,6 +559,13 @@ fn benchmark<B: ModelBackend>(
         prefill.push(time(1)?.as_secs_f64());
         total.push(time(n)?.as_secs_f64());
     }
+    let profile = match args.profile && B::profile_start(device) {
+        true => {
+            time(n)?;
+            B::profile_report(device, 25, n)
+        }
+        false => None,
+    };
     let (prefill, total) = (median(prefill), median(total));
     let decode = total - prefill;
     let (batch, prompt) = (prompts.len(), args.prompt_length);
@@ -564,7 +576,7 @@ fn benchmark<B: ModelBackend>(
         (None, None) => format!("{}", args.load.display()),
     };
     let dtype = if args.bf16 { "bf16" } else { "f32" };
-    Ok(vec![
+    let mut lines = vec![
         format!(
             "benchmark: {source} ({:.1}M parameters on rank 0), {dtype}, TP {} x PP {} on \
              {device_name}; batch {batch}, prompts of {prompt}, {n} new tokens; medians of {} \
@@ -598,7 +610,14 @@ fn benchmark<B: ModelBackend>(
             decode * 1e3 / (n - 1) as f64,
             decoded / decode
         ),
-    ])
+    ];
+    if let Some(table) = profile {
+        lines.push(format!(
+            "profile of one more run, per generated token ({n} tokens: the prefill and every \
+             decode step):\n{table}"
+        ));
+    }
+    Ok(lines)
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
