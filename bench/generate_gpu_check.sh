@@ -22,7 +22,8 @@
 # its own time limit, and none starts past $BUDGET seconds (default 520) from the start, so
 # the call ends within the device's 600 s.
 # Settings: NEW (64), PROMPT (128), REPEATS (3), BUDGET (520), BATCHES ("1,32"), GPUS (2; 1 runs
-# on one GPU without the TP 2 runs), GREEDY (1; 0 skips the greedy checks).
+# on one GPU without the TP 2 runs), GREEDY (1; 0 skips the greedy checks), PROFILE (0; 1 adds a
+# profiled batch-1 run without the graph).
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?OUT must name the folder the call returns}"
@@ -87,6 +88,10 @@ B="$B --repeats $REPEATS"
 step ours_tp1 150 env CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark $B
 # The same without the decode step's CUDA graph (each step's ~500 kernels launched one by one).
 step ours_tp1_nograph 150 env BM_CUDA_GRAPHS=0 CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark $B
+# PROFILE=1: one batch-1 run without the graph, its kernels profiled (BM_PROFILE), for the
+# kernel count and GPU time of a step.
+[ "${PROFILE:-0}" = 1 ] && step ours_tp1_profile 120 env BM_PROFILE=1 BM_CUDA_GRAPHS=0 CUDA_VISIBLE_DEVICES=0 $GEN --device cuda --bf16 --preset llama-1b --benchmark \
+  --batch-size 1 --prompt-length $PROMPT --max-new-tokens $NEW --repeats 1 --profile
 step torch_eager 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 $B
 step torch_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B
 (( GPUS > 1 )) && step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B

@@ -147,9 +147,11 @@ fn lanes_sum<N: Size>(value: Vector<f32, N>) -> f32 {
 #[allow(clippy::too_many_arguments)]
 fn forward_kernel<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
+    residual: &Tensor<Vector<F, N>>,
     scale: &Tensor<Vector<F, N>>,
     shift: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
+    sum_out: &mut Tensor<Vector<F, N>>,
     mean: &mut Tensor<f32>,
     rstd: &mut Tensor<f32>,
     rows: u32,
@@ -158,6 +160,7 @@ fn forward_kernel<F: Float, N: Size>(
     #[comptime] layout: RowLayout,
     #[comptime] layer_norm: bool,
     #[comptime] has_shift: bool,
+    #[comptime] has_residual: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let width = N::value();
@@ -180,7 +183,27 @@ fn forward_kernel<F: Float, N: Size>(
     let mut sum = f32::new(0.0);
     #[unroll]
     for i in 0..comptime!(layout.per_thread) {
-        let value = load_row::<F, N>(x, x_strides, row, tid + i * threads, vectors);
+        let vector = tid + i * threads;
+        let mut value = load_row::<F, N>(x, x_strides, row, vector, vectors);
+        if has_residual {
+            // `x + residual` rounded to the storage dtype, written, and normalised as read
+            // back: the bits of the separate add and norm.
+            let added = Vector::<F, N>::cast_from(
+                value
+                    + load_row::<F, N>(
+                        residual,
+                        vector_strides::<F, N>(residual),
+                        row,
+                        vector,
+                        vectors,
+                    ),
+            );
+            if active && vector < vectors {
+                let sum_strides = vector_strides::<F, N>(sum_out);
+                sum_out[row * sum_strides.0 + vector * sum_strides.1] = added;
+            }
+            value = Vector::cast_from(added);
+        }
         values[i] = value;
         sum += lanes_sum::<N>(value);
     }
@@ -422,8 +445,64 @@ pub fn forward_with<R: CubeRuntime>(
             mean: mean.clone(),
             rstd: rstd.clone(),
         },
+        None,
     );
     Forward { output, mean, rstd }
+}
+
+/// A residual added before the norm ([`add_forward`]): `input` is added to `x`, and the sum,
+/// rounded to `x`'s dtype, is written to `sum` (`[rows, hidden]`, any strides) and normalised.
+#[derive(Debug)]
+pub struct Residual<R: CubeRuntime> {
+    pub input: CubeTensor<R>,
+    pub sum: CubeTensor<R>,
+}
+
+/// `x + residual` (rounded to `x`'s dtype) and its [`forward`], in one kernel: the residual
+/// stream's add fused with the norm that reads it (a decode step's add and norm are two
+/// launches for a few kilobytes each). Returns the sum and the norm's output and statistics.
+pub fn add_forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    residual: CubeTensor<R>,
+    scale: CubeTensor<R>,
+    shift: Option<CubeTensor<R>>,
+    kind: Kind,
+    epsilon: f64,
+) -> (CubeTensor<R>, Forward<R>) {
+    assert_eq!(
+        x.meta.shape(),
+        residual.meta.shape(),
+        "the residual added before a norm has the input's shape"
+    );
+    assert_eq!(
+        x.dtype, residual.dtype,
+        "the residual has the input's dtype"
+    );
+    let (rows, _) = rows_hidden(x.meta.shape());
+    let empty = |shape: Shape, dtype| {
+        empty_device_contiguous_dtype::<R>(x.client.clone(), x.device.clone(), shape, dtype)
+    };
+    let sum = empty(x.meta.shape().clone(), x.dtype);
+    let out = Forward {
+        output: empty(x.meta.shape().clone(), x.dtype),
+        mean: f32_buffer(&x, Shape::new([rows])),
+        rstd: f32_buffer(&x, Shape::new([rows])),
+    };
+    let (output, mean, rstd) = (out.output.clone(), out.mean.clone(), out.rstd.clone());
+    forward_into_with(
+        NormForwardLayout::default(),
+        x,
+        scale,
+        shift,
+        kind,
+        epsilon,
+        out,
+        Some(Residual {
+            input: residual,
+            sum: sum.clone(),
+        }),
+    );
+    (sum, Forward { output, mean, rstd })
 }
 
 /// [`forward`] written into `out` (any strides): tests pass poisoned buffers to catch
@@ -444,10 +523,13 @@ pub fn forward_into<R: CubeRuntime>(
         kind,
         epsilon,
         out,
+        None,
     );
 }
 
-/// [`forward_into`] with its work spread by `tuning`.
+/// [`forward_into`] with its work spread by `tuning`, and `residual` added first (see
+/// [`add_forward`]).
+#[allow(clippy::too_many_arguments)]
 pub fn forward_into_with<R: CubeRuntime>(
     tuning: NormForwardLayout,
     x: CubeTensor<R>,
@@ -456,6 +538,7 @@ pub fn forward_into_with<R: CubeRuntime>(
     kind: Kind,
     epsilon: f64,
     out: Forward<R>,
+    residual: Option<Residual<R>>,
 ) {
     let (rows, hidden) = rows_hidden(x.meta.shape());
     if rows == 0 || hidden == 0 {
@@ -463,7 +546,27 @@ pub fn forward_into_with<R: CubeRuntime>(
     }
     let has_shift = shift.is_some();
     let shift = shift.unwrap_or_else(|| scale.clone());
-    let width = vector_width(&[&x, &scale, &shift, &out.output]);
+    let has_residual = residual.is_some();
+    let mut vectorised = vec![&x, &scale, &shift, &out.output];
+    if let Some(Residual { input, sum }) = &residual {
+        vectorised.extend([input, sum]);
+    }
+    let width = vector_width(&vectorised);
+    // Without a residual the kernel reads and writes neither: `x` and a one-vector buffer
+    // (not `x` or the output: a buffer bound twice for writing is refused by some runtimes)
+    // stand in.
+    let Residual {
+        input: residual,
+        sum,
+    } = residual.unwrap_or_else(|| Residual {
+        input: x.clone(),
+        sum: empty_device_contiguous_dtype::<R>(
+            x.client.clone(),
+            x.device.clone(),
+            Shape::new([1, width]),
+            x.dtype,
+        ),
+    });
     let layout = RowLayout::for_row_in_cubes_of(
         &x.client,
         hidden / width,
@@ -480,9 +583,11 @@ pub fn forward_into_with<R: CubeRuntime>(
         layout.cube_dim(),
         width,
         x.into_tensor_arg(),
+        residual.into_tensor_arg(),
         scale.into_tensor_arg(),
         shift.into_tensor_arg(),
         out.output.into_tensor_arg(),
+        sum.into_tensor_arg(),
         out.mean.into_tensor_arg(),
         out.rstd.into_tensor_arg(),
         rows as u32,
@@ -491,6 +596,7 @@ pub fn forward_into_with<R: CubeRuntime>(
         layout,
         kind == Kind::LayerNorm,
         has_shift,
+        has_residual,
         dtype,
     );
 }

@@ -146,17 +146,27 @@ pub(super) fn run_layers<B: ModelBackend>(
     cache: &mut KvCache<B>,
     write: &CacheWrite<'_, B>,
 ) -> Result<Tensor<B, 3>> {
+    // Each residual add is fused with the norm after it (one kernel on CubeCL backends): the
+    // MLP's output is added by the next layer's input norm, the last one here.
+    let mut mlp: Option<Tensor<B, 3>> = None;
     for (layer, kv) in model.layers().iter().zip(cache.layers_mut()) {
-        let normed = layer.input_norm.try_forward(x.clone())?;
+        let normed = match mlp.take() {
+            Some(mlp) => {
+                let [sum, normed] = layer.input_norm.try_forward_add(x, mlp)?;
+                x = sum;
+                normed
+            }
+            None => layer.input_norm.try_forward(x.clone())?,
+        };
         let attention = attend(&layer.attention, normed, kv, write)?;
-        let x_mid = x + attention;
-        let mlp = layer.try_forward_mlp(
-            layer.post_attention_norm.try_forward(x_mid.clone())?,
-            &mut MoeLosses::default(),
-        )?;
-        x = x_mid + mlp;
+        let [x_mid, normed] = layer.post_attention_norm.try_forward_add(x, attention)?;
+        mlp = Some(layer.try_forward_mlp(normed, &mut MoeLosses::default())?);
+        x = x_mid;
     }
-    Ok(x)
+    Ok(match mlp {
+        Some(mlp) => x + mlp,
+        None => x,
+    })
 }
 
 /// The last position the model has (positions past it, of prompts that have finished, are

@@ -41,6 +41,25 @@ pub trait NormOps: Backend {
         Self::norm_forward(x, scale, shift, kind, epsilon).output
     }
 
+    /// `x + residual` and [`norm`](Self::norm) of it: the residual stream's add fused with
+    /// the norm that reads it (one kernel on CubeCL backends, where the sum is rounded to
+    /// `x`'s dtype as the separate add rounds it). Returns the sum, then the norm's output.
+    /// For inference: `Autodiff<B>` runs the composition (an add and [`norm`](Self::norm)).
+    ///
+    /// # Shapes
+    /// - x, residual and both outputs: `[rows, hidden]`
+    fn add_norm(
+        x: Tensor<Self, 2>,
+        residual: Tensor<Self, 2>,
+        scale: Tensor<Self, 1>,
+        shift: Option<Tensor<Self, 1>>,
+        kind: NormKind,
+        epsilon: f64,
+    ) -> [Tensor<Self, 2>; 2] {
+        let sum = x + residual;
+        [sum.clone(), Self::norm(sum, scale, shift, kind, epsilon)]
+    }
+
     /// [`norm`](Self::norm)'s output and each row's `mean` and `rstd` (`[rows]`, f32; f64 for
     /// f64 inputs). CubeCL backends run one kernel (`burn_megatron_kernels::fused::norm`).
     fn norm_forward(
@@ -321,6 +340,31 @@ mod cube {
                 mean: wrap(out.mean),
                 rstd: wrap(out.rstd),
             }
+        }
+
+        fn add_norm(
+            x: Tensor<Self, 2>,
+            residual: Tensor<Self, 2>,
+            scale: Tensor<Self, 1>,
+            shift: Option<Tensor<Self, 1>>,
+            kind: NormKind,
+            epsilon: f64,
+        ) -> [Tensor<Self, 2>; 2] {
+            let dtype = x.dtype();
+            if dtype == DType::F64 || residual.dtype() != dtype {
+                let sum = x + residual;
+                return [sum.clone(), Self::norm(sum, scale, shift, kind, epsilon)];
+            }
+            let parameter = |t: Tensor<Self, 1>| raw(t.cast(dtype));
+            let (sum, out) = kernels::add_forward(
+                raw(x),
+                raw(residual),
+                parameter(scale),
+                shift.map(parameter),
+                kernel_kind(kind),
+                epsilon,
+            );
+            [wrap(sum), wrap(out.output)]
         }
 
         fn norm_backward(

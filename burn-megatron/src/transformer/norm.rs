@@ -128,4 +128,37 @@ impl<B: ModelBackend> Norm<B> {
         };
         Ok(norm(x, param(&self.scale)?, shift, kind, self.epsilon))
     }
+
+    /// `x + residual` and this norm of it, as [`NormOps::add_norm`](crate::ops::NormOps::add_norm)
+    /// (one kernel on CubeCL backends): the residual add before a norm, for inference.
+    /// Returns the sum, then the norm's output.
+    ///
+    /// # Shapes
+    /// - x, residual and both outputs: `[..., hidden]`
+    pub fn try_forward_add<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        residual: Tensor<B, D>,
+    ) -> DistResult<[Tensor<B, D>; 2]> {
+        let param = |p: &Param<Tensor<B, 1>>| match self.over_heads {
+            true => copy_to_tensor_parallel_region(p.val(), &self.tp.group),
+            false => self.tp.replicated(p.val()),
+        };
+        let (kind, shift) = match &self.shift {
+            Some(shift) => (NormKind::LayerNorm, Some(param(shift)?)),
+            None => (NormKind::RmsNorm, None),
+        };
+        let dims = x.dims();
+        let hidden = dims[D - 1];
+        let rows = dims[..D - 1].iter().product();
+        let [sum, normed] = B::add_norm(
+            x.reshape([rows, hidden]),
+            residual.reshape([rows, hidden]),
+            param(&self.scale)?,
+            shift,
+            kind,
+            self.epsilon,
+        );
+        Ok([sum.reshape(dims), normed.reshape(dims)])
+    }
 }

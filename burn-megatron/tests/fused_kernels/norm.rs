@@ -448,6 +448,7 @@ fn norm_forward_layouts_agree() {
                         kind,
                         1e-5,
                         out,
+                        None,
                     );
                     [
                         values(wrap::<2>(output).cast(DType::F32)),
@@ -536,4 +537,54 @@ fn norm_parameter_gradients_are_deterministic() {
         (0, 0),
         "elements of (dscale, dshift) that differ between two runs"
     );
+}
+
+/// `NormOps::add_norm` on a CubeCL backend (the residual add and the norm in one kernel)
+/// against the separate add and norm of the same backend, f32 and f16, LayerNorm with a shift
+/// and RMSNorm, strided inputs: the sum has the add's bits (rounded to the storage dtype, as
+/// the add rounds it), the output the norm of that sum.
+#[test]
+fn add_norm_equals_the_add_then_the_norm() {
+    use burn_megatron::ops::NormKind;
+    let device = WgpuDevice::default();
+    for (dtype, bound) in [(DType::F32, tolerance::F32), (DType::F16, tolerance::F16)] {
+        for (rows, hidden) in NORM_SHAPES {
+            let strided = |seed: u64| {
+                matrix(rows, hidden + 128, seed, 4.0, &device)
+                    .cast(dtype)
+                    .narrow(1, 0, hidden)
+            };
+            let (x, residual) = (strided(41), strided(42));
+            let scale = vector(hidden, 43, 1.0, &device).cast(dtype);
+            let shift = vector(hidden, 44, 0.0, &device).cast(dtype);
+            for (kind, shift) in [
+                (NormKind::LayerNorm, Some(shift.clone())),
+                (NormKind::RmsNorm, None),
+            ] {
+                let name = format!("{kind:?} {dtype:?} {rows}x{hidden}");
+                let [sum, output] = W::add_norm(
+                    x.clone(),
+                    residual.clone(),
+                    scale.clone(),
+                    shift.clone(),
+                    kind,
+                    0.1,
+                );
+                let want_sum = x.clone() + residual.clone();
+                let want = W::norm(want_sum.clone(), scale.clone(), shift.clone(), kind, 0.1);
+                assert_eq!(sum.dtype(), dtype);
+                assert_eq!(
+                    values(sum.cast(DType::F32)),
+                    values(want_sum.cast(DType::F32)),
+                    "sum {name}"
+                );
+                assert_close(
+                    &format!("output {name}"),
+                    &values(output.cast(DType::F32)),
+                    &values(want.cast(DType::F32)),
+                    bound,
+                );
+            }
+        }
+    }
 }
