@@ -15,9 +15,11 @@
 //! `pads[b]..column` (earlier columns are left padding) and the new key and value from shared
 //! memory, never the column being written, so no cube reads what another writes. Columns are
 //! taken a tile of 256 at a time with a running maximum and sum (the online softmax of flash
-//! attention), each thread a column's score, then the threads split as `head_dim` lanes times
-//! `256 / head_dim` column subsets for the product with the values. Statistics and sums are
-//! f32 for every storage dtype.
+//! attention), each thread a column's score (its key row loaded as vectors of up to 8, all
+//! issued before the products: a decode step's attention waits on memory latency, not
+//! bandwidth), then the threads split as vectors of lanes times column subsets for the
+//! product with the values. The head dimension is a compile-time constant (the loops over a
+//! row unrolled). Statistics and sums are f32 for every storage dtype.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -27,12 +29,17 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::rows::{fixed_plane_size, row_max, row_sum};
+use super::vectors::vector_width;
 
 /// Threads a cube: columns a tile.
 const THREADS: u32 = 256;
 
 /// The largest head dimension: a thread a lane of the query, key and value.
 pub const MAX_HEAD_DIM: usize = THREADS as usize;
+
+/// The widest vector the caches are read with (the partial products' shared memory holds
+/// this many floats a thread).
+const MAX_VECTOR: usize = 8;
 
 /// Stands for "no score yet" in the running maximum (finite, so that `exp(old - new)` is 0
 /// and never NaN).
@@ -80,10 +87,10 @@ fn head_lane<F: Float>(
 
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn decode_attention_kernel<F: Float, I: Int>(
+fn decode_attention_kernel<F: Float, I: Int, N: Size>(
     qkv: &Tensor<F>,
-    keys: &mut Tensor<F>,
-    values: &mut Tensor<F>,
+    keys: &mut Tensor<Vector<F, N>>,
+    values: &mut Tensor<Vector<F, N>>,
     column: &Tensor<I>,
     pads: &Tensor<I>,
     positions: &Tensor<I>,
@@ -92,19 +99,21 @@ fn decode_attention_kernel<F: Float, I: Int>(
     context: &mut Tensor<F>,
     groups: u32,
     per_group: u32,
-    head_dim: u32,
     capacity: u32,
     table_rows: u32,
     scale: f32,
+    #[comptime] head_dim: u32,
+    #[comptime] vectors: u32,
     #[comptime] rotate: bool,
     #[comptime] plane: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let tid = UNIT_POS_X as usize;
     let threads = THREADS as usize;
+    let width = N::value();
     let head = CUBE_POS_X as usize;
     let b = CUBE_POS_Y as usize;
-    let dim = head_dim as usize;
+    let dim = comptime!(head_dim as usize);
     let half = dim / 2;
     let per_group = per_group as usize;
     let slots = per_group + 2;
@@ -125,7 +134,8 @@ fn decode_attention_kernel<F: Float, I: Int>(
         position = table_rows as usize - 1;
     }
     let entry = position * dim;
-    let cache = (b * groups as usize + group) * capacity as usize * dim;
+    // The group's cache rows, in vectors.
+    let cache = (b * groups as usize + group) * capacity as usize * comptime!(vectors as usize);
 
     // The new token's (rotated, scaled) query, key and value, a lane a thread.
     let mut query = SharedMemory::<f32>::new(MAX_HEAD_DIM);
@@ -152,26 +162,35 @@ fn decode_attention_kernel<F: Float, I: Int>(
             entry,
             rotate,
         );
-        let v = qkv[(group_row + per_group + 1) * dim + tid];
         query[tid] = q * scale;
         new_key[tid] = k;
-        new_value[tid] = f32::cast_from(v);
-        if head % per_group == 0 {
-            keys[cache + column * dim + tid] = F::cast_from(k);
-            values[cache + column * dim + tid] = v;
-        }
+        new_value[tid] = f32::cast_from(qkv[(group_row + per_group + 1) * dim + tid]);
     }
     sync_cube();
+    // The group's first query head writes the new key and value to the cache, a vector a
+    // thread (other cubes of the group read the new column from their shared memory).
+    if head % per_group == 0 && tid < comptime!(vectors as usize) {
+        let mut k = Vector::<F, N>::new(F::new(0.0));
+        let mut v = Vector::<F, N>::new(F::new(0.0));
+        #[unroll]
+        for e in 0..N::value() {
+            k[e] = F::cast_from(new_key[tid * width + e]);
+            v[e] = F::cast_from(new_value[tid * width + e]);
+        }
+        let at = cache + column * comptime!(vectors as usize) + tid;
+        keys[at] = k;
+        values[at] = v;
+    }
 
-    // Lanes and column subsets for the product with the values.
-    let parts = threads / dim;
-    let part = tid / dim;
-    let lane = tid % dim;
+    // For the product with the values: a vector of lanes and a subset of columns a thread.
+    let parts = threads / comptime!(vectors as usize);
+    let part = tid / comptime!(vectors as usize);
+    let lanes = tid % comptime!(vectors as usize);
     let mut probs = SharedMemory::<f32>::new(THREADS as usize);
     let mut shared = SharedMemory::<f32>::new(THREADS as usize);
     let mut max = f32::new(NO_SCORE);
     let mut sum = f32::new(0.0);
-    let mut acc = f32::new(0.0);
+    let mut acc = Vector::<f32, N>::new(0.0);
     let end = column + 1;
     let mut start = first;
     // The same tiles for every thread of the cube: the barriers inside are uniform.
@@ -185,9 +204,15 @@ fn decode_attention_kernel<F: Float, I: Int>(
                     dot += query[e] * new_key[e];
                 }
             } else {
-                let row = cache + j * dim;
-                for e in 0..dim {
-                    dot += query[e] * f32::cast_from(keys[row + e]);
+                // The row's vectors loaded back to back, then their products.
+                let row = cache + j * comptime!(vectors as usize);
+                #[unroll]
+                for v in 0..comptime!(vectors as usize) {
+                    let key = Vector::<f32, N>::cast_from(keys[row + v]);
+                    #[unroll]
+                    for e in 0..N::value() {
+                        dot += query[v * width + e] * key[e];
+                    }
                 }
             }
             score = dot;
@@ -202,18 +227,25 @@ fn decode_attention_kernel<F: Float, I: Int>(
         let tile_sum = row_sum(&mut shared, p, THREADS, plane);
         let factor = (max - top).exp();
         sum = sum * factor + tile_sum;
-        acc *= factor;
-        if part < parts {
-            let mut c = part;
-            while c < threads && start + c < end {
-                let at = start + c;
-                let mut v = new_value[lane];
-                if at != column {
-                    v = f32::cast_from(values[cache + at * dim + lane]);
+        acc *= Vector::new(factor);
+        let mut c = part;
+        if part >= parts {
+            // Threads past the last whole subset (when the vectors a row do not divide 256).
+            c = threads;
+        }
+        while c < threads && start + c < end {
+            let at = start + c;
+            let mut v = Vector::<f32, N>::new(0.0);
+            if at == column {
+                #[unroll]
+                for e in 0..N::value() {
+                    v[e] = new_value[lanes * width + e];
                 }
-                acc += probs[c] * v;
-                c += parts;
+            } else {
+                v = Vector::cast_from(values[cache + at * comptime!(vectors as usize) + lanes]);
             }
+            acc += Vector::new(probs[c]) * v;
+            c += parts;
         }
         max = top;
         // Every thread has read this tile's probabilities before the next writes them.
@@ -222,16 +254,16 @@ fn decode_attention_kernel<F: Float, I: Int>(
     }
 
     // The column subsets' partial products summed, divided by the row's sum.
-    let mut partial = f32::new(0.0);
-    if part < parts {
-        partial = acc;
+    let mut partials = SharedMemory::<f32>::new(comptime!(THREADS as usize * MAX_VECTOR));
+    #[unroll]
+    for e in 0..N::value() {
+        partials[tid * width + e] = acc[e];
     }
-    shared[tid] = partial;
     sync_cube();
     if tid < dim {
         let mut total = f32::new(0.0);
         for p in 0..parts {
-            total += shared[p * dim + tid];
+            total += partials[p * dim + tid];
         }
         let heads = groups as usize * per_group;
         context[(b * heads + head) * dim + tid] = F::cast_from(total / sum);
@@ -361,11 +393,17 @@ pub fn attend<R: CubeRuntime>(
     let plane = fixed_plane_size(&client)
         .filter(|plane| THREADS.is_multiple_of(*plane))
         .unwrap_or(0);
+    // The caches' rows read as vectors of up to 8 (16 bytes in bf16).
+    let mut width = vector_width(&[&keys, &values]).min(MAX_VECTOR);
+    while !head_dim.is_multiple_of(width) {
+        width /= 2;
+    }
     let dtypes = [qkv.dtype.into(), column.dtype.into()];
     decode_attention_kernel::launch::<R>(
         &client,
         CubeCount::Static(heads as u32, batch as u32, 1),
         CubeDim::new_1d(THREADS),
+        width,
         qkv.into_tensor_arg(),
         keys.clone().into_tensor_arg(),
         values.clone().into_tensor_arg(),
@@ -377,10 +415,11 @@ pub fn attend<R: CubeRuntime>(
         context.clone().into_tensor_arg(),
         groups as u32,
         heads_per_group as u32,
-        head_dim as u32,
         capacity as u32,
         table_rows as u32,
         scale as f32,
+        head_dim as u32,
+        (head_dim / width) as u32,
         rotate,
         plane,
         dtypes,
