@@ -253,6 +253,21 @@ impl NcclGroup {
         Ok(())
     }
 
+    /// Has the watchdog follow, as collective `seq` named `op`, the work enqueued on the
+    /// device so far: a replayed CUDA graph whose captured collectives are this group's (a
+    /// capture records them without an event, see `ForeignContext::capturing`), so that a
+    /// replay a peer never joins times out like any collective.
+    pub fn watch(&self, seq: u64, op: String) -> DistResult<()> {
+        let tracked = self.watchdog.track(seq, op, Vec::new(), DType::F32)?;
+        self.queue
+            .submit("nccl watch", Vec::new(), Lane::Compute, move |ctx| {
+                tracked.enqueued(ctx);
+                Ok(())
+            });
+        self.queue.flush();
+        Ok(())
+    }
+
     /// Runs `call` on `x` as one flat run of elements and returns the flat result: the
     /// reduction, the root's buffer, every rank's part (all-gather), or this rank's part of
     /// the reduction (reduce-scatter; `x` holds `size` equal parts). An all-reduce whose

@@ -40,7 +40,8 @@ pub(crate) struct Tracked {
     dtype: DType,
     started: Instant,
     /// Recorded after the NCCL call, on the device thread (`None` inside: no event could be
-    /// recorded, and nothing waits for it).
+    /// recorded, or the call was captured into a CUDA graph and did not run; nothing waits
+    /// for it).
     end: OnceLock<Option<Event>>,
 }
 

@@ -419,6 +419,20 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Has the group's NCCL watchdog follow the work enqueued on this rank's device so far,
+    /// named `what` in its reports: a replayed CUDA graph whose captured collectives are this
+    /// group's, which the watchdog does not see one by one. A replay that a peer never joins
+    /// then times out (or fails with the peer) as a collective does. No-op for groups without
+    /// an NCCL communicator.
+    pub fn watch_replay(&self, what: &str) -> DistResult<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = self.existing_nccl() {
+            return nccl.watch(self.next_seq(), what.to_string());
+        }
+        let _ = what;
+        Ok(())
+    }
+
     /// The next collective's sequence number on this rank.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn next_seq(&self) -> u64 {

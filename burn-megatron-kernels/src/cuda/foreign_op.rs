@@ -27,12 +27,20 @@ pub struct ForeignContext<'a> {
     pub pointers: &'a [u64],
     /// Per-device state of foreign libraries (a cuBLASLt handle, NCCL communicators, …).
     pub extensions: &'a mut Extensions,
+    /// Whether the compute stream is being captured into a CUDA graph (see
+    /// [`super::graph`]): the operation's work is recorded into the graph, on the compute
+    /// stream whatever its lane, and runs at each replay, not now.
+    pub capturing: bool,
 }
 
 impl ForeignContext<'_> {
     /// An event after the work enqueued on this operation's stream so far: the host can
-    /// wait for it or ask whether it has passed (an NCCL watchdog does).
+    /// wait for it or ask whether it has passed (an NCCL watchdog does). An error while
+    /// capturing: nothing runs then, so there is nothing to wait for.
     pub fn record_event(&self) -> Result<super::Event, String> {
+        if self.capturing {
+            return Err("no event while a CUDA graph is captured".into());
+        }
         super::Event::record(self.stream).map_err(|e| e.to_string())
     }
 }

@@ -530,11 +530,11 @@ impl CudaServer {
             return;
         }
         let name = task.name;
-        if let (Some(capture), Lane::Side(_)) = (&mut self.capture, task.lane) {
-            capture.errors.push(format!(
-                "the side-lane operation '{name}' (side lanes are not captured)"
-            ));
-            return;
+        let mut task = task;
+        if self.capture.is_some() {
+            // A side lane's work is captured on the compute stream: a graph's launches run in
+            // its order anyway, and the capture sees one stream.
+            task.lane = Lane::Compute;
         }
         if let Err(error) = self.try_run_foreign(task) {
             if let Some(capture) = &mut self.capture {
@@ -572,6 +572,7 @@ impl CudaServer {
             compute_stream: self.compute,
             pointers: &pointers,
             extensions: &mut self.extensions,
+            capturing: self.capture.is_some(),
         };
         let result = catch_unwind(AssertUnwindSafe(|| (task.op)(&mut context)))
             .unwrap_or_else(|panic| Err(format!("panicked: {panic:?}")));

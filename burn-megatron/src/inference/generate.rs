@@ -222,8 +222,10 @@ fn step<B: ModelBackend>(
 
 /// The decode steps of a whole model after the prefill: [`DeviceStep`]s, the first run as it
 /// is (compiling and tuning its kernels), the second captured as a graph where the backend
-/// has them (our CUDA backend; greedy picks at TP 1; not with `BM_CUDA_GRAPHS=0`) and the
-/// rest replays of it: one launch a step, the picks read back.
+/// has them (our CUDA backend; greedy picks; not with `BM_CUDA_GRAPHS=0`) and the rest
+/// replays of it: one launch a step, the picks read back. Under tensor parallelism the graph
+/// holds the step's NCCL collectives (captured on the compute stream), and every TP rank
+/// captures and replays the same step.
 struct DeviceDecode<B: ModelBackend> {
     /// The step's inputs (with a graph: the buffers it reads and advances, kept alive).
     state: Option<DeviceStep<B>>,
@@ -243,7 +245,6 @@ impl<B: ModelBackend> DeviceDecode<B> {
         last: Vec<i64>,
     ) -> Self {
         let capture = matches!(config.sampling, Sampling::Greedy)
-            && model.tp().size() == 1
             && std::env::var("BM_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Self {
             state: Some(state),
@@ -269,6 +270,9 @@ impl<B: ModelBackend> DeviceDecode<B> {
         if let Some((graph, picks)) = &self.graph {
             cache.reserve(1, model.max_sequence_length())?;
             graph.replay();
+            // Under tensor parallelism the graph holds the step's NCCL collectives: the TP
+            // group's watchdog follows the replay as one.
+            model.tp().watch_replay("the decode step's CUDA graph")?;
             cache.advance_all();
             return read_tokens(model, picks.clone());
         }
