@@ -352,7 +352,7 @@ impl ProcessGroup {
     }
 
     /// The group's communicator, if a GPU collective has created it.
-    fn existing_nccl(&self) -> Option<Arc<NcclGroup>> {
+    pub(super) fn existing_nccl(&self) -> Option<Arc<NcclGroup>> {
         self.inner
             .shared
             .nccl
