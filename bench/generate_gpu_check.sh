@@ -9,8 +9,9 @@
 #    ours is transformers' argmax or a near tie of its logits: rounding decided) or FAIL,
 #    with the first differing position.
 # 2. Decode speed in bf16: batch 1 and 32, prompts of $PROMPT random ids, $NEW new tokens:
-#    ours (`generate --benchmark --preset llama-1b`) at TP 1 (its decode step a CUDA graph,
-#    and with BM_CUDA_GRAPHS=0 without) and TP 2, transformers'
+#    ours (`generate --benchmark --preset llama-1b`) at TP 1 and TP 2 (its decode step a CUDA
+#    graph, and with BM_CUDA_GRAPHS=0 without), transformers' (at TP 2 its own tensor
+#    parallelism, tp_plan="auto" under torchrun)
 #    `generate` with the static cache, eager and with its torch.compile. A table at the end.
 #
 #   bash bench/pack_gpu.sh build --release --features cuda -p burn-megatron-examples --example generate
@@ -95,12 +96,16 @@ step ours_tp1_nograph 150 env BM_CUDA_GRAPHS=0 CUDA_VISIBLE_DEVICES=0 $GEN --dev
 step torch_eager 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 $B
 step torch_compile 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B
 (( GPUS > 1 )) && step ours_tp2 150 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
+(( GPUS > 1 )) && step ours_tp2_nograph 150 env BM_CUDA_GRAPHS=0 $GEN --device cuda --bf16 --preset llama-1b --tp 2 --benchmark $B
+# transformers' own tensor parallelism (tp_plan="auto" under torchrun), eager and compiled.
+(( GPUS > 1 )) && step torch_tp2_eager 150 torchrun --nproc-per-node 2 bench/torch_generate.py bench "$HF" --dtype bf16 $B
+(( GPUS > 1 )) && step torch_tp2_compile 240 torchrun --nproc-per-node 2 bench/torch_generate.py bench "$HF" --dtype bf16 --compile $B
 
 say ""
 say "decode tokens/s (bf16, prompts of $PROMPT ids, $NEW new tokens; decode = the $((NEW - 1)) after the first):"
 row() { printf '%-22s %-9s %3s %6s %11s %9s %10s\n' "$@" | tee -a "$SUMMARY"; }
 row run compile tp batch prefill_ms ms/step tok/s
-for log in ours_tp1 ours_tp1_nograph ours_tp2 torch_eager torch_compile; do  # whatever ran
+for log in ours_tp1 ours_tp1_nograph ours_tp2 ours_tp2_nograph torch_eager torch_compile torch_tp2_eager torch_tp2_compile; do  # whatever ran
   [ -e "$LOGS/$log.log" ] || continue
   grep -h "^RESULT generate" "$LOGS/$log.log" | while read -r line; do
     f() { local v; v=$(echo "$line" | grep -oE "(^| )$1=[^ ]+" | cut -d= -f2); echo "${v:--}"; }

@@ -30,6 +30,9 @@
 #   (the prefill, which picks the first token) and a run of N, each the median of --repeats
 #   runs after a warm-up run of each, between torch.cuda.synchronize() calls; decode is the
 #   difference, the N - 1 tokens after the first; tokens/s = batch x (N - 1) / decode.
+#   Under torchrun with more than one process (`torchrun --nproc-per-node 2 bench/torch_generate.py
+#   bench ...`): transformers' own tensor parallelism (`from_pretrained(tp_plan="auto")`), every
+#   rank the same prompts, rank 0 printing; the RESULT line says tp=N.
 
 import argparse
 import json
@@ -138,15 +141,19 @@ def cmd_make(args):
     )
 
 
-def load(dir, dtype, device):
+def load(dir, dtype, device, tp=False):
     from transformers import LlamaForCausalLM
 
+    # With tp: transformers' tensor parallelism over the torchrun processes (each its GPU).
+    extra = {"tp_plan": "auto"} if tp else {}
     try:
-        model = LlamaForCausalLM.from_pretrained(dir, dtype=dtype)
+        model = LlamaForCausalLM.from_pretrained(dir, dtype=dtype, **extra)
     except TypeError:  # transformers 4.x before `dtype`
-        model = LlamaForCausalLM.from_pretrained(dir, torch_dtype=dtype)
+        model = LlamaForCausalLM.from_pretrained(dir, torch_dtype=dtype, **extra)
     # (A transformers that ignores `dtype` loads f32: the cast makes sure.)
-    model = model.to(device=device, dtype=dtype).eval()
+    if not tp:
+        model = model.to(device=device, dtype=dtype)
+    model = model.eval()
     # No stop token: exactly max_new_tokens tokens.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -246,7 +253,14 @@ def cmd_bench(args):
     from transformers import GenerationConfig
 
     device = device_of(args.device)
-    model = load(args.dir, DTYPES[args.dtype], device)
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if tp > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = "cuda"
+    model = load(args.dir, DTYPES[args.dtype], device, tp=tp > 1)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
     auto = hasattr(GenerationConfig(), "disable_compile")
     if args.compile:
         mode = "auto" if auto else "manual"
@@ -271,6 +285,8 @@ def cmd_bench(args):
 
         def once(new):
             sync(device)
+            if tp > 1:
+                torch.distributed.barrier()
             start = time.perf_counter()
             out = model.generate(
                 input_ids=ids,
@@ -333,11 +349,15 @@ def cmd_bench(args):
             f"{decode * 1e3 / (n - 1):.3f} ms a step, {tok_s:.1f} tokens/s"
         )
         print(
-            f"RESULT generate impl={impl} compile={mode} tp=1 pp=1 dtype={args.dtype} batch={batch} "
+            f"RESULT generate impl={impl} compile={mode} tp={tp} pp=1 dtype={args.dtype} batch={batch} "
             f"prompt={args.prompt_length} new={n} prefill_ms={prefill * 1e3:.3f} total_ms={total * 1e3:.3f} "
             f"decode_ms_per_step={decode * 1e3 / (n - 1):.4f} decode_tok_s={tok_s:.1f}",
             flush=True,
         )
+
+
+    if tp > 1:
+        torch.distributed.destroy_process_group()
 
 
 def sync(device):

@@ -163,7 +163,7 @@ fn run_generation<B: ModelBackend>(
             Some(decode) => decode.last = next,
             None if pp.is_none_or(|pp| pp.size() == 1) => {
                 let state = DeviceStep::new(model, &cache, next.clone(), &device)?;
-                decode = Some(DeviceDecode::new(model, config, state, next));
+                decode = Some(DeviceDecode::new(config, state, next));
             }
             None => {
                 tokens = Some(Tensor::from_data(
@@ -238,12 +238,7 @@ struct DeviceDecode<B: ModelBackend> {
 }
 
 impl<B: ModelBackend> DeviceDecode<B> {
-    fn new(
-        model: &GptModel<B>,
-        config: &GenerationConfig,
-        state: DeviceStep<B>,
-        last: Vec<i64>,
-    ) -> Self {
+    fn new(config: &GenerationConfig, state: DeviceStep<B>, last: Vec<i64>) -> Self {
         let capture = matches!(config.sampling, Sampling::Greedy)
             && std::env::var("BM_CUDA_GRAPHS").map_or(true, |v| v != "0");
         Self {
