@@ -118,6 +118,8 @@ fn decode_attention_kernel<F: Float, I: Int, N: Size>(
     let per_group = per_group as usize;
     let slots = per_group + 2;
     let group = head / per_group;
+    // This query head's place in its group (the group's first writes the cache).
+    let slot = head % per_group;
     let group_row = (b * groups as usize + group) * slots;
     // The host checks that the column fits; clamped here only to keep every access inside.
     let mut column = index_at::<I>(column, 0);
@@ -144,7 +146,7 @@ fn decode_attention_kernel<F: Float, I: Int, N: Size>(
     if tid < dim {
         let q = head_lane::<F>(
             qkv,
-            (group_row + head % per_group) * dim,
+            (group_row + slot) * dim,
             tid,
             half,
             cos,
@@ -169,7 +171,7 @@ fn decode_attention_kernel<F: Float, I: Int, N: Size>(
     sync_cube();
     // The group's first query head writes the new key and value to the cache, a vector a
     // thread (other cubes of the group read the new column from their shared memory).
-    if head % per_group == 0 && tid < comptime!(vectors as usize) {
+    if slot == 0 && tid < comptime!(vectors as usize) {
         let mut k = Vector::<F, N>::new(F::new(0.0));
         let mut v = Vector::<F, N>::new(F::new(0.0));
         #[unroll]

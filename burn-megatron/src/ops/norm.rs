@@ -56,8 +56,7 @@ pub trait NormOps: Backend {
         kind: NormKind,
         epsilon: f64,
     ) -> [Tensor<Self, 2>; 2] {
-        let sum = x + residual;
-        [sum.clone(), Self::norm(sum, scale, shift, kind, epsilon)]
+        add_norm_composition(x, residual, scale, shift, kind, epsilon)
     }
 
     /// [`norm`](Self::norm)'s output and each row's `mean` and `rstd` (`[rows]`, f32; f64 for
@@ -147,6 +146,19 @@ pub fn norm<B: NormOps, const D: usize>(
     let hidden = dims[D - 1];
     let rows = dims[..D - 1].iter().product();
     B::norm(x.reshape([rows, hidden]), scale, shift, kind, epsilon).reshape(dims)
+}
+
+/// [`NormOps::add_norm`] as an add and [`NormOps::norm`].
+pub fn add_norm_composition<B: NormOps>(
+    x: Tensor<B, 2>,
+    residual: Tensor<B, 2>,
+    scale: Tensor<B, 1>,
+    shift: Option<Tensor<B, 1>>,
+    kind: NormKind,
+    epsilon: f64,
+) -> [Tensor<B, 2>; 2] {
+    let sum = x + residual;
+    [sum.clone(), B::norm(sum, scale, shift, kind, epsilon)]
 }
 
 /// [`NormOps::norm_forward`] as Burn operations in the statistics' dtype.
@@ -298,7 +310,8 @@ mod cube {
     use burn_megatron_kernels::fused::norm as kernels;
 
     use super::{
-        NormForward, NormGradients, NormKind, NormOps, backward_composition, forward_composition,
+        NormForward, NormGradients, NormKind, NormOps, add_norm_composition, backward_composition,
+        forward_composition,
     };
     use crate::ops::primitive::{raw, wrap};
 
@@ -352,8 +365,7 @@ mod cube {
         ) -> [Tensor<Self, 2>; 2] {
             let dtype = x.dtype();
             if dtype == DType::F64 || residual.dtype() != dtype {
-                let sum = x + residual;
-                return [sum.clone(), Self::norm(sum, scale, shift, kind, epsilon)];
+                return add_norm_composition(x, residual, scale, shift, kind, epsilon);
             }
             let parameter = |t: Tensor<Self, 1>| raw(t.cast(dtype));
             let (sum, out) = kernels::add_forward(

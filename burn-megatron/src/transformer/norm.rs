@@ -118,15 +118,25 @@ impl<B: ModelBackend> Norm<B> {
     /// # Shapes
     /// - x and the output: `[..., hidden]`
     pub fn try_forward<const D: usize>(&self, x: Tensor<B, D>) -> DistResult<Tensor<B, D>> {
+        let (kind, scale, shift) = self.parameters()?;
+        Ok(norm(x, scale, shift, kind, self.epsilon))
+    }
+
+    /// The kind of norm, the scale and the shift as this rank's forward uses them (entered
+    /// into the tensor-parallel region for a norm over heads).
+    fn parameters(&self) -> DistResult<(NormKind, Tensor<B, 1>, Option<Tensor<B, 1>>)> {
         let param = |p: &Param<Tensor<B, 1>>| match self.over_heads {
             true => copy_to_tensor_parallel_region(p.val(), &self.tp.group),
             false => self.tp.replicated(p.val()),
         };
-        let (kind, shift) = match &self.shift {
-            Some(shift) => (NormKind::LayerNorm, Some(param(shift)?)),
-            None => (NormKind::RmsNorm, None),
-        };
-        Ok(norm(x, param(&self.scale)?, shift, kind, self.epsilon))
+        Ok(match &self.shift {
+            Some(shift) => (
+                NormKind::LayerNorm,
+                param(&self.scale)?,
+                Some(param(shift)?),
+            ),
+            None => (NormKind::RmsNorm, param(&self.scale)?, None),
+        })
     }
 
     /// `x + residual` and this norm of it, as [`NormOps::add_norm`](crate::ops::NormOps::add_norm)
@@ -140,21 +150,14 @@ impl<B: ModelBackend> Norm<B> {
         x: Tensor<B, D>,
         residual: Tensor<B, D>,
     ) -> DistResult<[Tensor<B, D>; 2]> {
-        let param = |p: &Param<Tensor<B, 1>>| match self.over_heads {
-            true => copy_to_tensor_parallel_region(p.val(), &self.tp.group),
-            false => self.tp.replicated(p.val()),
-        };
-        let (kind, shift) = match &self.shift {
-            Some(shift) => (NormKind::LayerNorm, Some(param(shift)?)),
-            None => (NormKind::RmsNorm, None),
-        };
+        let (kind, scale, shift) = self.parameters()?;
         let dims = x.dims();
         let hidden = dims[D - 1];
         let rows = dims[..D - 1].iter().product();
         let [sum, normed] = B::add_norm(
             x.reshape([rows, hidden]),
             residual.reshape([rows, hidden]),
-            param(&self.scale)?,
+            scale,
             shift,
             kind,
             self.epsilon,
