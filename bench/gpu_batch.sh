@@ -14,6 +14,7 @@
 #   final4   PART=final4 of bench/scale_gpu_check.sh: issue 31's targets after the fusion, TP 4 at larger micro-batches, GPT's profile
 #   fp8best  PART=fp8best (4 GPUs): Llama-3 8B's best layout, bf16 against FP8
 #   tp4      PART=tp4 (4 GPUs): TP 4 + SP at larger micro-batches, with and without --tp-comm-overlap
+#   tp4big   PART=tp4big (4 GPUs): TP 4 + SP, GPT-3 6.7B micro-batch 16 and Llama-3 8B 4, the planner beside
 #   tp4short PART=tp4short (4 GPUs): TP 4 + SP, Llama-3 8B micro-batch 2, with and without --tp-comm-overlap
 #   tp2      PART=tp2 (2 GPUs): TP 2 + SP, Llama-3 8B micro-batch 2, with and without --tp-comm-overlap
 #   prof2    PART=prof2 (2 GPUs): GPT 6.7B's shape at DP 2 profiled, FP8 at Llama-3 8B's shape at PP 2, the peers
@@ -61,7 +62,7 @@ step() { # name, then the command (run with OUT=$ROOT/name)
 # The logs so far into $OUT (after every step: a call cut at its limit still returns them).
 pack() {
   tar czf "$OUT/logs.tgz" -C "$ROOT" . 2>/dev/null
-  for f in tp4short/scale.log tp2/scale.log tp4/scale.log fp8best/scale.log prof2/scale.log final4/scale.log fused2/scale.log edge2/scale.log fusedgpt/scale.log fusedab/scale.log best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log dp4gpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
+  for f in tp4big/scale.log tp4short/scale.log tp2/scale.log tp4/scale.log fp8best/scale.log prof2/scale.log final4/scale.log fused2/scale.log edge2/scale.log fusedgpt/scale.log fusedab/scale.log best2/scale.log best/scale.log bestgpt/scale.log dp4/scale.log dpgpt/scale.log dp4gpt/scale.log overlap/scale.log pp4/scale.log uneven/scale.log uneven2/scale.log startup/scale.log fault/fault.log cp/summary.tsv moe/summary.tsv generate/summary.txt; do
     [ -e "$ROOT/$f" ] && cp "$ROOT/$f" "$OUT/${f//\//_}"
   done
 }
@@ -83,6 +84,7 @@ for s in "$@"; do
     final4) step final4 env PART=final4 ITERS=${ITERS:-8} LIMIT=${LIMIT:-170} bash bench/scale_gpu_check.sh ;;
     fp8best) step fp8best env PART=fp8best ITERS=4 LIMIT=${LIMIT:-120} bash bench/scale_gpu_check.sh ;;
     tp4) step tp4 env PART=tp4 ITERS=5 LIMIT=${LIMIT:-90} bash bench/scale_gpu_check.sh ;;
+    tp4big) step tp4big env PART=tp4big LIMIT=${LIMIT:-80} PLAN=1 bash bench/scale_gpu_check.sh ;;
     tp4short) step tp4short env PART=tp4short ITERS=4 LIMIT=${LIMIT:-110} bash bench/scale_gpu_check.sh ;;
     tp2) step tp2 env PART=tp2 NPROC=2 ITERS=4 LIMIT=${LIMIT:-120} bash bench/scale_gpu_check.sh ;;
     parts2) step parts2 env PART=parts2 NPROC=2 LIMIT=${LIMIT:-150} bash bench/scale_gpu_check.sh ;;

@@ -266,6 +266,13 @@ if part tp4short; then
   ITERS=4 ours llama_tp4_mb2 llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32
   ITERS=4 ours llama_tp4_mb2_overlap llama3_8b $T4 --micro-batch-size 2 --global-batch-size 32 --tp-comm-overlap
 fi
+if part tp4big; then
+  # Issue 31's TP 4 + SP >= 45 % at larger micro-batches, 6 iterations each, with the
+  # planner's prediction (PLAN=1): GPT-3 6.7B at micro-batch 16, Llama-3 8B at 4.
+  T4="--tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --sequence-parallel"
+  ITERS=6 ours gpt_tp4_mb16 gpt3_6.7b $T4 --micro-batch-size 16 --global-batch-size 64
+  ITERS=6 ours llama_tp4_mb4 llama3_8b $T4 --micro-batch-size 4 --global-batch-size 32
+fi
 if part tp4; then
   # Issue 31's TP 4 + SP >= 45 %: Llama-3 8B at micro-batches 2 and 4, each without and with
   # --tp-comm-overlap (the chunked forward reduce-scatter), and GPT-3 6.7B at micro-batch 8.
