@@ -34,7 +34,7 @@ ours() { # name, preset, flags...
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
   echo "peak MiB per GPU (nvidia-smi): $(awk -F', ' '{if ($2 > m[$1]) m[$1] = $2} END {for (g in m) printf "%s:%s ", g, m[g]}' $OUT/$name.smi)" | tee -a $OUT/scale.log
   if [ -n "${PLAN:-}" ]; then
-    $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" --plan --gpu-memory-gib 140 2>&1 | grep -iE "peak|fits|predicted|^ *TP|layout" | head -12 | tee -a $OUT/scale.log
+    $B/pretrain_gpt --config examples/configs/$preset.toml $COMMON "$@" --plan --gpu-memory-gib 140 2>&1 | grep -iE "peak|fits|predicted|^ *TP|layout|^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ " | head -16 | tee -a $OUT/scale.log
   fi
   grep -E "start-up|training a GPT|iteration +[0-9]+/|Error|error|panicked" $OUT/$name.log | tail -$((ITERS + 3)) | cut -c1-400 | tee -a $OUT/scale.log
 }
