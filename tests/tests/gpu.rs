@@ -393,6 +393,108 @@ fn fused_dropout_rope_and_masked_softmax_match_the_composition() {
     }
 }
 
+/// The decode step's attention kernel (its caches read as 16-byte vectors: 8 lanes in bf16
+/// and f16, 4 in f32) and the residual add fused with the norm, against their compositions in
+/// f32, at Llama-3.2-1B's head layout (8 groups of 4 query heads of 64 lanes, a padded batch,
+/// more than one 256-column tile) and at head dimension 128.
+#[test]
+fn fused_decode_attention_and_add_norm_match_the_composition() {
+    use burn_megatron::ops::decode_attention::decode_attention_composition;
+    use burn_megatron::ops::rope::rotation_table;
+    use burn_megatron::ops::{DecodeAttentionOps, DecodeIndices, NormKind, NormOps};
+    let device = CudaGpu::new(0);
+    let int = |v: Vec<i64>| {
+        let n = v.len();
+        Tensor::<Ours, 1, Int>::from_data(TensorData::new(v, [n]), &device)
+    };
+    // [batch, groups, heads_per_group, head_dim, capacity, column], pads
+    let cases: [([usize; 6], Vec<i64>); 2] = [
+        ([3, 8, 4, 64, 300, 290], vec![0, 7, 100]),
+        ([2, 2, 2, 128, 40, 39], vec![3, 0]),
+    ];
+    for (dtype, bound) in [
+        (DType::F32, tolerance::F32),
+        (DType::BF16, tolerance::BF16),
+        (DType::F16, tolerance::F16),
+    ] {
+        let make = |shape: &[usize], seed| {
+            Tensor::<Ours, 1>::from_data(data(&[shape.iter().product()], seed), &device).cast(dtype)
+        };
+        for ([batch, groups, per_group, head_dim, capacity, column], pads) in cases.clone() {
+            let name =
+                format!("{dtype:?} decode attention {batch}x{groups}x{per_group}x{head_dim}");
+            let qkv_dims = [batch, 1, groups, per_group + 2, head_dim];
+            let cache_dims = [batch, groups, capacity, head_dim];
+            let qkv = make(&qkv_dims, 11).reshape(qkv_dims);
+            let (keys, values) = (
+                make(&cache_dims, 12).reshape(cache_dims),
+                make(&cache_dims, 13).reshape(cache_dims),
+            );
+            let positions = pads.iter().map(|&pad| column as i64 - pad).collect();
+            let indices = DecodeIndices {
+                column: int(vec![column as i64]),
+                pads: int(pads),
+                positions: int(positions),
+            };
+            let table = rotation_table(capacity, head_dim, 500_000.0).map(|half| {
+                let half = Tensor::<Ours, 2>::from_data(
+                    TensorData::new(half, [capacity, head_dim / 2]),
+                    &device,
+                );
+                Tensor::cat(vec![half.clone(), half], 1)
+            });
+            let [want, want_keys, want_values] = decode_attention_composition(
+                qkv.clone().cast(DType::F32),
+                [keys.clone(), values.clone()].map(|t| t.cast(DType::F32)),
+                indices.clone(),
+                Some(table.clone()),
+                0.125,
+            );
+            let [got, got_keys, got_values] =
+                Ours::decode_attention(qkv, [keys, values], indices, Some(table), 0.125);
+            for (what, got, want) in [
+                ("context", got, want),
+                ("keys", got_keys, want_keys),
+                ("values", got_values, want_values),
+            ] {
+                assert_close(
+                    &format!("{name} {what}"),
+                    &got.cast(DType::F32).into_data(),
+                    &want.into_data(),
+                    bound,
+                );
+            }
+        }
+        let (x, residual) = (
+            make(&[32, 2048], 14).reshape([32, 2048]),
+            make(&[32, 2048], 15).reshape([32, 2048]),
+        );
+        let scale = make(&[2048], 16);
+        let [sum, normed] = Ours::add_norm(
+            x.clone(),
+            residual.clone(),
+            scale.clone(),
+            None,
+            NormKind::RmsNorm,
+            1e-5,
+        );
+        let want_sum = x + residual;
+        let want = Ours::norm(want_sum.clone(), scale, None, NormKind::RmsNorm, 1e-5);
+        assert_close(
+            &format!("{dtype:?} add_norm sum"),
+            &sum.cast(DType::F32).into_data(),
+            &want_sum.cast(DType::F32).into_data(),
+            0.0,
+        );
+        assert_close(
+            &format!("{dtype:?} add_norm output"),
+            &normed.cast(DType::F32).into_data(),
+            &want.cast(DType::F32).into_data(),
+            bound,
+        );
+    }
+}
+
 /// Token and target ids outside the vocabulary on our CUDA backend: the forward pass returns
 /// without waiting for the device, and the device's next sync fails, naming the id and the
 /// vocabulary. A valid step before and after syncs cleanly.
