@@ -1,16 +1,18 @@
-//! CUDA graphs: the device's work of one step (kernels, copies and compute-lane foreign
-//! operations such as cuBLASLt GEMMs), recorded once and replayed with one launch.
+//! CUDA graphs: the device's work of one step (kernels, copies and foreign operations such
+//! as cuBLASLt GEMMs and NCCL collectives), recorded once and replayed with one launch.
 //!
-//! A decode step of a 1B model launches some 500 small kernels, and launching them takes the
-//! host longer than the GPU takes to run them. Captured, the step is one `cuGraphLaunch`.
+//! A decode step of a 1B model launches some 175 small kernels and GEMMs, and launching
+//! them takes the host longer than the GPU takes to run them. Captured, the step is one
+//! `cuGraphLaunch`. Side-lane operations (NCCL's collectives) are captured on the compute
+//! stream, in the step's order; the NCCL watchdog then follows each replay as a whole.
 //!
 //! A replay runs the captured launches with the captured arguments and addresses, so the
 //! captured work must be the same every step and read its inputs from, and write its state to,
 //! the same buffers: tensors created before the capture and updated in place. Buffers allocated
 //! while capturing stay allocated for the graph's life. What a graph cannot hold fails the
 //! capture with an error naming it, and leaves the device usable: a host read or write, a
-//! wait, a launch sized by device data, a side-lane operation (NCCL), or a kernel compiled or
-//! tuned for the first time (run the step once before capturing it).
+//! wait, a launch sized by device data, or a kernel compiled or tuned for the first time (run
+//! the step once before capturing it).
 
 use cubecl_common::device::Device;
 use cubecl_common::device_handle::DeviceHandle;

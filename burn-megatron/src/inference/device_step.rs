@@ -1,13 +1,15 @@
 //! The decode step whose inputs live on the device: the tokens to feed, their positions and
-//! the cache column to write are tensors the step itself advances in place, and attention
-//! reads every column of the cache under a mask computed on the device. Every step then
-//! launches the same kernels with the same arguments, reads nothing and uploads nothing, so
-//! that on our CUDA backend it can be captured once as a CUDA graph and replayed (see
-//! [`super::generate`]).
+//! the cache column to write are tensors the step itself advances in place, and each layer's
+//! attention is [`DecodeAttentionOps::decode_attention`](crate::ops::DecodeAttentionOps::decode_attention),
+//! which finds the columns to read (from the row's left padding to the new one) on the
+//! device. Every step then launches the same kernels with the same arguments, reads nothing
+//! and uploads nothing, so that on our CUDA backend it can be captured once as a CUDA graph
+//! and replayed (see [`super::generate`]).
 //!
-//! The numerics are the cached step's ([`super::layers_cached`]): the columns past the
-//! current one are masked out (their probabilities are exact zeros), so only the order of
-//! the softmax's and the product's sums over the longer rows may differ.
+//! The numerics are the cached step's ([`super::layers_cached`]) up to the order of the
+//! softmax's and the product's sums (the composition masks the columns past the new one to
+//! exact zeros; the kernel does not read them), and each residual add is fused with the
+//! norm after it, with the same bits.
 
 use burn::tensor::{Int, Tensor, TensorData};
 
