@@ -128,8 +128,9 @@ pub(super) enum CacheWrite<'a, B: ModelBackend> {
         mask: Option<Tensor<B, 4, Bool>>,
     },
     /// One new column a row at the column the indices name, by
-    /// [`DecodeAttentionOps::decode_attention`](crate::ops::DecodeAttentionOps::decode_attention) (RoPE from `rope`'s table); attention reads
-    /// every column of the buffers, masked past the new one.
+    /// [`DecodeAttentionOps::decode_attention`](crate::ops::DecodeAttentionOps::decode_attention)
+    /// (RoPE from `rope`'s table): each row attends to its columns from its left padding to
+    /// the new one.
     AtColumn {
         indices: &'a DecodeIndices<B>,
         rope: Option<[Tensor<B, 2>; 2]>,

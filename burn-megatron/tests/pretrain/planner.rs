@@ -2,7 +2,8 @@
 //! model actually allocates on CPU ranks.
 
 use burn::backend::NdArray;
-use burn_megatron::models::StageSplit;
+use burn_megatron::ModelBackend;
+use burn_megatron::models::{GptModel, StageSplit};
 use burn_megatron::tensor_parallel::param_infos;
 use burn_megatron::training::planner::{
     MIN_CP_TOKENS, PlanInput, PlannedLayout, StepParts, estimate, flat_part_numels,
@@ -10,7 +11,7 @@ use burn_megatron::training::planner::{
     stage_param_numels, stage_params,
 };
 use burn_megatron::transformer::{Recompute, TransformerConfig};
-use burn_megatron_dist::ParallelSizes;
+use burn_megatron_dist::{ParallelSizes, ParallelState, RankContext};
 
 use crate::run;
 
@@ -113,6 +114,25 @@ fn parameter_counts_are_the_models() {
     }
 }
 
+/// This rank's parallel state and pipeline stage of `model` at TP `tp` × PP `pp` × EP `ep`
+/// (DP = EP), the layers split evenly.
+fn rank_stage<B: ModelBackend>(
+    ctx: &RankContext,
+    model: &TransformerConfig,
+    [tp, pp, ep]: [usize; 3],
+) -> Result<(ParallelState, GptModel<B>), Box<dyn std::error::Error + Send + Sync>> {
+    let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
+    let state = ctx.parallel_state(sizes)?;
+    let split = StageSplit::even(model.num_layers, pp)?;
+    let stage = model.init_gpt_stage_with_ep::<B>(
+        state.tp(),
+        state.ep(),
+        &split.stage(state.pp_rank()),
+        &Default::default(),
+    )?;
+    Ok((state, stage))
+}
+
 /// The global indices of pipeline rank `s`'s layers in an even split of `model` over `pp`.
 fn split_layers(model: &TransformerConfig, pp: usize, s: usize) -> std::ops::Range<usize> {
     StageSplit::even(model.num_layers, pp)
@@ -137,15 +157,7 @@ fn expert_parameter_counts_are_the_models() {
     let model = small_llama().with_moe(Some(moe));
     for (tp, pp, ep) in [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 1)] {
         let counted = run(tp * pp * ep, |ctx| {
-            let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
-            let state = ctx.parallel_state(sizes)?;
-            let split = StageSplit::even(model.num_layers, pp)?;
-            let stage = model.init_gpt_stage_with_ep::<NdArray>(
-                state.tp(),
-                state.ep(),
-                &split.stage(state.pp_rank()),
-                &Default::default(),
-            )?;
+            let (state, stage) = rank_stage::<NdArray>(&ctx, &model, [tp, pp, ep])?;
             let (mut dense, mut experts) = (0u64, 0u64);
             let (mut largest_dense, mut largest) = (0u64, 0u64);
             for info in param_infos(&stage) {
@@ -915,15 +927,7 @@ fn the_planned_parts_are_the_optimizers() {
             model.activation
         );
         let per_rank = run(tp * pp * dp, |ctx| {
-            let sizes = ParallelSizes::default().with_tp(tp).with_pp(pp).with_ep(ep);
-            let state = ctx.parallel_state(sizes)?;
-            let split = StageSplit::even(model.num_layers, pp)?;
-            let stage = model.init_gpt_stage_with_ep::<AD>(
-                state.tp(),
-                state.ep(),
-                &split.stage(state.pp_rank()),
-                &Default::default(),
-            )?;
+            let (state, stage) = rank_stage::<AD>(&ctx, &model, [tp, pp, ep])?;
             let (mut dense, mut experts, mut frozen) = (Vec::new(), Vec::new(), Vec::new());
             for info in param_infos(&stage) {
                 let numel = info.shape.iter().product::<usize>() as u64;
