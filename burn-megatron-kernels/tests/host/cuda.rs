@@ -2,7 +2,7 @@
 //! table. No device is touched.
 
 use burn_megatron_kernels::cuda::foreign::Extensions;
-use burn_megatron_kernels::cuda::profile::{Entry, Kind, PhaseTime, Report};
+use burn_megatron_kernels::cuda::profile::{Entry, Idle, Kind, PhaseTime, Report};
 
 #[derive(Debug, PartialEq)]
 struct Counter(u32);
@@ -55,7 +55,22 @@ fn report() -> Report {
             name: "forward",
             count: 34,
             total_ms: 10.0,
+            idle_ms: 2.5,
         }],
+        idle: vec![
+            Idle {
+                after: "counts read".into(),
+                before: "Gather<f32>".into(),
+                count: 2,
+                total_ms: 2.0,
+            },
+            Idle {
+                after: "Matmul<f32>".into(),
+                before: "Unary<ExpOp, f32>".into(),
+                count: 1,
+                total_ms: 0.5,
+            },
+        ],
         launches: 30,
         foreign: 4,
         busy_ms: 10.0,
@@ -67,7 +82,7 @@ fn report() -> Report {
 fn report_tables_divide_by_the_steps() {
     let table = report().table(2, 2);
     let lines: Vec<&str> = table.lines().collect();
-    assert_eq!(lines.len(), 6, "{table}");
+    assert_eq!(lines.len(), 8, "{table}");
     assert!(lines[0].contains("share") && lines[0].ends_with("name"));
     // 6 ms of 10 busy: 60%; per step 3 ms in 10 launches, 300 µs each.
     assert_eq!(
@@ -107,8 +122,32 @@ fn report_tables_divide_by_the_steps() {
             "ms/step",
             "GPU",
             "17.0",
-            "launches/step"
+            "launches/step",
+            "1.250",
+            "ms/step",
+            "idle"
         ]
+    );
+    // The longest gaps (the top two pairs), per step.
+    assert_eq!(
+        lines[6].split_whitespace().collect::<Vec<_>>(),
+        [
+            "idle",
+            "1.000",
+            "ms/step",
+            "1.0",
+            "gaps/step",
+            "after",
+            "counts",
+            "read",
+            "before",
+            "Gather<f32>"
+        ]
+    );
+    assert!(
+        lines[7].starts_with("idle      0.250 ms/step"),
+        "{}",
+        lines[7]
     );
 }
 

@@ -33,7 +33,7 @@ use super::foreign::{ForeignQueue, Lane};
 use recorder::{PHASE_OP, Recorder};
 
 pub use recorder::enabled;
-pub use summary::{Entry, Kind, PhaseTime, Report};
+pub use summary::{Entry, Idle, Kind, PhaseTime, Report};
 
 /// Records the work submitted to `device` from now on (in queue order), forgetting any
 /// earlier records. No-op when off.

@@ -8,7 +8,7 @@ use std::sync::LazyLock;
 use cudarc::driver::result::event;
 use cudarc::driver::sys::{CUevent, CUevent_flags, CUstream};
 
-use super::summary::{Entry, Kind, PhaseTime, Report, short_name};
+use super::summary::{Entry, Idle, Kind, PhaseTime, Report, short_name};
 use crate::cuda::extensions::Extensions;
 
 /// Whether `BM_PROFILE` is set (to anything but `0` or nothing), read once.
@@ -177,8 +177,9 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         |call: &'static str| move |e: cudarc::driver::DriverError| format!("{call}: {e:?}");
     let mut by_name: HashMap<(&'static str, Kind), (usize, f64)> = HashMap::new();
     let mut phases: Vec<PhaseTime> = Vec::new();
+    let mut idle: HashMap<(&'static str, &'static str), (usize, f64)> = HashMap::new();
     let mut report = Report::default();
-    let (mut first, mut last) = (None, None);
+    let (mut first, mut last): (Option<CUevent>, Option<&Record>) = (None, None);
     for record in &recorder.records {
         // SAFETY: live events of this context, recorded on the same stream; events of one
         // stream complete in order, so these waits return at once after the first ones.
@@ -196,20 +197,37 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         }
         report.busy_ms += ms;
         first.get_or_insert(record.start);
-        last = Some(record.end);
+        // The gap since the previous compute-stream span ended (spans of one stream do not
+        // overlap; a negative or zero elapsed time is no gap).
+        let gap = match last {
+            // SAFETY: as above; both events have completed.
+            Some(previous) => unsafe {
+                event::elapsed(previous.end, record.start).map_err(driver("cuEventElapsedTime"))?
+            }
+            .max(0.0) as f64,
+            None => 0.0,
+        };
+        if let Some(previous) = last.filter(|_| gap > 0.0) {
+            let slot = idle.entry((previous.name, record.name)).or_default();
+            slot.0 += 1;
+            slot.1 += gap;
+        }
+        last = Some(record);
         match phases.iter_mut().find(|p| p.name == record.phase) {
             Some(phase) => {
                 phase.count += 1;
                 phase.total_ms += ms;
+                phase.idle_ms += gap;
             }
             None => phases.push(PhaseTime {
                 name: record.phase,
                 count: 1,
                 total_ms: ms,
+                idle_ms: gap,
             }),
         }
     }
-    if let (Some(first), Some(last)) = (first, last) {
+    if let (Some(first), Some(last)) = (first, last.map(|record| record.end)) {
         // SAFETY: as above.
         report.window_ms =
             unsafe { event::elapsed(first, last).map_err(driver("cuEventElapsedTime"))? } as f64;
@@ -233,5 +251,28 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         .entries
         .sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms).then(a.name.cmp(&b.name)));
     report.phases = phases;
+    let mut gaps: HashMap<(String, String), (usize, f64)> = HashMap::new();
+    for ((after, before), (count, ms)) in idle {
+        let slot = gaps
+            .entry((short_name(after), short_name(before)))
+            .or_default();
+        slot.0 += count;
+        slot.1 += ms;
+    }
+    report.idle = gaps
+        .into_iter()
+        .map(|((after, before), (count, total_ms))| Idle {
+            after,
+            before,
+            count,
+            total_ms,
+        })
+        .collect();
+    report.idle.sort_by(|a, b| {
+        b.total_ms
+            .total_cmp(&a.total_ms)
+            .then(a.after.cmp(&b.after))
+            .then(a.before.cmp(&b.before))
+    });
     Ok(report)
 }

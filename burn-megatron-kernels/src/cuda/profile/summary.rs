@@ -35,6 +35,24 @@ pub struct PhaseTime {
     pub count: usize,
     /// Their summed GPU time, in milliseconds.
     pub total_ms: f64,
+    /// Time the compute stream sat idle before this phase's spans (waiting for the host,
+    /// for another stream, or between launches), in milliseconds.
+    pub idle_ms: f64,
+}
+
+/// Compute-stream idle time between two consecutive spans, summed per pair of names: where
+/// the GPU waited, and for what (a host read before `before`, a launch-bound run of small
+/// kernels, an event from another stream).
+#[derive(Debug, Clone)]
+pub struct Idle {
+    /// The span that ended before the gap (short name).
+    pub after: String,
+    /// The span that started after it (short name).
+    pub before: String,
+    /// Gaps between such pairs.
+    pub count: usize,
+    /// Their summed length, in milliseconds.
+    pub total_ms: f64,
 }
 
 /// What a device recorded between [`start`](super::start) and [`report`](super::report).
@@ -44,6 +62,8 @@ pub struct Report {
     pub entries: Vec<Entry>,
     /// Per phase, in the order they first appeared.
     pub phases: Vec<PhaseTime>,
+    /// The compute stream's gaps per pair of names, longest total first.
+    pub idle: Vec<Idle>,
     /// Kernel launches.
     pub launches: usize,
     /// Foreign operations on the compute stream.
@@ -133,10 +153,21 @@ impl Report {
         for phase in &self.phases {
             let _ = writeln!(
                 out,
-                "phase {:<12} {:>10.3} ms/step GPU {:>9.1} launches/step",
+                "phase {:<12} {:>10.3} ms/step GPU {:>9.1} launches/step {:>10.3} ms/step idle",
                 phase.name,
                 phase.total_ms / per,
                 phase.count as f64 / per,
+                phase.idle_ms / per,
+            );
+        }
+        for gap in self.idle.iter().take(top) {
+            let _ = writeln!(
+                out,
+                "idle {:>10.3} ms/step {:>9.1} gaps/step after {} before {}",
+                gap.total_ms / per,
+                gap.count as f64 / per,
+                clipped(&gap.after, 80),
+                clipped(&gap.before, 80),
             );
         }
         out
