@@ -43,6 +43,13 @@ pub trait BackendInfo: Backend {
         false
     }
 
+    /// Tags the work submitted to `device` from now on with `phase` ("forward", "backward",
+    /// "optimizer") in a recording [`profile_start`](Self::profile_start) began, so that its
+    /// table splits GPU and idle time by phase; a no-op where nothing records.
+    fn profile_phase(device: &Self::Device, phase: &'static str) {
+        let _ = (device, phase);
+    }
+
     /// Waits for `device`, stops the recording [`profile_start`](Self::profile_start) began,
     /// and gives its table (the `top` kernels, times per step over `steps` steps); `None`
     /// where nothing was recorded.
@@ -200,6 +207,10 @@ impl<B: BackendInfo, C: CheckpointStrategy> BackendInfo for Autodiff<B, C> {
         B::profile_start(device)
     }
 
+    fn profile_phase(device: &Self::Device, phase: &'static str) {
+        B::profile_phase(device, phase)
+    }
+
     fn profile_report(device: &Self::Device, top: usize, steps: usize) -> Option<String> {
         B::profile_report(device, top, steps)
     }
@@ -284,6 +295,16 @@ where
         }
         let _ = device;
         false
+    }
+
+    fn profile_phase(device: &Self::Device, phase: &'static str) {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) =
+            (device as &dyn core::any::Any).downcast_ref::<burn_megatron_kernels::cuda::CudaGpu>()
+        {
+            burn_megatron_kernels::cuda::profile::phase(gpu, phase);
+        }
+        let _ = (device, phase);
     }
 
     fn profile_report(device: &Self::Device, top: usize, steps: usize) -> Option<String> {

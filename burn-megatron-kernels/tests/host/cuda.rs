@@ -59,12 +59,14 @@ fn report() -> Report {
         }],
         idle: vec![
             Idle {
+                phase: "forward",
                 after: "counts read".into(),
                 before: "Gather<f32>".into(),
                 count: 2,
                 total_ms: 2.0,
             },
             Idle {
+                phase: "forward",
                 after: "Matmul<f32>".into(),
                 before: "Unary<ExpOp, f32>".into(),
                 count: 1,
@@ -133,6 +135,7 @@ fn report_tables_divide_by_the_steps() {
         lines[6].split_whitespace().collect::<Vec<_>>(),
         [
             "idle",
+            "forward",
             "1.000",
             "ms/step",
             "1.0",
@@ -145,7 +148,7 @@ fn report_tables_divide_by_the_steps() {
         ]
     );
     assert!(
-        lines[7].starts_with("idle      0.250 ms/step"),
+        lines[7].starts_with("idle forward           0.250 ms/step"),
         "{}",
         lines[7]
     );

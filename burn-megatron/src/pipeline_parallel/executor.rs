@@ -315,6 +315,12 @@ where
     }
 
     fn step(&mut self, step: &Step) -> Result<()> {
+        let phase = match step {
+            Step::Forward(_) => "forward",
+            Step::Backward(_) => "backward",
+            Step::Exchange(_) => "exchange",
+        };
+        B::profile_phase(&self.device, phase);
         match step {
             Step::Forward(c) => self.forward(*c),
             Step::Backward(c) => self.backward(*c),

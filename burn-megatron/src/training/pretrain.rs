@@ -373,6 +373,7 @@ where
             )?,
             None => forward_backward(schedule_kind, &state, &rank.chunks, &microbatches)?,
         };
+        B::profile_phase(device, "optimizer");
         let mut grads = out.grads;
         let moe_stats = out.moe;
         let bias_rate = model_config
@@ -487,7 +488,7 @@ where
         if profiling && iteration == config.profile_step_end {
             profiling = false;
             let steps = config.profile_step_end - config.profile_step_start;
-            if let Some(table) = B::profile_report(device, 15, steps as usize) {
+            if let Some(table) = B::profile_report(device, 25, steps as usize) {
                 let window = config.profile_step_start + 1..=config.profile_step_end;
                 observer.on_profile(world_rank, window, &table);
             }

@@ -177,7 +177,8 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         |call: &'static str| move |e: cudarc::driver::DriverError| format!("{call}: {e:?}");
     let mut by_name: HashMap<(&'static str, Kind), (usize, f64)> = HashMap::new();
     let mut phases: Vec<PhaseTime> = Vec::new();
-    let mut idle: HashMap<(&'static str, &'static str), (usize, f64)> = HashMap::new();
+    let mut idle: HashMap<(&'static str, &'static str, &'static str), (usize, f64)> =
+        HashMap::new();
     let mut report = Report::default();
     let (mut first, mut last): (Option<CUevent>, Option<&Record>) = (None, None);
     for record in &recorder.records {
@@ -208,7 +209,9 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
             None => 0.0,
         };
         if let Some(previous) = last.filter(|_| gap > 0.0) {
-            let slot = idle.entry((previous.name, record.name)).or_default();
+            let slot = idle
+                .entry((record.phase, previous.name, record.name))
+                .or_default();
             slot.0 += 1;
             slot.1 += gap;
         }
@@ -251,17 +254,18 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         .entries
         .sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms).then(a.name.cmp(&b.name)));
     report.phases = phases;
-    let mut gaps: HashMap<(String, String), (usize, f64)> = HashMap::new();
-    for ((after, before), (count, ms)) in idle {
+    let mut gaps: HashMap<(&'static str, String, String), (usize, f64)> = HashMap::new();
+    for ((phase, after, before), (count, ms)) in idle {
         let slot = gaps
-            .entry((short_name(after), short_name(before)))
+            .entry((phase, short_name(after), short_name(before)))
             .or_default();
         slot.0 += count;
         slot.1 += ms;
     }
     report.idle = gaps
         .into_iter()
-        .map(|((after, before), (count, total_ms))| Idle {
+        .map(|((phase, after, before), (count, total_ms))| Idle {
+            phase,
             after,
             before,
             count,
@@ -271,6 +275,7 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
     report.idle.sort_by(|a, b| {
         b.total_ms
             .total_cmp(&a.total_ms)
+            .then(a.phase.cmp(b.phase))
             .then(a.after.cmp(&b.after))
             .then(a.before.cmp(&b.before))
     });

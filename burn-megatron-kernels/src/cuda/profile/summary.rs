@@ -40,11 +40,13 @@ pub struct PhaseTime {
     pub idle_ms: f64,
 }
 
-/// Compute-stream idle time between two consecutive spans, summed per pair of names: where
+/// Compute-stream idle time between two consecutive spans, summed per phase and pair of names: where
 /// the GPU waited, and for what (a host read before `before`, a launch-bound run of small
 /// kernels, an event from another stream).
 #[derive(Debug, Clone)]
 pub struct Idle {
+    /// The phase of the span after the gap.
+    pub phase: &'static str,
     /// The span that ended before the gap (short name).
     pub after: String,
     /// The span that started after it (short name).
@@ -163,7 +165,8 @@ impl Report {
         for gap in self.idle.iter().take(top) {
             let _ = writeln!(
                 out,
-                "idle {:>10.3} ms/step {:>9.1} gaps/step after {} before {}",
+                "idle {:<12} {:>10.3} ms/step {:>9.1} gaps/step after {} before {}",
+                gap.phase,
                 gap.total_ms / per,
                 gap.count as f64 / per,
                 clipped(&gap.after, 80),
