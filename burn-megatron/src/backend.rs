@@ -15,7 +15,7 @@ use crate::ops::{
     DropoutOps, EmbeddingOps, FlashAttentionOps, Fp8LinearOps, Fp8Ops, GatheredLinearOps, GeluOps,
     GroupedLinearOps, HostTransferOps, IdCheckOps, LinearOps, NormOps, PackedFlashAttentionOps,
     PermuteOps, RecomputeOps, ReduceScatteredLinearOps, RingFlashAttentionOps, RopeOps, SoftmaxOps,
-    SwiGluOps, WriteSlotOps,
+    SwiGluOps, TopKOps, WriteSlotOps,
 };
 
 /// What the training loop asks a backend about itself.
@@ -152,6 +152,7 @@ pub trait ModelBackend:
     + RecomputeOps
     + EmbeddingOps
     + PermuteOps
+    + TopKOps
     + CrossEntropyOps
     + IdCheckOps
     + BackwardHookOps
@@ -185,6 +186,7 @@ impl<B> ModelBackend for B where
         + RecomputeOps
         + EmbeddingOps
         + PermuteOps
+        + TopKOps
         + CrossEntropyOps
         + IdCheckOps
         + BackwardHookOps
@@ -247,7 +249,7 @@ mod ndarray {
         [E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement] NdArray<E, I, Q>
         where [NdArrayTensor: From<SharedArray<E>>, NdArrayTensor: From<SharedArray<I>>];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
-        SoftmaxOps, DecodeAttentionOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
+        SoftmaxOps, DecodeAttentionOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps, TopKOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }
@@ -262,7 +264,7 @@ mod fusion {
     compositions!(
         [B: FusionBackend] Fusion<B> where [];
         BackendInfo, LinearOps, Fp8Ops, Fp8LinearOps, GatheredLinearOps, GroupedLinearOps, ReduceScatteredLinearOps, BiasOps, GeluOps, SwiGluOps, NormOps, DropoutOps, CounterNormalOps, RopeOps,
-        SoftmaxOps, DecodeAttentionOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps,
+        SoftmaxOps, DecodeAttentionOps, FlashAttentionOps, RingFlashAttentionOps, PackedFlashAttentionOps, RecomputeOps, EmbeddingOps, PermuteOps, TopKOps,
         CrossEntropyOps, IdCheckOps, BackwardHookOps, WriteSlotOps, AdamWOps, HostTransferOps,
     );
 }

@@ -40,6 +40,8 @@ pub mod fp8;
 pub mod lse_merge;
 pub mod norm;
 pub mod rope;
+pub mod row_gather;
 pub mod rows;
 pub mod swiglu;
+pub mod top_k;
 pub mod vectors;

@@ -44,6 +44,7 @@
 //! - [`mod@permute`]: the MoE dispatcher's row gathers (Megatron's permute, and unpermute
 //!   with the router's weights), whose gradient is a gather through the inverse index; the
 //!   inverse of an index on the device.
+//! - [`mod@top_k`]: the router's top-k columns of each row, one kernel on CubeCL backends.
 //! - [`mod@cross_entropy`]: the vocabulary-parallel cross-entropy, statistics forward and
 //!   `softmax - one_hot` backward, each one pass over the logits.
 //! - [`mod@ids`]: token and target ids checked against the vocabulary (on the device on our
@@ -84,6 +85,7 @@ pub mod reduce_scattered_linear;
 pub mod ring_flash_attention;
 pub mod rope;
 pub mod swiglu;
+pub mod top_k;
 pub mod write_slot;
 
 pub use adamw::AdamWOps;
@@ -111,4 +113,5 @@ pub use reduce_scattered_linear::ReduceScatteredLinearOps;
 pub use ring_flash_attention::RingFlashAttentionOps;
 pub use rope::RopeOps;
 pub use swiglu::{SwiGluOps, bias_swiglu, sigmoid, swiglu};
+pub use top_k::{TopKOps, top_k_indices};
 pub use write_slot::WriteSlotOps;

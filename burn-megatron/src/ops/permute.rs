@@ -139,6 +139,38 @@ pub trait PermuteOps: Backend {
         unpermute_composition(x, forward, weights)
     }
 
+    /// `dx[j] = Σ_c dy[inverse[j · c + c']]` for the `n` rows of `x`: the backward pass of
+    /// [`permute_rows`](Self::permute_rows). The default is [`gather_rows_summed`].
+    ///
+    /// # Shapes
+    /// - dy: `[m, hidden]`; inverse: `[n · c]`
+    /// - output: `[n, hidden]`
+    fn sum_gathered_rows(
+        dy: Tensor<Self, 2>,
+        inverse: &RowIndex<Self>,
+        n: usize,
+    ) -> Tensor<Self, 2> {
+        gather_rows_summed(dy, inverse, n)
+    }
+
+    /// `dx[i] = weights[a] · dy[a / k]` for the output row `a = inverse[i]` of the forward
+    /// index that read row `i` of `x` (zero where `inverse` says): the input gradient of
+    /// [`unpermute_rows`](Self::unpermute_rows), `k` being the weights' columns. The default
+    /// is the product `dy ⊗ weights` and [`gather_rows_summed`].
+    ///
+    /// # Shapes
+    /// - dy: `[tokens, hidden]`; weights: `[tokens, k]`; inverse: `[n]`
+    /// - output: `[n, hidden]`
+    fn unpermute_input_gradient(
+        dy: Tensor<Self, 2>,
+        weights: Tensor<Self, 2>,
+        inverse: &RowIndex<Self>,
+    ) -> Tensor<Self, 2> {
+        let ([tokens, hidden], [_, k]) = (dy.dims(), weights.dims());
+        let d_rows = dy.reshape([tokens, 1, hidden]) * weights.unsqueeze_dim::<3>(2);
+        gather_rows_summed(d_rows.reshape([tokens * k, hidden]), inverse, inverse.len())
+    }
+
     /// The inverse of an injective index: `inverse[rows[i]] = i` for every `rows[i] < n`
     /// (indices of `n` or more are skipped); a row no index names gets 0. Every value is
     /// clamped into `0..m`, so that an index named twice (a token that chose one expert twice,
@@ -372,7 +404,7 @@ impl<B: PermuteOps> BackwardStep<B> for PermuteBackward {
                 rows: Tensor::from_primitive(rows),
                 zero: zero.map(Tensor::from_primitive),
             };
-            gather_rows_summed(wrap::<B, 2>(grad), &inverse, n)
+            B::sum_gathered_rows(wrap::<B, 2>(grad), &inverse, n)
         });
     }
 }
@@ -408,31 +440,52 @@ impl<B: PermuteOps> BackwardStep<B> for UnpermuteBackward {
     ) {
         let rows = wrap::<B, 3>(state.rows);
         let [tokens, k, hidden] = rows.dims();
-        let dy = wrap::<B, 2>(grad).reshape([tokens, 1, hidden]);
+        let dy = wrap::<B, 2>(grad);
         let weights = wrap::<B, 2>(state.weights);
         register(grads, parent(parents, 0), || {
             let inverse = RowIndex::<B> {
                 rows: Tensor::from_primitive(state.inverse),
                 zero: state.zero.map(Tensor::from_primitive),
             };
-            let d_rows = dy.clone() * weights.unsqueeze_dim::<3>(2);
-            gather_rows_summed(d_rows.reshape([tokens * k, hidden]), &inverse, state.n)
+            debug_assert_eq!(inverse.len(), state.n);
+            B::unpermute_input_gradient(dy.clone(), weights.clone(), &inverse)
         });
+        let dy = dy.reshape([tokens, 1, hidden]);
         register(grads, parent(parents, 1), || {
             (dy * rows).sum_dim(2).reshape([tokens, k])
         });
     }
 }
 
-/// CubeCL backends: the inverse by the embedding's gradient kernel, the positions as f32
-/// values (exact below 2²⁴ rows; the composition past that).
+/// CubeCL backends: the row moves as one kernel each (`burn_megatron_kernels::fused::
+/// row_gather`: a cube a row, 16-byte vectors, sums in f32), f64 by the compositions; the
+/// inverse by the embedding's gradient kernel, the positions as f32 values (exact below 2²⁴
+/// rows; the composition past that).
 #[cfg(feature = "fused")]
 mod cube {
     use burn::tensor::{DType, Int, Tensor, TensorData};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+    use burn_megatron_kernels::fused::row_gather::{RowWeights, row_gather};
 
-    use super::{PermuteOps, invert_rows_composition};
+    use super::{
+        PermuteOps, RowIndex, gather_rows, gather_rows_summed, invert_rows_composition,
+        unpermute_composition,
+    };
     use crate::ops::EmbeddingOps;
+    use crate::ops::primitive::{raw, wrap};
+
+    /// The kernel's index and zero flags.
+    fn index<B: burn::tensor::backend::Backend>(
+        index: &RowIndex<B>,
+    ) -> (
+        burn::tensor::ops::IntTensor<B>,
+        Option<burn::tensor::ops::BoolTensor<B>>,
+    ) {
+        (
+            index.rows.clone().into_primitive(),
+            index.zero.clone().map(Tensor::into_primitive),
+        )
+    }
 
     /// Integers F32 holds exactly: `0..2²⁴`.
     const F32_EXACT: usize = 1 << 24;
@@ -444,6 +497,75 @@ mod cube {
         I: IntElement,
         BT: BoolElement,
     {
+        fn permute_rows(
+            x: Tensor<Self, 2>,
+            forward: &RowIndex<Self>,
+            _backward: &RowIndex<Self>,
+        ) -> Tensor<Self, 2> {
+            if x.dtype() == DType::F64 {
+                return gather_rows(x, forward);
+            }
+            let (rows, zero) = index(forward);
+            wrap(row_gather(raw(x), rows, zero, RowWeights::None, 1))
+        }
+
+        fn unpermute_rows(
+            x: Tensor<Self, 2>,
+            forward: &RowIndex<Self>,
+            _backward: &RowIndex<Self>,
+            weights: Tensor<Self, 2>,
+        ) -> Tensor<Self, 2> {
+            if x.dtype() == DType::F64 || weights.dtype() != x.dtype() {
+                return unpermute_composition(x, forward, weights);
+            }
+            let k = weights.dims()[1];
+            let (rows, zero) = index(forward);
+            wrap(row_gather(
+                raw(x),
+                rows,
+                zero,
+                RowWeights::ByOutput(raw(weights)),
+                k,
+            ))
+        }
+
+        fn sum_gathered_rows(
+            dy: Tensor<Self, 2>,
+            inverse: &RowIndex<Self>,
+            n: usize,
+        ) -> Tensor<Self, 2> {
+            if dy.dtype() == DType::F64 || n == 0 {
+                return gather_rows_summed(dy, inverse, n);
+            }
+            let c = inverse.len() / n;
+            let (rows, zero) = index(inverse);
+            wrap(row_gather(raw(dy), rows, zero, RowWeights::None, c))
+        }
+
+        fn unpermute_input_gradient(
+            dy: Tensor<Self, 2>,
+            weights: Tensor<Self, 2>,
+            inverse: &RowIndex<Self>,
+        ) -> Tensor<Self, 2> {
+            if dy.dtype() == DType::F64 || weights.dtype() != dy.dtype() {
+                let ([tokens, hidden], [_, k]) = (dy.dims(), weights.dims());
+                let d_rows = dy.reshape([tokens, 1, hidden]) * weights.unsqueeze_dim::<3>(2);
+                return gather_rows_summed(
+                    d_rows.reshape([tokens * k, hidden]),
+                    inverse,
+                    inverse.len(),
+                );
+            }
+            let (rows, zero) = index(inverse);
+            wrap(row_gather(
+                raw(dy),
+                rows,
+                zero,
+                RowWeights::ByIndex(raw(weights)),
+                1,
+            ))
+        }
+
         fn invert_rows(rows: Tensor<Self, 1, Int>, n: usize) -> Tensor<Self, 1, Int> {
             let m = rows.dims()[0];
             if m == 0 || n == 0 || m > F32_EXACT {

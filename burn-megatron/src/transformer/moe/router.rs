@@ -22,7 +22,7 @@ use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 use super::aux_losses::{load_balancing_share, z_loss};
 use crate::backend::ModelBackend;
 use crate::error::{ConfigError, DeviceError, read_data};
-use crate::ops::{linear, sigmoid};
+use crate::ops::{TopKOps, linear, sigmoid, top_k_indices};
 
 /// How the router turns its logits into scores (Megatron's `--moe-router-score-function`).
 #[derive(Config, Debug, Copy, PartialEq)]
@@ -522,39 +522,6 @@ fn group_load<B: DistBackend>(
     Ok((sum, total))
 }
 
-/// The indices of the `k` largest values of each row, largest first, ties to the lower index:
-/// `k` arg-max reductions, each masking the one before, so that it runs on the device on
-/// every backend (Burn's `topk_with_indices` sorts, which CubeCL does on the host). The
-/// indices are clamped to `[0, num_experts)` (once, at the end): CubeCL's arg-max returns
-/// `u32::MAX` (`-1` as i32) for a row without a largest value (NaN scores), which masks
-/// nothing, and the indices address buffers.
-///
-/// # Shapes
-/// - scores: `[tokens, num_experts]`
-/// - output: `[tokens, k]`
-fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2, Int> {
-    let [tokens, experts] = scores.dims();
-    let columns = Tensor::<B, 1, Int>::arange(0..experts as i64, &scores.device())
-        .reshape([1, experts])
-        .expand([tokens, experts]);
-    let mut chosen = Vec::with_capacity(k);
-    for j in 0..k {
-        let best = scores.clone().argmax(1);
-        if j + 1 < k {
-            let taken = columns
-                .clone()
-                .equal(best.clone().expand([tokens, experts]));
-            scores = scores.mask_fill(taken, f32::NEG_INFINITY);
-        }
-        chosen.push(best);
-    }
-    let chosen = match k {
-        1 => chosen.remove(0),
-        _ => Tensor::cat(chosen, 1),
-    };
-    chosen.clamp(0, experts as i64 - 1)
-}
-
 /// Megatron's group-limited top-k (DeepSeek-V2's device-limited and DeepSeek-V3's
 /// node-limited routing), the masking part: the experts split into `num_groups` groups of
 /// consecutive experts; each group scored by the sum of its `top_k / group_top_k` best
@@ -564,7 +531,7 @@ fn top_k_indices<B: Backend>(mut scores: Tensor<B, 2>, k: usize) -> Tensor<B, 2,
 /// # Shapes
 /// - scores: `[tokens, num_experts]`
 /// - output: `[tokens, num_experts]`
-fn group_limited_scores<B: Backend>(
+fn group_limited_scores<B: TopKOps>(
     scores: Tensor<B, 2>,
     top_k: usize,
     num_groups: usize,
