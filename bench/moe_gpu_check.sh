@@ -6,8 +6,8 @@
 #   deepseek  examples/configs/deepseek_moe_1b.toml: 64 experts of 1408, top-6 sigmoid with
 #             normalised weights and the expert bias, a shared expert of 2816; ~1.42 B active
 # at EP 4 (mixtral, deepseek) and EP 2 x expert-DP 2 (mixtral), DP 4 for the dense parameters,
-# the distributed optimizer, sequences of 2048, micro-batch 1, global batch 8 (two
-# micro-batches a rank); and the PyTorch peer (bench/torch_moe.py: torch._grouped_mm,
+# the distributed optimizer, sequences of 2048, micro-batch 1, global batch 8 (8 / NPROC
+# micro-batches a rank, the peer's --grad-accum too); and the PyTorch peer (bench/torch_moe.py: torch._grouped_mm,
 # all_to_all_single over the EP group, DDP, torch.compile on attention) at the same settings.
 # Logs go to $OUT. Needs, packed under .gpu/ (bench/pack_gpu.sh): bin/{pretrain_gpt,bm-launch}
 # (bench/pack_gpu.sh build --release --features cuda -p burn-megatron-examples --example
@@ -221,7 +221,8 @@ ours() { # name preset ep [pretrain_gpt flags...]
 
 torch() { # name [torch_moe.py flags...]
   local name=$1; shift
-  local lim flags=("$@" --seq "$SEQ" --micro-batch 1 --grad-accum 2 --warmup 2 --steps "$TORCH_STEPS")
+  # Global batch 8, as ours: 8 / NPROC micro-batches a rank between optimizer steps.
+  local lim flags=("$@" --seq "$SEQ" --micro-batch 1 --grad-accum $(( 8 / NPROC )) --warmup 2 --steps "$TORCH_STEPS")
   [ "$TORCH_NO_COMPILE" = 1 ] && [[ " $* " != *" --no-compile "* ]] && { flags+=(--no-compile); name=${name}_eager; }
   if [ "$CPU_CHECK" = 1 ]; then
     say "=== torch $name (not run on CPU): torchrun --nproc-per-node $NPROC bench/torch_moe.py ${flags[*]}"
