@@ -41,6 +41,7 @@ pub mod lse_merge;
 pub mod norm;
 pub mod rope;
 pub mod row_gather;
+pub mod row_inverse;
 pub mod rows;
 pub mod swiglu;
 pub mod top_k;

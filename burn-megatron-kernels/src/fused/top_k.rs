@@ -35,7 +35,7 @@ fn top_k_kernel<F: Float, I: Int>(
     #[comptime] k: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let row = ABSOLUTE_POS;
+    let row = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X) as usize;
     if row < scores.shape(0) {
         let columns = scores.shape(1);
         let mut values = Array::<f32>::new(k);

@@ -12,8 +12,8 @@
 //!
 //! [`PermuteOps::invert_rows`] builds such an inverse on the device, `inverse[rows[i]] = i`:
 //! CubeCL's `scatter` gives one thread to each column and loops over the indices (for a 1-D
-//! index, one thread for all of them), so CubeCL backends run the embedding's gradient kernel
-//! on the indices as f32 values instead.
+//! index, one thread for all of them), so CubeCL backends run a kernel of a thread an index.
+//! They also run each row move as one kernel (a cube an output row).
 //!
 //! [`unpermute_rows`] is the way back with the router's weights, Megatron's `unpermute`: each
 //! token's `top_k` rows gathered, weighted and summed, one node whose backward is a product
@@ -459,19 +459,15 @@ impl<B: PermuteOps> BackwardStep<B> for UnpermuteBackward {
 
 /// CubeCL backends: the row moves as one kernel each (`burn_megatron_kernels::fused::
 /// row_gather`: a cube a row, 16-byte vectors, sums in f32), f64 by the compositions; the
-/// inverse by the embedding's gradient kernel, the positions as f32 values (exact below 2²⁴
-/// rows; the composition past that).
+/// inverse by a thread an index (`fused::row_inverse`).
 #[cfg(feature = "fused")]
 mod cube {
-    use burn::tensor::{DType, Int, Tensor, TensorData};
+    use burn::tensor::{DType, Int, Tensor};
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
     use burn_megatron_kernels::fused::row_gather::{RowWeights, row_gather};
+    use burn_megatron_kernels::fused::row_inverse::row_inverse;
 
-    use super::{
-        PermuteOps, RowIndex, gather_rows, gather_rows_summed, invert_rows_composition,
-        unpermute_composition,
-    };
-    use crate::ops::EmbeddingOps;
+    use super::{PermuteOps, RowIndex, gather_rows, gather_rows_summed, unpermute_composition};
     use crate::ops::primitive::{raw, wrap};
 
     /// The kernel's index and zero flags.
@@ -486,9 +482,6 @@ mod cube {
             index.zero.clone().map(Tensor::into_primitive),
         )
     }
-
-    /// Integers F32 holds exactly: `0..2²⁴`.
-    const F32_EXACT: usize = 1 << 24;
 
     impl<R, F, I, BT> PermuteOps for CubeBackend<R, F, I, BT>
     where
@@ -567,19 +560,7 @@ mod cube {
         }
 
         fn invert_rows(rows: Tensor<Self, 1, Int>, n: usize) -> Tensor<Self, 1, Int> {
-            let m = rows.dims()[0];
-            if m == 0 || n == 0 || m > F32_EXACT {
-                return invert_rows_composition(rows, n);
-            }
-            let positions: Vec<f32> = (0..m).map(|i| i as f32).collect();
-            let positions = Tensor::<Self, 2>::from_data(
-                TensorData::new(positions, [m, 1]),
-                (&rows.device(), DType::F32),
-            );
-            <Self as EmbeddingOps>::embedding_gradient(positions, rows, n)
-                .reshape([n])
-                .int()
-                .clamp(0, m as i64 - 1)
+            Tensor::from_primitive(row_inverse(rows.into_primitive(), n))
         }
     }
 }

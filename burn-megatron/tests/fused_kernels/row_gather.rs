@@ -2,11 +2,14 @@
 //! their Burn compositions: the permute's gather with zero rows, the weighted combine of `k`
 //! rows, the backward sums over `c` readers, and the combine's input gradient; in f32
 //! (products in the same order: equal to rounding) and in f16 for the plain gather (a copy:
-//! bit for bit), on a strided source.
+//! bit for bit), on a strided source; and the inverse of an index (a thread an index) against
+//! Burn's scatter.
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-use burn_megatron::ops::permute::{gather_rows, gather_rows_summed, unpermute_composition};
+use burn_megatron::ops::permute::{
+    gather_rows, gather_rows_summed, invert_rows_composition, unpermute_composition,
+};
 use burn_megatron::ops::{PermuteOps, RowIndex};
 use burn_megatron_testing::{assert_close, tolerance, values};
 
@@ -126,4 +129,21 @@ fn row_gather_copies_f16_rows_exactly_from_a_strided_source() {
         &expected,
         0.0,
     );
+}
+
+#[test]
+fn row_inverse_kernel_equals_the_scatter() {
+    let device = WgpuDevice::default();
+    // 40 distinct indices into 33 rows: 7 past the end (skipped), 0 rows never named.
+    for (m, n) in [(40, 33), (5, 9), (300, 300)] {
+        let rows: Vec<i64> = (0..m).map(|i| ((i * 17 + 5) % m) as i64).collect();
+        let rows = Tensor::<W, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
+        let got = W::invert_rows(rows.clone(), n).into_data();
+        let want = invert_rows_composition(rows, n).into_data();
+        assert_eq!(
+            got.convert::<i64>().to_vec::<i64>().unwrap(),
+            want.convert::<i64>().to_vec::<i64>().unwrap(),
+            "{m} indices into {n} rows"
+        );
+    }
 }
