@@ -25,7 +25,7 @@ const THREADS: u32 = 128;
 /// Whether the score `value` (NaN if `nan`) at a later column ranks above the kept one.
 #[cube]
 fn ranks_above(value: f32, nan: bool, kept: f32, kept_nan: bool) -> bool {
-    (kept_nan && !nan) || (!nan && !kept_nan && value > kept)
+    !nan && (kept_nan || value > kept)
 }
 
 #[cube(launch)]

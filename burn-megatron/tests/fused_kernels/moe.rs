@@ -331,13 +331,14 @@ fn moe_layer_kernel_launches() {
     }
     let (forward, backward) = (forward.1, backward.1);
     println!("forward + backward: {}", forward + backward);
-    // 327 and 558 before the dispatcher's gathers became `permute_rows` (2026-11-28). Of
+    // 327 and 558 before the dispatcher's gathers became `permute_rows` (2026-11-28), 265 and
+    // 551 before the top-k, row-gather and row-inverse kernels (the same evening). Of
     // these, the 32 experts' products take 3 · (32 + 32) forward (a GEMM each and the
     // concatenation) and 3 · (32 · 2 + 32 · 3) backward (the weights' gradients as well).
     assert!(
-        forward <= 265 && backward <= 551,
-        "the MoE layer launches {forward} kernels forward (at most 265) and {backward} for the \
-         loss and backward (at most 551)"
+        forward <= 241 && backward <= 548,
+        "the MoE layer launches {forward} kernels forward (at most 241) and {backward} for the \
+         loss and backward (at most 548)"
     );
 }
 
