@@ -524,6 +524,111 @@ fn fused_decode_attention_and_add_norm_match_the_composition() {
     }
 }
 
+/// The MoE layer's glue kernels on our CUDA backend in bf16 and f32 (lavapipe has no bf16)
+/// against the compositions on the host's exact f32 of the same values: the router's top-k
+/// (ties, −∞), the permute's gather with zero rows (a copy: bit for bit), the weighted
+/// combine (one rounding to the output's dtype), and the inverse of an index.
+#[test]
+fn moe_glue_kernels_match_the_host() {
+    use burn::backend::NdArray;
+    use burn::tensor::Bool;
+    use burn_megatron::ops::permute::{
+        gather_rows, invert_rows_composition, unpermute_composition,
+    };
+    use burn_megatron::ops::top_k::top_k_composition;
+    use burn_megatron::ops::{PermuteOps, RowIndex, TopKOps};
+    type Host = NdArray<f32>;
+    let device = CudaGpu::new(0);
+    let host = Default::default();
+    fn to_host<const D: usize>(t: Tensor<Ours, D>) -> Tensor<Host, D> {
+        Tensor::from_data(
+            t.cast(DType::F32).into_data().convert::<f32>(),
+            &Default::default(),
+        )
+    }
+    fn ints<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Vec<i64> {
+        t.into_data().convert::<i64>().to_vec::<i64>().unwrap()
+    }
+    let (tokens, experts, k, hidden, n) = (4099, 64, 6, 2048, 3000);
+    for (dtype, bound) in [(DType::BF16, tolerance::BF16), (DType::F32, tolerance::F32)] {
+        // Scores on a grid of 1/4 (exact in bf16: many ties) and some −∞.
+        let grid: Vec<f32> = values(tokens * experts, 11)
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| {
+                if i % 13 == 5 {
+                    f32::NEG_INFINITY
+                } else {
+                    (v * 8.0).round() / 4.0
+                }
+            })
+            .collect();
+        let scores =
+            Tensor::<Ours, 2>::from_data(TensorData::new(grid, [tokens, experts]), &device)
+                .cast(dtype);
+        assert_eq!(
+            ints(Ours::top_k_indices(scores.clone(), k)),
+            ints(top_k_composition(to_host(scores), k)),
+            "{dtype:?} top-k"
+        );
+
+        // The permute: m rows of n, every seventh a zero row.
+        let m = tokens * 2;
+        let rows: Vec<i64> = (0..m).map(|i| ((i * 7919) % n) as i64).collect();
+        let zero: Vec<bool> = (0..m).map(|i| i % 7 == 3).collect();
+        let index = |d: &<Ours as Backend>::Device| {
+            RowIndex::<Ours>::new(Tensor::from_data(TensorData::new(rows.clone(), [m]), d))
+                .with_zero_rows(Tensor::<Ours, 1, Bool>::from_data(
+                    TensorData::new(zero.clone(), [m]),
+                    d,
+                ))
+        };
+        let host_index =
+            RowIndex::<Host>::new(Tensor::from_data(TensorData::new(rows.clone(), [m]), &host))
+                .with_zero_rows(Tensor::<Host, 1, Bool>::from_data(
+                    TensorData::new(zero.clone(), [m]),
+                    &host,
+                ));
+        let x = Tensor::<Ours, 2>::from_data(data(&[n, hidden], 12), &device).cast(dtype);
+        let forward = index(&device);
+        assert_close(
+            &format!("{dtype:?} permute"),
+            &Ours::permute_rows(x.clone(), &forward, &forward)
+                .cast(DType::F32)
+                .into_data(),
+            &gather_rows(to_host(x.clone()), &host_index).into_data(),
+            0.0,
+        );
+
+        // The combine: each of m / 2 tokens' two rows weighted and summed.
+        let weights = Tensor::<Ours, 2>::from_data(data(&[m / 2, 2], 13), &device).cast(dtype);
+        assert_close(
+            &format!("{dtype:?} combine"),
+            &Ours::unpermute_rows(x.clone(), &forward, &forward, weights.clone())
+                .cast(DType::F32)
+                .into_data(),
+            &unpermute_composition(to_host(x), &host_index, to_host(weights)).into_data(),
+            bound,
+        );
+    }
+
+    // The inverse of a permutation of 12 288 send rows, 288 of them past the end.
+    let m = 12_288;
+    let rows: Vec<i64> = (0..m).map(|i| ((i * 7919) % m) as i64).collect();
+    let n = m - 288;
+    assert_eq!(
+        ints(Ours::invert_rows(
+            Tensor::from_data(TensorData::new(rows.clone(), [m]), &device),
+            n
+        )),
+        ints(invert_rows_composition(
+            Tensor::<Host, 1, Int>::from_data(TensorData::new(rows, [m]), &host),
+            n
+        )),
+        "inverse"
+    );
+}
+
 /// Token and target ids outside the vocabulary on our CUDA backend: the forward pass returns
 /// without waiting for the device, and the device's next sync fails, naming the id and the
 /// vocabulary. A valid step before and after syncs cleanly.
