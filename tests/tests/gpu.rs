@@ -43,6 +43,14 @@ fn data(shape: &[usize], seed: u64) -> TensorData {
     TensorData::new(values(shape.iter().product(), seed), shape.to_vec())
 }
 
+/// A tensor of ours on the host, in f32 (exact for every dtype of ours).
+fn to_host<const D: usize>(t: Tensor<Ours, D>) -> Tensor<burn::backend::NdArray<f32>, D> {
+    Tensor::from_data(
+        t.cast(DType::F32).into_data().convert::<f32>(),
+        &Default::default(),
+    )
+}
+
 /// A broad set of Burn ops, run on backend `B`; each result with its name.
 fn op_suite<B: Backend>(device: &B::Device) -> Vec<(&'static str, TensorData)> {
     let x = Tensor::<B, 2>::from_data(data(&[64, 96], 1), device);
@@ -408,13 +416,6 @@ fn fused_decode_attention_and_add_norm_match_the_composition() {
     type Host = NdArray<f32>;
     let device = CudaGpu::new(0);
     let host_device = Default::default();
-    // A tensor of ours on the host, in f32.
-    fn to_host<const D: usize>(t: Tensor<Ours, D>) -> Tensor<Host, D> {
-        Tensor::from_data(
-            t.cast(DType::F32).into_data().convert::<f32>(),
-            &Default::default(),
-        )
-    }
     fn indices<B: Backend>(column: usize, pads: &[i64], device: &B::Device) -> DecodeIndices<B> {
         let int = |v: Vec<i64>| {
             let n = v.len();
@@ -540,12 +541,6 @@ fn moe_glue_kernels_match_the_host() {
     type Host = NdArray<f32>;
     let device = CudaGpu::new(0);
     let host = Default::default();
-    fn to_host<const D: usize>(t: Tensor<Ours, D>) -> Tensor<Host, D> {
-        Tensor::from_data(
-            t.cast(DType::F32).into_data().convert::<f32>(),
-            &Default::default(),
-        )
-    }
     fn ints<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Vec<i64> {
         t.into_data().convert::<i64>().to_vec::<i64>().unwrap()
     }
@@ -576,7 +571,7 @@ fn moe_glue_kernels_match_the_host() {
         let m = tokens * 2;
         let rows: Vec<i64> = (0..m).map(|i| ((i * 7919) % n) as i64).collect();
         let zero: Vec<bool> = (0..m).map(|i| i % 7 == 3).collect();
-        let index = |d: &<Ours as Backend>::Device| {
+        let index = |d: &CudaGpu| {
             RowIndex::<Ours>::new(Tensor::from_data(TensorData::new(rows.clone(), [m]), d))
                 .with_zero_rows(Tensor::<Ours, 1, Bool>::from_data(
                     TensorData::new(zero.clone(), [m]),
