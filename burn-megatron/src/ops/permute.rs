@@ -101,7 +101,8 @@ pub trait PermuteOps: Backend {
     /// `[n · c]` rows, `c` for each row `j` of `x` (in order), listing the output rows that
     /// read `j` and zero for the rest, so that `dx[j] = Σ_c dy[backward[j · c + c']]`.
     /// `Autodiff<B>` records one node holding `backward`, whose backward pass is that gather
-    /// and sum ([`gather_rows_summed`]); the default forward is [`gather_rows`].
+    /// and sum ([`sum_gathered_rows`](Self::sum_gathered_rows)); the default forward is
+    /// [`gather_rows`].
     ///
     /// # Shapes
     /// - x: `[n, hidden]`
@@ -119,10 +120,13 @@ pub trait PermuteOps: Backend {
     /// `y[t] = Σ_j weights[t, j] · x[forward.rows[t · k + j]]` (Megatron's `unpermute`, with
     /// `forward`'s zero rows zero): each token's `k` rows gathered, weighted and summed.
     /// `backward` is the inverse, one output row of `forward` (a row `t · k + j`) for each row
-    /// of `x` or a zero row. `Autodiff<B>` records one node holding the gathered rows, the
-    /// weights and `backward`: `dx[i] = weights[a] · dy[a / k]` for the row `a` that reads `i`
-    /// (a product and [`gather_rows_summed`]), and `dweights[t, j] = dy[t] · x[rows[t · k + j]]`.
-    /// The default forward is [`unpermute_composition`].
+    /// of `x` or a zero row. `Autodiff<B>` gathers the rows ([`permute_rows`](Self::permute_rows),
+    /// kept for the weights' gradient), weights and sums them as Burn operations, and records
+    /// one node holding the gathered rows, the weights and `backward`: `dx[i] = weights[a] ·
+    /// dy[a / k]` for the row `a` that reads `i`
+    /// ([`unpermute_input_gradient`](Self::unpermute_input_gradient)), and `dweights[t, j] =
+    /// dy[t] · x[rows[t · k + j]]`. The default forward (what this method runs without
+    /// autodiff) is [`unpermute_composition`].
     ///
     /// # Shapes
     /// - x: `[n, hidden]`
@@ -156,7 +160,7 @@ pub trait PermuteOps: Backend {
     /// `dx[i] = weights[a] · dy[a / k]` for the output row `a = inverse[i]` of the forward
     /// index that read row `i` of `x` (zero where `inverse` says): the input gradient of
     /// [`unpermute_rows`](Self::unpermute_rows), `k` being the weights' columns. The default
-    /// is the product `dy ⊗ weights` and [`gather_rows_summed`].
+    /// is [`unpermute_input_gradient_composition`].
     ///
     /// # Shapes
     /// - dy: `[tokens, hidden]`; weights: `[tokens, k]`; inverse: `[n]`
@@ -166,17 +170,15 @@ pub trait PermuteOps: Backend {
         weights: Tensor<Self, 2>,
         inverse: &RowIndex<Self>,
     ) -> Tensor<Self, 2> {
-        let ([tokens, hidden], [_, k]) = (dy.dims(), weights.dims());
-        let d_rows = dy.reshape([tokens, 1, hidden]) * weights.unsqueeze_dim::<3>(2);
-        gather_rows_summed(d_rows.reshape([tokens * k, hidden]), inverse, inverse.len())
+        unpermute_input_gradient_composition(dy, weights, inverse)
     }
 
     /// The inverse of an injective index: `inverse[rows[i]] = i` for every `rows[i] < n`
     /// (indices of `n` or more are skipped); a row no index names gets 0. Every value is
     /// clamped into `0..m`, so that an index named twice (a token that chose one expert twice,
     /// as the router's top-k does for a row of NaN scores) gives wrong rows, not rows past the
-    /// buffers. The default is [`invert_rows_composition`]; CubeCL backends run the
-    /// embedding's gradient kernel.
+    /// buffers. The default is [`invert_rows_composition`]; CubeCL backends run a kernel of
+    /// a thread an index.
     ///
     /// # Shapes
     /// - rows: `[m]`, distinct where below `n`
@@ -298,6 +300,18 @@ pub fn gather_rows_summed<B: Backend>(
     }
 }
 
+/// [`PermuteOps::unpermute_input_gradient`] as Burn operations: the product `dy ⊗ weights`
+/// (`[tokens · k, hidden]`) and [`gather_rows_summed`] through the inverse.
+pub fn unpermute_input_gradient_composition<B: Backend>(
+    dy: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    inverse: &RowIndex<B>,
+) -> Tensor<B, 2> {
+    let ([tokens, hidden], [_, k]) = (dy.dims(), weights.dims());
+    let d_rows = dy.reshape([tokens, 1, hidden]) * weights.unsqueeze_dim::<3>(2);
+    gather_rows_summed(d_rows.reshape([tokens * k, hidden]), inverse, inverse.len())
+}
+
 /// [`PermuteOps::invert_rows`] as Burn computes it: a zero vector and a `scatter` of the
 /// positions (on CubeCL one thread for the whole index).
 pub fn invert_rows_composition<B: Backend>(rows: Tensor<B, 1, Int>, n: usize) -> Tensor<B, 1, Int> {
@@ -383,7 +397,7 @@ fn to_inner<B: Backend, C: CheckpointStrategy>(index: &RowIndex<Autodiff<B, C>>)
     }
 }
 
-/// The backward of [`permute_rows`]: [`gather_rows_summed`] through the inverse. Its parent
+/// The backward of [`permute_rows`]: [`PermuteOps::sum_gathered_rows`] through the inverse. Its parent
 /// is the source.
 #[derive(Debug)]
 struct PermuteBackward;
@@ -467,7 +481,10 @@ mod cube {
     use burn_megatron_kernels::fused::row_gather::{RowWeights, row_gather};
     use burn_megatron_kernels::fused::row_inverse::row_inverse;
 
-    use super::{PermuteOps, RowIndex, gather_rows, gather_rows_summed, unpermute_composition};
+    use super::{
+        PermuteOps, RowIndex, gather_rows, gather_rows_summed, unpermute_composition,
+        unpermute_input_gradient_composition,
+    };
     use crate::ops::primitive::{raw, wrap};
 
     /// The kernel's index and zero flags.
@@ -541,13 +558,7 @@ mod cube {
             inverse: &RowIndex<Self>,
         ) -> Tensor<Self, 2> {
             if dy.dtype() == DType::F64 || weights.dtype() != dy.dtype() {
-                let ([tokens, hidden], [_, k]) = (dy.dims(), weights.dims());
-                let d_rows = dy.reshape([tokens, 1, hidden]) * weights.unsqueeze_dim::<3>(2);
-                return gather_rows_summed(
-                    d_rows.reshape([tokens * k, hidden]),
-                    inverse,
-                    inverse.len(),
-                );
+                return unpermute_input_gradient_composition(dy, weights, inverse);
             }
             let (rows, zero) = index(inverse);
             wrap(row_gather(
