@@ -29,6 +29,7 @@ mod connect;
 mod error;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod flat_collective;
+mod host_read;
 mod launch;
 mod layout;
 pub mod mapping;
@@ -50,6 +51,7 @@ mod watchdog;
 mod work;
 
 pub use error::{DistError, DistResult};
+pub use host_read::HostRead;
 pub use launch::{LaunchConfig, LaunchError, RankContext, launch};
 pub use layout::{GroupKind, LayoutError, ParallelLayout, ParallelSizes, RankCoords};
 pub use mapping::DistBackend;

@@ -865,6 +865,37 @@ fn foreign_ops_run_in_stream_order() {
     }
 }
 
+/// A read ahead (`DeviceTransport::read_ahead`, a copy on a side lane) gives the tensor as
+/// the work queued before it left it: a kernel writes the tensor just before the read, later
+/// kernels write over its memory before the wait (they must wait for the copy), 200 rounds.
+/// A read dropped unwaited gives its buffer back only after its copy; a tensor that is not
+/// contiguous is read the usual way, at the wait.
+#[test]
+fn reads_ahead_see_the_tensor_as_it_was_queued() {
+    use burn_megatron_dist::DeviceTransport;
+    let device = CudaGpu::new(0);
+    let mut x = Tensor::<Ours, 1>::zeros([4099], &device);
+    let mut wrong = 0;
+    for round in 1..=200 {
+        x = x + 1.0;
+        let read = <Ours as DeviceTransport>::read_ahead(x.clone());
+        // Later work, then the tensor's memory written in place where Burn can.
+        let busy = Tensor::<Ours, 2>::from_data(data(&[512, 512], round), &device);
+        let _ = busy.clone().matmul(busy).sum();
+        x = x * 1.0;
+        if round % 7 == 0 {
+            drop(<Ours as DeviceTransport>::read_ahead(x.clone()));
+        }
+        let got = read.wait().expect("the read").to_vec::<f32>().unwrap();
+        wrong += got.iter().filter(|&&v| v != round as f32).count();
+    }
+    println!("read ahead: {wrong} wrong values of 200 × 4099");
+    assert_eq!(wrong, 0, "a read ahead saw the tensor at another moment");
+    let m = Tensor::<Ours, 2>::from_data(data(&[64, 33], 5), &device).transpose();
+    let got = <Ours as DeviceTransport>::read_ahead(m.clone()).wait().unwrap();
+    assert_eq!(got, m.into_data(), "a transposed tensor read ahead");
+}
+
 /// The negative control: the same copy on a stream of the test's own, unordered with the
 /// compute stream, gives wrong results.
 #[test]

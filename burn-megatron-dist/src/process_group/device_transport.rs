@@ -13,6 +13,7 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
 use super::ProcessGroup;
 use crate::error::DistResult;
+use crate::host_read::HostRead;
 use crate::op::{CollectiveOp, P2pOp};
 
 /// What a backend did with a communication call: ran it on the device's own transport, or
@@ -79,6 +80,14 @@ pub trait DeviceTransport: burn::tensor::backend::Backend {
         let _ = (group, device);
         OnDevice::Host(ops)
     }
+
+    /// Starts reading `x` to the host after the work queued so far, so that the caller can
+    /// queue work that does not need the values before it waits for them
+    /// ([`HostRead::wait`]). By default the read happens at the wait; our CUDA backend copies
+    /// on a side lane at once, and the wait does not wait for the compute queued after it.
+    fn read_ahead<const D: usize>(x: Tensor<Self, D>) -> HostRead {
+        HostRead::later(x)
+    }
 }
 
 impl<E: FloatNdArrayElement, I: IntNdArrayElement, Q: QuantElement> DeviceTransport
@@ -93,15 +102,18 @@ where
 mod cube {
     use std::any::Any;
 
+    use burn::tensor::TensorData;
     use burn::tensor::{DType, Tensor, TensorPrimitive};
     use burn_cubecl::tensor::CubeTensor;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
     use burn_fusion::{Fusion, FusionBackend};
+    use burn_megatron_kernels::cuda::read_ahead::read_ahead;
     use burn_megatron_kernels::cuda::{CudaGpu, MegatronCudaRuntime};
 
     use super::ProcessGroup;
     use super::{DeviceTransport, OnDevice};
     use crate::error::DistResult;
+    use crate::host_read::HostRead;
     use crate::nccl::GpuP2p;
     use crate::op::CollectiveOp;
     use crate::op::P2pOp;
@@ -196,6 +208,21 @@ mod cube {
                     .map(|received| received.into_iter().map(back).collect()),
             )
         }
+
+        fn read_ahead<const D: usize>(x: Tensor<Self, D>) -> HostRead {
+            let (shape, dtype) = (x.dims(), x.dtype());
+            let primitive: CubeTensor<R> = x.clone().into_primitive().tensor();
+            let started = cast::<_, CubeTensor<MegatronCudaRuntime>>(primitive)
+                .ok()
+                .and_then(|ours| read_ahead(&ours));
+            match started {
+                Some(read) => HostRead::new(move || {
+                    read.wait()
+                        .map(|bytes| TensorData::from_bytes_vec(bytes, shape, dtype))
+                }),
+                None => HostRead::later(x),
+            }
+        }
     }
 
     /// Fused backends move tensors through the host: NCCL takes unfused tensors.
@@ -240,6 +267,10 @@ impl<B: DeviceTransport, C: CheckpointStrategy> DeviceTransport for Autodiff<B, 
         device: &Self::Device,
     ) -> Option<DistResult<Tensor<Self, D>>> {
         B::recv_on_device(group, src, shape, dtype, device).map(|r| r.map(Tensor::from_inner))
+    }
+
+    fn read_ahead<const D: usize>(x: Tensor<Self, D>) -> HostRead {
+        B::read_ahead(x.inner())
     }
 
     fn batch_p2p_on_device<const D: usize>(

@@ -43,7 +43,7 @@ pub fn prepare_pinned(device: &CudaGpu, sizes: Vec<usize>) {
 }
 
 /// `device`'s pool, asked of its server once.
-fn pool(device: &CudaGpu) -> PinnedPool {
+pub(super) fn pool(device: &CudaGpu) -> PinnedPool {
     static POOLS: OnceLock<Mutex<HashMap<usize, PinnedPool>>> = OnceLock::new();
     let mut pools =
         (POOLS.get_or_init(Default::default).lock()).unwrap_or_else(PoisonError::into_inner);

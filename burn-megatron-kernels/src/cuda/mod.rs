@@ -38,6 +38,7 @@ mod modules;
 mod pinned;
 pub mod profile;
 mod properties;
+pub mod read_ahead;
 mod runtime;
 mod server;
 mod storage;

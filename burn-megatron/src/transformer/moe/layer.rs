@@ -140,16 +140,21 @@ impl<B: ModelBackend> MoeLayer<B> {
         let routing = self
             .router
             .route_sequences_over(tokens.clone(), batch, sequence)?;
-        let plan = self
+        // The shared expert is queued between the counts' read and the wait for it, so that
+        // the GPU runs it while the host plans the exchange (Megatron's shared-expert
+        // overlap); it is added last, as without the overlap.
+        let pending = self
             .dispatcher
-            .plan_routing(&routing, self.capacity.as_ref())?;
-        let expert_input = self.dispatcher.dispatch(&plan, tokens.clone())?;
+            .start_plan_routing(&routing, self.capacity.as_ref())?;
+        let shared = (self.shared_expert.as_ref()).map(|s| s.forward_expert(0, tokens.clone()));
+        let plan = self.dispatcher.finish_plan(pending)?;
+        let expert_input = self.dispatcher.dispatch(&plan, tokens)?;
         let expert_output = self.experts.forward(expert_input, &plan.local_counts);
         let mut output = self
             .dispatcher
             .combine(&plan, expert_output, routing.weights)?;
-        if let Some(shared) = &self.shared_expert {
-            output = output + shared.forward_expert(0, tokens);
+        if let Some(shared) = shared {
+            output = output + shared;
         }
         Ok(MoeOutput {
             output: output.reshape([batch, seq, hidden]),

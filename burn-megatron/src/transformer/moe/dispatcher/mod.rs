@@ -51,7 +51,7 @@ use std::ops::Range;
 
 use burn::config::Config;
 use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
-use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistError, DistResult, HostRead, ProcessGroup};
 
 pub use all_gather::AllGatherPlan;
 pub use all_to_all::AllToAllPlan;
@@ -135,6 +135,24 @@ pub struct DispatchPlan<B: Backend> {
     pub local_counts: Vec<usize>,
     /// The dispatcher's own part: how the rows travel.
     pub exchange: Exchange<B>,
+}
+
+/// A plan half made ([`TokenDispatcher::start_plan_routing`]): the counts on their way to
+/// the host and the sort's sums queued; [`TokenDispatcher::finish_plan`] completes it.
+pub struct PendingPlan<B: Backend> {
+    /// `[num_tokens, top_k]`, device: each assignment's expert.
+    experts: Tensor<B, 2, Int>,
+    capacity: Option<ExpertCapacity>,
+    /// The all-gathered counts (with the probs policy, this rank's experts and weights too).
+    read: HostRead,
+    /// The cumulative sums of the routing map.
+    sums: BlockedCumsum<B>,
+}
+
+impl<B: Backend> core::fmt::Debug for PendingPlan<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "PendingPlan({:?})", self.experts.dims())
+    }
 }
 
 /// The part of a [`DispatchPlan`] that depends on the dispatcher.
@@ -286,7 +304,23 @@ impl TokenDispatcher {
         routing: &Routing<B>,
         capacity: Option<&ExpertCapacity>,
     ) -> DistResult<DispatchPlan<B>> {
-        self.plan_dropping(
+        let pending = self.start_plan_routing(routing, capacity)?;
+        self.finish_plan(pending)
+    }
+
+    /// The first half of [`plan_routing`](Self::plan_routing): queues the counts'
+    /// all-gather, starts their read to the host ([`DeviceTransport::read_ahead`]) and queues
+    /// the cumulative sums that sort the assignments, without waiting. Work queued before
+    /// [`finish_plan`](Self::finish_plan) (the shared expert) then keeps the GPU busy while
+    /// the host waits for the counts and plans (Megatron's shared-expert overlap).
+    ///
+    /// [`DeviceTransport::read_ahead`]: burn_megatron_dist::DeviceTransport::read_ahead
+    pub fn start_plan_routing<B: DistBackend + PermuteOps>(
+        &self,
+        routing: &Routing<B>,
+        capacity: Option<&ExpertCapacity>,
+    ) -> DistResult<PendingPlan<B>> {
+        self.start_plan(
             routing.experts.clone(),
             Some(routing.routing_map.clone()),
             routing.tokens_per_expert.clone(),
@@ -301,8 +335,18 @@ impl TokenDispatcher {
         tokens_per_expert: Tensor<B, 1, Int>,
         drop: Option<(&ExpertCapacity, Tensor<B, 2>)>,
     ) -> DistResult<DispatchPlan<B>> {
-        let (ep, rank) = (self.ep.size(), self.ep.rank());
-        let (e_all, e_local) = (self.num_experts, self.num_local_experts());
+        let pending = self.start_plan(experts, map, tokens_per_expert, drop)?;
+        self.finish_plan(pending)
+    }
+
+    fn start_plan<B: DistBackend + PermuteOps>(
+        &self,
+        experts: Tensor<B, 2, Int>,
+        map: Option<Tensor<B, 2, Int>>,
+        tokens_per_expert: Tensor<B, 1, Int>,
+        drop: Option<(&ExpertCapacity, Tensor<B, 2>)>,
+    ) -> DistResult<PendingPlan<B>> {
+        let e_all = self.num_experts;
         let [num_tokens, top_k] = experts.dims();
         let device = experts.device();
         // routed_of[r][e]: assignments rank r routes to expert e. Cast to F32 directly, not
@@ -315,7 +359,7 @@ impl TokenDispatcher {
         let local =
             Tensor::<B, 1>::from_data(TensorData::new(total, [e_all + 1]), (&device, DType::F32))
                 .slice_assign(0..e_all, tokens_per_expert.cast(FloatDType::F32));
-        let all = match ep {
+        let all = match self.ep.size() {
             1 => local,
             _ => self.ep.all_gather(local, 0)?,
         };
@@ -336,13 +380,41 @@ impl TokenDispatcher {
             ),
             _ => all,
         };
+        let read = B::read_ahead(read);
+        // The sort's sums need only the routing: queued now, they run while the host waits.
+        let map = map.unwrap_or_else(|| routing_map(experts.clone(), e_all));
+        Ok(PendingPlan {
+            experts,
+            capacity,
+            read,
+            sums: BlockedCumsum::new(map),
+        })
+    }
+
+    /// The second half of [`plan_routing`](Self::plan_routing): waits for the counts and
+    /// builds the plan from them.
+    pub fn finish_plan<B: DistBackend + PermuteOps>(
+        &self,
+        pending: PendingPlan<B>,
+    ) -> DistResult<DispatchPlan<B>> {
+        let PendingPlan {
+            experts,
+            capacity,
+            read,
+            sums,
+        } = pending;
+        let (ep, rank) = (self.ep.size(), self.ep.rank());
+        let (e_all, e_local) = (self.num_experts, self.num_local_experts());
+        let [num_tokens, top_k] = experts.dims();
+        let device = experts.device();
+        let assignments = num_tokens * top_k;
         let error = |message: String| DistError::Device {
             rank: self.ep.global_rank(),
             group: self.ep.name().to_string(),
             what: "the expert token counts all-gathered over EP".to_string(),
             message,
         };
-        let read = read.try_into_data().map_err(|e| error(e.to_string()))?;
+        let read = read.wait().map_err(error)?;
         let read = read
             .convert::<f32>()
             .to_vec::<f32>()
@@ -399,13 +471,11 @@ impl TokenDispatcher {
         // device.
         let dropped: usize =
             routed_of[rank].iter().sum::<usize>() - kept_of[rank].iter().sum::<usize>();
-        let map = map.unwrap_or_else(|| routing_map(experts.clone(), e_all));
         let (sums, dropped_mask) = match (capacity, capacity_of[rank]) {
             (Some(c), Some(cap)) if dropped > 0 => match c.drop_policy {
                 TokenDropPolicy::Position => {
                     // An assignment's place among all its expert's: the first `cap` stay, so
                     // that the places of those kept are their places among the kept.
-                    let sums = BlockedCumsum::new(map);
                     let place = assignment_rows(&sums, &experts, &vec![0; e_all]);
                     (sums, Some(place.greater_equal_elem(cap as i64)))
                 }
@@ -425,7 +495,7 @@ impl TokenDispatcher {
                     (sums, Some(drop))
                 }
             },
-            _ => (BlockedCumsum::new(map), None),
+            _ => (sums, None),
         };
         let sorted = Sorted {
             num_tokens,
