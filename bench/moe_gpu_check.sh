@@ -21,6 +21,7 @@
 #   PART=late4 bash bench/moe_gpu_check.sh          # 4 GPUs: the same at EP 4
 #   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
+#   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
 #   NPROC=2 PART=parts2 bash bench/moe_gpu_check.sh   # 2 GPUs: the presets past 2^32 expert elements a rank (experts in parts)
@@ -305,6 +306,16 @@ if [ "$PART" != all ] && part steady2; then
   ITERS=20 ours mixtral_ep2_steady mixtral_1b_moe 2
   torch mixtral_ep2 --preset mixtral --ep 2
   ITERS=20 ours deepseek_ep2_steady deepseek_moe_1b 2
+  torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part grouped2; then
+  # For 2 GPUs (NPROC=2): the experts' forward and input-gradient products as one cuBLAS
+  # grouped GEMM (BM_GROUPED_GEMM=grouped) against one cuBLASLt GEMM an expert (the default),
+  # both presets at EP 2 for 20 iterations, then the DeepSeek-like peer. Run PART=gemm
+  # first for the products' TFLOP/s alone.
+  ITERS=20 ours deepseek_ep2_loop deepseek_moe_1b 2
+  BM_GROUPED_GEMM=grouped ITERS=20 ours deepseek_ep2_grouped deepseek_moe_1b 2
+  BM_GROUPED_GEMM=grouped ITERS=20 ours mixtral_ep2_grouped mixtral_1b_moe 2
   torch deepseek_ep2 --preset deepseek --ep 2
 fi
 if [ "$PART" != all ] && part nan2; then

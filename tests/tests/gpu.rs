@@ -892,7 +892,9 @@ fn reads_ahead_see_the_tensor_as_it_was_queued() {
     println!("read ahead: {wrong} wrong values of 200 × 4099");
     assert_eq!(wrong, 0, "a read ahead saw the tensor at another moment");
     let m = Tensor::<Ours, 2>::from_data(data(&[64, 33], 5), &device).transpose();
-    let got = <Ours as DeviceTransport>::read_ahead(m.clone()).wait().unwrap();
+    let got = <Ours as DeviceTransport>::read_ahead(m.clone())
+        .wait()
+        .unwrap();
     assert_eq!(got, m.into_data(), "a transposed tensor read ahead");
 }
 

@@ -222,6 +222,13 @@ mod cuda {
     use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
+    /// Whether `BM_GROUPED_GEMM=grouped` asks for cuBLAS's grouped GEMM in the forward and
+    /// input-gradient products (read once).
+    fn grouped_forward_products() -> bool {
+        static GROUPED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *GROUPED.get_or_init(|| std::env::var("BM_GROUPED_GEMM").is_ok_and(|v| v == "grouped"))
+    }
+
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
@@ -229,13 +236,24 @@ mod cuda {
         /// concatenation): measured on an H200 (`gemm_bench grouped`, book "Benchmarks"),
         /// cuBLAS's grouped GEMM ran the forward and input-gradient products at 0.40-0.44 of a
         /// dense GEMM of the same FLOPs, the per-expert GEMMs at 0.93. The composition where
-        /// cuBLASLt cannot take the operands.
+        /// cuBLASLt cannot take the operands. `BM_GROUPED_GEMM=grouped` runs cuBLAS's grouped
+        /// GEMM instead (one launch for every expert), to compare the two in a training run.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
             w: Tensor<Self, 3>,
             counts: &[usize],
             transpose_w: bool,
         ) -> Tensor<Self, 2> {
+            if grouped_forward_products()
+                && let Ok(y) = grouped_gemm::grouped_gemm(
+                    &raw(x.clone()),
+                    &raw(w.clone()),
+                    counts,
+                    transpose_w,
+                )
+            {
+                return wrap(y);
+            }
             let ([n, _], [_, rows, cols]) = (x.dims(), w.dims());
             let width = if transpose_w { rows } else { cols };
             let out = raw(Tensor::<Self, 2>::empty(
