@@ -22,6 +22,7 @@
 #   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
+#   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=adamw2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like, the build before and this one, profiled
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
 #   NPROC=2 PART=parts2 bash bench/moe_gpu_check.sh   # 2 GPUs: the presets past 2^32 expert elements a rank (experts in parts)
@@ -317,6 +318,15 @@ if [ "$PART" != all ] && part grouped2; then
   BM_GROUPED_GEMM=grouped ITERS=20 ours deepseek_ep2_grouped deepseek_moe_1b 2
   BM_GROUPED_GEMM=grouped ITERS=20 ours mixtral_ep2_grouped mixtral_1b_moe 2
   torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part adamw2; then
+  # For 2 GPUs (NPROC=2): the build before (OLD=.gpu/old/pretrain_gpt) against this one, the
+  # DeepSeek-like preset at EP 2, 14 iterations, step 12 profiled on rank 0 (AdamW's kernel
+  # time is in the profile's table).
+  if [ -x "${OLD:-}" ]; then
+    PRETRAIN=$OLD BM_PROFILE=1 ITERS=14 ours deepseek_ep2_old deepseek_moe_1b 2 --profile --profile-step-start 12 --profile-step-end 13 --profile-ranks 0
+  fi
+  BM_PROFILE=1 ITERS=14 ours deepseek_ep2_new deepseek_moe_1b 2 --profile --profile-step-start 12 --profile-step-end 13 --profile-ranks 0
 fi
 if [ "$PART" != all ] && part nan2; then
   # For 2 GPUs (NPROC=2): the Mixtral-like model at EP 1 x DP 2 (no token exchange), whose

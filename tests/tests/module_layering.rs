@@ -65,7 +65,15 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "burn-megatron-dist",
         &[
-            &["error", "layout", "op", "placement", "shard", "work"],
+            &[
+                "error",
+                "host_read",
+                "layout",
+                "op",
+                "placement",
+                "shard",
+                "work",
+            ],
             &[
                 "transport",
                 "threads",

@@ -29,6 +29,8 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::vectors::vector_width;
+
 pub use crate::adamw_scalars::AdamWScalars;
 
 /// Threads per cube.
@@ -92,19 +94,21 @@ fn one_minus_power(x: f32) -> f32 {
     }
 }
 
+/// A thread updates one vector of `N` elements (16 bytes of each f32 buffer on CUDA): the
+/// per-element arithmetic is the scalar update's, in the same order.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn adamw_kernel<P: Float>(
-    master: &Tensor<f32>,
-    grad: &Tensor<f32>,
-    exp_avg: &mut Tensor<f32>,
-    exp_avg_sq: &mut Tensor<f32>,
+fn adamw_kernel<P: Float, N: Size>(
+    master: &Tensor<Vector<f32, N>>,
+    grad: &Tensor<Vector<f32, N>>,
+    exp_avg: &mut Tensor<Vector<f32, N>>,
+    exp_avg_sq: &mut Tensor<Vector<f32, N>>,
     decay: &Tensor<f32>,
     step: &Tensor<f32>,
     grad_factor: &Tensor<f32>,
     found_inf: &Tensor<f32>,
-    master_out: &mut Tensor<f32>,
-    model_out: &mut Tensor<P>,
+    master_out: &mut Tensor<Vector<f32, N>>,
+    model_out: &mut Tensor<Vector<P, N>>,
     lr: f32,
     beta_1: f32,
     beta_2: f32,
@@ -113,36 +117,48 @@ fn adamw_kernel<P: Float>(
     epsilon: f32,
     decay_factor: f32,
     block: u32,
-    n: u32,
+    vectors: u32,
     #[comptime] in_place: bool,
     #[comptime] write_model: bool,
     #[define(P)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
-    if i >= n as usize {
+    if i >= vectors as usize {
         terminate!();
     }
     // In place, `master_out` holds the old weights and `master` is a placeholder.
     let mut p = if in_place { master_out[i] } else { master[i] };
     if found_inf[0] == f32::new(0.0) {
-        let g = grad[i] * grad_factor[0];
-        let m = exp_avg[i] * beta_1 + g * (f32::new(1.0) - beta_1);
-        let v = exp_avg_sq[i] * beta_2 + g * g * (f32::new(1.0) - beta_2);
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
+        let factor = grad_factor[0];
+        let g = grad[i];
+        let mut m = exp_avg[i];
+        let mut v = exp_avg_sq[i];
         let t = step[0] + f32::new(1.0);
         let bias_1 = one_minus_power(t * ln_beta_1);
         let bias_2 = one_minus_power(t * ln_beta_2);
-        let update = (m / bias_1) / ((v / bias_2).sqrt() + epsilon);
-        if decay[i / block as usize] != f32::new(0.0) {
-            p *= decay_factor;
+        // A vector never straddles two blocks: the launch makes `block` a multiple of `N`.
+        let decayed = decay[i * N::value() / block as usize] != f32::new(0.0);
+        #[unroll]
+        for k in 0..N::value() {
+            let gk = g[k] * factor;
+            let mk = m[k] * beta_1 + gk * (f32::new(1.0) - beta_1);
+            let vk = v[k] * beta_2 + gk * gk * (f32::new(1.0) - beta_2);
+            m[k] = mk;
+            v[k] = vk;
+            let update = (mk / bias_1) / ((vk / bias_2).sqrt() + epsilon);
+            let mut pk = p[k];
+            if decayed {
+                pk *= decay_factor;
+            }
+            p[k] = pk - update * lr;
         }
-        p -= update * lr;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
     }
     // A skipped step writes the old value back (in place, a no-op).
     master_out[i] = p;
     if write_model {
-        model_out[i] = P::cast_from(p);
+        model_out[i] = Vector::<P, N>::cast_from(p);
     }
 }
 
@@ -179,8 +195,8 @@ pub fn adamw_step<R: CubeRuntime>(
     let (exp_avg, exp_avg_sq) = (unique(exp_avg), unique(exp_avg_sq));
     let in_place = master.can_mut();
     let (master_in, master_out) = match in_place {
-        true => (empty(1, DType::F32), master),
-        false => (master, empty(n, DType::F32)),
+        true => (None, master),
+        false => (Some(master), empty(n, DType::F32)),
     };
     let model = model_dtype.map(|dtype| empty(n, dtype));
     let output = AdamWOutput {
@@ -193,8 +209,19 @@ pub fn adamw_step<R: CubeRuntime>(
         return output;
     }
     let write_model = model.is_some();
-    let model_out = model.unwrap_or_else(|| empty(1, DType::F32));
-    let cubes = n.div_ceil(THREADS as usize) as u32;
+    // The widest vector every buffer takes (4 f32 on CUDA), within one weight-decay block.
+    let mut width = vector_width(&[&grad, &exp_avg, &exp_avg_sq, &master_out]);
+    if let Some(model) = &model {
+        width = width.min(vector_width(&[model]));
+    }
+    while !scalars.block.is_multiple_of(width) {
+        width /= 2;
+    }
+    // Placeholders (never read or written) hold one vector.
+    let master_in = master_in.unwrap_or_else(|| empty(width, DType::F32));
+    let model_out = model.unwrap_or_else(|| empty(width, DType::F32));
+    let vectors = n / width;
+    let cubes = vectors.div_ceil(THREADS as usize) as u32;
     // A 2D grid keeps each dimension of the launch within the hardware's limit.
     let (x, y) = match cubes > 65_535 {
         true => (65_535, cubes.div_ceil(65_535)),
@@ -205,6 +232,7 @@ pub fn adamw_step<R: CubeRuntime>(
         &client,
         CubeCount::Static(x, y, 1),
         CubeDim::new_1d(THREADS),
+        width,
         master_in.into_tensor_arg(),
         grad.into_tensor_arg(),
         exp_avg.into_tensor_arg(),
@@ -223,7 +251,7 @@ pub fn adamw_step<R: CubeRuntime>(
         scalars.epsilon,
         scalars.decay_factor,
         scalars.block as u32,
-        n as u32,
+        vectors as u32,
         in_place,
         write_model,
         dtype,

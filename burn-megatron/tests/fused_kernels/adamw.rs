@@ -10,12 +10,19 @@ use crate::helpers::{W, random};
 /// The fused AdamW kernel against the composition: weights in f32 (out of place: a model
 /// views them) and in f16 (in place, with an f16 copy for the model), decayed and exempt
 /// blocks, a gradient factor, the bias correction at steps 1 and 1000, and a skipped step
-/// (every input unchanged, though the gradients hold NaN).
+/// (every input unchanged, though the gradients hold NaN); blocks of 8 (the kernel reads
+/// vectors of 4) and of 3 (single elements).
 #[test]
 fn flat_adamw_equals_the_composition() {
+    for block in [8, 3] {
+        flat_adamw_in_blocks_of(block);
+    }
+}
+
+fn flat_adamw_in_blocks_of(block: usize) {
     use burn_megatron::ops::adamw::{AdamWScalars, FlatAdamWBuffers, flat_adamw_composition};
     let device = WgpuDevice::default();
-    let (block, blocks) = (8, 129);
+    let blocks = 129;
     let n = block * blocks;
     let f32s = |v: Vec<f32>| {
         let len = v.len();
@@ -31,7 +38,9 @@ fn flat_adamw_equals_the_composition() {
         (None, 4.0, 1.0, false),
         (Some(DType::F16), 4.0, 1.0, false),
     ] {
-        let label = format!("{model_dtype:?} step {step} found_inf {found} shared {shared}");
+        let label = format!(
+            "blocks of {block}, {model_dtype:?} step {step} found_inf {found} shared {shared}"
+        );
         let mut grad = random(n, 21, 1e-2);
         if found != 0.0 {
             grad[5] = f32::NAN;
