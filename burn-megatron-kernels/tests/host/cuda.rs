@@ -56,6 +56,7 @@ fn report() -> Report {
             count: 34,
             total_ms: 10.0,
             idle_ms: 2.5,
+            late_ms: 1.5,
         }],
         idle: vec![
             Idle {
@@ -64,6 +65,7 @@ fn report() -> Report {
                 before: "Gather<f32>".into(),
                 count: 2,
                 total_ms: 2.0,
+                late_ms: 1.0,
             },
             Idle {
                 phase: "forward",
@@ -71,6 +73,7 @@ fn report() -> Report {
                 before: "Unary<ExpOp, f32>".into(),
                 count: 1,
                 total_ms: 0.5,
+                late_ms: 0.5,
             },
         ],
         launches: 30,
@@ -127,7 +130,10 @@ fn report_tables_divide_by_the_steps() {
             "launches/step",
             "1.250",
             "ms/step",
-            "idle"
+            "idle",
+            "(0.750",
+            "launched",
+            "late)"
         ]
     );
     // The longest gaps (the top two pairs), per step.
@@ -138,6 +144,8 @@ fn report_tables_divide_by_the_steps() {
             "forward",
             "1.000",
             "ms/step",
+            "(0.500",
+            "late)",
             "1.0",
             "gaps/step",
             "after",

@@ -40,10 +40,11 @@ pub use summary::{Entry, Idle, Kind, PhaseTime, Report};
 pub fn start(device: &CudaGpu) {
     if enabled() {
         ForeignQueue::new(device).submit(PHASE_OP, Vec::new(), Lane::Compute, |context| {
+            let stream = context.stream;
             context
                 .extensions
                 .get_or_insert_with(Recorder::default)
-                .restart();
+                .restart(stream);
             Ok(())
         });
     }

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::LazyLock;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::result::event;
 use cudarc::driver::sys::{CUevent, CUevent_flags, CUstream};
@@ -27,6 +28,8 @@ struct Record {
     name: &'static str,
     kind: Kind,
     phase: &'static str,
+    /// When the device thread submitted it.
+    submitted: Instant,
     start: CUevent,
     end: CUevent,
 }
@@ -41,6 +44,9 @@ pub(super) struct Recorder {
     phase: &'static str,
     /// The first driver failure while recording, reported by [`report`](super::report).
     failure: Option<String>,
+    /// An event on the compute stream and the host's clock when it completed: the two
+    /// clocks' common origin, to tell when the GPU waited for a launch.
+    origin: Option<(CUevent, Instant)>,
 }
 
 // SAFETY: CUevents are driver handles usable from any thread; the recorder lives in the
@@ -55,6 +61,7 @@ impl Default for Recorder {
             recording: false,
             phase: "-",
             failure: None,
+            origin: None,
         }
     }
 }
@@ -90,14 +97,29 @@ impl Recorder {
         for record in self.records.drain(..) {
             self.free.extend([record.start, record.end]);
         }
+        if let Some((event, _)) = self.origin.take() {
+            self.free.push(event);
+        }
     }
 
-    /// Forgets earlier records and records from now on (see [`start`](super::start)).
-    pub(super) fn restart(&mut self) {
+    /// Forgets earlier records and records from now on (see [`start`](super::start)), after
+    /// the work queued on the compute `stream` so far: the host waits for it once, to set the
+    /// clocks' common origin.
+    pub(super) fn restart(&mut self, stream: CUstream) {
         self.clear();
         self.failure = None;
         self.phase = "-";
         self.recording = true;
+        if let Some(event) = self.record(stream) {
+            // SAFETY: a live event just recorded on `stream`.
+            match unsafe { event::synchronize(event) } {
+                Ok(()) => self.origin = Some((event, Instant::now())),
+                Err(e) => {
+                    self.free.push(event);
+                    self.fail::<()>("cuEventSynchronize", e);
+                }
+            }
+        }
     }
 
     /// Tags later records with `phase` (see [`phase`](super::phase)).
@@ -132,6 +154,7 @@ impl Drop for Recorder {
 pub(crate) struct Span {
     name: &'static str,
     kind: Kind,
+    submitted: Instant,
     start: CUevent,
 }
 
@@ -149,8 +172,14 @@ pub(crate) fn begin(
     if !recorder.recording {
         return None;
     }
+    let submitted = Instant::now();
     let start = recorder.record(stream)?;
-    Some(Span { name, kind, start })
+    Some(Span {
+        name,
+        kind,
+        submitted,
+        start,
+    })
 }
 
 /// Ends a span begun by [`begin`] on the same stream.
@@ -164,6 +193,7 @@ pub(crate) fn end(extensions: &mut Extensions, stream: CUstream, span: Option<Sp
                 name: span.name,
                 kind: span.kind,
                 phase,
+                submitted: span.submitted,
                 start: span.start,
                 end,
             });
@@ -177,8 +207,19 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         |call: &'static str| move |e: cudarc::driver::DriverError| format!("{call}: {e:?}");
     let mut by_name: HashMap<(&'static str, Kind), (usize, f64)> = HashMap::new();
     let mut phases: Vec<PhaseTime> = Vec::new();
-    let mut idle: HashMap<(&'static str, &'static str, &'static str), (usize, f64)> =
+    let mut idle: HashMap<(&'static str, &'static str, &'static str), (usize, f64, f64)> =
         HashMap::new();
+    // The host's clock when a span ended on the GPU, from the common origin.
+    let ended_at = |end: CUevent| -> Result<Option<Instant>, String> {
+        let Some((origin, at)) = recorder.origin else {
+            return Ok(None);
+        };
+        // SAFETY: live events of this context, both completed (see below).
+        let ms = unsafe { event::elapsed(origin, end).map_err(driver("cuEventElapsedTime"))? };
+        Ok(Some(
+            at + Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3),
+        ))
+    };
     let mut report = Report::default();
     let (mut first, mut last): (Option<CUevent>, Option<&Record>) = (None, None);
     for record in &recorder.records {
@@ -208,12 +249,19 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
             .max(0.0) as f64,
             None => 0.0,
         };
+        // The part of the gap before this span was submitted: the GPU waited for the host.
+        let mut late = 0.0;
         if let Some(previous) = last.filter(|_| gap > 0.0) {
+            if let Some(ended) = ended_at(previous.end)? {
+                let behind = record.submitted.saturating_duration_since(ended);
+                late = (behind.as_secs_f64() * 1e3).min(gap);
+            }
             let slot = idle
                 .entry((record.phase, previous.name, record.name))
                 .or_default();
             slot.0 += 1;
             slot.1 += gap;
+            slot.2 += late;
         }
         last = Some(record);
         match phases.iter_mut().find(|p| p.name == record.phase) {
@@ -221,12 +269,14 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
                 phase.count += 1;
                 phase.total_ms += ms;
                 phase.idle_ms += gap;
+                phase.late_ms += late;
             }
             None => phases.push(PhaseTime {
                 name: record.phase,
                 count: 1,
                 total_ms: ms,
                 idle_ms: gap,
+                late_ms: late,
             }),
         }
     }
@@ -254,23 +304,27 @@ fn resolve(recorder: &Recorder) -> Result<Report, String> {
         .entries
         .sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms).then(a.name.cmp(&b.name)));
     report.phases = phases;
-    let mut gaps: HashMap<(&'static str, String, String), (usize, f64)> = HashMap::new();
-    for ((phase, after, before), (count, ms)) in idle {
+    let mut gaps: HashMap<(&'static str, String, String), (usize, f64, f64)> = HashMap::new();
+    for ((phase, after, before), (count, ms, late)) in idle {
         let slot = gaps
             .entry((phase, short_name(after), short_name(before)))
             .or_default();
         slot.0 += count;
         slot.1 += ms;
+        slot.2 += late;
     }
     report.idle = gaps
         .into_iter()
-        .map(|((phase, after, before), (count, total_ms))| Idle {
-            phase,
-            after,
-            before,
-            count,
-            total_ms,
-        })
+        .map(
+            |((phase, after, before), (count, total_ms, late_ms))| Idle {
+                phase,
+                after,
+                before,
+                count,
+                total_ms,
+                late_ms,
+            },
+        )
         .collect();
     report.idle.sort_by(|a, b| {
         b.total_ms

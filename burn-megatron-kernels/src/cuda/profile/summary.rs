@@ -38,6 +38,11 @@ pub struct PhaseTime {
     /// Time the compute stream sat idle before this phase's spans (waiting for the host,
     /// for another stream, or between launches), in milliseconds.
     pub idle_ms: f64,
+    /// The part of `idle_ms` the GPU spent waiting for the launch itself: from the end of the
+    /// span before to the moment the device thread submitted the next one (the host was
+    /// behind), in milliseconds. The rest waited with the launch queued (for another
+    /// stream's event, or the launch's own latency).
+    pub late_ms: f64,
 }
 
 /// Compute-stream idle time between two consecutive spans, summed per phase and pair of names: where
@@ -55,6 +60,8 @@ pub struct Idle {
     pub count: usize,
     /// Their summed length, in milliseconds.
     pub total_ms: f64,
+    /// The part of it before the next span was submitted (see [`PhaseTime::late_ms`]).
+    pub late_ms: f64,
 }
 
 /// What a device recorded between [`start`](super::start) and [`report`](super::report).
@@ -155,19 +162,22 @@ impl Report {
         for phase in &self.phases {
             let _ = writeln!(
                 out,
-                "phase {:<12} {:>10.3} ms/step GPU {:>9.1} launches/step {:>10.3} ms/step idle",
+                "phase {:<12} {:>10.3} ms/step GPU {:>9.1} launches/step {:>10.3} ms/step idle \
+                 ({:.3} launched late)",
                 phase.name,
                 phase.total_ms / per,
                 phase.count as f64 / per,
                 phase.idle_ms / per,
+                phase.late_ms / per,
             );
         }
         for gap in self.idle.iter().take(top) {
             let _ = writeln!(
                 out,
-                "idle {:<12} {:>10.3} ms/step {:>9.1} gaps/step after {} before {}",
+                "idle {:<12} {:>10.3} ms/step ({:.3} late) {:>9.1} gaps/step after {} before {}",
                 gap.phase,
                 gap.total_ms / per,
+                gap.late_ms / per,
                 gap.count as f64 / per,
                 clipped(&gap.after, 80),
                 clipped(&gap.before, 80),
