@@ -7,9 +7,9 @@
 //! whose backward is two grouped products: `dx = grouped(dy, wᵀ)` and `dw[e] = x_eᵀ · dy_e`
 //! (zero for an expert without rows). So every expert's weight gets a gradient, whatever the
 //! routing. Our CUDA backend runs the weight gradient as one cuBLAS grouped GEMM in stream
-//! order (`burn_megatron_kernels::cuda::grouped_gemm`) and the other two products as one
-//! cuBLASLt GEMM per expert (faster there, measured); other backends loop over the experts
-//! with [`LinearOps::gemm`].
+//! order (`burn_megatron_kernels::cuda::grouped_gemm`), and the other two products the same
+//! way for many small experts, as one cuBLASLt GEMM per expert for few large ones (each faster
+//! there, measured); other backends loop over the experts with [`LinearOps::gemm`].
 
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
@@ -222,29 +222,46 @@ mod cuda {
     use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
-    /// Whether `BM_GROUPED_GEMM=grouped` asks for cuBLAS's grouped GEMM in the forward and
-    /// input-gradient products (read once).
-    fn grouped_forward_products() -> bool {
-        static GROUPED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *GROUPED.get_or_init(|| std::env::var("BM_GROUPED_GEMM").is_ok_and(|v| v == "grouped"))
+    /// Below this many rows an expert on average, the forward and input-gradient products run
+    /// as cuBLAS's grouped GEMM, from it on as one cuBLASLt GEMM an expert. Measured on an
+    /// H200 (`gemm_bench grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000
+    /// rows (Mixtral-like) ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46
+    /// grouped; 32 experts of 128-640 rows, 384 on average (DeepSeek-like, 1408 wide), at
+    /// 100-250 TFLOP/s one GEMM an expert and 235-310 grouped; in training (DeepSeek-like, 192
+    /// rows an expert) the grouped GEMM gave 35.0-35.3k tokens/s against 29.6-33.0k. Between
+    /// 384 and 2 000 rows nothing was measured; a Mixtral-like layer at EP 2 has about 1 000.
+    const GROUPED_BELOW_ROWS: usize = 512;
+
+    /// Whether the forward and input-gradient products of experts with `counts` rows run as
+    /// one grouped GEMM: `BM_GROUPED_GEMM=grouped` or `loop` forces the choice (read once),
+    /// else [`GROUPED_BELOW_ROWS`] decides.
+    fn grouped_forward_products(counts: &[usize]) -> bool {
+        static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+        let forced = FORCED.get_or_init(|| match std::env::var("BM_GROUPED_GEMM").as_deref() {
+            Ok("grouped") => Some(true),
+            Ok("loop") => Some(false),
+            _ => None,
+        });
+        forced.unwrap_or_else(|| {
+            let experts = counts.iter().filter(|&&rows| rows > 0).count().max(1);
+            counts.iter().sum::<usize>() / experts < GROUPED_BELOW_ROWS
+        })
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        /// One cuBLASLt GEMM per expert with rows, each writing its rows of one output (no
-        /// concatenation): measured on an H200 (`gemm_bench grouped`, book "Benchmarks"),
-        /// cuBLAS's grouped GEMM ran the forward and input-gradient products at 0.40-0.44 of a
-        /// dense GEMM of the same FLOPs, the per-expert GEMMs at 0.93. The composition where
-        /// cuBLASLt cannot take the operands. `BM_GROUPED_GEMM=grouped` runs cuBLAS's grouped
-        /// GEMM instead (one launch for every expert), to compare the two in a training run.
+        /// cuBLAS's grouped GEMM (one launch for every expert) for many small experts, one
+        /// cuBLASLt GEMM per expert with rows for few large ones, each writing its rows of one
+        /// output (no concatenation); see [`GROUPED_BELOW_ROWS`]. The composition where
+        /// cuBLASLt cannot take the operands.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
             w: Tensor<Self, 3>,
             counts: &[usize],
             transpose_w: bool,
         ) -> Tensor<Self, 2> {
-            if grouped_forward_products()
+            if grouped_forward_products(counts)
                 && let Ok(y) = grouped_gemm::grouped_gemm(
                     &raw(x.clone()),
                     &raw(w.clone()),
