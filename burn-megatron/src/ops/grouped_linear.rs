@@ -222,19 +222,19 @@ mod cuda {
     use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
-    /// Below this many rows an expert on average, the forward and input-gradient products run
-    /// as cuBLAS's grouped GEMM, from it on as one cuBLASLt GEMM an expert. Measured on an
-    /// H200 (`gemm_bench grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000
-    /// rows (Mixtral-like) ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46
-    /// grouped; 32 experts of 128-640 rows, 384 on average (DeepSeek-like, 1408 wide), at
-    /// 100-250 TFLOP/s one GEMM an expert and 235-310 grouped; in training (DeepSeek-like, 192
-    /// rows an expert) the grouped GEMM gave 35.0-35.3k tokens/s against 29.6-33.0k. Between
-    /// 384 and 2 000 rows nothing was measured; a Mixtral-like layer at EP 2 has about 1 000.
-    const GROUPED_BELOW_ROWS: usize = 512;
+    /// With more experts with rows than this, the forward and input-gradient products run as
+    /// cuBLAS's grouped GEMM, else as one cuBLASLt GEMM an expert. Measured on an H200
+    /// (`gemm_bench grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000 rows
+    /// (Mixtral-like) ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46 grouped;
+    /// 32 experts of 128-640 rows (DeepSeek-like, 1408 wide) at 100-250 TFLOP/s one GEMM an
+    /// expert and 235-310 grouped. In training, the DeepSeek-like preset on one GPU (64
+    /// experts, their loads uneven) ran 35.0-35.3k tokens/s with every layer grouped, 29.6-33.0k
+    /// with none, and 30-32k when only layers whose experts averaged fewer than 512 rows were.
+    const GROUPED_ABOVE_EXPERTS: usize = 8;
 
     /// Whether the forward and input-gradient products of experts with `counts` rows run as
     /// one grouped GEMM: `BM_GROUPED_GEMM=grouped` or `loop` forces the choice (read once),
-    /// else [`GROUPED_BELOW_ROWS`] decides.
+    /// else [`GROUPED_ABOVE_EXPERTS`] decides.
     fn grouped_forward_products(counts: &[usize]) -> bool {
         static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
         let forced = FORCED.get_or_init(|| match std::env::var("BM_GROUPED_GEMM").as_deref() {
@@ -243,8 +243,7 @@ mod cuda {
             _ => None,
         });
         forced.unwrap_or_else(|| {
-            let experts = counts.iter().filter(|&&rows| rows > 0).count().max(1);
-            counts.iter().sum::<usize>() / experts < GROUPED_BELOW_ROWS
+            counts.iter().filter(|&&rows| rows > 0).count() > GROUPED_ABOVE_EXPERTS
         })
     }
 
@@ -253,7 +252,7 @@ mod cuda {
     {
         /// cuBLAS's grouped GEMM (one launch for every expert) for many small experts, one
         /// cuBLASLt GEMM per expert with rows for few large ones, each writing its rows of one
-        /// output (no concatenation); see [`GROUPED_BELOW_ROWS`]. The composition where
+        /// output (no concatenation); see [`GROUPED_ABOVE_EXPERTS`]. The composition where
         /// cuBLASLt cannot take the operands.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
