@@ -222,19 +222,20 @@ mod cuda {
     use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
-    /// With more experts with rows than this, the forward and input-gradient products run as
-    /// cuBLAS's grouped GEMM, else as one cuBLASLt GEMM an expert. Measured on an H200
+    /// A layer with more local experts than this runs its forward and input-gradient products
+    /// as cuBLAS's grouped GEMM, else as one cuBLASLt GEMM an expert. Measured on an H200
     /// (`gemm_bench grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000 rows
     /// (Mixtral-like) ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46 grouped;
     /// 32 experts of 128-640 rows (DeepSeek-like, 1408 wide) at 100-250 TFLOP/s one GEMM an
     /// expert and 235-310 grouped. In training, the DeepSeek-like preset on one GPU (64
-    /// experts, their loads uneven) ran 35.0-35.3k tokens/s with every layer grouped, 29.6-33.0k
-    /// with none, and 30-32k when only layers whose experts averaged fewer than 512 rows were.
+    /// experts) ran 35.0-35.3k tokens/s with every layer grouped and 29.6-33.0k with none;
+    /// choosing by the routing of the moment (the rows' average, or the experts with rows)
+    /// left layers whose tokens went to few experts early in training on the slower loop.
     const GROUPED_ABOVE_EXPERTS: usize = 8;
 
-    /// Whether the forward and input-gradient products of experts with `counts` rows run as
-    /// one grouped GEMM: `BM_GROUPED_GEMM=grouped` or `loop` forces the choice (read once),
-    /// else [`GROUPED_ABOVE_EXPERTS`] decides.
+    /// Whether the forward and input-gradient products of the experts with `counts` rows (one
+    /// count an expert) run as one grouped GEMM: `BM_GROUPED_GEMM=grouped` or `loop` forces
+    /// the choice (read once), else [`GROUPED_ABOVE_EXPERTS`] decides.
     fn grouped_forward_products(counts: &[usize]) -> bool {
         static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
         let forced = FORCED.get_or_init(|| match std::env::var("BM_GROUPED_GEMM").as_deref() {
@@ -242,9 +243,7 @@ mod cuda {
             Ok("loop") => Some(false),
             _ => None,
         });
-        forced.unwrap_or_else(|| {
-            counts.iter().filter(|&&rows| rows > 0).count() > GROUPED_ABOVE_EXPERTS
-        })
+        forced.unwrap_or(counts.len() > GROUPED_ABOVE_EXPERTS)
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
