@@ -249,10 +249,9 @@ mod cuda {
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        /// cuBLAS's grouped GEMM (one launch for every expert) for many small experts, one
-        /// cuBLASLt GEMM per expert with rows for few large ones, each writing its rows of one
-        /// output (no concatenation); see [`GROUPED_ABOVE_EXPERTS`]. The composition where
-        /// cuBLASLt cannot take the operands.
+        /// cuBLAS's grouped GEMM (one launch for every expert) for more than 8 local experts,
+        /// else one cuBLASLt GEMM per expert with rows, each writing its rows of one output (no
+        /// concatenation). The composition where cuBLASLt cannot take the operands.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
             w: Tensor<Self, 3>,
