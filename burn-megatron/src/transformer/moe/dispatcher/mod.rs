@@ -145,8 +145,25 @@ pub struct PendingPlan<B: Backend> {
     capacity: Option<ExpertCapacity>,
     /// The all-gathered counts (with the probs policy, this rank's experts and weights too).
     read: HostRead,
-    /// The cumulative sums of the routing map.
-    sums: BlockedCumsum<B>,
+    /// The cumulative sums of the routing map, or the map.
+    sums: SortSums<B>,
+}
+
+/// The sums that sort the assignments: queued with the counts' read, or (the probs drop
+/// policy, which may sort a map of the assignments it keeps instead) the routing map, summed
+/// only if the plan needs it.
+enum SortSums<B: Backend> {
+    Queued(BlockedCumsum<B>),
+    Later(Tensor<B, 2, Int>),
+}
+
+impl<B: Backend> SortSums<B> {
+    fn into_sums(self) -> BlockedCumsum<B> {
+        match self {
+            Self::Queued(sums) => sums,
+            Self::Later(map) => BlockedCumsum::new(map),
+        }
+    }
 }
 
 impl<B: Backend> core::fmt::Debug for PendingPlan<B> {
@@ -383,11 +400,15 @@ impl TokenDispatcher {
         let read = B::read_ahead(read);
         // The sort's sums need only the routing: queued now, they run while the host waits.
         let map = map.unwrap_or_else(|| routing_map(experts.clone(), e_all));
+        let sums = match by_weight {
+            true => SortSums::Later(map),
+            false => SortSums::Queued(BlockedCumsum::new(map)),
+        };
         Ok(PendingPlan {
             experts,
             capacity,
             read,
-            sums: BlockedCumsum::new(map),
+            sums,
         })
     }
 
@@ -476,6 +497,7 @@ impl TokenDispatcher {
                 TokenDropPolicy::Position => {
                     // An assignment's place among all its expert's: the first `cap` stay, so
                     // that the places of those kept are their places among the kept.
+                    let sums = sums.into_sums();
                     let place = assignment_rows(&sums, &experts, &vec![0; e_all]);
                     (sums, Some(place.greater_equal_elem(cap as i64)))
                 }
@@ -495,7 +517,7 @@ impl TokenDispatcher {
                     (sums, Some(drop))
                 }
             },
-            _ => (sums, None),
+            _ => (sums.into_sums(), None),
         };
         let sorted = Sorted {
             num_tokens,
