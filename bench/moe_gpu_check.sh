@@ -22,6 +22,7 @@
 #   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
+#   NPROC=1 PART=gemm,engines1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' products by each engine, 8 layers of both presets, the peer
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=adamw2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like, the build before and this one, profiled
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
@@ -259,13 +260,13 @@ grouped_gemm() { # the experts' grouped GEMM: checked, then timed, and torch._gr
   say "=== gemm: gemm_bench grouped (limit $lim s)"
   timeout -k 10 "$lim" .gpu/bin/gemm_bench grouped > "$OUT/gemm_grouped.log" 2>&1
   local rc=$?
-  grep -vE "^$|^note|backtrace" "$OUT/gemm_grouped.log" | cut -c1-300 | head -60 | tee -a "$LOG"
+  grep -vE "^$|^note|backtrace" "$OUT/gemm_grouped.log" | cut -c1-300 | head -200 | tee -a "$LOG"
   say "RUN ours gemm_grouped | rc=$rc$( [ $rc -eq 0 ] || echo ' (1: a mismatch; else a failure)' )"
   if ! lim=$(run_limit "${LIMIT_GEMM:-120}"); then return; fi
   say "=== gemm: torch_gemm.py --grouped (limit $lim s)"
   timeout -k 10 "$lim" python3 bench/torch_gemm.py --grouped > "$OUT/torch_gemm_grouped.log" 2>&1
   rc=$?
-  grep -vE "^$" "$OUT/torch_gemm_grouped.log" | cut -c1-300 | tail -20 | tee -a "$LOG"
+  grep -vE "^$" "$OUT/torch_gemm_grouped.log" | cut -c1-300 | tail -40 | tee -a "$LOG"
   say "RUN torch gemm_grouped | rc=$rc"
 }
 
@@ -318,6 +319,19 @@ if [ "$PART" != all ] && part grouped2; then
   BM_GROUPED_GEMM=grouped ITERS=20 ours deepseek_ep2_grouped deepseek_moe_1b 2
   BM_GROUPED_GEMM=grouped ITERS=20 ours mixtral_ep2_grouped mixtral_1b_moe 2
   torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part engines1; then
+  # For one GPU (NPROC=1): the experts' products by each engine (BM_GROUPED_GEMM: cuBLAS's
+  # grouped GEMM, cuBLASLt GEMMs on 2 and 4 streams), 8 layers of each preset at EP 1, 16
+  # iterations; the DeepSeek-like one profiled at step 14 with 4 streams; then its peer with
+  # 8 layers. Run PART=gemm first for the products' TFLOP/s alone.
+  BM_GROUPED_GEMM=grouped ITERS=16 ours deepseek_ep1_grouped deepseek_moe_1b 1 --num-layers 8
+  BM_GROUPED_GEMM=streams:4 ITERS=16 ours deepseek_ep1_streams4 deepseek_moe_1b 1 --num-layers 8
+  BM_GROUPED_GEMM=streams:2 ITERS=16 ours deepseek_ep1_streams2 deepseek_moe_1b 1 --num-layers 8
+  BM_GROUPED_GEMM=streams:4 BM_PROFILE=1 ITERS=16 ours deepseek_ep1_streams4_profile deepseek_moe_1b 1 --num-layers 8 --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
+  ITERS=16 ours mixtral_ep1_loop mixtral_1b_moe 1 --num-layers 8
+  BM_GROUPED_GEMM=streams:4 ITERS=16 ours mixtral_ep1_streams4 mixtral_1b_moe 1 --num-layers 8
+  torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
 fi
 if [ "$PART" != all ] && part adamw2; then
   # For 2 GPUs (NPROC=2): the build before (OLD=.gpu/old/pretrain_gpt) against this one, the

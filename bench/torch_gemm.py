@@ -69,15 +69,26 @@ def split(tokens, fractions):
     return counts
 
 
+def fine(experts):
+    weights = [e % 5 + 1 for e in range(experts)]
+    return [w / sum(weights) for w in weights]
+
+
 def grouped():
     print("== torch._grouped_mm", torch.__version__, torch.cuda.get_device_name(), "==")
-    tokens = 16384
-    counts = split(tokens, UNEVEN)
-    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
-    print(f"{tokens} tokens over 8 experts {counts}")
-    print(f"{'product':<34} {'grouped':>9} {'dense':>9} {'grouped/dense':>14}")
-    for model, hidden, ffn in [("mixtral-1b", 2048, 5632), ("mixtral-8x7b", 4096, 14336)]:
-        for layer, k, m in [("fc1", hidden, ffn), ("fc2", ffn, hidden)]:
+    print(f"{'product':<38} {'grouped':>9} {'dense':>9} {'grouped/dense':>14}")
+    # The cases of `gemm_bench grouped`: fc1's width and fc2's input width.
+    cases = [
+        ("mixtral-1b", 2048, 5632, 5632, 16384, UNEVEN),
+        ("mixtral-8x7b", 4096, 14336, 14336, 16384, UNEVEN),
+        ("deepseek-1b ep2", 2048, 1408, 1408, 12288, fine(32)),
+        ("deepseek-1b ep1", 2048, 1408, 1408, 12288, fine(64)),
+    ]
+    for model, hidden, fc1, fc2, tokens, fractions in cases:
+        counts = split(tokens, fractions)
+        offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        print(f"{model}: {tokens} tokens over {len(counts)} experts {counts}")
+        for layer, k, m in [("fc1", hidden, fc1), ("fc2", fc2, hidden)]:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(tokens, m, device="cuda", dtype=torch.bfloat16)
             # [experts, k, m] as the transpose of [experts, m, k], as torch_moe.py keeps it.
@@ -95,10 +106,10 @@ def grouped():
                 try:
                     g = flops / timed(op) / 1e12
                 except (RuntimeError, TypeError) as e:
-                    print(f"{label:<34} torch._grouped_mm failed: {str(e).splitlines()[0][:200]}")
+                    print(f"{label:<38} torch._grouped_mm failed: {str(e).splitlines()[0][:200]}")
                     continue
                 d = flops / timed(dense) / 1e12
-                print(f"{label:<34} {g:9.1f} {d:9.1f} {g / d:14.2f}")
+                print(f"{label:<38} {g:9.1f} {d:9.1f} {g / d:14.2f}")
             # What autograd runs: the forward and both backward products.
             xr = x.detach().requires_grad_()
             wr = w.detach().requires_grad_()
@@ -110,7 +121,7 @@ def grouped():
                 return y
             try:
                 t = timed(step)
-                print(f"{model + ' ' + layer + ' autograd fwd+bwd':<34} {3 * flops / t / 1e12:9.1f}")
+                print(f"{model + ' ' + layer + ' autograd fwd+bwd':<38} {3 * flops / t / 1e12:9.1f}")
             except (RuntimeError, TypeError) as e:
                 print(f"{model} {layer} autograd: torch._grouped_mm failed: {str(e).splitlines()[0][:200]}")
 

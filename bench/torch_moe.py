@@ -254,6 +254,7 @@ def main():
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=None, help="layers (the preset's by default)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-grouped-mm", action="store_true", help="the loop over experts")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -273,6 +274,8 @@ def main():
     if a.tiny:
         c.update(TINY)
         c["fs"] = TINY["fs"] if c["fs"] else 0
+    if a.layers:
+        c["l"] = a.layers
     if world % a.ep or c["e"] % a.ep:
         sys.exit(f"torch_moe: ERROR: --ep {a.ep} must divide the world ({world}) and the experts ({c['e']})")
     # EP groups: consecutive ranks; expert-DP groups: the ranks holding the same experts.

@@ -12,12 +12,13 @@
 //! is `python3 bench/torch_gemm.py --fp8` (`torch._scaled_mm`). `gemm_bench fp8-casts` runs
 //! the casts' part alone.
 //!
-//! `gemm_bench grouped` checks the experts' grouped GEMM (cuBLAS `cublasGemmGroupedBatchedEx`,
-//! `burn_megatron_kernels::cuda::grouped_gemm`) against one cuBLASLt GEMM per expert, forward
-//! and both backward products, with experts of zero rows, and through `grouped_linear`'s
-//! autodiff node; then times it on Mixtral-like shapes (8 experts, 16k tokens split unevenly)
-//! next to the per-expert GEMMs and a dense GEMM of the same FLOPs. It exits with 1 on a
-//! mismatch. Its peer is `python3 bench/torch_gemm.py --grouped` (`torch._grouped_mm`).
+//! `gemm_bench grouped` checks the experts' grouped GEMM by each engine of
+//! `burn_megatron_kernels::cuda::grouped_gemm` (cuBLAS `cublasGemmGroupedBatchedEx`, cuBLASLt
+//! GEMMs on 1-8 streams) against one cuBLASLt GEMM per expert, forward and both backward
+//! products, with experts of zero rows, and through `grouped_linear`'s autodiff node; then
+//! times them on Mixtral-like shapes (8 experts, 16k tokens split unevenly) and DeepSeek-like
+//! ones (32 and 64 experts of about 200-400 rows) next to the per-expert GEMMs and a dense GEMM
+//! of the same FLOPs. It exits with 1 on a mismatch. Its peer is `python3 bench/torch_gemm.py --grouped` (`torch._grouped_mm`).
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +26,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_megatron_kernels::cuda::gemm::{gemm_fp8, matmul};
+use burn_megatron_kernels::cuda::grouped_gemm::Engine;
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime};
 use burn_megatron_kernels::fused::fp8::{Fp8Kind, amax, quantize, quantize_both};
 
@@ -445,25 +447,43 @@ enum Pass {
     WeightGrad,
 }
 
-/// The grouped GEMM of `pass` (`a` is `x` or `dy`, `b` the weights or `dy`).
+/// The grouped GEMM of `pass` by `engine` (`a` is `x` or `dy`, `b` the weights or `dy`).
 fn grouped(
     pass: Pass,
     a: &Tensor<MegatronCuda, 2>,
     b: &GroupedOperand,
     counts: &[usize],
-) -> Vec<f32> {
+    engine: Engine,
+) -> Raw {
     use burn_megatron_kernels::cuda::grouped_gemm::{grouped_gemm, grouped_weight_gradient};
     match (pass, b) {
-        (Pass::WeightGrad, GroupedOperand::Rows(dy)) => floats(wrap::<3>(
-            grouped_weight_gradient(&raw(a), &raw(dy), counts).expect("cuBLAS takes the operands"),
-        )),
-        (_, GroupedOperand::Stacked(w)) => floats(wrap::<2>(
-            grouped_gemm(&raw(a), &raw(w), counts, pass == Pass::InputGrad)
-                .expect("cuBLAS takes the operands"),
-        )),
+        (Pass::WeightGrad, GroupedOperand::Rows(dy)) => {
+            grouped_weight_gradient(&raw(a), &raw(dy), counts, engine)
+        }
+        (_, GroupedOperand::Stacked(w)) => {
+            grouped_gemm(&raw(a), &raw(w), counts, pass == Pass::InputGrad, engine)
+        }
         _ => unreachable!("the weight gradient takes dy, the others the weights"),
     }
+    .expect("cuBLAS takes the operands")
 }
+
+/// The grouped GEMM's output as host floats (a `[n, m]` or `[experts, k, m]` tensor).
+fn grouped_floats(pass: Pass, t: Raw) -> Vec<f32> {
+    match pass {
+        Pass::WeightGrad => floats(wrap::<3>(t)),
+        _ => floats(wrap::<2>(t)),
+    }
+}
+
+/// The engines checked and timed: cuBLAS's grouped GEMM, and cuBLASLt GEMMs on 1-8 streams.
+const ENGINES: [Engine; 5] = [
+    Engine::Grouped,
+    Engine::Streams(1),
+    Engine::Streams(2),
+    Engine::Streams(4),
+    Engine::Streams(8),
+];
 
 /// The second operand of a grouped product.
 enum GroupedOperand {
@@ -534,7 +554,7 @@ const UNEVEN: [f64; 8] = [0.20, 0.08, 0.15, 0.05, 0.18, 0.12, 0.10, 0.12];
 /// whether everything agreed.
 fn grouped_check(device: &CudaGpu) -> bool {
     const TOLERANCE: f64 = 1e-2;
-    println!("== grouped GEMM (cuBLAS) against per-expert cuBLASLt GEMMs, bf16 ==");
+    println!("== grouped GEMM (each engine) against per-expert cuBLASLt GEMMs, bf16 ==");
     let cases: Vec<(&str, usize, usize, Vec<usize>)> = vec![
         (
             "zeros first/middle/last",
@@ -564,37 +584,39 @@ fn grouped_check(device: &CudaGpu) -> bool {
             (Pass::InputGrad, &dy, &w),
             (Pass::WeightGrad, &x, &dy_rows),
         ] {
-            let got = grouped(pass, a, b, &counts);
             let want: Vec<f32> = per_expert(pass, a, b, &counts)
                 .into_iter()
                 .flat_map(floats)
                 .collect();
-            let err = max_relative_error(&got, &want);
-            let mut fine = err <= TOLERANCE;
-            let mut note = String::new();
-            if pass == Pass::WeightGrad {
-                let block = k * m;
-                for (e, _) in counts.iter().enumerate().filter(|(_, c)| **c == 0) {
-                    if got[e * block..(e + 1) * block].iter().any(|v| *v != 0.0) {
-                        fine = false;
-                        note += &format!(" dw[{e}] (no rows) is not zero;");
+            for engine in ENGINES {
+                let got = grouped_floats(pass, grouped(pass, a, b, &counts, engine));
+                let err = max_relative_error(&got, &want);
+                let mut fine = err <= TOLERANCE;
+                let mut note = String::new();
+                if pass == Pass::WeightGrad {
+                    let block = k * m;
+                    for (e, _) in counts.iter().enumerate().filter(|(_, c)| **c == 0) {
+                        if got[e * block..(e + 1) * block].iter().any(|v| *v != 0.0) {
+                            fine = false;
+                            note += &format!(" dw[{e}] (no rows) is not zero;");
+                        }
                     }
                 }
+                ok &= fine;
+                println!(
+                    "{label:<32} {pass:<10?} {engine:<11?} k {k:5} m {m:5} counts {counts:?}: max rel err {err:.2e} {}{note}",
+                    if fine { "ok" } else { "MISMATCH" }
+                );
             }
-            ok &= fine;
-            println!(
-                "{label:<32} {pass:<10?} k {k:5} m {m:5} counts {counts:?}: max rel err {err:.2e} {}{note}",
-                if fine { "ok" } else { "MISMATCH" }
-            );
         }
     }
     ok &= autodiff_check(device);
     ok
 }
 
-/// `grouped_linear` under `Autodiff<MegatronCuda>`: its output and input gradient are the
-/// per-expert cuBLASLt GEMMs' (each written into its rows of one output), its weight gradient
-/// the direct grouped call's (bit for bit), so training's products are wired as checked above.
+/// `grouped_linear` under `Autodiff<MegatronCuda>`: its output and both gradients are, bit for
+/// bit, what one of the direct calls gives (an engine, or one cuBLASLt GEMM an expert), so
+/// training's products are wired as checked above.
 fn autodiff_check(device: &CudaGpu) -> bool {
     use burn::backend::Autodiff;
     use burn_megatron::ops::grouped_linear;
@@ -612,59 +634,92 @@ fn autodiff_check(device: &CudaGpu) -> bool {
     let grads = loss.backward();
     let stacked = GroupedOperand::Stacked(w);
     let rows = GroupedOperand::Rows(dy.clone());
-    let per_expert_rows = |pass, a| -> Vec<f32> {
-        per_expert(pass, a, &stacked, &counts)
-            .into_iter()
-            .flat_map(floats)
-            .collect()
+    // What training may have run for each product: one cuBLASLt GEMM an expert, or an engine.
+    let candidates = |pass: Pass, a: &Tensor<MegatronCuda, 2>| -> Vec<(String, Vec<f32>)> {
+        let b = if pass == Pass::WeightGrad {
+            &rows
+        } else {
+            &stacked
+        };
+        let mut all: Vec<(String, Vec<f32>)> = ENGINES
+            .iter()
+            .map(|&engine| {
+                let got = grouped_floats(pass, grouped(pass, a, b, &counts, engine));
+                (format!("{engine:?}"), got)
+            })
+            .collect();
+        if pass != Pass::WeightGrad {
+            let looped = per_expert(pass, a, b, &counts).into_iter().flat_map(floats);
+            all.push(("one GEMM an expert".into(), looped.collect()));
+        }
+        all
     };
     let results = [
-        ("y", floats(y.inner()), per_expert_rows(Pass::Forward, &x)),
+        ("y", floats(y.inner()), candidates(Pass::Forward, &x)),
         (
             "dx",
             floats(tx.grad(&grads).expect("x has a gradient")),
-            per_expert_rows(Pass::InputGrad, &dy),
+            candidates(Pass::InputGrad, &dy),
         ),
         (
             "dw",
             floats(tw.grad(&grads).expect("w has a gradient")),
-            grouped(Pass::WeightGrad, &x, &rows, &counts),
+            candidates(Pass::WeightGrad, &x),
         ),
     ];
     let mut ok = true;
-    for (name, got, want) in results {
-        let err = max_relative_error(&got, &want);
+    for (name, got, candidates) in results {
+        let (label, err) = candidates
+            .iter()
+            .map(|(label, want)| (label, max_relative_error(&got, want)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("candidates");
         ok &= err == 0.0;
         println!(
-            "grouped_linear (autodiff) {name}: max rel err {err:.2e} against the direct call {}",
+            "grouped_linear (autodiff) {name}: max rel err {err:.2e} against the direct call ({label}) {}",
             if err == 0.0 { "ok" } else { "MISMATCH" }
         );
     }
     ok
 }
 
-/// The grouped GEMM's TFLOP/s on Mixtral-like experts (8 experts, 16k tokens split unevenly)
-/// and DeepSeek-like ones (a rank's 32 experts of 1408 at EP 2, 12 288 rows: one micro-batch
-/// of 2048 tokens, top-6, from both ranks), every product of fc1 (and gate) and fc2, next to
-/// one cuBLASLt GEMM per expert and a dense GEMM of the same FLOPs.
+/// The grouped GEMM's TFLOP/s by each engine on Mixtral-like experts (8 experts, 16k tokens
+/// split unevenly) and DeepSeek-like ones (a rank's 32 experts of 1408 at EP 2, 12 288 rows:
+/// one micro-batch of 2048 tokens, top-6, from both ranks; and the 64 of EP 1, as many rows),
+/// every product of fc1 (and gate) and fc2, next to one cuBLASLt GEMM per expert (each its own
+/// foreign operation) and a dense GEMM of the same FLOPs.
 fn grouped_times(device: &CudaGpu) {
-    let fine: Vec<f64> = (0..32).map(|e| f64::from(e % 5 + 1) / 96.0).collect();
+    let fine = |experts: u32| -> Vec<f64> {
+        let weights: Vec<f64> = (0..experts).map(|e| f64::from(e % 5 + 1)).collect();
+        let total: f64 = weights.iter().sum();
+        weights.iter().map(|w| w / total).collect()
+    };
     let cases = [
-        ("mixtral-1b", 2048, 5632, 16384, UNEVEN.to_vec()),
-        ("mixtral-8x7b", 4096, 14336, 16384, UNEVEN.to_vec()),
-        ("deepseek-1b", 2048, 1408, 12288, fine),
+        ("mixtral-1b", 2048, 5632, 5632, 16384, UNEVEN.to_vec()),
+        ("mixtral-8x7b", 4096, 14336, 14336, 16384, UNEVEN.to_vec()),
+        ("deepseek-1b ep2", 2048, 1408, 1408, 12288, fine(32)),
+        ("deepseek-1b ep1", 2048, 1408, 1408, 12288, fine(64)),
     ];
-    for (model, hidden, ffn, tokens, fractions) in cases {
+    let engine_names: Vec<String> = ENGINES.iter().map(|e| format!("{e:?}")).collect();
+    // fc1's width (SwiGLU's gate is a second product of the same shape) and fc2's input width.
+    for (model, hidden, fc1, fc2, tokens, fractions) in cases {
         let counts = split(tokens, &fractions);
         println!(
             "== grouped GEMM TFLOP/s, bf16, {model}: {tokens} tokens over {} experts {counts:?} ==",
             counts.len()
         );
         println!(
-            "{:<34} {:>9} {:>11} {:>9} {:>14}",
-            "product", "grouped", "per-expert", "dense", "grouped/dense"
+            "{:<38} {} {:>11} {:>9} {:>11}",
+            "product",
+            engine_names
+                .iter()
+                .map(|n| format!("{n:>11}"))
+                .collect::<String>(),
+            "per-expert",
+            "dense",
+            "best/dense"
         );
-        for (layer, k, m) in [("fc1", hidden, ffn), ("fc2", ffn, hidden)] {
+        for (layer, k, m) in [("fc1", hidden, fc1), ("fc2", fc2, hidden)] {
             let x = normal_bf16([tokens, k], device);
             let dy = normal_bf16([tokens, m], device);
             let w = normal_bf16([counts.len(), k, m], device);
@@ -673,41 +728,46 @@ fn grouped_times(device: &CudaGpu) {
             let rows = GroupedOperand::Rows(dy.clone());
             let flops = 2.0 * (tokens * k * m) as f64;
             let tflops = |t: Duration| flops / t.as_secs_f64() / 1e12;
-            let mut total = Duration::ZERO;
+            let mut totals = vec![Duration::ZERO; ENGINES.len()];
             for pass in [Pass::Forward, Pass::InputGrad, Pass::WeightGrad] {
-                use burn_megatron_kernels::cuda::grouped_gemm::{
-                    grouped_gemm, grouped_weight_gradient,
-                };
                 let (a, b) = match pass {
                     Pass::Forward => (&x, &stacked),
                     Pass::InputGrad => (&dy, &stacked),
                     Pass::WeightGrad => (&x, &rows),
                 };
-                let grouped = time_of(device, || {
-                    match pass {
-                        Pass::WeightGrad => grouped_weight_gradient(&raw(&x), &raw(&dy), &counts),
-                        _ => grouped_gemm(&raw(a), &raw(&w), &counts, pass == Pass::InputGrad),
-                    }
-                    .expect("cuBLAS takes the operands")
-                });
-                let looped = time_of(device, || per_expert(pass, a, b, &counts));
-                let dense = time(device, || match pass {
+                let engines: Vec<f64> = ENGINES
+                    .iter()
+                    .zip(&mut totals)
+                    .map(|(&engine, total)| {
+                        let t = time_of(device, || grouped(pass, a, b, &counts, engine));
+                        *total += t;
+                        tflops(t)
+                    })
+                    .collect();
+                let looped = tflops(time_of(device, || per_expert(pass, a, b, &counts)));
+                let dense = tflops(time(device, || match pass {
                     Pass::Forward => matmul(x.clone(), dense_w.clone(), false, false),
                     Pass::InputGrad => matmul(dy.clone(), dense_w.clone(), false, true),
                     Pass::WeightGrad => matmul(x.clone(), dy.clone(), true, false),
-                });
-                total += grouped;
-                let (grouped, looped, dense) = (tflops(grouped), tflops(looped), tflops(dense));
+                }));
+                let best = engines.iter().copied().fold(looped, f64::max);
                 println!(
-                    "{:<34} {grouped:9.1} {looped:11.1} {dense:9.1} {:14.2}",
+                    "{:<38} {} {looped:11.1} {dense:9.1} {:11.2}",
                     format!("{model} {layer} {pass:?} k={k} m={m}"),
-                    grouped / dense
+                    engines
+                        .iter()
+                        .map(|t| format!("{t:11.1}"))
+                        .collect::<String>(),
+                    best / dense
                 );
             }
             println!(
-                "{:<34} {:9.1}",
+                "{:<38} {}",
                 format!("{model} {layer} fwd+bwd (the three)"),
-                3.0 * flops / total.as_secs_f64() / 1e12
+                totals
+                    .iter()
+                    .map(|t| format!("{:11.1}", 3.0 * flops / t.as_secs_f64() / 1e12))
+                    .collect::<String>()
             );
         }
     }

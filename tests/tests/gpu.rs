@@ -1080,12 +1080,15 @@ fn gemm_matches_the_exact_product() {
     println!("checked {checked} GEMMs");
 }
 
-/// The experts' grouped GEMM (cuBLAS `cublasGemmGroupedBatchedEx`) against exact per-expert
-/// products: forward, input gradient and weight gradient, bf16, f16 and f32, experts with zero
-/// rows (their weight gradient exactly zero), tokens with pitched rows.
+/// The experts' grouped GEMM, by each engine (cuBLAS `cublasGemmGroupedBatchedEx`, and
+/// cuBLASLt GEMMs on one and on three streams), against exact per-expert products: forward,
+/// input gradient and weight gradient, bf16, f16 and f32, experts with zero rows (their weight
+/// gradient exactly zero), tokens with pitched rows.
 #[test]
 fn grouped_gemm_matches_the_exact_products() {
-    use burn_megatron_kernels::cuda::grouped_gemm::{grouped_gemm, grouped_weight_gradient};
+    use burn_megatron_kernels::cuda::grouped_gemm::{
+        Engine, grouped_gemm, grouped_weight_gradient,
+    };
     let device = CudaGpu::new(0);
     let counts = [0, 37, 5, 0, 120, 1];
     let (g, n, k, m) = (counts.len(), counts.iter().sum::<usize>(), 96, 80);
@@ -1133,32 +1136,37 @@ fn grouped_gemm_matches_the_exact_products() {
             }
         }
         let w_raw = w.clone().into_primitive().tensor();
-        let got_y = grouped_gemm(&raw(&x), &w_raw, &counts, false).expect("cuBLAS takes them");
-        let got_dx = grouped_gemm(&raw(&dy), &w_raw, &counts, true).expect("cuBLAS takes them");
-        let got_dw = grouped_weight_gradient(&raw(&x), &raw(&dy), &counts).expect("cuBLAS too");
         let as_data = |t| Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(t)).to_data();
-        for (name, got, want) in [
-            ("y", as_data(got_y), &y),
-            ("dx", as_data(got_dx), &dx),
-            (
-                "dw",
-                Tensor::<Ours, 3>::from_primitive(TensorPrimitive::Float(got_dw)).to_data(),
-                &dw,
-            ),
-        ] {
-            let err = difference_from_exact(&format!("grouped {name}"), &got, want);
-            assert!(err <= tolerance, "{dtype:?} grouped {name}: error {err:e}");
-            if name == "dw" {
-                let got = data_values(&got);
-                for e in (0..g).filter(|e| counts[*e] == 0) {
-                    assert_near_zero(
-                        &format!("{dtype:?} dw[{e}] (no rows)"),
-                        &got[e * k * m..(e + 1) * k * m],
-                        0.0,
-                    );
+        for engine in [Engine::Grouped, Engine::Streams(1), Engine::Streams(3)] {
+            let takes = "cuBLAS takes the operands";
+            let got_y = grouped_gemm(&raw(&x), &w_raw, &counts, false, engine).expect(takes);
+            let got_dx = grouped_gemm(&raw(&dy), &w_raw, &counts, true, engine).expect(takes);
+            let got_dw =
+                grouped_weight_gradient(&raw(&x), &raw(&dy), &counts, engine).expect(takes);
+            for (name, got, want) in [
+                ("y", as_data(got_y), &y),
+                ("dx", as_data(got_dx), &dx),
+                (
+                    "dw",
+                    Tensor::<Ours, 3>::from_primitive(TensorPrimitive::Float(got_dw)).to_data(),
+                    &dw,
+                ),
+            ] {
+                let label = format!("{dtype:?} {engine:?} {name}");
+                let err = difference_from_exact(&label, &got, want);
+                assert!(err <= tolerance, "{label}: error {err:e}");
+                if name == "dw" {
+                    let got = data_values(&got);
+                    for e in (0..g).filter(|e| counts[*e] == 0) {
+                        assert_near_zero(
+                            &format!("{label}[{e}] (no rows)"),
+                            &got[e * k * m..(e + 1) * k * m],
+                            0.0,
+                        );
+                    }
                 }
+                println!("{label}: error {err:.2e}");
             }
-            println!("{dtype:?} grouped {name}: error {err:.2e}");
         }
     }
 }

@@ -45,6 +45,24 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A port nothing listens on and that no test's `bind(":0")` can be handed while it is used:
+/// one below the kernel's ephemeral range (where [`free_port`]'s come from), free when
+/// checked. A port from [`free_port`] may be handed again to a parallel test that listens on
+/// it, and then a connection to it is accepted instead of refused.
+pub fn quiet_port() -> u16 {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let low = ephemeral_low.saturating_sub(8000).max(1024);
+    let span = ephemeral_low - low;
+    let start = (std::process::id() as u16).wrapping_mul(7) % span;
+    (0..span)
+        .map(|i| low + (start + i) % span)
+        .find(|&port| TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port below the ephemeral range")
+}
+
 /// Runs `f` on a thread and returns its result and how long it took, failing the test if it
 /// has not ended within `limit`.
 pub fn within<T: Send + 'static>(

@@ -18,7 +18,7 @@ use burn_cubecl::{BoolElement, FloatElement, IntElement};
 use cubecl_core::server::Binding;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::sys::{CUdeviceptr, cuMemAlloc_v2};
+use cudarc::driver::sys::{CUdeviceptr, CUstream, cuMemAlloc_v2};
 
 use super::foreign::{ForeignQueue, Lane, binding};
 use super::runtime::MegatronCudaRuntime;
@@ -27,7 +27,7 @@ use crate::fused::fp8::Fp8Kind;
 type Tensor = CubeTensor<MegatronCudaRuntime>;
 
 /// Bytes of workspace cuBLASLt may use: what NVIDIA recommends for Hopper.
-const WORKSPACE_BYTES: usize = 32 << 20;
+pub(super) const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// Why cuBLASLt cannot take a GEMM (the caller falls back to Burn's matmul).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -318,15 +318,8 @@ fn submit(
     }
     let scaled = scales_inv.is_some();
     ForeignQueue::new(&a.device).submit("cuBLASLt GEMM", bindings, Lane::Compute, move |ctx| {
-        let state = match ctx.extensions.get_mut::<LtState>() {
-            Some(state) => state,
-            None => ctx
-                .extensions
-                .get_or_insert_with(|| LtState::new().expect("cuBLASLt")),
-        };
+        let state = LtState::of(ctx.extensions);
         let plan = state.plan(key).map_err(|e| format!("{e:?} for {key:?}"))?;
-        let alpha = 1.0f32;
-        let beta = if key.accumulate { 1.0f32 } else { 0.0 };
         let p = ctx.pointers;
         // SAFETY: the pointers address the tensors the plan's layouts describe; the workspace
         // is used only on the compute stream, one GEMM after another.
@@ -356,25 +349,8 @@ fn submit(
                     .map_err(|e| e.to_string())?;
                 }
             }
-            lt::matmul(
-                state.handle,
-                plan.desc,
-                &alpha as *const f32 as *const _,
-                &beta as *const f32 as *const _,
-                p[1] as *const _,
-                plan.first,
-                p[0] as *const _,
-                plan.second,
-                p[2] as *const _,
-                plan.out,
-                p[2] as *mut _,
-                plan.out,
-                &plan.algo,
-                state.workspace as *mut _,
-                WORKSPACE_BYTES,
-                ctx.stream as sys::cudaStream_t,
-            )
-            .map_err(|e| format!("cublasLtMatmul: {e} for {key:?}"))
+            let workspace = state.workspace;
+            state.run(&plan, key, [p[0], p[1], p[2]], ctx.stream, workspace)
         }
     });
 }
@@ -468,28 +444,29 @@ impl Product {
     }
 }
 
-/// Everything that selects a cuBLASLt plan.
+/// Everything that selects a cuBLASLt plan: `c [m, n] = op(a) · op(b)`, row-major, inner
+/// dimension `k`, row strides `lda`, `ldb`, `ldc`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct GemmKey {
-    m: usize,
-    n: usize,
-    k: usize,
-    lda: usize,
-    ldb: usize,
-    ldc: usize,
-    transpose_a: bool,
-    transpose_b: bool,
-    input: DType,
-    output: DType,
-    bias: bool,
-    accumulate: bool,
+pub(super) struct GemmKey {
+    pub(super) m: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) lda: usize,
+    pub(super) ldb: usize,
+    pub(super) ldc: usize,
+    pub(super) transpose_a: bool,
+    pub(super) transpose_b: bool,
+    pub(super) input: DType,
+    pub(super) output: DType,
+    pub(super) bias: bool,
+    pub(super) accumulate: bool,
     /// FP8 operands (`input` is then `U8`, the bytes holding them).
-    fp8: Option<Fp8Gemm>,
+    pub(super) fp8: Option<Fp8Gemm>,
 }
 
 /// The FP8 formats of a GEMM's operands and its accumulation mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Fp8Gemm {
+pub(super) struct Fp8Gemm {
     a: Fp8Kind,
     b: Fp8Kind,
     fast_accumulation: bool,
@@ -504,7 +481,7 @@ fn fp8_type(kind: Fp8Kind) -> sys::cudaDataType {
 
 /// Descriptors, layouts and the heuristic's algorithm for one key (kept for the process).
 #[derive(Clone, Copy)]
-struct Plan {
+pub(super) struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     first: sys::cublasLtMatrixLayout_t,
     second: sys::cublasLtMatrixLayout_t,
@@ -512,10 +489,10 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
-/// Per-device cuBLASLt state: the handle, the workspace and the plans.
-struct LtState {
+/// Per-device cuBLASLt state: the handle, the compute stream's workspace and the plans.
+pub(super) struct LtState {
     handle: sys::cublasLtHandle_t,
-    workspace: CUdeviceptr,
+    pub(super) workspace: CUdeviceptr,
     plans: HashMap<GemmKey, Plan>,
 }
 
@@ -531,6 +508,54 @@ fn data_type(dtype: DType) -> sys::cudaDataType {
 }
 
 impl LtState {
+    /// The device's state, created on first use.
+    pub(super) fn of(extensions: &mut super::foreign::Extensions) -> &mut Self {
+        if extensions.get_mut::<Self>().is_none() {
+            extensions.get_or_insert_with(|| Self::new().expect("cuBLASLt"));
+        }
+        extensions.get_mut::<Self>().expect("created above")
+    }
+
+    /// Enqueues `plan` (made for `key`) on `stream`: `c = op(a) · op(b)` (`+ c` where the key
+    /// accumulates), `a`, `b`, `c` device pointers, with `workspace` ([`WORKSPACE_BYTES`]).
+    ///
+    /// # Safety
+    /// The pointers address matrices of the key's layouts; `workspace` is used by no other
+    /// stream while this GEMM may run.
+    pub(super) unsafe fn run(
+        &self,
+        plan: &Plan,
+        key: GemmKey,
+        [a, b, c]: [u64; 3],
+        stream: CUstream,
+        workspace: CUdeviceptr,
+    ) -> Result<(), String> {
+        let alpha = 1.0f32;
+        let beta = if key.accumulate { 1.0f32 } else { 0.0 };
+        // SAFETY: as the caller promises; cuBLASLt's first operand is our `b` (module docs).
+        unsafe {
+            lt::matmul(
+                self.handle,
+                plan.desc,
+                &alpha as *const f32 as *const _,
+                &beta as *const f32 as *const _,
+                b as *const _,
+                plan.first,
+                a as *const _,
+                plan.second,
+                c as *const _,
+                plan.out,
+                c as *mut _,
+                plan.out,
+                &plan.algo,
+                workspace as *mut _,
+                WORKSPACE_BYTES,
+                stream as sys::cudaStream_t,
+            )
+            .map_err(|e| format!("cublasLtMatmul: {e} for {key:?}"))
+        }
+    }
+
     fn new() -> Result<Self, String> {
         let handle = lt::create_handle().map_err(|e| format!("cublasLtCreate: {e}"))?;
         let mut workspace = 0;
@@ -546,7 +571,7 @@ impl LtState {
         })
     }
 
-    fn plan(&mut self, key: GemmKey) -> Result<Plan, lt::CublasError> {
+    pub(super) fn plan(&mut self, key: GemmKey) -> Result<Plan, lt::CublasError> {
         if let Some(plan) = self.plans.get(&key) {
             return Ok(*plan);
         }

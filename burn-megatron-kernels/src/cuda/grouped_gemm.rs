@@ -1,18 +1,22 @@
-//! The experts' grouped GEMMs through cuBLAS (`cublasGemmGroupedBatchedEx`), as one foreign
-//! operation on the compute stream: one call for every expert's product, however many rows
-//! each has, with no host synchronisation.
+//! The experts' products, every expert's in one foreign operation on the compute stream, with
+//! no host synchronisation, by one of two [`Engine`]s:
+//! - [`Engine::Grouped`]: cuBLAS's grouped GEMM (`cublasGemmGroupedBatchedEx`), one call for
+//!   every expert's product, however many rows each has;
+//! - [`Engine::Streams`]: one cuBLASLt GEMM an expert, spread over several streams: the compute
+//!   stream and side streams that start after it (an event) and that it waits for at the end,
+//!   so that the small products of fine-grained experts run side by side and fill the GPU.
 //!
 //! The tokens are in expert-major blocks whose sizes (`counts`) are on the host already (the
-//! dispatcher's one read), so every problem's sizes and offsets are known here. What cuBLAS
-//! needs on the device are its arrays of matrix pointers; they are computed on the device
-//! thread from the tensors' base pointers and copied, from page-locked memory, on the compute
-//! stream just before the GEMM (a ring of slots, each reused once the copy that read it has
-//! passed, so the host waits only if it runs a whole ring ahead of the GPU).
+//! dispatcher's one read), so every product's sizes and offsets are known here. What cuBLAS's
+//! grouped GEMM needs on the device are its arrays of matrix pointers; they are computed on the
+//! device thread from the tensors' base pointers and copied, from page-locked memory, on the
+//! compute stream just before the GEMM (a ring of slots, each reused once the copy that read it
+//! has passed, so the host waits only if it runs a whole ring ahead of the GPU).
 //!
-//! Row-major tensors are column-major transposes, as in [`super::gemm`]: `y_e = x_e · op(w_e)`
-//! is computed as `y_eᵀ = op(w_e)ᵀ · x_eᵀ`, and `dw_e = x_eᵀ · dy_e` as `dw_eᵀ = dy_eᵀ · x_e`.
-//! Experts without rows are left out of the call (their weight gradient is zero). bf16 and
-//! f16 accumulate in f32; f32 uses TF32 tensor cores, as the dense GEMMs do.
+//! Products are described row-major, as in [`super::gemm`] ([`GemmKey`]); cuBLAS's
+//! column-major grouped call gets each as its transpose: `y_eᵀ = op(w_e)ᵀ · x_eᵀ`. Experts
+//! without rows are left out (their weight gradient is zero). bf16 and f16 accumulate in f32;
+//! f32 uses TF32 tensor cores, as the dense GEMMs do.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
@@ -21,14 +25,14 @@ use burn_cubecl::tensor::CubeTensor;
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys;
 use cudarc::driver::sys::{
-    CU_MEMHOSTALLOC_PORTABLE, CUdeviceptr, CUstream, cuMemAlloc_v2, cuMemHostAlloc,
-    cuMemcpyHtoDAsync_v2,
+    CU_MEMHOSTALLOC_PORTABLE, CUdeviceptr, CUstream, CUstream_flags, cuMemAlloc_v2, cuMemHostAlloc,
+    cuMemcpyHtoDAsync_v2, cuStreamCreate,
 };
 
 use super::driver::check;
 use super::event::Event;
-use super::foreign::{ForeignQueue, Lane, binding};
-use super::gemm::GemmUnsupported;
+use super::foreign::{ForeignContext, ForeignQueue, Lane, binding};
+use super::gemm::{GemmKey, GemmUnsupported, LtState, WORKSPACE_BYTES};
 use super::runtime::MegatronCudaRuntime;
 
 type Tensor = CubeTensor<MegatronCudaRuntime>;
@@ -42,11 +46,18 @@ const SLOTS: usize = 64;
 /// Pointers a slot holds: A's, B's and C's of [`MAX_PROBLEMS`] problems.
 const SLOT_POINTERS: usize = 3 * MAX_PROBLEMS;
 
-/// Bytes of workspace cuBLAS may use (what NVIDIA recommends for Hopper).
-const WORKSPACE_BYTES: usize = 32 << 20;
+/// How the experts' products run (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// One cuBLAS grouped GEMM.
+    Grouped,
+    /// One cuBLASLt GEMM an expert, over this many streams (the compute stream included; 1 runs
+    /// them one after another on it). The compute stream alone while a CUDA graph is captured.
+    Streams(usize),
+}
 
 /// `x_e · op(w[e])` for every expert `e` with rows, `counts[e]` rows of `x` after those of
-/// experts `0..e`, in one cuBLAS call.
+/// experts `0..e`, in one foreign operation.
 ///
 /// `x` is `[n, k]` (rows may be pitched), `w` a contiguous `[experts, k, m]` (`[experts, m, k]`
 /// with `transpose_w`), both bf16, f16 or f32; the output is `[n, m]` of their dtype.
@@ -55,6 +66,7 @@ pub fn grouped_gemm(
     w: &Tensor,
     counts: &[usize],
     transpose_w: bool,
+    engine: Engine,
 ) -> Result<Tensor, GemmUnsupported> {
     let dtype = same_dtype(x, w)?;
     let (n, k, ldx) = rows(x)?;
@@ -71,29 +83,21 @@ pub fn grouped_gemm(
         dtype,
     );
     let size = dtype.size() as u64;
-    // cuBLAS's A is w_e (column-major [q, p], ld its row stride), B is x_e, C is y_e.
-    let problems: Vec<Problem> = blocks(counts)
-        .map(|(e, start, rows)| Problem {
-            m: m as i32,
-            n: rows as i32,
-            k: k as i32,
-            transpose_a: transpose_w,
-            transpose_b: false,
-            lda: ldw as i32,
-            ldb: ldx as i32,
-            ldc: m as i32,
+    let blocks = blocks(counts)
+        .map(|(e, start, rows)| Block {
+            key: plain_key(dtype, [rows, m, k], [ldx, ldw, m], [false, transpose_w]),
             offsets: [
-                (e * expert_stride) as u64 * size,
                 (start * ldx) as u64 * size,
+                (e * expert_stride) as u64 * size,
                 (start * m) as u64 * size,
             ],
         })
         .collect();
-    submit(dtype, problems, [w, x, &out]);
+    submit(engine, blocks, [x, w, &out]);
     Ok(out)
 }
 
-/// `x_eᵀ · dy_e` for every expert `e` (zero where `counts[e]` is 0), in one cuBLAS call: the
+/// `x_eᵀ · dy_e` for every expert `e` (zero where `counts[e]` is 0), in one foreign operation: the
 /// weights' gradient of [`grouped_gemm`].
 ///
 /// `x` is `[n, k]`, `dy` `[n, m]` (rows may be pitched), of one dtype; the output is
@@ -102,6 +106,7 @@ pub fn grouped_weight_gradient(
     x: &Tensor,
     dy: &Tensor,
     counts: &[usize],
+    engine: Engine,
 ) -> Result<Tensor, GemmUnsupported> {
     let dtype = same_dtype(x, dy)?;
     let (n, k, ldx) = rows(x)?;
@@ -127,41 +132,57 @@ pub fn grouped_weight_gradient(
         false => empty_device_contiguous_dtype(client, device, shape, dtype),
     };
     let size = dtype.size() as u64;
-    // cuBLAS's A is dy_e (column-major [m, rows], ld ldy), B is x_e read transposed, C is dw_e.
-    let problems: Vec<Problem> = blocks(counts)
-        .map(|(e, start, rows)| Problem {
-            m: m as i32,
-            n: k as i32,
-            k: rows as i32,
-            transpose_a: false,
-            transpose_b: true,
-            lda: ldy as i32,
-            ldb: ldx as i32,
-            ldc: m as i32,
+    let blocks = blocks(counts)
+        .map(|(e, start, rows)| Block {
+            key: plain_key(dtype, [k, m, rows], [ldx, ldy, m], [true, false]),
             offsets: [
-                (start * ldy) as u64 * size,
                 (start * ldx) as u64 * size,
+                (start * ldy) as u64 * size,
                 (e * k * m) as u64 * size,
             ],
         })
         .collect();
-    submit(dtype, problems, [dy, x, &out]);
+    submit(engine, blocks, [x, dy, &out]);
     Ok(out)
 }
 
-/// One expert's product in cuBLAS's column-major terms: `C [m, n] = op(A) · op(B)`, inner
-/// dimension `k`; `offsets` are the byte offsets of A, B and C from their tensors' pointers.
+/// One expert's product, row-major: its plan's key and the byte offsets of its `a`, `b` and `c`
+/// from their tensors' pointers.
 #[derive(Debug, Clone, Copy)]
-struct Problem {
-    m: i32,
-    n: i32,
-    k: i32,
-    transpose_a: bool,
-    transpose_b: bool,
-    lda: i32,
-    ldb: i32,
-    ldc: i32,
+struct Block {
+    key: GemmKey,
     offsets: [u64; 3],
+}
+
+impl Block {
+    fn flops(&self) -> usize {
+        self.key.m * self.key.n * self.key.k
+    }
+}
+
+/// The key of `c [m, n] = op(a) · op(b)` (inner `k`) in `dtype`, row strides `lda`, `ldb`,
+/// `ldc`, transposes of `a` and `b`.
+fn plain_key(
+    dtype: DType,
+    [m, n, k]: [usize; 3],
+    [lda, ldb, ldc]: [usize; 3],
+    [transpose_a, transpose_b]: [bool; 2],
+) -> GemmKey {
+    GemmKey {
+        m,
+        n,
+        k,
+        lda,
+        ldb,
+        ldc,
+        transpose_a,
+        transpose_b,
+        input: dtype,
+        output: dtype,
+        bias: false,
+        accumulate: false,
+        fp8: None,
+    }
 }
 
 /// `(expert, first row, rows)` of every expert with rows.
@@ -239,25 +260,125 @@ fn check_counts(
     }
 }
 
-/// Enqueues the grouped GEMM of `problems` on the compute stream; `tensors` are A's, B's and
-/// C's tensors, the problems' offsets relative to them.
-fn submit(dtype: DType, problems: Vec<Problem>, tensors: [&Tensor; 3]) {
-    if problems.is_empty() {
+/// Enqueues the products of `blocks` on the compute stream by `engine`; `tensors` are the
+/// `a`, `b` and `c` the blocks' offsets are relative to.
+fn submit(engine: Engine, blocks: Vec<Block>, tensors: [&Tensor; 3]) {
+    if blocks.is_empty() {
         return;
     }
     let bindings = tensors.iter().map(|t| binding(t)).collect();
     let device = tensors[0].device.clone();
-    ForeignQueue::new(&device).submit("cuBLAS grouped GEMM", bindings, Lane::Compute, move |ctx| {
-        if ctx.extensions.get_mut::<GroupedState>().is_none() {
-            let state = GroupedState::new()?;
-            ctx.extensions.get_or_insert_with(|| state);
+    let queue = ForeignQueue::new(&device);
+    let name = match engine {
+        Engine::Grouped => "cuBLAS grouped GEMM",
+        Engine::Streams(_) => "cuBLASLt GEMMs on streams",
+    };
+    queue.submit(name, bindings, Lane::Compute, move |ctx| match engine {
+        Engine::Grouped => {
+            if ctx.extensions.get_mut::<GroupedState>().is_none() {
+                let state = GroupedState::new()?;
+                ctx.extensions.get_or_insert_with(|| state);
+            }
+            let state = ctx
+                .extensions
+                .get_mut::<GroupedState>()
+                .expect("created above");
+            state.run(ctx.stream, ctx.pointers, &blocks)
         }
-        let state = ctx
-            .extensions
-            .get_mut::<GroupedState>()
-            .expect("created above");
-        state.run(ctx.stream, ctx.pointers, dtype, &problems)
+        // One stream while a CUDA graph is captured: its capture follows the compute stream.
+        Engine::Streams(streams) => {
+            run_on_streams(ctx, &blocks, if ctx.capturing { 1 } else { streams })
+        }
     });
+}
+
+/// The side streams of [`Engine::Streams`] and their cuBLASLt workspaces (the compute stream
+/// uses cuBLASLt's own), created as more are asked for and kept for the process.
+#[derive(Default)]
+struct Fan {
+    sides: Vec<(CUstream, CUdeviceptr)>,
+}
+
+// SAFETY: used only on the device thread, inside foreign operations.
+unsafe impl Send for Fan {}
+
+impl Fan {
+    /// The first `count` side streams with their workspaces.
+    fn sides(&mut self, count: usize) -> Result<&[(CUstream, CUdeviceptr)], String> {
+        while self.sides.len() < count {
+            let (mut stream, mut workspace) = (core::ptr::null_mut(), 0);
+            // SAFETY: a stream and an allocation in the current context, kept for the process.
+            unsafe {
+                check(
+                    cuStreamCreate(&mut stream, CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                    "cuStreamCreate",
+                )
+                .map_err(|e| e.to_string())?;
+                check(cuMemAlloc_v2(&mut workspace, WORKSPACE_BYTES), "cuMemAlloc")
+                    .map_err(|e| e.to_string())?;
+            }
+            self.sides.push((stream, workspace));
+        }
+        Ok(&self.sides[..count])
+    }
+}
+
+/// Runs the blocks' GEMMs over `streams` streams: the side streams start after the compute
+/// stream's work so far, each block goes to the stream with the fewest FLOPs queued (largest
+/// first), and the compute stream then waits for every side stream, so that to the rest of the
+/// queue this is one operation on the compute stream.
+fn run_on_streams(
+    ctx: &mut ForeignContext<'_>,
+    blocks: &[Block],
+    streams: usize,
+) -> Result<(), String> {
+    let streams = streams.clamp(1, blocks.len());
+    let sides = ctx
+        .extensions
+        .get_or_insert_with(Fan::default)
+        .sides(streams - 1)?
+        .to_vec();
+    let compute = ctx.stream;
+    let event = |e: super::driver::DriverFailure| e.to_string();
+    if !sides.is_empty() {
+        let start = Event::record(compute).map_err(event)?;
+        for (side, _) in &sides {
+            start.wait_on(*side).map_err(event)?;
+        }
+    }
+    let state = LtState::of(ctx.extensions);
+    let lanes: Vec<(CUstream, CUdeviceptr)> = std::iter::once((compute, state.workspace))
+        .chain(sides.iter().copied())
+        .collect();
+    let mut order: Vec<usize> = (0..blocks.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(blocks[i].flops()));
+    let mut queued = vec![0usize; lanes.len()];
+    let mut result = Ok(());
+    for i in order {
+        let block = &blocks[i];
+        let lane = (0..lanes.len())
+            .min_by_key(|&l| queued[l])
+            .expect("one stream at least");
+        queued[lane] += block.flops();
+        let (stream, workspace) = lanes[lane];
+        let pointers = [0, 1, 2].map(|o| ctx.pointers[o] + block.offsets[o]);
+        result = state
+            .plan(block.key)
+            .map_err(|e| format!("{e:?} for {:?}", block.key))
+            // SAFETY: the pointers address the blocks of the bound tensors that the key
+            // describes; each workspace is used by its own stream only.
+            .and_then(|plan| unsafe { state.run(&plan, block.key, pointers, stream, workspace) });
+        if result.is_err() {
+            break;
+        }
+    }
+    // Joined even after an error, so that the compute stream never runs ahead of a side one.
+    for (side, _) in &sides {
+        Event::record(*side)
+            .and_then(|end| end.wait_on(compute))
+            .map_err(event)?;
+    }
+    result
 }
 
 /// Per-device cuBLAS state: the handle (bound to the compute stream), its workspace, and the
@@ -320,16 +441,11 @@ impl GroupedState {
         Ok(())
     }
 
-    /// Copies the problems' pointers to the device and runs the grouped GEMM, on `stream`.
-    fn run(
-        &mut self,
-        stream: CUstream,
-        bases: &[u64],
-        dtype: DType,
-        problems: &[Problem],
-    ) -> Result<(), String> {
+    /// Copies the blocks' pointers to the device and runs the grouped GEMM, on `stream`, each
+    /// block as its transpose (`cᵀ = op(b)ᵀ · op(a)ᵀ`: cuBLAS's A is our `b`).
+    fn run(&mut self, stream: CUstream, bases: &[u64], blocks: &[Block]) -> Result<(), String> {
         self.bind(stream)?;
-        let count = problems.len();
+        let count = blocks.len();
         let slot = self.next;
         self.next = (self.next + 1) % SLOTS;
         if let Some(event) = self.copied[slot].take() {
@@ -340,9 +456,10 @@ impl GroupedState {
         let host = unsafe {
             core::slice::from_raw_parts_mut(self.host.add(slot * SLOT_POINTERS), 3 * count)
         };
-        for (i, problem) in problems.iter().enumerate() {
-            for (operand, offset) in problem.offsets.iter().enumerate() {
-                host[operand * count + i] = bases[operand] + offset;
+        for (i, block) in blocks.iter().enumerate() {
+            // cuBLAS's A, B and C are our b, a and c.
+            for (operand, ours) in [1, 0, 2].into_iter().enumerate() {
+                host[operand * count + i] = bases[ours] + block.offsets[ours];
             }
         }
         let device = self.device + (slot * SLOT_POINTERS * 8) as u64;
@@ -360,16 +477,21 @@ impl GroupedState {
             true => sys::cublasOperation_t::CUBLAS_OP_T,
             false => sys::cublasOperation_t::CUBLAS_OP_N,
         };
-        let each = |f: &dyn Fn(&Problem) -> i32| problems.iter().map(f).collect::<Vec<i32>>();
-        let (transa, transb): (Vec<_>, Vec<_>) = problems
+        let each = |f: &dyn Fn(&GemmKey) -> usize| {
+            blocks
+                .iter()
+                .map(|b| f(&b.key) as i32)
+                .collect::<Vec<i32>>()
+        };
+        let (transa, transb): (Vec<_>, Vec<_>) = blocks
             .iter()
-            .map(|p| (op(p.transpose_a), op(p.transpose_b)))
+            .map(|b| (op(b.key.transpose_b), op(b.key.transpose_a)))
             .unzip();
-        let (m, n, k) = (each(&|p| p.m), each(&|p| p.n), each(&|p| p.k));
-        let (lda, ldb, ldc) = (each(&|p| p.lda), each(&|p| p.ldb), each(&|p| p.ldc));
+        let (m, n, k) = (each(&|p| p.n), each(&|p| p.m), each(&|p| p.k));
+        let (lda, ldb, ldc) = (each(&|p| p.ldb), each(&|p| p.lda), each(&|p| p.ldc));
         let (alpha, beta) = (vec![1.0f32; count], vec![0.0f32; count]);
         let group_size = vec![1i32; count];
-        let (data, compute) = match dtype {
+        let (data, compute) = match blocks[0].key.input {
             DType::BF16 => (
                 sys::cudaDataType_t::CUDA_R_16BF,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -384,8 +506,8 @@ impl GroupedState {
             ),
         };
         let pointers = |operand: usize| (device + (operand * count * 8) as u64) as *const _;
-        // SAFETY: the host arrays hold one entry per group (each problem its own group of
-        // one); the device arrays address matrices inside the bound tensors, sized by them.
+        // SAFETY: the host arrays hold one entry per group (each block its own group of one);
+        // the device arrays address matrices inside the bound tensors, sized by them.
         unsafe {
             sys::cublasGemmGroupedBatchedEx(
                 self.handle,
@@ -410,7 +532,7 @@ impl GroupedState {
                 compute,
             )
             .result()
-            .map_err(|e| format!("cublasGemmGroupedBatchedEx: {e:?} for {problems:?}"))
+            .map_err(|e| format!("cublasGemmGroupedBatchedEx: {e:?} for {blocks:?}"))
         }
     }
 }

@@ -208,62 +208,84 @@ impl<B: GroupedLinearOps> BackwardStep<B> for GroupedLinearBackward {
     }
 }
 
-/// Our CUDA backend: the weight gradient as one cuBLAS grouped GEMM, in stream order (the
-/// per-expert loop where cuBLAS cannot take the operands); the forward and input-gradient
-/// products as the per-expert loop of cuBLASLt GEMMs, which ran twice as fast as the grouped
-/// GEMM there. burn-cuda keeps the loop.
+/// Our CUDA backend: every product of a layer's experts as one foreign operation in stream
+/// order (`burn_megatron_kernels::cuda::grouped_gemm`), by the engine [`cuda::choice`] picks;
+/// the per-expert loop where cuBLAS cannot take the operands. burn-cuda keeps the loop.
 #[cfg(feature = "cuda")]
 mod cuda {
     use burn::tensor::Tensor;
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm, grouped_gemm};
+    use burn_megatron_kernels::cuda::grouped_gemm::{self, Engine};
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
     use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
-    /// A layer with more local experts than this runs its forward and input-gradient products
-    /// as cuBLAS's grouped GEMM, else as one cuBLASLt GEMM an expert. Measured on an H200
-    /// (`gemm_bench grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000 rows
-    /// (Mixtral-like) ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46 grouped;
-    /// 32 experts of 128-640 rows (DeepSeek-like, 1408 wide) at 100-250 TFLOP/s one GEMM an
-    /// expert and 235-310 grouped. In training, the DeepSeek-like preset on one GPU (64
-    /// experts) ran 35.0-35.3k tokens/s with every layer grouped and 29.6-33.0k with none;
-    /// choosing by the routing of the moment (the rows' average, or the experts with rows)
-    /// left layers whose tokens went to few experts early in training on the slower loop.
-    const GROUPED_ABOVE_EXPERTS: usize = 8;
+    /// How a layer's experts' products run.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Choice {
+        /// Every product by this engine.
+        Engine(Engine),
+        /// The forward and input-gradient products as one cuBLASLt GEMM an expert, each its
+        /// own foreign operation; the weight gradient as cuBLAS's grouped GEMM.
+        Loop,
+    }
 
-    /// Whether the forward and input-gradient products of the experts with `counts` rows (one
-    /// count an expert) run as one grouped GEMM: `BM_GROUPED_GEMM=grouped` or `loop` forces
-    /// the choice (read once), else [`GROUPED_ABOVE_EXPERTS`] decides.
-    fn grouped_forward_products(counts: &[usize]) -> bool {
-        static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-        let forced = FORCED.get_or_init(|| match std::env::var("BM_GROUPED_GEMM").as_deref() {
-            Ok("grouped") => Some(true),
-            Ok("loop") => Some(false),
-            _ => None,
+    /// Streams of [`Engine::Streams`] unless `BM_GROUPED_GEMM=streams:N` says otherwise.
+    const STREAMS: usize = 4;
+
+    /// The engine for a layer with `experts` local experts: `BM_GROUPED_GEMM` = `grouped`,
+    /// `loop`, `streams` or `streams:N` forces one (read once), else cuBLAS's grouped GEMM for
+    /// more than 8 local experts and the loop for fewer. Measured on an H200 (`gemm_bench
+    /// grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000 rows (Mixtral-like)
+    /// ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46 grouped; 32 experts of
+    /// 128-640 rows (DeepSeek-like, 1408 wide) at 100-250 TFLOP/s one GEMM an expert and
+    /// 235-310 grouped. In training, the DeepSeek-like preset on one GPU (64 experts) ran
+    /// 35.0-35.3k tokens/s with every layer grouped and 29.6-33.0k with none; choosing by the
+    /// routing of the moment left layers whose tokens went to few experts early in training on
+    /// the slower loop.
+    fn choice(experts: usize) -> Choice {
+        static FORCED: std::sync::OnceLock<Option<Choice>> = std::sync::OnceLock::new();
+        let forced = FORCED.get_or_init(|| {
+            let value = std::env::var("BM_GROUPED_GEMM").ok()?;
+            match value.as_str() {
+                "grouped" => Some(Choice::Engine(Engine::Grouped)),
+                "loop" => Some(Choice::Loop),
+                "streams" => Some(Choice::Engine(Engine::Streams(STREAMS))),
+                other => match other.strip_prefix("streams:").map(str::parse) {
+                    Some(Ok(n)) if n >= 1 => Some(Choice::Engine(Engine::Streams(n))),
+                    _ => panic!(
+                        "BM_GROUPED_GEMM={other}: expected grouped, loop, streams or streams:N"
+                    ),
+                },
+            }
         });
-        forced.unwrap_or(counts.len() > GROUPED_ABOVE_EXPERTS)
+        forced.unwrap_or(match experts > 8 {
+            true => Choice::Engine(Engine::Grouped),
+            false => Choice::Loop,
+        })
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        /// cuBLAS's grouped GEMM (one launch for every expert) for more than 8 local experts,
-        /// else one cuBLASLt GEMM per expert with rows, each writing its rows of one output (no
-        /// concatenation). The composition where cuBLASLt cannot take the operands.
+        /// The products by [`choice`]'s engine, or one cuBLASLt GEMM per expert with rows,
+        /// each writing its rows of one output (no concatenation). The composition where
+        /// cuBLAS cannot take the operands.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
             w: Tensor<Self, 3>,
             counts: &[usize],
             transpose_w: bool,
         ) -> Tensor<Self, 2> {
-            if grouped_forward_products(counts)
+            if let Choice::Engine(engine) = choice(counts.len())
                 && let Ok(y) = grouped_gemm::grouped_gemm(
                     &raw(x.clone()),
                     &raw(w.clone()),
                     counts,
                     transpose_w,
+                    engine,
                 )
             {
                 return wrap(y);
@@ -289,7 +311,16 @@ mod cuda {
             dy: Tensor<Self, 2>,
             counts: &[usize],
         ) -> Tensor<Self, 3> {
-            match grouped_gemm::grouped_weight_gradient(&raw(x.clone()), &raw(dy.clone()), counts) {
+            let engine = match choice(counts.len()) {
+                Choice::Engine(engine) => engine,
+                Choice::Loop => Engine::Grouped,
+            };
+            match grouped_gemm::grouped_weight_gradient(
+                &raw(x.clone()),
+                &raw(dy.clone()),
+                counts,
+                engine,
+            ) {
                 Ok(dw) => wrap(dw),
                 Err(_) => per_expert_weight_gradient(x, dy, counts),
             }
