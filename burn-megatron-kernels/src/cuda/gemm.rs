@@ -232,55 +232,6 @@ pub fn gemm_accumulate_at(
     Ok(())
 }
 
-/// `out[first_row..first_row + m] = op(a) · op(b)`: the `[m, n]` product written into rows of
-/// a `[rows, n]` output of the inputs' dtype (rows contiguous, possibly pitched), in place: an
-/// expert's rows of a grouped product, with no copy. The caller owns `out`.
-pub fn gemm_into_rows(
-    a: &Tensor,
-    b: &Tensor,
-    transpose_a: bool,
-    transpose_b: bool,
-    out: &Tensor,
-    first_row: usize,
-) -> Result<(), GemmUnsupported> {
-    let p = Product::of(a, b, transpose_a, transpose_b)?;
-    if out.dtype != a.dtype {
-        return Err(GemmUnsupported::DType(a.dtype, out.dtype));
-    }
-    let out_view = Operand::of(out)?;
-    if out_view.transposed {
-        return Err(GemmUnsupported::Layout);
-    }
-    if out_view.cols != p.n || first_row + p.m > out_view.rows {
-        return Err(GemmUnsupported::Shape(
-            vec![first_row, p.m, p.n],
-            out.meta.shape().to_vec(),
-        ));
-    }
-    let rows = out
-        .handle
-        .clone()
-        .offset_start((first_row * out_view.ld * out.dtype.size()) as u64)
-        .binding();
-    let key = GemmKey {
-        m: p.m,
-        n: p.n,
-        k: p.k,
-        lda: p.lda,
-        ldb: p.ldb,
-        ldc: out_view.ld,
-        transpose_a: p.transpose_a,
-        transpose_b: p.transpose_b,
-        input: a.dtype,
-        output: a.dtype,
-        bias: false,
-        accumulate: false,
-        fp8: None,
-    };
-    submit(key, a, b, rows, None, None);
-    Ok(())
-}
-
 /// The plan key of `out += op(a) · op(b)` into f32 rows of stride `ldc`.
 fn accumulate_key(p: &Product, input: DType, ldc: usize) -> GemmKey {
     GemmKey {

@@ -6,9 +6,9 @@
 //! one node per expert and a concatenation. Here `Autodiff<B>` records one node for all experts,
 //! whose backward is two grouped products: `dx = grouped(dy, wᵀ)` and `dw[e] = x_eᵀ · dy_e`
 //! (zero for an expert without rows). So every expert's weight gets a gradient, whatever the
-//! routing. Our CUDA backend runs the weight gradient as one cuBLAS grouped GEMM in stream
-//! order (`burn_megatron_kernels::cuda::grouped_gemm`), and the other two products the same
-//! way for many small experts, as one cuBLASLt GEMM per expert for few large ones (each faster
+//! routing. Our CUDA backend runs each of the three products as one foreign operation in
+//! stream order (`burn_megatron_kernels::cuda::grouped_gemm`): cuBLAS's grouped GEMM for many
+//! small experts, cuBLASLt GEMMs spread over two streams for few large ones (each faster
 //! there, measured); other backends loop over the experts with [`LinearOps::gemm`].
 
 use burn::backend::Autodiff;
@@ -209,101 +209,76 @@ impl<B: GroupedLinearOps> BackwardStep<B> for GroupedLinearBackward {
 }
 
 /// Our CUDA backend: every product of a layer's experts as one foreign operation in stream
-/// order (`burn_megatron_kernels::cuda::grouped_gemm`), by the engine [`cuda::choice`] picks;
-/// the per-expert loop where cuBLAS cannot take the operands. burn-cuda keeps the loop.
+/// order (`burn_megatron_kernels::cuda::grouped_gemm`), by the engine `engine` picks; the
+/// per-expert loop where cuBLAS cannot take the operands. burn-cuda keeps the loop.
 #[cfg(feature = "cuda")]
 mod cuda {
     use burn::tensor::Tensor;
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+    use burn_megatron_kernels::cuda::MegatronCudaRuntime;
     use burn_megatron_kernels::cuda::grouped_gemm::{self, Engine};
-    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
-    use super::{GroupedLinearOps, blocks, matrix, per_expert_gemm, per_expert_weight_gradient};
+    use super::{GroupedLinearOps, per_expert_gemm, per_expert_weight_gradient};
     use crate::ops::primitive::{raw, wrap};
 
-    /// How a layer's experts' products run.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    enum Choice {
-        /// Every product by this engine.
-        Engine(Engine),
-        /// The forward and input-gradient products as one cuBLASLt GEMM an expert, each its
-        /// own foreign operation; the weight gradient as cuBLAS's grouped GEMM.
-        Loop,
-    }
+    /// Streams of [`Engine::Streams`] for layers of few experts, unless `BM_GROUPED_GEMM`
+    /// says otherwise.
+    const STREAMS: usize = 2;
 
-    /// Streams of [`Engine::Streams`] unless `BM_GROUPED_GEMM=streams:N` says otherwise.
-    const STREAMS: usize = 4;
+    /// Local experts above which a layer's products take cuBLAS's grouped GEMM.
+    const GROUPED_ABOVE_EXPERTS: usize = 8;
 
-    /// The engine for a layer with `experts` local experts: `BM_GROUPED_GEMM` = `grouped`,
-    /// `loop`, `streams` or `streams:N` forces one (read once), else cuBLAS's grouped GEMM for
-    /// more than 8 local experts and the loop for fewer. Measured on an H200 (`gemm_bench
-    /// grouped`, book "Benchmarks", 2026-11-28): 8 experts of about 2 000 rows (Mixtral-like)
-    /// ran at 0.93 of a dense GEMM one GEMM an expert and 0.38-0.46 grouped; 32 experts of
-    /// 128-640 rows (DeepSeek-like, 1408 wide) at 100-250 TFLOP/s one GEMM an expert and
-    /// 235-310 grouped. In training, the DeepSeek-like preset on one GPU (64 experts) ran
-    /// 35.0-35.3k tokens/s with every layer grouped and 29.6-33.0k with none; choosing by the
-    /// routing of the moment left layers whose tokens went to few experts early in training on
-    /// the slower loop.
-    fn choice(experts: usize) -> Choice {
-        static FORCED: std::sync::OnceLock<Option<Choice>> = std::sync::OnceLock::new();
+    /// The engine of a layer with `experts` local experts: `BM_GROUPED_GEMM` = `grouped`,
+    /// `streams` or `streams:N` forces one (read once); else cuBLAS's grouped GEMM for more
+    /// than 8 local experts, cuBLASLt GEMMs on 2 streams for fewer. Measured on an H200 (book
+    /// "Benchmarks", 2026-11-29): 8 Mixtral-like experts of 800-3 300 rows ran at 0.98-1.17 of
+    /// a dense GEMM's TFLOP/s on 2 streams (fwd + bwd 688-721 TFLOP/s), against 0.4-0.9
+    /// grouped; 32 and 64 DeepSeek-like experts of 64-660 rows at 210-275 TFLOP/s grouped,
+    /// where the GEMMs on streams, about 11 µs of host time each, ran at 100-140 with 64
+    /// experts; the DeepSeek-like preset on one GPU trained at 39.3k tokens/s grouped and
+    /// 37.2-37.8k on streams.
+    fn engine(experts: usize) -> Engine {
+        static FORCED: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
         let forced = FORCED.get_or_init(|| {
             let value = std::env::var("BM_GROUPED_GEMM").ok()?;
             match value.as_str() {
-                "grouped" => Some(Choice::Engine(Engine::Grouped)),
-                "loop" => Some(Choice::Loop),
-                "streams" => Some(Choice::Engine(Engine::Streams(STREAMS))),
+                "grouped" => Some(Engine::Grouped),
+                "streams" => Some(Engine::Streams(STREAMS)),
                 other => match other.strip_prefix("streams:").map(str::parse) {
-                    Some(Ok(n)) if n >= 1 => Some(Choice::Engine(Engine::Streams(n))),
-                    _ => panic!(
-                        "BM_GROUPED_GEMM={other}: expected grouped, loop, streams or streams:N"
-                    ),
+                    Some(Ok(n)) if n >= 1 => Some(Engine::Streams(n)),
+                    _ => panic!("BM_GROUPED_GEMM={other}: expected grouped, streams or streams:N"),
                 },
             }
         });
-        forced.unwrap_or(match experts > 8 {
-            true => Choice::Engine(Engine::Grouped),
-            false => Choice::Loop,
+        forced.unwrap_or(match experts > GROUPED_ABOVE_EXPERTS {
+            true => Engine::Grouped,
+            false => Engine::Streams(STREAMS),
         })
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        /// The products by [`choice`]'s engine, or one cuBLASLt GEMM per expert with rows,
-        /// each writing its rows of one output (no concatenation). The composition where
-        /// cuBLAS cannot take the operands.
+        /// The products by [`engine`]'s engine; the composition where cuBLAS cannot take the
+        /// operands.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
             w: Tensor<Self, 3>,
             counts: &[usize],
             transpose_w: bool,
         ) -> Tensor<Self, 2> {
-            if let Choice::Engine(engine) = choice(counts.len())
-                && let Ok(y) = grouped_gemm::grouped_gemm(
-                    &raw(x.clone()),
-                    &raw(w.clone()),
-                    counts,
-                    transpose_w,
-                    engine,
-                )
-            {
-                return wrap(y);
+            let engine = engine(counts.len());
+            match grouped_gemm::grouped_gemm(
+                &raw(x.clone()),
+                &raw(w.clone()),
+                counts,
+                transpose_w,
+                engine,
+            ) {
+                Ok(y) => wrap(y),
+                Err(_) => per_expert_gemm(x, w, counts, transpose_w),
             }
-            let ([n, _], [_, rows, cols]) = (x.dims(), w.dims());
-            let width = if transpose_w { rows } else { cols };
-            let out = raw(Tensor::<Self, 2>::empty(
-                [n, width],
-                (&x.device(), x.dtype()),
-            ));
-            for (e, start, count) in blocks(counts) {
-                let a = raw(x.clone().narrow(0, start, count));
-                let b = raw(matrix(&w, e));
-                if gemm::gemm_into_rows(&a, &b, false, transpose_w, &out, start).is_err() {
-                    return per_expert_gemm(x, w, counts, transpose_w);
-                }
-            }
-            wrap(out)
         }
 
         fn grouped_weight_gradient(
@@ -311,10 +286,7 @@ mod cuda {
             dy: Tensor<Self, 2>,
             counts: &[usize],
         ) -> Tensor<Self, 3> {
-            let engine = match choice(counts.len()) {
-                Choice::Engine(engine) => engine,
-                Choice::Loop => Engine::Grouped,
-            };
+            let engine = engine(counts.len());
             match grouped_gemm::grouped_weight_gradient(
                 &raw(x.clone()),
                 &raw(dy.clone()),

@@ -132,6 +132,16 @@ impl<B: Backend> ColumnParallelLinear<B> {
             ..self
         }
     }
+
+    /// The same (same parameters and ids) with its tokens split over `cp` (the
+    /// context-parallel group, `None`: not split): an FP8 layer reduces the amaxes of its
+    /// input and output gradient over it ([`Fp8Linear::with_sequence_group`]).
+    pub fn with_sequence_group(self, cp: Option<&ProcessGroup>) -> Self {
+        Self {
+            fp8: self.fp8.map(|fp8| fp8.with_sequence_group(cp)),
+            ..self
+        }
+    }
 }
 
 impl<B: ModelBackend> ColumnParallelLinear<B> {

@@ -107,8 +107,9 @@ impl<B: Backend> ParallelAttention<B> {
     }
 
     /// The same attention (same parameters and ids) over the context-parallel group of `cp`
-    /// (`None`, or a group of one rank: the whole sequence on every rank). Attention dropout
-    /// has no context-parallel form: a [`ConfigError`] if it is configured.
+    /// (`None`, or a group of one rank: the whole sequence on every rank); FP8 projections
+    /// reduce their activations' amaxes over it. Attention dropout has no context-parallel
+    /// form: a [`ConfigError`] if it is configured.
     pub fn with_context_parallel(self, cp: Option<CpContext>) -> Result<Self, ConfigError> {
         let cp = cp.filter(|cp| cp.size() > 1);
         if cp.is_some() && self.shape.dropout > 0.0 {
@@ -118,7 +119,13 @@ impl<B: Backend> ParallelAttention<B> {
                 self.shape.dropout
             )));
         }
-        Ok(Self { cp, ..self })
+        let group = cp.as_ref().map(|cp| &cp.group);
+        Ok(Self {
+            qkv: self.qkv.with_sequence_group(group),
+            output: self.output.with_sequence_group(group),
+            cp,
+            ..self
+        })
     }
 }
 

@@ -112,11 +112,14 @@ impl<B: Backend> TransformerLayer<B> {
 
 impl<B: Backend> TransformerLayer<B> {
     /// The same layer (same parameters and ids) over the context-parallel group of `cp`: see
-    /// [`ParallelAttention::with_context_parallel`], whose errors it returns.
+    /// [`ParallelAttention::with_context_parallel`], whose errors it returns; FP8 layers
+    /// reduce their activations' amaxes over the group.
     pub fn with_context_parallel(self, cp: Option<CpContext>) -> Result<Self, ConfigError> {
         let cp = cp.filter(|cp| cp.size() > 1);
+        let group = cp.as_ref().map(|cp| &cp.group);
         Ok(Self {
             attention: self.attention.with_context_parallel(cp.clone())?,
+            mlp: self.mlp.map(|mlp| mlp.with_sequence_group(group)),
             context: LayerContext { cp, ..self.context },
             ..self
         })

@@ -62,6 +62,17 @@ impl<B: Backend> ParallelMlp<B> {
             gelu: self.gelu,
         }
     }
+
+    /// The same MLP (same parameters and ids) with its tokens split over `cp` (the
+    /// context-parallel group): FP8 layers reduce their activations' amaxes over it.
+    pub fn with_sequence_group(self, cp: Option<&ProcessGroup>) -> Self {
+        Self {
+            fc1: self.fc1.with_sequence_group(cp),
+            gate: self.gate.map(|g| g.with_sequence_group(cp)),
+            fc2: self.fc2.with_sequence_group(cp),
+            gelu: self.gelu,
+        }
+    }
 }
 
 impl<B: ModelBackend> ParallelMlp<B> {

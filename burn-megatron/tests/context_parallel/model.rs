@@ -2,11 +2,12 @@
 //! every sequence through every layer, and the logits (put back in sequence order), the loss
 //! and every parameter gradient (summed over CP, averaged over DP) equal the CP = 1 model's
 //! (f32, 1e-5 relative). CP = 2 and 4, each communication, with TP 2 and sequence
-//! parallelism, with DP 2, and with chunks of one token.
+//! parallelism, with DP 2, with chunks of one token, and in FP8 (the CPU emulation).
 
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::context_parallel::{CpCommType, CpContext, LoadBalancedSplit};
+use burn_megatron::ops::fp8::{Fp8Config, Fp8Recipe};
 use burn_megatron::pipeline_parallel::{Microbatch, forward_backward_no_pipelining};
 use burn_megatron::tensor_parallel::gather_full_grads;
 use burn_megatron::transformer::TransformerConfig;
@@ -283,4 +284,29 @@ fn cp_2_with_dp_2_equals_cp_1() {
     });
     assert_equivalent("GPT", &gpt(), &layouts, 16);
     assert_equivalent("Llama", &llama(), &layouts, 16);
+}
+
+/// FP8 (the CPU emulation, which casts to FP8's values): each rank holds part of every
+/// sequence, so the amaxes of the layers' inputs and output gradients are reduced over CP
+/// (and over TP too where split), and every rank casts with CP = 1's scales. Delayed scaling
+/// casts a single batch with its initial scales, and its amaxes go through the same
+/// reductions.
+#[test]
+fn fp8_at_cp_2_and_4_equals_cp_1() {
+    let layouts = [
+        Layout::cp(2, CpCommType::P2p),
+        Layout::cp(4, CpCommType::AllGather),
+        Layout {
+            tp: 2,
+            sp: true,
+            ..Layout::cp(2, CpCommType::A2a)
+        },
+    ];
+    for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
+        let fp8 = Some(Fp8Config::new().with_recipe(recipe));
+        let name = |model: &str| format!("{model} in FP8 ({recipe:?})");
+        let gpt = gpt().with_fp8(fp8.clone());
+        assert_equivalent(&name("GPT"), &gpt, &layouts, 16);
+        assert_equivalent(&name("Llama"), &llama().with_fp8(fp8), &layouts, 16);
+    }
 }

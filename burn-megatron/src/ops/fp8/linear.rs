@@ -23,7 +23,9 @@
 //! gradient, a row-parallel weight and input), its amax is the maximum over the
 //! tensor-parallel group (one `[n]` all-reduce for the forward's operands, one `[1]` for the
 //! gradient), so that every rank casts with the scale one device would use and TP = k equals
-//! TP = 1. A NaN amax is sent as +∞ (a maximum over ranks then keeps it whatever the
+//! TP = 1. Under context parallelism ([`Fp8Linear::with_sequence_group`]) each rank holds part
+//! of the sequence, so the amaxes of the input and of the output gradient are reduced over
+//! the context-parallel group too, and CP = k equals CP = 1. A NaN amax is sent as +∞ (a maximum over ranks then keeps it whatever the
 //! transport's NaN rule), and a non-finite amax never becomes a scale.
 //!
 //! The weight's cast (amax, reduction, scale, both layouts) is kept in the layer until the
@@ -49,7 +51,7 @@ use burn::tensor::{DType, Tensor};
 use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_megatron_dist::{DeviceTransport, DistResult, ProcessGroup, ReduceOp};
+use burn_megatron_dist::{DeviceTransport, DistError, DistResult, ProcessGroup, ReduceOp};
 
 use super::scaling::{DelayedScaling, Fp8Config, Fp8Recipe};
 use super::{Fp8Dtype, Fp8Ops};
@@ -92,7 +94,7 @@ impl Fp8Split {
 }
 
 /// The operands that get a scale, in the order of a state's array.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Operand {
     Input = 0,
     Weight = 1,
@@ -151,6 +153,9 @@ type WeightCache = Vec<CachedWeight>;
 pub struct Fp8Linear {
     config: Fp8Config,
     group: Option<ProcessGroup>,
+    /// The context-parallel group: the tokens, so the input and the output gradient, are
+    /// split over it.
+    sequence: Option<ProcessGroup>,
     split: Fp8Split,
     delayed: Arc<Mutex<DelayedStates>>,
     weights: Arc<Mutex<WeightCache>>,
@@ -161,6 +166,10 @@ impl fmt::Debug for Fp8Linear {
         f.debug_struct("Fp8Linear")
             .field("config", &self.config)
             .field("group", &self.group.as_ref().map(|g| g.ranks().to_vec()))
+            .field(
+                "sequence",
+                &self.sequence.as_ref().map(|g| g.ranks().to_vec()),
+            )
             .field("split", &self.split)
             .finish_non_exhaustive()
     }
@@ -173,9 +182,20 @@ impl Fp8Linear {
         Self {
             config,
             group: group.cloned(),
+            sequence: None,
             split,
             delayed: Arc::default(),
             weights: Arc::default(),
+        }
+    }
+
+    /// The same layer (sharing its state) whose tokens are split over `sequence` (the
+    /// context-parallel group; `None` or one rank: not split): the amaxes of its input and of
+    /// its output gradient are then reduced over that group as well.
+    pub fn with_sequence_group(self, sequence: Option<&ProcessGroup>) -> Self {
+        Self {
+            sequence: sequence.filter(|group| group.size() > 1).cloned(),
+            ..self
         }
     }
 
@@ -270,10 +290,26 @@ impl Fp8Linear {
         Scale { scale, inv }
     }
 
-    /// Whether an amax of an operand that `split` says is split over the group is reduced
-    /// over it (a group of more than one rank).
-    fn reduces(&self, split: bool) -> bool {
-        split && self.group.as_ref().is_some_and(|group| group.size() > 1)
+    /// The groups over which `operand`'s amax is reduced, in the order of the reductions:
+    /// the tensor-parallel group where [`Fp8Split`] says the operand is split over it, then
+    /// the context-parallel group for the input and the output gradient (the tokens').
+    fn groups(&self, operand: Operand) -> impl Iterator<Item = &ProcessGroup> {
+        let split = match operand {
+            Operand::Input => self.split.input,
+            Operand::Weight => self.split.weight,
+            Operand::GradOutput => self.split.grad_output,
+        };
+        let tp = self.group.as_ref().filter(|g| split && g.size() > 1);
+        let sequence = self
+            .sequence
+            .as_ref()
+            .filter(|_| operand != Operand::Weight);
+        tp.into_iter().chain(sequence)
+    }
+
+    /// Whether `operand`'s amax is reduced over a group (of more than one rank).
+    fn reduces(&self, operand: Operand) -> bool {
+        self.groups(operand).next().is_some()
     }
 
     /// `x`'s amax (reduced over the group where `split`), and the tensorwise scale of its
@@ -281,14 +317,14 @@ impl Fp8Linear {
     fn tensorwise<B: Fp8Ops + DeviceTransport>(
         &self,
         x: &Tensor<B, 2>,
-        split: bool,
+        operand: Operand,
         dtype: Fp8Dtype,
     ) -> DistResult<(Tensor<B, 1>, Scale<B>)> {
-        if !self.reduces(split) {
+        if !self.reduces(operand) {
             let (amax, scale, inv) = B::fp8_amax_scale(x.clone(), dtype, self.config.margin);
             return Ok((amax, Scale { scale, inv }));
         }
-        let [amax] = self.reduce_amaxes([(B::fp8_amax(x.clone()), split)])?;
+        let [amax] = self.reduce_amaxes([(B::fp8_amax(x.clone()), operand)])?;
         Ok((amax.clone(), self.tensorwise_scale(amax, dtype)))
     }
 
@@ -312,37 +348,51 @@ impl Fp8Linear {
         }
     }
 
-    /// The amaxes, those marked split reduced (maximum) over the group in one all-reduce, a
-    /// NaN sent as +∞ there (the maximum of a NaN is undefined); with nothing to reduce, as
-    /// they are.
+    /// The amaxes, each reduced (maximum) over its operand's [`groups`](Self::groups), one
+    /// all-reduce a group for all of them, a NaN sent as +∞ there (the maximum of a NaN is
+    /// undefined); with nothing to reduce, as they are.
     fn reduce_amaxes<B: DeviceTransport, const N: usize>(
         &self,
-        amaxes: [(Tensor<B, 1>, bool); N],
+        amaxes: [(Tensor<B, 1>, Operand); N],
     ) -> DistResult<[Tensor<B, 1>; N]> {
-        let group = match &self.group {
-            Some(group) if group.size() > 1 && amaxes.iter().any(|(_, split)| *split) => group,
+        self.try_reduce_amaxes(amaxes).map_err(|(error, _)| error)
+    }
+
+    /// [`reduce_amaxes`](Self::reduce_amaxes), an error with the group whose all-reduce
+    /// failed.
+    fn try_reduce_amaxes<B: DeviceTransport, const N: usize>(
+        &self,
+        amaxes: [(Tensor<B, 1>, Operand); N],
+    ) -> Result<[Tensor<B, 1>; N], (DistError, ProcessGroup)> {
+        if !amaxes.iter().any(|(_, operand)| self.reduces(*operand)) {
             // Nothing to reduce: a NaN amax stays NaN, which every use treats as +∞ does
             // (no scale from it, nothing recorded), without two launches an amax.
-            _ => return Ok(amaxes.map(|(amax, _)| amax)),
-        };
-        let amaxes = amaxes.map(|(amax, split)| {
+            return Ok(amaxes.map(|(amax, _)| amax));
+        }
+        let operands = amaxes.each_ref().map(|(_, operand)| *operand);
+        let mut amaxes = amaxes.map(|(amax, _)| {
             let nan = amax.clone().is_nan();
-            (amax.mask_fill(nan, f32::INFINITY), split)
+            amax.mask_fill(nan, f32::INFINITY)
         });
-        let local: Vec<_> = amaxes
-            .iter()
-            .filter(|(_, split)| *split)
-            .map(|(amax, _)| amax.clone())
-            .collect();
-        let reduced = group.all_reduce(Tensor::cat(local, 0), ReduceOp::Max)?;
-        let mut next = 0;
-        Ok(amaxes.map(|(amax, split)| match split {
-            true => {
-                next += 1;
-                reduced.clone().narrow(0, next - 1, 1)
+        for group in [self.group.as_ref(), self.sequence.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            let mine: Vec<usize> = (0..N)
+                .filter(|&i| self.groups(operands[i]).any(|g| std::ptr::eq(g, group)))
+                .collect();
+            if mine.is_empty() {
+                continue;
             }
-            false => amax,
-        }))
+            let local = Tensor::cat(mine.iter().map(|&i| amaxes[i].clone()).collect(), 0);
+            let reduced = group
+                .all_reduce(local, ReduceOp::Max)
+                .map_err(|error| (error, group.clone()))?;
+            for (j, &i) in mine.iter().enumerate() {
+                amaxes[i] = reduced.clone().narrow(0, j, 1);
+            }
+        }
+        Ok(amaxes)
     }
 }
 
@@ -470,12 +520,12 @@ fn forward<B: Fp8Ops + DeviceTransport>(
             x_scale = fp8.delayed_scale(Operand::Input, &x.device());
             let mut x_c = cast(x, x_scale.scale.clone(), dtype, x_layouts, true);
             let [x_a] =
-                fp8.reduce_amaxes([(x_c.amax.take().expect("asked for"), fp8.split.input)])?;
+                fp8.reduce_amaxes([(x_c.amax.take().expect("asked for"), Operand::Input)])?;
             (x_cast, x_amax) = (x_c, x_a);
             (w_cast, w_amax) = (cast_before, None);
         }
         Weight::Cast(cast_before) => {
-            (x_amax, x_scale) = fp8.tensorwise(&x, fp8.split.input, dtype)?;
+            (x_amax, x_scale) = fp8.tensorwise(&x, Operand::Input, dtype)?;
             x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
             (w_cast, w_amax) = (cast_before, None);
         }
@@ -488,25 +538,25 @@ fn forward<B: Fp8Ops + DeviceTransport>(
                 cast(w, w_scale.scale.clone(), dtype, w_layouts, true),
             );
             let [x_a, w_a] = fp8.reduce_amaxes([
-                (x_c.amax.take().expect("asked for"), fp8.split.input),
-                (w_c.amax.take().expect("asked for"), fp8.split.weight),
+                (x_c.amax.take().expect("asked for"), Operand::Input),
+                (w_c.amax.take().expect("asked for"), Operand::Weight),
             ])?;
             (x_cast, x_amax, w_amax) = (x_c, x_a, Some(w_a));
             w_cast = WeightCast::new(w_c, w_scale);
         }
         Weight::Tensor(w) => {
             let (x_a, w_a, w_scale);
-            if fp8.reduces(fp8.split.input) || fp8.reduces(fp8.split.weight) {
-                // Both amaxes in one all-reduce.
+            if fp8.reduces(Operand::Input) || fp8.reduces(Operand::Weight) {
+                // Both amaxes in one all-reduce a group.
                 [x_a, w_a] = fp8.reduce_amaxes([
-                    (B::fp8_amax(x.clone()), fp8.split.input),
-                    (B::fp8_amax(w.clone()), fp8.split.weight),
+                    (B::fp8_amax(x.clone()), Operand::Input),
+                    (B::fp8_amax(w.clone()), Operand::Weight),
                 ])?;
                 x_scale = fp8.tensorwise_scale(x_a.clone(), dtype);
                 w_scale = fp8.tensorwise_scale(w_a.clone(), dtype);
             } else {
-                (x_a, x_scale) = fp8.tensorwise(&x, false, dtype)?;
-                (w_a, w_scale) = fp8.tensorwise(&w, false, dtype)?;
+                (x_a, x_scale) = fp8.tensorwise(&x, Operand::Input, dtype)?;
+                (w_a, w_scale) = fp8.tensorwise(&w, Operand::Weight, dtype)?;
             }
             x_cast = cast(x, x_scale.scale.clone(), dtype, x_layouts, false);
             w_cast = WeightCast::new(
@@ -639,16 +689,14 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
             fp8.config.format.forward_dtype(),
             fp8.config.format.gradient_dtype(),
         );
-        // Backward has no error channel: a failed reduction is recorded on the group (its
+        // Backward has no error channel: a failed reduction is recorded on its group (its
         // every later call, and `backward_failure`, returns it) and the local amax used.
         let reduce = |local: Tensor<B, 1>| match fp8
-            .reduce_amaxes([(local.clone(), fp8.split.grad_output)])
+            .try_reduce_amaxes([(local.clone(), Operand::GradOutput)])
         {
             Ok([amax]) => amax,
-            Err(error) => {
-                if let Some(group) = &fp8.group {
-                    group.fail_in_backward(error);
-                }
+            Err((error, group)) => {
+                group.fail_in_backward(error);
                 local
             }
         };
@@ -660,7 +708,7 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
             let amax = reduce(casts.amax.take().expect("asked for"));
             (casts, amax, scale.inv)
         } else {
-            let (amax, scale) = match fp8.reduces(fp8.split.grad_output) {
+            let (amax, scale) = match fp8.reduces(Operand::GradOutput) {
                 true => {
                     let amax = reduce(B::fp8_amax(dy.clone()));
                     (amax.clone(), fp8.tensorwise_scale(amax, grad_dtype))
