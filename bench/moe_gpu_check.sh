@@ -23,6 +23,7 @@
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
 #   NPROC=1 PART=gemm,engines1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' products by each engine, 8 layers of both presets, the peer
+#   NPROC=1 PART=gemm,rule1 bash bench/moe_gpu_check.sh  # 1 GPU: the engines' rule, 8 layers of both presets, a profile, the peer
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=adamw2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like, the build before and this one, profiled
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
@@ -331,6 +332,15 @@ if [ "$PART" != all ] && part engines1; then
   BM_GROUPED_GEMM=streams:4 BM_PROFILE=1 ITERS=16 ours deepseek_ep1_streams4_profile deepseek_moe_1b 1 --num-layers 8 --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
   ITERS=16 ours mixtral_ep1_loop mixtral_1b_moe 1 --num-layers 8
   BM_GROUPED_GEMM=streams:4 ITERS=16 ours mixtral_ep1_streams4 mixtral_1b_moe 1 --num-layers 8
+  torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
+fi
+if [ "$PART" != all ] && part rule1; then
+  # For one GPU (NPROC=1): the engines' rule (grouped above 8 local experts, 2 streams
+  # below), 8 layers of each preset at EP 1, 16 iterations, the DeepSeek-like one profiled at
+  # step 14 in a second run; then its peer with 8 layers.
+  ITERS=16 ours deepseek_ep1_rule deepseek_moe_1b 1 --num-layers 8
+  ITERS=16 ours mixtral_ep1_rule mixtral_1b_moe 1 --num-layers 8
+  BM_PROFILE=1 ITERS=16 ours deepseek_ep1_rule_profile deepseek_moe_1b 1 --num-layers 8 --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
   torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
 fi
 if [ "$PART" != all ] && part adamw2; then

@@ -19,14 +19,13 @@
 //! f32 uses TF32 tensor cores, as the dense GEMMs do.
 
 use burn::tensor::{DType, Shape};
-use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
-use burn_cubecl::ops::reshape;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys;
 use cudarc::driver::sys::{
     CU_MEMHOSTALLOC_PORTABLE, CUdeviceptr, CUstream, CUstream_flags, cuMemAlloc_v2, cuMemHostAlloc,
-    cuMemcpyHtoDAsync_v2, cuStreamCreate,
+    cuMemcpyHtoDAsync_v2, cuMemsetD8Async, cuStreamCreate,
 };
 
 use super::driver::check;
@@ -93,7 +92,7 @@ pub fn grouped_gemm(
             ],
         })
         .collect();
-    submit(engine, blocks, [x, w, &out]);
+    submit(engine, blocks, Vec::new(), [x, w, &out]);
     Ok(out)
 }
 
@@ -117,20 +116,19 @@ pub fn grouped_weight_gradient(
     check_counts(counts, counts.len(), n, x, dy)?;
     let shape = Shape::from(vec![counts.len(), k, m]);
     let (client, device) = (x.client.clone(), x.device.clone());
-    // The products write with `ldc = m`, so the output must be contiguous: zeros are filled
-    // flat (a tensor of several dimensions may get pitched rows), then viewed as the stack.
-    let out = match counts.contains(&0) {
-        true => reshape(
-            zeros_client(
-                client,
-                device,
-                Shape::from(vec![shape.num_elements()]),
-                dtype,
-            ),
-            shape,
-        ),
-        false => empty_device_contiguous_dtype(client, device, shape, dtype),
-    };
+    // The products write with `ldc = m`, so the output must be contiguous.
+    let out = empty_device_contiguous_dtype(client, device, shape, dtype);
+    // The experts without rows get zeros: one fill a run of them, in the same operation.
+    let block_bytes = (k * m) as u64 * dtype.size() as u64;
+    let mut zeros: Vec<(u64, u64)> = Vec::new();
+    for (e, _) in counts.iter().enumerate().filter(|(_, c)| **c == 0) {
+        match zeros.last_mut() {
+            Some((start, bytes)) if *start + *bytes == e as u64 * block_bytes => {
+                *bytes += block_bytes
+            }
+            _ => zeros.push((e as u64 * block_bytes, block_bytes)),
+        }
+    }
     let size = dtype.size() as u64;
     let blocks = blocks(counts)
         .map(|(e, start, rows)| Block {
@@ -142,7 +140,7 @@ pub fn grouped_weight_gradient(
             ],
         })
         .collect();
-    submit(engine, blocks, [x, dy, &out]);
+    submit(engine, blocks, zeros, [x, dy, &out]);
     Ok(out)
 }
 
@@ -260,10 +258,11 @@ fn check_counts(
     }
 }
 
-/// Enqueues the products of `blocks` on the compute stream by `engine`; `tensors` are the
-/// `a`, `b` and `c` the blocks' offsets are relative to.
-fn submit(engine: Engine, blocks: Vec<Block>, tensors: [&Tensor; 3]) {
-    if blocks.is_empty() {
+/// Enqueues the products of `blocks` on the compute stream by `engine`, after zeroing the
+/// `zeros` ranges of `c` (byte offsets and lengths); `tensors` are the `a`, `b` and `c` the
+/// blocks' offsets are relative to.
+fn submit(engine: Engine, blocks: Vec<Block>, zeros: Vec<(u64, u64)>, tensors: [&Tensor; 3]) {
+    if blocks.is_empty() && zeros.is_empty() {
         return;
     }
     let bindings = tensors.iter().map(|t| binding(t)).collect();
@@ -273,21 +272,37 @@ fn submit(engine: Engine, blocks: Vec<Block>, tensors: [&Tensor; 3]) {
         Engine::Grouped => "cuBLAS grouped GEMM",
         Engine::Streams(_) => "cuBLASLt GEMMs on streams",
     };
-    queue.submit(name, bindings, Lane::Compute, move |ctx| match engine {
-        Engine::Grouped => {
-            if ctx.extensions.get_mut::<GroupedState>().is_none() {
-                let state = GroupedState::new()?;
-                ctx.extensions.get_or_insert_with(|| state);
+    queue.submit(name, bindings, Lane::Compute, move |ctx| {
+        for &(offset, bytes) in &zeros {
+            // SAFETY: the range lies inside `c`, which the operation binds.
+            unsafe {
+                check(
+                    cuMemsetD8Async(ctx.pointers[2] + offset, 0, bytes as usize, ctx.stream),
+                    "cuMemsetD8Async",
+                )
+                .map_err(|e| e.to_string())?;
             }
-            let state = ctx
-                .extensions
-                .get_mut::<GroupedState>()
-                .expect("created above");
-            state.run(ctx.stream, ctx.pointers, &blocks)
         }
-        // One stream while a CUDA graph is captured: its capture follows the compute stream.
-        Engine::Streams(streams) => {
-            run_on_streams(ctx, &blocks, if ctx.capturing { 1 } else { streams })
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        match engine {
+            Engine::Grouped => {
+                if ctx.extensions.get_mut::<GroupedState>().is_none() {
+                    let state = GroupedState::new()?;
+                    ctx.extensions.get_or_insert_with(|| state);
+                }
+                let state = ctx
+                    .extensions
+                    .get_mut::<GroupedState>()
+                    .expect("created above");
+                state.run(ctx.stream, ctx.pointers, &blocks)
+            }
+            // One stream while a CUDA graph is captured: its capture follows the compute
+            // stream.
+            Engine::Streams(streams) => {
+                run_on_streams(ctx, &blocks, if ctx.capturing { 1 } else { streams })
+            }
         }
     });
 }
