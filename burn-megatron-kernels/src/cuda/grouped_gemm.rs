@@ -96,8 +96,8 @@ pub fn grouped_gemm(
     Ok(out)
 }
 
-/// `x_eᵀ · dy_e` for every expert `e` (zero where `counts[e]` is 0), in one foreign operation: the
-/// weights' gradient of [`grouped_gemm`].
+/// `x_eᵀ · dy_e` for every expert `e` (zero where `counts[e]` is 0), in one foreign
+/// operation: the weights' gradient of [`grouped_gemm`].
 ///
 /// `x` is `[n, k]`, `dy` `[n, m]` (rows may be pitched), of one dtype; the output is
 /// `[experts, k, m]` of that dtype.
