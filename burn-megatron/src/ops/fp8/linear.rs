@@ -25,8 +25,9 @@
 //! gradient), so that every rank casts with the scale one device would use and TP = k equals
 //! TP = 1. Under context parallelism ([`Fp8Linear::with_sequence_group`]) each rank holds part
 //! of the sequence, so the amaxes of the input and of the output gradient are reduced over
-//! the context-parallel group too, and CP = k equals CP = 1. A NaN amax is sent as +∞ (a maximum over ranks then keeps it whatever the
-//! transport's NaN rule), and a non-finite amax never becomes a scale.
+//! the context-parallel group too, and CP = k equals CP = 1. A NaN amax is sent as +∞ (a
+//! maximum over ranks then keeps it whatever the transport's NaN rule), and a non-finite amax
+//! never becomes a scale.
 //!
 //! The weight's cast (amax, reduction, scale, both layouts) is kept in the layer until the
 //! weight tensor is replaced ([`Fp8Config::cache_weights`]): the microbatches of one
@@ -312,7 +313,7 @@ impl Fp8Linear {
         self.groups(operand).next().is_some()
     }
 
-    /// `x`'s amax (reduced over the group where `split`), and the tensorwise scale of its
+    /// `x`'s amax (reduced over `operand`'s groups), and the tensorwise scale of its
     /// cast to `dtype` with its reciprocal; without a reduction in the amax's own launches.
     fn tensorwise<B: Fp8Ops + DeviceTransport>(
         &self,
