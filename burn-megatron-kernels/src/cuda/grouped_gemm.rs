@@ -13,7 +13,7 @@
 //! compute stream just before the GEMM (a ring of slots, each reused once the copy that read it
 //! has passed, so the host waits only if it runs a whole ring ahead of the GPU).
 //!
-//! Products are described row-major, as in [`super::gemm`] ([`GemmKey`]); cuBLAS's
+//! Products are described row-major, as in [`super::gemm`] (`GemmKey`); cuBLAS's
 //! column-major grouped call gets each as its transpose: `y_eᵀ = op(w_e)ᵀ · x_eᵀ`. Experts
 //! without rows are left out (their weight gradient is zero). bf16 and f16 accumulate in f32;
 //! f32 uses TF32 tensor cores, as the dense GEMMs do.

@@ -260,8 +260,8 @@ mod cuda {
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
-        /// The products by [`engine`]'s engine; the composition where cuBLAS cannot take the
-        /// operands.
+        /// The products by the engine `engine` picks; the composition where cuBLAS cannot
+        /// take the operands.
         fn grouped_gemm(
             x: Tensor<Self, 2>,
             w: Tensor<Self, 3>,
