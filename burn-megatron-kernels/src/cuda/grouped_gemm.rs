@@ -22,12 +22,14 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cudarc::cublas::result as blas;
+use cubecl_core::server::Binding;
 use cudarc::cublas::sys;
 use cudarc::driver::sys::{
     CU_MEMHOSTALLOC_PORTABLE, CUdeviceptr, CUstream, CUstream_flags, cuMemAlloc_v2, cuMemHostAlloc,
     cuMemcpyHtoDAsync_v2, cuMemsetD8Async, cuStreamCreate,
 };
 
+use super::device::CudaGpu;
 use super::driver::check;
 use super::event::Event;
 use super::foreign::{ForeignContext, ForeignQueue, Lane, binding};
@@ -92,7 +94,13 @@ pub fn grouped_gemm(
             ],
         })
         .collect();
-    submit(engine, blocks, Vec::new(), [x, w, &out]);
+    submit(
+        engine,
+        blocks,
+        Vec::new(),
+        [x, w, &out].map(binding),
+        &x.device,
+    );
     Ok(out)
 }
 
@@ -140,8 +148,77 @@ pub fn grouped_weight_gradient(
             ],
         })
         .collect();
-    submit(engine, blocks, zeros, [x, dy, &out]);
+    submit(engine, blocks, zeros, [x, dy, &out].map(binding), &x.device);
     Ok(out)
+}
+
+/// `buffer[start..] += x_eᵀ · dy_e` for every expert `e` with rows, in f32, the products
+/// accumulating in place (beta 1), in one foreign operation: the weights' gradient of
+/// [`grouped_gemm`] summed into its slot of a flat f32 gradient buffer, laid out as the
+/// `[experts, k, m]` stack (Megatron's gradient-accumulation fusion). Experts without rows add
+/// nothing.
+///
+/// `x` is `[n, k]`, `dy` `[n, m]` (rows may be pitched), bf16, f16 or f32 of one dtype;
+/// `buffer` a contiguous f32 `[numel]` that no other tensor shares, with `start +
+/// experts · k · m <= numel`. cuBLAS's grouped GEMM runs it where it takes an f32 output for
+/// these inputs, else (and for [`Engine::Streams`]) cuBLASLt GEMMs on streams.
+pub fn grouped_weight_gradient_accumulate_at(
+    x: &Tensor,
+    dy: &Tensor,
+    counts: &[usize],
+    engine: Engine,
+    buffer: &Tensor,
+    start: usize,
+) -> Result<(), GemmUnsupported> {
+    let dtype = same_dtype(x, dy)?;
+    let (n, k, ldx) = rows(x)?;
+    let (dy_n, m, ldy) = rows(dy)?;
+    if dy_n != n {
+        return Err(shape_error(x, dy));
+    }
+    check_counts(counts, counts.len(), n, x, dy)?;
+    if buffer.dtype != DType::F32 {
+        return Err(GemmUnsupported::DType(dtype, buffer.dtype));
+    }
+    let shape = buffer.meta.shape();
+    if shape.len() != 1 || !buffer.is_contiguous() || !buffer.handle.can_mut() {
+        return Err(GemmUnsupported::Layout);
+    }
+    if start + counts.len() * k * m > shape[0] {
+        return Err(GemmUnsupported::Shape(
+            vec![start, counts.len(), k, m],
+            shape.to_vec(),
+        ));
+    }
+    let size = dtype.size() as u64;
+    let f32_size = DType::F32.size() as u64;
+    let blocks = blocks(counts)
+        .map(|(e, first, rows)| Block {
+            key: GemmKey {
+                output: DType::F32,
+                accumulate: true,
+                ..plain_key(dtype, [k, m, rows], [ldx, ldy, m], [true, false])
+            },
+            offsets: [
+                (first * ldx) as u64 * size,
+                (first * ldy) as u64 * size,
+                (e * k * m) as u64 * f32_size,
+            ],
+        })
+        .collect();
+    let slot = buffer
+        .handle
+        .clone()
+        .offset_start(start as u64 * f32_size)
+        .binding();
+    submit(
+        engine,
+        blocks,
+        Vec::new(),
+        [binding(x), binding(dy), slot],
+        &x.device,
+    );
+    Ok(())
 }
 
 /// One expert's product, row-major: its plan's key and the byte offsets of its `a`, `b` and `c`
@@ -258,21 +335,25 @@ fn check_counts(
     }
 }
 
-/// Enqueues the products of `blocks` on the compute stream by `engine`, after zeroing the
-/// `zeros` ranges of `c` (byte offsets and lengths); `tensors` are the `a`, `b` and `c` the
-/// blocks' offsets are relative to.
-fn submit(engine: Engine, blocks: Vec<Block>, zeros: Vec<(u64, u64)>, tensors: [&Tensor; 3]) {
+/// Enqueues the products of `blocks` on `device`'s compute stream by `engine`, after zeroing
+/// the `zeros` ranges of `c` (byte offsets and lengths); `bindings` are the `a`, `b` and `c`
+/// the blocks' offsets are relative to.
+fn submit(
+    engine: Engine,
+    blocks: Vec<Block>,
+    zeros: Vec<(u64, u64)>,
+    bindings: [Binding; 3],
+    device: &CudaGpu,
+) {
     if blocks.is_empty() && zeros.is_empty() {
         return;
     }
-    let bindings = tensors.iter().map(|t| binding(t)).collect();
-    let device = tensors[0].device.clone();
-    let queue = ForeignQueue::new(&device);
+    let queue = ForeignQueue::new(device);
     let name = match engine {
         Engine::Grouped => "cuBLAS grouped GEMM",
         Engine::Streams(_) => "cuBLASLt GEMMs on streams",
     };
-    queue.submit(name, bindings, Lane::Compute, move |ctx| {
+    queue.submit(name, bindings.into(), Lane::Compute, move |ctx| {
         for &(offset, bytes) in &zeros {
             // SAFETY: the range lies inside `c`, which the operation binds.
             unsafe {
@@ -296,7 +377,11 @@ fn submit(engine: Engine, blocks: Vec<Block>, zeros: Vec<(u64, u64)>, tensors: [
                     .extensions
                     .get_mut::<GroupedState>()
                     .expect("created above");
-                state.run(ctx.stream, ctx.pointers, &blocks)
+                match state.run(ctx.stream, ctx.pointers, &blocks)? {
+                    Ran::Done => Ok(()),
+                    // An f32 output for narrower inputs, where this cuBLAS lacks it.
+                    Ran::Refused => run_on_streams(ctx, &blocks, 1),
+                }
             }
             // One stream while a CUDA graph is captured: its capture follows the compute
             // stream.
@@ -396,6 +481,15 @@ fn run_on_streams(
     result
 }
 
+/// What [`GroupedState::run`] did.
+enum Ran {
+    /// The grouped GEMM is enqueued.
+    Done,
+    /// cuBLAS does not take these operand types (an f32 output for bf16 or f16 inputs, in some
+    /// versions), nothing was run: the caller runs the blocks another way.
+    Refused,
+}
+
 /// Per-device cuBLAS state: the handle (bound to the compute stream), its workspace, and the
 /// ring of page-locked and device slots for the pointer arrays.
 struct GroupedState {
@@ -406,6 +500,8 @@ struct GroupedState {
     device: CUdeviceptr,
     copied: Vec<Option<Event>>,
     next: usize,
+    /// Whether cuBLAS refused an f32 output for narrower inputs ([`Ran::Refused`]).
+    mixed_refused: bool,
 }
 
 // SAFETY: used only on the device thread, inside foreign operations.
@@ -435,6 +531,7 @@ impl GroupedState {
             device,
             copied: (0..SLOTS).map(|_| None).collect(),
             next: 0,
+            mixed_refused: false,
         })
     }
 
@@ -457,8 +554,15 @@ impl GroupedState {
     }
 
     /// Copies the blocks' pointers to the device and runs the grouped GEMM, on `stream`, each
-    /// block as its transpose (`cᵀ = op(b)ᵀ · op(a)ᵀ`: cuBLAS's A is our `b`).
-    fn run(&mut self, stream: CUstream, bases: &[u64], blocks: &[Block]) -> Result<(), String> {
+    /// block as its transpose (`cᵀ = op(b)ᵀ · op(a)ᵀ`: cuBLAS's A is our `b`); the blocks
+    /// share one dtype, output and accumulation. An f32 output for narrower inputs that
+    /// cuBLAS refused once is refused again without asking it.
+    fn run(&mut self, stream: CUstream, bases: &[u64], blocks: &[Block]) -> Result<Ran, String> {
+        let key = blocks[0].key;
+        let mixed = key.output != key.input;
+        if mixed && self.mixed_refused {
+            return Ok(Ran::Refused);
+        }
         self.bind(stream)?;
         let count = blocks.len();
         let slot = self.next;
@@ -504,9 +608,10 @@ impl GroupedState {
             .unzip();
         let (m, n, k) = (each(&|p| p.n), each(&|p| p.m), each(&|p| p.k));
         let (lda, ldb, ldc) = (each(&|p| p.ldb), each(&|p| p.lda), each(&|p| p.ldc));
-        let (alpha, beta) = (vec![1.0f32; count], vec![0.0f32; count]);
+        let beta = if key.accumulate { 1.0f32 } else { 0.0 };
+        let (alpha, beta) = (vec![1.0f32; count], vec![beta; count]);
         let group_size = vec![1i32; count];
-        let (data, compute) = match blocks[0].key.input {
+        let (data, compute) = match key.input {
             DType::BF16 => (
                 sys::cudaDataType_t::CUDA_R_16BF,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -520,10 +625,14 @@ impl GroupedState {
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             ),
         };
+        let output = match key.output {
+            DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+            _ => data,
+        };
         let pointers = |operand: usize| (device + (operand * count * 8) as u64) as *const _;
         // SAFETY: the host arrays hold one entry per group (each block its own group of one);
         // the device arrays address matrices inside the bound tensors, sized by them.
-        unsafe {
+        let status = unsafe {
             sys::cublasGemmGroupedBatchedEx(
                 self.handle,
                 transa.as_ptr(),
@@ -540,14 +649,22 @@ impl GroupedState {
                 ldb.as_ptr(),
                 beta.as_ptr().cast(),
                 pointers(2) as *const *mut _,
-                data,
+                output,
                 ldc.as_ptr(),
                 count as i32,
                 group_size.as_ptr(),
                 compute,
             )
-            .result()
-            .map_err(|e| format!("cublasGemmGroupedBatchedEx: {e:?} for {blocks:?}"))
+        };
+        match status {
+            sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(Ran::Done),
+            sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED if mixed => {
+                self.mixed_refused = true;
+                Ok(Ran::Refused)
+            }
+            status => Err(format!(
+                "cublasGemmGroupedBatchedEx: {status:?} for {blocks:?}"
+            )),
         }
     }
 }

@@ -46,7 +46,11 @@
 //!
 //! Where the dense parameters' flat buffer is cut into parts below 32-bit indices
 //! ([`flat_parts`](crate::optimizer::flat_parts)), each part has its own hook, f32 buffer and
-//! units, and `PartsOverlap` gives the model the parts' hooks as one.
+//! units, and `PartsOverlap` gives the model the parts' hooks as one. The routed experts of MoE
+//! layers have parts of their own, reduced over the expert-data-parallel group: their hooks
+//! join the same `PartsOverlap`, and the experts' grouped weight-gradient products accumulate
+//! in their f32 buffers
+//! ([`hooked_grouped_linear`](crate::ops::hooked_grouped_linear)) as the dense GEMMs do.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -607,7 +611,7 @@ where
         let slot = &self.layout.params()[i];
         if state.error.is_some()
             || self.final_at[i].is_none()
-            || slot.shape.as_slice() != gradient.shape().as_slice()
+            || slot.shape != gradient.shape()
         {
             return false;
         }
@@ -648,19 +652,23 @@ where
     }
 }
 
-/// The hooks of a model chunk's flat buffer cut into parts below 32-bit indices (the dense
-/// parameters past [`MAX_FLAT_NUMEL`](crate::optimizer::MAX_FLAT_NUMEL)), one
-/// [`GradReduceOverlap`] a part with its own f32 buffer and units, as the one hook the model
-/// takes: each part's hook sees every marker, and a weight's gradient goes to the part that
-/// holds the weight. Built by
+/// The hooks of a model chunk's flat buffers cut into parts below 32-bit indices (the dense
+/// parameters past [`MAX_FLAT_NUMEL`](crate::optimizer::MAX_FLAT_NUMEL), and the routed
+/// experts'), one [`GradReduceOverlap`] a part with its own f32 buffer and units, as the one
+/// hook the model takes: each part's hook sees every marker, and a weight's gradient goes to
+/// the part that holds the weight. Built by
 /// [`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook).
 pub(crate) struct PartsOverlap<BA: AutodiffBackend> {
-    parts: Vec<GradReduceOverlap<BA>>,
+    dense: Vec<GradReduceOverlap<BA>>,
+    experts: Vec<GradReduceOverlap<BA>>,
 }
 
 impl<BA: AutodiffBackend> std::fmt::Debug for PartsOverlap<BA> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries(&self.parts).finish()
+        f.debug_struct("PartsOverlap")
+            .field("dense", &self.dense)
+            .field("experts", &self.experts)
+            .finish()
     }
 }
 
@@ -669,34 +677,48 @@ where
     BA: AutodiffBackend,
     BA::InnerBackend: DistBackend + ModelBackend,
 {
-    /// The hooks of the parts, in buffer order.
-    pub(crate) fn new(parts: Vec<GradReduceOverlap<BA>>) -> Self {
-        Self { parts }
+    /// The hooks of the dense parts and of the experts' parts, each in buffer order.
+    pub(crate) fn new(
+        dense: Vec<GradReduceOverlap<BA>>,
+        experts: Vec<GradReduceOverlap<BA>>,
+    ) -> Self {
+        Self { dense, experts }
     }
 
-    /// The hooks of the parts, in buffer order.
-    pub(crate) fn parts(&self) -> &[GradReduceOverlap<BA>] {
-        &self.parts
+    /// The hooks of the dense parts, in buffer order.
+    pub(crate) fn dense(&self) -> &[GradReduceOverlap<BA>] {
+        &self.dense
+    }
+
+    /// The hooks of the experts' parts, in buffer order (none without MoE layers).
+    pub(crate) fn experts(&self) -> &[GradReduceOverlap<BA>] {
+        &self.experts
+    }
+
+    /// Every part's hook.
+    fn all(&self) -> impl Iterator<Item = &GradReduceOverlap<BA>> {
+        self.dense.iter().chain(&self.experts)
     }
 
     /// Points every part's hook at `model`'s current parameters.
     pub(crate) fn arm<M: AutodiffModule<BA>>(&self, model: &M) {
-        self.parts.iter().for_each(|part| part.arm(model));
+        self.all().for_each(|part| part.arm(model));
     }
 
-    /// Whether the collectives start inside the backward pass (the same for every part).
+    /// Whether the collectives start inside the backward pass (the same for every part of a
+    /// kind).
     pub(crate) fn overlaps(&self) -> bool {
-        self.parts.iter().any(GradReduceOverlap::overlaps)
+        self.all().any(GradReduceOverlap::overlaps)
     }
 
     /// [`GradReduceOverlap::hooked_numel`] over every part.
     pub(crate) fn hooked_numel(&self) -> usize {
-        self.parts.iter().map(GradReduceOverlap::hooked_numel).sum()
+        self.all().map(GradReduceOverlap::hooked_numel).sum()
     }
 
     /// [`GradReduceOverlap::fused_numel`] over every part.
     pub(crate) fn fused_numel(&self) -> usize {
-        self.parts.iter().map(GradReduceOverlap::fused_numel).sum()
+        self.all().map(GradReduceOverlap::fused_numel).sum()
     }
 }
 
@@ -706,14 +728,13 @@ where
     BA::InnerBackend: DistBackend + ModelBackend,
 {
     fn on_backward(&self, point: usize, grads: &mut Gradients) {
-        for part in &self.parts {
+        for part in self.all() {
             part.on_backward(point, grads);
         }
     }
 
     fn take_weight_gradient(&self, weight: NodeId, gradient: &mut dyn WeightGradient) -> bool {
-        self.parts
-            .iter()
+        self.all()
             .any(|part| part.take_weight_gradient(weight, gradient))
     }
 }

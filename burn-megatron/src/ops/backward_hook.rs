@@ -23,7 +23,9 @@ pub trait BackwardHook: Send + Sync + std::fmt::Debug {
     fn on_backward(&self, point: usize, grads: &mut Gradients);
 
     /// Offered, before it is computed, the gradient of the weight whose autodiff node is
-    /// `weight` (by the dense layers given the hook: [`hooked_linear`](super::hooked_linear)).
+    /// `weight` (by the layers given the hook: the dense ones through
+    /// [`hooked_linear`](super::hooked_linear), the experts through
+    /// [`hooked_grouped_linear`](super::hooked_grouped_linear)).
     /// A hook that sums gradients in a flat f32 buffer of its own adds it there with
     /// [`WeightGradient::add_to`], the GEMM accumulating in place (Megatron's
     /// gradient-accumulation fusion), and returns `true`: the gradient then never enters the
@@ -37,12 +39,13 @@ pub trait BackwardHook: Send + Sync + std::fmt::Debug {
 /// A weight's gradient, a product not computed yet (see
 /// [`BackwardHook::take_weight_gradient`]).
 pub trait WeightGradient {
-    /// The gradient's shape, the weight's: `[rows, cols]`.
-    fn shape(&self) -> [usize; 2];
+    /// The gradient's shape, the weight's: `[rows, cols]`, or `[experts, rows, cols]` for
+    /// stacked experts.
+    fn shape(&self) -> Vec<usize>;
 
     /// `buffer`, a flat f32 `Tensor<B, 1>` of the backend `B` that computes the gradient (boxed:
-    /// the hook is not generic over it), with the gradient added row-major at
-    /// `start..start + rows · cols`; `Err(buffer)`, untouched, when it is not such a tensor.
+    /// the hook is not generic over it), with the gradient added row-major at `start..start +`
+    /// its elements; `Err(buffer)`, untouched, when it is not such a tensor.
     fn add_to(
         &mut self,
         buffer: Box<dyn Any + Send>,

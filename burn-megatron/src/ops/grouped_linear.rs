@@ -6,10 +6,15 @@
 //! one node per expert and a concatenation. Here `Autodiff<B>` records one node for all experts,
 //! whose backward is two grouped products: `dx = grouped(dy, wᵀ)` and `dw[e] = x_eᵀ · dy_e`
 //! (zero for an expert without rows). So every expert's weight gets a gradient, whatever the
-//! routing. Our CUDA backend runs each of the three products as one foreign operation in
+//! routing. Given a backward hook ([`hooked_grouped_linear`]), the node first offers `dw` to it
+//! ([`BackwardHook::take_weight_gradient`]): the overlap hook of the distributed optimizer has
+//! the products accumulate into its flat f32 buffer, as the dense layers' do. Our CUDA backend runs each of the three products as one foreign operation in
 //! stream order (`burn_megatron_kernels::cuda::grouped_gemm`): cuBLAS's grouped GEMM for many
 //! small experts, cuBLASLt GEMMs spread over two streams for few large ones (each faster
 //! there, measured); other backends loop over the experts with [`LinearOps::gemm`].
+
+use std::any::Any;
+use std::sync::Arc;
 
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
@@ -20,6 +25,7 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 
 use super::autodiff::{BackwardStep, inner, parent, record, register};
+use super::backward_hook::{BackwardHook, WeightGradient};
 use super::linear::LinearOps;
 use super::primitive::{raw, wrap};
 
@@ -56,6 +62,27 @@ pub trait GroupedLinearOps: LinearOps {
         per_expert_weight_gradient(x, dy, counts)
     }
 
+    /// `buffer` (`[numel]` f32) with every expert's `x_eᵀ · dy_e` added row-major at
+    /// `start..start + experts · k · m`, laid out as the `[experts, k, m]` stack: the weights'
+    /// gradient summed into its slot of a flat f32 gradient buffer. The default computes the
+    /// gradient, then adds it ([`WriteSlotOps::add_slot`](super::WriteSlotOps::add_slot)); our
+    /// CUDA backend has the products accumulate into the slot in place (beta 1, f32).
+    ///
+    /// # Shapes
+    /// - `buffer`: `[numel]`, f32
+    /// - `x`: `[n, k]`
+    /// - `dy`: `[n, m]`
+    /// - output: `[numel]`
+    fn grouped_weight_gradient_add_slot(
+        buffer: Tensor<Self, 1>,
+        start: usize,
+        x: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+        counts: &[usize],
+    ) -> Tensor<Self, 1> {
+        grouped_weight_gradient_add_slot_composition(buffer, start, x, dy, counts)
+    }
+
     /// `x_e · w[e]` for every expert; `Autodiff<B>` records one node whose backward is
     /// [`grouped_gemm`](Self::grouped_gemm) with `wᵀ` and
     /// [`grouped_weight_gradient`](Self::grouped_weight_gradient).
@@ -66,6 +93,19 @@ pub trait GroupedLinearOps: LinearOps {
     /// - output: `[n, m]`
     fn grouped_linear(x: Tensor<Self, 2>, w: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         Self::grouped_gemm(x, w, counts, false)
+    }
+
+    /// [`grouped_linear`](Self::grouped_linear) whose weight gradient the backward pass first
+    /// offers to `hook` ([`BackwardHook::take_weight_gradient`]). Only `Autodiff` has a
+    /// gradient to offer: the default is the plain product.
+    fn hooked_grouped_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 3>,
+        counts: &[usize],
+        hook: &Arc<dyn BackwardHook>,
+    ) -> Tensor<Self, 2> {
+        let _ = hook;
+        Self::grouped_linear(x, w, counts)
     }
 }
 
@@ -84,6 +124,25 @@ pub fn grouped_linear<B: GroupedLinearOps>(
     w: Tensor<B, 3>,
     counts: &[usize],
 ) -> Tensor<B, 2> {
+    hooked_grouped_linear(x, w, counts, None)
+}
+
+/// [`grouped_linear`] whose weights' gradient is offered to `hook` in the backward pass
+/// ([`BackwardHook::take_weight_gradient`]): the experts of a model whose hook sums gradients
+/// in a flat f32 buffer ([`GradReduceOverlap`](crate::distributed::GradReduceOverlap)) let
+/// the weight-gradient products accumulate there.
+///
+/// # Shapes
+/// As [`grouped_linear`].
+///
+/// # Panics
+/// If the shapes and the counts disagree.
+pub fn hooked_grouped_linear<B: GroupedLinearOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 3>,
+    counts: &[usize],
+    hook: Option<&Arc<dyn BackwardHook>>,
+) -> Tensor<B, 2> {
     let ([n, k], [experts, w_k, _]) = (x.dims(), w.dims());
     assert_eq!(
         counts.len(),
@@ -100,7 +159,10 @@ pub fn grouped_linear<B: GroupedLinearOps>(
         k, w_k,
         "grouped_linear: tokens of width {k}, weights of input width {w_k}"
     );
-    B::grouped_linear(x, w, counts)
+    match hook {
+        Some(hook) => B::hooked_grouped_linear(x, w, counts, hook),
+        None => B::grouped_linear(x, w, counts),
+    }
 }
 
 /// Expert `e`'s matrix of stacked weights `[experts, rows, cols]`.
@@ -169,24 +231,91 @@ pub fn per_expert_weight_gradient<B: LinearOps>(
     Tensor::stack(grads, 0)
 }
 
+/// [`GroupedLinearOps::grouped_weight_gradient_add_slot`] as the gradient
+/// ([`GroupedLinearOps::grouped_weight_gradient`]) and its addition
+/// ([`WriteSlotOps::add_slot`](super::WriteSlotOps::add_slot)).
+pub fn grouped_weight_gradient_add_slot_composition<B: GroupedLinearOps>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    x: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    counts: &[usize],
+) -> Tensor<B, 1> {
+    let gradient = B::grouped_weight_gradient(x, dy, counts);
+    let numel = gradient.shape().num_elements();
+    B::add_slot(buffer, start, gradient.reshape([numel]))
+}
+
 impl<B: GroupedLinearOps, C: CheckpointStrategy> GroupedLinearOps for Autodiff<B, C> {
     fn grouped_linear(x: Tensor<Self, 2>, w: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
-        let (x, w) = (raw(x), raw(w));
-        let output = B::grouped_linear(inner(&x), inner(&w), counts);
-        let state = (x.primitive.clone(), w.primitive.clone(), counts.to_vec());
-        wrap(record::<B, C, _>(
-            GroupedLinearBackward,
-            &[&x, &w],
-            state,
-            raw(output),
-        ))
+        autodiff_grouped_linear::<B, C>(x, w, counts, None)
+    }
+
+    fn hooked_grouped_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 3>,
+        counts: &[usize],
+        hook: &Arc<dyn BackwardHook>,
+    ) -> Tensor<Self, 2> {
+        autodiff_grouped_linear::<B, C>(x, w, counts, Some(hook.clone()))
     }
 }
 
-/// The backward of `y_e = x_e · w[e]`: `dx = grouped(dy, wᵀ)`, `dw[e] = x_eᵀ · dy_e`. Its
-/// parents are `[x, w]`.
+/// [`GroupedLinearOps::grouped_linear`] on `Autodiff<B>`: the inner backend's products and
+/// one node storing `x`, `w` and the counts, which offers the weights' gradient to `hook` when
+/// there is one.
+fn autodiff_grouped_linear<B: GroupedLinearOps, C: CheckpointStrategy>(
+    x: Tensor<Autodiff<B, C>, 2>,
+    w: Tensor<Autodiff<B, C>, 3>,
+    counts: &[usize],
+    hook: Option<Arc<dyn BackwardHook>>,
+) -> Tensor<Autodiff<B, C>, 2> {
+    let (x, w) = (raw(x), raw(w));
+    let output = B::grouped_linear(inner(&x), inner(&w), counts);
+    let state = (x.primitive.clone(), w.primitive.clone(), counts.to_vec());
+    wrap(record::<B, C, _>(
+        GroupedLinearBackward { hook },
+        &[&x, &w],
+        state,
+        raw(output),
+    ))
+}
+
+/// The backward of `y_e = x_e · w[e]`: `dx = grouped(dy, wᵀ)`, `dw[e] = x_eᵀ · dy_e` (first
+/// offered to `hook`, [`BackwardHook::take_weight_gradient`]). Its parents are `[x, w]`.
 #[derive(Debug)]
-struct GroupedLinearBackward;
+struct GroupedLinearBackward {
+    hook: Option<Arc<dyn BackwardHook>>,
+}
+
+/// The weights' gradient of [`GroupedLinearBackward`], offered to a hook before it is
+/// computed.
+struct ExpertsWeightProduct<B: GroupedLinearOps> {
+    x: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    counts: Vec<usize>,
+}
+
+impl<B: GroupedLinearOps> WeightGradient for ExpertsWeightProduct<B> {
+    fn shape(&self) -> Vec<usize> {
+        vec![self.counts.len(), self.x.dims()[1], self.dy.dims()[1]]
+    }
+
+    fn add_to(
+        &mut self,
+        buffer: Box<dyn Any + Send>,
+        start: usize,
+    ) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>> {
+        let buffer = buffer.downcast::<Tensor<B, 1>>()?;
+        Ok(Box::new(B::grouped_weight_gradient_add_slot(
+            *buffer,
+            start,
+            self.x.clone(),
+            self.dy.clone(),
+            &self.counts,
+        )))
+    }
+}
 
 impl<B: GroupedLinearOps> BackwardStep<B> for GroupedLinearBackward {
     type State = (FloatTensor<B>, FloatTensor<B>, Vec<usize>);
@@ -202,9 +331,21 @@ impl<B: GroupedLinearOps> BackwardStep<B> for GroupedLinearBackward {
         register(grads, parent(parents, 0), || {
             B::grouped_gemm(dy.clone(), wrap(w), &counts, true)
         });
-        register(grads, parent(parents, 1), || {
-            B::grouped_weight_gradient(wrap(x), dy, &counts)
-        });
+        let mut weight = ExpertsWeightProduct {
+            x: wrap(x),
+            dy,
+            counts,
+        };
+        let taken = match (&self.hook, parent(parents, 1)) {
+            (Some(hook), Some(node)) => hook.take_weight_gradient(node, &mut weight),
+            _ => false,
+        };
+        if !taken {
+            let ExpertsWeightProduct { x, dy, counts } = weight;
+            register(grads, parent(parents, 1), || {
+                B::grouped_weight_gradient(x, dy, &counts)
+            });
+        }
     }
 }
 
@@ -219,7 +360,10 @@ mod cuda {
     use burn_megatron_kernels::cuda::MegatronCudaRuntime;
     use burn_megatron_kernels::cuda::grouped_gemm::{self, Engine};
 
-    use super::{GroupedLinearOps, per_expert_gemm, per_expert_weight_gradient};
+    use super::{
+        GroupedLinearOps, grouped_weight_gradient_add_slot_composition, per_expert_gemm,
+        per_expert_weight_gradient,
+    };
     use crate::ops::primitive::{raw, wrap};
 
     /// Streams of [`Engine::Streams`] for layers of few experts, unless `BM_GROUPED_GEMM`
@@ -295,6 +439,31 @@ mod cuda {
             ) {
                 Ok(dw) => wrap(dw),
                 Err(_) => per_expert_weight_gradient(x, dy, counts),
+            }
+        }
+
+        /// The products accumulating into the slot in place (beta 1, f32), by the engine
+        /// `engine` picks, where the buffer is ours alone; else the gradient and its addition.
+        fn grouped_weight_gradient_add_slot(
+            buffer: Tensor<Self, 1>,
+            start: usize,
+            x: Tensor<Self, 2>,
+            dy: Tensor<Self, 2>,
+            counts: &[usize],
+        ) -> Tensor<Self, 1> {
+            let into = raw(buffer);
+            match grouped_gemm::grouped_weight_gradient_accumulate_at(
+                &raw(x.clone()),
+                &raw(dy.clone()),
+                counts,
+                engine(counts.len()),
+                &into,
+                start,
+            ) {
+                Ok(()) => wrap(into),
+                Err(_) => {
+                    grouped_weight_gradient_add_slot_composition(wrap(into), start, x, dy, counts)
+                }
             }
         }
     }

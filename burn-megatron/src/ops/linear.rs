@@ -260,9 +260,9 @@ impl<B: LinearOps> WeightProduct<B> {
 }
 
 impl<B: LinearOps> WeightGradient for WeightProduct<B> {
-    fn shape(&self) -> [usize; 2] {
+    fn shape(&self) -> Vec<usize> {
         let (a, b) = self.operands();
-        [a.dims()[1], b.dims()[1]]
+        vec![a.dims()[1], b.dims()[1]]
     }
 
     fn add_to(

@@ -101,7 +101,7 @@ pub use flash_attention::FlashAttentionOps;
 pub use fp8::{Fp8LinearOps, Fp8Ops};
 pub use gathered_linear::{GatheredLinearOps, GatheredProjection};
 pub use gelu::{GeluForm, GeluOps, bias_gelu, gelu};
-pub use grouped_linear::{GroupedLinearOps, grouped_linear};
+pub use grouped_linear::{GroupedLinearOps, grouped_linear, hooked_grouped_linear};
 pub use host_transfer::HostTransferOps;
 pub use ids::IdCheckOps;
 pub use linear::{LinearOps, hooked_linear, linear, linear_output_major};

@@ -371,7 +371,9 @@ where
     /// The hook that starts this optimizer's data-parallel gradient reduction inside the
     /// backward pass, bucket by bucket as the layers' gradients become final (Megatron's
     /// `--overlap-grad-reduce`, see [`overlap`](crate::distributed::overlap)), one
-    /// [`GradReduceOverlap`] for each part of the dense parameters. Install it in the model
+    /// [`GradReduceOverlap`] for each part of the dense parameters and each part of the routed
+    /// experts (reduced over expert DP, their weight-gradient products accumulating in the
+    /// part's f32 buffer as the dense layers' do). Install it in the model
     /// (`GptModel::set_backward_hook`) whose backward pass comes next; `model` is that model.
     /// From then on [`step`](Self::step) takes the gradients the hook reduced and those of
     /// `grads` it did not take, and keeps the hook pointed at the parameters it returns. The
@@ -392,24 +394,30 @@ where
             shared_copies: &self.shared_copies,
             partial: &self.partial,
         };
+        let experts = self.experts.as_ref();
         let overlap = self.overlap.get_or_insert_with(|| {
-            let hooks = dense
-                .parts()
-                .iter()
-                .map(|part| {
-                    GradReduceOverlap::new(
-                        part.layout(),
-                        dense.replicas(),
-                        data_parallel.bucket_numel,
-                        data_parallel.use_distributed_optimizer,
-                        data_parallel.gradient_accumulation_fusion,
-                        microbatches,
-                        after,
-                        &part.master().device(),
-                    )
-                })
-                .collect();
-            Arc::new(PartsOverlap::new(hooks))
+            let hooks = |parts: &FlatParts<B>| -> Vec<GradReduceOverlap<B>> {
+                parts
+                    .parts()
+                    .iter()
+                    .map(|part| {
+                        GradReduceOverlap::new(
+                            part.layout(),
+                            parts.replicas(),
+                            data_parallel.bucket_numel,
+                            data_parallel.use_distributed_optimizer,
+                            data_parallel.gradient_accumulation_fusion,
+                            microbatches,
+                            after,
+                            &part.master().device(),
+                        )
+                    })
+                    .collect()
+            };
+            Arc::new(PartsOverlap::new(
+                hooks(dense),
+                experts.map(hooks).unwrap_or_default(),
+            ))
         });
         overlap.arm(model);
         overlap.clone()
@@ -494,11 +502,12 @@ where
             sharded,
             align,
         };
-        let hooks = self.overlap.as_ref().map(|o| o.parts());
+        let hooks = self.overlap.as_ref().map(|o| o.dense());
         let (grads, mut sum_of_squares) = self.dense.reduce(&model, grads_in, hooks, &how)?;
         let expert_grads = match self.experts.as_mut() {
             Some(experts) => {
-                let (grads, squares) = experts.reduce(&model, grads_in, None, &how)?;
+                let hooks = self.overlap.as_ref().map(|o| o.experts());
+                let (grads, squares) = experts.reduce(&model, grads_in, hooks, &how)?;
                 sum_of_squares = sum_of_squares + squares;
                 Some(grads)
             }

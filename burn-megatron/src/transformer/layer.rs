@@ -94,18 +94,20 @@ impl<B: Backend> TransformerLayer<B> {
     }
 
     /// The same layer (same parameters and ids) with its tensor-parallel contexts (its own
-    /// and its norms', attention's and MLP's; not the MoE layer's) mapped by `f`.
+    /// and its norms', attention's and MLP's) mapped by `f`. An MoE layer has none; its
+    /// experts take the backward hook of the layer's new context
+    /// ([`MoeLayer::with_backward_hook`]).
     pub fn map_tp_context(self, f: &dyn Fn(TpContext) -> TpContext) -> Self {
+        let tp = f(self.context.tp);
         Self {
             input_norm: self.input_norm.map_tp_context(f),
             attention: self.attention.map_tp_context(f),
             post_attention_norm: self.post_attention_norm.map_tp_context(f),
             mlp: self.mlp.map(|mlp| mlp.map_tp_context(f)),
-            moe: self.moe,
-            context: LayerContext {
-                tp: f(self.context.tp),
-                ..self.context
-            },
+            moe: self
+                .moe
+                .map(|moe| moe.with_backward_hook(tp.backward_hook.clone())),
+            context: LayerContext { tp, ..self.context },
         }
     }
 }

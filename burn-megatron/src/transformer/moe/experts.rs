@@ -2,6 +2,8 @@
 //! on their contiguous blocks of tokens by one grouped product per projection
 //! ([`grouped_linear()`], Megatron's `GroupedMLP`).
 
+use std::sync::Arc;
+
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::{Tensor, backend::Backend};
@@ -9,7 +11,7 @@ use burn::tensor::{Tensor, backend::Backend};
 use crate::backend::ModelBackend;
 use crate::init::{InitDistribution, init_slice, param_seed};
 use crate::ops::CounterNormalOps;
-use crate::ops::{gelu, grouped_linear, linear, swiglu};
+use crate::ops::{BackwardHook, gelu, hooked_grouped_linear, linear, swiglu};
 use crate::transformer::Activation;
 
 /// Configuration of [`GroupedExperts`].
@@ -56,6 +58,7 @@ impl GroupedExpertsConfig {
             gate: (self.activation == Activation::SwiGlu).then(|| weight("gate", h, f)),
             fc2: weight("fc2", f, h),
             activation: self.activation,
+            backward_hook: None,
         }
     }
 }
@@ -75,6 +78,10 @@ pub struct GroupedExperts<B: Backend> {
     pub fc2: Param<Tensor<B, 3>>,
     #[module(skip)]
     activation: Activation,
+    /// The model's backward hook, offered the weights' gradients
+    /// ([`with_backward_hook`](Self::with_backward_hook)).
+    #[module(skip)]
+    backward_hook: Option<Arc<dyn BackwardHook>>,
 }
 
 /// Expert `j`'s matrix of a stacked weight. A stack of one (the shared expert) is reshaped
@@ -91,6 +98,15 @@ impl<B: Backend> GroupedExperts<B> {
     /// Experts held by this rank.
     pub fn num_local_experts(&self) -> usize {
         self.fc1.dims()[0]
+    }
+
+    /// The same experts (same parameters and ids) offering their weights' gradients to `hook`
+    /// in the backward pass ([`BackwardHook::take_weight_gradient`]), or to none.
+    pub fn with_backward_hook(self, hook: Option<Arc<dyn BackwardHook>>) -> Self {
+        Self {
+            backward_hook: hook,
+            ..self
+        }
     }
 }
 
@@ -131,12 +147,14 @@ impl<B: ModelBackend> GroupedExperts<B> {
         assert_eq!(tokens.dims()[0], total + 1, "tokens and counts disagree");
         let mut rows = counts.to_vec();
         *rows.last_mut().expect("at least one expert") += 1;
-        let up = grouped_linear(tokens.clone(), self.fc1.val(), &rows);
+        let hook = self.backward_hook.as_ref();
+        let product = |x, w: &Param<Tensor<B, 3>>| hooked_grouped_linear(x, w.val(), &rows, hook);
+        let up = product(tokens.clone(), &self.fc1);
         let hidden = match (&self.gate, self.activation.gelu_form()) {
-            (Some(gate), _) => swiglu(grouped_linear(tokens, gate.val(), &rows), up),
+            (Some(gate), _) => swiglu(product(tokens, gate), up),
             (None, Some(form)) => gelu(up, form),
             (None, None) => unreachable!("SwiGLU experts have a gate"),
         };
-        grouped_linear(hidden, self.fc2.val(), &rows)
+        product(hidden, &self.fc2)
     }
 }

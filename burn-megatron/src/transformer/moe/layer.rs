@@ -1,5 +1,7 @@
 //! The mixture-of-experts layer: router, dispatch, experts, combine, and the shared expert.
 
+use std::sync::Arc;
+
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::{DistResult, ProcessGroup};
@@ -9,6 +11,7 @@ use super::dispatcher::TokenDispatcher;
 use super::experts::GroupedExperts;
 use super::router::{Router, expert_bias_update};
 use crate::backend::ModelBackend;
+use crate::ops::BackwardHook;
 
 /// A mixture of experts in place of a transformer layer's MLP (Megatron's `MoELayer`):
 /// dropless, every token reaching each of its `top_k` experts, or with a capacity per expert
@@ -77,6 +80,19 @@ impl<B: Backend> MoeLayer<B> {
     /// The same layer with each expert's capacity (`None`: dropless).
     pub fn with_capacity(self, capacity: Option<ExpertCapacity>) -> Self {
         Self { capacity, ..self }
+    }
+
+    /// The same layer (same parameters and ids) whose routed and shared experts offer their
+    /// weights' gradients to `hook` in the backward pass
+    /// ([`BackwardHook::take_weight_gradient`]), or to none.
+    pub fn with_backward_hook(self, hook: Option<Arc<dyn BackwardHook>>) -> Self {
+        Self {
+            experts: self.experts.with_backward_hook(hook.clone()),
+            shared_expert: self
+                .shared_expert
+                .map(|shared| shared.with_backward_hook(hook)),
+            ..self
+        }
     }
 
     /// Each expert's capacity, if any.
