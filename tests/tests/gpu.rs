@@ -1083,11 +1083,12 @@ fn gemm_matches_the_exact_product() {
 /// The experts' grouped GEMM, by each engine (cuBLAS `cublasGemmGroupedBatchedEx`, and
 /// cuBLASLt GEMMs on one and on three streams), against exact per-expert products: forward,
 /// input gradient and weight gradient, bf16, f16 and f32, experts with zero rows (their weight
-/// gradient exactly zero), tokens with pitched rows.
+/// gradient exactly zero), tokens with pitched rows; and the weight gradient accumulated into
+/// its slot of a flat f32 buffer.
 #[test]
 fn grouped_gemm_matches_the_exact_products() {
     use burn_megatron_kernels::cuda::grouped_gemm::{
-        Engine, grouped_gemm, grouped_weight_gradient,
+        Engine, grouped_gemm, grouped_weight_gradient, grouped_weight_gradient_accumulate_at,
     };
     let device = CudaGpu::new(0);
     let counts = [0, 37, 5, 0, 120, 1];
@@ -1167,6 +1168,51 @@ fn grouped_gemm_matches_the_exact_products() {
                 }
                 println!("{label}: error {err:.2e}");
             }
+            // The weight gradient added in place to its slot of a flat f32 buffer, past a
+            // prefix; the elements outside the slot, and the blocks of experts without rows,
+            // keep their bits.
+            let start = 7;
+            let len = start + g * k * m + 5;
+            let buffer = Tensor::<Ours, 1>::from_data(data(&[len], 34), &device);
+            let before: Vec<f32> = buffer.to_data().to_vec().unwrap();
+            let mut want = before.clone();
+            for (slot, add) in want[start..start + g * k * m].iter_mut().zip(&dw) {
+                *slot += add;
+            }
+            let buffer = buffer.into_primitive().tensor();
+            grouped_weight_gradient_accumulate_at(
+                &raw(&x),
+                &raw(&dy),
+                &counts,
+                engine,
+                &buffer,
+                start,
+            )
+            .expect(takes);
+            let after: Vec<f32> = Tensor::<Ours, 1>::from_primitive(TensorPrimitive::Float(buffer))
+                .to_data()
+                .to_vec()
+                .unwrap();
+            let label = format!("{dtype:?} {engine:?} dw accumulated");
+            let slot = start..start + g * k * m;
+            let err = difference_from_exact(
+                &label,
+                &TensorData::new(after[slot.clone()].to_vec(), [g * k * m]),
+                &want[slot],
+            );
+            assert!(err <= tolerance, "{label}: error {err:e}");
+            let untouched = (0..len).filter(|&i| {
+                let in_slot = i >= start && i < start + g * k * m;
+                !in_slot || counts[(i - start) / (k * m)] == 0
+            });
+            for i in untouched {
+                assert_eq!(
+                    after[i].to_bits(),
+                    before[i].to_bits(),
+                    "{label}: element {i} outside the experts with rows changed"
+                );
+            }
+            println!("{label}: error {err:.2e}");
         }
     }
 }

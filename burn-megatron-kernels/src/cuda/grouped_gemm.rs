@@ -660,6 +660,11 @@ impl GroupedState {
             sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(Ran::Done),
             sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED if mixed => {
                 self.mixed_refused = true;
+                eprintln!(
+                    "burn-megatron: cuBLAS's grouped GEMM takes no f32 output for {:?} inputs: \
+                     the experts' weight gradients accumulate through cuBLASLt GEMMs instead.",
+                    key.input
+                );
                 Ok(Ran::Refused)
             }
             status => Err(format!(

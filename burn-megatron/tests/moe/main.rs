@@ -1,8 +1,9 @@
 //! The mixture-of-experts layer (issue 34) on CPU thread ranks: the router's losses against
 //! hand-computed values, configuration errors, expert parallelism (EP = 1, 2, 4) against the
 //! single-device layer with either token dispatcher (all-to-all, all-gather), the experts'
-//! grouped GEMM against the per-expert composition, and the optimizer with the experts cut
-//! into several parts against one part. The f64 finite
+//! grouped GEMM against the per-expert composition, the optimizer with the experts cut into
+//! several parts against one part, and the experts' gradients through the overlap hook
+//! against their reduction after the backward pass. The f64 finite
 //! differences of the layer's gradients are in the `finite_differences` target.
 
 mod all_gather;
@@ -13,6 +14,7 @@ mod expert_parts;
 mod gpt_model;
 mod grouped_linear;
 mod optimizer;
+mod overlap;
 mod pretrain;
 mod router_losses;
 
