@@ -24,6 +24,7 @@
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
 #   NPROC=1 PART=gemm,engines1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' products by each engine, 8 layers of both presets, the peer
 #   NPROC=1 PART=gemm,rule1 bash bench/moe_gpu_check.sh  # 1 GPU: the engines' rule, 8 layers of both presets, a profile, the peer
+#   NPROC=1 PART=hook1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' gradients through the overlap hook against the container, both presets, a profile, the peer
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=adamw2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like, the build before and this one, profiled
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
@@ -342,6 +343,19 @@ if [ "$PART" != all ] && part rule1; then
   ITERS=16 ours mixtral_ep1_rule mixtral_1b_moe 1 --num-layers 8
   BM_PROFILE=1 ITERS=16 ours deepseek_ep1_rule_profile deepseek_moe_1b 1 --num-layers 8 --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
   torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
+fi
+if [ "$PART" != all ] && part hook1; then
+  # For one GPU (NPROC=1): the experts' weight gradients through the overlap hook
+  # (--overlap-grad-reduce: summed over the micro-batches in the f32 buffers, the grouped
+  # products accumulating there) against the gradient container's bf16 sums, 8 layers of each
+  # preset at EP 1, 16 iterations; the DeepSeek-like one with the hook profiled at step 14;
+  # then its peer with 8 layers.
+  ITERS=16 ours deepseek_ep1_container deepseek_moe_1b 1 --num-layers 8
+  ITERS=16 ours deepseek_ep1_hook deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  ITERS=16 ours mixtral_ep1_hook mixtral_1b_moe 1 --num-layers 8 --overlap-grad-reduce
+  torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
+  BM_PROFILE=1 ITERS=16 ours deepseek_ep1_hook_profile deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
+  ITERS=16 ours mixtral_ep1_container mixtral_1b_moe 1 --num-layers 8
 fi
 if [ "$PART" != all ] && part adamw2; then
   # For 2 GPUs (NPROC=2): the build before (OLD=.gpu/old/pretrain_gpt) against this one, the

@@ -21,8 +21,8 @@
 use burn::tensor::{DType, Shape};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cudarc::cublas::result as blas;
 use cubecl_core::server::Binding;
+use cudarc::cublas::result as blas;
 use cudarc::cublas::sys;
 use cudarc::driver::sys::{
     CU_MEMHOSTALLOC_PORTABLE, CUdeviceptr, CUstream, CUstream_flags, cuMemAlloc_v2, cuMemHostAlloc,

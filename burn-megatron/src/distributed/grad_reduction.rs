@@ -66,7 +66,8 @@ pub struct DataParallelConfig {
     pub overlap_param_gather: bool,
     /// With the reduction hooked into the backward pass
     /// ([`DistributedAdamW::overlap_hook`](crate::optimizer::DistributedAdamW::overlap_hook)),
-    /// let the dense layers' weight-gradient GEMMs add straight into its f32 buffer
+    /// let the weight-gradient GEMMs of the dense layers and of the experts add straight
+    /// into its f32 buffers
     /// (Megatron's gradient-accumulation fusion; `--no-gradient-accumulation-fusion` turns it
     /// off): no gradient in the model's dtype is written and added again. Without it each
     /// weight gradient passes through Burn's gradient container first.

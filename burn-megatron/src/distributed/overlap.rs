@@ -609,10 +609,7 @@ where
             return false;
         };
         let slot = &self.layout.params()[i];
-        if state.error.is_some()
-            || self.final_at[i].is_none()
-            || slot.shape != gradient.shape()
-        {
+        if state.error.is_some() || self.final_at[i].is_none() || slot.shape != gradient.shape() {
             return false;
         }
         if self.slot_units[i]

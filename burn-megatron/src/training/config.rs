@@ -167,8 +167,9 @@ pub struct PretrainConfig {
     /// The same results. Needs `use_distributed_optimizer`.
     #[config(default = false)]
     pub overlap_param_gather: bool,
-    /// With `overlap_grad_reduce`, the dense layers' weight-gradient GEMMs add straight into
-    /// the hook's f32 gradient buffer (Megatron's gradient-accumulation fusion,
+    /// With `overlap_grad_reduce`, the weight-gradient GEMMs of the dense layers and of the
+    /// experts add straight into the hook's f32 gradient buffers (Megatron's
+    /// gradient-accumulation fusion,
     /// [`DataParallelConfig::gradient_accumulation_fusion`]); `false` is
     /// `--no-gradient-accumulation-fusion`.
     #[config(default = true)]
