@@ -269,8 +269,10 @@ where
             .zip(&counts)
             .map(|(ranges, &slots)| Unit { ranges, slots })
             .collect();
+        // One replica has nothing to communicate: the buffer is the result (`finish_step`).
         let in_backward = <BA::InnerBackend as DeviceTransport>::collectives_on_device(device)
-            && !dp.checks_collectives();
+            && !dp.checks_collectives()
+            && dp.size() > 1;
         let n_slots = layout.params().len();
         let n_units = units.len();
         Self {
@@ -516,9 +518,18 @@ where
             grads,
             &skip,
         )?;
+        let several = self.dp.size() > 1;
         for (id, grad) in rest {
             let i = self.slot_of[&id];
-            self.flush(state, i, grad, true)?;
+            self.flush(state, i, grad, several)?;
+        }
+        if !several {
+            // The average over one replica is the buffer itself, in either layout (one shard
+            // is the whole buffer): no unit is copied out and concatenated back.
+            return Ok(state
+                .main
+                .take()
+                .unwrap_or_else(|| self.zeros(self.layout.numel())));
         }
         for u in 0..self.units.len() {
             self.start_unit(state, u)?;
