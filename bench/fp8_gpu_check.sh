@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|step1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -111,6 +111,18 @@ if part step1; then
   P="--config examples/configs/llama3_8b.toml --num-layers 14 --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 16 --train-iters ${STEP1_ITERS:-5}"
   for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
     n=step1$(echo "$f" | tr -d ' -' | cut -c1-40)
+    timeout 150 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | cut -c1-150
+  done
+fi
+if part hook1; then
+  # One GPU: PART=step1's model with the distributed optimizer and the overlap hook
+  # (--use-distributed-optimizer --overlap-grad-reduce: the weight gradients of every layer,
+  # FP8 ones included, accumulate over the 16 micro-batches in the hook's f32 buffer), bf16
+  # and FP8 tensorwise; then FP8 tensorwise without them, as step1 runs it.
+  P="--config examples/configs/llama3_8b.toml --num-layers 14 --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 16 --train-iters ${STEP1_ITERS:-5}"
+  for f in "--use-distributed-optimizer --overlap-grad-reduce" "--use-distributed-optimizer --overlap-grad-reduce --fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe tensorwise"; do
+    n=hook1$(echo "$f" | sed 's/--use-distributed-optimizer --overlap-grad-reduce/hook/' | tr -d ' -' | cut -c1-40)
     timeout 150 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
     echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | cut -c1-150
   done

@@ -32,6 +32,7 @@
 #   fp8step  PART=step of bench/fp8_gpu_check.sh: the GPT 1.3B step, bf16 and FP8, and the peer
 #   fp8curve2, fp8prof8b, fp8step8b  PART=curve2, profile8b, step8b of bench/fp8_gpu_check.sh (2 GPUs)
 #   fp8step1 PART=step1 (1 GPU): the casts' checks and speeds, 14 of Llama-3 8B's layers in bf16 and FP8
+#   fp8hook1 PART=hook1 (1 GPU): step1's model with the distributed optimizer and the overlap hook, bf16 and FP8
 #   fp8peer1 PART=peer1 (1 GPU): that model in PyTorch, bf16 and float8 (the peer)
 #   fp8peer8b PART=peer8b (2 GPUs): Llama-3 8B in PyTorch, bf16 and float8 (fp8step8b's peers)
 #   fp8prof1 PART=prof1 (1 GPU): one step of that model profiled, bf16 and FP8
@@ -125,6 +126,7 @@ for s in "$@"; do
     fp8prof8b) step fp8prof8b env PART=profile8b bash bench/fp8_gpu_check.sh ;;
     fp8step8b) step fp8step8b env PART=step8b bash bench/fp8_gpu_check.sh ;;
     fp8step1) step fp8step1 env PART=step1 bash bench/fp8_gpu_check.sh ;;
+    fp8hook1) step fp8hook1 env PART=hook1 bash bench/fp8_gpu_check.sh ;;
     fp8peer1) step fp8peer1 env PART=peer1 bash bench/fp8_gpu_check.sh ;;
     fp8peer8b) step fp8peer8b env PART=peer8b bash bench/fp8_gpu_check.sh ;;
     fp8prof1) step fp8prof1 env PART=prof1 bash bench/fp8_gpu_check.sh ;;

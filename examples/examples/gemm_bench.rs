@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
-use burn_megatron_kernels::cuda::gemm::{gemm_fp8, matmul};
+use burn_megatron_kernels::cuda::gemm::{gemm_fp8, gemm_fp8_accumulate_at, matmul};
 use burn_megatron_kernels::cuda::grouped_gemm::Engine;
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime};
 use burn_megatron_kernels::fused::fp8::{Fp8Kind, amax, quantize, quantize_both};
@@ -390,6 +390,7 @@ fn fp8_gemms(device: &CudaGpu) {
         // Σ|a·b| (f32 accumulation of k terms).
         let out = floats(run(DType::F32, false));
         let (ha, hb) = (bytes(qa.clone()), bytes(qb.clone()));
+        let (a_inv, b_inv) = (sa_inv.clone(), sb_inv.clone());
         let (sa_inv, sb_inv) = (
             floats(wrap::<1>(sa_inv.clone()))[0] as f64,
             floats(wrap::<1>(sb_inv.clone()))[0] as f64,
@@ -409,8 +410,38 @@ fn fp8_gemms(device: &CudaGpu) {
                 (out[i * n + j] as f64 - want).abs() / (magnitude * sa_inv * sb_inv).max(1e-30);
             worst = worst.max(if err.is_nan() { f64::INFINITY } else { err });
         }
+        // The weight gradient's form: the same product added in place (beta 1) to an f32
+        // buffer past a prefix (16-byte aligned), against the product added on the host.
+        let prefix = 64;
+        let buffer =
+            Tensor::<MegatronCuda, 1>::random([prefix + m * n], Distribution::Default, device);
+        let before = floats(buffer.clone());
+        let buffer = raw(&buffer);
+        gemm_fp8_accumulate_at(
+            &qa,
+            Fp8Kind::E4M3,
+            &a_inv,
+            &qb,
+            Fp8Kind::E4M3,
+            &b_inv,
+            false,
+            &buffer,
+            prefix,
+        )
+        .expect("FP8 GEMM accumulating");
+        let after = floats(wrap::<1>(buffer));
+        let mut accumulated = 0f64;
+        for (i, (a, b)) in after.iter().zip(&before).enumerate() {
+            let want = match i.checked_sub(prefix) {
+                Some(j) => *b as f64 + out[j] as f64,
+                None => *b as f64,
+            };
+            let err = (*a as f64 - want).abs() / want.abs().max(1.0);
+            accumulated = accumulated.max(if err.is_nan() { f64::INFINITY } else { err });
+        }
+        let verdict = if accumulated <= 1e-6 { "" } else { " MISMATCH" };
         println!(
-            "{label:<36} {bf16:9.1} {fp8:9.1} {fast:9.1} {:7.2} {worst:10.2e}",
+            "{label:<36} {bf16:9.1} {fp8:9.1} {fast:9.1} {:7.2} {worst:10.2e} accumulated {accumulated:.1e}{verdict}",
             fast / bf16
         );
     }

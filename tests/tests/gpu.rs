@@ -1087,6 +1087,7 @@ fn gemm_matches_the_exact_product() {
 /// its slot of a flat f32 buffer.
 #[test]
 fn grouped_gemm_matches_the_exact_products() {
+    use burn_megatron_kernels::cuda::gemm::GemmUnsupported;
     use burn_megatron_kernels::cuda::grouped_gemm::{
         Engine, grouped_gemm, grouped_weight_gradient, grouped_weight_gradient_accumulate_at,
     };
@@ -1170,9 +1171,25 @@ fn grouped_gemm_matches_the_exact_products() {
             }
             // The weight gradient added in place to its slot of a flat f32 buffer, past a
             // prefix; the elements outside the slot, and the blocks of experts without rows,
-            // keep their bits.
-            let start = 7;
-            let len = start + g * k * m + 5;
+            // keep their bits. A slot off 16 bytes is refused (cuBLASLt would refuse it
+            // when it runs).
+            let len = 64 + g * k * m + 5;
+            let probe = Tensor::<Ours, 1>::zeros([len], &device)
+                .into_primitive()
+                .tensor();
+            assert_eq!(
+                grouped_weight_gradient_accumulate_at(
+                    &raw(&x),
+                    &raw(&dy),
+                    &counts,
+                    engine,
+                    &probe,
+                    7
+                ),
+                Err(GemmUnsupported::Layout),
+                "a slot at 28 bytes"
+            );
+            let start = 64;
             let buffer = Tensor::<Ours, 1>::from_data(data(&[len], 34), &device);
             let before: Vec<f32> = buffer.to_data().to_vec().unwrap();
             let mut want = before.clone();

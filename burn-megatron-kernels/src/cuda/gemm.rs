@@ -102,10 +102,77 @@ pub fn gemm_fp8(
     out_dtype: DType,
     fast_accumulation: bool,
 ) -> Result<Tensor, GemmUnsupported> {
+    let fp8 = Fp8Gemm {
+        a: a_kind,
+        b: b_kind,
+        fast_accumulation,
+    };
+    let key = fp8_key(a, a_scale_inv, b, b_scale_inv, fp8, out_dtype)?;
+    let out = empty_device_contiguous_dtype(
+        a.client.clone(),
+        a.device.clone(),
+        Shape::from(vec![key.m, key.n]),
+        out_dtype,
+    );
+    submit(
+        key,
+        a,
+        b,
+        binding(&out),
+        None,
+        Some((a_scale_inv, b_scale_inv)),
+    );
+    Ok(out)
+}
+
+/// [`gemm_fp8`] added in place, in f32, to `buffer` at `start..start + m · n` (row-major):
+/// the weight gradient's FP8 GEMM accumulating into its slot of a flat f32 gradient buffer
+/// (beta 1, Megatron's gradient-accumulation fusion). `buffer` is a contiguous f32 `[numel]`
+/// that no other tensor shares.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_fp8_accumulate_at(
+    a: &Tensor,
+    a_kind: Fp8Kind,
+    a_scale_inv: &Tensor,
+    b: &Tensor,
+    b_kind: Fp8Kind,
+    b_scale_inv: &Tensor,
+    fast_accumulation: bool,
+    buffer: &Tensor,
+    start: usize,
+) -> Result<(), GemmUnsupported> {
+    let fp8 = Fp8Gemm {
+        a: a_kind,
+        b: b_kind,
+        fast_accumulation,
+    };
+    let key = GemmKey {
+        accumulate: true,
+        ..fp8_key(a, a_scale_inv, b, b_scale_inv, fp8, DType::F32)?
+    };
+    let slot = slot_of(buffer, start, key.m * key.n)?;
+    submit(key, a, b, slot, None, Some((a_scale_inv, b_scale_inv)));
+    Ok(())
+}
+
+/// The f32 elements an accumulated output's start must be a multiple of: 16 bytes, the
+/// alignment cuBLASLt's kernels need of an output they read (a slot at 28 bytes ran into
+/// `CUBLAS_STATUS_NOT_SUPPORTED` on an H200).
+pub(super) const OUTPUT_ALIGNMENT: usize = 4;
+
+/// The plan key of [`gemm_fp8`] for these operands, after checking them.
+fn fp8_key(
+    a: &Tensor,
+    a_scale_inv: &Tensor,
+    b: &Tensor,
+    b_scale_inv: &Tensor,
+    fp8: Fp8Gemm,
+    out_dtype: DType,
+) -> Result<GemmKey, GemmUnsupported> {
     if a.dtype != DType::U8 || b.dtype != DType::U8 {
         return Err(GemmUnsupported::DType(a.dtype, b.dtype));
     }
-    if (a_kind, b_kind) == (Fp8Kind::E5M2, Fp8Kind::E5M2)
+    if (fp8.a, fp8.b) == (Fp8Kind::E5M2, Fp8Kind::E5M2)
         || !matches!(out_dtype, DType::F32 | DType::BF16 | DType::F16)
     {
         return Err(GemmUnsupported::DType(a.dtype, out_dtype));
@@ -126,13 +193,7 @@ pub fn gemm_fp8(
             b.meta.shape().to_vec(),
         ));
     }
-    let out = empty_device_contiguous_dtype(
-        a.client.clone(),
-        a.device.clone(),
-        Shape::from(vec![m, n]),
-        out_dtype,
-    );
-    let key = GemmKey {
+    Ok(GemmKey {
         m,
         n,
         k,
@@ -145,21 +206,37 @@ pub fn gemm_fp8(
         output: out_dtype,
         bias: false,
         accumulate: false,
-        fp8: Some(Fp8Gemm {
-            a: a_kind,
-            b: b_kind,
-            fast_accumulation,
-        }),
-    };
-    submit(
-        key,
-        a,
-        b,
-        binding(&out),
-        None,
-        Some((a_scale_inv, b_scale_inv)),
-    );
-    Ok(out)
+        fp8: Some(fp8),
+    })
+}
+
+/// The binding of `buffer[start..start + len]`, a slot of a contiguous f32 `[numel]` that no
+/// other tensor shares, starting on a 16-byte boundary (`start` a multiple of 4: cuBLASLt
+/// refuses a less aligned output when it runs).
+pub(super) fn slot_of(
+    buffer: &Tensor,
+    start: usize,
+    len: usize,
+) -> Result<Binding, GemmUnsupported> {
+    if buffer.dtype != DType::F32 {
+        return Err(GemmUnsupported::DType(buffer.dtype, DType::F32));
+    }
+    let shape = buffer.meta.shape();
+    if shape.len() != 1
+        || !buffer.is_contiguous()
+        || !buffer.handle.can_mut()
+        || !start.is_multiple_of(OUTPUT_ALIGNMENT)
+    {
+        return Err(GemmUnsupported::Layout);
+    }
+    if start + len > shape[0] {
+        return Err(GemmUnsupported::Shape(vec![start, len], shape.to_vec()));
+    }
+    Ok(buffer
+        .handle
+        .clone()
+        .offset_start((start * DType::F32.size()) as u64)
+        .binding())
 }
 
 /// `acc += op(a) · op(b)` in place, for an f32 `[m, n]` accumulator with bf16, f16 or f32
@@ -200,7 +277,8 @@ pub fn gemm_accumulate(
 /// `buffer[start..start + m·n] += op(a) · op(b)`, the `[m, n]` product added row-major to a
 /// slot of a flat f32 buffer, in place: a weight's gradient accumulated into its slot of the
 /// flat fp32 gradient buffer by the weight-gradient GEMM itself. `buffer` must be contiguous
-/// and not shared (the caller owns it), and the slot must lie inside it.
+/// and not shared (the caller owns it), and the slot must lie inside it, `start` a multiple
+/// of 4 (16 bytes).
 pub fn gemm_accumulate_at(
     a: &Tensor,
     b: &Tensor,
@@ -210,24 +288,7 @@ pub fn gemm_accumulate_at(
     start: usize,
 ) -> Result<(), GemmUnsupported> {
     let p = Product::of(a, b, transpose_a, transpose_b)?;
-    if buffer.dtype != DType::F32 {
-        return Err(GemmUnsupported::DType(a.dtype, buffer.dtype));
-    }
-    let shape = buffer.meta.shape();
-    if shape.len() != 1 || !buffer.is_contiguous() || !buffer.handle.can_mut() {
-        return Err(GemmUnsupported::Layout);
-    }
-    if start + p.m * p.n > shape[0] {
-        return Err(GemmUnsupported::Shape(
-            vec![start, p.m, p.n],
-            shape.to_vec(),
-        ));
-    }
-    let slot = buffer
-        .handle
-        .clone()
-        .offset_start((start * DType::F32.size()) as u64)
-        .binding();
+    let slot = slot_of(buffer, start, p.m * p.n)?;
     submit(accumulate_key(&p, a.dtype, p.n), a, b, slot, None, None);
     Ok(())
 }

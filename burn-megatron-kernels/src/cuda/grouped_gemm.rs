@@ -33,7 +33,7 @@ use super::device::CudaGpu;
 use super::driver::check;
 use super::event::Event;
 use super::foreign::{ForeignContext, ForeignQueue, Lane, binding};
-use super::gemm::{GemmKey, GemmUnsupported, LtState, WORKSPACE_BYTES};
+use super::gemm::{GemmKey, GemmUnsupported, LtState, OUTPUT_ALIGNMENT, WORKSPACE_BYTES, slot_of};
 use super::runtime::MegatronCudaRuntime;
 
 type Tensor = CubeTensor<MegatronCudaRuntime>;
@@ -159,9 +159,10 @@ pub fn grouped_weight_gradient(
 /// nothing.
 ///
 /// `x` is `[n, k]`, `dy` `[n, m]` (rows may be pitched), bf16, f16 or f32 of one dtype;
-/// `buffer` a contiguous f32 `[numel]` that no other tensor shares, with `start +
-/// experts · k · m <= numel`. cuBLAS's grouped GEMM runs it where it takes an f32 output for
-/// these inputs, else (and for [`Engine::Streams`]) cuBLASLt GEMMs on streams.
+/// `buffer` a contiguous f32 `[numel]` that no other tensor shares, with `start + experts · k ·
+/// m <= numel`, and `start` and `k · m` multiples of 4 (every block 16-byte aligned). cuBLAS's
+/// grouped GEMM runs it where it takes an f32 output for these inputs (the cuBLAS of CUDA 12
+/// on an H200 refuses one for bf16), else, and for [`Engine::Streams`], cuBLASLt GEMMs.
 pub fn grouped_weight_gradient_accumulate_at(
     x: &Tensor,
     dy: &Tensor,
@@ -177,19 +178,11 @@ pub fn grouped_weight_gradient_accumulate_at(
         return Err(shape_error(x, dy));
     }
     check_counts(counts, counts.len(), n, x, dy)?;
-    if buffer.dtype != DType::F32 {
-        return Err(GemmUnsupported::DType(dtype, buffer.dtype));
-    }
-    let shape = buffer.meta.shape();
-    if shape.len() != 1 || !buffer.is_contiguous() || !buffer.handle.can_mut() {
+    // Every expert's block starts aligned as the slot does.
+    if !(k * m).is_multiple_of(OUTPUT_ALIGNMENT) {
         return Err(GemmUnsupported::Layout);
     }
-    if start + counts.len() * k * m > shape[0] {
-        return Err(GemmUnsupported::Shape(
-            vec![start, counts.len(), k, m],
-            shape.to_vec(),
-        ));
-    }
+    let slot = slot_of(buffer, start, counts.len() * k * m)?;
     let size = dtype.size() as u64;
     let f32_size = DType::F32.size() as u64;
     let blocks = blocks(counts)
@@ -206,11 +199,6 @@ pub fn grouped_weight_gradient_accumulate_at(
             ],
         })
         .collect();
-    let slot = buffer
-        .handle
-        .clone()
-        .offset_start(start as u64 * f32_size)
-        .binding();
     submit(
         engine,
         blocks,

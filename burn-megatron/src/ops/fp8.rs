@@ -27,7 +27,7 @@ use super::linear::LinearOps;
 pub mod linear;
 pub mod scaling;
 
-pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear};
+pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear, hooked_fp8_linear};
 pub use scaling::{
     AmaxComputeAlgo, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe, delayed_update_composition,
     scale_from_amax, tensorwise_scale,
@@ -389,7 +389,8 @@ mod cuda {
     use super::{AmaxComputeAlgo, Fp8Dtype, Fp8Ops};
     use crate::ops::primitive::{raw, wrap};
 
-    fn kind(dtype: Fp8Dtype) -> Fp8Kind {
+    /// The kernels' name of an FP8 format.
+    pub(super) fn kind(dtype: Fp8Dtype) -> Fp8Kind {
         match dtype {
             Fp8Dtype::E4M3 => Fp8Kind::E4M3,
             Fp8Dtype::E5M2 => Fp8Kind::E5M2,

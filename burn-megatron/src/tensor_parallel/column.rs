@@ -8,7 +8,7 @@ use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
 use crate::ops::GatheredProjection;
-use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
+use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, hooked_fp8_linear};
 use crate::ops::hooked_linear;
 use crate::ops::swiglu::bias_swiglu;
 
@@ -280,15 +280,21 @@ impl<B: ModelBackend> ColumnParallelLinear<B> {
         Ok((output, bias))
     }
 
-    /// `x A + b` on this rank's columns: [`linear`], or [`fp8_linear`] when the layer runs in
-    /// FP8 (its amaxes of the weight and the output gradient reduced over the group).
+    /// `x A + b` on this rank's columns: [`linear`], or [`hooked_fp8_linear`] when the layer
+    /// runs in FP8 (its amaxes of the weight and the output gradient reduced over the group).
     fn product<const D: usize>(
         &self,
         x: Tensor<B, D>,
         bias: Option<Tensor<B, 1>>,
     ) -> DistResult<Tensor<B, D>> {
         match &self.fp8 {
-            Some(fp8) => fp8_linear(x, self.weight.val(), bias, fp8),
+            Some(fp8) => hooked_fp8_linear(
+                x,
+                self.weight.val(),
+                bias,
+                fp8,
+                self.tp.backward_hook.as_ref(),
+            ),
             None => Ok(hooked_linear(
                 x,
                 self.weight.val(),

@@ -7,7 +7,7 @@ use burn_megatron_dist::mapping::scatter_to_tensor_parallel_region;
 use burn_megatron_dist::{DistBackend, DistResult, ProcessGroup};
 
 use crate::backend::ModelBackend;
-use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, fp8_linear};
+use crate::ops::fp8::{Fp8Config, Fp8Linear, Fp8Split, hooked_fp8_linear};
 use crate::ops::{bias_add, hooked_linear};
 
 use super::placement::{DeclarePlacements, ParamPlacement, Placements};
@@ -216,15 +216,21 @@ impl<B: ModelBackend> RowParallelLinear<B> {
             && dims[0] == 1
     }
 
-    /// `x A + b` on this rank's rows: [`linear`], or [`fp8_linear`] when the layer runs in
-    /// FP8 (its amaxes of the input and the weight reduced over the group).
+    /// `x A + b` on this rank's rows: [`linear`], or [`hooked_fp8_linear`] when the layer
+    /// runs in FP8 (its amaxes of the input and the weight reduced over the group).
     fn product<const D: usize>(
         &self,
         x: Tensor<B, D>,
         bias: Option<Tensor<B, 1>>,
     ) -> DistResult<Tensor<B, D>> {
         match &self.fp8 {
-            Some(fp8) => fp8_linear(x, self.weight.val(), bias, fp8),
+            Some(fp8) => hooked_fp8_linear(
+                x,
+                self.weight.val(),
+                bias,
+                fp8,
+                self.tp.backward_hook.as_ref(),
+            ),
             None => Ok(hooked_linear(
                 x,
                 self.weight.val(),

@@ -57,7 +57,9 @@ use burn_megatron_dist::{DeviceTransport, DistError, DistResult, ProcessGroup, R
 use super::scaling::{DelayedScaling, Fp8Config, Fp8Recipe};
 use super::{Fp8Dtype, Fp8Ops};
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
+use crate::ops::backward_hook::{BackwardHook, WeightGradient};
 use crate::ops::primitive::{raw, wrap};
+use crate::ops::write_slot::WriteSlotOps;
 
 /// Which operands of an FP8 linear layer each rank holds only a part of, so that their amax
 /// is reduced (maximum) over the layer's tensor-parallel group.
@@ -399,7 +401,7 @@ impl Fp8Linear {
 
 /// The FP8 linear layer as a backend operation: the forward alone on plain backends,
 /// one autodiff node on `Autodiff<B>`.
-pub trait Fp8LinearOps: Fp8Ops + DeviceTransport {
+pub trait Fp8LinearOps: Fp8Ops + DeviceTransport + WriteSlotOps {
     /// `x · w + bias` through FP8 GEMMs (see the [module docs](self)), for `x: [tokens,
     /// d_in]`, `w: [d_in, d_out]`, `bias: [d_out]`; the output has `x`'s dtype. Fails only
     /// if the amax reduction over the tensor-parallel group fails.
@@ -410,6 +412,41 @@ pub trait Fp8LinearOps: Fp8Ops + DeviceTransport {
         fp8: &Fp8Linear,
     ) -> DistResult<Tensor<Self, 2>> {
         Ok(forward(x, Weight::Tensor(w), bias, fp8, Keep::default())?.output)
+    }
+
+    /// [`fp8_linear`](Self::fp8_linear) whose weight gradient the backward pass first offers
+    /// to `hook` ([`BackwardHook::take_weight_gradient`]). Only `Autodiff` has a gradient to
+    /// offer: the default is the plain forward.
+    fn hooked_fp8_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        fp8: &Fp8Linear,
+        hook: &Arc<dyn BackwardHook>,
+    ) -> DistResult<Tensor<Self, 2>> {
+        let _ = hook;
+        Self::fp8_linear(x, w, bias, fp8)
+    }
+
+    /// `buffer` (`[numel]` f32) with the FP8 product `(a · bᵀ) · a_scale_inv · b_scale_inv`
+    /// ([`Fp8Ops::fp8_gemm`], `[m, n]`) added row-major at `start..start + m · n`: the weight
+    /// gradient summed into its slot of a flat f32 gradient buffer. The default computes the
+    /// product in f32, then adds it ([`WriteSlotOps::add_slot`]); our CUDA backend runs one
+    /// cuBLASLt FP8 GEMM that accumulates into the slot in place (beta 1, f32).
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_add_slot(
+        buffer: Tensor<Self, 1>,
+        start: usize,
+        a: Tensor<Self, 2>,
+        a_dtype: Fp8Dtype,
+        a_scale_inv: Tensor<Self, 1>,
+        b: Tensor<Self, 2>,
+        b_dtype: Fp8Dtype,
+        b_scale_inv: Tensor<Self, 1>,
+    ) -> Tensor<Self, 1> {
+        let product = Self::fp8_gemm(a, a_dtype, a_scale_inv, b, b_dtype, b_scale_inv, DType::F32);
+        let numel = product.shape().num_elements();
+        Self::add_slot(buffer, start, product.reshape([numel]))
     }
 }
 
@@ -428,10 +465,30 @@ pub fn fp8_linear<B: Fp8LinearOps, const D: usize>(
     bias: Option<Tensor<B, 1>>,
     fp8: &Fp8Linear,
 ) -> DistResult<Tensor<B, D>> {
+    hooked_fp8_linear(x, w, bias, fp8, None)
+}
+
+/// [`fp8_linear`] whose weight gradient is offered to `hook` in the backward pass
+/// ([`BackwardHook::take_weight_gradient`]): with the overlap hook of the distributed
+/// optimizer, the weight-gradient FP8 GEMM accumulates into its flat f32 buffer.
+///
+/// # Shapes
+/// As [`fp8_linear`].
+pub fn hooked_fp8_linear<B: Fp8LinearOps, const D: usize>(
+    x: Tensor<B, D>,
+    w: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    fp8: &Fp8Linear,
+    hook: Option<&Arc<dyn BackwardHook>>,
+) -> DistResult<Tensor<B, D>> {
     let dims = x.dims();
     let d_out = w.dims()[1];
     let tokens: usize = dims[..D - 1].iter().product();
-    let y = B::fp8_linear(x.reshape([tokens, dims[D - 1]]), w, bias, fp8)?;
+    let x = x.reshape([tokens, dims[D - 1]]);
+    let y = match hook {
+        Some(hook) => B::hooked_fp8_linear(x, w, bias, fp8, hook)?,
+        None => B::fp8_linear(x, w, bias, fp8)?,
+    };
     let mut out = dims;
     out[D - 1] = d_out;
     Ok(y.reshape(out))
@@ -604,70 +661,130 @@ impl<B: Backend> WeightCast<B> {
 }
 
 impl<B: Fp8LinearOps, C: CheckpointStrategy> Fp8LinearOps for Autodiff<B, C> {
-    /// The inner backend's forward and one node keeping `q(x)ᵀ`, `q(w)` and their scales.
     fn fp8_linear(
         x: Tensor<Self, 2>,
         w: Tensor<Self, 2>,
         bias: Option<Tensor<Self, 1>>,
         fp8: &Fp8Linear,
     ) -> DistResult<Tensor<Self, 2>> {
-        let (x, w, bias) = (raw(x), raw(w), bias.map(raw));
-        let (x_inner, w_inner) = (inner::<B, 2>(&x), inner::<B, 2>(&w));
-        let (x_dtype, w_dtype) = (x_inner.dtype(), w_inner.dtype());
-        let device = x_inner.device();
-        let caches = fp8.caches_weights();
-        let cached = match caches {
-            true => fp8.cached_weight::<B>(w.node.id),
-            false => None,
-        };
-        let hit = cached.is_some();
-        let weight = match cached {
-            Some(cast) => Weight::Cast(cast),
-            None => Weight::Tensor(w_inner),
-        };
-        // The weight gradient reads the input's transposed cast, the input gradient the
-        // weight's row-major one (cached with the rest, whatever this use needs).
-        let keep = Keep {
-            x_transposed: w.is_tracked(),
-            w_row: x.is_tracked() || caches,
-        };
-        let f = forward(x_inner, weight, bias.as_ref().map(inner), fp8, keep)?;
-        if caches && !hit {
-            let node: Arc<dyn Any + Send + Sync> = w.node.clone();
-            fp8.store_weight(w.node.id, Arc::downgrade(&node), f.w.clone());
-        }
-        let empty = || Tensor::<B, 2>::empty([0, 0], &device);
-        let state = (
-            raw(f.x_transposed.unwrap_or_else(empty)),
-            raw(f.x_scale.inv),
-            raw(f.w.row.unwrap_or_else(empty)),
-            raw(f.w.scale.inv),
-        );
-        let step = Fp8LinearBackward {
-            fp8: fp8.clone(),
-            x_dtype,
-            w_dtype,
-        };
-        let output = raw(f.output);
-        Ok(wrap(match &bias {
-            Some(bias) => record::<B, C, _>(step, &[&x, &w, bias], state, output),
-            None => record::<B, C, _>(step, &[&x, &w], state, output),
-        }))
+        autodiff_fp8_linear::<B, C>(x, w, bias, fp8, None)
     }
+
+    fn hooked_fp8_linear(
+        x: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+        fp8: &Fp8Linear,
+        hook: &Arc<dyn BackwardHook>,
+    ) -> DistResult<Tensor<Self, 2>> {
+        autodiff_fp8_linear::<B, C>(x, w, bias, fp8, Some(hook.clone()))
+    }
+}
+
+/// [`Fp8LinearOps::fp8_linear`] on `Autodiff<B>`: the inner backend's forward and one node
+/// keeping `q(x)ᵀ`, `q(w)` and their scales, which offers the weight's gradient to `hook` when
+/// there is one.
+fn autodiff_fp8_linear<B: Fp8LinearOps, C: CheckpointStrategy>(
+    x: Tensor<Autodiff<B, C>, 2>,
+    w: Tensor<Autodiff<B, C>, 2>,
+    bias: Option<Tensor<Autodiff<B, C>, 1>>,
+    fp8: &Fp8Linear,
+    hook: Option<Arc<dyn BackwardHook>>,
+) -> DistResult<Tensor<Autodiff<B, C>, 2>> {
+    let (x, w, bias) = (raw(x), raw(w), bias.map(raw));
+    let (x_inner, w_inner) = (inner::<B, 2>(&x), inner::<B, 2>(&w));
+    let (x_dtype, w_dtype) = (x_inner.dtype(), w_inner.dtype());
+    let device = x_inner.device();
+    let caches = fp8.caches_weights();
+    let cached = match caches {
+        true => fp8.cached_weight::<B>(w.node.id),
+        false => None,
+    };
+    let hit = cached.is_some();
+    let weight = match cached {
+        Some(cast) => Weight::Cast(cast),
+        None => Weight::Tensor(w_inner),
+    };
+    // The weight gradient reads the input's transposed cast, the input gradient the
+    // weight's row-major one (cached with the rest, whatever this use needs).
+    let keep = Keep {
+        x_transposed: w.is_tracked(),
+        w_row: x.is_tracked() || caches,
+    };
+    let f = forward(x_inner, weight, bias.as_ref().map(inner), fp8, keep)?;
+    if caches && !hit {
+        let node: Arc<dyn Any + Send + Sync> = w.node.clone();
+        fp8.store_weight(w.node.id, Arc::downgrade(&node), f.w.clone());
+    }
+    let empty = || Tensor::<B, 2>::empty([0, 0], &device);
+    let state = (
+        raw(f.x_transposed.unwrap_or_else(empty)),
+        raw(f.x_scale.inv),
+        raw(f.w.row.unwrap_or_else(empty)),
+        raw(f.w.scale.inv),
+    );
+    let step = Fp8LinearBackward {
+        fp8: fp8.clone(),
+        x_dtype,
+        w_dtype,
+        hook,
+    };
+    let output = raw(f.output);
+    Ok(wrap(match &bias {
+        Some(bias) => record::<B, C, _>(step, &[&x, &w, bias], state, output),
+        None => record::<B, C, _>(step, &[&x, &w], state, output),
+    }))
 }
 
 /// The backward of the FP8 linear layer: the output gradient's amax (reduced where split), its
 /// scale and cast (as it is for `dx`, transposed for `dw`: one pass for both, which under
-/// delayed scaling also gives the amax), the two FP8 GEMMs and the bias gradient; then, under
-/// delayed scaling, the gradient's amax recorded. Its parents are `[x, w]` or `[x, w, bias]`.
+/// delayed scaling also gives the amax), the two FP8 GEMMs (the weight's first offered to
+/// `hook`, [`BackwardHook::take_weight_gradient`]) and the bias gradient; then, under delayed
+/// scaling, the gradient's amax recorded. Its parents are `[x, w]` or `[x, w, bias]`.
 #[derive(Debug)]
 struct Fp8LinearBackward {
     fp8: Fp8Linear,
     x_dtype: DType,
     w_dtype: DType,
+    hook: Option<Arc<dyn BackwardHook>>,
 }
 
-impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
+/// The weight gradient of [`Fp8LinearBackward`], `q(x)ᵀ · q(dy)` scaled (the FP8 GEMM of the
+/// transposed casts), offered to a hook before it is computed.
+struct Fp8WeightProduct<B: Backend> {
+    x_t: Tensor<B, 2>,
+    x_dtype: Fp8Dtype,
+    x_scale_inv: Tensor<B, 1>,
+    dy_t: Tensor<B, 2>,
+    dy_dtype: Fp8Dtype,
+    dy_scale_inv: Tensor<B, 1>,
+}
+
+impl<B: Fp8LinearOps> WeightGradient for Fp8WeightProduct<B> {
+    fn shape(&self) -> Vec<usize> {
+        vec![self.x_t.dims()[0], self.dy_t.dims()[0]]
+    }
+
+    fn add_to(
+        &mut self,
+        buffer: Box<dyn Any + Send>,
+        start: usize,
+    ) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>> {
+        let buffer = buffer.downcast::<Tensor<B, 1>>()?;
+        Ok(Box::new(B::fp8_gemm_add_slot(
+            *buffer,
+            start,
+            self.x_t.clone(),
+            self.x_dtype,
+            self.x_scale_inv.clone(),
+            self.dy_t.clone(),
+            self.dy_dtype,
+            self.dy_scale_inv.clone(),
+        )))
+    }
+}
+
+impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
     /// `q(x)ᵀ` (empty when the weight needs no gradient), `1 / x_scale`, `q(w)` (empty when
     /// the input needs no gradient), `1 / w_scale`.
     type State = (
@@ -736,34 +853,99 @@ impl<B: Fp8Ops + DeviceTransport> BackwardStep<B> for Fp8LinearBackward {
                 self.x_dtype,
             )
         });
-        register(grads, dw, || {
-            B::fp8_gemm(
-                wrap(x_t),
-                forward_dtype,
-                wrap(x_scale_inv),
-                dy_transposed.expect("cast for dw"),
-                grad_dtype,
-                scale_inv.clone(),
-                self.w_dtype,
-            )
-        });
+        if let Some(node) = dw {
+            let mut weight = Fp8WeightProduct {
+                x_t: wrap(x_t),
+                x_dtype: forward_dtype,
+                x_scale_inv: wrap(x_scale_inv),
+                dy_t: dy_transposed.expect("cast for dw"),
+                dy_dtype: grad_dtype,
+                dy_scale_inv: scale_inv,
+            };
+            let taken = match &self.hook {
+                Some(hook) => hook.take_weight_gradient(node, &mut weight),
+                None => false,
+            };
+            if !taken {
+                let gradient = B::fp8_gemm(
+                    weight.x_t,
+                    weight.x_dtype,
+                    weight.x_scale_inv,
+                    weight.dy_t,
+                    weight.dy_dtype,
+                    weight.dy_scale_inv,
+                    self.w_dtype,
+                );
+                register(grads, Some(node), || gradient);
+            }
+        }
         register(grads, parent(parents, 2), || B::bias_gradient(dy));
         fp8.record(Operand::GradOutput, amax, grad_dtype);
     }
 }
 
-/// Our CUDA backend and burn-cuda: the forward above on their [`Fp8Ops`].
+/// Our CUDA backend and burn-cuda: the forward above on their [`Fp8Ops`]; ours accumulates
+/// the weight gradient's FP8 GEMM in place into a flat f32 buffer.
 #[cfg(feature = "cuda")]
 mod cuda {
+    use burn::tensor::{DType, Tensor};
     use burn_cubecl::cubecl::cuda::CudaRuntime;
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-    use burn_megatron_kernels::cuda::MegatronCudaRuntime;
+    use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
-    use super::Fp8LinearOps;
+    use super::{Fp8Dtype, Fp8LinearOps};
+    use crate::ops::fp8::cuda::kind;
+    use crate::ops::primitive::{raw, wrap};
+    use crate::ops::write_slot::WriteSlotOps;
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8LinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
+        /// One cuBLASLt FP8 GEMM accumulating into the slot (beta 1, f32), where the buffer
+        /// is ours alone; else the product and its addition.
+        fn fp8_gemm_add_slot(
+            buffer: Tensor<Self, 1>,
+            start: usize,
+            a: Tensor<Self, 2>,
+            a_dtype: Fp8Dtype,
+            a_scale_inv: Tensor<Self, 1>,
+            b: Tensor<Self, 2>,
+            b_dtype: Fp8Dtype,
+            b_scale_inv: Tensor<Self, 1>,
+        ) -> Tensor<Self, 1> {
+            let into = raw(buffer);
+            let (a_inv, b_inv) = (
+                raw(a_scale_inv.clone().cast(DType::F32)),
+                raw(b_scale_inv.clone().cast(DType::F32)),
+            );
+            let fused = gemm::gemm_fp8_accumulate_at(
+                &raw(a.clone()),
+                kind(a_dtype),
+                &a_inv,
+                &raw(b.clone()),
+                kind(b_dtype),
+                &b_inv,
+                false,
+                &into,
+                start,
+            );
+            match fused {
+                Ok(()) => wrap(into),
+                Err(_) => {
+                    let product = <Self as super::Fp8Ops>::fp8_gemm(
+                        a,
+                        a_dtype,
+                        a_scale_inv,
+                        b,
+                        b_dtype,
+                        b_scale_inv,
+                        DType::F32,
+                    );
+                    let numel = product.shape().num_elements();
+                    Self::add_slot(wrap(into), start, product.reshape([numel]))
+                }
+            }
+        }
     }
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8LinearOps
