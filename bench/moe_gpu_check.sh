@@ -25,6 +25,7 @@
 #   NPROC=1 PART=gemm,engines1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' products by each engine, 8 layers of both presets, the peer
 #   NPROC=1 PART=gemm,rule1 bash bench/moe_gpu_check.sh  # 1 GPU: the engines' rule, 8 layers of both presets, a profile, the peer
 #   NPROC=1 PART=hook1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' gradients through the overlap hook against the container, both presets, a profile, the peer
+#   NPROC=1 PART=hook1b bash bench/moe_gpu_check.sh  # 1 GPU: both presets with the overlap hook, each next to its peer
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=adamw2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like, the build before and this one, profiled
 #   NPROC=2 PART=nan2 bash bench/moe_gpu_check.sh     # 2 GPUs: Mixtral-like at EP 1 (for EP 2's losses), DeepSeek-like with 8 layers
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
@@ -356,6 +357,14 @@ if [ "$PART" != all ] && part hook1; then
   torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
   BM_PROFILE=1 ITERS=16 ours deepseek_ep1_hook_profile deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
   ITERS=16 ours mixtral_ep1_container mixtral_1b_moe 1 --num-layers 8
+fi
+if [ "$PART" != all ] && part hook1b; then
+  # For one GPU (NPROC=1): PART=hook1's runs with the overlap hook again, each next to its peer
+  # (both presets, 8 layers at EP 1).
+  ITERS=16 ours deepseek_ep1_hook deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
+  ITERS=16 ours mixtral_ep1_hook mixtral_1b_moe 1 --num-layers 8 --overlap-grad-reduce
+  torch mixtral_ep1 --preset mixtral --ep 1 --layers 8
 fi
 if [ "$PART" != all ] && part adamw2; then
   # For 2 GPUs (NPROC=2): the build before (OLD=.gpu/old/pretrain_gpt) against this one, the
