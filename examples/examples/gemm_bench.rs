@@ -416,7 +416,8 @@ fn fp8_gemms(device: &CudaGpu) {
         let buffer =
             Tensor::<MegatronCuda, 1>::random([prefix + m * n], Distribution::Default, device);
         let before = floats(buffer.clone());
-        let buffer = raw(&buffer);
+        // The buffer's only handle: the GEMM writes it in place.
+        let buffer = buffer.into_primitive().tensor();
         gemm_fp8_accumulate_at(
             &qa,
             Fp8Kind::E4M3,
