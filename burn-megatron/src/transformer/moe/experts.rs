@@ -1,6 +1,6 @@
 //! A rank's experts: MLPs whose weights are stacked along a leading expert dimension, all run
 //! on their contiguous blocks of tokens by one grouped product per projection
-//! ([`grouped_linear()`], Megatron's `GroupedMLP`).
+//! ([`grouped_linear()`](crate::ops::grouped_linear()), Megatron's `GroupedMLP`).
 
 use std::sync::Arc;
 
@@ -147,8 +147,27 @@ impl<B: ModelBackend> GroupedExperts<B> {
         assert_eq!(tokens.dims()[0], total + 1, "tokens and counts disagree");
         let mut rows = counts.to_vec();
         *rows.last_mut().expect("at least one expert") += 1;
+        self.products(tokens, &rows)
+    }
+
+    /// The one expert of a stack of one (the shared expert) on every token, by the same
+    /// grouped products as [`forward`](Self::forward), so that its weights' gradients reach
+    /// the backward hook ([`with_backward_hook`](Self::with_backward_hook)) as the routed
+    /// experts' do.
+    ///
+    /// # Shapes
+    /// - tokens: `[n, hidden_size]`, `n ≥ 1`
+    /// - output: `[n, hidden_size]`
+    pub fn forward_shared(&self, tokens: Tensor<B, 2>) -> Tensor<B, 2> {
+        assert_eq!(self.num_local_experts(), 1, "a stack of one expert");
+        let rows = [tokens.dims()[0]];
+        self.products(tokens, &rows)
+    }
+
+    /// The MLP's grouped products, expert `j` on `rows[j]` rows after those of experts `0..j`.
+    fn products(&self, tokens: Tensor<B, 2>, rows: &[usize]) -> Tensor<B, 2> {
         let hook = self.backward_hook.as_ref();
-        let product = |x, w: &Param<Tensor<B, 3>>| hooked_grouped_linear(x, w.val(), &rows, hook);
+        let product = |x, w: &Param<Tensor<B, 3>>| hooked_grouped_linear(x, w.val(), rows, hook);
         let up = product(tokens.clone(), &self.fc1);
         let hidden = match (&self.gate, self.activation.gelu_form()) {
             (Some(gate), _) => swiglu(product(tokens, gate), up),

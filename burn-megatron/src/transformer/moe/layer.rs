@@ -162,7 +162,7 @@ impl<B: ModelBackend> MoeLayer<B> {
         let pending = self
             .dispatcher
             .start_plan_routing(&routing, self.capacity.as_ref())?;
-        let shared = (self.shared_expert.as_ref()).map(|s| s.forward_expert(0, tokens.clone()));
+        let shared = (self.shared_expert.as_ref()).map(|s| s.forward_shared(tokens.clone()));
         let plan = self.dispatcher.finish_plan(pending)?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens)?;
         let expert_output = self.experts.forward(expert_input, &plan.local_counts);
