@@ -445,9 +445,19 @@ pub trait Fp8LinearOps: Fp8Ops + DeviceTransport + WriteSlotOps {
         b_scale_inv: Tensor<Self, 1>,
     ) -> Tensor<Self, 1> {
         let product = Self::fp8_gemm(a, a_dtype, a_scale_inv, b, b_dtype, b_scale_inv, DType::F32);
-        let numel = product.shape().num_elements();
-        Self::add_slot(buffer, start, product.reshape([numel]))
+        add_product_to_slot(buffer, start, product)
     }
+}
+
+/// `buffer` with the `[m, n]` `product` added row-major at `start..start + m · n`
+/// ([`Fp8LinearOps::fp8_gemm_add_slot`]'s composition).
+fn add_product_to_slot<B: WriteSlotOps>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    product: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    let numel = product.shape().num_elements();
+    B::add_slot(buffer, start, product.reshape([numel]))
 }
 
 /// `x · w + bias` through FP8 GEMMs over the last dimension of an `x` of any rank (see the
@@ -893,10 +903,9 @@ mod cuda {
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
-    use super::{Fp8Dtype, Fp8LinearOps};
+    use super::{Fp8Dtype, Fp8LinearOps, add_product_to_slot};
     use crate::ops::fp8::cuda::kind;
     use crate::ops::primitive::{raw, wrap};
-    use crate::ops::write_slot::WriteSlotOps;
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8LinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
@@ -941,8 +950,7 @@ mod cuda {
                         b_scale_inv,
                         DType::F32,
                     );
-                    let numel = product.shape().num_elements();
-                    Self::add_slot(wrap(into), start, product.reshape([numel]))
+                    add_product_to_slot(wrap(into), start, product)
                 }
             }
         }
