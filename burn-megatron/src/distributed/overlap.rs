@@ -321,7 +321,8 @@ where
         }
     }
 
-    /// Whether the collectives start inside the backward pass (else after it).
+    /// Whether the collectives start inside the backward pass (else after it; a group of one
+    /// rank has none).
     pub fn overlaps(&self) -> bool {
         self.in_backward
     }

@@ -194,7 +194,7 @@ pub fn per_expert_gemm<B: LinearOps>(
     transpose_w: bool,
 ) -> Tensor<B, 2> {
     let [_, rows, cols] = w.dims();
-    let products: Vec<_> = blocks(counts)
+    let mut products: Vec<_> = blocks(counts)
         .map(|(e, start, count)| {
             B::gemm(
                 x.clone().narrow(0, start, count),
@@ -204,12 +204,14 @@ pub fn per_expert_gemm<B: LinearOps>(
             )
         })
         .collect();
-    match products.is_empty() {
-        true => {
+    match products.len() {
+        0 => {
             let width = if transpose_w { rows } else { cols };
             Tensor::zeros([0, width], (&x.device(), x.dtype()))
         }
-        false => Tensor::cat(products, 0),
+        // One expert with rows has them all: its product is the output.
+        1 => products.remove(0),
+        _ => Tensor::cat(products, 0),
     }
 }
 
@@ -221,14 +223,20 @@ pub fn per_expert_weight_gradient<B: LinearOps>(
     counts: &[usize],
 ) -> Tensor<B, 3> {
     let ([_, k], [_, m]) = (x.dims(), dy.dims());
-    let mut grads: Vec<Tensor<B, 2>> = (0..counts.len())
-        .map(|_| Tensor::zeros([k, m], (&x.device(), x.dtype())))
-        .collect();
+    let mut grads: Vec<Option<Tensor<B, 2>>> = vec![None; counts.len()];
     for (e, start, count) in blocks(counts) {
         let rows = |t: &Tensor<B, 2>| t.clone().narrow(0, start, count);
-        grads[e] = B::gemm(rows(&x), rows(&dy), true, false);
+        grads[e] = Some(B::gemm(rows(&x), rows(&dy), true, false));
     }
-    Tensor::stack(grads, 0)
+    let grads: Vec<Tensor<B, 2>> = grads
+        .into_iter()
+        .map(|g| g.unwrap_or_else(|| Tensor::zeros([k, m], (&x.device(), x.dtype()))))
+        .collect();
+    match <[_; 1]>::try_from(grads) {
+        // A stack of one is its matrix with a leading dimension, no copy.
+        Ok([one]) => one.unsqueeze_dim(0),
+        Err(grads) => Tensor::stack(grads, 0),
+    }
 }
 
 /// [`GroupedLinearOps::grouped_weight_gradient_add_slot`] as the gradient

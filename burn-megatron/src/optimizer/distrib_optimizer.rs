@@ -425,9 +425,9 @@ where
     }
 
     /// Whether the reduction overlaps the backward pass: an [`overlap_hook`](Self::overlap_hook)
-    /// exists and the DP group's collectives run on the device (NCCL with collective checks
-    /// off). Elsewhere the hook copies the gradients during the backward pass and the
-    /// collectives run after it.
+    /// exists and a group of more than one rank (DP, or expert DP) runs its collectives on the
+    /// device (NCCL with collective checks off). Elsewhere the hook sums the gradients during
+    /// the backward pass and the collectives, if any, run after it.
     pub fn overlaps_backward(&self) -> bool {
         self.overlap.as_ref().is_some_and(|o| o.overlaps())
     }
