@@ -28,6 +28,7 @@ use super::autodiff::{BackwardStep, inner, parent, record, register};
 use super::backward_hook::{BackwardHook, WeightGradient};
 use super::linear::LinearOps;
 use super::primitive::{raw, wrap};
+use super::write_slot::add_to_slot;
 
 /// The experts' grouped GEMMs. `counts[e]` rows of the tokens belong to expert `e`, after
 /// those of experts `0..e`; the counts add up to the tokens' rows.
@@ -249,9 +250,7 @@ pub fn grouped_weight_gradient_add_slot_composition<B: GroupedLinearOps>(
     dy: Tensor<B, 2>,
     counts: &[usize],
 ) -> Tensor<B, 1> {
-    let gradient = B::grouped_weight_gradient(x, dy, counts);
-    let numel = gradient.shape().num_elements();
-    B::add_slot(buffer, start, gradient.reshape([numel]))
+    add_to_slot(buffer, start, B::grouped_weight_gradient(x, dy, counts))
 }
 
 impl<B: GroupedLinearOps, C: CheckpointStrategy> GroupedLinearOps for Autodiff<B, C> {

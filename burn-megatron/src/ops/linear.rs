@@ -21,7 +21,7 @@ use super::autodiff::{BackwardStep, inner, parent, record, register};
 use super::backward_hook::{BackwardHook, WeightGradient};
 use super::bias::BiasOps;
 use super::primitive::{raw, wrap};
-use super::write_slot::WriteSlotOps;
+use super::write_slot::{WriteSlotOps, add_to_slot};
 
 /// The dense layers' GEMMs.
 pub trait LinearOps: BiasOps + WriteSlotOps {
@@ -110,9 +110,7 @@ pub fn gemm_add_slot_composition<B: LinearOps>(
     transpose_a: bool,
     transpose_b: bool,
 ) -> Tensor<B, 1> {
-    let product = B::gemm(a, b, transpose_a, transpose_b);
-    let n = product.shape().num_elements();
-    B::add_slot(buffer, start, product.reshape([n]))
+    add_to_slot(buffer, start, B::gemm(a, b, transpose_a, transpose_b))
 }
 
 /// `x · w + bias` over the last dimension of an `x` of any rank: flattened to

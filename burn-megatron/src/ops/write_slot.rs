@@ -27,6 +27,18 @@ pub trait WriteSlotOps: Backend {
     }
 }
 
+/// `buffer` with `values` (any shape and float dtype) added row-major at its slot from
+/// `start`: [`WriteSlotOps::add_slot`] of the values flattened. How the compositions of the
+/// weight-gradient products that accumulate in place add a product computed apart.
+pub fn add_to_slot<B: WriteSlotOps, const D: usize>(
+    buffer: Tensor<B, 1>,
+    start: usize,
+    values: Tensor<B, D>,
+) -> Tensor<B, 1> {
+    let numel = values.shape().num_elements();
+    B::add_slot(buffer, start, values.reshape([numel]))
+}
+
 /// [`WriteSlotOps::write_slot`] as Burn operations: a cast (unless already f32), then a
 /// `slice_assign`.
 pub fn write_slot_composition<B: Backend>(

@@ -59,7 +59,7 @@ use super::{Fp8Dtype, Fp8Ops};
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
 use crate::ops::backward_hook::{BackwardHook, WeightGradient};
 use crate::ops::primitive::{raw, wrap};
-use crate::ops::write_slot::WriteSlotOps;
+use crate::ops::write_slot::{WriteSlotOps, add_to_slot};
 
 /// Which operands of an FP8 linear layer each rank holds only a part of, so that their amax
 /// is reduced (maximum) over the layer's tensor-parallel group.
@@ -445,19 +445,8 @@ pub trait Fp8LinearOps: Fp8Ops + DeviceTransport + WriteSlotOps {
         b_scale_inv: Tensor<Self, 1>,
     ) -> Tensor<Self, 1> {
         let product = Self::fp8_gemm(a, a_dtype, a_scale_inv, b, b_dtype, b_scale_inv, DType::F32);
-        add_product_to_slot(buffer, start, product)
+        add_to_slot(buffer, start, product)
     }
-}
-
-/// `buffer` with the `[m, n]` `product` added row-major at `start..start + m · n`
-/// ([`Fp8LinearOps::fp8_gemm_add_slot`]'s composition).
-fn add_product_to_slot<B: WriteSlotOps>(
-    buffer: Tensor<B, 1>,
-    start: usize,
-    product: Tensor<B, 2>,
-) -> Tensor<B, 1> {
-    let numel = product.shape().num_elements();
-    B::add_slot(buffer, start, product.reshape([numel]))
 }
 
 /// `x · w + bias` through FP8 GEMMs over the last dimension of an `x` of any rank (see the
@@ -903,9 +892,10 @@ mod cuda {
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
-    use super::{Fp8Dtype, Fp8LinearOps, add_product_to_slot};
+    use super::{Fp8Dtype, Fp8LinearOps};
     use crate::ops::fp8::cuda::kind;
     use crate::ops::primitive::{raw, wrap};
+    use crate::ops::write_slot::add_to_slot;
 
     impl<F: FloatElement, I: IntElement, BT: BoolElement> Fp8LinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
@@ -950,7 +940,7 @@ mod cuda {
                         b_scale_inv,
                         DType::F32,
                     );
-                    add_product_to_slot(wrap(into), start, product)
+                    add_to_slot(wrap(into), start, product)
                 }
             }
         }
