@@ -8,10 +8,11 @@
 //! (zero for an expert without rows). So every expert's weight gets a gradient, whatever the
 //! routing. Given a backward hook ([`hooked_grouped_linear`]), the node first offers `dw` to it
 //! ([`BackwardHook::take_weight_gradient`]): the overlap hook of the distributed optimizer has
-//! the products accumulate into its flat f32 buffer, as the dense layers' do. Our CUDA backend runs each of the three products as one foreign operation in
-//! stream order (`burn_megatron_kernels::cuda::grouped_gemm`): cuBLAS's grouped GEMM for many
-//! small experts, cuBLASLt GEMMs spread over two streams for few large ones (each faster
-//! there, measured); other backends loop over the experts with [`LinearOps::gemm`].
+//! the products accumulate into its flat f32 buffer, as the dense layers' do. Our CUDA backend
+//! runs each of the three products as one foreign operation in stream order
+//! (`burn_megatron_kernels::cuda::grouped_gemm`): cuBLAS's grouped GEMM for many small experts,
+//! cuBLASLt GEMMs spread over two streams for few large ones (each faster there, measured);
+//! other backends loop over the experts with [`LinearOps::gemm`].
 
 use std::any::Any;
 use std::sync::Arc;

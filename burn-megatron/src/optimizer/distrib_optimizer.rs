@@ -66,10 +66,10 @@
 //! expert-data-parallel group (the ranks holding the same experts), sharded over it and cut
 //! into parts the same way (32 experts of 3 × 2048 × 1408 in each of 16 layers: 4.43 billion
 //! elements); their squares join the one global norm, and they are updated with the dense
-//! parameters' clip coefficient and overflow flag; with an [`overlap_hook`](DistributedAdamW::overlap_hook)
-//! each of their parts has its own hook too. Only one parameter whose own buffer passes
-//! the limit is refused, naming it. With one part, the common case, the step is what it was
-//! before the cut existed, bit for bit.
+//! parameters' clip coefficient and overflow flag; with an
+//! [`overlap_hook`](DistributedAdamW::overlap_hook) each of their parts has its own hook too.
+//! Only one parameter whose own buffer passes the limit is refused, naming it. With one part,
+//! the common case, the step is what it was before the cut existed, bit for bit.
 
 use std::sync::Arc;
 
