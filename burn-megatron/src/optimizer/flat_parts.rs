@@ -433,8 +433,8 @@ where
         let blocks = range.start / align..range.end / align;
         let policy = adam.decay_policy;
         let decay = layout.block_flags(|slot| policy.decays(slot.kind))[blocks.clone()].to_vec();
-        // A parameter sharded over TP counts on every TP rank, a replicated one (a routed
-        // expert too: there is no expert tensor parallelism) on TP rank 0.
+        // A parameter sharded over TP counts on every TP rank (a routed expert under expert
+        // tensor parallelism too), a replicated one on TP rank 0.
         let counted = layout.block_flags(|slot| {
             (slot.placement.dim().is_some() || tp_rank == 0) && !shared_copies.contains(&slot.path)
         })[blocks]

@@ -83,15 +83,26 @@ impl ParamPlacement {
         }
     }
 
-    /// A routed expert's weight: replicated over TP (no expert tensor parallelism), this
+    /// A routed expert's weight: replicated over TP (expert tensor parallelism 1), this
     /// rank's experts of the `ep` group's along dimension 0.
     pub fn expert(ep: &ProcessGroup) -> Self {
+        Self::replicated().with_experts(ep)
+    }
+
+    /// A routed expert's weight under expert tensor parallelism: this rank's experts of the
+    /// `ep` group's along dimension 0, each sharded over `tp` along `dim` (its FFN width).
+    pub fn expert_sharded(dim: usize, tp: &ProcessGroup, ep: &ProcessGroup) -> Self {
+        Self::sharded(dim, tp).with_experts(ep)
+    }
+
+    /// The same placement for this rank's experts of the `ep` group's, along dimension 0.
+    fn with_experts(self, ep: &ProcessGroup) -> Self {
         Self {
             expert: Some(ExpertShard {
                 rank: ep.rank(),
                 parts: ep.size(),
             }),
-            ..Self::replicated()
+            ..self
         }
     }
 

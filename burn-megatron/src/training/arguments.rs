@@ -367,6 +367,11 @@ pub struct PretrainArgs {
     /// DP × CP / EP ranks). [default: 1]
     #[arg(long, help_heading = "Mixture of experts")]
     pub expert_model_parallel_size: Option<usize>,
+    /// Expert tensor parallelism: 1 keeps every expert whole on each TP rank; the
+    /// tensor-parallel size splits each expert's hidden width (routed and shared) over TP, as
+    /// TP splits the dense MLP. Other sizes are not supported. [default: --tensor-model-parallel-size]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub expert_tensor_parallel_size: Option<usize>,
     /// Hidden width of each routed expert. [default: --ffn-hidden-size]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_ffn_hidden_size: Option<usize>,
@@ -587,6 +592,7 @@ impl PretrainArgs {
         );
         set_some!(
             num_experts,
+            expert_tensor_parallel_size,
             moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size,
             moe_router_num_groups,
@@ -720,6 +726,7 @@ impl PretrainArgs {
             split,
             num_experts,
             expert_model_parallel_size,
+            expert_tensor_parallel_size,
             moe_ffn_hidden_size,
             moe_router_topk,
             moe_router_score_function,

@@ -329,6 +329,11 @@ pub struct PretrainConfig {
     /// averaged.
     #[config(default = 1)]
     pub expert_model_parallel_size: usize,
+    /// Expert tensor parallelism (`--expert-tensor-parallel-size`): 1 (every expert whole on
+    /// each TP rank) or the TP size (each expert's hidden width split over TP); `None`: the
+    /// TP size, Megatron's default.
+    #[config(default = "None")]
+    pub expert_tensor_parallel_size: Option<usize>,
     /// Hidden width of each routed expert (`--moe-ffn-hidden-size`); `None`: the MLP's.
     #[config(default = "None")]
     pub moe_ffn_hidden_size: Option<usize>,
@@ -507,6 +512,7 @@ impl PretrainConfig {
                         .with_pad_to_capacity(self.moe_pad_expert_input_to_capacity)
                 }))
                 .with_token_dispatcher(self.moe_token_dispatcher_type)
+                .with_expert_tensor_parallel_size(self.expert_tensor_parallel_size)
         })
     }
 
@@ -519,6 +525,7 @@ impl PretrainConfig {
         let Some(experts) = self.num_experts else {
             let defaults = Self::new();
             if ep != 1
+                || self.expert_tensor_parallel_size.is_some()
                 || self.moe_ffn_hidden_size.is_some()
                 || self.moe_shared_expert_intermediate_size.is_some()
                 || self.moe_layer_pattern.is_some()
@@ -938,6 +945,7 @@ impl PretrainConfig {
                 model.num_layers,
                 ep,
             )?;
+            moe.validate_expert_tp(model.ffn_hidden_size, tp)?;
         }
         model.validate(tp, 0)?;
         Ok(RunLayout {

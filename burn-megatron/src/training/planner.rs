@@ -263,7 +263,7 @@ pub struct StageParams {
     /// and shared experts).
     pub dense: u64,
     /// This EP rank's routed experts (`num_experts / ep` of each MoE layer), replicated over
-    /// expert DP (DP × CP / EP) and over TP.
+    /// expert DP (DP × CP / EP), their width split over TP under expert tensor parallelism.
     pub experts: u64,
     /// The largest of those parameters (one stacked matrix of an MoE layer, `num_experts / ep
     /// × hidden × width`): the optimizer keeps each in one flat buffer.
@@ -283,7 +283,8 @@ impl StageParams {
 /// The parameters a TP rank of pipeline rank `stage` (of `pp`) holds, its transformer layers
 /// the global indices `layers`, at expert-parallel size `ep`: [`stage_param_numels`] added up.
 /// An MoE layer holds, in place of the MLP, its router (`hidden × experts`, and the expert
-/// bias), its shared expert and its `experts / ep` routed experts, none of them split over TP.
+/// bias), its shared expert and its `experts / ep` routed experts, the experts' width split
+/// over TP unless `--expert-tensor-parallel-size` is 1.
 pub fn stage_params(
     model: &TransformerConfig,
     tp: usize,
@@ -379,11 +380,17 @@ pub fn stage_param_numels(
                 if moe.expert_bias {
                     out.frozen.push(experts);
                 }
-                let stacked = experts / ep as u64 * h * width;
+                // Expert tensor parallelism splits every expert's width over TP.
+                let expert_tp = match moe.expert_tensor_parallel_size {
+                    Some(1) => 1,
+                    _ => t,
+                };
+                let stacked = experts / ep as u64 * h * width / expert_tp;
                 let matrices = if swiglu { 3 } else { 2 };
                 out.experts.extend(std::iter::repeat_n(stacked, matrices));
                 if let Some(shared) = moe.shared_expert_ffn_hidden_size {
-                    dense.extend(std::iter::repeat_n(h * shared as u64, matrices));
+                    let shared = h * shared as u64 / expert_tp;
+                    dense.extend(std::iter::repeat_n(shared, matrices));
                 }
             }
             _ => {

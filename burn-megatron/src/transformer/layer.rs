@@ -3,7 +3,8 @@
 use burn::module::Module;
 use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
-    gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region,
+    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
 };
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
@@ -63,23 +64,41 @@ impl<B: Backend> DeclarePlacements for TransformerLayer<B> {
     }
 }
 
-/// The router and shared expert replicated, the routed experts split over EP
-/// ([`ParamPlacement::expert`]).
+/// The router replicated, the routed experts split over EP ([`ParamPlacement::expert`]);
+/// under expert tensor parallelism the routed and shared experts' hidden width is split over
+/// its group too (`fc1` and `gate` along dimension 2, `fc2` along dimension 1), otherwise the
+/// shared expert is replicated.
 impl<B: Backend> DeclarePlacements for MoeLayer<B> {
     fn declare_placements(&self, out: &mut Placements) {
         out.declare(&self.router.weight, ParamPlacement::replicated());
         if let Some(bias) = &self.router.expert_bias {
             out.declare(bias, ParamPlacement::frozen_buffer());
         }
-        let expert = ParamPlacement::expert(self.dispatcher().ep());
+        let ep = self.dispatcher().ep();
+        let (up, down) = match self.expert_tp() {
+            Some(tp) => (
+                ParamPlacement::expert_sharded(2, tp, ep),
+                ParamPlacement::expert_sharded(1, tp, ep),
+            ),
+            None => (ParamPlacement::expert(ep), ParamPlacement::expert(ep)),
+        };
         let experts = &self.experts;
-        out.declare(&experts.fc1, expert);
-        out.declare(&experts.fc2, expert);
+        out.declare(&experts.fc1, up);
+        out.declare(&experts.fc2, down);
         if let Some(gate) = &experts.gate {
-            out.declare(gate, expert);
+            out.declare(gate, up);
         }
         if let Some(shared) = &self.shared_expert {
-            out.declare_replicated(shared);
+            match self.expert_tp() {
+                Some(tp) => {
+                    out.declare(&shared.fc1, ParamPlacement::sharded(2, tp));
+                    out.declare(&shared.fc2, ParamPlacement::sharded(1, tp));
+                    if let Some(gate) = &shared.gate {
+                        out.declare(gate, ParamPlacement::sharded(2, tp));
+                    }
+                }
+                None => out.declare_replicated(shared),
+            }
         }
     }
 }
@@ -160,8 +179,9 @@ impl<B: ModelBackend> TransformerLayer<B> {
                         config.activation,
                         config.init_std,
                     )
-                    .init(
+                    .init_with_expert_tp(
                         ep,
+                        settings.expert_tp_group(tp)?,
                         param_seed(config.seed, &format!("layers.{index}.moe")),
                         device,
                     )?,
@@ -240,10 +260,12 @@ impl<B: ModelBackend> TransformerLayer<B> {
     ) -> DistResult<Tensor<B, 3>> {
         match (&self.mlp, &self.moe) {
             (_, Some(moe)) => {
-                // Under sequence parallelism the experts, replicated over TP, take the whole
-                // sequence: gathered in (its gradient complete on every rank: keep the
-                // shard), split out (its gradient gathered). Every TP rank then routes the
-                // same tokens, and the MoE parameters' gradients are whole, as without SP.
+                // Under sequence parallelism the MoE layer takes the whole sequence, gathered
+                // over TP (its gradient complete on every rank: keep the shard), so that
+                // every TP rank routes the same tokens and the router's gradient is whole, as
+                // without SP. Experts whole on every TP rank give the whole output: split it
+                // (its gradient gathered). Experts split over TP (expert tensor parallelism)
+                // give partial sums: reduce-scatter them.
                 let tp = &self.context.tp;
                 let sp = tp.sequence_parallel && tp.group.size() > 1;
                 let x = match sp {
@@ -253,11 +275,19 @@ impl<B: ModelBackend> TransformerLayer<B> {
                 // Under context parallelism the losses are this rank's share of the batch's
                 // (summed over CP with the gradients).
                 let cp = self.context.cp.as_ref().map(|cp| &cp.group);
-                let out = moe.try_forward_over(x, cp)?;
+                let out = match sp {
+                    true => moe.try_forward_partial_over(x, cp)?,
+                    false => moe.try_forward_over(x, cp)?,
+                };
                 losses.push(self.context.index, &out);
-                match sp {
-                    true => scatter_to_sequence_parallel_region(out.output, &tp.group, SEQ_DIM),
-                    false => Ok(out.output),
+                match (sp, moe.expert_tp()) {
+                    (true, Some(etp)) => {
+                        reduce_scatter_to_sequence_parallel_region(out.output, etp, SEQ_DIM)
+                    }
+                    (true, None) => {
+                        scatter_to_sequence_parallel_region(out.output, &tp.group, SEQ_DIM)
+                    }
+                    (false, _) => Ok(out.output),
                 }
             }
             (Some(mlp), None) => mlp.try_forward(x),

@@ -1,6 +1,7 @@
 //! A GPT whose layers 0 and 2 are MoE layers, trained through the pipeline executor, against
 //! the same model at EP 1 on one rank: EP 2 (DP 2), EP 2 × expert-DP 2 (DP 4), EP 2 with
-//! TP 2 (with and without sequence parallelism), and EP 2 with PP 2 (whose first stage's MoE
+//! TP 2 (with and without sequence parallelism, the experts split over TP or whole), and EP 2
+//! with PP 2 (whose first stage's MoE
 //! losses travel with the gradient from the next stage); with the all-gather dispatcher, EP 2,
 //! EP 2 × expert-DP 2 (also with experts that get no token) and TP 2 with sequence
 //! parallelism × EP 2. Losses, the MoE losses and every gradient (f32, 1e-5 relative).
@@ -19,8 +20,8 @@ use burn::tensor::Tensor;
 use burn_megatron::models::{GptModel, StageSplit};
 use burn_megatron::pipeline_parallel::{Schedule, forward_backward};
 use burn_megatron::tensor_parallel::{ParamPlacement, Placements};
-use burn_megatron::transformer::TransformerConfig;
 use burn_megatron::transformer::moe::{MoeSettings, TokenDispatcherType};
+use burn_megatron::transformer::{Activation, TransformerConfig};
 use burn_megatron_dist::{ParallelSizes, ParallelState, ReduceOp};
 use burn_megatron_testing::models::{microbatch, tiny_gpt};
 use burn_megatron_testing::paired;
@@ -280,14 +281,51 @@ fn gpt_with_moe_layers_equals_one_device_at_ep_2_and_ep_2_x_dp_2() {
     }
 }
 
+/// The MoE settings of `config` with `--expert-tensor-parallel-size` `size`.
+fn expert_tp(config: TransformerConfig, size: usize) -> TransformerConfig {
+    TransformerConfig {
+        moe: config
+            .moe
+            .map(|m| m.with_expert_tensor_parallel_size(Some(size))),
+        ..config
+    }
+}
+
 #[test]
 fn gpt_with_moe_layers_equals_one_device_with_tp_2_and_pp_2() {
     let config = moe_gpt();
     let want = reference(&config, 2, keep);
-    assert_same("TP 2 x EP 2", &train(&config, [2, 1, 2, 2], keep), &want);
-    // Sequence parallelism: the MoE layer gathers the sequence over TP and splits it after.
-    let sp = moe_gpt().with_sequence_parallel(true);
-    assert_same("TP 2 + SP x EP 2", &train(&sp, [2, 1, 2, 2], keep), &want);
+    // Experts split over TP (expert tensor parallelism, the default at TP 2) and whole on
+    // every TP rank; under sequence parallelism the MoE layer gathers the sequence over TP,
+    // and reduce-scatters (split experts) or splits (whole ones) its output.
+    for (name, etp) in [("ETP 2", 2), ("ETP 1", 1)] {
+        let config = expert_tp(moe_gpt(), etp);
+        let name = format!("TP 2 x EP 2, {name}");
+        assert_same(&name, &train(&config, [2, 1, 2, 2], keep), &want);
+        let sp = config.with_sequence_parallel(true);
+        assert_same(
+            &format!("{name} + SP"),
+            &train(&sp, [2, 1, 2, 2], keep),
+            &want,
+        );
+    }
+    // The default is ETP = TP.
+    let default = moe_gpt().with_sequence_parallel(true);
+    assert_same(
+        "TP 2 + SP x EP 2",
+        &train(&default, [2, 1, 2, 2], keep),
+        &want,
+    );
+    // SwiGLU experts: their gate split as fc1.
+    let swiglu = moe_gpt().with_activation(Activation::SwiGlu);
+    let want_swiglu = reference(&swiglu, 2, keep);
+    let sp = swiglu.with_sequence_parallel(true);
+    let got = train(&sp, [2, 1, 2, 2], keep);
+    assert_same(
+        "SwiGLU experts, TP 2 + SP x EP 2, ETP 2",
+        &got,
+        &want_swiglu,
+    );
     // With PP 2 the MoE losses are those of each stage's layer; compare the gradients and
     // the loss, which carry both stages' MoE losses.
     let mut got = train(&config, [1, 2, 2, 2], keep);
@@ -344,11 +382,55 @@ fn gpt_with_the_all_gather_dispatcher_equals_one_device() {
         let want = reference(&moe_gpt(), layout[2], starve);
         assert_same(name, &train(&config, layout, starve), &want);
     }
-    let sp = all_gather(moe_gpt().with_sequence_parallel(true));
     let want = reference(&moe_gpt(), 2, keep);
-    assert_same(
-        "all-gather TP 2 + SP x EP 2",
-        &train(&sp, [2, 1, 2, 2], keep),
-        &want,
-    );
+    for etp in [1, 2] {
+        let sp = all_gather(expert_tp(moe_gpt(), etp).with_sequence_parallel(true));
+        assert_same(
+            &format!("all-gather TP 2 + SP x EP 2, ETP {etp}"),
+            &train(&sp, [2, 1, 2, 2], keep),
+            &want,
+        );
+    }
+}
+
+/// Expert tensor parallelism splits each expert's width over TP: at TP 2 every rank holds
+/// half of each routed and shared expert's `fc1` and `fc2` (GeLU experts), declared sharded;
+/// with `--expert-tensor-parallel-size 1` they are whole.
+#[test]
+fn expert_tensor_parallelism_splits_the_experts_width() {
+    let shapes = |config: TransformerConfig| {
+        run(2, move |ctx| {
+            let state = ctx.parallel_state(ParallelSizes::default().with_tp(2))?;
+            let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
+            let moe = model.block.layers[0].moe.as_ref().expect("an MoE layer");
+            let placements = Placements::of(&model);
+            let (experts, shared) = (&moe.experts, moe.shared_expert.as_ref().expect("shared"));
+            assert!(experts.gate.is_none(), "GeLU experts");
+            Ok(
+                [&experts.fc1, &experts.fc2, &shared.fc1, &shared.fc2].map(|w| {
+                    let placement = placements.get(w.id).expect("declared");
+                    (w.dims().to_vec(), placement.dim())
+                }),
+            )
+        })
+    };
+    // 4 experts of width 12 (6 a rank), a shared expert of width 8 (4 a rank), hidden 16.
+    let split = [
+        (vec![4, 16, 6], Some(2)),
+        (vec![4, 6, 16], Some(1)),
+        (vec![1, 16, 4], Some(2)),
+        (vec![1, 4, 16], Some(1)),
+    ];
+    for rank in shapes(moe_gpt()) {
+        assert_eq!(rank, split);
+    }
+    let whole = [
+        (vec![4, 16, 12], None),
+        (vec![4, 12, 16], None),
+        (vec![1, 16, 8], None),
+        (vec![1, 8, 16], None),
+    ];
+    for rank in shapes(expert_tp(moe_gpt(), 1)) {
+        assert_eq!(rank, whole);
+    }
 }

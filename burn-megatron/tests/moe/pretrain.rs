@@ -135,6 +135,24 @@ fn expert_layout_errors_name_the_options() {
         "2",
     ]);
     assert!(e.contains("need --num-experts"), "{e}");
+    let e = err(&["--expert-tensor-parallel-size", "1"]);
+    assert!(e.contains("need --num-experts"), "{e}");
+    let at_tp_2 = |extra: &[&str]| {
+        let config = config(extra).with_tensor_model_parallel_size(2);
+        config
+            .check(config.world_size())
+            .expect_err("an invalid layout")
+            .to_string()
+    };
+    let e = at_tp_2(&["--num-experts", "4", "--expert-tensor-parallel-size", "4"]);
+    assert!(e.contains("--expert-tensor-parallel-size 4: 1"), "{e}");
+    let e = at_tp_2(&["--num-experts", "4", "--moe-ffn-hidden-size", "25"]);
+    assert!(
+        e.contains(
+            "--moe-ffn-hidden-size (25) must be a multiple of the expert-tensor-parallel size (2"
+        ),
+        "{e}"
+    );
     let e = err(&["--num-experts", "4", "--moe-layer-freq", "([1]*3)"]);
     assert!(e.contains("gives 3 layers, the model has 2"), "{e}");
     let e = err(&[
@@ -228,6 +246,44 @@ fn checkpoint_with_experts_resumes_at_the_same_layout() {
 fn checkpoint_with_experts_reshards_to_ep_1_and_4() {
     resume("ep2-to-ep1", (2, 2, true), (2, 1, true));
     resume("ep2-to-ep4", (2, 2, false), (4, 4, true));
+}
+
+/// Expert tensor parallelism in checkpoints: saved at TP 2 × EP 2 (DP 2) with each expert's
+/// width split over TP (every TP rank writes its half of its EP rank's experts), resumed with
+/// split experts, with whole ones at TP 2, and at TP 1: the next losses equal the
+/// uninterrupted runs'.
+#[test]
+fn checkpoint_with_split_experts_reshards_to_whole_ones() {
+    let run = |tp: usize, etp: &str, iters| {
+        let etp = ["--expert-tensor-parallel-size", etp];
+        moe_run_with(2, 2, true, iters, &etp).with_tensor_model_parallel_size(tp)
+    };
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let dir = scratch_dir("bm-moe", "etp");
+    let stopped = train(
+        &run(2, "2", 2)
+            .with_save(Some(dir.clone()))
+            .with_save_interval(Some(2)),
+    );
+    let saved = &stopped.checkpoints[0];
+    for file in [
+        "model_tp0_pp0_ep1.safetensors",
+        "model_tp1_pp0_ep1.safetensors",
+    ] {
+        assert!(saved.join(file).exists(), "{file}");
+    }
+    for (name, tp, etp) in [
+        ("ETP 2 to ETP 2", 2, "2"),
+        ("ETP 2 to TP 2, ETP 1", 2, "1"),
+        ("ETP 2 to TP 1", 1, "1"),
+    ] {
+        let uninterrupted = train(&run(tp, etp, 4));
+        let resumed = train(&run(tp, etp, 4).with_load(Some(dir.clone())));
+        assert!(resumed.resumed_from.is_some(), "{name}");
+        let want = &uninterrupted.losses()[2..];
+        assert_close(name, &resumed.losses(), want, tolerance::F32_TRAINING);
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// DeepSeek-V3's expert bias in pretrain_gpt: the bias moves by multiples of the rate, is

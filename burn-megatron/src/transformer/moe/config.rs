@@ -10,7 +10,7 @@ use super::dispatcher::{TokenDispatcher, TokenDispatcherType};
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
 use super::router::{LoadBalancingType, Router, RouterScoreFunction, RouterSettings};
-use super::settings::{MoeSettings, check_expert_sizes};
+use super::settings::{MoeSettings, check_expert_sizes, check_expert_widths};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::ops::CounterNormalOps;
@@ -101,7 +101,34 @@ impl MoeConfig {
         seed: u64,
         device: &B::Device,
     ) -> Result<MoeLayer<B>, ConfigError> {
+        self.init_with_expert_tp(ep, None, seed, device)
+    }
+
+    /// [`init`](Self::init) with expert tensor parallelism over `expert_tp` (Megatron's
+    /// `--expert-tensor-parallel-size` equal to the TP size): each rank of it holds its slice
+    /// of every expert's hidden width, routed and shared, and the layer sums the experts'
+    /// partial outputs over it ([`MoeLayer::try_forward_partial_over`]). Every rank of
+    /// `expert_tp` must route the same tokens. `None` (or a group of one): the experts whole
+    /// on every rank.
+    pub fn init_with_expert_tp<B: CounterNormalOps>(
+        &self,
+        ep: &ProcessGroup,
+        expert_tp: Option<&ProcessGroup>,
+        seed: u64,
+        device: &B::Device,
+    ) -> Result<MoeLayer<B>, ConfigError> {
         self.validate(ep.size())?;
+        let expert_tp = expert_tp.filter(|tp| tp.size() > 1);
+        let (tp_rank, tp_size) = expert_tp.map_or((0, 1), |tp| (tp.rank(), tp.size()));
+        check_expert_widths(
+            self.ffn_hidden_size,
+            self.shared_expert_ffn_hidden_size,
+            tp_size,
+        )?;
+        let shard = |width: usize| {
+            let n = width / tp_size;
+            tp_rank * n..(tp_rank + 1) * n
+        };
         let dispatcher = TokenDispatcher::new(ep, self.num_experts, self.token_dispatcher);
         let router = Router::new(
             init_full(
@@ -120,14 +147,22 @@ impl MoeConfig {
             GroupedExpertsConfig::new(self.hidden_size, self.ffn_hidden_size, self.num_experts)
                 .with_activation(self.activation)
                 .with_init_std(self.init_std)
-                .init(dispatcher.local_experts(), seed, "experts", device);
+                .init_sharded(
+                    dispatcher.local_experts(),
+                    shard(self.ffn_hidden_size),
+                    seed,
+                    "experts",
+                    device,
+                );
         let shared_expert = self.shared_expert_ffn_hidden_size.map(|width| {
             GroupedExpertsConfig::new(self.hidden_size, width, 1)
                 .with_activation(self.activation)
                 .with_init_std(self.init_std)
-                .init(0..1, seed, "shared_expert", device)
+                .init_sharded(0..1, shard(width), seed, "shared_expert", device)
         });
-        Ok(MoeLayer::new(router, experts, shared_expert, dispatcher).with_capacity(self.capacity))
+        Ok(MoeLayer::new(router, experts, shared_expert, dispatcher)
+            .with_capacity(self.capacity)
+            .with_expert_tp(expert_tp.cloned()))
     }
 
     /// The router's part of the configuration.

@@ -2,6 +2,7 @@
 //! on their contiguous blocks of tokens by one grouped product per projection
 //! ([`grouped_linear()`](crate::ops::grouped_linear()), Megatron's `GroupedMLP`).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::config::Config;
@@ -37,26 +38,41 @@ impl GroupedExpertsConfig {
     /// under `prefix`, so the values do not depend on how the experts are split.
     pub fn init<B: CounterNormalOps>(
         &self,
-        experts: std::ops::Range<usize>,
+        experts: Range<usize>,
+        seed: u64,
+        prefix: &str,
+        device: &B::Device,
+    ) -> GroupedExperts<B> {
+        self.init_sharded(experts, 0..self.ffn_hidden_size, seed, prefix, device)
+    }
+
+    /// [`init`](Self::init) for the columns `ffn` of each expert's hidden width (expert tensor
+    /// parallelism: a TP rank's slice of `fc1` and `gate` along dimension 2, of `fc2` along
+    /// dimension 1), the same values as those columns of the whole experts.
+    pub fn init_sharded<B: CounterNormalOps>(
+        &self,
+        experts: Range<usize>,
+        ffn: Range<usize>,
         seed: u64,
         prefix: &str,
         device: &B::Device,
     ) -> GroupedExperts<B> {
         let (h, f, e) = (self.hidden_size, self.ffn_hidden_size, self.num_experts);
         let dist = InitDistribution::Normal { std: self.init_std };
-        let weight = |name: &str, rows: usize, cols: usize| {
+        let weight = |name: &str, full: [usize; 3], rows: Range<usize>, cols: Range<usize>| {
             Param::from_tensor(init_slice(
-                [e, rows, cols],
-                [experts.clone(), 0..rows, 0..cols],
+                full,
+                [experts.clone(), rows, cols],
                 dist,
                 param_seed(seed, &format!("{prefix}.{name}")),
                 device,
             ))
         };
+        let up = |name: &str| weight(name, [e, h, f], 0..h, ffn.clone());
         GroupedExperts {
-            fc1: weight("fc1", h, f),
-            gate: (self.activation == Activation::SwiGlu).then(|| weight("gate", h, f)),
-            fc2: weight("fc2", f, h),
+            fc1: up("fc1"),
+            gate: (self.activation == Activation::SwiGlu).then(|| up("gate")),
+            fc2: weight("fc2", [e, f, h], ffn.clone(), 0..h),
             activation: self.activation,
             backward_hook: None,
         }
@@ -65,6 +81,9 @@ impl GroupedExpertsConfig {
 
 /// This rank's experts, `fc2(act(fc1(x)))` or `fc2(silu(gate(x)) · fc1(x))` each, without
 /// biases (so a zero input gives a zero output).
+///
+/// Under expert tensor parallelism `ffn_hidden_size` below is this rank's slice of each
+/// expert's width ([`GroupedExpertsConfig::init_sharded`]), and the output a partial sum.
 #[derive(Module, Debug)]
 pub struct GroupedExperts<B: Backend> {
     /// `[local_experts, hidden_size, ffn_hidden_size]`: the up projections, this rank's slice

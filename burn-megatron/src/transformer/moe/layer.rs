@@ -4,6 +4,9 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn_megatron_dist::mapping::{
+    copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region,
+};
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::capacity::ExpertCapacity;
@@ -36,6 +39,10 @@ pub struct MoeLayer<B: Backend> {
     dispatcher: TokenDispatcher,
     #[module(skip)]
     capacity: Option<ExpertCapacity>,
+    /// The group over which every expert's hidden width is split (expert tensor
+    /// parallelism), `None` when the experts are whole on every rank.
+    #[module(skip)]
+    expert_tp: Option<ProcessGroup>,
 }
 
 /// What an MoE layer returns: its output, and the losses to add to the model's loss.
@@ -74,7 +81,22 @@ impl<B: Backend> MoeLayer<B> {
             shared_expert,
             dispatcher,
             capacity: None,
+            expert_tp: None,
         }
+    }
+
+    /// The same layer whose experts (routed and shared) hold this rank's slice of their
+    /// hidden width over `expert_tp`, a group whose ranks all route the same tokens; `None`
+    /// (or a group of one) for whole experts. The parameters must have been built for it
+    /// ([`MoeConfig::init_with_expert_tp`](super::MoeConfig::init_with_expert_tp)).
+    pub fn with_expert_tp(self, expert_tp: Option<ProcessGroup>) -> Self {
+        let expert_tp = expert_tp.filter(|tp| tp.size() > 1);
+        Self { expert_tp, ..self }
+    }
+
+    /// The expert-tensor-parallel group, if the experts are split over one.
+    pub fn expert_tp(&self) -> Option<&ProcessGroup> {
+        self.expert_tp.as_ref()
     }
 
     /// The same layer with each expert's capacity (`None`: dropless).
@@ -151,6 +173,24 @@ impl<B: ModelBackend> MoeLayer<B> {
         input: Tensor<B, 3>,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<MoeOutput<B>> {
+        let mut out = self.try_forward_partial_over(input, sequence)?;
+        if let Some(tp) = &self.expert_tp {
+            out.output = reduce_from_tensor_parallel_region(out.output, tp)?;
+        }
+        Ok(out)
+    }
+
+    /// [`try_forward_over`](Self::try_forward_over) whose output, under expert tensor
+    /// parallelism ([`expert_tp`](Self::expert_tp)), is this rank's partial sum: the sum over
+    /// the group is the layer's output, and each rank's output gradient must be the whole
+    /// one. So a caller can reduce it as it needs (under sequence parallelism, a
+    /// reduce-scatter in place of an all-reduce and a split). Without expert tensor
+    /// parallelism it is the output.
+    pub fn try_forward_partial_over(
+        &self,
+        input: Tensor<B, 3>,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<MoeOutput<B>> {
         let [batch, seq, hidden] = input.dims();
         let tokens = input.reshape([batch * seq, hidden]);
         let routing = self
@@ -162,13 +202,22 @@ impl<B: ModelBackend> MoeLayer<B> {
         let pending = self
             .dispatcher
             .start_plan_routing(&routing, self.capacity.as_ref())?;
+        // Under expert tensor parallelism each rank's experts give a partial output, so the
+        // gradients they send back (to the tokens, to the routing weights) are partial:
+        // entering the region sums them over the group, where they join the router's own,
+        // which every rank computes whole.
+        let (tokens, weights) = match &self.expert_tp {
+            Some(tp) => (
+                copy_to_tensor_parallel_region(tokens, tp)?,
+                copy_to_tensor_parallel_region(routing.weights, tp)?,
+            ),
+            None => (tokens, routing.weights),
+        };
         let shared = (self.shared_expert.as_ref()).map(|s| s.forward_shared(tokens.clone()));
         let plan = self.dispatcher.finish_plan(pending)?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens)?;
         let expert_output = self.experts.forward(expert_input, &plan.local_counts);
-        let mut output = self
-            .dispatcher
-            .combine(&plan, expert_output, routing.weights)?;
+        let mut output = self.dispatcher.combine(&plan, expert_output, weights)?;
         if let Some(shared) = shared {
             output = output + shared;
         }

@@ -4,6 +4,7 @@
 //! transformer's activation, so that the transformer's configuration can hold it.
 
 use burn::config::Config;
+use burn_megatron_dist::ProcessGroup;
 
 use super::capacity::ExpertCapacity;
 use super::dispatcher::TokenDispatcherType;
@@ -77,6 +78,12 @@ pub struct MoeSettings {
     /// How tokens travel to the experts and back (`--moe-token-dispatcher-type`).
     #[config(default = "TokenDispatcherType::AllToAll")]
     pub token_dispatcher: TokenDispatcherType,
+    /// Expert tensor parallelism (`--expert-tensor-parallel-size`): 1 keeps every expert
+    /// whole on each TP rank; the TP size splits each expert's hidden width (routed and
+    /// shared) over the TP group, as TP splits the dense MLP. `None`: the TP size, Megatron's
+    /// default. Other sizes are not supported.
+    #[config(default = "None")]
+    pub expert_tensor_parallel_size: Option<usize>,
 }
 
 impl MoeSettings {
@@ -87,6 +94,32 @@ impl MoeSettings {
             Some(pattern) => pattern.get(layer).copied().unwrap_or(false),
             None => self.layer_freq > 0 && layer.is_multiple_of(self.layer_freq),
         }
+    }
+
+    /// The group over which the experts' hidden width is split (see
+    /// [`expert_tensor_parallel_size`](Self::expert_tensor_parallel_size)): `tp` when that
+    /// is the TP size and TP > 1, `None` when it is 1. Another size is an error.
+    pub fn expert_tp_group<'a>(
+        &self,
+        tp: &'a ProcessGroup,
+    ) -> Result<Option<&'a ProcessGroup>, ConfigError> {
+        check_expert_tp(self.expert_tensor_parallel_size, tp.size())?;
+        Ok(match self.expert_tensor_parallel_size {
+            Some(1) => None,
+            _ => Some(tp).filter(|tp| tp.size() > 1),
+        })
+    }
+
+    /// Checks `expert_tensor_parallel_size` against the TP size `tp` ([`check_expert_tp`])
+    /// and that it divides the routed experts' width (`ffn_hidden_size`, the dense MLP's,
+    /// unless given) and the shared expert's.
+    pub fn validate_expert_tp(&self, ffn_hidden_size: usize, tp: usize) -> Result<(), ConfigError> {
+        check_expert_tp(self.expert_tensor_parallel_size, tp)?;
+        check_expert_widths(
+            self.ffn_hidden_size.unwrap_or(ffn_hidden_size),
+            self.shared_expert_ffn_hidden_size,
+            self.expert_tensor_parallel_size.unwrap_or(tp),
+        )
     }
 
     /// The MoE layers among `num_layers`.
@@ -184,6 +217,47 @@ pub fn check_expert_sizes(
              valid EP sizes are {}",
             valid.join(", ")
         ));
+    }
+    Ok(())
+}
+
+/// Checks `--expert-tensor-parallel-size` (`None`: the TP size) against the TP size `tp`:
+/// 1 or `tp`.
+pub fn check_expert_tp(expert_tp: Option<usize>, tp: usize) -> Result<(), ConfigError> {
+    match expert_tp {
+        None | Some(1) => Ok(()),
+        Some(size) if size == tp => Ok(()),
+        Some(size) => Err(ConfigError::Invalid(format!(
+            "--expert-tensor-parallel-size {size}: 1 (experts whole on every TP rank) or the \
+             tensor-parallel size ({tp}, each expert's hidden width split over TP) are \
+             supported"
+        ))),
+    }
+}
+
+/// Checks that the expert-tensor-parallel size `expert_tp` divides the routed experts' width
+/// `ffn_hidden_size` and the shared expert's, if any.
+pub fn check_expert_widths(
+    ffn_hidden_size: usize,
+    shared_expert_ffn_hidden_size: Option<usize>,
+    expert_tp: usize,
+) -> Result<(), ConfigError> {
+    let widths = [
+        ("--moe-ffn-hidden-size", Some(ffn_hidden_size)),
+        (
+            "--moe-shared-expert-intermediate-size",
+            shared_expert_ffn_hidden_size,
+        ),
+    ];
+    for (name, width) in widths {
+        if let Some(width) = width.filter(|w| !w.is_multiple_of(expert_tp)) {
+            return Err(ConfigError::Invalid(format!(
+                "{name} ({width}) must be a multiple of the expert-tensor-parallel size \
+                 ({expert_tp}; --expert-tensor-parallel-size, the tensor-parallel size unless \
+                 given): each expert's hidden width is split over it; give \
+                 --expert-tensor-parallel-size 1 to keep the experts whole"
+            )));
+        }
     }
     Ok(())
 }
