@@ -77,8 +77,11 @@ pub struct MoeStepStats<B: burn::tensor::backend::Backend> {
     /// `[1]`: the z-losses, as `load_balancing_loss`.
     pub z_loss: Tensor<B, 1>,
     /// Per MoE layer of this rank (global index, in order): how many of this rank's token
-    /// assignments each expert got over the step's microbatches.
+    /// assignments each expert got (and kept) over the step's microbatches.
     pub tokens_per_expert: Vec<(usize, Vec<usize>)>,
+    /// This rank's assignments dropped by over-full experts, over the layers and the step's
+    /// microbatches.
+    pub dropped: usize,
 }
 
 /// Sums of [`MoeLosses`] over a step's microbatches.
@@ -87,6 +90,7 @@ struct MoeTally<B: burn::tensor::backend::Backend> {
     load_balancing: Vec<Tensor<B, 1>>,
     z: Vec<Tensor<B, 1>>,
     tokens: std::collections::BTreeMap<usize, Vec<usize>>,
+    dropped: usize,
 }
 
 impl<B: burn::tensor::backend::Backend> MoeTally<B> {
@@ -97,6 +101,7 @@ impl<B: burn::tensor::backend::Backend> MoeTally<B> {
         if let Some(z) = losses.z_loss() {
             self.z.push(z.inner());
         }
+        self.dropped += losses.dropped;
         for (layer, counts) in &losses.tokens_per_expert {
             let total = self
                 .tokens
@@ -121,6 +126,7 @@ impl<B: burn::tensor::backend::Backend> MoeTally<B> {
             load_balancing_loss: mean(self.load_balancing),
             z_loss: mean(self.z),
             tokens_per_expert: self.tokens.into_iter().collect(),
+            dropped: self.dropped,
         })
     }
 }

@@ -23,10 +23,17 @@ pub struct MoeReport {
     pub expert_load_min: f64,
     /// The most-loaded expert of any MoE layer, as `expert_load_min`.
     pub expert_load_max: f64,
+    /// The token assignments (token × expert choices) of the step's MoE layers, over every
+    /// layer, microbatch and DP × CP rank: those kept plus those dropped.
+    pub assignments: f64,
+    /// How many of those over-full experts dropped; `None` for dropless layers (no
+    /// `--moe-expert-capacity-factor`).
+    pub dropped_assignments: Option<f64>,
 }
 
-/// `[4]` f32 on every rank: the report's values in field order. Every rank of the world must
-/// call it at the same iterations; `stats` is `None` on a pipeline stage without MoE layers.
+/// `[6]` f32 on every rank: the report's values in field order (the dropped assignments
+/// always counted). Every rank of the world must call it at the same iterations; `stats` is
+/// `None` on a pipeline stage without MoE layers.
 pub(crate) fn moe_report<B: DistBackend>(
     state: &ParallelState,
     stats: Option<MoeStepStats<B>>,
@@ -34,7 +41,7 @@ pub(crate) fn moe_report<B: DistBackend>(
 ) -> Result<Tensor<B, 1>> {
     let scalar =
         |v: f32| Tensor::<B, 1>::from_data(TensorData::new(vec![v], [1]), (device, DType::F32));
-    let (losses, min, max) = match stats {
+    let (losses, min, max, counts) = match stats {
         Some(stats) => {
             let losses = Tensor::cat(
                 vec![
@@ -49,6 +56,15 @@ pub(crate) fn moe_report<B: DistBackend>(
                 .dp_cp()
                 .all_reduce(losses, ReduceOp::Avg)?
                 .mul_scalar(state.cp().size() as f64);
+            let kept: usize = stats.tokens_per_expert.iter().flat_map(|(_, c)| c).sum();
+            let assignments = [(kept + stats.dropped) as f32, stats.dropped as f32];
+            let assignments = state.dp_cp().all_reduce(
+                Tensor::<B, 1>::from_data(
+                    TensorData::new(assignments.to_vec(), [2]),
+                    (device, DType::F32),
+                ),
+                ReduceOp::Sum,
+            )?;
             let layers = stats.tokens_per_expert.len();
             let experts = stats.tokens_per_expert.first().map_or(1, |(_, c)| c.len());
             let counts: Vec<f32> = stats
@@ -70,12 +86,14 @@ pub(crate) fn moe_report<B: DistBackend>(
                 losses,
                 load.clone().min().reshape([1]),
                 load.max().reshape([1]),
+                assignments,
             )
         }
         None => (
             Tensor::zeros([2], (device, DType::F32)),
             scalar(f32::MAX),
             scalar(f32::MIN),
+            Tensor::zeros([2], (device, DType::F32)),
         ),
     };
     let pp = state.pp();
@@ -84,6 +102,7 @@ pub(crate) fn moe_report<B: DistBackend>(
             pp.all_reduce(losses, ReduceOp::Sum)?,
             pp.all_reduce(min, ReduceOp::Min)?,
             pp.all_reduce(max, ReduceOp::Max)?,
+            pp.all_reduce(counts, ReduceOp::Sum)?,
         ],
         0,
     ))

@@ -427,6 +427,12 @@ where
                     z_loss: value(1),
                     expert_load_min: value(2),
                     expert_load_max: value(3),
+                    assignments: value(4),
+                    dropped_assignments: model_config
+                        .moe
+                        .as_ref()
+                        .and_then(|moe| moe.capacity)
+                        .map(|_| value(5)),
                 })
             }
             false => None,

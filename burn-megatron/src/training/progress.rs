@@ -131,8 +131,18 @@ impl TrainingObserver for ConsoleProgress {
                     r.moe
                         .map(|m| format!(
                             " | load_balancing_loss {:.4e} | z_loss {:.4e} | expert load \
-                             min/max {:.2}/{:.2}",
-                            m.load_balancing_loss, m.z_loss, m.expert_load_min, m.expert_load_max
+                             min/max {:.2}/{:.2}{}",
+                            m.load_balancing_loss,
+                            m.z_loss,
+                            m.expert_load_min,
+                            m.expert_load_max,
+                            m.dropped_assignments
+                                .map(|d| format!(
+                                    " | dropped {d:.0} of {:.0} assignments ({:.1}%)",
+                                    m.assignments,
+                                    100.0 * d / m.assignments.max(1.0)
+                                ))
+                                .unwrap_or_default()
                         ))
                         .unwrap_or_default()
                 ),

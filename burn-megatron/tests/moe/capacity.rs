@@ -473,6 +473,42 @@ fn pretrain_gpt_with_capacity_trains() {
     );
     let report = summary.iterations[5].moe.expect("the MoE report");
     assert!(report.expert_load_max.is_finite() && report.expert_load_max > 0.0);
+    // 8 sequences of 16 tokens a step, 2 experts each, in 2 MoE layers.
+    assert_eq!(report.assignments, 512.0, "{report:?}");
+    let dropped = report.dropped_assignments.expect("a capacity");
+    assert!((0.0..512.0).contains(&dropped), "{report:?}");
+}
+
+/// The log counts the assignments dropped: at capacity factor 0.5 each expert keeps at most
+/// `ceil(32 · 2 / 4 · 0.5) = 8` of a rank's 64 assignments in a microbatch, so at least half
+/// of the step's 512 drop; dropless layers report none.
+#[test]
+fn pretrain_gpt_logs_the_assignments_dropped() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--data-parallel-size",
+            "2",
+            "--num-experts",
+            "4",
+            "--moe-router-topk",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--moe-ffn-hidden-size",
+            "24",
+        ];
+        args.extend_from_slice(extra);
+        let config = crate::pretrain::config(&args).with_train_iters(2);
+        let summary = pretrain_on_threads(&config, &Silent).expect("pretraining");
+        summary.iterations[1].moe.expect("the MoE report")
+    };
+    let report = run(&["--moe-expert-capacity-factor", "0.5"]);
+    assert_eq!(report.assignments, 512.0, "{report:?}");
+    let dropped = report.dropped_assignments.expect("a capacity");
+    assert!((256.0..512.0).contains(&dropped), "{report:?}");
+    let report = run(&[]);
+    assert_eq!(report.assignments, 512.0, "{report:?}");
+    assert_eq!(report.dropped_assignments, None, "{report:?}");
 }
 
 /// The dispatcher's cumulative sum in blocks of `√n` rows (which replaced one long `cumsum`,

@@ -408,6 +408,7 @@ fn the_moe_losses_join_the_loss_in_its_dtype() {
         load_balancing_loss: lb.clone().cast(DType::F64),
         z_loss: Tensor::<AD, 1>::from_data([0.25f32], &device).cast(DType::F64),
         tokens_per_expert: vec![1],
+        dropped: 0,
     };
     let mut losses = MoeLosses::default();
     losses.push(0, &output);

@@ -57,6 +57,8 @@ pub struct MoeOutput<B: Backend> {
     /// How many of this rank's token assignments each expert got and kept (for logging the
     /// load; with a capacity, the assignments kept).
     pub tokens_per_expert: Vec<usize>,
+    /// This rank's assignments that over-full experts dropped (0 when dropless).
+    pub dropped: usize,
 }
 
 impl<B: Backend> MoeOutput<B> {
@@ -226,6 +228,7 @@ impl<B: ModelBackend> MoeLayer<B> {
             load_balancing_loss: routing.load_balancing_loss,
             z_loss: routing.z_loss,
             tokens_per_expert: plan.tokens_per_expert,
+            dropped: plan.dropped,
         })
     }
 }

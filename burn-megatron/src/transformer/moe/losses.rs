@@ -19,6 +19,8 @@ pub struct MoeLosses<B: Backend> {
     /// For each MoE layer run, in order: its global index and how many of this rank's token
     /// assignments each expert got.
     pub tokens_per_expert: Vec<(usize, Vec<usize>)>,
+    /// This rank's assignments dropped by over-full experts, summed over the layers.
+    pub dropped: usize,
 }
 
 impl<B: Backend> Default for MoeLosses<B> {
@@ -27,6 +29,7 @@ impl<B: Backend> Default for MoeLosses<B> {
             load_balancing_loss: None,
             z_loss: None,
             tokens_per_expert: Vec::new(),
+            dropped: 0,
         }
     }
 }
@@ -44,6 +47,7 @@ impl<B: Backend> MoeLosses<B> {
         add(&mut self.z_loss, &output.z_loss);
         self.tokens_per_expert
             .push((layer, output.tokens_per_expert.clone()));
+        self.dropped += output.dropped;
     }
 
     /// Whether no MoE layer ran.
