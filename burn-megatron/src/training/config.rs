@@ -586,13 +586,6 @@ impl PretrainConfig {
                 }
             }
         }
-        if self.learner && self.moe_router_enable_expert_bias {
-            return invalid(
-                "--moe-router-enable-expert-bias is updated by pretrain_gpt's own loop only: \
-                 leave --learner out"
-                    .into(),
-            );
-        }
         Ok(ep)
     }
 

@@ -26,7 +26,7 @@ mod config;
 mod data;
 mod launch;
 pub mod learner;
-mod moe_log;
+pub(crate) mod moe_log;
 pub(crate) mod nan_check;
 mod observer;
 pub mod planner;

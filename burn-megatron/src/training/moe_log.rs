@@ -31,6 +31,22 @@ pub struct MoeReport {
     pub dropped_assignments: Option<f64>,
 }
 
+impl MoeReport {
+    /// The report from [`moe_report`]'s values read to the host; `drops`: whether the layers
+    /// have a capacity (the dropped assignments are reported). A missing value is NaN.
+    pub(crate) fn from_values(values: &[f32], drops: bool) -> Self {
+        let value = |i: usize| values.get(i).map_or(f64::NAN, |&v| v as f64);
+        Self {
+            load_balancing_loss: value(0),
+            z_loss: value(1),
+            expert_load_min: value(2),
+            expert_load_max: value(3),
+            assignments: value(4),
+            dropped_assignments: drops.then(|| value(5)),
+        }
+    }
+}
+
 /// `[6]` f32 on every rank: the report's values in field order (the dropped assignments
 /// always counted). Every rank of the world must call it at the same iterations; `stats` is
 /// `None` on a pipeline stage without MoE layers.

@@ -421,19 +421,8 @@ where
             true => {
                 let values = moe_report(&state, moe_stats, device)?;
                 let values = read_f32(values, world_rank, "the MoE losses and load")?;
-                let value = |i: usize| values.get(i).map_or(f64::NAN, |&v| v as f64);
-                Some(MoeReport {
-                    load_balancing_loss: value(0),
-                    z_loss: value(1),
-                    expert_load_min: value(2),
-                    expert_load_max: value(3),
-                    assignments: value(4),
-                    dropped_assignments: model_config
-                        .moe
-                        .as_ref()
-                        .and_then(|moe| moe.capacity)
-                        .map(|_| value(5)),
-                })
+                let drops = (model_config.moe.as_ref()).is_some_and(|moe| moe.capacity.is_some());
+                Some(MoeReport::from_values(&values, drops))
             }
             false => None,
         };

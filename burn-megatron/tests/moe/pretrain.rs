@@ -155,13 +155,6 @@ fn expert_layout_errors_name_the_options() {
     );
     let e = err(&["--num-experts", "4", "--moe-layer-freq", "([1]*3)"]);
     assert!(e.contains("gives 3 layers, the model has 2"), "{e}");
-    let e = err(&[
-        "--num-experts",
-        "4",
-        "--moe-router-enable-expert-bias",
-        "--learner",
-    ]);
-    assert!(e.contains("pretrain_gpt's own loop only"), "{e}");
     let bad = PretrainArgs::parse_from(["pretrain_gpt", "--moe-layer-freq", "[2,x]"]).into_config();
     assert!(
         bad.expect_err("a bad list")
@@ -397,30 +390,91 @@ fn pretrain_gpt_with_experts_at_tp_2_pp_2_ep_2() {
 }
 
 /// Through burn-train's `Learner` (`--learner`) at EP 2 × DP 2 with ZeRO-1: the losses of
-/// `pretrain`'s own loop, exactly (the same schedule, MoE losses and optimizer).
+/// `pretrain`'s own loop, exactly (the same schedule, MoE losses and optimizer), and its MoE
+/// metrics the loop's report; with DeepSeek-V3's expert bias too, whose update moves the
+/// losses (against the run without it) as the loop's does; and with a capacity, whose
+/// dropped assignments are a metric.
 #[test]
 fn learner_with_experts_equals_the_pretrain_loop() {
     use burn_megatron::training::PretrainData;
     use burn_megatron::training::learner::{
         LearnerReporting, MetricRecorder, pretrain_with_learner,
     };
-    let config = moe_run(2, 2, true, 3).with_eval_interval(0);
-    let loop_run = pretrain_on_threads(&config, &Silent).expect("pretraining");
-    let learner = config.clone().with_learner(true);
-    let data = PretrainData::build(&learner).expect("data");
-    let reporting = LearnerReporting {
-        directory: scratch_dir("bm-moe", "learner"),
-        recorder: Some(MetricRecorder::new()),
-        quiet: true,
-        peak_flops_per_device: None,
-    };
-    burn_megatron_testing::run(learner.world_size(), |ctx| {
-        pretrain_with_learner::<crate::AD>(&ctx, &learner, &data, &Default::default(), &reporting)?;
-        Ok(())
-    });
-    let _ = std::fs::remove_dir_all(&reporting.directory);
-    let losses = reporting.recorder.expect("a recorder").values("Loss", true);
-    assert_eq!(losses, loop_run.losses());
+    let bias = [
+        "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate",
+        "0.05",
+    ];
+    let capacity = ["--moe-expert-capacity-factor", "0.5"];
+    let mut loop_losses = Vec::new();
+    for extra in [&[][..], &bias[..], &capacity[..]] {
+        let config = moe_run_with(2, 2, true, 4, extra).with_eval_interval(0);
+        let loop_run = pretrain_on_threads(&config, &Silent).expect("pretraining");
+        let learner = config.clone().with_learner(true);
+        let data = PretrainData::build(&learner).expect("data");
+        let reporting = LearnerReporting {
+            directory: scratch_dir("bm-moe", "learner"),
+            recorder: Some(MetricRecorder::new()),
+            quiet: true,
+            peak_flops_per_device: None,
+        };
+        burn_megatron_testing::run(learner.world_size(), |ctx| {
+            pretrain_with_learner::<crate::AD>(
+                &ctx,
+                &learner,
+                &data,
+                &Default::default(),
+                &reporting,
+            )?;
+            Ok(())
+        });
+        let _ = std::fs::remove_dir_all(&reporting.directory);
+        let recorder = reporting.recorder.expect("a recorder");
+        let name = format!("Learner {extra:?}");
+        assert_eq!(recorder.values("Loss", true), loop_run.losses(), "{name}");
+        let reports: Vec<_> = loop_run
+            .iterations
+            .iter()
+            .map(|i| i.moe.expect("the MoE report"))
+            .collect();
+        for (metric, want) in [
+            (
+                "Load-balancing loss",
+                reports
+                    .iter()
+                    .map(|r| r.load_balancing_loss)
+                    .collect::<Vec<_>>(),
+            ),
+            ("Z-loss", reports.iter().map(|r| r.z_loss).collect()),
+            (
+                "Expert load min",
+                reports.iter().map(|r| r.expert_load_min).collect(),
+            ),
+            (
+                "Expert load max",
+                reports.iter().map(|r| r.expert_load_max).collect(),
+            ),
+        ] {
+            let got = recorder.values(metric, true);
+            assert_eq!(got.len(), 4, "{name}: {metric}");
+            assert_close(&format!("{name}: {metric}"), &got, &want, tolerance::F32);
+        }
+        let dropped = recorder.values("Dropped assignments", true);
+        match extra == capacity {
+            true => {
+                let want: Vec<f64> = reports
+                    .iter()
+                    .map(|r| 100.0 * r.dropped_assignments.expect("a capacity") / r.assignments)
+                    .collect();
+                assert!(want.iter().all(|&p| p >= 50.0), "{want:?}");
+                assert_close(&format!("{name}: dropped"), &dropped, &want, tolerance::F32);
+            }
+            false => assert!(dropped.is_empty(), "{name}: no capacity, no metric"),
+        }
+        loop_losses.push(loop_run.losses());
+    }
+    // The bias steers the routing: without its update the later losses differ.
+    assert_ne!(loop_losses[0][2..], loop_losses[1][2..]);
 }
 
 /// `checkpoint_tool convert`'s library call on a checkpoint saved at EP 2 × DP 2 (ZeRO-1):

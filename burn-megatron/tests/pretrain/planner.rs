@@ -708,7 +708,8 @@ fn the_plan_counts_the_experts_and_says_what_it_does_not() {
     assert_eq!(kinds[1].parts.len(), 3, "{:?}", kinds[1].parts);
     assert_eq!(m.step_buffer, optimizer_step_bytes(&kinds, 2));
     // 64 experts of 16 384 stack 2³² elements in one matrix at EP 1: refused, named; at EP 2
-    // half that.
+    // half that. Expert tensor parallelism (the default) halves it at TP 2 too, so every
+    // layout of 4 GPUs planned at EP 1 has TP > 1; with whole experts none is.
     let mut huge = PlanInput {
         expert_parallel: 1,
         ..moe.clone()
@@ -721,7 +722,17 @@ fn the_plan_counts_the_experts_and_says_what_it_does_not() {
         ) && error.contains("more EP"),
         "{error}"
     );
-    assert!(plan(&huge, 4).is_empty());
+    let planned = plan(&huge, 4);
+    assert!(!planned.is_empty());
+    assert!(planned.iter().all(|e| e.layout.tp > 1), "{planned:?}");
+    let tp2 = stage_params(&huge.model, 2, 1, 1, 0, 0..32);
+    assert_eq!(tp2.largest_expert, 64 * 4096 * 16_384 / 2);
+    let mut whole = huge.clone();
+    whole.model.moe = whole
+        .model
+        .moe
+        .map(|m| m.with_expert_tensor_parallel_size(Some(1)));
+    assert!(plan(&whole, 4).is_empty());
     huge.expert_parallel = 2;
     estimate(&huge, dp4).unwrap();
     let odd = estimate(

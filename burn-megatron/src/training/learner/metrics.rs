@@ -1,6 +1,6 @@
 //! The metrics Megatron logs and burn-train lacks: tokens/s, TFLOP/s per device and MFU, the
-//! global gradient norm, perplexity and the largest rank's memory, read from a step's
-//! [`LanguageModelStats`].
+//! global gradient norm, perplexity, the largest rank's memory and the MoE layers' losses,
+//! load and dropped assignments, read from a step's [`LanguageModelStats`].
 //!
 //! Throughput is the step's tokens (or FLOPs) over the wall time since the previous step's
 //! update; the first step after a [`clear`](Metric::clear) has no previous one and is given
@@ -30,6 +30,17 @@ enum Stat {
     Perplexity,
     MemoryGib,
     LossScale,
+    Moe(MoeStat),
+}
+
+/// A value of the step's [`MoeReport`](crate::training::MoeReport).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum MoeStat {
+    LoadBalancingLoss,
+    ZLoss,
+    ExpertLoadMin,
+    ExpertLoadMax,
+    DroppedPercent,
 }
 
 impl Stat {
@@ -114,6 +125,41 @@ impl LanguageModelMetric {
         Self::new("Perplexity", Stat::Perplexity, None)
     }
 
+    /// The MoE layers' load-balancing losses, summed over the layers (coefficients included),
+    /// averaged over DP × CP ([`MoeReport::load_balancing_loss`](crate::training::MoeReport)).
+    pub fn load_balancing_loss() -> Self {
+        Self::new(
+            "Load-balancing loss",
+            Stat::Moe(MoeStat::LoadBalancingLoss),
+            None,
+        )
+    }
+
+    /// The MoE layers' z-losses, as [`load_balancing_loss`](Self::load_balancing_loss).
+    pub fn z_loss() -> Self {
+        Self::new("Z-loss", Stat::Moe(MoeStat::ZLoss), None)
+    }
+
+    /// The least-loaded expert of any MoE layer over the layer's mean (1: balanced).
+    pub fn expert_load_min() -> Self {
+        Self::new("Expert load min", Stat::Moe(MoeStat::ExpertLoadMin), None)
+    }
+
+    /// The most-loaded expert of any MoE layer over the layer's mean (1: balanced).
+    pub fn expert_load_max() -> Self {
+        Self::new("Expert load max", Stat::Moe(MoeStat::ExpertLoadMax), None)
+    }
+
+    /// The step's assignments dropped by over-full experts, in percent of those routed (MoE
+    /// layers with a capacity).
+    pub fn dropped_assignments() -> Self {
+        Self::new(
+            "Dropped assignments",
+            Stat::Moe(MoeStat::DroppedPercent),
+            Some("%"),
+        )
+    }
+
     /// The statistic of `stats` and its weight in the running value.
     fn measure(&mut self, stats: &LanguageModelStats) -> (f64, usize) {
         let seconds = if self.stat.needs_time() {
@@ -146,6 +192,21 @@ impl LanguageModelMetric {
                 Some(bytes) => (bytes / (1u64 << 30) as f64, 1),
                 None => (f64::NAN, 0),
             },
+            Stat::Moe(stat) => {
+                let value = stats.moe.and_then(|m| match stat {
+                    MoeStat::LoadBalancingLoss => Some(m.load_balancing_loss),
+                    MoeStat::ZLoss => Some(m.z_loss),
+                    MoeStat::ExpertLoadMin => Some(m.expert_load_min),
+                    MoeStat::ExpertLoadMax => Some(m.expert_load_max),
+                    MoeStat::DroppedPercent => m
+                        .dropped_assignments
+                        .map(|d| 100.0 * d / m.assignments.max(1.0)),
+                });
+                match value {
+                    Some(v) => (v, 1),
+                    None => (f64::NAN, 0),
+                }
+            }
         }
     }
 }
@@ -184,7 +245,7 @@ impl Metric for LanguageModelMetric {
             unit: self.unit.map(str::to_string),
             higher_is_better: !matches!(
                 self.stat,
-                Stat::GradNorm | Stat::Perplexity | Stat::MemoryGib
+                Stat::GradNorm | Stat::Perplexity | Stat::MemoryGib | Stat::Moe(_)
             ),
         }
         .into()

@@ -8,6 +8,9 @@ use burn::tensor::{DType, Tensor, TensorData, Transaction};
 use burn::train::ItemLazy;
 use burn::train::metric::{Adaptor, LossInput};
 
+use crate::pipeline_parallel::MoeStepStats;
+use crate::training::MoeReport;
+
 /// One step of a language model, as its [`TrainStep`](burn::train::TrainStep) or
 /// [`InferenceStep`](burn::train::InferenceStep) reports it. The tensors stay on the device
 /// until burn-train's event processor reads them ([`ItemLazy::sync`]), in one transfer.
@@ -31,6 +34,21 @@ pub struct LanguageModelOutput<B: Backend> {
     pub max_memory_mib: Option<Tensor<B, 1>>,
     /// `[1]`: with fp16, the loss scale the step's backward pass used; set by the strategy.
     pub loss_scale: Option<Tensor<B, 1>>,
+    /// What the MoE layers did in a training step of a model with experts.
+    pub moe: Option<MoeStepItem<B>>,
+}
+
+/// What a training step's MoE layers did: the report for the metrics, and this rank's load
+/// for the expert-bias update.
+#[derive(Debug, Clone)]
+pub struct MoeStepItem<B: Backend> {
+    /// `[6]` f32: the step's MoE losses, load and assignments over the whole world, in the
+    /// field order of [`MoeReport`], on every rank.
+    pub report: Tensor<B, 1>,
+    /// Whether the MoE layers have a capacity (the report counts the assignments dropped).
+    pub drops: bool,
+    /// This rank's losses and load; `None` on a pipeline stage without MoE layers.
+    pub stats: Option<MoeStepStats<B>>,
 }
 
 impl<B: Backend> LanguageModelOutput<B> {
@@ -44,6 +62,7 @@ impl<B: Backend> LanguageModelOutput<B> {
             devices,
             max_memory_mib: None,
             loss_scale: None,
+            moe: None,
         }
     }
 }
@@ -65,6 +84,8 @@ pub struct LanguageModelStats {
     pub max_memory_bytes: Option<f64>,
     /// With fp16, the loss scale of the step.
     pub loss_scale: Option<f64>,
+    /// The MoE layers' losses and load (training steps of a model with experts).
+    pub moe: Option<MoeReport>,
 }
 
 impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
@@ -80,19 +101,24 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
         for tensor in optional.iter().flatten() {
             transaction = transaction.register(tensor.clone().cast(DType::F32));
         }
+        if let Some(moe) = &self.moe {
+            transaction = transaction.register(moe.report.clone().cast(DType::F32));
+        }
         // A failed read (a deferred device error) gives NaN here, on burn-train's metric
         // thread, instead of a panic there; the rank's own next read reports the error.
         let read = transaction.try_execute().unwrap_or_default();
-        let mut values = read.into_iter().map(|data| {
-            data.convert::<f32>()
-                .to_vec::<f32>()
-                .ok()
+        let mut read = read
+            .into_iter()
+            .map(|data| data.convert::<f32>().to_vec::<f32>().unwrap_or_default());
+        let mut value = || {
+            read.next()
                 .and_then(|v| v.first().copied())
                 .map_or(f64::NAN, f64::from)
-        });
-        let loss = values.next().unwrap_or(f64::NAN);
-        let [grad_norm, memory_mib, loss_scale] =
-            optional.map(|t| t.map(|_| values.next().unwrap_or(f64::NAN)));
+        };
+        let loss = value();
+        let [grad_norm, memory_mib, loss_scale] = optional.map(|t| t.map(|_| value()));
+        let moe = (self.moe.as_ref())
+            .map(|moe| MoeReport::from_values(&read.next().unwrap_or_default(), moe.drops));
         LanguageModelStats {
             loss,
             tokens: self.tokens,
@@ -101,6 +127,7 @@ impl<B: Backend> ItemLazy for LanguageModelOutput<B> {
             devices: self.devices,
             max_memory_bytes: memory_mib.map(|mib| mib * crate::training::step::MIB),
             loss_scale,
+            moe,
         }
     }
 }

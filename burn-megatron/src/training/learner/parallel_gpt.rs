@@ -9,13 +9,14 @@ use burn_megatron_dist::{DistBackend, ParallelState};
 
 use super::failure::or_fail;
 use super::optimizer::LossScale;
-use super::output::LanguageModelOutput;
+use super::output::{LanguageModelOutput, MoeStepItem};
 use crate::backend::ModelBackend;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::pipeline_parallel::{
     Microbatch, StageSplit, forward_backward, forward_backward_scaled, forward_only,
 };
+use crate::training::moe_log::moe_report;
 use crate::training::step::{SCHEDULE, loss_on_every_stage};
 use crate::transformer::TransformerConfig;
 
@@ -153,12 +154,25 @@ where
             state,
             loss_on_every_stage(state, out.loss, &device),
         );
+        // A model with experts reports its MoE layers' losses and load every step, reduced
+        // over the world on the device (every rank takes part, with or without MoE layers).
+        let moe = match &self.layout.config.moe {
+            Some(settings) => Some(MoeStepItem {
+                report: or_panic(
+                    "MoE report",
+                    state,
+                    moe_report(state, out.moe.clone(), &device),
+                ),
+                drops: settings.capacity.is_some(),
+                stats: out.moe,
+            }),
+            None => None,
+        };
         let grads = out.grads.into_iter().next().unwrap_or_default();
         let world = state.world().size();
-        TrainOutput {
-            grads,
-            item: LanguageModelOutput::new(loss, samples * seq, flops, world),
-        }
+        let mut item = LanguageModelOutput::new(loss, samples * seq, flops, world);
+        item.moe = moe;
+        TrainOutput { grads, item }
     }
 }
 

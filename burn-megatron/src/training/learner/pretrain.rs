@@ -158,6 +158,19 @@ where
     if config.fp16 {
         training = training.metric_train_numeric(LanguageModelMetric::loss_scale());
     }
+    if let Some(moe) = &model_config.moe {
+        training = training
+            .metric_train_numeric(LanguageModelMetric::load_balancing_loss())
+            .metric_train_numeric(LanguageModelMetric::z_loss())
+            .metric_train_numeric(LanguageModelMetric::expert_load_min())
+            .metric_train_numeric(LanguageModelMetric::expert_load_max());
+        if moe.capacity.is_some() {
+            training = training.metric_train_numeric(LanguageModelMetric::dropped_assignments());
+        }
+        if moe.expert_bias {
+            strategy = strategy.with_expert_bias(moe.bias_update_rate);
+        }
+    }
     if <B::InnerBackend as BackendInfo>::memory_in_use(device).is_some() {
         training = training.metric_train_numeric(LanguageModelMetric::memory());
     }

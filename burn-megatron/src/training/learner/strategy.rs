@@ -59,6 +59,7 @@ use crate::checkpointing::{
 };
 use crate::error::{ConfigError, Result};
 use crate::training::check_finite_parameters;
+use crate::training::moe_log::global_expert_load;
 use crate::training::nan_check::StepFlag;
 use crate::training::step::largest_over_ranks;
 
@@ -80,6 +81,13 @@ fn own_autodiff_leaves<LC: LearningComponentsTypes>(learner: &mut Learner<LC>) {
 type SaveFn<B, M> = Box<dyn Fn(&M, &MegatronOptimizer<B>, u64) -> Result<PathBuf> + Send + Sync>;
 type ResumeFn<B, M> =
     Box<dyn Fn(M, &MegatronOptimizer<B>) -> Result<Option<(M, TrainingState)>> + Send + Sync>;
+/// After a step's optimizer update: the model changed from the step's output (DeepSeek-V3's
+/// expert bias), or `None` to keep it.
+type AfterStepFn<B, M> = Box<
+    dyn Fn(M, &LanguageModelOutput<<B as AutodiffBackend>::InnerBackend>) -> Result<Option<M>>
+        + Send
+        + Sync,
+>;
 
 /// Step-interval checkpoints: how to save and resume the model `M`.
 struct StepCheckpoints<B: AutodiffBackend, M> {
@@ -95,6 +103,7 @@ pub struct MegatronStrategy<B: AutodiffBackend, M> {
     state: ParallelState,
     optim: MegatronOptimizer<B>,
     checkpoints: Option<StepCheckpoints<B, M>>,
+    after_step: Option<AfterStepFn<B, M>>,
     check_for_nan: bool,
     failure: FitFailure,
 }
@@ -107,6 +116,7 @@ impl<B: AutodiffBackend, M> MegatronStrategy<B, M> {
             state: state.clone(),
             optim: optim.clone(),
             checkpoints: None,
+            after_step: None,
             check_for_nan: true,
             failure: FitFailure::default(),
         }
@@ -197,6 +207,24 @@ where
             save,
             resume,
         });
+        self
+    }
+
+    /// DeepSeek-V3's auxiliary-loss-free balancing (`--moe-router-enable-expert-bias`):
+    /// after each optimizer step the MoE layers' expert biases move by `rate` times the sign
+    /// of their load's deviation over every DP × CP rank, as `pretrain_gpt`'s own loop moves
+    /// them ([`GptModel::with_updated_expert_bias`](crate::models::GptModel::with_updated_expert_bias);
+    /// one host read of the counts a step).
+    pub fn with_expert_bias(mut self, rate: f64) -> Self {
+        self.after_step = Some(Box::new(move |model: ParallelGpt<B>, item| {
+            let Some(stats) = item.moe.as_ref().and_then(|moe| moe.stats.as_ref()) else {
+                return Ok(None);
+            };
+            let device = stats.load_balancing_loss.device();
+            let load = global_expert_load(model.state(), stats, &device)?;
+            let chunk = model.model.clone().with_updated_expert_bias(&load, rate);
+            Ok(Some(model.with_model(chunk)))
+        }));
         self
     }
 }
@@ -353,6 +381,11 @@ where
             let out = learner.train_step(batch);
             learner.optimizer_step(out.grads);
             let mut item = out.item;
+            if let Some(after_step) = &strategy.after_step
+                && let Some(model) = after_step(learner.model(), &item)?
+            {
+                learner.load_model(model.into_record());
+            }
             item.loss = state.dp().all_reduce(item.loss, ReduceOp::Avg)?;
             item.grad_norm = strategy.optim.last_grad_norm();
             item.loss_scale = strategy.optim.last_loss_scale();
