@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -87,6 +87,24 @@ if part curve2; then
   wait
   for n in bf16 fp8; do
     echo "=== curve2 $n"; grep -E "iteration +[0-9]+/|validation|rror|panick" $OUT/curve2_$n.log | awk '/validation/ || NR % 4 == 0' | cut -c1-200
+  done
+fi
+if part curve3; then
+  # 1 GPU: curve2's 350M runs at once on the one GPU (each its own rendezvous port): bf16, FP8
+  # hybrid tensorwise, and FP8 with the first and last layers in bf16 (--first-last-layers-bf16).
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
+     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
+     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 100
+     --eval-iters 20 --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
+     --bf16 --no-save --collective-checks false"
+  F="--fp8-format hybrid --fp8-recipe tensorwise"
+  timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/curve3_bf16.log 2>&1 &
+  timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29511 -- $B/pretrain_gpt $C $F > $OUT/curve3_fp8.log 2>&1 &
+  timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29512 -- $B/pretrain_gpt $C $F --first-last-layers-bf16 > $OUT/curve3_fp8fl.log 2>&1 &
+  wait
+  for n in bf16 fp8 fp8fl; do
+    echo "=== curve3 $n"; grep -E "iteration +[0-9]+/|validation|rror|panick" $OUT/curve3_$n.log | cut -c1-200
   done
 fi
 if part profile8b; then

@@ -349,6 +349,16 @@ pub struct PretrainArgs {
     /// default is max, Megatron's most_recent). [default: max]
     #[arg(long, help_heading = "FP8")]
     pub fp8_amax_compute_algo: Option<String>,
+    /// Keeps the first and last transformer layers (--num-layers-at-start-in-bf16 and
+    /// --num-layers-at-end-in-bf16 of them) out of FP8, in the run's dtype. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "FP8")]
+    pub first_last_layers_bf16: Option<bool>,
+    /// Layers at the start kept out of FP8 by --first-last-layers-bf16. [default: 1]
+    #[arg(long, help_heading = "FP8")]
+    pub num_layers_at_start_in_bf16: Option<usize>,
+    /// Layers at the end kept out of FP8 by --first-last-layers-bf16. [default: 1]
+    #[arg(long, help_heading = "FP8")]
+    pub num_layers_at_end_in_bf16: Option<usize>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -722,6 +732,9 @@ impl PretrainArgs {
             fp8_margin,
             fp8_amax_history_len,
             fp8_amax_compute_algo,
+            first_last_layers_bf16,
+            num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16,
             data_path,
             split,
             num_experts,
@@ -881,6 +894,18 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
             ("--fp8-margin", a.fp8_margin.is_some()),
             ("--fp8-amax-history-len", a.fp8_amax_history_len.is_some()),
             ("--fp8-amax-compute-algo", a.fp8_amax_compute_algo.is_some()),
+            (
+                "--first-last-layers-bf16",
+                a.first_last_layers_bf16.is_some(),
+            ),
+            (
+                "--num-layers-at-start-in-bf16",
+                a.num_layers_at_start_in_bf16.is_some(),
+            ),
+            (
+                "--num-layers-at-end-in-bf16",
+                a.num_layers_at_end_in_bf16.is_some(),
+            ),
         ] {
             if given {
                 return invalid(format!(
@@ -911,6 +936,27 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
     }
     if let Some(algo) = &a.fp8_amax_compute_algo {
         config.amax_compute_algo = AmaxComputeAlgo::parse(algo)?;
+    }
+    config.first_last_layers_bf16 = a.first_last_layers_bf16.unwrap_or(false);
+    let counts = [
+        (
+            "--num-layers-at-start-in-bf16",
+            a.num_layers_at_start_in_bf16,
+        ),
+        ("--num-layers-at-end-in-bf16", a.num_layers_at_end_in_bf16),
+    ];
+    for (name, count) in counts {
+        if count.is_some() && !config.first_last_layers_bf16 {
+            return invalid(format!(
+                "{name} takes effect with --first-last-layers-bf16: add it or leave {name} out"
+            ));
+        }
+    }
+    if let Some(n) = a.num_layers_at_start_in_bf16 {
+        config.num_layers_at_start_in_bf16 = n;
+    }
+    if let Some(n) = a.num_layers_at_end_in_bf16 {
+        config.num_layers_at_end_in_bf16 = n;
     }
     config.validate()?;
     Ok(Some(config))

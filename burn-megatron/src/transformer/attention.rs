@@ -162,14 +162,14 @@ impl<B: ModelBackend> ParallelAttention<B> {
         .with_sequence_parallel(config.sequence_parallel)
         .with_comm_overlap(config.tp_comm_overlap)
         .with_init_std(config.init_std)
-        .with_fp8(config.fp8.clone())
+        .with_fp8(config.fp8_for_layer(layer))
         .init(tp, seed("qkv"), device)?;
         let output = RowParallelLinearConfig::new(heads * head_dim, config.hidden_size)
             .with_bias(config.add_bias_linear)
             .with_sequence_parallel(config.sequence_parallel)
             .with_comm_overlap(config.tp_comm_overlap)
             .with_init_std(output_init_std(config))
-            .with_fp8(config.fp8.clone())
+            .with_fp8(config.fp8_for_layer(layer))
             .init(tp, seed("output"), device)?;
         let context = TpContext::new(tp, config.sequence_parallel);
         let qk_norm = || {

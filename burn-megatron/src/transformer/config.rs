@@ -296,6 +296,13 @@ impl TransformerConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The FP8 settings of global layer `layer`'s linear layers: [`fp8`](Self::fp8), unless
+    /// `--first-last-layers-bf16` keeps the layer in the model's dtype
+    /// ([`Fp8Config::covers_layer`]).
+    pub fn fp8_for_layer(&self, layer: usize) -> Option<Fp8Config> {
+        (self.fp8.clone()).filter(|fp8| fp8.covers_layer(layer, self.num_layers))
+    }
+
     /// Width of all query heads together, `num_attention_heads · head_dim` (the hidden size
     /// unless `kv_channels` is set).
     pub fn query_width(&self) -> usize {
@@ -403,6 +410,7 @@ impl TransformerConfig {
         }
         if let Some(fp8) = &self.fp8 {
             fp8.validate()?;
+            fp8.validate_layers(self.num_layers)?;
             if fp8.recipe == Fp8Recipe::Delayed && self.recompute.reruns_layers() {
                 return Err(ConfigError::Invalid(
                     "--fp8-recipe delayed with full recomputation is not supported yet: the \

@@ -90,7 +90,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
                 .with_sequence_parallel(config.sequence_parallel)
                 .with_comm_overlap(config.tp_comm_overlap)
                 .with_init_std(config.init_std)
-                .with_fp8(config.fp8.clone())
+                .with_fp8(config.fp8_for_layer(layer))
         };
         let gate = match config.activation {
             Activation::SwiGlu => Some(up().init(tp, seed("gate"), device)?),
@@ -104,7 +104,7 @@ impl<B: ModelBackend> ParallelMlp<B> {
                 .with_sequence_parallel(config.sequence_parallel)
                 .with_comm_overlap(config.tp_comm_overlap)
                 .with_init_std(output_init_std(config))
-                .with_fp8(config.fp8.clone())
+                .with_fp8(config.fp8_for_layer(layer))
                 .init(tp, seed("fc2"), device)?,
             gelu: config.activation.gelu_form(),
         })

@@ -2,8 +2,10 @@
 //! the cast against an f64 reference built with the `float8` crate (CUDA's conversion), the
 //! scaling recipes, the FP8 linear layer's forward and backward against an explicit f64
 //! emulation, TP = 2 against TP = 1, the weight gradients through the overlap hook against
-//! their reduction after the backward pass, and `pretrain_gpt` with `--fp8-format`.
+//! their reduction after the backward pass, the first and last layers kept out of FP8, and
+//! `pretrain_gpt` with `--fp8-format`.
 
+mod first_last;
 mod linear;
 mod overlap;
 mod pretrain;

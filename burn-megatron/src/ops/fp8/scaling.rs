@@ -133,6 +133,20 @@ pub struct Fp8Config {
     /// weight (and, delayed, records its amax).
     #[config(default = true)]
     pub cache_weights: bool,
+    /// Keep the first [`num_layers_at_start_in_bf16`](Self::num_layers_at_start_in_bf16) and
+    /// the last [`num_layers_at_end_in_bf16`](Self::num_layers_at_end_in_bf16) transformer
+    /// layers out of FP8, in the model's dtype (`--first-last-layers-bf16`): Megatron's
+    /// option for stability, where the first and last layers see the widest ranges.
+    #[config(default = false)]
+    pub first_last_layers_bf16: bool,
+    /// Layers at the start kept out of FP8 with `first_last_layers_bf16`
+    /// (`--num-layers-at-start-in-bf16`).
+    #[config(default = 1)]
+    pub num_layers_at_start_in_bf16: usize,
+    /// Layers at the end kept out of FP8 with `first_last_layers_bf16`
+    /// (`--num-layers-at-end-in-bf16`).
+    #[config(default = 1)]
+    pub num_layers_at_end_in_bf16: usize,
 }
 
 impl Fp8Config {
@@ -151,6 +165,30 @@ impl Fp8Config {
             )));
         }
         Ok(())
+    }
+
+    /// Checks the layers kept out of FP8 against a model of `num_layers` layers: at least
+    /// one layer must be left in FP8.
+    pub fn validate_layers(&self, num_layers: usize) -> Result<(), ConfigError> {
+        let kept = self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16;
+        if self.first_last_layers_bf16 && kept >= num_layers {
+            return Err(ConfigError::Invalid(format!(
+                "--first-last-layers-bf16 keeps {} layers at the start and {} at the end out \
+                 of FP8, which leaves none of the {num_layers} layers in FP8: lower \
+                 --num-layers-at-start-in-bf16 or --num-layers-at-end-in-bf16, or drop \
+                 --fp8-format",
+                self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether global layer `layer` of a model of `num_layers` layers runs its GEMMs in FP8
+    /// (not one of the first or last layers that `first_last_layers_bf16` keeps out).
+    pub fn covers_layer(&self, layer: usize, num_layers: usize) -> bool {
+        !self.first_last_layers_bf16
+            || (layer >= self.num_layers_at_start_in_bf16
+                && layer + self.num_layers_at_end_in_bf16 < num_layers)
     }
 }
 
