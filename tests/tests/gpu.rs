@@ -2112,3 +2112,70 @@ fn fused_embedding_gradient_matches_the_sequential_sum() {
         }
     }
 }
+
+/// The FP8 linear layer on our backend in bf16 (the CubeCL casts in both layouts, cuBLASLt's
+/// FP8 GEMMs, the scales' reciprocals, the weight's cast kept by the layer) against the CPU's
+/// emulation of the same casts and products on the same bf16 values: the output and the
+/// input's and weight's gradients, both formats, at shapes of a 350M model's layers and at
+/// sides that are not multiples of the casts' tiles. A cast that misplaced elements of the
+/// transposed layout, which only the weight gradient reads, fails here; bf16's rounding of the
+/// outputs stays within `BF16`.
+#[test]
+fn fp8_linear_in_bf16_matches_the_cpu_emulation() {
+    use burn::backend::NdArray;
+    use burn_megatron::ops::fp8::{Fp8Config, Fp8Format, Fp8Linear, Fp8Split, fp8_linear};
+    type Cpu = Autodiff<NdArray<f32>>;
+    /// `[y, dx, dw]` of `y = x · w` with output gradient `g`, in f64, of backend `A` in `dtype`.
+    fn layer<A: AutodiffBackend + burn_megatron::ops::fp8::Fp8LinearOps>(
+        [x, w, g]: [&TensorData; 3],
+        dtype: DType,
+        format: Fp8Format,
+        device: &A::Device,
+    ) -> [Vec<f64>; 3] {
+        let fp8 = Fp8Linear::new(Fp8Config::new().with_format(format), None, Fp8Split::NONE);
+        let tensor = |d: &TensorData| {
+            Tensor::<A, 2>::from_data(d.clone(), device)
+                .cast(dtype)
+                .detach()
+                .require_grad()
+        };
+        let (x, w) = (tensor(x), tensor(w));
+        let g = Tensor::<A, 2>::from_data(g.clone(), device).cast(dtype);
+        let y = fp8_linear(x.clone(), w.clone(), None, &fp8).expect("the FP8 layer");
+        let grads = (y.clone() * g).sum().backward();
+        let host = |t: Tensor<A::InnerBackend, 2>| data_values(&t.cast(DType::F32).into_data());
+        [
+            host(y.inner()),
+            host(x.grad(&grads).expect("dx")),
+            host(w.grad(&grads).expect("dw")),
+        ]
+    }
+    // bf16 values, so that both backends start from the same numbers.
+    let bf16 = |shape: [usize; 2], seed: u64, scale: f32| {
+        let v: Vec<f32> = values(shape[0] * shape[1], seed)
+            .into_iter()
+            .map(|v| {
+                // Rounded to bf16 (nearest, ties to even): the top 16 bits of the f32.
+                let b = (v * scale).to_bits();
+                f32::from_bits(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16)
+            })
+            .collect();
+        TensorData::new(v, shape.to_vec())
+    };
+    for (tokens, d_in, d_out) in [(2048, 1024, 3072), (1024, 4096, 1024), (336, 208, 80)] {
+        let x = bf16([tokens, d_in], 1, 3.0);
+        let w = bf16([d_in, d_out], 2, 0.05);
+        let g = bf16([tokens, d_out], 3, 1e-3);
+        for format in [Fp8Format::Hybrid, Fp8Format::E4M3] {
+            let ours = layer::<Autodiff<Ours>>([&x, &w, &g], DType::BF16, format, &CudaGpu::new(0));
+            let cpu = layer::<Cpu>([&x, &w, &g], DType::F32, format, &Default::default());
+            for (name, got, want) in
+                [("y", 0, 0), ("dx", 1, 1), ("dw", 2, 2)].map(|(n, a, b)| (n, &ours[a], &cpu[b]))
+            {
+                let what = format!("[{tokens}, {d_in}] x [{d_in}, {d_out}] {format:?}: {name}");
+                let diff = burn_megatron_testing::assert_close(&what, got, want, tolerance::BF16);
+                println!("{what}: relative difference {diff:.2e}");
+            }
+        }
+    }
+}

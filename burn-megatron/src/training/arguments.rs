@@ -13,7 +13,7 @@ use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
 use crate::transformer::moe::LoadBalancingType;
 use crate::transformer::moe::{
-    MoeLayerFreq, RouterScoreFunction, TokenDispatcherType, TokenDropPolicy,
+    MoeLayerFreq, RouterDtype, RouterScoreFunction, TokenDispatcherType, TokenDropPolicy,
 };
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
@@ -465,6 +465,10 @@ pub struct PretrainArgs {
     /// and preset and the only one run on a GPU. [default: alltoall]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_token_dispatcher_type: Option<String>,
+    /// The dtype the router computes in (its logits, scores, top-k, weights and losses),
+    /// whatever the model's: fp32 or fp64. [default: the model's]
+    #[arg(long, help_heading = "Mixture of experts")]
+    pub moe_router_dtype: Option<String>,
 }
 
 impl PretrainArgs {
@@ -619,6 +623,9 @@ impl PretrainArgs {
         if let Some(name) = &a.moe_token_dispatcher_type {
             c.moe_token_dispatcher_type = TokenDispatcherType::parse(name)?;
         }
+        if let Some(name) = &a.moe_router_dtype {
+            c.moe_router_dtype = Some(RouterDtype::parse(name)?);
+        }
         if let Some(name) = &a.moe_router_score_function {
             c.moe_router_score_function = parse_score_function(name)?;
         }
@@ -759,6 +766,7 @@ impl PretrainArgs {
             moe_token_drop_policy,
             moe_pad_expert_input_to_capacity,
             moe_token_dispatcher_type,
+            moe_router_dtype,
         )
     }
 }

@@ -18,8 +18,8 @@ use crate::optimizer::{
 };
 use crate::pipeline_parallel::Schedule;
 use crate::transformer::moe::{
-    ExpertCapacity, LoadBalancingType, MoeSettings, RouterScoreFunction, TokenDispatcherType,
-    TokenDropPolicy,
+    ExpertCapacity, LoadBalancingType, MoeSettings, RouterDtype, RouterScoreFunction,
+    TokenDispatcherType, TokenDropPolicy,
 };
 use crate::transformer::{
     Activation, Normalization, PositionEmbedding, Recompute, TransformerConfig,
@@ -334,6 +334,9 @@ pub struct PretrainConfig {
     /// TP size, Megatron's default.
     #[config(default = "None")]
     pub expert_tensor_parallel_size: Option<usize>,
+    /// The dtype the MoE routers compute in (`--moe-router-dtype`); `None`: the model's.
+    #[config(default = "None")]
+    pub moe_router_dtype: Option<RouterDtype>,
     /// Hidden width of each routed expert (`--moe-ffn-hidden-size`); `None`: the MLP's.
     #[config(default = "None")]
     pub moe_ffn_hidden_size: Option<usize>,
@@ -513,6 +516,7 @@ impl PretrainConfig {
                 }))
                 .with_token_dispatcher(self.moe_token_dispatcher_type)
                 .with_expert_tensor_parallel_size(self.expert_tensor_parallel_size)
+                .with_router_dtype(self.moe_router_dtype)
         })
     }
 
@@ -526,6 +530,7 @@ impl PretrainConfig {
             let defaults = Self::new();
             if ep != 1
                 || self.expert_tensor_parallel_size.is_some()
+                || self.moe_router_dtype.is_some()
                 || self.moe_ffn_hidden_size.is_some()
                 || self.moe_shared_expert_intermediate_size.is_some()
                 || self.moe_layer_pattern.is_some()

@@ -16,6 +16,7 @@ mod grouped_linear;
 mod optimizer;
 mod overlap;
 mod pretrain;
+mod router_dtype;
 mod router_losses;
 
 use burn::backend::{Autodiff, NdArray};

@@ -279,6 +279,57 @@ fn checkpoint_with_split_experts_reshards_to_whole_ones() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `--moe-router-dtype` reaches the routers: on the CPU's f32 model `fp32` gives the default
+/// run's losses exactly and `fp64` close ones (here the same: the f64 weights round back to
+/// f32's), and every MoE layer's router has the dtype; an unknown dtype and the option
+/// without `--num-experts` are refused.
+#[test]
+fn router_dtype_option_reaches_the_routers() {
+    use burn_megatron::transformer::moe::RouterDtype;
+    let run = |extra: &[&str]| {
+        let config = moe_run_with(2, 2, false, 3, extra);
+        pretrain_on_threads(&config, &Silent)
+            .expect("pretraining")
+            .losses()
+    };
+    let default = run(&[]);
+    assert_eq!(run(&["--moe-router-dtype", "fp32"]), default);
+    let fp64 = run(&["--moe-router-dtype", "fp64"]);
+    assert_close("fp64 router", &fp64, &default, tolerance::F32_TRAINING);
+    // The option reaches every MoE layer's router.
+    let model = config(&["--num-experts", "4", "--moe-router-dtype", "fp64"]).model();
+    assert_eq!(
+        model.moe.as_ref().map(|moe| moe.router_dtype),
+        Some(Some(RouterDtype::Fp64))
+    );
+    let dtypes = burn_megatron_testing::run(1, |ctx| {
+        let gpt = model.init_gpt::<crate::AD>(ctx.world(), &Default::default())?;
+        Ok(gpt
+            .block
+            .layers
+            .iter()
+            .map(|l| l.moe.as_ref().map(|moe| moe.router.settings().dtype))
+            .collect::<Vec<_>>())
+    })
+    .remove(0);
+    assert_eq!(dtypes, vec![Some(Some(RouterDtype::Fp64)); 2]);
+    for (args, needle) in [
+        (
+            &["--num-experts", "4", "--moe-router-dtype", "bf16"][..],
+            "--moe-router-dtype \"bf16\"",
+        ),
+        (&["--moe-router-dtype", "fp32"][..], "need --num-experts"),
+    ] {
+        let args = std::iter::once("pretrain_gpt").chain(args.iter().copied());
+        let error = PretrainArgs::parse_from(args)
+            .into_config()
+            .and_then(|c| c.check(c.world_size()).map(|_| ()))
+            .expect_err("refused")
+            .to_string();
+        assert!(error.contains(needle), "{error}");
+    }
+}
+
 /// DeepSeek-V3's expert bias in pretrain_gpt: the bias moves by multiples of the rate, is
 /// saved, and a run resumed after step 3 continues it (the saved bias steers the next
 /// choices: a lost one changes the loss).

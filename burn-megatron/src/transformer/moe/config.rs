@@ -9,7 +9,7 @@ use super::capacity::ExpertCapacity;
 use super::dispatcher::{TokenDispatcher, TokenDispatcherType};
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
-use super::router::{LoadBalancingType, Router, RouterScoreFunction, RouterSettings};
+use super::router::{LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings};
 use super::settings::{MoeSettings, check_expert_sizes, check_expert_widths};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_full, param_seed};
@@ -89,6 +89,9 @@ pub struct MoeConfig {
     /// either way.
     #[config(default = "TokenDispatcherType::AllToAll")]
     pub token_dispatcher: TokenDispatcherType,
+    /// The dtype the router computes in (`--moe-router-dtype`); `None`: the model's.
+    #[config(default = "None")]
+    pub router_dtype: Option<RouterDtype>,
 }
 
 impl MoeConfig {
@@ -178,6 +181,7 @@ impl MoeConfig {
             load_balancing: self.load_balancing_type,
             aux_loss_coeff: self.aux_loss_coeff,
             z_loss_coeff: self.z_loss_coeff,
+            dtype: self.router_dtype,
         }
     }
 
@@ -238,5 +242,6 @@ impl MoeSettings {
         .with_expert_bias(self.expert_bias)
         .with_capacity(self.capacity)
         .with_token_dispatcher(self.token_dispatcher)
+        .with_router_dtype(self.router_dtype)
     }
 }

@@ -43,6 +43,7 @@ pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
 pub use losses::MoeLosses;
 pub use router::{
-    LoadBalancingType, Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
+    LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings, Routing,
+    expert_bias_update,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};

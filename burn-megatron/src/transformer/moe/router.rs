@@ -58,6 +58,39 @@ impl LoadBalancingType {
     }
 }
 
+/// The dtype the router computes in (Megatron's `--moe-router-dtype`), whatever the model's:
+/// its logits, scores, choice, weights and losses, for stability in a bf16 model. The weights
+/// return to the model's dtype for the combine.
+#[derive(Config, Debug, Copy, PartialEq)]
+pub enum RouterDtype {
+    /// `fp32`.
+    Fp32,
+    /// `fp64`.
+    Fp64,
+}
+
+impl RouterDtype {
+    /// Megatron's names, `fp32` or `fp64`.
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        match name.to_ascii_lowercase().as_str() {
+            "fp32" => Ok(Self::Fp32),
+            "fp64" => Ok(Self::Fp64),
+            _ => Err(ConfigError::Invalid(format!(
+                "--moe-router-dtype {name:?}: use fp32 or fp64 (or leave it out for the \
+                 model's dtype)"
+            ))),
+        }
+    }
+
+    /// The Burn dtype.
+    pub fn float(self) -> FloatDType {
+        match self {
+            Self::Fp32 => FloatDType::F32,
+            Self::Fp64 => FloatDType::F64,
+        }
+    }
+}
+
 /// The router's settings, fixed at init. The default is Megatron's: softmax, top-2, no
 /// groups, no scaling, the Switch-style loss with coefficients 0.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -88,6 +121,8 @@ pub struct RouterSettings {
     pub aux_loss_coeff: f64,
     /// Coefficient of the z-loss.
     pub z_loss_coeff: f64,
+    /// The dtype the router computes in; `None`: the model's.
+    pub dtype: Option<RouterDtype>,
 }
 
 impl Default for RouterSettings {
@@ -103,6 +138,7 @@ impl Default for RouterSettings {
             load_balancing: LoadBalancingType::AuxLoss,
             aux_loss_coeff: 0.0,
             z_loss_coeff: 0.0,
+            dtype: None,
         }
     }
 }
@@ -339,7 +375,15 @@ impl<B: ModelBackend> Router<B> {
             "{num_tokens} tokens are not {batch} sequences of equal length"
         );
         let device = tokens.device();
-        let logits = linear(tokens, self.weight.val(), None);
+        let model_dtype = tokens.dtype();
+        let (tokens, weight) = match s.dtype {
+            Some(dtype) => (
+                tokens.cast(dtype.float()),
+                self.weight.val().cast(dtype.float()),
+            ),
+            None => (tokens, self.weight.val()),
+        };
+        let logits = linear(tokens, weight, None);
         let scores = match s.score_function {
             RouterScoreFunction::Softmax => softmax(logits.clone(), 1),
             RouterScoreFunction::Sigmoid => sigmoid(logits.clone()),
@@ -408,6 +452,11 @@ impl<B: ModelBackend> Router<B> {
         if let Some(factor) = s.scaling_factor {
             weights = weights.mul_scalar(factor);
         }
+        // Back to the model's dtype for the combine (Burn does not promote dtypes).
+        let weights = match s.dtype {
+            Some(_) => weights.cast(model_dtype),
+            None => weights,
+        };
         let load_balancing_loss = match (probs, loss_map, loss) {
             (Some(probs), Some(map), Some(sequences)) => {
                 self.load_balancing_loss(probs, map, sequences, sequence)?

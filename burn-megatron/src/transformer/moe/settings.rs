@@ -8,7 +8,7 @@ use burn_megatron_dist::ProcessGroup;
 
 use super::capacity::ExpertCapacity;
 use super::dispatcher::TokenDispatcherType;
-use super::router::{LoadBalancingType, RouterScoreFunction};
+use super::router::{LoadBalancingType, RouterDtype, RouterScoreFunction};
 use crate::error::ConfigError;
 
 /// Mixture of experts in a [`TransformerConfig`](crate::transformer::TransformerConfig):
@@ -84,6 +84,10 @@ pub struct MoeSettings {
     /// default. Other sizes are not supported.
     #[config(default = "None")]
     pub expert_tensor_parallel_size: Option<usize>,
+    /// The dtype the router computes in (`--moe-router-dtype fp32|fp64`); `None`: the
+    /// model's.
+    #[config(default = "None")]
+    pub router_dtype: Option<RouterDtype>,
 }
 
 impl MoeSettings {
