@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -105,6 +105,27 @@ if part curve3; then
   wait
   for n in bf16 fp8 fp8fl; do
     echo "=== curve3 $n"; grep -E "iteration +[0-9]+/|validation|rror|panick" $OUT/curve3_$n.log | cut -c1-200
+  done
+fi
+if part repeat; then
+  # 1 GPU: curve3's model run twice in bf16 and twice in FP8, all at once, for ITERS steps: how
+  # far two runs of one build drift apart (run-to-run variation against the FP8 gap).
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
+     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
+     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 0
+     --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
+     --bf16 --no-save --collective-checks false"
+  F="--fp8-format hybrid --fp8-recipe tensorwise"
+  port=29520
+  for n in bf16a bf16b fp8a fp8b; do
+    f=""; [[ $n == fp8* ]] && f="$F"
+    timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port $port -- $B/pretrain_gpt $C $f > $OUT/repeat_$n.log 2>&1 &
+    port=$((port + 1))
+  done
+  wait
+  for n in bf16a bf16b fp8a fp8b; do
+    echo "=== repeat $n"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/repeat_$n.log | cut -c1-110
   done
 fi
 if part profile8b; then
