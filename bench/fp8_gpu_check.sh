@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -126,6 +126,31 @@ if part repeat; then
   wait
   for n in bf16a bf16b fp8a fp8b; do
     echo "=== repeat $n"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/repeat_$n.log | cut -c1-110
+  done
+fi
+if part recipes; then
+  # 1 GPU: curve3's model in bf16 and in three FP8 settings, all at once, for ITERS steps:
+  # E4M3 gradients, delayed scaling, E4M3 with the first and last layers in bf16.
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
+     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
+     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 0
+     --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
+     --bf16 --no-save --collective-checks false"
+  port=29530
+  for n in bf16 e4m3 delayed e4m3fl; do
+    case $n in
+      bf16) f="" ;;
+      e4m3) f="--fp8-format e4m3" ;;
+      delayed) f="--fp8-format hybrid --fp8-recipe delayed" ;;
+      e4m3fl) f="--fp8-format e4m3 --first-last-layers-bf16" ;;
+    esac
+    timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port $port -- $B/pretrain_gpt $C $f > $OUT/recipes_$n.log 2>&1 &
+    port=$((port + 1))
+  done
+  wait
+  for n in bf16 e4m3 delayed e4m3fl; do
+    echo "=== recipes $n"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/recipes_$n.log | cut -c1-110
   done
 fi
 if part profile8b; then

@@ -33,6 +33,7 @@
 #   fp8curve2, fp8prof8b, fp8step8b  PART=curve2, profile8b, step8b of bench/fp8_gpu_check.sh (2 GPUs)
 #   fp8curve3 PART=curve3 (1 GPU): the 350M curves, bf16, FP8 and FP8 with the first and last layers in bf16
 #   fp8repeat PART=repeat (1 GPU): curve3's model twice in bf16 and twice in FP8 at once (run-to-run drift)
+#   fp8recipes PART=recipes (1 GPU): curve3's model in bf16, FP8 e4m3, delayed, e4m3 with first/last layers in bf16
 #   fp8step1 PART=step1 (1 GPU): the casts' checks and speeds, 14 of Llama-3 8B's layers in bf16 and FP8
 #   fp8hook1 PART=hook1 (1 GPU): step1's model with the distributed optimizer and the overlap hook, bf16 and FP8
 #   fp8peer1 PART=peer1 (1 GPU): that model in PyTorch, bf16 and float8 (the peer)
@@ -127,6 +128,7 @@ for s in "$@"; do
     fp8curve2) step fp8curve2 env PART=curve2 bash bench/fp8_gpu_check.sh ;;
     fp8curve3) step fp8curve3 env PART=curve3 bash bench/fp8_gpu_check.sh ;;
     fp8repeat) step fp8repeat env PART=repeat bash bench/fp8_gpu_check.sh ;;
+    fp8recipes) step fp8recipes env PART=recipes bash bench/fp8_gpu_check.sh ;;
     fp8prof8b) step fp8prof8b env PART=profile8b bash bench/fp8_gpu_check.sh ;;
     fp8step8b) step fp8step8b env PART=step8b bash bench/fp8_gpu_check.sh ;;
     fp8step1) step fp8step1 env PART=step1 bash bench/fp8_gpu_check.sh ;;
