@@ -18,6 +18,12 @@ chmod +x .gpu/bin/*
 source .gpu/env.sh
 B=.gpu/bin
 part() { [ "${PART:-all}" = all ] || [[ " ${PART} " == *" $1 "* ]]; }
+# The 350M GPT on real text of the loss-curve parts (curve2, curve3, repeat, recipes).
+C350="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
+  --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
+  --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --log-interval 25
+  --split 98,2,0 --data-path .gpu/data/realtext_text_document --bf16 --no-save
+  --collective-checks false"
 nvidia-smi --query-gpu=name --format=csv,noheader
 if part gemm; then
   timeout 150 $B/gemm_bench fp8 > $OUT/gemm_ours.log 2>&1; echo "rc=$?"
@@ -76,11 +82,7 @@ if part curve2; then
   # 2 GPUs: the 350M curves of PART=curve side by side (bf16 on GPU 0, FP8 on GPU 1), with the
   # validation loss on held-out text every 100 iterations (the late gap: memorised or learnt?).
   for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
-  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
-     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
-     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 100
-     --eval-iters 20 --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
-     --bf16 --no-save --collective-checks false"
+  C="$C350 --eval-interval 100 --eval-iters 20"
   # (each run its own rendezvous port: both launchers run at once)
   [ -n "${ONLY_FP8:-}" ] || CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/curve2_bf16.log 2>&1 &
   [ -n "${ONLY_BF16:-}" ] || CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-300} $B/bm-launch --nproc-per-node 1 --master-port 29511 -- $B/pretrain_gpt $C --fp8-format hybrid --fp8-recipe tensorwise > $OUT/curve2_fp8.log 2>&1 &
@@ -93,11 +95,7 @@ if part curve3; then
   # 1 GPU: curve2's 350M runs at once on the one GPU (each its own rendezvous port): bf16, FP8
   # hybrid tensorwise, and FP8 with the first and last layers in bf16 (--first-last-layers-bf16).
   for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
-  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
-     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
-     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 100
-     --eval-iters 20 --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
-     --bf16 --no-save --collective-checks false"
+  C="$C350 --eval-interval 100 --eval-iters 20"
   F="--fp8-format hybrid --fp8-recipe tensorwise"
   timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/curve3_bf16.log 2>&1 &
   timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29511 -- $B/pretrain_gpt $C $F > $OUT/curve3_fp8.log 2>&1 &
@@ -111,11 +109,7 @@ if part repeat; then
   # 1 GPU: curve3's model run twice in bf16 and twice in FP8, all at once, for ITERS steps: how
   # far two runs of one build drift apart (run-to-run variation against the FP8 gap).
   for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
-  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
-     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
-     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 0
-     --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
-     --bf16 --no-save --collective-checks false"
+  C="$C350 --eval-interval 0"
   F="--fp8-format hybrid --fp8-recipe tensorwise"
   port=29520
   for n in bf16a bf16b fp8a fp8b; do
@@ -132,11 +126,7 @@ if part recipes; then
   # 1 GPU: curve3's model in bf16 and in three FP8 settings, all at once, for ITERS steps:
   # E4M3 gradients, delayed scaling, E4M3 with the first and last layers in bf16.
   for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
-  C="--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --num-layers 24 --hidden-size 1024
-     --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --global-batch-size 16
-     --train-iters ${ITERS:-1000} --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 100 --eval-interval 0
-     --log-interval 25 --split 98,2,0 --data-path .gpu/data/realtext_text_document
-     --bf16 --no-save --collective-checks false"
+  C="$C350 --eval-interval 0"
   port=29530
   for n in bf16 e4m3 delayed e4m3fl; do
     case $n in

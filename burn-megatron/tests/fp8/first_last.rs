@@ -5,12 +5,11 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::ops::fp8::Fp8Config;
-use burn_megatron::training::{PretrainArgs, PretrainConfig};
 use burn_megatron::transformer::TransformerConfig;
 use burn_megatron_testing::compare::data_values;
 use burn_megatron_testing::models::token_ids;
-use clap::Parser;
 
+use crate::pretrain::config;
 use crate::{B, run};
 
 /// A GPT of 5 layers (GeLU, biases).
@@ -60,13 +59,6 @@ fn first_and_last_layers_stay_out_of_fp8() {
     );
     assert_ne!(mixed, all_fp8, "some layers are out of FP8");
     assert_ne!(mixed, plain, "some layers are in FP8");
-}
-
-fn config(args: &[&str]) -> Result<PretrainConfig, String> {
-    PretrainArgs::try_parse_from(std::iter::once("pretrain_gpt").chain(args.iter().copied()))
-        .map_err(|e| e.to_string())?
-        .into_config()
-        .map_err(|e| e.to_string())
 }
 
 /// Megatron's options reach the model; without `--fp8-format` or `--first-last-layers-bf16`

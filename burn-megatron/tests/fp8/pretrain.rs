@@ -7,7 +7,8 @@ use burn_megatron::training::{PretrainArgs, PretrainConfig, Silent, pretrain_on_
 use burn_megatron::transformer::Recompute;
 use clap::Parser;
 
-fn config(args: &[&str]) -> Result<PretrainConfig, String> {
+/// `pretrain_gpt`'s configuration from `args`, or the error's message.
+pub(crate) fn config(args: &[&str]) -> Result<PretrainConfig, String> {
     PretrainArgs::try_parse_from(std::iter::once("pretrain_gpt").chain(args.iter().copied()))
         .map_err(|e| e.to_string())?
         .into_config()

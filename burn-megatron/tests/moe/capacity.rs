@@ -442,21 +442,26 @@ fn pretrain_gpt_capacity_options() {
     assert!(m.contains("need --num-experts"), "{m}");
 }
 
+/// The MoE options of the `pretrain_gpt` runs below: DP 2 × EP 2, 4 experts of width 24, top 2.
+const EP_2: [&str; 10] = [
+    "--data-parallel-size",
+    "2",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-ffn-hidden-size",
+    "24",
+];
+
 /// `pretrain_gpt` at EP 2 with capacity factor 1, the position policy and padding: the loss
 /// falls and the load logged never exceeds what the capacity lets through.
 #[test]
 fn pretrain_gpt_with_capacity_trains() {
-    let config = crate::pretrain::config(&[
-        "--data-parallel-size",
-        "2",
-        "--num-experts",
-        "4",
-        "--moe-router-topk",
-        "2",
-        "--expert-model-parallel-size",
-        "2",
-        "--moe-ffn-hidden-size",
-        "24",
+    let mut args = EP_2.to_vec();
+    args.extend_from_slice(&[
         "--moe-aux-loss-coeff",
         "0.01",
         "--moe-expert-capacity-factor",
@@ -465,6 +470,7 @@ fn pretrain_gpt_with_capacity_trains() {
         "position",
         "--moe-pad-expert-input-to-capacity",
     ]);
+    let config = crate::pretrain::config(&args);
     let summary = pretrain_on_threads(&config, &Silent).expect("pretraining");
     let losses = summary.losses();
     assert!(
@@ -485,18 +491,7 @@ fn pretrain_gpt_with_capacity_trains() {
 #[test]
 fn pretrain_gpt_logs_the_assignments_dropped() {
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "--data-parallel-size",
-            "2",
-            "--num-experts",
-            "4",
-            "--moe-router-topk",
-            "2",
-            "--expert-model-parallel-size",
-            "2",
-            "--moe-ffn-hidden-size",
-            "24",
-        ];
+        let mut args = EP_2.to_vec();
         args.extend_from_slice(extra);
         let config = crate::pretrain::config(&args).with_train_iters(2);
         let summary = pretrain_on_threads(&config, &Silent).expect("pretraining");
