@@ -442,25 +442,11 @@ fn pretrain_gpt_capacity_options() {
     assert!(m.contains("need --num-experts"), "{m}");
 }
 
-/// The MoE options of the `pretrain_gpt` runs below: DP 2 × EP 2, 4 experts of width 24, top 2.
-const EP_2: [&str; 10] = [
-    "--data-parallel-size",
-    "2",
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--expert-model-parallel-size",
-    "2",
-    "--moe-ffn-hidden-size",
-    "24",
-];
-
 /// `pretrain_gpt` at EP 2 with capacity factor 1, the position policy and padding: the loss
 /// falls and the load logged never exceeds what the capacity lets through.
 #[test]
 fn pretrain_gpt_with_capacity_trains() {
-    let mut args = EP_2.to_vec();
+    let mut args = crate::pretrain::EP_2.to_vec();
     args.extend_from_slice(&[
         "--moe-aux-loss-coeff",
         "0.01",
@@ -491,7 +477,7 @@ fn pretrain_gpt_with_capacity_trains() {
 #[test]
 fn pretrain_gpt_logs_the_assignments_dropped() {
     let run = |extra: &[&str]| {
-        let mut args = EP_2.to_vec();
+        let mut args = crate::pretrain::EP_2.to_vec();
         args.extend_from_slice(extra);
         let config = crate::pretrain::config(&args).with_train_iters(2);
         let summary = pretrain_on_threads(&config, &Silent).expect("pretraining");

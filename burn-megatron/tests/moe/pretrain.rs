@@ -49,19 +49,24 @@ pub(crate) fn config(extra: &[&str]) -> PretrainConfig {
         .with_default_corpus_documents(200)
 }
 
+/// The MoE options of several `pretrain_gpt` runs: DP 2 × EP 2, 4 experts of width 24, top 2.
+pub(crate) const EP_2: [&str; 10] = [
+    "--data-parallel-size",
+    "2",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-ffn-hidden-size",
+    "24",
+];
+
 #[test]
 fn pretrain_gpt_with_experts_at_ep_2_trains() {
-    let config = config(&[
-        "--data-parallel-size",
-        "2",
-        "--num-experts",
-        "4",
-        "--moe-router-topk",
-        "2",
-        "--expert-model-parallel-size",
-        "2",
-        "--moe-ffn-hidden-size",
-        "24",
+    let mut args = EP_2.to_vec();
+    args.extend_from_slice(&[
         "--moe-shared-expert-intermediate-size",
         "16",
         "--moe-aux-loss-coeff",
@@ -71,6 +76,7 @@ fn pretrain_gpt_with_experts_at_ep_2_trains() {
         "--moe-layer-freq",
         "([1]*1+[0]*1)",
     ]);
+    let config = config(&args);
     let moe = config.model().moe.expect("MoE layers");
     assert_eq!(
         (moe.num_experts, moe.top_k, moe.ffn_hidden_size),

@@ -26,6 +26,10 @@ use crate::ops::BackwardHook;
 /// losses are its batch's, and the gradients of the replicated parameters are its batch's
 /// contribution (sum them over data parallelism, as for any dense parameter); an expert's
 /// gradient covers the tokens of every rank that routed to it.
+///
+/// Under expert tensor parallelism ([`with_expert_tp`](Self::with_expert_tp)) every expert,
+/// routed and shared, holds this rank's slice of its hidden width, and the ranks of that group
+/// route the same tokens; their partial outputs are summed over it.
 #[derive(Module, Debug)]
 pub struct MoeLayer<B: Backend> {
     /// Scores and top-k.
