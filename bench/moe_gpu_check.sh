@@ -31,6 +31,10 @@
 #   NPROC=2 PART=nan2b|nan2c|nan2d bash bench/moe_gpu_check.sh  # 2 GPUs: the NaN's other checks (each part says what it runs)
 #   NPROC=2 PART=parts2 bash bench/moe_gpu_check.sh   # 2 GPUs: the presets past 2^32 expert elements a rank (experts in parts)
 #   NPROC=2 PART=gather2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with each token dispatcher
+#   NPROC=2 PART=hook2 bash bench/moe_gpu_check.sh    # 2 GPUs: both presets at EP 2 with the overlap hook, each next to its peer
+#   NPROC=2 PART=etp2 bash bench/moe_gpu_check.sh     # 2 GPUs: TP 2 with the experts split (ETP 2) and whole (ETP 1); the router in fp32 and fp64
+#   NPROC=1 PART=router1 bash bench/moe_gpu_check.sh  # 1 GPU: the router in the model's dtype, fp32 and fp64
+#   NPROC=1 PART=sinkhorn1 bash bench/moe_gpu_check.sh  # 1 GPU: Sinkhorn balancing against the auxiliary loss
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
 #
@@ -204,16 +208,16 @@ EOF
 
 ours() { # name preset ep [pretrain_gpt flags...]
   local name=$1 preset=$2 ep=$3; shift 3
-  local iters=$ITERS lim tiny=(${TINY[@]+"${TINY[@]}"})
+  local iters=$ITERS lim tiny=(${TINY[@]+"${TINY[@]}"}) tp=${TP:-1}
   [ "$preset" = deepseek_moe_1b ] && tiny+=(${TINY_DEEPSEEK[@]+"${TINY_DEEPSEEK[@]}"})
   if ! lim=$(run_limit "$LIMIT_OURS"); then say "=== skip ours $name: less than ${MIN_START} s of the ${BUDGET} s budget left"; return; fi
   local args=(--config examples/configs/$preset.toml ${tiny[@]+"${tiny[@]}"} ${PRECISION[@]+"${PRECISION[@]}"}
     --no-save --eval-interval 0 --log-interval 1 --train-iters "$iters" --lr-warmup-iters 2
     --collective-checks false --use-distributed-optimizer
-    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --data-parallel-size $NPROC
+    --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size 1 --data-parallel-size $(( NPROC / tp ))
     --expert-model-parallel-size "$ep" --micro-batch-size 1 --global-batch-size 8 --seq-length "$SEQ" "$@")
   PORT=$(( PORT + 1 ))
-  say "=== ours $name: $preset, EP $ep x expert-DP $(( NPROC / ep )), seq $SEQ, $iters iterations (limit $lim s)"
+  say "=== ours $name: $preset, TP $tp, EP $ep x expert-DP $(( NPROC / tp / ep )), seq $SEQ, $iters iterations (limit $lim s)"
   echo "$PRETRAIN ${args[*]}" >> "$LOG"
   local s=$(date +%s)
   smi_start "$name"
@@ -413,6 +417,40 @@ if [ "$PART" != all ] && part gather2; then
   # all-gather one's losses against the all-to-all's, and their speeds.
   ITERS=10 ours mixtral_ep2_alltoall mixtral_1b_moe 2 --moe-token-dispatcher-type alltoall
   ITERS=10 ours mixtral_ep2_allgather mixtral_1b_moe 2 --moe-token-dispatcher-type allgather
+fi
+if [ "$PART" != all ] && part hook2; then
+  # For 2 GPUs (NPROC=2): both presets at EP 2 with the overlap hook (the experts' weight
+  # gradients accumulated in the f32 buffers and reduced over expert-DP during the backward
+  # pass), 20 iterations, each next to its peer.
+  ITERS=20 ours mixtral_ep2_hook mixtral_1b_moe 2 --overlap-grad-reduce
+  torch mixtral_ep2 --preset mixtral --ep 2
+  ITERS=20 ours deepseek_ep2_hook deepseek_moe_1b 2 --overlap-grad-reduce
+  torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part etp2; then
+  # For 2 GPUs (NPROC=2): expert tensor parallelism on GPUs. The Mixtral-like preset with 8
+  # layers at TP 2 with sequence parallelism, EP 1, its experts split over TP (ETP 2, the
+  # default) and whole on each TP rank (ETP 1): equal losses up to bf16's rounding, and
+  # their speeds. Then the router's dtype: the DeepSeek-like preset with 8 layers at EP 2,
+  # the router in fp32 and in fp64.
+  TP=2 ITERS=12 ours mixtral_tp2_etp2 mixtral_1b_moe 1 --num-layers 8 --sequence-parallel
+  TP=2 ITERS=12 ours mixtral_tp2_etp1 mixtral_1b_moe 1 --num-layers 8 --sequence-parallel --expert-tensor-parallel-size 1
+  ITERS=12 ours deepseek_ep2_router32 deepseek_moe_1b 2 --num-layers 8 --moe-router-dtype fp32
+  ITERS=12 ours deepseek_ep2_router64 deepseek_moe_1b 2 --num-layers 8 --moe-router-dtype fp64
+fi
+if [ "$PART" != all ] && part router1; then
+  # For one GPU (NPROC=1): the router's dtype on a GPU. The DeepSeek-like preset with 8 layers
+  # at EP 1 (bf16), the router in the model's dtype, in fp32 and in fp64.
+  ITERS=12 ours deepseek_ep1_router_bf16 deepseek_moe_1b 1 --num-layers 8
+  ITERS=12 ours deepseek_ep1_router32 deepseek_moe_1b 1 --num-layers 8 --moe-router-dtype fp32
+  ITERS=12 ours deepseek_ep1_router64 deepseek_moe_1b 1 --num-layers 8 --moe-router-dtype fp64
+fi
+if [ "$PART" != all ] && part sinkhorn1; then
+  # For one GPU (NPROC=1): Sinkhorn balancing on a GPU. The Mixtral-like preset with 8 layers
+  # at EP 1 (bf16) with --moe-router-load-balancing-type sinkhorn (no auxiliary loss), 16
+  # iterations, next to the same model with the auxiliary loss.
+  ITERS=16 ours mixtral_ep1_aux mixtral_1b_moe 1 --num-layers 8
+  ITERS=16 ours mixtral_ep1_sinkhorn mixtral_1b_moe 1 --num-layers 8 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

@@ -469,6 +469,36 @@ pub struct PretrainArgs {
     /// whatever the model's: fp32 or fp64. [default: the model's]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_router_dtype: Option<String>,
+    /// Megatron's switch for one grouped GEMM over a rank's experts: always on here (on CUDA
+    /// one grouped product, or per-expert GEMMs on side streams; elsewhere a loop), accepted
+    /// so that Megatron's scripts run. It cannot be turned off. [default: true]
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        help_heading = "Mixture of experts"
+    )]
+    pub moe_grouped_gemm: Option<bool>,
+    /// Megatron's switch for fused permutation: always on here (the tokens are sorted by
+    /// expert and restored by row-gather kernels), accepted so that Megatron's scripts run.
+    /// It cannot be turned off. [default: true]
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        help_heading = "Mixture of experts"
+    )]
+    pub moe_permute_fusion: Option<bool>,
+    /// Megatron's switch for running the shared expert while the tokens travel: always on
+    /// here (the shared expert is queued before the dispatch waits for the counts), accepted
+    /// so that Megatron's scripts run. It cannot be turned off. [default: true]
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        help_heading = "Mixture of experts"
+    )]
+    pub moe_shared_expert_overlap: Option<bool>,
 }
 
 impl PretrainArgs {
@@ -626,6 +656,7 @@ impl PretrainArgs {
         if let Some(name) = &a.moe_router_dtype {
             c.moe_router_dtype = Some(RouterDtype::parse(name)?);
         }
+        check_always_on(&a)?;
         if let Some(name) = &a.moe_router_score_function {
             c.moe_router_score_function = parse_score_function(name)?;
         }
@@ -767,8 +798,36 @@ impl PretrainArgs {
             moe_pad_expert_input_to_capacity,
             moe_token_dispatcher_type,
             moe_router_dtype,
+            moe_grouped_gemm,
+            moe_permute_fusion,
+            moe_shared_expert_overlap,
         )
     }
+}
+
+/// Megatron's MoE performance switches that describe what always happens here
+/// (`--moe-grouped-gemm`, `--moe-permute-fusion`, `--moe-shared-expert-overlap`): accepted
+/// with `--num-experts`; turning one off is an error, not ignored.
+fn check_always_on(a: &PretrainArgs) -> Result<()> {
+    let switches = [
+        ("--moe-grouped-gemm", a.moe_grouped_gemm),
+        ("--moe-permute-fusion", a.moe_permute_fusion),
+        ("--moe-shared-expert-overlap", a.moe_shared_expert_overlap),
+    ];
+    for (name, value) in switches {
+        let why = match value {
+            None => continue,
+            Some(false) => {
+                format!("{name} false: this is always on here (see --help); leave the option out")
+            }
+            Some(true) if a.num_experts.is_none() => {
+                format!("{name} needs --num-experts (the routed experts of each MoE layer)")
+            }
+            Some(true) => continue,
+        };
+        return Err(ConfigError::Invalid(why).into());
+    }
+    Ok(())
 }
 
 /// Megatron's `--moe-router-score-function` names.
@@ -783,20 +842,23 @@ pub fn parse_score_function(name: &str) -> Result<RouterScoreFunction> {
     }
 }
 
-/// Megatron's `--moe-router-load-balancing-type` names; `sinkhorn` (and the newer
-/// `global_aux_loss`) are Megatron's but not implemented here.
+/// Megatron's `--moe-router-load-balancing-type` names; its newer `global_aux_loss` is not
+/// implemented.
 pub fn parse_load_balancing_type(name: &str) -> Result<LoadBalancingType> {
     let invalid = |why: String| Err(ConfigError::Invalid(why).into());
     match name.to_ascii_lowercase().as_str() {
         "aux_loss" => Ok(LoadBalancingType::AuxLoss),
         "seq_aux_loss" => Ok(LoadBalancingType::SeqAuxLoss),
+        "sinkhorn" => Ok(LoadBalancingType::Sinkhorn),
         "none" => Ok(LoadBalancingType::None),
-        other @ ("sinkhorn" | "global_aux_loss") => invalid(format!(
-            "--moe-router-load-balancing-type {other} is Megatron's but not implemented here: \
-             use aux_loss, seq_aux_loss or none"
-        )),
+        "global_aux_loss" => invalid(
+            "--moe-router-load-balancing-type global_aux_loss is Megatron's but not implemented \
+             here: use aux_loss, seq_aux_loss, sinkhorn or none"
+                .to_string(),
+        ),
         other => invalid(format!(
-            "--moe-router-load-balancing-type {other:?}: use aux_loss, seq_aux_loss or none"
+            "--moe-router-load-balancing-type {other:?}: use aux_loss, seq_aux_loss, sinkhorn \
+             or none"
         )),
     }
 }

@@ -2,7 +2,8 @@
 //! with respect to the input and every element of every parameter (router, routed experts,
 //! shared expert), against central differences, for softmax and sigmoid routing, SwiGLU and
 //! GeLU experts, top-1 and top-2, pre-softmax, group-limited routing with scaled weights and
-//! the sequence-level load-balancing loss; and the all-gather token dispatcher at EP 2 over
+//! the sequence-level load-balancing loss; the router with Sinkhorn balancing; and the
+//! all-gather token dispatcher at EP 2 over
 //! thread ranks of different batch lengths (every rank's input and every parameter).
 //!
 //! Top-k is piecewise constant: a difference is exact only if no step changes a token's
@@ -577,4 +578,104 @@ fn moe_unpermute_rows_gradients_match_finite_differences() {
         &fd(1),
         tolerance::FINITE_DIFFERENCE_F64,
     );
+}
+
+/// Sinkhorn balancing (`--moe-router-load-balancing-type sinkhorn`), top-1 and top-2, with the
+/// z-loss: the gradient of `Σ probe ∘ weights + z_loss` with respect to the router's weight
+/// and the tokens, against central differences. The choice comes from the normalisation only
+/// while gradients are tracked, so the differences are taken on the autodiff backend too;
+/// the choice differs from the plain top-k's on these tokens, so the test covers it.
+#[test]
+fn router_sinkhorn() {
+    use burn_megatron::transformer::moe::{Router, RouterSettings};
+    const TOKENS: usize = 6;
+    const HIDDEN: usize = 4;
+    const EXPERTS: usize = 5;
+    let normal = |shape: [usize; 2], seed| {
+        values(init_full::<B, 2>(
+            shape,
+            InitDistribution::Normal { std: 1.0 },
+            seed,
+            &device(),
+        ))
+    };
+    let (tokens, weight) = (normal([TOKENS, HIDDEN], 41), normal([HIDDEN, EXPERTS], 42));
+    for top_k in [1, 2] {
+        let settings = RouterSettings {
+            top_k,
+            load_balancing: LoadBalancingType::Sinkhorn,
+            z_loss_coeff: 0.01,
+            ..Default::default()
+        };
+        let probe = normal([TOKENS, top_k], 43);
+        let tensor = |v: &[f64], shape: [usize; 2]| {
+            Tensor::<AD, 2>::from_data(TensorData::new(v.to_vec(), shape), &device())
+        };
+        let route = |tokens: Tensor<AD, 2>, weight: Tensor<AD, 2>| {
+            let routing = Router::new(weight, settings).route(tokens);
+            let loss = (routing.weights.clone() * tensor(&probe, [TOKENS, top_k])).sum()
+                + routing.z_loss.clone().sum();
+            (routing, loss)
+        };
+        let (x, w) = (
+            tensor(&tokens, [TOKENS, HIDDEN]).require_grad(),
+            tensor(&weight, [HIDDEN, EXPERTS]).require_grad(),
+        );
+        let (routing, loss) = route(x.clone(), w.clone());
+        let grads = loss.backward();
+        let value = |tokens: &[f64], weight: &[f64]| {
+            route(
+                tensor(tokens, [TOKENS, HIDDEN]),
+                tensor(weight, [HIDDEN, EXPERTS]),
+            )
+            .1
+            .into_scalar()
+        };
+        let estimate = |of_tokens: bool| -> Vec<f64> {
+            let n = if of_tokens {
+                tokens.len()
+            } else {
+                weight.len()
+            };
+            (0..n)
+                .map(|i| {
+                    let shifted = |delta: f64| {
+                        let (mut t, mut w) = (tokens.clone(), weight.clone());
+                        if of_tokens {
+                            t[i] += delta;
+                        } else {
+                            w[i] += delta;
+                        }
+                        value(&t, &w)
+                    };
+                    (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+                })
+                .collect()
+        };
+        let name = format!("sinkhorn top-{top_k}");
+        for (what, got, want) in [
+            (
+                "tokens",
+                values(x.grad(&grads).expect("tokens")),
+                estimate(true),
+            ),
+            (
+                "weight",
+                values(w.grad(&grads).expect("weight")),
+                estimate(false),
+            ),
+        ] {
+            let diff = relative_difference(&format!("{name}: {what}"), &got, &want);
+            assert!(
+                diff < tolerance::FINITE_DIFFERENCE_F64,
+                "{name}: gradient of the {what} off by {diff:.2e}"
+            );
+        }
+        let evaluation = Router::<B>::new(w.inner(), settings).route(x.inner());
+        assert_ne!(
+            routing.read_experts().expect("experts"),
+            evaluation.read_experts().expect("experts"),
+            "{name}: Sinkhorn's choice equals the plain top-k's here"
+        );
+    }
 }

@@ -18,6 +18,7 @@ mod overlap;
 mod pretrain;
 mod router_dtype;
 mod router_losses;
+mod sinkhorn;
 
 use burn::backend::{Autodiff, NdArray};
 pub use burn_megatron_testing::{assert_close, run, tolerance, values};

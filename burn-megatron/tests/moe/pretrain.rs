@@ -658,7 +658,83 @@ fn context_parallel_with_router_options_equals_one_rank() {
     }
 }
 
-/// The router options' errors name the options: Megatron's `sinkhorn`, an unknown type, a
+/// `--moe-router-load-balancing-type sinkhorn` through `pretrain_gpt`: CP 2 with the experts
+/// split over the two CP ranks equals one rank, and the choice differs from the plain
+/// top-k's (the losses differ from the run without it, whose load-balancing loss is also 0).
+/// The sums over both halves of a sequence are checked directly in `sinkhorn.rs`: on this
+/// tiny model the choice alone would not show their absence.
+#[test]
+fn context_parallel_with_sinkhorn_equals_one_rank() {
+    use burn_megatron::transformer::moe::LoadBalancingType;
+    let run = |ep: usize, extra: &[&str]| {
+        let mut options = vec!["--moe-router-load-balancing-type", "sinkhorn"];
+        options.extend_from_slice(extra);
+        // moe_run_with's load-balancing loss off: Sinkhorn balancing takes none.
+        moe_run_with(1, ep, true, 4, &options).with_moe_aux_loss_coeff(0.0)
+    };
+    let one = run(1, &[]);
+    let moe = one.model().moe.expect("MoE layers");
+    assert_eq!(moe.load_balancing_type, LoadBalancingType::Sinkhorn);
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let one = train(&one);
+    let cp = train(&run(2, &["--context-parallel-size", "2"]));
+    assert_close(
+        "CP 2 x EP 2 with Sinkhorn",
+        &cp.losses(),
+        &one.losses(),
+        tolerance::F32_TRAINING,
+    );
+    let plain = train(
+        &moe_run_with(1, 1, true, 4, &["--moe-router-load-balancing-type", "none"])
+            .with_moe_aux_loss_coeff(0.0),
+    );
+    let diff = burn_megatron_testing::relative_difference("plain", &plain.losses(), &one.losses());
+    assert!(diff > 1e-4, "Sinkhorn's choice changed nothing: {diff:.2e}");
+}
+
+/// Megatron's MoE performance switches (`--moe-grouped-gemm`, `--moe-permute-fusion`,
+/// `--moe-shared-expert-overlap`, as its Mixtral and DeepSeek-V3 scripts pass them) are
+/// accepted and change nothing, on the command line and in a file; turning one off, or one
+/// without `--num-experts`, is an error naming it.
+#[test]
+fn megatrons_moe_switches_are_accepted() {
+    let parse = |extra: &[&str]| {
+        let base = ["pretrain_gpt"];
+        PretrainArgs::parse_from(base.iter().chain(extra)).into_config()
+    };
+    let experts = ["--num-experts", "4"];
+    let plain = parse(&experts).expect("plain").to_string();
+    let switches = [
+        "--moe-grouped-gemm",
+        "--moe-permute-fusion",
+        "--moe-shared-expert-overlap",
+    ];
+    let all: Vec<&str> = experts.iter().chain(&switches).copied().collect();
+    assert_eq!(parse(&all).expect("the switches").to_string(), plain);
+    let dir = scratch_dir("bm-moe", "switches");
+    let file = dir.join("run.toml");
+    std::fs::write(
+        &file,
+        "num-experts = 4\nmoe-grouped-gemm = true\nmoe-permute-fusion = true\n",
+    )
+    .expect("writing the file");
+    let from_file = parse(&["--config", file.to_str().expect("a UTF-8 path")]).expect("file");
+    assert_eq!(from_file.to_string(), plain);
+    for switch in switches {
+        let e = parse(&["--num-experts", "4", switch, "false"])
+            .expect_err("turned off")
+            .to_string();
+        assert!(e.contains(switch) && e.contains("always on here"), "{e}");
+        let e = parse(&[switch]).expect_err("without experts").to_string();
+        assert!(
+            e.contains(switch) && e.contains("needs --num-experts"),
+            "{e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The router options' errors name the options: Megatron's `global_aux_loss`, an unknown type, a
 /// NaN scaling factor, groups that do not split the experts, a group top-k above the groups,
 /// softmax top-1 without pre-softmax, and any of them without `--num-experts`.
 #[test]
@@ -667,17 +743,21 @@ fn router_option_errors_name_the_options() {
         let base = ["pretrain_gpt", "--num-experts", "4"];
         PretrainArgs::parse_from(base.iter().chain(extra)).into_config()
     };
-    let e = parse(&["--moe-router-load-balancing-type", "sinkhorn"])
-        .expect_err("sinkhorn")
+    let e = parse(&["--moe-router-load-balancing-type", "global_aux_loss"])
+        .expect_err("global_aux_loss")
         .to_string();
     assert!(
-        e.contains("sinkhorn is Megatron's but not implemented"),
+        e.contains("global_aux_loss is Megatron's but not implemented"),
         "{e}"
     );
     let e = parse(&["--moe-router-load-balancing-type", "balanced"])
         .expect_err("unknown")
         .to_string();
-    assert!(e.contains("use aux_loss, seq_aux_loss or none"), "{e}");
+    assert!(
+        e.contains("use aux_loss, seq_aux_loss, sinkhorn or none"),
+        "{e}"
+    );
+
     let err = |extra: &[&str]| {
         let config = config(extra);
         config
@@ -685,6 +765,18 @@ fn router_option_errors_name_the_options() {
             .expect_err("invalid options")
             .to_string()
     };
+    let e = err(&[
+        "--num-experts",
+        "4",
+        "--moe-router-load-balancing-type",
+        "sinkhorn",
+        "--moe-aux-loss-coeff",
+        "0.01",
+    ]);
+    assert!(
+        e.contains("sinkhorn does not take --moe-aux-loss-coeff"),
+        "{e}"
+    );
     let e = err(&[
         "--num-experts",
         "4",

@@ -10,7 +10,9 @@ use super::dispatcher::{TokenDispatcher, TokenDispatcherType};
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
 use super::router::{LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings};
-use super::settings::{MoeSettings, check_expert_sizes, check_expert_widths};
+use super::settings::{
+    MoeSettings, check_expert_sizes, check_expert_widths, check_sinkhorn_choice,
+};
 use crate::error::ConfigError;
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::ops::CounterNormalOps;
@@ -201,6 +203,11 @@ impl MoeConfig {
             ep,
         )?;
         self.router_settings().validate(self.num_experts)?;
+        check_sinkhorn_choice(
+            self.load_balancing_type,
+            self.expert_bias,
+            self.capacity.is_some(),
+        )?;
         self.capacity.map_or(Ok(()), |c| c.validate())
     }
 }

@@ -2,7 +2,8 @@
 //! capacity per expert, in the GPT model and `pretrain_gpt`, CPU-tested against one device.
 //!
 //! - [`router`]: linear scores, softmax or sigmoid, top-k (pre-softmax or not, group-limited or
-//!   not), normalisation and scaling of the weights, DeepSeek-V3's expert bias.
+//!   not), normalisation and scaling of the weights, DeepSeek-V3's expert bias;
+//!   [`sinkhorn`]: the choice balanced by Sinkhorn's normalisation instead of a loss.
 //! - [`dispatcher`]: tokens sorted by expert and moved over the expert-parallel group, then
 //!   brought back in order: by an all-to-all of blocks of different sizes, or by an
 //!   all-gather of the group's tokens and a reduce-scatter of the outputs
@@ -18,7 +19,8 @@
 //! - [`settings`]: [`MoeSettings`], the MoE part of a `TransformerConfig` (which layers, which
 //!   settings), and `--moe-layer-freq`'s forms.
 //!
-//! Not yet: expert tensor parallelism, Megatron's `flex` dispatcher (DeepEP); the token counts
+//! Not yet: expert tensor parallelism of a size other than 1 or the TP size, Megatron's
+//! `flex` dispatcher (DeepEP); the token counts
 //! that size the exchange (`ep · (num_experts + 1)` numbers) are read to the host in every
 //! MoE layer's forward pass.
 
@@ -31,6 +33,7 @@ pub mod layer;
 pub mod losses;
 pub mod router;
 pub mod settings;
+pub mod sinkhorn;
 
 pub use aux_losses::{load_balancing_loss, sequence_load_balancing_loss, z_loss};
 pub use capacity::{ExpertCapacity, TokenDropPolicy};
@@ -47,3 +50,4 @@ pub use router::{
     expert_bias_update,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};
+pub use sinkhorn::{SINKHORN_MAX_ITERATIONS, SINKHORN_TOLERANCE, sinkhorn};

@@ -20,6 +20,7 @@ use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend}
 use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
 
 use super::aux_losses::{load_balancing_share, z_loss};
+use super::sinkhorn::sinkhorn;
 use crate::backend::ModelBackend;
 use crate::error::{ConfigError, DeviceError, read_data};
 use crate::ops::{TopKOps, linear, sigmoid, top_k_indices};
@@ -34,8 +35,8 @@ pub enum RouterScoreFunction {
     Sigmoid,
 }
 
-/// Which load-balancing loss the router adds (Megatron's `--moe-router-load-balancing-type`;
-/// Megatron's `sinkhorn` is not implemented).
+/// How the router balances the experts' load (Megatron's `--moe-router-load-balancing-type`):
+/// by a loss, or by Sinkhorn's normalisation of its choice.
 #[derive(Config, Debug, Copy, PartialEq)]
 pub enum LoadBalancingType {
     /// `aux_loss`: Switch Transformer's, over all of the rank's tokens (Megatron's default).
@@ -45,6 +46,11 @@ pub enum LoadBalancingType {
     SeqAuxLoss,
     /// `none`: no load-balancing loss, whatever `--moe-aux-loss-coeff` says.
     None,
+    /// `sinkhorn`: in training, the top-k of the logits balanced by
+    /// [`sinkhorn`](super::sinkhorn::sinkhorn) (no loss: `--moe-aux-loss-coeff` must be 0); in
+    /// evaluation, the top-k of the weights. The weights are the sigmoid of the chosen logit
+    /// (top-1) or the softmax over all experts at the chosen ones (top-k), as in Megatron.
+    Sinkhorn,
 }
 
 impl LoadBalancingType {
@@ -54,6 +60,7 @@ impl LoadBalancingType {
             Self::AuxLoss => "aux_loss",
             Self::SeqAuxLoss => "seq_aux_loss",
             Self::None => "none",
+            Self::Sinkhorn => "sinkhorn",
         }
     }
 }
@@ -154,6 +161,9 @@ impl RouterSettings {
     pub fn validate(&self, num_experts: usize) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
         let top_k = self.top_k;
+        if self.load_balancing == LoadBalancingType::Sinkhorn {
+            return self.validate_sinkhorn();
+        }
         if top_k == 1 && self.score_function == RouterScoreFunction::Softmax && !self.pre_softmax {
             return invalid(
                 "MoE top_k 1 with softmax scores needs pre_softmax (--moe-router-pre-softmax): \
@@ -221,6 +231,37 @@ impl RouterSettings {
             ));
         }
         Ok(())
+    }
+
+    /// Sinkhorn balancing has its own weights and no loss: Megatron refuses an auxiliary
+    /// loss with it and ignores the options that shape the other routings' choice and weights.
+    /// Here those options are refused, so that none is silently ignored.
+    fn validate_sinkhorn(&self) -> Result<(), ConfigError> {
+        let ignored = [
+            (self.aux_loss_coeff != 0.0, "--moe-aux-loss-coeff above 0"),
+            (
+                self.score_function == RouterScoreFunction::Sigmoid,
+                "--moe-router-score-function sigmoid",
+            ),
+            (self.pre_softmax, "--moe-router-pre-softmax"),
+            (self.normalize_top_k, "--moe-router-topk-normalize"),
+            (
+                self.num_groups.is_some() || self.group_top_k.is_some(),
+                "--moe-router-num-groups and --moe-router-group-topk",
+            ),
+            (
+                self.scaling_factor.is_some(),
+                "--moe-router-topk-scaling-factor",
+            ),
+        ];
+        match ignored.iter().find(|(set, _)| *set) {
+            Some((_, option)) => Err(ConfigError::Invalid(format!(
+                "--moe-router-load-balancing-type sinkhorn does not take {option}: Sinkhorn \
+                 balancing adds no loss, and its weights are the sigmoid of the chosen logit \
+                 (top-1) or the softmax over all experts (top-k)"
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -384,6 +425,9 @@ impl<B: ModelBackend> Router<B> {
             None => (tokens, self.weight.val()),
         };
         let logits = linear(tokens, weight, None);
+        if s.load_balancing == LoadBalancingType::Sinkhorn {
+            return self.route_sinkhorn(logits, model_dtype, sequence);
+        }
         let scores = match s.score_function {
             RouterScoreFunction::Softmax => softmax(logits.clone(), 1),
             RouterScoreFunction::Sigmoid => sigmoid(logits.clone()),
@@ -407,7 +451,7 @@ impl<B: ModelBackend> Router<B> {
         };
         let loss = match s.load_balancing {
             _ if s.aux_loss_coeff == 0.0 => None,
-            LoadBalancingType::None => None,
+            LoadBalancingType::None | LoadBalancingType::Sinkhorn => None,
             LoadBalancingType::AuxLoss => Some(1),
             LoadBalancingType::SeqAuxLoss => Some(batch),
         };
@@ -476,6 +520,49 @@ impl<B: ModelBackend> Router<B> {
             tokens_per_expert,
             routing_map,
             load_balancing_loss,
+            z_loss,
+        })
+    }
+
+    /// [`LoadBalancingType::Sinkhorn`]'s routing of `logits` (`[tokens, num_experts]`, in the
+    /// router's dtype): the choice from [`sinkhorn`] in training (where the device tracks
+    /// gradients), from the weights in evaluation; no load-balancing loss.
+    fn route_sinkhorn(
+        &self,
+        logits: Tensor<B, 2>,
+        model_dtype: DType,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<Routing<B>> {
+        let s = self.settings;
+        let device = logits.device();
+        let probs = match s.top_k {
+            1 => sigmoid(logits.clone()),
+            _ => softmax(logits.clone(), 1),
+        };
+        let for_choice = match B::ad_enabled(&device) {
+            true => sinkhorn(logits.clone(), sequence)?,
+            false => probs.clone().detach(),
+        };
+        let chosen = top_k_indices(for_choice, s.top_k);
+        let routing_map = routing_map(chosen.clone(), self.num_experts());
+        let tokens_per_expert = routing_map.clone().sum_dim(0).reshape([self.num_experts()]);
+        let weights = probs.gather(1, chosen.clone());
+        let weights = match s.dtype {
+            Some(_) => weights.cast(model_dtype),
+            None => weights,
+        };
+        let z_loss = if s.z_loss_coeff == 0.0 {
+            Tensor::zeros([1], &device)
+        } else {
+            let ranks = sequence.map_or(1, ProcessGroup::size);
+            z_loss(logits, s.z_loss_coeff).div_scalar(ranks as f64)
+        };
+        Ok(Routing {
+            weights,
+            experts: chosen,
+            tokens_per_expert,
+            routing_map,
+            load_balancing_loss: Tensor::zeros([1], &device),
             z_loss,
         })
     }

@@ -156,6 +156,11 @@ impl MoeSettings {
             ep,
         )?;
         self.router_settings().validate(self.num_experts)?;
+        check_sinkhorn_choice(
+            self.load_balancing_type,
+            self.expert_bias,
+            self.capacity.is_some(),
+        )?;
         match &self.layer_pattern {
             Some(pattern) if pattern.len() != num_layers => {
                 return invalid(format!(
@@ -184,6 +189,25 @@ impl MoeSettings {
         }
         self.capacity.map_or(Ok(()), |c| c.validate())
     }
+}
+
+/// Sinkhorn balancing makes the choice itself: Megatron's ignores the expert bias and the
+/// capacity; here both are refused with it.
+pub fn check_sinkhorn_choice(
+    load_balancing: LoadBalancingType,
+    expert_bias: bool,
+    capacity: bool,
+) -> Result<(), ConfigError> {
+    let option = match (expert_bias, capacity) {
+        _ if load_balancing != LoadBalancingType::Sinkhorn => return Ok(()),
+        (true, _) => "--moe-router-enable-expert-bias",
+        (_, true) => "--moe-expert-capacity-factor",
+        _ => return Ok(()),
+    };
+    Err(ConfigError::Invalid(format!(
+        "--moe-router-load-balancing-type sinkhorn does not take {option}: Sinkhorn balancing \
+         makes the choice itself"
+    )))
 }
 
 /// The sizes every MoE layer needs: at least one expert of a positive width, `top_k` in
