@@ -565,10 +565,17 @@ impl PretrainConfig {
                 .filter(|e| (dp * cp).is_multiple_of(*e) && experts.is_multiple_of(*e))
                 .map(|e| e.to_string())
                 .collect();
+            let spanning_tp = match self.tensor_model_parallel_size {
+                1 => String::new(),
+                tp => format!(
+                    " (Megatron's expert grid, where with --expert-tensor-parallel-size 1 EP may \
+                     also span the {tp} TP ranks, is not implemented here)"
+                ),
+            };
             return invalid(format!(
                 "--expert-model-parallel-size ({ep}) must divide DP × CP ({dp} × {cp}): expert \
                  parallelism splits the data-parallel ranks into EP × expert-DP; valid sizes \
-                 here are {}",
+                 here are {}{spanning_tp}",
                 valid.join(", ")
             ));
         }

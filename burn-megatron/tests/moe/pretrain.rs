@@ -118,6 +118,28 @@ fn expert_layout_errors_name_the_options() {
         e.contains("--expert-model-parallel-size (4) must divide DP × CP"),
         "{e}"
     );
+    assert!(!e.contains("span"), "{e}");
+    // A Megatron script whose EP spans the TP ranks (--expert-tensor-parallel-size 1) is told
+    // that this grid is not implemented.
+    let spanning = config(&[
+        "--data-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--expert-model-parallel-size",
+        "4",
+        "--expert-tensor-parallel-size",
+        "1",
+    ])
+    .with_tensor_model_parallel_size(2);
+    let e = spanning
+        .check(spanning.world_size())
+        .expect_err("EP spanning TP")
+        .to_string();
+    assert!(
+        e.contains("must divide DP × CP (2 × 1)") && e.contains("span the 2 TP ranks"),
+        "{e}"
+    );
     let three = config(&[
         "--data-parallel-size",
         "3",
