@@ -209,6 +209,16 @@ EOF
 ours() { # name preset ep [pretrain_gpt flags...]
   local name=$1 preset=$2 ep=$3; shift 3
   local iters=$ITERS lim tiny=(${TINY[@]+"${TINY[@]}"}) tp=${TP:-1}
+  if [ "$CPU_CHECK" = 1 ]; then
+    # The tiny model's --num-layers stands: drop a part's own (clap refuses an option twice).
+    local kept=() skip=0 a
+    for a in "$@"; do
+      if [ $skip = 1 ]; then skip=0; continue; fi
+      if [ "$a" = --num-layers ]; then skip=1; continue; fi
+      kept+=("$a")
+    done
+    set -- ${kept[@]+"${kept[@]}"}
+  fi
   [ "$preset" = deepseek_moe_1b ] && tiny+=(${TINY_DEEPSEEK[@]+"${TINY_DEEPSEEK[@]}"})
   if ! lim=$(run_limit "$LIMIT_OURS"); then say "=== skip ours $name: less than ${MIN_START} s of the ${BUDGET} s budget left"; return; fi
   local args=(--config examples/configs/$preset.toml ${tiny[@]+"${tiny[@]}"} ${PRECISION[@]+"${PRECISION[@]}"}
