@@ -35,6 +35,9 @@
 #   NPROC=2 PART=etp2 bash bench/moe_gpu_check.sh     # 2 GPUs: TP 2 with the experts split (ETP 2) and whole (ETP 1); the router in fp32 and fp64
 #   NPROC=1 PART=router1 bash bench/moe_gpu_check.sh  # 1 GPU: the router in the model's dtype, fp32 and fp64
 #   NPROC=1 PART=sinkhorn1 bash bench/moe_gpu_check.sh  # 1 GPU: Sinkhorn balancing against the auxiliary loss
+#   FORCE_BALANCE=1 ... # any part with an even expert load on both sides: ours with
+#                       # --moe-router-force-load-balancing, the peer with --force-balance
+#   NPROC=1 PART=balanced1 bash bench/moe_gpu_check.sh  # 1 GPU: both presets (8 layers, EP 1, the hook) with and without an even load, each next to its peer
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
 #
@@ -226,6 +229,7 @@ ours() { # name preset ep [pretrain_gpt flags...]
     --collective-checks false --use-distributed-optimizer
     --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size 1 --data-parallel-size $(( NPROC / tp ))
     --expert-model-parallel-size "$ep" --micro-batch-size 1 --global-batch-size 8 --seq-length "$SEQ" "$@")
+  [ "${FORCE_BALANCE:-0}" = 1 ] && args+=(--moe-router-force-load-balancing)
   PORT=$(( PORT + 1 ))
   say "=== ours $name: $preset, TP $tp, EP $ep x expert-DP $(( NPROC / tp / ep )), seq $SEQ, $iters iterations (limit $lim s)"
   echo "$PRETRAIN ${args[*]}" >> "$LOG"
@@ -243,6 +247,7 @@ torch() { # name [torch_moe.py flags...]
   local name=$1; shift
   # Global batch 8, as ours: 8 / NPROC micro-batches a rank between optimizer steps.
   local lim flags=("$@" --seq "$SEQ" --micro-batch 1 --grad-accum $(( 8 / NPROC )) --warmup 2 --steps "$TORCH_STEPS")
+  [ "${FORCE_BALANCE:-0}" = 1 ] && flags+=(--force-balance)
   [ "$TORCH_NO_COMPILE" = 1 ] && [[ " $* " != *" --no-compile "* ]] && { flags+=(--no-compile); name=${name}_eager; }
   if [ "$CPU_CHECK" = 1 ]; then
     say "=== torch $name (not run on CPU): torchrun --nproc-per-node $NPROC bench/torch_moe.py ${flags[*]}"
@@ -461,6 +466,18 @@ if [ "$PART" != all ] && part sinkhorn1; then
   # iterations, next to the same model with the auxiliary loss.
   ITERS=16 ours mixtral_ep1_aux mixtral_1b_moe 1 --num-layers 8
   ITERS=16 ours mixtral_ep1_sinkhorn mixtral_1b_moe 1 --num-layers 8 --moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0
+fi
+if [ "$PART" != all ] && part balanced1; then
+  # For one GPU (NPROC=1): what the routing's imbalance costs. Both presets with 8 layers at
+  # EP 1 with the overlap hook, routed as trained and with an even load (FORCE_BALANCE), each
+  # next to its peer routed the same way.
+  for preset in deepseek mixtral; do
+    cfg=${preset}_1b_moe; [ $preset = deepseek ] && cfg=deepseek_moe_1b
+    ITERS=16 ours ${preset}_ep1_hook $cfg 1 --num-layers 8 --overlap-grad-reduce
+    torch ${preset}_ep1 --preset $preset --ep 1 --layers 8
+    FORCE_BALANCE=1 ITERS=16 ours ${preset}_ep1_hook_even $cfg 1 --num-layers 8 --overlap-grad-reduce
+    FORCE_BALANCE=1 torch ${preset}_ep1_even --preset $preset --ep 1 --layers 8
+  done
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

@@ -7,6 +7,7 @@
 #   torchrun --nproc-per-node 4 bench/torch_moe.py --preset mixtral --ep 2     # EP 2 x expert-DP 2
 #   torchrun --nproc-per-node 4 bench/torch_moe.py --preset deepseek --ep 4
 #   torchrun --nproc-per-node 2 bench/torch_moe.py --device cpu --tiny --ep 2  # gloo smoke test
+#   ... --force-balance   # random logits, an even load (Megatron's --moe-router-force-load-balancing)
 #
 # What it does, as Megatron's MoE does it and as ours does:
 # - the router: a linear layer to one logit per expert, softmax (Mixtral) or sigmoid with
@@ -185,6 +186,10 @@ class Moe(nn.Module):
         b, s, h = x.shape
         t = self.norm(x).reshape(b * s, h)
         logits = self.router(t).float()
+        if c.get("force_balance"):
+            # Megatron's --moe-router-force-load-balancing: random logits for an even load,
+            # the gradient passed straight through to the real ones.
+            logits = logits + (torch.randn_like(logits) - logits).detach()
         scores = logits.softmax(-1) if c["score"] == "softmax" else logits.sigmoid()
         choice = scores + self.expert_bias if c["bias"] else scores
         idx = choice.detach().topk(c["k"], -1).indices
@@ -256,6 +261,8 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--layers", type=int, default=None, help="layers (the preset's by default)")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--force-balance", action="store_true",
+                   help="route by random logits (Megatron's --moe-router-force-load-balancing)")
     p.add_argument("--no-grouped-mm", action="store_true", help="the loop over experts")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny model (smoke tests)")
@@ -276,6 +283,7 @@ def main():
         c["fs"] = TINY["fs"] if c["fs"] else 0
     if a.layers:
         c["l"] = a.layers
+    c["force_balance"] = a.force_balance
     if world % a.ep or c["e"] % a.ep:
         sys.exit(f"torch_moe: ERROR: --ep {a.ep} must divide the world ({world}) and the experts ({c['e']})")
     # EP groups: consecutive ranks; expert-DP groups: the ranks holding the same experts.

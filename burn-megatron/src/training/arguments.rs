@@ -469,6 +469,17 @@ pub struct PretrainArgs {
     /// whatever the model's: fp32 or fp64. [default: the model's]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_router_dtype: Option<String>,
+    /// Route by pseudo-random logits (a hash of each logit), so that the experts' load is even
+    /// whatever the router has learned: Megatron's switch for benchmarking the experts and the
+    /// exchange without the routing's imbalance. The router still trains (its gradient passes
+    /// straight through), and the z-loss comes from the real logits. [default: false]
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        help_heading = "Mixture of experts"
+    )]
+    pub moe_router_force_load_balancing: Option<bool>,
     /// Megatron's switch for one grouped GEMM over a rank's experts: always on here (on CUDA
     /// one grouped product, or per-expert GEMMs on side streams; elsewhere a loop), accepted
     /// so that Megatron's scripts run. It cannot be turned off. [default: true]
@@ -633,6 +644,7 @@ impl PretrainArgs {
             moe_router_enable_expert_bias => moe_router_enable_expert_bias,
             moe_router_bias_update_rate => moe_router_bias_update_rate,
             moe_pad_expert_input_to_capacity => moe_pad_expert_input_to_capacity,
+            moe_router_force_load_balancing => moe_router_force_load_balancing,
         );
         set_some!(
             num_experts,
@@ -798,6 +810,7 @@ impl PretrainArgs {
             moe_pad_expert_input_to_capacity,
             moe_token_dispatcher_type,
             moe_router_dtype,
+            moe_router_force_load_balancing,
             moe_grouped_gemm,
             moe_permute_fusion,
             moe_shared_expert_overlap,

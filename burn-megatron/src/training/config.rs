@@ -337,6 +337,10 @@ pub struct PretrainConfig {
     /// The dtype the MoE routers compute in (`--moe-router-dtype`); `None`: the model's.
     #[config(default = "None")]
     pub moe_router_dtype: Option<RouterDtype>,
+    /// Route by pseudo-random logits for an even expert load
+    /// (`--moe-router-force-load-balancing`, for benchmarks).
+    #[config(default = false)]
+    pub moe_router_force_load_balancing: bool,
     /// Hidden width of each routed expert (`--moe-ffn-hidden-size`); `None`: the MLP's.
     #[config(default = "None")]
     pub moe_ffn_hidden_size: Option<usize>,
@@ -517,6 +521,7 @@ impl PretrainConfig {
                 .with_token_dispatcher(self.moe_token_dispatcher_type)
                 .with_expert_tensor_parallel_size(self.expert_tensor_parallel_size)
                 .with_router_dtype(self.moe_router_dtype)
+                .with_force_load_balancing(self.moe_router_force_load_balancing)
         })
     }
 
@@ -531,6 +536,7 @@ impl PretrainConfig {
             if ep != 1
                 || self.expert_tensor_parallel_size.is_some()
                 || self.moe_router_dtype.is_some()
+                || self.moe_router_force_load_balancing
                 || self.moe_ffn_hidden_size.is_some()
                 || self.moe_shared_expert_intermediate_size.is_some()
                 || self.moe_layer_pattern.is_some()

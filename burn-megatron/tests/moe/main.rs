@@ -11,6 +11,7 @@ mod capacity;
 mod config_errors;
 mod expert_parallel;
 mod expert_parts;
+mod force_balance;
 mod gpt_model;
 mod grouped_linear;
 mod optimizer;

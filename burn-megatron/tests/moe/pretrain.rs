@@ -198,7 +198,13 @@ fn moe_run(dp: usize, ep: usize, zero1: bool, iters: usize) -> PretrainConfig {
 }
 
 /// [`moe_run`] with `extra` options.
-fn moe_run_with(dp: usize, ep: usize, zero1: bool, iters: usize, extra: &[&str]) -> PretrainConfig {
+pub(crate) fn moe_run_with(
+    dp: usize,
+    ep: usize,
+    zero1: bool,
+    iters: usize,
+    extra: &[&str],
+) -> PretrainConfig {
     let (dp, ep) = (dp.to_string(), ep.to_string());
     let mut args = vec![
         "--data-parallel-size",

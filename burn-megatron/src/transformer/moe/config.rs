@@ -94,6 +94,10 @@ pub struct MoeConfig {
     /// The dtype the router computes in (`--moe-router-dtype`); `None`: the model's.
     #[config(default = "None")]
     pub router_dtype: Option<RouterDtype>,
+    /// Route by pseudo-random logits for an even load (`--moe-router-force-load-balancing`,
+    /// for benchmarks; see [`RouterSettings::force_load_balancing`]).
+    #[config(default = false)]
+    pub force_load_balancing: bool,
 }
 
 impl MoeConfig {
@@ -184,6 +188,7 @@ impl MoeConfig {
             aux_loss_coeff: self.aux_loss_coeff,
             z_loss_coeff: self.z_loss_coeff,
             dtype: self.router_dtype,
+            force_load_balancing: self.force_load_balancing,
         }
     }
 
@@ -250,5 +255,6 @@ impl MoeSettings {
         .with_capacity(self.capacity)
         .with_token_dispatcher(self.token_dispatcher)
         .with_router_dtype(self.router_dtype)
+        .with_force_load_balancing(self.force_load_balancing)
     }
 }

@@ -47,7 +47,7 @@ pub use layer::{MoeLayer, MoeOutput};
 pub use losses::MoeLosses;
 pub use router::{
     LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings, Routing,
-    expert_bias_update,
+    balancing_logits, expert_bias_update,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};
 pub use sinkhorn::{SINKHORN_MAX_ITERATIONS, SINKHORN_TOLERANCE, sinkhorn};

@@ -130,6 +130,10 @@ pub struct RouterSettings {
     pub z_loss_coeff: f64,
     /// The dtype the router computes in; `None`: the model's.
     pub dtype: Option<RouterDtype>,
+    /// Route by [`balancing_logits`] instead of the logits (Megatron's
+    /// `--moe-router-force-load-balancing`, for benchmarks): an even load whatever the
+    /// router has learned. The z-loss still comes from the logits.
+    pub force_load_balancing: bool,
 }
 
 impl Default for RouterSettings {
@@ -146,6 +150,7 @@ impl Default for RouterSettings {
             aux_loss_coeff: 0.0,
             z_loss_coeff: 0.0,
             dtype: None,
+            force_load_balancing: false,
         }
     }
 }
@@ -425,8 +430,20 @@ impl<B: ModelBackend> Router<B> {
             None => (tokens, self.weight.val()),
         };
         let logits = linear(tokens, weight, None);
+        let z_loss = if s.z_loss_coeff == 0.0 {
+            Tensor::zeros([1], &device)
+        } else {
+            // This rank's `n / N` share: context parallelism splits every sequence evenly.
+            let ranks = sequence.map_or(1, ProcessGroup::size);
+            z_loss(logits.clone(), s.z_loss_coeff).div_scalar(ranks as f64)
+        };
+        let logits = match s.force_load_balancing {
+            // Their values, the logits' gradient (a straight-through estimator, as Megatron's).
+            true => logits.clone() - logits.clone().detach() + balancing_logits(logits.detach()),
+            false => logits,
+        };
         if s.load_balancing == LoadBalancingType::Sinkhorn {
-            return self.route_sinkhorn(logits, model_dtype, sequence);
+            return self.route_sinkhorn(logits, model_dtype, z_loss, sequence);
         }
         let scores = match s.score_function {
             RouterScoreFunction::Softmax => softmax(logits.clone(), 1),
@@ -507,13 +524,6 @@ impl<B: ModelBackend> Router<B> {
             }
             _ => Tensor::zeros([1], &device),
         };
-        let z_loss = if s.z_loss_coeff == 0.0 {
-            Tensor::zeros([1], &device)
-        } else {
-            // This rank's `n / N` share: context parallelism splits every sequence evenly.
-            let ranks = sequence.map_or(1, ProcessGroup::size);
-            z_loss(logits, s.z_loss_coeff).div_scalar(ranks as f64)
-        };
         Ok(Routing {
             weights,
             experts: chosen,
@@ -531,6 +541,7 @@ impl<B: ModelBackend> Router<B> {
         &self,
         logits: Tensor<B, 2>,
         model_dtype: DType,
+        z_loss: Tensor<B, 1>,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Routing<B>> {
         let s = self.settings;
@@ -550,12 +561,6 @@ impl<B: ModelBackend> Router<B> {
         let weights = match s.dtype {
             Some(_) => weights.cast(model_dtype),
             None => weights,
-        };
-        let z_loss = if s.z_loss_coeff == 0.0 {
-            Tensor::zeros([1], &device)
-        } else {
-            let ranks = sequence.map_or(1, ProcessGroup::size);
-            z_loss(logits, s.z_loss_coeff).div_scalar(ranks as f64)
         };
         Ok(Routing {
             weights,
@@ -606,6 +611,30 @@ impl<B: ModelBackend> Router<B> {
             s.aux_loss_coeff,
         ))
     }
+}
+
+/// Values in `[0, 1)` that stand in for the router's logits under
+/// [`RouterSettings::force_load_balancing`]: a hash of each logit and its expert's index
+/// (`frac(sin(12.9898 l + 78.233 e) · 43758.5453)`, in f32), so that each token's top-k is
+/// spread evenly over the experts whatever the router has learned. Megatron draws normal
+/// values from a generator seeded by the rank; a function of the logits instead is the same
+/// on every rank that routes the same tokens (the TP ranks), so every layout routes as one
+/// device does. Returned in the logits' dtype, without gradient.
+///
+/// # Shapes
+/// - logits, output: `[tokens, num_experts]`
+pub fn balancing_logits<B: Backend>(logits: Tensor<B, 2>) -> Tensor<B, 2> {
+    let dtype = logits.dtype();
+    let [tokens, experts] = logits.dims();
+    let expert = Tensor::<B, 1, Int>::arange(0..experts as i64, &logits.device())
+        .float()
+        .cast(FloatDType::F32)
+        .reshape([1, experts])
+        .expand([tokens, experts]);
+    let phase =
+        logits.detach().cast(FloatDType::F32).mul_scalar(12.9898) + expert.mul_scalar(78.233);
+    let hashed = phase.sin().mul_scalar(43_758.545_3);
+    (hashed.clone() - hashed.floor()).cast(dtype)
 }
 
 /// DeepSeek-V3's update of the expert bias from one step's load (Megatron's

@@ -88,6 +88,10 @@ pub struct MoeSettings {
     /// model's.
     #[config(default = "None")]
     pub router_dtype: Option<RouterDtype>,
+    /// Route by pseudo-random logits for an even load, whatever the router has learned
+    /// (`--moe-router-force-load-balancing`, Megatron's switch for benchmarks).
+    #[config(default = false)]
+    pub force_load_balancing: bool,
 }
 
 impl MoeSettings {
