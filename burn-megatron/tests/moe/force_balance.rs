@@ -9,7 +9,7 @@ use burn_megatron::training::{Silent, pretrain_on_threads};
 use burn_megatron::transformer::moe::{Router, RouterSettings, balancing_logits};
 
 use crate::pretrain::moe_run_with;
-use crate::{AD, B, assert_close, tolerance, values};
+use crate::{AD, B, assert_close, tolerance, top_k_of_rows, values};
 
 const TOKENS: usize = 256;
 const HIDDEN: usize = 8;
@@ -34,17 +34,6 @@ fn skewed_weight() -> Vec<f32> {
 
 fn tensor<Bk: burn::tensor::backend::Backend>(v: &[f32], shape: [usize; 2]) -> Tensor<Bk, 2> {
     Tensor::from_data(TensorData::new(v.to_vec(), shape), &Default::default())
-}
-
-fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
-    scores
-        .chunks(EXPERTS)
-        .flat_map(|row| {
-            let mut order: Vec<usize> = (0..EXPERTS).collect();
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            order.into_iter().take(k)
-        })
-        .collect()
 }
 
 /// Tokens with positive features, so that the skewed weight favours expert 0 for all.
@@ -85,7 +74,7 @@ fn forced_routing_spreads_a_skewed_batch() {
     assert!(hashed.iter().all(|v| (0.0..1.0).contains(v)));
     assert_eq!(
         forced.read_experts().expect("experts"),
-        top_k(&hashed, 2),
+        top_k_of_rows(&hashed, EXPERTS, 2),
         "the choice"
     );
 }

@@ -26,3 +26,16 @@ pub use burn_megatron_testing::{assert_close, run, tolerance, values};
 
 pub type B = NdArray<f32>;
 pub type AD = Autodiff<B>;
+
+/// Each row's `k` best columns of `scores` (`[rows, experts]`, row-major), best first, ties to
+/// the lower column: the router's top-k, on the host.
+pub fn top_k_of_rows(scores: &[f32], experts: usize, k: usize) -> Vec<usize> {
+    scores
+        .chunks(experts)
+        .flat_map(|row| {
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            order.into_iter().take(k)
+        })
+        .collect()
+}

@@ -9,7 +9,7 @@ use burn_megatron::transformer::moe::{
     SINKHORN_MAX_ITERATIONS, sinkhorn,
 };
 
-use crate::{AD, B, assert_close, run, tolerance};
+use crate::{AD, B, assert_close, run, tolerance, top_k_of_rows};
 
 const TOKENS: usize = 12;
 const EXPERTS: usize = 4;
@@ -185,16 +185,7 @@ fn identity_tokens() -> Vec<f32> {
 fn router_chooses_by_sinkhorn_in_training_and_by_weight_in_evaluation() {
     let logits = skewed_logits();
     let (normalised, _) = megatrons_loop(&logits, TOKENS, EXPERTS);
-    let top = |scores: &[f32], k: usize| -> Vec<usize> {
-        scores
-            .chunks(EXPERTS)
-            .flat_map(|row| {
-                let mut order: Vec<usize> = (0..EXPERTS).collect();
-                order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-                order.into_iter().take(k)
-            })
-            .collect()
-    };
+    let top = |scores: &[f32], k: usize| top_k_of_rows(scores, EXPERTS, k);
     for top_k in [1, 2] {
         let training = Router::<AD>::new(tensor(&logits, [TOKENS, EXPERTS]), settings(top_k))
             .route(tensor(&identity_tokens(), [TOKENS, TOKENS]));
