@@ -3,7 +3,7 @@
 //!
 //! - [`router`]: linear scores, softmax or sigmoid, top-k (pre-softmax or not, group-limited or
 //!   not), normalisation and scaling of the weights, DeepSeek-V3's expert bias;
-//!   [`sinkhorn`]: the choice balanced by Sinkhorn's normalisation instead of a loss.
+//!   [`mod@sinkhorn`]: the choice balanced by Sinkhorn's normalisation instead of a loss.
 //! - [`dispatcher`]: tokens sorted by expert and moved over the expert-parallel group, then
 //!   brought back in order: by an all-to-all of blocks of different sizes, or by an
 //!   all-gather of the group's tokens and a reduce-scatter of the outputs

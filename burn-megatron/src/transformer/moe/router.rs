@@ -47,7 +47,7 @@ pub enum LoadBalancingType {
     /// `none`: no load-balancing loss, whatever `--moe-aux-loss-coeff` says.
     None,
     /// `sinkhorn`: in training, the top-k of the logits balanced by
-    /// [`sinkhorn`](super::sinkhorn::sinkhorn) (no loss: `--moe-aux-loss-coeff` must be 0); in
+    /// [`sinkhorn`] (no loss: `--moe-aux-loss-coeff` must be 0); in
     /// evaluation, the top-k of the weights. The weights are the sigmoid of the chosen logit
     /// (top-1) or the softmax over all experts at the chosen ones (top-k), as in Megatron.
     Sinkhorn,

@@ -34,7 +34,7 @@ pub const SINKHORN_MAX_ITERATIONS: usize = 1024;
 /// The tokens are this rank's part of a batch spread over `sequence` (the context-parallel
 /// group): each expert's sum then runs over the whole batch (an all-reduce of `E` values an
 /// iteration, on the device), so that the result is the one device's. Every
-/// [`ITERATIONS_PER_READ`] iterations one value is read to the host, whether to go on.
+/// 16 iterations one value is read to the host, whether to go on.
 ///
 /// # Shapes
 /// - logits: `[tokens, num_experts]`
