@@ -17,14 +17,16 @@
 //! GEMMs on 1-8 streams) against one cuBLASLt GEMM per expert, forward and both backward
 //! products, with experts of zero rows, and through `grouped_linear`'s autodiff node; then
 //! times them on Mixtral-like shapes (8 experts, 16k tokens split unevenly) and DeepSeek-like
-//! ones (32 and 64 experts of about 200-400 rows) next to the per-expert GEMMs and a dense GEMM
-//! of the same FLOPs. It exits with 1 on a mismatch. Its peer is `python3 bench/torch_gemm.py --grouped` (`torch._grouped_mm`).
+//! ones (32 and 64 experts of about 200-400 rows) next to the padded blocks (each expert's
+//! block at the largest count, one strided-batched GEMM: the MoE layer's layout for many
+//! experts), the per-expert GEMMs and a dense GEMM of the same FLOPs. It exits with 1 on a mismatch. Its peer is `python3 bench/torch_gemm.py --grouped` (`torch._grouped_mm`).
 
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
+use burn_megatron::ops::grouped_linear::padded_block_rows;
 use burn_megatron_kernels::cuda::gemm::{gemm_fp8, gemm_fp8_accumulate_at, matmul};
 use burn_megatron_kernels::cuda::grouped_gemm::Engine;
 use burn_megatron_kernels::cuda::{CudaGpu, MegatronCuda, MegatronCudaRuntime};
@@ -603,6 +605,12 @@ fn grouped_check(device: &CudaGpu) -> bool {
             split(16384, &[0.22, 0.0, 0.15, 0.05, 0.25, 0.12, 0.11, 0.10]),
         ),
         ("mixtral-1b fc2", 5632, 2048, split(16384, &UNEVEN)),
+        (
+            "blocks of one size: one strided batch",
+            256,
+            384,
+            vec![40; 6],
+        ),
     ];
     let mut ok = true;
     for (label, k, m, counts) in cases {
@@ -741,12 +749,13 @@ fn grouped_times(device: &CudaGpu) {
             counts.len()
         );
         println!(
-            "{:<38} {} {:>11} {:>9} {:>11}",
+            "{:<38} {} {:>11} {:>11} {:>9} {:>11}",
             "product",
             engine_names
                 .iter()
                 .map(|n| format!("{n:>11}"))
                 .collect::<String>(),
+            "padded",
             "per-expert",
             "dense",
             "best/dense"
@@ -761,6 +770,14 @@ fn grouped_times(device: &CudaGpu) {
             let flops = 2.0 * (tokens * k * m) as f64;
             let tflops = |t: Duration| flops / t.as_secs_f64() / 1e12;
             let mut totals = vec![Duration::ZERO; ENGINES.len()];
+            // The MoE layer's padded blocks: every expert's block at the largest count
+            // (rounded up), one strided-batched GEMM; its TFLOP/s count the real rows only.
+            let block = padded_block_rows(&counts, f64::INFINITY).expect("two experts or more");
+            let padded_counts = vec![block; counts.len()];
+            let padded_x = normal_bf16([block * counts.len(), k], device);
+            let padded_dy = normal_bf16([block * counts.len(), m], device);
+            let padded_rows = GroupedOperand::Rows(padded_dy.clone());
+            let mut padded_total = Duration::ZERO;
             for pass in [Pass::Forward, Pass::InputGrad, Pass::WeightGrad] {
                 let (a, b) = match pass {
                     Pass::Forward => (&x, &stacked),
@@ -776,15 +793,25 @@ fn grouped_times(device: &CudaGpu) {
                         tflops(t)
                     })
                     .collect();
+                let (padded_a, padded_b) = match pass {
+                    Pass::Forward => (&padded_x, &stacked),
+                    Pass::InputGrad => (&padded_dy, &stacked),
+                    Pass::WeightGrad => (&padded_x, &padded_rows),
+                };
+                let padded_time = time_of(device, || {
+                    grouped(pass, padded_a, padded_b, &padded_counts, Engine::Grouped)
+                });
+                padded_total += padded_time;
+                let padded = tflops(padded_time);
                 let looped = tflops(time_of(device, || per_expert(pass, a, b, &counts)));
                 let dense = tflops(time(device, || match pass {
                     Pass::Forward => matmul(x.clone(), dense_w.clone(), false, false),
                     Pass::InputGrad => matmul(dy.clone(), dense_w.clone(), false, true),
                     Pass::WeightGrad => matmul(x.clone(), dy.clone(), true, false),
                 }));
-                let best = engines.iter().copied().fold(looped, f64::max);
+                let best = engines.iter().copied().fold(looped.max(padded), f64::max);
                 println!(
-                    "{:<38} {} {looped:11.1} {dense:9.1} {:11.2}",
+                    "{:<38} {} {padded:11.1} {looped:11.1} {dense:9.1} {:11.2}",
                     format!("{model} {layer} {pass:?} k={k} m={m}"),
                     engines
                         .iter()
@@ -798,6 +825,7 @@ fn grouped_times(device: &CudaGpu) {
                 format!("{model} {layer} fwd+bwd (the three)"),
                 totals
                     .iter()
+                    .chain([&padded_total])
                     .map(|t| format!("{:11.1}", 3.0 * flops / t.as_secs_f64() / 1e12))
                     .collect::<String>()
             );

@@ -1083,16 +1083,24 @@ fn gemm_matches_the_exact_product() {
 /// The experts' grouped GEMM, by each engine (cuBLAS `cublasGemmGroupedBatchedEx`, and
 /// cuBLASLt GEMMs on one and on three streams), against exact per-expert products: forward,
 /// input gradient and weight gradient, bf16, f16 and f32, experts with zero rows (their weight
-/// gradient exactly zero), tokens with pitched rows; and the weight gradient accumulated into
-/// its slot of a flat f32 buffer.
+/// gradient exactly zero), tokens with pitched rows, blocks of one size (one strided-batched
+/// cuBLASLt GEMM); and the weight gradient accumulated into its slot of a flat f32 buffer.
 #[test]
 fn grouped_gemm_matches_the_exact_products() {
+    let device = CudaGpu::new(0);
+    // Blocks of different sizes, then of one size (one strided-batched GEMM).
+    for counts in [&[0, 37, 5, 0, 120, 1][..], &[24; 5]] {
+        grouped_gemm_case(&device, counts);
+    }
+}
+
+/// [`grouped_gemm_matches_the_exact_products`] for one split of the rows.
+fn grouped_gemm_case(device: &CudaGpu, counts: &[usize]) {
     use burn_megatron_kernels::cuda::gemm::GemmUnsupported;
     use burn_megatron_kernels::cuda::grouped_gemm::{
         Engine, grouped_gemm, grouped_weight_gradient, grouped_weight_gradient_accumulate_at,
     };
-    let device = CudaGpu::new(0);
-    let counts = [0, 37, 5, 0, 120, 1];
+    let device = device.clone();
     let (g, n, k, m) = (counts.len(), counts.iter().sum::<usize>(), 96, 80);
     let raw = |t: &Tensor<Ours, 2>| t.clone().into_primitive().tensor();
     let host = |data: TensorData| -> Vec<f64> { data_values(&data) };
@@ -1141,10 +1149,9 @@ fn grouped_gemm_matches_the_exact_products() {
         let as_data = |t| Tensor::<Ours, 2>::from_primitive(TensorPrimitive::Float(t)).to_data();
         for engine in [Engine::Grouped, Engine::Streams(1), Engine::Streams(3)] {
             let takes = "cuBLAS takes the operands";
-            let got_y = grouped_gemm(&raw(&x), &w_raw, &counts, false, engine).expect(takes);
-            let got_dx = grouped_gemm(&raw(&dy), &w_raw, &counts, true, engine).expect(takes);
-            let got_dw =
-                grouped_weight_gradient(&raw(&x), &raw(&dy), &counts, engine).expect(takes);
+            let got_y = grouped_gemm(&raw(&x), &w_raw, counts, false, engine).expect(takes);
+            let got_dx = grouped_gemm(&raw(&dy), &w_raw, counts, true, engine).expect(takes);
+            let got_dw = grouped_weight_gradient(&raw(&x), &raw(&dy), counts, engine).expect(takes);
             for (name, got, want) in [
                 ("y", as_data(got_y), &y),
                 ("dx", as_data(got_dx), &dx),
@@ -1181,7 +1188,7 @@ fn grouped_gemm_matches_the_exact_products() {
                 grouped_weight_gradient_accumulate_at(
                     &raw(&x),
                     &raw(&dy),
-                    &counts,
+                    counts,
                     engine,
                     &probe,
                     7
@@ -1200,7 +1207,7 @@ fn grouped_gemm_matches_the_exact_products() {
             grouped_weight_gradient_accumulate_at(
                 &raw(&x),
                 &raw(&dy),
-                &counts,
+                counts,
                 engine,
                 &buffer,
                 start,

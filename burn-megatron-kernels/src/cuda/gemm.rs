@@ -79,6 +79,7 @@ pub fn gemm(
         bias: bias.is_some(),
         accumulate: false,
         fp8: None,
+        batch: None,
     };
     submit(key, a, b, binding(&out), bias, None);
     Ok(out)
@@ -207,6 +208,7 @@ fn fp8_key(
         bias: false,
         accumulate: false,
         fp8: Some(fp8),
+        batch: None,
     })
 }
 
@@ -309,6 +311,7 @@ fn accumulate_key(p: &Product, input: DType, ldc: usize) -> GemmKey {
         bias: false,
         accumulate: true,
         fp8: None,
+        batch: None,
     }
 }
 
@@ -474,6 +477,16 @@ pub(super) struct GemmKey {
     pub(super) accumulate: bool,
     /// FP8 operands (`input` is then `U8`, the bytes holding them).
     pub(super) fp8: Option<Fp8Gemm>,
+    /// A strided batch of such products (the padded experts' blocks), `None` for one.
+    pub(super) batch: Option<Batch>,
+}
+
+/// `count` products of one key, each operand's matrices `strides` elements apart (`a`, `b`,
+/// `c`): one cuBLASLt call for all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Batch {
+    pub(super) count: usize,
+    pub(super) strides: [usize; 3],
 }
 
 /// The FP8 formats of a GEMM's operands and its accumulation mode.
@@ -651,6 +664,28 @@ impl LtState {
         let first = layout(b_type, b_rows, b_cols, key.ldb)?;
         let second = layout(a_type, a_rows, a_cols, key.lda)?;
         let out = layout(data_type(key.output), key.m, key.n, key.ldc)?;
+        if let Some(batch) = key.batch {
+            let count = batch.count as i32;
+            let [a_stride, b_stride, c_stride] = batch.strides.map(|s| s as i64);
+            for (layout, stride) in [(first, b_stride), (second, a_stride), (out, c_stride)] {
+                use sys::cublasLtMatrixLayoutAttribute_t::*;
+                // SAFETY: attributes of a layout we own, passed by pointer and size.
+                unsafe {
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        &count as *const i32 as *const _,
+                        4,
+                    )?;
+                    lt::set_matrix_layout_attribute(
+                        layout,
+                        CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        &stride as *const i64 as *const _,
+                        8,
+                    )?;
+                }
+            }
+        }
         let pref = lt::create_matmul_pref()?;
         // SAFETY: as above.
         let heuristic = unsafe {

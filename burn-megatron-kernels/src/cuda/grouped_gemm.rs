@@ -6,6 +6,9 @@
 //!   stream and side streams that start after it (an event) and that it waits for at the end,
 //!   so that the small products of fine-grained experts run side by side and fill the GPU.
 //!
+//! Blocks of one size, evenly spaced (the MoE layer pads many small experts' blocks to one
+//! size), run as one strided-batched cuBLASLt GEMM, whatever the engine.
+//!
 //! The tokens are in expert-major blocks whose sizes (`counts`) are on the host already (the
 //! dispatcher's one read), so every product's sizes and offsets are known here. What cuBLAS's
 //! grouped GEMM needs on the device are its arrays of matrix pointers; they are computed on the
@@ -33,7 +36,9 @@ use super::device::CudaGpu;
 use super::driver::check;
 use super::event::Event;
 use super::foreign::{ForeignContext, ForeignQueue, Lane, binding};
-use super::gemm::{GemmKey, GemmUnsupported, LtState, OUTPUT_ALIGNMENT, WORKSPACE_BYTES, slot_of};
+use super::gemm::{
+    Batch, GemmKey, GemmUnsupported, LtState, OUTPUT_ALIGNMENT, WORKSPACE_BYTES, slot_of,
+};
 use super::runtime::MegatronCudaRuntime;
 
 type Tensor = CubeTensor<MegatronCudaRuntime>;
@@ -245,6 +250,7 @@ fn plain_key(
         bias: false,
         accumulate: false,
         fp8: None,
+        batch: None,
     }
 }
 
@@ -355,6 +361,9 @@ fn submit(
         if blocks.is_empty() {
             return Ok(());
         }
+        if let Some(batched) = as_batch(&blocks) {
+            return run_on_streams(ctx, &[batched], 1);
+        }
         match engine {
             Engine::Grouped => {
                 if ctx.extensions.get_mut::<GroupedState>().is_none() {
@@ -378,6 +387,42 @@ fn submit(
             }
         }
     });
+}
+
+/// The blocks as one strided-batched cuBLASLt GEMM, where there are two or more, all of one
+/// key, each operand's blocks evenly spaced: experts whose blocks are padded to one size (as
+/// the MoE layer pads many small experts), whatever the engine: one GEMM of the same shape
+/// repeated is what cuBLASLt's batched kernels are made for.
+fn as_batch(blocks: &[Block]) -> Option<Block> {
+    let first = *blocks.first()?;
+    let second = blocks.get(1)?;
+    if blocks.iter().any(|b| b.key != first.key) {
+        return None;
+    }
+    let steps = [0, 1, 2].map(|o| second.offsets[o].checked_sub(first.offsets[o]));
+    let evenly_spaced = blocks.iter().enumerate().all(|(i, b)| {
+        (0..3).all(|o| {
+            steps[o].is_some_and(|step| b.offsets[o] == first.offsets[o] + i as u64 * step)
+        })
+    });
+    let key = first.key;
+    let sizes = [key.input, key.input, key.output].map(|d| d.size() as u64);
+    let strides = [0, 1, 2].map(|o| steps[o].map(|step| (step / sizes[o], step % sizes[o])));
+    match (evenly_spaced, strides) {
+        (true, [Some((a, 0)), Some((b, 0)), Some((c, 0))]) if a > 0 && b > 0 && c > 0 => {
+            Some(Block {
+                key: GemmKey {
+                    batch: Some(Batch {
+                        count: blocks.len(),
+                        strides: [a, b, c].map(|s| s as usize),
+                    }),
+                    ..key
+                },
+                offsets: first.offsets,
+            })
+        }
+        _ => None,
+    }
 }
 
 /// The side streams of [`Engine::Streams`] and their cuBLASLt workspaces (the compute stream

@@ -97,6 +97,16 @@ pub trait GroupedLinearOps: LinearOps {
         Self::grouped_gemm(x, w, counts, false)
     }
 
+    /// The rows every expert's block is padded to (with zero rows) before the products, or
+    /// `None` to run them on the blocks as they are. Blocks of one size run as one
+    /// strided-batched GEMM on our CUDA backend, where many small experts' blocks of
+    /// different sizes take cuBLAS's grouped GEMM, at the price of the padding's rows. The
+    /// default pads nothing; our CUDA backend pads by [`padded_block_rows`].
+    fn padded_block_rows(counts: &[usize]) -> Option<usize> {
+        let _ = counts;
+        None
+    }
+
     /// [`grouped_linear`](Self::grouped_linear) whose weight gradient the backward pass first
     /// offers to `hook` ([`BackwardHook::take_weight_gradient`]). Only `Autodiff` has a
     /// gradient to offer: the default is the plain product.
@@ -165,6 +175,24 @@ pub fn hooked_grouped_linear<B: GroupedLinearOps>(
         Some(hook) => B::hooked_grouped_linear(x, w, counts, hook),
         None => B::grouped_linear(x, w, counts),
     }
+}
+
+/// Rows a padded block is a multiple of: 16 bytes of bf16, so that every block starts
+/// aligned for cuBLASLt.
+pub const PADDED_ROWS_MULTIPLE: usize = 8;
+
+/// The rows to pad every block to where that costs at most `most_rows` times the rows
+/// (`counts`' sum, at least one): the largest count rounded up to
+/// [`PADDED_ROWS_MULTIPLE`]; `None` for fewer than two experts, or where the padding costs
+/// more.
+pub fn padded_block_rows(counts: &[usize], most_rows: f64) -> Option<usize> {
+    let total: usize = counts.iter().sum();
+    let largest = counts.iter().copied().max()?;
+    let rows = largest
+        .next_multiple_of(PADDED_ROWS_MULTIPLE)
+        .max(PADDED_ROWS_MULTIPLE);
+    let padded = rows * counts.len();
+    (counts.len() >= 2 && total > 0 && padded as f64 <= most_rows * total as f64).then_some(rows)
 }
 
 /// Expert `e`'s matrix of stacked weights `[experts, rows, cols]`.
@@ -255,6 +283,10 @@ pub fn grouped_weight_gradient_add_slot_composition<B: GroupedLinearOps>(
 }
 
 impl<B: GroupedLinearOps, C: CheckpointStrategy> GroupedLinearOps for Autodiff<B, C> {
+    fn padded_block_rows(counts: &[usize]) -> Option<usize> {
+        B::padded_block_rows(counts)
+    }
+
     fn grouped_linear(x: Tensor<Self, 2>, w: Tensor<Self, 3>, counts: &[usize]) -> Tensor<Self, 2> {
         autodiff_grouped_linear::<B, C>(x, w, counts, None)
     }
@@ -369,8 +401,8 @@ mod cuda {
     use burn_megatron_kernels::cuda::grouped_gemm::{self, Engine};
 
     use super::{
-        GroupedLinearOps, grouped_weight_gradient_add_slot_composition, per_expert_gemm,
-        per_expert_weight_gradient,
+        GroupedLinearOps, grouped_weight_gradient_add_slot_composition, padded_block_rows,
+        per_expert_gemm, per_expert_weight_gradient,
     };
     use crate::ops::primitive::{raw, wrap};
 
@@ -409,9 +441,33 @@ mod cuda {
         })
     }
 
+    /// The most rows a padded layer may run, as a multiple of its tokens' rows.
+    const MOST_PADDED_ROWS: f64 = 2.0;
+
+    /// Whether the layers of more than 8 local experts pad their blocks: `BM_EXPERT_PADDING`
+    /// = `off` says no (read once), for measuring.
+    fn padding_on() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| match std::env::var("BM_EXPERT_PADDING").as_deref() {
+            Err(_) | Ok("auto") => true,
+            Ok("off") => false,
+            Ok(other) => panic!("BM_EXPERT_PADDING={other}: expected auto or off"),
+        })
+    }
+
     impl<F: FloatElement, I: IntElement, BT: BoolElement> GroupedLinearOps
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
+        /// Layers of more than 8 local experts pad their blocks to one size (one strided-batched
+        /// cuBLASLt GEMM a product) where that at most doubles the rows.
+        fn padded_block_rows(counts: &[usize]) -> Option<usize> {
+            let many = counts.len() > GROUPED_ABOVE_EXPERTS;
+            match many && padding_on() {
+                true => padded_block_rows(counts, MOST_PADDED_ROWS),
+                false => None,
+            }
+        }
+
         /// The products by the engine `engine` picks; the composition where cuBLAS cannot
         /// take the operands.
         fn grouped_gemm(

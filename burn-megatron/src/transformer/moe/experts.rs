@@ -12,7 +12,9 @@ use burn::tensor::{Tensor, backend::Backend};
 use crate::backend::ModelBackend;
 use crate::init::{InitDistribution, init_slice, param_seed};
 use crate::ops::CounterNormalOps;
-use crate::ops::{BackwardHook, gelu, hooked_grouped_linear, linear, swiglu};
+use crate::ops::{
+    BackwardHook, RowIndex, gelu, hooked_grouped_linear, linear, permute_rows, swiglu,
+};
 use crate::transformer::Activation;
 
 /// Configuration of [`GroupedExperts`].
@@ -164,9 +166,55 @@ impl<B: ModelBackend> GroupedExperts<B> {
         );
         let total: usize = counts.iter().sum();
         assert_eq!(tokens.dims()[0], total + 1, "tokens and counts disagree");
+        if let Some(rows) = B::padded_block_rows(counts) {
+            return self.forward_padded(tokens, counts, rows);
+        }
         let mut rows = counts.to_vec();
         *rows.last_mut().expect("at least one expert") += 1;
         self.products(tokens, &rows)
+    }
+
+    /// [`forward`](Self::forward) with every expert's block padded with zero rows to `rows`
+    /// rows, so that the products run on blocks of one size (what the backend asks for,
+    /// [`GroupedLinearOps::padded_block_rows`](crate::ops::GroupedLinearOps::padded_block_rows)): the tokens are moved into the padded blocks
+    /// and back by row gathers ([`permute_rows`]), each the other's inverse. A zero row
+    /// gives a zero row (no biases) and adds nothing to the weights' gradients, so the result
+    /// is the unpadded one's.
+    ///
+    /// # Shapes
+    /// As [`forward`](Self::forward).
+    ///
+    /// # Panics
+    /// If a count exceeds `rows`.
+    pub fn forward_padded(
+        &self,
+        tokens: Tensor<B, 2>,
+        counts: &[usize],
+        rows: usize,
+    ) -> Tensor<B, 2> {
+        assert!(
+            counts.iter().all(|c| *c <= rows),
+            "blocks of {rows} rows for counts {counts:?}"
+        );
+        let total: usize = counts.iter().sum();
+        // The token row of each padded row, and the padded row of each token row (the last
+        // row, the dispatcher's zero row, has none).
+        let mut from_padded = vec![None; counts.len() * rows];
+        let mut to_padded = vec![None; total + 1];
+        let mut first = 0;
+        for (e, &count) in counts.iter().enumerate() {
+            for i in 0..count {
+                from_padded[e * rows + i] = Some(first + i);
+                to_padded[first + i] = Some(e * rows + i);
+            }
+            first += count;
+        }
+        let device = tokens.device();
+        let gather = RowIndex::from_host(&from_padded, &device);
+        let scatter = RowIndex::from_host(&to_padded, &device);
+        let padded = permute_rows(tokens, &gather, &scatter);
+        let out = self.products(padded, &vec![rows; counts.len()]);
+        permute_rows(out, &scatter, &gather)
     }
 
     /// The one expert of a stack of one (the shared expert) on every token, by the same
