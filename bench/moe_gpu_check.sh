@@ -38,6 +38,7 @@
 #   FORCE_BALANCE=1 ... # any part with an even expert load on both sides: ours with
 #                       # --moe-router-force-load-balancing, the peer with --force-balance
 #   NPROC=1 PART=balanced1 bash bench/moe_gpu_check.sh  # 1 GPU: both presets (8 layers, EP 1, the hook) with and without an even load, each next to its peer
+#   NPROC=1 PART=padprof1 bash bench/moe_gpu_check.sh  # 1 GPU: the padded DeepSeek-like step at an even load, profiled
 #   NPROC=1 PART=padded1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the experts' blocks padded (default) and not (BM_EXPERT_PADDING=off), even load and as routed, next to the peer
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
@@ -489,6 +490,10 @@ if [ "$PART" != all ] && part padded1; then
   FORCE_BALANCE=1 torch deepseek_ep1_even --preset deepseek --ep 1 --layers 8
   ITERS=16 ours deepseek_ep1_padded deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
   torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
+fi
+if [ "$PART" != all ] && part padprof1; then
+  # For one GPU: where the padded DeepSeek-like step goes at an even load (step 15 profiled).
+  FORCE_BALANCE=1 BM_PROFILE=1 ITERS=16 ours deepseek_ep1_even_padded_profile deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

@@ -725,7 +725,8 @@ fn autodiff_check(device: &CudaGpu) -> bool {
 
 /// The grouped GEMM's TFLOP/s by each engine on Mixtral-like experts (8 experts, 16k tokens
 /// split unevenly) and DeepSeek-like ones (a rank's 32 experts of 1408 at EP 2, 12 288 rows:
-/// one micro-batch of 2048 tokens, top-6, from both ranks; and the 64 of EP 1, as many rows),
+/// one micro-batch of 2048 tokens, top-6, from both ranks; and the 64 of EP 1, as many rows,
+/// split unevenly and evenly),
 /// every product of fc1 (and gate) and fc2, next to one cuBLASLt GEMM per expert (each its own
 /// foreign operation) and a dense GEMM of the same FLOPs.
 fn grouped_times(device: &CudaGpu) {
@@ -734,11 +735,20 @@ fn grouped_times(device: &CudaGpu) {
         let total: f64 = weights.iter().sum();
         weights.iter().map(|w| w / total).collect()
     };
+    // An even load as forced balancing gives it: 0.875-1.125 times the mean, 12 288 rows over
+    // 64 experts (half a row above each count, so that `split`'s truncation gives it).
+    let even = |experts: usize| -> Vec<f64> {
+        let rows = [168.0, 176.0, 184.0, 192.0, 192.0, 200.0, 208.0, 216.0];
+        (0..experts)
+            .map(|e| (rows[e % 8] + 0.5) / 12288.0)
+            .collect()
+    };
     let cases = [
         ("mixtral-1b", 2048, 5632, 5632, 16384, UNEVEN.to_vec()),
         ("mixtral-8x7b", 4096, 14336, 14336, 16384, UNEVEN.to_vec()),
         ("deepseek-1b ep2", 2048, 1408, 1408, 12288, fine(32)),
         ("deepseek-1b ep1", 2048, 1408, 1408, 12288, fine(64)),
+        ("deepseek-1b ep1 even", 2048, 1408, 1408, 12288, even(64)),
     ];
     let engine_names: Vec<String> = ENGINES.iter().map(|e| format!("{e:?}")).collect();
     // fc1's width (SwiGLU's gate is a second product of the same shape) and fc2's input width.

@@ -340,13 +340,8 @@ fn submit(
         // is used only on the compute stream, one GEMM after another.
         unsafe {
             if key.bias {
-                lt::set_matmul_desc_attribute(
-                    plan.desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &p[3] as *const u64 as *const _,
-                    8,
-                )
-                .map_err(|e| e.to_string())?;
+                let bias = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER;
+                set_desc(plan.desc, bias, &p[3]).map_err(|e| e.to_string())?;
             }
             if scaled {
                 // cuBLASLt's A is our `b` and its B our `a` (see the module docs).
@@ -355,13 +350,7 @@ fn submit(
                     (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p[scale_at + 1]),
                     (CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p[scale_at]),
                 ] {
-                    lt::set_matmul_desc_attribute(
-                        plan.desc,
-                        attribute,
-                        pointer as *const u64 as *const _,
-                        8,
-                    )
-                    .map_err(|e| e.to_string())?;
+                    set_desc(plan.desc, attribute, pointer).map_err(|e| e.to_string())?;
                 }
             }
             let workspace = state.workspace;
@@ -608,38 +597,21 @@ impl LtState {
         let op = |transpose: bool| -> i32 { transpose as i32 };
         // The first cuBLASLt operand is B, the second A (see the module docs).
         let (trans_first, trans_second) = (op(key.transpose_b), op(key.transpose_a));
-        // SAFETY: attributes of a descriptor we own, passed by pointer and size.
+        // SAFETY: attributes of a descriptor we own, each of its attribute's type.
         unsafe {
             use sys::cublasLtMatmulDescAttributes_t::*;
-            lt::set_matmul_desc_attribute(
-                desc,
-                CUBLASLT_MATMUL_DESC_TRANSA,
-                &trans_first as *const i32 as *const _,
-                4,
-            )?;
-            lt::set_matmul_desc_attribute(
-                desc,
-                CUBLASLT_MATMUL_DESC_TRANSB,
-                &trans_second as *const i32 as *const _,
-                4,
-            )?;
+            set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans_first)?;
+            set_desc(desc, CUBLASLT_MATMUL_DESC_TRANSB, &trans_second)?;
             if let Some(fp8) = key.fp8 {
-                let fast = fp8.fast_accumulation as i8;
-                lt::set_matmul_desc_attribute(
+                set_desc(
                     desc,
                     CUBLASLT_MATMUL_DESC_FAST_ACCUM,
-                    &fast as *const i8 as *const _,
-                    1,
+                    &(fp8.fast_accumulation as i8),
                 )?;
             }
             if key.bias {
                 let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &epilogue as *const _ as *const _,
-                    core::mem::size_of_val(&epilogue),
-                )?;
+                set_desc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
             }
         }
         // A row-major [r, c] matrix with row stride s is column-major [c, r] with ld s.
@@ -669,20 +641,10 @@ impl LtState {
             let [a_stride, b_stride, c_stride] = batch.strides.map(|s| s as i64);
             for (layout, stride) in [(first, b_stride), (second, a_stride), (out, c_stride)] {
                 use sys::cublasLtMatrixLayoutAttribute_t::*;
-                // SAFETY: attributes of a layout we own, passed by pointer and size.
+                // SAFETY: attributes of a layout we own, each of its attribute's type.
                 unsafe {
-                    lt::set_matrix_layout_attribute(
-                        layout,
-                        CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                        &count as *const i32 as *const _,
-                        4,
-                    )?;
-                    lt::set_matrix_layout_attribute(
-                        layout,
-                        CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                        &stride as *const i64 as *const _,
-                        8,
-                    )?;
+                    set_layout(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count)?;
+                    set_layout(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride)?;
                 }
             }
         }
@@ -709,6 +671,36 @@ impl LtState {
         };
         self.plans.insert(key, plan);
         Ok(plan)
+    }
+}
+
+/// Sets `attribute` of a matmul descriptor to `value`.
+///
+/// # Safety
+/// `desc` is live and `T` is the attribute's type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attribute: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+) -> Result<(), lt::CublasError> {
+    let size = core::mem::size_of::<T>();
+    // SAFETY: as the caller promises; `value` is `size` bytes.
+    unsafe { lt::set_matmul_desc_attribute(desc, attribute, value as *const T as *const _, size) }
+}
+
+/// Sets `attribute` of a matrix layout to `value`.
+///
+/// # Safety
+/// `layout` is live and `T` is the attribute's type.
+unsafe fn set_layout<T>(
+    layout: sys::cublasLtMatrixLayout_t,
+    attribute: sys::cublasLtMatrixLayoutAttribute_t,
+    value: &T,
+) -> Result<(), lt::CublasError> {
+    let size = core::mem::size_of::<T>();
+    // SAFETY: as the caller promises; `value` is `size` bytes.
+    unsafe {
+        lt::set_matrix_layout_attribute(layout, attribute, value as *const T as *const _, size)
     }
 }
 

@@ -343,9 +343,10 @@ fn submit(
         return;
     }
     let queue = ForeignQueue::new(device);
-    let name = match engine {
-        Engine::Grouped => "cuBLAS grouped GEMM",
-        Engine::Streams(_) => "cuBLASLt GEMMs on streams",
+    let name = match (as_batch(&blocks).is_some(), engine) {
+        (true, _) => "cuBLASLt strided-batched GEMM",
+        (false, Engine::Grouped) => "cuBLAS grouped GEMM",
+        (false, Engine::Streams(_)) => "cuBLASLt GEMMs on streams",
     };
     queue.submit(name, bindings.into(), Lane::Compute, move |ctx| {
         for &(offset, bytes) in &zeros {

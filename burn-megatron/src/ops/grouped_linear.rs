@@ -11,8 +11,11 @@
 //! the products accumulate into its flat f32 buffer, as the dense layers' do. Our CUDA backend
 //! runs each of the three products as one foreign operation in stream order
 //! (`burn_megatron_kernels::cuda::grouped_gemm`): cuBLAS's grouped GEMM for many small experts,
-//! cuBLASLt GEMMs spread over two streams for few large ones (each faster there, measured);
-//! other backends loop over the experts with [`LinearOps::gemm`].
+//! cuBLASLt GEMMs spread over two streams for few large ones (each faster there, measured),
+//! and one strided-batched cuBLASLt GEMM for blocks of one size, which the MoE layer makes of
+//! many small experts' blocks where padding them costs little
+//! ([`GroupedLinearOps::padded_block_rows`]); other backends loop over the experts with
+//! [`LinearOps::gemm`].
 
 use std::any::Any;
 use std::sync::Arc;
@@ -441,7 +444,11 @@ mod cuda {
         })
     }
 
-    /// The most rows a padded layer may run, as a multiple of its tokens' rows.
+    /// The most rows a padded layer may run, as a multiple of its tokens' rows. Measured on an
+    /// H200 (book "Mixture of experts", 2026-11-29): 64 DeepSeek-like experts padded to 1.71
+    /// times their rows ran their three products at 331 TFLOP/s of real work, against 143-151
+    /// by cuBLAS's grouped GEMM, so padding pays well past 2; the bound keeps the padded
+    /// activations' memory within twice the rows'.
     const MOST_PADDED_ROWS: f64 = 2.0;
 
     /// Whether the layers of more than 8 local experts pad their blocks: `BM_EXPERT_PADDING`
