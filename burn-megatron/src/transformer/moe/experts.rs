@@ -175,17 +175,17 @@ impl<B: ModelBackend> GroupedExperts<B> {
     }
 
     /// [`forward`](Self::forward) with every expert's block padded with zero rows to `rows`
-    /// rows, so that the products run on blocks of one size (what the backend asks for,
-    /// [`GroupedLinearOps::padded_block_rows`](crate::ops::GroupedLinearOps::padded_block_rows)): the tokens are moved into the padded blocks
-    /// and back by row gathers ([`permute_rows`]), each the other's inverse. A zero row
-    /// gives a zero row (no biases) and adds nothing to the weights' gradients, so the result
-    /// is the unpadded one's.
+    /// rows, so that the products run on blocks of one size (what the backend asks for:
+    /// [`padded_block_rows`](crate::ops::GroupedLinearOps::padded_block_rows)). Row gathers
+    /// ([`permute_rows`]), each the other's inverse, move the tokens into the padded blocks
+    /// and back. A zero row gives a zero row (no biases) and adds nothing to the weights'
+    /// gradients, so the result is the unpadded one's.
     ///
     /// # Shapes
     /// As [`forward`](Self::forward).
     ///
     /// # Panics
-    /// If a count exceeds `rows`.
+    /// If `rows` is 0 or below a count.
     pub fn forward_padded(
         &self,
         tokens: Tensor<B, 2>,
@@ -193,7 +193,7 @@ impl<B: ModelBackend> GroupedExperts<B> {
         rows: usize,
     ) -> Tensor<B, 2> {
         assert!(
-            counts.iter().all(|c| *c <= rows),
+            rows > 0 && counts.iter().all(|c| *c <= rows),
             "blocks of {rows} rows for counts {counts:?}"
         );
         let total: usize = counts.iter().sum();
