@@ -452,7 +452,7 @@ impl<B: ModelBackend> Router<B> {
         };
         let logits = match s.force_load_balancing {
             // Their values, the logits' gradient (a straight-through estimator, as Megatron's).
-            true => logits.clone() - logits.clone().detach() + balancing_logits(logits.detach()),
+            true => logits.clone() - logits.clone().detach() + balancing_logits(logits.clone()),
             false => logits,
         };
         if s.load_balancing == LoadBalancingType::Sinkhorn {
