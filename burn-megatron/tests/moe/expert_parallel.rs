@@ -15,7 +15,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_megatron::init::{InitDistribution, init_full};
 use burn_megatron::transformer::Activation;
 use burn_megatron::transformer::moe::{
-    Exchange, MoeConfig, MoeLayer, RouterScoreFunction, TokenDispatcher, TokenDispatcherType,
+    BlockPadding, Exchange, MoeConfig, MoeLayer, RouterScoreFunction, TokenDispatcher,
+    TokenDispatcherType,
 };
 use burn_megatron_dist::ParallelSizes;
 
@@ -139,7 +140,8 @@ fn grads(
 
 /// The reference: the EP = 1 layer on each of `ranks` batches, one backward of their summed
 /// losses. Returns each batch's outcome and the parameters' gradients. It always runs the
-/// all-to-all dispatcher (at EP 1 a local sort), whichever `config` tests.
+/// all-to-all dispatcher (at EP 1 a local sort) with the blocks as they are (the CPU backend
+/// pads none), whichever `config` tests.
 pub(crate) fn reference(
     config: &MoeConfig,
     ranks: usize,
@@ -147,7 +149,8 @@ pub(crate) fn reference(
 ) -> (Vec<Outcome>, Grads) {
     let config = &config
         .clone()
-        .with_token_dispatcher(TokenDispatcherType::AllToAll);
+        .with_token_dispatcher(TokenDispatcherType::AllToAll)
+        .with_block_padding(BlockPadding::Backend);
     run(1, |ctx| {
         let layer = layer(config, ctx.world(), routing);
         let mut total: Option<Tensor<AD, 1>> = None;

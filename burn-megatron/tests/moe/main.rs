@@ -16,6 +16,7 @@ mod gpt_model;
 mod grouped_linear;
 mod optimizer;
 mod overlap;
+mod padded_dispatch;
 mod padded_experts;
 mod pretrain;
 mod router_dtype;

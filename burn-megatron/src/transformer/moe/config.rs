@@ -6,7 +6,7 @@ use burn::tensor::Tensor;
 use burn_megatron_dist::ProcessGroup;
 
 use super::capacity::ExpertCapacity;
-use super::dispatcher::{TokenDispatcher, TokenDispatcherType};
+use super::dispatcher::{BlockPadding, TokenDispatcher, TokenDispatcherType};
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
 use super::router::{LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings};
@@ -91,6 +91,10 @@ pub struct MoeConfig {
     /// either way.
     #[config(default = "TokenDispatcherType::AllToAll")]
     pub token_dispatcher: TokenDispatcherType,
+    /// Whether the all-to-all dispatcher pads the experts' blocks to one size
+    /// ([`BlockPadding`]): where the backend runs them faster (the default), or always.
+    #[config(default = "BlockPadding::Backend")]
+    pub block_padding: BlockPadding,
     /// The dtype the router computes in (`--moe-router-dtype`); `None`: the model's.
     #[config(default = "None")]
     pub router_dtype: Option<RouterDtype>,
@@ -138,7 +142,8 @@ impl MoeConfig {
             let n = width / tp_size;
             tp_rank * n..(tp_rank + 1) * n
         };
-        let dispatcher = TokenDispatcher::new(ep, self.num_experts, self.token_dispatcher);
+        let dispatcher = TokenDispatcher::new(ep, self.num_experts, self.token_dispatcher)
+            .with_block_padding(self.block_padding);
         let router = Router::new(
             init_full(
                 [self.hidden_size, self.num_experts],

@@ -217,6 +217,31 @@ impl<B: ModelBackend> GroupedExperts<B> {
         permute_rows(out, &scatter, &gather)
     }
 
+    /// Every local expert on its block of `tokens` as a dispatcher lays them out
+    /// ([`DispatchPlan::expert_blocks`]): expert `j` on `blocks[j]` rows after those of
+    /// experts `0..j`, its tokens followed by zero rows (zeros in, zeros out), in one grouped
+    /// product per projection. Blocks of one size run as one batched GEMM on our CUDA
+    /// backend.
+    ///
+    /// # Shapes
+    /// - tokens: `[Σ blocks, hidden_size]`
+    /// - output: `[Σ blocks, hidden_size]`
+    ///
+    /// [`DispatchPlan::expert_blocks`]: super::DispatchPlan::expert_blocks
+    pub fn forward_blocks(&self, tokens: Tensor<B, 2>, blocks: &[usize]) -> Tensor<B, 2> {
+        assert_eq!(
+            blocks.len(),
+            self.num_local_experts(),
+            "one block per expert"
+        );
+        assert_eq!(
+            tokens.dims()[0],
+            blocks.iter().sum::<usize>(),
+            "tokens and blocks disagree"
+        );
+        self.products(tokens, blocks)
+    }
+
     /// The one expert of a stack of one (the shared expert) on every token, by the same
     /// grouped products as [`forward`](Self::forward), so that its weights' gradients reach
     /// the backward hook ([`with_backward_hook`](Self::with_backward_hook)) as the routed

@@ -10,7 +10,7 @@ use burn_megatron_dist::mapping::{
 use burn_megatron_dist::{DistResult, ProcessGroup};
 
 use super::capacity::ExpertCapacity;
-use super::dispatcher::TokenDispatcher;
+use super::dispatcher::{BlockPadding, TokenDispatcher};
 use super::experts::GroupedExperts;
 use super::router::{Router, expert_bias_update};
 use crate::backend::ModelBackend;
@@ -133,6 +133,14 @@ impl<B: Backend> MoeLayer<B> {
         &self.dispatcher
     }
 
+    /// The same layer whose dispatcher pads the experts' blocks as `padding` says.
+    pub fn with_block_padding(self, padding: BlockPadding) -> Self {
+        Self {
+            dispatcher: self.dispatcher.with_block_padding(padding),
+            ..self
+        }
+    }
+
     /// Moves the router's expert bias, if it has one, by [`expert_bias_update`] of
     /// `tokens_per_expert` (one step's counts over every data-parallel rank, the same on
     /// every rank, so that the bias stays the same everywhere).
@@ -222,7 +230,12 @@ impl<B: ModelBackend> MoeLayer<B> {
         let shared = (self.shared_expert.as_ref()).map(|s| s.forward_shared(tokens.clone()));
         let plan = self.dispatcher.finish_plan(pending)?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens)?;
-        let expert_output = self.experts.forward(expert_input, &plan.local_counts);
+        // Blocks the dispatcher padded go to the products as they are; others the experts
+        // pad themselves where the backend asks.
+        let expert_output = match plan.padded_rows {
+            Some(_) => (self.experts).forward_blocks(expert_input, &plan.expert_blocks()),
+            None => self.experts.forward(expert_input, &plan.local_counts),
+        };
         let mut output = self.dispatcher.combine(&plan, expert_output, weights)?;
         if let Some(shared) = shared {
             output = output + shared;

@@ -39,8 +39,8 @@ pub use aux_losses::{load_balancing_loss, sequence_load_balancing_loss, z_loss};
 pub use capacity::{ExpertCapacity, TokenDropPolicy};
 pub use config::MoeConfig;
 pub use dispatcher::{
-    AllGatherPlan, AllToAllPlan, DispatchPlan, Exchange, PendingPlan, TokenDispatcher,
-    TokenDispatcherType,
+    AllGatherPlan, AllToAllPlan, BlockPadding, DispatchPlan, Exchange, PendingPlan,
+    TokenDispatcher, TokenDispatcherType,
 };
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};

@@ -5,15 +5,21 @@
 //! (a zero row when it carries no token), so that no buffer is ever empty. The receiver orders
 //! the rows by expert; the way back is the same in reverse.
 //!
-//! Each of the four row moves (the tokens into the send buffer, the received rows into
-//! expert-major order, and back twice, the last weighted and summed over each token's
-//! experts) is one gather whose gradient is a gather through the inverse index
-//! ([`permute_rows`], [`unpermute_rows`]): the plan builds each index and its inverse once. The send
-//! side's come from the routing on the device (each assignment's send row, and the inverse,
-//! [`PermuteOps::invert_rows`]); the receive side's from the counts on the host.
+//! Each of the four row moves (the tokens into the send buffer, the received rows into the
+//! experts' blocks, and back twice, the last weighted and summed over each token's experts)
+//! is one gather whose gradient is a gather through the inverse index ([`permute_rows`],
+//! [`unpermute_rows`]): the plan builds each index and its inverse once. The send side's come
+//! from the routing on the device (each assignment's send row, and the inverse,
+//! [`PermuteOps::invert_rows`]); the receive side's from the counts on the host. The
+//! experts' blocks may be padded to one size ([`BlockPadding`]): the receive side's gathers
+//! leave the padding rows zero, at no cost of their own. On a group of one rank the send
+//! buffer is laid out as the experts' blocks, and the exchange and the receive side's
+//! gathers are skipped.
 //!
 //! Collectives, whatever the routing: forward one all-to-all each way (after the plan's
 //! all-gather of the counts), backward the same two with the sizes swapped.
+//!
+//! [`BlockPadding`]: super::BlockPadding
 
 use burn::tensor::{Bool, Tensor, TensorData, backend::Backend};
 use burn_megatron_dist::mapping::all_to_all_v;
@@ -25,9 +31,11 @@ use crate::ops::{PermuteOps, RowIndex, permute_rows, unpermute_rows};
 /// The all-to-all dispatcher's part of a [`DispatchPlan`].
 #[derive(Debug, Clone)]
 pub struct AllToAllPlan<B: Backend> {
-    /// Rows this rank sends each rank in the all-to-all (at least 1 a rank).
+    /// Rows this rank sends each rank in the all-to-all (at least 1 a rank; on a group of
+    /// one rank, the experts' blocks).
     pub send_splits: Vec<usize>,
-    /// Rows this rank receives from each rank (at least 1 a rank).
+    /// Rows this rank receives from each rank (at least 1 a rank; on a group of one rank,
+    /// the experts' blocks).
     pub recv_splits: Vec<usize>,
     /// `[Σ send_splits]`: the token of each send row; zero for a block's filler row and a
     /// padding row.
@@ -39,18 +47,29 @@ pub struct AllToAllPlan<B: Backend> {
     /// comes back; zero for a dropped one. Token `t`'s `top_k` rows are the inverse of
     /// `to_send`.
     from_send: RowIndex<B>,
-    /// `[received + 1]`: the received row of each expert-major row; the last row zero.
+    /// The received rows' moves into the experts' blocks and back; `None` on a group of one
+    /// rank, whose send buffer is the experts' blocks.
+    receive: Option<Receive<B>>,
+}
+
+/// The receive side of an [`AllToAllPlan`].
+#[derive(Debug, Clone)]
+struct Receive<B: Backend> {
+    /// `[Σ blocks]`: the received row of each row of the experts' blocks; zero for a padding
+    /// row.
     to_experts: RowIndex<B>,
-    /// `[Σ recv_splits]`: the expert-major row of each received row (and of each row of the
+    /// `[Σ recv_splits]`: the experts' row of each received row (and of each row of the
     /// return buffer); zero for a block's filler row. The inverse of `to_experts`.
     from_experts: RowIndex<B>,
 }
 
 /// The blocks and row indices of the exchange, from the counts and this rank's sorted
-/// assignments.
+/// assignments; `blocks`: the rows of each local expert's block in the experts' buffer
+/// ([`DispatchPlan::expert_blocks`]).
 pub(super) fn plan<B: DistBackend + PermuteOps>(
     dispatcher: &TokenDispatcher,
     sorted: Sorted<B>,
+    blocks: &[usize],
 ) -> AllToAllPlan<B> {
     let (ep, rank) = (dispatcher.ep.size(), dispatcher.ep.rank());
     let e_local = dispatcher.num_local_experts();
@@ -59,15 +78,6 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
     let (num_tokens, top_k) = (sorted.num_tokens, sorted.top_k);
     let device = sorted.experts.device();
     let counts = &counts_of[rank];
-    // Rows rank s sends rank q: its assignments to q's experts, at least one row.
-    let block = |s: usize, q: usize| -> usize {
-        counts_of[s][q * e_local..(q + 1) * e_local]
-            .iter()
-            .sum::<usize>()
-            .max(1)
-    };
-    let send_splits: Vec<usize> = (0..ep).map(|q| block(rank, q)).collect();
-    let recv_splits: Vec<usize> = (0..ep).map(|r| block(r, rank)).collect();
     let starts = |splits: &[usize]| -> Vec<usize> {
         splits
             .iter()
@@ -76,6 +86,22 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
                 Some(*start - rows)
             })
             .collect()
+    };
+    let block_start = starts(blocks);
+    // Rows rank s sends rank q: its assignments to q's experts, at least one row; on a group
+    // of one rank, the experts' blocks.
+    let block = |s: usize, q: usize| -> usize {
+        counts_of[s][q * e_local..(q + 1) * e_local]
+            .iter()
+            .sum::<usize>()
+            .max(1)
+    };
+    let (send_splits, recv_splits): (Vec<usize>, Vec<usize>) = match ep {
+        1 => (vec![blocks.iter().sum()], vec![blocks.iter().sum()]),
+        _ => (
+            (0..ep).map(|q| block(rank, q)).collect(),
+            (0..ep).map(|r| block(r, rank)).collect(),
+        ),
     };
     let (send_start, recv_start) = (starts(&send_splits), starts(&recv_splits));
     let (sent, arriving) = (
@@ -87,12 +113,15 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
     // assignments to e that it keeps, goes in row `first[e] + i` of the send buffer: its
     // destination's block, after the rows of that rank's experts before e. The rows past an
     // expert's kept ones (padding) and a block's filler row carry no token: zero.
-    let first: Vec<usize> = (0..e_all)
-        .map(|e| {
-            let q = e / e_local;
-            send_start[q] + counts[q * e_local..e].iter().sum::<usize>()
-        })
-        .collect();
+    let first: Vec<usize> = match ep {
+        1 => block_start.clone(),
+        _ => (0..e_all)
+            .map(|e| {
+                let q = e / e_local;
+                send_start[q] + counts[q * e_local..e].iter().sum::<usize>()
+            })
+            .collect(),
+    };
     let mut carries = vec![false; sent];
     for e in 0..e_all {
         carries[first[e]..first[e] + kept_of[rank][e]].fill(true);
@@ -121,32 +150,36 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
     debug_assert_eq!(from_send.len(), num_tokens * top_k);
 
     // The receive side: block r holds rank r's tokens for this rank's experts, by local
-    // expert; the experts want them by expert, then by source rank.
-    let mine = |r: usize, j: usize| counts_of[r][rank * e_local + j];
-    let received: usize = (0..e_local)
-        .map(|j| (0..ep).map(|r| mine(r, j)).sum::<usize>())
-        .sum();
-    let mut expert_rows = Vec::with_capacity(received + 1);
-    let mut return_rows = vec![None; arriving];
-    for j in 0..e_local {
-        for (r, &block_start) in recv_start.iter().enumerate() {
-            let start = block_start + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
-            let rows = start..start + mine(r, j);
-            for (row, back) in rows.clone().zip(&mut return_rows[rows]) {
-                *back = Some(expert_rows.len());
-                expert_rows.push(Some(row));
+    // expert; the experts want them by expert, then by source rank, each expert's block
+    // starting at `block_start[j]` (its padding rows stay zero).
+    let receive = (ep > 1).then(|| {
+        let mine = |r: usize, j: usize| counts_of[r][rank * e_local + j];
+        let mut expert_rows = vec![None; blocks.iter().sum()];
+        let mut return_rows = vec![None; arriving];
+        for (j, &start_j) in block_start.iter().enumerate() {
+            let mut row_j = start_j;
+            for (r, &block_start) in recv_start.iter().enumerate() {
+                let start = block_start + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
+                for row in start..start + mine(r, j) {
+                    return_rows[row] = Some(row_j);
+                    expert_rows[row_j] = Some(row);
+                    row_j += 1;
+                }
             }
+            debug_assert!(row_j - start_j <= blocks[j], "expert {j}'s block overflows");
         }
-    }
-    expert_rows.push(None);
+        Receive {
+            to_experts: RowIndex::from_host(&expert_rows, &device),
+            from_experts: RowIndex::from_host(&return_rows, &device),
+        }
+    });
     AllToAllPlan {
         send_splits,
         recv_splits,
         to_send,
         send_assignments,
         from_send,
-        to_experts: RowIndex::from_host(&expert_rows, &device),
-        from_experts: RowIndex::from_host(&return_rows, &device),
+        receive,
     }
 }
 
@@ -157,8 +190,15 @@ pub(super) fn dispatch<B: DistBackend + PermuteOps>(
     tokens: Tensor<B, 2>,
 ) -> DistResult<Tensor<B, 2>> {
     let send = permute_rows(tokens, &plan.to_send, &plan.from_send);
+    let Some(receive) = &plan.receive else {
+        return Ok(send);
+    };
     let received = all_to_all_v(send, ep, &plan.send_splits, &plan.recv_splits)?;
-    Ok(permute_rows(received, &plan.to_experts, &plan.from_experts))
+    Ok(permute_rows(
+        received,
+        &receive.to_experts,
+        &receive.from_experts,
+    ))
 }
 
 /// [`TokenDispatcher::combine`] by all-to-all.
@@ -170,8 +210,13 @@ pub(super) fn combine<B: DistBackend + PermuteOps>(
     weights: Tensor<B, 2>,
 ) -> DistResult<Tensor<B, 2>> {
     debug_assert_eq!(weights.dims(), [plan.num_tokens, plan.top_k]);
-    let back = permute_rows(expert_output, &rows.from_experts, &rows.to_experts);
-    let back = all_to_all_v(back, ep, &rows.recv_splits, &rows.send_splits)?;
+    let back = match &rows.receive {
+        Some(receive) => {
+            let back = permute_rows(expert_output, &receive.from_experts, &receive.to_experts);
+            all_to_all_v(back, ep, &rows.recv_splits, &rows.send_splits)?
+        }
+        None => expert_output,
+    };
     Ok(unpermute_rows(
         back,
         &rows.from_send,

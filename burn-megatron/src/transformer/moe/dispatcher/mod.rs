@@ -59,7 +59,8 @@ pub use all_to_all::AllToAllPlan;
 use super::capacity::{ExpertCapacity, TokenDropPolicy, keep_by_weight};
 use super::router::{Routing, routing_map};
 use crate::error::ConfigError;
-use crate::ops::PermuteOps;
+use crate::ops::grouped_linear::padded_block_rows;
+use crate::ops::{GroupedLinearOps, PermuteOps};
 
 /// How tokens travel to the experts and back (Megatron's `--moe-token-dispatcher-type`).
 /// Both give the same outputs, losses and gradients (up to the order of the sums over a
@@ -103,12 +104,40 @@ impl TokenDispatcherType {
     }
 }
 
+/// Whether the all-to-all dispatcher hands the experts blocks of one size, each expert's
+/// tokens followed by zero rows, so that each of their products runs as one batched GEMM
+/// (the all-gather dispatcher's blocks are always the counts; [`GroupedExperts::forward`]
+/// pads those itself where the backend asks). The padding rides in the dispatcher's own row
+/// moves: it costs no gather of its own.
+///
+/// [`GroupedExperts::forward`]: super::GroupedExperts::forward
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum BlockPadding {
+    /// Where the backend runs blocks of one size faster
+    /// ([`GroupedLinearOps::padded_block_rows`]: our CUDA backend, for many local experts).
+    Backend,
+    /// Wherever a rank has two or more experts and some tokens, whatever the backend (for
+    /// testing the padded layout on the CPU).
+    Always,
+}
+
+impl BlockPadding {
+    /// The rows of every padded block for these counts, or `None` for blocks of the counts.
+    fn rows<B: GroupedLinearOps>(self, counts: &[usize]) -> Option<usize> {
+        match self {
+            Self::Backend => B::padded_block_rows(counts),
+            Self::Always => padded_block_rows(counts, f64::INFINITY),
+        }
+    }
+}
+
 /// Splits `num_experts` experts over the expert-parallel group and moves tokens to them.
 #[derive(Debug, Clone)]
 pub struct TokenDispatcher {
     ep: ProcessGroup,
     num_experts: usize,
     kind: TokenDispatcherType,
+    padding: BlockPadding,
 }
 
 /// The plan of one dispatch: what every rank routes and keeps, and the row indices of every
@@ -133,6 +162,12 @@ pub struct DispatchPlan<B: Backend> {
     /// Rows each local expert receives, over all ranks (the expert-major blocks; with
     /// padding, the capacity's rows from each rank).
     pub local_counts: Vec<usize>,
+    /// The rows of every local expert's block in the buffer [`dispatch`] gives, where the
+    /// blocks are padded to one size ([`BlockPadding`], all-to-all dispatcher only); `None`
+    /// where they are the counts followed by one zero row.
+    ///
+    /// [`dispatch`]: TokenDispatcher::dispatch
+    pub padded_rows: Option<usize>,
     /// The dispatcher's own part: how the rows travel.
     pub exchange: Exchange<B>,
 }
@@ -185,6 +220,33 @@ impl<B: Backend> DispatchPlan<B> {
     /// Rows this rank's experts receive, over all ranks.
     pub fn received(&self) -> usize {
         self.local_counts.iter().sum()
+    }
+
+    /// Rows of the buffer [`dispatch`](TokenDispatcher::dispatch) gives: every block padded
+    /// ([`padded_rows`](Self::padded_rows)), or the rows received and one zero row.
+    pub fn expert_rows(&self) -> usize {
+        match self.padded_rows {
+            Some(rows) => rows * self.local_counts.len(),
+            None => self.received() + 1,
+        }
+    }
+
+    /// The rows of each local expert's block in that buffer: its tokens, then zero rows (the
+    /// last block's last row is the zero row where the blocks are not padded).
+    pub fn expert_blocks(&self) -> Vec<usize> {
+        expert_blocks(&self.local_counts, self.padded_rows)
+    }
+}
+
+/// [`DispatchPlan::expert_blocks`] of these counts.
+fn expert_blocks(local_counts: &[usize], padded_rows: Option<usize>) -> Vec<usize> {
+    match padded_rows {
+        Some(rows) => vec![rows; local_counts.len()],
+        None => {
+            let mut blocks = local_counts.to_vec();
+            *blocks.last_mut().expect("at least one local expert") += 1;
+            blocks
+        }
     }
 }
 
@@ -247,7 +309,18 @@ impl TokenDispatcher {
             ep: ep.clone(),
             num_experts,
             kind,
+            padding: BlockPadding::Backend,
         }
+    }
+
+    /// The same dispatcher padding the experts' blocks as `padding` says.
+    pub fn with_block_padding(self, padding: BlockPadding) -> Self {
+        Self { padding, ..self }
+    }
+
+    /// Whether the experts' blocks are padded to one size.
+    pub fn block_padding(&self) -> BlockPadding {
+        self.padding
     }
 
     /// The expert-parallel group.
@@ -287,7 +360,7 @@ impl TokenDispatcher {
     /// assignment's row in its expert's rank's buffer (see [`all_gather`]).
     ///
     /// [`Routing::experts`]: super::Routing::experts
-    pub fn plan<B: DistBackend + PermuteOps>(
+    pub fn plan<B: DistBackend + PermuteOps + GroupedLinearOps>(
         &self,
         experts: Tensor<B, 2, Int>,
         tokens_per_expert: Tensor<B, 1, Int>,
@@ -304,7 +377,7 @@ impl TokenDispatcher {
     /// expert and `weights` (`[num_tokens, top_k]`, ranked in F32) come to the host in the
     /// same read as the counts. Each rank decides its own drops, whatever the dispatcher.
     /// Dropped assignments go to no expert and read back as a zero row.
-    pub fn plan_with_capacity<B: DistBackend + PermuteOps>(
+    pub fn plan_with_capacity<B: DistBackend + PermuteOps + GroupedLinearOps>(
         &self,
         experts: Tensor<B, 2, Int>,
         tokens_per_expert: Tensor<B, 1, Int>,
@@ -316,7 +389,7 @@ impl TokenDispatcher {
 
     /// [`plan`](Self::plan), or with a capacity [`plan_with_capacity`](Self::plan_with_capacity),
     /// of a router's [`Routing`], whose routing map it reuses.
-    pub fn plan_routing<B: DistBackend + PermuteOps>(
+    pub fn plan_routing<B: DistBackend + PermuteOps + GroupedLinearOps>(
         &self,
         routing: &Routing<B>,
         capacity: Option<&ExpertCapacity>,
@@ -345,7 +418,7 @@ impl TokenDispatcher {
         )
     }
 
-    fn plan_dropping<B: DistBackend + PermuteOps>(
+    fn plan_dropping<B: DistBackend + PermuteOps + GroupedLinearOps>(
         &self,
         experts: Tensor<B, 2, Int>,
         map: Option<Tensor<B, 2, Int>>,
@@ -414,7 +487,7 @@ impl TokenDispatcher {
 
     /// The second half of [`plan_routing`](Self::plan_routing): waits for the counts and
     /// builds the plan from them.
-    pub fn finish_plan<B: DistBackend + PermuteOps>(
+    pub fn finish_plan<B: DistBackend + PermuteOps + GroupedLinearOps>(
         &self,
         pending: PendingPlan<B>,
     ) -> DistResult<DispatchPlan<B>> {
@@ -529,8 +602,15 @@ impl TokenDispatcher {
             sums,
             dropped: dropped_mask,
         };
+        let padded_rows = match self.kind {
+            TokenDispatcherType::AllToAll => self.padding.rows::<B>(&local_counts),
+            TokenDispatcherType::AllGather => None,
+        };
+        let blocks = expert_blocks(&local_counts, padded_rows);
         let exchange = match self.kind {
-            TokenDispatcherType::AllToAll => Exchange::AllToAll(all_to_all::plan(self, sorted)),
+            TokenDispatcherType::AllToAll => {
+                Exchange::AllToAll(all_to_all::plan(self, sorted, &blocks))
+            }
             TokenDispatcherType::AllGather => {
                 Exchange::AllGather(all_gather::plan(self, sorted, &local_counts)?)
             }
@@ -542,16 +622,17 @@ impl TokenDispatcher {
             capacity: capacity_of[rank],
             dropped,
             local_counts,
+            padded_rows,
             exchange,
         })
     }
 
-    /// The tokens for this rank's experts, in expert-major blocks (`plan.local_counts`), and a
-    /// last row of zeros.
+    /// The tokens for this rank's experts, in expert-major blocks
+    /// ([`DispatchPlan::expert_blocks`]: each local expert's tokens, then zero rows).
     ///
     /// # Shapes
     /// - tokens: `[num_tokens, hidden]`
-    /// - output: `[plan.received() + 1, hidden]`
+    /// - output: `[plan.expert_rows(), hidden]`
     pub fn dispatch<B: DistBackend + PermuteOps>(
         &self,
         plan: &DispatchPlan<B>,
@@ -567,8 +648,8 @@ impl TokenDispatcher {
     /// tokens' order, weighted by the router and summed over each token's experts.
     ///
     /// # Shapes
-    /// - expert_output: `[plan.received() + 1, hidden]`, expert-major as
-    ///   [`dispatch`](Self::dispatch) gave the tokens; the last row is never read
+    /// - expert_output: `[plan.expert_rows(), hidden]`, expert-major as
+    ///   [`dispatch`](Self::dispatch) gave the tokens; its zero rows are never read
     /// - weights: `[num_tokens, top_k]`
     /// - output: `[num_tokens, hidden]`
     pub fn combine<B: DistBackend + PermuteOps>(
