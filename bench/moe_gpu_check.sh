@@ -39,6 +39,7 @@
 #                       # --moe-router-force-load-balancing, the peer with --force-balance
 #   NPROC=1 PART=balanced1 bash bench/moe_gpu_check.sh  # 1 GPU: both presets (8 layers, EP 1, the hook) with and without an even load, each next to its peer
 #   NPROC=1 PART=padprof1 bash bench/moe_gpu_check.sh  # 1 GPU: the padded DeepSeek-like step at an even load, profiled
+#   NPROC=1 OLD=.gpu/old/pretrain_gpt PART=fold1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the padding in the dispatcher against the build before, even load, next to the peer (foldr1: as routed)
 #   NPROC=1 PART=padded1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the experts' blocks padded (default) and not (BM_EXPERT_PADDING=off), even load and as routed, next to the peer
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
@@ -494,6 +495,24 @@ fi
 if [ "$PART" != all ] && part padprof1; then
   # For one GPU: where the padded DeepSeek-like step goes at an even load (step 15 profiled).
   FORCE_BALANCE=1 BM_PROFILE=1 ITERS=16 ours deepseek_ep1_even_padded_profile deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce --profile --profile-step-start 14 --profile-step-end 15 --profile-ranks 0
+fi
+if [ "$PART" != all ] && part fold1; then
+  # For one GPU: the experts' padding done by the dispatcher's own row moves (this build)
+  # against its own two gathers each way (the build before, OLD=.gpu/old/pretrain_gpt), the
+  # DeepSeek-like layers (8, EP 1, the hook) at an even load, next to the peer.
+  FORCE_BALANCE=1 ITERS=16 ours deepseek_ep1_even_fold deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  if [ -x "${OLD:-}" ]; then
+    PRETRAIN=$OLD FORCE_BALANCE=1 ITERS=16 ours deepseek_ep1_even_old deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  fi
+  FORCE_BALANCE=1 torch deepseek_ep1_even --preset deepseek --ep 1 --layers 8
+fi
+if [ "$PART" != all ] && part foldr1; then
+  # For one GPU: PART=fold1's comparison with the layers routed as trained.
+  ITERS=16 ours deepseek_ep1_fold deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  if [ -x "${OLD:-}" ]; then
+    PRETRAIN=$OLD ITERS=16 ours deepseek_ep1_old deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  fi
+  torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

@@ -525,6 +525,68 @@ fn fused_decode_attention_and_add_norm_match_the_composition() {
     }
 }
 
+/// An MoE layer of 16 experts (so our CUDA backend pads their blocks to one size in the
+/// dispatcher's row moves and runs each product as one strided-batched GEMM) on our CUDA
+/// backend against the same layer on the CPU, f32: the output, the tokens' gradient and every
+/// expert weight's gradient, within TF32's bound. The router computes in f64 on both, so that
+/// TF32's rounding cannot change a token's experts.
+#[test]
+fn moe_layer_with_padded_blocks_matches_the_cpu() {
+    use burn::backend::NdArray;
+    use burn_megatron::ops::GroupedLinearOps;
+    use burn_megatron::transformer::moe::{MoeConfig, RouterDtype};
+
+    fn run<A>(device: A::Device) -> (Vec<usize>, Vec<(String, TensorData)>)
+    where
+        A: AutodiffBackend + burn_megatron::ModelBackend,
+        A::InnerBackend: burn_megatron_dist::DistBackend,
+    {
+        let config = MoeConfig::new(32, 16, 24)
+            .with_top_k(2)
+            .with_router_dtype(Some(RouterDtype::Fp64))
+            .with_aux_loss_coeff(0.01)
+            .with_init_std(0.2);
+        launch(LaunchConfig::new(1), |ctx| {
+            let layer = config.init::<A>(ctx.world(), 3, &device)?;
+            let x = Tensor::<A, 3>::from_data(data(&[4, 128, 32], 5), &device).require_grad();
+            let probe = Tensor::<A, 3>::from_data(data(&[4, 128, 32], 6), &device);
+            let out = layer.try_forward(x.clone())?;
+            // The losses come in the router's dtype (f64): cast to the sum's.
+            let loss = (out.output.clone() * probe).sum() + out.aux_loss().cast(DType::F32);
+            let grads = loss.backward();
+            let grad = |name: &str, t: Option<Tensor<A::InnerBackend, 3>>| {
+                let t = t.unwrap_or_else(|| panic!("{name} has no gradient"));
+                (name.to_string(), t.into_data().convert::<f32>())
+            };
+            let mut results = vec![
+                (
+                    "output".to_string(),
+                    out.output.inner().into_data().convert::<f32>(),
+                ),
+                grad("input", x.grad(&grads)),
+                grad("fc1", layer.experts.fc1.grad(&grads)),
+                grad("fc2", layer.experts.fc2.grad(&grads)),
+            ];
+            if let Some(gate) = &layer.experts.gate {
+                results.push(grad("gate", gate.grad(&grads)));
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((out.tokens_per_expert, results))
+        })
+        .unwrap()
+        .remove(0)
+    }
+    let (counts_ours, ours) = run::<Autodiff<Ours>>(CudaGpu::new(0));
+    let (counts_cpu, cpu) = run::<Autodiff<NdArray<f32>>>(Default::default());
+    assert_eq!(counts_ours, counts_cpu, "the same experts for every token");
+    assert!(
+        Ours::padded_block_rows(&counts_ours).is_some(),
+        "counts {counts_ours:?}: our CUDA backend pads these blocks"
+    );
+    for ((name, a), (_, b)) in ours.iter().zip(&cpu) {
+        assert_close(&format!("MoE {name}"), a, b, tolerance::TF32);
+    }
+}
+
 /// The MoE layer's glue kernels on our CUDA backend in bf16 and f32 (lavapipe has no bf16)
 /// against the compositions on the host's exact f32 of the same values: the router's top-k
 /// (ties, −∞), the permute's gather with zero rows (a copy: bit for bit), the weighted

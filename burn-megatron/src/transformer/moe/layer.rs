@@ -66,7 +66,9 @@ pub struct MoeOutput<B: Backend> {
 }
 
 impl<B: Backend> MoeOutput<B> {
-    /// `[1]`: the auxiliary losses together, the term to add to the model's loss.
+    /// `[1]`: the auxiliary losses together, the term to add to the model's loss, in the
+    /// router's dtype: cast it to the loss's dtype before adding (Burn 0.21 does not promote
+    /// dtypes; [`MoeLosses::add_to`](super::MoeLosses::add_to) casts).
     pub fn aux_loss(&self) -> Tensor<B, 1> {
         let dtype = self.load_balancing_loss.dtype();
         self.load_balancing_loss.clone() + self.z_loss.clone().cast(dtype)
