@@ -40,6 +40,7 @@
 #   NPROC=1 PART=balanced1 bash bench/moe_gpu_check.sh  # 1 GPU: both presets (8 layers, EP 1, the hook) with and without an even load, each next to its peer
 #   NPROC=1 PART=padprof1 bash bench/moe_gpu_check.sh  # 1 GPU: the padded DeepSeek-like step at an even load, profiled
 #   NPROC=1 OLD=.gpu/old/pretrain_gpt PART=fold1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the padding in the dispatcher against the build before, even load, next to the peer (foldr1: as routed)
+#   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=fold2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like at EP 2, the build before and this one, next to the peer
 #   NPROC=1 PART=padded1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the experts' blocks padded (default) and not (BM_EXPERT_PADDING=off), even load and as routed, next to the peer
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
@@ -507,12 +508,23 @@ if [ "$PART" != all ] && part fold1; then
   FORCE_BALANCE=1 torch deepseek_ep1_even --preset deepseek --ep 1 --layers 8
 fi
 if [ "$PART" != all ] && part foldr1; then
-  # For one GPU: PART=fold1's comparison with the layers routed as trained.
-  ITERS=16 ours deepseek_ep1_fold deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
+  # For one GPU: PART=fold1's comparison with the layers routed as trained, the build
+  # before first this time.
   if [ -x "${OLD:-}" ]; then
     PRETRAIN=$OLD ITERS=16 ours deepseek_ep1_old deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
   fi
+  ITERS=16 ours deepseek_ep1_fold deepseek_moe_1b 1 --num-layers 8 --overlap-grad-reduce
   torch deepseek_ep1 --preset deepseek --ep 1 --layers 8
+fi
+if [ "$PART" != all ] && part fold2; then
+  # For 2 GPUs (NPROC=2): PART=hook2's DeepSeek-like run (EP 2, 32 local experts: padded), the
+  # build before (OLD=.gpu/old/pretrain_gpt: the padding's own gathers) and this one (the
+  # padding in the dispatcher's gathers), next to the peer.
+  if [ -x "${OLD:-}" ]; then
+    PRETRAIN=$OLD ITERS=20 ours deepseek_ep2_hook_old deepseek_moe_1b 2 --overlap-grad-reduce
+  fi
+  ITERS=20 ours deepseek_ep2_hook deepseek_moe_1b 2 --overlap-grad-reduce
+  torch deepseek_ep2 --preset deepseek --ep 2
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.

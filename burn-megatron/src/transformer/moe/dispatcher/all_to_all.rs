@@ -160,8 +160,9 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
             let mut row_j = start_j;
             for (r, &block_start) in recv_start.iter().enumerate() {
                 let start = block_start + (0..j).map(|j2| mine(r, j2)).sum::<usize>();
-                for row in start..start + mine(r, j) {
-                    return_rows[row] = Some(row_j);
+                let rows = start..start + mine(r, j);
+                for (row, back) in rows.clone().zip(&mut return_rows[rows]) {
+                    *back = Some(row_j);
                     expert_rows[row_j] = Some(row);
                     row_j += 1;
                 }
