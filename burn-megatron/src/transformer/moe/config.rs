@@ -91,7 +91,7 @@ pub struct MoeConfig {
     /// either way.
     #[config(default = "TokenDispatcherType::AllToAll")]
     pub token_dispatcher: TokenDispatcherType,
-    /// Whether the all-to-all dispatcher pads the experts' blocks to one size
+    /// Whether the dispatcher pads the experts' blocks to one size
     /// ([`BlockPadding`]): where the backend runs them faster (the default), or always.
     #[config(default = "BlockPadding::Backend")]
     pub block_padding: BlockPadding,

@@ -232,12 +232,7 @@ impl<B: ModelBackend> MoeLayer<B> {
         let shared = (self.shared_expert.as_ref()).map(|s| s.forward_shared(tokens.clone()));
         let plan = self.dispatcher.finish_plan(pending)?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens)?;
-        // Blocks the dispatcher padded go to the products as they are; others the experts
-        // pad themselves where the backend asks.
-        let expert_output = match plan.padded_rows {
-            Some(_) => (self.experts).forward_blocks(expert_input, &plan.expert_blocks()),
-            None => self.experts.forward(expert_input, &plan.local_counts),
-        };
+        let expert_output = (self.experts).forward_blocks(expert_input, &plan.expert_blocks());
         let mut output = self.dispatcher.combine(&plan, expert_output, weights)?;
         if let Some(shared) = shared {
             output = output + shared;

@@ -20,8 +20,11 @@
 //!    the ranks and leaves each rank its own tokens.
 //!
 //! The row moves are gathers whose gradient is a gather through the inverse index
-//! ([`permute_rows`], [`unpermute_rows`] with the weights): each expert-major row's gathered copy, from the inverse of the
-//! copies' rows ([`PermuteOps::invert_rows`]), with the padding rows (host-known) zero.
+//! ([`permute_rows`], [`unpermute_rows`] with the weights): each expert-major row's gathered
+//! copy, from the inverse of the copies' rows ([`PermuteOps::invert_rows`]), with the padding
+//! rows (host-known) zero. Where a rank pads its experts' blocks to one size
+//! ([`BlockPadding`](super::BlockPadding)), every rank knows it from the counts and writes
+//! its copies' rows in the padded blocks: the padding costs no gather of its own.
 //!
 //! Collectives, whatever the routing: forward the counts' all-gather, the routing's, the
 //! tokens', the weights' and one reduce-scatter; backward one all-gather and two
@@ -46,10 +49,11 @@ pub struct AllGatherPlan<B: Backend> {
     /// Rows each rank contributes to the all-gathers: the group's largest number of tokens
     /// (a rank with fewer pads with zero rows).
     pub rows_per_rank: usize,
-    /// `[received + 1]`: the gathered token (row of the `[ep · rows_per_rank, hidden]`
-    /// all-gather) of each expert-major row; zero for a padding row and the last row.
+    /// `[Σ blocks]` ([`DispatchPlan::expert_blocks`]): the gathered token (row of the
+    /// `[ep · rows_per_rank, hidden]` all-gather) of each expert-major row; zero for a
+    /// padding row and the zero row.
     to_experts: RowIndex<B>,
-    /// `[received + 1]`: the gathered copy (`token · top_k + j`) of each expert-major row,
+    /// `[Σ blocks]`: the gathered copy (`token · top_k + j`) of each expert-major row,
     /// zero where [`to_experts`](Self::to_experts) is.
     expert_assignments: RowIndex<B>,
     /// `[ep · rows_per_rank · top_k]`: for each of the group's copies (by rank, then
@@ -60,10 +64,13 @@ pub struct AllGatherPlan<B: Backend> {
 
 /// The rows of the exchange: each of this rank's kept assignments' row in its expert's rank's
 /// buffer, all-gathered over the group.
+/// `padded_rows[q]`: the rows of every block of EP rank `q`'s experts where that rank pads
+/// them to one size ([`DispatchPlan::padded_rows`] of each rank, which every rank knows from
+/// the counts), `None` where its blocks are the counts.
 pub(super) fn plan<B: DistBackend + PermuteOps>(
     dispatcher: &TokenDispatcher,
     sorted: Sorted<B>,
-    local_counts: &[usize],
+    padded_rows: &[Option<usize>],
 ) -> DistResult<AllGatherPlan<B>> {
     let group = &dispatcher.ep;
     let (ep, rank) = (group.size(), group.rank());
@@ -71,28 +78,33 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
     let (counts_of, kept_of) = (&sorted.counts_of, &sorted.kept_of);
     let (num_tokens, top_k) = (sorted.num_tokens, sorted.top_k);
     let device = sorted.experts.device();
-    // Rows of expert e's blocks, from every rank, in its rank's buffer.
+    // Rows of expert e's blocks, from every rank, in its rank's buffer, and the rows of its
+    // block there (padded, or those rows and, for a rank's last expert, the zero row).
     let rows_of_expert = |e: usize| (0..ep).map(|r| counts_of[r][e]).sum::<usize>();
-    let received_of: Vec<usize> = (0..ep)
-        .map(|q| (q * e_local..(q + 1) * e_local).map(rows_of_expert).sum())
+    let block_of_expert = |e: usize| match padded_rows[e / e_local] {
+        Some(rows) => rows,
+        None => rows_of_expert(e) + usize::from(e % e_local == e_local - 1),
+    };
+    let buffer_of: Vec<usize> = (0..ep)
+        .map(|q| (q * e_local..(q + 1) * e_local).map(block_of_expert).sum())
         .collect();
-    if let Some(q) = received_of.iter().position(|&n| n + 1 >= F32_EXACT) {
+    if let Some(q) = buffer_of.iter().position(|&n| n >= F32_EXACT) {
         return Err(DistError::InvalidArgument(format!(
             "rank {}: the all-gather MoE dispatcher on group '{}' sends its row indices as \
              F32, exact below 2^24 = {F32_EXACT}, but EP rank {q}'s experts would receive {} \
              rows: use --moe-token-dispatcher-type alltoall, or fewer tokens a micro-batch",
             group.global_rank(),
             group.name(),
-            received_of[q]
+            buffer_of[q]
         )));
     }
     let rows_per_rank = sorted.tokens_of.iter().copied().max().unwrap_or(num_tokens);
-    // Where this rank's block for expert e starts in the buffer of e's rank: after the blocks
-    // of that rank's experts before e, then after the blocks of the ranks before this one.
+    // Where this rank's rows for expert e start in the buffer of e's rank: after the blocks
+    // of that rank's experts before e, then after the rows of the ranks before this one.
     let offset: Vec<usize> = (0..e_all)
         .map(|e| {
             let first = e / e_local * e_local;
-            (first..e).map(rows_of_expert).sum::<usize>()
+            (first..e).map(block_of_expert).sum::<usize>()
                 + (0..rank).map(|r| counts_of[r][e]).sum::<usize>()
         })
         .collect();
@@ -119,7 +131,7 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
     }
     let routing = group.all_gather(routing, 0)?;
     let gathered = ep * rows_per_rank * top_k;
-    let received: usize = local_counts.iter().sum();
+    let buffer = buffer_of[rank];
     let not_mine = routing
         .clone()
         .narrow(1, 0, 1)
@@ -129,23 +141,25 @@ pub(super) fn plan<B: DistBackend + PermuteOps>(
     // Copies not for this rank point past the experts' rows for the inverse (which skips
     // them), and read a zero row in the gathers.
     let assignment = B::invert_rows(
-        rows.clone()
-            .mask_fill(not_mine.clone(), (received + 1) as i64),
-        received + 1,
+        rows.clone().mask_fill(not_mine.clone(), buffer as i64),
+        buffer,
     );
     let from_experts = RowIndex::new(rows.mask_fill(not_mine.clone(), 0)).with_zero_rows(not_mine);
     // Which expert-major rows carry a copy: by local expert, then by source rank, the kept
-    // ones first in each block (the rest is padding); the last row none.
-    let mut carries = Vec::with_capacity(received + 1);
+    // ones first in each rank's rows (the rest is capacity padding), then the block's padding
+    // (or the last expert's zero row).
+    let mut carries = Vec::with_capacity(buffer);
     for j in 0..e_local {
         let e = rank * e_local + j;
+        let start = carries.len();
         for r in 0..ep {
             carries.extend((0..counts_of[r][e]).map(|i| i < kept_of[r][e]));
         }
+        carries.resize(start + block_of_expert(e), false);
     }
-    carries.push(false);
+    debug_assert_eq!(carries.len(), buffer);
     let empty: Vec<bool> = carries.iter().map(|c| !c).collect();
-    let empty = Tensor::<B, 1, Bool>::from_data(TensorData::new(empty, [received + 1]), &device);
+    let empty = Tensor::<B, 1, Bool>::from_data(TensorData::new(empty, [buffer]), &device);
     Ok(AllGatherPlan {
         rows_per_rank,
         to_experts: RowIndex::new(assignment.clone().div_scalar(top_k as i64))

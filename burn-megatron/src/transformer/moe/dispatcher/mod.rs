@@ -104,13 +104,9 @@ impl TokenDispatcherType {
     }
 }
 
-/// Whether the all-to-all dispatcher hands the experts blocks of one size, each expert's
-/// tokens followed by zero rows, so that each of their products runs as one batched GEMM
-/// (the all-gather dispatcher's blocks are always the counts; [`GroupedExperts::forward`]
-/// pads those itself where the backend asks). The padding rides in the dispatcher's own row
-/// moves: it costs no gather of its own.
-///
-/// [`GroupedExperts::forward`]: super::GroupedExperts::forward
+/// Whether the dispatcher hands the experts blocks of one size, each expert's tokens followed
+/// by zero rows, so that each of their products runs as one batched GEMM. The padding rides
+/// in the dispatcher's own row moves: it costs no gather of its own.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
 pub enum BlockPadding {
     /// Where the backend runs blocks of one size faster
@@ -163,8 +159,8 @@ pub struct DispatchPlan<B: Backend> {
     /// padding, the capacity's rows from each rank).
     pub local_counts: Vec<usize>,
     /// The rows of every local expert's block in the buffer [`dispatch`] gives, where the
-    /// blocks are padded to one size ([`BlockPadding`], all-to-all dispatcher only); `None`
-    /// where they are the counts followed by one zero row.
+    /// blocks are padded to one size ([`BlockPadding`]); `None` where they are the counts
+    /// followed by one zero row.
     ///
     /// [`dispatch`]: TokenDispatcher::dispatch
     pub padded_rows: Option<usize>,
@@ -557,8 +553,16 @@ impl TokenDispatcher {
             })
             .collect();
         // Rows each of this rank's experts receives: its block from every rank.
-        let local_counts: Vec<usize> = (0..e_local)
-            .map(|j| (0..ep).map(|r| counts_of[r][rank * e_local + j]).sum())
+        // Rows each local expert of EP rank q receives: its block from every rank.
+        let counts_of_rank = |q: usize| -> Vec<usize> {
+            (0..e_local)
+                .map(|j| (0..ep).map(|r| counts_of[r][q * e_local + j]).sum())
+                .collect()
+        };
+        let local_counts = counts_of_rank(rank);
+        // Whether each rank pads its experts' blocks: known to every rank from the counts.
+        let padded_of: Vec<Option<usize>> = (0..ep)
+            .map(|q| self.padding.rows::<B>(&counts_of_rank(q)))
             .collect();
 
         // The routing map of the assignments this rank keeps, and which ones drop, on the
@@ -602,17 +606,14 @@ impl TokenDispatcher {
             sums,
             dropped: dropped_mask,
         };
-        let padded_rows = match self.kind {
-            TokenDispatcherType::AllToAll => self.padding.rows::<B>(&local_counts),
-            TokenDispatcherType::AllGather => None,
-        };
-        let blocks = expert_blocks(&local_counts, padded_rows);
+        let padded_rows = padded_of[rank];
         let exchange = match self.kind {
             TokenDispatcherType::AllToAll => {
+                let blocks = expert_blocks(&local_counts, padded_rows);
                 Exchange::AllToAll(all_to_all::plan(self, sorted, &blocks))
             }
             TokenDispatcherType::AllGather => {
-                Exchange::AllGather(all_gather::plan(self, sorted, &local_counts)?)
+                Exchange::AllGather(all_gather::plan(self, sorted, &padded_of)?)
             }
         };
         Ok(DispatchPlan {
