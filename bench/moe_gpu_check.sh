@@ -32,6 +32,7 @@
 #   NPROC=2 PART=parts2 bash bench/moe_gpu_check.sh   # 2 GPUs: the presets past 2^32 expert elements a rank (experts in parts)
 #   NPROC=2 PART=gather2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with each token dispatcher
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=gatherpad2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like at EP 2, even load, each dispatcher padding in its own gathers, and the all-gather one of the build before
+#   NPROC=2 PART=gathersteady2 bash bench/moe_gpu_check.sh  # 2 GPUs: hook2's runs with the all-gather dispatcher, each next to its peer
 #   NPROC=2 PART=hook2 bash bench/moe_gpu_check.sh    # 2 GPUs: both presets at EP 2 with the overlap hook, each next to its peer
 #   NPROC=2 PART=etp2 bash bench/moe_gpu_check.sh     # 2 GPUs: TP 2 with the experts split (ETP 2) and whole (ETP 1); the router in fp32 and fp64
 #   NPROC=1 PART=router1 bash bench/moe_gpu_check.sh  # 1 GPU: the router in the model's dtype, fp32 and fp64
@@ -536,6 +537,14 @@ if [ "$PART" != all ] && part gatherpad2; then
   if [ -x "${OLD:-}" ]; then
     PRETRAIN=$OLD FORCE_BALANCE=1 ITERS=12 ours deepseek_ep2_even_allgather_old deepseek_moe_1b 2 --num-layers 8 --overlap-grad-reduce --moe-token-dispatcher-type allgather
   fi
+fi
+if [ "$PART" != all ] && part gathersteady2; then
+  # For 2 GPUs (NPROC=2): PART=hook2's runs (16 layers, EP 2, the hook, 20 iterations) with
+  # the all-gather dispatcher, each next to its peer (whose dispatch is an all-to-all).
+  ITERS=20 ours mixtral_ep2_hook_allgather mixtral_1b_moe 2 --overlap-grad-reduce --moe-token-dispatcher-type allgather
+  torch mixtral_ep2 --preset mixtral --ep 2
+  ITERS=20 ours deepseek_ep2_hook_allgather deepseek_moe_1b 2 --overlap-grad-reduce --moe-token-dispatcher-type allgather
+  torch deepseek_ep2 --preset deepseek --ep 2
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.
