@@ -19,6 +19,8 @@
 #   NPROC=2 PART=gemm,two bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2, the peers, a profile
 #   NPROC=2 PART=late bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like EP 2 for 20 iterations, a late step profiled, the peer
 #   PART=late4 bash bench/moe_gpu_check.sh          # 4 GPUs: the same at EP 4
+#   NPROC=4 PART=steady4a bash bench/moe_gpu_check.sh  # 4 GPUs: both presets at EP 4 with the hook, 20 iterations, each next to its peer
+#   NPROC=4 PART=steady4b bash bench/moe_gpu_check.sh  # 4 GPUs: the same at EP 2 x expert-DP 2
 #   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
@@ -545,6 +547,21 @@ if [ "$PART" != all ] && part gathersteady2; then
   torch mixtral_ep2 --preset mixtral --ep 2
   ITERS=20 ours deepseek_ep2_hook_allgather deepseek_moe_1b 2 --overlap-grad-reduce --moe-token-dispatcher-type allgather
   torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part steady4a; then
+  # For 4 GPUs (NPROC=4): issue 34's EP 4 check settled: both presets (16 layers) with the
+  # overlap hook for 20 iterations, each next to its peer.
+  ITERS=20 ours mixtral_ep4_hook mixtral_1b_moe 4 --overlap-grad-reduce
+  torch mixtral_ep4 --preset mixtral --ep 4
+  ITERS=20 ours deepseek_ep4_hook deepseek_moe_1b 4 --overlap-grad-reduce
+  torch deepseek_ep4 --preset deepseek --ep 4
+fi
+if [ "$PART" != all ] && part steady4b; then
+  # For 4 GPUs (NPROC=4): issue 34's EP 2 x expert-DP 2 check: the same at EP 2 on 4 ranks.
+  ITERS=20 ours mixtral_ep2_edp2_hook mixtral_1b_moe 2 --overlap-grad-reduce
+  torch mixtral_ep2_edp2 --preset mixtral --ep 2
+  ITERS=20 ours deepseek_ep2_edp2_hook deepseek_moe_1b 2 --overlap-grad-reduce
+  torch deepseek_ep2_edp2 --preset deepseek --ep 2
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.
