@@ -64,6 +64,7 @@ pub struct AllGatherPlan<B: Backend> {
 
 /// The rows of the exchange: each of this rank's kept assignments' row in its expert's rank's
 /// buffer, all-gathered over the group.
+///
 /// `padded_rows[q]`: the rows of every block of EP rank `q`'s experts where that rank pads
 /// them to one size ([`DispatchPlan::padded_rows`] of each rank, which every rank knows from
 /// the counts), `None` where its blocks are the counts.
