@@ -45,6 +45,7 @@
 #   NPROC=1 PART=padprof1 bash bench/moe_gpu_check.sh  # 1 GPU: the padded DeepSeek-like step at an even load, profiled
 #   NPROC=1 OLD=.gpu/old/pretrain_gpt PART=fold1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the padding in the dispatcher against the build before, even load, next to the peer (foldr1: as routed)
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=fold2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like at EP 2, the build before and this one, next to the peer
+#   NPROC=1 OLD=.gpu/old/pretrain_gpt PART=direct1 bash bench/moe_gpu_check.sh  # 1 GPU: Mixtral-like at EP 1 (no exchange, no receive gather) against the build before, next to the peer
 #   NPROC=1 PART=padded1 bash bench/moe_gpu_check.sh  # 1 GPU: DeepSeek-like, the experts' blocks padded (default) and not (BM_EXPERT_PADDING=off), even load and as routed, next to the peer
 #   (Since 2026-11-28 the 16-layer presets at EP 2, and the Mixtral-like one at EP 1, stop at start-up: their
 #   experts' flat buffer is past 32-bit indices, the cause of the NaN and the panic these parts chased.)
@@ -547,6 +548,21 @@ if [ "$PART" != all ] && part gathersteady2; then
   torch mixtral_ep2 --preset mixtral --ep 2
   ITERS=20 ours deepseek_ep2_hook_allgather deepseek_moe_1b 2 --overlap-grad-reduce --moe-token-dispatcher-type allgather
   torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part direct1; then
+  # For one GPU: 8 Mixtral-like layers (8 experts: not padded) at EP 1 with the hook, where
+  # the all-to-all's send buffer is now the experts' blocks (no exchange, no receive gather),
+  # against the build before (OLD=.gpu/old/pretrain_gpt), routed as trained and at an even
+  # load, next to the peer routed as trained.
+  if [ -x "${OLD:-}" ]; then
+    PRETRAIN=$OLD ITERS=16 ours mixtral_ep1_hook_old mixtral_1b_moe 1 --num-layers 8 --overlap-grad-reduce
+  fi
+  ITERS=16 ours mixtral_ep1_hook mixtral_1b_moe 1 --num-layers 8 --overlap-grad-reduce
+  torch mixtral_ep1 --preset mixtral --ep 1 --layers 8
+  if [ -x "${OLD:-}" ]; then
+    PRETRAIN=$OLD FORCE_BALANCE=1 ITERS=16 ours mixtral_ep1_hook_even_old mixtral_1b_moe 1 --num-layers 8 --overlap-grad-reduce
+  fi
+  FORCE_BALANCE=1 ITERS=16 ours mixtral_ep1_hook_even mixtral_1b_moe 1 --num-layers 8 --overlap-grad-reduce
 fi
 if [ "$PART" != all ] && part steady4a; then
   # For 4 GPUs (NPROC=4): issue 34's EP 4 check settled: both presets (16 layers) with the
