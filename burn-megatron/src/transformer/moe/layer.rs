@@ -232,7 +232,9 @@ impl<B: ModelBackend> MoeLayer<B> {
         let shared = (self.shared_expert.as_ref()).map(|s| s.forward_shared(tokens.clone()));
         let plan = self.dispatcher.finish_plan(pending)?;
         let expert_input = self.dispatcher.dispatch(&plan, tokens)?;
-        let expert_output = (self.experts).forward_blocks(expert_input, &plan.expert_blocks());
+        let expert_output = self
+            .experts
+            .forward_blocks(expert_input, &plan.expert_blocks());
         let mut output = self.dispatcher.combine(&plan, expert_output, weights)?;
         if let Some(shared) = shared {
             output = output + shared;

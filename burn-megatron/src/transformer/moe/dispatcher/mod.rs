@@ -221,10 +221,7 @@ impl<B: Backend> DispatchPlan<B> {
     /// Rows of the buffer [`dispatch`](TokenDispatcher::dispatch) gives: every block padded
     /// ([`padded_rows`](Self::padded_rows)), or the rows received and one zero row.
     pub fn expert_rows(&self) -> usize {
-        match self.padded_rows {
-            Some(rows) => rows * self.local_counts.len(),
-            None => self.received() + 1,
-        }
+        self.expert_blocks().iter().sum()
     }
 
     /// The rows of each local expert's block in that buffer: its tokens, then zero rows (the
@@ -560,10 +557,18 @@ impl TokenDispatcher {
                 .collect()
         };
         let local_counts = counts_of_rank(rank);
-        // Whether each rank pads its experts' blocks: known to every rank from the counts.
-        let padded_of: Vec<Option<usize>> = (0..ep)
-            .map(|q| self.padding.rows::<B>(&counts_of_rank(q)))
-            .collect();
+        let padded_rows = self.padding.rows::<B>(&local_counts);
+        // Whether each rank pads its experts' blocks, known to every rank from the counts: the
+        // all-gather writes into every rank's blocks (the all-to-all only into its own).
+        let padded_of: Vec<Option<usize>> = match self.kind {
+            TokenDispatcherType::AllToAll => Vec::new(),
+            TokenDispatcherType::AllGather => (0..ep)
+                .map(|q| match q == rank {
+                    true => padded_rows,
+                    false => self.padding.rows::<B>(&counts_of_rank(q)),
+                })
+                .collect(),
+        };
 
         // The routing map of the assignments this rank keeps, and which ones drop, on the
         // device.
@@ -606,7 +611,6 @@ impl TokenDispatcher {
             sums,
             dropped: dropped_mask,
         };
-        let padded_rows = padded_of[rank];
         let exchange = match self.kind {
             TokenDispatcherType::AllToAll => {
                 let blocks = expert_blocks(&local_counts, padded_rows);
