@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -141,6 +141,40 @@ if part recipes; then
   wait
   for n in bf16 e4m3 delayed e4m3fl; do
     echo "=== recipes $n"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/recipes_$n.log | cut -c1-110
+  done
+fi
+if part peer; then
+  # 2 GPUs: curve2's 350M runs next to PyTorch's on the same corpus (bench/torch_curve.py):
+  # GPU 0 ours bf16 and PyTorch bf16, GPU 1 ours FP8 hybrid tensorwise and PyTorch float8 (the
+  # torchao recipe), all four at once; the lm loss (the mean of the last 25 iterations) and
+  # the validation loss every 100. Is FP8's distance from bf16 ours, or FP8's at this size?
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="$C350 --eval-interval 100 --eval-iters 20"
+  D=.gpu/data/realtext_text_document
+  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/peer_bf16.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29511 -- $B/pretrain_gpt $C --fp8-format hybrid --fp8-recipe tensorwise > $OUT/peer_fp8.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-500} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} > $OUT/peer_torch_bf16.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-500} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} --fp8 > $OUT/peer_torch_fp8.log 2>&1 &
+  wait
+  for n in bf16 fp8 torch_bf16 torch_fp8; do
+    echo "=== peer $n"; grep -E "torch_curve:|iteration +[0-9]+/|validation|rror|panick" $OUT/peer_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU)[^|]*//g' | cut -c1-150 | tail -45
+  done
+fi
+if part diag; then
+  # 2 GPUs: is the FP8 run's distance from bf16 a kernel's? curve2's model for ITERS (default
+  # 700) steps: GPU 0 bf16 and FP8 with the casts and GEMMs as the Burn compositions (the
+  # CPU's emulation, BM_FP8_COMPOSITIONS=casts); GPU 1 FP8 on the kernels and FP8 with the
+  # amaxes and scales composed (BM_FP8_COMPOSITIONS=scales), all at once.
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="${C350/--train-iters ${ITERS:-1000}/--train-iters ${ITERS:-700}} --eval-interval 100 --eval-iters 20"
+  F="--fp8-format hybrid --fp8-recipe tensorwise"
+  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $C > $OUT/diag_bf16.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 BM_FP8_COMPOSITIONS=casts timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29511 -- $B/pretrain_gpt $C $F > $OUT/diag_casts.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29512 -- $B/pretrain_gpt $C $F > $OUT/diag_fp8.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 BM_FP8_COMPOSITIONS=scales timeout ${LIMIT:-500} $B/bm-launch --nproc-per-node 1 --master-port 29513 -- $B/pretrain_gpt $C $F > $OUT/diag_scales.log 2>&1 &
+  wait
+  for n in bf16 fp8 scales casts; do
+    echo "=== diag $n"; grep -E "iteration +[0-9]+/|validation|rror|panick" $OUT/diag_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory)[^|]*//g' | cut -c1-130 | tail -40
   done
 fi
 if part profile8b; then

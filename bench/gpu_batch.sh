@@ -34,6 +34,8 @@
 #   fp8curve3 PART=curve3 (1 GPU): the 350M curves, bf16, FP8 and FP8 with the first and last layers in bf16
 #   fp8repeat PART=repeat (1 GPU): curve3's model twice in bf16 and twice in FP8 at once (run-to-run drift)
 #   fp8recipes PART=recipes (1 GPU): curve3's model in bf16, FP8 e4m3, delayed, e4m3 with first/last layers in bf16
+#   fp8peer PART=peer (2 GPUs): curve2's model, ours and PyTorch's (bench/torch_curve.py), bf16 and FP8, all at once
+#   fp8diag PART=diag (2 GPUs): that model in bf16 and FP8 with the kernels, the casts or the scales as the Burn compositions
 #   fp8step1 PART=step1 (1 GPU): the casts' checks and speeds, 14 of Llama-3 8B's layers in bf16 and FP8
 #   fp8hook1 PART=hook1 (1 GPU): step1's model with the distributed optimizer and the overlap hook, bf16 and FP8
 #   fp8peer1 PART=peer1 (1 GPU): that model in PyTorch, bf16 and float8 (the peer)
@@ -129,6 +131,8 @@ for s in "$@"; do
     fp8curve3) step fp8curve3 env PART=curve3 bash bench/fp8_gpu_check.sh ;;
     fp8repeat) step fp8repeat env PART=repeat bash bench/fp8_gpu_check.sh ;;
     fp8recipes) step fp8recipes env PART=recipes bash bench/fp8_gpu_check.sh ;;
+    fp8peer) step fp8peer env PART=peer bash bench/fp8_gpu_check.sh ;;
+    fp8diag) step fp8diag env PART=diag bash bench/fp8_gpu_check.sh ;;
     fp8prof8b) step fp8prof8b env PART=profile8b bash bench/fp8_gpu_check.sh ;;
     fp8step8b) step fp8step8b env PART=step8b bash bench/fp8_gpu_check.sh ;;
     fp8step1) step fp8step1 env PART=step1 bash bench/fp8_gpu_check.sh ;;

@@ -13,7 +13,8 @@ use burn::tensor::{Bytes, Tensor, TensorData};
 
 use super::directory::latest_checkpoint;
 use super::metadata::{
-    CheckpointMetadata, MODEL_GROUP, OptimizerLayout, TensorEntry, TrainingState,
+    CheckpointMetadata, FP8_GROUP, FP8_OPERANDS, MODEL_GROUP, OptimizerLayout, TensorEntry,
+    TrainingState,
 };
 use super::region::{
     Region, copy_region, flat_range_boxes, flat_start, intersect, source_runs, volume,
@@ -25,6 +26,7 @@ use crate::error::CheckpointError;
 use crate::error::Result;
 use crate::models::GptModel;
 use crate::ops::HostTransferOps;
+use crate::ops::fp8::{DelayedData, Fp8Recipe};
 use crate::optimizer::state::{OptimizerState, ParamState};
 use crate::transformer::TransformerConfig;
 
@@ -168,9 +170,53 @@ impl Checkpoint {
 
     /// `model` (one chunk of any layout, built from the saved configuration) with every
     /// parameter replaced by its slice of the saved one. Vocabulary padding rows are zero.
+    /// Its FP8 layers under delayed scaling start from the saved amax histories and scales
+    /// where the checkpoint has them ([`FP8_GROUP`]; a layer it has none for starts afresh).
     pub fn load_model<B: ModelBackend>(&self, model: GptModel<B>) -> Result<GptModel<B>> {
         let values = self.model_values(&model)?;
+        self.restore_fp8_states(&model)?;
         Ok(model.map(&mut Replace { values }))
+    }
+
+    /// Gives `model`'s delayed-scaling FP8 layers the states saved for them.
+    pub(crate) fn restore_fp8_states<B: ModelBackend>(&self, model: &GptModel<B>) -> Result<()> {
+        let Some(saved) = self.metadata.tensors.get(FP8_GROUP) else {
+            return Ok(());
+        };
+        for (path, fp8) in model.fp8_layers() {
+            if fp8.config().recipe != Fp8Recipe::Delayed
+                || !saved.contains_key(&format!("{path}.input.scale"))
+            {
+                continue;
+            }
+            let read = |operand: &str, name: &str| -> Result<Vec<f32>> {
+                let data = self.read_full(FP8_GROUP, &format!("{path}.{operand}.{name}"))?;
+                Ok(data.iter::<f32>().collect())
+            };
+            let mut states = Vec::with_capacity(FP8_OPERANDS.len());
+            for operand in FP8_OPERANDS {
+                let scale = read(operand, "scale")?;
+                let [scale] = scale[..] else {
+                    return Err(CheckpointError::mismatch(
+                        &self.dir,
+                        format!(
+                            "{FP8_GROUP} {path}.{operand}.scale has {} values, not 1",
+                            scale.len()
+                        ),
+                    )
+                    .into());
+                };
+                states.push(DelayedData {
+                    amax_history: read(operand, "amax_history")?,
+                    scale,
+                });
+            }
+            let states: [DelayedData; 3] = states
+                .try_into()
+                .expect("one state per operand of FP8_OPERANDS");
+            fp8.restore_delayed(states);
+        }
+        Ok(())
     }
 
     /// The saved values of `model`'s parameters (one chunk of any layout), in the saved

@@ -22,6 +22,14 @@ pub const METADATA_FILE: &str = "metadata.json";
 /// The tensor group of the model's parameters.
 pub const MODEL_GROUP: &str = "model";
 
+/// The tensor group of the FP8 layers' delayed-scaling states: per layer and operand
+/// (`input`, `weight`, `grad_output`) its amax history and scale,
+/// `block.layers.5.attention.qkv.input.amax_history` and `….input.scale`, f32.
+pub const FP8_GROUP: &str = "fp8_delayed_scaling";
+
+/// The operands of an FP8 layer whose states [`FP8_GROUP`] holds, in the layer's order.
+pub(crate) const FP8_OPERANDS: [&str; 3] = ["input", "weight", "grad_output"];
+
 /// A saved checkpoint's description (`metadata.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CheckpointMetadata {

@@ -58,8 +58,8 @@ pub use directory::{PublishStep, StepHook};
 pub use distributed_optimizer::{MAIN_PARAM, distributed_adamw_state, load_distributed_adamw};
 pub use load::Checkpoint;
 pub use metadata::{
-    CheckpointMetadata, FORMAT_VERSION, FileEntry, METADATA_FILE, MODEL_GROUP, OptimizerInfo,
-    OptimizerLayout, SavedLayout, ShardEntry, TensorEntry, TrainingState,
+    CheckpointMetadata, FORMAT_VERSION, FP8_GROUP, FileEntry, METADATA_FILE, MODEL_GROUP,
+    OptimizerInfo, OptimizerLayout, SavedLayout, ShardEntry, TensorEntry, TrainingState,
 };
 pub use save::Checkpointer;
 pub use tensor_file::CHECKSUM_BLOCK_BYTES;

@@ -27,7 +27,7 @@ use burn_megatron_dist::ParallelState;
 use serde::{Deserialize, Serialize};
 
 use super::directory::write_synced;
-use super::metadata::{FileEntry, MODEL_GROUP, ShardEntry};
+use super::metadata::{FP8_GROUP, FP8_OPERANDS, FileEntry, MODEL_GROUP, ShardEntry};
 use super::region::{Region, copy_region, flat_range_boxes, flat_start, intersect, volume};
 use super::slices::{LocalSlice, dtype_from_name, dtype_name, local_slices};
 use super::tensor_file::{Blob, BlobBytes, write_tensor_file};
@@ -123,6 +123,11 @@ impl RankSnapshot {
                 }
                 None => Default::default(),
             };
+            // The FP8 layers' delayed-scaling states: equal on the ranks of a TP group (the
+            // amaxes of split operands are reduced over it), so TP rank 0 writes them.
+            if writes_model && t == 0 {
+                model.extend(fp8_pieces(chunk).map_err(|e| e.on_rank(state.world().rank()))?);
+            }
             for slice in local_slices(chunk)?.into_iter().filter(|s| s.writes) {
                 let (writes_model, writes_optimizer, model, optim) = match slice.expert {
                     true => (
@@ -244,6 +249,41 @@ impl Piece {
 
 /// The piece of a whole local tensor `data` of `slice`: its real (unpadded) part, `None` when
 /// the rank holds padding only.
+/// The pieces of `chunk`'s FP8 delayed-scaling states ([`FP8_GROUP`]): per layer and
+/// operand its amax history and scale, whole.
+fn fp8_pieces<B: ModelBackend>(
+    chunk: &GptModel<B>,
+) -> core::result::Result<Vec<Piece>, DeviceError> {
+    let mut pieces = Vec::new();
+    for (path, fp8) in chunk.fp8_layers() {
+        let Some(states) = fp8.delayed_data()? else {
+            continue;
+        };
+        for (operand, state) in FP8_OPERANDS.iter().zip(states) {
+            let tensors = [
+                ("amax_history", state.amax_history),
+                ("scale", vec![state.scale]),
+            ];
+            for (name, values) in tensors {
+                let len = values.len();
+                let slice = LocalSlice {
+                    id: ParamId::new(),
+                    path: format!("{path}.{operand}.{name}"),
+                    global_shape: vec![len],
+                    partition_dim: None,
+                    local_shape: vec![len],
+                    held: vec![0..len],
+                    writes: true,
+                    expert: false,
+                };
+                let data = TensorData::new(values, [len]);
+                pieces.extend(whole(FP8_GROUP, &slice, data));
+            }
+        }
+    }
+    Ok(pieces)
+}
+
 fn whole(group: &str, slice: &LocalSlice, data: TensorData) -> Option<Piece> {
     let real = slice.real()?;
     let dtype = data.dtype;

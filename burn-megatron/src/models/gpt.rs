@@ -15,6 +15,7 @@ use crate::error::PipelineError;
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::ops::BackwardHook;
+use crate::ops::fp8::Fp8Linear;
 use crate::tensor_parallel::{
     DeclarePlacements, DropoutSite, ParamPlacement, Placements, SequenceParallelGrads, TpContext,
     VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
@@ -461,6 +462,29 @@ impl<B: ModelBackend> GptModel<B> {
             return "embedding.weight".to_string();
         }
         stage.global_path(path)
+    }
+
+    /// This chunk's FP8 linear layers, each with its path in the whole model
+    /// (`block.layers.5.attention.qkv`): where checkpoints keep delayed scaling's state.
+    pub fn fp8_layers(&self) -> Vec<(String, &Fp8Linear)> {
+        let mut layers = Vec::new();
+        for (i, layer) in self.block.layers.iter().enumerate() {
+            let attention = &layer.attention;
+            let mlp = layer.mlp.as_ref();
+            let linears = [
+                ("attention.qkv", attention.qkv.fp8()),
+                ("attention.output", attention.output.fp8()),
+                ("mlp.fc1", mlp.and_then(|m| m.fc1.fp8())),
+                ("mlp.gate", mlp.and_then(|m| m.gate.as_ref()?.fp8())),
+                ("mlp.fc2", mlp.and_then(|m| m.fc2.fp8())),
+            ];
+            for (name, fp8) in linears {
+                if let Some(fp8) = fp8 {
+                    layers.push((self.global_path(&format!("block.layers.{i}.{name}")), fp8));
+                }
+            }
+        }
+        layers
     }
 
     /// The tensor-parallel group the model is split over.

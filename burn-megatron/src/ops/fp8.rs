@@ -29,8 +29,8 @@ pub mod scaling;
 
 pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear, hooked_fp8_linear};
 pub use scaling::{
-    AmaxComputeAlgo, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe, delayed_update_composition,
-    scale_from_amax, tensorwise_scale,
+    AmaxComputeAlgo, DelayedData, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe,
+    delayed_update_composition, scale_from_amax, tensorwise_scale,
 };
 
 /// An FP8 storage format (OCP): E4M3 (max 448, Megatron's activations/weights) and E5M2 (max
@@ -389,6 +389,17 @@ mod cuda {
     use super::{AmaxComputeAlgo, Fp8Dtype, Fp8Ops};
     use crate::ops::primitive::{raw, wrap};
 
+    /// Whether `part` of the FP8 operations runs as the Burn compositions (the CPU's
+    /// emulation) instead of the kernels, as the environment variable `BM_FP8_COMPOSITIONS`
+    /// asks: `scales` (amaxes, scales, delayed scaling's update), `casts` (the casts and, as
+    /// their values are then grid values in the input's dtype, the GEMMs) or `all`. A
+    /// diagnosis aid, read once: a run that changes with it has a kernel at fault, not FP8.
+    pub(super) fn composed(part: &str) -> bool {
+        static WHICH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let which = WHICH.get_or_init(|| std::env::var("BM_FP8_COMPOSITIONS").unwrap_or_default());
+        which == "all" || which == part
+    }
+
     /// The kernels' name of an FP8 format.
     pub(super) fn kind(dtype: Fp8Dtype) -> Fp8Kind {
         match dtype {
@@ -401,6 +412,9 @@ mod cuda {
         for CubeBackend<MegatronCudaRuntime, F, I, BT>
     {
         fn fp8_amax(x: Tensor<Self, 2>) -> Tensor<Self, 1> {
+            if composed("scales") {
+                return super::amax_composition(x);
+            }
             wrap(fp8::amax(raw(x)))
         }
 
@@ -409,6 +423,10 @@ mod cuda {
             dtype: Fp8Dtype,
             margin: i32,
         ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+            if composed("scales") {
+                let scale = super::tensorwise_scale(amax, dtype, margin);
+                return (scale.clone(), scale.recip());
+            }
             let (scale, scale_inv) =
                 fp8::tensorwise_scale(raw(amax.cast(DType::F32)), dtype.max(), margin);
             (wrap(scale), wrap(scale_inv))
@@ -419,6 +437,11 @@ mod cuda {
             dtype: Fp8Dtype,
             margin: i32,
         ) -> (Tensor<Self, 1>, Tensor<Self, 1>, Tensor<Self, 1>) {
+            if composed("scales") {
+                let amax = Self::fp8_amax(x);
+                let (scale, inv) = Self::fp8_tensorwise_scale(amax.clone(), dtype, margin);
+                return (amax, scale, inv);
+            }
             let (amax, scale, scale_inv) = fp8::amax_scale(raw(x), dtype.max(), margin);
             (wrap(amax), wrap(scale), wrap(scale_inv))
         }
@@ -431,6 +454,11 @@ mod cuda {
             margin: i32,
             algo: AmaxComputeAlgo,
         ) -> (Tensor<Self, 1>, Tensor<Self, 1>) {
+            if composed("scales") {
+                return super::delayed_update_composition(
+                    history, scale, amax, dtype, margin, algo,
+                );
+            }
             let (history, scale) = fp8::delayed_update(
                 raw(history.cast(DType::F32)),
                 raw(scale.cast(DType::F32)),
@@ -448,6 +476,9 @@ mod cuda {
             dtype: Fp8Dtype,
             transpose: bool,
         ) -> Tensor<Self, 2> {
+            if composed("casts") {
+                return super::quantize_composition(x, scale, dtype, transpose);
+            }
             let scale = raw(scale.cast(DType::F32));
             wrap(fp8::quantize(raw(x), &scale, kind(dtype), transpose))
         }
@@ -457,6 +488,10 @@ mod cuda {
             scale: Tensor<Self, 1>,
             dtype: Fp8Dtype,
         ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+            if composed("casts") {
+                let row = super::quantize_composition(x.clone(), scale.clone(), dtype, false);
+                return (row, super::quantize_composition(x, scale, dtype, true));
+            }
             let scale = raw(scale.cast(DType::F32));
             let casts = fp8::quantize_both(raw(x), &scale, kind(dtype), false);
             (wrap(casts.row), wrap(casts.transposed))
@@ -467,6 +502,11 @@ mod cuda {
             scale: Tensor<Self, 1>,
             dtype: Fp8Dtype,
         ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Tensor<Self, 1>) {
+            if composed("casts") {
+                let amax = Self::fp8_amax(x.clone());
+                let (row, transposed) = Self::fp8_quantize_both(x, scale, dtype);
+                return (row, transposed, amax);
+            }
             let scale = raw(scale.cast(DType::F32));
             let casts = fp8::quantize_both(raw(x), &scale, kind(dtype), true);
             let amax = casts
@@ -484,6 +524,9 @@ mod cuda {
             b_scale_inv: Tensor<Self, 1>,
             out: DType,
         ) -> Tensor<Self, 2> {
+            if composed("casts") {
+                return super::gemm_composition(a, a_scale_inv, b, b_scale_inv, out);
+            }
             let (a, b) = (raw(a), raw(b));
             let (a_shape, b_shape) = (a.meta.shape().to_vec(), b.meta.shape().to_vec());
             let a_scale_inv = raw(a_scale_inv.cast(DType::F32));

@@ -43,6 +43,11 @@ pub struct IterationReport {
     pub iteration: u64,
     /// The mean loss over the step's microbatches (next-token cross-entropy, nats).
     pub loss: f64,
+    /// The mean of [`loss`](Self::loss) over the iterations since the last logged one (every
+    /// `--log-interval`), this one included: Megatron's `lm loss`. One global batch's loss
+    /// wanders by a few per cent from batch to batch; the interval's mean much less, so two
+    /// runs' curves are compared on it.
+    pub lm_loss: f64,
     /// The learning rate the step used.
     pub lr: f64,
     /// The global gradient norm before clipping.

@@ -269,6 +269,8 @@ where
     };
     let mut iteration = 0u64;
     let mut consumed = 0u64;
+    // The losses since the last logged iteration, for its `lm loss`.
+    let mut interval_losses = Vec::new();
     let mut resumed_from = None;
     if let Some(root) = &config.load
         && latest_checkpoint(root)?.is_some()
@@ -446,6 +448,11 @@ where
         let max_memory_bytes = max_memory_bytes.map(|mib| mib * MIB);
         let peak_memory_bytes = peak_memory_bytes.map(|mib| mib * MIB);
         iteration += 1;
+        interval_losses.push(loss);
+        let lm_loss = interval_losses.iter().sum::<f64>() / interval_losses.len() as f64;
+        if logged {
+            interval_losses.clear();
+        }
         consumed += config.global_batch_size as u64;
         let seconds = started.elapsed().as_secs_f64();
         let flops_per_second = flops_per_step / seconds.max(f64::MIN_POSITIVE);
@@ -453,6 +460,7 @@ where
         let report = IterationReport {
             iteration,
             loss,
+            lm_loss,
             lr,
             grad_norm,
             consumed_samples: consumed,

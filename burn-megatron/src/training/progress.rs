@@ -1,5 +1,9 @@
 //! A console observer: a progress bar redrawn in place on a terminal, and a log line per
 //! report (Megatron's `training_log` format), so the loss can be read as it falls.
+//!
+//! An iteration's line gives two losses: `loss`, the iteration's own (one global batch), and
+//! `lm loss`, the mean over the iterations since the previous line
+//! ([`IterationReport::lm_loss`], Megatron's `lm loss`).
 
 use std::io::{IsTerminal, Write};
 use std::path::Path;
@@ -106,12 +110,13 @@ impl TrainingObserver for ConsoleProgress {
                 &mut state,
                 &format!(
                     " iteration {:>6}/{:<6} | consumed samples {:>8} | lr {:.3e} | loss {:.4} | \
-                     grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}{}{}",
+                     lm loss {:.4} | grad norm {:.3} | {:.0} tokens/s | {:.2} TFLOP/s per device | MFU {:.1}%{}{}{}",
                     r.iteration,
                     total,
                     r.consumed_samples,
                     r.lr,
                     r.loss,
+                    r.lm_loss,
                     r.grad_norm,
                     r.tokens_per_second(),
                     r.flops_per_device() / 1e12,

@@ -7,6 +7,7 @@ mod async_save;
 mod convert;
 mod distributed_optimizer;
 mod flat_adamw;
+mod fp8_states;
 mod hugging_face;
 mod hugging_face_mixtral;
 mod hugging_face_qwen3_moe;

@@ -54,8 +54,9 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{DeviceTransport, DistError, DistResult, ProcessGroup, ReduceOp};
 
-use super::scaling::{DelayedScaling, Fp8Config, Fp8Recipe};
+use super::scaling::{DelayedData, DelayedScaling, Fp8Config, Fp8Recipe};
 use super::{Fp8Dtype, Fp8Ops};
+use crate::error::DeviceError;
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
 use crate::ops::backward_hook::{BackwardHook, WeightGradient};
 use crate::ops::primitive::{raw, wrap};
@@ -105,8 +106,36 @@ enum Operand {
 }
 
 /// The delayed-scaling states of one layer, `[input, weight, grad_output]`, keyed by the
-/// backend they were made on (see [`Fp8Linear`]).
-type DelayedStates = HashMap<TypeId, Box<dyn Any + Send>>;
+/// backend they were made on (see [`Fp8Linear`]), and the states restored from a checkpoint
+/// that the next first use on a backend starts from.
+#[derive(Default)]
+struct DelayedStates {
+    by_backend: HashMap<TypeId, Box<dyn BackendStates>>,
+    restored: Option<[DelayedData; 3]>,
+}
+
+/// A backend's `[DelayedScaling<B>; 3]`, readable to the host without naming `B` (a
+/// checkpoint reads the layers' states from a model whose backend is the autodiff one).
+trait BackendStates: Any + Send {
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+    fn to_data(&self) -> Result<[DelayedData; 3], DeviceError>;
+}
+
+impl<B: Backend> BackendStates for [DelayedScaling<B>; 3] {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+
+    fn to_data(&self) -> Result<[DelayedData; 3], DeviceError> {
+        let [input, weight, grad_output] = self;
+        Ok([input.to_data()?, weight.to_data()?, grad_output.to_data()?])
+    }
+}
 
 /// A cast's scale (`[1]` f32: the values are multiplied by it before rounding) and its
 /// reciprocal (the FP8 GEMM multiplies its product by the operands' reciprocals), made
@@ -213,9 +242,30 @@ impl Fp8Linear {
     pub fn delayed_states<B: Backend>(&self) -> Option<[DelayedScaling<B>; 3]> {
         let states = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
         states
+            .by_backend
             .get(&TypeId::of::<B>())
-            .and_then(|s| s.downcast_ref::<[DelayedScaling<B>; 3]>())
+            .and_then(|s| s.as_any().downcast_ref::<[DelayedScaling<B>; 3]>())
             .cloned()
+    }
+
+    /// The delayed-scaling states `[input, weight, grad_output]` on the host, for a
+    /// checkpoint: those of the backend the layer ran on, or the restored ones it has not
+    /// used yet; `None` if it has neither (tensorwise scaling, or never run). Reads the device.
+    pub fn delayed_data(&self) -> Result<Option<[DelayedData; 3]>, DeviceError> {
+        let states = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
+        match states.by_backend.values().next() {
+            Some(live) => live.to_data().map(Some),
+            None => Ok(states.restored.clone()),
+        }
+    }
+
+    /// Replaces the delayed-scaling states by `states` (`[input, weight, grad_output]`, a
+    /// checkpoint's): the layer's next cast starts from them, on the device of its input,
+    /// their histories cut or padded to `--fp8-amax-history-len`.
+    pub fn restore_delayed(&self, states: [DelayedData; 3]) {
+        let mut delayed = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
+        delayed.by_backend.clear();
+        delayed.restored = Some(states);
     }
 
     /// Runs `f` on the delayed-scaling state of `operand`, made on `device` if there is none.
@@ -226,11 +276,21 @@ impl Fp8Linear {
         f: impl FnOnce(&mut DelayedScaling<B>) -> T,
     ) -> T {
         let mut states = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = states.entry(TypeId::of::<B>()).or_insert_with(|| {
+        let DelayedStates {
+            by_backend,
+            restored,
+        } = &mut *states;
+        let entry = by_backend.entry(TypeId::of::<B>()).or_insert_with(|| {
             let len = self.config.amax_history_len;
-            Box::new([0, 1, 2].map(|_| DelayedScaling::<B>::new(len, device)))
+            Box::new(match restored {
+                Some(data) => data
+                    .each_ref()
+                    .map(|d| DelayedScaling::<B>::from_data(d, len, device)),
+                None => [0, 1, 2].map(|_| DelayedScaling::<B>::new(len, device)),
+            })
         });
         let state = entry
+            .as_any_mut()
             .downcast_mut::<[DelayedScaling<B>; 3]>()
             .expect("the states under a backend's type id are that backend's");
         f(&mut state[operand as usize])
@@ -893,7 +953,7 @@ mod cuda {
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
 
     use super::{Fp8Dtype, Fp8LinearOps};
-    use crate::ops::fp8::cuda::kind;
+    use crate::ops::fp8::cuda::{composed, kind};
     use crate::ops::primitive::{raw, wrap};
     use crate::ops::write_slot::add_to_slot;
 
@@ -917,17 +977,22 @@ mod cuda {
                 raw(a_scale_inv.clone().cast(DType::F32)),
                 raw(b_scale_inv.clone().cast(DType::F32)),
             );
-            let fused = gemm::gemm_fp8_accumulate_at(
-                &raw(a.clone()),
-                kind(a_dtype),
-                &a_inv,
-                &raw(b.clone()),
-                kind(b_dtype),
-                &b_inv,
-                false,
-                &into,
-                start,
-            );
+            // Under `BM_FP8_COMPOSITIONS=casts` the operands are grid values, not FP8 bits.
+            let fused = match composed("casts") {
+                true => Err(()),
+                false => gemm::gemm_fp8_accumulate_at(
+                    &raw(a.clone()),
+                    kind(a_dtype),
+                    &a_inv,
+                    &raw(b.clone()),
+                    kind(b_dtype),
+                    &b_inv,
+                    false,
+                    &into,
+                    start,
+                )
+                .map_err(|_| ()),
+            };
             match fused {
                 Ok(()) => wrap(into),
                 Err(_) => {

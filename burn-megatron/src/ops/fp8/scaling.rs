@@ -9,10 +9,10 @@
 
 use burn::config::Config;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use super::{Fp8Dtype, Fp8Ops};
-use crate::error::ConfigError;
+use crate::error::{ConfigError, DeviceError, read_data};
 
 /// Which FP8 formats the GEMMs use (Megatron's `--fp8-format`).
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -233,6 +233,16 @@ pub fn tensorwise_scale<B: Backend>(
     scale_from_amax(amax, ones, dtype, margin)
 }
 
+/// One tensor's delayed-scaling state on the host, as checkpoints keep it: the amax history,
+/// newest first, and the scale of the next cast.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DelayedData {
+    /// The amaxes of the tensor's last casts, newest first.
+    pub amax_history: Vec<f32>,
+    /// The scale the next cast uses.
+    pub scale: f32,
+}
+
 /// One tensor's delayed-scaling state, on the device: the amaxes of its last uses, newest
 /// first (zeros before there are any), and the scale the next cast uses (1 at first).
 #[derive(Debug, Clone)]
@@ -248,6 +258,31 @@ impl<B: Backend> DelayedScaling<B> {
             history: Tensor::zeros([history_len.max(1)], (device, DType::F32)),
             scale: Tensor::ones([1], (device, DType::F32)),
         }
+    }
+
+    /// The state of a checkpoint on `device`, its history cut or padded with zeros (at the
+    /// oldest end) to `history_len` amaxes: a run may resume with another
+    /// `--fp8-amax-history-len`.
+    pub fn from_data(data: &DelayedData, history_len: usize, device: &B::Device) -> Self {
+        let mut history = data.amax_history.clone();
+        history.resize(history_len.max(1), 0.0);
+        let len = history.len();
+        Self {
+            history: Tensor::from_data(TensorData::new(history, [len]), (device, DType::F32)),
+            scale: Tensor::from_data(TensorData::new(vec![data.scale], [1]), (device, DType::F32)),
+        }
+    }
+
+    /// The state read to the host (a device synchronisation: for checkpoints, not in a step).
+    pub fn to_data(&self) -> Result<DelayedData, DeviceError> {
+        let read = |tensor: &Tensor<B, 1>, what: &str| {
+            read_data(tensor.clone(), || format!("FP8 delayed scaling's {what}"))
+                .map(|data| data.iter::<f32>().collect::<Vec<_>>())
+        };
+        Ok(DelayedData {
+            amax_history: read(&self.history, "amax history")?,
+            scale: read(&self.scale, "scale")?[0],
+        })
     }
 
     /// The scale of the next cast, `[1]` f32.
