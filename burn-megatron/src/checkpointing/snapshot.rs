@@ -272,7 +272,7 @@ fn fp8_pieces<B: ModelBackend>(
                     global_shape: vec![len],
                     partition_dim: None,
                     local_shape: vec![len],
-                    held: vec![0..len],
+                    held: std::iter::once(0..len).collect(),
                     writes: true,
                     expert: false,
                 };
