@@ -206,18 +206,15 @@ fn fp8_delayed(tp: usize, pp: usize, iters: usize) -> PretrainConfig {
 /// the saved and loaded states themselves, bit for bit.
 #[test]
 fn fp8_delayed_scaling_resumes_equal_to_uninterrupted() {
-    let what = "FP8 delayed scaling saved at (TP, PP) = (2, 2), resumed there";
-    resume_runs(
-        what,
-        "resume-fp8-22",
-        |i| fp8_delayed(2, 2, i),
-        |i| fp8_delayed(2, 2, i),
-    );
-    let what = "FP8 delayed scaling saved at (TP, PP) = (2, 2), resumed at (1, 1)";
-    resume_runs(
-        what,
-        "resume-fp8-22-11",
-        |i| fp8_delayed(2, 2, i),
-        |i| fp8_delayed(1, 1, i),
-    );
+    for (tp, pp) in [(2, 2), (1, 1)] {
+        let what =
+            format!("FP8 delayed scaling saved at (TP, PP) = (2, 2), resumed at ({tp}, {pp})");
+        let name = format!("resume-fp8-22-{tp}{pp}");
+        resume_runs(
+            &what,
+            &name,
+            |i| fp8_delayed(2, 2, i),
+            move |i| fp8_delayed(tp, pp, i),
+        );
+    }
 }
