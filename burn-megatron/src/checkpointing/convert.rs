@@ -57,7 +57,8 @@ impl TargetLayout {
 
 /// Rewrites the checkpoint in `src` (an `iter_*` directory) at `layout` under `dst_root`
 /// (as iteration `src`'s iteration, `latest` updated): the model, the optimizer state (if
-/// saved), FP8 delayed scaling's states (if saved) and the training state. Returns the new checkpoint's directory.
+/// saved), FP8 delayed scaling's states (if saved) and the training state. Returns the new
+/// checkpoint's directory.
 pub fn convert_layout(src: &Path, dst_root: &Path, layout: TargetLayout) -> Result<PathBuf> {
     let metadata = CheckpointMetadata::read(src)?;
     let config = metadata.model_config.clone();

@@ -247,8 +247,6 @@ impl Piece {
     }
 }
 
-/// The piece of a whole local tensor `data` of `slice`: its real (unpadded) part, `None` when
-/// the rank holds padding only.
 /// The pieces of `chunk`'s FP8 delayed-scaling states ([`FP8_GROUP`]): per layer and
 /// operand its amax history and scale, whole.
 fn fp8_pieces<B: ModelBackend>(
@@ -284,6 +282,8 @@ fn fp8_pieces<B: ModelBackend>(
     Ok(pieces)
 }
 
+/// The piece of a whole local tensor `data` of `slice`: its real (unpadded) part, `None` when
+/// the rank holds padding only.
 fn whole(group: &str, slice: &LocalSlice, data: TensorData) -> Option<Piece> {
     let real = slice.real()?;
     let dtype = data.dtype;

@@ -337,6 +337,37 @@ fn learning_rate_steps_once_per_iteration() {
     }
 }
 
+/// `lm loss`, Megatron's logged loss, is the mean of the iterations' losses since the last
+/// logged iteration: with `--log-interval 3` over 7 iterations, the means of 1-3, 4-6 and 7
+/// at the logged ones, and the running mean in between.
+#[test]
+fn lm_loss_is_the_mean_since_the_last_logged_iteration() {
+    let config = tiny_run(1, 1)
+        .with_train_iters(7)
+        .with_log_interval(3)
+        .with_eval_interval(0);
+    let summary = train(&config);
+    let losses = summary.losses();
+    let mean = |range: std::ops::Range<usize>| {
+        losses[range.clone()].iter().sum::<f64>() / range.len() as f64
+    };
+    let want = [
+        mean(0..1),
+        mean(0..2),
+        mean(0..3),
+        mean(3..4),
+        mean(3..5),
+        mean(3..6),
+        mean(6..7),
+    ];
+    let got: Vec<f64> = summary.iterations.iter().map(|r| r.lm_loss).collect();
+    assert_eq!(got, want);
+    assert!(
+        (got[2] - losses[2]).abs() > 1e-6,
+        "the mean differs from the iteration's own loss"
+    );
+}
+
 /// `--fp16`'s dynamic loss scaler in the loop (run in f32 here): a power-of-two scale is
 /// exact, so the losses equal the unscaled run's bit for bit at TP = 2 × DP = 2; the scale
 /// the log shows grows after each window of clean steps; and a run resumed from a
