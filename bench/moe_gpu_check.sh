@@ -35,6 +35,7 @@
 #   NPROC=2 PART=gather2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with each token dispatcher
 #   NPROC=2 OLD=.gpu/old/pretrain_gpt PART=gatherpad2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like at EP 2, even load, each dispatcher padding in its own gathers, and the all-gather one of the build before
 #   NPROC=2 PART=gathersteady2 bash bench/moe_gpu_check.sh  # 2 GPUs: hook2's runs with the all-gather dispatcher, each next to its peer
+#   NPROC=4 PART=gathersteady4 bash bench/moe_gpu_check.sh  # 4 GPUs: steady4a's runs with the all-gather dispatcher, then the peers
 #   NPROC=2 PART=hook2 bash bench/moe_gpu_check.sh    # 2 GPUs: both presets at EP 2 with the overlap hook, each next to its peer
 #   NPROC=2 PART=etp2 bash bench/moe_gpu_check.sh     # 2 GPUs: TP 2 with the experts split (ETP 2) and whole (ETP 1); the router in fp32 and fp64
 #   NPROC=1 PART=router1 bash bench/moe_gpu_check.sh  # 1 GPU: the router in the model's dtype, fp32 and fp64
@@ -578,6 +579,14 @@ if [ "$PART" != all ] && part steady4b; then
   torch mixtral_ep2_edp2 --preset mixtral --ep 2
   ITERS=20 ours deepseek_ep2_edp2_hook deepseek_moe_1b 2 --overlap-grad-reduce
   torch deepseek_ep2_edp2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part gathersteady4; then
+  # For 4 GPUs (NPROC=4): PART=steady4a's runs (EP 4, the hook, 20 iterations) with the
+  # all-gather dispatcher, then the peers while the budget lasts.
+  ITERS=20 ours mixtral_ep4_hook_allgather mixtral_1b_moe 4 --overlap-grad-reduce --moe-token-dispatcher-type allgather
+  ITERS=20 ours deepseek_ep4_hook_allgather deepseek_moe_1b 4 --overlap-grad-reduce --moe-token-dispatcher-type allgather
+  torch mixtral_ep4 --preset mixtral --ep 4
+  torch deepseek_ep4 --preset deepseek --ep 4
 fi
 if [ "$PART" != all ] && part late4; then
   # For 4 GPUs: the same at EP 4.
