@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -158,6 +158,25 @@ if part peer; then
   wait
   for n in bf16 fp8 torch_bf16 torch_fp8; do
     echo "=== peer $n"; grep -E "torch_curve:|iteration +[0-9]+/|validation|rror|panick" $OUT/peer_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU)[^|]*//g' | cut -c1-150 | tail -45
+  done
+fi
+if part peer2; then
+  # 2 GPUs: PART=peer twice over, for the spread of each gap: GPU 0 ours bf16 twice and FP8
+  # twice, GPU 1 PyTorch bf16 twice and float8 twice, all eight at once (ITERS, default 1000).
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="$C350 --eval-interval 100 --eval-iters 20"
+  D=.gpu/data/realtext_text_document
+  port=29540
+  for n in bf16a bf16b fp8a fp8b; do
+    f=""; [[ $n == fp8* ]] && f="--fp8-format hybrid --fp8-recipe tensorwise"
+    CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-540} $B/bm-launch --nproc-per-node 1 --master-port $port -- $B/pretrain_gpt $C $f > $OUT/peer2_$n.log 2>&1 &
+    port=$((port + 1))
+    f=""; [[ $n == fp8* ]] && f="--fp8"
+    CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-540} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} $f > $OUT/peer2_torch_$n.log 2>&1 &
+  done
+  wait
+  for n in bf16a bf16b fp8a fp8b torch_bf16a torch_bf16b torch_fp8a torch_fp8b; do
+    echo "=== peer2 $n"; grep -E "iteration +[0-9]+00/|validation|rror|panick" $OUT/peer2_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm)[^|]*//g' | cut -c1-110 | tail -22
   done
 fi
 if part diag; then
