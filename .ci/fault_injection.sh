@@ -15,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 args=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2
       --global-batch-size 8 --train-iters 8 --lr-warmup-iters 2 --eval-interval 0 --log-interval 1
       --save-interval 2)
-losses() { awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss") print it[1], $(i + 1) }' "$1"; }
+losses() { awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss" && $(i - 1) != "lm") print it[1], $(i + 1) }' "$1"; }
 # The checkpoint files that carry values (model and optimizer shards), without the metadata,
 # which records when and by whom it was written.
 shards() { (cd "$1" && find . -type f ! -name '*.json' | sort); }

@@ -6,7 +6,7 @@ set -euo pipefail
 bin="$CARGO_TARGET_DIR/debug/examples/pretrain_gpt"
 work=$(mktemp -d)
 args=(--train-iters 20 --lr-warmup-iters 2 --eval-interval 20 --save-interval 10)
-losses() { awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss") print it[1], $(i + 1) }' "$1"; }
+losses() { awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss" && $(i - 1) != "lm") print it[1], $(i + 1) }' "$1"; }
 
 "$bin" "${args[@]}" --save "$work/whole" > "$work/whole.log" 2>&1
 

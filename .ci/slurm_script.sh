@@ -12,7 +12,7 @@ trap 'rm -rf "$work"' EXIT
 args=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2
       --global-batch-size 8 --train-iters 6 --lr-warmup-iters 2 --eval-interval 0 --log-interval 1
       --no-save)
-losses() { awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss") print it[1], $(i + 1) }' "$1"; }
+losses() { awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss" && $(i - 1) != "lm") print it[1], $(i + 1) }' "$1"; }
 
 "$dir/bm-launch" --nproc-per-node 4 --master-port 29710 -- "$dir/examples/pretrain_gpt" "${args[@]}" \
   > "$work/bm-launch.log" 2>&1

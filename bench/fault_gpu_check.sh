@@ -82,7 +82,7 @@ report() { # PASS|FAIL, check, message
 now() { date +%s.%N; }
 # "iteration loss" of every loss line of the given logs, sorted, repeated equal lines merged.
 losses() {
-  cat "$@" 2>/dev/null | awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss") print it[1], $(i + 1) }' | sort -n -k1,1 | uniq
+  cat "$@" 2>/dev/null | awk '/^ iteration / { split($2, it, "/"); for (i = 1; i <= NF; i++) if ($i == "loss" && $(i - 1) != "lm") print it[1], $(i + 1) }' | sort -n -k1,1 | uniq
 }
 # Starts bm-launch in the background (its pid in $launcher): name, port, bm-launch's options
 # (one word list), pretrain_gpt's options beyond $ARGS and --save.

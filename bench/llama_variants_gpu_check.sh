@@ -16,7 +16,7 @@ run() { # name, flags
   echo "=== $name: $*" | tee -a $OUT/variants.log
   timeout 120 $B/bm-launch --nproc-per-node 4 -- $B/pretrain_gpt $BASE "$@" > $OUT/$name.log 2>&1
   echo "rc=$?" | tee -a $OUT/variants.log
-  grep -oE "iteration +[0-9]+|loss [0-9.]+|grad norm [0-9.]+" $OUT/$name.log | paste -sd' ' | sed 's/iteration/\n  it/g' | tail -${ITERS:-10} | tee -a $OUT/variants.log
+  grep -oE "iteration +[0-9]+|\| loss [0-9.]+|grad norm [0-9.]+" $OUT/$name.log | paste -sd' ' | sed 's/iteration/\n  it/g' | tail -${ITERS:-10} | tee -a $OUT/variants.log
   grep -E "Error|error|panicked" $OUT/$name.log | head -3 | tee -a $OUT/variants.log
 }
 run llama $LLAMA
