@@ -13,7 +13,9 @@ use burn_megatron::models::GptModel;
 use burn_megatron::ops::fp8::{DelayedData, Fp8Config, Fp8Recipe};
 use burn_megatron::transformer::TransformerConfig;
 
-use crate::{AD, build, microbatches, run, scratch, step, tiny_gpt};
+use burn_megatron_dist::ParallelState;
+
+use crate::{AD, BoxError, build, microbatches, run, scratch, step, tiny_gpt};
 
 /// Every FP8 layer's states, by path in the whole model.
 type States = BTreeMap<String, [DelayedData; 3]>;
@@ -46,20 +48,34 @@ fn states(chunks: &[GptModel<AD>], tp_rank: usize) -> States {
     out
 }
 
-fn merged(parts: Vec<(States, Option<f64>)>) -> (States, Vec<f64>) {
-    let mut all = States::new();
-    let mut losses = Vec::new();
-    for (states, loss) in parts {
-        all.extend(states);
+/// One rank's states now, then after the third step, and that step's loss (last stage).
+type RankOutcome = (States, States, Option<f64>);
+
+/// `chunks`' states, then the third step and the states after it.
+fn states_around_third_step(
+    state: &ParallelState,
+    chunks: &[GptModel<AD>],
+) -> Result<RankOutcome, BoxError> {
+    let before = states(chunks, state.tp().rank());
+    let (third, _) = step(state, chunks, &microbatches(2, 4, 50))?;
+    Ok((before, states(chunks, state.tp().rank()), third.loss))
+}
+
+/// The ranks' outcomes merged: the states before and after the third step, and its loss.
+fn merged(ranks: Vec<RankOutcome>) -> (States, (States, Vec<f64>)) {
+    let (mut before, mut after, mut losses) = (States::new(), States::new(), Vec::new());
+    for (b, a, loss) in ranks {
+        before.extend(b);
+        after.extend(a);
         losses.extend(loss);
     }
-    (all, losses)
+    (before, (after, losses))
 }
 
 /// Two steps at (2, 2), saved under `root`; the states then, and after a third step with its
 /// loss.
 fn save(root: &Path) -> (States, (States, Vec<f64>)) {
-    let parts = run(4, |ctx| {
+    merged(run(4, |ctx| {
         let (state, chunks) = build(&ctx, &config(), 2, 2)?;
         for s in 0..2 {
             step(&state, &chunks, &microbatches(s, 4, 50))?;
@@ -69,33 +85,23 @@ fn save(root: &Path) -> (States, (States, Vec<f64>)) {
             ..Default::default()
         };
         Checkpointer::new(root).save(&state, &config(), &chunks, None, &training)?;
-        let saved = states(&chunks, state.tp().rank());
-        let (third, _) = step(&state, &chunks, &microbatches(2, 4, 50))?;
-        let after = states(&chunks, state.tp().rank());
-        Ok(((saved, None), (after, third.loss)))
-    });
-    let (saved, after): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
-    (merged(saved).0, merged(after))
+        states_around_third_step(&state, &chunks)
+    }))
 }
 
 /// Loads `dir` at TP × PP into a model of another seed: the states as loaded, and after the
 /// third step with its loss.
 fn load(dir: &Path, tp: usize, pp: usize) -> (States, (States, Vec<f64>)) {
     let other = config().with_seed(config().seed + 1);
-    let parts = run(tp * pp, |ctx| {
+    merged(run(tp * pp, |ctx| {
         let (state, chunks) = build(&ctx, &other, tp, pp)?;
         let checkpoint = Checkpoint::open(dir)?;
         let chunks = chunks
             .into_iter()
             .map(|c| checkpoint.load_model(c))
             .collect::<Result<Vec<_>, _>>()?;
-        let loaded = states(&chunks, state.tp().rank());
-        let (third, _) = step(&state, &chunks, &microbatches(2, 4, 50))?;
-        let after = states(&chunks, state.tp().rank());
-        Ok(((loaded, None), (after, third.loss)))
-    });
-    let (loaded, after): (Vec<_>, Vec<_>) = parts.into_iter().unzip();
-    (merged(loaded).0, merged(after))
+        states_around_third_step(&state, &chunks)
+    }))
 }
 
 #[test]
