@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -177,6 +177,29 @@ if part peer2; then
   wait
   for n in bf16a bf16b fp8a fp8b torch_bf16a torch_bf16b torch_fp8a torch_fp8b; do
     echo "=== peer2 $n"; grep -E "iteration +[0-9]+00/|validation|rror|panick" $OUT/peer2_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm)[^|]*//g' | cut -c1-110 | tail -22
+  done
+fi
+if part bwd; then
+  # 2 GPUs: which backward GEMM is the 1000-step FP8 run's late gap from? curve2's model,
+  # GPU 0 bf16, FP8 (hybrid, tensorwise) and FP8 with both backward GEMMs in bf16
+  # (--fp8-backward-bf16 both: FP8 in the forward pass only); GPU 1 FP8 with only the weight
+  # gradient's, then only the input gradient's GEMM in bf16, and PyTorch's bf16 and float8
+  # (bench/torch_curve.py), all six at once.
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="$C350 --eval-interval 100 --eval-iters 20"
+  D=.gpu/data/realtext_text_document
+  F="--fp8-format hybrid --fp8-recipe tensorwise"
+  port=29560
+  for run in "0 bf16" "0 fp8 $F" "0 both $F --fp8-backward-bf16 both" "1 wgrad $F --fp8-backward-bf16 wgrad" "1 dgrad $F --fp8-backward-bf16 dgrad"; do
+    set -- $run; gpu=$1; n=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout ${LIMIT:-540} $B/bm-launch --nproc-per-node 1 --master-port $port -- $B/pretrain_gpt $C "$@" > $OUT/bwd_$n.log 2>&1 &
+    port=$((port + 1))
+  done
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-540} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} > $OUT/bwd_torch_bf16.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-540} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} --fp8 > $OUT/bwd_torch_fp8.log 2>&1 &
+  wait
+  for n in bf16 fp8 both wgrad dgrad torch_bf16 torch_fp8; do
+    echo "=== bwd $n"; grep -E "torch_curve:|iteration +[0-9]+00/|validation|rror|panick" $OUT/bwd_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm|learning rate|lr)[^|]*//g' | cut -c1-110 | tail -22
   done
 fi
 if part diag; then

@@ -36,6 +36,7 @@
 #   fp8recipes PART=recipes (1 GPU): curve3's model in bf16, FP8 e4m3, delayed, e4m3 with first/last layers in bf16
 #   fp8peer PART=peer (2 GPUs): curve2's model, ours and PyTorch's (bench/torch_curve.py), bf16 and FP8, all at once
 #   fp8peer2 PART=peer2 (2 GPUs): fp8peer's four runs twice each, all eight at once
+#   fp8bwd PART=bwd (2 GPUs): that model in bf16, FP8, FP8 with backward GEMMs in bf16 (both, wgrad, dgrad), and the PyTorch pair
 #   fp8diag PART=diag (2 GPUs): that model in bf16 and FP8 with the kernels, the casts or the scales as the Burn compositions
 #   fp8step1 PART=step1 (1 GPU): the casts' checks and speeds, 14 of Llama-3 8B's layers in bf16 and FP8
 #   fp8hook1 PART=hook1 (1 GPU): step1's model with the distributed optimizer and the overlap hook, bf16 and FP8
@@ -135,6 +136,7 @@ for s in "$@"; do
     fp8peer) step fp8peer env PART=peer bash bench/fp8_gpu_check.sh ;;
     fp8diag) step fp8diag env PART=diag bash bench/fp8_gpu_check.sh ;;
     fp8peer2) step fp8peer2 env PART=peer2 bash bench/fp8_gpu_check.sh ;;
+    fp8bwd) step fp8bwd env PART=bwd bash bench/fp8_gpu_check.sh ;;
     fp8prof8b) step fp8prof8b env PART=profile8b bash bench/fp8_gpu_check.sh ;;
     fp8step8b) step fp8step8b env PART=step8b bash bench/fp8_gpu_check.sh ;;
     fp8step1) step fp8step1 env PART=step1 bash bench/fp8_gpu_check.sh ;;

@@ -29,7 +29,7 @@ pub mod scaling;
 
 pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear, hooked_fp8_linear};
 pub use scaling::{
-    AmaxComputeAlgo, DelayedData, DelayedScaling, Fp8Config, Fp8Format, Fp8Recipe,
+    AmaxComputeAlgo, DelayedData, DelayedScaling, Fp8Backward, Fp8Config, Fp8Format, Fp8Recipe,
     delayed_update_composition, scale_from_amax, tensorwise_scale,
 };
 

@@ -241,13 +241,28 @@ struct LinearBackward {
 
 /// The weight gradient of [`LinearBackward`], `xᵀ · dy` (or `dyᵀ · x` output-major), offered
 /// to a hook before it is computed.
-struct WeightProduct<B: LinearOps> {
+pub(crate) struct WeightProduct<B: LinearOps> {
     x: Tensor<B, 2>,
     dy: Tensor<B, 2>,
     output_major: bool,
 }
 
 impl<B: LinearOps> WeightProduct<B> {
+    /// `xᵀ · dy`, the gradient of a `[d_in, d_out]` weight.
+    pub(crate) fn new(x: Tensor<B, 2>, dy: Tensor<B, 2>) -> Self {
+        Self {
+            x,
+            dy,
+            output_major: false,
+        }
+    }
+
+    /// The product, computed here (no hook took it).
+    pub(crate) fn compute(&self) -> Tensor<B, 2> {
+        let (a, b) = self.operands();
+        B::gemm(a, b, true, false)
+    }
+
     /// The GEMM's operands and their transposes.
     fn operands(&self) -> (Tensor<B, 2>, Tensor<B, 2>) {
         match self.output_major {
@@ -302,10 +317,7 @@ impl<B: LinearOps> BackwardStep<B> for LinearBackward {
             _ => false,
         };
         if !taken {
-            register(grads, parent(parents, 1), || {
-                let (a, b) = weight.operands();
-                B::gemm(a, b, true, false)
-            });
+            register(grads, parent(parents, 1), || weight.compute());
         }
         register(grads, parent(parents, 2), || B::bias_gradient(dy));
     }

@@ -9,7 +9,7 @@ use serde::Deserialize;
 
 use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
-use crate::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
+use crate::ops::fp8::{AmaxComputeAlgo, Fp8Backward, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
 use crate::transformer::moe::LoadBalancingType;
 use crate::transformer::moe::{
@@ -359,6 +359,12 @@ pub struct PretrainArgs {
     /// Layers at the end kept out of FP8 by --first-last-layers-bf16. [default: 1]
     #[arg(long, help_heading = "FP8")]
     pub num_layers_at_end_in_bf16: Option<usize>,
+    /// Runs backward GEMMs of the FP8 layers in the run's dtype on unquantised operands:
+    /// dgrad (the input gradient's), wgrad (the weight gradient's) or both (Transformer
+    /// Engine's override_linear_precision; not a Megatron option). To find which GEMM a run's
+    /// loss is sensitive to. [default: none]
+    #[arg(long, help_heading = "FP8")]
+    pub fp8_backward_bf16: Option<String>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -785,6 +791,7 @@ impl PretrainArgs {
             first_last_layers_bf16,
             num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16,
+            fp8_backward_bf16,
             data_path,
             split,
             num_experts,
@@ -989,6 +996,7 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
                 "--num-layers-at-end-in-bf16",
                 a.num_layers_at_end_in_bf16.is_some(),
             ),
+            ("--fp8-backward-bf16", a.fp8_backward_bf16.is_some()),
         ] {
             if given {
                 return invalid(format!(
@@ -1040,6 +1048,9 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
     }
     if let Some(n) = a.num_layers_at_end_in_bf16 {
         config.num_layers_at_end_in_bf16 = n;
+    }
+    if let Some(gemms) = &a.fp8_backward_bf16 {
+        config.backward = Fp8Backward::parse(gemms)?;
     }
     config.validate()?;
     Ok(Some(config))

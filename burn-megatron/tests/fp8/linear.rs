@@ -5,8 +5,10 @@
 
 use burn::tensor::Tensor;
 use burn_megatron::ops::fp8::{
-    AmaxComputeAlgo, Fp8Config, Fp8Dtype, Fp8Format, Fp8Linear, Fp8Recipe, Fp8Split, fp8_linear,
+    AmaxComputeAlgo, Fp8Backward, Fp8Config, Fp8Dtype, Fp8Format, Fp8Linear, Fp8Recipe, Fp8Split,
+    fp8_linear,
 };
+use burn_megatron::ops::linear::linear;
 use burn_megatron_testing::values_f32;
 
 use crate::{AD, B, assert_close, matrix, pseudo_random, reference_round, tolerance, values};
@@ -315,6 +317,65 @@ fn one_tracked_operand_gives_the_same_gradient() {
             ] {
                 let (got, want) = (got.as_ref().unwrap(), want.as_ref().unwrap());
                 assert_close(&what(name), got, want, 0.0);
+            }
+        }
+    }
+}
+
+/// `[y, dx, dw]` of the plain linear layer in the model's dtype (`ops::linear`), against the
+/// same output gradient.
+fn plain(inputs: &Inputs) -> [Vec<f64>; 3] {
+    let x = matrix::<AD>(&inputs.x, TOKENS, D_IN).require_grad();
+    let w = matrix::<AD>(&inputs.w, D_IN, D_OUT).require_grad();
+    let y = linear(x.clone(), w.clone(), None);
+    let grads = (y.clone() * matrix::<AD>(&inputs.g, TOKENS, D_OUT))
+        .sum()
+        .backward();
+    [
+        values(y.inner()),
+        values(x.grad(&grads).unwrap()),
+        values(w.grad(&grads).unwrap()),
+    ]
+}
+
+/// `Fp8Config::backward` (`--fp8-backward-bf16`): the gradient it names is the plain layer's,
+/// bit for bit (the same GEMM of the unquantised operands against the same output gradient),
+/// and the other, and the forward, the FP8 layer's, bit for bit, under both recipes over two
+/// steps (delayed scaling still records the output gradient's amax).
+#[test]
+fn backward_override_runs_the_named_gradients_unquantised() {
+    for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Delayed] {
+        for backward in [Fp8Backward::Dgrad, Fp8Backward::Wgrad, Fp8Backward::Both] {
+            let config = Fp8Config::new().with_recipe(recipe);
+            let fp8 = Fp8Linear::new(config.clone(), None, Fp8Split::NONE);
+            let fp8_overridden =
+                Fp8Linear::new(config.with_backward(backward), None, Fp8Split::NONE);
+            for step in 0..2 {
+                let inputs = inputs(step);
+                let want_fp8 = layer_tracking(&inputs, &fp8, [true, true]).map(Option::unwrap);
+                let got =
+                    layer_tracking(&inputs, &fp8_overridden, [true, true]).map(Option::unwrap);
+                let want_plain = plain(&inputs);
+                let what = |s: &str| format!("{recipe:?} {backward:?} step {step}: {s}");
+                let dx = match backward.dgrad_unquantised() {
+                    true => &want_plain[1],
+                    false => &want_fp8[1],
+                };
+                let dw = match backward.wgrad_unquantised() {
+                    true => &want_plain[2],
+                    false => &want_fp8[2],
+                };
+                assert_close(&what("y"), &got[0], &want_fp8[0], 0.0);
+                assert_close(&what("dx"), &got[1], dx, 0.0);
+                assert_close(&what("dw"), &got[2], dw, 0.0);
+                // The FP8 gradient is not the plain one: the comparison above is sharp.
+                assert!(want_fp8[1] != want_plain[1] && want_fp8[2] != want_plain[2]);
+            }
+            if recipe == Fp8Recipe::Delayed {
+                let states = |l: &Fp8Linear| l.delayed_data().unwrap().expect("recorded");
+                let (got, want) = (states(&fp8_overridden), states(&fp8));
+                assert_eq!(got, want, "{backward:?}: the amaxes are recorded as in FP8");
+                assert!(want[2].amax_history[..2].iter().all(|&a| a > 0.0));
             }
         }
     }

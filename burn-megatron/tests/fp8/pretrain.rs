@@ -2,7 +2,7 @@
 //! a short run on CPU thread ranks (TP 2 × PP 2, FP8 emulated in f32) trains, and invalid
 //! combinations are refused with the option's name.
 
-use burn_megatron::ops::fp8::{AmaxComputeAlgo, Fp8Config, Fp8Format, Fp8Recipe};
+use burn_megatron::ops::fp8::{AmaxComputeAlgo, Fp8Backward, Fp8Config, Fp8Format, Fp8Recipe};
 use burn_megatron::training::{PretrainArgs, PretrainConfig, Silent, pretrain_on_threads};
 use burn_megatron::transformer::Recompute;
 use clap::Parser;
@@ -46,6 +46,14 @@ fn fp8_options_reach_the_model() {
         PretrainArgs::from_toml("fp8-format = \"hybrid\"\nfp8-recipe = \"delayed\"\n").unwrap();
     let c = args.into_config().unwrap();
     assert_eq!(c.fp8.map(|f| f.recipe), Some(Fp8Recipe::Delayed));
+    for (value, backward) in [
+        ("dgrad", Fp8Backward::Dgrad),
+        ("wgrad", Fp8Backward::Wgrad),
+        ("both", Fp8Backward::Both),
+    ] {
+        let c = config(&["--fp8-format", "hybrid", "--fp8-backward-bf16", value]).unwrap();
+        assert_eq!(c.model().fp8.map(|f| f.backward), Some(backward));
+    }
 }
 
 #[test]
@@ -60,6 +68,14 @@ fn invalid_fp8_options_are_refused() {
             "--fp8-margin takes effect with --fp8-format",
         ),
         (&["--fp8-format", "e5m2"][..], "--fp8-format \"e5m2\""),
+        (
+            &["--fp8-backward-bf16", "both"][..],
+            "--fp8-backward-bf16 takes effect with --fp8-format",
+        ),
+        (
+            &["--fp8-format", "hybrid", "--fp8-backward-bf16", "fprop"][..],
+            "--fp8-backward-bf16 \"fprop\": use dgrad, wgrad or both",
+        ),
         (
             &["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"][..],
             "not implemented yet",

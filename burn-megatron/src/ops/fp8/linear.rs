@@ -39,6 +39,11 @@
 //! recorded once per copy: Transformer Engine's FP8 weights cached after the first
 //! microbatch (`is_first_microbatch`). Without the cache every forward casts the weight and,
 //! under delayed scaling, records its amax.
+//!
+//! [`Fp8Config::backward`] runs the input gradient's or the weight gradient's GEMM (or both)
+//! in the model's dtype on the unquantised `w` or `x`, which the node then keeps instead of
+//! the FP8 layout (Transformer Engine's `override_linear_precision`): a diagnosis of which
+//! GEMM a run's loss is sensitive to.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -59,6 +64,7 @@ use super::{Fp8Dtype, Fp8Ops};
 use crate::error::DeviceError;
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
 use crate::ops::backward_hook::{BackwardHook, WeightGradient};
+use crate::ops::linear::WeightProduct;
 use crate::ops::primitive::{raw, wrap};
 use crate::ops::write_slot::{WriteSlotOps, add_to_slot};
 
@@ -760,6 +766,17 @@ fn autodiff_fp8_linear<B: Fp8LinearOps, C: CheckpointStrategy>(
         false => None,
     };
     let hit = cached.is_some();
+    // Under `Fp8Config::backward` a gradient's GEMM reads the unquantised operand instead.
+    let backward = fp8.config.backward;
+    let empty = || Tensor::<B, 2>::empty([0, 0], &device);
+    let x_unquantised = match w.is_tracked() && backward.wgrad_unquantised() {
+        true => x_inner.clone(),
+        false => empty(),
+    };
+    let w_unquantised = match x.is_tracked() && backward.dgrad_unquantised() {
+        true => w_inner.clone(),
+        false => empty(),
+    };
     let weight = match cached {
         Some(cast) => Weight::Cast(cast),
         None => Weight::Tensor(w_inner),
@@ -767,7 +784,7 @@ fn autodiff_fp8_linear<B: Fp8LinearOps, C: CheckpointStrategy>(
     // The weight gradient reads the input's transposed cast, the input gradient the
     // weight's row-major one (cached with the rest, whatever this use needs).
     let keep = Keep {
-        x_transposed: w.is_tracked(),
+        x_transposed: w.is_tracked() && !backward.wgrad_unquantised(),
         w_row: x.is_tracked() || caches,
     };
     let f = forward(x_inner, weight, bias.as_ref().map(inner), fp8, keep)?;
@@ -775,12 +792,13 @@ fn autodiff_fp8_linear<B: Fp8LinearOps, C: CheckpointStrategy>(
         let node: Arc<dyn Any + Send + Sync> = w.node.clone();
         fp8.store_weight(w.node.id, Arc::downgrade(&node), f.w.clone());
     }
-    let empty = || Tensor::<B, 2>::empty([0, 0], &device);
     let state = (
         raw(f.x_transposed.unwrap_or_else(empty)),
         raw(f.x_scale.inv),
         raw(f.w.row.unwrap_or_else(empty)),
         raw(f.w.scale.inv),
+        raw(x_unquantised),
+        raw(w_unquantised),
     );
     let step = Fp8LinearBackward {
         fp8: fp8.clone(),
@@ -844,9 +862,12 @@ impl<B: Fp8LinearOps> WeightGradient for Fp8WeightProduct<B> {
 }
 
 impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
-    /// `q(x)ᵀ` (empty when the weight needs no gradient), `1 / x_scale`, `q(w)` (empty when
-    /// the input needs no gradient), `1 / w_scale`.
+    /// `q(x)ᵀ` (empty when the weight needs no gradient or takes it unquantised), `1 /
+    /// x_scale`, `q(w)` (empty when the input needs no gradient), `1 / w_scale`, and `x` and
+    /// `w` unquantised where [`Fp8Config::backward`] has a gradient read them (else empty).
     type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
@@ -856,7 +877,7 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
     fn backward(
         self,
         dy: FloatTensor<B>,
-        (x_t, x_scale_inv, w_q, w_scale_inv): <Self as BackwardStep<B>>::State,
+        (x_t, x_scale_inv, w_q, w_scale_inv, x, w): <Self as BackwardStep<B>>::State,
         parents: &[Option<NodeId>],
         grads: &mut Gradients,
     ) {
@@ -878,7 +899,11 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
             }
         };
         let (dx, dw) = (parent(parents, 0), parent(parents, 1));
-        let layouts = [dx.is_some(), dw.is_some()];
+        let backward = fp8.config.backward;
+        let (dx_fp8, dw_fp8) = (!backward.dgrad_unquantised(), !backward.wgrad_unquantised());
+        // The output gradient is cast for the GEMMs that run in FP8 (under delayed scaling its
+        // amax is recorded whatever runs).
+        let layouts = [dx.is_some() && dx_fp8, dw.is_some() && dw_fp8];
         let (casts, amax, scale) = if fp8.delayed() {
             let scale = fp8.delayed_scale(Operand::GradOutput, &dy.device());
             let mut casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, true);
@@ -901,8 +926,8 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
         };
         let scale_inv = scale;
         let (dy_row, dy_transposed) = (casts.row, casts.transposed);
-        register(grads, dx, || {
-            B::fp8_gemm(
+        register(grads, dx, || match dx_fp8 {
+            true => B::fp8_gemm(
                 dy_row.expect("cast for dx"),
                 grad_dtype,
                 scale_inv.clone(),
@@ -910,9 +935,19 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
                 forward_dtype,
                 wrap(w_scale_inv),
                 self.x_dtype,
-            )
+            ),
+            false => B::gemm(dy.clone(), wrap(w), false, true),
         });
-        if let Some(node) = dw {
+        if let (Some(node), false) = (dw, dw_fp8) {
+            let mut weight = WeightProduct::new(wrap::<B, 2>(x), dy.clone());
+            let taken = match &self.hook {
+                Some(hook) => hook.take_weight_gradient(node, &mut weight),
+                None => false,
+            };
+            if !taken {
+                register(grads, Some(node), || weight.compute());
+            }
+        } else if let Some(node) = dw {
             let mut weight = Fp8WeightProduct {
                 x_t: wrap(x_t),
                 x_dtype: forward_dtype,

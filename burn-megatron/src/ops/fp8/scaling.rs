@@ -147,6 +147,50 @@ pub struct Fp8Config {
     /// (`--num-layers-at-end-in-bf16`).
     #[config(default = 1)]
     pub num_layers_at_end_in_bf16: usize,
+    /// Which backward GEMMs run in the model's dtype on the unquantised operands, not in FP8
+    /// (`--fp8-backward-bf16`): Transformer Engine's `override_linear_precision`. The
+    /// forward GEMM stays FP8. A way to find which GEMM a run's loss is sensitive to, at the
+    /// cost of keeping the input and the weight unquantised for the backward pass.
+    #[config(default = "Fp8Backward::Fp8")]
+    pub backward: Fp8Backward,
+}
+
+/// The backward GEMMs of an FP8 linear layer that run in the model's dtype instead
+/// ([`Fp8Config::backward`]).
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum Fp8Backward {
+    /// Both in FP8 (the default).
+    Fp8,
+    /// The input gradient `dx = dy · wᵀ` in the model's dtype, the weight's in FP8.
+    Dgrad,
+    /// The weight gradient `dw = xᵀ · dy` in the model's dtype, the input's in FP8.
+    Wgrad,
+    /// Both in the model's dtype: FP8 in the forward pass only.
+    Both,
+}
+
+impl Fp8Backward {
+    /// `--fp8-backward-bf16`'s values: `dgrad`, `wgrad` or `both`.
+    pub fn parse(name: &str) -> Result<Self, ConfigError> {
+        match name {
+            "dgrad" => Ok(Self::Dgrad),
+            "wgrad" => Ok(Self::Wgrad),
+            "both" => Ok(Self::Both),
+            _ => Err(ConfigError::Invalid(format!(
+                "--fp8-backward-bf16 {name:?}: use dgrad, wgrad or both"
+            ))),
+        }
+    }
+
+    /// Whether the input gradient's GEMM runs in the model's dtype.
+    pub fn dgrad_unquantised(self) -> bool {
+        matches!(self, Self::Dgrad | Self::Both)
+    }
+
+    /// Whether the weight gradient's GEMM runs in the model's dtype.
+    pub fn wgrad_unquantised(self) -> bool {
+        matches!(self, Self::Wgrad | Self::Both)
+    }
 }
 
 impl Fp8Config {
