@@ -512,6 +512,29 @@ impl<B: ModelBackend> GptModel<B> {
         self
     }
 
+    /// The same model counting `global_aux_loss`'s load over `group` in every MoE layer
+    /// ([`Router::with_global_load_group`](crate::transformer::moe::Router::with_global_load_group)):
+    /// the DP × CP ranks of this stage and tensor-parallel rank (`ParallelState::dp_cp`).
+    pub fn with_global_load_group(mut self, group: Option<ProcessGroup>) -> Self {
+        for layer in &mut self.block.layers {
+            if let Some(moe) = layer.moe.as_mut() {
+                moe.router = moe.router.clone().with_global_load_group(group.clone());
+            }
+        }
+        self
+    }
+
+    /// Starts every MoE layer's `global_aux_loss` load afresh: a training loop calls it
+    /// before each optimizer step's first micro-batch (a no-op for other load-balancing
+    /// types).
+    pub fn reset_global_load(&self) {
+        for layer in &self.block.layers {
+            if let Some(moe) = &layer.moe {
+                moe.router.reset_global_load();
+            }
+        }
+    }
+
     /// The expert-parallel group this stage's MoE layers split their experts over; `None`
     /// when the stage has no MoE layer.
     pub fn expert_parallel_group(&self) -> Option<&ProcessGroup> {

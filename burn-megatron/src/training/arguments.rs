@@ -416,8 +416,9 @@ pub struct PretrainArgs {
     /// Factor of the top-k routing weights (DeepSeek-V3: 2.5). [default: none, 1]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_router_topk_scaling_factor: Option<f64>,
-    /// The load-balancing loss: aux_loss (Switch, over the batch), seq_aux_loss (DeepSeek,
-    /// per sequence) or none. [default: aux_loss]
+    /// The load-balancing loss: aux_loss (Switch, over the micro-batch), seq_aux_loss
+    /// (DeepSeek, per sequence), global_aux_loss (Switch, the load over the global batch so
+    /// far), sinkhorn or none. [default: aux_loss]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_router_load_balancing_type: Option<String>,
     /// Coefficient of the load-balancing (auxiliary) loss. [default: 0]
@@ -862,24 +863,19 @@ pub fn parse_score_function(name: &str) -> Result<RouterScoreFunction> {
     }
 }
 
-/// Megatron's `--moe-router-load-balancing-type` names; its newer `global_aux_loss` is not
-/// implemented.
+/// Megatron's `--moe-router-load-balancing-type` names.
 pub fn parse_load_balancing_type(name: &str) -> Result<LoadBalancingType> {
-    let invalid = |why: String| Err(ConfigError::Invalid(why).into());
     match name.to_ascii_lowercase().as_str() {
         "aux_loss" => Ok(LoadBalancingType::AuxLoss),
         "seq_aux_loss" => Ok(LoadBalancingType::SeqAuxLoss),
+        "global_aux_loss" => Ok(LoadBalancingType::GlobalAuxLoss),
         "sinkhorn" => Ok(LoadBalancingType::Sinkhorn),
         "none" => Ok(LoadBalancingType::None),
-        "global_aux_loss" => invalid(
-            "--moe-router-load-balancing-type global_aux_loss is Megatron's but not implemented \
-             here: use aux_loss, seq_aux_loss, sinkhorn or none"
-                .to_string(),
-        ),
-        other => invalid(format!(
-            "--moe-router-load-balancing-type {other:?}: use aux_loss, seq_aux_loss, sinkhorn \
-             or none"
-        )),
+        other => Err(ConfigError::Invalid(format!(
+            "--moe-router-load-balancing-type {other:?}: use aux_loss, seq_aux_loss, \
+             global_aux_loss, sinkhorn or none"
+        ))
+        .into()),
     }
 }
 

@@ -228,6 +228,7 @@ where
             model_config
                 .init_gpt_stage_with_ep::<B>(state.tp(), state.ep(), stage, device)?
                 .with_context_parallel(CpContext::new(state.cp(), *cp_comm))
+                .map(|model| model.with_global_load_group(Some(state.dp_cp().clone())))
         })
         .collect::<core::result::Result<Vec<_>, _>>()?;
     let adamw = AdamWConfig::new()
@@ -365,6 +366,8 @@ where
             device,
         )?;
         let loss_scale = scaler.as_ref().map(|s| s.scale());
+        // global_aux_loss counts each optimizer step's load afresh.
+        rank.chunks.iter().for_each(GptModel::reset_global_load);
         let out = match &loss_scale {
             Some(scale) => forward_backward_scaled(
                 schedule_kind,

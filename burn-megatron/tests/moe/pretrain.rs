@@ -625,6 +625,51 @@ fn context_parallel_with_experts_equals_one_rank() {
     }
 }
 
+/// `--moe-router-load-balancing-type global_aux_loss`: DP 2 × EP 2 with micro-batches of 2
+/// equals one rank whose two micro-batches of 4 hold both DP ranks' (the load summed over DP
+/// and averaged over the step's micro-batches, each DP rank's share counted twice since DP
+/// averages the gradients), and CP 2 × EP 2 equals one rank (the shares add up over CP): the
+/// losses and the logged MoE losses. The one rank's `aux_loss`, whose load is each
+/// micro-batch's own, logs another load-balancing loss, so the comparison is sharp.
+#[test]
+fn global_aux_loss_equals_one_rank_holding_the_dp_and_cp_ranks_batches() {
+    use burn_megatron::transformer::moe::LoadBalancingType;
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let global = ["--moe-router-load-balancing-type", "global_aux_loss"];
+    let dp = moe_run_with(2, 2, true, 4, &global);
+    assert_eq!(
+        dp.model().moe.map(|moe| moe.load_balancing_type),
+        Some(LoadBalancingType::GlobalAuxLoss)
+    );
+    let union = moe_run_with(1, 1, true, 4, &global).with_micro_batch_size(4);
+    let cp_options = [&global[..], &["--context-parallel-size", "2"]].concat();
+    let cp = moe_run_with(1, 2, true, 4, &cp_options);
+    let one = moe_run_with(1, 1, true, 4, &global);
+    let per_micro_batch = moe_run(1, 1, true, 4).with_micro_batch_size(4);
+    let lb = |summary: &burn_megatron::training::PretrainSummary| -> Vec<f64> {
+        let moe = summary.iterations.iter().map(|i| i.moe.expect("a report"));
+        moe.map(|m| m.load_balancing_loss).collect()
+    };
+    for (name, layout, reference) in [("DP 2 x EP 2", dp, union), ("CP 2 x EP 2", cp, one)] {
+        let (got, want) = (train(&layout), train(&reference));
+        assert_close(name, &got.losses(), &want.losses(), tolerance::F32_TRAINING);
+        assert_close(name, &lb(&got), &lb(&want), tolerance::F32_TRAINING);
+        assert!(lb(&want).iter().all(|&l| l > 0.0));
+        if name.starts_with("DP") {
+            let other = lb(&train(&per_micro_batch));
+            let apart = other
+                .iter()
+                .zip(lb(&want))
+                .any(|(a, b)| (a - b).abs() > 1e-4 * b);
+            assert!(
+                apart,
+                "aux_loss {other:?} against global_aux_loss {:?}",
+                lb(&want)
+            );
+        }
+    }
+}
+
 /// DeepSeek-V3's router options through `pretrain_gpt`
 /// (`--moe-router-score-function sigmoid --moe-router-num-groups 2 --moe-router-group-topk 1
 /// --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss`)
@@ -762,7 +807,8 @@ fn megatrons_moe_switches_are_accepted() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// The router options' errors name the options: Megatron's `global_aux_loss`, an unknown type, a
+/// The router options' errors name the options: `global_aux_loss` with full recomputation, an
+/// unknown type, a
 /// NaN scaling factor, groups that do not split the experts, a group top-k above the groups,
 /// softmax top-1 without pre-softmax, and any of them without `--num-experts`.
 #[test]
@@ -771,18 +817,11 @@ fn router_option_errors_name_the_options() {
         let base = ["pretrain_gpt", "--num-experts", "4"];
         PretrainArgs::parse_from(base.iter().chain(extra)).into_config()
     };
-    let e = parse(&["--moe-router-load-balancing-type", "global_aux_loss"])
-        .expect_err("global_aux_loss")
-        .to_string();
-    assert!(
-        e.contains("global_aux_loss is Megatron's but not implemented"),
-        "{e}"
-    );
     let e = parse(&["--moe-router-load-balancing-type", "balanced"])
         .expect_err("unknown")
         .to_string();
     assert!(
-        e.contains("use aux_loss, seq_aux_loss, sinkhorn or none"),
+        e.contains("use aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none"),
         "{e}"
     );
 
@@ -793,6 +832,18 @@ fn router_option_errors_name_the_options() {
             .expect_err("invalid options")
             .to_string()
     };
+    let e = err(&[
+        "--num-experts",
+        "4",
+        "--moe-router-load-balancing-type",
+        "global_aux_loss",
+        "--recompute-granularity",
+        "full",
+    ]);
+    assert!(
+        e.contains("global_aux_loss with full recomputation is not supported yet"),
+        "{e}"
+    );
     let e = err(&[
         "--num-experts",
         "4",

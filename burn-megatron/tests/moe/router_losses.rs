@@ -3,12 +3,13 @@
 //! routing options (pre-softmax, group-limited routing, the scaling factor, the sequence-level
 //! loss) on cases of their own.
 
+use burn::module::AutodiffModule;
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::transformer::moe::{
     LoadBalancingType, Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
 };
 
-use crate::{B, assert_close, tolerance, values};
+use crate::{AD, B, assert_close, tolerance, values};
 
 /// Token 0 is `[1, 0]`, token 1 is `[0, 1]`, so their logits are the weight's rows:
 /// `[0, ln 2, ln 1.5]` (softmax `[2, 4, 3] / 9`, log-sum-exp `ln 4.5`) and
@@ -420,4 +421,69 @@ fn the_moe_losses_join_the_loss_in_its_dtype() {
     let grad = |t: &Tensor<AD, 1>| values(t.grad(&grads).expect("a gradient"));
     assert_eq!(grad(&loss), [0.25]);
     assert_eq!(grad(&lb), [0.25]);
+}
+
+/// `global_aux_loss` in training: the second micro-batch's loss counts the mean load of the
+/// step's two micro-batches, its probabilities its own; after `reset_global_load` the count
+/// starts again (the loss is then `aux_loss`'s), and evaluation (no autodiff) keeps nothing.
+/// Token 0 alone, then token 1 alone (the tokens of [`route`]), pre-softmax top-1.
+#[test]
+fn global_loss_counts_the_load_of_the_step_so_far() {
+    let settings = |load_balancing| RouterSettings {
+        pre_softmax: true,
+        top_k: 1,
+        aux_loss_coeff: 0.1,
+        load_balancing,
+        ..Default::default()
+    };
+    let (ln2, ln3, ln15) = (2f32.ln(), 3f32.ln(), 1.5f32.ln());
+    let weight = vec![0.0, ln2, ln15, ln3, 0.0, ln2];
+    let token = |t: usize| {
+        let mut x = vec![0f32; 2];
+        x[t] = 1.0;
+        TensorData::new(x, [1, 2])
+    };
+    let device = Default::default();
+    let global = Router::<AD>::new(
+        Tensor::from_data(TensorData::new(weight.clone(), [2, 3]), &device),
+        settings(LoadBalancingType::GlobalAuxLoss),
+    );
+    let loss = |router: &Router<AD>, t| {
+        let r = router.route(Tensor::from_data(token(t), &device));
+        values(r.load_balancing_loss.inner())[0]
+    };
+    // Token 0 picks expert 1: load [0, 1, 0], P = [2, 4, 3] / 9: 0.1 · 3 · 4/9.
+    let first = loss(&global, 0);
+    // Token 1 picks expert 0: the mean load [1/2, 1/2, 0], P = [3, 1, 2] / 6:
+    // 0.1 · 3 · (3/12 + 1/12) = 0.1 (aux_loss would count [1, 0, 0]: 0.1 · 3 · 1/2 = 0.15).
+    let second = loss(&global, 1);
+    global.reset_global_load();
+    let after_reset = loss(&global, 1);
+    let want = [0.4 / 3.0, 0.1, 0.15];
+    assert_close(
+        "training",
+        &[first, second, after_reset],
+        &want,
+        tolerance::F32,
+    );
+    // Evaluation counts the micro-batch alone and keeps nothing: after it, the training
+    // count goes on from the reset's micro-batch.
+    let eval = global.valid();
+    let plain = |t| {
+        let r = eval.route(Tensor::<B, 2>::from_data(token(t), &device));
+        values(r.load_balancing_loss)[0]
+    };
+    assert_close(
+        "evaluation",
+        &[plain(0), plain(1)],
+        &[0.4 / 3.0, 0.15],
+        tolerance::F32,
+    );
+    // [1, 0, 0] then [0, 1, 0]: the mean [1/2, 1/2, 0] with P = [2, 4, 3] / 9: 0.1 · 3 · 6/18.
+    assert_close(
+        "training again",
+        &[loss(&global, 0)],
+        &[0.1],
+        tolerance::F32,
+    );
 }

@@ -69,7 +69,7 @@ impl<B: ModelBackend> ParallelGpt<B> {
     /// `model`, this rank's chunk of `config` in the layout `state`.
     pub fn new(model: GptModel<B>, config: &TransformerConfig, state: &ParallelState) -> Self {
         Self {
-            model,
+            model: model.with_global_load_group(Some(state.dp_cp().clone())),
             layout: StepLayout {
                 state: state.clone(),
                 config: config.clone(),
@@ -133,6 +133,8 @@ where
                 .map_err(Into::into),
         );
         let device = self.model.devices()[0].clone();
+        // global_aux_loss counts each optimizer step's load afresh.
+        self.model.reset_global_load();
         let chunks = core::slice::from_ref(&self.model);
         let scale = self
             .layout

@@ -13,11 +13,15 @@
 //!    scores as they are (pre-softmax), or the chosen sigmoid scores divided by their sum
 //!    (`k > 1`); then multiplied by `--moe-router-topk-scaling-factor`.
 
+use std::any::Any;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, backend::Backend};
-use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup};
+use burn_megatron_dist::{DistBackend, DistError, DistResult, ProcessGroup, ReduceOp};
 
 use super::aux_losses::{load_balancing_share, z_loss};
 use super::sinkhorn::sinkhorn;
@@ -44,6 +48,13 @@ pub enum LoadBalancingType {
     /// `seq_aux_loss`: DeepSeek-V2/V3's sequence-wise loss, Switch's loss of each sequence on
     /// its own, averaged over the sequences.
     SeqAuxLoss,
+    /// `global_aux_loss`: Switch's loss with the load counted over the whole global batch so
+    /// far: each micro-batch's counts summed over every DP × CP rank (the router's
+    /// [`with_global_load_group`](Router::with_global_load_group)) and averaged over the
+    /// optimizer step's micro-batches up to this one (Megatron's `global_tokens_per_expert /
+    /// ga_steps`), the probabilities this micro-batch's. The running load starts afresh each
+    /// optimizer step ([`Router::reset_global_load`]).
+    GlobalAuxLoss,
     /// `none`: no load-balancing loss, whatever `--moe-aux-loss-coeff` says.
     None,
     /// `sinkhorn`: in training, the top-k of the logits balanced by
@@ -59,6 +70,7 @@ impl LoadBalancingType {
         match self {
             Self::AuxLoss => "aux_loss",
             Self::SeqAuxLoss => "seq_aux_loss",
+            Self::GlobalAuxLoss => "global_aux_loss",
             Self::None => "none",
             Self::Sinkhorn => "sinkhorn",
         }
@@ -300,6 +312,45 @@ pub struct Router<B: Backend> {
     pub expert_bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     settings: RouterSettings,
+    /// `global_aux_loss`'s group and running load (shared by the router's clones).
+    #[module(skip)]
+    global_load: GlobalLoad,
+}
+
+/// `global_aux_loss`'s load: the group its counts are summed over (DP × CP) and their running
+/// sum over the optimizer step's micro-batches. Kept behind a lock because the forward pass
+/// has the module only by reference; a clone of the router (its `valid()` copy, a pipeline
+/// schedule's) shares it.
+#[derive(Clone, Default)]
+struct GlobalLoad {
+    group: Option<ProcessGroup>,
+    /// The sum of the step's counts so far (a `[num_experts]` F32 tensor of the routing
+    /// backend, boxed: the router is not generic over where it runs) and how many.
+    sum: Arc<Mutex<Option<(Box<dyn Any + Send>, usize)>>>,
+}
+
+impl fmt::Debug for GlobalLoad {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GlobalLoad")
+            .field("group", &self.group.as_ref().map(|g| g.ranks().to_vec()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl GlobalLoad {
+    /// `counts` added to the running sum; the mean of the step's counts so far.
+    fn add<B: Backend>(&self, counts: Tensor<B, 1>) -> Tensor<B, 1> {
+        let mut sum = self.sum.lock().unwrap_or_else(PoisonError::into_inner);
+        let before = sum
+            .take()
+            .and_then(|(t, n)| t.downcast::<Tensor<B, 1>>().ok().map(|t| (*t, n)));
+        let (total, steps) = match before {
+            Some((total, n)) => (total + counts, n + 1),
+            None => (counts, 1),
+        };
+        *sum = Some((Box::new(total.clone()), steps));
+        total.div_scalar(steps as f64)
+    }
 }
 
 /// Where the router sends a batch of tokens.
@@ -361,7 +412,32 @@ impl<B: Backend> Router<B> {
             weight: Param::from_tensor(weight),
             expert_bias: None,
             settings,
+            global_load: GlobalLoad::default(),
         }
+    }
+
+    /// The same router counting `global_aux_loss`'s load over `group`, every DP × CP rank of
+    /// its pipeline stage and tensor-parallel rank (`ParallelState::dp_cp`); without one, over
+    /// the context-parallel group a forward pass names. It must contain that group.
+    pub fn with_global_load_group(self, group: Option<ProcessGroup>) -> Self {
+        Self {
+            global_load: GlobalLoad {
+                group,
+                ..self.global_load
+            },
+            ..self
+        }
+    }
+
+    /// Starts `global_aux_loss`'s running load afresh: before each optimizer step's first
+    /// micro-batch (the training loops call it through
+    /// [`GptModel::reset_global_load`](crate::models::GptModel::reset_global_load)).
+    pub fn reset_global_load(&self) {
+        *self
+            .global_load
+            .sum
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// The same router choosing its experts by the scores plus `bias` (`[num_experts]`).
@@ -482,7 +558,7 @@ impl<B: ModelBackend> Router<B> {
         let loss = match s.load_balancing {
             _ if s.aux_loss_coeff == 0.0 => None,
             LoadBalancingType::None | LoadBalancingType::Sinkhorn => None,
-            LoadBalancingType::AuxLoss => Some(1),
+            LoadBalancingType::AuxLoss | LoadBalancingType::GlobalAuxLoss => Some(1),
             LoadBalancingType::SeqAuxLoss => Some(batch),
         };
         let probs = loss.map(|_| match s.score_function {
@@ -531,7 +607,11 @@ impl<B: ModelBackend> Router<B> {
             Some(_) => weights.cast(model_dtype),
             None => weights,
         };
+        let global = s.load_balancing == LoadBalancingType::GlobalAuxLoss;
         let load_balancing_loss = match (probs, loss_map, loss) {
+            (Some(probs), Some(map), Some(_)) if global => {
+                self.global_load_balancing_loss(probs, map, sequence)?
+            }
             (Some(probs), Some(map), Some(sequences)) => {
                 self.load_balancing_loss(probs, map, sequences, sequence)?
             }
@@ -623,6 +703,50 @@ impl<B: ModelBackend> Router<B> {
             s.top_k,
             s.aux_loss_coeff,
         ))
+    }
+}
+
+impl<B: ModelBackend> Router<B> {
+    /// This rank's part of `global_aux_loss` from its probabilities `probs` (`[tokens,
+    /// num_experts]`) and the loss's routing map `map`: the counts summed over the global
+    /// load group (on the device, no host read) and, in training, averaged with the step's
+    /// earlier micro-batches; the Switch loss over the group's `N` tokens, this rank's share
+    /// of it, times the DP ranks in the group. The shares of the CP ranks add up (as their
+    /// gradients do), and the DP ranks' gradients are averaged: so DP = d runs as one DP rank
+    /// whose micro-batches hold the d ranks' ones. In evaluation the counts are this
+    /// micro-batch's alone, and nothing is kept.
+    fn global_load_balancing_loss(
+        &self,
+        probs: Tensor<B, 2>,
+        map: Tensor<B, 2, Int>,
+        sequence: Option<&ProcessGroup>,
+    ) -> DistResult<Tensor<B, 1>> {
+        let s = self.settings;
+        let [num_tokens, num_experts] = probs.dims();
+        let device = probs.device();
+        let counts = map
+            .sum_dim(0)
+            .reshape([num_experts])
+            .float()
+            .cast(FloatDType::F32);
+        let group = self.global_load.group.as_ref().or(sequence);
+        let (counts, ranks) = match group.filter(|g| g.size() > 1) {
+            Some(group) => (group.all_reduce(counts, ReduceOp::Sum)?, group.size()),
+            None => (counts, 1),
+        };
+        let data_parallel = ranks / sequence.map_or(1, ProcessGroup::size);
+        let load = match B::ad_enabled(&device) {
+            true => self.global_load.add(counts),
+            false => counts,
+        };
+        let share = load_balancing_share(
+            probs,
+            load.reshape([1, num_experts]),
+            num_tokens * ranks,
+            s.top_k,
+            s.aux_loss_coeff,
+        );
+        Ok(share.mul_scalar(data_parallel as f64))
     }
 }
 
