@@ -324,10 +324,12 @@ pub struct Router<B: Backend> {
 #[derive(Clone, Default)]
 struct GlobalLoad {
     group: Option<ProcessGroup>,
-    /// The sum of the step's counts so far (a `[num_experts]` F32 tensor of the routing
-    /// backend, boxed: the router is not generic over where it runs) and how many.
-    sum: Arc<Mutex<Option<(Box<dyn Any + Send>, usize)>>>,
+    sum: Arc<Mutex<Option<LoadSum>>>,
 }
+
+/// The sum of the step's counts so far (a `[num_experts]` F32 tensor of the routing backend,
+/// boxed: the state is not generic over where the router runs) and how many micro-batches.
+type LoadSum = (Box<dyn Any + Send>, usize);
 
 impl fmt::Debug for GlobalLoad {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
