@@ -23,6 +23,7 @@
 #   NPROC=4 PART=steady4b bash bench/moe_gpu_check.sh  # 4 GPUs: the same at EP 2 x expert-DP 2
 #   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
+#   NPROC=2 PART=global2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with aux_loss, then global_aux_loss, then the peer
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
 #   NPROC=1 PART=gemm,engines1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' products by each engine, 8 layers of both presets, the peer
 #   NPROC=1 PART=gemm,rule1 bash bench/moe_gpu_check.sh  # 1 GPU: the engines' rule, 8 layers of both presets, a profile, the peer
@@ -341,6 +342,15 @@ if [ "$PART" != all ] && part steady2; then
   torch mixtral_ep2 --preset mixtral --ep 2
   ITERS=20 ours deepseek_ep2_steady deepseek_moe_1b 2
   torch deepseek_ep2 --preset deepseek --ep 2
+fi
+if [ "$PART" != all ] && part global2; then
+  # For 2 GPUs (NPROC=2): what --moe-router-load-balancing-type global_aux_loss costs (one
+  # all-reduce of the counts over DP x CP a layer and micro-batch, on the device): the
+  # Mixtral-like preset at EP 2 with the hook for 20 iterations with the Switch loss
+  # (aux_loss), then with global_aux_loss, then the peer.
+  ITERS=20 ours mixtral_ep2_hook_aux mixtral_1b_moe 2 --overlap-grad-reduce
+  ITERS=20 ours mixtral_ep2_hook_global mixtral_1b_moe 2 --overlap-grad-reduce --moe-router-load-balancing-type global_aux_loss
+  torch mixtral_ep2 --preset mixtral --ep 2
 fi
 if [ "$PART" != all ] && part grouped2; then
   # For 2 GPUs (NPROC=2): the experts' forward and input-gradient products as one cuBLAS

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, backend::Backend};
-use burn_megatron_dist::ProcessGroup;
 use burn_megatron_dist::mapping::reduce_from_tensor_parallel_region;
+use burn_megatron_dist::{DeviceTransport, DistResult, ProcessGroup, ReduceOp};
 
 use super::stage::Stage;
 use crate::backend::ModelBackend;
@@ -510,6 +510,44 @@ impl<B: ModelBackend> GptModel<B> {
             }
         }
         self
+    }
+
+    /// Makes FP8 delayed scaling's amax histories the same on every rank of `group` (the
+    /// data-parallel group): each entry becomes its maximum over the group and each scale is
+    /// computed again from its history, as Transformer Engine's amax reduction over the
+    /// data-parallel ranks does. One all-reduce of every layer's histories (on backend `I`,
+    /// the inner one under `Autodiff`, where they live); a training loop calls it once per
+    /// optimizer step, so that the ranks cast the next step with the same scales and a
+    /// checkpoint's states are every rank's. The ranks record their amaxes in step (the same
+    /// layers, micro-batches and casts), so the entries line up; a NaN amax, which a rank
+    /// leaves out of its history, would shift that rank's entries by one.
+    pub fn reduce_fp8_histories<I: Backend + DeviceTransport>(
+        &self,
+        group: &ProcessGroup,
+    ) -> DistResult<()> {
+        if group.size() <= 1 {
+            return Ok(());
+        }
+        let layers: Vec<_> = self
+            .fp8_layers()
+            .into_iter()
+            .filter_map(|(_, fp8)| {
+                let states = fp8.delayed_states::<I>()?;
+                Some((fp8, Tensor::cat(states.map(|s| s.history()).to_vec(), 0)))
+            })
+            .collect();
+        if layers.is_empty() {
+            return Ok(());
+        }
+        let lens: Vec<usize> = layers.iter().map(|(_, h)| h.dims()[0]).collect();
+        let all = Tensor::cat(layers.iter().map(|(_, h)| h.clone()).collect(), 0);
+        let reduced = group.all_reduce(all, ReduceOp::Max)?;
+        let mut at = 0;
+        for ((fp8, _), len) in layers.iter().zip(lens) {
+            fp8.set_delayed_histories(reduced.clone().narrow(0, at, len));
+            at += len;
+        }
+        Ok(())
     }
 
     /// The same model counting `global_aux_loss`'s load over `group` in every MoE layer

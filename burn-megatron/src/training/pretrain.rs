@@ -40,6 +40,7 @@ use crate::checkpointing::{
 use crate::context_parallel::CpContext;
 use crate::error::Result;
 use crate::models::GptModel;
+use crate::ops::fp8::Fp8Recipe;
 use crate::optimizer::DistributedAdamW;
 use crate::optimizer::{
     GradClipConfig, ParamGroups, WeightDecayPolicy, clip_grad_norm, merge_chunk_grads,
@@ -268,6 +269,7 @@ where
         true => Some(config.loss_scaler().init::<B::InnerBackend>(device)?),
         false => None,
     };
+    let fp8_delayed = (model_config.fp8.as_ref()).is_some_and(|f| f.recipe == Fp8Recipe::Delayed);
     let mut iteration = 0u64;
     let mut consumed = 0u64;
     // The losses since the last logged iteration, for its `lm loss`.
@@ -378,6 +380,12 @@ where
             )?,
             None => forward_backward(schedule_kind, &state, &rank.chunks, &microbatches)?,
         };
+        // FP8 delayed scaling: every DP rank casts the next step with the same scales.
+        if fp8_delayed {
+            for chunk in &rank.chunks {
+                chunk.reduce_fp8_histories::<B::InnerBackend>(state.dp())?;
+            }
+        }
         B::profile_phase(device, "optimizer");
         let mut grads = out.grads;
         let moe_stats = out.moe;

@@ -5,6 +5,7 @@
 //! their reduction after the backward pass, the first and last layers kept out of FP8, and
 //! `pretrain_gpt` with `--fp8-format`.
 
+mod data_parallel;
 mod first_last;
 mod linear;
 mod overlap;

@@ -477,8 +477,9 @@ fn pretrain_gpt_with_experts_at_tp_2_pp_2_ep_2() {
 /// Through burn-train's `Learner` (`--learner`) at EP 2 × DP 2 with ZeRO-1: the losses of
 /// `pretrain`'s own loop, exactly (the same schedule, MoE losses and optimizer), and its MoE
 /// metrics the loop's report; with DeepSeek-V3's expert bias too, whose update moves the
-/// losses (against the run without it) as the loop's does; and with a capacity, whose
-/// dropped assignments are a metric.
+/// losses (against the run without it) as the loop's does; with a capacity, whose dropped
+/// assignments are a metric; and with `global_aux_loss` (the Learner's step counts the load
+/// over DP and afresh each step, as the loop does).
 #[test]
 fn learner_with_experts_equals_the_pretrain_loop() {
     use burn_megatron::training::PretrainData;
@@ -491,8 +492,9 @@ fn learner_with_experts_equals_the_pretrain_loop() {
         "0.05",
     ];
     let capacity = ["--moe-expert-capacity-factor", "0.5"];
+    let global = ["--moe-router-load-balancing-type", "global_aux_loss"];
     let mut loop_losses = Vec::new();
-    for extra in [&[][..], &bias[..], &capacity[..]] {
+    for extra in [&[][..], &bias[..], &capacity[..], &global[..]] {
         let config = moe_run_with(2, 2, true, 4, extra).with_eval_interval(0);
         let loop_run = pretrain_on_threads(&config, &Silent).expect("pretraining");
         let learner = config.clone().with_learner(true);

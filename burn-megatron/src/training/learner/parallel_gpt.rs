@@ -151,6 +151,14 @@ where
                 None => forward_backward(SCHEDULE, state, chunks, &microbatches),
             },
         );
+        // FP8 delayed scaling: every DP rank casts the next step with the same scales.
+        or_panic(
+            "FP8 amax histories' reduction over DP",
+            state,
+            self.model
+                .reduce_fp8_histories::<B::InnerBackend>(state.dp())
+                .map_err(Into::into),
+        );
         let loss = or_panic(
             "loss exchange",
             state,
