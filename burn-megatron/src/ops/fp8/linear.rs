@@ -295,8 +295,7 @@ impl Fp8Linear {
         let len = histories.dims()[0] / 3;
         for (i, state) in live.iter_mut().enumerate() {
             let history = histories.clone().narrow(0, i * len, len);
-            let old = std::mem::replace(state, DelayedScaling::new(len, &history.device()));
-            *state = old.with_history(history, dtypes[i], margin, algo);
+            state.set_history(history, dtypes[i], margin, algo);
         }
     }
 

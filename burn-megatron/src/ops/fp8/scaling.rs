@@ -317,25 +317,22 @@ impl<B: Backend> DelayedScaling<B> {
         }
     }
 
-    /// The same state with `history` (as long as its own) in its place and the next scale
-    /// computed from it as [`record`](Self::record) computes it, the current scale its
-    /// fallback: how the data-parallel ranks' histories, reduced to their maximum, become
-    /// every rank's.
-    pub fn with_history(
-        self,
+    /// Puts `history` (as long as its own) in place of the history and computes the next
+    /// scale from it as [`record`](Self::record) does, the current scale its fallback: how
+    /// the data-parallel ranks' histories, reduced to their maximum, become every rank's.
+    pub fn set_history(
+        &mut self,
         history: Tensor<B, 1>,
         dtype: Fp8Dtype,
         margin: i32,
         algo: AmaxComputeAlgo,
-    ) -> Self {
+    ) {
         let chosen = match algo {
             AmaxComputeAlgo::Max => history.clone().max(),
             AmaxComputeAlgo::MostRecent => history.clone().narrow(0, 0, 1),
         };
-        Self {
-            scale: scale_from_amax(chosen, self.scale, dtype, margin),
-            history,
-        }
+        self.scale = scale_from_amax(chosen, self.scale.clone(), dtype, margin);
+        self.history = history;
     }
 
     /// The state read to the host (a device synchronisation: for checkpoints, not in a step).
