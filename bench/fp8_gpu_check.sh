@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|dp2|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -200,6 +200,21 @@ if part bwd; then
   wait
   for n in bf16 fp8 both wgrad dgrad torch_bf16 torch_fp8; do
     echo "=== bwd $n"; grep -E "torch_curve:|iteration +[0-9]+00/|validation|rror|panick" $OUT/bwd_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm|learning rate|lr)[^|]*//g' | cut -c1-110 | tail -22
+  done
+fi
+if part dp2; then
+  # 2 GPUs: curve2's model at DP 2 (a micro-batch of 8 on each rank a step) for 60 steps, one
+  # run after another: bf16, FP8 tensorwise, FP8 delayed (whose amax histories are reduced
+  # over DP once a step, GptModel::reduce_fp8_histories). Does the reduction run over NCCL,
+  # and what does it cost?
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="${C350/--train-iters ${ITERS:-1000}/--train-iters 60}"
+  C="${C/--lr-warmup-iters 100/--lr-warmup-iters 10}"
+  C="${C/--log-interval 25/--log-interval 10} --eval-interval 0 --data-parallel-size 2"
+  for n in bf16 tensorwise delayed; do
+    f=""; [ $n != bf16 ] && f="--fp8-format hybrid --fp8-recipe $n"
+    timeout ${LIMIT:-120} $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $C $f > $OUT/dp2_$n.log 2>&1
+    echo "=== dp2 $n: rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/dp2_$n.log | sed -E 's/ \| (consumed samples|MFU|memory)[^|]*//g' | cut -c1-150
   done
 fi
 if part diag; then

@@ -365,6 +365,10 @@ pub struct PretrainArgs {
     /// loss is sensitive to. [default: none]
     #[arg(long, help_heading = "FP8")]
     pub fp8_backward_bf16: Option<String>,
+    /// With --fp8-recipe delayed, reduces the amax histories over TP (and CP) only, not over
+    /// DP once a step. [default: false]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", help_heading = "FP8")]
+    pub tp_only_amax_red: Option<bool>,
 
     /// Indexed datasets (prefixes of .bin/.idx files made by preprocess_data or Megatron),
     /// alone or as `weight prefix` pairs for a blend. [default: a generated corpus]
@@ -793,6 +797,7 @@ impl PretrainArgs {
             num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16,
             fp8_backward_bf16,
+            tp_only_amax_red,
             data_path,
             split,
             num_experts,
@@ -993,6 +998,7 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
                 a.num_layers_at_end_in_bf16.is_some(),
             ),
             ("--fp8-backward-bf16", a.fp8_backward_bf16.is_some()),
+            ("--tp-only-amax-red", a.tp_only_amax_red.is_some()),
         ] {
             if given {
                 return invalid(format!(
@@ -1048,6 +1054,7 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
     if let Some(gemms) = &a.fp8_backward_bf16 {
         config.backward = Fp8Backward::parse(gemms)?;
     }
+    config.tp_only_amax_reduction = a.tp_only_amax_red.unwrap_or(false);
     config.validate()?;
     Ok(Some(config))
 }

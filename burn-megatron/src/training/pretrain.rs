@@ -269,7 +269,8 @@ where
         true => Some(config.loss_scaler().init::<B::InnerBackend>(device)?),
         false => None,
     };
-    let fp8_delayed = (model_config.fp8.as_ref()).is_some_and(|f| f.recipe == Fp8Recipe::Delayed);
+    let fp8_delayed = (model_config.fp8.as_ref())
+        .is_some_and(|f| f.recipe == Fp8Recipe::Delayed && !f.tp_only_amax_reduction);
     let mut iteration = 0u64;
     let mut consumed = 0u64;
     // The losses since the last logged iteration, for its `lm loss`.

@@ -30,18 +30,22 @@ fn tokens(seed: u64, vocab: usize) -> Tensor<AD, 2, burn::tensor::Int> {
     )
 }
 
-#[test]
-fn delayed_histories_become_their_maximum_over_data_parallel_ranks() {
+/// Each DP rank's states before and after the reduction, and the scale its next cast of the
+/// first layer's input uses; two DP ranks with their own batches.
+type RankStates = (Vec<[DelayedData; 3]>, Vec<[DelayedData; 3]>, f64);
+
+fn reduce_over_two_ranks(tp_only: bool) -> Vec<RankStates> {
     let config = TransformerConfig::new(16, 2, 4, 32, 50, 8)
         .with_make_vocab_size_divisible_by(4)
         .with_init_std(0.1)
         .with_fp8(Some(
             Fp8Config::new()
                 .with_recipe(Fp8Recipe::Delayed)
-                .with_amax_history_len(4),
+                .with_amax_history_len(4)
+                .with_tp_only_amax_reduction(tp_only),
         ));
     let vocab = config.vocab_size;
-    let ranks = run(2, |ctx| {
+    run(2, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default())?; // DP 2: the world
         let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
         // Each DP rank its own two micro-batches, with their own amaxes.
@@ -56,7 +60,12 @@ fn delayed_histories_become_their_maximum_over_data_parallel_ranks() {
         // The next forward pass casts with the reduced scale.
         let next = model.fp8_layers()[0].1.delayed_states::<B>().expect("run");
         Ok((before, after, data_values(&next[0].scale().into_data())[0]))
-    });
+    })
+}
+
+#[test]
+fn delayed_histories_become_their_maximum_over_data_parallel_ranks() {
+    let ranks = reduce_over_two_ranks(false);
     let [(before_0, after_0, next_0), (before_1, after_1, _)] = ranks.try_into().ok().unwrap();
     assert_eq!(after_0, after_1, "every DP rank holds the same states");
     assert_eq!(after_0.len(), 8);
@@ -89,4 +98,12 @@ fn delayed_histories_become_their_maximum_over_data_parallel_ranks() {
         "the ranks' own histories differ: the test is sharp"
     );
     assert_eq!(next_0 as f32, after_0[0][0].scale);
+}
+
+/// `--tp-only-amax-red`: the reduction leaves each rank's own states.
+#[test]
+fn tp_only_amax_reduction_leaves_each_rank_its_own_states() {
+    for (before, after, _) in reduce_over_two_ranks(true) {
+        assert_eq!(after, before);
+    }
 }

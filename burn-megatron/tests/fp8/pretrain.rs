@@ -54,6 +54,8 @@ fn fp8_options_reach_the_model() {
         let c = config(&["--fp8-format", "hybrid", "--fp8-backward-bf16", value]).unwrap();
         assert_eq!(c.model().fp8.map(|f| f.backward), Some(backward));
     }
+    let c = config(&["--fp8-format", "hybrid", "--tp-only-amax-red"]).unwrap();
+    assert_eq!(c.model().fp8.map(|f| f.tp_only_amax_reduction), Some(true));
 }
 
 #[test]

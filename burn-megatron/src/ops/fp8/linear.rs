@@ -274,28 +274,15 @@ impl Fp8Linear {
         delayed.restored = Some(states);
     }
 
-    /// Replaces the amax histories on backend `B` by `histories`, the input's, the weight's
-    /// and the output gradient's one after the other (`[3 · len]`: e.g. their maximum over
-    /// the data-parallel ranks), and computes each next scale from its new history. No-op
-    /// where the layer has no states on `B`.
-    pub fn set_delayed_histories<B: Backend>(&self, histories: Tensor<B, 1>) {
-        let mut states = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(live) = states.by_backend.get_mut(&TypeId::of::<B>()) else {
-            return;
-        };
-        let Some(live) = live.as_any_mut().downcast_mut::<[DelayedScaling<B>; 3]>() else {
-            return;
-        };
-        let (margin, algo) = (self.config.margin, self.config.amax_compute_algo);
-        let (forward, gradient) = (
-            self.config.format.forward_dtype(),
-            self.config.format.gradient_dtype(),
-        );
-        let dtypes = [forward, forward, gradient];
-        let len = histories.dims()[0] / 3;
-        for (i, state) in live.iter_mut().enumerate() {
-            let history = histories.clone().narrow(0, i * len, len);
-            state.set_history(history, dtypes[i], margin, algo);
+    /// Replaces the delayed-scaling states `[input, weight, grad_output]` on backend `B` by
+    /// `states` (e.g. reduced over the data-parallel ranks). No-op where the layer has no
+    /// states on `B` yet.
+    pub fn set_delayed_states<B: Backend>(&self, states: [DelayedScaling<B>; 3]) {
+        let mut delayed = self.delayed.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(live) = delayed.by_backend.get_mut(&TypeId::of::<B>())
+            && let Some(live) = live.as_any_mut().downcast_mut::<[DelayedScaling<B>; 3]>()
+        {
+            *live = states;
         }
     }
 

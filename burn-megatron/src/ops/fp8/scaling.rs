@@ -153,6 +153,11 @@ pub struct Fp8Config {
     /// cost of keeping the input and the weight unquantised for the backward pass.
     #[config(default = "Fp8Backward::Fp8")]
     pub backward: Fp8Backward,
+    /// Under delayed scaling, leave the amax histories to each data-parallel replica instead
+    /// of reducing them over DP once a step (`--tp-only-amax-red`, Megatron's name): the
+    /// reduction costs a few hundred small launches a step, which a small model feels.
+    #[config(default = false)]
+    pub tp_only_amax_reduction: bool,
 }
 
 /// The backward GEMMs of an FP8 linear layer that run in the model's dtype instead
@@ -249,17 +254,32 @@ pub fn scale_from_amax<B: Backend>(
     dtype: Fp8Dtype,
     margin: i32,
 ) -> Tensor<B, 1> {
-    let amax = amax.cast(DType::F32);
     let max = Tensor::<B, 1>::full([1], dtype.max(), (&amax.device(), DType::F32));
-    let scale = (max / amax.clone())
+    scales_from_amaxes(amax, fallback, max, margin)
+}
+
+/// [`scale_from_amax`] of many tensors at once: `tops / amaxes / 2^margin` element-wise (each
+/// tensor's format's largest value over its amax), or `fallback` where an amax is zero, NaN
+/// or infinite; a few launches whatever the count.
+///
+/// # Shapes
+/// - amaxes, fallback, tops, output: `[n]` (f32 out)
+pub fn scales_from_amaxes<B: Backend>(
+    amaxes: Tensor<B, 1>,
+    fallback: Tensor<B, 1>,
+    tops: Tensor<B, 1>,
+    margin: i32,
+) -> Tensor<B, 1> {
+    let amaxes = amaxes.cast(DType::F32);
+    let scales = (tops.cast(DType::F32) / amaxes.clone())
         .mul_scalar(2f64.powi(-margin))
         .clamp_max(f32::MAX);
     // NaN fails both comparisons.
-    let usable = amax
+    let usable = amaxes
         .clone()
         .greater_elem(0.0)
-        .bool_and(amax.lower_elem(f32::INFINITY));
-    fallback.cast(DType::F32).mask_where(usable, scale)
+        .bool_and(amaxes.lower_elem(f32::INFINITY));
+    fallback.cast(DType::F32).mask_where(usable, scales)
 }
 
 /// The tensorwise (current) scale of a tensor whose amax is `amax`: `max / amax / 2^margin`,
@@ -317,22 +337,10 @@ impl<B: Backend> DelayedScaling<B> {
         }
     }
 
-    /// Puts `history` (as long as its own) in place of the history and computes the next
-    /// scale from it as [`record`](Self::record) does, the current scale its fallback: how
-    /// the data-parallel ranks' histories, reduced to their maximum, become every rank's.
-    pub fn set_history(
-        &mut self,
-        history: Tensor<B, 1>,
-        dtype: Fp8Dtype,
-        margin: i32,
-        algo: AmaxComputeAlgo,
-    ) {
-        let chosen = match algo {
-            AmaxComputeAlgo::Max => history.clone().max(),
-            AmaxComputeAlgo::MostRecent => history.clone().narrow(0, 0, 1),
-        };
-        self.scale = scale_from_amax(chosen, self.scale.clone(), dtype, margin);
-        self.history = history;
+    /// A state of `history` (`[len]` f32, newest first) and `scale` (`[1]` f32): e.g. the
+    /// data-parallel ranks' histories reduced to their maximum, and the scale from it.
+    pub fn from_tensors(history: Tensor<B, 1>, scale: Tensor<B, 1>) -> Self {
+        Self { history, scale }
     }
 
     /// The state read to the host (a device synchronisation: for checkpoints, not in a step).
