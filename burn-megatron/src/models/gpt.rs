@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Int, Tensor, backend::Backend};
 use burn_megatron_dist::mapping::reduce_from_tensor_parallel_region;
-use burn_megatron_dist::{DeviceTransport, DistError, DistResult, ProcessGroup, ReduceOp};
+use burn_megatron_dist::{DeviceTransport, DistResult, ProcessGroup};
 
 use super::stage::Stage;
 use crate::backend::ModelBackend;
@@ -15,7 +15,7 @@ use crate::error::PipelineError;
 use crate::error::{ConfigError, InputError, Result};
 use crate::init::{InitDistribution, init_full, param_seed};
 use crate::ops::BackwardHook;
-use crate::ops::fp8::{AmaxComputeAlgo, DelayedScaling, Fp8Linear, scales_from_amaxes};
+use crate::ops::fp8::{Fp8Linear, reduce_delayed_states};
 use crate::tensor_parallel::{
     DeclarePlacements, DropoutSite, ParamPlacement, Placements, SequenceParallelGrads, TpContext,
     VocabParallelEmbedding, VocabParallelOutput, VocabPartition, masked_mean, parallel_lm_logits,
@@ -513,80 +513,16 @@ impl<B: ModelBackend> GptModel<B> {
     }
 
     /// Makes FP8 delayed scaling's amax histories the same on every rank of `group` (the
-    /// data-parallel group), unless the layers' settings say `tp_only_amax_reduction`: each
-    /// entry becomes its maximum over the group and each scale is
-    /// computed again from its history, as Transformer Engine's amax reduction over the
-    /// data-parallel ranks does. A training loop calls it once per optimizer step, so that
-    /// the ranks cast the next step with the same scales and a checkpoint's states are every
-    /// rank's. Every layer's histories and scales go in one all-reduce (on backend `I`, the
-    /// inner one under `Autodiff`, where they live; a scale is kept only where its history
-    /// holds no usable amax, which is then so on every rank, so its maximum is it), and the
-    /// scales are computed for all of them at once: a few launches, not a few a layer. The
-    /// ranks record their amaxes in step (the same layers, micro-batches and casts), so the
-    /// entries line up; a NaN amax, which a rank leaves out of its history, would shift that
-    /// rank's entries by one.
+    /// data-parallel group), unless the layers' settings say `tp_only_amax_reduction`
+    /// ([`reduce_delayed_states`] over the model's FP8 layers, on backend `I`, the inner one
+    /// under `Autodiff`). A training loop calls it once per optimizer step, so that the ranks
+    /// cast the next step with the same scales and a checkpoint's states are every rank's.
     pub fn reduce_fp8_histories<I: Backend + DeviceTransport>(
         &self,
         group: &ProcessGroup,
     ) -> DistResult<()> {
-        if group.size() <= 1 {
-            return Ok(());
-        }
-        let layers: Vec<_> = self
-            .fp8_layers()
-            .into_iter()
-            .filter_map(|(_, fp8)| fp8.delayed_states::<I>().map(|states| (fp8, states)))
-            .collect();
-        let Some((first, states)) = layers.first() else {
-            return Ok(());
-        };
-        let config = first.config().clone();
-        if config.tp_only_amax_reduction {
-            return Ok(());
-        }
-        let len = states[0].history().dims()[0];
-        if layers.iter().any(|(fp8, states)| {
-            fp8.config() != &config || states.iter().any(|s| s.history().dims()[0] != len)
-        }) {
-            return Err(DistError::InvalidArgument(
-                "FP8 layers of one model with different settings or history lengths: their \
-                 amax histories cannot be reduced together"
-                    .into(),
-            ));
-        }
-        let n = 3 * layers.len();
-        let all = layers.iter().flat_map(|(_, states)| states.iter());
-        let pieces: Vec<Tensor<I, 1>> = (all.clone().map(|s| s.history()))
-            .chain(all.map(|s| s.scale()))
-            .collect();
-        let reduced = group.all_reduce(Tensor::cat(pieces, 0), ReduceOp::Max)?;
-        let histories = reduced.clone().narrow(0, 0, n * len).reshape([n, len]);
-        let fallback = reduced.narrow(0, n * len, n);
-        let amaxes = match config.amax_compute_algo {
-            AmaxComputeAlgo::Max => histories.clone().max_dim(1),
-            AmaxComputeAlgo::MostRecent => histories.clone().narrow(1, 0, 1),
-        }
-        .reshape([n]);
-        let (forward, gradient) = (
-            config.format.forward_dtype().max(),
-            config.format.gradient_dtype().max(),
-        );
-        let tops: Vec<f32> = (0..layers.len())
-            .flat_map(|_| [forward, forward, gradient])
-            .collect();
-        let device = amaxes.device();
-        let tops = Tensor::<I, 1>::from_data(TensorData::new(tops, [n]), (&device, DType::F32));
-        let scales = scales_from_amaxes(amaxes, fallback, tops, config.margin);
-        for (j, (fp8, _)) in layers.iter().enumerate() {
-            fp8.set_delayed_states([0, 1, 2].map(|o| {
-                let i = 3 * j + o;
-                DelayedScaling::from_tensors(
-                    histories.clone().narrow(0, i, 1).reshape([len]),
-                    scales.clone().narrow(0, i, 1),
-                )
-            }));
-        }
-        Ok(())
+        let layers = self.fp8_layers();
+        reduce_delayed_states::<I>(layers.iter().map(|(_, fp8)| *fp8), group)
     }
 
     /// The same model counting `global_aux_loss`'s load over `group` in every MoE layer

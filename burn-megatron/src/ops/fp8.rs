@@ -27,10 +27,13 @@ use super::linear::LinearOps;
 pub mod linear;
 pub mod scaling;
 
-pub use linear::{Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear, hooked_fp8_linear};
+pub use linear::{
+    Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear, hooked_fp8_linear, reduce_delayed_states,
+};
 pub use scaling::{
     AmaxComputeAlgo, DelayedData, DelayedScaling, Fp8Backward, Fp8Config, Fp8Format, Fp8Recipe,
-    delayed_update_composition, scale_from_amax, scales_from_amaxes, tensorwise_scale,
+    delayed_update_composition, history_amaxes, scale_from_amax, scales_from_amaxes,
+    tensorwise_scale,
 };
 
 /// An FP8 storage format (OCP): E4M3 (max 448, Megatron's activations/weights) and E5M2 (max

@@ -53,13 +53,15 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_megatron_dist::{DeviceTransport, DistError, DistResult, ProcessGroup, ReduceOp};
 
-use super::scaling::{DelayedData, DelayedScaling, Fp8Config, Fp8Recipe};
+use super::scaling::{
+    DelayedData, DelayedScaling, Fp8Config, Fp8Recipe, history_amaxes, scales_from_amaxes,
+};
 use super::{Fp8Dtype, Fp8Ops};
 use crate::error::DeviceError;
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
@@ -475,6 +477,76 @@ impl Fp8Linear {
         }
         Ok(amaxes)
     }
+}
+
+/// Makes the delayed-scaling states of `layers` the same on every rank of `group` (the
+/// data-parallel group), unless their settings say `tp_only_amax_reduction`: each history
+/// entry becomes its maximum over the group and each scale is computed again from its
+/// history, as Transformer Engine's amax reduction over the data-parallel ranks does. Every
+/// layer's histories and scales go in one all-reduce (on backend `B`, where they live; a scale
+/// is kept only where its history holds no usable amax, which is then so on every rank, so its
+/// maximum is it), and the scales are computed for all of them at once: a few launches, not a
+/// few a layer (the gathering into one buffer and back still costs a few a state). The ranks
+/// record their amaxes in step (the same layers, micro-batches and casts), so the entries
+/// line up; a NaN amax, which a rank leaves out of its history, would shift that rank's
+/// entries by one. Layers that have not run on `B` take no part.
+pub fn reduce_delayed_states<'a, B: Backend + DeviceTransport>(
+    layers: impl IntoIterator<Item = &'a Fp8Linear>,
+    group: &ProcessGroup,
+) -> DistResult<()> {
+    if group.size() <= 1 {
+        return Ok(());
+    }
+    let layers: Vec<_> = layers
+        .into_iter()
+        .filter_map(|fp8| fp8.delayed_states::<B>().map(|states| (fp8, states)))
+        .collect();
+    let Some((first, states)) = layers.first() else {
+        return Ok(());
+    };
+    let config = first.config().clone();
+    if config.tp_only_amax_reduction {
+        return Ok(());
+    }
+    let len = states[0].history().dims()[0];
+    if layers.iter().any(|(fp8, states)| {
+        fp8.config() != &config || states.iter().any(|s| s.history().dims()[0] != len)
+    }) {
+        return Err(DistError::InvalidArgument(
+            "FP8 layers of one model with different settings or history lengths: their \
+             amax histories cannot be reduced together"
+                .into(),
+        ));
+    }
+    let n = 3 * layers.len();
+    let all = layers.iter().flat_map(|(_, states)| states.iter());
+    let pieces: Vec<Tensor<B, 1>> = (all.clone().map(|s| s.history()))
+        .chain(all.map(|s| s.scale()))
+        .collect();
+    let reduced = group.all_reduce(Tensor::cat(pieces, 0), ReduceOp::Max)?;
+    let histories = reduced.clone().narrow(0, 0, n * len).reshape([n, len]);
+    let fallback = reduced.narrow(0, n * len, n);
+    let amaxes = history_amaxes(histories.clone(), config.amax_compute_algo);
+    let (forward, gradient) = (
+        config.format.forward_dtype().max(),
+        config.format.gradient_dtype().max(),
+    );
+    let tops: Vec<f32> = (0..layers.len())
+        .flat_map(|_| [forward, forward, gradient])
+        .collect();
+    let device = amaxes.device();
+    let tops = Tensor::<B, 1>::from_data(TensorData::new(tops, [n]), (&device, DType::F32));
+    let scales = scales_from_amaxes(amaxes, fallback, tops, config.margin);
+    for (j, (fp8, _)) in layers.iter().enumerate() {
+        fp8.set_delayed_states([0, 1, 2].map(|o| {
+            let i = 3 * j + o;
+            DelayedScaling::from_tensors(
+                histories.clone().narrow(0, i, 1).reshape([len]),
+                scales.clone().narrow(0, i, 1),
+            )
+        }));
+    }
+    Ok(())
 }
 
 /// The FP8 linear layer as a backend operation: the forward alone on plain backends,

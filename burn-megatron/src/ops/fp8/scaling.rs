@@ -418,10 +418,18 @@ pub fn delayed_update_composition<B: Backend>(
     };
     let finite = amax.clone().lower_elem(f32::INFINITY);
     let history = history.mask_where(finite.clone().expand([len]), rolled);
-    let chosen = match algo {
-        AmaxComputeAlgo::Max => history.clone().max(),
-        AmaxComputeAlgo::MostRecent => history.clone().narrow(0, 0, 1),
-    };
+    let chosen = history_amaxes(history.clone().unsqueeze(), algo);
     let next = scale_from_amax(chosen, scale.clone(), dtype, margin);
     (history, scale.mask_where(finite, next))
+}
+
+/// The amax each of `n` histories (`[n, len]`, newest first) gives its next scale: its
+/// largest (`max`) or its newest (`most_recent`) entry, `[n]`.
+pub fn history_amaxes<B: Backend>(histories: Tensor<B, 2>, algo: AmaxComputeAlgo) -> Tensor<B, 1> {
+    let [n, _] = histories.dims();
+    match algo {
+        AmaxComputeAlgo::Max => histories.max_dim(1),
+        AmaxComputeAlgo::MostRecent => histories.narrow(1, 0, 1),
+    }
+    .reshape([n])
 }

@@ -706,9 +706,7 @@ impl<B: ModelBackend> Router<B> {
             s.aux_loss_coeff,
         ))
     }
-}
 
-impl<B: ModelBackend> Router<B> {
     /// This rank's part of `global_aux_loss` from its probabilities `probs` (`[tokens,
     /// num_experts]`) and the loss's routing map `map`: the counts summed over the global
     /// load group (on the device, no host read) and, in training, averaged with the step's
