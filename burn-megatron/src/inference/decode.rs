@@ -15,6 +15,7 @@ use crate::error::{ConfigError, Result};
 use crate::models::GptModel;
 use crate::ops::decode_attention::{Rotation, grouped_attention, grouped_mask};
 use crate::ops::{DecodeIndices, packed_flash_attention};
+use crate::tensor_parallel::DropoutSite;
 use crate::transformer::ParallelAttention;
 use crate::transformer::moe::MoeLosses;
 
@@ -161,7 +162,9 @@ pub(super) fn run_layers<B: ModelBackend>(
         };
         let attention = attend(&layer.attention, normed, kv, write)?;
         let [x_mid, normed] = layer.post_attention_norm.try_forward_add(x, attention)?;
-        mlp = Some(layer.try_forward_mlp(normed, &mut MoeLosses::default())?);
+        // No jitter in inference: the site is never drawn from.
+        let site = DropoutSite::new(0, 0, "decode");
+        mlp = Some(layer.try_forward_mlp(normed, site, &mut MoeLosses::default())?);
         x = x_mid;
     }
     Ok(match mlp {

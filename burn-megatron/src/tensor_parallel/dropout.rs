@@ -35,6 +35,11 @@ impl DropoutSite {
         }
     }
 
+    /// The stream's seed (also the router's input jitter's, [`JitterSite`](crate::transformer::moe::JitterSite)).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// The mask of this site with drop probability `prob`, for the block of a global tensor
     /// (of rank `D` ≤ 4) that starts at `offset`.
     pub fn mask<const D: usize>(&self, prob: f64, offset: [usize; D]) -> DropoutMask {

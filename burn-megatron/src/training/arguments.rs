@@ -11,9 +11,9 @@ use super::config::PretrainConfig;
 use crate::error::{ConfigError, Result};
 use crate::ops::fp8::{AmaxComputeAlgo, Fp8Backward, Fp8Config, Fp8Format, Fp8Recipe};
 use crate::optimizer::LrDecayStyle;
-use crate::transformer::moe::LoadBalancingType;
 use crate::transformer::moe::{
-    MoeLayerFreq, RouterDtype, RouterScoreFunction, TokenDispatcherType, TokenDropPolicy,
+    AuxLossTerm, LoadBalancingType, MoeLayerFreq, RouterDtype, RouterScoreFunction,
+    TokenDispatcherType, TokenDropPolicy, check_load_balancing_list,
 };
 use crate::transformer::{Normalization, PositionEmbedding, Recompute};
 
@@ -422,12 +422,21 @@ pub struct PretrainArgs {
     pub moe_router_topk_scaling_factor: Option<f64>,
     /// The load-balancing loss: aux_loss (Switch, over the micro-batch), seq_aux_loss
     /// (DeepSeek, per sequence), global_aux_loss (Switch, the load over the global batch so
-    /// far), sinkhorn or none. [default: aux_loss]
+    /// far), sinkhorn or none; or a list of losses, added up, each with its coefficient in
+    /// --moe-aux-loss-coeff's list. [default: aux_loss]
+    #[arg(long, num_args = 1.., help_heading = "Mixture of experts")]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub moe_router_load_balancing_type: Option<Vec<String>>,
+    /// Coefficient of the load-balancing (auxiliary) loss; one a type where
+    /// --moe-router-load-balancing-type lists several. [default: 0]
+    #[arg(long, num_args = 1.., help_heading = "Mixture of experts")]
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub moe_aux_loss_coeff: Option<Vec<f64>>,
+    /// Switch Transformer's input jitter: in training, each router's input multiplied by
+    /// factors uniform in (1 - eps, 1 + eps), drawn from each element's place in the global
+    /// batch (as dropout's masks are), so every layout draws the same. [default: none]
     #[arg(long, help_heading = "Mixture of experts")]
-    pub moe_router_load_balancing_type: Option<String>,
-    /// Coefficient of the load-balancing (auxiliary) loss. [default: 0]
-    #[arg(long, help_heading = "Mixture of experts")]
-    pub moe_aux_loss_coeff: Option<f64>,
+    pub moe_input_jitter_eps: Option<f64>,
     /// Coefficient of the router's z-loss. [default: 0]
     #[arg(long, help_heading = "Mixture of experts")]
     pub moe_z_loss_coeff: Option<f64>,
@@ -650,7 +659,6 @@ impl PretrainArgs {
             moe_router_topk => moe_router_topk,
             moe_router_topk_normalize => moe_router_topk_normalize,
             moe_router_pre_softmax => moe_router_pre_softmax,
-            moe_aux_loss_coeff => moe_aux_loss_coeff,
             moe_z_loss_coeff => moe_z_loss_coeff,
             moe_router_enable_expert_bias => moe_router_enable_expert_bias,
             moe_router_bias_update_rate => moe_router_bias_update_rate,
@@ -666,9 +674,15 @@ impl PretrainArgs {
             moe_router_group_topk,
             moe_router_topk_scaling_factor
         );
-        if let Some(name) = &a.moe_router_load_balancing_type {
-            c.moe_router_load_balancing_type = parse_load_balancing_type(name)?;
+        if let Some(((first, coeff), more)) = load_balancing_list(
+            a.moe_router_load_balancing_type.as_deref(),
+            a.moe_aux_loss_coeff.as_deref(),
+        )? {
+            c.moe_router_load_balancing_type = first;
+            c.moe_aux_loss_coeff = coeff;
+            c.moe_more_aux_losses = more;
         }
+        c.moe_input_jitter_eps = a.moe_input_jitter_eps;
         c.moe_expert_capacity_factor = a.moe_expert_capacity_factor;
         if let Some(name) = &a.moe_token_drop_policy {
             c.moe_token_drop_policy = Some(TokenDropPolicy::parse(name)?);
@@ -813,6 +827,7 @@ impl PretrainArgs {
             moe_router_topk_scaling_factor,
             moe_router_load_balancing_type,
             moe_aux_loss_coeff,
+            moe_input_jitter_eps,
             moe_z_loss_coeff,
             moe_shared_expert_intermediate_size,
             moe_layer_freq,
@@ -866,6 +881,73 @@ pub fn parse_score_function(name: &str) -> Result<RouterScoreFunction> {
         ))
         .into()),
     }
+}
+
+/// `--moe-router-load-balancing-type` and `--moe-aux-loss-coeff`, each one value or a list
+/// (Megatron's): the first type and coefficient, and the terms the rest add; `None` where
+/// neither is given. A list of types takes a list of as many coefficients; one type
+/// takes one. Types left out are `aux_loss`, a coefficient left out 0.
+#[allow(clippy::type_complexity)]
+pub fn load_balancing_list(
+    types: Option<&[String]>,
+    coeffs: Option<&[f64]>,
+) -> Result<Option<((LoadBalancingType, f64), Vec<AuxLossTerm>)>> {
+    let types = match types {
+        Some(names) => names
+            .iter()
+            .map(|n| parse_load_balancing_type(n))
+            .collect::<Result<Vec<_>>>()?,
+        None if coeffs.is_none() => return Ok(None),
+        None => vec![LoadBalancingType::AuxLoss],
+    };
+    let coeffs = match coeffs {
+        Some(values) => values.to_vec(),
+        None if types.len() == 1 => vec![0.0],
+        None => {
+            return Err(ConfigError::Invalid(format!(
+                "--moe-router-load-balancing-type lists {} types: give as many \
+                 --moe-aux-loss-coeff values, one a type in the same order",
+                types.len()
+            ))
+            .into());
+        }
+    };
+    if coeffs.len() != types.len() {
+        let join = |words: Vec<String>| words.join(" ");
+        return Err(ConfigError::Invalid(format!(
+            "--moe-aux-loss-coeff {} for --moe-router-load-balancing-type {}: give one \
+             coefficient a type, in the same order",
+            join(coeffs.iter().map(f64::to_string).collect()),
+            join(types.iter().map(|t| t.name().to_string()).collect()),
+        ))
+        .into());
+    }
+    let more = types[1..]
+        .iter()
+        .zip(&coeffs[1..])
+        .map(|(&kind, &coeff)| AuxLossTerm::new(kind, coeff))
+        .collect::<Vec<_>>();
+    check_load_balancing_list(types[0], coeffs[0], &more)?;
+    Ok(Some(((types[0], coeffs[0]), more)))
+}
+
+/// A TOML value that is one value or a list of them, as a list (the options that take
+/// `num_args = 1..` on the command line).
+fn one_or_many<'de, D, T>(deserializer: D) -> core::result::Result<Option<Vec<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany<T> {
+        One(T),
+        Many(Vec<T>),
+    }
+    Ok(match OneOrMany::deserialize(deserializer)? {
+        OneOrMany::One(value) => Some(vec![value]),
+        OneOrMany::Many(values) => Some(values),
+    })
 }
 
 /// Megatron's `--moe-router-load-balancing-type` names.

@@ -18,7 +18,7 @@ use crate::optimizer::{
 };
 use crate::pipeline_parallel::Schedule;
 use crate::transformer::moe::{
-    ExpertCapacity, LoadBalancingType, MoeSettings, RouterDtype, RouterScoreFunction,
+    AuxLossTerm, ExpertCapacity, LoadBalancingType, MoeSettings, RouterDtype, RouterScoreFunction,
     TokenDispatcherType, TokenDropPolicy,
 };
 use crate::transformer::{
@@ -366,13 +366,21 @@ pub struct PretrainConfig {
     /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`).
     #[config(default = "None")]
     pub moe_router_topk_scaling_factor: Option<f64>,
-    /// Switch-style, sequence-level or no load-balancing loss
-    /// (`--moe-router-load-balancing-type`).
+    /// The load-balancing loss, Sinkhorn balancing or none
+    /// (`--moe-router-load-balancing-type`; the first of a list).
     #[config(default = "LoadBalancingType::AuxLoss")]
     pub moe_router_load_balancing_type: LoadBalancingType,
-    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
+    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`; the first of a list).
     #[config(default = 0.0)]
     pub moe_aux_loss_coeff: f64,
+    /// The losses the lists of `--moe-router-load-balancing-type` and `--moe-aux-loss-coeff`
+    /// add to the first, with their coefficients.
+    #[config(default = "Vec::new()")]
+    pub moe_more_aux_losses: Vec<AuxLossTerm>,
+    /// Switch Transformer's jitter of the routers' input in training
+    /// (`--moe-input-jitter-eps`); `None` for none.
+    #[config(default = "None")]
+    pub moe_input_jitter_eps: Option<f64>,
     /// Coefficient of the z-loss (`--moe-z-loss-coeff`).
     #[config(default = 0.0)]
     pub moe_z_loss_coeff: f64,
@@ -505,6 +513,7 @@ impl PretrainConfig {
                 .with_top_k_scaling_factor(self.moe_router_topk_scaling_factor)
                 .with_load_balancing_type(self.moe_router_load_balancing_type)
                 .with_aux_loss_coeff(self.moe_aux_loss_coeff)
+                .with_more_aux_losses(self.moe_more_aux_losses.clone())
                 .with_z_loss_coeff(self.moe_z_loss_coeff)
                 .with_shared_expert_ffn_hidden_size(self.moe_shared_expert_intermediate_size)
                 .with_layer_freq(self.moe_layer_freq)
@@ -522,6 +531,7 @@ impl PretrainConfig {
                 .with_expert_tensor_parallel_size(self.expert_tensor_parallel_size)
                 .with_router_dtype(self.moe_router_dtype)
                 .with_force_load_balancing(self.moe_router_force_load_balancing)
+                .with_input_jitter_eps(self.moe_input_jitter_eps)
         })
     }
 
@@ -543,6 +553,8 @@ impl PretrainConfig {
                 || self.moe_layer_freq != defaults.moe_layer_freq
                 || self.moe_router_topk != defaults.moe_router_topk
                 || self.moe_aux_loss_coeff != 0.0
+                || !self.moe_more_aux_losses.is_empty()
+                || self.moe_input_jitter_eps.is_some()
                 || self.moe_z_loss_coeff != 0.0
                 || self.moe_router_enable_expert_bias
                 || self.moe_expert_capacity_factor.is_some()

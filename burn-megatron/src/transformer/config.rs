@@ -3,7 +3,6 @@
 
 use burn::config::Config;
 
-use super::moe::LoadBalancingType;
 use super::moe::settings::MoeSettings;
 use crate::error::ConfigError;
 use crate::ops::GeluForm;
@@ -424,8 +423,7 @@ impl TransformerConfig {
         }
         if let Some(moe) = &self.moe {
             moe.validate(self.hidden_size, self.ffn_hidden_size, self.num_layers, 1)?;
-            let global = moe.load_balancing_type == LoadBalancingType::GlobalAuxLoss;
-            if global && self.recompute.reruns_layers() {
+            if moe.has_global_aux_loss() && self.recompute.reruns_layers() {
                 return Err(ConfigError::Invalid(
                     "--moe-router-load-balancing-type global_aux_loss with full recomputation \
                      is not supported yet: the rerun forward pass would count its micro-batch's \

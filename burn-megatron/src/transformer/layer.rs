@@ -6,12 +6,12 @@ use burn_megatron_dist::mapping::{
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 };
-use burn_megatron_dist::{DistResult, ProcessGroup};
+use burn_megatron_dist::{DistError, DistResult, ProcessGroup};
 
 use super::attention::ParallelAttention;
 use super::config::TransformerConfig;
 use super::mlp::ParallelMlp;
-use super::moe::{MoeLayer, MoeLosses};
+use super::moe::{JitterSite, MoeLayer, MoeLosses};
 use super::norm::Norm;
 use crate::backend::ModelBackend;
 use crate::context_parallel::CpContext;
@@ -244,18 +244,20 @@ impl<B: ModelBackend> TransformerLayer<B> {
             .try_forward(self.input_norm.try_forward(x.clone())?, site("attention"))?;
         let x = hidden_dropout(attention, Some(x), c, site("attention_output"));
         let normed = self.post_attention_norm.try_forward(x.clone())?;
-        let mlp = self.try_forward_mlp(normed, losses)?;
+        let mlp = self.try_forward_mlp(normed, site("router_jitter"), losses)?;
         Ok(hidden_dropout(mlp, Some(x), c, site("mlp_output")))
     }
 
     /// The dense MLP or the mixture of experts on the normed residual stream, an MoE layer's
-    /// losses and load added to `losses`.
+    /// losses and load added to `losses`; its router's input jitter (if any) drawn from
+    /// `jitter`'s stream at the tokens' global coordinates.
     ///
     /// # Shapes
     /// - x and the output: `[batch, seq, hidden]` (`seq / tp` under sequence parallelism)
     pub fn try_forward_mlp(
         &self,
         x: Tensor<B, 3>,
+        jitter: DropoutSite,
         losses: &mut MoeLosses<B>,
     ) -> DistResult<Tensor<B, 3>> {
         match (&self.mlp, &self.moe) {
@@ -275,9 +277,14 @@ impl<B: ModelBackend> TransformerLayer<B> {
                 // Under context parallelism the losses are this rank's share of the batch's
                 // (summed over CP with the gradients).
                 let cp = self.context.cp.as_ref().map(|cp| &cp.group);
+                let training = B::ad_enabled(&x.device());
+                let jitter = match moe.router.settings().input_jitter_eps {
+                    Some(_) if training => Some(self.jitter_site(jitter, x.dims()[1])?),
+                    _ => None,
+                };
                 let out = match sp {
-                    true => moe.try_forward_partial_over(x, cp)?,
-                    false => moe.try_forward_over(x, cp)?,
+                    true => moe.try_forward_partial_at(x, cp, jitter.as_ref())?,
+                    false => moe.try_forward_over_at(x, cp, jitter.as_ref())?,
                 };
                 losses.push(self.context.index, &out);
                 match (sp, moe.expert_tp()) {
@@ -292,6 +299,29 @@ impl<B: ModelBackend> TransformerLayer<B> {
             }
             (Some(mlp), None) => mlp.try_forward(x),
             (None, None) => unreachable!("`new` gives a layer an MLP or an MoE layer"),
+        }
+    }
+
+    /// Where the MoE layer's `seq` tokens a sequence (the whole sequence under sequence
+    /// parallelism, this rank's part under context parallelism) sit in the global sequence,
+    /// for the router's input jitter drawn from `site`'s stream.
+    fn jitter_site(&self, site: DropoutSite, seq: usize) -> DistResult<JitterSite> {
+        let seed = site.seed();
+        match &self.context.cp {
+            Some(cp) => {
+                let positions = cp.positions(seq).map_err(|e| DistError::Device {
+                    rank: cp.group.global_rank(),
+                    group: cp.group.name().to_string(),
+                    what: "the router's input jitter's positions".to_string(),
+                    message: e.to_string(),
+                })?;
+                Ok(JitterSite {
+                    seed,
+                    positions,
+                    sequence_length: seq * cp.group.size(),
+                })
+            }
+            None => Ok(JitterSite::whole_sequence(seed, seq)),
         }
     }
 

@@ -612,7 +612,7 @@ fn router_sinkhorn() {
             Tensor::<AD, 2>::from_data(TensorData::new(v.to_vec(), shape), &device())
         };
         let route = |tokens: Tensor<AD, 2>, weight: Tensor<AD, 2>| {
-            let routing = Router::new(weight, settings).route(tokens);
+            let routing = Router::new(weight, settings.clone()).route(tokens);
             let loss = (routing.weights.clone() * tensor(&probe, [TOKENS, top_k])).sum()
                 + routing.z_loss.clone().sum();
             (routing, loss)
@@ -676,6 +676,96 @@ fn router_sinkhorn() {
             routing.read_experts().expect("experts"),
             evaluation.read_experts().expect("experts"),
             "{name}: Sinkhorn's choice equals the plain top-k's here"
+        );
+    }
+}
+
+/// Input jitter (`--moe-input-jitter-eps 0.3`, the factors of a fixed site) with a list of
+/// load-balancing losses (`aux_loss 0.1` and `seq_aux_loss 0.05` over two sequences) and the
+/// z-loss: the gradient of `Σ probe ∘ weights + losses` with respect to the router's weight
+/// and the tokens, against central differences (on the autodiff backend, where the jitter
+/// is drawn).
+#[test]
+fn router_input_jitter_with_a_list_of_losses() {
+    use burn_megatron::transformer::moe::{AuxLossTerm, JitterSite, Router, RouterSettings};
+    const TOKENS: usize = 6;
+    const HIDDEN: usize = 4;
+    const EXPERTS: usize = 5;
+    const TOP_K: usize = 2;
+    let normal = |shape: [usize; 2], seed| {
+        values(init_full::<B, 2>(
+            shape,
+            InitDistribution::Normal { std: 1.0 },
+            seed,
+            &device(),
+        ))
+    };
+    let (tokens, weight) = (normal([TOKENS, HIDDEN], 51), normal([HIDDEN, EXPERTS], 52));
+    let probe = normal([TOKENS, TOP_K], 53);
+    let settings = RouterSettings {
+        top_k: TOP_K,
+        aux_loss_coeff: 0.1,
+        more_aux_losses: vec![AuxLossTerm::new(LoadBalancingType::SeqAuxLoss, 0.05)],
+        z_loss_coeff: 0.01,
+        input_jitter_eps: Some(0.3),
+        ..Default::default()
+    };
+    let site = JitterSite::whole_sequence(5, TOKENS / 2);
+    let tensor = |v: &[f64], shape: [usize; 2]| {
+        Tensor::<AD, 2>::from_data(TensorData::new(v.to_vec(), shape), &device())
+    };
+    let route = |tokens: Tensor<AD, 2>, weight: Tensor<AD, 2>| {
+        let routing = Router::new(weight, settings.clone())
+            .route_at(tokens, 2, None, Some(&site))
+            .expect("no group");
+        (routing.weights.clone() * tensor(&probe, [TOKENS, TOP_K])).sum()
+            + routing.load_balancing_loss.sum()
+            + routing.z_loss.sum()
+    };
+    let (x, w) = (
+        tensor(&tokens, [TOKENS, HIDDEN]).require_grad(),
+        tensor(&weight, [HIDDEN, EXPERTS]).require_grad(),
+    );
+    let grads = route(x.clone(), w.clone()).backward();
+    let value = |t: &[f64], w: &[f64]| {
+        route(tensor(t, [TOKENS, HIDDEN]), tensor(w, [HIDDEN, EXPERTS])).into_scalar()
+    };
+    let estimate = |of_tokens: bool| -> Vec<f64> {
+        let n = if of_tokens {
+            tokens.len()
+        } else {
+            weight.len()
+        };
+        (0..n)
+            .map(|i| {
+                let shifted = |delta: f64| {
+                    let (mut t, mut w) = (tokens.clone(), weight.clone());
+                    match of_tokens {
+                        true => t[i] += delta,
+                        false => w[i] += delta,
+                    }
+                    value(&t, &w)
+                };
+                (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
+            })
+            .collect()
+    };
+    for (what, got, want) in [
+        (
+            "tokens",
+            values(x.grad(&grads).expect("tokens")),
+            estimate(true),
+        ),
+        (
+            "weight",
+            values(w.grad(&grads).expect("weight")),
+            estimate(false),
+        ),
+    ] {
+        let diff = relative_difference(&format!("jitter: {what}"), &got, &want);
+        assert!(
+            diff < tolerance::FINITE_DIFFERENCE_F64,
+            "jitter: gradient of the {what} off by {diff:.2e}"
         );
     }
 }

@@ -96,3 +96,72 @@ fn scaling_factor_must_be_finite_and_positive() {
             .is_ok()
     );
 }
+
+/// A list of load-balancing types (Megatron's `--moe-router-load-balancing-type aux_loss
+/// seq_aux_loss`) holds losses only, each once, with finite coefficients not below 0; the
+/// input jitter's ε is in `[0, 1)`.
+#[test]
+fn load_balancing_lists_and_jitter_errors() {
+    use burn_megatron::transformer::moe::{AuxLossTerm, LoadBalancingType};
+    let list = |first, more: Vec<AuxLossTerm>| {
+        MoeConfig::new(8, 4, 4)
+            .with_load_balancing_type(first)
+            .with_aux_loss_coeff(0.01)
+            .with_more_aux_losses(more)
+    };
+    let term = AuxLossTerm::new;
+    let m = message(
+        list(
+            LoadBalancingType::Sinkhorn,
+            vec![term(LoadBalancingType::AuxLoss, 0.01)],
+        ),
+        1,
+    );
+    assert!(
+        m.contains("lists sinkhorn: a list combines losses only"),
+        "{m}"
+    );
+    let m = message(
+        list(
+            LoadBalancingType::AuxLoss,
+            vec![term(LoadBalancingType::None, 0.0)],
+        ),
+        1,
+    );
+    assert!(m.contains("lists none"), "{m}");
+    let m = message(
+        list(
+            LoadBalancingType::SeqAuxLoss,
+            vec![
+                term(LoadBalancingType::AuxLoss, 0.01),
+                term(LoadBalancingType::SeqAuxLoss, 0.01),
+            ],
+        ),
+        1,
+    );
+    assert!(m.contains("lists seq_aux_loss twice"), "{m}");
+    let m = message(
+        list(
+            LoadBalancingType::AuxLoss,
+            vec![term(LoadBalancingType::GlobalAuxLoss, f64::NAN)],
+        ),
+        1,
+    );
+    assert!(
+        m.contains("--moe-aux-loss-coeff is NaN for global_aux_loss"),
+        "{m}"
+    );
+    for eps in [1.0, -0.1, f64::INFINITY] {
+        let m = message(MoeConfig::new(8, 4, 4).with_input_jitter_eps(Some(eps)), 1);
+        assert!(m.contains("--moe-input-jitter-eps is"), "{m}");
+    }
+    let ok = list(
+        LoadBalancingType::AuxLoss,
+        vec![
+            term(LoadBalancingType::SeqAuxLoss, 0.001),
+            term(LoadBalancingType::GlobalAuxLoss, 0.0),
+        ],
+    )
+    .with_input_jitter_eps(Some(0.01));
+    assert!(ok.validate(1).is_ok());
+}

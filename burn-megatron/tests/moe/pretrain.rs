@@ -901,3 +901,121 @@ fn router_option_errors_name_the_options() {
         assert!(e.contains("need --num-experts"), "{option:?}: {e}");
     }
 }
+
+/// Megatron's lists (`--moe-router-load-balancing-type seq_aux_loss global_aux_loss
+/// --moe-aux-loss-coeff 0.01 0.02`) and `--moe-input-jitter-eps` reach the model from the
+/// command line and from a file (one value or a list); a list of types without as many
+/// coefficients is an error naming both. Trained with both, CP 2 × EP 2 equals one rank (the
+/// jitter is a function of the values, the same on every layout), and the run differs from
+/// the one without them.
+#[test]
+fn load_balancing_lists_and_input_jitter_equal_one_rank_at_cp_2() {
+    use burn_megatron::transformer::moe::{AuxLossTerm, LoadBalancingType};
+    let list = [
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+        "global_aux_loss",
+        "--moe-aux-loss-coeff",
+        "0.01",
+        "0.02",
+        "--moe-input-jitter-eps",
+        "0.1",
+    ];
+    let parsed = config(&[&["--num-experts", "4"][..], &list].concat());
+    let moe = parsed.model().moe.expect("MoE layers");
+    let more = vec![AuxLossTerm::new(LoadBalancingType::GlobalAuxLoss, 0.02)];
+    assert_eq!(
+        (
+            moe.load_balancing_type,
+            moe.aux_loss_coeff,
+            moe.more_aux_losses.clone(),
+            moe.input_jitter_eps
+        ),
+        (LoadBalancingType::SeqAuxLoss, 0.01, more.clone(), Some(0.1))
+    );
+    let file = |text: &str| {
+        let args = PretrainArgs::from_toml(text).expect("a valid file");
+        (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff)
+    };
+    assert_eq!(
+        file("moe-router-load-balancing-type = \"seq_aux_loss\"\nmoe-aux-loss-coeff = 0.01"),
+        (Some(vec!["seq_aux_loss".to_string()]), Some(vec![0.01]))
+    );
+    assert_eq!(
+        file(
+            "moe-router-load-balancing-type = [\"aux_loss\", \"seq_aux_loss\"]\nmoe-aux-loss-coeff = [0.01, 0.001]"
+        ),
+        (
+            Some(vec!["aux_loss".to_string(), "seq_aux_loss".to_string()]),
+            Some(vec![0.01, 0.001])
+        )
+    );
+    let parse = |extra: &[&str]| {
+        let base = ["pretrain_gpt", "--num-experts", "4"];
+        PretrainArgs::parse_from(base.iter().chain(extra)).into_config()
+    };
+    let types = [
+        "--moe-router-load-balancing-type",
+        "aux_loss",
+        "seq_aux_loss",
+    ];
+    let e = parse(&types).expect_err("no coefficients").to_string();
+    assert!(
+        e.contains("lists 2 types: give as many --moe-aux-loss-coeff"),
+        "{e}"
+    );
+    let e = parse(&[&types[..], &["--moe-aux-loss-coeff", "0.01"]].concat())
+        .expect_err("one coefficient for two types")
+        .to_string();
+    assert!(
+        e.contains(
+            "--moe-aux-loss-coeff 0.01 for --moe-router-load-balancing-type aux_loss seq_aux_loss"
+        ),
+        "{e}"
+    );
+    let e = parse(&["--moe-aux-loss-coeff", "0.01", "0.02"])
+        .expect_err("two coefficients for the default type")
+        .to_string();
+    assert!(
+        e.contains("for --moe-router-load-balancing-type aux_loss:"),
+        "{e}"
+    );
+
+    // moe_run_with gives aux_loss 0.01; the list and the jitter replace it.
+    let with_list = |ep: usize, extra: &[&str]| {
+        moe_run_with(
+            1,
+            ep,
+            true,
+            4,
+            &[&["--moe-input-jitter-eps", "0.1"][..], extra].concat(),
+        )
+        .with_moe_router_load_balancing_type(LoadBalancingType::SeqAuxLoss)
+        .with_moe_more_aux_losses(more.clone())
+    };
+    let train = |c: &PretrainConfig| pretrain_on_threads(c, &Silent).expect("pretraining");
+    let one = train(&with_list(1, &[]));
+    let cp = train(&with_list(2, &["--context-parallel-size", "2"]));
+    assert_close(
+        "CP 2 x EP 2 with the list and the jitter",
+        &cp.losses(),
+        &one.losses(),
+        tolerance::F32_TRAINING,
+    );
+    for (got, want) in cp.iterations.iter().zip(&one.iterations) {
+        let (got, want) = (got.moe.expect("a report"), want.moe.expect("a report"));
+        assert!(want.load_balancing_loss > 0.0);
+        assert_close(
+            "MoE losses",
+            &[got.load_balancing_loss, got.z_loss],
+            &[want.load_balancing_loss, want.z_loss],
+            tolerance::F32_TRAINING,
+        );
+    }
+    let plain = train(&moe_run_with(1, 1, true, 4, &[]));
+    let diff = burn_megatron_testing::relative_difference("plain", &plain.losses(), &one.losses());
+    assert!(
+        diff > 1e-5,
+        "the list and the jitter changed nothing: {diff:.2e}"
+    );
+}

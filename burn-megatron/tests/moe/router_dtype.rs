@@ -43,7 +43,7 @@ fn router_in_fp64_equals_an_f64_router() {
         let x = tensor(&tokens, [6, 4], dtype);
         let settings = RouterSettings {
             dtype: router_dtype,
-            ..settings
+            ..settings.clone()
         };
         let router = Router::<AD>::new(tensor(&weight, [4, 5], dtype), settings);
         let r = router.route(x.clone());

@@ -6,7 +6,8 @@
 use burn::module::AutodiffModule;
 use burn::tensor::{Tensor, TensorData};
 use burn_megatron::transformer::moe::{
-    LoadBalancingType, Router, RouterScoreFunction, RouterSettings, Routing, expert_bias_update,
+    AuxLossTerm, JitterSite, LoadBalancingType, Router, RouterScoreFunction, RouterSettings,
+    Routing, expert_bias_update,
 };
 
 use crate::{AD, B, assert_close, tolerance, values};
@@ -154,7 +155,7 @@ fn expert_bias_picks_the_experts_but_not_their_weights() {
     for dtype in [burn::tensor::DType::F32, burn::tensor::DType::F64] {
         let bias = Tensor::<B, 1>::from_data(TensorData::new(vec![0.3f32, 0.0, 0.0], [3]), &device)
             .cast(dtype);
-        let router = Router::<B>::new(weight.clone(), settings).with_expert_bias(bias);
+        let router = Router::<B>::new(weight.clone(), settings.clone()).with_expert_bias(bias);
         let tokens = Tensor::from_data(TensorData::new(vec![1f32, 0.0, 0.0, 1.0], [2, 2]), &device);
         let r = router.route(tokens);
         assert_eq!(r.read_experts().unwrap(), vec![0, 0], "{dtype:?}");
@@ -214,7 +215,7 @@ fn softmax_after_or_before_the_top_k() {
         aux_loss_coeff: 0.1,
         ..Default::default()
     };
-    let r = route_with(settings);
+    let r = route_with(settings.clone());
     // Token 0: experts 1 and 2, logits ln 2 and ln 1.5: softmax [2, 1.5] / 3.5 = [4/7, 3/7];
     // token 1: experts 0 and 2, logits ln 3 and ln 2: [3/5, 2/5].
     assert_eq!(r.read_experts().unwrap(), vec![1, 2, 0, 2]);
@@ -302,7 +303,7 @@ fn group_limited_top_k_takes_the_best_groups_by_their_top_scores() {
         aux_loss_coeff: 0.1,
         ..Default::default()
     };
-    let r = route_logits(&logits, 1, settings);
+    let r = route_logits(&logits, 1, settings.clone());
     assert_eq!(r.read_experts().unwrap(), vec![0, 1, 3, 5]);
     assert_eq!(r.read_tokens_per_expert().unwrap(), vec![1, 1, 0, 1, 0, 1]);
     let want: Vec<f64> = [0.9 / 1.7, 0.8 / 1.7, 0.7 / 1.35, 0.65 / 1.35]
@@ -356,7 +357,7 @@ fn sequence_level_loss_balances_each_sequence() {
         aux_loss_coeff: 0.1,
         ..Default::default()
     };
-    let batch = route_logits(&logits, 2, settings);
+    let batch = route_logits(&logits, 2, settings.clone());
     assert_eq!(batch.read_experts().unwrap(), vec![1, 1, 0, 0]);
     close("aux_loss", batch.load_balancing_loss, 0.1);
     let seq = route_logits(
@@ -364,7 +365,7 @@ fn sequence_level_loss_balances_each_sequence() {
         2,
         RouterSettings {
             load_balancing: LoadBalancingType::SeqAuxLoss,
-            ..settings
+            ..settings.clone()
         },
     );
     close("seq_aux_loss", seq.load_balancing_loss, 0.1 * 17.0 / 12.0);
@@ -374,7 +375,7 @@ fn sequence_level_loss_balances_each_sequence() {
         1,
         RouterSettings {
             load_balancing: LoadBalancingType::SeqAuxLoss,
-            ..settings
+            ..settings.clone()
         },
     );
     close("seq_aux_loss of one sequence", one.load_balancing_loss, 0.1);
@@ -486,4 +487,190 @@ fn global_loss_counts_the_load_of_the_step_so_far() {
         &[0.1],
         tolerance::F32,
     );
+}
+
+/// A list of load-balancing losses (`--moe-router-load-balancing-type aux_loss seq_aux_loss
+/// --moe-aux-loss-coeff 0.1 0.2`) adds them up, each with its coefficient, on the tokens
+/// of [`sequence_level_loss_balances_each_sequence`]: `0.1 · 1 + 0.2 · 17/12`. A loss with
+/// coefficient 0 adds nothing, whichever place it has in the list; `global_aux_loss` in the
+/// list adds its own (in training, on the step's first micro-batch the micro-batch's load:
+/// `aux_loss`'s value).
+#[test]
+fn a_list_of_load_balancing_losses_adds_them_up() {
+    let (ln2, ln3, ln15) = (2f64.ln(), 3f64.ln(), 1.5f64.ln());
+    let a = vec![0.0, ln2, ln15];
+    let b = vec![ln3, 0.0, ln2];
+    let logits = [a.clone(), a, b.clone(), b];
+    let list =
+        |first: (LoadBalancingType, f64), more: &[(LoadBalancingType, f64)]| RouterSettings {
+            top_k: 1,
+            pre_softmax: true,
+            load_balancing: first.0,
+            aux_loss_coeff: first.1,
+            more_aux_losses: more.iter().map(|&(t, c)| AuxLossTerm::new(t, c)).collect(),
+            ..Default::default()
+        };
+    use LoadBalancingType::{AuxLoss, GlobalAuxLoss, SeqAuxLoss};
+    let both = route_logits(&logits, 2, list((AuxLoss, 0.1), &[(SeqAuxLoss, 0.2)]));
+    close(
+        "aux + seq",
+        both.load_balancing_loss,
+        0.1 + 0.2 * 17.0 / 12.0,
+    );
+    let reversed = route_logits(&logits, 2, list((SeqAuxLoss, 0.2), &[(AuxLoss, 0.1)]));
+    close(
+        "seq + aux",
+        reversed.load_balancing_loss,
+        0.1 + 0.2 * 17.0 / 12.0,
+    );
+    let first_off = route_logits(&logits, 2, list((AuxLoss, 0.0), &[(SeqAuxLoss, 0.2)]));
+    close(
+        "0 · aux + seq",
+        first_off.load_balancing_loss,
+        0.2 * 17.0 / 12.0,
+    );
+    let second_off = route_logits(&logits, 2, list((AuxLoss, 0.1), &[(SeqAuxLoss, 0.0)]));
+    close("aux + 0 · seq", second_off.load_balancing_loss, 0.1);
+
+    let device = Default::default();
+    let tokens = logits.len();
+    let weight: Vec<f32> = logits.iter().flatten().map(|&l| l as f32).collect();
+    let settings = list((SeqAuxLoss, 0.2), &[(GlobalAuxLoss, 0.3)]);
+    let router = Router::<AD>::new(
+        Tensor::from_data(TensorData::new(weight, [tokens, 3]), &device),
+        settings,
+    );
+    let identity: Vec<f32> = (0..tokens * tokens)
+        .map(|i| f32::from(u8::from(i % (tokens + 1) == 0)))
+        .collect();
+    let identity = Tensor::from_data(TensorData::new(identity, [tokens, tokens]), &device);
+    let r = router
+        .route_sequences_over(identity, 2, None)
+        .expect("no group");
+    close(
+        "seq + global",
+        r.load_balancing_loss.inner(),
+        0.2 * 17.0 / 12.0 + 0.3,
+    );
+}
+
+/// `--moe-input-jitter-eps`: in training the router routes its input times the factors of
+/// its [`JitterSite`] (uniform in `(1 − ε, 1 + ε)`: spread over the range, their mean near
+/// 1), with the gradient of the product whose factors are constants; in evaluation it routes
+/// the input as it is. Without a site each call draws afresh.
+#[test]
+fn input_jitter_scales_the_routers_input_in_training_only() {
+    use burn::module::AutodiffModule;
+    let device = Default::default();
+    let (tokens, hidden, experts, eps) = (32, 8, 4, 0.2);
+    let weight: Vec<f32> = (0..hidden * experts)
+        .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+        .collect();
+    let input: Vec<f32> = (0..tokens * hidden)
+        .map(|i| ((i * 53 % 31) as f32 - 15.0) / 9.0)
+        .collect();
+    let weight = Tensor::<AD, 2>::from_data(TensorData::new(weight, [hidden, experts]), &device);
+    let input = Tensor::<B, 2>::from_data(TensorData::new(input, [tokens, hidden]), &device);
+    let settings = RouterSettings {
+        top_k: 2,
+        aux_loss_coeff: 0.1,
+        z_loss_coeff: 0.01,
+        ..Default::default()
+    };
+    let plain = Router::new(weight.clone(), settings.clone());
+    let jittered = Router::new(
+        weight,
+        RouterSettings {
+            input_jitter_eps: Some(eps),
+            ..settings
+        },
+    );
+    let site = JitterSite::whole_sequence(7, tokens);
+    let factors: Tensor<B, 2> = site.factors(eps, 1, hidden, &device);
+    let f = values(factors.clone());
+    let (low, high) = f
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+    let mean = f.iter().sum::<f64>() / f.len() as f64;
+    assert!(
+        low > 1.0 - eps && high < 1.0 + eps && high - low > 1.8 * eps && (mean - 1.0).abs() < 0.02,
+        "factors from {low} to {high}, mean {mean}"
+    );
+    // Training: the jittered router's routing and gradients are the plain router's on the
+    // product, the input's gradient times the factors.
+    let x = Tensor::<AD, 2>::from_inner(input.clone()).require_grad();
+    let y = Tensor::<AD, 2>::from_inner(input.clone() * factors.clone()).require_grad();
+    let got = jittered
+        .route_at(x.clone(), 1, None, Some(&site))
+        .expect("no group");
+    let want = plain.route(y.clone());
+    assert_eq!(got.read_experts().unwrap(), want.read_experts().unwrap());
+    let sum = |r: &Routing<AD>| {
+        r.weights.clone().sum() + r.load_balancing_loss.clone().sum() + r.z_loss.clone().sum()
+    };
+    assert_close(
+        "weights and losses",
+        &values(sum(&got).inner()),
+        &values(sum(&want).inner()),
+        tolerance::F32,
+    );
+    let (gx, gy) = (sum(&got).backward(), sum(&want).backward());
+    let want_x = values(y.grad(&gy).expect("a gradient") * factors);
+    assert_close(
+        "input gradient",
+        &values(x.grad(&gx).expect("a gradient")),
+        &want_x,
+        tolerance::F32,
+    );
+    let weight_grad = |r: &Router<AD>, g| values(r.weight.val().grad(g).expect("a gradient"));
+    assert_close(
+        "weight gradient",
+        &weight_grad(&jittered, &gx),
+        &weight_grad(&plain, &gy),
+        tolerance::F32,
+    );
+    // The jitter moved the routing: the plain router on the input itself differs.
+    let unjittered = plain.route(Tensor::from_inner(input.clone()));
+    let apart = (values(sum(&unjittered).inner())[0] - values(sum(&want).inner())[0]).abs();
+    assert!(apart > 1e-4, "the jitter changed nothing: {apart:e}");
+    // Without a site, two calls draw different factors.
+    let draw = || {
+        values(
+            jittered
+                .route(Tensor::from_inner(input.clone()))
+                .weights
+                .inner(),
+        )
+    };
+    assert_ne!(draw(), draw());
+    // Evaluation: no jitter.
+    let (eval_jittered, eval_plain) = (jittered.valid(), plain.valid());
+    assert_eq!(
+        values(eval_jittered.route(input.clone()).weights),
+        values(eval_plain.route(input).weights)
+    );
+}
+
+/// The jitter's factors are drawn at global coordinates: a rank holding positions 4-7 and
+/// 12-15 of two 16-token sequences (context parallelism's chunks) draws the rows one device
+/// draws there.
+#[test]
+fn input_jitter_factors_depend_on_the_global_positions_only() {
+    let device = Default::default();
+    let (batch, seq, hidden) = (2, 16, 3);
+    let whole: Tensor<B, 2> =
+        JitterSite::whole_sequence(11, seq).factors(0.1, batch, hidden, &device);
+    let whole = whole.reshape([batch, seq, hidden]);
+    let positions: Vec<usize> = (4..8).chain(12..16).collect();
+    let part = JitterSite {
+        seed: 11,
+        positions,
+        sequence_length: seq,
+    };
+    let part: Tensor<B, 2> = part.factors(0.1, batch, hidden, &device);
+    let want = Tensor::cat(
+        vec![whole.clone().narrow(1, 4, 4), whole.narrow(1, 12, 4)],
+        1,
+    );
+    assert_eq!(values(part), values(want.reshape([batch * 8, hidden])));
 }

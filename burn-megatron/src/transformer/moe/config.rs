@@ -9,7 +9,9 @@ use super::capacity::ExpertCapacity;
 use super::dispatcher::{BlockPadding, TokenDispatcher, TokenDispatcherType};
 use super::experts::GroupedExpertsConfig;
 use super::layer::MoeLayer;
-use super::router::{LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings};
+use super::router::{
+    AuxLossTerm, LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings,
+};
 use super::settings::{
     MoeSettings, check_expert_sizes, check_expert_widths, check_sinkhorn_choice,
 };
@@ -55,13 +57,16 @@ pub struct MoeConfig {
     /// applied last; `None` for 1.
     #[config(default = "None")]
     pub top_k_scaling_factor: Option<f64>,
-    /// Switch-style, sequence-level or no load-balancing loss
-    /// (`--moe-router-load-balancing-type aux_loss|seq_aux_loss|none`).
+    /// The load-balancing loss, or Sinkhorn balancing, or none
+    /// (`--moe-router-load-balancing-type`; the first of a list).
     #[config(default = "LoadBalancingType::AuxLoss")]
     pub load_balancing_type: LoadBalancingType,
-    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
+    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`; the first of a list).
     #[config(default = 0.0)]
     pub aux_loss_coeff: f64,
+    /// The losses a list of types adds to the first, with their coefficients.
+    #[config(default = "Vec::new()")]
+    pub more_aux_losses: Vec<AuxLossTerm>,
     /// Coefficient of the z-loss (`--moe-z-loss-coeff`).
     #[config(default = 0.0)]
     pub z_loss_coeff: f64,
@@ -102,6 +107,10 @@ pub struct MoeConfig {
     /// for benchmarks; see [`RouterSettings::force_load_balancing`]).
     #[config(default = false)]
     pub force_load_balancing: bool,
+    /// Switch Transformer's jitter of the router's input in training
+    /// (`--moe-input-jitter-eps`; see [`RouterSettings::input_jitter_eps`]).
+    #[config(default = "None")]
+    pub input_jitter_eps: Option<f64>,
 }
 
 impl MoeConfig {
@@ -191,9 +200,11 @@ impl MoeConfig {
             scaling_factor: self.top_k_scaling_factor,
             load_balancing: self.load_balancing_type,
             aux_loss_coeff: self.aux_loss_coeff,
+            more_aux_losses: self.more_aux_losses.clone(),
             z_loss_coeff: self.z_loss_coeff,
             dtype: self.router_dtype,
             force_load_balancing: self.force_load_balancing,
+            input_jitter_eps: self.input_jitter_eps,
         }
     }
 
@@ -252,6 +263,7 @@ impl MoeSettings {
         .with_top_k_scaling_factor(self.top_k_scaling_factor)
         .with_load_balancing_type(self.load_balancing_type)
         .with_aux_loss_coeff(self.aux_loss_coeff)
+        .with_more_aux_losses(self.more_aux_losses.clone())
         .with_z_loss_coeff(self.z_loss_coeff)
         .with_activation(activation)
         .with_shared_expert_ffn_hidden_size(self.shared_expert_ffn_hidden_size)
@@ -261,5 +273,6 @@ impl MoeSettings {
         .with_token_dispatcher(self.token_dispatcher)
         .with_router_dtype(self.router_dtype)
         .with_force_load_balancing(self.force_load_balancing)
+        .with_input_jitter_eps(self.input_jitter_eps)
     }
 }

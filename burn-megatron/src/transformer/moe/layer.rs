@@ -12,7 +12,7 @@ use burn_megatron_dist::{DistResult, ProcessGroup};
 use super::capacity::ExpertCapacity;
 use super::dispatcher::{BlockPadding, TokenDispatcher};
 use super::experts::GroupedExperts;
-use super::router::{Router, expert_bias_update};
+use super::router::{JitterSite, Router, expert_bias_update};
 use crate::backend::ModelBackend;
 use crate::ops::BackwardHook;
 
@@ -189,7 +189,18 @@ impl<B: ModelBackend> MoeLayer<B> {
         input: Tensor<B, 3>,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<MoeOutput<B>> {
-        let mut out = self.try_forward_partial_over(input, sequence)?;
+        self.try_forward_over_at(input, sequence, None)
+    }
+
+    /// [`try_forward_over`](Self::try_forward_over) with the router's input jitter drawn at
+    /// `jitter`, the tokens' place in the global batch ([`Router::route_at`]).
+    pub fn try_forward_over_at(
+        &self,
+        input: Tensor<B, 3>,
+        sequence: Option<&ProcessGroup>,
+        jitter: Option<&JitterSite>,
+    ) -> DistResult<MoeOutput<B>> {
+        let mut out = self.try_forward_partial_at(input, sequence, jitter)?;
         if let Some(tp) = &self.expert_tp {
             out.output = reduce_from_tensor_parallel_region(out.output, tp)?;
         }
@@ -207,11 +218,22 @@ impl<B: ModelBackend> MoeLayer<B> {
         input: Tensor<B, 3>,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<MoeOutput<B>> {
+        self.try_forward_partial_at(input, sequence, None)
+    }
+
+    /// [`try_forward_partial_over`](Self::try_forward_partial_over) with the router's input
+    /// jitter drawn at `jitter` ([`Router::route_at`]).
+    pub fn try_forward_partial_at(
+        &self,
+        input: Tensor<B, 3>,
+        sequence: Option<&ProcessGroup>,
+        jitter: Option<&JitterSite>,
+    ) -> DistResult<MoeOutput<B>> {
         let [batch, seq, hidden] = input.dims();
         let tokens = input.reshape([batch * seq, hidden]);
         let routing = self
             .router
-            .route_sequences_over(tokens.clone(), batch, sequence)?;
+            .route_at(tokens.clone(), batch, sequence, jitter)?;
         // The shared expert is queued between the counts' read and the wait for it, so that
         // the GPU runs it while the host plans the exchange (Megatron's shared-expert
         // overlap); it is added last, as without the overlap.

@@ -46,8 +46,8 @@ pub use experts::{GroupedExperts, GroupedExpertsConfig};
 pub use layer::{MoeLayer, MoeOutput};
 pub use losses::MoeLosses;
 pub use router::{
-    LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings, Routing,
-    balancing_logits, expert_bias_update,
+    AuxLossTerm, JitterSite, LoadBalancingType, Router, RouterDtype, RouterScoreFunction,
+    RouterSettings, Routing, balancing_logits, check_load_balancing_list, expert_bias_update,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};
 pub use sinkhorn::{SINKHORN_MAX_ITERATIONS, SINKHORN_TOLERANCE, sinkhorn};

@@ -15,6 +15,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::config::Config;
@@ -75,6 +76,59 @@ impl LoadBalancingType {
             Self::Sinkhorn => "sinkhorn",
         }
     }
+
+    /// Whether the type is a loss (`aux_loss`, `seq_aux_loss`, `global_aux_loss`): the types
+    /// a list may combine.
+    pub fn is_loss(self) -> bool {
+        matches!(self, Self::AuxLoss | Self::SeqAuxLoss | Self::GlobalAuxLoss)
+    }
+}
+
+/// A load-balancing loss added to the first one, with its own coefficient: Megatron's lists,
+/// `--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2 1e-4`
+/// (the first type and coefficient are the settings' own, the rest are these terms).
+#[derive(Config, Debug, Copy, PartialEq)]
+pub struct AuxLossTerm {
+    /// `aux_loss`, `seq_aux_loss` or `global_aux_loss`, each at most once in a list.
+    pub load_balancing_type: LoadBalancingType,
+    /// The loss's coefficient.
+    pub coeff: f64,
+}
+
+/// The types and coefficients of a list of load-balancing losses (the first type and
+/// coefficient, then `more`) checked: a list of two or more holds losses only, each once, and
+/// every coefficient is finite and not negative. Names the options in the message.
+pub fn check_load_balancing_list(
+    first: LoadBalancingType,
+    first_coeff: f64,
+    more: &[AuxLossTerm],
+) -> Result<(), ConfigError> {
+    let invalid = |message: String| Err(ConfigError::Invalid(message));
+    let all: Vec<(LoadBalancingType, f64)> = std::iter::once((first, first_coeff))
+        .chain(more.iter().map(|t| (t.load_balancing_type, t.coeff)))
+        .collect();
+    for (i, (kind, coeff)) in all.iter().enumerate() {
+        if !(coeff.is_finite() && *coeff >= 0.0) {
+            return invalid(format!(
+                "--moe-aux-loss-coeff is {coeff} for {}: it must be finite and not negative",
+                kind.name()
+            ));
+        }
+        if all.len() > 1 && !kind.is_loss() {
+            return invalid(format!(
+                "--moe-router-load-balancing-type lists {}: a list combines losses only \
+                 (aux_loss, seq_aux_loss, global_aux_loss); give sinkhorn or none alone",
+                kind.name()
+            ));
+        }
+        if all[..i].iter().any(|(k, _)| k == kind) {
+            return invalid(format!(
+                "--moe-router-load-balancing-type lists {} twice: each loss at most once",
+                kind.name()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The dtype the router computes in (Megatron's `--moe-router-dtype`), whatever the model's:
@@ -111,8 +165,8 @@ impl RouterDtype {
 }
 
 /// The router's settings, fixed at init. The default is Megatron's: softmax, top-2, no
-/// groups, no scaling, the Switch-style loss with coefficients 0.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// groups, no scaling, the Switch-style loss with coefficients 0, no jitter.
+#[derive(Debug, Clone, PartialEq)]
 pub struct RouterSettings {
     /// Scores from logits.
     pub score_function: RouterScoreFunction,
@@ -134,10 +188,13 @@ pub struct RouterSettings {
     pub group_top_k: Option<usize>,
     /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`), `None` for 1.
     pub scaling_factor: Option<f64>,
-    /// Which load-balancing loss.
+    /// Which load-balancing loss (the first of a list).
     pub load_balancing: LoadBalancingType,
     /// Coefficient of the load-balancing loss.
     pub aux_loss_coeff: f64,
+    /// The losses a list adds to the first, each with its coefficient (empty: one type).
+    /// The router's `load_balancing_loss` is the sum of all of them.
+    pub more_aux_losses: Vec<AuxLossTerm>,
     /// Coefficient of the z-loss.
     pub z_loss_coeff: f64,
     /// The dtype the router computes in; `None`: the model's.
@@ -147,6 +204,11 @@ pub struct RouterSettings {
     /// router has learned. The z-loss still comes from the logits. A 16-bit model's router
     /// then computes in f32 (unless `dtype` says otherwise), so that the values do not tie.
     pub force_load_balancing: bool,
+    /// Switch Transformer's input jitter (`--moe-input-jitter-eps`): in training, the
+    /// router's input (not the experts') multiplied by factors uniform in `(1 − ε, 1 + ε)`,
+    /// drawn from the tokens' global coordinates ([`JitterSite`]), constants to the gradient;
+    /// `None` for none.
+    pub input_jitter_eps: Option<f64>,
 }
 
 impl Default for RouterSettings {
@@ -161,9 +223,11 @@ impl Default for RouterSettings {
             scaling_factor: None,
             load_balancing: LoadBalancingType::AuxLoss,
             aux_loss_coeff: 0.0,
+            more_aux_losses: Vec::new(),
             z_loss_coeff: 0.0,
             dtype: None,
             force_load_balancing: false,
+            input_jitter_eps: None,
         }
     }
 }
@@ -179,6 +243,19 @@ impl RouterSettings {
     pub fn validate(&self, num_experts: usize) -> Result<(), ConfigError> {
         let invalid = |message: String| Err(ConfigError::Invalid(message));
         let top_k = self.top_k;
+        check_load_balancing_list(
+            self.load_balancing,
+            self.aux_loss_coeff,
+            &self.more_aux_losses,
+        )?;
+        if let Some(eps) = self.input_jitter_eps
+            && !(eps.is_finite() && (0.0..1.0).contains(&eps))
+        {
+            return invalid(format!(
+                "--moe-input-jitter-eps is {eps}: it must be at least 0 and below 1 (the \
+                 router's input is multiplied by factors in [1 - eps, 1 + eps))"
+            ));
+        }
         if self.load_balancing == LoadBalancingType::Sinkhorn {
             return self.validate_sinkhorn();
         }
@@ -265,6 +342,19 @@ impl RouterSettings {
         }
     }
 
+    /// The load-balancing losses the router adds, each with its coefficient: the first type
+    /// and the list's others, those with a coefficient of 0 (and `none`, `sinkhorn`) left out.
+    pub fn loss_terms(&self) -> Vec<(LoadBalancingType, f64)> {
+        std::iter::once((self.load_balancing, self.aux_loss_coeff))
+            .chain(
+                self.more_aux_losses
+                    .iter()
+                    .map(|t| (t.load_balancing_type, t.coeff)),
+            )
+            .filter(|(kind, coeff)| kind.is_loss() && *coeff != 0.0)
+            .collect()
+    }
+
     /// Sinkhorn balancing has its own weights and no loss: Megatron refuses an auxiliary
     /// loss with it and ignores the options that shape the other routings' choice and weights.
     /// Here those options are refused, so that none is silently ignored.
@@ -315,6 +405,9 @@ pub struct Router<B: Backend> {
     /// `global_aux_loss`'s group and running load (shared by the router's clones).
     #[module(skip)]
     global_load: GlobalLoad,
+    /// The calls that drew input jitter without a [`JitterSite`]: their seeds.
+    #[module(skip)]
+    jitter_calls: Arc<AtomicU64>,
 }
 
 /// `global_aux_loss`'s load: the group its counts are summed over (DP × CP) and their running
@@ -370,8 +463,8 @@ pub struct Routing<B: Backend> {
     /// `[tokens, num_experts]`: 1 where a token chose an expert, else 0 (Megatron's
     /// `routing_map`), on the device: the dispatcher sorts the tokens by expert from it.
     pub routing_map: Tensor<B, 2, Int>,
-    /// `[1]`: the Switch-style load-balancing loss, coefficient included (0 when the
-    /// coefficient is 0).
+    /// `[1]`: the load-balancing loss, coefficient included (0 when the coefficient is 0);
+    /// the sum of a list's losses.
     pub load_balancing_loss: Tensor<B, 1>,
     /// `[1]`: the z-loss, coefficient included (0 when the coefficient is 0).
     pub z_loss: Tensor<B, 1>,
@@ -415,6 +508,7 @@ impl<B: Backend> Router<B> {
             expert_bias: None,
             settings,
             global_load: GlobalLoad::default(),
+            jitter_calls: Arc::default(),
         }
     }
 
@@ -451,8 +545,8 @@ impl<B: Backend> Router<B> {
     }
 
     /// The router's settings.
-    pub fn settings(&self) -> RouterSettings {
-        self.settings
+    pub fn settings(&self) -> &RouterSettings {
+        &self.settings
     }
 
     /// Number of experts.
@@ -506,7 +600,22 @@ impl<B: ModelBackend> Router<B> {
         batch: usize,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Routing<B>> {
-        let s = self.settings;
+        self.route_at(tokens, batch, sequence, None)
+    }
+
+    /// [`route_sequences_over`](Self::route_sequences_over) with the input jitter drawn at
+    /// `jitter`, the tokens' place in the global batch. Without one, a router with
+    /// [`input_jitter_eps`](RouterSettings::input_jitter_eps) draws at the tokens' local
+    /// coordinates from a seed that counts its calls (so each call draws afresh, but layouts
+    /// and recomputation do not see the same draws).
+    pub fn route_at(
+        &self,
+        tokens: Tensor<B, 2>,
+        batch: usize,
+        sequence: Option<&ProcessGroup>,
+        jitter: Option<&JitterSite>,
+    ) -> DistResult<Routing<B>> {
+        let s = &self.settings;
         let num_experts = self.num_experts();
         let [num_tokens, _] = tokens.dims();
         assert!(
@@ -519,6 +628,21 @@ impl<B: ModelBackend> Router<B> {
         let (tokens, weight) = match compute {
             Some(dtype) => (tokens.cast(dtype), self.weight.val().cast(dtype)),
             None => (tokens, self.weight.val()),
+        };
+        let tokens = match s.input_jitter_eps {
+            Some(eps) if eps > 0.0 && B::ad_enabled(&device) => {
+                let hidden = tokens.dims()[1];
+                let site = match jitter {
+                    Some(site) => site.clone(),
+                    None => JitterSite::whole_sequence(
+                        self.jitter_calls.fetch_add(1, Ordering::Relaxed),
+                        num_tokens / batch,
+                    ),
+                };
+                let factors = site.factors::<B>(eps, batch, hidden, &device);
+                tokens.clone() * factors.cast(tokens.dtype())
+            }
+            _ => tokens,
         };
         let logits = linear(tokens, weight, None);
         let z_loss = if s.z_loss_coeff == 0.0 {
@@ -557,13 +681,8 @@ impl<B: ModelBackend> Router<B> {
             }
             _ => for_choice,
         };
-        let loss = match s.load_balancing {
-            _ if s.aux_loss_coeff == 0.0 => None,
-            LoadBalancingType::None | LoadBalancingType::Sinkhorn => None,
-            LoadBalancingType::AuxLoss | LoadBalancingType::GlobalAuxLoss => Some(1),
-            LoadBalancingType::SeqAuxLoss => Some(batch),
-        };
-        let probs = loss.map(|_| match s.score_function {
+        let losses = s.loss_terms();
+        let probs = (!losses.is_empty()).then(|| match s.score_function {
             RouterScoreFunction::Softmax => scores.clone(),
             RouterScoreFunction::Sigmoid => scores.clone() / scores.clone().sum_dim(1),
         });
@@ -609,16 +728,28 @@ impl<B: ModelBackend> Router<B> {
             Some(_) => weights.cast(model_dtype),
             None => weights,
         };
-        let global = s.load_balancing == LoadBalancingType::GlobalAuxLoss;
-        let load_balancing_loss = match (probs, loss_map, loss) {
-            (Some(probs), Some(map), Some(_)) if global => {
-                self.global_load_balancing_loss(probs, map, sequence)?
+        // The sum of the list's losses, in the first's dtype.
+        let mut load_balancing_loss: Option<Tensor<B, 1>> = None;
+        if let (Some(probs), Some(map)) = (probs, loss_map) {
+            for (kind, coeff) in losses {
+                let (probs, map) = (probs.clone(), map.clone());
+                let loss = match kind {
+                    LoadBalancingType::GlobalAuxLoss => {
+                        self.global_load_balancing_loss(probs, map, coeff, sequence)?
+                    }
+                    LoadBalancingType::SeqAuxLoss => {
+                        self.load_balancing_loss(probs, map, coeff, batch, sequence)?
+                    }
+                    _ => self.load_balancing_loss(probs, map, coeff, 1, sequence)?,
+                };
+                load_balancing_loss = Some(match load_balancing_loss {
+                    Some(sum) => sum + loss,
+                    None => loss,
+                });
             }
-            (Some(probs), Some(map), Some(sequences)) => {
-                self.load_balancing_loss(probs, map, sequences, sequence)?
-            }
-            _ => Tensor::zeros([1], &device),
-        };
+        }
+        let load_balancing_loss =
+            load_balancing_loss.unwrap_or_else(|| Tensor::zeros([1], &device));
         Ok(Routing {
             weights,
             experts: chosen,
@@ -639,7 +770,7 @@ impl<B: ModelBackend> Router<B> {
         z_loss: Tensor<B, 1>,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Routing<B>> {
-        let s = self.settings;
+        let s = &self.settings;
         let device = logits.device();
         let probs = match s.top_k {
             1 => sigmoid(logits.clone()),
@@ -670,15 +801,16 @@ impl<B: ModelBackend> Router<B> {
     /// This rank's share of the load-balancing loss of `batch` sequences (1: the Switch loss
     /// over all the tokens), from the probabilities `probs` (`[tokens, num_experts]`, each row
     /// summing to 1) and the loss's routing map `map` (`[tokens, num_experts]`), the counts
-    /// summed over `sequence`.
+    /// summed over `sequence`, times `coeff`.
     fn load_balancing_loss(
         &self,
         probs: Tensor<B, 2>,
         map: Tensor<B, 2, Int>,
+        coeff: f64,
         batch: usize,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Tensor<B, 1>> {
-        let s = self.settings;
+        let s = &self.settings;
         let [num_tokens, num_experts] = probs.dims();
         let device = probs.device();
         let counts = map
@@ -703,7 +835,7 @@ impl<B: ModelBackend> Router<B> {
             counts,
             total / batch,
             s.top_k,
-            s.aux_loss_coeff,
+            coeff,
         ))
     }
 
@@ -719,9 +851,10 @@ impl<B: ModelBackend> Router<B> {
         &self,
         probs: Tensor<B, 2>,
         map: Tensor<B, 2, Int>,
+        coeff: f64,
         sequence: Option<&ProcessGroup>,
     ) -> DistResult<Tensor<B, 1>> {
-        let s = self.settings;
+        let s = &self.settings;
         let [num_tokens, num_experts] = probs.dims();
         let device = probs.device();
         let counts = map
@@ -744,7 +877,7 @@ impl<B: ModelBackend> Router<B> {
             load.reshape([1, num_experts]),
             num_tokens * ranks,
             s.top_k,
-            s.aux_loss_coeff,
+            coeff,
         );
         Ok(share.mul_scalar(data_parallel as f64))
     }
@@ -772,6 +905,70 @@ pub fn balancing_logits<B: Backend>(logits: Tensor<B, 2>) -> Tensor<B, 2> {
         logits.detach().cast(FloatDType::F32).mul_scalar(12.9898) + expert.mul_scalar(78.233);
     let hashed = phase.sin().mul_scalar(43_758.545_3);
     (hashed.clone() - hashed.floor()).cast(dtype)
+}
+
+/// Where a forward pass's tokens sit in the global batch, for Switch Transformer's input
+/// jitter ([`RouterSettings::input_jitter_eps`]): the draw's seed and the global position of
+/// each of the rank's sequence positions. The factors are drawn from the global coordinates
+/// `[sequence, position, feature]` (as dropout's masks are,
+/// [`DropoutSite`](crate::tensor_parallel::DropoutSite)), so every TP rank of a token draws
+/// the same ones, a layout that splits the sequence (SP, CP) draws those of one device, and
+/// a recomputed forward pass draws them again. The transformer layer gives each call its
+/// own seed (the model's seed, the forward pass, the layer).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JitterSite {
+    /// The stream's seed.
+    pub seed: u64,
+    /// The global position of each local sequence position, in order.
+    pub positions: Vec<usize>,
+    /// The global sequence length.
+    pub sequence_length: usize,
+}
+
+impl JitterSite {
+    /// A site whose `seq` positions are the whole sequence.
+    pub fn whole_sequence(seed: u64, seq: usize) -> Self {
+        Self {
+            seed,
+            positions: (0..seq).collect(),
+            sequence_length: seq,
+        }
+    }
+
+    /// The jitter factors of `batch` sequences of this site's positions, `hidden` features
+    /// each: `1 + ε erf(z / √2)` with `z` the standard normal of each element's global
+    /// coordinates ([`CounterNormalOps`](crate::ops::CounterNormalOps)), which is uniform in
+    /// `(1 − ε, 1 + ε)`; without gradient, in the device's default float dtype.
+    ///
+    /// # Shapes
+    /// - output: `[batch · positions, hidden]`, batch-major
+    pub fn factors<B: ModelBackend>(
+        &self,
+        eps: f64,
+        batch: usize,
+        hidden: usize,
+        device: &B::Device,
+    ) -> Tensor<B, 2> {
+        let full = [batch, self.sequence_length, hidden];
+        let mut runs = Vec::new();
+        let mut start = 0;
+        while start < self.positions.len() {
+            let first = self.positions[start];
+            let mut end = start + 1;
+            while end < self.positions.len() && self.positions[end] == first + (end - start) {
+                end += 1;
+            }
+            let ranges = [0..batch, first..first + end - start, 0..hidden];
+            runs.push(B::counter_normal(full, ranges, 1.0, self.seed, device));
+            start = end;
+        }
+        let normal = Tensor::cat(runs, 1).reshape([batch * self.positions.len(), hidden]);
+        normal
+            .mul_scalar(std::f64::consts::FRAC_1_SQRT_2)
+            .erf()
+            .mul_scalar(eps)
+            .add_scalar(1.0)
+    }
 }
 
 /// DeepSeek-V3's update of the expert bias from one step's load (Megatron's

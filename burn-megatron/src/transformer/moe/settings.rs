@@ -8,7 +8,7 @@ use burn_megatron_dist::ProcessGroup;
 
 use super::capacity::ExpertCapacity;
 use super::dispatcher::TokenDispatcherType;
-use super::router::{LoadBalancingType, RouterDtype, RouterScoreFunction};
+use super::router::{AuxLossTerm, LoadBalancingType, RouterDtype, RouterScoreFunction};
 use crate::error::ConfigError;
 
 /// Mixture of experts in a [`TransformerConfig`](crate::transformer::TransformerConfig):
@@ -46,12 +46,17 @@ pub struct MoeSettings {
     /// Factor of the top-k weights (`--moe-router-topk-scaling-factor`).
     #[config(default = "None")]
     pub top_k_scaling_factor: Option<f64>,
-    /// Which load-balancing loss (`--moe-router-load-balancing-type`).
+    /// Which load-balancing loss (`--moe-router-load-balancing-type`; the first of a list).
     #[config(default = "LoadBalancingType::AuxLoss")]
     pub load_balancing_type: LoadBalancingType,
-    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`).
+    /// Coefficient of the load-balancing loss (`--moe-aux-loss-coeff`; the first of a list).
     #[config(default = 0.0)]
     pub aux_loss_coeff: f64,
+    /// The losses a list of types adds to the first, with their coefficients
+    /// (`--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 1e-2
+    /// 1e-4`).
+    #[config(default = "Vec::new()")]
+    pub more_aux_losses: Vec<AuxLossTerm>,
     /// Coefficient of the z-loss (`--moe-z-loss-coeff`).
     #[config(default = 0.0)]
     pub z_loss_coeff: f64,
@@ -92,6 +97,22 @@ pub struct MoeSettings {
     /// (`--moe-router-force-load-balancing`, Megatron's switch for benchmarks).
     #[config(default = false)]
     pub force_load_balancing: bool,
+    /// Switch Transformer's jitter of the router's input in training
+    /// (`--moe-input-jitter-eps`); `None` for none.
+    #[config(default = "None")]
+    pub input_jitter_eps: Option<f64>,
+}
+
+impl MoeSettings {
+    /// Whether any of the load-balancing types is `global_aux_loss`.
+    pub fn has_global_aux_loss(&self) -> bool {
+        let global = LoadBalancingType::GlobalAuxLoss;
+        self.load_balancing_type == global
+            || self
+                .more_aux_losses
+                .iter()
+                .any(|t| t.load_balancing_type == global)
+    }
 }
 
 impl MoeSettings {
