@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|dp2|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|dp2|dp2prof|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -215,6 +215,27 @@ if part dp2; then
     f=""; [ $n != bf16 ] && f="--fp8-format hybrid --fp8-recipe $n"
     timeout ${LIMIT:-120} $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $C $f > $OUT/dp2_$n.log 2>&1
     echo "=== dp2 $n: rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/dp2_$n.log | sed -E 's/ \| (consumed samples|MFU|memory)[^|]*//g' | cut -c1-150
+  done
+fi
+if part dp2prof; then
+  # 2 GPUs: where delayed scaling's time goes at DP 2 (dp2's model, 30 steps a run): FP8
+  # delayed with the reduction over DP, step 25 profiled on rank 0; the same without the
+  # reduction (--tp-only-amax-red), and tensorwise. On the generated corpus (vocabulary
+  # 257): the cost, not the losses.
+  C="${C350/--train-iters ${ITERS:-1000}/--train-iters 30}"
+  C="${C/--data-path .gpu\/data\/realtext_text_document/}"
+  C="${C/--lr-warmup-iters 100/--lr-warmup-iters 10}"
+  C="${C/--log-interval 25/--log-interval 5} --eval-interval 0 --data-parallel-size 2"
+  for n in delayed_profile delayed_tp_only delayed tensorwise; do
+    f="--fp8-format hybrid --fp8-recipe ${n%%_*}"
+    case $n in
+      *profile) f="$f --profile --profile-step-start 25 --profile-step-end 26 --profile-ranks 0" ;;
+      *tp_only) f="$f --tp-only-amax-red" ;;
+    esac
+    p=0; case $n in *profile) p=1 ;; esac
+    BM_PROFILE=$p timeout ${LIMIT:-100} $B/bm-launch --nproc-per-node 2 -- $B/pretrain_gpt $C $f > $OUT/dp2prof_$n.log 2>&1
+    echo "=== dp2prof $n: rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/dp2prof_$n.log | sed -E 's/ \| (consumed samples|MFU|memory|learning rate|grad norm)[^|]*//g' | cut -c1-130 | tail -4
+    [ $p = 1 ] && grep -E "rank 0 \|" $OUT/dp2prof_$n.log | head -45 | cut -c1-170
   done
 fi
 if part diag; then

@@ -24,6 +24,8 @@
 #   NPROC=2 PART=deeplate2 bash bench/moe_gpu_check.sh  # 2 GPUs: DeepSeek-like EP 2 for 20 iterations, a late step profiled, the peer
 #   NPROC=2 PART=steady2 bash bench/moe_gpu_check.sh  # 2 GPUs: both presets at EP 2 for 20 iterations, each peer
 #   NPROC=2 PART=global2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with aux_loss, then global_aux_loss, then the peer
+#   NPROC=2 PART=jitter2 bash bench/moe_gpu_check.sh  # 2 GPUs: Mixtral-like at EP 2 with aux_loss, then a list of losses and input jitter, then the peer
+#   NPROC=2 PART=jitterprof2 bash bench/moe_gpu_check.sh  # 2 GPUs: jitter2's runs, one step of each profiled
 #   NPROC=2 PART=gemm,grouped2 bash bench/moe_gpu_check.sh  # 2 GPUs: the experts' products as one grouped GEMM against one GEMM an expert
 #   NPROC=1 PART=gemm,engines1 bash bench/moe_gpu_check.sh  # 1 GPU: the experts' products by each engine, 8 layers of both presets, the peer
 #   NPROC=1 PART=gemm,rule1 bash bench/moe_gpu_check.sh  # 1 GPU: the engines' rule, 8 layers of both presets, a profile, the peer
@@ -351,6 +353,20 @@ if [ "$PART" != all ] && part global2; then
   ITERS=20 ours mixtral_ep2_hook_aux mixtral_1b_moe 2 --overlap-grad-reduce
   ITERS=20 ours mixtral_ep2_hook_global mixtral_1b_moe 2 --overlap-grad-reduce --moe-router-load-balancing-type global_aux_loss
   torch mixtral_ep2 --preset mixtral --ep 2
+fi
+if [ "$PART" != all ] && part jitter2; then
+  # For 2 GPUs (NPROC=2): what a list of load-balancing losses and the router's input jitter
+  # cost (a counter-based draw of the router's input a layer and micro-batch): the
+  # Mixtral-like preset at EP 2 with the hook for 20 iterations with aux_loss, then with
+  # aux_loss and seq_aux_loss and --moe-input-jitter-eps 0.01, then the peer.
+  ITERS=20 ours mixtral_ep2_hook_aux mixtral_1b_moe 2 --overlap-grad-reduce
+  ITERS=20 ours mixtral_ep2_hook_jitter mixtral_1b_moe 2 --overlap-grad-reduce --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001 --moe-input-jitter-eps 0.01
+  torch mixtral_ep2 --preset mixtral --ep 2
+fi
+if [ "$PART" != all ] && part jitterprof2; then
+  # For 2 GPUs (NPROC=2): jitter2's two runs for 10 iterations, step 8 profiled on rank 0.
+  BM_PROFILE=1 ITERS=10 ours mixtral_ep2_hook_aux_profile mixtral_1b_moe 2 --overlap-grad-reduce --profile --profile-step-start 8 --profile-step-end 9 --profile-ranks 0
+  BM_PROFILE=1 ITERS=10 ours mixtral_ep2_hook_jitter_profile mixtral_1b_moe 2 --overlap-grad-reduce --moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff 0.01 0.001 --moe-input-jitter-eps 0.01 --profile --profile-step-start 8 --profile-step-end 9 --profile-ranks 0
 fi
 if [ "$PART" != all ] && part grouped2; then
   # For 2 GPUs (NPROC=2): the experts' forward and input-gradient products as one cuBLAS

@@ -12,7 +12,8 @@ use burn_megatron_dist::{DistResult, ProcessGroup};
 use super::capacity::ExpertCapacity;
 use super::dispatcher::{BlockPadding, TokenDispatcher};
 use super::experts::GroupedExperts;
-use super::router::{JitterSite, Router, expert_bias_update};
+use super::jitter::JitterSite;
+use super::router::{Router, expert_bias_update};
 use crate::backend::ModelBackend;
 use crate::ops::BackwardHook;
 

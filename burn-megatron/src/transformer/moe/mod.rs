@@ -29,6 +29,7 @@ pub mod capacity;
 pub mod config;
 pub mod dispatcher;
 pub mod experts;
+pub mod jitter;
 pub mod layer;
 pub mod losses;
 pub mod router;
@@ -43,11 +44,12 @@ pub use dispatcher::{
     TokenDispatcher, TokenDispatcherType,
 };
 pub use experts::{GroupedExperts, GroupedExpertsConfig};
+pub use jitter::JitterSite;
 pub use layer::{MoeLayer, MoeOutput};
 pub use losses::MoeLosses;
 pub use router::{
-    AuxLossTerm, JitterSite, LoadBalancingType, Router, RouterDtype, RouterScoreFunction,
-    RouterSettings, Routing, balancing_logits, check_load_balancing_list, expert_bias_update,
+    AuxLossTerm, LoadBalancingType, Router, RouterDtype, RouterScoreFunction, RouterSettings,
+    Routing, balancing_logits, check_load_balancing_list, expert_bias_update,
 };
 pub use settings::{MoeLayerFreq, MoeSettings};
 pub use sinkhorn::{SINKHORN_MAX_ITERATIONS, SINKHORN_TOLERANCE, sinkhorn};
