@@ -496,17 +496,17 @@ impl<B: ModelBackend> GptModel<B> {
     /// stage whose router has an expert bias moves it by
     /// [`expert_bias_update`](crate::transformer::moe::expert_bias_update) of its counts in
     /// `tokens_per_expert` (global layer index and the step's tokens per expert over every
-    /// DP × CP rank). Layers not listed are left as they are.
+    /// DP × CP rank, `[num_experts]` on the device). Layers not listed are left as they are.
     pub fn with_updated_expert_bias(
         mut self,
-        tokens_per_expert: &[(usize, Vec<f64>)],
+        tokens_per_expert: &[(usize, Tensor<B, 1>)],
         rate: f64,
     ) -> Self {
         let first = self.stage().layers.start;
         for (i, layer) in self.block.layers.iter_mut().enumerate() {
             let counts = tokens_per_expert.iter().find(|(l, _)| *l == first + i);
             if let (Some(moe), Some((_, counts))) = (layer.moe.as_mut(), counts) {
-                moe.update_expert_bias(counts, rate);
+                moe.update_expert_bias(counts.clone(), rate);
             }
         }
         self

@@ -4,7 +4,6 @@
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
-use super::nan_check::read_f32;
 use crate::error::Result;
 use crate::pipeline_parallel::MoeStepStats;
 
@@ -125,13 +124,14 @@ pub(crate) fn moe_report<B: DistBackend>(
 }
 
 /// Each MoE layer's tokens per expert over the step's microbatches and every DP × CP rank
-/// (global layer index, counts), read to the host: what the expert-bias update needs. Every
-/// rank of this stage's DP × CP group must call it.
+/// (global layer index, `[num_experts]` f32 counts on the device): what the expert-bias
+/// update needs. The counts go up from the host (the dispatcher read them) and are summed on
+/// the device; nothing is read back. Every rank of this stage's DP × CP group must call it.
 pub(crate) fn global_expert_load<B: DistBackend>(
     state: &ParallelState,
     stats: &MoeStepStats<B>,
     device: &B::Device,
-) -> Result<Vec<(usize, Vec<f64>)>> {
+) -> Result<Vec<(usize, Tensor<B, 1>)>> {
     let counts: Vec<f32> = stats
         .tokens_per_expert
         .iter()
@@ -140,13 +140,12 @@ pub(crate) fn global_expert_load<B: DistBackend>(
     let len = counts.len();
     let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [len]), (device, DType::F32));
     let counts = state.dp_cp().all_reduce(counts, ReduceOp::Sum)?;
-    let counts = read_f32(counts, state.world().rank(), "the experts' load")?;
     let mut at = 0;
     Ok(stats
         .tokens_per_expert
         .iter()
         .map(|(layer, c)| {
-            let layer_counts = counts[at..at + c.len()].iter().map(|&v| v as f64).collect();
+            let layer_counts = counts.clone().narrow(0, at, c.len());
             at += c.len();
             (*layer, layer_counts)
         })

@@ -173,14 +173,21 @@ fn expert_bias_picks_the_experts_but_not_their_weights() {
 /// count)`: down for the busy expert, up for the others; a count at the mean stays.
 #[test]
 fn expert_bias_update_follows_the_load() {
+    let update = |counts: &[f32], rate| {
+        let counts = Tensor::<B, 1>::from_data(
+            TensorData::new(counts.to_vec(), [counts.len()]),
+            &Default::default(),
+        );
+        expert_bias_update(counts, rate)
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32")
+    };
     assert_eq!(
-        expert_bias_update(&[6.0, 2.0, 2.0, 2.0], 0.01),
+        update(&[6.0, 2.0, 2.0, 2.0], 0.01),
         vec![-0.01, 0.01, 0.01, 0.01]
     );
-    assert_eq!(
-        expert_bias_update(&[3.0, 1.0, 2.0], 0.5),
-        vec![-0.5, 0.5, 0.0]
-    );
+    assert_eq!(update(&[3.0, 1.0, 2.0], 0.5), vec![-0.5, 0.5, 0.0]);
 }
 
 /// A router whose logits for token `t` (the one-hot vector `t`) are `logits[t]`, and its

@@ -40,6 +40,7 @@ use std::sync::Arc;
 
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
@@ -213,15 +214,18 @@ where
     /// DeepSeek-V3's auxiliary-loss-free balancing (`--moe-router-enable-expert-bias`):
     /// after each optimizer step the MoE layers' expert biases move by `rate` times the sign
     /// of their load's deviation over every DP × CP rank, as `pretrain_gpt`'s own loop moves
-    /// them ([`GptModel::with_updated_expert_bias`](crate::models::GptModel::with_updated_expert_bias);
-    /// one host read of the counts a step).
+    /// them ([`GptModel::with_updated_expert_bias`](crate::models::GptModel::with_updated_expert_bias),
+    /// on the device).
     pub fn with_expert_bias(mut self, rate: f64) -> Self {
         self.after_step = Some(Box::new(move |model: ParallelGpt<B>, item| {
             let Some(stats) = item.moe.as_ref().and_then(|moe| moe.stats.as_ref()) else {
                 return Ok(None);
             };
             let device = stats.load_balancing_loss.device();
-            let load = global_expert_load(model.state(), stats, &device)?;
+            let load: Vec<_> = global_expert_load(model.state(), stats, &device)?
+                .into_iter()
+                .map(|(layer, counts)| (layer, Tensor::from_inner(counts)))
+                .collect();
             let chunk = model.model.clone().with_updated_expert_bias(&load, rate);
             Ok(Some(model.with_model(chunk)))
         }));

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::{Tensor, TensorData, backend::Backend};
+use burn::tensor::{Tensor, backend::Backend};
 use burn_megatron_dist::mapping::{
     copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region,
 };
@@ -145,17 +145,15 @@ impl<B: Backend> MoeLayer<B> {
     }
 
     /// Moves the router's expert bias, if it has one, by [`expert_bias_update`] of
-    /// `tokens_per_expert` (one step's counts over every data-parallel rank, the same on
-    /// every rank, so that the bias stays the same everywhere).
-    pub fn update_expert_bias(&mut self, tokens_per_expert: &[f64], rate: f64) {
+    /// `tokens_per_expert` (`[num_experts]`: one step's counts over every data-parallel rank,
+    /// the same on every rank, so that the bias stays the same everywhere), on the device.
+    pub fn update_expert_bias(&mut self, tokens_per_expert: Tensor<B, 1>, rate: f64) {
         let Some(bias) = self.router.expert_bias.take() else {
             return;
         };
         let delta = expert_bias_update(tokens_per_expert, rate);
-        let len = delta.len();
         self.router.expert_bias = Some(bias.map(|b| {
-            let delta = Tensor::<B, 1>::from_data(TensorData::new(delta, [len]), &b.device())
-                .cast(b.dtype());
+            let delta = delta.cast(b.dtype());
             (b.detach() + delta).set_require_grad(false)
         }));
     }

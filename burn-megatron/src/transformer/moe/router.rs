@@ -911,14 +911,11 @@ pub fn balancing_logits<B: Backend>(logits: Tensor<B, 2>) -> Tensor<B, 2> {
 /// DeepSeek-V3's update of the expert bias from one step's load (Megatron's
 /// `get_updated_expert_bias`): `rate · sign(mean − count_e)` for each expert, so that the
 /// bias rises for experts below the mean load and falls for those above it (0 at the mean).
-/// `tokens_per_expert` are the step's counts over every data-parallel rank.
-pub fn expert_bias_update(tokens_per_expert: &[f64], rate: f64) -> Vec<f32> {
-    let n = tokens_per_expert.len().max(1) as f64;
-    let mean = tokens_per_expert.iter().sum::<f64>() / n;
-    tokens_per_expert
-        .iter()
-        .map(|&c| (rate * (mean - c).signum() * f64::from(u8::from(mean != c))) as f32)
-        .collect()
+/// `tokens_per_expert` (`[num_experts]`, f32) are the step's counts over every data-parallel
+/// rank; computed on the device, nothing read to the host.
+pub fn expert_bias_update<B: Backend>(tokens_per_expert: Tensor<B, 1>, rate: f64) -> Tensor<B, 1> {
+    let counts = tokens_per_expert.cast(FloatDType::F32);
+    (counts.clone().mean() - counts).sign().mul_scalar(rate)
 }
 
 /// The counts per expert and the tokens of every rank of `group` added up: one all-gather of
