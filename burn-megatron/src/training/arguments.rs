@@ -674,7 +674,7 @@ impl PretrainArgs {
             moe_router_group_topk,
             moe_router_topk_scaling_factor
         );
-        if let Some(((first, coeff), more)) = load_balancing_list(
+        if let Some((first, coeff, more)) = load_balancing_list(
             a.moe_router_load_balancing_type.as_deref(),
             a.moe_aux_loss_coeff.as_deref(),
         )? {
@@ -884,14 +884,20 @@ pub fn parse_score_function(name: &str) -> Result<RouterScoreFunction> {
 }
 
 /// `--moe-router-load-balancing-type` and `--moe-aux-loss-coeff`, each one value or a list
-/// (Megatron's): the first type and coefficient, and the terms the rest add; `None` where
+/// (Megatron's): the first type, its coefficient, and the terms the rest add; `None` where
 /// neither is given. A list of types takes a list of as many coefficients; one type
 /// takes one. Types left out are `aux_loss`, a coefficient left out 0.
-#[allow(clippy::type_complexity)]
 pub fn load_balancing_list(
     types: Option<&[String]>,
     coeffs: Option<&[f64]>,
-) -> Result<Option<((LoadBalancingType, f64), Vec<AuxLossTerm>)>> {
+) -> Result<Option<(LoadBalancingType, f64, Vec<AuxLossTerm>)>> {
+    if types.is_some_and(<[String]>::is_empty) || coeffs.is_some_and(<[f64]>::is_empty) {
+        return Err(ConfigError::Invalid(
+            "--moe-router-load-balancing-type and --moe-aux-loss-coeff need at least one value"
+                .into(),
+        )
+        .into());
+    }
     let types = match types {
         Some(names) => names
             .iter()
@@ -928,7 +934,7 @@ pub fn load_balancing_list(
         .map(|(&kind, &coeff)| AuxLossTerm::new(kind, coeff))
         .collect::<Vec<_>>();
     check_load_balancing_list(types[0], coeffs[0], &more)?;
-    Ok(Some(((types[0], coeffs[0]), more)))
+    Ok(Some((types[0], coeffs[0], more)))
 }
 
 /// A TOML value that is one value or a list of them, as a list (the options that take

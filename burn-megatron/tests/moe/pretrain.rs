@@ -973,6 +973,10 @@ fn load_balancing_lists_and_input_jitter_equal_one_rank_at_cp_2() {
         ),
         "{e}"
     );
+    let empty = PretrainArgs::from_toml("num-experts = 4\nmoe-router-load-balancing-type = []")
+        .expect("a valid file");
+    let e = empty.into_config().expect_err("an empty list").to_string();
+    assert!(e.contains("need at least one value"), "{e}");
     let e = parse(&["--moe-aux-loss-coeff", "0.01", "0.02"])
         .expect_err("two coefficients for the default type")
         .to_string();

@@ -113,9 +113,7 @@ impl MoeSettings {
                 .iter()
                 .any(|t| t.load_balancing_type == global)
     }
-}
 
-impl MoeSettings {
     /// Whether global layer `layer` has an MoE layer in place of its MLP (Megatron's
     /// `moe_layer_pattern`: `layer % layer_freq == 0`, or the pattern's flag).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
