@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|dp2|dp2prof|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|curvebook|dp2|dp2prof|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -177,6 +177,30 @@ if part peer2; then
   wait
   for n in bf16a bf16b fp8a fp8b torch_bf16a torch_bf16b torch_fp8a torch_fp8b; do
     echo "=== peer2 $n"; grep -E "iteration +[0-9]+00/|validation|rror|panick" $OUT/peer2_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm)[^|]*//g' | cut -c1-110 | tail -22
+  done
+fi
+if part curvebook; then
+  # 2 GPUs: the 350M curve on a corpus it does not repeat (bench/make_booktext.py: 32 M byte
+  # tokens of the Rust toolchain's books and API docs, manual pages and crates' Markdown; 1 000
+  # steps read 16.4 M), with validation every 100 steps: GPU 0 ours bf16 and FP8 (hybrid,
+  # tensorwise) and PyTorch bf16, GPU 1 ours bf16 and FP8 again and PyTorch float8, all six
+  # at once (ITERS, default 1000).
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  D=.gpu/data/booktext_text_document
+  C="${C350/realtext_text_document/booktext_text_document} --eval-interval 100 --eval-iters 20"
+  port=29560
+  for gpu in 0 1; do
+    for n in bf16 fp8; do
+      f=""; [ $n = fp8 ] && f="--fp8-format hybrid --fp8-recipe tensorwise"
+      CUDA_VISIBLE_DEVICES=$gpu timeout ${LIMIT:-540} $B/bm-launch --nproc-per-node 1 --master-port $port -- $B/pretrain_gpt $C $f > $OUT/book_${n}_$gpu.log 2>&1 &
+      port=$((port + 1))
+    done
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-540} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} > $OUT/book_torch_bf16.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-540} python3 bench/torch_curve.py --data-prefix $D --train-iters ${ITERS:-1000} --fp8 > $OUT/book_torch_fp8.log 2>&1 &
+  wait
+  for n in bf16_0 fp8_0 bf16_1 fp8_1 torch_bf16 torch_fp8; do
+    echo "=== book $n"; grep -E "torch_curve:|iteration +[0-9]+00/|validation|rror|panick" $OUT/book_$n.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm|learning rate|lr)[^|]*//g' | cut -c1-110 | tail -22
   done
 fi
 if part bwd; then
