@@ -25,6 +25,8 @@ import re
 import subprocess
 import sys
 
+from make_realtext import pack
+
 BOOKS = ['book', 'reference', 'nomicon', 'rust-by-example', 'cargo', 'rustc', 'edition-guide',
          'embedded-book', 'style-guide', 'error_codes']
 # mdBook's print pages repeat every chapter, and the tables of contents repeat on every page;
@@ -81,19 +83,15 @@ def texts(root):
 
 
 def documents(root):
+    """Each text's paragraphs not seen before, packed as make_realtext.py packs them."""
     seen = set()
     for text in texts(root):
-        current = ''
+        fresh = []
         for paragraph in (p.strip() for p in text.replace('\r', '').split('\n\n')):
-            if len(paragraph) <= 40 or hash(paragraph) in seen:
-                continue
-            seen.add(hash(paragraph))
-            if current and len(current) + len(paragraph) > 2000:
-                yield current
-                current = ''
-            current += paragraph + '\n\n'
-        if current:
-            yield current
+            if hash(paragraph) not in seen:
+                seen.add(hash(paragraph))
+                fresh.append(paragraph)
+        yield from pack(fresh)
 
 
 def main():

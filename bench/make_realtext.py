@@ -28,16 +28,21 @@ def documents():
         if hash(text) in seen:
             continue
         seen.add(hash(text))
-        current = ''
-        for paragraph in (p.strip() for p in text.split('\n\n')):
-            if len(paragraph) <= 40:
-                continue
-            if current and len(current) + len(paragraph) > 2000:
-                yield current
-                current = ''
-            current += paragraph + '\n\n'
-        if current:
+        yield from pack(p.strip() for p in text.split('\n\n'))
+
+
+def pack(paragraphs):
+    """Paragraphs of more than 40 characters joined into documents of up to 2 kB."""
+    current = ''
+    for paragraph in paragraphs:
+        if len(paragraph) <= 40:
+            continue
+        if current and len(current) + len(paragraph) > 2000:
             yield current
+            current = ''
+        current += paragraph + '\n\n'
+    if current:
+        yield current
 
 
 def main():

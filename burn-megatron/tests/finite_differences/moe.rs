@@ -631,51 +631,20 @@ fn router_sinkhorn() {
             .1
             .into_scalar()
         };
-        let estimate = |of_tokens: bool| -> Vec<f64> {
-            let n = if of_tokens {
-                tokens.len()
-            } else {
-                weight.len()
-            };
-            (0..n)
-                .map(|i| {
-                    let shifted = |delta: f64| {
-                        let (mut t, mut w) = (tokens.clone(), weight.clone());
-                        if of_tokens {
-                            t[i] += delta;
-                        } else {
-                            w[i] += delta;
-                        }
-                        value(&t, &w)
-                    };
-                    (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
-                })
-                .collect()
-        };
-        let name = format!("sinkhorn top-{top_k}");
-        for (what, got, want) in [
-            (
-                "tokens",
+        assert_router_gradients(
+            &format!("sinkhorn top-{top_k}"),
+            [&tokens, &weight],
+            [
                 values(x.grad(&grads).expect("tokens")),
-                estimate(true),
-            ),
-            (
-                "weight",
                 values(w.grad(&grads).expect("weight")),
-                estimate(false),
-            ),
-        ] {
-            let diff = relative_difference(&format!("{name}: {what}"), &got, &want);
-            assert!(
-                diff < tolerance::FINITE_DIFFERENCE_F64,
-                "{name}: gradient of the {what} off by {diff:.2e}"
-            );
-        }
+            ],
+            value,
+        );
         let evaluation = Router::<B>::new(w.inner(), settings).route(x.inner());
         assert_ne!(
             routing.read_experts().expect("experts"),
             evaluation.read_experts().expect("experts"),
-            "{name}: Sinkhorn's choice equals the plain top-k's here"
+            "sinkhorn top-{top_k}: Sinkhorn's choice equals the plain top-k's here"
         );
     }
 }
@@ -730,42 +699,40 @@ fn router_input_jitter_with_a_list_of_losses() {
     let value = |t: &[f64], w: &[f64]| {
         route(tensor(t, [TOKENS, HIDDEN]), tensor(w, [HIDDEN, EXPERTS])).into_scalar()
     };
-    let estimate = |of_tokens: bool| -> Vec<f64> {
-        let n = if of_tokens {
-            tokens.len()
-        } else {
-            weight.len()
-        };
-        (0..n)
+    assert_router_gradients(
+        "jitter",
+        [&tokens, &weight],
+        [
+            values(x.grad(&grads).expect("tokens")),
+            values(w.grad(&grads).expect("weight")),
+        ],
+        value,
+    );
+}
+
+/// Checks a router's gradients with respect to its tokens and its weight (`got`, in that
+/// order) against central differences of `value(tokens, weight)` at `at`.
+fn assert_router_gradients(
+    name: &str,
+    at: [&[f64]; 2],
+    got: [Vec<f64>; 2],
+    value: impl Fn(&[f64], &[f64]) -> f64,
+) {
+    for (which, (what, got)) in ["tokens", "weight"].into_iter().zip(got).enumerate() {
+        let want: Vec<f64> = (0..at[which].len())
             .map(|i| {
                 let shifted = |delta: f64| {
-                    let (mut t, mut w) = (tokens.clone(), weight.clone());
-                    match of_tokens {
-                        true => t[i] += delta,
-                        false => w[i] += delta,
-                    }
-                    value(&t, &w)
+                    let mut point = [at[0].to_vec(), at[1].to_vec()];
+                    point[which][i] += delta;
+                    value(&point[0], &point[1])
                 };
                 (shifted(STEP) - shifted(-STEP)) / (2.0 * STEP)
             })
-            .collect()
-    };
-    for (what, got, want) in [
-        (
-            "tokens",
-            values(x.grad(&grads).expect("tokens")),
-            estimate(true),
-        ),
-        (
-            "weight",
-            values(w.grad(&grads).expect("weight")),
-            estimate(false),
-        ),
-    ] {
-        let diff = relative_difference(&format!("jitter: {what}"), &got, &want);
+            .collect();
+        let diff = relative_difference(&format!("{name}: {what}"), &got, &want);
         assert!(
             diff < tolerance::FINITE_DIFFERENCE_F64,
-            "jitter: gradient of the {what} off by {diff:.2e}"
+            "{name}: gradient of the {what} off by {diff:.2e}"
         );
     }
 }

@@ -721,16 +721,7 @@ fn context_parallel_with_router_options_equals_one_rank() {
         &one.losses(),
         tolerance::F32_TRAINING,
     );
-    for (got, want) in cp.iterations.iter().zip(&one.iterations) {
-        let (got, want) = (got.moe.expect("a report"), want.moe.expect("a report"));
-        assert!(want.load_balancing_loss > 0.0);
-        assert_close(
-            "MoE losses",
-            &[got.load_balancing_loss, got.z_loss],
-            &[want.load_balancing_loss, want.z_loss],
-            tolerance::F32_TRAINING,
-        );
-    }
+    assert_same_moe_losses(&cp, &one);
 }
 
 /// `--moe-router-load-balancing-type sinkhorn` through `pretrain_gpt`: CP 2 with the experts
@@ -1006,7 +997,22 @@ fn load_balancing_lists_and_input_jitter_equal_one_rank_at_cp_2() {
         &one.losses(),
         tolerance::F32_TRAINING,
     );
-    for (got, want) in cp.iterations.iter().zip(&one.iterations) {
+    assert_same_moe_losses(&cp, &one);
+    let plain = train(&moe_run_with(1, 1, true, 4, &[]));
+    let diff = burn_megatron_testing::relative_difference("plain", &plain.losses(), &one.losses());
+    assert!(
+        diff > 1e-5,
+        "the list and the jitter changed nothing: {diff:.2e}"
+    );
+}
+
+/// The logged MoE losses of `got` equal `want`'s at every iteration, whose load-balancing
+/// losses are above 0.
+fn assert_same_moe_losses(
+    got: &burn_megatron::training::PretrainSummary,
+    want: &burn_megatron::training::PretrainSummary,
+) {
+    for (got, want) in got.iterations.iter().zip(&want.iterations) {
         let (got, want) = (got.moe.expect("a report"), want.moe.expect("a report"));
         assert!(want.load_balancing_loss > 0.0);
         assert_close(
@@ -1016,10 +1022,4 @@ fn load_balancing_lists_and_input_jitter_equal_one_rank_at_cp_2() {
             tolerance::F32_TRAINING,
         );
     }
-    let plain = train(&moe_run_with(1, 1, true, 4, &[]));
-    let diff = burn_megatron_testing::relative_difference("plain", &plain.losses(), &one.losses());
-    assert!(
-        diff > 1e-5,
-        "the list and the jitter changed nothing: {diff:.2e}"
-    );
 }
