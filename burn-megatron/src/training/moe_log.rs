@@ -1,7 +1,8 @@
 //! The MoE part of the iteration log: the auxiliary losses and how evenly the experts were
 //! loaded, reduced over the ranks at the logged iterations only.
 
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_megatron_dist::{DistBackend, ParallelState, ReduceOp};
 
 use crate::error::Result;
@@ -124,22 +125,29 @@ pub(crate) fn moe_report<B: DistBackend>(
 }
 
 /// Each MoE layer's tokens per expert over the step's microbatches and every DP × CP rank
-/// (global layer index, `[num_experts]` f32 counts on the device): what the expert-bias
-/// update needs. The counts go up from the host (the dispatcher read them) and are summed on
-/// the device; nothing is read back. Every rank of this stage's DP × CP group must call it.
-pub(crate) fn global_expert_load<B: DistBackend>(
+/// (global layer index, `[num_experts]` f32 counts on the device, on the model's backend
+/// `B`): what the expert-bias update needs. The counts go up from the host (the dispatcher
+/// read them) and are summed on the device; nothing is read back. Every rank of this stage's
+/// DP × CP group must call it.
+pub(crate) fn global_expert_load<B: AutodiffBackend>(
     state: &ParallelState,
-    stats: &MoeStepStats<B>,
-    device: &B::Device,
-) -> Result<Vec<(usize, Tensor<B, 1>)>> {
+    stats: &MoeStepStats<B::InnerBackend>,
+    device: &Device<B::InnerBackend>,
+) -> Result<Vec<(usize, Tensor<B, 1>)>>
+where
+    B::InnerBackend: DistBackend,
+{
     let counts: Vec<f32> = stats
         .tokens_per_expert
         .iter()
         .flat_map(|(_, c)| c.iter().map(|&n| n as f32))
         .collect();
     let len = counts.len();
-    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [len]), (device, DType::F32));
-    let counts = state.dp_cp().all_reduce(counts, ReduceOp::Sum)?;
+    let counts = Tensor::<B::InnerBackend, 1>::from_data(
+        TensorData::new(counts, [len]),
+        (device, DType::F32),
+    );
+    let counts = Tensor::<B, 1>::from_inner(state.dp_cp().all_reduce(counts, ReduceOp::Sum)?);
     let mut at = 0;
     Ok(stats
         .tokens_per_expert

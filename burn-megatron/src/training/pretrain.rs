@@ -415,10 +415,7 @@ where
         };
         // DeepSeek-V3's expert bias follows the step's load over every DP × CP rank.
         if let (Some(rate), Some(stats)) = (bias_rate, &bias_stats) {
-            let load: Vec<_> = global_expert_load(&state, stats, device)?
-                .into_iter()
-                .map(|(layer, counts)| (layer, Tensor::from_inner(counts)))
-                .collect();
+            let load = global_expert_load::<B>(&state, stats, device)?;
             rank.chunks = std::mem::take(&mut rank.chunks)
                 .into_iter()
                 .map(|chunk| chunk.with_updated_expert_bias(&load, rate))

@@ -40,7 +40,6 @@ use std::sync::Arc;
 
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
@@ -222,10 +221,7 @@ where
                 return Ok(None);
             };
             let device = stats.load_balancing_loss.device();
-            let load: Vec<_> = global_expert_load(model.state(), stats, &device)?
-                .into_iter()
-                .map(|(layer, counts)| (layer, Tensor::from_inner(counts)))
-                .collect();
+            let load = global_expert_load::<B>(model.state(), stats, &device)?;
             let chunk = model.model.clone().with_updated_expert_bias(&load, rate);
             Ok(Some(model.with_model(chunk)))
         }));
