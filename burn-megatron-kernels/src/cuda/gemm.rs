@@ -107,8 +107,85 @@ pub fn gemm_fp8(
         a: a_kind,
         b: b_kind,
         fast_accumulation,
+        blocks: None,
     };
     let key = fp8_key(a, a_scale_inv, b, b_scale_inv, fp8, out_dtype)?;
+    let out = empty_device_contiguous_dtype(
+        a.client.clone(),
+        a.device.clone(),
+        Shape::from(vec![key.m, key.n]),
+        out_dtype,
+    );
+    submit(
+        key,
+        a,
+        b,
+        binding(&out),
+        None,
+        Some((a_scale_inv, b_scale_inv)),
+    );
+    Ok(out)
+}
+
+/// How a blockwise FP8 operand's reciprocal scales cover it (cuBLASLt's scale modes, CUDA
+/// 12.9 and later, Hopper): `Vec128` one scale for 128 consecutive elements of a row along
+/// `k` (`VEC128_32F`, scales `[k / 128, rows]`), `Square128` one for each 128 × 128 block
+/// (`BLK128x128_32F`, scales `[rows / 128, ⌈k / 128⌉]`, each row padded to a multiple of 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockScaling {
+    Vec128,
+    Square128,
+}
+
+impl BlockScaling {
+    /// The number of f32 scales of a `[rows, k]` operand.
+    fn scale_len(self, rows: usize, k: usize) -> usize {
+        match self {
+            Self::Vec128 => rows * (k / 128),
+            Self::Square128 => rows.div_ceil(128) * k.div_ceil(128).next_multiple_of(4),
+        }
+    }
+
+    fn mode(self) -> sys::cublasLtMatmulMatrixScale_t {
+        match self {
+            Self::Vec128 => {
+                sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+            }
+            Self::Square128 => {
+                sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+            }
+        }
+    }
+}
+
+/// [`gemm_fp8`] of two blockwise casts: `a: [m, k]` and `b: [n, k]` FP8 bits, each with its
+/// reciprocal block scales (f32, in [`BlockScaling`]'s layout), accumulated in f32 with each
+/// block's partial sum scaled, output `[m, n]` of `out_dtype`. `m`, `n`, `k` multiples of 128.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_fp8_blockwise(
+    a: &Tensor,
+    a_kind: Fp8Kind,
+    a_scale_inv: &Tensor,
+    a_blocks: BlockScaling,
+    b: &Tensor,
+    b_kind: Fp8Kind,
+    b_scale_inv: &Tensor,
+    b_blocks: BlockScaling,
+    out_dtype: DType,
+) -> Result<Tensor, GemmUnsupported> {
+    let fp8 = Fp8Gemm {
+        a: a_kind,
+        b: b_kind,
+        fast_accumulation: false,
+        blocks: Some([a_blocks, b_blocks]),
+    };
+    let key = fp8_key(a, a_scale_inv, b, b_scale_inv, fp8, out_dtype)?;
+    if ![key.m, key.n, key.k].iter().all(|d| d.is_multiple_of(128)) {
+        return Err(GemmUnsupported::Shape(
+            a.meta.shape().to_vec(),
+            b.meta.shape().to_vec(),
+        ));
+    }
     let out = empty_device_contiguous_dtype(
         a.client.clone(),
         a.device.clone(),
@@ -146,6 +223,7 @@ pub fn gemm_fp8_accumulate_at(
         a: a_kind,
         b: b_kind,
         fast_accumulation,
+        blocks: None,
     };
     let key = GemmKey {
         accumulate: true,
@@ -178,12 +256,22 @@ fn fp8_key(
     {
         return Err(GemmUnsupported::DType(a.dtype, out_dtype));
     }
-    for scale in [a_scale_inv, b_scale_inv] {
-        if scale.dtype != DType::F32 || scale.meta.shape().num_elements() != 1 {
+    let (a_view, b_view) = (Operand::of(a)?, Operand::of(b)?);
+    let lens = match fp8.blocks {
+        Some([a_blocks, b_blocks]) => [
+            a_blocks.scale_len(a_view.rows, a_view.cols),
+            b_blocks.scale_len(b_view.rows, b_view.cols),
+        ],
+        None => [1, 1],
+    };
+    for (scale, len) in [a_scale_inv, b_scale_inv].into_iter().zip(lens) {
+        if scale.dtype != DType::F32
+            || scale.meta.shape().num_elements() != len
+            || !scale.is_contiguous()
+        {
             return Err(GemmUnsupported::DType(scale.dtype, DType::F32));
         }
     }
-    let (a_view, b_view) = (Operand::of(a)?, Operand::of(b)?);
     if a_view.transposed || b_view.transposed {
         return Err(GemmUnsupported::Layout);
     }
@@ -478,12 +566,14 @@ pub(super) struct Batch {
     pub(super) strides: [usize; 3],
 }
 
-/// The FP8 formats of a GEMM's operands and its accumulation mode.
+/// The FP8 formats of a GEMM's operands, its accumulation mode, and the operands' block
+/// scaling (`a`'s, `b`'s; `None`: one scale each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) struct Fp8Gemm {
     a: Fp8Kind,
     b: Fp8Kind,
     fast_accumulation: bool,
+    blocks: Option<[BlockScaling; 2]>,
 }
 
 fn fp8_type(kind: Fp8Kind) -> sys::cudaDataType {
@@ -608,6 +698,11 @@ impl LtState {
                     CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                     &(fp8.fast_accumulation as i8),
                 )?;
+                if let Some([a_blocks, b_blocks]) = fp8.blocks {
+                    // cuBLASLt's A is our `b`, its B our `a` (module docs).
+                    set_desc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &b_blocks.mode())?;
+                    set_desc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &a_blocks.mode())?;
+                }
             }
             if key.bias {
                 let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;

@@ -13,6 +13,8 @@
 //! The layer above the backend lives in this op's folder:
 //! - `fp8/scaling.rs`: Megatron's `--fp8-format`, `--fp8-recipe` and the scale computations
 //!   ([`Fp8Config`], [`DelayedScaling`], [`scale_from_amax`]).
+//! - `fp8/blockwise.rs`: blockwise scaling's casts and products as compositions
+//!   ([`Fp8Blocks`], [`quantize_blockwise_composition`], [`gemm_blockwise_composition`]).
 //! - `fp8/linear.rs`: the FP8 linear layer as one autodiff operation ([`fp8_linear`]): three
 //!   FP8 GEMMs (forward, input gradient, weight gradient), each operand K-contiguous, amaxes
 //!   reduced over the tensor-parallel group where the operand is split.
@@ -24,8 +26,14 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
 use super::linear::LinearOps;
 
+pub mod blockwise;
 pub mod linear;
 pub mod scaling;
+
+pub use blockwise::{
+    BLOCK, Fp8Blocks, check_blockwise_shape, gemm_blockwise_composition,
+    quantize_blockwise_composition,
+};
 
 pub use linear::{
     Fp8Linear, Fp8LinearOps, Fp8Split, fp8_linear, hooked_fp8_linear, reduce_delayed_states,
@@ -203,6 +211,43 @@ pub trait Fp8Ops: LinearOps {
         );
         gemm_composition(a, a_scale_inv, b, b_scale_inv, out)
     }
+
+    /// The blockwise cast of `x: [r, c]` to `dtype` (Megatron's `blockwise` recipe, see
+    /// [`blockwise`]): each block under the scale of its own amax (with `margin`), `[r, c]`
+    /// or, with `transpose`, `[c, r]` (the blocks then run along `x`'s columns), and the
+    /// reciprocal scales, f32, flattened in cuBLASLt's layout ([`Fp8Blocks::scale_len`]).
+    /// Both sides multiples of 128. Composition: grid values in `x`'s float dtype.
+    fn fp8_quantize_blockwise(
+        x: Tensor<Self, 2>,
+        dtype: Fp8Dtype,
+        blocks: Fp8Blocks,
+        margin: i32,
+        transpose: bool,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        quantize_blockwise_composition(x, dtype, blocks, margin, transpose)
+    }
+
+    /// `a · bᵀ` of two blockwise casts (`a: [m, k]`, `b: [n, k]`, K-contiguous), each block's
+    /// partial product scaled by its operands' reciprocal scales, accumulated in f32, output
+    /// `[m, n]` of dtype `out`. Never both operands E5M2.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8_gemm_blockwise(
+        a: Tensor<Self, 2>,
+        a_dtype: Fp8Dtype,
+        a_scale_inv: Tensor<Self, 1>,
+        a_blocks: Fp8Blocks,
+        b: Tensor<Self, 2>,
+        b_dtype: Fp8Dtype,
+        b_scale_inv: Tensor<Self, 1>,
+        b_blocks: Fp8Blocks,
+        out: DType,
+    ) -> Tensor<Self, 2> {
+        debug_assert!(
+            !(a_dtype == Fp8Dtype::E5M2 && b_dtype == Fp8Dtype::E5M2),
+            "an FP8 GEMM of two E5M2 operands (cuBLASLt has none)"
+        );
+        gemm_blockwise_composition(a, a_scale_inv, a_blocks, b, b_scale_inv, b_blocks, out)
+    }
 }
 
 /// The dtype the compositions compute in: f64 for f64 tensors (so that an f64 model's
@@ -242,6 +287,14 @@ pub fn quantize_composition<B: Backend>(
     let out_dtype = x.dtype();
     let work = work_dtype(out_dtype);
     let v = x.cast(work) * scale.cast(work).unsqueeze::<2>();
+    let q = round_to_grid(v, dtype).cast(out_dtype);
+    if transpose { q.transpose() } else { q }
+}
+
+/// `v` (already scaled, in the work dtype) rounded on `dtype`'s grid as
+/// [`quantize_composition`] describes: saturated, rounded half to even with exact arithmetic,
+/// NaN kept.
+pub(crate) fn round_to_grid<B: Backend>(v: Tensor<B, 2>, dtype: Fp8Dtype) -> Tensor<B, 2> {
     let a = v.clone().abs().clamp_max(dtype.max());
     // The binade: the largest 2^e <= a with e in [min_normal, min_normal + 31].
     let mut binade = a
@@ -254,8 +307,7 @@ pub fn quantize_composition<B: Backend>(
     let ulp = binade.mul_scalar(2f64.powi(-dtype.mantissa_bits()));
     let magnitude = (a / ulp.clone()).round() * ulp;
     let q = magnitude * v.clone().sign();
-    let q = q.mask_where(v.clone().is_nan(), v).cast(out_dtype);
-    if transpose { q.transpose() } else { q }
+    q.mask_where(v.clone().is_nan(), v)
 }
 
 /// [`Fp8Ops::fp8_gemm`] as Burn operations: `a · bᵀ` in f32 (f64 for f64 operands), times
@@ -375,6 +427,41 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
             out,
         ))
     }
+
+    fn fp8_quantize_blockwise(
+        x: Tensor<Self, 2>,
+        dtype: Fp8Dtype,
+        blocks: Fp8Blocks,
+        margin: i32,
+        transpose: bool,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        let (q, inv) = B::fp8_quantize_blockwise(x.inner(), dtype, blocks, margin, transpose);
+        (Tensor::from_inner(q), Tensor::from_inner(inv))
+    }
+
+    fn fp8_gemm_blockwise(
+        a: Tensor<Self, 2>,
+        a_dtype: Fp8Dtype,
+        a_scale_inv: Tensor<Self, 1>,
+        a_blocks: Fp8Blocks,
+        b: Tensor<Self, 2>,
+        b_dtype: Fp8Dtype,
+        b_scale_inv: Tensor<Self, 1>,
+        b_blocks: Fp8Blocks,
+        out: DType,
+    ) -> Tensor<Self, 2> {
+        Tensor::from_inner(B::fp8_gemm_blockwise(
+            a.inner(),
+            a_dtype,
+            a_scale_inv.inner(),
+            a_blocks,
+            b.inner(),
+            b_dtype,
+            b_scale_inv.inner(),
+            b_blocks,
+            out,
+        ))
+    }
 }
 
 /// Our CUDA backend: the CubeCL amax and cast kernels (one pass for both layouts and the
@@ -389,7 +476,7 @@ mod cuda {
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
     use burn_megatron_kernels::fused::fp8::{self, Fp8Kind};
 
-    use super::{AmaxComputeAlgo, Fp8Dtype, Fp8Ops};
+    use super::{AmaxComputeAlgo, Fp8Blocks, Fp8Dtype, Fp8Ops};
     use crate::ops::primitive::{raw, wrap};
 
     /// Whether `part` of the FP8 operations runs as the Burn compositions (the CPU's
@@ -549,6 +636,77 @@ mod cuda {
             wrap(product.unwrap_or_else(|e| {
                 panic!("FP8 GEMM [{a_shape:?}] x [{b_shape:?}]^T: cuBLASLt cannot take it: {e:?}")
             }))
+        }
+
+        /// The block scales from Burn operations, the cast by the cast kernel with scale 1 on
+        /// the scaled f32 values (the bits a fused kernel would write: `x · s` is formed in
+        /// f32 either way).
+        fn fp8_quantize_blockwise(
+            x: Tensor<Self, 2>,
+            dtype: Fp8Dtype,
+            blocks: Fp8Blocks,
+            margin: i32,
+            transpose: bool,
+        ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+            if composed("casts") {
+                return super::quantize_blockwise_composition(x, dtype, blocks, margin, transpose);
+            }
+            let (scaled, inv) =
+                super::blockwise::blockwise_scaled(x, dtype, blocks, margin, transpose);
+            let one = Tensor::<Self, 1>::ones([1], (&scaled.device(), DType::F32));
+            let q = fp8::quantize(raw(scaled), &raw(one), kind(dtype), false);
+            (wrap(q), inv)
+        }
+
+        fn fp8_gemm_blockwise(
+            a: Tensor<Self, 2>,
+            a_dtype: Fp8Dtype,
+            a_scale_inv: Tensor<Self, 1>,
+            a_blocks: Fp8Blocks,
+            b: Tensor<Self, 2>,
+            b_dtype: Fp8Dtype,
+            b_scale_inv: Tensor<Self, 1>,
+            b_blocks: Fp8Blocks,
+            out: DType,
+        ) -> Tensor<Self, 2> {
+            if composed("casts") {
+                return super::gemm_blockwise_composition(
+                    a,
+                    a_scale_inv,
+                    a_blocks,
+                    b,
+                    b_scale_inv,
+                    b_blocks,
+                    out,
+                );
+            }
+            let (a, b) = (raw(a), raw(b));
+            let (a_shape, b_shape) = (a.meta.shape().to_vec(), b.meta.shape().to_vec());
+            let product = gemm::gemm_fp8_blockwise(
+                &a,
+                kind(a_dtype),
+                &raw(a_scale_inv.cast(DType::F32)),
+                scaling(a_blocks),
+                &b,
+                kind(b_dtype),
+                &raw(b_scale_inv.cast(DType::F32)),
+                scaling(b_blocks),
+                out,
+            );
+            wrap(product.unwrap_or_else(|e| {
+                panic!(
+                    "blockwise FP8 GEMM [{a_shape:?}] x [{b_shape:?}]^T: cuBLASLt cannot take \
+                     it: {e:?}"
+                )
+            }))
+        }
+    }
+
+    /// cuBLASLt's scale mode of a block shape.
+    fn scaling(blocks: Fp8Blocks) -> gemm::BlockScaling {
+        match blocks {
+            Fp8Blocks::Row => gemm::BlockScaling::Vec128,
+            Fp8Blocks::Square => gemm::BlockScaling::Square128,
         }
     }
 

@@ -334,8 +334,10 @@ pub struct PretrainArgs {
     /// [default: off]
     #[arg(long, help_heading = "FP8")]
     pub fp8_format: Option<String>,
-    /// How FP8 scales are chosen: tensorwise (each tensor's current amax) or delayed (a
-    /// history of earlier amaxes). [default: tensorwise]
+    /// How FP8 scales are chosen: tensorwise (each tensor's current amax), delayed (a
+    /// history of earlier amaxes) or blockwise (DeepSeek-V3's: each 1 × 128 block of an
+    /// activation or gradient and each 128 × 128 block of a weight its own; dimensions
+    /// multiples of 128). [default: tensorwise]
     #[arg(long, help_heading = "FP8")]
     pub fp8_recipe: Option<String>,
     /// FP8 scales are divided by 2^margin. [default: 0]
@@ -1104,13 +1106,13 @@ fn fp8(a: &PretrainArgs) -> Result<Option<Fp8Config>> {
         config.margin = margin;
     }
     let history_options = a.fp8_amax_history_len.is_some() || a.fp8_amax_compute_algo.is_some();
-    if config.recipe == Fp8Recipe::Tensorwise && history_options {
-        return invalid(
+    if config.recipe != Fp8Recipe::Delayed && history_options {
+        return invalid(format!(
             "--fp8-amax-history-len and --fp8-amax-compute-algo apply to --fp8-recipe delayed \
-             only (tensorwise scaling uses each tensor's current amax): add --fp8-recipe \
-             delayed or leave them out"
-                .into(),
-        );
+             only ({} scaling uses the current amaxes): add --fp8-recipe delayed or leave them \
+             out",
+            a.fp8_recipe.as_deref().unwrap_or("tensorwise")
+        ));
     }
     if let Some(len) = a.fp8_amax_history_len {
         config.amax_history_len = len;

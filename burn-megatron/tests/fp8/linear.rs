@@ -56,7 +56,7 @@ fn layer(inputs: &Inputs, fp8: &Fp8Linear) -> [Vec<f64>; 4] {
 }
 
 /// The emulation's scale of a tensor: `max / amax / 2^margin` in f32 (1 for a zero amax).
-fn scale(amax: f32, dtype: Fp8Dtype, margin: i32) -> f32 {
+pub(crate) fn scale(amax: f32, dtype: Fp8Dtype, margin: i32) -> f32 {
     if amax > 0.0 && amax.is_finite() {
         dtype.max() / amax * 2f32.powi(-margin)
     } else {

@@ -1,10 +1,12 @@
 //! FP8 training (issue 33) on the CPU, where the FP8 operations are emulated in f32 tensors:
 //! the cast against an f64 reference built with the `float8` crate (CUDA's conversion), the
-//! scaling recipes, the FP8 linear layer's forward and backward against an explicit f64
+//! scaling recipes (blockwise scaling's casts, products, layer and TP = 2 included), the FP8
+//! linear layer's forward and backward against an explicit f64
 //! emulation, TP = 2 against TP = 1, the weight gradients through the overlap hook against
 //! their reduction after the backward pass, the first and last layers kept out of FP8, and
 //! `pretrain_gpt` with `--fp8-format`.
 
+mod blockwise;
 mod data_parallel;
 mod first_last;
 mod linear;

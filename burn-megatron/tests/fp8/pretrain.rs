@@ -46,6 +46,8 @@ fn fp8_options_reach_the_model() {
         PretrainArgs::from_toml("fp8-format = \"hybrid\"\nfp8-recipe = \"delayed\"\n").unwrap();
     let c = args.into_config().unwrap();
     assert_eq!(c.fp8.map(|f| f.recipe), Some(Fp8Recipe::Delayed));
+    let c = config(&["--fp8-format", "hybrid", "--fp8-recipe", "Blockwise"]).unwrap();
+    assert_eq!(c.model().fp8.map(|f| f.recipe), Some(Fp8Recipe::Blockwise));
     for (value, backward) in [
         ("dgrad", Fp8Backward::Dgrad),
         ("wgrad", Fp8Backward::Wgrad),
@@ -79,8 +81,19 @@ fn invalid_fp8_options_are_refused() {
             "--fp8-backward-bf16 \"fprop\": use dgrad, wgrad or both",
         ),
         (
-            &["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"][..],
-            "not implemented yet",
+            &["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"][..],
+            "MXFP8 needs Blackwell",
+        ),
+        (
+            &[
+                "--fp8-format",
+                "hybrid",
+                "--fp8-recipe",
+                "blockwise",
+                "--fp8-amax-compute-algo",
+                "max",
+            ][..],
+            "apply to --fp8-recipe delayed only (blockwise scaling",
         ),
         (
             &["--fp8-format", "hybrid", "--fp8-amax-history-len", "8"][..],

@@ -2,7 +2,8 @@
 //! group, so TP = 2 (with and without sequence parallelism) casts with TP = 1's scales and
 //! gives its logits, loss and every gradient (relative 1e-5), for a GPT (GeLU, biases) and a
 //! Llama (SwiGLU: the gate, up and down projections; GQA; no biases), under tensorwise and
-//! delayed scaling (two batches: the second casts with the histories of the first). Full
+//! delayed scaling (two batches: the second casts with the histories of the first), and under
+//! blockwise scaling, which reduces nothing. Full
 //! recomputation reruns the FP8 forward exactly under tensorwise scaling.
 
 use burn::module::AutodiffModule;
@@ -24,23 +25,24 @@ struct Outcome {
     grads: Vec<(String, Vec<f64>)>,
 }
 
-fn tokens(seed: u64, vocab: usize) -> Tensor<AD, 2, Int> {
+/// Two sequences of `seq` tokens.
+fn tokens(seed: u64, vocab: usize, seq: usize) -> Tensor<AD, 2, Int> {
     Tensor::from_data(
-        TensorData::new(token_ids(16, vocab, seed), [2, 8]),
+        TensorData::new(token_ids(2 * seq, vocab, seed), [2, seq]),
         &Default::default(),
     )
 }
 
 /// Two batches of `config` on `tp` ranks: rank 0's results.
 fn outcomes(config: &TransformerConfig, tp: usize) -> Vec<Outcome> {
-    let vocab = config.vocab_size;
+    let (vocab, seq) = (config.vocab_size, config.max_sequence_length);
     let per_rank = run(tp, |ctx| {
         let state = ctx.parallel_state(ParallelSizes::default().with_tp(tp))?;
         let model = config.init_gpt::<AD>(state.tp(), &Default::default())?;
         let mut out = Vec::new();
         for batch in 0..2u64 {
-            let input = tokens(batch, vocab);
-            let targets = tokens(batch + 100, vocab);
+            let input = tokens(batch, vocab, seq);
+            let targets = tokens(batch + 100, vocab, seq);
             let (loss, grads) =
                 forward_backward_no_pipelining(&model, &[Microbatch::new(input.clone(), targets)])?;
             let logits = model
@@ -137,6 +139,37 @@ fn delayed_scaling_at_tp_2_equals_tp_1() {
         small_gpt().with_fp8(Some(fp8.clone())),
     );
     assert_tp_equivalent("Llama hybrid delayed", small_llama().with_fp8(Some(fp8)));
+}
+
+/// Blockwise scaling reduces nothing: where every rank's part of a weight, an input and an
+/// output gradient is whole blocks of 128 (hidden 256, FFN 512, 2 × 64 tokens), each rank
+/// casts the blocks one device casts, and TP = 2 equals TP = 1, with and without SP. One
+/// layer: the input gradient's all-reduce adds the ranks' block products in another order
+/// than one device's sum over the blocks, and a last-bit difference, cast again to FP8 by the
+/// layer below, can move a value to the next grid point (E5M2 keeps 2 mantissa bits).
+#[test]
+fn blockwise_scaling_at_tp_2_equals_tp_1() {
+    let fp8 = Fp8Config::new().with_recipe(if std::env::var("TW").is_ok() {
+        Fp8Recipe::Tensorwise
+    } else {
+        Fp8Recipe::Blockwise
+    });
+    let gpt = TransformerConfig::new(256, 1, 2, 512, 50, 64)
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.05);
+    let plain = outcomes(&gpt, 1);
+    let config = gpt.with_fp8(Some(fp8.clone()));
+    let reference = outcomes(&config, 1);
+    let diff = (plain[0].loss - reference[0].loss).abs() / plain[0].loss;
+    assert!(
+        diff > 1e-7 && diff < 0.05,
+        "blockwise FP8 against f32 loss: relative {diff:e}"
+    );
+    assert_tp_equivalent("GPT hybrid blockwise", config);
+    let llama = llama(TransformerConfig::new(256, 1, 2, 256, 50, 64))
+        .with_make_vocab_size_divisible_by(4)
+        .with_init_std(0.05);
+    assert_tp_equivalent("Llama hybrid blockwise", llama.with_fp8(Some(fp8)));
 }
 
 /// Tensorwise scaling keeps no state, so a layer rerun from its input in the backward pass

@@ -62,7 +62,7 @@ use burn_megatron_dist::{DeviceTransport, DistError, DistResult, ProcessGroup, R
 use super::scaling::{
     DelayedData, DelayedScaling, Fp8Config, Fp8Recipe, history_amaxes, scales_from_amaxes,
 };
-use super::{Fp8Dtype, Fp8Ops};
+use super::{Fp8Blocks, Fp8Dtype, Fp8Ops, check_blockwise_shape};
 use crate::error::DeviceError;
 use crate::ops::autodiff::{BackwardStep, inner, parent, record, register};
 use crate::ops::backward_hook::{BackwardHook, WeightGradient};
@@ -156,11 +156,14 @@ struct Scale<B: Backend> {
 
 /// A weight's cast as the forward pass and the input gradient use it: its scale, its
 /// row-major copy (`[d_in, d_out]`, for `dx`; `None` where nothing needs it) and its
-/// transposed one (`[d_out, d_in]`, for the forward GEMM).
+/// transposed one (`[d_out, d_in]`, for the forward GEMM). Under blockwise scaling `scale`
+/// holds the transposed copy's reciprocal block scales (in both fields) and `row_inv` the
+/// row-major copy's (the same squares, laid out for that copy).
 #[derive(Clone)]
 struct WeightCast<B: Backend> {
     scale: Scale<B>,
     row: Option<Tensor<B, 2>>,
+    row_inv: Option<Tensor<B, 1>>,
     transposed: Tensor<B, 2>,
 }
 
@@ -364,6 +367,12 @@ impl Fp8Linear {
     /// recorded, after the casts that can compute them.
     fn delayed(&self) -> bool {
         self.config.recipe == Fp8Recipe::Delayed
+    }
+
+    /// Whether each block of a tensor has its own scale (blockwise scaling): no amax is
+    /// reduced or recorded.
+    fn blockwise(&self) -> bool {
+        self.config.recipe == Fp8Recipe::Blockwise
     }
 
     /// The scale of `operand`'s cast to `dtype` under tensorwise scaling, from its (reduced)
@@ -705,7 +714,8 @@ enum Weight<B: Backend> {
 /// needs ([`Keep`]); `w` is the weight's cast, whole (for the cache).
 struct Forward<B: Backend> {
     output: Tensor<B, 2>,
-    x_scale: Scale<B>,
+    /// The reciprocal scale(s) of `x_transposed`.
+    x_scale_inv: Tensor<B, 1>,
     x_transposed: Option<Tensor<B, 2>>,
     w: WeightCast<B>,
 }
@@ -717,6 +727,9 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     fp8: &Fp8Linear,
     keep: Keep,
 ) -> DistResult<Forward<B>> {
+    if fp8.blockwise() {
+        return blockwise_forward(x, w, bias, fp8, keep);
+    }
     let dtype = fp8.config.format.forward_dtype();
     let out_dtype = x.dtype();
     let (x_layouts, w_layouts) = ([true, keep.x_transposed], [keep.w_row, true]);
@@ -792,10 +805,123 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     }
     Ok(Forward {
         output,
-        x_scale,
+        x_scale_inv: x_scale.inv,
         x_transposed: x_cast.transposed,
         w: w_cast,
     })
+}
+
+/// [`forward`] under blockwise scaling: nothing to reduce or record. The input is cast
+/// row-major in blocks along `d_in` for the forward GEMM and, where [`Keep`] asks, transposed
+/// in blocks along the tokens for the weight gradient (two casts: their blocks differ); the
+/// weight in 128 × 128 squares, transposed for the forward GEMM and row-major for `dx`.
+fn blockwise_forward<B: Fp8Ops>(
+    x: Tensor<B, 2>,
+    w: Weight<B>,
+    bias: Option<Tensor<B, 1>>,
+    fp8: &Fp8Linear,
+    keep: Keep,
+) -> DistResult<Forward<B>> {
+    let (dtype, margin) = (fp8.config.format.forward_dtype(), fp8.config.margin);
+    let out_dtype = x.dtype();
+    let blockwise_shape = |[rows, cols]: [usize; 2]| {
+        check_blockwise_shape(rows, cols).map_err(DistError::InvalidArgument)
+    };
+    blockwise_shape(x.dims())?;
+    let cast = |t: Tensor<B, 2>, blocks, transpose| {
+        B::fp8_quantize_blockwise(t, dtype, blocks, margin, transpose)
+    };
+    let w = match w {
+        Weight::Cast(cast_before) => cast_before,
+        Weight::Tensor(w) => {
+            blockwise_shape(w.dims())?;
+            let (transposed, inv) = cast(w.clone(), Fp8Blocks::Square, true);
+            let (row, row_inv) = match keep.w_row {
+                true => {
+                    let (row, inv) = cast(w, Fp8Blocks::Square, false);
+                    (Some(row), Some(inv))
+                }
+                false => (None, None),
+            };
+            WeightCast {
+                scale: Scale {
+                    scale: inv.clone(),
+                    inv,
+                },
+                row,
+                row_inv,
+                transposed,
+            }
+        }
+    };
+    let (x_transposed, x_scale_inv) = match keep.x_transposed {
+        true => {
+            let (x_t, inv) = cast(x.clone(), Fp8Blocks::Row, true);
+            (Some(x_t), inv)
+        }
+        false => (None, Tensor::empty([0], &x.device())),
+    };
+    let (x_row, x_row_inv) = cast(x, Fp8Blocks::Row, false);
+    let output = B::fp8_gemm_blockwise(
+        x_row,
+        dtype,
+        x_row_inv,
+        Fp8Blocks::Row,
+        w.transposed.clone(),
+        dtype,
+        w.scale.inv.clone(),
+        Fp8Blocks::Square,
+        out_dtype,
+    );
+    if std::env::var("BWDBG").is_ok() {
+        let d = output
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .unwrap();
+        let s: f64 = d.iter().map(|v| *v as f64).sum();
+        eprintln!("BW out {:?} sum {s:.6} first {:?}", output.dims(), &d[..3]);
+    }
+    let output = match bias {
+        Some(bias) => B::bias_add(output, bias),
+        None => output,
+    };
+    Ok(Forward {
+        output,
+        x_scale_inv,
+        x_transposed,
+        w,
+    })
+}
+
+/// One of the layer's FP8 GEMMs, `a · bᵀ` scaled: [`Fp8Ops::fp8_gemm_blockwise`] with the
+/// operands' blocks under blockwise scaling, else [`Fp8Ops::fp8_gemm`] (one scale each).
+#[allow(clippy::too_many_arguments)]
+fn fp8_product<B: Fp8Ops>(
+    blocks: Option<[Fp8Blocks; 2]>,
+    a: Tensor<B, 2>,
+    a_dtype: Fp8Dtype,
+    a_scale_inv: Tensor<B, 1>,
+    b: Tensor<B, 2>,
+    b_dtype: Fp8Dtype,
+    b_scale_inv: Tensor<B, 1>,
+    out: DType,
+) -> Tensor<B, 2> {
+    match blocks {
+        Some([a_blocks, b_blocks]) => B::fp8_gemm_blockwise(
+            a,
+            a_dtype,
+            a_scale_inv,
+            a_blocks,
+            b,
+            b_dtype,
+            b_scale_inv,
+            b_blocks,
+            out,
+        ),
+        None => B::fp8_gemm(a, a_dtype, a_scale_inv, b, b_dtype, b_scale_inv, out),
+    }
 }
 
 impl<B: Backend> WeightCast<B> {
@@ -804,8 +930,16 @@ impl<B: Backend> WeightCast<B> {
         Self {
             scale,
             row: casts.row,
+            row_inv: None,
             transposed: casts.transposed.expect("the forward GEMM's layout"),
         }
+    }
+
+    /// The reciprocal scale(s) of the row-major copy.
+    fn row_scale_inv(&self) -> Tensor<B, 1> {
+        self.row_inv
+            .clone()
+            .unwrap_or_else(|| self.scale.inv.clone())
     }
 }
 
@@ -876,11 +1010,12 @@ fn autodiff_fp8_linear<B: Fp8LinearOps, C: CheckpointStrategy>(
         let node: Arc<dyn Any + Send + Sync> = w.node.clone();
         fp8.store_weight(w.node.id, Arc::downgrade(&node), f.w.clone());
     }
+    let w_scale_inv = f.w.row_scale_inv();
     let state = (
         raw(f.x_transposed.unwrap_or_else(empty)),
-        raw(f.x_scale.inv),
+        raw(f.x_scale_inv),
         raw(f.w.row.unwrap_or_else(empty)),
-        raw(f.w.scale.inv),
+        raw(w_scale_inv),
         raw(x_unquantised),
         raw(w_unquantised),
     );
@@ -919,6 +1054,8 @@ struct Fp8WeightProduct<B: Backend> {
     dy_t: Tensor<B, 2>,
     dy_dtype: Fp8Dtype,
     dy_scale_inv: Tensor<B, 1>,
+    /// The operands' blocks under blockwise scaling.
+    blocks: Option<[Fp8Blocks; 2]>,
 }
 
 impl<B: Fp8LinearOps> WeightGradient for Fp8WeightProduct<B> {
@@ -932,6 +1069,20 @@ impl<B: Fp8LinearOps> WeightGradient for Fp8WeightProduct<B> {
         start: usize,
     ) -> Result<Box<dyn Any + Send>, Box<dyn Any + Send>> {
         let buffer = buffer.downcast::<Tensor<B, 1>>()?;
+        if self.blocks.is_some() {
+            // Blockwise: the product in f32, then added (no in-place GEMM for it yet).
+            let product = fp8_product(
+                self.blocks,
+                self.x_t.clone(),
+                self.x_dtype,
+                self.x_scale_inv.clone(),
+                self.dy_t.clone(),
+                self.dy_dtype,
+                self.dy_scale_inv.clone(),
+                DType::F32,
+            );
+            return Ok(Box::new(add_to_slot(*buffer, start, product)));
+        }
         Ok(Box::new(B::fp8_gemm_add_slot(
             *buffer,
             start,
@@ -988,11 +1139,27 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
         // The output gradient is cast for the GEMMs that run in FP8 (under delayed scaling its
         // amax is recorded whatever runs).
         let layouts = [dx.is_some() && dx_fp8, dw.is_some() && dw_fp8];
-        let (casts, amax, scale) = if fp8.delayed() {
+        // Each layout's cast with its reciprocal scale(s), and the amax to record.
+        let (row, transposed, amax) = if fp8.blockwise() {
+            let margin = fp8.config.margin;
+            let cast_to = |transpose| {
+                B::fp8_quantize_blockwise(dy.clone(), grad_dtype, Fp8Blocks::Row, margin, transpose)
+            };
+            (
+                layouts[0].then(|| cast_to(false)),
+                layouts[1].then(|| cast_to(true)),
+                None,
+            )
+        } else if fp8.delayed() {
             let scale = fp8.delayed_scale(Operand::GradOutput, &dy.device());
             let mut casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, true);
             let amax = reduce(casts.amax.take().expect("asked for"));
-            (casts, amax, scale.inv)
+            let inv = scale.inv;
+            (
+                casts.row.map(|row| (row, inv.clone())),
+                casts.transposed.map(|t| (t, inv)),
+                Some(amax),
+            )
         } else {
             let (amax, scale) = match fp8.reduces(Operand::GradOutput) {
                 true => {
@@ -1006,21 +1173,26 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
                 }
             };
             let casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, false);
-            (casts, amax, scale.inv)
+            let inv = scale.inv;
+            (
+                casts.row.map(|row| (row, inv.clone())),
+                casts.transposed.map(|t| (t, inv)),
+                Some(amax),
+            )
         };
-        let scale_inv = scale;
-        let (dy_row, dy_transposed) = (casts.row, casts.transposed);
-        register(grads, dx, || match dx_fp8 {
-            true => B::fp8_gemm(
-                dy_row.expect("cast for dx"),
+        let blocks = |a, b| fp8.blockwise().then_some([a, b]);
+        register(grads, dx, || match (dx_fp8, row) {
+            (true, Some((dy_row, dy_row_inv))) => fp8_product(
+                blocks(Fp8Blocks::Row, Fp8Blocks::Square),
+                dy_row,
                 grad_dtype,
-                scale_inv.clone(),
+                dy_row_inv,
                 wrap(w_q),
                 forward_dtype,
                 wrap(w_scale_inv),
                 self.x_dtype,
             ),
-            false => B::gemm(dy.clone(), wrap(w), false, true),
+            _ => B::gemm(dy.clone(), wrap(w), false, true),
         });
         if let (Some(node), false) = (dw, dw_fp8) {
             let mut weight = WeightProduct::new(wrap::<B, 2>(x), dy.clone());
@@ -1032,20 +1204,23 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
                 register(grads, Some(node), || weight.compute());
             }
         } else if let Some(node) = dw {
+            let (dy_t, dy_scale_inv) = transposed.expect("cast for dw");
             let mut weight = Fp8WeightProduct {
                 x_t: wrap(x_t),
                 x_dtype: forward_dtype,
                 x_scale_inv: wrap(x_scale_inv),
-                dy_t: dy_transposed.expect("cast for dw"),
+                dy_t,
                 dy_dtype: grad_dtype,
-                dy_scale_inv: scale_inv,
+                dy_scale_inv,
+                blocks: blocks(Fp8Blocks::Row, Fp8Blocks::Row),
             };
             let taken = match &self.hook {
                 Some(hook) => hook.take_weight_gradient(node, &mut weight),
                 None => false,
             };
             if !taken {
-                let gradient = B::fp8_gemm(
+                let gradient = fp8_product(
+                    weight.blocks,
                     weight.x_t,
                     weight.x_dtype,
                     weight.x_scale_inv,
@@ -1058,7 +1233,9 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
             }
         }
         register(grads, parent(parents, 2), || B::bias_gradient(dy));
-        fp8.record(Operand::GradOutput, amax, grad_dtype);
+        if let Some(amax) = amax {
+            fp8.record(Operand::GradOutput, amax, grad_dtype);
+        }
     }
 }
 

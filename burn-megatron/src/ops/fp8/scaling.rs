@@ -61,19 +61,26 @@ pub enum Fp8Recipe {
     /// uses; the current amax is recorded after the cast. Saves the amax pass before the cast
     /// (on a GPU, where the amax can come from the cast kernel itself).
     Delayed,
+    /// Blockwise scaling (DeepSeek-V3's recipe): each block of 1 × 128 elements of an
+    /// activation or gradient, along the GEMM's inner dimension, and each 128 × 128 block of
+    /// a weight has the scale of its own amax (see [`blockwise`](super::blockwise)). Stateless,
+    /// no amax crosses ranks; every dimension a multiple of 128.
+    Blockwise,
 }
 
 impl Fp8Recipe {
-    /// Megatron's names, `tensorwise` and `delayed` (case-insensitive).
+    /// Megatron's names, `tensorwise`, `delayed` and `blockwise` (case-insensitive).
     pub fn parse(name: &str) -> Result<Self, ConfigError> {
         match name.to_ascii_lowercase().as_str() {
             "tensorwise" => Ok(Self::Tensorwise),
             "delayed" => Ok(Self::Delayed),
-            "mxfp8" | "blockwise" => Err(ConfigError::Invalid(format!(
-                "--fp8-recipe {name}: not implemented yet; use tensorwise or delayed"
+            "blockwise" => Ok(Self::Blockwise),
+            "mxfp8" => Err(ConfigError::Invalid(format!(
+                "--fp8-recipe {name}: MXFP8 needs Blackwell's block-scaled tensor cores; not \
+                 implemented: use tensorwise, delayed or blockwise"
             ))),
             _ => Err(ConfigError::Invalid(format!(
-                "--fp8-recipe {name:?}: use tensorwise or delayed"
+                "--fp8-recipe {name:?}: use tensorwise, delayed or blockwise"
             ))),
         }
     }
