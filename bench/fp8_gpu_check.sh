@@ -10,7 +10,7 @@
 # data/realtext_text_document (bench/make_realtext.py, then preprocess_data).
 # PART=casts runs the casts' checks and speeds alone (`gemm_bench fp8-casts`) and prints the
 # tile kernels' registers (`ptxas -v` on the dumped PTX).
-#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|curvebook|dp2|dp2prof|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
+#   PART=gemm|casts|step|profile|cache|curve|curve2|curve3|repeat|recipes|peer|peer2|bwd|curvebook|dp2|dp2prof|diag|profile8b|step8b|step1|hook1|peer1|peer8b|prof1|block1|blockbook|all bash bench/fp8_gpu_check.sh   (or several: PART="gemm cache")
 set -u
 cd "$(dirname "$0")/.."
 for z in .gpu/bin/*.gz .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
@@ -303,6 +303,36 @@ if part step1; then
     n=step1$(echo "$f" | tr -d ' -' | cut -c1-40)
     timeout 150 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
     echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | cut -c1-150
+  done
+fi
+if part block1; then
+  # One GPU: PART=step1's model (14 of Llama-3 8B's layers, micro-batch 1, global batch 16) in
+  # bf16, FP8 tensorwise and FP8 blockwise (1 x 128 / 128 x 128 block scales; cuBLASLt's
+  # VEC128_32F / BLK128x128_32F GEMMs), STEP1_ITERS (default 5) iterations each.
+  P="--config examples/configs/llama3_8b.toml --num-layers 14 --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 16 --train-iters ${STEP1_ITERS:-5}"
+  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe blockwise"; do
+    n=block1$(echo "$f" | tr -d ' -' | cut -c1-40)
+    timeout 150 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
+    echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rror|panick" $OUT/$n.log | cut -c1-150
+  done
+fi
+if part blockbook; then
+  # 2 GPUs: PART=curvebook's 350M curve on the non-repeating book corpus with blockwise
+  # scaling: GPU 0 ours bf16, FP8 blockwise and FP8 tensorwise, GPU 1 bf16 and blockwise again,
+  # all five at once (ITERS, default 1000; RUNS picks some of them, as NAME_GPU).
+  for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
+  C="${C350/realtext_text_document/booktext_text_document} --eval-interval 100 --eval-iters 20"
+  port=29570
+  RUNS=${RUNS:-bf16_0 blockwise_0 tensorwise_0 bf16_1 blockwise_1}
+  for run in $RUNS; do
+    n=${run%_*}; gpu=${run#*_}
+    f=""; [ $n != bf16 ] && f="--fp8-format hybrid --fp8-recipe $n"
+    CUDA_VISIBLE_DEVICES=$gpu timeout ${LIMIT:-540} $B/bm-launch --nproc-per-node 1 --master-port $port -- $B/pretrain_gpt $C $f > $OUT/bbook_$run.log 2>&1 &
+    port=$((port + 1))
+  done
+  wait
+  for run in $RUNS; do
+    echo "=== bbook $run"; grep -E "iteration +[0-9]+00/|validation|rror|panick" $OUT/bbook_$run.log | sed -E 's/ \| (consumed samples|TFLOP|MFU|memory|grad norm|learning rate|lr)[^|]*//g' | cut -c1-110 | tail -22
   done
 fi
 if part hook1; then

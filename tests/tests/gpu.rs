@@ -2188,20 +2188,23 @@ fn fused_embedding_gradient_matches_the_sequential_sum() {
 /// input's and weight's gradients, both formats, at shapes of a 350M model's layers and at
 /// sides that are not multiples of the casts' tiles. A cast that misplaced elements of the
 /// transposed layout, which only the weight gradient reads, fails here; bf16's rounding of the
-/// outputs stays within `BF16`.
+/// outputs stays within `BF16`. Under blockwise scaling too: the block scales' layouts that
+/// cuBLASLt reads (1 × 128 and 128 × 128, padded rows included).
 #[test]
 fn fp8_linear_in_bf16_matches_the_cpu_emulation() {
     use burn::backend::NdArray;
-    use burn_megatron::ops::fp8::{Fp8Config, Fp8Format, Fp8Linear, Fp8Split, fp8_linear};
+    use burn_megatron::ops::fp8::{
+        Fp8Config, Fp8Format, Fp8Linear, Fp8Recipe, Fp8Split, fp8_linear,
+    };
     type Cpu = Autodiff<NdArray<f32>>;
     /// `[y, dx, dw]` of `y = x · w` with output gradient `g`, in f64, of backend `A` in `dtype`.
     fn layer<A: AutodiffBackend + burn_megatron::ops::fp8::Fp8LinearOps>(
         [x, w, g]: [&TensorData; 3],
         dtype: DType,
-        format: Fp8Format,
+        config: &Fp8Config,
         device: &A::Device,
     ) -> [Vec<f64>; 3] {
-        let fp8 = Fp8Linear::new(Fp8Config::new().with_format(format), None, Fp8Split::NONE);
+        let fp8 = Fp8Linear::new(config.clone(), None, Fp8Split::NONE);
         let tensor = |d: &TensorData| {
             Tensor::<A, 2>::from_data(d.clone(), device)
                 .cast(dtype)
@@ -2231,19 +2234,32 @@ fn fp8_linear_in_bf16_matches_the_cpu_emulation() {
             .collect();
         TensorData::new(v, shape.to_vec())
     };
-    for (tokens, d_in, d_out) in [(2048, 1024, 3072), (1024, 4096, 1024), (336, 208, 80)] {
-        let x = bf16([tokens, d_in], 1, 3.0);
-        let w = bf16([d_in, d_out], 2, 0.05);
-        let g = bf16([tokens, d_out], 3, 1e-3);
-        for format in [Fp8Format::Hybrid, Fp8Format::E4M3] {
-            let ours = layer::<Autodiff<Ours>>([&x, &w, &g], DType::BF16, format, &CudaGpu::new(0));
-            let cpu = layer::<Cpu>([&x, &w, &g], DType::F32, format, &Default::default());
-            for (name, got, want) in
-                [("y", 0, 0), ("dx", 1, 1), ("dw", 2, 2)].map(|(n, a, b)| (n, &ours[a], &cpu[b]))
-            {
-                let what = format!("[{tokens}, {d_in}] x [{d_in}, {d_out}] {format:?}: {name}");
-                let diff = burn_megatron_testing::assert_close(&what, got, want, tolerance::BF16);
-                println!("{what}: relative difference {diff:.2e}");
+    // Blockwise: whole blocks of 128; 640 and 384 give rows of 5 and 3 square scales, which
+    // cuBLASLt's layout pads to 8 and 4.
+    let shapes = |recipe| match recipe {
+        Fp8Recipe::Blockwise => [(2048, 1024, 3072), (1024, 4096, 1024), (256, 640, 384)],
+        _ => [(2048, 1024, 3072), (1024, 4096, 1024), (336, 208, 80)],
+    };
+    for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Blockwise] {
+        for (tokens, d_in, d_out) in shapes(recipe) {
+            let x = bf16([tokens, d_in], 1, 3.0);
+            let w = bf16([d_in, d_out], 2, 0.05);
+            let g = bf16([tokens, d_out], 3, 1e-3);
+            for format in [Fp8Format::Hybrid, Fp8Format::E4M3] {
+                let config = Fp8Config::new().with_format(format).with_recipe(recipe);
+                let data = [&x, &w, &g];
+                let ours = layer::<Autodiff<Ours>>(data, DType::BF16, &config, &CudaGpu::new(0));
+                let cpu = layer::<Cpu>(data, DType::F32, &config, &Default::default());
+                for (name, got, want) in
+                    [("y", 0), ("dx", 1), ("dw", 2)].map(|(n, i)| (n, &ours[i], &cpu[i]))
+                {
+                    let what = format!(
+                        "{recipe:?} [{tokens}, {d_in}] x [{d_in}, {d_out}] {format:?}: {name}"
+                    );
+                    let diff =
+                        burn_megatron_testing::assert_close(&what, got, want, tolerance::BF16);
+                    println!("{what}: relative difference {diff:.2e}");
+                }
             }
         }
     }

@@ -85,7 +85,7 @@ impl From<Fp8Kind> for CastTarget {
 }
 
 impl CastTarget {
-    fn max(self) -> f32 {
+    pub(super) fn max(self) -> f32 {
         match self {
             CastTarget::Fp8(kind) | CastTarget::Fp8InU32(kind) => kind.max(),
             CastTarget::F32 { max } => max,
@@ -94,13 +94,21 @@ impl CastTarget {
 
     /// The element the cast kernels write: the FP8 bits (see [`fp8_bits`]) as `u8` or `u32`,
     /// or the values as f32.
-    fn storage(self) -> StorageType {
+    pub(super) fn storage(self) -> StorageType {
         let elem = match self {
             CastTarget::Fp8(_) => ElemType::UInt(UIntKind::U8),
             CastTarget::Fp8InU32(_) => ElemType::UInt(UIntKind::U32),
             CastTarget::F32 { .. } => ElemType::Float(FloatKind::F32),
         };
         StorageType::Scalar(elem)
+    }
+
+    /// Whether the target's FP8 bits are E5M2's (`Some(false)`: E4M3's; `None`: values).
+    pub(super) fn is_e5m2(self) -> Option<bool> {
+        match self {
+            CastTarget::Fp8(kind) | CastTarget::Fp8InU32(kind) => Some(kind == Fp8Kind::E5M2),
+            CastTarget::F32 { .. } => None,
+        }
     }
 
     /// What the cast kernels write ([`encode`]): values, or the bits of a format.
@@ -114,7 +122,7 @@ impl CastTarget {
         }
     }
 
-    fn dtype(self) -> DType {
+    pub(super) fn dtype(self) -> DType {
         match self {
             CastTarget::Fp8(_) => DType::U8,
             CastTarget::Fp8InU32(_) => DType::U32,
@@ -505,7 +513,7 @@ pub fn delayed_update<R: CubeRuntime>(
 
 /// `x · scale` saturated to `±max`; a NaN stays a NaN (a clamp would turn it into `-max`).
 #[cube]
-fn scaled(x: f32, scale: f32, max: f32) -> f32 {
+pub(super) fn scaled(x: f32, scale: f32, max: f32) -> f32 {
     let y = x * scale;
     let mut out = y;
     if y > max {
@@ -546,7 +554,7 @@ fn encode<Q: Numeric>(y: f32, #[comptime] format: u32) -> Q {
 /// conversion), NaN included.
 #[cube]
 #[allow(unused_assignments)]
-fn fp8_bits(y: f32, #[comptime] e5m2: bool) -> u32 {
+pub(super) fn fp8_bits(y: f32, #[comptime] e5m2: bool) -> u32 {
     let bits = u32::reinterpret(y);
     let sign = (bits >> 24) & 0x80;
     let a = bits & 0x7FFF_FFFF;

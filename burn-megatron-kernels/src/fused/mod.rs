@@ -37,6 +37,7 @@ pub mod embedding;
 pub mod flash_attention;
 pub mod flat_copy;
 pub mod fp8;
+pub mod fp8_blocks;
 pub mod lse_merge;
 pub mod norm;
 pub mod rope;

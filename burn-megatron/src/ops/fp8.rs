@@ -475,6 +475,7 @@ mod cuda {
     use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
     use burn_megatron_kernels::cuda::{MegatronCudaRuntime, gemm};
     use burn_megatron_kernels::fused::fp8::{self, Fp8Kind};
+    use burn_megatron_kernels::fused::fp8_blocks;
 
     use super::{AmaxComputeAlgo, Fp8Blocks, Fp8Dtype, Fp8Ops};
     use crate::ops::primitive::{raw, wrap};
@@ -638,9 +639,10 @@ mod cuda {
             }))
         }
 
-        /// The block scales from Burn operations, the cast by the cast kernel with scale 1 on
-        /// the scaled f32 values (the bits a fused kernel would write: `x · s` is formed in
-        /// f32 either way).
+        /// Blocks of 1 × 128: one kernel a layout (`fused::fp8_blocks`). Squares (weights,
+        /// cast once per optimizer step): the scales from Burn operations, the cast by the
+        /// cast kernel with scale 1 on the scaled f32 values (the same bits: `x · s` is
+        /// formed in f32 either way).
         fn fp8_quantize_blockwise(
             x: Tensor<Self, 2>,
             dtype: Fp8Dtype,
@@ -650,6 +652,11 @@ mod cuda {
         ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
             if composed("casts") {
                 return super::quantize_blockwise_composition(x, dtype, blocks, margin, transpose);
+            }
+            if blocks == Fp8Blocks::Row {
+                let (q, inv) =
+                    fp8_blocks::quantize_blockwise(raw(x), kind(dtype), margin, transpose);
+                return (wrap(q), wrap(inv));
             }
             let (scaled, inv) =
                 super::blockwise::blockwise_scaled(x, dtype, blocks, margin, transpose);

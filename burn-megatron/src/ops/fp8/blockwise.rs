@@ -109,11 +109,13 @@ pub fn blockwise_scaled<B: Backend>(
     let inv = scales.recip().reshape([groups, col_blocks]);
     let inv = match blocks {
         Fp8Blocks::Row => inv.transpose(),
-        Fp8Blocks::Square => {
-            let pad = padded_blocks(cols) - col_blocks;
-            let padding = Tensor::<B, 2>::ones([groups, pad], (&device, DType::F32));
-            Tensor::cat(vec![inv, padding], 1)
-        }
+        Fp8Blocks::Square => match padded_blocks(cols) - col_blocks {
+            0 => inv,
+            pad => {
+                let padding = Tensor::<B, 2>::ones([groups, pad], (&device, DType::F32));
+                Tensor::cat(vec![inv, padding], 1)
+            }
+        },
     };
     let len = blocks.scale_len(rows, cols);
     (scaled.reshape([rows, cols]), inv.reshape([len]))

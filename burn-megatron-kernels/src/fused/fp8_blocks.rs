@@ -1,0 +1,250 @@
+//! Blockwise FP8 casts (DeepSeek-V3's scaling, `--fp8-recipe blockwise`): each block of 128
+//! consecutive elements along a row of the cast has the scale of its own amax, the largest
+//! power of two at most `max / amax · 2^-margin` (capped at 2^127; 1 for a block of zeros or
+//! one holding a NaN or an infinity). One kernel a layout, each reading `x` once and writing
+//! the FP8 bits and the reciprocal scales in cuBLASLt's `VEC128_32F` layout (the block column
+//! outermost): [`quantize_blockwise`] row-major, blocks along `x`'s rows, or transposed,
+//! blocks of 128 rows of one column, which the weight gradient reads.
+//!
+//! The bits equal those of the cast kernels ([`fp8_bits`]) on `x · s` formed in f32, and the
+//! scales those of the Burn composition in `burn-megatron` (`ops::fp8::blockwise`).
+
+use burn::tensor::{DType, Shape};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+use super::fp8::{CastTarget, fp8_bits, scaled};
+use super::vectors::{THREADS, launch_shape};
+
+/// The side of a block.
+pub const BLOCK: usize = 128;
+/// Threads a block in the row-major kernel: each casts 4 elements.
+const LANES: usize = 32;
+
+/// The scale of a block whose amax has the f32 bits `amax_bits` (a NaN's bits exceed
+/// infinity's): `max / amax · factor` with its mantissa cleared (the largest power of two at
+/// most it), 2^127 where that overflows, 1 for a zero, infinite or NaN amax.
+#[cube]
+fn block_scale(amax_bits: u32, max: f32, factor: f32) -> f32 {
+    let mut s = 1.0f32;
+    if amax_bits > 0 && amax_bits < 0x7F80_0000 {
+        let bits = u32::reinterpret(max / f32::reinterpret(amax_bits) * factor);
+        if bits >= 0x7F80_0000 {
+            s = f32::reinterpret(0x7F00_0000u32);
+        } else {
+            s = f32::reinterpret(bits & 0xFF80_0000u32);
+        }
+    }
+    s
+}
+
+/// Row-major blockwise cast: [`THREADS`] / [`LANES`] blocks a cube, [`LANES`] threads a block,
+/// 4 elements a thread; the block's amax by a tree in shared memory over its lanes.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn quantize_rows_kernel<F: Float, Q: Numeric>(
+    x: &Tensor<F>,
+    out: &mut Tensor<Q>,
+    inv: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    max: f32,
+    factor: f32,
+    #[comptime] e5m2: bool,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let tid = UNIT_POS_X as usize;
+    let lane = tid % LANES;
+    let col_blocks = cols as usize / BLOCK;
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let block = cube * (THREADS as usize / LANES) + tid / LANES;
+    let valid = block < rows as usize * col_blocks;
+    let (r, kb) = (block / col_blocks, block % col_blocks);
+    let base = r * cols as usize + kb * BLOCK + lane * 4;
+    let mut v = Array::<f32>::new(4usize);
+    let mut best = 0u32;
+    if valid {
+        #[unroll]
+        for i in 0..4 {
+            let value = f32::cast_from(x[base + i]);
+            v[i] = value;
+            let bits = u32::reinterpret(f32::abs(value));
+            if bits > best {
+                best = bits;
+            }
+        }
+    }
+    let mut shared = SharedMemory::<u32>::new(THREADS as usize);
+    shared[tid] = best;
+    sync_cube();
+    // Halving steps 16, 8, .., 1 (known when the kernel compiles).
+    #[unroll]
+    for k in 1..6usize {
+        let step = LANES >> k;
+        #[allow(clippy::collapsible_if)]
+        if lane < step {
+            if shared[tid + step] > shared[tid] {
+                shared[tid] = shared[tid + step];
+            }
+        }
+        sync_cube();
+    }
+    if valid {
+        let s = block_scale(shared[tid - lane], max, factor);
+        #[unroll]
+        for i in 0..4 {
+            out[base + i] = Q::cast_from(fp8_bits(scaled(v[i], s, max), e5m2));
+        }
+        if lane == 0 {
+            inv[kb * rows as usize + r] = 1.0 / s;
+        }
+    }
+}
+
+/// Columns of a tile of the transposed kernel.
+const TILE_COLS: usize = 32;
+/// Rows of the tile each thread reads (the cube is `TILE_COLS × ROW_STEP` threads).
+const ROW_STEP: usize = 8;
+const PER_THREAD: usize = BLOCK / ROW_STEP;
+const _: () = assert!(TILE_COLS * ROW_STEP == THREADS as usize);
+
+/// Transposed blockwise cast, `out[c, r] = cast(x[r, c])` with one scale for 128 rows of a
+/// column: a cube a tile of 128 rows × 32 columns, read along `x`'s rows (thread `(tx, ty)`
+/// reads rows `ty + 8j` of column `tx`), the column amaxes from the 8 threads of a column
+/// through shared memory, the bytes written along `out`'s rows through a shared tile.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn quantize_columns_kernel<F: Float, Q: Numeric>(
+    x: &Tensor<F>,
+    out: &mut Tensor<Q>,
+    inv: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    max: f32,
+    factor: f32,
+    #[comptime] e5m2: bool,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let (tx, ty) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    let (rows, cols) = (rows as usize, cols as usize);
+    let r0 = CUBE_POS_Y as usize * BLOCK;
+    let c = CUBE_POS_X as usize * TILE_COLS + tx;
+    let mut v = Array::<f32>::new(PER_THREAD);
+    let mut best = 0u32;
+    #[unroll]
+    for j in 0..PER_THREAD {
+        let value = f32::cast_from(x[(r0 + ty + ROW_STEP * j) * cols + c]);
+        v[j] = value;
+        let bits = u32::reinterpret(f32::abs(value));
+        if bits > best {
+            best = bits;
+        }
+    }
+    let mut partial = SharedMemory::<u32>::new(THREADS as usize);
+    partial[ty * TILE_COLS + tx] = best;
+    sync_cube();
+    let mut amax = 0u32;
+    #[unroll]
+    for k in 0..ROW_STEP {
+        let bits = partial[k * TILE_COLS + tx];
+        if bits > amax {
+            amax = bits;
+        }
+    }
+    let s = block_scale(amax, max, factor);
+    // Column `tx` of the tile is row `tx` of the transposed tile (padded against bank
+    // conflicts).
+    let mut tile = SharedMemory::<u32>::new(TILE_COLS * (BLOCK + 1));
+    #[unroll]
+    for j in 0..PER_THREAD {
+        tile[tx * (BLOCK + 1) + ty + ROW_STEP * j] = fp8_bits(scaled(v[j], s, max), e5m2);
+    }
+    if ty == 0 {
+        inv[(r0 / BLOCK) * cols + c] = 1.0 / s;
+    }
+    sync_cube();
+    // Thread `t` writes 16 consecutive bytes of one of the tile's 32 output rows.
+    let t = ty * TILE_COLS + tx;
+    let (row, chunk) = (t / ROW_STEP, (t % ROW_STEP) * PER_THREAD);
+    let out_base = (CUBE_POS_X as usize * TILE_COLS + row) * rows + r0 + chunk;
+    #[unroll]
+    for i in 0..PER_THREAD {
+        out[out_base + i] = Q::cast_from(tile[row * (BLOCK + 1) + chunk + i]);
+    }
+}
+
+/// The blockwise cast of `x: [rows, cols]` (f32, f16 or bf16; both sides multiples of 128) to
+/// `kind` (FP8 bits as `U8`, or one a `U32` for a runtime without 8-bit storage), with the
+/// scales' factor `2^-margin`: `(q, inv)`, `q` `[rows, cols]` with blocks along its rows, or
+/// with `transpose` `[cols, rows]` with blocks of 128 rows of `x`; `inv` the f32 reciprocal
+/// scales, `[cols / 128, rows]` (`[rows / 128, cols]` transposed): cuBLASLt's `VEC128_32F`
+/// layout of `q`'s scales.
+pub fn quantize_blockwise<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    kind: impl Into<CastTarget>,
+    margin: i32,
+    transpose: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let kind = kind.into();
+    let e5m2 = kind.is_e5m2().expect("a blockwise cast writes FP8 bits");
+    let x = into_contiguous(x);
+    let dims = x.meta.shape().to_vec();
+    assert_eq!(dims.len(), 2, "the blockwise cast takes a matrix");
+    let (rows, cols) = (dims[0], dims[1]);
+    assert!(
+        rows % BLOCK == 0 && cols % BLOCK == 0 && rows * cols > 0,
+        "the blockwise cast takes whole blocks of 128: [{rows}, {cols}]"
+    );
+    let empty = |shape: Vec<usize>, dtype| {
+        empty_device_contiguous_dtype::<R>(
+            x.client.clone(),
+            x.device.clone(),
+            Shape::from(shape),
+            dtype,
+        )
+    };
+    let (out_shape, inv_shape) = match transpose {
+        false => (vec![rows, cols], vec![cols / BLOCK * rows]),
+        true => (vec![cols, rows], vec![rows / BLOCK * cols]),
+    };
+    let out = empty(out_shape, kind.dtype());
+    let inv = empty(inv_shape, DType::F32);
+    let dtypes = [x.dtype.into(), kind.storage()];
+    let factor = 2f32.powi(-margin);
+    let client = x.client.clone();
+    if transpose {
+        quantize_columns_kernel::launch::<R>(
+            &client,
+            CubeCount::Static((cols / TILE_COLS) as u32, (rows / BLOCK) as u32, 1),
+            CubeDim::new_2d(TILE_COLS as u32, ROW_STEP as u32),
+            x.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            inv.clone().into_tensor_arg(),
+            rows as u32,
+            cols as u32,
+            kind.max(),
+            factor,
+            e5m2,
+            dtypes,
+        );
+    } else {
+        quantize_rows_kernel::launch::<R>(
+            &client,
+            launch_shape(rows * (cols / BLOCK) * LANES),
+            CubeDim::new_1d(THREADS),
+            x.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            inv.clone().into_tensor_arg(),
+            rows as u32,
+            cols as u32,
+            kind.max(),
+            factor,
+            e5m2,
+            dtypes,
+        );
+    }
+    (out, inv)
+}
