@@ -319,10 +319,11 @@ fi
 if part blockbook; then
   # 2 GPUs: PART=curvebook's 350M curve on the non-repeating book corpus with blockwise
   # scaling: GPU 0 ours bf16, FP8 blockwise and FP8 tensorwise, GPU 1 bf16 and blockwise again,
-  # all five at once (ITERS, default 1000; RUNS picks some of them, as NAME_GPU).
+  # all five at once (ITERS, default 1000; RUNS picks some of them, as NAME_GPU; PORT the first
+  # rendezvous port, for two such parts at once).
   for z in .gpu/data/*.gz; do [ -e "$z" ] && gunzip -f "$z"; done
   C="${C350/realtext_text_document/booktext_text_document} --eval-interval 100 --eval-iters 20"
-  port=29570
+  port=${PORT:-29570}
   RUNS=${RUNS:-bf16_0 blockwise_0 tensorwise_0 bf16_1 blockwise_1}
   for run in $RUNS; do
     n=${run%_*}; gpu=${run#*_}
@@ -367,9 +368,11 @@ if part peer8b; then
 fi
 if part prof1; then
   # One GPU: PART=step1's model (14 of Llama-3 8B's layers), global batch 8, one step
-  # profiled, bf16 and FP8 tensorwise.
+  # profiled, bf16 and FP8 tensorwise and delayed (PROF1_RECIPES: some of bf16 tensorwise delayed
+  # blockwise).
   P="--config examples/configs/llama3_8b.toml --num-layers 14 --bf16 --no-save --eval-interval 0 --log-interval 1 --collective-checks false --lr-warmup-iters 2 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 1 --global-batch-size 8 --train-iters 3 --profile --profile-step-start 2 --profile-step-end 3 --profile-ranks 0"
-  for f in "" "--fp8-format hybrid --fp8-recipe tensorwise" "--fp8-format hybrid --fp8-recipe delayed"; do
+  for r in ${PROF1_RECIPES:-bf16 tensorwise delayed}; do
+    f=""; [ $r != bf16 ] && f="--fp8-format hybrid --fp8-recipe $r"
     n=prof1$(echo "$f" | tr -d ' -' | cut -c1-30)
     BM_PROFILE=1 timeout 120 $B/bm-launch --nproc-per-node 1 -- $B/pretrain_gpt $P $f > $OUT/$n.log 2>&1
     echo "=== $n rc=$?"; grep -E "iteration +[0-9]+/|rank 0 \||rror|panick" $OUT/$n.log | cut -c1-170 | head -45

@@ -39,6 +39,8 @@
 #   fp8bwd PART=bwd (2 GPUs): that model in bf16, FP8, FP8 with backward GEMMs in bf16 (both, wgrad, dgrad), and the PyTorch pair
 #   fp8dp2 PART=dp2 (2 GPUs): that model at DP 2 for 60 steps in bf16, FP8 tensorwise and FP8 delayed (histories reduced over DP)
 #   fp8book PART=curvebook (2 GPUs): the 350M curve on the non-repeating book corpus, ours bf16 and FP8 twice, PyTorch bf16 and float8
+#   fp8block1 PART=block1 (1 GPU): 14 of Llama-3 8B's layers in bf16, FP8 tensorwise and FP8 blockwise
+#   fp8blockbook PART=blockbook (2 GPUs): the 350M curve on the book corpus, bf16, FP8 blockwise and tensorwise
 #   fp8dp2prof PART=dp2prof (2 GPUs): that model at DP 2, FP8 delayed profiled, without the DP reduction, and tensorwise
 #   fp8diag PART=diag (2 GPUs): that model in bf16 and FP8 with the kernels, the casts or the scales as the Burn compositions
 #   fp8step1 PART=step1 (1 GPU): the casts' checks and speeds, 14 of Llama-3 8B's layers in bf16 and FP8
@@ -142,6 +144,8 @@ for s in "$@"; do
     fp8bwd) step fp8bwd env PART=bwd bash bench/fp8_gpu_check.sh ;;
     fp8dp2) step fp8dp2 env PART=dp2 bash bench/fp8_gpu_check.sh ;;
     fp8dp2prof) step fp8dp2prof env PART=dp2prof bash bench/fp8_gpu_check.sh ;;
+    fp8block1) step fp8block1 env PART=block1 SKIP_CASTS=1 bash bench/fp8_gpu_check.sh ;;
+    fp8blockbook) step fp8blockbook env PART=blockbook bash bench/fp8_gpu_check.sh ;;
     fp8book) step fp8book env PART=curvebook bash bench/fp8_gpu_check.sh ;;
     fp8prof8b) step fp8prof8b env PART=profile8b bash bench/fp8_gpu_check.sh ;;
     fp8step8b) step fp8step8b env PART=step8b bash bench/fp8_gpu_check.sh ;;

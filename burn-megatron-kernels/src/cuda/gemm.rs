@@ -702,6 +702,10 @@ impl LtState {
                     // cuBLASLt's A is our `b`, its B our `a` (module docs).
                     set_desc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &b_blocks.mode())?;
                     set_desc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &a_blocks.mode())?;
+                    // The heuristic refuses block scaling without scale pointers (an invalid
+                    // value): any device address until each call sets the operands' own.
+                    set_desc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &self.workspace)?;
+                    set_desc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &self.workspace)?;
                 }
             }
             if key.bias {

@@ -4,7 +4,8 @@
 //! one holding a NaN or an infinity). One kernel a layout, each reading `x` once and writing
 //! the FP8 bits and the reciprocal scales in cuBLASLt's `VEC128_32F` layout (the block column
 //! outermost): [`quantize_blockwise`] row-major, blocks along `x`'s rows, or transposed,
-//! blocks of 128 rows of one column, which the weight gradient reads.
+//! blocks of 128 rows of one column, which the weight gradient reads. [`quantize_squares`]
+//! casts a weight in 128 × 128 blocks (`BLK128x128_32F`), in either layout.
 //!
 //! The bits equal those of the cast kernels ([`fp8_bits`]) on `x · s` formed in f32, and the
 //! scales those of the Burn composition in `burn-megatron` (`ops::fp8::blockwise`).
@@ -31,12 +32,12 @@ const LANES: usize = 32;
 fn block_scale(amax_bits: u32, max: f32, factor: f32) -> f32 {
     let mut s = 1.0f32;
     if amax_bits > 0 && amax_bits < 0x7F80_0000 {
-        let bits = u32::reinterpret(max / f32::reinterpret(amax_bits) * factor);
+        let mut bits = u32::reinterpret(max / f32::reinterpret(amax_bits) * factor);
         if bits >= 0x7F80_0000 {
-            s = f32::reinterpret(0x7F00_0000u32);
-        } else {
-            s = f32::reinterpret(bits & 0xFF80_0000u32);
+            // Overflow: f32::MAX's bits, whose power of two is 2^127.
+            bits = 0x7F7F_FFFFu32;
         }
+        s = f32::reinterpret(bits & 0xFF80_0000u32);
     }
     s
 }
@@ -174,6 +175,148 @@ fn quantize_columns_kernel<F: Float, Q: Numeric>(
     for i in 0..PER_THREAD {
         out[out_base + i] = Q::cast_from(tile[row * (BLOCK + 1) + chunk + i]);
     }
+}
+
+/// Square blockwise cast (weights: one scale for each 128 × 128 block): a cube a block, thread
+/// `(tx, ty)` reading rows `ty + 8j` of columns `32g + tx`; the block's amax by a tree in
+/// shared memory over the cube, then the block read again (from the cache) and written
+/// row-major, or transposed with `transpose` (a byte a thread: a weight is cast once per
+/// optimizer step). The scale rows' padding to a multiple of 4 is written as ones.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn quantize_squares_kernel<F: Float, Q: Numeric>(
+    x: &Tensor<F>,
+    out: &mut Tensor<Q>,
+    inv: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    max: f32,
+    factor: f32,
+    #[comptime] e5m2: bool,
+    #[comptime] transpose: bool,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let (tx, ty) = (UNIT_POS_X as usize, UNIT_POS_Y as usize);
+    let (rows, cols) = (rows as usize, cols as usize);
+    let (rb, cb) = (CUBE_POS_Y as usize, CUBE_POS_X as usize);
+    let (r0, c0) = (rb * BLOCK, cb * BLOCK);
+    let mut best = 0u32;
+    #[unroll]
+    for g in 0..BLOCK / TILE_COLS {
+        #[unroll]
+        for j in 0..PER_THREAD {
+            let value =
+                f32::cast_from(x[(r0 + ty + ROW_STEP * j) * cols + c0 + TILE_COLS * g + tx]);
+            let bits = u32::reinterpret(f32::abs(value));
+            if bits > best {
+                best = bits;
+            }
+        }
+    }
+    let tid = ty * TILE_COLS + tx;
+    let mut shared = SharedMemory::<u32>::new(THREADS as usize);
+    shared[tid] = best;
+    sync_cube();
+    // Halving steps 128, 64, .., 1 (known when the kernel compiles).
+    #[unroll]
+    for k in 1..9usize {
+        let step = THREADS as usize >> k;
+        #[allow(clippy::collapsible_if)]
+        if tid < step {
+            if shared[tid + step] > shared[tid] {
+                shared[tid] = shared[tid + step];
+            }
+        }
+        sync_cube();
+    }
+    let s = block_scale(shared[0], max, factor);
+    #[unroll]
+    for g in 0..BLOCK / TILE_COLS {
+        #[unroll]
+        for j in 0..PER_THREAD {
+            let (r, c) = (r0 + ty + ROW_STEP * j, c0 + TILE_COLS * g + tx);
+            let code = Q::cast_from(fp8_bits(
+                scaled(f32::cast_from(x[r * cols + c]), s, max),
+                e5m2,
+            ));
+            if comptime!(transpose) {
+                out[c * rows + r] = code;
+            } else {
+                out[r * cols + c] = code;
+            }
+        }
+    }
+    if tid == 0 {
+        // The scales of the cast's rows of blocks: `[row blocks, ⌈column blocks⌉₄]`.
+        let (outer, inner, inner_blocks) = if comptime!(transpose) {
+            (cb, rb, rows / BLOCK)
+        } else {
+            (rb, cb, cols / BLOCK)
+        };
+        let padded = (inner_blocks + 3) / 4 * 4;
+        inv[outer * padded + inner] = 1.0 / s;
+        if inner == inner_blocks - 1 {
+            for p in inner_blocks..padded {
+                inv[outer * padded + p] = 1.0;
+            }
+        }
+    }
+}
+
+/// The square blockwise cast of a weight `x: [rows, cols]` (both sides multiples of 128) to
+/// `kind`: `(q, inv)`, `q` `[rows, cols]` or with `transpose` `[cols, rows]` (the same blocks,
+/// transposed), `inv` the f32 reciprocal scales in cuBLASLt's `BLK128x128_32F` layout of `q`:
+/// `[q's row blocks, its column blocks rounded up to a multiple of 4]`, the padding ones.
+pub fn quantize_squares<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    kind: impl Into<CastTarget>,
+    margin: i32,
+    transpose: bool,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let kind = kind.into();
+    let e5m2 = kind.is_e5m2().expect("a blockwise cast writes FP8 bits");
+    let x = into_contiguous(x);
+    let dims = x.meta.shape().to_vec();
+    assert_eq!(dims.len(), 2, "the blockwise cast takes a matrix");
+    let (rows, cols) = (dims[0], dims[1]);
+    assert!(
+        rows % BLOCK == 0 && cols % BLOCK == 0 && rows * cols > 0,
+        "the blockwise cast takes whole blocks of 128: [{rows}, {cols}]"
+    );
+    let (out_rows, out_cols) = if transpose {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    let padded = (out_cols / BLOCK).next_multiple_of(4);
+    let empty = |shape: Vec<usize>, dtype| {
+        empty_device_contiguous_dtype::<R>(
+            x.client.clone(),
+            x.device.clone(),
+            Shape::from(shape),
+            dtype,
+        )
+    };
+    let out = empty(vec![out_rows, out_cols], kind.dtype());
+    let inv = empty(vec![out_rows / BLOCK * padded], DType::F32);
+    let dtypes = [x.dtype.into(), kind.storage()];
+    let client = x.client.clone();
+    quantize_squares_kernel::launch::<R>(
+        &client,
+        CubeCount::Static((cols / BLOCK) as u32, (rows / BLOCK) as u32, 1),
+        CubeDim::new_2d(TILE_COLS as u32, ROW_STEP as u32),
+        x.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        inv.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        kind.max(),
+        2f32.powi(-margin),
+        e5m2,
+        transpose,
+        dtypes,
+    );
+    (out, inv)
 }
 
 /// The blockwise cast of `x: [rows, cols]` (f32, f16 or bf16; both sides multiples of 128) to

@@ -639,10 +639,7 @@ mod cuda {
             }))
         }
 
-        /// Blocks of 1 × 128: one kernel a layout (`fused::fp8_blocks`). Squares (weights,
-        /// cast once per optimizer step): the scales from Burn operations, the cast by the
-        /// cast kernel with scale 1 on the scaled f32 values (the same bits: `x · s` is
-        /// formed in f32 either way).
+        /// One kernel a layout (`fused::fp8_blocks`): 1 × 128 blocks, or 128 × 128 squares.
         fn fp8_quantize_blockwise(
             x: Tensor<Self, 2>,
             dtype: Fp8Dtype,
@@ -653,16 +650,12 @@ mod cuda {
             if composed("casts") {
                 return super::quantize_blockwise_composition(x, dtype, blocks, margin, transpose);
             }
-            if blocks == Fp8Blocks::Row {
-                let (q, inv) =
-                    fp8_blocks::quantize_blockwise(raw(x), kind(dtype), margin, transpose);
-                return (wrap(q), wrap(inv));
-            }
-            let (scaled, inv) =
-                super::blockwise::blockwise_scaled(x, dtype, blocks, margin, transpose);
-            let one = Tensor::<Self, 1>::ones([1], (&scaled.device(), DType::F32));
-            let q = fp8::quantize(raw(scaled), &raw(one), kind(dtype), false);
-            (wrap(q), inv)
+            let cast = match blocks {
+                Fp8Blocks::Row => fp8_blocks::quantize_blockwise,
+                Fp8Blocks::Square => fp8_blocks::quantize_squares,
+            };
+            let (q, inv) = cast(raw(x), fp8::CastTarget::Fp8(kind(dtype)), margin, transpose);
+            (wrap(q), wrap(inv))
         }
 
         fn fp8_gemm_blockwise(

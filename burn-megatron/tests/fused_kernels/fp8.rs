@@ -507,7 +507,8 @@ fn vectorised_casts_match_the_host_for_any_shape() {
 }
 
 /// The blockwise cast kernels (`fp8_blocks::quantize_blockwise`: the row-major one, a block of
-/// 32 threads, and the transposed one, tiles of 128 rows × 32 columns) against the Burn
+/// 32 threads, and the transposed one, tiles of 128 rows × 32 columns; `quantize_squares` in
+/// both layouts, with 3 column blocks, whose scale rows are padded to 4) against the Burn
 /// composition of `burn-megatron` (`quantize_blockwise_composition`) on the same tensors, bit
 /// for bit: the FP8 values decoded, the reciprocal scales in cuBLASLt's layout. Blocks whose
 /// amaxes span 2^-20 to 2^20, a block of zeros, one holding a NaN and one an infinity (scale
@@ -515,7 +516,7 @@ fn vectorised_casts_match_the_host_for_any_shape() {
 #[test]
 fn the_blockwise_casts_match_the_composition() {
     use burn_megatron::ops::fp8::{Fp8Blocks, quantize_blockwise_composition};
-    use burn_megatron_kernels::fused::fp8_blocks::quantize_blockwise;
+    use burn_megatron_kernels::fused::fp8_blocks::{quantize_blockwise, quantize_squares};
     let device = WgpuDevice::default();
     let (rows, cols) = (256, 384);
     let mut data = random(rows * cols, 42, 1.0);
@@ -536,18 +537,25 @@ fn the_blockwise_casts_match_the_composition() {
             (Fp8Kind::E5M2, Fp8Dtype::E5M2),
         ] {
             for margin in [0, 2] {
-                for transpose in [false, true] {
-                    let what = format!("{dtype:?} {kind:?} margin {margin} transposed {transpose}");
-                    let (q, inv) = quantize_blockwise(
-                        raw(x.clone()),
-                        CastTarget::Fp8InU32(kind),
-                        margin,
-                        transpose,
+                for (blocks, transpose) in [
+                    (Fp8Blocks::Row, false),
+                    (Fp8Blocks::Row, true),
+                    (Fp8Blocks::Square, false),
+                    (Fp8Blocks::Square, true),
+                ] {
+                    let what = format!(
+                        "{dtype:?} {kind:?} {blocks:?} margin {margin} transposed {transpose}"
                     );
+                    let cast = match blocks {
+                        Fp8Blocks::Row => quantize_blockwise,
+                        Fp8Blocks::Square => quantize_squares,
+                    };
+                    let target = CastTarget::Fp8InU32(kind);
+                    let (q, inv) = cast(raw(x.clone()), target, margin, transpose);
                     let (want_q, want_inv) = quantize_blockwise_composition(
                         x.clone(),
                         fp8_dtype,
-                        Fp8Blocks::Row,
+                        blocks,
                         margin,
                         transpose,
                     );

@@ -70,7 +70,7 @@ pub fn check_blockwise_shape(rows: usize, cols: usize) -> Result<(), String> {
 /// # Shapes
 /// - `x`: `[r, c]`, both multiples of 128
 /// - output: `[r, c]` (`[c, r]` with `transpose`), and `[scale_len]`
-pub fn blockwise_scaled<B: Backend>(
+fn blockwise_scaled<B: Backend>(
     x: Tensor<B, 2>,
     dtype: Fp8Dtype,
     blocks: Fp8Blocks,

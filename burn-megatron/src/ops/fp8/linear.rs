@@ -873,16 +873,6 @@ fn blockwise_forward<B: Fp8Ops>(
         Fp8Blocks::Square,
         out_dtype,
     );
-    if std::env::var("BWDBG").is_ok() {
-        let d = output
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .unwrap();
-        let s: f64 = d.iter().map(|v| *v as f64).sum();
-        eprintln!("BW out {:?} sum {s:.6} first {:?}", output.dims(), &d[..3]);
-    }
     let output = match bias {
         Some(bias) => B::bias_add(output, bias),
         None => output,
