@@ -22,6 +22,7 @@ TITLES = {
     "throughput": "Training throughput: burn-megatron against PyTorch (same GPUs, same call)",
     "scaling": "Data-parallel scaling efficiency: burn-megatron against PyTorch",
     "fp8_curve": "FP8 against bf16: validation loss of a 350M GPT on text it does not repeat",
+    "fp8_blockwise_curve": "FP8 blockwise scaling against bf16: the same 350M GPT and corpus",
 }
 OURS, THEIRS = "#d9480f", "#868e96"
 # Line colours and dashes of a curve chart's runs, in the data file's order: ours in our

@@ -7,7 +7,7 @@
 //! blocks of 128 rows of one column, which the weight gradient reads. [`quantize_squares`]
 //! casts a weight in 128 × 128 blocks (`BLK128x128_32F`), in either layout.
 //!
-//! The bits equal those of the cast kernels ([`fp8_bits`]) on `x · s` formed in f32, and the
+//! The bits equal those of the cast kernels (`fp8::fp8_bits`) on `x · s` formed in f32, and the
 //! scales those of the Burn composition in `burn-megatron` (`ops::fp8::blockwise`).
 
 use burn::tensor::{DType, Shape};
@@ -183,7 +183,8 @@ fn quantize_columns_kernel<F: Float, Q: Numeric>(
 /// row-major, or transposed with `transpose` (a byte a thread: a weight is cast once per
 /// optimizer step). The scale rows' padding to a multiple of 4 is written as ones.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
+// `div_ceil` is not a kernel operation.
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 fn quantize_squares_kernel<F: Float, Q: Numeric>(
     x: &Tensor<F>,
     out: &mut Tensor<Q>,

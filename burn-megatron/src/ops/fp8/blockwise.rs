@@ -137,8 +137,15 @@ fn power_of_two_below<B: Backend>(s: Tensor<B, 1>) -> Tensor<B, 1> {
 }
 
 /// [`Fp8Ops::fp8_quantize_blockwise`](super::Fp8Ops::fp8_quantize_blockwise) as Burn
-/// operations: [`blockwise_scaled`]'s values rounded on `dtype`'s grid (as
-/// [`quantize_composition`](super::quantize_composition) rounds), in `x`'s float dtype.
+/// operations: each block's amax, its scale (the largest power of two at most `max / amax /
+/// 2^margin`, 1 for a block of zeros or one holding a NaN or an infinity), the values times
+/// their block's scale in f32 (f64 for f64 `x`) rounded on `dtype`'s grid (as
+/// [`quantize_composition`](super::quantize_composition) rounds), in `x`'s float dtype, and
+/// the reciprocal scales in cuBLASLt's layout.
+///
+/// # Shapes
+/// - `x`: `[r, c]`, both multiples of 128
+/// - output: `[r, c]` (`[c, r]` with `transpose`), and `[Fp8Blocks::scale_len]`
 pub fn quantize_blockwise_composition<B: Backend>(
     x: Tensor<B, 2>,
     dtype: Fp8Dtype,
