@@ -110,21 +110,26 @@ pub fn gemm_fp8(
         blocks: None,
     };
     let key = fp8_key(a, a_scale_inv, b, b_scale_inv, fp8, out_dtype)?;
+    Ok(fp8_product(key, a, a_scale_inv, b, b_scale_inv))
+}
+
+/// Enqueues the FP8 GEMM of `key` into a new `[m, n]` output of the key's dtype.
+fn fp8_product(
+    key: GemmKey,
+    a: &Tensor,
+    a_scale_inv: &Tensor,
+    b: &Tensor,
+    b_scale_inv: &Tensor,
+) -> Tensor {
     let out = empty_device_contiguous_dtype(
         a.client.clone(),
         a.device.clone(),
         Shape::from(vec![key.m, key.n]),
-        out_dtype,
+        key.output,
     );
-    submit(
-        key,
-        a,
-        b,
-        binding(&out),
-        None,
-        Some((a_scale_inv, b_scale_inv)),
-    );
-    Ok(out)
+    let scales = Some((a_scale_inv, b_scale_inv));
+    submit(key, a, b, binding(&out), None, scales);
+    out
 }
 
 /// How a blockwise FP8 operand's reciprocal scales cover it (cuBLASLt's scale modes, CUDA
@@ -186,21 +191,7 @@ pub fn gemm_fp8_blockwise(
             b.meta.shape().to_vec(),
         ));
     }
-    let out = empty_device_contiguous_dtype(
-        a.client.clone(),
-        a.device.clone(),
-        Shape::from(vec![key.m, key.n]),
-        out_dtype,
-    );
-    submit(
-        key,
-        a,
-        b,
-        binding(&out),
-        None,
-        Some((a_scale_inv, b_scale_inv)),
-    );
-    Ok(out)
+    Ok(fp8_product(key, a, a_scale_inv, b, b_scale_inv))
 }
 
 /// [`gemm_fp8`] added in place, in f32, to `buffer` at `start..start + m · n` (row-major):

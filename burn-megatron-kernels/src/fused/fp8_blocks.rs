@@ -264,6 +264,29 @@ fn quantize_squares_kernel<F: Float, Q: Numeric>(
     }
 }
 
+/// `x` contiguous, with its sides, which must be whole blocks of 128.
+fn whole_blocks<R: CubeRuntime>(x: CubeTensor<R>) -> (CubeTensor<R>, usize, usize) {
+    let x = into_contiguous(x);
+    let dims = x.meta.shape().to_vec();
+    assert_eq!(dims.len(), 2, "the blockwise cast takes a matrix");
+    let (rows, cols) = (dims[0], dims[1]);
+    assert!(
+        rows % BLOCK == 0 && cols % BLOCK == 0 && rows * cols > 0,
+        "the blockwise cast takes whole blocks of 128: [{rows}, {cols}]"
+    );
+    (x, rows, cols)
+}
+
+/// An empty contiguous tensor of `shape` and `dtype` on `x`'s device.
+fn empty_on<R: CubeRuntime>(x: &CubeTensor<R>, shape: Vec<usize>, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(
+        x.client.clone(),
+        x.device.clone(),
+        Shape::from(shape),
+        dtype,
+    )
+}
+
 /// The square blockwise cast of a weight `x: [rows, cols]` (both sides multiples of 128) to
 /// `kind`: `(q, inv)`, `q` `[rows, cols]` or with `transpose` `[cols, rows]` (the same blocks,
 /// transposed), `inv` the f32 reciprocal scales in cuBLASLt's `BLK128x128_32F` layout of `q`:
@@ -276,28 +299,14 @@ pub fn quantize_squares<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let kind = kind.into();
     let e5m2 = kind.is_e5m2().expect("a blockwise cast writes FP8 bits");
-    let x = into_contiguous(x);
-    let dims = x.meta.shape().to_vec();
-    assert_eq!(dims.len(), 2, "the blockwise cast takes a matrix");
-    let (rows, cols) = (dims[0], dims[1]);
-    assert!(
-        rows % BLOCK == 0 && cols % BLOCK == 0 && rows * cols > 0,
-        "the blockwise cast takes whole blocks of 128: [{rows}, {cols}]"
-    );
+    let (x, rows, cols) = whole_blocks(x);
     let (out_rows, out_cols) = if transpose {
         (cols, rows)
     } else {
         (rows, cols)
     };
     let padded = (out_cols / BLOCK).next_multiple_of(4);
-    let empty = |shape: Vec<usize>, dtype| {
-        empty_device_contiguous_dtype::<R>(
-            x.client.clone(),
-            x.device.clone(),
-            Shape::from(shape),
-            dtype,
-        )
-    };
+    let empty = |shape: Vec<usize>, dtype| empty_on(&x, shape, dtype);
     let out = empty(vec![out_rows, out_cols], kind.dtype());
     let inv = empty(vec![out_rows / BLOCK * padded], DType::F32);
     let dtypes = [x.dtype.into(), kind.storage()];
@@ -334,22 +343,8 @@ pub fn quantize_blockwise<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let kind = kind.into();
     let e5m2 = kind.is_e5m2().expect("a blockwise cast writes FP8 bits");
-    let x = into_contiguous(x);
-    let dims = x.meta.shape().to_vec();
-    assert_eq!(dims.len(), 2, "the blockwise cast takes a matrix");
-    let (rows, cols) = (dims[0], dims[1]);
-    assert!(
-        rows % BLOCK == 0 && cols % BLOCK == 0 && rows * cols > 0,
-        "the blockwise cast takes whole blocks of 128: [{rows}, {cols}]"
-    );
-    let empty = |shape: Vec<usize>, dtype| {
-        empty_device_contiguous_dtype::<R>(
-            x.client.clone(),
-            x.device.clone(),
-            Shape::from(shape),
-            dtype,
-        )
-    };
+    let (x, rows, cols) = whole_blocks(x);
+    let empty = |shape: Vec<usize>, dtype| empty_on(&x, shape, dtype);
     let (out_shape, inv_shape) = match transpose {
         false => (vec![rows, cols], vec![cols / BLOCK * rows]),
         true => (vec![cols, rows], vec![rows / BLOCK * cols]),
