@@ -720,6 +720,7 @@ struct Forward<B: Backend> {
     w: WeightCast<B>,
 }
 
+/// [`Forward`] of either recipe, the bias added to the FP8 product.
 fn forward<B: Fp8Ops + DeviceTransport>(
     x: Tensor<B, 2>,
     w: Weight<B>,
@@ -727,9 +728,25 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     fp8: &Fp8Linear,
     keep: Keep,
 ) -> DistResult<Forward<B>> {
-    if fp8.blockwise() {
-        return blockwise_forward(x, w, bias, fp8, keep);
-    }
+    let f = match fp8.blockwise() {
+        true => blockwise_forward(x, w, fp8, keep)?,
+        false => scaled_forward(x, w, fp8, keep)?,
+    };
+    let output = match bias {
+        Some(bias) => B::bias_add(f.output, bias),
+        None => f.output,
+    };
+    Ok(Forward { output, ..f })
+}
+
+/// [`forward`]'s product under tensorwise or delayed scaling: one scale an operand, amaxes
+/// reduced over their groups and, delayed, recorded.
+fn scaled_forward<B: Fp8Ops + DeviceTransport>(
+    x: Tensor<B, 2>,
+    w: Weight<B>,
+    fp8: &Fp8Linear,
+    keep: Keep,
+) -> DistResult<Forward<B>> {
     let dtype = fp8.config.format.forward_dtype();
     let out_dtype = x.dtype();
     let (x_layouts, w_layouts) = ([true, keep.x_transposed], [keep.w_row, true]);
@@ -795,10 +812,6 @@ fn forward<B: Fp8Ops + DeviceTransport>(
         w_cast.scale.inv.clone(),
         out_dtype,
     );
-    let output = match bias {
-        Some(bias) => B::bias_add(output, bias),
-        None => output,
-    };
     fp8.record(Operand::Input, x_amax, dtype);
     if let Some(w_amax) = w_amax {
         fp8.record(Operand::Weight, w_amax, dtype);
@@ -811,14 +824,13 @@ fn forward<B: Fp8Ops + DeviceTransport>(
     })
 }
 
-/// [`forward`] under blockwise scaling: nothing to reduce or record. The input is cast
+/// [`forward`]'s product under blockwise scaling: nothing to reduce or record. The input is cast
 /// row-major in blocks along `d_in` for the forward GEMM and, where [`Keep`] asks, transposed
 /// in blocks along the tokens for the weight gradient (two casts: their blocks differ); the
 /// weight in 128 × 128 squares, transposed for the forward GEMM and row-major for `dx`.
 fn blockwise_forward<B: Fp8Ops>(
     x: Tensor<B, 2>,
     w: Weight<B>,
-    bias: Option<Tensor<B, 1>>,
     fp8: &Fp8Linear,
     keep: Keep,
 ) -> DistResult<Forward<B>> {
@@ -873,10 +885,6 @@ fn blockwise_forward<B: Fp8Ops>(
         Fp8Blocks::Square,
         out_dtype,
     );
-    let output = match bias {
-        Some(bias) => B::bias_add(output, bias),
-        None => output,
-    };
     Ok(Forward {
         output,
         x_scale_inv,
