@@ -2182,6 +2182,58 @@ fn fused_embedding_gradient_matches_the_sequential_sum() {
     }
 }
 
+/// Both layouts of the blockwise casts from one read (`fp8_blocks::quantize_blockwise_both`
+/// and `quantize_squares_both`, vectors of 8 on the GPU; lavapipe's test runs those of 4)
+/// against each layout's own kernel, bit for bit: the FP8 bytes and the reciprocal scales of
+/// bf16 and f32 tensors of several tiles with amaxes spanning 2^±12, both formats, margins 0
+/// and 2.
+#[test]
+fn blockwise_casts_of_both_layouts_match_each_layouts_kernel() {
+    use burn_megatron::ops::fp8::{Fp8Blocks, Fp8Dtype, Fp8Ops};
+    let device = CudaGpu::new(0);
+    for (rows, cols) in [(256, 384), (2048, 1024), (640, 384)] {
+        let scales: Vec<f32> = (0..rows * cols)
+            .map(|i| 2f32.powi(((i / cols) % 25) as i32 - 12 + ((i % cols) % 7) as i32))
+            .collect();
+        let scales = Tensor::<Ours, 2>::from_data(TensorData::new(scales, [rows, cols]), &device);
+        let x = Tensor::<Ours, 2>::from_data(data(&[rows, cols], 5), &device) * scales;
+        let cases = [DType::BF16, DType::F32].into_iter().flat_map(|dtype| {
+            [Fp8Dtype::E4M3, Fp8Dtype::E5M2]
+                .into_iter()
+                .flat_map(move |fp8| {
+                    [
+                        (0, Fp8Blocks::Row),
+                        (2, Fp8Blocks::Row),
+                        (0, Fp8Blocks::Square),
+                        (2, Fp8Blocks::Square),
+                    ]
+                    .map(|(margin, blocks)| (dtype, fp8, margin, blocks))
+                })
+        });
+        for (dtype, fp8, margin, blocks) in cases {
+            let x = x.clone().cast(dtype);
+            let both = Ours::fp8_quantize_blockwise_both(x.clone(), fp8, blocks, margin);
+            for (transpose, (q, inv)) in [false, true].into_iter().zip(both) {
+                let what = format!(
+                    "[{rows}, {cols}] {dtype:?} {fp8:?} {blocks:?} margin {margin} transposed {transpose}"
+                );
+                let (want_q, want_inv) =
+                    Ours::fp8_quantize_blockwise(x.clone(), fp8, blocks, margin, transpose);
+                assert_eq!(q.dims(), want_q.dims(), "{what}");
+                let bytes = |t: Tensor<Ours, 2>| t.into_data().to_vec::<u8>().unwrap();
+                let (got, want) = (bytes(q), bytes(want_q));
+                let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+                assert_eq!(differ, 0, "{what}: bytes differ");
+                let bits = |t: Tensor<Ours, 1>| {
+                    let v = t.into_data().to_vec::<f32>().unwrap();
+                    v.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+                };
+                assert_eq!(bits(inv), bits(want_inv), "{what}: scales differ");
+            }
+        }
+    }
+}
+
 /// The FP8 linear layer on our backend in bf16 (the CubeCL casts in both layouts, cuBLASLt's
 /// FP8 GEMMs, the scales' reciprocals, the weight's cast kept by the layer) against the CPU's
 /// emulation of the same casts and products on the same bf16 values: the output and the

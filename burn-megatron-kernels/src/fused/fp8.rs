@@ -139,7 +139,7 @@ const AMAX_CUBES: usize = 1024;
 /// integers), by a tree in shared memory; valid in the cube's first thread. The cube has
 /// [`THREADS`] threads (a power of two), in one dimension or two.
 #[cube]
-fn cube_max(best: u32) -> u32 {
+pub(super) fn cube_max(best: u32) -> u32 {
     let tid = UNIT_POS as usize;
     let mut shared = SharedMemory::<u32>::new(THREADS as usize);
     shared[tid] = best;

@@ -4,8 +4,9 @@
 //! one holding a NaN or an infinity). One kernel a layout, each reading `x` once and writing
 //! the FP8 bits and the reciprocal scales in cuBLASLt's `VEC128_32F` layout (the block column
 //! outermost): [`quantize_blockwise`] row-major, blocks along `x`'s rows, or transposed,
-//! blocks of 128 rows of one column, which the weight gradient reads. [`quantize_squares`]
-//! casts a weight in 128 × 128 blocks (`BLK128x128_32F`), in either layout.
+//! blocks of 128 rows of one column, which the weight gradient reads;
+//! [`quantize_blockwise_both`] both layouts from one read. [`quantize_squares`] casts a weight
+//! in 128 × 128 blocks (`BLK128x128_32F`), in either layout.
 //!
 //! The bits equal those of the cast kernels (`fp8::fp8_bits`) on `x · s` formed in f32, and the
 //! scales those of the Burn composition in `burn-megatron` (`ops::fp8::blockwise`).
@@ -17,8 +18,8 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::fp8::{CastTarget, fp8_bits, scaled};
-use super::vectors::{THREADS, launch_shape};
+use super::fp8::{CastTarget, cube_max, fp8_bits, scaled};
+use super::vectors::{THREADS, launch_shape, vector_width};
 
 /// The side of a block.
 pub const BLOCK: usize = 128;
@@ -101,6 +102,221 @@ fn quantize_rows_kernel<F: Float, Q: Numeric>(
         }
         if lane == 0 {
             inv[kb * rows as usize + r] = 1.0 / s;
+        }
+    }
+}
+
+/// Blocks of `vector × vector` elements along each side of [`quantize_both_kernel`]'s base
+/// grid: its 256 threads hold one block each of a 16 × 16 grid of blocks (the whole 128 × 128
+/// tile at 8; at 4, each thread also holds the blocks 16 further down, right, or both).
+const GRID: usize = 16;
+const _: () = assert!(GRID * GRID == THREADS as usize && 2 * BLOCK == THREADS as usize);
+/// Rows of blocks a plane covers in the base grid: its 32 threads hold `PLANE_ROWS`
+/// consecutive rows of blocks by `PLANE_COLS` consecutive columns, so that a load reads
+/// `PLANE_COLS` consecutive vectors of a row of `x` (128 bytes of bf16 at 8) and a transposed
+/// store writes `PLANE_ROWS · vector` consecutive bytes of a row of the transposed layout (a
+/// whole 32-byte sector at 8).
+const PLANE_ROWS: usize = 4;
+/// Columns of blocks a plane covers (see [`PLANE_ROWS`]).
+const PLANE_COLS: usize = 32 / PLANE_ROWS;
+
+/// Both layouts of the 1 × 128 blockwise cast from one read of `x`: a cube a 128 × 128 tile,
+/// each thread `(128 / vector / 16)²` blocks of `vector × vector` elements (one at 8, four at
+/// 4), all loaded before any is used. Each thread's maxima of its blocks' rows and columns go
+/// to shared memory; the cube's first 128 threads reduce a row each (its block of 128 along
+/// `x`'s rows: the row-major cast's scale), the other 128 a column each (its block of 128 rows:
+/// the transposed cast's scale); then each thread casts its blocks under both, writes their
+/// rows as vectors of `row` and their columns, transposed in registers, as vectors of
+/// `transposed`. The bits and the reciprocal scales (cuBLASLt's `VEC128_32F` layouts) are
+/// those of [`quantize_rows_kernel`] and [`quantize_columns_kernel`]. With `square` the tile is
+/// one block (a weight's 128 × 128 square) under the scale of the largest of those amaxes,
+/// its reciprocal in each layout's `BLK128x128_32F` place: the bits and scales of
+/// [`quantize_squares_kernel`] in both layouts, from one read.
+#[cube(launch_unchecked)]
+// `div_ceil` is not a kernel operation.
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    row: &mut Tensor<Vector<Q, N>>,
+    row_inv: &mut Tensor<f32>,
+    transposed: &mut Tensor<Vector<Q, N>>,
+    transposed_inv: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    max: f32,
+    factor: f32,
+    #[comptime] vector: usize,
+    #[comptime] e5m2: bool,
+    #[comptime] square: bool,
+    #[define(F, Q)] _dtypes: [StorageType; 2],
+) {
+    let tid = UNIT_POS_X as usize;
+    let (rows, cols) = (rows as usize, cols as usize);
+    let (r0, c0) = (CUBE_POS_Y as usize * BLOCK, CUBE_POS_X as usize * BLOCK);
+    // The base grid's copies along each side of the tile.
+    let copies = comptime!(BLOCK / vector / GRID);
+    // This thread's block of the base grid (`plane` and `lane` as in [`PLANE_ROWS`]).
+    let (lane, plane) = (tid % 32, tid / 32);
+    let bi = (plane / (GRID / PLANE_COLS)) * PLANE_ROWS + lane % PLANE_ROWS;
+    let bj = (plane % (GRID / PLANE_COLS)) * PLANE_COLS + lane / PLANE_ROWS;
+    let (x_vectors, t_vectors) = (cols / vector, rows / vector);
+    // Block `(gi, gj)` of the copies: rows `r0 + (gi · 16 + bi) · vector ..`, its vectors
+    // `loaded[(gi · copies + gj) · vector ..]`.
+    let mut loaded = Array::<Vector<F, N>>::new(comptime!(copies * copies * vector));
+    #[unroll]
+    for gi in 0..copies {
+        #[unroll]
+        for gj in 0..copies {
+            let base = (r0 + (gi * GRID + bi) * vector) * x_vectors + c0 / vector + gj * GRID + bj;
+            #[unroll]
+            for j in 0..vector {
+                loaded[(gi * copies + gj) * vector + j] = x[base + j * x_vectors];
+            }
+        }
+    }
+    // `row_parts[r][bj]`: the maximum of tile row `r` over the columns this thread holds;
+    // `col_parts[bi][c]`: of tile column `c` over its rows (f32 bits of magnitudes, which
+    // order as integers; a NaN's exceed infinity's). Padded against bank conflicts.
+    let (row_stride, col_stride) = (comptime!(GRID + 1), comptime!(BLOCK + 1));
+    let mut row_parts = SharedMemory::<u32>::new(comptime!(BLOCK * (GRID + 1)));
+    let mut col_parts = SharedMemory::<u32>::new(comptime!(GRID * (BLOCK + 1)));
+    #[unroll]
+    for gi in 0..copies {
+        #[unroll]
+        for j in 0..vector {
+            let mut best = 0u32;
+            #[unroll]
+            for gj in 0..copies {
+                let v = loaded[(gi * copies + gj) * vector + j];
+                #[unroll]
+                for k in 0..vector {
+                    let bits = u32::reinterpret(f32::abs(f32::cast_from(v[k])));
+                    if bits > best {
+                        best = bits;
+                    }
+                }
+            }
+            row_parts[((gi * GRID + bi) * vector + j) * row_stride + bj] = best;
+        }
+    }
+    #[unroll]
+    for gj in 0..copies {
+        #[unroll]
+        for k in 0..vector {
+            let mut best = 0u32;
+            #[unroll]
+            for gi in 0..copies {
+                #[unroll]
+                for j in 0..vector {
+                    let v = loaded[(gi * copies + gj) * vector + j];
+                    let bits = u32::reinterpret(f32::abs(f32::cast_from(v[k])));
+                    if bits > best {
+                        best = bits;
+                    }
+                }
+            }
+            col_parts[bi * col_stride + (gj * GRID + bj) * vector + k] = best;
+        }
+    }
+    sync_cube();
+    let mut row_scales = SharedMemory::<f32>::new(BLOCK);
+    let mut col_scales = SharedMemory::<f32>::new(BLOCK);
+    // A row's amax in the first 128 threads, a column's in the others.
+    let mut amax = 0u32;
+    if tid < BLOCK {
+        #[unroll]
+        for b in 0..GRID {
+            let bits = row_parts[tid * row_stride + b];
+            if bits > amax {
+                amax = bits;
+            }
+        }
+    } else {
+        #[unroll]
+        for b in 0..GRID {
+            let bits = col_parts[b * col_stride + tid - BLOCK];
+            if bits > amax {
+                amax = bits;
+            }
+        }
+    }
+    if comptime!(square) {
+        // One scale for the tile, from the largest of its rows' amaxes.
+        let total = cube_max(amax);
+        let mut tile_scale = SharedMemory::<f32>::new(1usize);
+        if tid == 0 {
+            let s = block_scale(total, max, factor);
+            tile_scale[0] = s;
+            let (row_blocks, col_blocks) = (rows / BLOCK, cols / BLOCK);
+            let (rb, cb) = (r0 / BLOCK, c0 / BLOCK);
+            // Each layout's rows of scales padded to a multiple of 4 with ones.
+            let (padded_cols, padded_rows) = ((col_blocks + 3) / 4 * 4, (row_blocks + 3) / 4 * 4);
+            row_inv[rb * padded_cols + cb] = 1.0 / s;
+            transposed_inv[cb * padded_rows + rb] = 1.0 / s;
+            if cb == col_blocks - 1 {
+                for p in col_blocks..padded_cols {
+                    row_inv[rb * padded_cols + p] = 1.0;
+                }
+            }
+            if rb == row_blocks - 1 {
+                for p in row_blocks..padded_rows {
+                    transposed_inv[cb * padded_rows + p] = 1.0;
+                }
+            }
+        }
+        sync_cube();
+        if tid < BLOCK {
+            row_scales[tid] = tile_scale[0];
+            col_scales[tid] = tile_scale[0];
+        }
+    } else {
+        let s = block_scale(amax, max, factor);
+        if tid < BLOCK {
+            row_scales[tid] = s;
+            row_inv[(c0 / BLOCK) * rows + r0 + tid] = 1.0 / s;
+        } else {
+            col_scales[tid - BLOCK] = s;
+            transposed_inv[(r0 / BLOCK) * cols + c0 + tid - BLOCK] = 1.0 / s;
+        }
+    }
+    sync_cube();
+    let mut col_s = Array::<f32>::new(vector);
+    #[unroll]
+    for gi in 0..copies {
+        #[unroll]
+        for gj in 0..copies {
+            let (ti, tj) = (gi * GRID + bi, gj * GRID + bj);
+            let slot = (gi * copies + gj) * vector;
+            let base = (r0 + ti * vector) * x_vectors + c0 / vector + tj;
+            #[unroll]
+            for j in 0..vector {
+                let s = row_scales[ti * vector + j];
+                let v = loaded[slot + j];
+                let mut q = Vector::<Q, N>::empty();
+                #[unroll]
+                for k in 0..vector {
+                    q[k] = Q::cast_from(fp8_bits(scaled(f32::cast_from(v[k]), s, max), e5m2));
+                }
+                row[base + j * x_vectors] = q;
+            }
+            #[unroll]
+            for k in 0..vector {
+                col_s[k] = col_scales[tj * vector + k];
+            }
+            // Column `c0 + tj · vector + k` of the block is that row of `transposed`, its
+            // elements `r0 + ti · vector ..` one vector.
+            let t_base = (c0 + tj * vector) * t_vectors + r0 / vector + ti;
+            #[unroll]
+            for k in 0..vector {
+                let mut t = Vector::<Q, N>::empty();
+                #[unroll]
+                for j in 0..vector {
+                    let v = loaded[slot + j];
+                    t[j] =
+                        Q::cast_from(fp8_bits(scaled(f32::cast_from(v[k]), col_s[k], max), e5m2));
+                }
+                transposed[t_base + k * t_vectors] = t;
+            }
         }
     }
 }
@@ -386,4 +602,103 @@ pub fn quantize_blockwise<R: CubeRuntime>(
         );
     }
     (out, inv)
+}
+
+/// The widths [`quantize_both_kernel`] reads `x` in, widest first: 128 must be a multiple of
+/// 16 times each.
+const BOTH_VECTORS: [usize; 2] = [8, 4];
+
+/// The width [`quantize_blockwise_both`]'s kernel reads the contiguous `x` in, `None` where it
+/// takes the two kernels of [`quantize_blockwise`].
+#[doc(hidden)]
+pub fn both_layouts_width<R: CubeRuntime>(x: &CubeTensor<R>) -> Option<usize> {
+    let readable = vector_width(&[x]);
+    BOTH_VECTORS.into_iter().find(|&v| readable >= v)
+}
+
+/// Both layouts of [`quantize_blockwise`] from one read of `x` (`[rows, cols]`, multiples of
+/// 128): `[(q, inv), (q_t, inv_t)]`, the row-major cast and the transposed one with their
+/// reciprocal scales, the same bits as the two calls give. One kernel where `x` is readable
+/// in vectors of 8 or 4 elements, else the two kernels.
+pub fn quantize_blockwise_both<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    kind: impl Into<CastTarget>,
+    margin: i32,
+) -> [(CubeTensor<R>, CubeTensor<R>); 2] {
+    both_layouts(x, kind.into(), margin, false)
+}
+
+/// Both layouts of [`quantize_squares`] from one read of `x` (`[rows, cols]`, multiples of
+/// 128): `[(q, inv), (q_t, inv_t)]`, the same bits and scales as the two calls give, one
+/// kernel where `x` is readable in vectors of 8 or 4 elements.
+pub fn quantize_squares_both<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    kind: impl Into<CastTarget>,
+    margin: i32,
+) -> [(CubeTensor<R>, CubeTensor<R>); 2] {
+    both_layouts(x, kind.into(), margin, true)
+}
+
+/// [`quantize_blockwise_both`], or with `square` [`quantize_squares_both`].
+fn both_layouts<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    kind: CastTarget,
+    margin: i32,
+    square: bool,
+) -> [(CubeTensor<R>, CubeTensor<R>); 2] {
+    let e5m2 = kind.is_e5m2().expect("a blockwise cast writes FP8 bits");
+    let (x, rows, cols) = whole_blocks(x);
+    let Some(vector) = both_layouts_width(&x) else {
+        let cast = match square {
+            true => quantize_squares,
+            false => quantize_blockwise,
+        };
+        return [false, true].map(|t| cast(x.clone(), kind, margin, t));
+    };
+    let empty = |shape: Vec<usize>, dtype| empty_on(&x, shape, dtype);
+    let padded = |blocks: usize| blocks.next_multiple_of(4);
+    let (row_scales, transposed_scales) = match square {
+        true => (
+            rows / BLOCK * padded(cols / BLOCK),
+            cols / BLOCK * padded(rows / BLOCK),
+        ),
+        false => (cols / BLOCK * rows, rows / BLOCK * cols),
+    };
+    let (row, row_inv) = (
+        empty(vec![rows, cols], kind.dtype()),
+        empty(vec![row_scales], DType::F32),
+    );
+    let (transposed, transposed_inv) = (
+        empty(vec![cols, rows], kind.dtype()),
+        empty(vec![transposed_scales], DType::F32),
+    );
+    let dtypes = [x.dtype.into(), kind.storage()];
+    let client = x.client.clone();
+    // SAFETY: the grid is one cube a 128 × 128 tile of `x`, whose sides are whole tiles
+    // (`whole_blocks`); each thread reads and writes only inside its cube's tile (vectors of
+    // `vector`, which divides 128) and the tile's scales of each layout (with `square` one
+    // and its row's padding), and the four outputs are allocated for exactly those shapes
+    // (the lavapipe test runs several tiles each way against the one-layout kernels).
+    unsafe {
+        quantize_both_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static((cols / BLOCK) as u32, (rows / BLOCK) as u32, 1),
+            CubeDim::new_1d(THREADS),
+            vector,
+            x.into_tensor_arg(),
+            row.clone().into_tensor_arg(),
+            row_inv.clone().into_tensor_arg(),
+            transposed.clone().into_tensor_arg(),
+            transposed_inv.clone().into_tensor_arg(),
+            rows as u32,
+            cols as u32,
+            kind.max(),
+            2f32.powi(-margin),
+            vector,
+            e5m2,
+            square,
+            dtypes,
+        );
+    }
+    [(row, row_inv), (transposed, transposed_inv)]
 }

@@ -227,6 +227,20 @@ pub trait Fp8Ops: LinearOps {
         quantize_blockwise_composition(x, dtype, blocks, margin, transpose)
     }
 
+    /// Both layouts of [`fp8_quantize_blockwise`](Self::fp8_quantize_blockwise):
+    /// `[(q, inv), (q_t, inv_t)]`, row-major then transposed, for an operand that both the
+    /// product and a gradient's product read. Composition: the two casts.
+    fn fp8_quantize_blockwise_both(
+        x: Tensor<Self, 2>,
+        dtype: Fp8Dtype,
+        blocks: Fp8Blocks,
+        margin: i32,
+    ) -> [(Tensor<Self, 2>, Tensor<Self, 1>); 2] {
+        [false, true].map(|transpose| {
+            Self::fp8_quantize_blockwise(x.clone(), dtype, blocks, margin, transpose)
+        })
+    }
+
     /// `a · bᵀ` of two blockwise casts (`a: [m, k]`, `b: [n, k]`, K-contiguous), each block's
     /// partial product scaled by its operands' reciprocal scales, accumulated in f32, output
     /// `[m, n]` of dtype `out`. Never both operands E5M2.
@@ -437,6 +451,16 @@ impl<B: Fp8Ops, C: CheckpointStrategy> Fp8Ops for Autodiff<B, C> {
     ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
         let (q, inv) = B::fp8_quantize_blockwise(x.inner(), dtype, blocks, margin, transpose);
         (Tensor::from_inner(q), Tensor::from_inner(inv))
+    }
+
+    fn fp8_quantize_blockwise_both(
+        x: Tensor<Self, 2>,
+        dtype: Fp8Dtype,
+        blocks: Fp8Blocks,
+        margin: i32,
+    ) -> [(Tensor<Self, 2>, Tensor<Self, 1>); 2] {
+        B::fp8_quantize_blockwise_both(x.inner(), dtype, blocks, margin)
+            .map(|(q, inv)| (Tensor::from_inner(q), Tensor::from_inner(inv)))
     }
 
     fn fp8_gemm_blockwise(
@@ -656,6 +680,33 @@ mod cuda {
             };
             let (q, inv) = cast(raw(x), fp8::CastTarget::Fp8(kind(dtype)), margin, transpose);
             (wrap(q), wrap(inv))
+        }
+
+        /// Both layouts from one read (`fp8_blocks::quantize_blockwise_both`,
+        /// `quantize_squares_both`).
+        fn fp8_quantize_blockwise_both(
+            x: Tensor<Self, 2>,
+            dtype: Fp8Dtype,
+            blocks: Fp8Blocks,
+            margin: i32,
+        ) -> [(Tensor<Self, 2>, Tensor<Self, 1>); 2] {
+            if composed("casts") {
+                return [false, true].map(|transpose| {
+                    super::quantize_blockwise_composition(
+                        x.clone(),
+                        dtype,
+                        blocks,
+                        margin,
+                        transpose,
+                    )
+                });
+            }
+            let cast = match blocks {
+                Fp8Blocks::Row => fp8_blocks::quantize_blockwise_both,
+                Fp8Blocks::Square => fp8_blocks::quantize_squares_both,
+            };
+            cast(raw(x), fp8::CastTarget::Fp8(kind(dtype)), margin)
+                .map(|(q, inv)| (wrap(q), wrap(inv)))
         }
 
         fn fp8_gemm_blockwise(

@@ -571,3 +571,70 @@ fn the_blockwise_casts_match_the_composition() {
         }
     }
 }
+
+/// `fp8_blocks::quantize_blockwise_both` and `quantize_squares_both` (both layouts of the
+/// blockwise casts from one read, a cube a 128 × 128 tile) against the kernel of each layout,
+/// bit for bit: the bytes and the reciprocal scales (the squares' padded rows included) of
+/// 2 × 3 tiles whose blocks' amaxes span 2^-20 to 2^20, with a tile of zeros, a NaN and an
+/// infinity, f32 and f16, both formats, margins 0 and 3.
+#[test]
+fn the_blockwise_casts_of_both_layouts_match_each_layouts_kernel() {
+    use burn_megatron_kernels::fused::fp8_blocks::{
+        both_layouts_width, quantize_blockwise, quantize_blockwise_both, quantize_squares,
+        quantize_squares_both,
+    };
+    let device = WgpuDevice::default();
+    let (rows, cols) = (256, 384);
+    let mut data = random(rows * cols, 7, 1.0);
+    for (i, v) in data.iter_mut().enumerate() {
+        let (r, c) = (i / cols, i % cols);
+        *v *= 2f32.powi((r % 41) as i32 - 20 + (c % 37) as i32 / 4);
+        if r >= 128 && c < 128 {
+            *v = 0.0;
+        }
+    }
+    data[5 * cols + 300] = f32::NAN;
+    data[200 * cols + 130] = f32::INFINITY;
+    data[131 * cols + 260] = -3.0e38;
+    for dtype in [DType::F32, DType::F16] {
+        let x = Tensor::<W, 2>::from_data(TensorData::new(data.clone(), [rows, cols]), &device)
+            .cast(dtype);
+        // The one-read kernel runs (not the fallback to the one-layout kernels).
+        assert_eq!(both_layouts_width(&raw(x.clone())), Some(4), "{dtype:?}");
+        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+            for margin in [0, 3] {
+                let target = CastTarget::Fp8InU32(kind);
+                for square in [false, true] {
+                    let both = match square {
+                        false => quantize_blockwise_both(raw(x.clone()), target, margin),
+                        true => quantize_squares_both(raw(x.clone()), target, margin),
+                    };
+                    for (transpose, (q, inv)) in [false, true].into_iter().zip(both) {
+                        let what = format!(
+                            "{dtype:?} {kind:?} margin {margin} squares {square} transposed {transpose}"
+                        );
+                        let one_layout = match square {
+                            false => quantize_blockwise,
+                            true => quantize_squares,
+                        };
+                        let (want_q, want_inv) =
+                            one_layout(raw(x.clone()), target, margin, transpose);
+                        assert_eq!(
+                            q.meta.shape().to_vec(),
+                            want_q.meta.shape().to_vec(),
+                            "{what}"
+                        );
+                        let (got, want) = (fp8_bytes(q), fp8_bytes(want_q));
+                        let differ = (0..want.len()).filter(|&i| got[i] != want[i]).count();
+                        assert_eq!(differ, 0, "{what}: bytes differ");
+                        assert_same_bits(
+                            &what,
+                            &values_f32(wrap::<1>(inv)),
+                            &values_f32(wrap::<1>(want_inv)),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

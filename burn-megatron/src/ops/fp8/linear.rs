@@ -847,13 +847,13 @@ fn blockwise_forward<B: Fp8Ops>(
         Weight::Cast(cast_before) => cast_before,
         Weight::Tensor(w) => {
             blockwise_shape(w.dims())?;
-            let (transposed, inv) = cast(w.clone(), Fp8Blocks::Square, true);
-            let (row, row_inv) = match keep.w_row {
+            let ((row, row_inv), (transposed, inv)) = match keep.w_row {
                 true => {
-                    let (row, inv) = cast(w, Fp8Blocks::Square, false);
-                    (Some(row), Some(inv))
+                    let [(row, row_inv), transposed] =
+                        B::fp8_quantize_blockwise_both(w, dtype, Fp8Blocks::Square, margin);
+                    ((Some(row), Some(row_inv)), transposed)
                 }
-                false => (None, None),
+                false => ((None, None), cast(w, Fp8Blocks::Square, true)),
             };
             WeightCast {
                 scale: Scale {
@@ -866,14 +866,21 @@ fn blockwise_forward<B: Fp8Ops>(
             }
         }
     };
-    let (x_transposed, x_scale_inv) = match keep.x_transposed {
+    let ((x_row, x_row_inv), x_transposed, x_scale_inv) = match keep.x_transposed {
         true => {
-            let (x_t, inv) = cast(x.clone(), Fp8Blocks::Row, true);
-            (Some(x_t), inv)
+            let [row, (x_t, inv)] =
+                B::fp8_quantize_blockwise_both(x, dtype, Fp8Blocks::Row, margin);
+            (row, Some(x_t), inv)
         }
-        false => (None, Tensor::empty([0], &x.device())),
+        false => {
+            let device = x.device();
+            (
+                cast(x, Fp8Blocks::Row, false),
+                None,
+                Tensor::empty([0], &device),
+            )
+        }
     };
-    let (x_row, x_row_inv) = cast(x, Fp8Blocks::Row, false);
     let output = B::fp8_gemm_blockwise(
         x_row,
         dtype,
@@ -1143,11 +1150,22 @@ impl<B: Fp8LinearOps> BackwardStep<B> for Fp8LinearBackward {
             let cast_to = |transpose| {
                 B::fp8_quantize_blockwise(dy.clone(), grad_dtype, Fp8Blocks::Row, margin, transpose)
             };
-            (
-                layouts[0].then(|| cast_to(false)),
-                layouts[1].then(|| cast_to(true)),
-                None,
-            )
+            match layouts {
+                [true, true] => {
+                    let [row, transposed] = B::fp8_quantize_blockwise_both(
+                        dy.clone(),
+                        grad_dtype,
+                        Fp8Blocks::Row,
+                        margin,
+                    );
+                    (Some(row), Some(transposed), None)
+                }
+                _ => (
+                    layouts[0].then(|| cast_to(false)),
+                    layouts[1].then(|| cast_to(true)),
+                    None,
+                ),
+            }
         } else if fp8.delayed() {
             let scale = fp8.delayed_scale(Operand::GradOutput, &dy.device());
             let mut casts = cast(dy.clone(), scale.scale, grad_dtype, layouts, true);
