@@ -11,7 +11,7 @@ use crate::data::{ByteTokenizer, parse_data_path, parse_split};
 use crate::distributed::DataParallelConfig;
 use crate::error::ConfigError;
 use crate::models::StageSplit;
-use crate::ops::fp8::Fp8Config;
+use crate::ops::fp8::{Fp8Config, Fp8Recipe};
 use crate::optimizer::DistributedAdamWConfig;
 use crate::optimizer::{
     FlatAdamWConfig, LossScalerConfig, LrDecayStyle, LrSchedule, LrScheduleConfig,
@@ -686,6 +686,59 @@ impl PretrainConfig {
         Ok(self.cp_comm_type.parse::<CpCommType>()?)
     }
 
+    /// `--fp8-recipe blockwise` casts blocks of 128 along both sides of every FP8 GEMM's
+    /// operands: the widths of the transformer layers' linear layers on a TP rank and the
+    /// tokens of a micro-batch on a CP rank must be multiples of 128 (checked here, before the
+    /// model is built; the layer checks each operand again).
+    fn check_blockwise(&self, tp: usize, cp: usize) -> crate::Result<()> {
+        let model = self.model();
+        let (heads, groups, head_dim) = (
+            model.num_attention_heads,
+            model.query_groups(),
+            model.head_dim(),
+        );
+        let sides = [
+            ("--hidden-size".to_string(), model.hidden_size),
+            (
+                "the attention heads' width per TP rank (heads × head size / TP)".to_string(),
+                heads * head_dim / tp,
+            ),
+            (
+                "the query, key and value projection's width per TP rank ((heads + 2 × query \
+                 groups) × head size / TP)"
+                    .to_string(),
+                (heads + 2 * groups) * head_dim / tp,
+            ),
+            (
+                "the MLP's width per TP rank (--ffn-hidden-size / TP)".to_string(),
+                model.ffn_hidden_size / tp,
+            ),
+            (
+                format!(
+                    "the tokens of a micro-batch per CP rank (--micro-batch-size × --seq-length \
+                     / CP{})",
+                    if cp > 1 {
+                        format!(" = {cp}")
+                    } else {
+                        String::new()
+                    }
+                ),
+                self.micro_batch_size * self.seq_length / cp,
+            ),
+        ];
+        for (what, n) in sides {
+            if n == 0 || !n.is_multiple_of(128) {
+                return Err(ConfigError::Invalid(format!(
+                    "--fp8-recipe blockwise casts blocks of 128 along every side of the FP8 \
+                     GEMMs: {what} is {n}, not a multiple of 128; choose sizes that are, or \
+                     use --fp8-recipe tensorwise"
+                ))
+                .into());
+            }
+        }
+        Ok(())
+    }
+
     /// The settings context parallelism (`cp > 1`) constrains: the sequence cuts into
     /// `2 · cp` chunks (each split again over TP under sequence parallelism), no attention
     /// dropout, the heads of a TP rank split over CP for `a2a`, and pretrain_gpt's own loop.
@@ -791,6 +844,9 @@ impl PretrainConfig {
         let cp_comm = self.cp_comm()?;
         if cp > 1 {
             self.check_context_parallel(tp, cp, cp_comm)?;
+        }
+        if (self.fp8.as_ref()).is_some_and(|fp8| fp8.recipe == Fp8Recipe::Blockwise) {
+            self.check_blockwise(tp, cp)?;
         }
         for (name, value) in [
             ("--micro-batch-size", self.micro_batch_size),

@@ -143,6 +143,85 @@ fn invalid_fp8_options_are_refused() {
     );
 }
 
+/// `--fp8-recipe blockwise` with a side of an FP8 GEMM that is not whole blocks of 128 is
+/// refused before the model is built, naming the side; a layout whose sides are all whole
+/// blocks passes.
+#[test]
+fn blockwise_sizes_that_are_not_whole_blocks_are_refused_at_start() {
+    let base = [
+        "--fp8-format",
+        "hybrid",
+        "--fp8-recipe",
+        "blockwise",
+        "--num-attention-heads",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--tensor-model-parallel-size",
+        "2",
+    ];
+    let checked = |more: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(more).copied().collect();
+        let c = config(&args).unwrap();
+        c.check(c.world_size())
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let whole = [
+        "--hidden-size",
+        "256",
+        "--ffn-hidden-size",
+        "512",
+        "--seq-length",
+        "128",
+    ];
+    assert_eq!(checked(&whole), Ok(()));
+    for (args, needle) in [
+        (
+            [
+                "--hidden-size",
+                "192",
+                "--ffn-hidden-size",
+                "512",
+                "--seq-length",
+                "128",
+            ],
+            "--hidden-size is 192",
+        ),
+        (
+            [
+                "--hidden-size",
+                "256",
+                "--ffn-hidden-size",
+                "640",
+                "--seq-length",
+                "128",
+            ],
+            "(--ffn-hidden-size / TP) is 320",
+        ),
+        (
+            [
+                "--hidden-size",
+                "256",
+                "--ffn-hidden-size",
+                "512",
+                "--seq-length",
+                "64",
+            ],
+            "per CP rank (--micro-batch-size × --seq-length / CP) is 64",
+        ),
+    ] {
+        let error = checked(&args).unwrap_err();
+        assert!(
+            error.contains(needle) && error.contains("not a multiple of 128"),
+            "{args:?}: {error}"
+        );
+    }
+    // Tensorwise scaling takes these sizes.
+    let c = config(&["--fp8-format", "hybrid", "--hidden-size", "192"]).unwrap();
+    assert!(c.check(c.world_size()).is_ok());
+}
+
 /// Six steps of a tiny GPT in FP8 (hybrid, tensorwise) on TP 2 × PP 2: every loss finite,
 /// the last ones below the first.
 #[test]
