@@ -43,6 +43,54 @@ fn block_scale(amax_bits: u32, max: f32, factor: f32) -> f32 {
     s
 }
 
+/// `k << 23` for a scale `s = 2^k` (a power of two, as [`block_scale`] makes them): what
+/// multiplying by `s` adds to the bits of a normal f32 whose product stays normal.
+#[cube]
+fn exponent_shift(s: f32) -> i32 {
+    i32::cast_from(u32::reinterpret(s)) - 0x3F80_0000i32
+}
+
+/// [`fp8_bits`] of [`scaled`]`(x, s, max)` for a power of two `s` (`shift` its
+/// [`exponent_shift`]), with less arithmetic where `x` and `x · s` are normal: then the
+/// product's bits are `x`'s plus `shift`, and rounding them to the format's mantissa gives
+/// `x`'s rounded bits plus `shift` scaled down to the FP8 exponent field (the bits below the
+/// f32 exponent are the same); a product above `max` saturates. A zero, subnormal, infinite or
+/// NaN `x`, or a product below the format's smallest normal, takes [`fp8_bits`]. The same
+/// bits as [`fp8_bits`] in every case (checked against the one-layout kernels, which call it).
+#[cube]
+#[allow(unused_assignments)]
+fn pow2_bits(x: f32, s: f32, shift: i32, max: f32, #[comptime] e5m2: bool) -> u32 {
+    let bits = u32::reinterpret(x);
+    let a = bits & 0x7FFF_FFFFu32;
+    let scaled_bits = i32::cast_from(a) + shift;
+    // The format's smallest normal and largest finite value, as f32 bits.
+    let (min_normal, max_bits) = if comptime!(e5m2) {
+        (0x3880_0000i32, 0x4760_0000i32)
+    } else {
+        (0x3C80_0000i32, 0x43E0_0000i32)
+    };
+    let mut code = 0u32;
+    if a >= 0x0080_0000u32 && a < 0x7F80_0000u32 && scaled_bits >= min_normal {
+        let sign = (bits >> 24) & 0x80;
+        if scaled_bits > max_bits {
+            code = if comptime!(e5m2) {
+                sign | 0x7B
+            } else {
+                sign | 0x7E
+            };
+        } else if comptime!(e5m2) {
+            let rounded = (a + 0xF_FFFF + ((a >> 21) & 1)) >> 21;
+            code = sign | u32::cast_from(i32::cast_from(rounded) + (shift >> 21) - (112 << 2));
+        } else {
+            let rounded = (a + 0x7_FFFF + ((a >> 20) & 1)) >> 20;
+            code = sign | u32::cast_from(i32::cast_from(rounded) + (shift >> 20) - (120 << 3));
+        }
+    } else {
+        code = fp8_bits(scaled(x, s, max), e5m2);
+    }
+    code
+}
+
 /// Row-major blockwise cast: [`THREADS`] / [`LANES`] blocks a cube, [`LANES`] threads a block,
 /// 4 elements a thread; the block's amax by a tree in shared memory over its lanes.
 #[cube(launch)]
@@ -281,6 +329,7 @@ fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
     }
     sync_cube();
     let mut col_s = Array::<f32>::new(vector);
+    let mut col_shift = Array::<i32>::new(vector);
     #[unroll]
     for gi in 0..copies {
         #[unroll]
@@ -291,17 +340,19 @@ fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
             #[unroll]
             for j in 0..vector {
                 let s = row_scales[ti * vector + j];
+                let shift = exponent_shift(s);
                 let v = loaded[slot + j];
                 let mut q = Vector::<Q, N>::empty();
                 #[unroll]
                 for k in 0..vector {
-                    q[k] = Q::cast_from(fp8_bits(scaled(f32::cast_from(v[k]), s, max), e5m2));
+                    q[k] = Q::cast_from(pow2_bits(f32::cast_from(v[k]), s, shift, max, e5m2));
                 }
                 row[base + j * x_vectors] = q;
             }
             #[unroll]
             for k in 0..vector {
                 col_s[k] = col_scales[tj * vector + k];
+                col_shift[k] = exponent_shift(col_s[k]);
             }
             // Column `c0 + tj · vector + k` of the block is that row of `transposed`, its
             // elements `r0 + ti · vector ..` one vector.
@@ -312,8 +363,8 @@ fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
                 #[unroll]
                 for j in 0..vector {
                     let v = loaded[slot + j];
-                    t[j] =
-                        Q::cast_from(fp8_bits(scaled(f32::cast_from(v[k]), col_s[k], max), e5m2));
+                    let x = f32::cast_from(v[k]);
+                    t[j] = Q::cast_from(pow2_bits(x, col_s[k], col_shift[k], max, e5m2));
                 }
                 transposed[t_base + k * t_vectors] = t;
             }
