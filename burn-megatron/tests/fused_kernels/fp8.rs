@@ -576,7 +576,8 @@ fn the_blockwise_casts_match_the_composition() {
 /// blockwise casts from one read, a cube a 128 × 128 tile) against the kernel of each layout,
 /// bit for bit: the bytes and the reciprocal scales (the squares' padded rows included) of
 /// 2 × 3 tiles whose blocks' amaxes span 2^-20 to 2^20, with a tile of zeros, a NaN and an
-/// infinity, f32 and f16, both formats, margins 0 and 3.
+/// infinity (whose block, at scale 1, holds values at both formats' boundaries), f32 and
+/// f16, both formats, margins 0 and 3.
 #[test]
 fn the_blockwise_casts_of_both_layouts_match_each_layouts_kernel() {
     use burn_megatron_kernels::fused::fp8_blocks::{
@@ -596,6 +597,17 @@ fn the_blockwise_casts_of_both_layouts_match_each_layouts_kernel() {
     data[5 * cols + 300] = f32::NAN;
     data[200 * cols + 130] = f32::INFINITY;
     data[131 * cols + 260] = -3.0e38;
+    // The infinity leaves its row's block at scale 1: values at both formats' boundaries
+    // (largest finite, the midpoints above it, smallest normals, subnormals) cast as they are.
+    let edges = [
+        447.0, 448.0, 449.0, 463.9, 464.0, 465.0, 479.0, 480.0, 500.0, 511.9, 512.0, 57343.0,
+        57344.0, 57345.0, 61439.0, 61440.0, 65504.0, 0.015625, 0.0156, 0.0009765625, 0.001,
+        6.1035156e-5, 6.1e-5, 1.0e-6, 3.0e-8, 0.0,
+    ];
+    for (i, edge) in edges.iter().enumerate() {
+        data[200 * cols + 131 + 2 * i] = *edge;
+        data[200 * cols + 132 + 2 * i] = -*edge;
+    }
     for dtype in [DType::F32, DType::F16] {
         let x = Tensor::<W, 2>::from_data(TensorData::new(data.clone(), [rows, cols]), &device)
             .cast(dtype);
