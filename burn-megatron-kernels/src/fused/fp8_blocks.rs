@@ -43,56 +43,6 @@ fn block_scale(amax_bits: u32, max: f32, factor: f32) -> f32 {
     s
 }
 
-/// `k` for a scale `s = 2^k` (a power of two, as [`block_scale`] makes them): what
-/// multiplying by `s` adds to the exponent of a normal f32 whose product stays normal.
-#[cube]
-fn exponent_of(s: f32) -> i32 {
-    i32::cast_from(u32::reinterpret(s) >> 23) - 127
-}
-
-/// [`fp8_bits`] of [`scaled`]`(x, s, max)` for `s = 2^k`, with less arithmetic where `x` and
-/// `x · s` are normal: then `x · s` has `x`'s mantissa and `x`'s exponent plus `k`, so
-/// rounding it to the format's mantissa gives `x`'s rounded bits with `k` added to the FP8
-/// exponent field, and it saturates where its exponent and mantissa exceed `max`'s. A zero,
-/// subnormal, infinite or NaN `x`, or a product below the format's smallest normal, takes
-/// [`fp8_bits`]. The same bits as [`fp8_bits`] in every case (checked against the one-layout
-/// kernels, which call it). Exponents are compared as small integers: no sum can overflow.
-#[cube]
-#[allow(unused_assignments)]
-fn pow2_bits(x: f32, s: f32, k: i32, max: f32, #[comptime] e5m2: bool) -> u32 {
-    let bits = u32::reinterpret(x);
-    let a = bits & 0x7FFF_FFFFu32;
-    let exponent = i32::cast_from(a >> 23) + k;
-    let mantissa = a & 0x7F_FFFFu32;
-    // The biased f32 exponents of the format's smallest normal (2^-6, 2^-14) and of its
-    // largest finite value (1.75 · 2^8, 1.75 · 2^15), whose mantissa is 0x60_0000 in both.
-    let (min_exponent, max_exponent) = if comptime!(e5m2) {
-        (113i32, 142i32)
-    } else {
-        (121i32, 135i32)
-    };
-    let mut code = 0u32;
-    if a >= 0x0080_0000u32 && a < 0x7F80_0000u32 && exponent >= min_exponent {
-        let sign = (bits >> 24) & 0x80;
-        if exponent > max_exponent || (exponent == max_exponent && mantissa > 0x60_0000u32) {
-            code = if comptime!(e5m2) {
-                sign | 0x7B
-            } else {
-                sign | 0x7E
-            };
-        } else if comptime!(e5m2) {
-            let rounded = (a + 0xF_FFFF + ((a >> 21) & 1)) >> 21;
-            code = sign | u32::cast_from(i32::cast_from(rounded) + k * 4 - (112 << 2));
-        } else {
-            let rounded = (a + 0x7_FFFF + ((a >> 20) & 1)) >> 20;
-            code = sign | u32::cast_from(i32::cast_from(rounded) + k * 8 - (120 << 3));
-        }
-    } else {
-        code = fp8_bits(scaled(x, s, max), e5m2);
-    }
-    code
-}
-
 /// Row-major blockwise cast: [`THREADS`] / [`LANES`] blocks a cube, [`LANES`] threads a block,
 /// 4 elements a thread; the block's amax by a tree in shared memory over its lanes.
 #[cube(launch)]
@@ -175,7 +125,7 @@ const PLANE_COLS: usize = 32 / PLANE_ROWS;
 /// 4), all loaded before any is used. Each thread's maxima of its blocks' rows and columns go
 /// to shared memory; the cube's first 128 threads reduce a row each (its block of 128 along
 /// `x`'s rows: the row-major cast's scale), the other 128 a column each (its block of 128 rows:
-/// the transposed cast's scale); then each thread casts its blocks under both ([`pow2_bits`]), writes their
+/// the transposed cast's scale); then each thread casts its blocks under both, writes their
 /// rows as vectors of `row` and their columns, transposed in registers, as vectors of
 /// `transposed`. The bits and the reciprocal scales (cuBLASLt's `VEC128_32F` layouts) are
 /// those of [`quantize_rows_kernel`] and [`quantize_columns_kernel`]. With `square` the tile is
@@ -331,7 +281,6 @@ fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
     }
     sync_cube();
     let mut col_s = Array::<f32>::new(vector);
-    let mut col_exp = Array::<i32>::new(vector);
     #[unroll]
     for gi in 0..copies {
         #[unroll]
@@ -342,19 +291,17 @@ fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
             #[unroll]
             for j in 0..vector {
                 let s = row_scales[ti * vector + j];
-                let row_exp = exponent_of(s);
                 let v = loaded[slot + j];
                 let mut q = Vector::<Q, N>::empty();
                 #[unroll]
                 for k in 0..vector {
-                    q[k] = Q::cast_from(pow2_bits(f32::cast_from(v[k]), s, row_exp, max, e5m2));
+                    q[k] = Q::cast_from(fp8_bits(scaled(f32::cast_from(v[k]), s, max), e5m2));
                 }
                 row[base + j * x_vectors] = q;
             }
             #[unroll]
             for k in 0..vector {
                 col_s[k] = col_scales[tj * vector + k];
-                col_exp[k] = exponent_of(col_s[k]);
             }
             // Column `c0 + tj · vector + k` of the block is that row of `transposed`, its
             // elements `r0 + ti · vector ..` one vector.
@@ -365,8 +312,8 @@ fn quantize_both_kernel<F: Float, Q: Numeric, N: Size>(
                 #[unroll]
                 for j in 0..vector {
                     let v = loaded[slot + j];
-                    let x = f32::cast_from(v[k]);
-                    t[j] = Q::cast_from(pow2_bits(x, col_s[k], col_exp[k], max, e5m2));
+                    t[j] =
+                        Q::cast_from(fp8_bits(scaled(f32::cast_from(v[k]), col_s[k], max), e5m2));
                 }
                 transposed[t_base + k * t_vectors] = t;
             }
