@@ -600,9 +600,32 @@ fn the_blockwise_casts_of_both_layouts_match_each_layouts_kernel() {
     // The infinity leaves its row's block at scale 1: values at both formats' boundaries
     // (largest finite, the midpoints above it, smallest normals, subnormals) cast as they are.
     let edges = [
-        447.0, 448.0, 449.0, 463.9, 464.0, 465.0, 479.0, 480.0, 500.0, 511.9, 512.0, 57343.0,
-        57344.0, 57345.0, 61439.0, 61440.0, 65504.0, 0.015625, 0.0156, 0.0009765625, 0.001,
-        6.1035156e-5, 6.1e-5, 1.0e-6, 3.0e-8, 0.0,
+        447.0,
+        448.0,
+        449.0,
+        463.9,
+        464.0,
+        465.0,
+        479.0,
+        480.0,
+        500.0,
+        511.9,
+        512.0,
+        57343.0,
+        57344.0,
+        57345.0,
+        61439.0,
+        61440.0,
+        65504.0,
+        0.015625,
+        0.0156,
+        0.0009765625,
+        0.001,
+        6.1035156e-5,
+        6.1e-5,
+        1.0e-6,
+        3.0e-8,
+        0.0,
     ];
     for (i, edge) in edges.iter().enumerate() {
         data[200 * cols + 131 + 2 * i] = *edge;
