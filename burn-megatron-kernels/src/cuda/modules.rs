@@ -1,5 +1,6 @@
 //! Compiling CubeCL kernels to PTX with NVRTC and loading them, once per kernel id.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
@@ -92,7 +93,8 @@ impl Modules {
             }
             .into());
         }
-        let ptx = self.compile_ptx(&compiled.source)?;
+        let source = with_min_cubes(&compiled.entrypoint_name, &compiled.source);
+        let ptx = self.compile_ptx(&source)?;
         dump(&compiled.entrypoint_name, &compiled.source, &ptx);
         let function = load(&ptx, &compiled.entrypoint_name, shared_memory)?;
         let kernel = LoadedKernel {
@@ -141,6 +143,59 @@ impl Modules {
             result
         }
     }
+}
+
+/// Kernels that need more cubes resident on an SM than the registers they would be given
+/// allow: each entry point's prefix, and the cubes an SM should hold. CubeCL writes
+/// `__launch_bounds__(threads)`; the second argument, a minimum of cubes per SM, makes the
+/// register allocator fit that many.
+const MIN_CUBES_PER_SM: [(&str, u32); 1] = [
+    // Both layouts of a blockwise FP8 cast: 89 registers a thread left 2 cubes of 256
+    // threads an SM to hide the loads across the kernel's two barriers.
+    ("quantize_both_kernel", 3),
+];
+
+/// The minimum of cubes per SM for `entrypoint` ([`MIN_CUBES_PER_SM`]); for those kernels,
+/// `BM_MIN_CUBES_PER_SM=<n>` asks for `n` instead (0: none), to measure another.
+fn min_cubes_per_sm(entrypoint: &str) -> Option<u32> {
+    let (_, cubes) = MIN_CUBES_PER_SM
+        .iter()
+        .find(|(prefix, _)| entrypoint.starts_with(prefix))?;
+    let chosen = std::env::var("BM_MIN_CUBES_PER_SM")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(*cubes);
+    (chosen > 0).then_some(chosen)
+}
+
+/// `source` with `entrypoint`'s `__launch_bounds__(threads)` given its minimum of cubes per SM
+/// ([`min_cubes_per_sm`]); unchanged for other kernels, or where the bound is not found.
+fn with_min_cubes<'a>(entrypoint: &str, source: &'a str) -> Cow<'a, str> {
+    match min_cubes_per_sm(entrypoint) {
+        Some(cubes) => launch_bounds_with(entrypoint, source, cubes),
+        None => Cow::Borrowed(source),
+    }
+}
+
+/// `source` with `__launch_bounds__(threads)` right before `entrypoint` rewritten as
+/// `__launch_bounds__(threads, cubes)`.
+fn launch_bounds_with<'a>(entrypoint: &str, source: &'a str, cubes: u32) -> Cow<'a, str> {
+    const BOUNDS: &str = "__launch_bounds__(";
+    let Some(end) = source.find(&format!("){entrypoint}")) else {
+        return Cow::Borrowed(source);
+    };
+    let Some(start) = source[..end].rfind(BOUNDS) else {
+        return Cow::Borrowed(source);
+    };
+    let threads = &source[start + BOUNDS.len()..end];
+    if threads.is_empty() || !threads.bytes().all(|b| b.is_ascii_digit()) {
+        return Cow::Borrowed(source);
+    }
+    Cow::Owned(format!(
+        "{}{BOUNDS}{threads}, {cubes}{}",
+        &source[..start],
+        &source[end..]
+    ))
 }
 
 /// Loads `ptx` and returns its `entrypoint`, allowed `shared_memory` bytes of dynamic shared
@@ -205,4 +260,27 @@ fn dump(entrypoint: &str, source: &str, ptx: &[std::ffi::c_char]) {
     let _ = std::fs::create_dir_all(&dir);
     let _ = std::fs::write(dir.join(format!("{name}.cu")), source);
     let _ = std::fs::write(dir.join(format!("{name}.ptx")), ptx);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_launch_bounds_get_a_minimum_of_cubes() {
+        let source =
+            "extern \"C\" __global__ void __launch_bounds__(256)quantize_both_kernel_f_bf16 (\n";
+        assert_eq!(
+            launch_bounds_with("quantize_both_kernel_f_bf16", source, 3),
+            "extern \"C\" __global__ void __launch_bounds__(256, 3)quantize_both_kernel_f_bf16 (\n"
+        );
+        // Another kernel's name, or no bound, leaves the source as it is.
+        assert_eq!(launch_bounds_with("other", source, 3), source);
+        let unbounded = "extern \"C\" __global__ void quantize_both_kernel_f_bf16 (\n";
+        assert_eq!(
+            launch_bounds_with("quantize_both_kernel_f_bf16", unbounded, 3),
+            unbounded
+        );
+        assert!(min_cubes_per_sm("copy_kernel_t_bf16_n_8").is_none());
+    }
 }
