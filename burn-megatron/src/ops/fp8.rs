@@ -691,14 +691,9 @@ mod cuda {
             margin: i32,
         ) -> [(Tensor<Self, 2>, Tensor<Self, 1>); 2] {
             if composed("casts") {
+                // The one-layout casts, which compose there too.
                 return [false, true].map(|transpose| {
-                    super::quantize_blockwise_composition(
-                        x.clone(),
-                        dtype,
-                        blocks,
-                        margin,
-                        transpose,
-                    )
+                    Self::fp8_quantize_blockwise(x.clone(), dtype, blocks, margin, transpose)
                 });
             }
             let cast = match blocks {
